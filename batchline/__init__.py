@@ -1,0 +1,46 @@
+"""batchline: dynamic batching for model inference, in process or over Redis streams.
+
+In process, ``batchline.dynamically`` (threads), ``batchline.aio.dynamically`` (asyncio) and
+their padded-tensor variants in ``batchline.inference`` and ``batchline.aio.inference``
+gather calls that arrive close together into batches for one call of the function.
+"""
+
+from batchline import aio, inference
+from batchline._aio import AioBatcher
+from batchline._api import dynamically
+from batchline._inference import AioInferenceBatcher, InferenceBatcher
+from batchline._thread import ThreadBatcher
+from batchline.core.stats import BatchStats, Percentiles
+from batchline.errors import (
+    BatcherClosed,
+    BatchFunctionError,
+    BatchlineError,
+    InferenceError,
+    ItemTooLarge,
+    QueueFull,
+    RequestExpired,
+    RequestTimeout,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AioBatcher",
+    "AioInferenceBatcher",
+    "BatchFunctionError",
+    "BatchStats",
+    "BatcherClosed",
+    "BatchlineError",
+    "InferenceBatcher",
+    "InferenceError",
+    "ItemTooLarge",
+    "Percentiles",
+    "QueueFull",
+    "RequestExpired",
+    "RequestTimeout",
+    "ThreadBatcher",
+    "__version__",
+    "aio",
+    "dynamically",
+    "inference",
+]

@@ -1,0 +1,260 @@
+"""The asyncio driver: one worker task per batcher per event loop, woken by a future.
+
+Callers ``await f(x)``. Each event loop that calls the batcher gets its own queue and worker
+task, so the batcher works across loops in turn (``asyncio.run`` twice, per-test loops) and a
+loop that shuts down cancels only its own task, which rejects what that loop had queued. A
+coroutine batch function is awaited on the loop; a plain one runs on a thread of the
+batcher's own, so the loop stays free while it computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import inspect
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
+
+from batchline._base import (
+    BatchConfig,
+    BatcherBase,
+    Item,
+    await_call,
+    resolve_deadline,
+    settle_future,
+)
+from batchline.core.isolation import Isolation
+from batchline.core.policy import BatchPolicy
+from batchline.errors import BatcherClosed
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+__all__ = ["AioBatcher"]
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class _LoopState:
+    """One event loop's queue, worker task and wake-up future."""
+
+    __slots__ = ("loop", "policy", "task", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, policy: BatchPolicy[Item]) -> None:
+        self.loop = loop
+        self.policy = policy
+        self.task: asyncio.Task[None] | None = None
+        self.waiter: asyncio.Future[None] | None = None
+
+    def wake(self) -> None:
+        if self.waiter is not None:
+            _wake(self.waiter)
+
+
+class AioBatcher(BatcherBase[T, R]):
+    """A batch function wrapped for dynamic batching on asyncio.
+
+    ``await f(x)`` returns one result, ``await f([x1, x2])`` a list. Both take ``timeout_s=``
+    or ``deadline=`` (``time.monotonic()`` clock): items still queued at the deadline are
+    dropped and the call raises RequestTimeout; a cancelled caller's items are dropped too.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        config: BatchConfig,
+        *,
+        owner: weakref.ref[Any] | None = None,
+    ) -> None:
+        super().__init__(fn, config, owner=owner)
+        self._states: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._states_lock = threading.Lock()
+        self._is_coroutine = inspect.iscoroutinefunction(fn)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._draining = False
+
+    # -- calling -------------------------------------------------------------------------------
+
+    @overload
+    async def __call__(
+        self, items: list[T], /, *, timeout_s: float | None = ..., deadline: float | None = ...
+    ) -> list[R]: ...
+
+    @overload
+    async def __call__(
+        self, items: T, /, *, timeout_s: float | None = ..., deadline: float | None = ...
+    ) -> R: ...
+
+    async def __call__(
+        self, items: Any, /, *, timeout_s: float | None = None, deadline: float | None = None
+    ) -> Any:
+        """Run one item (or a list of items) through the batcher and return its result(s)."""
+        many = isinstance(items, list)
+        payloads = items if many else [items]
+        if not payloads:
+            return []
+        deadline = resolve_deadline(timeout_s, deadline)
+        loop = asyncio.get_running_loop()
+        state = self._state(loop)
+        fut: asyncio.Future[Any] = loop.create_future()
+        call, queued = self._new_call(payloads, deadline, functools.partial(settle_future, fut))
+        if self._admit(state.policy, queued):
+            state.wake()
+        if state.task is None:
+            state.task = loop.create_task(self._work(state), name=f"batchline:{self._name}")
+        return await await_call(fut, call, deadline, many)
+
+    def _state(self, loop: asyncio.AbstractEventLoop) -> _LoopState:
+        state = self._states.get(loop)
+        if state is None:
+            with self._states_lock:
+                state = self._states.get(loop)
+                if state is None:
+                    state = _LoopState(loop, BatchPolicy(self._config.policy()))
+                    self._states[loop] = state
+        return state
+
+    # -- the worker ----------------------------------------------------------------------------
+
+    async def _work(self, state: _LoopState) -> None:
+        policy = state.policy
+        try:
+            while True:
+                decision = policy.poll(time.monotonic(), flush=self._draining)
+                self._expire(decision.expired)
+                if decision.batch:
+                    await self._run(decision.batch)
+                elif self._closed and not len(policy):
+                    return
+                elif not decision.expired:
+                    await self._sleep(state, decision.wake_at)
+        except asyncio.CancelledError:
+            for item in policy.drain():
+                item.reject(BatcherClosed(f"{self._name}: its event loop is shutting down"))
+            raise
+        finally:
+            state.task = None
+
+    async def _sleep(self, state: _LoopState, wake_at: float | None) -> None:
+        loop = state.loop
+        waiter = state.waiter = loop.create_future()
+        timer = None
+        if wake_at is not None:
+            timer = loop.call_at(loop.time() + (wake_at - time.monotonic()), _wake, waiter)
+        try:
+            await waiter
+        finally:
+            state.waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    async def _run(self, batch: list[Item]) -> None:
+        started = time.monotonic()
+        run = Isolation(batch, isolate=self._config.isolate_errors)
+        try:
+            while (payloads := run.next()) is not None:
+                try:
+                    outputs = await self._call_function(payloads)
+                except asyncio.CancelledError as exc:
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        raise
+                    run.failed(exc)  # raised by the function itself, not our cancellation
+                except BaseException as exc:  # isolated per item; the worker carries on
+                    run.failed(exc)
+                else:
+                    run.succeeded(outputs)
+        except asyncio.CancelledError:
+            run.abort(BatcherClosed(f"{self._name}: its event loop is shutting down"))
+            raise
+        finally:
+            self._recorder.record_batch([started - it.arrival for it in batch], run.durations_s)
+
+    async def _call_function(self, payloads: list[Any]) -> Any:
+        if self._is_coroutine:
+            outputs = self._invoke(payloads)
+        else:
+            loop = asyncio.get_running_loop()
+            outputs = await loop.run_in_executor(self._executor(), self._invoke, payloads)
+        if inspect.isawaitable(outputs):
+            outputs = await outputs
+        return outputs
+
+    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"batchline:{self._name}"
+            )
+        return self._pool
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def aclose(self, *, drain: bool = True) -> None:
+        """Stop accepting calls; run (``drain``) or reject what is queued, then wait for it.
+
+        Waits for this event loop's queue; queues of other loops are drained or rejected by
+        their own loops.
+        """
+        if not drain:
+            self.close()
+            return
+        self._closed = True
+        self._draining = True
+        self._signal_all(None)
+        state = self._states.get(asyncio.get_running_loop())
+        if state is not None and state.task is not None:
+            await asyncio.shield(state.task)
+        self._release_pool()
+
+    def close(self) -> None:
+        """Stop accepting calls and reject what is queued (from any thread)."""
+        self._shutdown(BatcherClosed(f"{self._name} was closed"))
+
+    def _shutdown(self, reason: BaseException) -> None:
+        self._closed = True
+        self._signal_all(reason)
+        self._release_pool()
+
+    def _signal_all(self, reason: BaseException | None) -> None:
+        """Wake every loop's worker; with a ``reason``, reject what each loop has queued."""
+        for loop, state in list(self._states.items()):
+            if loop.is_closed():
+                continue
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is loop:
+                self._reject_and_wake(state, reason)
+            else:
+                loop.call_soon_threadsafe(self._reject_and_wake, state, reason)
+
+    @staticmethod
+    def _reject_and_wake(state: _LoopState, reason: BaseException | None) -> None:
+        if reason is not None:
+            for item in state.policy.drain():
+                item.reject(reason)
+        state.wake()
+
+    def _release_pool(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+    def _queue_size(self) -> int:
+        return sum(len(state.policy) for state in list(self._states.values()))
+
+    async def __aenter__(self) -> AioBatcher[T, R]:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()

@@ -1,0 +1,387 @@
+"""What the thread and asyncio drivers share: calls, items, settings, method binding.
+
+No batching decision lives here (that is :mod:`batchline.core.policy`) and no failure
+handling (that is :mod:`batchline.core.isolation`); this module turns a caller's invocation
+into items for the policy and settles the caller when its items are done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from batchline.core.policy import BatchPolicy, PolicyConfig
+from batchline.core.stats import BatchStats, StatsRecorder
+from batchline.errors import BatcherClosed, QueueFull, RequestTimeout
+
+T = TypeVar("T")
+R = TypeVar("R")
+B = TypeVar("B", bound="BatcherBase[Any, Any]")
+
+__all__ = ["BatchConfig", "BatcherBase", "Call", "Item", "await_call", "settle_future"]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchConfig:
+    """Validated settings of one batcher (see ``dynamically`` for their meaning)."""
+
+    batch_size: int = 32
+    timeout_ms: float = 5.0
+    small_batch_threshold: int = 8
+    max_tokens: int | None = None
+    length_fn: Callable[[Any], int] | None = None
+    max_queue_size: int | None = None
+    isolate_errors: bool = True
+    group_by_length: bool = True
+    max_overtake_ms: float = 100.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.timeout_ms, bool) or not isinstance(self.timeout_ms, int | float):
+            raise TypeError(f"timeout_ms must be a number, got {self.timeout_ms!r}")
+        if not (self.timeout_ms >= 0 and math.isfinite(self.timeout_ms)):
+            raise ValueError(f"timeout_ms must be a finite number >= 0, got {self.timeout_ms!r}")
+        if not isinstance(self.small_batch_threshold, int) or self.small_batch_threshold < 0:
+            raise ValueError(
+                f"small_batch_threshold must be an int >= 0, got {self.small_batch_threshold!r}"
+            )
+        if self.max_queue_size is not None and (
+            not isinstance(self.max_queue_size, int) or self.max_queue_size < 1
+        ):
+            raise ValueError(
+                f"max_queue_size must be an int >= 1 or None, got {self.max_queue_size!r}"
+            )
+        if self.max_tokens is not None and self.length_fn is None:
+            raise ValueError("max_tokens needs length_fn, the length of one item in tokens")
+        if self.length_fn is not None and not callable(self.length_fn):
+            raise TypeError(f"length_fn must be callable, got {self.length_fn!r}")
+        self.policy()  # validates batch_size and max_tokens
+
+    def policy(self) -> PolicyConfig:
+        """The core policy's settings."""
+        return PolicyConfig(
+            batch_size=self.batch_size,
+            timeout_s=self.timeout_ms / 1e3,
+            max_tokens=self.max_tokens,
+            max_overtake_s=self.max_overtake_ms / 1e3,
+            group_by_length=self.group_by_length and self.length_fn is not None,
+        )
+
+
+class Call:
+    """One caller's invocation: ``size`` items whose results it collects in order.
+
+    ``wake(call)`` is called exactly once, by whoever settles the call (the driver's worker,
+    a timeout, or close): it is the driver's way to hand the outcome to the waiting caller.
+    """
+
+    __slots__ = (
+        "_once",
+        "arrival",
+        "cancelled",
+        "deadline",
+        "done",
+        "error",
+        "recorder",
+        "remaining",
+        "results",
+        "size",
+        "wake",
+    )
+
+    def __init__(
+        self,
+        size: int,
+        deadline: float | None,
+        wake: Callable[[Call], None],
+        recorder: StatsRecorder,
+    ) -> None:
+        self.size = size
+        self.results: list[Any] = [None] * size
+        self.remaining = size
+        self.error: BaseException | None = None
+        self.done = False
+        self.cancelled = False
+        self.arrival = time.monotonic()
+        self.deadline = deadline
+        self.wake = wake
+        self.recorder = recorder
+        # Settling is claimed by popping this token: list.pop is atomic, so a close() on
+        # another thread and the worker can never both settle (and wake) the same call.
+        self._once = [True]
+
+    def resolve_item(self, index: int, value: Any) -> None:
+        if self.done:
+            return
+        self.results[index] = value
+        self.remaining -= 1
+        if self.remaining == 0 and self._claim():
+            self._finish()
+
+    def reject(self, exc: BaseException) -> None:
+        if not self.done and self._claim():
+            self.error = exc
+            self._finish()
+
+    def _claim(self) -> bool:
+        try:
+            self._once.pop()
+        except IndexError:
+            return False
+        return True
+
+    def _finish(self) -> None:
+        self.done = True
+        self.recorder.record_call(
+            time.monotonic() - self.arrival, ok=self.error is None, items=self.size
+        )
+        self.wake(self)
+
+    def outcome(self, many: bool) -> Any:
+        """The caller's result: all results for a list call, else the one result."""
+        if self.error is not None:
+            raise self.error
+        return self.results if many else self.results[0]
+
+
+class Item:
+    """One input of a call, as the policy and the isolation see it."""
+
+    __slots__ = (
+        "arrival",
+        "call",
+        "deadline",
+        "index",
+        "length",
+        "payload",
+        "priority",
+        "queued",
+        "small",
+    )
+
+    def __init__(self, call: Call, index: int, payload: Any, length: int, small: bool) -> None:
+        self.call = call
+        self.index = index
+        self.payload = payload
+        self.length = length
+        self.small = small
+        self.arrival = call.arrival
+        self.deadline = call.deadline
+        self.priority = 0
+        self.queued = False
+
+    @property
+    def cancelled(self) -> bool:
+        call = self.call
+        return call.done or call.cancelled
+
+    def resolve(self, value: Any) -> None:
+        self.call.resolve_item(self.index, value)
+
+    def reject(self, exc: BaseException) -> None:
+        self.call.reject(exc)
+
+
+def resolve_deadline(timeout_s: float | None, deadline: float | None) -> float | None:
+    """The absolute deadline (``time.monotonic()`` clock) of a call, or None."""
+    if timeout_s is not None:
+        if not timeout_s >= 0:
+            raise ValueError(f"timeout_s must be >= 0, got {timeout_s!r}")
+        by_timeout = time.monotonic() + timeout_s
+        deadline = by_timeout if deadline is None else min(deadline, by_timeout)
+    return deadline
+
+
+def timed_out(call: Call) -> RequestTimeout:
+    """Mark a call abandoned by its caller and return the error to raise."""
+    call.cancelled = True
+    return RequestTimeout(f"no result within the call's deadline ({call.size} items)")
+
+
+def settle_future(fut: asyncio.Future[Any], call: Call) -> None:
+    """Hand a settled call's outcome to the future its caller awaits (in that loop)."""
+    if fut.done():
+        return
+    if call.error is not None:
+        fut.set_exception(call.error)
+    else:
+        fut.set_result(call.results)
+
+
+async def await_call(
+    fut: asyncio.Future[Any], call: Call, deadline: float | None, many: bool
+) -> Any:
+    """Await a call's future until its deadline; a caller that leaves abandons its items."""
+    try:
+        if deadline is None:
+            results = await fut
+        else:
+            async with asyncio.timeout(deadline - time.monotonic()):
+                results = await fut
+    except TimeoutError:
+        if call.done and call.error is None:
+            return call.outcome(many)
+        raise timed_out(call) from None
+    except BaseException:
+        call.cancelled = True
+        raise
+    return results if many else results[0]
+
+
+class BatcherBase(Generic[T, R]):
+    """State and behaviour common to the thread and asyncio batchers.
+
+    A batcher wraps a batch function. Used on a plain function it batches every call; used
+    in a class body it is a descriptor that gives each instance its own batcher (created on
+    first use, holding the instance only weakly, closed when the instance is freed).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        config: BatchConfig,
+        *,
+        owner: weakref.ref[Any] | None = None,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"a batch function must be callable, got {fn!r}")
+        self._fn = fn
+        self._config = config
+        self._owner = owner
+        self._recorder = StatsRecorder()
+        self._closed = False
+        self._attr: str | None = None
+        self._bind_lock = threading.Lock()
+        self._bound: weakref.WeakKeyDictionary[Any, Any] | None = None
+        self._name: str = getattr(fn, "__qualname__", None) or type(fn).__name__
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+
+    # -- method binding ----------------------------------------------------------------------
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._attr = name
+
+    def __get__(self: B, instance: Any, owner: type | None = None) -> B:
+        if instance is None or self._owner is not None:
+            return self
+        with self._bind_lock:
+            found = self._lookup(instance)
+            if found is not None:
+                return found
+            bound = self._rebind(weakref.ref(instance))
+            bound._attr = self._attr
+            try:
+                # Stored under the same name: later lookups find it before this descriptor.
+                vars(instance)[self._attr or self._short_name()] = bound
+            except TypeError:
+                if self._bound is None:
+                    self._bound = weakref.WeakKeyDictionary()
+                self._bound[instance] = bound
+            weakref.finalize(instance, bound._owner_freed)
+            return bound
+
+    def _lookup(self: B, instance: Any) -> B | None:
+        try:
+            found = vars(instance).get(self._attr or self._short_name())
+        except TypeError:
+            found = self._bound.get(instance) if self._bound is not None else None
+        return found if isinstance(found, type(self)) else None
+
+    def _short_name(self) -> str:
+        return self._name.rpartition(".")[2]
+
+    def _rebind(self: B, owner: weakref.ref[Any]) -> B:
+        """A new batcher of the same kind and settings for one instance."""
+        return type(self)(self._fn, self._config, owner=owner)
+
+    def _owner_freed(self) -> None:
+        self._shutdown(BatcherClosed("the instance owning this batcher was freed"))
+
+    # -- shared call machinery -----------------------------------------------------------------
+
+    def _invoke(self, payloads: list[Any]) -> Any:
+        """Run the batch function on one batch's payloads (drivers call only this)."""
+        return self._apply(payloads)
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the batch function, with its instance first for a method."""
+        if self._owner is None:
+            return self._fn(*args, **kwargs)
+        instance = self._owner()
+        if instance is None:
+            raise BatcherClosed("the instance owning this batcher was freed")
+        return self._fn(instance, *args, **kwargs)
+
+    def _new_call(
+        self, payloads: list[Any], deadline: float | None, wake: Callable[[Call], None]
+    ) -> tuple[Call, list[Item]]:
+        """A call and its items; raises (and counts) a refusal before anything is queued."""
+        cfg = self._config
+        if self._closed:
+            self._recorder.record_rejected(len(payloads))
+            raise BatcherClosed(f"{self._name} is closed")
+        call = Call(len(payloads), deadline, wake, self._recorder)
+        small = len(payloads) <= cfg.small_batch_threshold
+        length_fn = cfg.length_fn
+        if length_fn is None:
+            items = [Item(call, i, p, 1, small) for i, p in enumerate(payloads)]
+        else:
+            items = [Item(call, i, p, length_fn(p), small) for i, p in enumerate(payloads)]
+        return call, items
+
+    def _admit(self, policy: BatchPolicy[Item], items: list[Item]) -> bool:
+        """Queue ``items`` in ``policy`` (caller holds its lock); True if the driver must wake."""
+        cfg = self._config
+        try:
+            if self._closed:
+                raise BatcherClosed(f"{self._name} is closed")
+            if cfg.max_queue_size is not None and len(policy) + len(items) > cfg.max_queue_size:
+                raise QueueFull(
+                    f"{self._name}: queue holds {len(policy)} of max_queue_size="
+                    f"{cfg.max_queue_size}; {len(items)} more do not fit"
+                )
+            if cfg.max_tokens is not None:
+                for item in items:
+                    policy.check_length(item.length)
+        except Exception:
+            self._recorder.record_rejected(len(items))
+            raise
+        wake = False
+        for item in items:
+            wake = policy.add(item) or wake
+        return wake
+
+    def _expire(self, items: list[Item]) -> None:
+        if items:
+            self._recorder.record_expired(len(items))
+            for item in items:
+                item.reject(RequestTimeout(f"{self._name}: deadline passed in the queue"))
+
+    def _queue_size(self) -> int:
+        raise NotImplementedError
+
+    def _shutdown(self, reason: BaseException) -> None:
+        raise NotImplementedError
+
+    @property
+    def stats(self) -> BatchStats:
+        """A frozen snapshot of this batcher's statistics."""
+        return self._recorder.snapshot(queue_size=self._queue_size())
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close`` was called."""
+        return self._closed
+
+    def __repr__(self) -> str:
+        cfg = self._config
+        return (
+            f"<{type(self).__name__} {self._name} batch_size={cfg.batch_size} "
+            f"timeout_ms={cfg.timeout_ms}{' closed' if self._closed else ''}>"
+        )

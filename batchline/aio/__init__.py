@@ -1,0 +1,72 @@
+"""asyncio-backed batching: ``batchline.aio.dynamically`` and ``batchline.aio.inference``."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar, overload
+
+from batchline._aio import AioBatcher
+from batchline._decorators import make_aio
+from batchline.aio import inference
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+__all__ = ["AioBatcher", "dynamically", "inference"]
+
+
+@overload
+def dynamically(fn: Callable[[list[T]], Awaitable[Sequence[R]]], /) -> AioBatcher[T, R]: ...
+
+
+@overload
+def dynamically(fn: Callable[[list[T]], Sequence[R]], /) -> AioBatcher[T, R]: ...
+
+
+@overload
+def dynamically(fn: Callable[..., Any], /) -> AioBatcher[Any, Any]: ...
+
+
+@overload
+def dynamically(
+    fn: None = None,
+    /,
+    *,
+    batch_size: int = ...,
+    timeout_ms: float = ...,
+    small_batch_threshold: int = ...,
+    max_tokens: int | None = ...,
+    length_fn: Callable[[Any], int] | None = ...,
+    max_queue_size: int | None = ...,
+    isolate_errors: bool = ...,
+) -> Callable[[Callable[..., Any]], AioBatcher[Any, Any]]: ...
+
+
+def dynamically(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    batch_size: int = 32,
+    timeout_ms: float = 5.0,
+    small_batch_threshold: int = 8,
+    max_tokens: int | None = None,
+    length_fn: Callable[[Any], int] | None = None,
+    max_queue_size: int | None = None,
+    isolate_errors: bool = True,
+) -> Any:
+    """Batch calls of ``fn`` dynamically on asyncio: ``await f(x)`` or ``await f([x1, x2])``.
+
+    ``fn`` may be a coroutine function (awaited on the loop) or a plain one (run on a thread
+    of the batcher's own, so the loop stays free). The arguments are those of
+    :func:`batchline.dynamically`.
+    """
+    return make_aio(
+        fn,
+        batch_size=batch_size,
+        timeout_ms=timeout_ms,
+        small_batch_threshold=small_batch_threshold,
+        max_tokens=max_tokens,
+        length_fn=length_fn,
+        max_queue_size=max_queue_size,
+        isolate_errors=isolate_errors,
+    )
