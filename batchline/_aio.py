@@ -22,6 +22,7 @@ from typing import Any, TypeVar, overload
 from batchline._base import (
     BatchConfig,
     BatcherBase,
+    Call,
     Item,
     await_call,
     resolve_deadline,
@@ -103,15 +104,35 @@ class AioBatcher(BatcherBase[T, R]):
         if not payloads:
             return []
         deadline = resolve_deadline(timeout_s, deadline)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        call = self.enqueue(payloads, functools.partial(settle_future, fut), deadline=deadline)
+        return await await_call(fut, call, deadline, many)
+
+    def enqueue(
+        self,
+        payloads: list[Any],
+        wake: Callable[[Call], None],
+        *,
+        deadline: float | None = None,
+        priority: int = 0,
+    ) -> Call:
+        """Queue a call without awaiting it; ``wake(call)`` runs on this loop once it is settled.
+
+        The low-level entry that ``__call__`` and the Redis worker share. Must be called on
+        the event loop that will run the batches. Raises QueueFull, ItemTooLarge or
+        BatcherClosed before anything is queued.
+        """
         loop = asyncio.get_running_loop()
         state = self._state(loop)
-        fut: asyncio.Future[Any] = loop.create_future()
-        call, queued = self._new_call(payloads, deadline, functools.partial(settle_future, fut))
+        call, queued = self._new_call(payloads, deadline, wake)
+        if priority:
+            for item in queued:
+                item.priority = priority
         if self._admit(state.policy, queued):
             state.wake()
         if state.task is None:
             state.task = loop.create_task(self._work(state), name=f"batchline:{self._name}")
-        return await await_call(fut, call, deadline, many)
+        return call
 
     def _state(self, loop: asyncio.AbstractEventLoop) -> _LoopState:
         state = self._states.get(loop)
@@ -157,8 +178,12 @@ class AioBatcher(BatcherBase[T, R]):
             if timer is not None:
                 timer.cancel()
 
+    async def _before_run(self, batch: list[Item]) -> None:
+        """Called as a batch leaves the queue, before the function sees it (a hook)."""
+
     async def _run(self, batch: list[Item]) -> None:
         started = time.monotonic()
+        await self._before_run(batch)
         run = Isolation(batch, isolate=self._config.isolate_errors)
         try:
             while (payloads := run.next()) is not None:

@@ -40,6 +40,7 @@ class BatchConfig:
     max_queue_size: int | None = None
     isolate_errors: bool = True
     group_by_length: bool = True
+    group_window: int = 4
     max_overtake_ms: float = 100.0
 
     def __post_init__(self) -> None:
@@ -71,6 +72,7 @@ class BatchConfig:
             max_tokens=self.max_tokens,
             max_overtake_s=self.max_overtake_ms / 1e3,
             group_by_length=self.group_by_length and self.length_fn is not None,
+            group_window=self.group_window,
         )
 
 
@@ -200,8 +202,12 @@ def resolve_deadline(timeout_s: float | None, deadline: float | None) -> float |
 
 def timed_out(call: Call) -> RequestTimeout:
     """Mark a call abandoned by its caller and return the error to raise."""
+    error = RequestTimeout(f"no result within the call's deadline ({call.size} items)")
     call.cancelled = True
-    return RequestTimeout(f"no result within the call's deadline ({call.size} items)")
+    # Settle it here too (a no-op if the worker just did): the statistics then count the
+    # timeout whether the caller or the worker noticed the deadline first.
+    call.reject(error)
+    return error
 
 
 def settle_future(fut: asyncio.Future[Any], call: Call) -> None:

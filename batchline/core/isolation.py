@@ -76,6 +76,8 @@ class Isolation(Generic[S]):
         sub = self._current
         try:
             count = len(outputs)
+            if not isinstance(outputs, Sequence):
+                outputs = list(outputs)  # sized but maybe not iterable: must not escape
         except TypeError:
             self._reject(
                 sub,
@@ -85,7 +87,7 @@ class Isolation(Generic[S]):
                 ),
             )
             return
-        if count != len(sub):
+        if count != len(sub) or len(outputs) != count:
             self._reject(
                 sub,
                 BatchFunctionError(
@@ -93,8 +95,6 @@ class Isolation(Generic[S]):
                 ),
             )
             return
-        if not isinstance(outputs, Sequence):
-            outputs = list(outputs)
         for item, output in zip(sub, outputs, strict=True):
             item.resolve(output)
 

@@ -193,8 +193,9 @@ class BatchPolicy(Generic[W]):
     def drain(self) -> list[W]:
         """Remove and return every live queued item (for closing without running them)."""
         items = [it for lane in self._lanes.values() for it in lane if self._live(it)]
-        for it in items:
-            it.queued = False
+        for lane in self._lanes.values():
+            for it in lane:
+                it.queued = False  # cancelled ones too: they leave the queue as well
         self._lanes.clear()
         self._deadlines.clear()
         self._count = 0

@@ -1,0 +1,40 @@
+"""Redis clients and the scripts, for the producer, the worker and the CLI."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis.asyncio import Redis, RedisCluster
+from redis.exceptions import NoScriptError
+
+from batchline.config import ServiceSettings
+
+__all__ = ["Script", "connect"]
+
+
+def connect(settings: ServiceSettings) -> Any:
+    """An asyncio Redis (or Redis Cluster) client for ``settings.redis_url``; bytes replies."""
+    url = settings.redis_url.get_secret_value()
+    if settings.redis_cluster:
+        return RedisCluster.from_url(url)
+    return Redis.from_url(url, health_check_interval=30)
+
+
+class Script:
+    """A Lua script called by its SHA, loaded again where a server does not know it yet.
+
+    Unlike redis-py's Script object, this passes the keys on every call, so a cluster client
+    routes the call to the node that holds them.
+    """
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = ""
+
+    async def __call__(self, client: Any, keys: list[str], args: list[Any]) -> Any:
+        if not self.sha:
+            self.sha = await client.script_load(self.source)
+        try:
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await client.eval(self.source, len(keys), *keys, *args)

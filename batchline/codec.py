@@ -1,0 +1,399 @@
+"""Wire codec: requests and results as Redis field maps, values as JSON plus raw bytes.
+
+A *value* (a request's input, a result's output) travels as two fields: ``meta``, UTF-8 JSON
+in which every array is replaced by ``{"$nd": [dtype, shape, offset]}``, and ``blob``, the
+arrays' bytes one after the other (C order). Strings, numbers, booleans, null, lists and
+dicts with string keys travel as JSON. Nothing is ever unpickled or evaluated: decoding is
+``json.loads`` plus ``numpy.frombuffer`` over bytes already received, after checking the
+dtype against a whitelist of plain numeric types and the shape against both the bytes
+present and ``max_elements``, so a hostile header can never make the reader allocate.
+
+Request fields: ``v`` (schema version), ``id``, ``meta``, ``blob``, ``prio``, ``dl`` (deadline,
+unix ms), ``ts`` (enqueued, unix ms), ``reply`` (producer id). Result fields: ``v``, ``id``,
+``status`` (ok | error | expired | cancelled), ``meta``/``blob`` (the output), ``etype``,
+``emsg``, ``queue_ms``, ``batch``, ``model_ms``, ``worker``. See ``docs/protocol.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from batchline.errors import BatchlineError, InferenceError, RequestExpired
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "DecodeError",
+    "Limits",
+    "Request",
+    "Result",
+    "decode_request",
+    "decode_result",
+    "encode_request",
+    "encode_result",
+    "pack_value",
+    "salvage_id",
+    "unpack_value",
+]
+
+SCHEMA_VERSION = 1
+_ID_PATTERN = r"^[A-Za-z0-9_.\-]{1,128}$"
+_DTYPES = frozenset(
+    ["|b1", "|i1", "|u1", "<i2", "<i4", "<i8", "<u2", "<u4", "<u8", "<f2", "<f4", "<f8"]
+)
+Status = Literal["ok", "error", "expired", "cancelled"]
+
+
+class DecodeError(BatchlineError, ValueError):
+    """Bytes read from Redis are not a valid batchline message."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What a reader accepts; anything larger is refused before it is allocated.
+
+    Attributes:
+        max_meta_bytes: longest JSON part of one value.
+        max_blob_bytes: longest binary part of one value.
+        max_elements: most array elements in one value, all arrays together.
+        max_chars: longest text in one value.
+        max_items: most texts (or list entries) in one value.
+        max_depth: deepest nesting of lists and dicts.
+    """
+
+    max_meta_bytes: int = 1 << 20
+    max_blob_bytes: int = 64 << 20
+    max_elements: int = 16 << 20
+    max_chars: int = 100_000
+    max_items: int = 4096
+    max_depth: int = 16
+
+
+# -- values ------------------------------------------------------------------------------------
+
+
+def _as_array(value: Any) -> np.ndarray[Any, Any] | None:
+    if isinstance(value, np.ndarray | np.generic):
+        return np.asarray(value)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu()
+        if tensor.dtype == torch.bfloat16:
+            tensor = tensor.float()
+        return np.asarray(tensor.numpy())
+    return None
+
+
+def pack_value(value: Any) -> tuple[bytes, bytes]:
+    """Encode a value as (JSON meta, blob); raises TypeError for what cannot travel."""
+    chunks: list[bytes] = []
+    offset = 0
+
+    def walk(v: Any) -> Any:
+        nonlocal offset
+        array = _as_array(v)
+        if array is not None:
+            little = array.astype(array.dtype.newbyteorder("<"), copy=False)
+            dtype = little.dtype.str
+            if dtype not in _DTYPES:
+                raise TypeError(f"arrays of dtype {array.dtype} cannot travel; use a numeric one")
+            data = np.ascontiguousarray(little).tobytes()
+            ref = {"$nd": [dtype, list(array.shape), offset]}
+            chunks.append(data)
+            offset += len(data)
+            return ref
+        if v is None or isinstance(v, bool | int | str):
+            return v
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                raise TypeError(f"non-finite float {v!r} cannot travel as JSON")
+            return v
+        if isinstance(v, list | tuple):
+            return [walk(x) for x in v]
+        if isinstance(v, Mapping):
+            out: dict[str, Any] = {}
+            for k, x in v.items():
+                if not isinstance(k, str) or k.startswith("$"):
+                    raise TypeError(f"dict keys must be strings not starting with '$', got {k!r}")
+                out[k] = walk(x)
+            return out
+        raise TypeError(f"a {type(v).__name__} cannot travel; use JSON types or numeric arrays")
+
+    meta = json.dumps(walk(value), separators=(",", ":"), allow_nan=False).encode()
+    return meta, b"".join(chunks)
+
+
+def unpack_value(meta: bytes, blob: bytes, limits: Limits) -> Any:
+    """Decode (meta, blob) within ``limits``; raises DecodeError for anything off."""
+    if len(meta) > limits.max_meta_bytes:
+        raise DecodeError(f"value header of {len(meta)} bytes exceeds {limits.max_meta_bytes}")
+    if len(blob) > limits.max_blob_bytes:
+        raise DecodeError(f"value data of {len(blob)} bytes exceeds {limits.max_blob_bytes}")
+    try:
+        tree = json.loads(meta)
+    except (ValueError, RecursionError) as exc:
+        raise DecodeError(f"value header is not JSON: {exc}") from None
+    elements = 0
+
+    def walk(v: Any, depth: int) -> Any:
+        nonlocal elements
+        if depth > limits.max_depth:
+            raise DecodeError(f"value nests deeper than {limits.max_depth}")
+        if isinstance(v, str):
+            if len(v) > limits.max_chars:
+                raise DecodeError(
+                    f"text of {len(v)} characters exceeds max_chars={limits.max_chars}"
+                )
+            return v
+        if isinstance(v, list):
+            if len(v) > limits.max_items:
+                raise DecodeError(f"list of {len(v)} entries exceeds max_items={limits.max_items}")
+            return [walk(x, depth + 1) for x in v]
+        if isinstance(v, dict):
+            if "$nd" in v:
+                array = _array(v, blob, limits.max_elements - elements)
+                elements += array.size
+                return array
+            if len(v) > limits.max_items:
+                raise DecodeError(f"dict of {len(v)} entries exceeds max_items={limits.max_items}")
+            return {k: walk(x, depth + 1) for k, x in v.items()}
+        return v  # None, bool, int, float
+
+    return walk(tree, 0)
+
+
+def _array(ref: dict[str, Any], blob: bytes, budget: int) -> np.ndarray[Any, Any]:
+    spec = ref["$nd"]
+    if len(ref) != 1 or not isinstance(spec, list) or len(spec) != 3:
+        raise DecodeError("an array reference is {'$nd': [dtype, shape, offset]}")
+    dtype, shape, offset = spec
+    if dtype not in _DTYPES:
+        raise DecodeError(f"array dtype {dtype!r} is not allowed")
+    if not isinstance(shape, list) or len(shape) > 8:
+        raise DecodeError("array shape must be a list of at most 8 dimensions")
+    count = 1
+    for n in shape:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise DecodeError(f"array shape {shape!r} is not a list of sizes")
+        count *= n
+        if count > budget:
+            raise DecodeError(f"array of shape {shape} exceeds max_elements")
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+        raise DecodeError(f"array offset {offset!r} is invalid")
+    nbytes = count * np.dtype(dtype).itemsize
+    if offset + nbytes > len(blob):
+        raise DecodeError(f"array of shape {shape} needs {nbytes} bytes at {offset}; blob is short")
+    return np.frombuffer(blob, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+
+# -- requests ----------------------------------------------------------------------------------
+
+
+class Request(BaseModel):
+    """A request as read from a work stream (validated at the trust boundary)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    v: int
+    id: str = Field(pattern=_ID_PATTERN)
+    meta: bytes
+    blob: bytes = b""
+    prio: int = Field(default=0, ge=0, lt=16)
+    dl: float | None = None
+    ts: float = Field(default=0.0, ge=0)
+    reply: str | None = Field(default=None, pattern=_ID_PATTERN)
+
+    @field_validator("v")
+    @classmethod
+    def _known_version(cls, v: int) -> int:
+        if v != SCHEMA_VERSION:
+            raise ValueError(f"schema version {v} is not {SCHEMA_VERSION}")
+        return v
+
+    @field_validator("dl", "ts")
+    @classmethod
+    def _finite(cls, v: float | None) -> float | None:
+        if v is not None and not math.isfinite(v):
+            raise ValueError("must be finite")
+        return v
+
+    def value(self, limits: Limits) -> Any:
+        """The request's input, decoded within ``limits``."""
+        return unpack_value(self.meta, self.blob, limits)
+
+
+def encode_request(
+    request_id: str,
+    value: Any,
+    *,
+    priority: int = 0,
+    deadline_unix_ms: float | None = None,
+    enqueued_unix_ms: float,
+    reply: str | None,
+) -> dict[str, bytes | str | int | float]:
+    """The stream fields of one request."""
+    meta, blob = pack_value(value)
+    fields: dict[str, bytes | str | int | float] = {
+        "v": SCHEMA_VERSION,
+        "id": request_id,
+        "meta": meta,
+        "prio": priority,
+        "ts": enqueued_unix_ms,
+    }
+    if blob:
+        fields["blob"] = blob
+    if deadline_unix_ms is not None:
+        fields["dl"] = deadline_unix_ms
+    if reply is not None:
+        fields["reply"] = reply
+    return fields
+
+
+def _text_fields(raw: Mapping[bytes, bytes], binary: frozenset[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in raw.items():
+        key = k.decode("utf-8", "replace") if isinstance(k, bytes) else str(k)
+        if key in binary:
+            out[key] = v
+        else:
+            try:
+                out[key] = v.decode("utf-8") if isinstance(v, bytes) else v
+            except UnicodeDecodeError:
+                raise DecodeError(f"field {key!r} is not UTF-8") from None
+    return out
+
+
+def decode_request(raw: Mapping[bytes, bytes]) -> Request:
+    """Validate a work-stream entry; raises DecodeError naming what is wrong."""
+    try:
+        return Request.model_validate(_text_fields(raw, frozenset({"meta", "blob"})))
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'entry'}: {e['msg']}" for e in exc.errors()
+        )
+        raise DecodeError(f"malformed request: {problems}") from None
+
+
+def salvage_id(raw: Mapping[bytes, bytes]) -> tuple[str | None, str | None]:
+    """The request id and reply address of a malformed entry, where they look valid."""
+    ok = re.compile(_ID_PATTERN)
+    found: list[str | None] = []
+    for name in (b"id", b"reply"):
+        value = raw.get(name)
+        try:
+            text = value.decode() if isinstance(value, bytes) else None
+        except UnicodeDecodeError:
+            text = None
+        found.append(text if text is not None and ok.match(text) else None)
+    return found[0], found[1]
+
+
+# -- results -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """The outcome of one request, as stored in its result key and pushed to its producer.
+
+    Attributes:
+        id: the request id.
+        status: ok, error, expired or cancelled.
+        output: the model's output (ok only).
+        error_type: the exception type the worker saw (error only).
+        error_message: its message.
+        queue_ms: time from enqueue to the start of its batch.
+        batch_size: requests in its batch.
+        model_ms: time of the model call on its batch.
+        worker: id of the worker that answered.
+    """
+
+    id: str
+    status: Status
+    output: Any = None
+    error_type: str = ""
+    error_message: str = ""
+    queue_ms: float = 0.0
+    batch_size: int = 0
+    model_ms: float = 0.0
+    worker: str = ""
+
+    def unwrap(self) -> Any:
+        """The output, or the typed error this result stands for."""
+        if self.status == "ok":
+            return self.output
+        if self.status == "expired":
+            raise RequestExpired(f"request {self.id} expired before a worker started it")
+        if self.status == "cancelled":
+            raise InferenceError("Cancelled", f"request {self.id} was cancelled")
+        raise InferenceError(self.error_type or "Error", self.error_message)
+
+
+RESULT_FIELDS = (
+    "v",
+    "id",
+    "status",
+    "meta",
+    "blob",
+    "etype",
+    "emsg",
+    "queue_ms",
+    "batch",
+    "model_ms",
+    "worker",
+)
+
+
+def encode_result(result: Result) -> list[bytes | str]:
+    """The result's field values, in the order of ``RESULT_FIELDS``."""
+    meta, blob = pack_value(result.output) if result.status == "ok" else (b"null", b"")
+    return [
+        str(SCHEMA_VERSION),
+        result.id,
+        result.status,
+        meta,
+        blob,
+        result.error_type,
+        result.error_message,
+        f"{result.queue_ms:.3f}",
+        str(result.batch_size),
+        f"{result.model_ms:.3f}",
+        result.worker,
+    ]
+
+
+class _ResultFields(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    v: int
+    id: str = Field(pattern=_ID_PATTERN)
+    status: Status
+    meta: bytes = b"null"
+    blob: bytes = b""
+    etype: str = ""
+    emsg: str = ""
+    queue_ms: float = 0.0
+    batch: int = 0
+    model_ms: float = 0.0
+    worker: str = ""
+
+
+def decode_result(raw: Mapping[bytes, bytes], limits: Limits) -> Result:
+    """Validate and decode a result hash or reply entry; raises DecodeError."""
+    try:
+        f = _ResultFields.model_validate(_text_fields(raw, frozenset({"meta", "blob"})))
+    except ValidationError as exc:
+        raise DecodeError(f"malformed result: {exc.errors()[0]['msg']}") from None
+    if f.v != SCHEMA_VERSION:
+        raise DecodeError(f"result schema version {f.v} is not {SCHEMA_VERSION}")
+    output = unpack_value(f.meta, f.blob, limits) if f.status == "ok" else None
+    return Result(
+        f.id, f.status, output, f.etype, f.emsg, f.queue_ms, f.batch, f.model_ms, f.worker
+    )

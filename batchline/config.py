@@ -1,0 +1,172 @@
+"""Settings of the Redis service, read from ``BATCHLINE_*`` environment variables.
+
+Every component (producer, worker, ``batchline`` commands) reads its settings through these
+pydantic-settings classes: a value given in code wins over the environment, which wins over
+the default. An unknown ``BATCHLINE_*`` variable or an invalid value is an error at start-up
+that names the setting. The Redis URL is a secret: it never appears in a repr or a log line
+(:func:`redact_url` shows it without its password).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from batchline.codec import Limits
+from batchline.keys import QueueKeys, check_name
+
+__all__ = [
+    "ENV_PREFIX",
+    "ProducerSettings",
+    "ServiceSettings",
+    "WorkerSettings",
+    "check_environment",
+    "redact_url",
+]
+
+ENV_PREFIX = "BATCHLINE_"
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced by ``***``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+class ServiceSettings(BaseSettings):
+    """What every component of the service shares.
+
+    Attributes:
+        redis_url: where Redis is (``redis://``, ``rediss://`` for TLS, ``unix://``); a
+            password in it is kept secret.
+        redis_cluster: talk to a Redis Cluster.
+        queue: the queue's name; producers and workers of one queue share it.
+        prefix: namespace of every key (an ACL user can be limited to ``<prefix>:*``).
+        priorities: number of priority levels (one work stream each), 0 the lowest.
+        result_ttl_s: how long a result key lives.
+    """
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
+
+    redis_url: SecretStr = SecretStr("redis://localhost:6379/0")
+    redis_cluster: bool = False
+    queue: str = "default"
+    prefix: str = "batchline"
+    priorities: int = Field(default=3, ge=1, le=16)
+    result_ttl_s: int = Field(default=3600, ge=1)
+
+    @field_validator("queue", "prefix")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return check_name("name", value)
+
+    @property
+    def keys(self) -> QueueKeys:
+        """The key names of this queue."""
+        return QueueKeys(self.queue, self.prefix, self.priorities)
+
+    def describe(self) -> dict[str, Any]:
+        """The settings as a dict safe to print (the URL without its password)."""
+        out = self.model_dump()
+        out["redis_url"] = redact_url(self.redis_url.get_secret_value())
+        return out
+
+
+class ProducerSettings(ServiceSettings):
+    """Settings of a producer.
+
+    Attributes:
+        max_queue_depth: most requests waiting or in progress in the queue, all priorities
+            together; past it ``submit`` raises QueueFull (0: unbounded).
+        default_priority: priority of a request that names none.
+        submit_batch: most requests coalesced into one write.
+        max_result_bytes: largest result accepted from Redis.
+    """
+
+    max_queue_depth: int = Field(default=100_000, ge=0)
+    default_priority: int = Field(default=1, ge=0)
+    submit_batch: int = Field(default=512, ge=1)
+    max_result_bytes: int = Field(default=64 << 20, ge=1)
+
+    def limits(self) -> Limits:
+        """What the producer accepts in a result."""
+        return Limits(
+            max_blob_bytes=self.max_result_bytes,
+            max_elements=self.max_result_bytes,
+            max_chars=self.max_result_bytes,
+            max_items=1 << 20,
+        )
+
+
+class WorkerSettings(ServiceSettings):
+    """Settings of a worker.
+
+    Attributes:
+        model: which model to serve: ``sentence-transformers`` (default: all-MiniLM-L6-v2,
+            offline), ``transformers`` (a Hugging Face model fed token features), or
+            ``module:callable`` (any batch function).
+        model_path: the model's directory or hub name (sentence-transformers, transformers).
+        device: ``auto`` (cuda when present, else cpu), or a torch device.
+        dtype: ``auto``, ``float32``, ``float16`` or ``bfloat16``.
+        batch_size: most requests (texts) per batch.
+        timeout_ms: longest the oldest waiting request waits for its batch to fill.
+        max_tokens: padded-token budget of one batch (rows x longest row), or none.
+        read_ahead: requests held ahead of the model, in batches (also the grouping window).
+        claim_idle_ms: a request pending this long on a silent worker is reclaimed.
+        max_deliveries: deliveries before a request goes to the dead-letter stream.
+        max_chars: longest text accepted.
+        max_elements: most array elements accepted in one request.
+        heartbeat_s: how often the worker reports it is alive, with its statistics.
+        metrics_port: port of the Prometheus /metrics endpoint (0: none).
+        worker_id: this worker's name in the consumer group (default: host-pid).
+    """
+
+    model: str = "sentence-transformers"
+    model_path: str | None = None
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    batch_size: int = Field(default=32, ge=1)
+    timeout_ms: float = Field(default=5.0, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1)
+    read_ahead: int = Field(default=4, ge=1)
+    claim_idle_ms: int = Field(default=30_000, ge=100)
+    max_deliveries: int = Field(default=3, ge=1)
+    max_chars: int = Field(default=20_000, ge=1)
+    max_elements: int = Field(default=1 << 20, ge=1)
+    heartbeat_s: float = Field(default=2.0, gt=0)
+    metrics_port: int = Field(default=0, ge=0, le=65535)
+    worker_id: str | None = None
+
+    def limits(self) -> Limits:
+        """What the worker accepts in a request."""
+        return Limits(
+            max_chars=self.max_chars,
+            max_elements=self.max_elements,
+            max_blob_bytes=self.max_elements * 8,
+        )
+
+
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
+    """Raise ValueError naming any ``BATCHLINE_*`` variable no settings class knows."""
+    env = os.environ if environ is None else environ
+    known = {
+        ENV_PREFIX + name.upper()
+        for cls in (ProducerSettings, WorkerSettings)
+        for name in cls.model_fields
+    }
+    unknown = sorted(k for k in env if k.upper().startswith(ENV_PREFIX) and k.upper() not in known)
+    if unknown:
+        raise ValueError(
+            f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )

@@ -1,0 +1,99 @@
+"""Every Redis key batchline uses, named in one place.
+
+All keys of one queue share the hash tag ``{<queue>}``, so that in a Redis Cluster they live
+in one slot: the Lua scripts and transactions that touch several of them stay legal. The
+layout (``docs/protocol.md`` has the full protocol)::
+
+    <prefix>:{<queue>}:req:<priority>     work stream, one per priority level (0 = lowest)
+    <prefix>:{<queue>}:res:<request id>   result hash of one request (expires: result_ttl_s)
+    <prefix>:{<queue>}:reply:<producer>   reply stream of one producer process
+    <prefix>:{<queue>}:cancel:<request>   cancellation mark (expires)
+    <prefix>:{<queue>}:dead               dead-letter stream
+    <prefix>:{<queue>}:workers            sorted set: worker id -> last heartbeat (unix s)
+    <prefix>:{<queue>}:wstats:<worker>    one worker's statistics (JSON, expires)
+
+The consumer group on every work stream is :data:`GROUP`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["GROUP", "QueueKeys", "check_name"]
+
+GROUP = "batchline"
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+
+
+def check_name(kind: str, value: str) -> str:
+    """Validate a queue name, prefix, request id or worker id; return it."""
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise ValueError(
+            f"{kind} must be 1-128 characters of letters, digits, '_', '.' or '-', got {value!r}"
+        )
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class QueueKeys:
+    """The keys of one queue.
+
+    Attributes:
+        queue: the queue's name.
+        prefix: the namespace of every key (an ACL user can be limited to ``<prefix>:*``).
+        priorities: number of priority levels (work streams), 0 the lowest.
+    """
+
+    queue: str = "default"
+    prefix: str = "batchline"
+    priorities: int = 3
+
+    def __post_init__(self) -> None:
+        check_name("queue", self.queue)
+        check_name("prefix", self.prefix)
+        if not isinstance(self.priorities, int) or not 1 <= self.priorities <= 16:
+            raise ValueError(f"priorities must be an int in 1..16, got {self.priorities!r}")
+
+    @property
+    def base(self) -> str:
+        """The part every key of this queue starts with."""
+        return f"{self.prefix}:{{{self.queue}}}"
+
+    def stream(self, priority: int) -> str:
+        """The work stream of one priority level."""
+        if not 0 <= priority < self.priorities:
+            raise ValueError(f"priority must be in 0..{self.priorities - 1}, got {priority!r}")
+        return f"{self.base}:req:{priority}"
+
+    @property
+    def streams(self) -> list[str]:
+        """Every work stream, highest priority first."""
+        return [self.stream(p) for p in reversed(range(self.priorities))]
+
+    def result(self, request_id: str) -> str:
+        """The result hash of one request."""
+        return f"{self.base}:res:{request_id}"
+
+    def reply(self, producer_id: str) -> str:
+        """The reply stream of one producer process."""
+        return f"{self.base}:reply:{producer_id}"
+
+    def cancel(self, request_id: str) -> str:
+        """The cancellation mark of one request."""
+        return f"{self.base}:cancel:{request_id}"
+
+    @property
+    def dead(self) -> str:
+        """The dead-letter stream."""
+        return f"{self.base}:dead"
+
+    @property
+    def workers(self) -> str:
+        """The sorted set of live workers (score: last heartbeat, unix seconds)."""
+        return f"{self.base}:workers"
+
+    def worker_stats(self, worker_id: str) -> str:
+        """One worker's statistics."""
+        return f"{self.base}:wstats:{worker_id}"

@@ -1,0 +1,285 @@
+"""AsyncProducer: enqueue requests, await their results (pushed), or poll them.
+
+Writes: concurrent ``submit`` calls are coalesced by an in-process batcher (the same core as
+``batchline.aio.dynamically``, with ``timeout_ms=0``: a write goes as soon as the previous
+one is back, carrying everything that arrived meanwhile) into one call of the enqueue
+script, which checks the queue depth and adds the entries atomically.
+
+Reads: each producer has its own reply stream; one task reads it with a blocking XREAD and
+resolves the futures of the requests waiting on this producer. No connection per request,
+no polling loop. ``get_result`` reads a result key for callers that only poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from batchline._aio import AioBatcher
+from batchline._base import BatchConfig
+from batchline._redis import Script, connect
+from batchline._scripts import ENQUEUE
+from batchline.codec import DecodeError, Result, decode_result, encode_request
+from batchline.config import ProducerSettings
+from batchline.errors import BatcherClosed, QueueFull, RequestTimeout
+from batchline.keys import check_name
+
+__all__ = ["AsyncProducer", "Handle"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Handle:
+    """A submitted request: its id, and (for a producer waiting on it) where its result lands."""
+
+    id: str
+    _future: asyncio.Future[Result] | None = field(default=None, repr=False)
+
+
+class AsyncProducer:
+    """Enqueue inference requests and receive their results, on asyncio.
+
+    Use as ``async with AsyncProducer(...) as producer:`` (or ``await start()`` and
+    ``await aclose()``). Settings come from the arguments, else ``BATCHLINE_*`` variables.
+
+    Args:
+        settings: the producer's settings (default: from the environment and ``overrides``).
+        redis: an asyncio Redis client to use instead of one made from ``redis_url``.
+        **overrides: single settings, e.g. ``queue="embed"``, ``max_queue_depth=10_000``.
+    """
+
+    def __init__(
+        self,
+        settings: ProducerSettings | None = None,
+        *,
+        redis: Any = None,
+        **overrides: Any,
+    ) -> None:
+        self.settings = settings or ProducerSettings(**overrides)
+        self.keys = self.settings.keys
+        self._own_client = redis is None
+        self._redis = redis if redis is not None else connect(self.settings)
+        host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())
+        self.producer_id = check_name(
+            "producer id", f"{host[:40]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        )
+        self._reply_key = self.keys.reply(self.producer_id)
+        self._limits = self.settings.limits()
+        self._waiting: dict[str, asyncio.Future[Result]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._closed = False
+        self._enqueue_script = Script(ENQUEUE)
+        self._streams_low_first = [self.keys.stream(p) for p in range(self.keys.priorities)]
+        self._writer: AioBatcher[tuple[int, list[Any]], Any] = AioBatcher(
+            self._write,
+            BatchConfig(
+                batch_size=self.settings.submit_batch,
+                timeout_ms=0,
+                small_batch_threshold=0,
+                isolate_errors=False,
+            ),
+        )
+
+    def __repr__(self) -> str:
+        return f"<AsyncProducer queue={self.keys.queue!r} id={self.producer_id!r}>"
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> AsyncProducer:
+        """Start the reply reader (idempotent)."""
+        if self._closed:
+            raise BatcherClosed("this producer is closed")
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(
+                self._read_replies(), name=f"batchline-replies:{self.producer_id}"
+            )
+        return self
+
+    async def aclose(self) -> None:
+        """Stop reading replies; waiting requests get BatcherClosed; close the connection."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._writer.aclose()
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(BatcherClosed("the producer was closed before the result came"))
+        self._waiting.clear()
+        with contextlib.suppress(RedisError, OSError):
+            await self._redis.delete(self._reply_key)
+        if self._own_client:
+            await self._redis.aclose()
+
+    async def __aenter__(self) -> AsyncProducer:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # -- submitting ----------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        value: Any,
+        *,
+        deadline_ms: float | None = None,
+        priority: int | None = None,
+        request_id: str | None = None,
+        reply: bool = True,
+    ) -> Handle:
+        """Enqueue one request; returns its handle at once (QueueFull if the queue is full).
+
+        Args:
+            value: the input: a text, a list of texts, a dict of arrays, or any JSON value
+                for a ``module:callable`` model.
+            deadline_ms: drop the request (result ``expired``) if no worker starts it within
+                this many milliseconds.
+            priority: 0 (lowest) to ``priorities - 1``; default ``default_priority``.
+            request_id: your own id (letters, digits, ``_.-``); default a random one.
+            reply: push the result to this producer (False: only the result key, for pollers).
+        """
+        if self._closed:
+            raise BatcherClosed("this producer is closed")
+        if reply and self._reader is None:
+            await self.start()
+        prio = self.settings.default_priority if priority is None else priority
+        if not 0 <= prio < self.keys.priorities:
+            raise ValueError(f"priority must be in 0..{self.keys.priorities - 1}, got {prio!r}")
+        rid = check_name("request_id", request_id) if request_id is not None else uuid.uuid4().hex
+        now_ms = time.time() * 1e3
+        fields = encode_request(
+            rid,
+            value,
+            priority=prio,
+            deadline_unix_ms=None if deadline_ms is None else now_ms + deadline_ms,
+            enqueued_unix_ms=now_ms,
+            reply=self.producer_id if reply else None,
+        )
+        flat: list[Any] = [x for kv in fields.items() for x in kv]
+        fut: asyncio.Future[Result] | None = None
+        if reply:
+            # Registered before the write, so that even the fastest reply finds its waiter.
+            fut = asyncio.get_running_loop().create_future()
+            self._waiting[rid] = fut
+        try:
+            entry = await self._writer((prio, flat))
+        except BaseException:
+            self._waiting.pop(rid, None)
+            raise
+        if entry is None:
+            self._waiting.pop(rid, None)
+            raise QueueFull(
+                f"queue {self.keys.queue!r} holds max_queue_depth="
+                f"{self.settings.max_queue_depth} requests"
+            )
+        return Handle(rid, fut)
+
+    async def _write(self, batch: list[tuple[int, list[Any]]]) -> list[Any]:
+        args: list[Any] = [self.settings.max_queue_depth]
+        for prio, flat in batch:
+            args += [prio, len(flat) // 2, *flat]
+        return list(await self._enqueue_script(self._redis, self._streams_low_first, args))
+
+    # -- results -------------------------------------------------------------------------------
+
+    async def wait(self, handle: Handle | str, timeout_s: float | None = None) -> Result:
+        """The request's Result (any status), pushed to this producer; RequestTimeout after
+        ``timeout_s`` seconds. For a request this producer did not submit (or submitted with
+        ``reply=False``) it reads the result key once and raises KeyError if none is there."""
+        rid = handle if isinstance(handle, str) else handle.id
+        fut = handle._future if isinstance(handle, Handle) else self._waiting.get(rid)
+        if fut is None:
+            found = await self.get_result(rid)
+            if found is None:
+                raise KeyError(f"no result for request {rid!r} (yet, or any more)")
+            return found
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await asyncio.shield(fut)
+        except TimeoutError:
+            raise RequestTimeout(f"no result for request {rid} within {timeout_s} s") from None
+
+    async def result(self, handle: Handle | str, timeout_s: float | None = None) -> Any:
+        """The request's output; raises RequestExpired or InferenceError for what failed."""
+        return (await self.wait(handle, timeout_s)).unwrap()
+
+    async def infer(self, value: Any, *, timeout_s: float | None = None, **options: Any) -> Any:
+        """Submit one request and return its output."""
+        return await self.result(await self.submit(value, **options), timeout_s)
+
+    async def map(
+        self, values: Iterable[Any], *, timeout_s: float | None = None, **options: Any
+    ) -> list[Any]:
+        """Submit many requests (coalesced writes) and return their outputs, in order."""
+        handles = await asyncio.gather(*(self.submit(v, **options) for v in values))
+        return list(await asyncio.gather(*(self.result(h, timeout_s) for h in handles)))
+
+    async def get_result(self, request_id: str) -> Result | None:
+        """Read a request's result key: its Result, or None while there is none."""
+        raw = await self._redis.hgetall(self.keys.result(check_name("request_id", request_id)))
+        return decode_result(raw, self._limits) if raw else None
+
+    async def cancel(self, handle: Handle | str) -> None:
+        """Ask workers to skip this request if none has started it (the caller went away)."""
+        rid = handle if isinstance(handle, str) else handle.id
+        await self._redis.set(self.keys.cancel(rid), b"1", ex=self.settings.result_ttl_s)
+        fut = self._waiting.pop(rid, None)
+        if fut is not None and not fut.done():
+            fut.cancel()
+
+    async def queue_depth(self) -> int:
+        """Requests waiting or in progress in this queue, all priorities together."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for stream in self._streams_low_first:
+                pipe.xlen(stream)
+            return int(sum(await pipe.execute()))
+
+    # -- the reply reader ----------------------------------------------------------------------
+
+    async def _read_replies(self) -> None:
+        last = b"0-0"
+        backoff = 0.05
+        while True:
+            try:
+                response = await self._redis.xread({self._reply_key: last}, count=1000, block=1000)
+                backoff = 0.05
+            except (RedisError, OSError) as exc:
+                logger.warning("reply reader: %s; retrying in %.2f s", type(exc).__name__, backoff)
+                await asyncio.sleep(backoff)  # back-off after a failed read, not a poll
+                backoff = min(backoff * 2, 2.0)
+                continue
+            if not response:
+                continue
+            seen: list[bytes] = []
+            for _stream, entries in response:
+                for entry_id, raw in entries:
+                    seen.append(entry_id)
+                    self._deliver(raw)
+            last = seen[-1]
+            with contextlib.suppress(RedisError, OSError):
+                await self._redis.xdel(self._reply_key, *seen)
+
+    def _deliver(self, raw: dict[bytes, bytes]) -> None:
+        try:
+            result = decode_result(raw, self._limits)
+        except DecodeError as exc:
+            logger.error("reply stream %s: dropped a malformed reply: %s", self._reply_key, exc)
+            return
+        fut = self._waiting.pop(result.id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(result)

@@ -1,0 +1,103 @@
+"""Producer: the blocking face of AsyncProducer, for code without an event loop.
+
+It runs one AsyncProducer on an event loop in a thread of its own and forwards each call
+there, so there is one implementation of the protocol, not a second copy kept by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Iterable
+from typing import Any, TypeVar
+
+from batchline.codec import Result
+from batchline.config import ProducerSettings
+from batchline.producer._async import AsyncProducer, Handle
+
+__all__ = ["Producer"]
+
+T = TypeVar("T")
+
+
+class Producer:
+    """Enqueue inference requests and wait for their results, from any thread.
+
+    The arguments and methods are those of :class:`AsyncProducer`, without ``await``. Use as
+    ``with Producer(...) as producer:`` or call ``close()`` when done.
+    """
+
+    def __init__(self, settings: ProducerSettings | None = None, **overrides: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="batchline-producer", daemon=True
+        )
+        self._thread.start()
+        self._async: AsyncProducer = self._run(self._make(settings, overrides))
+
+    @staticmethod
+    async def _make(settings: ProducerSettings | None, overrides: dict[str, Any]) -> AsyncProducer:
+        return await AsyncProducer(settings, **overrides).start()
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @property
+    def settings(self) -> ProducerSettings:
+        return self._async.settings
+
+    @property
+    def producer_id(self) -> str:
+        return self._async.producer_id
+
+    def submit(self, value: Any, **options: Any) -> Handle:
+        """See :meth:`AsyncProducer.submit`."""
+        return self._run(self._async.submit(value, **options))
+
+    def wait(self, handle: Handle | str, timeout_s: float | None = None) -> Result:
+        """See :meth:`AsyncProducer.wait`."""
+        return self._run(self._async.wait(handle, timeout_s))
+
+    def result(self, handle: Handle | str, timeout_s: float | None = None) -> Any:
+        """See :meth:`AsyncProducer.result`."""
+        return self._run(self._async.result(handle, timeout_s))
+
+    def infer(self, value: Any, *, timeout_s: float | None = None, **options: Any) -> Any:
+        """See :meth:`AsyncProducer.infer`."""
+        return self._run(self._async.infer(value, timeout_s=timeout_s, **options))
+
+    def map(
+        self, values: Iterable[Any], *, timeout_s: float | None = None, **options: Any
+    ) -> list[Any]:
+        """See :meth:`AsyncProducer.map`."""
+        return self._run(self._async.map(list(values), timeout_s=timeout_s, **options))
+
+    def get_result(self, request_id: str) -> Result | None:
+        """See :meth:`AsyncProducer.get_result`."""
+        return self._run(self._async.get_result(request_id))
+
+    def cancel(self, handle: Handle | str) -> None:
+        """See :meth:`AsyncProducer.cancel`."""
+        self._run(self._async.cancel(handle))
+
+    def queue_depth(self) -> int:
+        """See :meth:`AsyncProducer.queue_depth`."""
+        return self._run(self._async.queue_depth())
+
+    def close(self) -> None:
+        """Close the producer and stop its thread."""
+        if self._loop.is_closed():
+            return
+        self._run(self._async.aclose())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Producer {self._async!r}>"

@@ -1,0 +1,22 @@
+"""What runs in worker containers: the worker loop and the models it can serve."""
+
+from batchline.worker._worker import Cancelled, Worker
+from batchline.worker.models import (
+    CallableModel,
+    Model,
+    Prepared,
+    SentenceTransformerModel,
+    TransformersModel,
+    load_model,
+)
+
+__all__ = [
+    "CallableModel",
+    "Cancelled",
+    "Model",
+    "Prepared",
+    "SentenceTransformerModel",
+    "TransformersModel",
+    "Worker",
+    "load_model",
+]

@@ -1,0 +1,616 @@
+"""The worker: read requests from Redis, batch them with the core, run the model, answer.
+
+Tasks on one event loop, so that Redis I/O and decoding overlap the model's compute (which
+runs on the batcher's own thread):
+
+- the *reader* fills the batch policy from ``XREADGROUP`` (all priority streams, highest
+  first), keeping at most ``read_ahead`` batches ahead of the model; decoding and tokenizing
+  run on a thread of their own for tokenizer-backed models;
+- the *model batcher* is the asyncio driver of the in-process core (same policy, same
+  isolation, same padding): batch size, timeout, token budget, priorities, deadlines and
+  length grouping all come from there;
+- the *writer* coalesces finished requests into one call of the completion script per batch,
+  which acknowledges each entry and, only if the acknowledgement took, writes its result
+  (with its TTL) and pushes the reply, then deletes the entry;
+- the *janitor* keeps this worker's claims alive during long batches and reclaims entries
+  that dead workers left pending (XAUTOCLAIM), dead-lettering those delivered too often;
+- the *heartbeat* publishes liveness and statistics for ``batchline status``.
+
+SIGTERM (or :meth:`Worker.stop`) drains: stop reading, run what was read, write, exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from batchline._aio import AioBatcher
+from batchline._base import BatchConfig, Call, Item
+from batchline._redis import Script, connect
+from batchline._scripts import COMPLETE
+from batchline.codec import (
+    RESULT_FIELDS,
+    DecodeError,
+    Request,
+    Result,
+    decode_request,
+    encode_result,
+    salvage_id,
+)
+from batchline.config import WorkerSettings, redact_url
+from batchline.errors import BatchlineError, RequestTimeout
+from batchline.keys import GROUP, check_name
+from batchline.worker.metrics import Metrics
+from batchline.worker.models import Model, Prepared, load_model
+
+__all__ = ["Worker"]
+
+logger = logging.getLogger(__name__)
+
+_REPLY_MAXLEN = 100_000
+_DEAD_MAXLEN = 100_000
+_MAX_DEAD_RAW = 1 << 20
+
+
+class Cancelled(BatchlineError):
+    """The producer cancelled the request before a worker started it."""
+
+
+@dataclass(slots=True)
+class _Meta:
+    """What the worker keeps of one request while the core batches its items."""
+
+    sidx: int
+    entry: bytes
+    request: Request
+    value: Any
+    read_unix: float
+    started_unix: float = 0.0
+    batch_size: int = 0
+
+
+@dataclass(slots=True)
+class _Record:
+    """One stream entry to answer: its result fields, reply address and dead letter."""
+
+    sidx: int
+    entry: bytes
+    result: list[bytes | str] | None = None
+    request_id: str | None = None
+    reply: str | None = None
+    dead: list[Any] | None = field(default=None)
+
+
+def _noop(_call: Call) -> None:
+    return None
+
+
+class _ModelBatcher(AioBatcher[Prepared, Any]):
+    """The in-process asyncio driver, with a check for cancelled requests before each batch."""
+
+    def __init__(self, worker: Worker, config: BatchConfig) -> None:
+        super().__init__(worker._infer, config)
+        self._worker = worker
+
+    async def _before_run(self, batch: list[Item]) -> None:
+        await self._worker._before_batch(batch)
+
+
+class Worker:
+    """Serve one queue: ``await Worker(...).run()`` until SIGTERM or :meth:`stop`.
+
+    Args:
+        settings: the worker's settings (default: ``BATCHLINE_*`` variables and ``overrides``).
+        model: a :class:`~batchline.worker.models.Model` to serve, or a model spec (the
+            ``model`` setting).
+        redis: an asyncio Redis client instead of one made from ``redis_url``.
+        **overrides: single settings, e.g. ``batch_size=64``.
+    """
+
+    def __init__(
+        self,
+        settings: WorkerSettings | None = None,
+        *,
+        model: Model | str | None = None,
+        redis: Any = None,
+        **overrides: Any,
+    ) -> None:
+        if isinstance(model, str):  # the setting (a model spec), not a model object
+            overrides["model"], model = model, None
+        self.settings = s = settings or WorkerSettings(**overrides)
+        self.keys = s.keys
+        host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())
+        self.worker_id = check_name(
+            "worker_id", s.worker_id or f"{host[:40]}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        )
+        self.model = model or load_model(s.model, path=s.model_path, device=s.device, dtype=s.dtype)
+        self._own_client = redis is None
+        self._redis = redis if redis is not None else connect(s)
+        self._limits = s.limits()
+        self._streams_low_first = [self.keys.stream(p) for p in range(self.keys.priorities)]
+        self._sidx = {name.encode(): i for i, name in enumerate(self._streams_low_first)}
+        self._window = s.batch_size * s.read_ahead
+        self._batcher = _ModelBatcher(
+            self,
+            BatchConfig(
+                batch_size=s.batch_size,
+                timeout_ms=s.timeout_ms,
+                small_batch_threshold=0,
+                max_tokens=s.max_tokens,
+                length_fn=_length,
+                group_window=s.read_ahead,
+            ),
+        )
+        self._writer: AioBatcher[_Record, None] = AioBatcher(
+            self._write,
+            BatchConfig(
+                batch_size=1024, timeout_ms=0, small_batch_threshold=0, isolate_errors=False
+            ),
+        )
+        self._complete = Script(COMPLETE)
+        self._meta: dict[Call, _Meta] = {}
+        self._inflight: list[set[bytes]] = [set() for _ in self._streams_low_first]
+        self._preparing = 0
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.counts: Counter[str] = Counter()
+        self.metrics = Metrics(s.metrics_port)
+        self._stop: asyncio.Event | None = None
+        self._space: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.ready = threading.Event()
+
+    def __repr__(self) -> str:
+        return f"<Worker {self.worker_id} queue={self.keys.queue!r}>"
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Load the model, serve until stopped, then drain and return."""
+        loop = self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self._space = asyncio.Event()
+        logger.info(
+            "worker %s: queue %r on %s, model %s",
+            self.worker_id,
+            self.keys.queue,
+            redact_url(self.settings.redis_url.get_secret_value()),
+            self.settings.model,
+        )
+        await loop.run_in_executor(None, self.model.load)
+        if self.model.heavy_preprocess:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="batchline-prep"
+            )
+        await self._ensure_groups()
+        self._install_signals(loop)
+        self.metrics.start()
+        reader = loop.create_task(self._read(), name="batchline-reader")
+        janitor = loop.create_task(self._janitor(), name="batchline-janitor")
+        heartbeat = loop.create_task(self._heartbeat(), name="batchline-heartbeat")
+        self.ready.set()
+        try:
+            await self._stop.wait()
+            await reader  # returns after its current read (at most one block interval)
+            await self._batcher.aclose(drain=True)
+            await self._writer.aclose(drain=True)
+        finally:
+            for task in (reader, janitor, heartbeat):
+                task.cancel()
+            await asyncio.gather(reader, janitor, heartbeat, return_exceptions=True)
+            with contextlib.suppress(RedisError, OSError):
+                await self._redis.zrem(self.keys.workers, self.worker_id)
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self.metrics.stop()
+            if self._own_client:
+                await self._redis.aclose()
+            logger.info("worker %s: stopped (%s)", self.worker_id, dict(self.counts))
+
+    def stop(self) -> None:
+        """Drain and stop; callable from any thread and from signal handlers."""
+        loop, stop = self._loop, self._stop
+        if loop is None or stop is None:
+            return
+
+        def _set() -> None:
+            stop.set()
+            if self._space is not None:
+                self._space.set()
+
+        if loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            _set()
+        else:
+            loop.call_soon_threadsafe(_set)
+
+    def _install_signals(self, loop: asyncio.AbstractEventLoop) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.stop)
+
+    async def _ensure_groups(self) -> None:
+        for stream in self._streams_low_first:
+            try:
+                await self._redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    # -- reading -------------------------------------------------------------------------------
+
+    async def _read(self) -> None:
+        space = self._space
+        stop = self._stop
+        if space is None or stop is None:  # pragma: no cover - run() sets both
+            raise RuntimeError("the worker is not running")
+        streams = {name: ">" for name in reversed(self._streams_low_first)}
+        backoff = 0.05
+        while not stop.is_set():
+            room = self._window - self._batcher._queue_size() - self._preparing
+            if room <= 0:
+                space.clear()
+                await space.wait()
+                continue
+            try:
+                response = await self._redis.xreadgroup(
+                    GROUP, self.worker_id, streams, count=room, block=1000
+                )
+                backoff = 0.05
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                logger.warning("consumer group missing (Redis lost its data?); creating it again")
+                await self._ensure_groups()
+                continue
+            except (RedisError, OSError) as exc:
+                logger.warning("reader: %s; retrying in %.2f s", type(exc).__name__, backoff)
+                await asyncio.sleep(backoff)  # back-off after a failed read, not a poll
+                backoff = min(backoff * 2, 2.0)
+                continue
+            if response:
+                await self._accept(
+                    (self._sidx[stream], entry, raw)
+                    for stream, entries in response
+                    for entry, raw in entries
+                )
+
+    async def _accept(
+        self, entries: Iterable[tuple[int, bytes, dict[bytes, bytes] | None]]
+    ) -> None:
+        batch = list(entries)
+        for sidx, entry, _raw in batch:
+            self._inflight[sidx].add(entry)
+        if self._pool is not None:
+            self._preparing += len(batch)
+            try:
+                loop = asyncio.get_running_loop()
+                outcomes = await loop.run_in_executor(self._pool, self._prepare_all, batch)
+            finally:
+                self._preparing -= len(batch)
+        else:
+            outcomes = self._prepare_all(batch)
+        for outcome in outcomes:
+            if isinstance(outcome, _Record):
+                self._answer(outcome)
+            else:
+                self._submit(*outcome)
+
+    def _prepare_all(
+        self, batch: list[tuple[int, bytes, dict[bytes, bytes] | None]]
+    ) -> list[_Record | tuple[_Meta, list[Prepared]]]:
+        """Decode, validate and preprocess entries (off the event loop for heavy models)."""
+        now = time.time()
+        out: list[_Record | tuple[_Meta, list[Prepared]]] = []
+        for sidx, entry, raw in batch:
+            if not raw:  # deleted while pending: nothing to answer, only to acknowledge
+                out.append(_Record(sidx, entry))
+                continue
+            try:
+                request = decode_request(raw)
+                value = request.value(self._limits)
+            except DecodeError as exc:
+                out.append(self._dead_letter(sidx, entry, raw, "MalformedRequest", str(exc)))
+                continue
+            meta = _Meta(sidx, entry, request, value, now)
+            if request.dl is not None and request.dl <= now * 1e3:
+                out.append(self._record(meta, "expired"))
+                continue
+            try:
+                prepared = self.model.preprocess(value)
+            except Exception as exc:  # the input's fault: this request alone fails
+                out.append(self._record(meta, "error", error=exc))
+                continue
+            out.append((meta, prepared))
+        return out
+
+    def _submit(self, meta: _Meta, prepared: list[Prepared]) -> None:
+        request = meta.request
+        deadline = None
+        if request.dl is not None:
+            deadline = time.monotonic() + (request.dl / 1e3 - time.time())
+        try:
+            call = self._batcher.enqueue(
+                prepared, self._done, deadline=deadline, priority=request.prio
+            )
+        except BatchlineError as exc:  # ItemTooLarge, or closed while draining
+            self._answer(self._record(meta, "error", error=exc))
+            return
+        self._meta[call] = meta
+
+    # -- running -------------------------------------------------------------------------------
+
+    def _infer(self, batch: list[Prepared]) -> Any:
+        return self.model.infer([p.payload for p in batch])
+
+    async def _before_batch(self, batch: list[Item]) -> None:
+        if self._space is not None:
+            self._space.set()
+        now = time.time()
+        calls = list(dict.fromkeys(item.call for item in batch))
+        metas = [self._meta.get(c) for c in calls]
+        for meta in metas:
+            if meta is not None:
+                meta.started_unix = now
+                meta.batch_size = len(batch)
+        keys = [self.keys.cancel(m.request.id) for m in metas if m is not None]
+        try:
+            marks = await self._redis.mget(keys) if keys else []
+        except (RedisError, OSError):
+            return  # cannot check now: run them (cancelling is best effort)
+        live = [c for c, m in zip(calls, metas, strict=True) if m is not None]
+        for call, mark in zip(live, marks, strict=True):
+            if mark is not None:
+                call.reject(Cancelled("cancelled by its producer before a worker started it"))
+
+    def _done(self, call: Call) -> None:
+        meta = self._meta.pop(call, None)
+        if meta is None:
+            return
+        if call.error is None:
+            try:
+                output = self.model.postprocess(call.results, meta.value)
+            except Exception as exc:
+                self._answer(self._record(meta, "error", error=exc))
+                return
+            self._answer(self._record(meta, "ok", output=output))
+        elif isinstance(call.error, Cancelled):
+            self._answer(self._record(meta, "cancelled"))
+        elif isinstance(call.error, RequestTimeout):
+            self._answer(self._record(meta, "expired"))
+        else:
+            self._answer(self._record(meta, "error", error=call.error))
+
+    def _record(
+        self, meta: _Meta, status: str, *, output: Any = None, error: BaseException | None = None
+    ) -> _Record:
+        request = meta.request
+        started = meta.started_unix or time.time()
+        result = Result(
+            id=request.id,
+            status=status,  # type: ignore[arg-type]
+            output=output,
+            error_type=type(error).__name__ if error is not None else "",
+            error_message=str(error)[:2000] if error is not None else "",
+            queue_ms=max(0.0, started * 1e3 - request.ts) if request.ts else 0.0,
+            batch_size=meta.batch_size,
+            model_ms=(time.time() - meta.started_unix) * 1e3 if meta.started_unix else 0.0,
+            worker=self.worker_id,
+        )
+        try:
+            fields = encode_result(result)
+        except TypeError as exc:  # the model's output cannot travel: say so to this caller
+            result = Result(request.id, "error", None, "TypeError", str(exc), worker=self.worker_id)
+            fields = encode_result(result)
+        return _Record(meta.sidx, meta.entry, fields, request.id, request.reply)
+
+    def _dead_letter(
+        self, sidx: int, entry: bytes, raw: dict[bytes, bytes], kind: str, reason: str
+    ) -> _Record:
+        request_id, reply = salvage_id(raw)
+        size = sum(len(k) + len(v) for k, v in raw.items())
+        dead: list[Any] = (
+            [x for kv in raw.items() for x in kv] if size <= _MAX_DEAD_RAW else ["size", str(size)]
+        )
+        dead += ["reason", f"{kind}: {reason}", "worker", self.worker_id]
+        record = _Record(sidx, entry, dead=dead)
+        if request_id is not None:
+            result = Result(request_id, "error", None, kind, reason, worker=self.worker_id)
+            record.result, record.request_id, record.reply = (
+                encode_result(result),
+                request_id,
+                reply,
+            )
+        return record
+
+    def _answer(self, record: _Record) -> None:
+        status = (
+            "dead"
+            if record.dead is not None
+            else (str(record.result[2]) if record.result is not None else "acknowledged")
+        )
+        self.counts[status] += 1
+        self.metrics.result(status)
+        self._writer.enqueue([record], _noop)
+
+    # -- writing -------------------------------------------------------------------------------
+
+    async def _write(self, records: list[_Record]) -> list[None]:
+        keys = [*self._streams_low_first, self.keys.dead]
+        args: list[Any] = [
+            GROUP,
+            self.settings.result_ttl_s,
+            _REPLY_MAXLEN,
+            _DEAD_MAXLEN,
+            ",".join(RESULT_FIELDS),
+            len(self._streams_low_first),
+        ]
+        for r in records:
+            has_result = r.result is not None and r.request_id is not None
+            has_reply = has_result and r.reply is not None
+            dead = r.dead or []
+            args += [r.sidx, r.entry, int(has_result), int(has_reply), len(dead) // 2, *dead]
+            if has_result and r.result is not None and r.request_id is not None:
+                args += r.result
+                keys.append(self.keys.result(r.request_id))
+                if r.reply is not None:
+                    keys.append(self.keys.reply(r.reply))
+        await self._with_retry(lambda: self._complete(self._redis, keys, args))
+        for r in records:
+            self._inflight[r.sidx].discard(r.entry)
+        return [None] * len(records)
+
+    async def _with_retry(self, attempt: Any, budget_s: float = 30.0) -> Any:
+        """Retry a write through a Redis restart; past the budget the entries stay pending
+        (and are reclaimed and answered later), so nothing is lost either way."""
+        delay, waited = 0.05, 0.0
+        while True:
+            try:
+                return await attempt()
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                if waited >= budget_s:
+                    raise
+                logger.warning("writer: %s; retrying in %.2f s", type(exc).__name__, delay)
+                await asyncio.sleep(delay)  # back-off after a failed write, not a poll
+                waited += delay
+                delay = min(delay * 2, 1.0)
+            except ResponseError as exc:
+                if "LOADING" not in str(exc) or waited >= budget_s:
+                    raise
+                await asyncio.sleep(delay)  # Redis is loading its data after a restart
+                waited += delay
+
+    # -- janitor and heartbeat -----------------------------------------------------------------
+
+    async def _janitor(self) -> None:
+        period = self.settings.claim_idle_ms / 3e3
+        while True:
+            await asyncio.sleep(period)  # a maintenance timer, not a poll for work
+            try:
+                await self._keep_claims()
+                if self._stop is not None and not self._stop.is_set():
+                    await self._reclaim()
+            except (RedisError, OSError) as exc:
+                logger.warning("janitor: %s: %s", type(exc).__name__, exc)
+
+    async def _keep_claims(self) -> None:
+        """Reset the idle time of the entries this worker holds, so nobody reclaims them."""
+        for sidx, entries in enumerate(self._inflight):
+            if entries:
+                await self._redis.xclaim(
+                    self._streams_low_first[sidx],
+                    GROUP,
+                    self.worker_id,
+                    0,
+                    list(entries),
+                    justid=True,
+                )
+
+    async def _reclaim(self) -> None:
+        """Take over entries left pending by dead workers; dead-letter the poisonous ones."""
+        s = self.settings
+        for sidx in reversed(range(len(self._streams_low_first))):
+            stream = self._streams_low_first[sidx]
+            response = await self._redis.xautoclaim(
+                stream, GROUP, self.worker_id, s.claim_idle_ms, "0-0", count=self._window
+            )
+            claimed = [(e, raw) for e, raw in response[1] if e is not None]
+            if not claimed:
+                continue
+            pending = await self._redis.xpending_range(
+                stream, GROUP, claimed[0][0], claimed[-1][0], len(claimed) * 2, self.worker_id
+            )
+            deliveries = {p["message_id"]: p["times_delivered"] for p in pending}
+            fresh: list[tuple[int, bytes, dict[bytes, bytes] | None]] = []
+            for entry, raw in claimed:
+                times = deliveries.get(entry, 1)
+                if times > s.max_deliveries and raw:
+                    self._inflight[sidx].add(entry)
+                    self._answer(
+                        self._dead_letter(
+                            sidx,
+                            entry,
+                            raw,
+                            "MaxDeliveries",
+                            f"delivered {times} times without an answer "
+                            f"(max_deliveries={s.max_deliveries})",
+                        )
+                    )
+                else:
+                    fresh.append((sidx, entry, raw))
+            self.counts["reclaimed"] += len(claimed)
+            logger.info("reclaimed %d entries from %s", len(claimed), stream)
+            if fresh:
+                await self._accept(fresh)
+
+    def stats(self) -> dict[str, Any]:
+        """This worker's statistics, as published with its heartbeat."""
+        st = self._batcher.stats
+        return {
+            "worker": self.worker_id,
+            "model": self.settings.model,
+            "batch_size": self.settings.batch_size,
+            "requests": dict(self.counts),
+            "batches": st.batches,
+            "mean_batch_size": round(st.mean_batch_size, 2),
+            "batch_size_histogram": dict(st.batch_size_histogram),
+            "queue_wait_ms": {
+                "p50": st.queue_wait_ms.p50,
+                "p95": st.queue_wait_ms.p95,
+                "p99": st.queue_wait_ms.p99,
+            },
+            "model_ms": {
+                "p50": st.function_ms.p50,
+                "p95": st.function_ms.p95,
+                "p99": st.function_ms.p99,
+            },
+            "held": self._batcher._queue_size(),
+            "time": time.time(),
+        }
+
+    async def _heartbeat(self) -> None:
+        period = self.settings.heartbeat_s
+        while True:
+            try:
+                now = time.time()
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    pipe.zadd(self.keys.workers, {self.worker_id: now})
+                    pipe.zremrangebyscore(self.keys.workers, "-inf", now - 3600)
+                    pipe.set(
+                        self.keys.worker_stats(self.worker_id),
+                        json.dumps(self.stats()),
+                        ex=max(1, math.ceil(3 * period)),
+                    )
+                    await pipe.execute()
+                self.metrics.batches(self._batcher.stats)
+            except (RedisError, OSError) as exc:
+                logger.warning("heartbeat: %s", type(exc).__name__)
+            await asyncio.sleep(period)  # a report timer, not a poll for work
+
+
+def _length(prepared: Prepared) -> int:
+    return prepared.length
