@@ -1,0 +1,185 @@
+"""The ``batchline`` command: thin (parse, load settings, configure logging, run).
+
+batchline worker [--batch-size 64 ...]   serve a queue (settings: flags, else BATCHLINE_*)
+batchline worker --check                 exit 0 if a worker on this host is alive
+batchline status [--json]                queue depth, pending, lag, dead letters, workers
+batchline demo                           the in-process batcher on a real model
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import json
+import logging
+import re
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+__all__ = ["main"]
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Each setting's description, from the ``Attributes:`` sections of the class docstrings."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        text = inspect.cleandoc(klass.__doc__ or "")
+        if "Attributes:" not in text:
+            continue
+        name = None
+        for line in text.split("Attributes:", 1)[1].splitlines():
+            match = re.match(r"^    (\w+): (.*)$", line)
+            if match:
+                name = match.group(1)
+                docs[name] = match.group(2)
+            elif name and line.startswith("        "):
+                docs[name] += " " + line.strip()
+            elif line.strip():
+                name = None
+    return docs
+
+
+def _add_settings(parser: argparse.ArgumentParser, cls: Any) -> None:
+    docs = _field_docs(cls)
+    for name, info in cls.model_fields.items():
+        default = "(secret)" if name == "redis_url" else info.default
+        env = f"BATCHLINE_{name.upper()}"
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=name,
+            default=None,
+            metavar="VALUE",
+            help=f"{docs.get(name, '')} [env {env}; default {default}]",
+        )
+
+
+def _settings(cls: Any, args: argparse.Namespace) -> Any:
+    from batchline.config import check_environment
+
+    given = {k: v for k, v in vars(args).items() if k in cls.model_fields and v is not None}
+    try:
+        check_environment()
+        return cls(**given)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'BATCHLINE_' + str(e['loc'][0]).upper() if e['loc'] else 'settings'}: {e['msg']}"
+            for e in exc.errors()
+        )
+        raise SystemExit(f"batchline: invalid settings: {problems}") from None
+    except ValueError as exc:
+        raise SystemExit(f"batchline: {exc}") from None
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from batchline.config import WorkerSettings
+
+    settings = _settings(WorkerSettings, args)
+    if args.check:
+        return asyncio.run(_check(settings, args.max_age_s))
+    from batchline.worker import Worker
+
+    asyncio.run(Worker(settings).run())
+    return 0
+
+
+async def _check(settings: Any, max_age_s: float) -> int:
+    """Health check: a worker of this host (or ``worker_id``) sent a heartbeat lately."""
+    from batchline._redis import connect
+
+    client = connect(settings)
+    try:
+        beats = await client.zrangebyscore(settings.keys.workers, time.time() - max_age_s, "+inf")
+    except Exception as exc:
+        print(f"unhealthy: Redis unreachable ({type(exc).__name__})", file=sys.stderr)
+        return 1
+    finally:
+        await client.aclose()
+    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:40]
+    want = settings.worker_id or host + "-"
+    alive = [b.decode() for b in beats if b.decode().startswith(want)]
+    if not alive:
+        print(f"unhealthy: no heartbeat from {want}* within {max_age_s} s", file=sys.stderr)
+        return 1
+    print(f"healthy: {', '.join(alive)}")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from batchline.config import ServiceSettings
+
+    settings = _settings(ServiceSettings, args)
+
+    async def run() -> dict[str, Any]:
+        from batchline._redis import connect
+        from batchline.status import collect
+
+        client = connect(settings)
+        try:
+            return await collect(settings, client)
+        finally:
+            await client.aclose()
+
+    from batchline.status import render
+
+    status = asyncio.run(run())
+    print(json.dumps(status, indent=2) if args.json else render(status))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from batchline.demo import run_demo
+
+    return run_demo(items=args.items, threads=args.threads)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``batchline`` command and ``python -m batchline``."""
+    from batchline.config import ServiceSettings, WorkerSettings
+
+    parser = argparse.ArgumentParser(
+        prog="batchline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level [default INFO]")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    worker = commands.add_parser("worker", help="serve a queue: read, batch, infer, answer")
+    _add_settings(worker, WorkerSettings)
+    worker.add_argument(
+        "--check",
+        action="store_true",
+        help="health check: exit 0 if a worker of this host is alive",
+    )
+    worker.add_argument(
+        "--max-age-s",
+        type=float,
+        default=10.0,
+        help="with --check: the oldest heartbeat that counts [default 10]",
+    )
+    worker.set_defaults(run=_worker)
+
+    status = commands.add_parser("status", help="queue depth, pending, lag, dead letters, workers")
+    _add_settings(status, ServiceSettings)
+    status.add_argument("--json", action="store_true", help="print JSON")
+    status.set_defaults(run=_status)
+
+    demo = commands.add_parser("demo", help="the in-process batcher on all-MiniLM-L6-v2")
+    demo.add_argument("--items", type=int, default=2000, help="sentences to embed [2000]")
+    demo.add_argument("--threads", type=int, default=64, help="concurrent callers [64]")
+    demo.set_defaults(run=_demo)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return int(args.run(args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""``batchline status``: what a queue holds and which workers serve it."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+from batchline.config import ServiceSettings, redact_url
+from batchline.keys import GROUP
+
+__all__ = ["collect", "render"]
+
+
+async def collect(
+    settings: ServiceSettings, client: Any, *, live_within_s: float = 10.0
+) -> dict[str, Any]:
+    """Queue depth, pending, lag and dead letters, with the live workers and their figures."""
+    keys = settings.keys
+    streams = []
+    for priority in reversed(range(keys.priorities)):
+        name = keys.stream(priority)
+        length = int(await client.xlen(name))
+        pending = lag = None
+        consumers = 0
+        try:
+            for group in await client.xinfo_groups(name):
+                if _text(group.get("name")) == GROUP:
+                    pending = int(group.get("pending", 0))
+                    lag = group.get("lag")
+                    consumers = int(group.get("consumers", 0))
+        except ResponseError:  # no such stream yet
+            pass
+        streams.append(
+            {
+                "priority": priority,
+                "stream": name,
+                "length": length,
+                "pending": pending,
+                "lag": lag,
+                "consumers": consumers,
+            }
+        )
+    now = time.time()
+    ids = [_text(w) for w in await client.zrangebyscore(keys.workers, now - live_within_s, "+inf")]
+    workers = []
+    for worker_id in ids:
+        raw = await client.get(keys.worker_stats(worker_id))
+        workers.append(json.loads(raw) if raw else {"worker": worker_id})
+    return {
+        "queue": keys.queue,
+        "redis": redact_url(settings.redis_url.get_secret_value()),
+        "depth": sum(s["length"] for s in streams),
+        "streams": streams,
+        "dead_letters": int(await client.xlen(keys.dead)),
+        "workers": workers,
+    }
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def render(status: dict[str, Any]) -> str:
+    """The status as a few readable lines."""
+    lines = [
+        f"queue {status['queue']!r} on {status['redis']}",
+        f"  depth {status['depth']} (waiting + in progress), dead letters {status['dead_letters']}",
+    ]
+    for s in status["streams"]:
+        lines.append(
+            f"  priority {s['priority']}: length {s['length']}, pending {s['pending']}, "
+            f"lag {s['lag']}, consumers {s['consumers']}"
+        )
+    lines.append(f"  live workers: {len(status['workers'])}")
+    for w in status["workers"]:
+        requests = w.get("requests", {})
+        wait = w.get("queue_wait_ms", {})
+        model = w.get("model_ms", {})
+        lines.append(
+            f"    {w.get('worker')}: {w.get('model', '?')}, answered {requests}, "
+            f"mean batch {w.get('mean_batch_size', 0)}, "
+            f"queue wait p50/p95/p99 {_ms(wait)} ms, model p50/p95/p99 {_ms(model)} ms, "
+            f"held {w.get('held', 0)}"
+        )
+    return "\n".join(lines)
+
+
+def _ms(figures: dict[str, float]) -> str:
+    return "/".join(f"{figures.get(k, 0.0):.1f}" for k in ("p50", "p95", "p99"))
