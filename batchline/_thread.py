@@ -210,7 +210,9 @@ class ThreadBatcher(BatcherBase[T, R]):
         """``close`` without blocking the event loop."""
         await asyncio.to_thread(self.close, drain=drain)
 
-    def _shutdown(self, reason: BaseException, join_s: float | None = None) -> None:
+    def _shutdown(self, reason: BaseException, join_s: float | None = 0.0) -> None:
+        """Reject what is queued and stop the worker; wait for it at most ``join_s`` seconds
+        (0 by default: a finalizer must never block the thread that dropped the instance)."""
         with self._cond:
             self._closed = True
             rejected = self._policy.drain()

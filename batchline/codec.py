@@ -175,7 +175,7 @@ def _array(ref: dict[str, Any], blob: bytes, budget: int) -> np.ndarray[Any, Any
     if len(ref) != 1 or not isinstance(spec, list) or len(spec) != 3:
         raise DecodeError("an array reference is {'$nd': [dtype, shape, offset]}")
     dtype, shape, offset = spec
-    if dtype not in _DTYPES:
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
         raise DecodeError(f"array dtype {dtype!r} is not allowed")
     if not isinstance(shape, list) or len(shape) > 8:
         raise DecodeError("array shape must be a list of at most 8 dimensions")
@@ -191,7 +191,10 @@ def _array(ref: dict[str, Any], blob: bytes, budget: int) -> np.ndarray[Any, Any
     nbytes = count * np.dtype(dtype).itemsize
     if offset + nbytes > len(blob):
         raise DecodeError(f"array of shape {shape} needs {nbytes} bytes at {offset}; blob is short")
-    return np.frombuffer(blob, dtype=dtype, count=count, offset=offset).reshape(shape)
+    try:
+        return np.frombuffer(blob, dtype=dtype, count=count, offset=offset).reshape(shape)
+    except ValueError as exc:  # an empty array whose other sizes numpy cannot index
+        raise DecodeError(f"array shape {shape} is invalid: {exc}") from None
 
 
 # -- requests ----------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, overload
 
-from batchline._decorators import make_inference
+from batchline._decorators import make_inference as _make
 from batchline._inference import InferenceBatcher
 
 __all__ = ["InferenceBatcher", "dynamically"]
@@ -70,7 +70,7 @@ def dynamically(
         padding_side: "right" or "left".
         spread_kwargs: call the function as ``fn(**features)`` instead of ``fn(features)``.
     """
-    return make_inference(
+    return _make(
         fn,
         batch_size=batch_size,
         timeout_ms=timeout_ms,

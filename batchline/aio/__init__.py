@@ -6,21 +6,21 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar, overload
 
 from batchline._aio import AioBatcher
-from batchline._decorators import make_aio
+from batchline._decorators import make_aio as _make
 from batchline.aio import inference
 
-T = TypeVar("T")
-R = TypeVar("R")
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 __all__ = ["AioBatcher", "dynamically", "inference"]
 
 
 @overload
-def dynamically(fn: Callable[[list[T]], Awaitable[Sequence[R]]], /) -> AioBatcher[T, R]: ...
+def dynamically(fn: Callable[[list[_T]], Awaitable[Sequence[_R]]], /) -> AioBatcher[_T, _R]: ...
 
 
 @overload
-def dynamically(fn: Callable[[list[T]], Sequence[R]], /) -> AioBatcher[T, R]: ...
+def dynamically(fn: Callable[[list[_T]], Sequence[_R]], /) -> AioBatcher[_T, _R]: ...
 
 
 @overload
@@ -60,7 +60,7 @@ def dynamically(
     of the batcher's own, so the loop stays free). The arguments are those of
     :func:`batchline.dynamically`.
     """
-    return make_aio(
+    return _make(
         fn,
         batch_size=batch_size,
         timeout_ms=timeout_ms,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, overload
 
-from batchline._decorators import make_aio_inference
+from batchline._decorators import make_aio_inference as _make
 from batchline._inference import AioInferenceBatcher
 
 __all__ = ["AioInferenceBatcher", "dynamically"]
@@ -67,7 +67,7 @@ def dynamically(
         padding_side: "right" or "left".
         spread_kwargs: call the function as ``fn(**features)`` instead of ``fn(features)``.
     """
-    return make_aio_inference(
+    return _make(
         fn,
         batch_size=batch_size,
         timeout_ms=timeout_ms,
