@@ -10,6 +10,7 @@ batcher's own, so the loop stays free while it computes.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import functools
 import inspect
@@ -44,12 +45,15 @@ def _wake(fut: asyncio.Future[None]) -> None:
 
 
 class _LoopState:
-    """One event loop's queue, worker task and wake-up future."""
+    """One event loop's queue, worker task and wake-up future.
 
-    __slots__ = ("loop", "policy", "task", "waiter")
+    It never refers to its loop (it is the value of a WeakKeyDictionary keyed by the loop,
+    which a reference back would keep alive forever).
+    """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, policy: BatchPolicy[Item]) -> None:
-        self.loop = loop
+    __slots__ = ("policy", "task", "waiter")
+
+    def __init__(self, policy: BatchPolicy[Item]) -> None:
         self.policy = policy
         self.task: asyncio.Task[None] | None = None
         self.waiter: asyncio.Future[None] | None = None
@@ -79,6 +83,9 @@ class AioBatcher(BatcherBase[T, R]):
             weakref.WeakKeyDictionary()
         )
         self._states_lock = threading.Lock()
+        # The last loop's state, found without a WeakKeyDictionary lookup on every call.
+        self._last_loop: weakref.ref[asyncio.AbstractEventLoop] | None = None
+        self._last_state: _LoopState | None = None
         self._is_coroutine = inspect.iscoroutinefunction(fn)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._draining = False
@@ -106,7 +113,14 @@ class AioBatcher(BatcherBase[T, R]):
         deadline = resolve_deadline(timeout_s, deadline)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         call = self.enqueue(payloads, functools.partial(settle_future, fut), deadline=deadline)
-        return await await_call(fut, call, deadline, many)
+        if deadline is not None:
+            return await await_call(fut, call, deadline, many)
+        try:  # the common case, without await_call's extra coroutine
+            results = await fut
+        except BaseException:
+            call.cancelled = True
+            raise
+        return results if many else results[0]
 
     def enqueue(
         self,
@@ -135,30 +149,61 @@ class AioBatcher(BatcherBase[T, R]):
         return call
 
     def _state(self, loop: asyncio.AbstractEventLoop) -> _LoopState:
+        if (
+            self._last_loop is not None
+            and self._last_loop() is loop
+            and self._last_state is not None
+        ):
+            return self._last_state
         state = self._states.get(loop)
         if state is None:
             with self._states_lock:
                 state = self._states.get(loop)
                 if state is None:
-                    state = _LoopState(loop, BatchPolicy(self._config.policy()))
+                    state = _LoopState(BatchPolicy(self._config.policy()))
                     self._states[loop] = state
+        self._last_loop, self._last_state = weakref.ref(loop), state
         return state
 
     # -- the worker ----------------------------------------------------------------------------
 
     async def _work(self, state: _LoopState) -> None:
+        """Run batches as the policy hands them out.
+
+        A coroutine function runs one batch at a time. A plain function runs on the batcher's
+        thread; while it runs a batch, one more *full* batch may be handed to that thread, so
+        it starts the moment the first ends instead of after the loop has settled 32 callers
+        (a partial batch still waits for the function to be free, so batches keep growing).
+        """
         policy = state.policy
+        running: collections.deque[asyncio.Task[None]] = collections.deque()
+        pipeline = not self._is_coroutine
         try:
             while True:
-                decision = policy.poll(time.monotonic(), flush=self._draining)
+                while running and running[0].done():
+                    running.popleft().result()
+                if len(running) >= 2:
+                    await asyncio.wait([running[0]])
+                    continue
+                decision = policy.poll(
+                    time.monotonic(), flush=self._draining, full_only=bool(running)
+                )
                 self._expire(decision.expired)
                 if decision.batch:
-                    await self._run(decision.batch)
-                elif self._closed and not len(policy):
+                    if pipeline:
+                        task = asyncio.get_running_loop().create_task(self._run(decision.batch))
+                        task.add_done_callback(lambda _task: state.wake())
+                        running.append(task)
+                    else:
+                        await self._run(decision.batch)
+                elif self._closed and not len(policy) and not running:
                     return
                 elif not decision.expired:
                     await self._sleep(state, decision.wake_at)
         except asyncio.CancelledError:
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
             for item in policy.drain():
                 item.reject(BatcherClosed(f"{self._name}: its event loop is shutting down"))
             raise
@@ -166,7 +211,7 @@ class AioBatcher(BatcherBase[T, R]):
             state.task = None
 
     async def _sleep(self, state: _LoopState, wake_at: float | None) -> None:
-        loop = state.loop
+        loop = asyncio.get_running_loop()
         waiter = state.waiter = loop.create_future()
         timer = None
         if wake_at is not None:

@@ -118,14 +118,6 @@ class Call:
         # another thread and the worker can never both settle (and wake) the same call.
         self._once = [True]
 
-    def resolve_item(self, index: int, value: Any) -> None:
-        if self.done:
-            return
-        self.results[index] = value
-        self.remaining -= 1
-        if self.remaining == 0 and self._claim():
-            self._finish()
-
     def reject(self, exc: BaseException) -> None:
         if not self.done and self._claim():
             self.error = exc
@@ -184,7 +176,14 @@ class Item:
         return call.done or call.cancelled
 
     def resolve(self, value: Any) -> None:
-        self.call.resolve_item(self.index, value)
+        # Runs once per item on the worker's hot path: kept flat.
+        call = self.call
+        if call.done:
+            return
+        call.results[self.index] = value
+        call.remaining -= 1
+        if call.remaining == 0 and call._claim():
+            call._finish()
 
     def reject(self, exc: BaseException) -> None:
         self.call.reject(exc)

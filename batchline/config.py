@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -33,15 +33,19 @@ ENV_PREFIX = "BATCHLINE_"
 
 
 def redact_url(url: str) -> str:
-    """The URL with any password replaced by ``***``."""
+    """The URL with any password (``user:password@``, or ``?password=``) replaced by ``***``."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    if parts.password is not None:
+        user = parts.username or ""
+        host = parts.netloc.rpartition("@")[2]
+        url = urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    base, mark, rest = url.partition("?")
+    query, hash_mark, fragment = rest.partition("#")
+    pairs = parse_qsl(query, keep_blank_values=True)
+    if any(k.lower() == "password" for k, _ in pairs):
+        redacted = [(k, "***" if k.lower() == "password" else v) for k, v in pairs]
+        url = base + mark + urlencode(redacted, safe="*") + hash_mark + fragment
+    return url
 
 
 class ServiceSettings(BaseSettings):

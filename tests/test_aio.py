@@ -383,3 +383,24 @@ async def test_methods_get_one_batcher_per_instance() -> None:
         await bound(1)
     assert await b.predict(3) == ("b", 3)
     await b.predict.aclose()
+
+
+def test_event_loops_are_not_kept_alive_by_the_batcher():
+    import gc
+    import weakref
+
+    @batchline.aio.dynamically(batch_size=4, timeout_ms=0)
+    def echo(items):
+        return items
+
+    loops = []
+
+    async def use():
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        return await echo([1, 2, 3])
+
+    assert asyncio.run(use()) == [1, 2, 3]
+    assert asyncio.run(use()) == [1, 2, 3]
+    gc.collect()
+    assert loops[0]() is None, "the first event loop is still referenced after asyncio.run"
+    assert len(echo._states) <= 1

@@ -160,12 +160,14 @@ class BatchPolicy(Generic[W]):
                 wake = True
         return wake
 
-    def poll(self, now: float, *, flush: bool = False) -> Decision[W]:
+    def poll(self, now: float, *, flush: bool = False, full_only: bool = False) -> Decision[W]:
         """Answer: a batch to run now (maybe empty), expired items, and when to poll again.
 
         Args:
             now: the current time, on the clock the items' arrival and deadline use.
             flush: dispatch whatever waits without waiting for the timeout (draining).
+            full_only: hand out only a full batch (a driver that may start one batch while
+                another runs asks this; a partial batch waits for the function to be free).
         """
         expired = self._expire(now)
         oldest = self._oldest_arrival()
@@ -176,10 +178,11 @@ class BatchPolicy(Generic[W]):
         full = self._count >= cfg.batch_size or (
             cfg.max_tokens is not None and self._count * self._max_len > cfg.max_tokens
         )
-        if not (flush or full or now >= due):
-            wake_at = due
+        if not (flush or full or (now >= due and not full_only)):
+            wake_at: float | None = None if full_only else due
             if self._deadlines:
-                wake_at = min(wake_at, self._deadlines[0][0])
+                first = self._deadlines[0][0]
+                wake_at = first if wake_at is None else min(wake_at, first)
             return Decision([], expired, wake_at)
         batch = self._form()
         if cfg.max_tokens is not None:
@@ -278,14 +281,15 @@ class BatchPolicy(Generic[W]):
             # One lane: FIFO, no rank comparison needed (the common case).
             lane = lanes[0]
             out: list[W] = []
+            left = 0
             while lane and len(out) < limit:
                 item = lane.popleft()
-                if item.queued and not item.cancelled:
-                    out.append(item)
-                elif not item.queued:
-                    continue
-                item.queued = False
-                self._left(1)
+                if item.queued:
+                    item.queued = False
+                    left += 1
+                    if not item.cancelled:
+                        out.append(item)
+            self._left(left)
             return out
         out = []
         while len(out) < limit:

@@ -83,6 +83,7 @@ class StatsRecorder:
         self._lock = threading.Lock()
         self._queue_wait: deque[float] = deque(maxlen=window)
         self._latency: deque[float] = deque(maxlen=window)
+        self._call_log: deque[tuple[float, int]] = deque()
         self._function: deque[float] = deque(maxlen=window)
         self._histogram: dict[int, int] = {}
         self._items = 0
@@ -107,12 +108,23 @@ class StatsRecorder:
             self._function_total += sum(function_s)
 
     def record_call(self, latency_s: float, *, ok: bool, items: int) -> None:
-        """One caller's call finished, after ``latency_s``, successfully or not."""
-        with self._lock:
+        """One caller's call finished, after ``latency_s``, successfully or not.
+
+        On the hot path (once per call), so it takes no lock: ``deque.append`` is atomic, and
+        the entries are folded into the counters in chunks, under the lock.
+        """
+        self._call_log.append((latency_s, 0 if ok else items))
+        if len(self._call_log) >= 1024:
+            with self._lock:
+                self._fold_calls()
+
+    def _fold_calls(self) -> None:
+        log = self._call_log
+        while log:
+            latency_s, failed = log.popleft()
             self._calls += 1
             self._latency.append(latency_s)
-            if not ok:
-                self._errors += items
+            self._errors += failed
 
     def record_expired(self, items: int) -> None:
         """Items left the queue because their deadline passed."""
@@ -133,6 +145,7 @@ class StatsRecorder:
     def snapshot(self, queue_size: int) -> BatchStats:
         """A frozen copy of the statistics now."""
         with self._lock:
+            self._fold_calls()
             waits = list(self._queue_wait)
             latency = list(self._latency)
             function = list(self._function)

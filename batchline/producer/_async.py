@@ -254,7 +254,9 @@ class AsyncProducer:
     async def _read_replies(self) -> None:
         last = b"0-0"
         backoff = 0.05
-        while True:
+        # aclose() cancels this task, but on Python 3.11 a cancellation that lands just as
+        # redis-py's internal wait_for completes is swallowed; the flag ends the loop anyway.
+        while not self._closed:
             try:
                 response = await self._redis.xread({self._reply_key: last}, count=1000, block=1000)
                 backoff = 0.05

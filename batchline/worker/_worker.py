@@ -175,6 +175,7 @@ class Worker:
         self._stop: asyncio.Event | None = None
         self._space: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
         self.ready = threading.Event()
 
     def __repr__(self) -> str:
@@ -212,6 +213,9 @@ class Worker:
             await self._batcher.aclose(drain=True)
             await self._writer.aclose(drain=True)
         finally:
+            # Cancelling alone is not enough on Python 3.11: a cancellation that lands just as
+            # redis-py's internal wait_for completes is swallowed, so the loops also end on this.
+            self._closing = True
             for task in (reader, janitor, heartbeat):
                 task.cancel()
             await asyncio.gather(reader, janitor, heartbeat, return_exceptions=True)
@@ -508,7 +512,7 @@ class Worker:
 
     async def _janitor(self) -> None:
         period = self.settings.claim_idle_ms / 3e3
-        while True:
+        while not self._closing:
             await asyncio.sleep(period)  # a maintenance timer, not a poll for work
             try:
                 await self._keep_claims()
@@ -594,7 +598,7 @@ class Worker:
 
     async def _heartbeat(self) -> None:
         period = self.settings.heartbeat_s
-        while True:
+        while not self._closing:
             try:
                 now = time.time()
                 async with self._redis.pipeline(transaction=False) as pipe:
