@@ -90,8 +90,8 @@ class Call:
         "deadline",
         "done",
         "error",
+        "pending",
         "recorder",
-        "remaining",
         "results",
         "size",
         "wake",
@@ -106,7 +106,9 @@ class Call:
     ) -> None:
         self.size = size
         self.results: list[Any] = [None] * size
-        self.remaining = size
+        # One token per item not resolved yet; list.pop is atomic, so when two threads resolve
+        # items of one call (a worker and a settler), exactly one pops the last token (0).
+        self.pending = list(range(size))
         self.error: BaseException | None = None
         self.done = False
         self.cancelled = False
@@ -181,8 +183,7 @@ class Item:
         if call.done:
             return
         call.results[self.index] = value
-        call.remaining -= 1
-        if call.remaining == 0 and call._claim():
+        if call.pending.pop() == 0 and call._claim():
             call._finish()
 
     def reject(self, exc: BaseException) -> None:

@@ -12,7 +12,6 @@ import _thread
 import asyncio
 import atexit
 import contextlib
-import functools
 import logging
 import queue
 import threading
@@ -60,27 +59,34 @@ def _settle_threadsafe(
 
 
 class _Settler:
-    """A thread that wakes callers handed to it, started on first use, stopped with None."""
+    """A thread that settles finished batches handed to it (started on first use)."""
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._queue: queue.SimpleQueue[list[Callable[[], None]] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def put(self, wakers: list[Callable[[], None]]) -> None:
+    def put(self, settle: Callable[[], None]) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
-        self._queue.put(wakers)
+        self._queue.put(settle)
 
     def _run(self) -> None:
-        while (wakers := self._queue.get()) is not None:
-            for waker in wakers:
-                waker()
+        while (settle := self._queue.get()) is not None:
+            try:
+                settle()
+            except BaseException:  # a waker failed; the other callers must still be woken
+                logger.exception("batchline: settling a batch failed")
 
     def stop(self) -> None:
+        """Settle what was handed over, then end (the worker calls this as it ends)."""
         if self._thread is not None:
             self._queue.put(None)
+
+    def join(self, timeout_s: float | None) -> None:
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
 
 
 class ThreadBatcher(BatcherBase[T, R]):
@@ -105,8 +111,6 @@ class ThreadBatcher(BatcherBase[T, R]):
         self._thread: threading.Thread | None = None
         self._idle = False
         self._draining = False
-        self._deferred: list[Callable[[], None]] | None = None
-        self._worker_ident = 0
         self._settler = _Settler(f"batchline-settle:{self._name}")
 
     # -- calling -------------------------------------------------------------------------------
@@ -132,7 +136,7 @@ class ThreadBatcher(BatcherBase[T, R]):
         deadline = resolve_deadline(timeout_s, deadline)
         lock = _thread.allocate_lock()
         lock.acquire()
-        call = self._submit(payloads, deadline, lambda _call: self._wake_soon(lock.release))
+        call = self._submit(payloads, deadline, lambda _call: lock.release())
         try:
             if deadline is None:
                 lock.acquire()
@@ -168,7 +172,7 @@ class ThreadBatcher(BatcherBase[T, R]):
         fut: asyncio.Future[Any] = loop.create_future()
 
         def wake(call: Call) -> None:
-            self._wake_soon(functools.partial(_settle_threadsafe, loop, fut, call))
+            _settle_threadsafe(loop, fut, call)
 
         return await await_call(fut, self._submit(payloads, deadline, wake), deadline, many)
 
@@ -193,28 +197,7 @@ class ThreadBatcher(BatcherBase[T, R]):
         _live.add(self)
         self._thread.start()
 
-    def _wake_soon(self, waker: Callable[[], None]) -> None:
-        """Wake a caller: later (after the batch) when on the worker thread, else now."""
-        deferred = self._deferred
-        if deferred is not None and threading.get_ident() == self._worker_ident:
-            deferred.append(waker)
-        else:
-            waker()
-
-    def _wake_all(self, wakers: list[Callable[[], None]]) -> None:
-        """Wake a batch's callers. With more work queued, a settler thread does it, so the
-        next batch starts at once instead of after 32 thread wake-ups; with nothing queued
-        the worker does it itself (no extra hop for a lone call)."""
-        if not wakers:
-            return
-        if len(self._policy) and not self._closed:
-            self._settler.put(wakers)
-        else:
-            for waker in wakers:
-                waker()
-
     def _work(self) -> None:
-        self._worker_ident = threading.get_ident()
         try:
             self._serve()
         finally:
@@ -241,17 +224,19 @@ class ThreadBatcher(BatcherBase[T, R]):
                 continue
             started = time.monotonic()
             run = Isolation(batch, isolate=isolate)
-            wakers: list[Callable[[], None]] = []
-            self._deferred = wakers
             while (payloads := run.next()) is not None:
                 try:
                     outputs = self._invoke(payloads)
                 except BaseException as exc:  # isolated per item; the worker carries on
                     run.failed(exc)
                 else:
-                    run.succeeded(outputs)
-            self._deferred = None
-            self._wake_all(wakers)
+                    settle = run.settle_later(outputs)
+                    if len(policy):
+                        # More work waits: the settler thread resolves and wakes this batch's
+                        # callers while the next batch runs, instead of before it starts.
+                        self._settler.put(settle)
+                    else:
+                        settle()  # nothing waits: no extra hop for a lone call
             self._recorder.record_batch([started - it.arrival for it in batch], run.durations_s)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -291,6 +276,8 @@ class ThreadBatcher(BatcherBase[T, R]):
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
+            if not thread.is_alive():
+                self._settler.join(timeout_s)
 
     def _queue_size(self) -> int:
         return len(self._policy)

@@ -102,7 +102,9 @@ async def _check(settings: Any, max_age_s: float) -> int:
         await client.aclose()
     host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:40]
     want = settings.worker_id or host + "-"
-    alive = [b.decode() for b in beats if b.decode().startswith(want)]
+    names = [b.decode() for b in beats]
+    # A worker_id names one worker (w1 is not w12); without one, any worker of this host.
+    alive = [n for n in names if n == want or (not settings.worker_id and n.startswith(want))]
     if not alive:
         print(f"unhealthy: no heartbeat from {want}* within {max_age_s} s", file=sys.stderr)
         return 1

@@ -21,8 +21,9 @@ rejected with an error. The rules live here, once, for every driver:
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 from batchline.errors import BatchFunctionError
@@ -72,14 +73,24 @@ class Isolation(Generic[S]):
 
     def succeeded(self, outputs: Any) -> None:
         """The function returned ``outputs`` for the payloads ``next`` gave."""
+        self.settle_later(outputs)()
+
+    def settle_later(self, outputs: Any) -> Callable[[], None]:
+        """Like ``succeeded``, but only record the call's duration now; the function it returns
+        settles the items, on any thread, while this run goes on (items of a call may be
+        settled from two threads: ``Call`` makes that safe)."""
         self._timed()
         sub = self._current
+        return functools.partial(self._settle, sub, outputs)
+
+    @classmethod
+    def _settle(cls, sub: list[S], outputs: Any) -> None:
         try:
             count = len(outputs)
             if not isinstance(outputs, Sequence):
                 outputs = list(outputs)  # sized but maybe not iterable: must not escape
         except TypeError:
-            self._reject(
+            cls._reject(
                 sub,
                 BatchFunctionError(
                     f"the batch function returned {type(outputs).__name__}, "
@@ -88,7 +99,7 @@ class Isolation(Generic[S]):
             )
             return
         if count != len(sub) or len(outputs) != count:
-            self._reject(
+            cls._reject(
                 sub,
                 BatchFunctionError(
                     f"the batch function returned {count} results for {len(sub)} inputs"
