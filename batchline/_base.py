@@ -335,6 +335,9 @@ class BatcherBase(Generic[T, R]):
         call = Call(len(payloads), deadline, wake, self._recorder)
         small = len(payloads) <= cfg.small_batch_threshold
         length_fn = cfg.length_fn
+        if len(payloads) == 1:  # the common call: one item
+            one = payloads[0]
+            return call, [Item(call, 0, one, 1 if length_fn is None else length_fn(one), small)]
         if length_fn is None:
             items = [Item(call, i, p, 1, small) for i, p in enumerate(payloads)]
         else:
@@ -344,6 +347,9 @@ class BatcherBase(Generic[T, R]):
     def _admit(self, policy: BatchPolicy[Item], items: list[Item]) -> bool:
         """Queue ``items`` in ``policy`` (caller holds its lock); True if the driver must wake."""
         cfg = self._config
+        if not (self._closed or cfg.max_queue_size is not None or cfg.max_tokens is not None):
+            if len(items) == 1:
+                return policy.add(items[0])
         try:
             if self._closed:
                 raise BatcherClosed(f"{self._name} is closed")

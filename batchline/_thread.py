@@ -133,7 +133,8 @@ class ThreadBatcher(BatcherBase[T, R]):
         payloads = items if many else [items]
         if not payloads:
             return []
-        deadline = resolve_deadline(timeout_s, deadline)
+        if timeout_s is not None:
+            deadline = resolve_deadline(timeout_s, deadline)
         lock = _thread.allocate_lock()
         lock.acquire()
         call = self._submit(payloads, deadline, lambda _call: lock.release())
@@ -167,7 +168,8 @@ class ThreadBatcher(BatcherBase[T, R]):
         payloads = items if many else [items]
         if not payloads:
             return []
-        deadline = resolve_deadline(timeout_s, deadline)
+        if timeout_s is not None:
+            deadline = resolve_deadline(timeout_s, deadline)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
 

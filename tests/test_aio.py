@@ -404,3 +404,12 @@ def test_event_loops_are_not_kept_alive_by_the_batcher():
     gc.collect()
     assert loops[0]() is None, "the first event loop is still referenced after asyncio.run"
     assert len(echo._states) <= 1
+
+
+async def test_stop_iteration_from_a_plain_function_reaches_the_caller():
+    @batchline.aio.dynamically(batch_size=4, timeout_ms=0, isolate_errors=False)
+    def broken(items):
+        raise StopIteration("done")
+
+    with pytest.raises(RuntimeError, match="StopIteration"):
+        await broken(1)

@@ -176,6 +176,7 @@ class Worker:
         self._space: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
+        self._in_order = asyncio.Lock()
         self.ready = threading.Event()
 
     def __repr__(self) -> str:
@@ -383,7 +384,10 @@ class Worker:
                 meta.batch_size = len(batch)
         keys = [self.keys.cancel(m.request.id) for m in metas if m is not None]
         try:
-            marks = await self._redis.mget(keys) if keys else []
+            # The batcher may hand out the next batch while one runs: without the lock, a later
+            # batch whose check came back first would reach the model first (out of order).
+            async with self._in_order:
+                marks = await self._redis.mget(keys) if keys else []
         except (RedisError, OSError):
             return  # cannot check now: run them (cancelling is best effort)
         live = [c for c, m in zip(calls, metas, strict=True) if m is not None]
