@@ -347,9 +347,9 @@ class BatcherBase(Generic[T, R]):
     def _admit(self, policy: BatchPolicy[Item], items: list[Item]) -> bool:
         """Queue ``items`` in ``policy`` (caller holds its lock); True if the driver must wake."""
         cfg = self._config
-        if not (self._closed or cfg.max_queue_size is not None or cfg.max_tokens is not None):
-            if len(items) == 1:
-                return policy.add(items[0])
+        unlimited = cfg.max_queue_size is None and cfg.max_tokens is None
+        if unlimited and len(items) == 1 and not self._closed:
+            return policy.add(items[0])
         try:
             if self._closed:
                 raise BatcherClosed(f"{self._name} is closed")
