@@ -18,6 +18,7 @@ from batchline.errors import (
     InferenceError,
     ItemTooLarge,
     QueueFull,
+    RequestCancelled,
     RequestExpired,
     RequestTimeout,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "ItemTooLarge",
     "Percentiles",
     "QueueFull",
+    "RequestCancelled",
     "RequestExpired",
     "RequestTimeout",
     "ThreadBatcher",

@@ -40,6 +40,9 @@ R = TypeVar("R")
 __all__ = ["AioBatcher"]
 
 
+_DONE = object()  # the run had nothing left to call the function with
+
+
 def _wake(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -119,6 +122,9 @@ class AioBatcher(BatcherBase[T, R]):
     or ``deadline=`` (``time.monotonic()`` clock): items still queued at the deadline are
     dropped and the call raises RequestTimeout; a cancelled caller's items are dropped too.
     """
+
+    #: May a full batch be handed to a plain function's thread while another batch runs?
+    _pipeline = True
 
     def __init__(
         self,
@@ -227,7 +233,7 @@ class AioBatcher(BatcherBase[T, R]):
         """
         policy = state.policy
         running: collections.deque[asyncio.Task[None]] = collections.deque()
-        pipeline = not self._is_coroutine
+        pipeline = self._pipeline and not self._is_coroutine
         try:
             while True:
                 while running and running[0].done():
@@ -281,9 +287,9 @@ class AioBatcher(BatcherBase[T, R]):
         await self._before_run(batch)
         run = Isolation(batch, isolate=self._config.isolate_errors)
         try:
-            while (payloads := run.next()) is not None:
+            while True:
                 try:
-                    outputs = await self._call_function(payloads)
+                    outputs = await self._next_outputs(run)
                 except asyncio.CancelledError as exc:
                     task = asyncio.current_task()
                     if task is not None and task.cancelling():
@@ -292,22 +298,37 @@ class AioBatcher(BatcherBase[T, R]):
                 except BaseException as exc:  # isolated per item; the worker carries on
                     run.failed(exc)
                 else:
+                    if outputs is _DONE:
+                        break
                     run.succeeded(outputs)
+                if run.exhausted:
+                    break
         except asyncio.CancelledError:
             run.abort(BatcherClosed(f"{self._name}: its event loop is shutting down"))
             raise
         finally:
             self._recorder.record_batch([started - it.arrival for it in batch], run.durations_s)
 
-    async def _call_function(self, payloads: list[Any]) -> Any:
+    async def _next_outputs(self, run: Isolation[Item]) -> Any:
+        """The function's outputs for the run's next payloads, or _DONE.
+
+        For a plain function the payloads are picked on its thread, right before it runs:
+        a batch handed over while another one runs still drops the callers that left (timed
+        out, cancelled) while it waited.
+        """
         if self._is_coroutine:
-            outputs = self._invoke(payloads)
+            payloads = run.next()
+            outputs = _DONE if payloads is None else self._invoke(payloads)
         else:
             loop = asyncio.get_running_loop()
-            outputs = await self._function_thread().submit(loop, self._invoke, payloads)
+            outputs = await self._function_thread().submit(loop, self._step, run)
         if inspect.isawaitable(outputs):
             outputs = await outputs
         return outputs
+
+    def _step(self, run: Isolation[Item]) -> Any:
+        payloads = run.next()
+        return _DONE if payloads is None else self._invoke(payloads)
 
     def _function_thread(self) -> _FunctionThread:
         if self._thread is None:

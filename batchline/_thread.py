@@ -226,20 +226,24 @@ class ThreadBatcher(BatcherBase[T, R]):
                 continue
             started = time.monotonic()
             run = Isolation(batch, isolate=isolate)
+            settles: list[Callable[[], None]] = []
             while (payloads := run.next()) is not None:
                 try:
                     outputs = self._invoke(payloads)
                 except BaseException as exc:  # isolated per item; the worker carries on
                     run.failed(exc)
                 else:
-                    settle = run.settle_later(outputs)
-                    if len(policy):
-                        # More work waits: the settler thread resolves and wakes this batch's
-                        # callers while the next batch runs, instead of before it starts.
-                        self._settler.put(settle)
-                    else:
-                        settle()  # nothing waits: no extra hop for a lone call
+                    settles.append(run.settle_later(outputs))
+            # Recorded before any caller is woken, so a caller sees its batch in the stats.
             self._recorder.record_batch([started - it.arrival for it in batch], run.durations_s)
+            if len(policy):
+                # More work waits: the settler thread resolves and wakes this batch's callers
+                # while the next batch runs, instead of before it starts.
+                for settle in settles:
+                    self._settler.put(settle)
+            else:
+                for settle in settles:
+                    settle()  # nothing waits: no extra hop for a lone call
 
     # -- lifecycle -----------------------------------------------------------------------------
 

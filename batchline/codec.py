@@ -27,7 +27,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from batchline.errors import BatchlineError, InferenceError, RequestExpired
+from batchline.errors import BatchlineError, InferenceError, RequestCancelled, RequestExpired
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -138,7 +138,7 @@ def unpack_value(meta: bytes, blob: bytes, limits: Limits) -> Any:
     if len(blob) > limits.max_blob_bytes:
         raise DecodeError(f"value data of {len(blob)} bytes exceeds {limits.max_blob_bytes}")
     try:
-        tree = json.loads(meta)
+        tree = json.loads(meta, parse_constant=_no_constant)
     except (ValueError, RecursionError) as exc:
         raise DecodeError(f"value header is not JSON: {exc}") from None
     elements = 0
@@ -168,6 +168,10 @@ def unpack_value(meta: bytes, blob: bytes, limits: Limits) -> Any:
         return v  # None, bool, int, float
 
     return walk(tree, 0)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _array(ref: dict[str, Any], blob: bytes, budget: int) -> np.ndarray[Any, Any]:
@@ -335,7 +339,7 @@ class Result:
         if self.status == "expired":
             raise RequestExpired(f"request {self.id} expired before a worker started it")
         if self.status == "cancelled":
-            raise InferenceError("Cancelled", f"request {self.id} was cancelled")
+            raise RequestCancelled(f"request {self.id} was cancelled before a worker started it")
         raise InferenceError(self.error_type or "Error", self.error_message)
 
 

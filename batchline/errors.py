@@ -9,6 +9,7 @@ error subclasses that builtin too::
     ├── BatcherClosed                a call after close(), or one rejected by close()
     ├── RequestTimeout (TimeoutError) the call's timeout or deadline passed
     │   └── RequestExpired           the deadline passed before a worker started it
+    ├── RequestCancelled             the request was cancelled before a worker started it
     ├── ItemTooLarge (ValueError)    one item alone exceeds max_tokens
     ├── BatchFunctionError           the batch function broke its contract
     │   (wrong number of results, or raised a BaseException such as SystemExit)
@@ -28,6 +29,7 @@ __all__ = [
     "InferenceError",
     "ItemTooLarge",
     "QueueFull",
+    "RequestCancelled",
     "RequestExpired",
     "RequestTimeout",
 ]
@@ -51,6 +53,10 @@ class RequestTimeout(BatchlineError, TimeoutError):
 
 class RequestExpired(RequestTimeout):
     """The request's deadline passed before any worker started it."""
+
+
+class RequestCancelled(BatchlineError):
+    """The request was cancelled (``Producer.cancel``) before a worker started it."""
 
 
 class ItemTooLarge(BatchlineError, ValueError):

@@ -71,6 +71,11 @@ class Isolation(Generic[S]):
                 return [item.payload for item in sub]
         return None
 
+    @property
+    def exhausted(self) -> bool:
+        """True when ``next`` has nothing more to give (no retries pending)."""
+        return not self._pending
+
     def succeeded(self, outputs: Any) -> None:
         """The function returned ``outputs`` for the payloads ``next`` gave."""
         self.settle_later(outputs)()

@@ -31,7 +31,7 @@ from batchline._redis import Script, connect
 from batchline._scripts import ENQUEUE
 from batchline.codec import DecodeError, Result, decode_result, encode_request
 from batchline.config import ProducerSettings
-from batchline.errors import BatcherClosed, QueueFull, RequestTimeout
+from batchline.errors import BatcherClosed, QueueFull, RequestCancelled, RequestTimeout
 from batchline.keys import check_name
 
 __all__ = ["AsyncProducer", "Handle"]
@@ -119,6 +119,7 @@ class AsyncProducer:
         for fut in self._waiting.values():
             if not fut.done():
                 fut.set_exception(BatcherClosed("the producer was closed before the result came"))
+                fut.exception()  # retrieved: nobody may be waiting on it any more
         self._waiting.clear()
         with contextlib.suppress(RedisError, OSError):
             await self._redis.delete(self._reply_key)
@@ -240,7 +241,9 @@ class AsyncProducer:
         await self._redis.set(self.keys.cancel(rid), b"1", ex=self.settings.result_ttl_s)
         fut = self._waiting.pop(rid, None)
         if fut is not None and not fut.done():
-            fut.cancel()
+            # Not fut.cancel(): a waiter would take that for its own task being cancelled.
+            fut.set_exception(RequestCancelled(f"request {rid} was cancelled by this producer"))
+            fut.exception()  # retrieved: nobody may be waiting on it
 
     async def queue_depth(self) -> int:
         """Requests waiting or in progress in this queue, all priorities together."""

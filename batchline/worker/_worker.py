@@ -104,7 +104,14 @@ def _noop(_call: Call) -> None:
 
 
 class _ModelBatcher(AioBatcher[Prepared, Any]):
-    """The in-process asyncio driver, with a check for cancelled requests before each batch."""
+    """The in-process asyncio driver, with a check for cancelled requests before each batch.
+
+    No batch is handed to the model's thread ahead of time: cancellation marks and deadlines
+    are checked as a batch starts, which must be when the model is free to run it (a real
+    model's batch takes far longer than the wait this would save).
+    """
+
+    _pipeline = False
 
     def __init__(self, worker: Worker, config: BatchConfig) -> None:
         super().__init__(worker._infer, config)
@@ -135,12 +142,14 @@ class Worker:
     ) -> None:
         if isinstance(model, str):  # the setting (a model spec), not a model object
             overrides["model"], model = model, None
+        self._model_name = type(model).__name__ if model is not None else None
         self.settings = s = settings or WorkerSettings(**overrides)
         self.keys = s.keys
         host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())
         self.worker_id = check_name(
             "worker_id", s.worker_id or f"{host[:40]}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         )
+        self._model_name = self._model_name or s.model
         self.model = model or load_model(s.model, path=s.model_path, device=s.device, dtype=s.dtype)
         self._own_client = redis is None
         self._redis = redis if redis is not None else connect(s)
@@ -176,7 +185,6 @@ class Worker:
         self._space: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
-        self._in_order = asyncio.Lock()
         self.ready = threading.Event()
 
     def __repr__(self) -> str:
@@ -194,7 +202,7 @@ class Worker:
             self.worker_id,
             self.keys.queue,
             redact_url(self.settings.redis_url.get_secret_value()),
-            self.settings.model,
+            self._model_name,
         )
         await loop.run_in_executor(None, self.model.load)
         if self.model.heavy_preprocess:
@@ -208,12 +216,28 @@ class Worker:
         janitor = loop.create_task(self._janitor(), name="batchline-janitor")
         heartbeat = loop.create_task(self._heartbeat(), name="batchline-heartbeat")
         self.ready.set()
+        stopped = loop.create_task(self._stop.wait())
+        crashed: list[BaseException] = []
         try:
-            await self._stop.wait()
-            await reader  # returns after its current read (at most one block interval)
+            done, _ = await asyncio.wait(
+                {stopped, reader, janitor, heartbeat}, return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in done - {stopped}:
+                if not task.cancelled() and task.exception() is not None:
+                    crashed.append(task.exception())  # type: ignore[arg-type]
+                    logger.error(
+                        "worker %s: %s failed",
+                        self.worker_id,
+                        task.get_name(),
+                        exc_info=task.exception(),
+                    )
+            self.stop()  # drain: what was read is still answered
+            if not reader.done():
+                await reader  # returns after its current read (at most one block interval)
             await self._batcher.aclose(drain=True)
             await self._writer.aclose(drain=True)
         finally:
+            stopped.cancel()
             # Cancelling alone is not enough on Python 3.11: a cancellation that lands just as
             # redis-py's internal wait_for completes is swallowed, so the loops also end on this.
             self._closing = True
@@ -228,6 +252,9 @@ class Worker:
             if self._own_client:
                 await self._redis.aclose()
             logger.info("worker %s: stopped (%s)", self.worker_id, dict(self.counts))
+        if crashed:
+            # Exit non-zero so that a supervisor restarts the worker.
+            raise RuntimeError(f"worker {self.worker_id} stopped: a task failed") from crashed[0]
 
     def stop(self) -> None:
         """Drain and stop; callable from any thread and from signal handlers."""
@@ -277,13 +304,15 @@ class Worker:
         backoff = 0.05
         while not stop.is_set():
             room = self._window - self._batcher._queue_size() - self._preparing
+            # COUNT applies to each stream: split the room so the total stays within it.
+            per_stream = max(1, -(-room // len(streams)))
             if room <= 0:
                 space.clear()
                 await space.wait()
                 continue
             try:
                 response = await self._redis.xreadgroup(
-                    GROUP, self.worker_id, streams, count=room, block=1000
+                    GROUP, self.worker_id, streams, count=per_stream, block=1000
                 )
                 backoff = 0.05
             except ResponseError as exc:
@@ -384,10 +413,7 @@ class Worker:
                 meta.batch_size = len(batch)
         keys = [self.keys.cancel(m.request.id) for m in metas if m is not None]
         try:
-            # The batcher may hand out the next batch while one runs: without the lock, a later
-            # batch whose check came back first would reach the model first (out of order).
-            async with self._in_order:
-                marks = await self._redis.mget(keys) if keys else []
+            marks = await self._redis.mget(keys) if keys else []
         except (RedisError, OSError):
             return  # cannot check now: run them (cancelling is best effort)
         live = [c for c, m in zip(calls, metas, strict=True) if m is not None]
@@ -580,7 +606,7 @@ class Worker:
         st = self._batcher.stats
         return {
             "worker": self.worker_id,
-            "model": self.settings.model,
+            "model": self._model_name,
             "batch_size": self.settings.batch_size,
             "requests": dict(self.counts),
             "batches": st.batches,
@@ -597,6 +623,7 @@ class Worker:
                 "p99": st.function_ms.p99,
             },
             "held": self._batcher._queue_size(),
+            "padding_efficiency": _padding(self.model),
             "time": time.time(),
         }
 
@@ -618,6 +645,12 @@ class Worker:
             except (RedisError, OSError) as exc:
                 logger.warning("heartbeat: %s", type(exc).__name__)
             await asyncio.sleep(period)  # a report timer, not a poll for work
+
+
+def _padding(model: Model) -> float | None:
+    """Real / padded tokens over every batch so far, for models that pad (else None)."""
+    padded = getattr(model, "padded_tokens", 0)
+    return round(getattr(model, "real_tokens", 0) / padded, 4) if padded else None
 
 
 def _length(prepared: Prepared) -> int:

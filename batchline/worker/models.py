@@ -119,6 +119,8 @@ class _Tokenized:
     """Shared by the tensor models: tokenizing texts one by one, padding a batch on the way in."""
 
     heavy_preprocess = True
+    real_tokens = 0  # tokens of real data in every batch so far
+    padded_tokens = 0  # tokens after padding
     tokenizer: Any
     max_length: int
     device: str
@@ -138,6 +140,8 @@ class _Tokenized:
         import torch
 
         features, info = collate(batch, self._pad_tokens())
+        self.real_tokens += info.real
+        self.padded_tokens += info.total
         tensors = {
             k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device)
             for k, v in features.items()

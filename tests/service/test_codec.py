@@ -1,0 +1,511 @@
+"""The wire codec: values, requests and results round-trip; hostile bytes only ever raise
+DecodeError, without allocating what a header claims."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import json
+import math
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import batchline
+from batchline.codec import (
+    SCHEMA_VERSION,
+    DecodeError,
+    Limits,
+    Result,
+    decode_request,
+    decode_result,
+    encode_request,
+    encode_result,
+    pack_value,
+    salvage_id,
+    unpack_value,
+)
+from batchline.errors import InferenceError, RequestCancelled, RequestExpired
+
+from .conftest import assert_same
+
+LIMITS = Limits()
+DTYPES = [
+    np.bool_,
+    np.int8,
+    np.uint8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+    np.float16,
+    np.float32,
+    np.float64,
+]
+RESULT_FIELDS = (
+    "v",
+    "id",
+    "status",
+    "meta",
+    "blob",
+    "etype",
+    "emsg",
+    "queue_ms",
+    "batch",
+    "model_ms",
+    "worker",
+)
+
+
+def as_redis(fields: dict[str, Any]) -> dict[bytes, bytes]:
+    """Fields as Redis stores and returns them (what redis-py's encoder sends)."""
+    out = {}
+    for k, v in fields.items():
+        if isinstance(v, bytes):
+            out[k.encode()] = v
+        elif isinstance(v, float):
+            out[k.encode()] = repr(v).encode()
+        else:
+            out[k.encode()] = str(v).encode()
+    return out
+
+
+def round_trip(value: Any) -> Any:
+    meta, blob = pack_value(value)
+    assert isinstance(meta, bytes)
+    assert isinstance(blob, bytes)
+    return unpack_value(meta, blob, LIMITS)
+
+
+# -- values ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "a text",
+        "",
+        "ünïcödé ✓ \u2028 \x00 emoji 🚀",
+        ["two", "texts"],
+        [],
+        {},
+        None,
+        True,
+        0,
+        -(2**70),
+        1.5,
+        -0.0,
+        1e308,
+        {"nested": {"list": [1, "x", None, {"deep": [True, False]}]}, "n": 3},
+    ],
+)
+def test_json_values_round_trip(value: Any) -> None:
+    assert_same(round_trip(value), value)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).str)
+def test_arrays_of_every_allowed_dtype_round_trip(dtype: Any) -> None:
+    rng = np.random.default_rng(0)
+    a = (rng.random((3, 4)) * 100).astype(dtype)
+    b = np.arange(5).astype(dtype)
+    value = {
+        "a": a,
+        "b": [b, "text", {"c": a[:, 1]}],  # a non-contiguous column
+        "scalar": np.asarray(a[0, 0]),
+        "empty": np.zeros((0, 7), dtype=dtype),
+        "transposed": a.T,
+    }
+    got = round_trip(value)
+    assert_same(got, value)
+    assert not got["a"].flags.writeable  # a view over the received bytes, never a copy
+
+
+def test_big_endian_and_numpy_scalars_travel_as_little_endian() -> None:
+    big = np.arange(6, dtype=">f4").reshape(2, 3)
+    got = round_trip({"big": big, "scalar": np.float64(2.5), "i": np.int16(-3)})
+    assert got["big"].dtype == np.dtype("<f4")
+    np.testing.assert_array_equal(got["big"], big)
+    assert got["scalar"].shape == ()
+    assert got["scalar"] == 2.5
+    assert got["i"].dtype == np.dtype("<i2")
+    assert got["i"] == -3
+
+
+def test_torch_tensors_travel_as_arrays() -> None:
+    torch = pytest.importorskip("torch")
+    got = round_trip([torch.arange(4, dtype=torch.float32), torch.ones(2, dtype=torch.bfloat16)])
+    np.testing.assert_array_equal(got[0], np.arange(4, dtype=np.float32))
+    assert got[1].dtype == np.float32  # bfloat16 has no numpy dtype: it travels as float32
+    np.testing.assert_array_equal(got[1], np.ones(2, dtype=np.float32))
+
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(st.text(max_size=6).filter(lambda k: not k.startswith("$")), children)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(deadline=None)
+@given(json_values)
+def test_any_json_value_round_trips(value: Any) -> None:
+    assert_same(round_trip(value), value)
+
+
+@settings(deadline=None)
+@given(
+    hnp.arrays(
+        st.sampled_from(DTYPES).map(np.dtype),
+        hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=4),
+    )
+)
+def test_any_array_round_trips(array: np.ndarray[Any, Any]) -> None:
+    got = round_trip([array, {"again": array}])
+    for a in (got[0], got[1]["again"]):
+        assert a.dtype == array.dtype
+        assert a.shape == array.shape
+        np.testing.assert_array_equal(a, array)  # NaNs compare equal here
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        object(),
+        {1, 2},
+        b"bytes",
+        float("nan"),
+        [1.0, float("inf")],
+        {"x": -math.inf},
+        {"$nd": 1},
+        {"ok": {"$hidden": 1}},
+        {1: "int key"},
+        np.array(["text"]),
+        np.array([object()], dtype=object),
+        np.array([1 + 2j]),
+        np.array(["2024-01-01"], dtype="datetime64[D]"),
+    ],
+    ids=repr,
+)
+def test_pack_value_refuses_what_cannot_travel(value: Any) -> None:
+    with pytest.raises(TypeError):
+        pack_value(value)
+
+
+# -- requests and results ----------------------------------------------------------------------
+
+
+def test_request_round_trip() -> None:
+    value = {"input_ids": np.arange(5, dtype=np.int64), "text": "hello"}
+    fields = encode_request(
+        "req-1",
+        value,
+        priority=2,
+        deadline_unix_ms=1_700_000_000_123.5,
+        enqueued_unix_ms=1_700_000_000_000.25,
+        reply="producer-1",
+    )
+    request = decode_request(as_redis(fields))
+    assert request.v == SCHEMA_VERSION
+    assert request.id == "req-1"
+    assert request.prio == 2
+    assert request.dl == 1_700_000_000_123.5
+    assert request.ts == 1_700_000_000_000.25
+    assert request.reply == "producer-1"
+    assert_same(request.value(LIMITS), value)
+
+
+def test_request_without_deadline_reply_or_arrays() -> None:
+    fields = encode_request("r", ["a", "b"], enqueued_unix_ms=1.0, reply=None)
+    assert "blob" not in fields
+    assert "dl" not in fields
+    assert "reply" not in fields
+    request = decode_request(as_redis(fields))
+    assert request.dl is None
+    assert request.reply is None
+    assert request.blob == b""
+    assert request.value(LIMITS) == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        Result("a", "ok", {"emb": np.ones((2, 3), dtype=np.float32), "n": 1}, queue_ms=1.5),
+        Result("b", "error", None, "ValueError", "bad input ✗", batch_size=4, worker="w-1"),
+        Result("c", "expired"),
+        Result("d", "cancelled", model_ms=2.0),
+    ],
+    ids=lambda r: r.status,
+)
+def test_result_round_trip(result: Result) -> None:
+    raw = as_redis(dict(zip(RESULT_FIELDS, encode_result(result), strict=True)))
+    got = decode_result(raw, LIMITS)
+    for name in ("id", "status", "error_type", "error_message", "batch_size", "worker"):
+        assert getattr(got, name) == getattr(result, name)
+    assert got.queue_ms == pytest.approx(result.queue_ms)
+    assert got.model_ms == pytest.approx(result.model_ms)
+    assert_same(got.output, result.output)
+
+
+def test_result_unwrap_raises_the_typed_error() -> None:
+    assert Result("a", "ok", [1]).unwrap() == [1]
+    with pytest.raises(RequestExpired):
+        Result("a", "expired").unwrap()
+    with pytest.raises(InferenceError) as info:
+        Result("a", "error", None, "ValueError", "boom").unwrap()
+    assert (info.value.error_type, info.value.error_message) == ("ValueError", "boom")
+    with pytest.raises(RequestCancelled):
+        Result("a", "cancelled").unwrap()
+
+
+def test_nan_and_infinity_are_not_json() -> None:
+    for constant in (b"NaN", b"Infinity", b"-Infinity", b"[1, NaN]"):
+        with pytest.raises(DecodeError):
+            unpack_value(constant, b"", Limits())
+
+
+# -- malformed input: DecodeError, and nothing else --------------------------------------------
+
+
+def good_request(**changes: Any) -> dict[bytes, bytes]:
+    fields: dict[str, Any] = dict(
+        encode_request("r1", "text", enqueued_unix_ms=1.0, reply="p1", priority=1)
+    )
+    fields.update(changes)
+    return as_redis({k: v for k, v in fields.items() if v is not None})
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {},
+        {b"junk": b"1"},
+        good_request(v=2),
+        good_request(v="one"),
+        good_request(v=None),
+        good_request(id=None),
+        good_request(id="has space"),
+        good_request(id="x" * 129),
+        good_request(id=b"\xff\xfe"),
+        good_request(meta=None),
+        good_request(prio=16),
+        good_request(prio=-1),
+        good_request(prio="high"),
+        good_request(ts=-5),
+        good_request(dl="soon"),
+        good_request(dl="inf"),
+        good_request(dl="nan"),
+        good_request(reply="bad reply"),
+    ],
+)
+def test_malformed_requests_raise_decode_error(raw: dict[bytes, bytes]) -> None:
+    with pytest.raises(DecodeError):
+        decode_request(raw)
+
+
+def nd(dtype: Any = "<f4", shape: Any = (1,), offset: Any = 0) -> bytes:
+    return json.dumps({"$nd": [dtype, list(shape) if isinstance(shape, tuple) else shape, offset]})
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [
+        b"",
+        b"{not json",
+        b"\xff\xfe",
+        b"[" * 100_000,  # recursion inside json itself
+        json.dumps([[[[[["deep"]]]]]]).encode(),  # deeper than max_depth=4 below
+        json.dumps("x" * 101).encode(),  # longer than max_chars=100 below
+        json.dumps(list(range(11))).encode(),  # more than max_items=10 below
+        json.dumps({str(i): i for i in range(11)}).encode(),
+        b"1" * 5000,  # an integer past Python's digit limit
+        json.dumps({"$nd": "<f4"}).encode(),
+        json.dumps({"$nd": ["<f4", [1]]}).encode(),
+        json.dumps({"$nd": ["<f4", [1], 0], "extra": 1}).encode(),
+        json.dumps({"$nd": ["<f4", [1], 0], "$nd2": 1}).encode(),
+        nd("|O").encode(),
+        nd("<U4").encode(),
+        nd(">f4").encode(),
+        nd("f4").encode(),
+        nd("<c8").encode(),
+        nd("|V4").encode(),
+        nd("<M8[s]").encode(),
+        nd(["<f4"]).encode(),
+        nd({"<f4": 1}).encode(),
+        nd(None).encode(),
+        nd(4).encode(),
+        nd(shape="3").encode(),
+        nd(shape=[1.0]).encode(),
+        nd(shape=[True]).encode(),
+        nd(shape=[-1]).encode(),
+        nd(shape=[None]).encode(),
+        nd(shape=[1] * 9).encode(),
+        nd(shape=[0, 10**30]).encode(),
+        nd(shape=[0, 2**62, 2**62]).encode(),
+        nd(offset=-1).encode(),
+        nd(offset=1.5).encode(),
+        nd(offset=True).encode(),
+        nd(offset="0").encode(),
+        b'{"$nd": ["<f4", [1], 1e400]}',
+        nd(offset=1).encode(),  # 4 bytes needed at 1, blob has 4
+        nd(shape=[2]).encode(),  # 8 bytes needed, blob has 4
+    ],
+)
+def test_malformed_values_raise_decode_error(meta: bytes) -> None:
+    limits = Limits(max_depth=4, max_chars=100, max_items=10)
+    with pytest.raises(DecodeError):
+        unpack_value(meta, b"\0\0\0\0", limits)
+
+
+def test_size_limits_of_a_value() -> None:
+    meta, blob = pack_value([np.zeros(6, dtype=np.float32), np.zeros(6, dtype=np.float32)])
+    assert len(unpack_value(meta, blob, Limits(max_elements=12))) == 2
+    with pytest.raises(DecodeError, match="max_elements"):
+        unpack_value(meta, blob, Limits(max_elements=11))  # the arrays' total counts
+    with pytest.raises(DecodeError):
+        unpack_value(meta, blob, Limits(max_blob_bytes=len(blob) - 1))
+    with pytest.raises(DecodeError):
+        unpack_value(meta, blob, Limits(max_meta_bytes=len(meta) - 1))
+
+
+@pytest.mark.parametrize("shape", [[10**12], [10**6, 10**6], [2**40, 0], [4, 2**62]])
+def test_huge_declared_shapes_are_refused_without_allocating(shape: list[int]) -> None:
+    meta = nd("<f8", shape).encode()
+    tracemalloc.start()
+    try:
+        with pytest.raises(DecodeError):
+            unpack_value(meta, b"\0\0\0\0", LIMITS)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"decoding a refused header allocated {peak} bytes"
+
+
+def test_truncated_blobs_raise_decode_error() -> None:
+    meta, blob = pack_value({"a": np.arange(10, dtype=np.int32), "b": np.ones(3)})
+    for cut in range(len(blob)):
+        with pytest.raises(DecodeError):
+            unpack_value(meta, blob[:cut], LIMITS)
+
+
+field_names = st.sampled_from(
+    [b"v", b"id", b"meta", b"blob", b"prio", b"dl", b"ts", b"reply", b"status", b"batch"]
+)
+field_values = (
+    st.binary(max_size=40)
+    | st.sampled_from([b"1", b"0", b"-1", b"2", b"1e999", b"nan", b"null", b"ok", b"error"])
+    | st.sampled_from([b"[]", b'"text"', nd().encode(), nd(shape=[10**9]).encode()])
+    | st.text(max_size=20).map(str.encode)
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(field_names | st.binary(max_size=4), field_values))
+def test_random_entries_only_ever_raise_decode_error(raw: dict[bytes, bytes]) -> None:
+    try:
+        request = decode_request(raw)
+    except DecodeError:
+        pass
+    else:
+        with contextlib.suppress(DecodeError):
+            request.value(LIMITS)
+    with contextlib.suppress(DecodeError):
+        decode_result(raw, LIMITS)
+    request_id, reply = salvage_id(raw)  # never raises
+    assert request_id is None or isinstance(request_id, str)
+    assert reply is None or isinstance(reply, str)
+
+
+array_refs = st.fixed_dictionaries(
+    {
+        "$nd": st.lists(
+            st.sampled_from(["<f4", "|u1", "<i8", ">f4", "|O", "<U2", ""])
+            | st.integers(-3, 2**70)
+            | st.lists(st.integers(-2, 2**64), max_size=10)
+            | st.none()
+            | st.floats(),
+            min_size=0,
+            max_size=4,
+        )
+    }
+)
+hostile = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5) | array_refs,
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=4), children, max_size=3)
+    ),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(hostile, st.binary(max_size=64))
+def test_hostile_headers_only_ever_raise_decode_error(tree: Any, blob: bytes) -> None:
+    meta = json.dumps(tree).encode()  # NaN and Infinity included: json.loads reads them
+    with contextlib.suppress(DecodeError):
+        unpack_value(meta, blob, LIMITS)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200), st.binary(max_size=64))
+def test_random_bytes_only_ever_raise_decode_error(meta: bytes, blob: bytes) -> None:
+    with contextlib.suppress(DecodeError):
+        unpack_value(meta, blob, LIMITS)
+
+
+@settings(max_examples=100, deadline=None)
+@given(json_values, st.data())
+def test_cut_or_flipped_requests_only_ever_raise_decode_error(value: Any, data: Any) -> None:
+    fields = as_redis(encode_request("r", value, enqueued_unix_ms=1.0, reply=None))
+    name = data.draw(st.sampled_from(sorted(fields)))
+    raw = fields[name]
+    cut = data.draw(st.integers(0, len(raw)))
+    fields[name] = raw[:cut] + data.draw(st.binary(max_size=3))
+    with contextlib.suppress(DecodeError):
+        decode_request(fields).value(LIMITS)
+
+
+# -- nothing is ever unpickled or evaluated ----------------------------------------------------
+
+
+def test_the_package_never_unpickles_or_evaluates() -> None:
+    package = Path(batchline.__file__).parent
+    banned_modules = {"pickle", "cPickle", "_pickle", "marshal", "dill", "shelve", "cloudpickle"}
+    problems = []
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            where = f"{path.relative_to(package.parent)}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Import):
+                names = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [(node.module or "").split(".")[0]]
+            else:
+                names = []
+            problems += [f"{where}: imports {n}" for n in names if n in banned_modules]
+            if isinstance(node, ast.Call):
+                fn = node.func
+                if isinstance(fn, ast.Name) and fn.id in {"eval", "exec", "compile"}:
+                    problems.append(f"{where}: calls {fn.id}()")
+                if isinstance(fn, ast.Attribute) and fn.attr in {"loads", "load"}:
+                    owner = fn.value
+                    if isinstance(owner, ast.Name) and owner.id in banned_modules | {"np"}:
+                        problems.append(f"{where}: calls {owner.id}.{fn.attr}()")
+                for kw in node.keywords:
+                    if kw.arg == "allow_pickle":
+                        problems.append(f"{where}: passes allow_pickle")
+    assert not problems, "\n".join(problems)
