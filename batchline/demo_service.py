@@ -224,6 +224,8 @@ def _plot(steps: list[_Step], path: str) -> None:
     ax2.set_ylabel("mean batch size")
     ax2.set_xlabel("offered load (requests/s)")
     ax2.set_xscale("log")
+    ax2.set_xticks(rates, [str(r) for r in rates])
+    ax2.minorticks_off()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
