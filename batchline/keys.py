@@ -8,6 +8,7 @@ layout (``docs/protocol.md`` has the full protocol)::
     <prefix>:{<queue>}:res:<request id>   result hash of one request (expires: result_ttl_s)
     <prefix>:{<queue>}:reply:<producer>   reply stream of one producer process
     <prefix>:{<queue>}:cancel:<request>   cancellation mark (expires)
+    <prefix>:{<queue>}:job:<request id>   marker of a polled job (web backend; expires)
     <prefix>:{<queue>}:dead               dead-letter stream
     <prefix>:{<queue>}:workers            sorted set: worker id -> last heartbeat (unix s)
     <prefix>:{<queue>}:wstats:<worker>    one worker's statistics (JSON, expires)
@@ -83,6 +84,10 @@ class QueueKeys:
     def cancel(self, request_id: str) -> str:
         """The cancellation mark of one request."""
         return f"{self.base}:cancel:{request_id}"
+
+    def job(self, request_id: str) -> str:
+        """The marker of a job submitted for polling (the web backend's: pending vs unknown)."""
+        return f"{self.base}:job:{request_id}"
 
     @property
     def dead(self) -> str:

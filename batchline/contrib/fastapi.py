@@ -1,0 +1,381 @@
+"""A FastAPI backend in front of a batchline queue: :func:`create_app`.
+
+Run it with ``uvicorn batchline.contrib.fastapi:create_app --factory`` (settings from
+``BATCHLINE_*`` variables), or build it in code: ``app = create_app(queue="embed")``. The app
+opens one :class:`~batchline.producer.AsyncProducer` in its lifespan and closes it on
+shutdown; workers (``batchline worker``) do the inference. Routes:
+
+- ``POST /embed`` with ``{"text": "..."}`` or ``{"texts": ["...", ...]}`` (and optionally
+  ``deadline_ms``, ``priority``): submit, wait for the result (pushed, not polled), answer
+  ``{"id", "status", "embedding" | "embeddings", "batch_size", "queue_ms", "model_ms"}``;
+- ``POST /jobs`` (same body): submit without waiting, answer 202 ``{"id", "status_url"}``;
+- ``GET /jobs/{id}``: 202 while pending, 200 with the result, 410 expired, 409 cancelled,
+  404 unknown (or its result has expired), 422 or 500 for a failed request;
+- ``GET /healthz``: 200 while Redis answers PING, else 503.
+
+Errors: a full queue is 503 with ``Retry-After``; no result within ``timeout_s`` is 504 (and
+the request is cancelled); a request whose deadline passed before a worker started it is 504
+on ``/embed`` and 410 on ``/jobs``; a worker's error is 422 where the input caused it
+(TypeError, ValueError, a malformed or oversized request), else 500, with ``error_type`` and
+``error_message`` in the body; Redis unreachable is 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+import numpy as np
+
+try:
+    from fastapi import FastAPI, HTTPException, Path, Request
+    from fastapi.responses import JSONResponse
+except ImportError as exc:  # pragma: no cover - depends on the installed extras
+    raise ImportError(
+        "batchline.contrib.fastapi needs FastAPI: pip install 'batchline[service,web]'"
+    ) from exc
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from redis.exceptions import RedisError
+
+from batchline._redis import connect
+from batchline.codec import Result, decode_result
+from batchline.config import ProducerSettings, check_environment
+from batchline.errors import BatcherClosed, QueueFull, RequestTimeout
+from batchline.producer import AsyncProducer, Handle
+
+__all__ = [
+    "INPUT_ERRORS",
+    "MAX_TEXTS",
+    "MAX_TEXT_CHARS",
+    "EmbedRequest",
+    "EmbedResponse",
+    "ErrorResponse",
+    "JobAccepted",
+    "create_app",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Longest text accepted (the worker's default ``max_chars``).
+MAX_TEXT_CHARS = 20_000
+#: Most texts in one request.
+MAX_TEXTS = 256
+#: Worker error types that the input caused: answered 422, every other one 500.
+INPUT_ERRORS = frozenset(["TypeError", "ValueError", "MalformedRequest", "ItemTooLarge"])
+RETRY_AFTER_S = 1
+_ID_PATTERN = r"^[A-Za-z0-9_.\-]{1,128}$"
+_NOT_STARTED = "the app's lifespan has not run: serve it with an ASGI server"
+
+_Text = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TEXT_CHARS)]
+
+
+class EmbedRequest(BaseModel):
+    """The body of ``POST /embed`` and ``POST /jobs``: exactly one of ``text`` and ``texts``.
+
+    Attributes:
+        text: one text (the answer carries ``embedding``).
+        texts: several texts, embedded together (the answer carries ``embeddings``).
+        deadline_ms: give up (result ``expired``) if no worker starts it within this time.
+        priority: 0 (lowest) to the queue's ``priorities - 1``; default ``default_priority``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: _Text | None = None
+    texts: Annotated[list[_Text], Field(min_length=1, max_length=MAX_TEXTS)] | None = None
+    deadline_ms: Annotated[float, Field(gt=0, le=86_400_000)] | None = None
+    priority: Annotated[int, Field(ge=0, le=15)] | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one_input(self) -> EmbedRequest:
+        if (self.text is None) == (self.texts is None):
+            raise ValueError("give exactly one of 'text' and 'texts'")
+        return self
+
+    @property
+    def kind(self) -> str:
+        """The answer's field: ``embedding`` for one text, ``embeddings`` for several."""
+        return "embedding" if self.texts is None else "embeddings"
+
+
+class EmbedResponse(BaseModel):
+    """A finished request (``POST /embed``, and ``GET /jobs/{id}`` once done)."""
+
+    id: str
+    status: str = "ok"
+    embedding: list[float] | None = None
+    embeddings: list[list[float]] | None = None
+    batch_size: int
+    queue_ms: float
+    model_ms: float
+
+
+class JobAccepted(BaseModel):
+    """The answer of ``POST /jobs``: where to poll."""
+
+    id: str
+    status_url: str
+
+
+class ErrorResponse(BaseModel):
+    """A failed request: ``error_type`` and ``error_message`` are the worker's."""
+
+    detail: str
+    id: str | None = None
+    status: str | None = None
+    error_type: str | None = None
+    error_message: str | None = None
+
+
+def _jsonable(value: Any) -> Any:
+    """Arrays (and arrays inside lists and dicts) as JSON lists of Python numbers."""
+    if isinstance(value, np.ndarray | np.generic):
+        return value.tolist()
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    return value
+
+
+def _kind_of(output: Any) -> str:
+    """``embeddings`` for a matrix (or a list of vectors), else ``embedding``."""
+    if isinstance(output, np.ndarray):
+        return "embeddings" if output.ndim >= 2 else "embedding"
+    if isinstance(output, list) and output and isinstance(output[0], list | np.ndarray):
+        return "embeddings"
+    return "embedding"
+
+
+def _answer(result: Result, kind: str, *, expired_status: int) -> JSONResponse:
+    """The HTTP answer for a result of any status."""
+    if result.status == "ok":
+        body = {
+            "id": result.id,
+            "status": "ok",
+            kind: _jsonable(result.output),
+            "batch_size": result.batch_size,
+            "queue_ms": result.queue_ms,
+            "model_ms": result.model_ms,
+        }
+        return JSONResponse(body)
+    if result.status == "expired":
+        detail = f"request {result.id} expired: its deadline passed before a worker started it"
+        return JSONResponse(
+            {"detail": detail, "id": result.id, "status": "expired"}, status_code=expired_status
+        )
+    if result.status == "cancelled":
+        detail = f"request {result.id} was cancelled"
+        return JSONResponse({"detail": detail, "id": result.id, "status": "cancelled"}, 409)
+    error_type = result.error_type or "Error"
+    body = {
+        "detail": f"{error_type}: {result.error_message}",
+        "id": result.id,
+        "status": "error",
+        "error_type": error_type,
+        "error_message": result.error_message,
+    }
+    return JSONResponse(body, status_code=422 if error_type in INPUT_ERRORS else 500)
+
+
+async def _redis_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    logger.warning("%s %s: Redis unavailable: %s", request.method, request.url.path, exc)
+    return JSONResponse(
+        {"detail": f"Redis unavailable ({type(exc).__name__})"},
+        status_code=503,
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+class _Backend:
+    """The routes, and the producer and Redis client the lifespan opens for them."""
+
+    def __init__(self, settings: ProducerSettings, *, timeout_s: float) -> None:
+        self.settings = settings
+        self.keys = settings.keys
+        self.timeout_s = timeout_s
+        self._limits = settings.limits()
+        self._producer: AsyncProducer | None = None
+        self._redis: Any = None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
+        """Open the producer (and its Redis client) for the app's lifetime."""
+        self._redis = connect(self.settings)
+        self._producer = AsyncProducer(self.settings, redis=self._redis)
+        try:
+            await self._producer.start()
+            yield
+        finally:
+            await self._producer.aclose()  # waiting /embed calls get BatcherClosed
+            await self._redis.aclose()
+            self._producer = self._redis = None
+
+    @property
+    def producer(self) -> AsyncProducer:
+        if self._producer is None:
+            raise RuntimeError(_NOT_STARTED)
+        return self._producer
+
+    @property
+    def redis(self) -> Any:
+        """The producer's Redis client, also for the job markers and PING."""
+        if self._redis is None:
+            raise RuntimeError(_NOT_STARTED)
+        return self._redis
+
+    def _check_priority(self, body: EmbedRequest) -> None:
+        if body.priority is not None and body.priority >= self.keys.priorities:
+            raise HTTPException(
+                422, f"priority must be in 0..{self.keys.priorities - 1}, got {body.priority}"
+            )
+
+    async def _submit(self, body: EmbedRequest, *, reply: bool, request_id: str | None) -> Handle:
+        self._check_priority(body)
+        try:
+            return await self.producer.submit(
+                body.texts if body.texts is not None else body.text,
+                deadline_ms=body.deadline_ms,
+                priority=body.priority,
+                request_id=request_id,
+                reply=reply,
+            )
+        except (QueueFull, BatcherClosed) as exc:
+            raise HTTPException(503, str(exc), {"Retry-After": str(RETRY_AFTER_S)}) from None
+
+    async def embed(self, body: EmbedRequest) -> JSONResponse:
+        """Embed one text or several, waiting for the result."""
+        handle = await self._submit(body, reply=True, request_id=None)
+        try:
+            result = await self.producer.wait(handle, self.timeout_s)
+        except BatcherClosed:  # the app is shutting down
+            detail = f"shutting down before request {handle.id} was answered"
+            return JSONResponse({"detail": detail, "id": handle.id}, status_code=503)
+        except RequestTimeout:
+            with contextlib.suppress(RedisError, OSError):
+                await self.producer.cancel(handle)  # nobody waits for it any more
+            detail = f"no result for request {handle.id} within {self.timeout_s} s"
+            return JSONResponse({"detail": detail, "id": handle.id}, status_code=504)
+        return _answer(result, body.kind, expired_status=504)
+
+    async def submit_job(self, body: EmbedRequest, request: Request) -> JSONResponse:
+        """Submit without waiting; poll ``status_url`` for the result."""
+        self._check_priority(body)
+        request_id = uuid.uuid4().hex
+        marker = self.keys.job(request_id)
+        # The marker (written first, gone with the result's TTL) tells pending from unknown.
+        await self.redis.set(marker, body.kind, ex=self.settings.result_ttl_s)
+        try:
+            await self._submit(body, reply=False, request_id=request_id)
+        except BaseException:
+            with contextlib.suppress(RedisError, OSError):
+                await self.redis.delete(marker)
+            raise
+        url = request.url_for("job", request_id=request_id).path
+        return JSONResponse(
+            {"id": request_id, "status_url": url}, status_code=202, headers={"Location": url}
+        )
+
+    async def job(
+        self, request_id: Annotated[str, Path(pattern=_ID_PATTERN, max_length=128)]
+    ) -> JSONResponse:
+        """A job's state: pending (202), its result, or unknown (404)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self.keys.result(request_id))
+            pipe.get(self.keys.job(request_id))
+            raw, marker = await pipe.execute()
+        if raw:
+            result = decode_result(raw, self._limits)
+            kind = marker.decode() if marker in (b"embedding", b"embeddings") else None
+            return _answer(result, kind or _kind_of(result.output), expired_status=410)
+        if marker is not None:
+            return JSONResponse({"id": request_id, "status": "pending"}, status_code=202)
+        detail = f"no job {request_id}: unknown, or its result has expired"
+        return JSONResponse({"detail": detail, "id": request_id}, status_code=404)
+
+    async def healthz(self) -> JSONResponse:
+        """200 while Redis answers PING."""
+        try:
+            async with asyncio.timeout(5.0):
+                await self.redis.ping()
+        except (RedisError, OSError, TimeoutError) as exc:
+            detail = f"Redis unavailable ({type(exc).__name__})"
+            return JSONResponse({"status": "unavailable", "detail": detail}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": what}
+    for code, what in [
+        (422, "invalid body, or the worker rejected the input"),
+        (500, "the model failed"),
+        (503, "the queue is full, or Redis is unavailable (see Retry-After)"),
+    ]
+}
+
+
+def create_app(
+    settings: ProducerSettings | None = None, *, timeout_s: float = 30.0, **overrides: Any
+) -> FastAPI:
+    """A FastAPI app that enqueues embedding requests for batchline workers.
+
+    Args:
+        settings: the producer's settings (default: ``BATCHLINE_*`` variables and
+            ``overrides``; an unknown ``BATCHLINE_*`` variable is an error).
+        timeout_s: longest ``POST /embed`` waits for a result before answering 504.
+        **overrides: single producer settings, e.g. ``queue="embed"``.
+    """
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if settings is None:
+        check_environment()
+        settings = ProducerSettings(**overrides)
+    elif overrides:
+        raise TypeError(f"give settings or single settings, not both: {sorted(overrides)}")
+    backend = _Backend(settings, timeout_s=timeout_s)
+    app = FastAPI(
+        title="batchline",
+        summary="Embeddings from batchline workers over Redis",
+        lifespan=backend.lifespan,
+    )
+    app.add_api_route(
+        "/embed",
+        backend.embed,
+        methods=["POST"],
+        response_model=None,
+        responses={
+            200: {"model": EmbedResponse},
+            **_ERRORS,
+            504: {"model": ErrorResponse, "description": "no result in time, or expired"},
+        },
+    )
+    app.add_api_route(
+        "/jobs",
+        backend.submit_job,
+        methods=["POST"],
+        status_code=202,
+        response_model=None,
+        responses={202: {"model": JobAccepted}, **_ERRORS},
+    )
+    app.add_api_route(
+        "/jobs/{request_id}",
+        backend.job,
+        methods=["GET"],
+        name="job",
+        response_model=None,
+        responses={
+            200: {"model": EmbedResponse},
+            202: {"description": "pending"},
+            404: {"model": ErrorResponse, "description": "unknown, or its result expired"},
+            409: {"model": ErrorResponse, "description": "cancelled"},
+            410: {"model": ErrorResponse, "description": "expired before a worker started it"},
+            **_ERRORS,
+        },
+    )
+    app.add_api_route("/healthz", backend.healthz, methods=["GET"], response_model=None)
+    app.add_exception_handler(RedisError, _redis_unavailable)
+    return app

@@ -1,0 +1,34 @@
+"""A batch function returning arrays, for the FastAPI backend's tests (``embed``).
+
+Each input is a text (its output a vector of 3 float32) or a list of texts (a matrix, one
+row each). Two texts fail on purpose: ``BAD_INPUT`` with a ValueError (the input's fault),
+``MODEL_FAILURE`` with a RuntimeError (the model's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+BAD_INPUT = "this input is refused"
+MODEL_FAILURE = "this input breaks the model"
+
+
+def vector(text: str) -> list[float]:
+    """The embedding ``embed`` gives a text."""
+    if text == BAD_INPUT:
+        raise ValueError("the test model refuses this text")
+    if text == MODEL_FAILURE:
+        raise RuntimeError("the test model broke")
+    return [float(len(text)), float(sum(map(ord, text)) % 1000), 0.5]
+
+
+def embed(items: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    for item in items:
+        if isinstance(item, str):
+            out.append(np.asarray(vector(item), dtype=np.float32))
+        else:
+            out.append(np.asarray([vector(t) for t in item], dtype=np.float32))
+    return out
