@@ -138,8 +138,8 @@ def unpack_value(meta: bytes, blob: bytes, limits: Limits) -> Any:
     if len(blob) > limits.max_blob_bytes:
         raise DecodeError(f"value data of {len(blob)} bytes exceeds {limits.max_blob_bytes}")
     try:
-        tree = json.loads(meta, parse_constant=_no_constant)
-    except (ValueError, RecursionError) as exc:
+        tree = _JSON.decode(meta.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise DecodeError(f"value header is not JSON: {exc}") from None
     elements = 0
 
@@ -172,6 +172,9 @@ def unpack_value(meta: bytes, blob: bytes, limits: Limits) -> Any:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+_JSON = json.JSONDecoder(parse_constant=_no_constant)  # one decoder, not one per call
 
 
 def _array(ref: dict[str, Any], blob: bytes, budget: int) -> np.ndarray[Any, Any]:
@@ -245,20 +248,20 @@ def encode_request(
     deadline_unix_ms: float | None = None,
     enqueued_unix_ms: float,
     reply: str | None,
-) -> dict[str, bytes | str | int | float]:
-    """The stream fields of one request."""
+) -> dict[str, bytes | str]:
+    """The stream fields of one request (all strings or bytes, as they travel)."""
     meta, blob = pack_value(value)
-    fields: dict[str, bytes | str | int | float] = {
-        "v": SCHEMA_VERSION,
+    fields: dict[str, bytes | str] = {
+        "v": str(SCHEMA_VERSION),
         "id": request_id,
         "meta": meta,
-        "prio": priority,
-        "ts": enqueued_unix_ms,
+        "prio": str(priority),
+        "ts": f"{enqueued_unix_ms:.3f}",
     }
     if blob:
         fields["blob"] = blob
     if deadline_unix_ms is not None:
-        fields["dl"] = deadline_unix_ms
+        fields["dl"] = f"{deadline_unix_ms:.3f}"
     if reply is not None:
         fields["reply"] = reply
     return fields
@@ -376,31 +379,48 @@ def encode_result(result: Result) -> list[bytes | str]:
     ]
 
 
-class _ResultFields(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="ignore")
-
-    v: int
-    id: str = Field(pattern=_ID_PATTERN)
-    status: Status
-    meta: bytes = b"null"
-    blob: bytes = b""
-    etype: str = ""
-    emsg: str = ""
-    queue_ms: float = 0.0
-    batch: int = 0
-    model_ms: float = 0.0
-    worker: str = ""
+_STATUSES = frozenset(("ok", "error", "expired", "cancelled"))
+_ID = re.compile(_ID_PATTERN)
 
 
-def decode_result(raw: Mapping[bytes, bytes], limits: Limits) -> Result:
-    """Validate and decode a result hash or reply entry; raises DecodeError."""
+def _field(raw: Mapping[Any, Any], name: str, default: bytes | None = None) -> bytes:
+    value = raw.get(name.encode(), raw.get(name, default))
+    if value is None:
+        raise DecodeError(f"malformed result: field {name!r} is missing")
+    if isinstance(value, str):
+        return value.encode()
+    if not isinstance(value, bytes):
+        raise DecodeError(f"malformed result: field {name!r} is not bytes")
+    return value
+
+
+def decode_result(raw: Mapping[Any, Any], limits: Limits) -> Result:
+    """Validate and decode a result hash or reply entry; raises DecodeError.
+
+    Checked by hand rather than by a pydantic model: a producer decodes one per request,
+    and this is several times faster for the same checks.
+    """
     try:
-        f = _ResultFields.model_validate(_text_fields(raw, frozenset({"meta", "blob"})))
-    except ValidationError as exc:
-        raise DecodeError(f"malformed result: {exc.errors()[0]['msg']}") from None
-    if f.v != SCHEMA_VERSION:
-        raise DecodeError(f"result schema version {f.v} is not {SCHEMA_VERSION}")
-    output = unpack_value(f.meta, f.blob, limits) if f.status == "ok" else None
-    return Result(
-        f.id, f.status, output, f.etype, f.emsg, f.queue_ms, f.batch, f.model_ms, f.worker
-    )
+        version = int(_field(raw, "v"))
+        rid = _field(raw, "id").decode()
+        status = _field(raw, "status").decode()
+        etype = _field(raw, "etype", b"").decode()
+        emsg = _field(raw, "emsg", b"").decode()
+        worker = _field(raw, "worker", b"").decode()
+        queue_ms = float(_field(raw, "queue_ms", b"0"))
+        batch = int(_field(raw, "batch", b"0"))
+        model_ms = float(_field(raw, "model_ms", b"0"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DecodeError(f"malformed result: {exc}") from None
+    if version != SCHEMA_VERSION:
+        raise DecodeError(f"result schema version {version} is not {SCHEMA_VERSION}")
+    if status not in _STATUSES:
+        raise DecodeError(f"malformed result: unknown status {status!r}")
+    if not _ID.match(rid):
+        raise DecodeError(f"malformed result: invalid request id {rid!r}")
+    if not (math.isfinite(queue_ms) and math.isfinite(model_ms)):
+        raise DecodeError("malformed result: timings must be finite")
+    output = None
+    if status == "ok":
+        output = unpack_value(_field(raw, "meta", b"null"), _field(raw, "blob", b""), limits)
+    return Result(rid, status, output, etype, emsg, queue_ms, batch, model_ms, worker)  # type: ignore[arg-type]

@@ -123,7 +123,7 @@ def _sentence(rng: random.Random, target: int) -> tuple[str, str]:
         elif pick < 0.7:
             words += rng.choice(_EXTRA).split()
         else:
-            words.append(rng.choice(_TIME))
+            words += rng.choice(_TIME).split()
     text = " ".join(words[:target])
     return topic, text[0].upper() + text[1:] + "."
 

@@ -38,6 +38,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -494,25 +495,30 @@ class Worker:
     # -- writing -------------------------------------------------------------------------------
 
     async def _write(self, records: list[_Record]) -> list[None]:
+        packed = []
+        for r in records:
+            answer = r.result is not None and r.request_id is not None
+            fields = [x for kv in zip(RESULT_FIELDS, r.result or (), strict=False) for x in kv]
+            packed.append(
+                [
+                    r.sidx,
+                    r.entry,
+                    r.request_id or "" if answer else "",
+                    r.reply or "" if answer else "",
+                    r.dead or [],
+                    fields if answer else [],
+                ]
+            )
         keys = [*self._streams_low_first, self.keys.dead]
-        args: list[Any] = [
+        args = [
             GROUP,
             self.settings.result_ttl_s,
             _REPLY_MAXLEN,
             _DEAD_MAXLEN,
-            ",".join(RESULT_FIELDS),
-            len(self._streams_low_first),
+            self.keys.result(""),
+            self.keys.reply(""),
+            msgpack.packb(packed, use_bin_type=False),
         ]
-        for r in records:
-            has_result = r.result is not None and r.request_id is not None
-            has_reply = has_result and r.reply is not None
-            dead = r.dead or []
-            args += [r.sidx, r.entry, int(has_result), int(has_reply), len(dead) // 2, *dead]
-            if has_result and r.result is not None and r.request_id is not None:
-                args += r.result
-                keys.append(self.keys.result(r.request_id))
-                if r.reply is not None:
-                    keys.append(self.keys.reply(r.reply))
         await self._with_retry(lambda: self._complete(self._redis, keys, args))
         for r in records:
             self._inflight[r.sidx].discard(r.entry)
