@@ -100,10 +100,6 @@ class _Record:
     dead: list[Any] | None = field(default=None)
 
 
-def _noop(_call: Call) -> None:
-    return None
-
-
 class _ModelBatcher(AioBatcher[Prepared, Any]):
     """The in-process asyncio driver, with a check for cancelled requests before each batch.
 
@@ -169,12 +165,10 @@ class Worker:
                 group_window=s.read_ahead,
             ),
         )
-        self._writer: AioBatcher[_Record, None] = AioBatcher(
-            self._write,
-            BatchConfig(
-                batch_size=1024, timeout_ms=0, small_batch_threshold=0, isolate_errors=False
-            ),
-        )
+        # Answers wait here while a write is in flight; the next write takes them all (the
+        # same coalescing as a batcher with timeout 0, without its per-record overhead).
+        self._outbox: list[_Record] = []
+        self._flusher: asyncio.Task[None] | None = None
         self._complete = Script(COMPLETE)
         self._meta: dict[Call, _Meta] = {}
         self._inflight: list[set[bytes]] = [set() for _ in self._streams_low_first]
@@ -236,7 +230,8 @@ class Worker:
             if not reader.done():
                 await reader  # returns after its current read (at most one block interval)
             await self._batcher.aclose(drain=True)
-            await self._writer.aclose(drain=True)
+            while self._flusher is not None:
+                await self._flusher
         finally:
             stopped.cancel()
             # Cancelling alone is not enough on Python 3.11: a cancellation that lands just as
@@ -490,11 +485,25 @@ class Worker:
         )
         self.counts[status] += 1
         self.metrics.result(status)
-        self._writer.enqueue([record], _noop)
+        self._outbox.append(record)
+        if self._flusher is None:
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
 
     # -- writing -------------------------------------------------------------------------------
 
-    async def _write(self, records: list[_Record]) -> list[None]:
+    async def _flush(self) -> None:
+        try:
+            while self._outbox:
+                records, self._outbox = self._outbox, []
+                try:
+                    await self._write(records)
+                except (RedisError, OSError) as exc:
+                    # Unanswered entries stay pending: reclaimed and answered later.
+                    logger.error("writer: %d answers not written: %s", len(records), exc)
+        finally:
+            self._flusher = None
+
+    async def _write(self, records: list[_Record]) -> None:
         packed = []
         for r in records:
             answer = r.result is not None and r.request_id is not None
@@ -522,7 +531,6 @@ class Worker:
         await self._with_retry(lambda: self._complete(self._redis, keys, args))
         for r in records:
             self._inflight[r.sidx].discard(r.entry)
-        return [None] * len(records)
 
     async def _with_retry(self, attempt: Any, budget_s: float = 30.0) -> Any:
         """Retry a write through a Redis restart; past the budget the entries stay pending
