@@ -27,7 +27,7 @@ from batchline._base import (
     Call,
     Item,
     await_call,
-    resolve_deadline,
+    call_args,
     settle_future,
 )
 from batchline.core.isolation import Isolation
@@ -161,12 +161,9 @@ class AioBatcher(BatcherBase[T, R]):
         self, items: Any, /, *, timeout_s: float | None = None, deadline: float | None = None
     ) -> Any:
         """Run one item (or a list of items) through the batcher and return its result(s)."""
-        many = isinstance(items, list)
-        payloads = items if many else [items]
+        many, payloads, deadline = call_args(items, timeout_s, deadline)
         if not payloads:
             return []
-        if timeout_s is not None:
-            deadline = resolve_deadline(timeout_s, deadline)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         call = self.enqueue(payloads, functools.partial(settle_future, fut), deadline=deadline)
         if deadline is not None:

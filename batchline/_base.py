@@ -200,6 +200,16 @@ def resolve_deadline(timeout_s: float | None, deadline: float | None) -> float |
     return deadline
 
 
+def call_args(
+    items: Any, timeout_s: float | None, deadline: float | None
+) -> tuple[bool, list[Any], float | None]:
+    """(many, payloads, deadline) of a call: a list is many items, anything else one."""
+    many = isinstance(items, list)
+    if timeout_s is not None:
+        deadline = resolve_deadline(timeout_s, deadline)
+    return many, items if many else [items], deadline
+
+
 def timed_out(call: Call) -> RequestTimeout:
     """Mark a call abandoned by its caller and return the error to raise."""
     error = RequestTimeout(f"no result within the call's deadline ({call.size} items)")

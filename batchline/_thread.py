@@ -26,7 +26,7 @@ from batchline._base import (
     Call,
     Item,
     await_call,
-    resolve_deadline,
+    call_args,
     settle_future,
     timed_out,
 )
@@ -129,12 +129,9 @@ class ThreadBatcher(BatcherBase[T, R]):
         self, items: Any, /, *, timeout_s: float | None = None, deadline: float | None = None
     ) -> Any:
         """Run one item (or a list of items) through the batcher and return its result(s)."""
-        many = isinstance(items, list)
-        payloads = items if many else [items]
+        many, payloads, deadline = call_args(items, timeout_s, deadline)
         if not payloads:
             return []
-        if timeout_s is not None:
-            deadline = resolve_deadline(timeout_s, deadline)
         lock = _thread.allocate_lock()
         lock.acquire()
         call = self._submit(payloads, deadline, lambda _call: lock.release())
@@ -164,12 +161,9 @@ class ThreadBatcher(BatcherBase[T, R]):
         self, items: Any, /, *, timeout_s: float | None = None, deadline: float | None = None
     ) -> Any:
         """Like calling the batcher, but awaited: the event loop stays free meanwhile."""
-        many = isinstance(items, list)
-        payloads = items if many else [items]
+        many, payloads, deadline = call_args(items, timeout_s, deadline)
         if not payloads:
             return []
-        if timeout_s is not None:
-            deadline = resolve_deadline(timeout_s, deadline)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
 
