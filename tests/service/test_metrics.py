@@ -1,0 +1,52 @@
+"""The worker's Prometheus endpoint: answers by status and batch sizes, on /metrics."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+from collections.abc import Callable
+
+from batchline.producer import AsyncProducer
+
+from .conftest import RESULT_TIMEOUT_S, WorkerThread, spec, wait_until
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return response.read().decode()
+
+
+async def test_metrics_count_answers_by_status_and_batches_by_size(
+    start_worker: Callable[..., WorkerThread], redis_url: str, queue: str
+) -> None:
+    port = _free_port()
+    start_worker(spec("poison"), metrics_port=port, batch_size=8, timeout_ms=0)
+    async with AsyncProducer(redis_url=redis_url, queue=queue) as producer:
+        handles = [await producer.submit(f"ok-{i}") for i in range(5)]
+        handles.append(await producer.submit("poison"))
+        results = [await producer.wait(h, timeout_s=RESULT_TIMEOUT_S) for h in handles]
+    assert [r.status for r in results] == ["ok"] * 5 + ["error"]
+
+    def counted() -> str | None:
+        text = _scrape(port)
+        done = (
+            'batchline_results_total{status="ok"} 5.0' in text
+            and 'batchline_results_total{status="error"} 1.0' in text
+            and "batchline_batches_total{" in text  # published with the next heartbeat
+        )
+        return text if done else None
+
+    text = wait_until(counted, "the metrics to count every answer and batch")
+    assert "batchline_mean_batch_size" in text
+    sizes = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("batchline_batches_total{")
+    ]
+    assert sum(sizes) >= 1
