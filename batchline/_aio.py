@@ -139,8 +139,7 @@ class AioBatcher(BatcherBase[T, R]):
         )
         self._states_lock = threading.Lock()
         # The last loop's state, found without a WeakKeyDictionary lookup on every call.
-        self._last_loop: weakref.ref[asyncio.AbstractEventLoop] | None = None
-        self._last_state: _LoopState | None = None
+        self._last: tuple[weakref.ref[asyncio.AbstractEventLoop], _LoopState] | None = None
         self._is_coroutine = inspect.iscoroutinefunction(fn)
         self._thread: _FunctionThread | None = None
         self._draining = False
@@ -202,12 +201,9 @@ class AioBatcher(BatcherBase[T, R]):
         return call
 
     def _state(self, loop: asyncio.AbstractEventLoop) -> _LoopState:
-        if (
-            self._last_loop is not None
-            and self._last_loop() is loop
-            and self._last_state is not None
-        ):
-            return self._last_state
+        last = self._last  # one read: loops on other threads may replace it meanwhile
+        if last is not None and last[0]() is loop:
+            return last[1]
         state = self._states.get(loop)
         if state is None:
             with self._states_lock:
@@ -215,7 +211,7 @@ class AioBatcher(BatcherBase[T, R]):
                 if state is None:
                     state = _LoopState(BatchPolicy(self._config.policy()))
                     self._states[loop] = state
-        self._last_loop, self._last_state = weakref.ref(loop), state
+        self._last = (weakref.ref(loop), state)
         return state
 
     # -- the worker ----------------------------------------------------------------------------
@@ -297,7 +293,10 @@ class AioBatcher(BatcherBase[T, R]):
                 else:
                     if outputs is _DONE:
                         break
-                    run.succeeded(outputs)
+                    try:
+                        run.succeeded(outputs)
+                    except Exception as exc:  # a waker failed; the rest must still settle
+                        run.abort(exc)
                 if run.exhausted:
                     break
         except asyncio.CancelledError:

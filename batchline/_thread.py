@@ -237,7 +237,10 @@ class ThreadBatcher(BatcherBase[T, R]):
                     self._settler.put(settle)
             else:
                 for settle in settles:
-                    settle()  # nothing waits: no extra hop for a lone call
+                    try:
+                        settle()  # nothing waits: no extra hop for a lone call
+                    except BaseException:  # the worker thread must outlive any waker
+                        logger.exception("batchline: settling a batch failed")
 
     # -- lifecycle -----------------------------------------------------------------------------
 

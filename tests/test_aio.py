@@ -413,3 +413,23 @@ async def test_stop_iteration_from_a_plain_function_reaches_the_caller():
 
     with pytest.raises(RuntimeError, match="StopIteration"):
         await broken(1)
+
+
+async def test_a_result_that_cannot_be_read_fails_its_callers_and_the_aio_batcher_lives_on():
+    class Broken:
+        def __len__(self):
+            return 1
+
+        def __iter__(self):
+            raise RuntimeError("cannot iterate")
+
+    seen = []
+
+    @batchline.aio.dynamically(batch_size=4, timeout_ms=0)
+    async def broken_then_fine(items):
+        seen.append(items)
+        return Broken() if len(seen) == 1 else items
+
+    with pytest.raises(BatchFunctionError):
+        await broken_then_fine(1, timeout_s=30)
+    assert await broken_then_fine(2, timeout_s=30) == 2

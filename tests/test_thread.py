@@ -644,3 +644,30 @@ def test_the_interpreter_exits_promptly_and_cleanly() -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
     assert proc.stdout == "ok\n"
+
+
+class _BrokenSequence:
+    """Sized like a good result, but iterating it raises."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        raise RuntimeError("cannot iterate")
+
+
+def test_a_result_that_cannot_be_read_fails_its_callers_and_the_batcher_lives_on():
+    calls = []
+
+    @batchline.dynamically(batch_size=4, timeout_ms=0)
+    def broken_then_fine(items):
+        calls.append(list(items))
+        return _BrokenSequence(len(items)) if len(calls) == 1 else items
+
+    with pytest.raises(BatchFunctionError):
+        broken_then_fine(1, timeout_s=30)
+    assert broken_then_fine(2, timeout_s=30) == 2
+    broken_then_fine.close()

@@ -22,6 +22,7 @@ rejected with an error. The rules live here, once, for every driver:
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
@@ -29,6 +30,8 @@ from typing import Any, Generic, Protocol, TypeVar
 from batchline.errors import BatchFunctionError
 
 __all__ = ["Isolation", "Settleable"]
+
+logger = logging.getLogger(__name__)
 
 
 class Settleable(Protocol):
@@ -94,14 +97,13 @@ class Isolation(Generic[S]):
             count = len(outputs)
             if not isinstance(outputs, Sequence):
                 outputs = list(outputs)  # sized but maybe not iterable: must not escape
-        except TypeError:
-            cls._reject(
-                sub,
-                BatchFunctionError(
-                    f"the batch function returned {type(outputs).__name__}, "
-                    f"not a sequence of {len(sub)} results"
-                ),
+        except Exception as exc:  # not sized, or its len/iteration raised
+            error = BatchFunctionError(
+                f"the batch function returned {type(outputs).__name__}, "
+                f"not a sequence of {len(sub)} results"
             )
+            error.__cause__ = exc
+            cls._reject(sub, error)
             return
         if count != len(sub) or len(outputs) != count:
             cls._reject(
@@ -112,7 +114,11 @@ class Isolation(Generic[S]):
             )
             return
         for item, output in zip(sub, outputs, strict=True):
-            item.resolve(output)
+            try:
+                item.resolve(output)
+            except Exception as exc:  # a waker failed: reject this item, settle the rest
+                logger.exception("batchline: settling an item failed")
+                item.reject(exc)
 
     def failed(self, exc: BaseException) -> None:
         """The function raised ``exc`` for the payloads ``next`` gave."""

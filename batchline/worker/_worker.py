@@ -57,7 +57,7 @@ from batchline.codec import (
     salvage_id,
 )
 from batchline.config import WorkerSettings, redact_url
-from batchline.errors import BatchlineError, RequestTimeout
+from batchline.errors import BatcherClosed, BatchlineError, RequestTimeout
 from batchline.keys import GROUP, check_name
 from batchline.worker.metrics import Metrics
 from batchline.worker.models import Model, Prepared, load_model
@@ -387,7 +387,12 @@ class Worker:
             call = self._batcher.enqueue(
                 prepared, self._done, deadline=deadline, priority=request.prio
             )
-        except BatchlineError as exc:  # ItemTooLarge, or closed while draining
+        except BatcherClosed:
+            # Shutting down (a reclaim raced the drain): leave the entry pending, unheld,
+            # for another worker.
+            self._inflight[meta.sidx].discard(meta.entry)
+            return
+        except BatchlineError as exc:  # ItemTooLarge: this request alone fails
             self._answer(self._record(meta, "error", error=exc))
             return
         self._meta[call] = meta
@@ -421,6 +426,8 @@ class Worker:
         meta = self._meta.pop(call, None)
         if meta is None:
             return
+        if self._space is not None:
+            self._space.set()  # it left the queue (answered, expired or cancelled): read more
         if call.error is None:
             try:
                 output = self.model.postprocess(call.results, meta.value)
@@ -453,8 +460,15 @@ class Worker:
         )
         try:
             fields = encode_result(result)
-        except TypeError as exc:  # the model's output cannot travel: say so to this caller
-            result = Result(request.id, "error", None, "TypeError", str(exc), worker=self.worker_id)
+        except (TypeError, ValueError, RecursionError) as exc:  # the output cannot travel
+            result = Result(
+                request.id,
+                "error",
+                None,
+                type(exc).__name__,
+                str(exc)[:2000],
+                worker=self.worker_id,
+            )
             fields = encode_result(result)
         return _Record(meta.sidx, meta.entry, fields, request.id, request.reply)
 
@@ -498,8 +512,11 @@ class Worker:
                 try:
                     await self._write(records)
                 except (RedisError, OSError) as exc:
-                    # Unanswered entries stay pending: reclaimed and answered later.
+                    # Unanswered entries stay pending; no longer kept alive by this worker,
+                    # they go idle and are reclaimed and answered later.
                     logger.error("writer: %d answers not written: %s", len(records), exc)
+                    for r in records:
+                        self._inflight[r.sidx].discard(r.entry)
         finally:
             self._flusher = None
 
