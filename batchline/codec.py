@@ -383,34 +383,33 @@ _STATUSES = frozenset(("ok", "error", "expired", "cancelled"))
 _ID = re.compile(_ID_PATTERN)
 
 
-def _field(raw: Mapping[Any, Any], name: str, default: bytes | None = None) -> bytes:
-    value = raw.get(name.encode(), raw.get(name, default))
-    if value is None:
-        raise DecodeError(f"malformed result: field {name!r} is missing")
-    if isinstance(value, str):
-        return value.encode()
-    if not isinstance(value, bytes):
-        raise DecodeError(f"malformed result: field {name!r} is not bytes")
-    return value
-
-
 def decode_result(raw: Mapping[Any, Any], limits: Limits) -> Result:
     """Validate and decode a result hash or reply entry; raises DecodeError.
 
     Checked by hand rather than by a pydantic model: a producer decodes one per request,
     and this is several times faster for the same checks.
     """
+    if raw and not isinstance(next(iter(raw)), bytes):
+        raw = {
+            (k.encode() if isinstance(k, str) else k): (v.encode() if isinstance(v, str) else v)
+            for k, v in raw.items()
+        }
+    get = raw.get
     try:
-        version = int(_field(raw, "v"))
-        rid = _field(raw, "id").decode()
-        status = _field(raw, "status").decode()
-        etype = _field(raw, "etype", b"").decode()
-        emsg = _field(raw, "emsg", b"").decode()
-        worker = _field(raw, "worker", b"").decode()
-        queue_ms = float(_field(raw, "queue_ms", b"0"))
-        batch = int(_field(raw, "batch", b"0"))
-        model_ms = float(_field(raw, "model_ms", b"0"))
-    except (ValueError, UnicodeDecodeError) as exc:
+        version = int(get(b"v", b""))
+        rid = get(b"id", b"").decode()
+        status = get(b"status", b"").decode()
+        etype = get(b"etype", b"").decode()
+        emsg = get(b"emsg", b"").decode()
+        worker = get(b"worker", b"").decode()
+        queue_ms = float(get(b"queue_ms", b"0"))
+        batch = int(get(b"batch", b"0"))
+        model_ms = float(get(b"model_ms", b"0"))
+        meta = get(b"meta", b"null")
+        blob = get(b"blob", b"")
+        if not (isinstance(meta, bytes) and isinstance(blob, bytes)):
+            raise TypeError("meta and blob must be bytes")
+    except (ValueError, TypeError, AttributeError) as exc:  # UnicodeDecodeError included
         raise DecodeError(f"malformed result: {exc}") from None
     if version != SCHEMA_VERSION:
         raise DecodeError(f"result schema version {version} is not {SCHEMA_VERSION}")
@@ -420,7 +419,5 @@ def decode_result(raw: Mapping[Any, Any], limits: Limits) -> Result:
         raise DecodeError(f"malformed result: invalid request id {rid!r}")
     if not (math.isfinite(queue_ms) and math.isfinite(model_ms)):
         raise DecodeError("malformed result: timings must be finite")
-    output = None
-    if status == "ok":
-        output = unpack_value(_field(raw, "meta", b"null"), _field(raw, "blob", b""), limits)
-    return Result(rid, status, output, etype, emsg, queue_ms, batch, model_ms, worker)  # type: ignore[arg-type]
+    output = unpack_value(meta, blob, limits) if status == "ok" else None
+    return Result(rid, status, output, etype, emsg, queue_ms, batch, model_ms, worker)

@@ -1,9 +1,8 @@
 """AsyncProducer: enqueue requests, await their results (pushed), or poll them.
 
-Writes: concurrent ``submit`` calls are coalesced by an in-process batcher (the same core as
-``batchline.aio.dynamically``, with ``timeout_ms=0``: a write goes as soon as the previous
-one is back, carrying everything that arrived meanwhile) into one call of the enqueue
-script, which checks the queue depth and adds the entries atomically.
+Writes: concurrent ``submit`` calls are coalesced (a write goes as soon as the previous one
+is back, carrying everything that arrived meanwhile, up to ``submit_batch``) into one call
+of the enqueue script, which checks the queue depth and adds the entries atomically.
 
 Reads: each producer has its own reply stream; one task reads it with a blocking XREAD and
 resolves the futures of the requests waiting on this producer. No connection per request,
@@ -26,8 +25,6 @@ from typing import Any
 import msgpack
 from redis.exceptions import RedisError
 
-from batchline._aio import AioBatcher
-from batchline._base import BatchConfig
 from batchline._redis import Script, connect
 from batchline._scripts import ENQUEUE
 from batchline.codec import DecodeError, Result, decode_result, encode_request
@@ -87,15 +84,12 @@ class AsyncProducer:
         self._closed = False
         self._enqueue_script = Script(ENQUEUE)
         self._streams_low_first = [self.keys.stream(p) for p in range(self.keys.priorities)]
-        self._writer: AioBatcher[tuple[int, list[Any]], Any] = AioBatcher(
-            self._write,
-            BatchConfig(
-                batch_size=self.settings.submit_batch,
-                timeout_ms=0,
-                small_batch_threshold=0,
-                isolate_errors=False,
-            ),
-        )
+        # Submits wait here while a write is in flight; the next write takes them all, so
+        # concurrent submits are coalesced into one script call (as a batcher with timeout
+        # 0 would, without its per-call overhead).
+        self._outbox: list[list[Any]] = []
+        self._outbox_waiters: list[asyncio.Future[Any]] = []
+        self._flusher: asyncio.Task[None] | None = None
 
     def __repr__(self) -> str:
         return f"<AsyncProducer queue={self.keys.queue!r} id={self.producer_id!r}>"
@@ -117,7 +111,8 @@ class AsyncProducer:
         if self._closed:
             return
         self._closed = True
-        await self._writer.aclose()
+        while self._flusher is not None:  # the submits already accepted are written
+            await asyncio.shield(self._flusher)
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -184,7 +179,7 @@ class AsyncProducer:
             fut = asyncio.get_running_loop().create_future()
             self._waiting[rid] = fut
         try:
-            entry = await self._writer((prio, flat))
+            entry = await self._enqueue(prio, flat)
         except BaseException:
             self._waiting.pop(rid, None)
             raise
@@ -196,7 +191,41 @@ class AsyncProducer:
             )
         return Handle(rid, fut)
 
-    async def _write(self, batch: list[tuple[int, list[Any]]]) -> list[Any]:
+    async def _enqueue(self, prio: int, flat: list[Any]) -> Any:
+        """The new entry's id (None: the queue was full), once its write is done."""
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[Any] = loop.create_future()
+        self._outbox.append([prio, flat])
+        self._outbox_waiters.append(waiter)
+        if self._flusher is None:
+            self._flusher = loop.create_task(self._flush())
+        return await waiter
+
+    async def _flush(self) -> None:
+        try:
+            while self._outbox:
+                n = self.settings.submit_batch
+                batch, self._outbox = self._outbox[:n], self._outbox[n:]
+                waiters, self._outbox_waiters = self._outbox_waiters[:n], self._outbox_waiters[n:]
+                try:
+                    entries = await self._write(batch)
+                except Exception as exc:  # each submit of this write gets the error
+                    for waiter in waiters:
+                        if not waiter.done():
+                            waiter.set_exception(exc)
+                else:
+                    for waiter, entry in zip(waiters, entries, strict=True):
+                        if not waiter.done():
+                            waiter.set_result(entry)
+        finally:
+            self._flusher = None
+            if self._outbox:  # cancelled (the loop is closing): nothing more will be written
+                for waiter in self._outbox_waiters:
+                    if not waiter.done():
+                        waiter.set_exception(BatcherClosed("the producer stopped writing"))
+                self._outbox, self._outbox_waiters = [], []
+
+    async def _write(self, batch: list[list[Any]]) -> list[Any]:
         payload = msgpack.packb(batch, use_bin_type=False)
         args = [self.settings.max_queue_depth, payload]
         return list(await self._enqueue_script(self._redis, self._streams_low_first, args))
