@@ -1,6 +1,7 @@
 """What runs in worker containers: the worker loop and the models it can serve."""
 
-from batchline.worker._worker import Cancelled, Worker
+from batchline.worker._answers import Cancelled
+from batchline.worker._worker import Worker
 from batchline.worker.models import (
     CallableModel,
     Model,

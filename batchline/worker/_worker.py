@@ -35,7 +35,6 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -50,15 +49,12 @@ from batchline._scripts import COMPLETE
 from batchline.codec import (
     RESULT_FIELDS,
     DecodeError,
-    Request,
-    Result,
     decode_request,
-    encode_result,
-    salvage_id,
 )
 from batchline.config import WorkerSettings, redact_url
 from batchline.errors import BatcherClosed, BatchlineError, RequestTimeout
 from batchline.keys import GROUP, check_name
+from batchline.worker._answers import Cancelled, Meta, Record, answer, dead_letter
 from batchline.worker.metrics import Metrics
 from batchline.worker.models import Model, Prepared, load_model
 
@@ -68,36 +64,6 @@ logger = logging.getLogger(__name__)
 
 _REPLY_MAXLEN = 100_000
 _DEAD_MAXLEN = 100_000
-_MAX_DEAD_RAW = 1 << 20
-
-
-class Cancelled(BatchlineError):
-    """The producer cancelled the request before a worker started it."""
-
-
-@dataclass(slots=True)
-class _Meta:
-    """What the worker keeps of one request while the core batches its items."""
-
-    sidx: int
-    entry: bytes
-    request: Request
-    value: Any
-    read_unix: float
-    started_unix: float = 0.0
-    batch_size: int = 0
-
-
-@dataclass(slots=True)
-class _Record:
-    """One stream entry to answer: its result fields, reply address and dead letter."""
-
-    sidx: int
-    entry: bytes
-    result: list[bytes | str] | None = None
-    request_id: str | None = None
-    reply: str | None = None
-    dead: list[Any] | None = field(default=None)
 
 
 class _ModelBatcher(AioBatcher[Prepared, Any]):
@@ -167,10 +133,10 @@ class Worker:
         )
         # Answers wait here while a write is in flight; the next write takes them all (the
         # same coalescing as a batcher with timeout 0, without its per-record overhead).
-        self._outbox: list[_Record] = []
+        self._outbox: list[Record] = []
         self._flusher: asyncio.Task[None] | None = None
         self._complete = Script(COMPLETE)
-        self._meta: dict[Call, _Meta] = {}
+        self._meta: dict[Call, Meta] = {}
         self._inflight: list[set[bytes]] = [set() for _ in self._streams_low_first]
         self._preparing = 0
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -345,20 +311,20 @@ class Worker:
         else:
             outcomes = self._prepare_all(batch)
         for outcome in outcomes:
-            if isinstance(outcome, _Record):
+            if isinstance(outcome, Record):
                 self._answer(outcome)
             else:
                 self._submit(*outcome)
 
     def _prepare_all(
         self, batch: list[tuple[int, bytes, dict[bytes, bytes] | None]]
-    ) -> list[_Record | tuple[_Meta, list[Prepared]]]:
+    ) -> list[Record | tuple[Meta, list[Prepared]]]:
         """Decode, validate and preprocess entries (off the event loop for heavy models)."""
         now = time.time()
-        out: list[_Record | tuple[_Meta, list[Prepared]]] = []
+        out: list[Record | tuple[Meta, list[Prepared]]] = []
         for sidx, entry, raw in batch:
             if not raw:  # deleted while pending: nothing to answer, only to acknowledge
-                out.append(_Record(sidx, entry))
+                out.append(Record(sidx, entry))
                 continue
             try:
                 request = decode_request(raw)
@@ -366,7 +332,7 @@ class Worker:
             except DecodeError as exc:
                 out.append(self._dead_letter(sidx, entry, raw, "MalformedRequest", str(exc)))
                 continue
-            meta = _Meta(sidx, entry, request, value, now)
+            meta = Meta(sidx, entry, request, value, now)
             if request.dl is not None and request.dl <= now * 1e3:
                 out.append(self._record(meta, "expired"))
                 continue
@@ -378,7 +344,7 @@ class Worker:
             out.append((meta, prepared))
         return out
 
-    def _submit(self, meta: _Meta, prepared: list[Prepared]) -> None:
+    def _submit(self, meta: Meta, prepared: list[Prepared]) -> None:
         request = meta.request
         deadline = None
         if request.dl is not None:
@@ -443,55 +409,16 @@ class Worker:
             self._answer(self._record(meta, "error", error=call.error))
 
     def _record(
-        self, meta: _Meta, status: str, *, output: Any = None, error: BaseException | None = None
-    ) -> _Record:
-        request = meta.request
-        started = meta.started_unix or time.time()
-        result = Result(
-            id=request.id,
-            status=status,  # type: ignore[arg-type]
-            output=output,
-            error_type=type(error).__name__ if error is not None else "",
-            error_message=str(error)[:2000] if error is not None else "",
-            queue_ms=max(0.0, started * 1e3 - request.ts) if request.ts else 0.0,
-            batch_size=meta.batch_size,
-            model_ms=(time.time() - meta.started_unix) * 1e3 if meta.started_unix else 0.0,
-            worker=self.worker_id,
-        )
-        try:
-            fields = encode_result(result)
-        except (TypeError, ValueError, RecursionError) as exc:  # the output cannot travel
-            result = Result(
-                request.id,
-                "error",
-                None,
-                type(exc).__name__,
-                str(exc)[:2000],
-                worker=self.worker_id,
-            )
-            fields = encode_result(result)
-        return _Record(meta.sidx, meta.entry, fields, request.id, request.reply)
+        self, meta: Meta, status: str, *, output: Any = None, error: BaseException | None = None
+    ) -> Record:
+        return answer(meta, status, self.worker_id, output=output, error=error)
 
     def _dead_letter(
         self, sidx: int, entry: bytes, raw: dict[bytes, bytes], kind: str, reason: str
-    ) -> _Record:
-        request_id, reply = salvage_id(raw)
-        size = sum(len(k) + len(v) for k, v in raw.items())
-        dead: list[Any] = (
-            [x for kv in raw.items() for x in kv] if size <= _MAX_DEAD_RAW else ["size", str(size)]
-        )
-        dead += ["reason", f"{kind}: {reason}", "worker", self.worker_id]
-        record = _Record(sidx, entry, dead=dead)
-        if request_id is not None:
-            result = Result(request_id, "error", None, kind, reason, worker=self.worker_id)
-            record.result, record.request_id, record.reply = (
-                encode_result(result),
-                request_id,
-                reply,
-            )
-        return record
+    ) -> Record:
+        return dead_letter(sidx, entry, raw, kind, reason, worker_id=self.worker_id)
 
-    def _answer(self, record: _Record) -> None:
+    def _answer(self, record: Record) -> None:
         status = (
             "dead"
             if record.dead is not None
@@ -520,19 +447,19 @@ class Worker:
         finally:
             self._flusher = None
 
-    async def _write(self, records: list[_Record]) -> None:
+    async def _write(self, records: list[Record]) -> None:
         packed = []
         for r in records:
-            answer = r.result is not None and r.request_id is not None
+            has_result = r.result is not None and r.request_id is not None
             fields = [x for kv in zip(RESULT_FIELDS, r.result or (), strict=False) for x in kv]
             packed.append(
                 [
                     r.sidx,
                     r.entry,
-                    r.request_id or "" if answer else "",
-                    r.reply or "" if answer else "",
+                    r.request_id or "" if has_result else "",
+                    r.reply or "" if has_result else "",
                     r.dead or [],
-                    fields if answer else [],
+                    fields if has_result else [],
                 ]
             )
         keys = [*self._streams_low_first, self.keys.dead]

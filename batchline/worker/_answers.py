@@ -1,0 +1,94 @@
+"""What a worker writes back: result records, dead letters, and what it keeps per request."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchline.codec import Request, Result, encode_result, salvage_id
+from batchline.errors import BatchlineError
+
+__all__ = ["Cancelled", "Meta", "Record", "answer", "dead_letter"]
+
+_MAX_DEAD_RAW = 1 << 20  # a dead letter keeps the original fields up to this size
+
+
+class Cancelled(BatchlineError):
+    """The producer cancelled the request before a worker started it."""
+
+
+@dataclass(slots=True)
+class Meta:
+    """What the worker keeps of one request while the core batches its items."""
+
+    sidx: int
+    entry: bytes
+    request: Request
+    value: Any
+    read_unix: float
+    started_unix: float = 0.0
+    batch_size: int = 0
+
+
+@dataclass(slots=True)
+class Record:
+    """One stream entry to answer: its result fields, reply address and dead letter."""
+
+    sidx: int
+    entry: bytes
+    result: list[bytes | str] | None = None
+    request_id: str | None = None
+    reply: str | None = None
+    dead: list[Any] | None = field(default=None)
+
+
+def answer(
+    meta: Meta,
+    status: str,
+    worker_id: str,
+    *,
+    output: Any = None,
+    error: BaseException | None = None,
+) -> Record:
+    """The record answering one request, with its timings; an output that cannot travel
+    becomes an error result for that request alone."""
+    request = meta.request
+    started = meta.started_unix or time.time()
+    result = Result(
+        id=request.id,
+        status=status,  # type: ignore[arg-type]
+        output=output,
+        error_type=type(error).__name__ if error is not None else "",
+        error_message=str(error)[:2000] if error is not None else "",
+        queue_ms=max(0.0, started * 1e3 - request.ts) if request.ts else 0.0,
+        batch_size=meta.batch_size,
+        model_ms=(time.time() - meta.started_unix) * 1e3 if meta.started_unix else 0.0,
+        worker=worker_id,
+    )
+    try:
+        fields = encode_result(result)
+    except (TypeError, ValueError, RecursionError) as exc:  # the output cannot travel
+        result = Result(
+            request.id, "error", None, type(exc).__name__, str(exc)[:2000], worker=worker_id
+        )
+        fields = encode_result(result)
+    return Record(meta.sidx, meta.entry, fields, request.id, request.reply)
+
+
+def dead_letter(
+    sidx: int, entry: bytes, raw: dict[bytes, bytes], kind: str, reason: str, *, worker_id: str
+) -> Record:
+    """The record moving an entry to the dead-letter stream, with an error result for its
+    producer when the entry carries a valid id."""
+    request_id, reply = salvage_id(raw)
+    size = sum(len(k) + len(v) for k, v in raw.items())
+    dead: list[Any] = (
+        [x for kv in raw.items() for x in kv] if size <= _MAX_DEAD_RAW else ["size", str(size)]
+    )
+    dead += ["reason", f"{kind}: {reason}", "worker", worker_id]
+    record = Record(sidx, entry, dead=dead)
+    if request_id is not None:
+        result = Result(request_id, "error", None, kind, reason, worker=worker_id)
+        record.result, record.request_id, record.reply = encode_result(result), request_id, reply
+    return record
