@@ -1,6 +1,5 @@
 """What runs in worker containers: the worker loop and the models it can serve."""
 
-from batchline.worker._answers import Cancelled
 from batchline.worker._worker import Worker
 from batchline.worker.models import (
     CallableModel,
@@ -13,7 +12,6 @@ from batchline.worker.models import (
 
 __all__ = [
     "CallableModel",
-    "Cancelled",
     "Model",
     "Prepared",
     "SentenceTransformerModel",

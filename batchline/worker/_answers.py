@@ -7,15 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchline.codec import Request, Result, encode_result, salvage_id
-from batchline.errors import BatchlineError
 
-__all__ = ["Cancelled", "Meta", "Record", "answer", "dead_letter"]
+__all__ = ["Meta", "Record", "answer", "dead_letter"]
 
 _MAX_DEAD_RAW = 1 << 20  # a dead letter keeps the original fields up to this size
-
-
-class Cancelled(BatchlineError):
-    """The producer cancelled the request before a worker started it."""
 
 
 @dataclass(slots=True)

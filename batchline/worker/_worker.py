@@ -52,9 +52,9 @@ from batchline.codec import (
     decode_request,
 )
 from batchline.config import WorkerSettings, redact_url
-from batchline.errors import BatcherClosed, BatchlineError, RequestTimeout
+from batchline.errors import BatcherClosed, BatchlineError, RequestCancelled, RequestTimeout
 from batchline.keys import GROUP, check_name
-from batchline.worker._answers import Cancelled, Meta, Record, answer, dead_letter
+from batchline.worker._answers import Meta, Record, answer, dead_letter
 from batchline.worker.metrics import Metrics
 from batchline.worker.models import Model, Prepared, load_model
 
@@ -386,7 +386,9 @@ class Worker:
         live = [c for c, m in zip(calls, metas, strict=True) if m is not None]
         for call, mark in zip(live, marks, strict=True):
             if mark is not None:
-                call.reject(Cancelled("cancelled by its producer before a worker started it"))
+                call.reject(
+                    RequestCancelled("cancelled by its producer before a worker started it")
+                )
 
     def _done(self, call: Call) -> None:
         meta = self._meta.pop(call, None)
@@ -401,7 +403,7 @@ class Worker:
                 self._answer(self._record(meta, "error", error=exc))
                 return
             self._answer(self._record(meta, "ok", output=output))
-        elif isinstance(call.error, Cancelled):
+        elif isinstance(call.error, RequestCancelled):
             self._answer(self._record(meta, "cancelled"))
         elif isinstance(call.error, RequestTimeout):
             self._answer(self._record(meta, "expired"))
