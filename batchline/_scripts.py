@@ -39,9 +39,11 @@ return out
 # msgpack array of records, each [stream index (0-based), entry id, request id or '',
 # reply producer id or '', [dead-letter field, value, ...], [result field, value, ...]].
 # For each record the entry is acknowledged; only if that acknowledgement took (no other
-# worker answered it first) are the dead letter added, the result hash written with its
-# TTL (prefix .. request id) and the reply pushed (prefix .. producer id). Then the entries
-# are deleted, one XDEL per stream. Returns the number of records answered.
+# worker answered it first) are the dead letter added and the result hash written with its
+# TTL (prefix .. request id), and the result queued for its producer. Then the entries are
+# deleted (one XDEL per stream) and each producer gets one reply entry (prefix .. producer
+# id) carrying all its results of this call: fields n (how many) and r (a msgpack array of
+# flat [field, value, ...] arrays). Returns the number of records answered.
 COMPLETE = """
 local group = ARGV[1]
 local ttl = tonumber(ARGV[2])
@@ -52,7 +54,7 @@ local reply_prefix = ARGV[6]
 local records = cmsgpack.unpack(ARGV[7])
 local dead = KEYS[#KEYS]
 local answered = 0
-local touched = {}
+local replies = {}
 local finished = {}
 for _, record in ipairs(records) do
   local stream = KEYS[tonumber(record[1]) + 1]
@@ -73,9 +75,12 @@ for _, record in ipairs(records) do
       redis.call('HSET', key, unpack(fields))
       redis.call('EXPIRE', key, ttl)
       if reply ~= '' then
-        local stream_key = reply_prefix .. reply
-        redis.call('XADD', stream_key, 'MAXLEN', '~', reply_maxlen, '*', unpack(fields))
-        touched[stream_key] = true
+        local pending = replies[reply]
+        if pending == nil then
+          pending = {}
+          replies[reply] = pending
+        end
+        pending[#pending + 1] = fields
       end
     end
   end
@@ -87,6 +92,11 @@ for _, record in ipairs(records) do
   done[#done + 1] = entry
 end
 for stream, entries in pairs(finished) do redis.call('XDEL', stream, unpack(entries)) end
-for key, _ in pairs(touched) do redis.call('EXPIRE', key, ttl) end
+for reply, results in pairs(replies) do
+  local key = reply_prefix .. reply
+  redis.call('XADD', key, 'MAXLEN', '~', reply_maxlen, '*',
+    'n', #results, 'r', cmsgpack.pack(results))
+  redis.call('EXPIRE', key, ttl)
+end
 return answered
 """

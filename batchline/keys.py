@@ -7,7 +7,7 @@ layout (``docs/protocol.md`` has the full protocol)::
     <prefix>:{<queue>}:req:<priority>     work stream, one per priority level (0 = lowest)
     <prefix>:{<queue>}:res:<request id>   result hash of one request (expires: result_ttl_s)
     <prefix>:{<queue>}:reply:<producer>   reply stream of one producer process
-    <prefix>:{<queue>}:cancel:<request>   cancellation mark (expires)
+    <prefix>:{<queue>}:cancels            stream of cancelled request ids (capped, expires)
     <prefix>:{<queue>}:job:<request id>   marker of a polled job (web backend; expires)
     <prefix>:{<queue>}:dead               dead-letter stream
     <prefix>:{<queue>}:workers            sorted set: worker id -> last heartbeat (unix s)
@@ -81,9 +81,10 @@ class QueueKeys:
         """The reply stream of one producer process."""
         return f"{self.base}:reply:{producer_id}"
 
-    def cancel(self, request_id: str) -> str:
-        """The cancellation mark of one request."""
-        return f"{self.base}:cancel:{request_id}"
+    @property
+    def cancels(self) -> str:
+        """The stream of cancelled request ids, which every worker follows."""
+        return f"{self.base}:cancels"
 
     def job(self, request_id: str) -> str:
         """The marker of a job submitted for polling (the web backend's: pending vs unknown)."""

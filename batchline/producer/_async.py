@@ -20,11 +20,12 @@ import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 from redis.exceptions import RedisError
 
+from batchline._cancels import cancel_request
 from batchline._redis import Script, connect
 from batchline._scripts import ENQUEUE
 from batchline.codec import DecodeError, Result, decode_result, encode_request
@@ -40,6 +41,10 @@ logger = logging.getLogger(__name__)
 def _new_id() -> str:
     """A random request id (128 bits; os.urandom is 4x quicker than uuid4 here)."""
     return os.urandom(16).hex()
+
+
+#: Who learns how a write went: a submit's ack future, or an infer's (request id, future).
+_Target = asyncio.Future[Any] | tuple[str, "asyncio.Future[Result] | None"]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -88,7 +93,7 @@ class AsyncProducer:
         # concurrent submits are coalesced into one script call (as a batcher with timeout
         # 0 would, without its per-call overhead).
         self._outbox: list[list[Any]] = []
-        self._outbox_waiters: list[asyncio.Future[Any]] = []
+        self._outbox_targets: list[_Target] = []
         self._flusher: asyncio.Task[None] | None = None
 
     def __repr__(self) -> str:
@@ -155,6 +160,38 @@ class AsyncProducer:
             request_id: your own id (letters, digits, ``_.-``); default a random one.
             reply: push the result to this producer (False: only the result key, for pollers).
         """
+        ack: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        rid, fut = await self._send(
+            value,
+            deadline_ms=deadline_ms,
+            priority=priority,
+            request_id=request_id,
+            reply=reply,
+            ack=ack,
+        )
+        try:
+            entry = await ack
+        except BaseException:
+            self._waiting.pop(rid, None)
+            raise
+        if entry is None:
+            self._waiting.pop(rid, None)
+            raise self._queue_full()
+        return Handle(rid, fut)
+
+    async def _send(
+        self,
+        value: Any,
+        *,
+        deadline_ms: float | None,
+        priority: int | None,
+        request_id: str | None,
+        reply: bool,
+        ack: asyncio.Future[Any] | None = None,
+    ) -> tuple[str, asyncio.Future[Result] | None]:
+        """Validate and encode one request, register its waiter and put it in the outbox;
+        the write goes with the next flush, which resolves ``ack`` with the entry id (or,
+        without an ack, fails the waiter if the write fails)."""
         if self._closed:
             raise BatcherClosed("this producer is closed")
         if reply and self._reader is None:
@@ -172,58 +209,61 @@ class AsyncProducer:
             enqueued_unix_ms=now_ms,
             reply=self.producer_id if reply else None,
         )
-        flat: list[Any] = [x for kv in fields.items() for x in kv]
         fut: asyncio.Future[Result] | None = None
+        loop = asyncio.get_running_loop()
         if reply:
             # Registered before the write, so that even the fastest reply finds its waiter.
-            fut = asyncio.get_running_loop().create_future()
+            fut = loop.create_future()
             self._waiting[rid] = fut
-        try:
-            entry = await self._enqueue(prio, flat)
-        except BaseException:
-            self._waiting.pop(rid, None)
-            raise
-        if entry is None:
-            self._waiting.pop(rid, None)
-            raise QueueFull(
-                f"queue {self.keys.queue!r} holds max_queue_depth="
-                f"{self.settings.max_queue_depth} requests"
-            )
-        return Handle(rid, fut)
-
-    async def _enqueue(self, prio: int, flat: list[Any]) -> Any:
-        """The new entry's id (None: the queue was full), once its write is done."""
-        loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[Any] = loop.create_future()
-        self._outbox.append([prio, flat])
-        self._outbox_waiters.append(waiter)
+        self._outbox.append([prio, [x for kv in fields.items() for x in kv]])
+        self._outbox_targets.append(ack if ack is not None else (rid, fut))
         if self._flusher is None:
             self._flusher = loop.create_task(self._flush())
-        return await waiter
+        return rid, fut
+
+    def _queue_full(self) -> QueueFull:
+        return QueueFull(
+            f"queue {self.keys.queue!r} holds max_queue_depth="
+            f"{self.settings.max_queue_depth} requests"
+        )
 
     async def _flush(self) -> None:
         try:
             while self._outbox:
                 n = self.settings.submit_batch
                 batch, self._outbox = self._outbox[:n], self._outbox[n:]
-                waiters, self._outbox_waiters = self._outbox_waiters[:n], self._outbox_waiters[n:]
+                targets, self._outbox_targets = self._outbox_targets[:n], self._outbox_targets[n:]
                 try:
                     entries = await self._write(batch)
                 except Exception as exc:  # each submit of this write gets the error
-                    for waiter in waiters:
-                        if not waiter.done():
-                            waiter.set_exception(exc)
+                    for target in targets:
+                        self._settle(target, exc)
                 else:
-                    for waiter, entry in zip(waiters, entries, strict=True):
-                        if not waiter.done():
-                            waiter.set_result(entry)
+                    for target, entry in zip(targets, entries, strict=True):
+                        self._settle(target, entry)
         finally:
             self._flusher = None
             if self._outbox:  # cancelled (the loop is closing): nothing more will be written
-                for waiter in self._outbox_waiters:
-                    if not waiter.done():
-                        waiter.set_exception(BatcherClosed("the producer stopped writing"))
-                self._outbox, self._outbox_waiters = [], []
+                for target in self._outbox_targets:
+                    self._settle(target, BatcherClosed("the producer stopped writing"))
+                self._outbox, self._outbox_targets = [], []
+
+    def _settle(self, target: _Target, outcome: Any) -> None:
+        """Tell a submit how its write went: ``submit`` awaits the entry id (an ack future);
+        ``infer`` awaits only its result, so only a failed write resolves that one."""
+        if isinstance(target, asyncio.Future):
+            if not target.done():
+                if isinstance(outcome, BaseException):
+                    target.set_exception(outcome)
+                else:
+                    target.set_result(outcome)
+            return
+        rid, fut = target
+        if isinstance(outcome, BaseException) or outcome is None:
+            self._waiting.pop(rid, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(outcome if outcome is not None else self._queue_full())
+                fut.exception()  # retrieved: its caller may have gone
 
     async def _write(self, batch: list[list[Any]]) -> list[Any]:
         payload = msgpack.packb(batch, use_bin_type=False)
@@ -238,11 +278,15 @@ class AsyncProducer:
         ``reply=False``) it reads the result key once and raises KeyError if none is there."""
         rid = handle if isinstance(handle, str) else handle.id
         fut = handle._future if isinstance(handle, Handle) else self._waiting.get(rid)
-        if fut is None:
+        if fut is None or fut.cancelled():
             found = await self.get_result(rid)
             if found is None:
                 raise KeyError(f"no result for request {rid!r} (yet, or any more)")
             return found
+        if fut.done():
+            return fut.result()
+        if timeout_s is None:
+            return await asyncio.shield(fut)
         try:
             async with asyncio.timeout(timeout_s):
                 return await asyncio.shield(fut)
@@ -253,16 +297,45 @@ class AsyncProducer:
         """The request's output; raises RequestExpired or InferenceError for what failed."""
         return (await self.wait(handle, timeout_s)).unwrap()
 
-    async def infer(self, value: Any, *, timeout_s: float | None = None, **options: Any) -> Any:
-        """Submit one request and return its output."""
-        return await self.result(await self.submit(value, **options), timeout_s)
+    async def infer(
+        self,
+        value: Any,
+        *,
+        timeout_s: float | None = None,
+        deadline_ms: float | None = None,
+        priority: int | None = None,
+        request_id: str | None = None,
+    ) -> Any:
+        """Submit one request and return its output (QueueFull, RequestTimeout and the
+        result's own errors as for ``submit`` and ``result``).
+
+        The caller waits once, for the result: the write is not awaited on its own (a
+        refused or failed write resolves the same wait with its error).
+        """
+        rid, waiter = await self._send(
+            value, deadline_ms=deadline_ms, priority=priority, request_id=request_id, reply=True
+        )
+        fut = cast("asyncio.Future[Result]", waiter)  # reply=True: there is one
+        try:
+            if timeout_s is None:
+                result = await fut
+            else:
+                async with asyncio.timeout(timeout_s):
+                    result = await fut
+        except TimeoutError:
+            raise RequestTimeout(f"no result for request {rid} within {timeout_s} s") from None
+        finally:
+            if not fut.done() or fut.cancelled():
+                self._waiting.pop(rid, None)  # this caller gave up: nobody waits for it now
+        return result.unwrap()
 
     async def map(
         self, values: Iterable[Any], *, timeout_s: float | None = None, **options: Any
     ) -> list[Any]:
         """Submit many requests (coalesced writes) and return their outputs, in order."""
-        handles = await asyncio.gather(*(self.submit(v, **options) for v in values))
-        return list(await asyncio.gather(*(self.result(h, timeout_s) for h in handles)))
+        return list(
+            await asyncio.gather(*(self.infer(v, timeout_s=timeout_s, **options) for v in values))
+        )
 
     async def get_result(self, request_id: str) -> Result | None:
         """Read a request's result key: its Result, or None while there is none."""
@@ -272,7 +345,7 @@ class AsyncProducer:
     async def cancel(self, handle: Handle | str) -> None:
         """Ask workers to skip this request if none has started it (the caller went away)."""
         rid = handle if isinstance(handle, str) else handle.id
-        await self._redis.set(self.keys.cancel(rid), b"1", ex=self.settings.result_ttl_s)
+        await cancel_request(self._redis, self.keys, rid, self.settings.result_ttl_s)
         fut = self._waiting.pop(rid, None)
         if fut is not None and not fut.done():
             # Not fut.cancel(): a waiter would take that for its own task being cancelled.
@@ -308,12 +381,35 @@ class AsyncProducer:
             for _stream, entries in response:
                 for entry_id, raw in entries:
                     seen.append(entry_id)
-                    self._deliver(raw)
+                    self._deliver_all(raw)
             last = seen[-1]
             with contextlib.suppress(RedisError, OSError):
                 await self._redis.xdel(self._reply_key, *seen)
 
+    def _deliver_all(self, raw: dict[bytes, bytes]) -> None:
+        """Resolve the waiters of one reply entry (the results of one worker batch)."""
+        try:
+            # Plain msgpack: strings and arrays, nothing executable; no length in it can
+            # exceed the bytes received.
+            results = msgpack.unpackb(raw[b"r"], raw=True, use_list=True)
+            if not isinstance(results, list):
+                raise DecodeError("a reply entry's r is not an array")
+        except (KeyError, ValueError, TypeError) as exc:
+            logger.error("reply stream %s: dropped a malformed reply: %s", self._reply_key, exc)
+            return
+        for flat in results:
+            if isinstance(flat, list) and len(flat) % 2 == 0:
+                it = iter(flat)
+                try:
+                    fields = dict(zip(it, it, strict=True))
+                except TypeError:  # an unhashable field name
+                    fields = {}
+                self._deliver(fields)
+            else:
+                logger.error("reply stream %s: dropped a malformed reply", self._reply_key)
+
     def _deliver(self, raw: dict[bytes, bytes]) -> None:
+        """Resolve the waiter of one result."""
         try:
             result = decode_result(raw, self._limits)
         except DecodeError as exc:

@@ -44,6 +44,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from batchline._aio import AioBatcher
 from batchline._base import BatchConfig, Call, Item
+from batchline._cancels import CancelLog
 from batchline._redis import Script, connect
 from batchline._scripts import COMPLETE
 from batchline.codec import (
@@ -137,6 +138,7 @@ class Worker:
         self._flusher: asyncio.Task[None] | None = None
         self._complete = Script(COMPLETE)
         self._meta: dict[Call, Meta] = {}
+        self._cancels = CancelLog(s.result_ttl_s)
         self._inflight: list[set[bytes]] = [set() for _ in self._streams_low_first]
         self._preparing = 0
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -171,18 +173,22 @@ class Worker:
                 1, thread_name_prefix="batchline-prep"
             )
         await self._ensure_groups()
+        await self._cancels.catch_up(self._redis, self.keys)
         self._install_signals(loop)
         self.metrics.start()
         reader = loop.create_task(self._read(), name="batchline-reader")
         janitor = loop.create_task(self._janitor(), name="batchline-janitor")
         heartbeat = loop.create_task(self._heartbeat(), name="batchline-heartbeat")
+        cancels = loop.create_task(
+            self._cancels.follow(self._redis, self.keys, lambda: not self._closing),
+            name="batchline-cancels",
+        )
+        tasks = (reader, janitor, heartbeat, cancels)
         self.ready.set()
         stopped = loop.create_task(self._stop.wait())
         crashed: list[BaseException] = []
         try:
-            done, _ = await asyncio.wait(
-                {stopped, reader, janitor, heartbeat}, return_when=asyncio.FIRST_COMPLETED
-            )
+            done, _ = await asyncio.wait({stopped, *tasks}, return_when=asyncio.FIRST_COMPLETED)
             for task in done - {stopped}:
                 if not task.cancelled() and task.exception() is not None:
                     crashed.append(task.exception())  # type: ignore[arg-type]
@@ -203,9 +209,9 @@ class Worker:
             # Cancelling alone is not enough on Python 3.11: a cancellation that lands just as
             # redis-py's internal wait_for completes is swallowed, so the loops also end on this.
             self._closing = True
-            for task in (reader, janitor, heartbeat):
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(reader, janitor, heartbeat, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             with contextlib.suppress(RedisError, OSError):
                 await self._redis.zrem(self.keys.workers, self.worker_id)
             if self._pool is not None:
@@ -378,14 +384,10 @@ class Worker:
             if meta is not None:
                 meta.started_unix = now
                 meta.batch_size = len(batch)
-        keys = [self.keys.cancel(m.request.id) for m in metas if m is not None]
-        try:
-            marks = await self._redis.mget(keys) if keys else []
-        except (RedisError, OSError):
-            return  # cannot check now: run them (cancelling is best effort)
-        live = [c for c, m in zip(calls, metas, strict=True) if m is not None]
-        for call, mark in zip(live, marks, strict=True):
-            if mark is not None:
+        if not self._cancels:
+            return
+        for call, meta in zip(calls, metas, strict=True):
+            if meta is not None and meta.request.id in self._cancels:
                 call.reject(
                     RequestCancelled("cancelled by its producer before a worker started it")
                 )

@@ -37,7 +37,7 @@ def test_every_key_of_a_queue_has_its_hash_tag(queue: str, prefix: str, prioriti
         *k.streams,
         k.result("req-1"),
         k.reply("producer-1"),
-        k.cancel("req-1"),
+        k.cancels,
         k.dead,
         k.workers,
         k.worker_stats("host-1-abc"),

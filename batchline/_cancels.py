@@ -1,0 +1,97 @@
+"""Cancellation: producers append request ids to the queue's cancel stream; every worker
+follows that stream and keeps the ids it read, so that checking a batch costs no round trip.
+
+A worker starting up first reads the ids of the last ``ttl_s`` seconds (a request older than
+its result TTL is not worth cancelling), then blocks on the stream for new ones. Cancelling
+is best effort: a request whose batch starts before its cancellation reaches the worker
+(a fraction of a millisecond on a local network) is answered normally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from batchline.keys import QueueKeys
+
+__all__ = ["CancelLog", "cancel_request"]
+
+logger = logging.getLogger(__name__)
+
+#: The cancel stream keeps about this many ids (``MAXLEN ~``).
+CANCELS_MAXLEN = 100_000
+
+
+async def cancel_request(redis: Any, keys: QueueKeys, request_id: str, ttl_s: int) -> None:
+    """Ask every worker of the queue to skip this request if it has not started it."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.xadd(keys.cancels, {"id": request_id}, maxlen=CANCELS_MAXLEN, approximate=True)
+        pipe.expire(keys.cancels, ttl_s)
+        await pipe.execute()
+
+
+class CancelLog:
+    """The request ids cancelled in the last ``ttl_s`` seconds, as one worker has read them.
+
+    Args:
+        ttl_s: how long an id is kept (the queue's result TTL).
+        clock: seconds, monotonic (tests pass their own).
+    """
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._ids: dict[str, float] = {}  # id -> when it is forgotten, in insertion order
+        self._last = f"{max(0, int((time.time() - ttl_s) * 1e3))}-0"
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def add(self, request_id: str) -> None:
+        """Remember one cancelled id (and forget those past their TTL)."""
+        now = self._clock()
+        self._ids.pop(request_id, None)
+        self._ids[request_id] = now + self.ttl_s
+        for rid, until in self._ids.items():  # oldest first: stop at the first one kept
+            if until > now:
+                break
+            del self._ids[rid]
+            break  # one per add keeps this O(1); adds outnumber expiries
+
+    def _take(self, response: Any) -> None:
+        for _stream, entries in response or ():
+            for entry_id, fields in entries:
+                self._last = entry_id
+                rid = fields.get(b"id") if isinstance(fields, dict) else None
+                if isinstance(rid, bytes):
+                    self.add(rid.decode("utf-8", "replace"))
+
+    async def catch_up(self, redis: Any, keys: QueueKeys) -> None:
+        """Read every id still in the stream from the last TTL (before serving starts)."""
+        while True:
+            response = await redis.xread({keys.cancels: self._last}, count=1000)
+            self._take(response)
+            if not response or len(response[0][1]) < 1000:
+                return
+
+    async def follow(self, redis: Any, keys: QueueKeys, running: Callable[[], bool]) -> None:
+        """Block on the stream for new ids while ``running()``; rides out Redis restarts."""
+        backoff = 0.05
+        while running():
+            try:
+                response = await redis.xread({keys.cancels: self._last}, count=1000, block=1000)
+                backoff = 0.05
+            except (RedisError, OSError) as exc:
+                logger.warning("cancel reader: %s; retrying in %.2f s", type(exc).__name__, backoff)
+                await asyncio.sleep(backoff)  # back-off after a failed read, not a poll
+                backoff = min(backoff * 2, 2.0)
+                continue
+            self._take(response)
