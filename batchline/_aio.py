@@ -4,7 +4,8 @@ Callers ``await f(x)``. Each event loop that calls the batcher gets its own queu
 task, so the batcher works across loops in turn (``asyncio.run`` twice, per-test loops) and a
 loop that shuts down cancels only its own task, which rejects what that loop had queued. A
 coroutine batch function is awaited on the loop; a plain one runs on a thread of the
-batcher's own, so the loop stays free while it computes.
+batcher's own, so the loop stays free while it computes, unless its calls have been quick
+(:class:`~batchline.core.pace.Pace`): then it runs on the loop, which is cheaper.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from batchline._base import (
     settle_future,
 )
 from batchline.core.isolation import Isolation
+from batchline.core.pace import Pace
 from batchline.core.policy import BatchPolicy
 from batchline.errors import BatcherClosed
 
@@ -82,10 +84,6 @@ class _FunctionThread:
             try:
                 result: tuple[bool, Any] = (True, fn(arg))
             except BaseException as exc:  # handed to the loop, which isolates it
-                if isinstance(exc, StopIteration):  # a future cannot carry StopIteration
-                    wrapped = RuntimeError(f"the batch function raised StopIteration: {exc}")
-                    wrapped.__cause__ = exc
-                    exc = wrapped
                 result = (False, exc)
             # A closed loop raises RuntimeError: nobody waits for this batch any more.
             with contextlib.suppress(RuntimeError):
@@ -142,6 +140,9 @@ class AioBatcher(BatcherBase[T, R]):
         self._last: tuple[weakref.ref[asyncio.AbstractEventLoop], _LoopState] | None = None
         self._is_coroutine = inspect.iscoroutinefunction(fn)
         self._thread: _FunctionThread | None = None
+        # Calls of a plain function never overlap: on its thread or inline, each holds this.
+        self._fn_lock = threading.Lock()
+        self._pace = Pace(config.inline_below_ms / 1e3)
         self._draining = False
 
     # -- calling -------------------------------------------------------------------------------
@@ -310,11 +311,17 @@ class AioBatcher(BatcherBase[T, R]):
 
         For a plain function the payloads are picked on its thread, right before it runs:
         a batch handed over while another one runs still drops the callers that left (timed
-        out, cancelled) while it waited.
+        out, cancelled) while it waited. A plain function that has been quick (see
+        :class:`~batchline.core.pace.Pace`) runs here, on the loop, instead.
         """
         if self._is_coroutine:
             payloads = run.next()
             outputs = _DONE if payloads is None else self._invoke(payloads)
+        elif self._pace.inline and self._fn_lock.acquire(blocking=False):
+            try:  # quick enough to run here: cheaper than the round trip to its thread
+                outputs = self._call(run)
+            finally:
+                self._fn_lock.release()
         else:
             loop = asyncio.get_running_loop()
             outputs = await self._function_thread().submit(loop, self._step, run)
@@ -323,8 +330,22 @@ class AioBatcher(BatcherBase[T, R]):
         return outputs
 
     def _step(self, run: Isolation[Item]) -> Any:
+        """The function's outputs for the run's next payloads (on the function's thread)."""
+        with self._fn_lock:
+            return self._call(run)
+
+    def _call(self, run: Isolation[Item]) -> Any:
+        """Call the plain function, timing it for the pace; the caller holds ``_fn_lock``."""
         payloads = run.next()
-        return _DONE if payloads is None else self._invoke(payloads)
+        if payloads is None:
+            return _DONE
+        started = time.perf_counter()
+        try:
+            return self._invoke(payloads)
+        except StopIteration as exc:  # neither a future nor a coroutine can carry it
+            raise RuntimeError(f"the batch function raised StopIteration: {exc}") from exc
+        finally:
+            self._pace.observe(time.perf_counter() - started)
 
     def _function_thread(self) -> _FunctionThread:
         if self._thread is None:

@@ -42,6 +42,7 @@ class BatchConfig:
     group_by_length: bool = True
     group_window: int = 4
     max_overtake_ms: float = 100.0
+    inline_below_ms: float = 0.2
 
     def __post_init__(self) -> None:
         if isinstance(self.timeout_ms, bool) or not isinstance(self.timeout_ms, int | float):
@@ -58,6 +59,8 @@ class BatchConfig:
             raise ValueError(
                 f"max_queue_size must be an int >= 1 or None, got {self.max_queue_size!r}"
             )
+        if not (self.inline_below_ms >= 0 and math.isfinite(self.inline_below_ms)):
+            raise ValueError(f"inline_below_ms must be >= 0, got {self.inline_below_ms!r}")
         if self.max_tokens is not None and self.length_fn is None:
             raise ValueError("max_tokens needs length_fn, the length of one item in tokens")
         if self.length_fn is not None and not callable(self.length_fn):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from batchline.errors import BatchlineError, InferenceError, RequestCancelled, RequestExpired
 
@@ -94,6 +94,8 @@ def _as_array(value: Any) -> np.ndarray[Any, Any] | None:
 
 def pack_value(value: Any) -> tuple[bytes, bytes]:
     """Encode a value as (JSON meta, blob); raises TypeError for what cannot travel."""
+    if type(value) is str or (type(value) is list and all(type(v) is str for v in value)):
+        return _ENCODER.encode(value).encode(), b""  # texts: the common case, no walk
     chunks: list[bytes] = []
     offset = 0
 
@@ -127,8 +129,11 @@ def pack_value(value: Any) -> tuple[bytes, bytes]:
             return out
         raise TypeError(f"a {type(v).__name__} cannot travel; use JSON types or numeric arrays")
 
-    meta = json.dumps(walk(value), separators=(",", ":"), allow_nan=False).encode()
+    meta = _ENCODER.encode(walk(value)).encode()
     return meta, b"".join(chunks)
+
+
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)  # one, not one per call
 
 
 def unpack_value(meta: bytes, blob: bytes, limits: Limits) -> Any:
@@ -141,6 +146,8 @@ def unpack_value(meta: bytes, blob: bytes, limits: Limits) -> Any:
         tree = _JSON.decode(meta.decode("utf-8"))
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise DecodeError(f"value header is not JSON: {exc}") from None
+    if type(tree) is str and len(tree) <= limits.max_chars:
+        return tree  # one text: the common case, no walk
     elements = 0
 
     def walk(v: Any, depth: int) -> Any:
@@ -212,28 +219,15 @@ class Request(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 
-    v: int
+    # Constraints only (no Python validators): pydantic-core checks these at C speed.
+    v: int = Field(ge=SCHEMA_VERSION, le=SCHEMA_VERSION)  # the schema version
     id: str = Field(pattern=_ID_PATTERN)
     meta: bytes
     blob: bytes = b""
     prio: int = Field(default=0, ge=0, lt=16)
-    dl: float | None = None
-    ts: float = Field(default=0.0, ge=0)
+    dl: float | None = Field(default=None, allow_inf_nan=False)
+    ts: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     reply: str | None = Field(default=None, pattern=_ID_PATTERN)
-
-    @field_validator("v")
-    @classmethod
-    def _known_version(cls, v: int) -> int:
-        if v != SCHEMA_VERSION:
-            raise ValueError(f"schema version {v} is not {SCHEMA_VERSION}")
-        return v
-
-    @field_validator("dl", "ts")
-    @classmethod
-    def _finite(cls, v: float | None) -> float | None:
-        if v is not None and not math.isfinite(v):
-            raise ValueError("must be finite")
-        return v
 
     def value(self, limits: Limits) -> Any:
         """The request's input, decoded within ``limits``."""
@@ -267,29 +261,21 @@ def encode_request(
     return fields
 
 
-def _text_fields(raw: Mapping[bytes, bytes], binary: frozenset[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in raw.items():
-        key = k.decode("utf-8", "replace") if isinstance(k, bytes) else str(k)
-        if key in binary:
-            out[key] = v
-        else:
-            try:
-                out[key] = v.decode("utf-8") if isinstance(v, bytes) else v
-            except UnicodeDecodeError:
-                raise DecodeError(f"field {key!r} is not UTF-8") from None
-    return out
-
-
 def decode_request(raw: Mapping[bytes, bytes]) -> Request:
     """Validate a work-stream entry; raises DecodeError naming what is wrong."""
+    fields = {(k.decode("utf-8", "replace") if type(k) is bytes else k): v for k, v in raw.items()}
     try:
-        return Request.model_validate(_text_fields(raw, frozenset({"meta", "blob"})))
+        # pydantic takes the bytes as they came: UTF-8 for the text fields, numbers parsed.
+        return Request.model_validate(fields)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'entry'}: {e['msg']}" for e in exc.errors()
-        )
+        problems = "; ".join(_problem(e) for e in exc.errors())
         raise DecodeError(f"malformed request: {problems}") from None
+
+
+def _problem(error: Any) -> str:
+    if tuple(error["loc"]) == ("v",) and error["type"] != "missing":
+        return f"schema version {error['input']!r} is not {SCHEMA_VERSION}"
+    return f"{'.'.join(str(p) for p in error['loc']) or 'entry'}: {error['msg']}"
 
 
 def salvage_id(raw: Mapping[bytes, bytes]) -> tuple[str | None, str | None]:
@@ -346,37 +332,41 @@ class Result:
         raise InferenceError(self.error_type or "Error", self.error_message)
 
 
-RESULT_FIELDS = (
-    "v",
-    "id",
-    "status",
-    "meta",
-    "blob",
-    "etype",
-    "emsg",
-    "queue_ms",
-    "batch",
-    "model_ms",
-    "worker",
-)
-
-
 def encode_result(result: Result) -> list[bytes | str]:
-    """The result's field values, in the order of ``RESULT_FIELDS``."""
+    """The result as it travels: a flat ``[field, value, ...]`` list (``HSET`` arguments).
+
+    Fields whose value would be empty (``blob``, ``etype``, ``emsg``) are left out; a reader
+    takes a missing one as empty.
+    """
     meta, blob = pack_value(result.output) if result.status == "ok" else (b"null", b"")
-    return [
-        str(SCHEMA_VERSION),
+    fields: list[bytes | str] = [
+        "v",
+        _VERSION,
+        "id",
         result.id,
+        "status",
         result.status,
+        "meta",
         meta,
-        blob,
-        result.error_type,
-        result.error_message,
+        "queue_ms",
         f"{result.queue_ms:.3f}",
+        "batch",
         str(result.batch_size),
+        "model_ms",
         f"{result.model_ms:.3f}",
+        "worker",
         result.worker,
     ]
+    if blob:
+        fields += ("blob", blob)
+    if result.error_type:
+        fields += ("etype", result.error_type)
+    if result.error_message:
+        fields += ("emsg", result.error_message)
+    return fields
+
+
+_VERSION = str(SCHEMA_VERSION)
 
 
 _STATUSES = frozenset(("ok", "error", "expired", "cancelled"))

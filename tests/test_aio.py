@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -433,3 +434,105 @@ async def test_a_result_that_cannot_be_read_fails_its_callers_and_the_aio_batche
     with pytest.raises(BatchFunctionError):
         await broken_then_fine(1, timeout_s=30)
     assert await broken_then_fine(2, timeout_s=30) == 2
+
+
+# -- where a plain function runs: its thread, or the loop once it has been quick ------------
+
+
+async def test_a_quick_plain_function_moves_onto_the_loop() -> None:
+    threads: list[threading.Thread] = []
+
+    # Every call counts as quick under a 1 s bound: after 16 of them it runs on the loop.
+    @batchline.aio.dynamically(batch_size=1, timeout_ms=0, inline_below_ms=1000)
+    def f(xs: list[int]) -> list[int]:
+        threads.append(threading.current_thread())
+        return double(xs)
+
+    for i in range(20):
+        assert await f(i) == 2 * i
+    loop_thread = threading.current_thread()
+    assert all(t is not loop_thread for t in threads[:16]), "the first 16 on its thread"
+    assert all(t is loop_thread for t in threads[16:]), "then on the loop"
+    await f.aclose()
+
+
+async def test_one_slow_call_sends_it_back_to_its_thread() -> None:
+    threads: list[threading.Thread] = []
+    slow = {5}
+
+    @batchline.aio.dynamically(batch_size=1, timeout_ms=0, inline_below_ms=50)
+    def f(xs: list[int]) -> list[int]:
+        threads.append(threading.current_thread())
+        if xs[0] in slow:
+            time.sleep(0.1)  # twice the bound: certainly not quick
+        return double(xs)
+
+    loop_thread = threading.current_thread()
+    for i in range(16):
+        await f(100 + i)
+    assert threads[-1] is not loop_thread
+    assert await f(1) == 2
+    assert threads[-1] is loop_thread  # 16 quick calls in a row: inline
+    assert await f(5) == 10  # slow, inline: the one call that holds the loop
+    for i in range(16):
+        await f(200 + i)
+    assert all(t is not loop_thread for t in threads[-16:]), "16 calls back on its thread"
+    await f(3)
+    assert threads[-1] is loop_thread
+    await f.aclose()
+
+
+async def test_inline_below_ms_zero_keeps_it_on_its_thread() -> None:
+    threads: list[threading.Thread] = []
+
+    @batchline.aio.dynamically(batch_size=1, timeout_ms=0, inline_below_ms=0)
+    def f(xs: list[int]) -> list[int]:
+        threads.append(threading.current_thread())
+        return xs
+
+    for i in range(40):
+        await f(i)
+    assert all(t is not threading.current_thread() for t in threads)
+    await f.aclose()
+
+
+async def test_calls_never_overlap_on_the_thread_and_the_loop() -> None:
+    active = 0
+    most = 0
+    guard = threading.Lock()
+
+    @batchline.aio.dynamically(batch_size=8, timeout_ms=0, inline_below_ms=1000)
+    def f(xs: list[int]) -> list[int]:
+        nonlocal active, most
+        with guard:
+            active += 1
+            most = max(most, active)
+        time.sleep(0)  # let another thread in, if one could be running
+        with guard:
+            active -= 1
+        return double(xs)
+
+    results = await asyncio.gather(*(f(i) for i in range(3000)))
+    assert results == [2 * i for i in range(3000)]
+    assert most == 1
+    await f.aclose()
+
+
+async def test_an_inline_stop_iteration_fails_its_callers_only() -> None:
+    @batchline.aio.dynamically(batch_size=1, timeout_ms=0, inline_below_ms=1000)
+    def f(xs: list[int]) -> list[int]:
+        if xs[0] < 0:
+            raise StopIteration("no more")
+        return double(xs)
+
+    for i in range(20):  # onto the loop
+        await f(i)
+    with pytest.raises(RuntimeError, match="StopIteration"):
+        await f(-1)
+    assert await f(4) == 8
+    await f.aclose()
+
+
+def test_inline_below_ms_is_validated() -> None:
+    with pytest.raises(ValueError, match="inline_below_ms"):
+        batchline.aio.dynamically(inline_below_ms=-1)(double)

@@ -39,6 +39,7 @@ def dynamically(
     length_fn: Callable[[Any], int] | None = ...,
     max_queue_size: int | None = ...,
     isolate_errors: bool = ...,
+    inline_below_ms: float = ...,
 ) -> Callable[[Callable[..., Any]], AioBatcher[Any, Any]]: ...
 
 
@@ -53,12 +54,19 @@ def dynamically(
     length_fn: Callable[[Any], int] | None = None,
     max_queue_size: int | None = None,
     isolate_errors: bool = True,
+    inline_below_ms: float = 0.2,
 ) -> Any:
     """Batch calls of ``fn`` dynamically on asyncio: ``await f(x)`` or ``await f([x1, x2])``.
 
     ``fn`` may be a coroutine function (awaited on the loop) or a plain one (run on a thread
     of the batcher's own, so the loop stays free). The arguments are those of
-    :func:`batchline.dynamically`.
+    :func:`batchline.dynamically`, and:
+
+    Args:
+        inline_below_ms: a plain function whose last 16 calls each returned within this many
+            milliseconds runs on the event loop itself, where it costs less than the round
+            trip to its thread; one slower call sends it back to the thread. 0: always on
+            its thread (for a function that must keep to one thread).
     """
     return _make(
         fn,
@@ -69,4 +77,5 @@ def dynamically(
         length_fn=length_fn,
         max_queue_size=max_queue_size,
         isolate_errors=isolate_errors,
+        inline_below_ms=inline_below_ms,
     )

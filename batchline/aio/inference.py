@@ -26,6 +26,7 @@ def dynamically(
     max_tokens: int | None = ...,
     max_queue_size: int | None = ...,
     isolate_errors: bool = ...,
+    inline_below_ms: float = ...,
     pad_token: Mapping[str, Any] | float | None = ...,
     pad_tokens: Mapping[str, Any] | None = ...,
     padding_side: str = ...,
@@ -43,6 +44,7 @@ def dynamically(
     max_tokens: int | None = None,
     max_queue_size: int | None = None,
     isolate_errors: bool = True,
+    inline_below_ms: float = 0.2,
     pad_token: Mapping[str, Any] | float | None = None,
     pad_tokens: Mapping[str, Any] | None = None,
     padding_side: str = "right",
@@ -61,6 +63,7 @@ def dynamically(
             the first dimension of its first feature (the reference feature).
         max_queue_size: most rows waiting; past it a call raises QueueFull at once.
         isolate_errors: as for :func:`batchline.dynamically`.
+        inline_below_ms: as for :func:`batchline.aio.dynamically`.
         pad_token: pad value per feature (``{"input_ids": 0}``), or one value for all;
             features not named pad with 0.
         pad_tokens: the same, under the name the ``batched`` library used.
@@ -75,6 +78,7 @@ def dynamically(
         max_tokens=max_tokens,
         max_queue_size=max_queue_size,
         isolate_errors=isolate_errors,
+        inline_below_ms=inline_below_ms,
         pad_token=pad_token,
         pad_tokens=pad_tokens,
         padding_side=padding_side,

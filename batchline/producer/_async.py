@@ -26,7 +26,7 @@ import msgpack
 from redis.exceptions import RedisError
 
 from batchline._cancels import cancel_request
-from batchline._redis import Script, connect
+from batchline._redis import Script, connect, dedicated
 from batchline._scripts import ENQUEUE
 from batchline.codec import DecodeError, Result, decode_result, encode_request
 from batchline.config import ProducerSettings
@@ -78,6 +78,7 @@ class AsyncProducer:
         self.keys = self.settings.keys
         self._own_client = redis is None
         self._redis = redis if redis is not None else connect(self.settings)
+        self._writer = dedicated(self._redis)  # the flush task's own connection
         host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())
         self.producer_id = check_name(
             "producer id", f"{host[:40]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -129,6 +130,8 @@ class AsyncProducer:
         self._waiting.clear()
         with contextlib.suppress(RedisError, OSError):
             await self._redis.delete(self._reply_key)
+        if self._writer is not self._redis:
+            await self._writer.aclose()
         if self._own_client:
             await self._redis.aclose()
 
@@ -268,7 +271,7 @@ class AsyncProducer:
     async def _write(self, batch: list[list[Any]]) -> list[Any]:
         payload = msgpack.packb(batch, use_bin_type=False)
         args = [self.settings.max_queue_depth, payload]
-        return list(await self._enqueue_script(self._redis, self._streams_low_first, args))
+        return list(await self._enqueue_script(self._writer, self._streams_low_first, args))
 
     # -- results -------------------------------------------------------------------------------
 
@@ -362,13 +365,21 @@ class AsyncProducer:
     # -- the reply reader ----------------------------------------------------------------------
 
     async def _read_replies(self) -> None:
+        client = dedicated(self._redis)  # a connection of its own for the blocking reads
+        try:
+            await self._read_replies_with(client)
+        finally:
+            if client is not self._redis:
+                await client.aclose()
+
+    async def _read_replies_with(self, client: Any) -> None:
         last = b"0-0"
         backoff = 0.05
         # aclose() cancels this task, but on Python 3.11 a cancellation that lands just as
         # redis-py's internal wait_for completes is swallowed; the flag ends the loop anyway.
         while not self._closed:
             try:
-                response = await self._redis.xread({self._reply_key: last}, count=1000, block=1000)
+                response = await client.xread({self._reply_key: last}, count=1000, block=1000)
                 backoff = 0.05
             except (RedisError, OSError) as exc:
                 logger.warning("reply reader: %s; retrying in %.2f s", type(exc).__name__, backoff)
@@ -384,7 +395,7 @@ class AsyncProducer:
                     self._deliver_all(raw)
             last = seen[-1]
             with contextlib.suppress(RedisError, OSError):
-                await self._redis.xdel(self._reply_key, *seen)
+                await client.xdel(self._reply_key, *seen)
 
     def _deliver_all(self, raw: dict[bytes, bytes]) -> None:
         """Resolve the waiters of one reply entry (the results of one worker batch)."""

@@ -28,10 +28,14 @@ class Meta:
 
 @dataclass(slots=True)
 class Record:
-    """One stream entry to answer: its result fields, reply address and dead letter."""
+    """One stream entry to answer: its result (flat fields), reply address and dead letter.
+
+    ``status`` is the result's status, ``dead`` for a dead letter without a result, or
+    ``acknowledged`` for an entry answered with neither."""
 
     sidx: int
     entry: bytes
+    status: str = "acknowledged"
     result: list[bytes | str] | None = None
     request_id: str | None = None
     reply: str | None = None
@@ -68,7 +72,7 @@ def answer(
             request.id, "error", None, type(exc).__name__, str(exc)[:2000], worker=worker_id
         )
         fields = encode_result(result)
-    return Record(meta.sidx, meta.entry, fields, request.id, request.reply)
+    return Record(meta.sidx, meta.entry, result.status, fields, request.id, request.reply)
 
 
 def dead_letter(
@@ -82,7 +86,7 @@ def dead_letter(
         [x for kv in raw.items() for x in kv] if size <= _MAX_DEAD_RAW else ["size", str(size)]
     )
     dead += ["reason", f"{kind}: {reason}", "worker", worker_id]
-    record = Record(sidx, entry, dead=dead)
+    record = Record(sidx, entry, "dead", dead=dead)
     if request_id is not None:
         result = Result(request_id, "error", None, kind, reason, worker=worker_id)
         record.result, record.request_id, record.reply = encode_result(result), request_id, reply

@@ -45,13 +45,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from batchline._aio import AioBatcher
 from batchline._base import BatchConfig, Call, Item
 from batchline._cancels import CancelLog
-from batchline._redis import Script, connect
+from batchline._redis import Script, connect, dedicated
 from batchline._scripts import COMPLETE
-from batchline.codec import (
-    RESULT_FIELDS,
-    DecodeError,
-    decode_request,
-)
+from batchline.codec import DecodeError, decode_request
 from batchline.config import WorkerSettings, redact_url
 from batchline.errors import BatcherClosed, BatchlineError, RequestCancelled, RequestTimeout
 from batchline.keys import GROUP, check_name
@@ -117,6 +113,7 @@ class Worker:
         self.model = model or load_model(s.model, path=s.model_path, device=s.device, dtype=s.dtype)
         self._own_client = redis is None
         self._redis = redis if redis is not None else connect(s)
+        self._writer = dedicated(self._redis)  # the writer task's own connection
         self._limits = s.limits()
         self._streams_low_first = [self.keys.stream(p) for p in range(self.keys.priorities)]
         self._sidx = {name.encode(): i for i, name in enumerate(self._streams_low_first)}
@@ -217,6 +214,8 @@ class Worker:
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
             self.metrics.stop()
+            if self._writer is not self._redis:
+                await self._writer.aclose()
             if self._own_client:
                 await self._redis.aclose()
             logger.info("worker %s: stopped (%s)", self.worker_id, dict(self.counts))
@@ -268,6 +267,14 @@ class Worker:
         stop = self._stop
         if space is None or stop is None:  # pragma: no cover - run() sets both
             raise RuntimeError("the worker is not running")
+        client = dedicated(self._redis)  # a connection of its own for the blocking reads
+        try:
+            await self._read_with(client, space, stop)
+        finally:
+            if client is not self._redis:
+                await client.aclose()
+
+    async def _read_with(self, client: Any, space: asyncio.Event, stop: asyncio.Event) -> None:
         streams = {name: ">" for name in reversed(self._streams_low_first)}
         backoff = 0.05
         while not stop.is_set():
@@ -279,7 +286,7 @@ class Worker:
                 await space.wait()
                 continue
             try:
-                response = await self._redis.xreadgroup(
+                response = await client.xreadgroup(
                     GROUP, self.worker_id, streams, count=per_stream, block=1000
                 )
                 backoff = 0.05
@@ -423,13 +430,8 @@ class Worker:
         return dead_letter(sidx, entry, raw, kind, reason, worker_id=self.worker_id)
 
     def _answer(self, record: Record) -> None:
-        status = (
-            "dead"
-            if record.dead is not None
-            else (str(record.result[2]) if record.result is not None else "acknowledged")
-        )
-        self.counts[status] += 1
-        self.metrics.result(status)
+        self.counts[record.status] += 1
+        self.metrics.result(record.status)
         self._outbox.append(record)
         if self._flusher is None:
             self._flusher = asyncio.get_running_loop().create_task(self._flush())
@@ -455,7 +457,6 @@ class Worker:
         packed = []
         for r in records:
             has_result = r.result is not None and r.request_id is not None
-            fields = [x for kv in zip(RESULT_FIELDS, r.result or (), strict=False) for x in kv]
             packed.append(
                 [
                     r.sidx,
@@ -463,7 +464,7 @@ class Worker:
                     r.request_id or "" if has_result else "",
                     r.reply or "" if has_result else "",
                     r.dead or [],
-                    fields if has_result else [],
+                    r.result if has_result else [],
                 ]
             )
         keys = [*self._streams_low_first, self.keys.dead]
@@ -476,7 +477,7 @@ class Worker:
             self.keys.reply(""),
             msgpack.packb(packed, use_bin_type=False),
         ]
-        await self._with_retry(lambda: self._complete(self._redis, keys, args))
+        await self._with_retry(lambda: self._complete(self._writer, keys, args))
         for r in records:
             self._inflight[r.sidx].discard(r.entry)
 
