@@ -50,9 +50,12 @@ class CancelLog:
         self._last = f"{max(0, int((time.time() - ttl_s) * 1e3))}-0"
 
     def __contains__(self, request_id: object) -> bool:
-        return request_id in self._ids
+        until = self._ids.get(request_id)  # type: ignore[call-overload]
+        return until is not None and until > self._clock()
 
     def __len__(self) -> int:
+        """How many ids are held (none past their TTL)."""
+        self._forget(self._clock())
         return len(self._ids)
 
     def add(self, request_id: str) -> None:
@@ -60,11 +63,17 @@ class CancelLog:
         now = self._clock()
         self._ids.pop(request_id, None)
         self._ids[request_id] = now + self.ttl_s
-        for rid, until in self._ids.items():  # oldest first: stop at the first one kept
+        self._forget(now)
+
+    def _forget(self, now: float) -> None:
+        """Drop the ids past their TTL: the oldest first, so stop at the first one kept
+        (each id is dropped once: constant time per id, over its life)."""
+        ids = self._ids
+        while ids:
+            rid, until = next(iter(ids.items()))
             if until > now:
-                break
-            del self._ids[rid]
-            break  # one per add keeps this O(1); adds outnumber expiries
+                return
+            del ids[rid]
 
     def _take(self, response: Any) -> None:
         for _stream, entries in response or ():

@@ -91,7 +91,11 @@ for _, record in ipairs(records) do
   end
   done[#done + 1] = entry
 end
-for stream, entries in pairs(finished) do redis.call('XDEL', stream, unpack(entries)) end
+for stream, entries in pairs(finished) do
+  for i = 1, #entries, 1000 do  -- unpack() takes a few thousand values at most
+    redis.call('XDEL', stream, unpack(entries, i, math.min(i + 999, #entries)))
+  end
+end
 for reply, results in pairs(replies) do
   local key = reply_prefix .. reply
   redis.call('XADD', key, 'MAXLEN', '~', reply_maxlen, '*',

@@ -40,6 +40,7 @@ __all__ = [
     "encode_request",
     "encode_result",
     "pack_value",
+    "result_fields",
     "salvage_id",
     "unpack_value",
 ]
@@ -336,33 +337,52 @@ def encode_result(result: Result) -> list[bytes | str]:
     """The result as it travels: a flat ``[field, value, ...]`` list (``HSET`` arguments).
 
     Fields whose value would be empty (``blob``, ``etype``, ``emsg``) are left out; a reader
-    takes a missing one as empty.
+    takes a missing one as empty. Raises TypeError for an output that cannot travel.
     """
-    meta, blob = pack_value(result.output) if result.status == "ok" else (b"null", b"")
+    r = result
+    return result_fields(
+        r.id, r.status, r.output, r.error_type, r.error_message,
+        r.queue_ms, r.batch_size, r.model_ms, r.worker,
+    )  # fmt: skip
+
+
+def result_fields(  # noqa: PLR0917 - the fields of a Result, without building one
+    request_id: str,
+    status: str,
+    output: Any,
+    error_type: str,
+    error_message: str,
+    queue_ms: float,
+    batch_size: int,
+    model_ms: float,
+    worker: str,
+) -> list[bytes | str]:
+    """:func:`encode_result` of the Result these would make (a worker's hot path)."""
+    meta, blob = pack_value(output) if status == "ok" else (b"null", b"")
     fields: list[bytes | str] = [
         "v",
         _VERSION,
         "id",
-        result.id,
+        request_id,
         "status",
-        result.status,
+        status,
         "meta",
         meta,
         "queue_ms",
-        f"{result.queue_ms:.3f}",
+        f"{queue_ms:.3f}",
         "batch",
-        str(result.batch_size),
+        str(batch_size),
         "model_ms",
-        f"{result.model_ms:.3f}",
+        f"{model_ms:.3f}",
         "worker",
-        result.worker,
+        worker,
     ]
     if blob:
         fields += ("blob", blob)
-    if result.error_type:
-        fields += ("etype", result.error_type)
-    if result.error_message:
-        fields += ("emsg", result.error_message)
+    if error_type:
+        fields += ("etype", error_type)
+    if error_message:
+        fields += ("emsg", error_message)
     return fields
 
 

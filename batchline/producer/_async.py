@@ -87,6 +87,7 @@ class AsyncProducer:
         self._limits = self.settings.limits()
         self._waiting: dict[str, asyncio.Future[Result]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._reader_client: Any = None  # the reader's own client, while it runs
         self._closed = False
         self._enqueue_script = Script(ENQUEUE)
         self._streams_low_first = [self.keys.stream(p) for p in range(self.keys.priorities)]
@@ -121,7 +122,14 @@ class AsyncProducer:
             await asyncio.shield(self._flusher)
         if self._reader is not None:
             self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            done, _ = await asyncio.wait({self._reader}, timeout=0.05)
+            if not done and self._reader_client is not None:
+                # The cancellation was lost inside redis-py's blocking read (Python 3.11):
+                # cut the reader's connection rather than wait for the block to end.
+                connection = getattr(self._reader_client, "connection", None)
+                if connection is not None:
+                    await connection.disconnect(nowait=True)
+            with contextlib.suppress(asyncio.CancelledError, RedisError, OSError):
                 await self._reader
         for fut in self._waiting.values():
             if not fut.done():
@@ -366,9 +374,11 @@ class AsyncProducer:
 
     async def _read_replies(self) -> None:
         client = dedicated(self._redis)  # a connection of its own for the blocking reads
+        self._reader_client = client if client is not self._redis else None
         try:
             await self._read_replies_with(client)
         finally:
+            self._reader_client = None
             if client is not self._redis:
                 await client.aclose()
 

@@ -6,11 +6,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchline.codec import Request, Result, encode_result, salvage_id
+from batchline.codec import Request, Result, encode_result, result_fields, salvage_id
 
 __all__ = ["Meta", "Record", "answer", "dead_letter"]
 
 _MAX_DEAD_RAW = 1 << 20  # a dead letter keeps the original fields up to this size
+_MAX_DEAD_FIELDS = 256  # and this many of them (Lua's unpack() takes a few thousand values)
 
 
 @dataclass(slots=True)
@@ -53,26 +54,26 @@ def answer(
     """The record answering one request, with its timings; an output that cannot travel
     becomes an error result for that request alone."""
     request = meta.request
-    started = meta.started_unix or time.time()
-    result = Result(
-        id=request.id,
-        status=status,  # type: ignore[arg-type]
-        output=output,
-        error_type=type(error).__name__ if error is not None else "",
-        error_message=str(error)[:2000] if error is not None else "",
-        queue_ms=max(0.0, started * 1e3 - request.ts) if request.ts else 0.0,
-        batch_size=meta.batch_size,
-        model_ms=(time.time() - meta.started_unix) * 1e3 if meta.started_unix else 0.0,
-        worker=worker_id,
-    )
+    now = time.time()
+    started = meta.started_unix or now
     try:
-        fields = encode_result(result)
-    except (TypeError, ValueError, RecursionError) as exc:  # the output cannot travel
-        result = Result(
-            request.id, "error", None, type(exc).__name__, str(exc)[:2000], worker=worker_id
+        fields = result_fields(
+            request.id,
+            status,
+            output,
+            type(error).__name__ if error is not None else "",
+            str(error)[:2000] if error is not None else "",
+            max(0.0, started * 1e3 - request.ts) if request.ts else 0.0,
+            meta.batch_size,
+            (now - meta.started_unix) * 1e3 if meta.started_unix else 0.0,
+            worker_id,
         )
-        fields = encode_result(result)
-    return Record(meta.sidx, meta.entry, result.status, fields, request.id, request.reply)
+    except (TypeError, ValueError, RecursionError) as exc:  # the output cannot travel
+        status = "error"
+        fields = encode_result(
+            Result(request.id, "error", None, type(exc).__name__, str(exc)[:2000], worker=worker_id)
+        )
+    return Record(meta.sidx, meta.entry, status, fields, request.id, request.reply)
 
 
 def dead_letter(
@@ -83,7 +84,9 @@ def dead_letter(
     request_id, reply = salvage_id(raw)
     size = sum(len(k) + len(v) for k, v in raw.items())
     dead: list[Any] = (
-        [x for kv in raw.items() for x in kv] if size <= _MAX_DEAD_RAW else ["size", str(size)]
+        [x for kv in raw.items() for x in kv]
+        if size <= _MAX_DEAD_RAW and len(raw) <= _MAX_DEAD_FIELDS
+        else ["size", str(size), "fields", str(len(raw))]
     )
     dead += ["reason", f"{kind}: {reason}", "worker", worker_id]
     record = Record(sidx, entry, "dead", dead=dead)
