@@ -37,13 +37,15 @@ return out
 # KEYS: the work streams (priority 0 first), then the dead-letter stream. ARGV: group,
 # ttl_s, reply_maxlen, dead_maxlen, the result-key prefix, the reply-stream prefix, and a
 # msgpack array of records, each [stream index (0-based), entry id, request id or '',
-# reply producer id or '', [dead-letter field, value, ...], [result field, value, ...]].
+# reply producer id or '', [dead-letter field, value, ...], packed result or ''] (a packed
+# result is itself msgpack: the flat [field, value, ...] array).
 # For each record the entry is acknowledged; only if that acknowledgement took (no other
-# worker answered it first) are the dead letter added and the result hash written with its
-# TTL (prefix .. request id), and the result queued for its producer. Then the entries are
-# deleted (one XDEL per stream) and each producer gets one reply entry (prefix .. producer
-# id) carrying all its results of this call: fields n (how many) and r (a msgpack array of
-# flat [field, value, ...] arrays). Returns the number of records answered.
+# worker answered it first) are the dead letter added and the result written to its key
+# (prefix .. request id) with its TTL, and the result queued for its producer. Then the
+# entries are deleted (XDEL, 1000 at a time) and each producer gets one reply entry
+# (prefix .. producer id) carrying all its results of this call: fields n (how many) and r,
+# a msgpack array of the packed results (an array header, then the results one after
+# another). Returns the number of records answered.
 COMPLETE = """
 local group = ARGV[1]
 local ttl = tonumber(ARGV[2])
@@ -62,7 +64,7 @@ for _, record in ipairs(records) do
   local request_id = record[3]
   local reply = record[4]
   local dead_fields = record[5]
-  local fields = record[6]
+  local result = record[6]
   if redis.call('XACK', stream, group, entry) == 1 then
     answered = answered + 1
     if #dead_fields > 0 then
@@ -70,17 +72,15 @@ for _, record in ipairs(records) do
       dead_fields[#dead_fields + 1] = entry
       redis.call('XADD', dead, 'MAXLEN', '~', dead_maxlen, '*', unpack(dead_fields))
     end
-    if #fields > 0 and request_id ~= '' then
-      local key = result_prefix .. request_id
-      redis.call('HSET', key, unpack(fields))
-      redis.call('EXPIRE', key, ttl)
+    if result ~= '' and request_id ~= '' then
+      redis.call('SET', result_prefix .. request_id, result, 'EX', ttl)
       if reply ~= '' then
         local pending = replies[reply]
         if pending == nil then
           pending = {}
           replies[reply] = pending
         end
-        pending[#pending + 1] = fields
+        pending[#pending + 1] = result
       end
     end
   end
@@ -97,9 +97,19 @@ for stream, entries in pairs(finished) do
   end
 end
 for reply, results in pairs(replies) do
+  local n = #results
+  local header
+  if n < 16 then
+    header = string.char(0x90 + n)
+  elseif n < 65536 then
+    header = string.char(0xdc, math.floor(n / 256), n % 256)
+  else
+    header = string.char(0xdd, math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256,
+      math.floor(n / 256) % 256, n % 256)
+  end
   local key = reply_prefix .. reply
   redis.call('XADD', key, 'MAXLEN', '~', reply_maxlen, '*',
-    'n', #results, 'r', cmsgpack.pack(results))
+    'n', n, 'r', header .. table.concat(results))
   redis.call('EXPIRE', key, ttl)
 end
 return answered

@@ -1,4 +1,5 @@
-"""Wire codec: requests and results as Redis field maps, values as JSON plus raw bytes.
+"""Wire codec: requests as stream fields, results as msgpack field lists, values as JSON
+plus raw bytes.
 
 A *value* (a request's input, a result's output) travels as two fields: ``meta``, UTF-8 JSON
 in which every array is replaced by ``{"$nd": [dtype, shape, offset]}``, and ``blob``, the
@@ -11,7 +12,9 @@ present and ``max_elements``, so a hostile header can never make the reader allo
 Request fields: ``v`` (schema version), ``id``, ``meta``, ``blob``, ``prio``, ``dl`` (deadline,
 unix ms), ``ts`` (enqueued, unix ms), ``reply`` (producer id). Result fields: ``v``, ``id``,
 ``status`` (ok | error | expired | cancelled), ``meta``/``blob`` (the output), ``etype``,
-``emsg``, ``queue_ms``, ``batch``, ``model_ms``, ``worker``. See ``docs/protocol.md``.
+``emsg``, ``queue_ms``, ``batch``, ``model_ms``, ``worker``, as one msgpack array of field,
+value, field, value, ... (the result key's value; a reply entry carries an array of them).
+See ``docs/protocol.md``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import msgpack
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -39,9 +43,11 @@ __all__ = [
     "decode_result",
     "encode_request",
     "encode_result",
+    "pack_result",
     "pack_value",
     "result_fields",
     "salvage_id",
+    "unpack_result",
     "unpack_value",
 ]
 
@@ -391,6 +397,32 @@ _VERSION = str(SCHEMA_VERSION)
 
 _STATUSES = frozenset(("ok", "error", "expired", "cancelled"))
 _ID = re.compile(_ID_PATTERN)
+
+
+def pack_result(fields: list[bytes | str]) -> bytes:
+    """The bytes of a result key (and of one result in a reply entry): msgpack of the flat
+    ``[field, value, ...]`` list, every string as msgpack raw (str) bytes."""
+    packed: bytes = msgpack.packb(fields, use_bin_type=False)
+    return packed
+
+
+def unpack_result(data: Any, limits: Limits) -> Result:
+    """Decode a result key's bytes (or one element of a reply entry, already unpacked);
+    raises DecodeError for anything that is not a valid result."""
+    if isinstance(data, bytes):
+        try:
+            # Plain msgpack: strings, numbers, arrays; no length in it can exceed the bytes.
+            data = msgpack.unpackb(data, raw=True, use_list=True)
+        except (ValueError, TypeError) as exc:  # msgpack's errors are ValueErrors
+            raise DecodeError(f"a result is not msgpack: {exc}") from None
+    if not isinstance(data, list) or len(data) % 2:
+        raise DecodeError("a result is not a flat array of fields and values")
+    it = iter(data)
+    try:
+        fields = dict(zip(it, it, strict=True))
+    except TypeError:  # an unhashable field name
+        raise DecodeError("a result's field names must be strings") from None
+    return decode_result(fields, limits)
 
 
 def decode_result(raw: Mapping[Any, Any], limits: Limits) -> Result:

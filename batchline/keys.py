@@ -5,7 +5,7 @@ in one slot: the Lua scripts and transactions that touch several of them stay le
 layout (``docs/protocol.md`` has the full protocol)::
 
     <prefix>:{<queue>}:req:<priority>     work stream, one per priority level (0 = lowest)
-    <prefix>:{<queue>}:res:<request id>   result hash of one request (expires: result_ttl_s)
+    <prefix>:{<queue>}:res:<request id>   result of one request, msgpack (expires: result_ttl_s)
     <prefix>:{<queue>}:reply:<producer>   reply stream of one producer process
     <prefix>:{<queue>}:cancels            stream of cancelled request ids (capped, expires)
     <prefix>:{<queue>}:job:<request id>   marker of a polled job (web backend; expires)
@@ -74,7 +74,7 @@ class QueueKeys:
         return [self.stream(p) for p in reversed(range(self.priorities))]
 
     def result(self, request_id: str) -> str:
-        """The result hash of one request."""
+        """The result key of one request."""
         return f"{self.base}:res:{request_id}"
 
     def reply(self, producer_id: str) -> str:

@@ -265,11 +265,11 @@ async def _produce(
             if rid in results:
                 continue
             with contextlib.suppress(redis.RedisError, OSError):
-                raw = client.hgetall(keys.result(rid))
-                if raw:
-                    from batchline.codec import Limits, decode_result
+                raw = client.get(keys.result(rid))
+                if raw is not None:
+                    from batchline.codec import Limits, unpack_result
 
-                    r = decode_result(raw, Limits())
+                    r = unpack_result(raw, Limits())
                     results[rid] = [r.status, r.output, r.error_type, "result-key"]
     finally:
         client.close()

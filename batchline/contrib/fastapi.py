@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 from redis.exceptions import RedisError
 
 from batchline._redis import connect
-from batchline.codec import Result, decode_result
+from batchline.codec import Result, unpack_result
 from batchline.config import ProducerSettings, check_environment
 from batchline.errors import BatcherClosed, QueueFull, RequestTimeout
 from batchline.producer import AsyncProducer, Handle
@@ -285,11 +285,11 @@ class _Backend:
     ) -> JSONResponse:
         """A job's state: pending (202), its result, or unknown (404)."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hgetall(self.keys.result(request_id))
+            pipe.get(self.keys.result(request_id))
             pipe.get(self.keys.job(request_id))
             raw, marker = await pipe.execute()
-        if raw:
-            result = decode_result(raw, self._limits)
+        if raw is not None:
+            result = unpack_result(raw, self._limits)
             kind = marker.decode() if marker in (b"embedding", b"embeddings") else None
             return _answer(result, kind or _kind_of(result.output), expired_status=410)
         if marker is not None:

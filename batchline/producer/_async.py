@@ -28,7 +28,7 @@ from redis.exceptions import RedisError
 from batchline._cancels import cancel_request
 from batchline._redis import Script, connect, dedicated
 from batchline._scripts import ENQUEUE
-from batchline.codec import DecodeError, Result, decode_result, encode_request
+from batchline.codec import DecodeError, Result, decode_result, encode_request, unpack_result
 from batchline.config import ProducerSettings
 from batchline.errors import BatcherClosed, QueueFull, RequestCancelled, RequestTimeout
 from batchline.keys import check_name
@@ -350,8 +350,8 @@ class AsyncProducer:
 
     async def get_result(self, request_id: str) -> Result | None:
         """Read a request's result key: its Result, or None while there is none."""
-        raw = await self._redis.hgetall(self.keys.result(check_name("request_id", request_id)))
-        return decode_result(raw, self._limits) if raw else None
+        raw = await self._redis.get(self.keys.result(check_name("request_id", request_id)))
+        return unpack_result(raw, self._limits) if raw is not None else None
 
     async def cancel(self, handle: Handle | str) -> None:
         """Ask workers to skip this request if none has started it (the caller went away)."""

@@ -6,7 +6,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchline.codec import Request, Result, encode_result, result_fields, salvage_id
+from batchline.codec import (
+    Request,
+    Result,
+    encode_result,
+    pack_result,
+    result_fields,
+    salvage_id,
+)
 
 __all__ = ["Meta", "Record", "answer", "dead_letter"]
 
@@ -37,7 +44,7 @@ class Record:
     sidx: int
     entry: bytes
     status: str = "acknowledged"
-    result: list[bytes | str] | None = None
+    result: bytes | None = None  # the packed result (codec.pack_result)
     request_id: str | None = None
     reply: str | None = None
     dead: list[Any] | None = field(default=None)
@@ -73,7 +80,7 @@ def answer(
         fields = encode_result(
             Result(request.id, "error", None, type(exc).__name__, str(exc)[:2000], worker=worker_id)
         )
-    return Record(meta.sidx, meta.entry, status, fields, request.id, request.reply)
+    return Record(meta.sidx, meta.entry, status, pack_result(fields), request.id, request.reply)
 
 
 def dead_letter(
@@ -92,5 +99,6 @@ def dead_letter(
     record = Record(sidx, entry, "dead", dead=dead)
     if request_id is not None:
         result = Result(request_id, "error", None, kind, reason, worker=worker_id)
-        record.result, record.request_id, record.reply = encode_result(result), request_id, reply
+        record.result = pack_result(encode_result(result))
+        record.request_id, record.reply = request_id, reply
     return record

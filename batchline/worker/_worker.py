@@ -464,7 +464,7 @@ class Worker:
                     r.request_id or "" if has_result else "",
                     r.reply or "" if has_result else "",
                     r.dead or [],
-                    r.result if has_result else [],
+                    r.result if has_result else "",
                 ]
             )
         keys = [*self._streams_low_first, self.keys.dead]

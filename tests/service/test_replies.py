@@ -35,6 +35,7 @@ from batchline.codec import (
     decode_result,
     encode_request,
     pack_value,
+    unpack_result,
 )
 from batchline.errors import QueueFull, RequestTimeout
 from batchline.keys import GROUP, QueueKeys
@@ -76,6 +77,17 @@ def flat(result: Result, **changed: Any) -> list[Any]:
     }
     fields.update(changed)
     return [x for kv in fields.items() for x in kv]
+
+
+def packed(result: Result) -> bytes:
+    """One result as the completion script takes it and as its result key holds it."""
+    return msgpack.packb(flat(result), use_bin_type=False)
+
+
+def complete_args(keys: QueueKeys, records: list[Any]) -> list[Any]:
+    """The completion script's ARGV for these records (TTL 60 s, caps of 1000)."""
+    packed_records = msgpack.packb(records, use_bin_type=False)
+    return [GROUP, 60, 1000, 1000, keys.result(""), keys.reply(""), packed_records]
 
 
 def push_reply(client: redis.Redis, keys: QueueKeys, producer_id: str, results: list[Any]) -> None:
@@ -185,7 +197,7 @@ def test_two_producers_in_one_batch_get_one_reply_entry_each(
     assert sorted(rclient.scan_iter(match=f"{keys.base}:reply:*")) == sorted(
         [keys.reply(pa).encode(), keys.reply(pb).encode()]
     )
-    assert rclient.hget(keys.result("nobody"), "status") == b"ok"
+    assert unpack_result(rclient.get(keys.result("nobody")), Limits()).status == "ok"
 
 
 async def test_a_producer_reads_a_whole_batch_from_one_reply_entry(
@@ -223,14 +235,13 @@ async def test_the_completion_script_answers_each_entry_once(
     rclient.xreadgroup(GROUP, "c1", {s: ">" for s in streams})
     assert pending_count(rclient, keys) == 5
     records = [
-        [1, entry["a1"], "a1", "pa", [], flat(Result("a1", "ok", "A1"))],
-        [1, entry["b1"], "b1", "pb", [], flat(Result("b1", "ok", [1, 2]))],
-        [1, entry["a2"], "a2", "pa", [], flat(Result("a2", "error", None, "E", "it failed"))],
-        [1, entry["q"], "q", "", [], flat(Result("q", "ok", "Q"))],  # no reply address
-        [0, junk, "", "", [], []],  # acknowledged only
+        [1, entry["a1"], "a1", "pa", [], packed(Result("a1", "ok", "A1"))],
+        [1, entry["b1"], "b1", "pb", [], packed(Result("b1", "ok", [1, 2]))],
+        [1, entry["a2"], "a2", "pa", [], packed(Result("a2", "error", None, "E", "it failed"))],
+        [1, entry["q"], "q", "", [], packed(Result("q", "ok", "Q"))],  # no reply address
+        [0, junk, "", "", [], ""],  # acknowledged only
     ]
-    packed = msgpack.packb(records, use_bin_type=False)
-    args = [GROUP, 60, 1000, 1000, keys.result(""), keys.reply(""), packed]
+    args = complete_args(keys, records)
     script = Script(COMPLETE)
     client = AsyncRedis.from_url(redis_url)
     try:
@@ -250,6 +261,9 @@ async def test_the_completion_script_answers_each_entry_once(
     assert len(list(rclient.scan_iter(match=f"{keys.base}:reply:*"))) == 2
     for rid in ("a1", "b1", "a2", "q"):
         assert 0 < rclient.ttl(keys.result(rid)) <= 60, rid
+    stored = {rid: unpack_result(rclient.get(keys.result(rid)), Limits()) for rid in ("a2", "q")}
+    assert (stored["a2"].status, stored["a2"].error_message) == ("error", "it failed")
+    assert (stored["q"].status, stored["q"].output) == ("ok", "Q")
     assert 0 < rclient.ttl(keys.reply("pa")) <= 60
     assert stream_lengths(rclient, keys) == [0] * keys.priorities
     assert pending_count(rclient, keys) == 0
@@ -269,11 +283,10 @@ async def test_the_completion_script_takes_a_write_of_ten_thousand_records(
         entries = pipe.execute()
     rclient.xreadgroup(GROUP, "c1", {keys.stream(0): ">"}, count=n)
     records = [
-        [0, entry, f"r{i}", "pa", [], flat(Result(f"r{i}", "ok", i))]
+        [0, entry, f"r{i}", "pa", [], packed(Result(f"r{i}", "ok", i))]
         for i, entry in enumerate(entries)
     ]
-    packed = msgpack.packb(records, use_bin_type=False)
-    args = [GROUP, 60, 1000, 1000, keys.result(""), keys.reply(""), packed]
+    args = complete_args(keys, records)
     client = AsyncRedis.from_url(redis_url)
     try:
         assert await Script(COMPLETE)(client, [*streams, keys.dead], args) == n

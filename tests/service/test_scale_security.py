@@ -282,7 +282,7 @@ async def test_two_queues_on_a_redis_cluster(
 
 PREFIX = "myprefix"
 # The least an ACL user needs to produce, work and run `batchline status` (docs/protocol.md):
-# the stream, hash, string and sorted-set commands, running the two scripts (EXPIRE is
+# the stream, string and sorted-set commands, running the two scripts (EXPIRE is
 # called inside them), DEL (a producer deletes its reply stream on close) and PING (the
 # client's health check), all limited to keys under the prefix.
 ACL_RULES = [
@@ -292,7 +292,6 @@ ACL_RULES = [
     "resetchannels",
     "-@all",
     "+@stream",
-    "+@hash",
     "+@string",
     "+@sortedset",
     "+eval",
