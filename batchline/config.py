@@ -143,7 +143,7 @@ class WorkerSettings(ServiceSettings):
     batch_size: int = Field(default=32, ge=1)
     timeout_ms: float = Field(default=5.0, ge=0)
     max_tokens: int | None = Field(default=None, ge=1)
-    read_ahead: int = Field(default=8, ge=1)
+    read_ahead: int = Field(default=16, ge=1)
     claim_idle_ms: int = Field(default=30_000, ge=100)
     max_deliveries: int = Field(default=3, ge=1)
     max_chars: int = Field(default=20_000, ge=1)

@@ -1,7 +1,8 @@
 """The worker: read requests from Redis, batch them with the core, run the model, answer.
 
 Tasks on one event loop, so that Redis I/O and decoding overlap the model's compute (which
-runs on the batcher's own thread):
+runs on the batcher's own thread, or on the loop for a model quick enough, see
+:class:`~batchline.core.pace.Pace`):
 
 - the *reader* fills the batch policy from ``XREADGROUP`` (all priority streams, highest
   first), keeping at most ``read_ahead`` batches ahead of the model; decoding and tokenizing
@@ -11,10 +12,11 @@ runs on the batcher's own thread):
   length grouping all come from there;
 - the *writer* coalesces finished requests into one call of the completion script per batch,
   which acknowledges each entry and, only if the acknowledgement took, writes its result
-  (with its TTL) and pushes the reply, then deletes the entry;
+  (with its TTL) and pushes the replies, then deletes the entries;
+- the *cancel follower* reads the queue's cancel stream (:mod:`batchline._cancels`);
 - the *janitor* keeps this worker's claims alive during long batches and reclaims entries
-  that dead workers left pending (XAUTOCLAIM), dead-lettering those delivered too often;
-- the *heartbeat* publishes liveness and statistics for ``batchline status``.
+  that dead workers left pending (XAUTOCLAIM), dead-lettering those delivered too often,
+  and the *heartbeat* publishes liveness and statistics (both in :mod:`._upkeep`).
 
 SIGTERM (or :meth:`Worker.stop`) drains: stop reading, run what was read, write, exit.
 """
@@ -24,9 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import logging
-import math
 import os
 import signal
 import socket
@@ -52,6 +52,7 @@ from batchline.config import WorkerSettings, redact_url
 from batchline.errors import BatcherClosed, BatchlineError, RequestCancelled, RequestTimeout
 from batchline.keys import GROUP, check_name
 from batchline.worker._answers import Meta, Record, answer, dead_letter
+from batchline.worker._upkeep import Upkeep
 from batchline.worker.metrics import Metrics
 from batchline.worker.models import Model, Prepared, load_model
 
@@ -81,7 +82,7 @@ class _ModelBatcher(AioBatcher[Prepared, Any]):
         await self._worker._before_batch(batch)
 
 
-class Worker:
+class Worker(Upkeep):
     """Serve one queue: ``await Worker(...).run()`` until SIGTERM or :meth:`stop`.
 
     Args:
@@ -102,14 +103,13 @@ class Worker:
     ) -> None:
         if isinstance(model, str):  # the setting (a model spec), not a model object
             overrides["model"], model = model, None
-        self._model_name = type(model).__name__ if model is not None else None
         self.settings = s = settings or WorkerSettings(**overrides)
+        self._model_name = type(model).__name__ if model is not None else s.model
         self.keys = s.keys
         host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())
         self.worker_id = check_name(
             "worker_id", s.worker_id or f"{host[:40]}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         )
-        self._model_name = self._model_name or s.model
         self.model = model or load_model(s.model, path=s.model_path, device=s.device, dtype=s.dtype)
         self._own_client = redis is None
         self._redis = redis if redis is not None else connect(s)
@@ -500,120 +500,6 @@ class Worker:
                     raise
                 await asyncio.sleep(delay)  # Redis is loading its data after a restart
                 waited += delay
-
-    # -- janitor and heartbeat -----------------------------------------------------------------
-
-    async def _janitor(self) -> None:
-        period = self.settings.claim_idle_ms / 3e3
-        while not self._closing:
-            await asyncio.sleep(period)  # a maintenance timer, not a poll for work
-            try:
-                await self._keep_claims()
-                if self._stop is not None and not self._stop.is_set():
-                    await self._reclaim()
-            except (RedisError, OSError) as exc:
-                logger.warning("janitor: %s: %s", type(exc).__name__, exc)
-
-    async def _keep_claims(self) -> None:
-        """Reset the idle time of the entries this worker holds, so nobody reclaims them."""
-        for sidx, entries in enumerate(self._inflight):
-            if entries:
-                await self._redis.xclaim(
-                    self._streams_low_first[sidx],
-                    GROUP,
-                    self.worker_id,
-                    0,
-                    list(entries),
-                    justid=True,
-                )
-
-    async def _reclaim(self) -> None:
-        """Take over entries left pending by dead workers; dead-letter the poisonous ones."""
-        s = self.settings
-        for sidx in reversed(range(len(self._streams_low_first))):
-            stream = self._streams_low_first[sidx]
-            response = await self._redis.xautoclaim(
-                stream, GROUP, self.worker_id, s.claim_idle_ms, "0-0", count=self._window
-            )
-            claimed = [(e, raw) for e, raw in response[1] if e is not None]
-            if not claimed:
-                continue
-            pending = await self._redis.xpending_range(
-                stream, GROUP, claimed[0][0], claimed[-1][0], len(claimed) * 2, self.worker_id
-            )
-            deliveries = {p["message_id"]: p["times_delivered"] for p in pending}
-            fresh: list[tuple[int, bytes, dict[bytes, bytes] | None]] = []
-            for entry, raw in claimed:
-                times = deliveries.get(entry, 1)
-                if times > s.max_deliveries and raw:
-                    self._inflight[sidx].add(entry)
-                    self._answer(
-                        self._dead_letter(
-                            sidx,
-                            entry,
-                            raw,
-                            "MaxDeliveries",
-                            f"delivered {times} times without an answer "
-                            f"(max_deliveries={s.max_deliveries})",
-                        )
-                    )
-                else:
-                    fresh.append((sidx, entry, raw))
-            self.counts["reclaimed"] += len(claimed)
-            logger.info("reclaimed %d entries from %s", len(claimed), stream)
-            if fresh:
-                await self._accept(fresh)
-
-    def stats(self) -> dict[str, Any]:
-        """This worker's statistics, as published with its heartbeat."""
-        st = self._batcher.stats
-        return {
-            "worker": self.worker_id,
-            "model": self._model_name,
-            "batch_size": self.settings.batch_size,
-            "requests": dict(self.counts),
-            "batches": st.batches,
-            "mean_batch_size": round(st.mean_batch_size, 2),
-            "batch_size_histogram": dict(st.batch_size_histogram),
-            "queue_wait_ms": {
-                "p50": st.queue_wait_ms.p50,
-                "p95": st.queue_wait_ms.p95,
-                "p99": st.queue_wait_ms.p99,
-            },
-            "model_ms": {
-                "p50": st.function_ms.p50,
-                "p95": st.function_ms.p95,
-                "p99": st.function_ms.p99,
-            },
-            "held": self._batcher._queue_size(),
-            "padding_efficiency": _padding(self.model),
-            "time": time.time(),
-        }
-
-    async def _heartbeat(self) -> None:
-        period = self.settings.heartbeat_s
-        while not self._closing:
-            try:
-                now = time.time()
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    pipe.zadd(self.keys.workers, {self.worker_id: now})
-                    pipe.zremrangebyscore(self.keys.workers, "-inf", now - 3600)
-                    pipe.set(
-                        self.keys.worker_stats(self.worker_id),
-                        json.dumps(self.stats()),
-                        ex=max(1, math.ceil(3 * period)),
-                    )
-                    await pipe.execute()
-                self.metrics.batches(self._batcher.stats)
-            except (RedisError, OSError) as exc:
-                logger.warning("heartbeat: %s", type(exc).__name__)
-            await asyncio.sleep(period)  # a report timer, not a poll for work
-
-
-def _padding(model: Model) -> float | None:
-    """Real / padded tokens over every batch so far, for models that pad (else None)."""
-    padded = getattr(model, "padded_tokens", 0)
-    return round(getattr(model, "real_tokens", 0) / padded, 4) if padded else None
 
 
 def _length(prepared: Prepared) -> int:
