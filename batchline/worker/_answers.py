@@ -61,16 +61,18 @@ def answer(
     """The record answering one request, with its timings; an output that cannot travel
     becomes an error result for that request alone."""
     request = meta.request
+    request_id = request["id"]
+    enqueued_ms = request.get("ts", 0.0)
     now = time.time()
     started = meta.started_unix or now
     try:
         fields = result_fields(
-            request.id,
+            request_id,
             status,
             output,
             type(error).__name__ if error is not None else "",
             str(error)[:2000] if error is not None else "",
-            max(0.0, started * 1e3 - request.ts) if request.ts else 0.0,
+            max(0.0, started * 1e3 - enqueued_ms) if enqueued_ms else 0.0,
             meta.batch_size,
             (now - meta.started_unix) * 1e3 if meta.started_unix else 0.0,
             worker_id,
@@ -78,9 +80,10 @@ def answer(
     except (TypeError, ValueError, RecursionError) as exc:  # the output cannot travel
         status = "error"
         fields = encode_result(
-            Result(request.id, "error", None, type(exc).__name__, str(exc)[:2000], worker=worker_id)
+            Result(request_id, "error", None, type(exc).__name__, str(exc)[:2000], worker=worker_id)
         )
-    return Record(meta.sidx, meta.entry, status, pack_result(fields), request.id, request.reply)
+    packed = pack_result(fields)
+    return Record(meta.sidx, meta.entry, status, packed, request_id, request.get("reply"))
 
 
 def dead_letter(

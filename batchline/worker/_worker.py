@@ -47,7 +47,7 @@ from batchline._base import BatchConfig, Call, Item
 from batchline._cancels import CancelLog
 from batchline._redis import Script, connect, dedicated
 from batchline._scripts import COMPLETE
-from batchline.codec import DecodeError, decode_request
+from batchline.codec import DecodeError, decode_requests, request_value
 from batchline.config import WorkerSettings, redact_url
 from batchline.errors import BatcherClosed, BatchlineError, RequestCancelled, RequestTimeout
 from batchline.keys import GROUP, check_name
@@ -126,6 +126,8 @@ class Worker(Upkeep):
                 small_batch_threshold=0,
                 max_tokens=s.max_tokens,
                 length_fn=_length,
+                # Grouping similar lengths pays only where the model pads (optional attribute).
+                group_by_length=bool(getattr(self.model, "pads", True)),
                 group_window=s.read_ahead,
             ),
         )
@@ -335,18 +337,22 @@ class Worker(Upkeep):
         """Decode, validate and preprocess entries (off the event loop for heavy models)."""
         now = time.time()
         out: list[Record | tuple[Meta, list[Prepared]]] = []
+        requests = iter(decode_requests([raw for _sidx, _entry, raw in batch if raw]))
         for sidx, entry, raw in batch:
             if not raw:  # deleted while pending: nothing to answer, only to acknowledge
                 out.append(Record(sidx, entry))
                 continue
+            request = next(requests)
             try:
-                request = decode_request(raw)
-                value = request.value(self._limits)
+                if isinstance(request, DecodeError):
+                    raise request
+                value = request_value(request, self._limits)
             except DecodeError as exc:
                 out.append(self._dead_letter(sidx, entry, raw, "MalformedRequest", str(exc)))
                 continue
             meta = Meta(sidx, entry, request, value, now)
-            if request.dl is not None and request.dl <= now * 1e3:
+            deadline_ms = request.get("dl")
+            if deadline_ms is not None and deadline_ms <= now * 1e3:
                 out.append(self._record(meta, "expired"))
                 continue
             try:
@@ -360,11 +366,12 @@ class Worker(Upkeep):
     def _submit(self, meta: Meta, prepared: list[Prepared]) -> None:
         request = meta.request
         deadline = None
-        if request.dl is not None:
-            deadline = time.monotonic() + (request.dl / 1e3 - time.time())
+        deadline_ms = request.get("dl")
+        if deadline_ms is not None:
+            deadline = time.monotonic() + (deadline_ms / 1e3 - time.time())
         try:
             call = self._batcher.enqueue(
-                prepared, self._done, deadline=deadline, priority=request.prio
+                prepared, self._done, deadline=deadline, priority=request.get("prio", 0)
             )
         except BatcherClosed:
             # Shutting down (a reclaim raced the drain): leave the entry pending, unheld,
@@ -394,7 +401,7 @@ class Worker(Upkeep):
         if not self._cancels:
             return
         for call, meta in zip(calls, metas, strict=True):
-            if meta is not None and meta.request.id in self._cancels:
+            if meta is not None and meta.request["id"] in self._cancels:
                 call.reject(
                     RequestCancelled("cancelled by its producer before a worker started it")
                 )

@@ -60,6 +60,9 @@ class Model(Protocol):
     #: preprocess is worth a thread of its own (tokenizers); False runs it inline.
     heavy_preprocess: bool
 
+    # Optional: ``pads = False`` tells the worker that batches are not padded, so grouping
+    # requests of similar length is wasted work (a model without it is taken to pad).
+
     def load(self) -> None: ...
 
     def preprocess(self, value: Any) -> list[Prepared]: ...
@@ -119,6 +122,7 @@ class _Tokenized:
     """Shared by the tensor models: tokenizing texts one by one, padding a batch on the way in."""
 
     heavy_preprocess = True
+    pads = True
     real_tokens = 0  # tokens of real data in every batch so far
     padded_tokens = 0  # tokens after padding
     tokenizer: Any
@@ -288,10 +292,13 @@ class TransformersModel(_Tokenized):
 class CallableModel:
     """Any batch function, named ``module:callable``: a list of inputs in, as many outputs out.
 
-    Each request's input is one item, passed as it came (JSON values, arrays, texts).
+    Each request's input is one item, passed as it came (JSON values, arrays, texts). Its
+    length (characters of a text, entries of a list, else 1) counts toward ``max_tokens``;
+    the worker does not group lengths for it (the function pads, if at all, on its own).
     """
 
     heavy_preprocess = False
+    pads = False
 
     def __init__(self, spec: str) -> None:
         module, sep, attr = spec.partition(":")

@@ -24,10 +24,12 @@ from batchline.codec import (
     Limits,
     Result,
     decode_request,
+    decode_requests,
     decode_result,
     encode_request,
     encode_result,
     pack_value,
+    request_value,
     salvage_id,
     unpack_value,
 )
@@ -207,13 +209,13 @@ def test_request_round_trip() -> None:
         reply="producer-1",
     )
     request = decode_request(as_redis(fields))
-    assert request.v == SCHEMA_VERSION
-    assert request.id == "req-1"
-    assert request.prio == 2
-    assert request.dl == 1_700_000_000_123.5
-    assert request.ts == 1_700_000_000_000.25
-    assert request.reply == "producer-1"
-    assert_same(request.value(LIMITS), value)
+    assert request["v"] == SCHEMA_VERSION
+    assert request["id"] == "req-1"
+    assert request.get("prio") == 2
+    assert request.get("dl") == 1_700_000_000_123.5
+    assert request.get("ts") == 1_700_000_000_000.25
+    assert request.get("reply") == "producer-1"
+    assert_same(request_value(request, LIMITS), value)
 
 
 def test_request_without_deadline_reply_or_arrays() -> None:
@@ -222,10 +224,33 @@ def test_request_without_deadline_reply_or_arrays() -> None:
     assert "dl" not in fields
     assert "reply" not in fields
     request = decode_request(as_redis(fields))
-    assert request.dl is None
-    assert request.reply is None
-    assert request.blob == b""
-    assert request.value(LIMITS) == ["a", "b"]
+    assert request.get("dl") is None
+    assert request.get("reply") is None
+    assert request.get("blob", b"") == b""
+    assert request_value(request, LIMITS) == ["a", "b"]
+
+
+def test_a_whole_read_decodes_at_once_and_each_bad_entry_alone() -> None:
+    good = [
+        as_redis(encode_request(f"r{i}", f"text {i}", enqueued_unix_ms=1.0, reply="p"))
+        for i in range(5)
+    ]
+    assert decode_requests(good) == [decode_request(raw) for raw in good]
+    bad_version = {**good[1], b"v": b"2"}
+    no_id = {k: v for k, v in good[3].items() if k != b"id"}
+    bad_utf8 = {**good[4], b"reply": b"\xff"}
+    mixed = [good[0], bad_version, good[2], no_id, bad_utf8, {**good[2], b"extra": b"ignored"}]
+    out = decode_requests(mixed)
+    assert out[0] == decode_request(good[0])
+    assert out[2] == decode_request(good[2])
+    assert out[5] == decode_request(good[2])  # unknown fields are dropped
+    assert isinstance(out[1], DecodeError)
+    assert "schema version b'2' is not 1" in str(out[1])
+    assert isinstance(out[3], DecodeError)
+    assert "id" in str(out[3])
+    assert isinstance(out[4], DecodeError)
+    assert "reply" in str(out[4])
+    assert decode_requests([]) == []
 
 
 @pytest.mark.parametrize(
@@ -410,7 +435,7 @@ def test_random_entries_only_ever_raise_decode_error(raw: dict[bytes, bytes]) ->
         pass
     else:
         with contextlib.suppress(DecodeError):
-            request.value(LIMITS)
+            request_value(request, LIMITS)
     with contextlib.suppress(DecodeError):
         decode_result(raw, LIMITS)
     request_id, reply = salvage_id(raw)  # never raises
@@ -464,7 +489,7 @@ def test_cut_or_flipped_requests_only_ever_raise_decode_error(value: Any, data: 
     cut = data.draw(st.integers(0, len(raw)))
     fields[name] = raw[:cut] + data.draw(st.binary(max_size=3))
     with contextlib.suppress(DecodeError):
-        decode_request(fields).value(LIMITS)
+        request_value(decode_request(fields), LIMITS)
 
 
 # -- nothing is ever unpickled or evaluated ----------------------------------------------------

@@ -35,6 +35,7 @@ from batchline.codec import (
     decode_result,
     encode_request,
     pack_value,
+    request_value,
     unpack_result,
 )
 from batchline.errors import QueueFull, RequestTimeout
@@ -449,9 +450,9 @@ async def test_map_returns_outputs_in_order_whatever_order_they_arrive_in(
     task = asyncio.create_task(producer.map(values, timeout_s=T))
     await eventually(lambda: depth_is(producer, len(values)), "every request written")
     requests = [decode_request(raw) for s in keys.streams for _entry, raw in rclient.xrange(s)]
-    assert sorted(r.value(Limits()) for r in requests) == values
+    assert sorted(request_value(r, Limits()) for r in requests) == values
     # A fake worker: answers last-submitted first, one entry each, then two at once.
-    answers = [flat(Result(r.id, "ok", -r.value(Limits()))) for r in reversed(requests)]
+    answers = [flat(Result(r["id"], "ok", -request_value(r, Limits()))) for r in reversed(requests)]
     for answer in answers[:-2]:
         push_reply(rclient, keys, producer.producer_id, [answer])
     push_reply(rclient, keys, producer.producer_id, answers[-2:])
