@@ -722,8 +722,9 @@ def report(res: Results, args: argparse.Namespace) -> str:
         "\n'batchline / batched' is the ratio of the medians; 'paired per repeat' is the median "
         "(and range) of the ratios within each repeat (the implementations alternate within a "
         "repeat, so a pair shares the machine's load at that moment). The aio no-op is run "
-        "twice: with the plain (sync) no-op function, which both libraries run on a helper "
-        "thread per batch, and with an `async def` no-op, awaited on the event loop."
+        "twice: with the plain (sync) no-op function (batched runs it on a helper thread per "
+        "batch; batchline on its own thread until 16 calls in a row were quick, then on the "
+        "loop, see inline_below_ms), and with an `async def` no-op, awaited on the loop."
     )
     w(
         f"\nIdeal (model-like fn called back to back on full batches of {BATCH_SIZE}, no "
