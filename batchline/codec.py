@@ -54,7 +54,7 @@ __all__ = [
     "unpack_value",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: results as msgpack strings, one reply entry per batch
 _ID_PATTERN = r"^[A-Za-z0-9_.\-]{1,128}$"
 _DTYPES = frozenset(
     ["|b1", "|i1", "|u1", "<i2", "<i4", "<i8", "<u2", "<u4", "<u8", "<f2", "<f4", "<f8"]

@@ -236,7 +236,7 @@ def test_a_whole_read_decodes_at_once_and_each_bad_entry_alone() -> None:
         for i in range(5)
     ]
     assert decode_requests(good) == [decode_request(raw) for raw in good]
-    bad_version = {**good[1], b"v": b"2"}
+    bad_version = {**good[1], b"v": str(SCHEMA_VERSION + 1).encode()}
     no_id = {k: v for k, v in good[3].items() if k != b"id"}
     bad_utf8 = {**good[4], b"reply": b"\xff"}
     mixed = [good[0], bad_version, good[2], no_id, bad_utf8, {**good[2], b"extra": b"ignored"}]
@@ -245,7 +245,7 @@ def test_a_whole_read_decodes_at_once_and_each_bad_entry_alone() -> None:
     assert out[2] == decode_request(good[2])
     assert out[5] == decode_request(good[2])  # unknown fields are dropped
     assert isinstance(out[1], DecodeError)
-    assert "schema version b'2' is not 1" in str(out[1])
+    assert f"schema version b'{SCHEMA_VERSION + 1}' is not {SCHEMA_VERSION}" in str(out[1])
     assert isinstance(out[3], DecodeError)
     assert "id" in str(out[3])
     assert isinstance(out[4], DecodeError)
@@ -307,7 +307,8 @@ def good_request(**changes: Any) -> dict[bytes, bytes]:
     [
         {},
         {b"junk": b"1"},
-        good_request(v=2),
+        good_request(v=SCHEMA_VERSION + 1),
+        good_request(v=SCHEMA_VERSION - 1),
         good_request(v="one"),
         good_request(v=None),
         good_request(id=None),

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import redis
 
+from batchline.codec import SCHEMA_VERSION
 from batchline.errors import (
     BatcherClosed,
     InferenceError,
@@ -47,6 +48,7 @@ from .models_for_tests import GatedModel, double, read_batches
 
 T = RESULT_TIMEOUT_S
 HUGE_MS = 600_000.0  # a batch timeout that never fires: batches flush by size
+V = str(SCHEMA_VERSION)  # the schema version, as a field travels
 
 
 @pytest.fixture
@@ -324,25 +326,25 @@ def garbage_entries(reply: str) -> dict[str, dict[str, Any]]:
     """Malformed work-stream entries, by the request id a worker can salvage (or a label)."""
     tag = uuid.uuid4().hex[:8]
     return {
-        f"nometa-{tag}": {"v": "1", "id": f"nometa-{tag}", "reply": reply},
-        f"notjson-{tag}": {"v": "1", "id": f"notjson-{tag}", "reply": reply, "meta": "{nope"},
-        f"version-{tag}": {"v": "2", "id": f"version-{tag}", "meta": "1"},
-        f"dtype-{tag}": {"v": "1", "id": f"dtype-{tag}", "meta": '{"$nd": [["<f4"], [1], 0]}'},
+        f"nometa-{tag}": {"v": V, "id": f"nometa-{tag}", "reply": reply},
+        f"notjson-{tag}": {"v": V, "id": f"notjson-{tag}", "reply": reply, "meta": "{nope"},
+        f"version-{tag}": {"v": str(SCHEMA_VERSION + 1), "id": f"version-{tag}", "meta": "1"},
+        f"dtype-{tag}": {"v": V, "id": f"dtype-{tag}", "meta": '{"$nd": [["<f4"], [1], 0]}'},
         f"shape-{tag}": {
-            "v": "1",
+            "v": V,
             "id": f"shape-{tag}",
             "meta": '{"$nd": ["<f4", [0, 1000000000000000000000000000000], 0]}',
         },
         f"huge-{tag}": {
-            "v": "1",
+            "v": V,
             "id": f"huge-{tag}",
             "meta": '{"$nd": ["<f8", [1000000000000], 0]}',
             "blob": b"\0\0\0\0",
         },
-        f"pickle-{tag}": {"v": "1", "id": f"pickle-{tag}", "meta": '{"$nd": ["|O", [1], 0]}'},
+        f"pickle-{tag}": {"v": V, "id": f"pickle-{tag}", "meta": '{"$nd": ["|O", [1], 0]}'},
         "(no id)": {"junk": "1"},
-        "(bad id)": {"v": "1", "id": "not a valid id", "meta": "1"},
-        "(binary id)": {"v": "1", "id": b"\xff\xfe", "meta": "1"},
+        "(bad id)": {"v": V, "id": "not a valid id", "meta": "1"},
+        "(binary id)": {"v": V, "id": b"\xff\xfe", "meta": "1"},
     }
 
 
