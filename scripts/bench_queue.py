@@ -1071,8 +1071,8 @@ def report(res: Results, cfg: Config, argv: list[str]) -> str:
             f"{fmt(m('b_gap_p99'), 3)} ms; the no-op's own time "
             f"{fmt(m('b_model_own_us'), 2)} us (subtracted); as the worker reports it: "
             f"queue_ms p50 {fmt(m('b_queue_ms'), 3)}, model_ms p50 "
-            f"{fmt(m('b_worker_model_ms'), 3)} (batch start to result, includes the "
-            f"cancellation check); other users {fmt(m('b_other_cores'), 2)} cores.",
+            f"{fmt(m('b_worker_model_ms'), 3)} (batch start to its answer); other users "
+            f"{fmt(m('b_other_cores'), 2)} cores.",
         ]
     if "c" in cfg.parts:
         lines += [

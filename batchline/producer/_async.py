@@ -211,6 +211,9 @@ class AsyncProducer:
         if not 0 <= prio < self.keys.priorities:
             raise ValueError(f"priority must be in 0..{self.keys.priorities - 1}, got {prio!r}")
         rid = check_name("request_id", request_id) if request_id is not None else _new_id()
+        waiting = self._waiting.get(rid)
+        if waiting is not None and not waiting.done():
+            raise ValueError(f"request_id {rid!r} is already waiting for its result here")
         now_ms = time.time() * 1e3
         fields = encode_request(
             rid,

@@ -178,6 +178,15 @@ async def test_producer_argument_checks(producer: AsyncProducer) -> None:
     assert handle.id == "mine-1"
     with pytest.raises(RequestTimeout):
         await producer.result(handle, timeout_s=0.05)
+    # Its own id again while the first still waits: refused, the first waiter kept.
+    with pytest.raises(ValueError, match="already waiting"):
+        await producer.submit("again", request_id="mine-1")
+    with pytest.raises(ValueError, match="already waiting"):
+        await producer.infer("again", request_id="mine-1")
+    assert producer._waiting["mine-1"] is handle._future
+    await producer.cancel(handle)  # no longer waited for: the id may be used again
+    again = await producer.submit("again", request_id="mine-1", reply=False)
+    assert again.id == "mine-1"
     await producer.aclose()
     with pytest.raises(BatcherClosed):
         await producer.submit("x")
