@@ -464,7 +464,7 @@ def unpack_result(data: Any, limits: Limits) -> Result:
 
 
 def decode_result(raw: Mapping[Any, Any], limits: Limits) -> Result:
-    """Validate and decode a result hash or reply entry; raises DecodeError.
+    """Validate and decode a result's fields (see :func:`unpack_result`); raises DecodeError.
 
     Checked by hand rather than by a pydantic model: a producer decodes one per request,
     and this is several times faster for the same checks.
