@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal, NotRequired
 
 import msgpack
 import numpy as np
-from pydantic import Field, TypeAdapter, ValidationError
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from typing_extensions import TypedDict
 
 from batchline.errors import BatchlineError, InferenceError, RequestCancelled, RequestExpired
@@ -224,6 +224,11 @@ def _array(ref: dict[str, Any], blob: bytes, budget: int) -> np.ndarray[Any, Any
 # -- requests ----------------------------------------------------------------------------------
 
 
+# pydantic caches validated strings by default; request ids never repeat, so caching them
+# would only fill its cache (and the worker's memory) for nothing: field names only.
+_ONLY_KEYS = ConfigDict(cache_strings="keys")
+
+
 class Request(TypedDict):
     """A request as read from a work stream, validated by pydantic at the trust boundary
     (:func:`decode_request`, :func:`decode_requests`); unknown fields are dropped.
@@ -232,6 +237,8 @@ class Request(TypedDict):
     plain dicts in one call, several times faster than building a model per request.
     Constraints only, no Python validators, for the same reason.
     """
+
+    __pydantic_config__ = _ONLY_KEYS  # type: ignore[misc]
 
     v: Annotated[int, Field(ge=SCHEMA_VERSION, le=SCHEMA_VERSION)]  # the schema version
     id: Annotated[str, Field(pattern=_ID_PATTERN)]
@@ -243,8 +250,8 @@ class Request(TypedDict):
     reply: NotRequired[Annotated[str | None, Field(pattern=_ID_PATTERN)]]
 
 
-_REQUEST: TypeAdapter[Request] = TypeAdapter(Request)
-_REQUESTS: TypeAdapter[list[Request]] = TypeAdapter(list[Request])
+_REQUEST: TypeAdapter[Request] = TypeAdapter(Request)  # its own config: keys only
+_REQUESTS: TypeAdapter[list[Request]] = TypeAdapter(list[Request], config=_ONLY_KEYS)
 
 
 def request_value(request: Request, limits: Limits) -> Any:
