@@ -74,7 +74,9 @@ def run_demo(*, items: int = 2000, threads: int = 64, out: Any = None) -> int:
     sims = matrix @ matrix.T
     np.fill_diagonal(sims, -1)
     same_topic = [pairs[i][0] == pairs[int(sims[i].argmax())][0] for i in range(len(matrix))]
-    say(f"nearest neighbour on the same topic: {np.mean(same_topic):.0%} of 300 sentences")
+    say(
+        f"nearest neighbour on the same topic: {np.mean(same_topic):.0%} of {len(matrix)} sentences"
+    )
     flat = np.dstack(np.unravel_index(np.argsort(-sims, axis=None)[:6:2], sims.shape))[0]
     for i, j in flat:
         say(f"  cos {sims[i, j]:.3f}: {texts[i][:60]!r} ~ {texts[j][:60]!r}")
