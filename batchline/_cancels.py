@@ -9,7 +9,6 @@ is best effort: a request whose batch starts before its cancellation reaches the
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from batchline._redis import Backoff
 from batchline.keys import QueueKeys
 
 __all__ = ["CancelLog", "cancel_request"]
@@ -93,14 +93,12 @@ class CancelLog:
 
     async def follow(self, redis: Any, keys: QueueKeys, running: Callable[[], bool]) -> None:
         """Block on the stream for new ids while ``running()``; rides out Redis restarts."""
-        backoff = 0.05
+        backoff = Backoff(logger, "cancel reader")
         while running():
             try:
                 response = await redis.xread({keys.cancels: self._last}, count=1000, block=1000)
-                backoff = 0.05
             except (RedisError, OSError) as exc:
-                logger.warning("cancel reader: %s; retrying in %.2f s", type(exc).__name__, backoff)
-                await asyncio.sleep(backoff)  # back-off after a failed read, not a poll
-                backoff = min(backoff * 2, 2.0)
+                await backoff.wait(exc)
                 continue
+            backoff.reset()
             self._take(response)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from redis.asyncio import Redis, RedisCluster
@@ -9,7 +13,7 @@ from redis.exceptions import NoScriptError
 
 from batchline.config import ServiceSettings
 
-__all__ = ["Script", "connect", "dedicated"]
+__all__ = ["Backoff", "Script", "connect", "dedicated", "own_connection"]
 
 
 def connect(settings: ServiceSettings) -> Any:
@@ -31,6 +35,44 @@ def dedicated(client: Any) -> Any:
     if type(client) is Redis:
         return Redis(connection_pool=client.connection_pool, single_connection_client=True)
     return client
+
+
+@contextlib.asynccontextmanager
+async def own_connection(client: Any) -> AsyncIterator[Any]:
+    """:func:`dedicated` for the length of a ``with`` block (a task's read loop)."""
+    held = dedicated(client)
+    try:
+        yield held
+    finally:
+        if held is not client:
+            await held.aclose()
+
+
+class Backoff:
+    """The wait after a failed Redis call in a loop that must ride out a Redis restart:
+    0.05 s, doubling up to 2 s, back to 0.05 s after a call that worked.
+
+    Args:
+        logger: where each failure is logged (a warning).
+        what: the loop's name in that line, e.g. ``"reader"``.
+    """
+
+    def __init__(self, logger: logging.Logger, what: str) -> None:
+        self._logger = logger
+        self._what = what
+        self.delay_s = 0.05
+
+    def reset(self) -> None:
+        """A call worked."""
+        self.delay_s = 0.05
+
+    async def wait(self, exc: BaseException) -> None:
+        """Log the failure and wait before the next try."""
+        self._logger.warning(
+            "%s: %s; retrying in %.2f s", self._what, type(exc).__name__, self.delay_s
+        )
+        await asyncio.sleep(self.delay_s)  # back-off after a failed call, not a poll
+        self.delay_s = min(self.delay_s * 2, 2.0)
 
 
 class Script:

@@ -49,6 +49,7 @@ __all__ = [
     "pack_value",
     "request_value",
     "result_fields",
+    "result_map",
     "salvage_id",
     "unpack_result",
     "unpack_value",
@@ -454,6 +455,12 @@ def pack_result(fields: list[bytes | str]) -> bytes:
 def unpack_result(data: Any, limits: Limits) -> Result:
     """Decode a result key's bytes (or one element of a reply entry, already unpacked);
     raises DecodeError for anything that is not a valid result."""
+    return decode_result(result_map(data), limits)
+
+
+def result_map(data: Any) -> dict[Any, Any]:
+    """A result's fields by name, from its bytes or its unpacked flat array (not validated:
+    that is :func:`decode_result`); raises DecodeError for anything of another shape."""
     if isinstance(data, bytes):
         try:
             # Plain msgpack: strings, numbers, arrays; no length in it can exceed the bytes.
@@ -464,10 +471,9 @@ def unpack_result(data: Any, limits: Limits) -> Result:
         raise DecodeError("a result is not a flat array of fields and values")
     it = iter(data)
     try:
-        fields = dict(zip(it, it, strict=True))
+        return dict(zip(it, it, strict=True))
     except TypeError:  # an unhashable field name
         raise DecodeError("a result's field names must be strings") from None
-    return decode_result(fields, limits)
 
 
 def decode_result(raw: Mapping[Any, Any], limits: Limits) -> Result:

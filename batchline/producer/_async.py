@@ -26,9 +26,16 @@ import msgpack
 from redis.exceptions import RedisError
 
 from batchline._cancels import cancel_request
-from batchline._redis import Script, connect, dedicated
+from batchline._redis import Backoff, Script, connect, dedicated, own_connection
 from batchline._scripts import ENQUEUE
-from batchline.codec import DecodeError, Result, decode_result, encode_request, unpack_result
+from batchline.codec import (
+    DecodeError,
+    Result,
+    decode_result,
+    encode_request,
+    result_map,
+    unpack_result,
+)
 from batchline.config import ProducerSettings
 from batchline.errors import BatcherClosed, QueueFull, RequestCancelled, RequestTimeout
 from batchline.keys import check_name
@@ -376,29 +383,25 @@ class AsyncProducer:
     # -- the reply reader ----------------------------------------------------------------------
 
     async def _read_replies(self) -> None:
-        client = dedicated(self._redis)  # a connection of its own for the blocking reads
-        self._reader_client = client if client is not self._redis else None
-        try:
-            await self._read_replies_with(client)
-        finally:
-            self._reader_client = None
-            if client is not self._redis:
-                await client.aclose()
+        async with own_connection(self._redis) as client:  # for the blocking reads
+            self._reader_client = client if client is not self._redis else None
+            try:
+                await self._read_replies_with(client)
+            finally:
+                self._reader_client = None
 
     async def _read_replies_with(self, client: Any) -> None:
         last = b"0-0"
-        backoff = 0.05
+        backoff = Backoff(logger, "reply reader")
         # aclose() cancels this task, but on Python 3.11 a cancellation that lands just as
         # redis-py's internal wait_for completes is swallowed; the flag ends the loop anyway.
         while not self._closed:
             try:
                 response = await client.xread({self._reply_key: last}, count=1000, block=1000)
-                backoff = 0.05
             except (RedisError, OSError) as exc:
-                logger.warning("reply reader: %s; retrying in %.2f s", type(exc).__name__, backoff)
-                await asyncio.sleep(backoff)  # back-off after a failed read, not a poll
-                backoff = min(backoff * 2, 2.0)
+                await backoff.wait(exc)
                 continue
+            backoff.reset()
             if not response:
                 continue
             seen: list[bytes] = []
@@ -422,15 +425,13 @@ class AsyncProducer:
             logger.error("reply stream %s: dropped a malformed reply: %s", self._reply_key, exc)
             return
         for flat in results:
-            if isinstance(flat, list) and len(flat) % 2 == 0:
-                it = iter(flat)
-                try:
-                    fields = dict(zip(it, it, strict=True))
-                except TypeError:  # an unhashable field name
-                    fields = {}
-                self._deliver(fields)
-            else:
-                logger.error("reply stream %s: dropped a malformed reply", self._reply_key)
+            try:
+                # Each result in a reply is an unpacked array (bytes would be another shape).
+                fields = result_map(flat if isinstance(flat, list) else None)
+            except DecodeError as exc:
+                logger.error("reply stream %s: dropped a malformed reply: %s", self._reply_key, exc)
+                continue
+            self._deliver(fields)
 
     def _deliver(self, raw: dict[bytes, bytes]) -> None:
         """Resolve the waiter of one result."""

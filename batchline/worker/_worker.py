@@ -45,7 +45,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from batchline._aio import AioBatcher
 from batchline._base import BatchConfig, Call, Item
 from batchline._cancels import CancelLog
-from batchline._redis import Script, connect, dedicated
+from batchline._redis import Backoff, Script, connect, dedicated, own_connection
 from batchline._scripts import COMPLETE
 from batchline.codec import DecodeError, decode_requests, request_value
 from batchline.config import WorkerSettings, redact_url
@@ -269,16 +269,12 @@ class Worker(Upkeep):
         stop = self._stop
         if space is None or stop is None:  # pragma: no cover - run() sets both
             raise RuntimeError("the worker is not running")
-        client = dedicated(self._redis)  # a connection of its own for the blocking reads
-        try:
+        async with own_connection(self._redis) as client:  # for the blocking reads
             await self._read_with(client, space, stop)
-        finally:
-            if client is not self._redis:
-                await client.aclose()
 
     async def _read_with(self, client: Any, space: asyncio.Event, stop: asyncio.Event) -> None:
         streams = {name: ">" for name in reversed(self._streams_low_first)}
-        backoff = 0.05
+        backoff = Backoff(logger, "reader")
         while not stop.is_set():
             room = self._window - self._batcher._queue_size() - self._preparing
             # COUNT applies to each stream: split the room so the total stays within it.
@@ -291,7 +287,6 @@ class Worker(Upkeep):
                 response = await client.xreadgroup(
                     GROUP, self.worker_id, streams, count=per_stream, block=1000
                 )
-                backoff = 0.05
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
@@ -299,10 +294,9 @@ class Worker(Upkeep):
                 await self._ensure_groups()
                 continue
             except (RedisError, OSError) as exc:
-                logger.warning("reader: %s; retrying in %.2f s", type(exc).__name__, backoff)
-                await asyncio.sleep(backoff)  # back-off after a failed read, not a poll
-                backoff = min(backoff * 2, 2.0)
+                await backoff.wait(exc)
                 continue
+            backoff.reset()
             if response:
                 await self._accept(
                     (self._sidx[stream], entry, raw)

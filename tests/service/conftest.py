@@ -291,8 +291,14 @@ def start_worker(redis_url: str, queue: str) -> Iterator[Callable[..., WorkerThr
         return thread
 
     yield start
-    errors = []
-    for thread in reversed(started):
+    stop_all(started)
+
+
+def stop_all(threads: list[WorkerThread]) -> None:
+    """Stop workers started by a fixture, newest first; all are stopped even if one fails,
+    whose error is raised then."""
+    errors: list[BaseException] = []
+    for thread in reversed(threads):
         try:
             thread.stop()
         except BaseException as exc:

@@ -15,6 +15,7 @@ from collections import Counter
 from typing import Any
 
 import redis
+from reply_spy import count_replies  # this script's own directory
 
 from batchline.keys import QueueKeys
 from batchline.producer import Producer
@@ -22,18 +23,8 @@ from batchline.producer import Producer
 
 def main() -> int:
     url, queue, name, count = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    replies: Counter[str] = Counter()
     with Producer(redis_url=url, queue=queue) as producer:
-        # A spy on the reply reader: the public API settles each request once and drops any
-        # further reply for it silently, so duplicates can only be counted where they arrive.
-        inner = producer._async
-        deliver = inner._deliver
-
-        def counting(raw: dict[bytes, bytes]) -> None:
-            replies[raw.get(b"id", b"?").decode(errors="replace")] += 1
-            deliver(raw)
-
-        inner._deliver = counting  # type: ignore[method-assign]
+        replies = count_replies(producer)
         values = [f"{name}-{i}" for i in range(count)]
         handles = [producer.submit(v) for v in values]
         results = [producer.wait(h, timeout_s=120) for h in handles]

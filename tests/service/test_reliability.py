@@ -30,27 +30,10 @@ from .conftest import (
     wait_until,
 )
 from .models_for_tests import CRASH_EXIT_CODE, read_batches
+from .reply_spy import count_replies
 
 T = RESULT_TIMEOUT_S
 HUGE_MS = 600_000
-
-
-def count_replies(producer: Producer) -> Counter[str]:
-    """Count every reply the producer's reader receives, by request id.
-
-    A spy on a private method: the public API settles a request once and drops any further
-    reply for it silently, so a duplicate answer can only be seen where it arrives.
-    """
-    replies: Counter[str] = Counter()
-    inner = producer._async
-    deliver = inner._deliver
-
-    def counting(raw: dict[bytes, bytes]) -> None:
-        replies[raw.get(b"id", b"?").decode(errors="replace")] += 1
-        deliver(raw)
-
-    inner._deliver = counting  # type: ignore[method-assign]
-    return replies
 
 
 def assert_all_done(client: redis.Redis, keys: QueueKeys) -> None:

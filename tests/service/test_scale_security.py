@@ -37,6 +37,7 @@ from .conftest import (
     _stop_process,
     run_cli,
     spec,
+    stop_all,
     wait_until,
 )
 
@@ -113,14 +114,7 @@ def workers() -> Iterator[Callable[..., WorkerThread]]:
         return thread
 
     yield start
-    errors: list[BaseException] = []
-    for thread in reversed(started):
-        try:
-            thread.stop()
-        except BaseException as exc:
-            errors.append(exc)
-    if errors:
-        raise errors[0]
+    stop_all(started)
 
 
 async def _round_trip(

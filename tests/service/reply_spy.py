@@ -1,0 +1,26 @@
+"""A spy on a producer's reply reader, shared by test_reliability.py and producer_script.py
+(a script run on its own, which imports this module from its directory)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from batchline.producer import Producer
+
+
+def count_replies(producer: Producer) -> Counter[str]:
+    """Count every reply the producer's reader receives, by request id.
+
+    A spy on a private method: the public API settles a request once and drops any further
+    reply for it silently, so a duplicate answer can only be seen where it arrives.
+    """
+    replies: Counter[str] = Counter()
+    inner = producer._async
+    deliver = inner._deliver
+
+    def counting(raw: dict[bytes, bytes]) -> None:
+        replies[raw.get(b"id", b"?").decode(errors="replace")] += 1
+        deliver(raw)
+
+    inner._deliver = counting  # type: ignore[method-assign]
+    return replies
