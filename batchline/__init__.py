@@ -9,6 +9,14 @@ from batchline import aio, inference
 from batchline._aio import AioBatcher
 from batchline._api import dynamically
 from batchline._inference import AioInferenceBatcher, InferenceBatcher
+from batchline._options import (
+    AioInferenceOptions,
+    AioOptions,
+    BatchOptions,
+    InferenceOptions,
+    PaddingOptions,
+    ThreadOptions,
+)
 from batchline._thread import ThreadBatcher
 from batchline.core.stats import BatchStats, Percentiles
 from batchline.errors import (
@@ -28,19 +36,25 @@ __version__ = "0.1.0"
 __all__ = [
     "AioBatcher",
     "AioInferenceBatcher",
+    "AioInferenceOptions",
+    "AioOptions",
     "BatchFunctionError",
+    "BatchOptions",
     "BatchStats",
     "BatcherClosed",
     "BatchlineError",
     "InferenceBatcher",
     "InferenceError",
+    "InferenceOptions",
     "ItemTooLarge",
+    "PaddingOptions",
     "Percentiles",
     "QueueFull",
     "RequestCancelled",
     "RequestExpired",
     "RequestTimeout",
     "ThreadBatcher",
+    "ThreadOptions",
     "__version__",
     "aio",
     "dynamically",

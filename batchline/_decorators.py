@@ -1,19 +1,28 @@
-"""The four ``dynamically`` decorators, built from one set of options."""
+"""The four ``dynamically`` decorators, built from one set of options (:mod:`._options`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from batchline._aio import AioBatcher
 from batchline._base import BatchConfig, BatcherBase
 from batchline._inference import AioInferenceBatcher, InferenceBatcher, Padding
+from batchline._options import (
+    AioInferenceOptions,
+    AioOptions,
+    InferenceOptions,
+    PaddingOptions,
+    ThreadOptions,
+)
 from batchline._thread import ThreadBatcher
 from batchline.core.padding import row_length
 
 B = TypeVar("B", bound=BatcherBase[Any, Any])
 
 __all__ = ["make_aio", "make_aio_inference", "make_inference", "make_thread"]
+
+_PADDING_KEYS = frozenset(PaddingOptions.__annotations__)
 
 
 def _decorate(
@@ -22,48 +31,31 @@ def _decorate(
     return make if fn is None else make(fn)
 
 
-def make_thread(fn: Callable[..., Any] | None, **options: Any) -> Any:
+def make_thread(fn: Callable[..., Any] | None, options: ThreadOptions) -> Any:
     config = BatchConfig(**options)
     return _decorate(fn, lambda f: ThreadBatcher[Any, Any](f, config))
 
 
-def make_aio(fn: Callable[..., Any] | None, **options: Any) -> Any:
+def make_aio(fn: Callable[..., Any] | None, options: AioOptions) -> Any:
     config = BatchConfig(**options)
     return _decorate(fn, lambda f: AioBatcher[Any, Any](f, config))
 
 
 def _inference_parts(
-    options: dict[str, Any],
-    pad_token: Mapping[str, Any] | float | None,
-    pad_tokens: Mapping[str, Any] | None,
-    padding_side: str,
-    spread_kwargs: bool,
+    options: InferenceOptions | AioInferenceOptions,
 ) -> tuple[BatchConfig, Padding]:
-    padding = Padding.of(pad_token, pad_tokens, padding_side, spread_kwargs)
-    return BatchConfig(length_fn=row_length, **options), padding
+    given: dict[str, Any] = dict(options)
+    padding = Padding.of(**{k: given.pop(k) for k in _PADDING_KEYS if k in given})
+    if "length_fn" in given:
+        raise TypeError("the inference decorators measure rows themselves: no length_fn")
+    return BatchConfig(length_fn=row_length, **given), padding
 
 
-def make_inference(
-    fn: Callable[..., Any] | None,
-    *,
-    pad_token: Mapping[str, Any] | float | None,
-    pad_tokens: Mapping[str, Any] | None,
-    padding_side: str,
-    spread_kwargs: bool,
-    **options: Any,
-) -> Any:
-    config, padding = _inference_parts(options, pad_token, pad_tokens, padding_side, spread_kwargs)
+def make_inference(fn: Callable[..., Any] | None, options: InferenceOptions) -> Any:
+    config, padding = _inference_parts(options)
     return _decorate(fn, lambda f: InferenceBatcher(f, config, padding=padding))
 
 
-def make_aio_inference(
-    fn: Callable[..., Any] | None,
-    *,
-    pad_token: Mapping[str, Any] | float | None,
-    pad_tokens: Mapping[str, Any] | None,
-    padding_side: str,
-    spread_kwargs: bool,
-    **options: Any,
-) -> Any:
-    config, padding = _inference_parts(options, pad_token, pad_tokens, padding_side, spread_kwargs)
+def make_aio_inference(fn: Callable[..., Any] | None, options: AioInferenceOptions) -> Any:
+    config, padding = _inference_parts(options)
     return _decorate(fn, lambda f: AioInferenceBatcher(f, config, padding=padding))

@@ -37,21 +37,28 @@ class Padding:
     @classmethod
     def of(
         cls,
-        pad_token: Mapping[str, Any] | float | None,
-        pad_tokens: Mapping[str, Any] | None,
-        padding_side: str,
-        spread_kwargs: bool,
+        *,
+        pad_token: Mapping[str, Any] | float | None = None,
+        pad_tokens: Mapping[str, Any] | None = None,
+        padding_side: Side | None = None,
+        spread_kwargs: bool | None = None,
     ) -> Padding:
-        """From the decorator's arguments: ``pad_token`` (or batched's ``pad_tokens``) is a
-        dict of feature -> pad value, or one value for every feature."""
+        """From the decorators' :class:`~batchline._options.PaddingOptions`: ``pad_token``
+        (or batched's ``pad_tokens``) is a dict of feature -> pad value, or one value for
+        every feature; what is not given keeps this class's default."""
         if pad_token is not None and pad_tokens is not None:
             raise TypeError("pass pad_token or pad_tokens, not both")
         given = pad_token if pad_token is not None else pad_tokens
+        how: dict[str, Any] = {}
+        if padding_side is not None:
+            how["side"] = padding_side
+        if spread_kwargs is not None:
+            how["spread_kwargs"] = spread_kwargs
         if given is None:
-            return cls(side=padding_side, spread_kwargs=spread_kwargs)  # type: ignore[arg-type]
+            return cls(**how)
         if isinstance(given, Mapping):
-            return cls(dict(given), padding_side, spread_kwargs)  # type: ignore[arg-type]
-        return cls({}, padding_side, spread_kwargs, default_pad=given)  # type: ignore[arg-type]
+            return cls(pad_tokens=dict(given), **how)
+        return cls(default_pad=given, **how)
 
     def __post_init__(self) -> None:
         if self.side not in ("left", "right"):

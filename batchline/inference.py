@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, overload
+from collections.abc import Callable
+from typing import Any, Unpack, overload
 
-from batchline._decorators import make_inference as _make
+from batchline._decorators import make_inference
 from batchline._inference import InferenceBatcher
+from batchline._options import InferenceOptions
 
 __all__ = ["InferenceBatcher", "dynamically"]
 
@@ -17,36 +18,12 @@ def dynamically(fn: Callable[..., Any], /) -> InferenceBatcher: ...
 
 @overload
 def dynamically(
-    fn: None = None,
-    /,
-    *,
-    batch_size: int = ...,
-    timeout_ms: float = ...,
-    small_batch_threshold: int = ...,
-    max_tokens: int | None = ...,
-    max_queue_size: int | None = ...,
-    isolate_errors: bool = ...,
-    pad_token: Mapping[str, Any] | float | None = ...,
-    pad_tokens: Mapping[str, Any] | None = ...,
-    padding_side: str = ...,
-    spread_kwargs: bool = ...,
+    fn: None = None, /, **options: Unpack[InferenceOptions]
 ) -> Callable[[Callable[..., Any]], InferenceBatcher]: ...
 
 
 def dynamically(
-    fn: Callable[..., Any] | None = None,
-    /,
-    *,
-    batch_size: int = 32,
-    timeout_ms: float = 5.0,
-    small_batch_threshold: int = 8,
-    max_tokens: int | None = None,
-    max_queue_size: int | None = None,
-    isolate_errors: bool = True,
-    pad_token: Mapping[str, Any] | float | None = None,
-    pad_tokens: Mapping[str, Any] | None = None,
-    padding_side: str = "right",
-    spread_kwargs: bool = False,
+    fn: Callable[..., Any] | None = None, /, **options: Unpack[InferenceOptions]
 ) -> Any:
     """Batch an inference function over padded features on a worker thread.
 
@@ -57,29 +34,9 @@ def dynamically(
 
     Args:
         fn: the inference function (when used bare).
-        batch_size: most rows per batch.
-        timeout_ms: as for :func:`batchline.dynamically`.
-        small_batch_threshold: as for :func:`batchline.dynamically`.
-        max_tokens: padded-token budget of a batch: rows x longest row, a row's length being
-            the first dimension of its first feature (the reference feature).
-        max_queue_size: most rows waiting; past it a call raises QueueFull at once.
-        isolate_errors: as for :func:`batchline.dynamically`.
-        pad_token: pad value per feature (``{"input_ids": 0}``), or one value for all;
-            features not named pad with 0.
-        pad_tokens: the same, under the name the ``batched`` library used.
-        padding_side: "right" or "left".
-        spread_kwargs: call the function as ``fn(**features)`` instead of ``fn(features)``.
+        **options: those of :func:`batchline.dynamically` but ``length_fn`` (a row's length
+            is the first dimension of its first feature, which ``max_tokens`` counts), and
+            ``pad_token``, ``pad_tokens``, ``padding_side`` ("right"), ``spread_kwargs``
+            (False): :class:`batchline.InferenceOptions` says what each does.
     """
-    return _make(
-        fn,
-        batch_size=batch_size,
-        timeout_ms=timeout_ms,
-        small_batch_threshold=small_batch_threshold,
-        max_tokens=max_tokens,
-        max_queue_size=max_queue_size,
-        isolate_errors=isolate_errors,
-        pad_token=pad_token,
-        pad_tokens=pad_tokens,
-        padding_side=padding_side,
-        spread_kwargs=spread_kwargs,
-    )
+    return make_inference(fn, options)
