@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, overload
 
 from batchline._base import (
@@ -119,10 +119,19 @@ class AioBatcher(BatcherBase[T, R]):
     ``await f(x)`` returns one result, ``await f([x1, x2])`` a list. Both take ``timeout_s=``
     or ``deadline=`` (``time.monotonic()`` clock): items still queued at the deadline are
     dropped and the call raises RequestTimeout; a cancelled caller's items are dropped too.
-    """
 
-    #: May a full batch be handed to a plain function's thread while another batch runs?
-    _pipeline = True
+    Args:
+        fn: the batch function.
+        config: the batcher's settings.
+        owner: the instance a method's batcher belongs to (held weakly).
+        max_concurrent_batches: batches in flight at once for a plain function: 2 hands one
+            more *full* batch to the function's thread while a batch runs (it starts the
+            moment the first ends); 1 forms each batch only when the function is free (for
+            a caller that checks its items as a batch starts, as the worker does). A
+            coroutine function always runs one batch at a time.
+        on_batch_start: awaited with a batch's items as they leave the queue, before the
+            function sees them; it may reject items (they are then not run).
+    """
 
     def __init__(
         self,
@@ -130,8 +139,14 @@ class AioBatcher(BatcherBase[T, R]):
         config: BatchConfig,
         *,
         owner: weakref.ref[Any] | None = None,
+        max_concurrent_batches: int = 2,
+        on_batch_start: Callable[[list[Item]], Awaitable[None]] | None = None,
     ) -> None:
         super().__init__(fn, config, owner=owner)
+        if max_concurrent_batches not in (1, 2):
+            raise ValueError(f"max_concurrent_batches must be 1 or 2, got {max_concurrent_batches}")
+        self._max_concurrent = max_concurrent_batches
+        self._on_batch_start = on_batch_start
         self._states: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = (
             weakref.WeakKeyDictionary()
         )
@@ -227,12 +242,12 @@ class AioBatcher(BatcherBase[T, R]):
         """
         policy = state.policy
         running: collections.deque[asyncio.Task[None]] = collections.deque()
-        pipeline = self._pipeline and not self._is_coroutine
+        pipeline = self._max_concurrent > 1 and not self._is_coroutine
         try:
             while True:
                 while running and running[0].done():
                     running.popleft().result()
-                if len(running) >= 2:
+                if len(running) >= self._max_concurrent:
                     await asyncio.wait([running[0]])
                     continue
                 decision = policy.poll(
@@ -273,12 +288,10 @@ class AioBatcher(BatcherBase[T, R]):
             if timer is not None:
                 timer.cancel()
 
-    async def _before_run(self, batch: list[Item]) -> None:
-        """Called as a batch leaves the queue, before the function sees it (a hook)."""
-
     async def _run(self, batch: list[Item]) -> None:
         started = time.monotonic()
-        await self._before_run(batch)
+        if self._on_batch_start is not None:
+            await self._on_batch_start(batch)
         run = Isolation(batch, isolate=self._config.isolate_errors)
         try:
             while True:

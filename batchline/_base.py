@@ -391,6 +391,11 @@ class BatcherBase(Generic[T, R]):
     def _queue_size(self) -> int:
         raise NotImplementedError
 
+    @property
+    def queue_size(self) -> int:
+        """Items waiting for a batch now (what ``stats.queue_size`` reports)."""
+        return self._queue_size()
+
     def _shutdown(self, reason: BaseException) -> None:
         raise NotImplementedError
 

@@ -13,6 +13,7 @@ import pytest
 
 import batchline
 from batchline import AioBatcher, BatcherClosed, BatchFunctionError, QueueFull, RequestTimeout
+from batchline._base import BatchConfig
 
 HUGE_MS = 600_000.0  # never fires in a test: batches flush by size or by close
 
@@ -536,3 +537,74 @@ async def test_an_inline_stop_iteration_fails_its_callers_only() -> None:
 def test_inline_below_ms_is_validated() -> None:
     with pytest.raises(ValueError, match="inline_below_ms"):
         batchline.aio.dynamically(inline_below_ms=-1)(double)
+
+
+# -- the driver's public knobs (what the worker uses) ----------------------------------------
+
+
+@pytest.mark.parametrize("max_concurrent", [1, 2])
+async def test_max_concurrent_batches_and_on_batch_start(max_concurrent: int) -> None:
+    """With 2, a second full batch leaves the queue while the first runs; with 1 it waits."""
+    release = threading.Event()
+    started: list[list[int]] = []
+    left_queue = asyncio.Event()
+    first_started = asyncio.Event()
+
+    def hold(xs: list[int]) -> list[int]:
+        release.wait(timeout=60)
+        return xs
+
+    async def on_start(batch: list[Any]) -> None:
+        started.append([item.payload for item in batch])
+        first_started.set()
+        if len(started) == 2:
+            left_queue.set()
+
+    f = AioBatcher(
+        hold,
+        BatchConfig(batch_size=2, timeout_ms=HUGE_MS, inline_below_ms=0),
+        max_concurrent_batches=max_concurrent,
+        on_batch_start=on_start,
+    )
+    first = asyncio.ensure_future(f([1, 2]))
+    await asyncio.wait_for(first_started.wait(), 30)
+    second = asyncio.ensure_future(f([3, 4]))
+    await asyncio.sleep(0.05)  # room for a wrong hand-off to happen; not needed to pass
+    if max_concurrent == 2:
+        await asyncio.wait_for(left_queue.wait(), 30)
+        assert f.queue_size == 0
+    else:
+        assert started == [[1, 2]]
+        assert f.queue_size == 2
+    release.set()
+    assert await first == [1, 2]
+    assert await second == [3, 4]
+    assert started == [[1, 2], [3, 4]]
+    await f.aclose()
+
+
+async def test_on_batch_start_may_reject_items() -> None:
+    ran: list[list[int]] = []
+
+    def fn(xs: list[int]) -> list[int]:
+        ran.append(xs)
+        return xs
+
+    async def reject_odd(batch: list[Any]) -> None:
+        for item in batch:
+            if item.payload % 2:
+                item.call.reject(ValueError(f"odd {item.payload}"))
+
+    f = AioBatcher(fn, BatchConfig(batch_size=4, timeout_ms=HUGE_MS), on_batch_start=reject_odd)
+    results = await asyncio.gather(*(f(x) for x in range(4)), return_exceptions=True)
+    assert results[0] == 0
+    assert results[2] == 2
+    assert isinstance(results[1], ValueError)
+    assert isinstance(results[3], ValueError)
+    assert ran == [[0, 2]]
+    await f.aclose()
+
+
+def test_max_concurrent_batches_is_validated() -> None:
+    with pytest.raises(ValueError, match="max_concurrent_batches must be 1 or 2, got 3"):
+        AioBatcher(double, BatchConfig(), max_concurrent_batches=3)

@@ -142,7 +142,7 @@ class Upkeep:
                 "p95": st.function_ms.p95,
                 "p99": st.function_ms.p99,
             },
-            "held": self._batcher._queue_size(),
+            "held": self._batcher.queue_size,
             "padding_efficiency": _padding(self.model),
             "time": time.time(),
         }

@@ -64,24 +64,6 @@ _REPLY_MAXLEN = 100_000
 _DEAD_MAXLEN = 100_000
 
 
-class _ModelBatcher(AioBatcher[Prepared, Any]):
-    """The in-process asyncio driver, with a check for cancelled requests before each batch.
-
-    No batch is handed to the model's thread ahead of time: cancellation marks and deadlines
-    are checked as a batch starts, which must be when the model is free to run it (a real
-    model's batch takes far longer than the wait this would save).
-    """
-
-    _pipeline = False
-
-    def __init__(self, worker: Worker, config: BatchConfig) -> None:
-        super().__init__(worker._infer, config)
-        self._worker = worker
-
-    async def _before_run(self, batch: list[Item]) -> None:
-        await self._worker._before_batch(batch)
-
-
 class Worker(Upkeep):
     """Serve one queue: ``await Worker(...).run()`` until SIGTERM or :meth:`stop`.
 
@@ -118,8 +100,11 @@ class Worker(Upkeep):
         self._streams_low_first = [self.keys.stream(p) for p in range(self.keys.priorities)]
         self._sidx = {name.encode(): i for i, name in enumerate(self._streams_low_first)}
         self._window = s.batch_size * s.read_ahead
-        self._batcher = _ModelBatcher(
-            self,
+        # No batch is handed to the model's thread ahead of time: cancellations and deadlines
+        # are checked as a batch starts, which must be when the model is free to run it (a
+        # real model's batch takes far longer than the wait this would save).
+        self._batcher: AioBatcher[Prepared, Any] = AioBatcher(
+            self._infer,
             BatchConfig(
                 batch_size=s.batch_size,
                 timeout_ms=s.timeout_ms,
@@ -130,6 +115,8 @@ class Worker(Upkeep):
                 group_by_length=bool(getattr(self.model, "pads", True)),
                 group_window=s.read_ahead,
             ),
+            max_concurrent_batches=1,
+            on_batch_start=self._before_batch,
         )
         # Answers wait here while a write is in flight; the next write takes them all (the
         # same coalescing as a batcher with timeout 0, without its per-record overhead).
@@ -276,7 +263,7 @@ class Worker(Upkeep):
         streams = {name: ">" for name in reversed(self._streams_low_first)}
         backoff = Backoff(logger, "reader")
         while not stop.is_set():
-            room = self._window - self._batcher._queue_size() - self._preparing
+            room = self._window - self._batcher.queue_size - self._preparing
             # COUNT applies to each stream: split the room so the total stays within it.
             per_stream = max(1, -(-room // len(streams)))
             if room <= 0:
