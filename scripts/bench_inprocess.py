@@ -33,12 +33,9 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import hashlib
-import importlib.metadata
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -55,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import batched
 import batched.aio
+from _harness import log, provenance, ratio, versions
 from fast_dynamic_batcher.dyn_batcher import DynBatcher
 from fast_dynamic_batcher.inference_template import InferenceModel
 
@@ -141,10 +139,6 @@ IMPL_NAMES = {
 # -- small helpers ----------------------------------------------------------------------------------
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def rounded_up(n: int, unit: int) -> int:
     return max(unit, -(-n // unit) * unit)
 
@@ -163,44 +157,6 @@ def fmt_ratio(x: float | None, pct: bool = False) -> str:
     if x is None:
         return "—"
     return f"{x * 100:.1f} %" if pct else f"{x:.2f}x"
-
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def provenance() -> str:
-    """Which batchline was measured: git HEAD, whether batchline/ differs from it, and a hash
-    of its sources (others may be editing the checkout while this runs)."""
-    digest = hashlib.sha256()
-    for path in sorted((REPO / "batchline").rglob("*.py")):
-        digest.update(path.relative_to(REPO).as_posix().encode())
-        digest.update(path.read_bytes())
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--", "batchline"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        head, dirty = "?", ""
-    state = " + uncommitted changes under batchline/" if dirty else ""
-    return f"git {head}{state}; batchline/**/*.py sha256 {digest.hexdigest()[:12]}"
-
-
-def version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "?"
 
 
 @contextlib.contextmanager
@@ -656,10 +612,6 @@ def run_idle_cpu(res: Results, seconds: float) -> None:
 # -- report ----------------------------------------------------------------------------------------------
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def report(res: Results, args: argparse.Namespace) -> str:
     ideal = statistics.median(res.ideal)
     out: list[str] = []
@@ -683,8 +635,8 @@ def report(res: Results, args: argparse.Namespace) -> str:
     )
     w(f"- batchline measured: {res.provenance_before}{changed}")
     w(
-        f"- versions: batchline {batchline.__version__}, batched {version('batched')}, "
-        f"fast-dynamic-batcher {version('fast-dynamic-batcher')}, numpy {np.__version__}"
+        f"- versions: batchline {batchline.__version__}, "
+        f"{versions('batched', 'fast-dynamic-batcher', 'numpy')}"
     )
     w(
         f"- batch_size {BATCH_SIZE}, timeout_ms 5 (max_delay 5 ms for fast-dynamic-batcher); "

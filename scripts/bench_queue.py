@@ -38,13 +38,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,9 +55,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+from _harness import (
+    REPO,
+    CpuMeter,
+    Procs,
+    Samples,
+    fmt,
+    free_port,
+    log,
+    percentile,
+    provenance,
+    versions,
+)
+
 BATCH_SIZE = 32
+
+DISTS = ("redis", "hiredis", "arq", "torch", "sentence-transformers")
 
 TARGETS = {
     "a_rps": 20_000.0,  # batchline end-to-end requests/s, no-op model
@@ -69,10 +80,6 @@ TARGETS = {
     "c_vs_ceiling": 0.90,  # served / offline encode
     "c_vs_sequential": 2.5,  # served / one at a time
 }
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 # -- child roles (producer, arq client, arq worker) --------------------------------------------
@@ -234,117 +241,6 @@ def child_main(args: argparse.Namespace) -> int:
 # -- processes ---------------------------------------------------------------------------------
 
 
-# Children die with this process whatever happens to it (util-linux setpriv, where present).
-SETPRIV = shutil.which("setpriv")
-PDEATHSIG = [SETPRIV, "--pdeathsig", "KILL"] if SETPRIV and sys.platform == "linux" else []
-
-
-class Procs:
-    """Every process this run started; ``stop_all`` ends them (SIGTERM, then SIGKILL)."""
-
-    def __init__(self, logdir: Path) -> None:
-        self.logdir = logdir
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.stopped: set[str] = set()
-        self.lock = threading.Lock()
-
-    def spawn(
-        self, name: str, argv: list[str], *, env: dict[str, str], pipes: bool = False
-    ) -> subprocess.Popen[bytes]:
-        err = (self.logdir / f"{name}.log").open("wb")
-        proc = subprocess.Popen(
-            [*PDEATHSIG, *argv],
-            stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
-            stdout=subprocess.PIPE if pipes else err,
-            stderr=err,
-            env=env,
-            cwd=str(self.logdir),
-        )
-        err.close()
-        with self.lock:
-            self.procs[name] = proc
-        return proc
-
-    def log_tail(self, name: str, chars: int = 3000) -> str:
-        path = self.logdir / f"{name}.log"
-        return path.read_text(errors="replace")[-chars:] if path.exists() else ""
-
-    def pause(self, name: str) -> None:
-        proc = self.procs.get(name)
-        if proc is not None and proc.poll() is None and name not in self.stopped:
-            proc.send_signal(signal.SIGSTOP)
-            self.stopped.add(name)
-
-    def resume(self, name: str) -> None:
-        proc = self.procs.get(name)
-        if proc is not None and name in self.stopped:
-            self.stopped.discard(name)
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-
-    def stop(self, name: str, timeout_s: float = 20.0) -> int | None:
-        """SIGTERM (a worker drains and exits 0), SIGKILL after ``timeout_s``; the exit code."""
-        proc = self.procs.get(name)
-        if proc is None:
-            return None
-        self.resume(name)
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                log(f"{name} did not exit {timeout_s:.0f} s after SIGTERM: killing it")
-                proc.kill()
-                proc.wait(10)
-        for stream in (proc.stdin, proc.stdout):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
-        with self.lock:
-            self.procs.pop(name, None)
-        return proc.returncode
-
-    def stop_all(self) -> None:
-        for name in list(self.procs)[::-1]:
-            with contextlib.suppress(Exception):
-                self.stop(name, timeout_s=10.0)
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, all threads) a process has used; 0 if it is gone."""
-    try:
-        data = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    rest = data[data.rindex(")") + 2 :].split()
-    return (int(rest[11]) + int(rest[12])) / CLK_TCK
-
-
-def machine_busy_s() -> float:
-    """CPU seconds the whole machine has spent busy (all cores)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return (sum(fields[:8]) - idle) / CLK_TCK
-
-
-class CpuMeter:
-    """CPU used by named processes and by the rest of the machine over one measurement."""
-
-    def __init__(self, pids: dict[str, int]) -> None:
-        self.pids = pids
-        self.t0 = time.perf_counter()
-        self.busy0 = machine_busy_s()
-        self.cpu0 = {name: cpu_s(pid) for name, pid in pids.items()}
-
-    def done(self) -> dict[str, float]:
-        wall = time.perf_counter() - self.t0
-        used = {name: cpu_s(pid) - self.cpu0[name] for name, pid in self.pids.items()}
-        busy = machine_busy_s() - self.busy0
-        ours = sum(used.values())
-        return {**used, "_wall": wall, "_other_cores": max(0.0, busy - ours) / max(wall, 1e-9)}
-
-
 # -- the run -----------------------------------------------------------------------------------
 
 
@@ -368,37 +264,9 @@ class Config:
 
 
 @dataclass
-class Results:
-    rows: dict[str, list[float]] = field(default_factory=dict)
+class Results(Samples):
     notes: list[str] = field(default_factory=list)
     info: dict[str, str] = field(default_factory=dict)
-
-    def add(self, key: str, value: float | None) -> None:
-        if value is not None:
-            self.rows.setdefault(key, []).append(float(value))
-
-    def med(self, key: str) -> float | None:
-        values = self.rows.get(key)
-        return statistics.median(values) if values else None
-
-    def spread(self, key: str) -> str:
-        values = self.rows.get(key)
-        if not values or len(values) < 2:
-            return ""
-        return f"{min(values):,.4g} to {max(values):,.4g}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    k = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
-    return sorted_values[k]
 
 
 class Bench:
@@ -934,50 +802,8 @@ class Bench:
 # -- report ------------------------------------------------------------------------------------
 
 
-def fmt(x: float | None, digits: int = 0, unit: str = "") -> str:
-    if x is None:
-        return "n/a"
-    return f"{x:,.{digits}f}{unit}"
-
-
 def verdict(ok: bool | None) -> str:
     return "n/a" if ok is None else ("met" if ok else "**missed**")
-
-
-def provenance(src: Path) -> str:
-    digest = hashlib.sha256()
-    for path in sorted((src / "batchline").rglob("*.py")):
-        digest.update(path.relative_to(src).as_posix().encode())
-        digest.update(path.read_bytes())
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--", "batchline"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        head, dirty = "?", ""
-    state = " + uncommitted changes under batchline/" if dirty.strip() else ""
-    return f"git {head.strip()}{state}; batchline/**/*.py sha256 {digest.hexdigest()[:12]}"
-
-
-def versions() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = [f"Python {platform.python_version()}"]
-    for dist in ("redis", "hiredis", "arq", "torch", "sentence-transformers"):
-        with contextlib.suppress(PackageNotFoundError):
-            out.append(f"{dist} {version(dist)}")
-    return ", ".join(out)
 
 
 def report(res: Results, cfg: Config, argv: list[str]) -> str:
@@ -991,7 +817,7 @@ def report(res: Results, cfg: Config, argv: list[str]) -> str:
         f"load average before the run {res.info.get('load_before', '?')}, after "
         f"{res.info.get('load_after', '?')}; shared with other users.  ",
         f"Measured: {res.info.get('provenance', '?')}  ",
-        f"{versions()}; {res.info.get('redis', '')}  ",
+        f"{versions(*DISTS)}; {res.info.get('redis', '')}  ",
         f"Medians of {cfg.repeats} interleaved repeat(s); ratios are medians of per-repeat "
         "ratios; the range of the repeats is in brackets.",
         "",

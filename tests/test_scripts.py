@@ -1,0 +1,27 @@
+"""Smoke runs of the benchmarks in scripts/: they start, measure and report (no figures checked).
+
+The figures are the benchmarks' business (run them by hand, see README.md); these runs only
+keep the scripts and their shared harness (scripts/_harness.py) working.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_bench_queue_quick_idle_latency_part() -> None:
+    out = subprocess.run(
+        [sys.executable, "scripts/bench_queue.py", "--quick", "--parts", "b", "--repeats", "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert "## batchline queue benchmark" in out.stdout
+    assert "(b) idle latency over the model's own time, p50" in out.stdout
+    assert "SIGTERM: noop worker exit code 0" in out.stdout
