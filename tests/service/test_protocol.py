@@ -390,3 +390,35 @@ def test_transformers_returns_the_mean_pooled_state_not_normalised() -> None:
         hidden = inner.model(**encoded).last_hidden_state[0]
     np.testing.assert_allclose(output, hidden.mean(0).numpy(), atol=1e-5)
     assert abs(float(np.linalg.norm(output)) - 1.0) > 0.05  # not unit length
+
+
+# -- the unit of reply entries -------------------------------------------------------------------
+
+
+def test_one_reply_entry_per_producer_per_completion_call_not_per_batch(
+    start_worker: Callable[..., WorkerThread], rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    gate = GatedModel()
+    worker = start_worker(gate, batch_size=2, timeout_ms=HUGE_MS).worker
+    rids = [f"r{i}" for i in range(8)]
+    for rid in rids:
+        rclient.xadd(keys.stream(0), entry(rid, rid, reply="watcher"))
+    assert gate.entered.wait(T), "no batch reached the model"
+    wait_until(lambda: pending_count(rclient, keys) == len(rids), "the worker to hold all")
+    # Writes wait while Redis is paused: the first completion call (the first batch) waits,
+    # and the three batches answered meanwhile go together in the next call.
+    rclient.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
+    try:
+        gate.release.set()
+        wait_until(lambda: worker.counts["ok"] == len(rids), "every batch to be answered")
+    finally:
+        rclient.execute_command("CLIENT", "UNPAUSE")
+    wait_until(lambda: sum(stream_lengths(rclient, keys)) == 0, "the answers to be written")
+    assert len(gate.batches) == 4
+    entries = rclient.xrange(keys.reply("watcher"))
+    assert [int(f[b"n"]) for _e, f in entries] == [2, 6]
+    batches = [b[0] for b in gate.batches]
+    for (_e, fields), firsts in zip(entries, (batches[:1], batches[1:]), strict=True):
+        flats = msgpack.unpackb(fields[b"r"], raw=True)
+        ids = [dict(zip(f[::2], f[1::2], strict=True))[b"id"].decode() for f in flats]
+        assert set(firsts) <= set(ids)  # one entry holds the results of several batches
