@@ -280,7 +280,7 @@ class Request(TypedDict):
     id: Annotated[str, Field(pattern=_ID_PATTERN)]
     meta: bytes
     blob: NotRequired[bytes]
-    prio: NotRequired[Annotated[int, Field(ge=0, lt=16)]]
+    prio: NotRequired[Annotated[int, Field(ge=0, lt=16)]]  # its stream's, see check_priority
     dl: NotRequired[Annotated[float | None, Field(allow_inf_nan=False)]]  # deadline, unix ms
     ts: NotRequired[Annotated[float, Field(ge=0, allow_inf_nan=False)]]  # enqueued, unix ms
     reply: NotRequired[Annotated[str | None, Field(pattern=_ID_PATTERN)]]
