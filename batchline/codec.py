@@ -40,6 +40,7 @@ __all__ = [
     "Limits",
     "Request",
     "Result",
+    "check_priority",
     "decode_request",
     "decode_requests",
     "decode_result",
@@ -155,16 +156,18 @@ def unpack_value(meta: bytes, blob: bytes, limits: Limits) -> Any:
         raise DecodeError(f"value data of {len(blob)} bytes exceeds {limits.max_blob_bytes}")
     try:
         tree = _JSON.decode(meta.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+    except UnicodeDecodeError as exc:
+        raise DecodeError(f"value header is not UTF-8: {exc.reason} at byte {exc.start}") from None
+    except (ValueError, RecursionError) as exc:
         raise DecodeError(f"value header is not JSON: {exc}") from None
     if type(tree) is str and len(tree) <= limits.max_chars:
         return tree  # one text: the common case, no walk
     elements = 0
 
     def walk(v: Any, depth: int) -> Any:
+        """``depth``: the lists and objects around ``v``, so ``v`` itself, if one, is the
+        ``depth + 1``-th level."""
         nonlocal elements
-        if depth > limits.max_depth:
-            raise DecodeError(f"value nests deeper than {limits.max_depth}")
         if isinstance(v, str):
             if len(v) > limits.max_chars:
                 raise DecodeError(
@@ -172,6 +175,8 @@ def unpack_value(meta: bytes, blob: bytes, limits: Limits) -> Any:
                 )
             return v
         if isinstance(v, list):
+            if depth >= limits.max_depth:
+                raise DecodeError(f"value nests deeper than max_depth={limits.max_depth}")
             if len(v) > limits.max_items:
                 raise DecodeError(f"list of {len(v)} entries exceeds max_items={limits.max_items}")
             return [walk(x, depth + 1) for x in v]
@@ -180,8 +185,17 @@ def unpack_value(meta: bytes, blob: bytes, limits: Limits) -> Any:
                 array = _array(v, blob, limits.max_elements - elements)
                 elements += array.size
                 return array
+            if depth >= limits.max_depth:
+                raise DecodeError(f"value nests deeper than max_depth={limits.max_depth}")
             if len(v) > limits.max_items:
-                raise DecodeError(f"dict of {len(v)} entries exceeds max_items={limits.max_items}")
+                raise DecodeError(
+                    f"object of {len(v)} entries exceeds max_items={limits.max_items}"
+                )
+            for k in v:
+                if k.startswith("$"):
+                    raise DecodeError(
+                        f"object key {_show(k)} starts with '$' (reserved for array references)"
+                    )
             return {k: walk(x, depth + 1) for k, x in v.items()}
         return v  # None, bool, int, float
 
@@ -192,27 +206,48 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-_JSON = json.JSONDecoder(parse_constant=_no_constant)  # one decoder, not one per call
+def _finite(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):  # 1e999: JSON, but no 64-bit float holds it
+        raise ValueError(f"number {text} is out of the range of a 64-bit float")
+    return number
+
+
+# One decoder, not one per call; NaN and Infinity are not JSON, and a number too large for
+# a float is refused alike rather than read as infinity.
+_JSON = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite)
+
+
+def _show(value: Any, *, max_chars: int = 80) -> str:
+    """A value for an error message, readable in any language: text as JSON text (bytes
+    decoded as UTF-8, undecodable bytes as \\xNN), anything else as JSON; cut short."""
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "backslashreplace")
+    try:
+        text = json.dumps(value, ensure_ascii=False, default=str)
+    except (ValueError, RecursionError):
+        text = str(value)
+    return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
 
 
 def _array(ref: dict[str, Any], blob: bytes, budget: int) -> np.ndarray[Any, Any]:
     spec = ref["$nd"]
     if len(ref) != 1 or not isinstance(spec, list) or len(spec) != 3:
-        raise DecodeError("an array reference is {'$nd': [dtype, shape, offset]}")
+        raise DecodeError('an array reference is {"$nd": [dtype, shape, offset]} and nothing else')
     dtype, shape, offset = spec
     if not isinstance(dtype, str) or dtype not in _DTYPES:
-        raise DecodeError(f"array dtype {dtype!r} is not allowed")
+        raise DecodeError(f"array dtype {_show(dtype)} is not allowed")
     if not isinstance(shape, list) or len(shape) > 8:
         raise DecodeError("array shape must be a list of at most 8 dimensions")
     count = 1
     for n in shape:
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise DecodeError(f"array shape {shape!r} is not a list of sizes")
+            raise DecodeError(f"array shape {_show(shape)} is not a list of sizes")
         count *= n
         if count > budget:
             raise DecodeError(f"array of shape {shape} exceeds max_elements")
     if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-        raise DecodeError(f"array offset {offset!r} is invalid")
+        raise DecodeError(f"array offset {_show(offset)} is invalid")
     nbytes = count * np.dtype(dtype).itemsize
     if offset + nbytes > len(blob):
         raise DecodeError(f"array of shape {shape} needs {nbytes} bytes at {offset}; blob is short")
@@ -245,7 +280,7 @@ class Request(TypedDict):
     id: Annotated[str, Field(pattern=_ID_PATTERN)]
     meta: bytes
     blob: NotRequired[bytes]
-    prio: NotRequired[Annotated[int, Field(ge=0, lt=16)]]
+    prio: NotRequired[Annotated[int, Field(ge=0, lt=16)]]  # its stream's, see check_priority
     dl: NotRequired[Annotated[float | None, Field(allow_inf_nan=False)]]  # deadline, unix ms
     ts: NotRequired[Annotated[float, Field(ge=0, allow_inf_nan=False)]]  # enqueued, unix ms
     reply: NotRequired[Annotated[str | None, Field(pattern=_ID_PATTERN)]]
@@ -325,10 +360,38 @@ def _str_keys(raw: Mapping[Any, Any]) -> dict[str, Any]:
     }
 
 
+def check_priority(request: Request, stream_priority: int) -> None:
+    """The stream decides an entry's priority: a ``prio`` field, where present, must be the
+    priority of the work stream the entry was read from. Raises DecodeError naming both."""
+    prio = request.get("prio")
+    if prio is not None and prio != stream_priority:
+        raise DecodeError(
+            f"malformed request: prio {prio} does not match the priority of its stream, "
+            f"{stream_priority} (req:{stream_priority})"
+        )
+
+
+_BARE = re.compile(r"^[A-Za-z0-9_.+\-]{1,40}$")
+
+
 def _problem(error: Any) -> str:
-    if tuple(error["loc"]) == ("v",) and error["type"] != "missing":
-        return f"schema version {error['input']!r} is not {SCHEMA_VERSION}"
-    return f"{'.'.join(str(p) for p in error['loc']) or 'entry'}: {error['msg']}"
+    """One pydantic error as a sentence, values shown as text (not as Python reprs)."""
+    field = ".".join(str(p) for p in error["loc"]) or "entry"
+    kind = error["type"]
+    if kind == "missing":
+        return f"{field} is missing"
+    value = error["input"]
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "backslashreplace")
+    shown = value if isinstance(value, str) and _BARE.match(value) else _show(value)
+    if field == "v":
+        return f"schema version {shown} is not {SCHEMA_VERSION}"
+    if kind == "string_pattern_mismatch":
+        return f"{field} {shown} is not 1-128 characters of A-Z a-z 0-9 _ . -"
+    if kind == "string_unicode":
+        return f"{field} is not UTF-8 text"
+    message = str(error["msg"])
+    return f"{field} {shown}: {message[:1].lower()}{message[1:]}"
 
 
 def salvage_id(raw: Mapping[bytes, bytes]) -> tuple[str | None, str | None]:

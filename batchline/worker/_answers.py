@@ -17,8 +17,15 @@ from batchline.codec import (
 
 __all__ = ["Meta", "Record", "answer", "dead_letter"]
 
-_MAX_DEAD_RAW = 1 << 20  # a dead letter keeps the original fields up to this size
+_MAX_DEAD_RAW = 1 << 20  # a dead letter keeps the original fields up to this size in all
 _MAX_DEAD_FIELDS = 256  # and this many of them (Lua's unpack() takes a few thousand values)
+_MAX_DEAD_FIELD = 64 << 10  # of a larger entry, it keeps each field up to this size
+_MAX_OMITTED = 64  # and names this many of the fields it left out
+# The fields an oversize entry's dead letter keeps first (a stable sort keeps the rest's order).
+_FIRST = {
+    name: i
+    for i, name in enumerate([b"id", b"reply", b"v", b"prio", b"dl", b"ts", b"meta", b"blob"])
+}
 
 
 @dataclass(slots=True)
@@ -92,12 +99,7 @@ def dead_letter(
     """The record moving an entry to the dead-letter stream, with an error result for its
     producer when the entry carries a valid id."""
     request_id, reply = salvage_id(raw)
-    size = sum(len(k) + len(v) for k, v in raw.items())
-    dead: list[Any] = (
-        [x for kv in raw.items() for x in kv]
-        if size <= _MAX_DEAD_RAW and len(raw) <= _MAX_DEAD_FIELDS
-        else ["size", str(size), "fields", str(len(raw))]
-    )
+    dead = _original_fields(raw)
     dead += ["reason", f"{kind}: {reason}", "worker", worker_id]
     record = Record(sidx, entry, "dead", dead=dead)
     if request_id is not None:
@@ -105,3 +107,27 @@ def dead_letter(
         record.result = pack_result(encode_result(result))
         record.request_id, record.reply = request_id, reply
     return record
+
+
+def _original_fields(raw: dict[bytes, bytes]) -> list[Any]:
+    """The entry's fields a dead letter keeps: all of them, up to ``_MAX_DEAD_RAW`` bytes
+    and ``_MAX_DEAD_FIELDS`` fields. Of a larger entry, the protocol's fields first (``id``,
+    ``reply``, ``v``, ``prio``, ``dl``, ``ts``, ``meta``, ``blob``), then the rest in order,
+    each field (name and value) of at most ``_MAX_DEAD_FIELD`` bytes while those limits
+    last; then ``size`` (bytes of all fields, names included), ``fields`` (how many) and
+    ``omitted`` (the names of the fields left out, comma-separated, the first 64)."""
+    size = sum(len(k) + len(v) for k, v in raw.items())
+    if size <= _MAX_DEAD_RAW and len(raw) <= _MAX_DEAD_FIELDS:
+        return [x for kv in raw.items() for x in kv]
+    kept: list[Any] = []
+    omitted: list[bytes] = []
+    budget = _MAX_DEAD_RAW
+    for name, value in sorted(raw.items(), key=lambda kv: _FIRST.get(kv[0], len(_FIRST))):
+        n = len(name) + len(value)
+        if n <= _MAX_DEAD_FIELD and n <= budget and len(kept) < 2 * _MAX_DEAD_FIELDS:
+            kept += (name, value)
+            budget -= n
+        else:
+            omitted.append(name)
+    names = ",".join(n[:128].decode("utf-8", "backslashreplace") for n in omitted[:_MAX_OMITTED])
+    return [*kept, "size", str(size), "fields", str(len(raw)), "omitted", names]

@@ -47,7 +47,7 @@ from batchline._base import BatchConfig, Call, Item
 from batchline._cancels import CancelLog
 from batchline._redis import Backoff, Script, connect, dedicated, own_connection
 from batchline._scripts import COMPLETE
-from batchline.codec import DecodeError, decode_requests, request_value
+from batchline.codec import DecodeError, check_priority, decode_requests, request_value
 from batchline.config import WorkerSettings, redact_url
 from batchline.errors import BatcherClosed, BatchlineError, RequestCancelled, RequestTimeout
 from batchline.keys import GROUP, check_name
@@ -327,6 +327,7 @@ class Worker(Upkeep):
             try:
                 if isinstance(request, DecodeError):
                     raise request
+                check_priority(request, sidx)  # the stream decides
                 value = request_value(request, self._limits)
             except DecodeError as exc:
                 out.append(self._dead_letter(sidx, entry, raw, "MalformedRequest", str(exc)))
@@ -352,7 +353,7 @@ class Worker(Upkeep):
             deadline = time.monotonic() + (deadline_ms / 1e3 - time.time())
         try:
             call = self._batcher.enqueue(
-                prepared, self._done, deadline=deadline, priority=request.get("prio", 0)
+                prepared, self._done, deadline=deadline, priority=meta.sidx
             )
         except BatcherClosed:
             # Shutting down (a reclaim raced the drain): leave the entry pending, unheld,

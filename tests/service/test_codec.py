@@ -23,6 +23,7 @@ from batchline.codec import (
     DecodeError,
     Limits,
     Result,
+    check_priority,
     decode_request,
     decode_requests,
     decode_result,
@@ -245,7 +246,7 @@ def test_a_whole_read_decodes_at_once_and_each_bad_entry_alone() -> None:
     assert out[2] == decode_request(good[2])
     assert out[5] == decode_request(good[2])  # unknown fields are dropped
     assert isinstance(out[1], DecodeError)
-    assert f"schema version b'{SCHEMA_VERSION + 1}' is not {SCHEMA_VERSION}" in str(out[1])
+    assert f"schema version {SCHEMA_VERSION + 1} is not {SCHEMA_VERSION}" in str(out[1])
     assert isinstance(out[3], DecodeError)
     assert "id" in str(out[3])
     assert isinstance(out[4], DecodeError)
@@ -523,3 +524,98 @@ def test_the_package_never_unpickles_or_evaluates() -> None:
                     if kw.arg == "allow_pickle":
                         problems.append(f"{where}: passes allow_pickle")
     assert not problems, "\n".join(problems)
+
+
+# -- edge cases of the request decoder (docs/protocol.md) ----------------------------------------
+
+
+@pytest.mark.parametrize("meta", [b"1e999", b"-1e999", b"[1, 1e400]", b'{"a": 1E999}', b"NaN"])
+def test_numbers_no_float_holds_are_refused_like_nan(meta: bytes) -> None:
+    with pytest.raises(DecodeError, match="not JSON") as info:
+        unpack_value(meta, b"", LIMITS)
+    assert "inf" not in str(info.value).lower()
+    assert unpack_value(b"[1e308, -1e308, 0.5]", b"", LIMITS) == [1e308, -1e308, 0.5]
+
+
+@pytest.mark.parametrize(
+    ("opening", "closing", "inner"),
+    [("[", "]", ""), ("[", "]", "1"), ('{"a":', "}", "1"), ("[", "]", '"text"')],
+)
+def test_nesting_depth_is_counted_in_lists_and_objects(
+    opening: str, closing: str, inner: str
+) -> None:
+    limits = Limits(max_depth=16)
+    sixteen = (opening * 16 + inner + closing * 16).encode()
+    value = unpack_value(sixteen, b"", limits)
+    for _ in range(16):
+        value = value[0] if isinstance(value, list) and value else value
+        value = value["a"] if isinstance(value, dict) else value
+    seventeen = (opening * 17 + inner + closing * 17).encode()
+    with pytest.raises(DecodeError, match="max_depth=16"):
+        unpack_value(seventeen, b"", limits)
+
+
+def test_an_array_reference_does_not_count_as_a_level() -> None:
+    meta, blob = pack_value([[np.arange(3, dtype=np.int32)]])
+    got = unpack_value(meta, blob, Limits(max_depth=2))
+    assert_same(got, [[np.arange(3, dtype=np.int32)]])
+    with pytest.raises(DecodeError, match="max_depth=1"):
+        unpack_value(meta, blob, Limits(max_depth=1))
+
+
+@pytest.mark.parametrize("key", ["$x", "$", "$nd2", "$ND"])
+def test_object_keys_starting_with_a_dollar_are_refused(key: str) -> None:
+    meta = json.dumps({"ok": 1, "inner": {key: 1}}).encode()
+    with pytest.raises(DecodeError, match=r"starts with '\$'") as info:
+        unpack_value(meta, b"", LIMITS)
+    assert json.dumps(key) in str(info.value)
+
+
+def test_the_stream_decides_the_priority() -> None:
+    with_prio = decode_request(good_request(prio=2))
+    check_priority(with_prio, 2)
+    without = decode_request(good_request(prio=None))
+    for stream in range(16):
+        check_priority(without, stream)  # no prio: the stream's
+    with pytest.raises(DecodeError) as info:
+        check_priority(with_prio, 0)
+    assert "prio 2 does not match the priority of its stream, 0 (req:0)" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"v": 99}, "schema version 99 is not 2"),
+        ({"v": "one two"}, 'schema version "one two" is not 2'),
+        ({"id": "has space"}, 'id "has space" is not 1-128 characters'),
+        ({"id": b"\xff\xfe"}, "id is not UTF-8 text"),
+        ({"reply": "bad reply"}, 'reply "bad reply" is not 1-128 characters'),
+        ({"prio": 16}, "prio 16: input should be less than 16"),
+        ({"prio": "high"}, "prio high: input should be a valid integer"),
+        ({"dl": "1e999"}, "dl 1e999: input should be a finite number"),
+        ({"meta": None}, "meta is missing"),
+    ],
+)
+def test_error_messages_show_values_as_text(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(DecodeError) as info:
+        decode_request(good_request(**changes))
+    assert message in str(info.value)
+    assert "b'" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("meta", "message"),
+    [
+        (nd(["<f4"]), 'array dtype ["<f4"] is not allowed'),
+        (nd("|O"), 'array dtype "|O" is not allowed'),
+        (nd(shape=[1, "3"]), 'array shape [1, "3"] is not a list of sizes'),
+        (nd(offset="0"), 'array offset "0" is invalid'),
+        ('"\\u00e9"'.encode("latin-1") + b"\xff", "value header is not UTF-8"),
+    ],
+)
+def test_value_error_messages_show_json_not_python(meta: str | bytes, message: str) -> None:
+    data = meta.encode() if isinstance(meta, str) else meta
+    with pytest.raises(DecodeError) as info:
+        unpack_value(data, b"\0\0\0\0", LIMITS)
+    assert message in str(info.value)
+    assert "'<f4'" not in str(info.value)
