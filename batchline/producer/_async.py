@@ -359,9 +359,17 @@ class AsyncProducer:
         )
 
     async def get_result(self, request_id: str) -> Result | None:
-        """Read a request's result key: its Result, or None while there is none."""
+        """Read a request's result key: its Result, or None while there is none; raises
+        DecodeError (a ValueError) if the key holds something that is not a valid result."""
         raw = await self._redis.get(self.keys.result(check_name("request_id", request_id)))
-        return unpack_result(raw, self._limits) if raw is not None else None
+        if raw is None:
+            return None
+        try:
+            return unpack_result(raw, self._limits)
+        except DecodeError as exc:
+            raise DecodeError(
+                f"the result key of request {request_id} is malformed: {exc}"
+            ) from None
 
     async def cancel(self, handle: Handle | str) -> None:
         """Ask workers to skip this request if none has started it (the caller went away)."""
@@ -413,33 +421,60 @@ class AsyncProducer:
             with contextlib.suppress(RedisError, OSError):
                 await client.xdel(self._reply_key, *seen)
 
-    def _deliver_all(self, raw: dict[bytes, bytes]) -> None:
-        """Resolve the waiters of one reply entry (the results of one worker batch)."""
+    def _deliver_all(self, raw: Any) -> None:
+        """Resolve the waiters of one reply entry (the results of one worker batch).
+
+        Whatever the entry holds, this never raises: a malformed entry, or a malformed result
+        in it, is dropped with one warning for the entry (not one per result), and every
+        valid result in it still reaches its waiter. The reader must outlive any write.
+        """
         try:
+            problems = self._deliver_checked(raw)
+        except Exception as exc:  # a bug, not bad input: the reader must still live on
+            logger.warning(
+                "reply stream %s: dropped a reply entry: %s", self._reply_key, exc, exc_info=True
+            )
+            return
+        if problems:
+            dropped, first = problems
+            logger.warning(
+                "reply stream %s: dropped a malformed reply (%d malformed result%s): %s",
+                self._reply_key,
+                dropped,
+                "" if dropped == 1 else "s",
+                first,
+            )
+
+    def _deliver_checked(self, raw: Any) -> tuple[int, str] | None:
+        """Deliver an entry's valid results; returns (how many were dropped, the first reason)
+        when any part of it was malformed, else None."""
+        try:
+            packed = raw[b"r"]
+            if not isinstance(packed, bytes):
+                raise DecodeError(f"its r is a {type(packed).__name__}, not msgpack bytes")
             # Plain msgpack: strings and arrays, nothing executable; no length in it can
             # exceed the bytes received.
-            results = msgpack.unpackb(raw[b"r"], raw=True, use_list=True)
+            results = msgpack.unpackb(packed, raw=True, use_list=True)
             if not isinstance(results, list):
-                raise DecodeError("a reply entry's r is not an array")
-        except (KeyError, ValueError, TypeError) as exc:
-            logger.error("reply stream %s: dropped a malformed reply: %s", self._reply_key, exc)
-            return
+                raise DecodeError("its r is not an array")
+        except (KeyError, ValueError, TypeError, OverflowError) as exc:
+            return 1, f"{type(exc).__name__}: {exc}"
+        dropped, first = 0, ""
         for flat in results:
             try:
                 # Each result in a reply is an unpacked array (bytes would be another shape).
-                fields = result_map(flat if isinstance(flat, list) else None)
+                result = decode_result(
+                    result_map(flat if isinstance(flat, list) else None), self._limits
+                )
             except DecodeError as exc:
-                logger.error("reply stream %s: dropped a malformed reply: %s", self._reply_key, exc)
+                dropped += 1
+                first = first or str(exc)
                 continue
-            self._deliver(fields)
-
-    def _deliver(self, raw: dict[bytes, bytes]) -> None:
-        """Resolve the waiter of one result."""
-        try:
-            result = decode_result(raw, self._limits)
-        except DecodeError as exc:
-            logger.error("reply stream %s: dropped a malformed reply: %s", self._reply_key, exc)
-            return
-        fut = self._waiting.pop(result.id, None)
-        if fut is not None and not fut.done():
-            fut.set_result(result)
+            fut = self._waiting.pop(result.id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(result)
+        count = raw.get(b"n") if isinstance(raw, dict) else None
+        if count != str(len(results)).encode() and not dropped:
+            # n is informational (r is what counts): a mismatch is noted, nothing dropped.
+            return 0, f"its n ({count!r}) does not match its {len(results)} results"
+        return (dropped, first) if dropped else None

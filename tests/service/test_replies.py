@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
 import pickle
 import socket
 import time
@@ -29,6 +30,7 @@ from batchline._redis import Script
 from batchline._scripts import COMPLETE
 from batchline.codec import (
     SCHEMA_VERSION,
+    DecodeError,
     Limits,
     Result,
     decode_request,
@@ -83,6 +85,11 @@ def flat(result: Result, **changed: Any) -> list[Any]:
 def packed(result: Result) -> bytes:
     """One result as the completion script takes it and as its result key holds it."""
     return msgpack.packb(flat(result), use_bin_type=False)
+
+
+def packed_with(result: Result, **changed: Any) -> bytes:
+    """:func:`packed` with field values replaced (to make it malformed)."""
+    return msgpack.packb(flat(result, **changed), use_bin_type=False)
 
 
 def complete_args(keys: QueueKeys, records: list[Any]) -> list[Any]:
@@ -308,7 +315,7 @@ async def test_malformed_replies_are_dropped_and_the_reader_carries_on(
     keys: QueueKeys,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.ERROR, logger=PRODUCER_LOGGER)
+    caplog.set_level(logging.WARNING, logger=PRODUCER_LOGGER)
     names = ["good1", "good2", "odd", "unhashable", "version", "status", "last"]
     handles = {name: await producer.submit(name, request_id=name) for name in names}
     pid = producer.producer_id
@@ -339,9 +346,11 @@ async def test_malformed_replies_are_dropped_and_the_reader_carries_on(
     assert await producer.result(handles["last"], timeout_s=T) == "L"
     assert await producer.result(handles["good1"], timeout_s=0) == "G1"
     assert await producer.result(handles["good2"], timeout_s=0) == "G2"
+    # One warning per malformed entry, however many malformed results it holds.
     dropped = [r for r in caplog.records if DROPPED in r.getMessage()]
-    assert len(dropped) == len(bad_entries) + 5, [r.getMessage() for r in dropped]
-    assert all(r.levelno == logging.ERROR for r in dropped)
+    assert len(dropped) == len(bad_entries) + 1, [r.getMessage() for r in dropped]
+    assert all(r.levelno == logging.WARNING for r in dropped)
+    assert "(5 malformed results)" in dropped[-1].getMessage()
     assert not TRIPPED
     for name in ("odd", "unhashable", "version", "status"):  # still waiting for a real answer
         assert name in producer._waiting, name
@@ -356,6 +365,61 @@ async def test_malformed_replies_are_dropped_and_the_reader_carries_on(
     assert await producer.infer("later", timeout_s=T) == "later"
     assert producer._waiting == {}
     await eventually(lambda: rclient.xlen(reply_key) == 0, "the reader to delete what it read")
+
+
+async def test_a_poisoned_reply_between_two_batches_leaves_the_producer_answering(
+    producer: AsyncProducer,
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger=PRODUCER_LOGGER)
+    start_worker()
+    assert await producer.map(["a", "b"], timeout_s=T) == ["a", "b"]
+    # A reply whose numbers overflow every int: msgpack floats inf and nan, ints past uint64
+    # (as text), a negative batch; plus one entry that is no msgpack at all.
+    waiting = await producer.submit("x", request_id="poisoned")  # nobody answers it but this
+    poison = [
+        flat(Result("poisoned", "ok", "P"), batch=math.inf),
+        flat(Result("poisoned", "ok", "P"), v=math.inf),
+        flat(Result("poisoned", "ok", "P"), queue_ms=math.nan),
+        flat(Result("poisoned", "ok", "P"), batch=str(2**70)),
+        flat(Result("poisoned", "ok", "P"), batch="-3"),
+    ]
+    for result in poison:
+        push_reply(rclient, keys, producer.producer_id, [result])
+    rclient.xadd(keys.reply(producer.producer_id), {"n": 1, "r": b"\xc1\xff"})
+    assert await producer.map(["c", "d", "e"], timeout_s=T) == ["c", "d", "e"]
+    assert await producer.infer("f", timeout_s=T) == "f"
+    assert producer._reader is not None
+    assert not producer._reader.done()
+    assert await producer.result(waiting, timeout_s=T) == "x"  # the worker's real answer
+    dropped = [r for r in caplog.records if DROPPED in r.getMessage()]
+    assert len(dropped) == len(poison) + 1, [r.getMessage() for r in dropped]
+    await producer.aclose()  # clean: nothing re-raised
+    assert producer._reader.done()
+    assert producer._reader.exception() is None
+
+
+async def test_get_result_on_a_malformed_key_raises_decode_error(
+    producer: AsyncProducer, rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    bad = {
+        "inf-batch": packed_with(Result("inf-batch", "ok", 1), batch=math.inf),
+        "huge-v": packed_with(Result("huge-v", "ok", 1), v=2**64 - 1),
+        "nested-id": packed_with(Result("nested-id", "ok", 1), id=[["x"]]),
+        "not-msgpack": b"\xc1",
+        "a-map": msgpack.packb({"v": 2}),
+    }
+    for rid, data in bad.items():
+        rclient.set(keys.result(rid), data)
+        with pytest.raises(DecodeError, match=f"result key of request {rid} is malformed"):
+            await producer.get_result(rid)
+    rclient.set(keys.result("fine"), packed(Result("fine", "ok", "F")))
+    found = await producer.get_result("fine")
+    assert found is not None
+    assert found.output == "F"
 
 
 # -- infer waits once, on its result -----------------------------------------------------------
