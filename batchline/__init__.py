@@ -15,12 +15,15 @@ from batchline.errors import (
     BatcherClosed,
     BatchFunctionError,
     BatchlineError,
+    EnqueueTimeout,
+    EnqueueUncertain,
     InferenceError,
     ItemTooLarge,
     QueueFull,
     RequestCancelled,
     RequestExpired,
     RequestTimeout,
+    ServiceUnavailable,
 )
 
 __version__ = "0.1.0"
@@ -32,6 +35,8 @@ __all__ = [
     "BatchStats",
     "BatcherClosed",
     "BatchlineError",
+    "EnqueueTimeout",
+    "EnqueueUncertain",
     "InferenceBatcher",
     "InferenceError",
     "ItemTooLarge",
@@ -40,6 +45,7 @@ __all__ = [
     "RequestCancelled",
     "RequestExpired",
     "RequestTimeout",
+    "ServiceUnavailable",
     "ThreadBatcher",
     "__version__",
     "aio",

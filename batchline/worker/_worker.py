@@ -497,10 +497,14 @@ class Worker(Upkeep):
                 waited += delay
                 delay = min(delay * 2, 1.0)
             except ResponseError as exc:
-                if "LOADING" not in str(exc) or waited >= budget_s:
+                # Loading its data after a restart, or out of memory (maxmemory, noeviction):
+                # states Redis leaves, so wait them out; the entries stay pending meanwhile.
+                if not ("LOADING" in str(exc) or "OOM" in str(exc)) or waited >= budget_s:
                     raise
-                await asyncio.sleep(delay)  # Redis is loading its data after a restart
+                logger.warning("writer: %s; retrying in %.2f s", exc, delay)
+                await asyncio.sleep(delay)
                 waited += delay
+                delay = min(delay * 2, 1.0)
 
 
 def _length(prepared: Prepared) -> int:

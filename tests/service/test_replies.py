@@ -10,6 +10,7 @@ protocol in docs/protocol.md), instead of racing a worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import math
@@ -17,7 +18,7 @@ import pickle
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import msgpack
@@ -40,11 +41,18 @@ from batchline.codec import (
     request_value,
     unpack_result,
 )
-from batchline.errors import QueueFull, RequestTimeout
+from batchline.errors import (
+    EnqueueTimeout,
+    EnqueueUncertain,
+    QueueFull,
+    RequestTimeout,
+    ServiceUnavailable,
+)
 from batchline.keys import GROUP, QueueKeys
 from batchline.producer import AsyncProducer
 
 from .conftest import RESULT_TIMEOUT_S, WorkerThread, pending_count, stream_lengths, wait_until
+from .models_for_tests import GatedModel
 
 T = RESULT_TIMEOUT_S
 HUGE_MS = 600_000.0  # a batch timeout that never fires: batches flush by size
@@ -422,6 +430,73 @@ async def test_get_result_on_a_malformed_key_raises_decode_error(
     assert found.output == "F"
 
 
+def held_writes(client: redis.Redis) -> list[int]:
+    """Ids of the clients whose write Redis holds (paused), the reply readers' XREAD aside."""
+    return [int(c["id"]) for c in client.client_list() if "b" in c["flags"] and c["cmd"] != "xread"]
+
+
+@contextlib.contextmanager
+def paused_writes(client: redis.Redis, *, limit_ms: int = 30_000) -> Iterator[None]:
+    """CLIENT PAUSE WRITE for the block (at most ``limit_ms``, whatever happens)."""
+    client.execute_command("CLIENT", "PAUSE", limit_ms, "WRITE")
+    try:
+        yield
+    finally:
+        client.execute_command("CLIENT", "UNPAUSE")
+
+
+async def test_a_write_cut_by_a_lost_connection_is_enqueue_uncertain(
+    producer: AsyncProducer,
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+) -> None:
+    assert await producer.queue_depth() == 0  # connected
+    with paused_writes(rclient):
+        task = asyncio.create_task(producer.infer("x", request_id="cut", timeout_s=T))
+        # Deterministic: the write is held by Redis, then its connection is killed.
+        held = await eventually(lambda: held_writes(rclient), "the write to be held")
+        for client_id in held:
+            rclient.client_kill_filter(_id=client_id)
+        with pytest.raises(EnqueueUncertain, match="may or may not be queued") as caught:
+            await task
+    error = caught.value
+    assert error.request_id == "cut"
+    assert "get_result('cut')" in str(error)
+    assert "request_id='cut'" in str(error)
+    assert not isinstance(error, RequestTimeout)
+    assert producer._waiting == {}
+    # What the message says to do works: resubmit with the same id (it was not queued here).
+    start_worker()
+    if await producer.get_result("cut") is None:
+        assert await producer.infer("x", request_id="cut", timeout_s=T) == "x"
+    assert await producer.infer("later", timeout_s=T) == "later"
+
+
+async def test_a_write_paused_past_the_socket_timeout_is_enqueue_timeout(
+    redis_url: str, queue: str, start_worker: Callable[..., WorkerThread], rclient: redis.Redis
+) -> None:
+    url = f"{redis_url}?socket_timeout=1.5"  # longer than the reply reader's 1 s block
+    async with AsyncProducer(redis_url=url, queue=queue) as producer:
+        assert await producer.queue_depth() == 0
+        with paused_writes(rclient):
+            with pytest.raises(EnqueueTimeout) as caught:
+                await producer.infer("x", request_id="paused", timeout_s=T)
+            # A RequestTimeout (and a TimeoutError) that says the request may be queued.
+            assert isinstance(caught.value, RequestTimeout)
+            assert isinstance(caught.value, EnqueueUncertain)
+            assert caught.value.request_id == "paused"
+            with pytest.raises(EnqueueTimeout):
+                await producer.submit("y")
+            assert await producer.get_result("paused") is None  # reads are not paused
+        start_worker()
+        assert await producer.infer("after", timeout_s=T) == "after"
+        # Whether the paused write went through once the pause ended is not known to the
+        # producer; if it did, the request is answered (once), as the error said.
+        found = await producer.get_result("paused")
+        assert found is None or found.output == "x"
+
+
 # -- infer waits once, on its result -----------------------------------------------------------
 
 
@@ -447,17 +522,70 @@ async def test_a_failed_write_raises_to_the_infer_caller(queue: str) -> None:
     url = f"redis://127.0.0.1:{closed_port()}/0"
     async with AsyncProducer(redis_url=url, queue=queue) as producer:
         async with asyncio.timeout(T):
-            with pytest.raises(RedisConnectionError):
+            # Never connected, so nothing was sent: certainly not queued, retryable.
+            with pytest.raises(ServiceUnavailable, match="unreachable") as caught:
                 await producer.infer("x")
+            assert isinstance(caught.value.__cause__, RedisConnectionError)
             outcomes = await asyncio.gather(
                 *(producer.infer(i) for i in range(5)), return_exceptions=True
             )
-            with pytest.raises(RedisConnectionError):
+            with pytest.raises(ServiceUnavailable):
                 await producer.map(["a", "b"])
-            with pytest.raises(RedisConnectionError):
+            with pytest.raises(ServiceUnavailable):
                 await producer.submit("y")
-        assert all(isinstance(x, RedisConnectionError) for x in outcomes), outcomes
+            with pytest.raises(ServiceUnavailable):
+                await producer.get_result("y")
+            with pytest.raises(ServiceUnavailable):
+                await producer.queue_depth()
+        assert all(isinstance(x, ServiceUnavailable) for x in outcomes), outcomes
         assert producer._waiting == {}
+
+
+@contextlib.contextmanager
+def out_of_memory(client: redis.Redis) -> Iterator[None]:
+    """The session's Redis at maxmemory (noeviction) for the block; restored after."""
+    before = client.config_get("maxmemory")["maxmemory"]
+    policy = client.config_get("maxmemory-policy")["maxmemory-policy"]
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", 1)
+    try:
+        yield
+    finally:
+        client.config_set("maxmemory", before)
+        client.config_set("maxmemory-policy", policy)
+
+
+async def test_redis_out_of_memory_is_service_unavailable_and_nothing_is_lost(
+    producer: AsyncProducer,
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+) -> None:
+    gate = GatedModel()
+    thread = start_worker(model=gate, batch_size=4, timeout_ms=0)
+    held = [await producer.submit(f"held{i}") for i in range(4)]
+    assert await asyncio.to_thread(gate.entered.wait, T), "no batch reached the model"
+    with out_of_memory(rclient):
+        # The enqueue script is refused at its first write: nothing was queued.
+        with pytest.raises(ServiceUnavailable, match="out of memory") as caught:
+            await producer.infer("refused", request_id="refused", timeout_s=T)
+        assert caught.value.retryable
+        with pytest.raises(ServiceUnavailable, match="out of memory"):
+            await producer.submit("refused2")
+        with pytest.raises(ServiceUnavailable, match="out of memory"):
+            await producer.cancel("some-id")  # a plain command (OutOfMemoryError)
+        assert await producer.queue_depth() == 4  # reads still work
+        assert producer._waiting.keys() == {h.id for h in held}
+        # The worker's write goes on: the completion script acknowledges first, and a script
+        # that has written may finish (Redis does not stop one half way).
+        gate.release.set()
+        outputs = [await producer.result(h, timeout_s=T) for h in held]
+        assert outputs == [f"held{i}" for i in range(4)]
+    assert thread.alive
+    assert await producer.infer("after", timeout_s=T) == "after"
+    assert await producer.get_result("refused") is None
+    assert sum(stream_lengths(rclient, keys)) == 0
+    assert pending_count(rclient, keys) == 0
 
 
 async def test_infer_times_out_and_forgets_its_request(
