@@ -39,7 +39,7 @@ from typing import Any
 
 import msgpack
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from batchline._aio import AioBatcher
@@ -499,7 +499,8 @@ class Worker(Upkeep):
             except ResponseError as exc:
                 # Loading its data after a restart, or out of memory (maxmemory, noeviction):
                 # states Redis leaves, so wait them out; the entries stay pending meanwhile.
-                if not ("LOADING" in str(exc) or "OOM" in str(exc)) or waited >= budget_s:
+                passing = isinstance(exc, OutOfMemoryError) or "LOADING" in str(exc)
+                if not (passing or "OOM" in str(exc)) or waited >= budget_s:
                     raise
                 logger.warning("writer: %s; retrying in %.2f s", exc, delay)
                 await asyncio.sleep(delay)

@@ -50,6 +50,7 @@ from batchline.errors import (
 )
 from batchline.keys import GROUP, QueueKeys
 from batchline.producer import AsyncProducer
+from batchline.worker import Worker
 
 from .conftest import RESULT_TIMEOUT_S, WorkerThread, pending_count, stream_lengths, wait_until
 from .models_for_tests import GatedModel
@@ -428,6 +429,32 @@ async def test_get_result_on_a_malformed_key_raises_decode_error(
     found = await producer.get_result("fine")
     assert found is not None
     assert found.output == "F"
+
+
+async def test_a_worker_write_refused_for_memory_waits_until_memory_frees(
+    redis_url: str, queue: str, rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    # The completion script acknowledges first, after which Redis lets a script finish even
+    # out of memory; a write refused outright is waited out, not given up (entries pending).
+    worker = Worker(model="batchline.worker.models:echo", redis_url=redis_url, queue=queue)
+    client = AsyncRedis.from_url(redis_url)
+    calls = 0
+
+    async def attempt() -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # memory frees up
+            rclient.config_set("maxmemory", 0)
+        return await client.set(keys.result("oom"), "answered")
+
+    try:
+        with out_of_memory(rclient):
+            assert await worker._with_retry(attempt) is True
+    finally:
+        await client.aclose()
+        await worker._redis.aclose()
+    assert calls == 3
+    assert rclient.get(keys.result("oom")) == b"answered"
 
 
 def held_writes(client: redis.Redis) -> list[int]:
