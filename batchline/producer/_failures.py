@@ -114,10 +114,19 @@ def writer_for(client: Any) -> Any:
 
 
 async def connected(client: Any) -> None:
-    """Open the writer's connection if it is closed (redis-py closes it after an error)."""
+    """Make the writer's connection ready before a write is sent: open it if it is closed
+    (redis-py closes it after an error), and run redis-py's periodic PING here, where its
+    failure (a connection that died while idle) sends nothing: reconnect once instead."""
     if type(client) is not Redis:
         return
     await client.initialize()
     connection = client.connection
-    if connection is not None and not connection.is_connected:
-        await connection.connect()  # type: ignore[no-untyped-call]
+    if connection is None:
+        return
+    if connection.is_connected:
+        try:
+            await connection.check_health()  # type: ignore[no-untyped-call]
+            return
+        except (RedisConnectionError, RedisTimeoutError, OSError):
+            await connection.disconnect()
+    await connection.connect()  # type: ignore[no-untyped-call]

@@ -500,6 +500,23 @@ async def test_a_write_cut_by_a_lost_connection_is_enqueue_uncertain(
     assert await producer.infer("later", timeout_s=T) == "later"
 
 
+async def test_a_writer_connection_that_died_idle_is_replaced_before_the_write(
+    redis_url: str, queue: str, rclient: redis.Redis
+) -> None:
+    # redis-py PINGs a connection idle past health_check_interval before its next command;
+    # the producer runs that PING before sending, so a dead idle connection costs nothing
+    # (neither a refused nor an uncertain write).
+    url = f"{redis_url}?health_check_interval=1"
+    async with AsyncProducer(redis_url=url, queue=queue) as producer:
+        await producer.submit("a")
+        writers = [int(c["id"]) for c in rclient.client_list() if c["cmd"] == "evalsha"]
+        assert len(writers) == 1, writers
+        rclient.client_kill_filter(_id=writers[0])
+        await asyncio.sleep(1.2)  # past the interval: the next write is preceded by a PING
+        await producer.submit("b")
+        assert await producer.queue_depth() == 2
+
+
 async def test_a_write_paused_past_the_socket_timeout_is_enqueue_timeout(
     redis_url: str, queue: str, start_worker: Callable[..., WorkerThread], rclient: redis.Redis
 ) -> None:
