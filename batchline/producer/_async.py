@@ -499,18 +499,20 @@ class AsyncProducer:
         for flat in results:
             try:
                 # Each result in a reply is an unpacked array (bytes would be another shape).
-                result = decode_result(
-                    result_map(flat if isinstance(flat, list) else None), self._limits
-                )
-            except DecodeError as exc:
+                self._deliver(result_map(flat if isinstance(flat, list) else None))
+            except Exception as exc:  # DecodeError (or a bug): this result alone is lost
                 dropped += 1
                 first = first or str(exc)
-                continue
-            fut = self._waiting.pop(result.id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(result)
         count = raw.get(b"n") if isinstance(raw, dict) else None
         if count != str(len(results)).encode() and not dropped:
             # n is informational (r is what counts): a mismatch is noted, nothing dropped.
             return 0, f"its n ({count!r}) does not match its {len(results)} results"
         return (dropped, first) if dropped else None
+
+    def _deliver(self, fields: dict[Any, Any]) -> None:
+        """Resolve the waiter of one result (its fields by name); raises DecodeError for a
+        malformed one."""
+        result = decode_result(fields, self._limits)
+        fut = self._waiting.pop(result.id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(result)
