@@ -23,12 +23,15 @@ from batchline.errors import (
     BatcherClosed,
     BatchFunctionError,
     BatchlineError,
+    EnqueueTimeout,
+    EnqueueUncertain,
     InferenceError,
     ItemTooLarge,
     QueueFull,
     RequestCancelled,
     RequestExpired,
     RequestTimeout,
+    ServiceUnavailable,
 )
 
 __version__ = "0.1.0"
@@ -43,6 +46,8 @@ __all__ = [
     "BatchStats",
     "BatcherClosed",
     "BatchlineError",
+    "EnqueueTimeout",
+    "EnqueueUncertain",
     "InferenceBatcher",
     "InferenceError",
     "InferenceOptions",
@@ -53,6 +58,7 @@ __all__ = [
     "RequestCancelled",
     "RequestExpired",
     "RequestTimeout",
+    "ServiceUnavailable",
     "ThreadBatcher",
     "ThreadOptions",
     "__version__",

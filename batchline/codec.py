@@ -528,7 +528,7 @@ def result_map(data: Any) -> dict[Any, Any]:
         try:
             # Plain msgpack: strings, numbers, arrays; no length in it can exceed the bytes.
             data = msgpack.unpackb(data, raw=True, use_list=True)
-        except (ValueError, TypeError) as exc:  # msgpack's errors are ValueErrors
+        except (ValueError, TypeError, OverflowError) as exc:  # msgpack's are ValueErrors
             raise DecodeError(f"a result is not msgpack: {exc}") from None
     if not isinstance(data, list) or len(data) % 2:
         raise DecodeError("a result is not a flat array of fields and values")
@@ -539,41 +539,73 @@ def result_map(data: Any) -> dict[Any, Any]:
         raise DecodeError("a result's field names must be strings") from None
 
 
+def _text(raw: Mapping[Any, Any], name: bytes, default: bytes = b"") -> str:
+    value = raw.get(name, default)
+    if not isinstance(value, bytes):
+        raise DecodeError(f"malformed result: {name.decode()} is a {type(value).__name__}")
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        raise DecodeError(f"malformed result: {name.decode()} is not UTF-8") from None
+
+
+def _number(raw: Mapping[Any, Any], name: bytes, kind: type[int] | type[float]) -> Any:
+    """An int or float field, as msgpack text (what workers write) or a msgpack number."""
+    value = raw.get(name, b"0")
+    if isinstance(value, bool) or not isinstance(value, bytes | int | float):
+        raise DecodeError(f"malformed result: {name.decode()} is a {type(value).__name__}")
+    if isinstance(value, bytes) and len(value) > 64:
+        raise DecodeError(f"malformed result: {name.decode()} is {len(value)} bytes long")
+    try:
+        number = kind(value)
+    except (ValueError, TypeError, OverflowError):
+        raise DecodeError(f"malformed result: {name.decode()} is not a number: {value!r}") from None
+    if kind is float and not math.isfinite(number):
+        raise DecodeError(f"malformed result: {name.decode()} must be finite")
+    if not 0 <= number < _MAX_NUMBER:
+        raise DecodeError(f"malformed result: {name.decode()} {number!r} is out of range")
+    return number
+
+
+_MAX_NUMBER = 1 << 63  # timings in ms and batch sizes: anything larger is not one
+
+
 def decode_result(raw: Mapping[Any, Any], limits: Limits) -> Result:
-    """Validate and decode a result's fields (see :func:`unpack_result`); raises DecodeError.
+    """Validate and decode a result's fields (see :func:`unpack_result`); raises DecodeError,
+    and only DecodeError, for anything that is not a valid result.
 
     Checked by hand rather than by a pydantic model: a producer decodes one per request,
     and this is several times faster for the same checks.
     """
-    if raw and not isinstance(next(iter(raw)), bytes):
+    if not isinstance(raw, Mapping):
+        raise DecodeError(f"a result is a map of fields, not a {type(raw).__name__}")
+    if raw and not all(isinstance(k, bytes) for k in raw):
         raw = {
             (k.encode() if isinstance(k, str) else k): (v.encode() if isinstance(v, str) else v)
             for k, v in raw.items()
         }
-    get = raw.get
-    try:
-        version = int(get(b"v", b""))
-        rid = get(b"id", b"").decode()
-        status = get(b"status", b"").decode()
-        etype = get(b"etype", b"").decode()
-        emsg = get(b"emsg", b"").decode()
-        worker = get(b"worker", b"").decode()
-        queue_ms = float(get(b"queue_ms", b"0"))
-        batch = int(get(b"batch", b"0"))
-        model_ms = float(get(b"model_ms", b"0"))
-        meta = get(b"meta", b"null")
-        blob = get(b"blob", b"")
-        if not (isinstance(meta, bytes) and isinstance(blob, bytes)):
-            raise TypeError("meta and blob must be bytes")
-    except (ValueError, TypeError, AttributeError) as exc:  # UnicodeDecodeError included
-        raise DecodeError(f"malformed result: {exc}") from None
+    version = _number(raw, b"v", int) if b"v" in raw else -1
     if version != SCHEMA_VERSION:
         raise DecodeError(f"result schema version {version} is not {SCHEMA_VERSION}")
-    if status not in _STATUSES:
-        raise DecodeError(f"malformed result: unknown status {status!r}")
+    rid = _text(raw, b"id")
     if not _ID.match(rid):
-        raise DecodeError(f"malformed result: invalid request id {rid!r}")
-    if not (math.isfinite(queue_ms) and math.isfinite(model_ms)):
-        raise DecodeError("malformed result: timings must be finite")
-    output = unpack_value(meta, blob, limits) if status == "ok" else None
-    return Result(rid, status, output, etype, emsg, queue_ms, batch, model_ms, worker)
+        raise DecodeError(f"malformed result: invalid request id {rid[:200]!r}")
+    status = _text(raw, b"status")
+    if status not in _STATUSES:
+        raise DecodeError(f"malformed result: unknown status {status[:200]!r}")
+    etype, emsg, worker = (_text(raw, name) for name in (b"etype", b"emsg", b"worker"))
+    queue_ms = _number(raw, b"queue_ms", float)
+    batch = _number(raw, b"batch", int)
+    model_ms = _number(raw, b"model_ms", float)
+    meta, blob = raw.get(b"meta", b"null"), raw.get(b"blob", b"")
+    if not (isinstance(meta, bytes) and isinstance(blob, bytes)):
+        raise DecodeError("malformed result: meta and blob must be bytes")
+    output = None
+    if status == "ok":
+        try:
+            output = unpack_value(meta, blob, limits)
+        except DecodeError:
+            raise
+        except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # belt and braces
+            raise DecodeError(f"malformed result: its output: {exc}") from None
+    return Result(rid, status, output, etype, emsg, queue_ms, batch, model_ms, worker)  # type: ignore[arg-type]

@@ -8,16 +8,29 @@ error subclasses that builtin too::
     ├── QueueFull                    the queue is at max_queue_size; raised at once
     ├── BatcherClosed                a call after close(), or one rejected by close()
     ├── RequestTimeout (TimeoutError) the call's timeout or deadline passed
-    │   └── RequestExpired           the deadline passed before a worker started it
+    │   ├── RequestExpired           the deadline passed before a worker started it
+    │   └── EnqueueTimeout           (also EnqueueUncertain) Redis did not answer the write
+    │                                in time, e.g. while it paused its clients
     ├── RequestCancelled             the request was cancelled before a worker started it
     ├── ItemTooLarge (ValueError)    one item alone exceeds max_tokens
     ├── BatchFunctionError           the batch function broke its contract
     │   (wrong number of results, or raised a BaseException such as SystemExit)
-    └── InferenceError               a worker's model failed on this request
-                                     (carries the remote error type and message)
+    ├── InferenceError               a worker's model failed on this request
+    │                                (carries the remote error type and message)
+    ├── ServiceUnavailable           Redis refused or could not be reached (out of memory,
+    │                                loading, read-only, down): NOT queued; retryable
+    ├── EnqueueUncertain             the connection was lost with the write in flight: the
+    │                                request MAY be queued (carries request_id)
+    └── DecodeError (ValueError)     bytes read from Redis are not a valid batchline message
+                                     (batchline.codec; a malformed result key, say)
 
 An exception raised by the batch function itself (a ``ValueError`` from the model, say)
 reaches the caller unchanged: batchline only isolates it to the items that cause it.
+
+Retrying: after ``ServiceUnavailable`` and ``QueueFull`` nothing was queued, so submitting
+again (after a back-off) is safe. After ``EnqueueUncertain`` the request may be queued:
+look for its result by its id (``get_result(id)`` until ``result_ttl_s`` has passed), or
+resubmit with the same ``request_id`` (safe only where answering a request twice is).
 """
 
 from __future__ import annotations
@@ -26,12 +39,15 @@ __all__ = [
     "BatchFunctionError",
     "BatcherClosed",
     "BatchlineError",
+    "EnqueueTimeout",
+    "EnqueueUncertain",
     "InferenceError",
     "ItemTooLarge",
     "QueueFull",
     "RequestCancelled",
     "RequestExpired",
     "RequestTimeout",
+    "ServiceUnavailable",
 ]
 
 
@@ -79,3 +95,42 @@ class InferenceError(BatchlineError):
         super().__init__(f"{error_type}: {error_message}")
         self.error_type = error_type
         self.error_message = error_message
+
+
+class ServiceUnavailable(BatchlineError):
+    """Redis could not take the request now: out of memory (``maxmemory`` with
+    ``noeviction``), loading its data, a read-only replica, busy, or unreachable.
+
+    Nothing was queued: submitting again after a back-off is safe (the web backend answers
+    503 with ``Retry-After``).
+    """
+
+    retryable = True
+
+
+class EnqueueUncertain(BatchlineError):
+    """The connection to Redis was lost (or timed out) while the write of this request was in
+    flight: it may or may not have been queued.
+
+    What to do: look for its result by id (``get_result(request_id)``, for ``result_ttl_s``;
+    a request that was queued is answered there whether or not anyone waits on it), or
+    resubmit with the same ``request_id``, which is safe where answering a request twice is.
+
+    Attributes:
+        request_id: the request's id.
+    """
+
+    retryable = True
+
+    def __init__(self, request_id: str, cause: str) -> None:
+        super().__init__(
+            f"request {request_id} may or may not be queued: {cause} while its write was in "
+            f"flight; poll get_result({request_id!r}) for its result, or resubmit it with "
+            f"request_id={request_id!r}"
+        )
+        self.request_id = request_id
+
+
+class EnqueueTimeout(EnqueueUncertain, RequestTimeout):
+    """Redis did not answer the write of this request in time (the socket timeout; Redis
+    may be paused, ``CLIENT PAUSE``): as :class:`EnqueueUncertain`, and a RequestTimeout."""

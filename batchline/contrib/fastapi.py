@@ -13,11 +13,13 @@ shutdown; workers (``batchline worker``) do the inference. Routes:
   404 unknown (or its result has expired), 422 or 500 for a failed request;
 - ``GET /healthz``: 200 while Redis answers PING, else 503.
 
-Errors: a full queue is 503 with ``Retry-After``; no result within ``timeout_s`` is 504 (and
-the request is cancelled); a request whose deadline passed before a worker started it is 504
-on ``/embed`` and 410 on ``/jobs``; a worker's error is 422 where the input caused it
-(TypeError, ValueError, a malformed or oversized request), else 500, with ``error_type`` and
-``error_message`` in the body; Redis unreachable is 503.
+Errors: a full queue, Redis out of memory (``maxmemory``) or unreachable is 503 with
+``Retry-After`` (nothing was queued); a connection lost while the request was written is
+503 with ``Retry-After`` and the request's ``id`` (it may be queued); no result within
+``timeout_s`` is 504 (and the request is cancelled); a request whose deadline passed before
+a worker started it is 504 on ``/embed`` and 410 on ``/jobs``; a worker's error is 422 where
+the input caused it (TypeError, ValueError, a malformed or oversized request), else 500,
+with ``error_type`` and ``error_message`` in the body; a malformed stored result is 500.
 """
 
 from __future__ import annotations
@@ -42,10 +44,18 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 from redis.exceptions import RedisError
 
 from batchline._redis import connect
-from batchline.codec import Result, unpack_result
+from batchline.codec import DecodeError, Result, unpack_result
 from batchline.config import ProducerSettings, check_environment
-from batchline.errors import BatcherClosed, QueueFull, RequestTimeout
+from batchline.errors import (
+    BatcherClosed,
+    BatchlineError,
+    EnqueueUncertain,
+    QueueFull,
+    RequestTimeout,
+    ServiceUnavailable,
+)
 from batchline.producer import AsyncProducer, Handle
+from batchline.producer._failures import translate
 
 __all__ = [
     "INPUT_ERRORS",
@@ -182,13 +192,39 @@ def _answer(result: Result, kind: str, *, expired_status: int) -> JSONResponse:
     return JSONResponse(body, status_code=422 if error_type in INPUT_ERRORS else 500)
 
 
-async def _redis_unavailable(request: Request, exc: Exception) -> JSONResponse:
-    logger.warning("%s %s: Redis unavailable: %s", request.method, request.url.path, exc)
+async def _service_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    """Redis refused the request for now (out of memory, loading, read-only, unreachable):
+    nothing was queued, the client may retry after ``Retry-After``."""
+    logger.warning("%s %s: %s", request.method, request.url.path, exc)
     return JSONResponse(
-        {"detail": f"Redis unavailable ({type(exc).__name__})"},
+        {"detail": str(exc), "error_type": type(exc).__name__},
         status_code=503,
         headers={"Retry-After": str(RETRY_AFTER_S)},
     )
+
+
+async def _enqueue_uncertain(request: Request, exc: Exception) -> JSONResponse:
+    """The connection was lost with the write in flight: the request may be queued."""
+    logger.warning("%s %s: %s", request.method, request.url.path, exc)
+    rid = exc.request_id if isinstance(exc, EnqueueUncertain) else None
+    return JSONResponse(
+        {"detail": str(exc), "id": rid, "error_type": type(exc).__name__},
+        status_code=503,
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+async def _malformed_result(request: Request, exc: Exception) -> JSONResponse:
+    logger.error("%s %s: %s", request.method, request.url.path, exc)
+    return JSONResponse({"detail": str(exc), "error_type": "MalformedResult"}, status_code=500)
+
+
+async def _redis_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    """A Redis error the app met itself (the job marker, PING): typed as the producer does."""
+    typed = translate(exc) if isinstance(exc, RedisError) else exc
+    if not isinstance(typed, BatchlineError):
+        typed = ServiceUnavailable(f"Redis unavailable ({type(exc).__name__}: {exc})")
+    return await _service_unavailable(request, typed)
 
 
 class _Backend:
@@ -256,7 +292,7 @@ class _Backend:
             detail = f"shutting down before request {handle.id} was answered"
             return JSONResponse({"detail": detail, "id": handle.id}, status_code=503)
         except RequestTimeout:
-            with contextlib.suppress(RedisError, OSError):
+            with contextlib.suppress(RedisError, OSError, BatchlineError):
                 await self.producer.cancel(handle)  # nobody waits for it any more
             detail = f"no result for request {handle.id} within {self.timeout_s} s"
             return JSONResponse({"detail": detail, "id": handle.id}, status_code=504)
@@ -272,7 +308,7 @@ class _Backend:
         try:
             await self._submit(body, reply=False, request_id=request_id)
         except BaseException:
-            with contextlib.suppress(RedisError, OSError):
+            with contextlib.suppress(RedisError, OSError, BatchlineError):
                 await self.redis.delete(marker)
             raise
         url = request.url_for("job", request_id=request_id).path
@@ -289,7 +325,10 @@ class _Backend:
             pipe.get(self.keys.job(request_id))
             raw, marker = await pipe.execute()
         if raw is not None:
-            result = unpack_result(raw, self._limits)
+            try:
+                result = unpack_result(raw, self._limits)
+            except DecodeError as exc:
+                raise DecodeError(f"the result of job {request_id} is malformed: {exc}") from None
             kind = marker.decode() if marker in (b"embedding", b"embeddings") else None
             return _answer(result, kind or _kind_of(result.output), expired_status=410)
         if marker is not None:
@@ -313,7 +352,12 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     for code, what in [
         (422, "invalid body, or the worker rejected the input"),
         (500, "the model failed"),
-        (503, "the queue is full, or Redis is unavailable (see Retry-After)"),
+        (
+            503,
+            "the queue is full, Redis is unavailable (out of memory, down), or the connection"
+            " was lost while the request was written (it may be queued: see its id); retry"
+            " after Retry-After",
+        ),
     ]
 }
 
@@ -378,4 +422,7 @@ def create_app(
     )
     app.add_api_route("/healthz", backend.healthz, methods=["GET"], response_model=None)
     app.add_exception_handler(RedisError, _redis_unavailable)
+    app.add_exception_handler(ServiceUnavailable, _service_unavailable)
+    app.add_exception_handler(EnqueueUncertain, _enqueue_uncertain)  # EnqueueTimeout too
+    app.add_exception_handler(DecodeError, _malformed_result)
     return app

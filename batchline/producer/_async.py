@@ -26,7 +26,7 @@ import msgpack
 from redis.exceptions import RedisError
 
 from batchline._cancels import cancel_request
-from batchline._redis import Backoff, Script, connect, dedicated, own_connection
+from batchline._redis import Backoff, Script, connect, own_connection
 from batchline._scripts import ENQUEUE
 from batchline.codec import (
     DecodeError,
@@ -37,8 +37,15 @@ from batchline.codec import (
     unpack_result,
 )
 from batchline.config import ProducerSettings
-from batchline.errors import BatcherClosed, QueueFull, RequestCancelled, RequestTimeout
+from batchline.errors import (
+    BatcherClosed,
+    BatchlineError,
+    QueueFull,
+    RequestCancelled,
+    RequestTimeout,
+)
 from batchline.keys import check_name
+from batchline.producer._failures import Failed, connected, translate, uncertain, writer_for
 
 __all__ = ["AsyncProducer", "Handle"]
 
@@ -85,7 +92,7 @@ class AsyncProducer:
         self.keys = self.settings.keys
         self._own_client = redis is None
         self._redis = redis if redis is not None else connect(self.settings)
-        self._writer = dedicated(self._redis)  # the flush task's own connection
+        self._writer = writer_for(self._redis)  # the flush task's own connection
         host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())
         self.producer_id = check_name(
             "producer id", f"{host[:40]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -103,6 +110,7 @@ class AsyncProducer:
         # 0 would, without its per-call overhead).
         self._outbox: list[list[Any]] = []
         self._outbox_targets: list[_Target] = []
+        self._outbox_ids: list[str] = []
         self._flusher: asyncio.Task[None] | None = None
 
     def __repr__(self) -> str:
@@ -147,6 +155,7 @@ class AsyncProducer:
             await self._redis.delete(self._reply_key)
         if self._writer is not self._redis:
             await self._writer.aclose()
+            await self._writer.connection_pool.disconnect()  # its own pool (writer_for)
         if self._own_client:
             await self._redis.aclose()
 
@@ -238,6 +247,7 @@ class AsyncProducer:
             self._waiting[rid] = fut
         self._outbox.append([prio, [x for kv in fields.items() for x in kv]])
         self._outbox_targets.append(ack if ack is not None else (rid, fut))
+        self._outbox_ids.append(rid)
         if self._flusher is None:
             self._flusher = loop.create_task(self._flush())
         return rid, fut
@@ -254,9 +264,13 @@ class AsyncProducer:
                 n = self.settings.submit_batch
                 batch, self._outbox = self._outbox[:n], self._outbox[n:]
                 targets, self._outbox_targets = self._outbox_targets[:n], self._outbox_targets[n:]
+                ids, self._outbox_ids = self._outbox_ids[:n], self._outbox_ids[n:]
                 try:
-                    entries = await self._write(batch)
-                except Exception as exc:  # each submit of this write gets the error
+                    entries = await self._write(batch, ids)
+                except Failed as failed:  # each submit of this write gets its error
+                    for target, error in zip(targets, failed.errors, strict=True):
+                        self._settle(target, error)
+                except Exception as exc:
                     for target in targets:
                         self._settle(target, exc)
                 else:
@@ -267,7 +281,7 @@ class AsyncProducer:
             if self._outbox:  # cancelled (the loop is closing): nothing more will be written
                 for target in self._outbox_targets:
                     self._settle(target, BatcherClosed("the producer stopped writing"))
-                self._outbox, self._outbox_targets = [], []
+                self._outbox, self._outbox_targets, self._outbox_ids = [], [], []
 
     def _settle(self, target: _Target, outcome: Any) -> None:
         """Tell a submit how its write went: ``submit`` awaits the entry id (an ack future);
@@ -286,10 +300,20 @@ class AsyncProducer:
                 fut.set_exception(outcome if outcome is not None else self._queue_full())
                 fut.exception()  # retrieved: its caller may have gone
 
-    async def _write(self, batch: list[list[Any]]) -> list[Any]:
+    async def _write(self, batch: list[list[Any]], ids: list[str]) -> list[Any]:
+        """One call of the enqueue script; raises Failed with a typed error per request."""
         payload = msgpack.packb(batch, use_bin_type=False)
         args = [self.settings.max_queue_depth, payload]
-        return list(await self._enqueue_script(self._writer, self._streams_low_first, args))
+        try:
+            # Connected first, so that a failure to connect (nothing sent) is told apart
+            # from one with the write in flight.
+            await connected(self._writer)
+        except (RedisError, OSError) as exc:
+            raise Failed([translate(exc) for _ in ids], exc) from exc
+        try:
+            return list(await self._enqueue_script(self._writer, self._streams_low_first, args))
+        except (RedisError, OSError) as exc:
+            raise Failed([uncertain(exc, rid) for rid in ids], exc) from exc
 
     # -- results -------------------------------------------------------------------------------
 
@@ -343,7 +367,9 @@ class AsyncProducer:
             else:
                 async with asyncio.timeout(timeout_s):
                     result = await fut
-        except TimeoutError:
+        except TimeoutError as exc:
+            if isinstance(exc, BatchlineError):  # the write's own error (EnqueueTimeout)
+                raise
             raise RequestTimeout(f"no result for request {rid} within {timeout_s} s") from None
         finally:
             if not fut.done() or fut.cancelled():
@@ -359,14 +385,29 @@ class AsyncProducer:
         )
 
     async def get_result(self, request_id: str) -> Result | None:
-        """Read a request's result key: its Result, or None while there is none."""
-        raw = await self._redis.get(self.keys.result(check_name("request_id", request_id)))
-        return unpack_result(raw, self._limits) if raw is not None else None
+        """Read a request's result key: its Result, or None while there is none; raises
+        DecodeError (a ValueError) if the key holds something that is not a valid result."""
+        key = self.keys.result(check_name("request_id", request_id))
+        try:
+            raw = await self._redis.get(key)
+        except (RedisError, OSError) as exc:
+            raise translate(exc) from exc
+        if raw is None:
+            return None
+        try:
+            return unpack_result(raw, self._limits)
+        except DecodeError as exc:
+            raise DecodeError(
+                f"the result key of request {request_id} is malformed: {exc}"
+            ) from None
 
     async def cancel(self, handle: Handle | str) -> None:
         """Ask workers to skip this request if none has started it (the caller went away)."""
         rid = handle if isinstance(handle, str) else handle.id
-        await cancel_request(self._redis, self.keys, rid, self.settings.result_ttl_s)
+        try:
+            await cancel_request(self._redis, self.keys, rid, self.settings.result_ttl_s)
+        except (RedisError, OSError) as exc:
+            raise translate(exc) from exc
         fut = self._waiting.pop(rid, None)
         if fut is not None and not fut.done():
             # Not fut.cancel(): a waiter would take that for its own task being cancelled.
@@ -375,10 +416,13 @@ class AsyncProducer:
 
     async def queue_depth(self) -> int:
         """Requests waiting or in progress in this queue, all priorities together."""
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for stream in self._streams_low_first:
-                pipe.xlen(stream)
-            return int(sum(await pipe.execute()))
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for stream in self._streams_low_first:
+                    pipe.xlen(stream)
+                return int(sum(await pipe.execute()))
+        except (RedisError, OSError) as exc:
+            raise translate(exc) from exc
 
     # -- the reply reader ----------------------------------------------------------------------
 
@@ -413,33 +457,62 @@ class AsyncProducer:
             with contextlib.suppress(RedisError, OSError):
                 await client.xdel(self._reply_key, *seen)
 
-    def _deliver_all(self, raw: dict[bytes, bytes]) -> None:
-        """Resolve the waiters of one reply entry (the results of one worker batch)."""
+    def _deliver_all(self, raw: Any) -> None:
+        """Resolve the waiters of one reply entry (the results of one worker batch).
+
+        Whatever the entry holds, this never raises: a malformed entry, or a malformed result
+        in it, is dropped with one warning for the entry (not one per result), and every
+        valid result in it still reaches its waiter. The reader must outlive any write.
+        """
         try:
+            problems = self._deliver_checked(raw)
+        except Exception as exc:  # a bug, not bad input: the reader must still live on
+            logger.warning(
+                "reply stream %s: dropped a reply entry: %s", self._reply_key, exc, exc_info=True
+            )
+            return
+        if problems:
+            dropped, first = problems
+            logger.warning(
+                "reply stream %s: dropped a malformed reply (%d malformed result%s): %s",
+                self._reply_key,
+                dropped,
+                "" if dropped == 1 else "s",
+                first,
+            )
+
+    def _deliver_checked(self, raw: Any) -> tuple[int, str] | None:
+        """Deliver an entry's valid results; returns (how many were dropped, the first reason)
+        when any part of it was malformed, else None."""
+        try:
+            packed = raw[b"r"]
+            if not isinstance(packed, bytes):
+                raise DecodeError(f"its r is a {type(packed).__name__}, not msgpack bytes")
             # Plain msgpack: strings and arrays, nothing executable; no length in it can
             # exceed the bytes received.
-            results = msgpack.unpackb(raw[b"r"], raw=True, use_list=True)
+            results = msgpack.unpackb(packed, raw=True, use_list=True)
             if not isinstance(results, list):
-                raise DecodeError("a reply entry's r is not an array")
-        except (KeyError, ValueError, TypeError) as exc:
-            logger.error("reply stream %s: dropped a malformed reply: %s", self._reply_key, exc)
-            return
+                raise DecodeError("its r is not an array")
+        except (KeyError, ValueError, TypeError, OverflowError) as exc:
+            return 1, f"{type(exc).__name__}: {exc}"
+        dropped, first = 0, ""
         for flat in results:
             try:
                 # Each result in a reply is an unpacked array (bytes would be another shape).
-                fields = result_map(flat if isinstance(flat, list) else None)
-            except DecodeError as exc:
-                logger.error("reply stream %s: dropped a malformed reply: %s", self._reply_key, exc)
-                continue
-            self._deliver(fields)
+                self._deliver(result_map(flat if isinstance(flat, list) else None))
+            except Exception as exc:  # DecodeError (or a bug): this result alone is lost
+                dropped += 1
+                first = first or str(exc)
+        count = raw.get(b"n") if isinstance(raw, dict) else None
+        if count != str(len(results)).encode() and not dropped:
+            # n is informational (r is what counts): a mismatch is noted, nothing dropped.
+            return 0, f"its n ({count!r}) does not match its {len(results)} results"
+        return (dropped, first) if dropped else None
 
-    def _deliver(self, raw: dict[bytes, bytes]) -> None:
-        """Resolve the waiter of one result."""
-        try:
-            result = decode_result(raw, self._limits)
-        except DecodeError as exc:
-            logger.error("reply stream %s: dropped a malformed reply: %s", self._reply_key, exc)
-            return
+    def _deliver(self, fields: dict[Any, Any]) -> None:
+        """Resolve the waiter of one result (its fields by name); raises DecodeError for a
+        malformed one."""
+        result = decode_result(fields, self._limits)
         fut = self._waiting.pop(result.id, None)
         if fut is not None and not fut.done():
             fut.set_result(result)

@@ -39,7 +39,7 @@ from typing import Any
 
 import msgpack
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from batchline._aio import AioBatcher
@@ -485,10 +485,15 @@ class Worker(Upkeep):
                 waited += delay
                 delay = min(delay * 2, 1.0)
             except ResponseError as exc:
-                if "LOADING" not in str(exc) or waited >= budget_s:
+                # Loading its data after a restart, or out of memory (maxmemory, noeviction):
+                # states Redis leaves, so wait them out; the entries stay pending meanwhile.
+                passing = isinstance(exc, OutOfMemoryError) or "LOADING" in str(exc)
+                if not (passing or "OOM" in str(exc)) or waited >= budget_s:
                     raise
-                await asyncio.sleep(delay)  # Redis is loading its data after a restart
+                logger.warning("writer: %s; retrying in %.2f s", exc, delay)
+                await asyncio.sleep(delay)
                 waited += delay
+                delay = min(delay * 2, 1.0)
 
 
 def _length(prepared: Prepared) -> int:

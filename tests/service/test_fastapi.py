@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import math
 import socket
 import sys
 import threading
@@ -23,6 +24,7 @@ from types import ModuleType
 from typing import Any
 
 import httpx
+import msgpack
 import pytest
 import redis
 import uvicorn
@@ -299,6 +301,43 @@ def test_full_queue_is_503_with_retry_after(
         assert int(response.headers["retry-after"]) >= 1
         assert "max_queue_depth" in response.json()["detail"]
     assert len(rclient.keys(keys.job("*"))) == 2  # the refused job left no marker
+
+
+def test_redis_out_of_memory_is_503_with_retry_after(
+    make_app: MakeApp,
+    serve: Serve,
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+) -> None:
+    client = serve(make_app())
+    start_worker(model=MODEL)
+    before = rclient.config_get("maxmemory")["maxmemory"]
+    rclient.config_set("maxmemory", 1)  # noeviction, the default policy
+    try:
+        for route in ("/embed", "/jobs"):
+            response = client.post(route, json={"text": "refused"})
+            assert response.status_code == 503, response.text
+            assert int(response.headers["retry-after"]) >= 1
+            assert "out of memory" in response.json()["detail"]
+    finally:
+        rclient.config_set("maxmemory", before)
+    assert sum(int(rclient.xlen(s)) for s in keys.streams if rclient.exists(s)) == 0
+    assert rclient.keys(keys.job("*")) == []
+    response = client.post("/embed", json={"text": "after"})  # and it serves again
+    assert response.status_code == 200, response.text
+    assert response.json()["embedding"] == vector("after")
+
+
+def test_a_malformed_stored_result_is_500(
+    make_app: MakeApp, serve: Serve, rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    client = serve(make_app())
+    rclient.set(keys.result("forged"), msgpack.packb(["v", 2, "id", "forged", "batch", math.inf]))
+    response = client.get("/jobs/forged")
+    assert response.status_code == 500, response.text
+    assert "malformed" in response.json()["detail"]
+    assert response.json()["error_type"] == "MalformedResult"
 
 
 def test_worker_errors_carry_their_type(

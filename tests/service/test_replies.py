@@ -10,13 +10,15 @@ protocol in docs/protocol.md), instead of racing a worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
+import math
 import pickle
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import msgpack
@@ -29,6 +31,7 @@ from batchline._redis import Script
 from batchline._scripts import COMPLETE
 from batchline.codec import (
     SCHEMA_VERSION,
+    DecodeError,
     Limits,
     Result,
     decode_request,
@@ -38,11 +41,19 @@ from batchline.codec import (
     request_value,
     unpack_result,
 )
-from batchline.errors import QueueFull, RequestTimeout
+from batchline.errors import (
+    EnqueueTimeout,
+    EnqueueUncertain,
+    QueueFull,
+    RequestTimeout,
+    ServiceUnavailable,
+)
 from batchline.keys import GROUP, QueueKeys
 from batchline.producer import AsyncProducer
+from batchline.worker import Worker
 
 from .conftest import RESULT_TIMEOUT_S, WorkerThread, pending_count, stream_lengths, wait_until
+from .models_for_tests import GatedModel
 
 T = RESULT_TIMEOUT_S
 HUGE_MS = 600_000.0  # a batch timeout that never fires: batches flush by size
@@ -83,6 +94,11 @@ def flat(result: Result, **changed: Any) -> list[Any]:
 def packed(result: Result) -> bytes:
     """One result as the completion script takes it and as its result key holds it."""
     return msgpack.packb(flat(result), use_bin_type=False)
+
+
+def packed_with(result: Result, **changed: Any) -> bytes:
+    """:func:`packed` with field values replaced (to make it malformed)."""
+    return msgpack.packb(flat(result, **changed), use_bin_type=False)
 
 
 def complete_args(keys: QueueKeys, records: list[Any]) -> list[Any]:
@@ -308,7 +324,7 @@ async def test_malformed_replies_are_dropped_and_the_reader_carries_on(
     keys: QueueKeys,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.ERROR, logger=PRODUCER_LOGGER)
+    caplog.set_level(logging.WARNING, logger=PRODUCER_LOGGER)
     names = ["good1", "good2", "odd", "unhashable", "version", "status", "last"]
     handles = {name: await producer.submit(name, request_id=name) for name in names}
     pid = producer.producer_id
@@ -339,9 +355,11 @@ async def test_malformed_replies_are_dropped_and_the_reader_carries_on(
     assert await producer.result(handles["last"], timeout_s=T) == "L"
     assert await producer.result(handles["good1"], timeout_s=0) == "G1"
     assert await producer.result(handles["good2"], timeout_s=0) == "G2"
+    # One warning per malformed entry, however many malformed results it holds.
     dropped = [r for r in caplog.records if DROPPED in r.getMessage()]
-    assert len(dropped) == len(bad_entries) + 5, [r.getMessage() for r in dropped]
-    assert all(r.levelno == logging.ERROR for r in dropped)
+    assert len(dropped) == len(bad_entries) + 1, [r.getMessage() for r in dropped]
+    assert all(r.levelno == logging.WARNING for r in dropped)
+    assert "(5 malformed results)" in dropped[-1].getMessage()
     assert not TRIPPED
     for name in ("odd", "unhashable", "version", "status"):  # still waiting for a real answer
         assert name in producer._waiting, name
@@ -356,6 +374,171 @@ async def test_malformed_replies_are_dropped_and_the_reader_carries_on(
     assert await producer.infer("later", timeout_s=T) == "later"
     assert producer._waiting == {}
     await eventually(lambda: rclient.xlen(reply_key) == 0, "the reader to delete what it read")
+
+
+async def test_a_poisoned_reply_between_two_batches_leaves_the_producer_answering(
+    producer: AsyncProducer,
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger=PRODUCER_LOGGER)
+    start_worker()
+    assert await producer.map(["a", "b"], timeout_s=T) == ["a", "b"]
+    # A reply whose numbers overflow every int: msgpack floats inf and nan, ints past uint64
+    # (as text), a negative batch; plus one entry that is no msgpack at all.
+    waiting = await producer.submit("x", request_id="poisoned")  # nobody answers it but this
+    poison = [
+        flat(Result("poisoned", "ok", "P"), batch=math.inf),
+        flat(Result("poisoned", "ok", "P"), v=math.inf),
+        flat(Result("poisoned", "ok", "P"), queue_ms=math.nan),
+        flat(Result("poisoned", "ok", "P"), batch=str(2**70)),
+        flat(Result("poisoned", "ok", "P"), batch="-3"),
+    ]
+    for result in poison:
+        push_reply(rclient, keys, producer.producer_id, [result])
+    rclient.xadd(keys.reply(producer.producer_id), {"n": 1, "r": b"\xc1\xff"})
+    assert await producer.map(["c", "d", "e"], timeout_s=T) == ["c", "d", "e"]
+    assert await producer.infer("f", timeout_s=T) == "f"
+    assert producer._reader is not None
+    assert not producer._reader.done()
+    assert await producer.result(waiting, timeout_s=T) == "x"  # the worker's real answer
+    dropped = [r for r in caplog.records if DROPPED in r.getMessage()]
+    assert len(dropped) == len(poison) + 1, [r.getMessage() for r in dropped]
+    await producer.aclose()  # clean: nothing re-raised
+    assert producer._reader.done()
+    assert producer._reader.exception() is None
+
+
+async def test_get_result_on_a_malformed_key_raises_decode_error(
+    producer: AsyncProducer, rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    bad = {
+        "inf-batch": packed_with(Result("inf-batch", "ok", 1), batch=math.inf),
+        "huge-v": packed_with(Result("huge-v", "ok", 1), v=2**64 - 1),
+        "nested-id": packed_with(Result("nested-id", "ok", 1), id=[["x"]]),
+        "not-msgpack": b"\xc1",
+        "a-map": msgpack.packb({"v": 2}),
+    }
+    for rid, data in bad.items():
+        rclient.set(keys.result(rid), data)
+        with pytest.raises(DecodeError, match=f"result key of request {rid} is malformed"):
+            await producer.get_result(rid)
+    rclient.set(keys.result("fine"), packed(Result("fine", "ok", "F")))
+    found = await producer.get_result("fine")
+    assert found is not None
+    assert found.output == "F"
+
+
+async def test_a_worker_write_refused_for_memory_waits_until_memory_frees(
+    redis_url: str, queue: str, rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    # The completion script acknowledges first, after which Redis lets a script finish even
+    # out of memory; a write refused outright is waited out, not given up (entries pending).
+    worker = Worker(model="batchline.worker.models:echo", redis_url=redis_url, queue=queue)
+    client = AsyncRedis.from_url(redis_url)
+    calls = 0
+
+    async def attempt() -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # memory frees up
+            rclient.config_set("maxmemory", 0)
+        return await client.set(keys.result("oom"), "answered")
+
+    try:
+        with out_of_memory(rclient):
+            assert await worker._with_retry(attempt) is True
+    finally:
+        await client.aclose()
+        await worker._redis.aclose()
+    assert calls == 3
+    assert rclient.get(keys.result("oom")) == b"answered"
+
+
+def held_writes(client: redis.Redis) -> list[int]:
+    """Ids of the clients whose write Redis holds (paused), the reply readers' XREAD aside."""
+    return [int(c["id"]) for c in client.client_list() if "b" in c["flags"] and c["cmd"] != "xread"]
+
+
+@contextlib.contextmanager
+def paused_writes(client: redis.Redis, *, limit_ms: int = 30_000) -> Iterator[None]:
+    """CLIENT PAUSE WRITE for the block (at most ``limit_ms``, whatever happens)."""
+    client.execute_command("CLIENT", "PAUSE", limit_ms, "WRITE")
+    try:
+        yield
+    finally:
+        client.execute_command("CLIENT", "UNPAUSE")
+
+
+async def test_a_write_cut_by_a_lost_connection_is_enqueue_uncertain(
+    producer: AsyncProducer,
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+) -> None:
+    assert await producer.queue_depth() == 0  # connected
+    with paused_writes(rclient):
+        task = asyncio.create_task(producer.infer("x", request_id="cut", timeout_s=T))
+        # Deterministic: the write is held by Redis, then its connection is killed.
+        held = await eventually(lambda: held_writes(rclient), "the write to be held")
+        for client_id in held:
+            rclient.client_kill_filter(_id=client_id)
+        with pytest.raises(EnqueueUncertain, match="may or may not be queued") as caught:
+            await task
+    error = caught.value
+    assert error.request_id == "cut"
+    assert "get_result('cut')" in str(error)
+    assert "request_id='cut'" in str(error)
+    assert not isinstance(error, RequestTimeout)
+    assert producer._waiting == {}
+    # What the message says to do works: resubmit with the same id (it was not queued here).
+    start_worker()
+    if await producer.get_result("cut") is None:
+        assert await producer.infer("x", request_id="cut", timeout_s=T) == "x"
+    assert await producer.infer("later", timeout_s=T) == "later"
+
+
+async def test_a_writer_connection_that_died_idle_is_replaced_before_the_write(
+    redis_url: str, queue: str, rclient: redis.Redis
+) -> None:
+    # redis-py PINGs a connection idle past health_check_interval before its next command;
+    # the producer runs that PING before sending, so a dead idle connection costs nothing
+    # (neither a refused nor an uncertain write).
+    url = f"{redis_url}?health_check_interval=1"
+    async with AsyncProducer(redis_url=url, queue=queue) as producer:
+        await producer.submit("a")
+        writers = [int(c["id"]) for c in rclient.client_list() if c["cmd"] == "evalsha"]
+        assert len(writers) == 1, writers
+        rclient.client_kill_filter(_id=writers[0])
+        await asyncio.sleep(1.2)  # past the interval: the next write is preceded by a PING
+        await producer.submit("b")
+        assert await producer.queue_depth() == 2
+
+
+async def test_a_write_paused_past_the_socket_timeout_is_enqueue_timeout(
+    redis_url: str, queue: str, start_worker: Callable[..., WorkerThread], rclient: redis.Redis
+) -> None:
+    url = f"{redis_url}?socket_timeout=1.5"  # longer than the reply reader's 1 s block
+    async with AsyncProducer(redis_url=url, queue=queue) as producer:
+        assert await producer.queue_depth() == 0
+        with paused_writes(rclient):
+            with pytest.raises(EnqueueTimeout) as caught:
+                await producer.infer("x", request_id="paused", timeout_s=T)
+            # A RequestTimeout (and a TimeoutError) that says the request may be queued.
+            assert isinstance(caught.value, RequestTimeout)
+            assert isinstance(caught.value, EnqueueUncertain)
+            assert caught.value.request_id == "paused"
+            with pytest.raises(EnqueueTimeout):
+                await producer.submit("y")
+            assert await producer.get_result("paused") is None  # reads are not paused
+        start_worker()
+        assert await producer.infer("after", timeout_s=T) == "after"
+        # Whether the paused write went through once the pause ended is not known to the
+        # producer; if it did, the request is answered (once), as the error said.
+        found = await producer.get_result("paused")
+        assert found is None or found.output == "x"
 
 
 # -- infer waits once, on its result -----------------------------------------------------------
@@ -383,17 +566,70 @@ async def test_a_failed_write_raises_to_the_infer_caller(queue: str) -> None:
     url = f"redis://127.0.0.1:{closed_port()}/0"
     async with AsyncProducer(redis_url=url, queue=queue) as producer:
         async with asyncio.timeout(T):
-            with pytest.raises(RedisConnectionError):
+            # Never connected, so nothing was sent: certainly not queued, retryable.
+            with pytest.raises(ServiceUnavailable, match="unreachable") as caught:
                 await producer.infer("x")
+            assert isinstance(caught.value.__cause__, RedisConnectionError)
             outcomes = await asyncio.gather(
                 *(producer.infer(i) for i in range(5)), return_exceptions=True
             )
-            with pytest.raises(RedisConnectionError):
+            with pytest.raises(ServiceUnavailable):
                 await producer.map(["a", "b"])
-            with pytest.raises(RedisConnectionError):
+            with pytest.raises(ServiceUnavailable):
                 await producer.submit("y")
-        assert all(isinstance(x, RedisConnectionError) for x in outcomes), outcomes
+            with pytest.raises(ServiceUnavailable):
+                await producer.get_result("y")
+            with pytest.raises(ServiceUnavailable):
+                await producer.queue_depth()
+        assert all(isinstance(x, ServiceUnavailable) for x in outcomes), outcomes
         assert producer._waiting == {}
+
+
+@contextlib.contextmanager
+def out_of_memory(client: redis.Redis) -> Iterator[None]:
+    """The session's Redis at maxmemory (noeviction) for the block; restored after."""
+    before = client.config_get("maxmemory")["maxmemory"]
+    policy = client.config_get("maxmemory-policy")["maxmemory-policy"]
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", 1)
+    try:
+        yield
+    finally:
+        client.config_set("maxmemory", before)
+        client.config_set("maxmemory-policy", policy)
+
+
+async def test_redis_out_of_memory_is_service_unavailable_and_nothing_is_lost(
+    producer: AsyncProducer,
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+) -> None:
+    gate = GatedModel()
+    thread = start_worker(model=gate, batch_size=4, timeout_ms=0)
+    held = [await producer.submit(f"held{i}") for i in range(4)]
+    assert await asyncio.to_thread(gate.entered.wait, T), "no batch reached the model"
+    with out_of_memory(rclient):
+        # The enqueue script is refused at its first write: nothing was queued.
+        with pytest.raises(ServiceUnavailable, match="out of memory") as caught:
+            await producer.infer("refused", request_id="refused", timeout_s=T)
+        assert caught.value.retryable
+        with pytest.raises(ServiceUnavailable, match="out of memory"):
+            await producer.submit("refused2")
+        with pytest.raises(ServiceUnavailable, match="out of memory"):
+            await producer.cancel("some-id")  # a plain command (OutOfMemoryError)
+        assert await producer.queue_depth() == 4  # reads still work
+        assert producer._waiting.keys() == {h.id for h in held}
+        # The worker's write goes on: the completion script acknowledges first, and a script
+        # that has written may finish (Redis does not stop one half way).
+        gate.release.set()
+        outputs = [await producer.result(h, timeout_s=T) for h in held]
+        assert outputs == [f"held{i}" for i in range(4)]
+    assert thread.alive
+    assert await producer.infer("after", timeout_s=T) == "after"
+    assert await producer.get_result("refused") is None
+    assert sum(stream_lengths(rclient, keys)) == 0
+    assert pending_count(rclient, keys) == 0
 
 
 async def test_infer_times_out_and_forgets_its_request(

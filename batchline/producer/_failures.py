@@ -1,0 +1,132 @@
+"""How a producer writes (so that a failed write can be told apart) and how it reports
+Redis failures: as typed batchline errors, never raw redis ones.
+
+- Redis refusing a command for a state it will leave (out of memory under ``noeviction``,
+  loading, read-only replica, a busy script, ...) or being unreachable:
+  :class:`~batchline.errors.ServiceUnavailable`; the enqueue script refuses before its first
+  write, so nothing was queued.
+- The connection lost, or no answer within the socket timeout, with a write in flight:
+  :class:`~batchline.errors.EnqueueUncertain` (:class:`~batchline.errors.EnqueueTimeout`
+  for the timeout), one per request, since only the caller can decide how to find out.
+- A read (``get_result``, ``queue_depth``) timing out: :class:`~batchline.errors.RequestTimeout`.
+
+Any other ``ResponseError`` (NOPERM, WRONGTYPE: a deployment fault, not a passing state)
+reaches the caller as it is.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import (
+    BusyLoadingError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from batchline._redis import dedicated
+from batchline.errors import (
+    EnqueueTimeout,
+    EnqueueUncertain,
+    RequestTimeout,
+    ServiceUnavailable,
+)
+
+__all__ = ["Failed", "connected", "refused", "translate", "uncertain", "writer_for"]
+
+# Error codes of a state Redis leaves by itself (or after an operator's fix); inside a
+# script's error they follow a '-' ("... @user_script: 13: -OOM command not allowed ...").
+_PASSING = re.compile(
+    r"(?:^|-)(OOM|LOADING|READONLY|MASTERDOWN|MISCONF|BUSY|NOREPLICAS|TRYAGAIN|CLUSTERDOWN)\b"
+)
+
+
+def refused(exc: BaseException) -> ServiceUnavailable | None:
+    """The ServiceUnavailable for a failure that certainly queued nothing, else None."""
+    if isinstance(exc, OutOfMemoryError):
+        return ServiceUnavailable(f"Redis is out of memory (maxmemory): {exc}; nothing was queued")
+    if isinstance(exc, BusyLoadingError | ReadOnlyError):
+        return ServiceUnavailable(f"Redis cannot take writes now: {exc}; nothing was queued")
+    if isinstance(exc, ResponseError):
+        match = _PASSING.search(str(exc))
+        if match is None:
+            return None
+        what = "out of memory (maxmemory)" if match[1] == "OOM" else f"refusing writes ({match[1]})"
+        return ServiceUnavailable(f"Redis is {what}: {exc}; nothing was queued")
+    return None
+
+
+def translate(exc: RedisError | OSError) -> BaseException:
+    """The error to raise for a failed call that wrote nothing a caller must account for
+    (a read, a connection never made, a cancel)."""
+    found = refused(exc)
+    if found is not None:
+        return found
+    if isinstance(exc, RedisTimeoutError):
+        return RequestTimeout(f"Redis did not answer in time: {exc}")
+    if isinstance(exc, RedisConnectionError | OSError):
+        return ServiceUnavailable(f"Redis is unreachable: {type(exc).__name__}: {exc}")
+    return exc
+
+
+def uncertain(exc: RedisError | OSError, request_id: str) -> BaseException:
+    """The error to raise, for one request, when the write carrying it failed after it was
+    sent (the connection was open when it went)."""
+    found = refused(exc)
+    if found is not None:
+        return found
+    if isinstance(exc, RedisTimeoutError):
+        return EnqueueTimeout(request_id, f"Redis gave no answer in time ({exc})")
+    if isinstance(exc, RedisConnectionError | OSError):
+        return EnqueueUncertain(request_id, f"the connection was lost ({exc})")
+    return exc
+
+
+class Failed(Exception):
+    """A write failed: the typed error for each of its requests, in order."""
+
+    def __init__(self, errors: list[BaseException], cause: BaseException) -> None:
+        super().__init__(f"a write of {len(errors)} requests failed")
+        for error in errors:
+            if error is not cause:
+                error.__cause__ = cause
+        self.errors = errors
+
+
+def writer_for(client: Any) -> Any:
+    """The writer's own client: one connection, in a pool of its own, on which redis-py never
+    sends a command again by itself after a lost connection (it would queue a request twice,
+    unknown to anyone). A cluster client (or anything else) is used as it is."""
+    if type(client) is not Redis:
+        return dedicated(client)
+    pool = client.connection_pool
+    kwargs = {**pool.connection_kwargs, "retry": Retry(NoBackoff(), 0)}
+    own = ConnectionPool(connection_class=pool.connection_class, max_connections=1, **kwargs)
+    return Redis(connection_pool=own, single_connection_client=True)
+
+
+async def connected(client: Any) -> None:
+    """Make the writer's connection ready before a write is sent: open it if it is closed
+    (redis-py closes it after an error), and run redis-py's periodic PING here, where its
+    failure (a connection that died while idle) sends nothing: reconnect once instead."""
+    if type(client) is not Redis:
+        return
+    await client.initialize()
+    connection = client.connection
+    if connection is None:
+        return
+    if connection.is_connected:
+        try:
+            await connection.check_health()  # type: ignore[no-untyped-call]
+            return
+        except (RedisConnectionError, RedisTimeoutError, OSError):
+            await connection.disconnect()
+    await connection.connect()  # type: ignore[no-untyped-call]
