@@ -137,7 +137,9 @@ class Worker(Upkeep):
         self._flusher: asyncio.Task[None] | None = None
         self._complete = Script(COMPLETE)
         self._meta: dict[Call, Meta] = {}
-        self._cancels = CancelLog(s.result_ttl_s)
+        self._cancels = CancelLog(
+            s.result_ttl_s, max_ids=s.cancel_max_ids, max_bytes=s.cancel_max_bytes
+        )
         self._inflight: list[set[bytes]] = [set() for _ in self._streams_low_first]
         self._preparing = 0
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
