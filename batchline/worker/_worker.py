@@ -52,6 +52,7 @@ from batchline.config import WorkerSettings, redact_url
 from batchline.errors import BatcherClosed, BatchlineError, RequestCancelled, RequestTimeout
 from batchline.keys import GROUP, check_name
 from batchline.worker._answers import Meta, Record, answer, dead_letter
+from batchline.worker._readcap import ENTRY_SLACK_BYTES, ReadCap
 from batchline.worker._upkeep import Upkeep
 from batchline.worker.metrics import Metrics
 from batchline.worker.models import Model, Prepared, load_model
@@ -118,6 +119,12 @@ class Worker(Upkeep):
         self._streams_low_first = [self.keys.stream(p) for p in range(self.keys.priorities)]
         self._sidx = {name.encode(): i for i, name in enumerate(self._streams_low_first)}
         self._window = s.batch_size * s.read_ahead
+        self._readcap = ReadCap(
+            max_read_bytes=s.max_read_bytes,
+            max_entry_bytes=self._limits.max_meta_bytes
+            + self._limits.max_blob_bytes
+            + ENTRY_SLACK_BYTES,
+        )
         self._batcher = _ModelBatcher(
             self,
             BatchConfig(
@@ -279,8 +286,9 @@ class Worker(Upkeep):
         backoff = Backoff(logger, "reader")
         while not stop.is_set():
             room = self._window - self._batcher._queue_size() - self._preparing
-            # COUNT applies to each stream: split the room so the total stays within it.
-            per_stream = max(1, -(-room // len(streams)))
+            # COUNT applies to each stream: split the room so the total stays within it,
+            # and within max_read_bytes of entries as large as the largest seen lately.
+            per_stream = self._readcap.count(room, len(streams))
             if room <= 0:
                 space.clear()
                 await space.wait()
@@ -309,9 +317,14 @@ class Worker(Upkeep):
     async def _accept(
         self, entries: Iterable[tuple[int, bytes, dict[bytes, bytes] | None]]
     ) -> None:
-        batch = list(entries)
+        batch, too_large = self._readcap.split(list(entries))
         for sidx, entry, _raw in batch:
             self._inflight[sidx].add(entry)
+        for (sidx, entry, raw), size in too_large:  # dead-lettered unread
+            self._inflight[sidx].add(entry)
+            limit = self._readcap.max_entry_bytes
+            reason = f"entry of {size} bytes exceeds the largest request ({limit} bytes)"
+            self._answer(self._dead_letter(sidx, entry, raw or {}, "MalformedRequest", reason))
         if self._pool is not None:
             self._preparing += len(batch)
             try:
