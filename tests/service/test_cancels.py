@@ -47,15 +47,6 @@ async def producer(redis_url: str, queue: str) -> AsyncIterator[AsyncProducer]:
         yield p
 
 
-@pytest.fixture
-async def aclient(redis_url: str) -> AsyncIterator[AsyncRedis]:
-    client = AsyncRedis.from_url(redis_url)
-    try:
-        yield client
-    finally:
-        await client.aclose()
-
-
 class CountingClient:
     """An asyncio client that counts its XREAD calls (how many pages a catch-up took)."""
 
