@@ -6,10 +6,11 @@ requests, read a result whose request id it knows, read reply streams and cancel
 it cannot write a result key or a reply stream, read the work streams (where every request's
 id and reply address are), read or write the dead-letter stream or the workers set. So no
 producer can make another producer or a poller accept a result that no worker wrote. What a
-producer can still do is deny service: fill the queue up to ``max_queue_depth``, delete
-entries from any reply stream (it must delete those it read: ``XDEL`` cannot be limited to
-one's own stream), cancel a request whose id it knows, or mark a polled job as pending. The
-worker credentials are trusted: a worker writes results.
+producer can still do is deny service: fill the queue up to ``max_queue_depth``, and, by a
+name it cannot list but might guess, read or delete the entries of another producer's reply
+stream (it must delete those it read: ``XDEL`` cannot be limited to one's own stream), or
+read, cancel or mark as pending a request by its id. The worker credentials are trusted: a
+worker writes results.
 
 Redis checks the keys a Lua script touches (``redis.call``) against the rules of the user
 running it, so running the enqueue script grants nothing beyond the commands listed here.

@@ -296,6 +296,22 @@ def _acl_users(
     return out
 
 
+def test_acl_rules_of_each_role() -> None:
+    keys = QueueKeys("q", "p")
+    producer, worker = acl_rules(keys, "producer"), acl_rules(keys, "worker")
+    for rules in (producer, worker):
+        assert rules[:3] == ["resetkeys", "resetchannels", "-@all"]
+        assert not [r for r in rules if "~p:*" in r or "@stream" in r]  # nothing broad
+    # The producer's full key access is the work streams only, with no command that reads
+    # entries; results and reply streams only in read-only or write-only selectors.
+    assert [r for r in producer if r.startswith("~")] == ["~p:{q}:req:*"]
+    assert not {"+xrange", "+xreadgroup", "+set", "+xinfo"} & set(producer)
+    assert "(%R~p:{q}:res:* %R~p:{q}:reply:* +get +xread)" in producer
+    assert "%R~p:{q}:cancels" in worker
+    with pytest.raises(ValueError, match="role must be one of producer, worker"):
+        acl_rules(keys, "admin")  # type: ignore[arg-type]
+
+
 def _forging_is_refused(client: redis.Redis, keys: QueueKeys, victim: str, rid: str) -> None:
     """Every way a producer could make another producer or a poller accept a result no
     worker wrote, or learn the ids and reply addresses to aim at, gets NOPERM."""
