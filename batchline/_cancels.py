@@ -5,6 +5,11 @@ A worker starting up first reads the ids of the last ``ttl_s`` seconds (a reques
 its result TTL is not worth cancelling), then blocks on the stream for new ones. Cancelling
 is best effort: a request whose batch starts before its cancellation reaches the worker
 (a fraction of a millisecond on a local network) is answered normally.
+
+Anyone who may cancel may write anything to the stream, so the log takes only valid request
+ids (1-128 characters of letters, digits, ``_``, ``.``, ``-``; anything else is ignored and
+counted) and holds at most ``max_ids`` ids and ``max_bytes`` bytes, forgetting the oldest
+first: a flood of junk or of valid ids bounds a worker's memory instead of growing it.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from batchline._redis import Backoff
-from batchline.keys import QueueKeys
+from batchline.keys import MAX_ID_CHARS, QueueKeys, is_name
 
 __all__ = ["CancelLog", "cancel_request"]
 
@@ -25,6 +30,10 @@ logger = logging.getLogger(__name__)
 
 #: The cancel stream keeps about this many ids (``MAXLEN ~``).
 CANCELS_MAXLEN = 100_000
+
+#: What one id held costs beyond its characters: on CPython 3.11, tracemalloc over 100,000
+#: ids shows 49 bytes of str header and 62 of dict slot and float (111; rounded up).
+ID_OVERHEAD_BYTES = 120
 
 
 async def cancel_request(redis: Any, keys: QueueKeys, request_id: str, ttl_s: int) -> None:
@@ -40,11 +49,30 @@ class CancelLog:
 
     Args:
         ttl_s: how long an id is kept (the queue's result TTL).
+        max_ids: most ids held; past it the oldest are forgotten.
+        max_bytes: most bytes held (each id counts its length plus ``ID_OVERHEAD_BYTES``);
+            past it the oldest are forgotten.
         clock: seconds, monotonic (tests pass their own).
+
+    Attributes:
+        ignored: entries read that carried no valid request id.
+        evicted: ids forgotten before their TTL to stay within the caps.
     """
 
-    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        max_ids: int = 100_000,
+        max_bytes: int = 16 << 20,
+    ) -> None:
         self.ttl_s = ttl_s
+        self.max_ids = max_ids
+        self.max_bytes = max_bytes
+        self.ignored = 0
+        self.evicted = 0
+        self.held_bytes = 0
         self._clock = clock
         self._ids: dict[str, float] = {}  # id -> when it is forgotten, in insertion order
         self._last = f"{max(0, int((time.time() - ttl_s) * 1e3))}-0"
@@ -59,11 +87,24 @@ class CancelLog:
         return len(self._ids)
 
     def add(self, request_id: str) -> None:
-        """Remember one cancelled id (and forget those past their TTL)."""
+        """Remember one cancelled id (and forget those past their TTL, then the oldest while
+        over a cap); an invalid id is ignored."""
+        if not is_name(request_id):
+            self.ignored += 1
+            return
         now = self._clock()
-        self._ids.pop(request_id, None)
+        if self._ids.pop(request_id, None) is None:
+            self.held_bytes += len(request_id) + ID_OVERHEAD_BYTES
         self._ids[request_id] = now + self.ttl_s
         self._forget(now)
+        ids = self._ids
+        while len(ids) > self.max_ids or self.held_bytes > self.max_bytes:
+            self._drop(next(iter(ids)))
+            self.evicted += 1
+
+    def _drop(self, request_id: str) -> None:
+        del self._ids[request_id]
+        self.held_bytes -= len(request_id) + ID_OVERHEAD_BYTES
 
     def _forget(self, now: float) -> None:
         """Drop the ids past their TTL: the oldest first, so stop at the first one kept
@@ -73,15 +114,17 @@ class CancelLog:
             rid, until = next(iter(ids.items()))
             if until > now:
                 return
-            del ids[rid]
+            self._drop(rid)
 
     def _take(self, response: Any) -> None:
         for _stream, entries in response or ():
             for entry_id, fields in entries:
                 self._last = entry_id
                 rid = fields.get(b"id") if isinstance(fields, dict) else None
-                if isinstance(rid, bytes):
-                    self.add(rid.decode("utf-8", "replace"))
+                if isinstance(rid, bytes) and len(rid) <= MAX_ID_CHARS:
+                    self.add(rid.decode("ascii", "replace"))
+                else:
+                    self.ignored += 1
 
     async def catch_up(self, redis: Any, keys: QueueKeys) -> None:
         """Read every id still in the stream from the last TTL (before serving starts)."""

@@ -3,6 +3,7 @@
 batchline worker [--batch-size 64 ...]   serve a queue (settings: flags, else BATCHLINE_*)
 batchline worker --check                 exit 0 if a worker on this host is alive
 batchline status [--json]                queue depth, pending, lag, dead letters, workers
+batchline acl [--role producer|worker]   the ACL SETUSER commands of the two users
 batchline demo                           the in-process batcher on a real model
 """
 
@@ -134,6 +135,16 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _acl(args: argparse.Namespace) -> int:
+    from batchline.acl import ROLES, acl_setuser
+    from batchline.config import ServiceSettings
+
+    keys = _settings(ServiceSettings, args).keys
+    for role in ROLES if args.role == "both" else (args.role,):
+        print(acl_setuser(keys, role, user=f"{keys.prefix}-{role}"))
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     if args.in_process:
         from batchline.demo import run_demo
@@ -173,6 +184,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_settings(status, ServiceSettings)
     status.add_argument("--json", action="store_true", help="print JSON")
     status.set_defaults(run=_status)
+
+    acl = commands.add_parser(
+        "acl", help="print the ACL SETUSER lines of the producer and worker users (Redis >= 7)"
+    )
+    _add_settings(acl, ServiceSettings)
+    acl.add_argument("--role", choices=["producer", "worker", "both"], default="both")
+    acl.set_defaults(run=_acl)
 
     demo = commands.add_parser(
         "demo",

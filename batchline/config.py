@@ -134,6 +134,13 @@ class WorkerSettings(ServiceSettings):
         heartbeat_s: how often the worker reports it is alive, with its statistics.
         metrics_port: port of the Prometheus /metrics endpoint (0: none).
         worker_id: this worker's name in the consumer group (default: host-pid).
+        cancel_max_ids: most cancelled request ids a worker remembers (the oldest go first).
+        cancel_max_bytes: most bytes of cancelled request ids a worker remembers.
+        max_read_bytes: most bytes of entries one read may bring in (COUNT shrinks after
+            large entries); an entry larger than the request limits allow is dead-lettered
+            unread.
+        consumer_idle_ms: a consumer of the group (a dead worker) idle this long with
+            nothing pending is removed by the janitor.
     """
 
     model: str = "sentence-transformers"
@@ -151,6 +158,10 @@ class WorkerSettings(ServiceSettings):
     heartbeat_s: float = Field(default=2.0, gt=0)
     metrics_port: int = Field(default=0, ge=0, le=65535)
     worker_id: str | None = None
+    cancel_max_ids: int = Field(default=100_000, ge=1)
+    cancel_max_bytes: int = Field(default=16 << 20, ge=1024)
+    max_read_bytes: int = Field(default=64 << 20, ge=1 << 16)
+    consumer_idle_ms: int = Field(default=3_600_000, ge=1000)
 
     def limits(self) -> Limits:
         """What the worker accepts in a request."""

@@ -21,16 +21,24 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["GROUP", "QueueKeys", "check_name"]
+__all__ = ["GROUP", "MAX_ID_CHARS", "QueueKeys", "check_name", "is_name"]
 
 GROUP = "batchline"
 
-_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+#: The longest name (queue, prefix, request id, worker id).
+MAX_ID_CHARS = 128
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}\Z")
+
+
+def is_name(value: object) -> bool:
+    """Whether ``value`` is a valid queue name, prefix, request id or worker id."""
+    return isinstance(value, str) and _NAME.match(value) is not None
 
 
 def check_name(kind: str, value: str) -> str:
     """Validate a queue name, prefix, request id or worker id; return it."""
-    if not isinstance(value, str) or not _NAME.match(value):
+    if not is_name(value):
         raise ValueError(
             f"{kind} must be 1-128 characters of letters, digits, '_', '.' or '-', got {value!r}"
         )

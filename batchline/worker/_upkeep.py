@@ -1,5 +1,6 @@
 """A worker's upkeep: the janitor (keeping its claims alive, reclaiming what dead workers
-left pending, dead-lettering the poisonous) and the heartbeat (liveness and statistics).
+left pending, dead-lettering the poisonous, removing the consumers of dead workers) and the
+heartbeat (liveness and statistics).
 
 A mixin of :class:`~batchline.worker.Worker`, kept apart so that the serving path (reading,
 batching, writing) reads on its own.
@@ -19,6 +20,7 @@ from redis.exceptions import RedisError
 
 from batchline.keys import GROUP, QueueKeys
 from batchline.worker._answers import Record
+from batchline.worker._consumers import prune_consumers
 from batchline.worker.metrics import Metrics
 from batchline.worker.models import Model
 
@@ -68,6 +70,12 @@ class Upkeep:
                 await self._keep_claims()
                 if self._stop is not None and not self._stop.is_set():
                     await self._reclaim()
+                    await prune_consumers(
+                        self._redis,
+                        self._streams_low_first,
+                        idle_ms=self.settings.consumer_idle_ms,
+                        keep=self.worker_id,
+                    )
             except (RedisError, OSError) as exc:
                 logger.warning("janitor: %s: %s", type(exc).__name__, exc)
 

@@ -52,6 +52,7 @@ from batchline.config import WorkerSettings, redact_url
 from batchline.errors import BatcherClosed, BatchlineError, RequestCancelled, RequestTimeout
 from batchline.keys import GROUP, check_name
 from batchline.worker._answers import Meta, Record, answer, dead_letter
+from batchline.worker._readcap import ENTRY_SLACK_BYTES, ReadCap
 from batchline.worker._upkeep import Upkeep
 from batchline.worker.metrics import Metrics
 from batchline.worker.models import Model, Prepared, load_model
@@ -100,6 +101,12 @@ class Worker(Upkeep):
         self._streams_low_first = [self.keys.stream(p) for p in range(self.keys.priorities)]
         self._sidx = {name.encode(): i for i, name in enumerate(self._streams_low_first)}
         self._window = s.batch_size * s.read_ahead
+        self._readcap = ReadCap(
+            max_read_bytes=s.max_read_bytes,
+            max_entry_bytes=self._limits.max_meta_bytes
+            + self._limits.max_blob_bytes
+            + ENTRY_SLACK_BYTES,
+        )
         # No batch is handed to the model's thread ahead of time: cancellations and deadlines
         # are checked as a batch starts, which must be when the model is free to run it (a
         # real model's batch takes far longer than the wait this would save).
@@ -124,7 +131,9 @@ class Worker(Upkeep):
         self._flusher: asyncio.Task[None] | None = None
         self._complete = Script(COMPLETE)
         self._meta: dict[Call, Meta] = {}
-        self._cancels = CancelLog(s.result_ttl_s)
+        self._cancels = CancelLog(
+            s.result_ttl_s, max_ids=s.cancel_max_ids, max_bytes=s.cancel_max_bytes
+        )
         self._inflight: list[set[bytes]] = [set() for _ in self._streams_low_first]
         self._preparing = 0
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -264,8 +273,9 @@ class Worker(Upkeep):
         backoff = Backoff(logger, "reader")
         while not stop.is_set():
             room = self._window - self._batcher.queue_size - self._preparing
-            # COUNT applies to each stream: split the room so the total stays within it.
-            per_stream = max(1, -(-room // len(streams)))
+            # COUNT applies to each stream: split the room so the total stays within it,
+            # and within max_read_bytes of entries as large as the largest seen lately.
+            per_stream = self._readcap.count(room, len(streams))
             if room <= 0:
                 space.clear()
                 await space.wait()
@@ -294,9 +304,14 @@ class Worker(Upkeep):
     async def _accept(
         self, entries: Iterable[tuple[int, bytes, dict[bytes, bytes] | None]]
     ) -> None:
-        batch = list(entries)
+        batch, too_large = self._readcap.split(list(entries))
         for sidx, entry, _raw in batch:
             self._inflight[sidx].add(entry)
+        for (sidx, entry, raw), size in too_large:  # dead-lettered unread
+            self._inflight[sidx].add(entry)
+            limit = self._readcap.max_entry_bytes
+            reason = f"entry of {size} bytes exceeds the largest request ({limit} bytes)"
+            self._answer(self._dead_letter(sidx, entry, raw or {}, "MalformedRequest", reason))
         if self._pool is not None:
             self._preparing += len(batch)
             try:

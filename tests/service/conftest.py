@@ -28,13 +28,14 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import redis
+from redis.asyncio import Redis as AsyncRedis
 
 from batchline.codec import Result
 from batchline.keys import GROUP, QueueKeys
@@ -199,6 +200,16 @@ def rclient(redis_url: str) -> Iterator[redis.Redis]:
         yield client
     finally:
         client.close()
+
+
+@pytest.fixture
+async def aclient(redis_url: str) -> AsyncIterator[AsyncRedis]:
+    """An asyncio client of the session's server (bytes replies), closed after the test."""
+    client = AsyncRedis.from_url(redis_url)
+    try:
+        yield client
+    finally:
+        await client.aclose()
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import pytest
 import redis
 from redis.asyncio import Redis as AsyncRedis
 
-from batchline._cancels import CancelLog, cancel_request
+from batchline._cancels import ID_OVERHEAD_BYTES, CancelLog, cancel_request
 from batchline.errors import RequestCancelled
 from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer
@@ -45,15 +45,6 @@ class FakeClock:
 async def producer(redis_url: str, queue: str) -> AsyncIterator[AsyncProducer]:
     async with AsyncProducer(redis_url=redis_url, queue=queue, result_ttl_s=300) as p:
         yield p
-
-
-@pytest.fixture
-async def aclient(redis_url: str) -> AsyncIterator[AsyncRedis]:
-    client = AsyncRedis.from_url(redis_url)
-    try:
-        yield client
-    finally:
-        await client.aclose()
 
 
 class CountingClient:
@@ -120,6 +111,40 @@ def test_no_id_counts_as_cancelled_after_its_ttl() -> None:
     assert "a" not in log  # 60 s old, with a TTL of 10 s
     log.add("d")
     assert ("b" in log, "c" in log, len(log)) == (False, False, 1)
+
+
+def test_invalid_ids_are_ignored_and_counted() -> None:
+    log = CancelLog(10, clock=FakeClock())
+    junk = ["", "x" * 129, "a b", "a\n", "caf\u00e9", "a:b", "{q}", "a*"]
+    for rid in junk:
+        log.add(rid)
+    log.add("x" * 128)
+    assert (len(log), log.ignored, log.evicted) == (1, len(junk), 0)
+    assert [rid in log for rid in junk] == [False] * len(junk)
+
+
+def test_the_oldest_ids_go_first_past_max_ids() -> None:
+    clock = FakeClock()
+    log = CancelLog(10, clock=clock, max_ids=3)
+    for rid in "abcde":
+        log.add(rid)
+        clock.now += 0.1
+    assert [rid in log for rid in "abcde"] == [False, False, True, True, True]
+    assert (len(log), log.evicted) == (3, 2)
+
+
+def test_the_oldest_ids_go_first_past_max_bytes() -> None:
+    clock = FakeClock()
+    per_id = 100 + ID_OVERHEAD_BYTES
+    log = CancelLog(10, clock=clock, max_bytes=10 * per_id)
+    ids = [f"{i:0100d}" for i in range(25)]
+    for rid in ids:
+        log.add(rid)
+        assert log.held_bytes <= 10 * per_id
+    assert [rid in log for rid in ids] == [False] * 15 + [True] * 10
+    assert (log.held_bytes, log.evicted) == (10 * per_id, 15)
+    clock.now += 11  # all past their TTL: nothing is held, no byte counted
+    assert (len(log), log.held_bytes) == (0, 0)
 
 
 # -- the cancel stream -------------------------------------------------------------------------
@@ -198,6 +223,28 @@ async def test_catch_up_skips_ids_older_than_the_ttl(
     assert ("ancient" in log, "just-too-old" in log) == (False, False)
     assert ("recent" in log, "new" in log) == (True, True)
     assert len(log) == 2
+
+
+async def test_a_flood_of_junk_and_of_ids_stays_within_the_caps(
+    aclient: AsyncRedis, keys: QueueKeys
+) -> None:
+    """Junk (4 KiB ids, no id, binary) is ignored; valid ids past max_ids evict the oldest.
+    The worker holds at most max_ids ids, whatever the stream holds."""
+    async with aclient.pipeline(transaction=False) as pipe:
+        for i in range(500):
+            pipe.xadd(keys.cancels, {"id": b"j" * 4096})
+            pipe.xadd(keys.cancels, {"id": b"\xff\xfe" + str(i).encode()})
+            pipe.xadd(keys.cancels, {"other": b"x"})
+        for i in range(3000):
+            pipe.xadd(keys.cancels, {"id": f"r-{i}"})
+        await pipe.execute()
+    log = CancelLog(3600, max_ids=1000)
+    await log.catch_up(aclient, keys)
+    assert (len(log), log.ignored, log.evicted) == (1000, 1500, 2000)
+    assert "r-1999" not in log
+    assert "r-2000" in log
+    assert "r-2999" in log
+    assert log.held_bytes <= 1000 * (6 + ID_OVERHEAD_BYTES)
 
 
 async def test_catch_up_on_a_queue_without_cancels(aclient: AsyncRedis, keys: QueueKeys) -> None:

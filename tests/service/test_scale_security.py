@@ -23,9 +23,10 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
+from batchline.acl import ROLES, Role, acl_rules
 from batchline.config import ProducerSettings, WorkerSettings
 from batchline.errors import QueueFull
-from batchline.keys import QueueKeys
+from batchline.keys import GROUP, QueueKeys
 from batchline.producer import AsyncProducer
 from batchline.worker import Worker
 
@@ -272,84 +273,198 @@ async def test_two_queues_on_a_redis_cluster(
         client.close()
 
 
-# -- an ACL user limited to the prefix -----------------------------------------------------------
+# -- producer and worker ACL users -----------------------------------------------------------------
 
 PREFIX = "myprefix"
-# The least an ACL user needs to produce, work and run `batchline status` (docs/protocol.md):
-# the stream, string and sorted-set commands, running the two scripts (EXPIRE is
-# called inside them), DEL (a producer deletes its reply stream on close) and PING (the
-# client's health check), all limited to keys under the prefix.
-ACL_RULES = [
-    "on",
-    "resetkeys",
-    f"~{PREFIX}:*",
-    "resetchannels",
-    "-@all",
-    "+@stream",
-    "+@string",
-    "+@sortedset",
-    "+eval",
-    "+evalsha",
-    "+script|load",
-    "+expire",
-    "+del",
-    "+ping",
-]
 
 
-async def test_an_acl_user_limited_to_the_prefix(
+def _acl_users(
+    admin: redis.Redis, redis_url: str, keys: QueueKeys, tag: str
+) -> dict[Role, tuple[str, str]]:
+    """Create the producer and the worker user of ``keys`` (batchline.acl's rules) on the
+    server of ``admin``; return each role's URL and password. Skips below Redis 7."""
+    version = str(admin.info("server")["redis_version"])
+    if int(version.split(".", maxsplit=1)[0]) < 7:
+        pytest.skip(f"redis-server {version}: read-only key patterns and selectors need Redis 7")
+    out: dict[Role, tuple[str, str]] = {}
+    for role in ROLES:
+        user, password = f"blq-{role}-{tag}", f"blq-secret-{role}-{tag}"
+        admin.execute_command(
+            "ACL", "SETUSER", user, "reset", "on", f">{password}", *acl_rules(keys, role)
+        )
+        out[role] = (redis_url.replace("redis://", f"redis://{user}:{password}@"), password)
+    return out
+
+
+def test_acl_rules_of_each_role() -> None:
+    keys = QueueKeys("q", "p")
+    producer, worker = acl_rules(keys, "producer"), acl_rules(keys, "worker")
+    for rules in (producer, worker):
+        assert rules[:3] == ["resetkeys", "resetchannels", "-@all"]
+        assert not [r for r in rules if "~p:*" in r or "@stream" in r]  # nothing broad
+    # The producer's full key access is the work streams only, with no command that reads
+    # entries; results and reply streams only in read-only or write-only selectors.
+    assert [r for r in producer if r.startswith("~")] == ["~p:{q}:req:*"]
+    assert not {"+xrange", "+xreadgroup", "+set", "+xinfo"} & set(producer)
+    assert "(%R~p:{q}:res:* %R~p:{q}:reply:* +get +xread)" in producer
+    assert "%R~p:{q}:cancels" in worker
+    with pytest.raises(ValueError, match="role must be one of producer, worker"):
+        acl_rules(keys, "admin")  # type: ignore[arg-type]
+
+
+def _forging_is_refused(client: redis.Redis, keys: QueueKeys, victim: str, rid: str) -> None:
+    """Every way a producer could make another producer or a poller accept a result no
+    worker wrote, or learn the ids and reply addresses to aim at, gets NOPERM."""
+    refused = [
+        lambda: client.xadd(keys.reply(victim), {"n": 1, "r": b"forged"}),
+        lambda: client.set(keys.result(rid), b"forged"),
+        lambda: client.delete(keys.result(rid)),
+        lambda: client.expire(keys.result(rid), 1),
+        lambda: client.xrange(keys.stream(0)),
+        lambda: client.xrevrange(keys.stream(0)),
+        lambda: client.xread({keys.stream(0): "0"}),
+        lambda: client.xreadgroup(GROUP, "thief", {keys.stream(0): ">"}),
+        lambda: client.xreadgroup(GROUP, "thief", {keys.stream(0): "0"}),
+        lambda: client.xinfo_stream(keys.stream(0)),
+        lambda: client.xpending_range(keys.stream(0), GROUP, "-", "+", 10),
+        lambda: client.xclaim(keys.stream(0), GROUP, "thief", 0, ["0-1"]),
+        lambda: client.xautoclaim(keys.stream(0), GROUP, "thief", 0),
+        lambda: client.xack(keys.stream(0), GROUP, "0-1"),
+        lambda: client.expire(keys.stream(0), 1),
+        lambda: client.delete(keys.stream(0)),
+        lambda: client.xadd(keys.dead, {"forged": 1}),
+        lambda: client.xrange(keys.dead),
+        lambda: client.zadd(keys.workers, {"fake": time.time()}),
+        lambda: client.zrem(keys.workers, "any"),
+        lambda: client.set(keys.worker_stats("fake"), b"{}"),
+        lambda: client.xread({keys.cancels: "0"}),
+        lambda: client.eval(
+            "return redis.call('XADD', KEYS[1], '*', 'n', 1, 'r', 'x')", 1, keys.reply(victim)
+        ),
+        lambda: client.eval(
+            "return redis.call('SET', ARGV[1], 'x')", 1, keys.stream(0), keys.result(rid)
+        ),
+        lambda: client.eval("return redis.call('XRANGE', KEYS[1], '-', '+')", 1, keys.stream(0)),
+        lambda: client.set("otherprefix:x", "1"),
+        client.flushdb,
+    ]
+    for call in refused:  # (pytest -l shows which one a failure is)
+        # NoPermissionError, or a ResponseError when refused inside a script.
+        with pytest.raises(redis.ResponseError, match="no permissions|user executing the script"):
+            call()
+
+
+async def test_acl_users_on_a_redis_cluster(
+    cluster_url: str, workers: Callable[..., WorkerThread]
+) -> None:
+    """The producer and worker rules also serve a queue on a cluster (slot map, scripts)."""
+    client = RedisCluster.from_url(cluster_url)
+    queue = _queues_on_different_nodes(client)[0]
+    keys = QueueKeys(queue, PREFIX)
+    nodes = [redis.Redis(host=n.host, port=n.port) for n in client.get_nodes()]
+    started: list[WorkerThread] = []
+    try:
+        users = [_acl_users(node, cluster_url, keys, "cluster") for node in nodes][0]
+        common = {"redis_cluster": True, "queue": queue, "prefix": PREFIX, "result_ttl_s": 120}
+        as_producer = {**common, "redis_url": users["producer"][0]}
+        thread = workers(**common, redis_url=users["worker"][0])
+        started.append(thread)
+        await _round_trip(client, keys, as_producer, thread.worker.worker_id)
+        thief = RedisCluster.from_url(users["producer"][0])
+        try:
+            _forging_is_refused(thief, keys, "victim", "rid")
+        finally:
+            thief.close()
+    finally:
+        stop_all(started)  # before its user goes
+        for node in nodes:
+            for role in ROLES:
+                node.execute_command("ACL", "DELUSER", f"blq-{role}-cluster")
+            node.close()
+        client.close()
+
+
+async def test_producer_and_worker_acl_users(
     redis_url: str,
     queue: str,
     workers: Callable[..., WorkerThread],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    password = "blq-secret-" + queue[-8:]
-    user = "blq-" + queue[-8:]
+    keys = QueueKeys(queue, PREFIX)
     admin = redis.Redis.from_url(redis_url)
-    admin.execute_command("ACL", "SETUSER", user, "reset", *ACL_RULES, f">{password}")
+    tag = queue[-8:]
+    users = _acl_users(admin, redis_url, keys, tag)
+    (producer_url, producer_password), (worker_url, worker_password) = (
+        users["producer"],
+        users["worker"],
+    )
+    started: list[WorkerThread] = []
+
+    def start() -> WorkerThread:
+        started.append(workers(**common, redis_url=worker_url))
+        return started[-1]
+
+    common = {"queue": queue, "prefix": PREFIX, "result_ttl_s": 120}
     try:
-        url = redis_url.replace("redis://", f"redis://{user}:{password}@")
-        restricted = redis.Redis.from_url(url)
+        as_producer = {**common, "redis_url": producer_url}
+        thread = await _queue_full_then_served(as_producer, start)
+        await _round_trip(admin, keys, as_producer, thread.worker.worker_id)
+        async with AsyncProducer(**as_producer) as victim, AsyncProducer(**as_producer) as other:
+            # A second producer, with the same rights, tries every forging path on the first.
+            handle = await victim.submit("mine")
+            assert await victim.result(handle, timeout_s=T) == "mine"
+            thief = redis.Redis.from_url(producer_url)
+            try:
+                _forging_is_refused(thief, keys, victim.producer_id, handle.id)
+                assert thief.ping()
+                assert thief.xlen(keys.stream(0)) == 0
+            finally:
+                thief.close()
+            found = await other.get_result(handle.id)  # what a poller sees: the worker's
+            assert found is not None
+            assert (found.output, found.worker) == ("mine", thread.worker.worker_id)
+            # Cancelling, inference and an idle connection's health check under these rules.
+            assert await other._redis.ping()
+            await other.cancel("some-request")
+            assert await other.infer(["x", "y"], timeout_s=T) == ["x", "y"]
+        worker_client = redis.Redis.from_url(worker_url)
         try:
+            assert worker_client.xlen(keys.dead) == 0
             with pytest.raises(redis.exceptions.NoPermissionError):
-                restricted.set("otherprefix:x", "1")
+                worker_client.xadd(keys.cancels, {"id": "x"})
             with pytest.raises(redis.exceptions.NoPermissionError):
-                restricted.get(f"batchline:{{{queue}}}:res:x")
-            with pytest.raises(redis.exceptions.NoPermissionError):
-                restricted.flushdb()
-            keys = QueueKeys(queue, PREFIX)
-            common = {"redis_url": url, "queue": queue, "prefix": PREFIX, "result_ttl_s": 120}
-            thread = await _queue_full_then_served(common, lambda: workers(**common))
-            await _round_trip(admin, keys, common, thread.worker.worker_id)
-            assert restricted.xlen(keys.dead) == 0
+                worker_client.set(keys.job("x"), "1")
         finally:
-            restricted.close()
+            worker_client.close()
         assert not admin.exists(f"batchline:{{{queue}}}:req:0")
 
-        # The password is in no repr, log record or status output.
-        for cls in (ProducerSettings, WorkerSettings):
-            settings = cls(redis_url=url, queue=queue, prefix=PREFIX)
-            assert password not in repr(settings)
-            assert password not in str(settings)
-            assert password not in json.dumps(settings.describe())
+        # The passwords are in no repr, log record or status output.
+        for password, url in ((producer_password, producer_url), (worker_password, worker_url)):
+            for cls in (ProducerSettings, WorkerSettings):
+                settings = cls(redis_url=url, queue=queue, prefix=PREFIX)
+                assert password not in repr(settings)
+                assert password not in json.dumps(settings.describe())
         complaints = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
         assert not complaints, complaints  # e.g. a NOPERM a worker retried and got over
         records = [r.getMessage() for r in caplog.records]
         assert any(queue in m for m in records), records  # the worker did log
-        assert not [m for m in records if password in m]
-        env = {
-            "BATCHLINE_REDIS_URL": url,
-            "BATCHLINE_QUEUE": queue,
-            "BATCHLINE_PREFIX": PREFIX,
-        }
+        assert not [m for m in records if producer_password in m or worker_password in m]
+        env = {"BATCHLINE_REDIS_URL": worker_url, "BATCHLINE_QUEUE": queue}
+        env["BATCHLINE_PREFIX"] = PREFIX
         for args in (("status",), ("status", "--json")):
             done = run_cli(*args, env=env)
             assert done.returncode == 0, done.stderr
-            assert password not in done.stdout + done.stderr
+            assert worker_password not in done.stdout + done.stderr
         assert json.loads(done.stdout)["depth"] == 0
+        done = run_cli("acl", "--role", "producer", env=env)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith(f"ACL SETUSER {PREFIX}-producer reset on")
+        assert f"%R~{keys.base}:res:*" in done.stdout
     finally:
-        admin.execute_command("ACL", "DELUSER", user)
+        stop_all(started)  # before its user goes
+        for role in ROLES:
+            admin.execute_command("ACL", "DELUSER", f"blq-{role}-{tag}")
         admin.close()
 
 

@@ -1,0 +1,111 @@
+"""The two Redis ACL rule sets of a queue: one for producers, one for workers (Redis >= 7).
+
+Threat model: anyone holding the producer credentials (a web backend, a batch job) is not
+trusted with the results of other producers. With the producer rules such a client can add
+requests, read a result whose request id it knows, read reply streams and cancel requests;
+it cannot write a result key or a reply stream, read the work streams (where every request's
+id and reply address are), read or write the dead-letter stream or the workers set. So no
+producer can make another producer or a poller accept a result that no worker wrote. What a
+producer can still do is deny service: fill the queue up to ``max_queue_depth``, and, by a
+name it cannot list but might guess, read or delete the entries of another producer's reply
+stream (it must delete those it read: ``XDEL`` cannot be limited to one's own stream), or
+read, cancel or mark as pending a request by its id. The worker credentials are trusted: a
+worker writes results.
+
+Redis checks the keys a Lua script touches (``redis.call``) against the rules of the user
+running it, so running the enqueue script grants nothing beyond the commands listed here.
+Each set is a list of ``ACL SETUSER`` arguments (without ``on``, ``reset`` or a password):
+a key pattern prefixed ``%R~`` is read-only, ``%W~`` write-only, and a parenthesised group
+is a selector, checked on its own (a command passes if the root rules or one selector
+allow it with all its keys).
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Literal
+
+from batchline.keys import QueueKeys
+
+__all__ = ["ROLES", "Role", "acl_rules", "acl_setuser"]
+
+Role = Literal["producer", "worker"]
+ROLES: tuple[Role, ...] = ("producer", "worker")
+
+#: Commands every client may need outside any key: the health check, and what redis-py's
+#: cluster client asks a node when it starts (the slot map, the command table).
+_COMMON = ["+ping", "+cluster|slots", "+cluster|shards", "+command"]
+
+
+def _producer(base: str) -> list[str]:
+    return [
+        # The work streams: the enqueue script (XLEN for the depth check, XADD) and
+        # queue_depth(); no command that reads entries (XRANGE, XREAD, XREADGROUP, XINFO).
+        f"~{base}:req:*",
+        "+evalsha",
+        "+eval",
+        "+script|load",
+        "+xlen",
+        "+xadd",
+        # Results and reply streams: read only.
+        f"({' '.join([f'%R~{base}:res:*', f'%R~{base}:reply:*', '+get', '+xread'])})",
+        # Deleting what it read from its reply stream, and the stream when it closes.
+        f"(%W~{base}:reply:* +xdel +del)",
+        # Cancelling: add to the cancel stream (and renew its TTL), never read it.
+        f"(%W~{base}:cancels +xadd +expire)",
+        # The web backend's markers of polled jobs.
+        f"(~{base}:job:* +set +get +del)",
+    ]
+
+
+def _worker(base: str) -> list[str]:
+    return [
+        f"~{base}:req:*",
+        f"~{base}:res:*",
+        f"~{base}:reply:*",
+        f"%R~{base}:cancels",
+        f"~{base}:dead",
+        f"~{base}:workers",
+        f"~{base}:wstats:*",
+        # The complete script: XACK, XADD (dead letters, replies), SET, EXPIRE, XDEL.
+        "+evalsha",
+        "+eval",
+        "+script|load",
+        "+xack",
+        "+xadd",
+        "+xdel",
+        "+set",
+        "+expire",
+        # Reading and claiming work, and the consumer group's upkeep.
+        "+xgroup|create",
+        "+xgroup|delconsumer",
+        "+xreadgroup",
+        "+xread",
+        "+xclaim",
+        "+xautoclaim",
+        "+xpending",
+        "+xinfo|groups",
+        "+xinfo|consumers",
+        "+xlen",
+        # Heartbeat and `batchline status`.
+        "+zadd",
+        "+zrem",
+        "+zremrangebyscore",
+        "+zrangebyscore",
+        "+get",
+    ]
+
+
+def acl_rules(keys: QueueKeys, role: Role) -> list[str]:
+    """The ``ACL SETUSER`` rules of ``role`` for the queue of ``keys``, starting from
+    nothing (``resetkeys resetchannels -@all``); add ``on`` and a password to use them."""
+    build = {"producer": _producer, "worker": _worker}.get(role)
+    if build is None:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    return ["resetkeys", "resetchannels", "-@all", *_COMMON, *build(keys.base)]
+
+
+def acl_setuser(keys: QueueKeys, role: Role, *, user: str) -> str:
+    """One ``ACL SETUSER`` command, quoted for a shell (``redis-cli ...``); the password
+    (``'>secret'``) is left to add."""
+    return shlex.join(["ACL", "SETUSER", user, "reset", "on", *acl_rules(keys, role)])
