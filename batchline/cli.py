@@ -267,6 +267,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RedisUnreachable as exc:
         print(f"batchline: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("batchline: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover
