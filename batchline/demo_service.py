@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from redis.exceptions import RedisError
 
 from batchline.embedded import EmbeddedRedis
 from batchline.sentences import labelled_sentences
@@ -315,6 +316,9 @@ def run_service_demo(
         except KeyboardInterrupt:
             print("\ninterrupted: stopping the worker and Redis", file=sys.stderr, flush=True)
             _stop(worker, wait_s=2.0)  # a short drain, then SIGKILL: nothing here is kept
+            if os.environ.get("BATCHLINE_REDIS_URL"):
+                with contextlib.suppress(RedisError, OSError):
+                    asyncio.run(_forget(url, queue))
             return 130
         _stop(worker)
         if os.environ.get("BATCHLINE_REDIS_URL"):
