@@ -5,15 +5,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from redis.asyncio import Redis, RedisCluster
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisError
 
-from batchline.config import ServiceSettings
+from batchline.config import ServiceSettings, redact_url
+from batchline.errors import BatchlineError
 
-__all__ = ["Backoff", "Script", "connect", "dedicated", "own_connection"]
+__all__ = [
+    "Backoff",
+    "RedisUnreachable",
+    "Script",
+    "connect",
+    "dedicated",
+    "own_connection",
+    "wait_for_redis",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class RedisUnreachable(BatchlineError, ConnectionError):
+    """Redis did not answer within the wait allowed; the message names the URL (its password
+    redacted) and the setting to change."""
 
 
 def connect(settings: ServiceSettings) -> Any:
@@ -22,6 +39,38 @@ def connect(settings: ServiceSettings) -> Any:
     if settings.redis_cluster:
         return RedisCluster.from_url(url)
     return Redis.from_url(url, health_check_interval=30)
+
+
+async def wait_for_redis(client: Any, settings: ServiceSettings, *, wait_s: float) -> None:
+    """Return once ``client`` answers a PING; retry with back-off (0.25 s doubling up to
+    5 s) for up to ``wait_s`` seconds (0: one try), logging each failure; then raise
+    :class:`RedisUnreachable`.
+    """
+    url = redact_url(settings.redis_url.get_secret_value())
+    deadline = time.monotonic() + wait_s
+    delay_s = 0.25
+    while True:
+        try:
+            await client.ping()
+            return
+        except (RedisError, OSError) as exc:
+            left_s = deadline - time.monotonic()
+            reason = f"{type(exc).__name__}: {exc}".strip().rstrip(":")
+            if left_s <= 0:
+                raise RedisUnreachable(
+                    f"Redis at {url} does not answer ({reason}); start it, or point "
+                    "BATCHLINE_REDIS_URL (or --redis-url) at a Redis that runs"
+                ) from None
+            logger.warning(
+                "Redis at %s does not answer (%s); retrying in %.1f s, giving up in %.0f s "
+                "(BATCHLINE_REDIS_WAIT_S)",
+                url,
+                type(exc).__name__,
+                min(delay_s, left_s),
+                left_s,
+            )
+            await asyncio.sleep(min(delay_s, left_s))  # back-off between start-up tries
+            delay_s = min(delay_s * 2, 5.0)
 
 
 def dedicated(client: Any) -> Any:

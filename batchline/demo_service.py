@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from redis.exceptions import RedisError
 
 from batchline.embedded import EmbeddedRedis
 from batchline.sentences import labelled_sentences
@@ -37,6 +38,7 @@ RATES = (20, 40, 80, 160, 320, 640)  # offered requests per second, one step eac
 class _Step:
     rate: int
     latencies_ms: list[float] = field(default_factory=list)
+    answered_at: list[float] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)
     sent: int = 0
     started: float = 0.0
@@ -65,14 +67,18 @@ def _start_worker(
             "0.5",
         ],
         env=env,
+        # Its own session: a Ctrl-C at the terminal reaches only the demo, which stops the
+        # worker itself, before the Redis it talks to.
+        start_new_session=True,
     )
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
+def _stop(process: subprocess.Popen[bytes], wait_s: float = 30.0) -> None:
+    """SIGTERM (the worker drains), then SIGKILL if it has not exited within ``wait_s``."""
     if process.poll() is None:
-        process.send_signal(signal.SIGTERM)  # drains
+        process.send_signal(signal.SIGTERM)
         try:
-            process.wait(30)
+            process.wait(wait_s)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
@@ -91,6 +97,7 @@ async def _drive(
     steps: list[_Step] = []
     async with AsyncProducer(redis_url=url, queue=queue, max_queue_depth=0) as producer:
         await producer.infer("warm-up: wait until the worker has loaded its model", timeout_s=300)
+        print("model loaded; sending sentences at a rising rate (Ctrl-C stops)", flush=True)
         began = time.perf_counter()
         done = 0
 
@@ -100,6 +107,7 @@ async def _drive(
             handle = await producer.submit(texts[i])
             result = await producer.wait(handle, timeout_s=600)
             step.latencies_ms.append((time.perf_counter() - t0) * 1e3)
+            step.answered_at.append(time.perf_counter())
             step.batch_sizes.append(result.batch_size)
             vectors[i] = result.unwrap()
             done += 1
@@ -115,22 +123,29 @@ async def _drive(
             task = progress.add_task("answered", total=len(texts))
             pending: list[asyncio.Task[None]] = []
             i = 0
-            for rate in RATES:
-                step = _Step(rate, started=time.perf_counter())
-                steps.append(step)
-                progress.update(task, description=f"offered {rate:>4} req/s")
-                count = min(len(texts) - i, int(rate * step_s))
-                for k in range(count):
-                    # Open-loop arrivals at the step's rate: the load does not wait for answers.
-                    await asyncio.sleep(max(0.0, step.started + k / rate - time.perf_counter()))
-                    pending.append(asyncio.create_task(one(i, step, progress, task)))
-                    i += 1
-                    step.sent += 1
-                step.ended = time.perf_counter()
-                if i >= len(texts):
-                    break
-            progress.update(task, description="draining")
-            await asyncio.gather(*pending)
+            try:
+                for rate in RATES:
+                    step = _Step(rate, started=time.perf_counter())
+                    steps.append(step)
+                    progress.update(task, description=f"offered {rate:>4} req/s")
+                    count = min(len(texts) - i, int(rate * step_s))
+                    for k in range(count):
+                        # Open-loop arrivals at the step's rate: the load does not wait.
+                        await asyncio.sleep(max(0.0, step.started + k / rate - time.perf_counter()))
+                        pending.append(asyncio.create_task(one(i, step, progress, task)))
+                        i += 1
+                        step.sent += 1
+                    step.ended = time.perf_counter()
+                    if i >= len(texts):
+                        break
+                progress.update(task, description="draining")
+                await asyncio.gather(*pending)
+            finally:
+                # Interrupted (Ctrl-C cancels this task): end the requests in flight here,
+                # before the producer closes under them, so that no task is left unawaited.
+                for request in pending:
+                    request.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
         elapsed = time.perf_counter() - began
         status = await collect(producer.settings, producer._redis)
     return steps, vectors, status, elapsed
@@ -153,6 +168,41 @@ async def _forget(url: str, queue: str) -> None:
         await client.aclose()
 
 
+def _served_per_s(steps: list[_Step]) -> list[float]:
+    """Answers per second that arrived during each step's window (of any step's requests)."""
+    done = [t for s in steps for t in s.answered_at]
+    return [
+        sum(s.started <= t < s.ended for t in done) / max(s.ended - s.started, 1e-9) for s in steps
+    ]
+
+
+def _load_summary(steps: list[_Step], served: list[float]) -> list[str]:
+    """Saturation throughput, latency below it, and what overload does, apart."""
+    peak = max(range(len(steps)), key=lambda k: served[k])
+    top = served[peak]
+    lines = [
+        f"saturation: served at most {top:,.0f} sentences/s, reached at "
+        f"{steps[peak].rate} req/s offered"
+    ]
+    below = [s for s in steps if s.rate < 0.9 * top and s.latencies_ms]
+    over = [s for s in steps if s.rate > 1.1 * top and s.latencies_ms]
+    if below:
+        p50, p99 = np.percentile([x for s in below for x in s.latencies_ms], [50, 99])
+        rates = ", ".join(str(s.rate) for s in below)
+        lines.append(
+            f"below saturation (offered {rates} req/s): latency p50 {p50:.0f} ms, p99 {p99:.0f} ms"
+        )
+    if over:
+        p50, p99 = np.percentile([x for s in over for x in s.latencies_ms], [50, 99])
+        rates = ", ".join(str(s.rate) for s in over)
+        lines.append(
+            f"overload (offered {rates} req/s, more than it serves): requests queue up and "
+            f"latency becomes waiting time, p50 {p50:.0f} ms, p99 {p99:.0f} ms; nothing is "
+            "lost, every request is answered"
+        )
+    return lines
+
+
 def _report(
     steps: list[_Step],
     vectors: list[Any],
@@ -160,24 +210,19 @@ def _report(
     status: dict[str, Any],
     wall_s: float,
 ) -> list[str]:
-    lines = []
     all_lat = np.array([x for s in steps for x in s.latencies_ms])
     sizes = Counter(x for s in steps for x in s.batch_sizes)
-    lines.append(
-        f"\n{len(all_lat)} sentences embedded in {wall_s:.1f} s "
-        f"({len(all_lat) / wall_s:,.0f} sentences/s overall)"
-    )
-    lines.append(
-        f"latency p50 {np.percentile(all_lat, 50):.0f} ms, p95 "
-        f"{np.percentile(all_lat, 95):.0f} ms, p99 {np.percentile(all_lat, 99):.0f} ms"
-    )
-    lines.append("\n| offered req/s | sent | latency p50 / p99 ms | mean batch |")
-    lines.append("|---:|---:|---:|---:|")
-    for s in steps:
+    served = _served_per_s(steps)
+    lines = [f"\n{len(all_lat)} sentences embedded in {wall_s:.1f} s, at a rising load"]
+    lines += _load_summary(steps, served)
+    lines.append("\n| offered req/s | sent | served/s | latency p50 / p99 ms | mean batch |")
+    lines.append("|---:|---:|---:|---:|---:|")
+    for s, rate in zip(steps, served, strict=True):
         if s.latencies_ms:
             p50, p99 = np.percentile(s.latencies_ms, [50, 99])
             lines.append(
-                f"| {s.rate} | {s.sent} | {p50:.0f} / {p99:.0f} | {np.mean(s.batch_sizes):.1f} |"
+                f"| {s.rate} | {s.sent} | {rate:,.0f} | {p50:.0f} / {p99:.0f} "
+                f"| {np.mean(s.batch_sizes):.1f} |"
             )
     lines.append("\nbatch sizes (requests per batch, counted per request):")
     for size in sorted(sizes):
@@ -199,67 +244,88 @@ def _report(
     )
     for flat in np.argsort(-sims, axis=None)[:6:2]:
         i, j = divmod(int(flat), len(texts))
-        lines.append(f"  cos {float(sims[i, j]):.3f}: {texts[i][:55]!r} ~ {texts[j][:55]!r}")
+        lines.append(f"  cos {float(sims[i, j]):.3f}: {texts[i]!r}\n             ~ {texts[j]!r}")
     return lines
 
 
-def _plot(steps: list[_Step], path: str) -> None:
+def _plot(steps: list[_Step], path: str, batch_size: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rates = [s.rate for s in steps if s.latencies_ms]
-    p50 = [np.percentile(s.latencies_ms, 50) for s in steps if s.latencies_ms]
-    p99 = [np.percentile(s.latencies_ms, 99) for s in steps if s.latencies_ms]
-    batch = [np.mean(s.batch_sizes) for s in steps if s.latencies_ms]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    ax1.plot(rates, p50, "o-", label="p50")
-    ax1.plot(rates, p99, "s--", label="p99")
+    served = _served_per_s(steps)
+    kept = [k for k, s in enumerate(steps) if s.latencies_ms]
+    rates = [steps[k].rate for k in kept]
+    fig, (ax0, ax1, ax2) = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
+    ax0.plot(rates, [served[k] for k in kept], "o-", label="served")
+    ax0.plot(rates, rates, ":", color="grey", label="offered (served = offered)")
+    ax0.set_ylabel("sentences/s")
+    ax0.set_yscale("log")
+    ax0.legend()
+    ax0.set_title("batchline demo: all-MiniLM-L6-v2 through Redis")
+    ax1.plot(rates, [np.percentile(steps[k].latencies_ms, 50) for k in kept], "o-", label="p50")
+    ax1.plot(rates, [np.percentile(steps[k].latencies_ms, 99) for k in kept], "s--", label="p99")
     ax1.set_ylabel("latency (ms)")
     ax1.set_yscale("log")
     ax1.legend()
-    ax1.set_title("batchline demo: all-MiniLM-L6-v2 through Redis")
-    ax2.plot(rates, batch, "o-", color="tab:green")
+    ax2.plot(rates, [np.mean(steps[k].batch_sizes) for k in kept], "o-", color="tab:green")
+    ax2.axhline(batch_size, color="tab:red", linestyle="--", label=f"batch_size {batch_size}")
     ax2.set_ylabel("mean batch size")
     ax2.set_xlabel("offered load (requests/s)")
     ax2.set_xscale("log")
     ax2.set_xticks(rates, [str(r) for r in rates])
     ax2.minorticks_off()
+    ax2.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def run_service_demo(
     *,
-    requests: int = 3000,
+    requests: int | None = None,
     plot: str | None = None,
     step_s: float = 1.5,
     batch_size: int = 32,
     timeout_ms: float = 5.0,
 ) -> int:
-    """Run the demo; returns the exit code."""
-    pairs = labelled_sentences(requests, seed=11)
+    """Run the demo; returns the exit code (130 after Ctrl-C).
+
+    ``requests``: most sentences to send (default: all that the load steps send).
+    """
+    total = sum(int(rate * step_s) for rate in RATES)
+    pairs = labelled_sentences(min(requests, total) if requests else total, seed=11)
     queue = f"demo-{uuid.uuid4().hex[:8]}"
     with contextlib.ExitStack() as stack:
         url = os.environ.get("BATCHLINE_REDIS_URL")
         if url:
-            print(f"using Redis at BATCHLINE_REDIS_URL, queue {queue}")
+            print(f"using Redis at BATCHLINE_REDIS_URL, queue {queue}", flush=True)
         else:
             redis = EmbeddedRedis()
             stack.callback(redis.stop)
             url = redis.start()
-            print(f"started a private redis-server ({redis.binary}) on {url}")
+            print(f"started a private redis-server ({redis.binary}) on {url}", flush=True)
         worker = _start_worker(url, queue, batch_size, timeout_ms)
         stack.callback(_stop, worker)
-        print("started a worker process (all-MiniLM-L6-v2, offline); waiting for its model ...")
-        steps, vectors, status, wall = asyncio.run(_drive(url, queue, pairs, step_s))
+        print(
+            "started a worker process (all-MiniLM-L6-v2, offline); waiting for its model ...",
+            flush=True,
+        )
+        try:
+            steps, vectors, status, wall = asyncio.run(_drive(url, queue, pairs, step_s))
+        except KeyboardInterrupt:
+            print("\ninterrupted: stopping the worker and Redis", file=sys.stderr, flush=True)
+            _stop(worker, wait_s=2.0)  # a short drain, then SIGKILL: nothing here is kept
+            if os.environ.get("BATCHLINE_REDIS_URL"):
+                with contextlib.suppress(RedisError, OSError):
+                    asyncio.run(_forget(url, queue))
+            return 130
         _stop(worker)
         if os.environ.get("BATCHLINE_REDIS_URL"):
             asyncio.run(_forget(url, queue))
         for line in _report(steps, vectors, pairs, status, wall):
             print(line)
         if plot:
-            _plot(steps, plot)
+            _plot(steps, plot, batch_size)
             print(f"plot written to {plot}")
     return 0

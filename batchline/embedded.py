@@ -72,6 +72,9 @@ class EmbeddedRedis:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
+            # Its own session: a Ctrl-C at the terminal reaches our process group, and the
+            # server must outlive the processes that still talk to it; stop() ends it, last.
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:  # start-up wait, bounded

