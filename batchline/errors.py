@@ -32,6 +32,7 @@ __all__ = [
     "RequestCancelled",
     "RequestExpired",
     "RequestTimeout",
+    "WorkerHung",
 ]
 
 
@@ -79,3 +80,9 @@ class InferenceError(BatchlineError):
         super().__init__(f"{error_type}: {error_message}")
         self.error_type = error_type
         self.error_message = error_message
+
+
+class WorkerHung(BatchlineError):
+    """A worker's model call ran past ``max_batch_ms``; the worker handed back what it held
+    and stopped (its model thread cannot be stopped: end the process, as ``batchline worker``
+    does)."""
