@@ -21,6 +21,7 @@ from batchline.errors import (
     RequestCancelled,
     RequestExpired,
     RequestTimeout,
+    WorkerHung,
 )
 
 __version__ = "0.1.0"
@@ -41,6 +42,7 @@ __all__ = [
     "RequestExpired",
     "RequestTimeout",
     "ThreadBatcher",
+    "WorkerHung",
     "__version__",
     "aio",
     "dynamically",

@@ -14,9 +14,10 @@ only itself down and is dead-lettered after ``max_deliveries``.
 
 - SIGTERM and SIGINT are forwarded to the child, which drains as before; the supervisor
   then exits with the child's status and starts nothing more.
-- Back-off between restarts doubles from 0.1 s to 10 s while children die young (within
-  10 s), and resets after one lived longer; past ``max_restarts_per_min`` restarts within a
-  minute the supervisor gives up and exits 1 (a crash loop is for the orchestrator to see).
+- A child that was ready (serving) when it died is replaced after 0.1 s; back-off between
+  restarts doubles from there to 10 s while children die before they are ready; past
+  ``max_restarts_per_min`` restarts within a minute the supervisor gives up and exits 1 (a
+  crash loop is for the orchestrator to see).
 - On Linux the child gets SIGKILL if the supervisor dies (``PR_SET_PDEATHSIG``), so a
   killed supervisor leaves no orphan renewing its claims.
 - A child that fails before it is ready (an unknown model, Redis unreachable) is not
@@ -99,7 +100,8 @@ def supervise(argv: Sequence[str], *, max_restarts_per_min: int) -> int:
         logger.info("supervisor: worker process %d started", child.pid)
         status = child.wait()
         with os.fdopen(ready_r, "rb") as ready:
-            ever_ready = ever_ready or bool(ready.read(1))
+            was_ready = bool(ready.read(1))
+        ever_ready = ever_ready or was_ready
         if status == 0 or stopping.is_set() or not ever_ready:
             return 0 if status == 0 else 1
         how = f"signal {-status}" if status < 0 else f"status {status}"
@@ -115,7 +117,9 @@ def supervise(argv: Sequence[str], *, max_restarts_per_min: int) -> int:
                 len(restarts),
             )
             return 1
-        delay = delay * 2 if now - started < _YOUNG_S else _FIRST_DELAY_S
+        # A child that served and then died (a poison input, a hang) is replaced at once; one
+        # that keeps failing to start waits longer each time.
+        delay = delay * 2 if not was_ready and now - started < _YOUNG_S else _FIRST_DELAY_S
         delay = min(delay, _MAX_DELAY_S)
         logger.warning(
             "supervisor: worker process %d died (%s); restarting in %.1f s", child.pid, how, delay

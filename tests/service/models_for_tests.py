@@ -132,3 +132,13 @@ def hang(items: list[Any]) -> list[Any]:
     if "hang" in items:
         time.sleep(float(os.environ.get("BLTEST_HANG_S", "600")))
     return items
+
+
+def double_or_die(items: list[Any]) -> list[Any]:
+    """``double``, except that a batch holding "crash" aborts the process and one holding
+    "hang" never returns (scripts/chaos.py's hostile inputs)."""
+    if "crash" in items:
+        os.abort()
+    if "hang" in items:
+        threading.Event().wait()
+    return [x * 2 for x in items]
