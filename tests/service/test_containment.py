@@ -18,6 +18,7 @@ from .conftest import (
     RESULT_TIMEOUT_S,
     WorkerProcess,
     WorkerThread,
+    pending_count,
     run_cli,
     spec,
     wait_until,
@@ -134,12 +135,14 @@ def test_a_hang_on_one_input_is_handed_back_and_dead_lettered(
     assert logs.count("died (status 70); restarting") == 2
 
 
+@pytest.mark.parametrize("draining", [False, True], ids=["serving", "draining"])
 def test_a_hung_worker_reports_unhealthy_and_hands_back_what_it_read(
     start_worker: Callable[..., WorkerThread],
     redis_url: str,
     queue: str,
     rclient: redis.Redis,
     keys: QueueKeys,
+    draining: bool,
 ) -> None:
     model = GatedModel()
     thread = start_worker(
@@ -152,6 +155,9 @@ def test_a_hung_worker_reports_unhealthy_and_hands_back_what_it_read(
         with Producer(redis_url=redis_url, queue=queue) as producer:
             handles = [producer.submit(i) for i in range(6)]
             assert model.entered.wait(T)
+            if draining:  # SIGTERM's drain waits for the hung batch: the watchdog ends it
+                wait_until(lambda: pending_count(rclient, keys) == 6, "all six to be read")
+                thread.worker.stop()
             wait_until(lambda: not thread.alive, "the hung worker to give up")
             assert isinstance(thread.error, WorkerHung)
             thread.error = None  # seen here; the fixture must not raise it again
@@ -171,3 +177,19 @@ def test_a_hung_worker_reports_unhealthy_and_hands_back_what_it_read(
             assert other.alive
     finally:
         model.release.set()
+
+
+def test_the_supervisor_gives_up_past_max_restarts_per_min(
+    spawn_worker: Callable[..., WorkerProcess],
+    redis_url: str,
+    queue: str,
+) -> None:
+    worker = spawn_worker(
+        spec("crash"), batch_size=1, claim_idle_ms=300, max_deliveries=5, max_restarts_per_min=1
+    )
+    with Producer(redis_url=redis_url, queue=queue) as producer:
+        producer.submit("crash")  # kills the first child, and the second when reclaimed
+        assert worker.wait() == 1, worker.log()
+    log = worker.log()
+    assert log.count("restarting in") == 1
+    assert "giving up" in log
