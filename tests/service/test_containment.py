@@ -79,7 +79,7 @@ def test_a_process_crash_on_one_input_spares_its_batch_mates(
                     env={"BLTEST_RECORD_FILE": str(record)},
                     ready=False,
                     batch_size=32,
-                    claim_idle_ms=300,
+                    claim_idle_ms=1000,  # a starved test machine must not lapse claims
                     max_deliveries=3,
                 )
                 for _ in range(n_workers)
@@ -110,7 +110,7 @@ def test_a_hang_on_one_input_is_handed_back_and_dead_lettered(
     inputs: list[object] = list(range(200))
     inputs[5] = "hang"
     settings = dict(
-        batch_size=8, read_ahead=8, claim_idle_ms=300, max_deliveries=2, max_batch_ms=400
+        batch_size=8, read_ahead=8, claim_idle_ms=1000, max_deliveries=2, max_batch_ms=1500
     )
     with Producer(redis_url=redis_url, queue=queue) as producer:
         workers = serve_with_one_bad_input(
@@ -130,7 +130,7 @@ def test_a_hang_on_one_input_is_handed_back_and_dead_lettered(
     assert len(with_hang) == 2
     assert with_hang[1] == ["hang"]  # the second time alone
     logs = "".join(w.log() for w in workers)
-    assert logs.count("past max_batch_ms=400") == 2
+    assert logs.count("past max_batch_ms=1500") == 2
     assert "handed back" in logs
     assert logs.count("died (status 70); restarting") == 2
 
