@@ -32,6 +32,7 @@ from batchline.errors import (
     RequestExpired,
     RequestTimeout,
     ServiceUnavailable,
+    WorkerHung,
 )
 
 __version__ = "0.1.0"
@@ -61,6 +62,7 @@ __all__ = [
     "ServiceUnavailable",
     "ThreadBatcher",
     "ThreadOptions",
+    "WorkerHung",
     "__version__",
     "aio",
     "dynamically",

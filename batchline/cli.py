@@ -7,6 +7,7 @@ import asyncio
 import inspect
 import json
 import logging
+import os
 import re
 import socket
 import sys
@@ -113,9 +114,25 @@ def _worker(args: argparse.Namespace) -> int:
     settings = _settings(WorkerSettings, args)
     if args.check:
         return asyncio.run(_check(settings, args.max_age_s))
-    from batchline.worker import Worker
+    from batchline.worker._supervisor import report_ready, supervise
 
-    asyncio.run(Worker(settings).run())
+    supervised = settings.max_restarts_per_min > 0
+    if supervised and args.supervised_child is None:
+        # Run the worker in a child process, restarted if it dies.
+        return supervise(args.argv, max_restarts_per_min=settings.max_restarts_per_min)
+    from batchline.errors import WorkerHung
+    from batchline.worker import Worker
+    from batchline.worker._upkeep import HUNG_EXIT_CODE
+
+    worker = Worker(settings)
+    worker.exit_if_loop_blocked = True
+    if args.supervised_child is not None:
+        report_ready(args.supervised_child, worker.ready)
+    try:
+        asyncio.run(worker.run())
+    except WorkerHung:
+        logging.shutdown()
+        os._exit(HUNG_EXIT_CODE)  # the hung model's thread cannot be stopped otherwise
     return 0
 
 
@@ -222,6 +239,7 @@ def _parser() -> argparse.ArgumentParser:
         default=10.0,
         help="with --check: the oldest heartbeat that counts [default 10]",
     )
+    worker.add_argument("--supervised-child", type=int, help=argparse.SUPPRESS)
     worker.set_defaults(run=_worker)
 
     status = commands.add_parser(
@@ -275,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from batchline._redis import RedisUnreachable
 
     args = _parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -133,7 +133,15 @@ class WorkerSettings(ServiceSettings):
         max_tokens: padded-token budget of one batch (rows x longest row), or none.
         read_ahead: requests held ahead of the model, in batches (also the grouping window).
         claim_idle_ms: a request pending this long on a silent worker is reclaimed.
-        max_deliveries: deliveries before a request goes to the dead-letter stream.
+        max_deliveries: deliveries before a request goes to the dead-letter stream (a
+            request delivered more than once runs alone, so it fails only itself).
+        max_batch_ms: longest one model call may run; past it the worker counts as hung:
+            it hands back what it holds, stops, and ``batchline worker`` starts a fresh
+            process (0: no limit).
+        max_restarts_per_min: most restarts of a crashed or hung worker process within a
+            minute by ``batchline worker``; past them it exits non-zero (0: no supervisor,
+            the worker runs in the command's own process and a crash ends it, for an
+            orchestrator that restarts containers itself or a benchmark that pauses it).
         max_chars: longest text accepted.
         max_elements: most array elements accepted in one request.
         heartbeat_s: how often the worker reports it is alive, with its statistics.
@@ -158,6 +166,8 @@ class WorkerSettings(ServiceSettings):
     read_ahead: int = Field(default=16, ge=1)
     claim_idle_ms: int = Field(default=30_000, ge=100)
     max_deliveries: int = Field(default=3, ge=1)
+    max_batch_ms: int = Field(default=60_000, ge=0)
+    max_restarts_per_min: int = Field(default=10, ge=0)
     max_chars: int = Field(default=20_000, ge=1)
     max_elements: int = Field(default=1 << 20, ge=1)
     heartbeat_s: float = Field(default=2.0, gt=0)

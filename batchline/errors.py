@@ -48,6 +48,7 @@ __all__ = [
     "RequestExpired",
     "RequestTimeout",
     "ServiceUnavailable",
+    "WorkerHung",
 ]
 
 
@@ -134,3 +135,9 @@ class EnqueueUncertain(BatchlineError):
 class EnqueueTimeout(EnqueueUncertain, RequestTimeout):
     """Redis did not answer the write of this request in time (the socket timeout; Redis
     may be paused, ``CLIENT PAUSE``): as :class:`EnqueueUncertain`, and a RequestTimeout."""
+
+
+class WorkerHung(BatchlineError):
+    """A worker's model call ran past ``max_batch_ms``; the worker handed back what it held
+    and stopped (its model thread cannot be stopped: end the process, as ``batchline worker``
+    does)."""

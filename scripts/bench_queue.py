@@ -342,6 +342,8 @@ class Bench:
                     "--batch-size", str(BATCH_SIZE),
                     "--timeout-ms", "0",
                     "--heartbeat-s", "0.5",
+                    # No supervisor: the pid paused, measured and matched is the worker's.
+                    "--max-restarts-per-min", "0",
                     *extra,
                 ],
                 module=True,

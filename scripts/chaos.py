@@ -14,6 +14,12 @@ AOF. After ``--duration`` seconds the producers stop submitting and wait (at mos
 accepted request was lost (outside the Redis restart window, see below), answered twice or
 answered wrongly.
 
+Hostile inputs: with ``--crash-every N`` every N-th request of each producer is ``"crash"``,
+which aborts the worker process that runs it (SIGABRT), and with ``--hang-every N`` it is
+``"hang"``, which never returns (the workers run with ``--max-batch-ms``). Each must be
+dead-lettered (MaxDeliveries, ``max_deliveries`` 3) while every other request, its batch-mates
+included, is answered correctly; the workers' supervisors restart the processes that died.
+
 "Lost in the Redis restart window": with ``appendfsync everysec`` a crashed redis-server may
 lose up to about a second of acknowledged writes. A request accepted (its XADD acknowledged)
 in the seconds before the restart, never answered, whose entry is in no work stream and which
@@ -52,6 +58,8 @@ import redis  # noqa: E402
 from batchline.keys import QueueKeys  # noqa: E402
 
 MODEL = "tests.service.models_for_tests:double"
+HOSTILE_MODEL = "tests.service.models_for_tests:double_or_die"
+POISON = ("crash", "hang")
 REDIS_BINARY = os.environ.get("BLTEST_REDIS_SERVER", "/usr/bin/redis-server")
 # A request accepted this long before Redis went down may be lost by Redis (fsync every s).
 WINDOW_BEFORE_S = 2.0
@@ -121,8 +129,11 @@ class RedisServer:
 
 
 class Workers:
-    def __init__(self, url: str, queue: str, workdir: Path, heartbeat_s: float) -> None:
+    def __init__(
+        self, url: str, queue: str, workdir: Path, heartbeat_s: float, hostile: list[str]
+    ) -> None:
         self.url, self.queue, self.workdir, self.heartbeat_s = url, queue, workdir, heartbeat_s
+        self.hostile = hostile  # extra worker flags when hostile inputs are sent
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.all: list[subprocess.Popen[bytes]] = []
         self.kills = 0
@@ -135,8 +146,9 @@ class Workers:
     def spawn(self) -> str:
         wid = f"chaos-w{len(self.all)}-{uuid.uuid4().hex[:6]}"
         args = [sys.executable, "-m", "batchline", "worker", "--redis-url", self.url]
-        args += ["--queue", self.queue, "--model", MODEL, "--worker-id", wid]
-        args += ["--claim-idle-ms", "1000", "--max-deliveries", "10"]
+        model = HOSTILE_MODEL if self.hostile else MODEL
+        args += ["--queue", self.queue, "--model", model, "--worker-id", wid]
+        args += ["--claim-idle-ms", "1000", "--max-deliveries", "10", *self.hostile]
         args += ["--heartbeat-s", str(self.heartbeat_s), "--batch-size", "16"]
         with open(self.workdir / f"worker-{wid}.log", "wb") as log:
             proc = subprocess.Popen(
@@ -154,6 +166,11 @@ class Workers:
         proc.wait(30)
         self.kills += 1
         return wid
+
+    def restarts(self) -> int:
+        """Worker processes their supervisors replaced (after a crash or a hang)."""
+        logs = self.workdir.glob("worker-*.log")
+        return sum(p.read_text(errors="replace").count("; restarting in") for p in logs)
 
     def died(self) -> list[tuple[str, int]]:
         """Workers that exited on their own (none should)."""
@@ -175,16 +192,38 @@ class Workers:
 
 
 def producer_main(
-    idx: int, url: str, queue: str, rate: float, end_at: float, drain_s: float, out: str
+    idx: int,
+    url: str,
+    queue: str,
+    rate: float,
+    end_at: float,
+    drain_s: float,
+    out: str,
+    poison_every: tuple[int, int],
 ) -> None:
     import logging
 
     logging.basicConfig(level=logging.ERROR)
-    asyncio.run(_produce(idx, url, queue, rate, end_at, drain_s, Path(out)))
+    asyncio.run(_produce(idx, url, queue, rate, end_at, drain_s, Path(out), poison_every))
+
+
+def _value(idx: int, i: int, poison_every: tuple[int, int]) -> Any:
+    """The i-th value of producer idx: a number, or a poison input every N-th request."""
+    for kind, every in zip(POISON, poison_every, strict=True):
+        if every and i % every == every - 1:
+            return kind
+    return idx * 1_000_000_000 + i
 
 
 async def _produce(
-    idx: int, url: str, queue: str, rate: float, end_at: float, drain_s: float, out: Path
+    idx: int,
+    url: str,
+    queue: str,
+    rate: float,
+    end_at: float,
+    drain_s: float,
+    out: Path,
+    poison_every: tuple[int, int] = (0, 0),
 ) -> None:
     from batchline.producer import AsyncProducer
 
@@ -227,7 +266,7 @@ async def _produce(
     next_at = time.monotonic()
     i = 0
     while time.time() < end_at:
-        value = idx * 1_000_000_000 + i
+        value = _value(idx, i, poison_every)
         rid = f"p{idx}-{i}"
         i += 1
         try:
@@ -321,6 +360,7 @@ def analyse(
         first_reply_at.update(part["first_reply_at"])
         restarts += part["restarts"]
     correct = 0
+    poison_dead = 0
     errors: Counter[str] = Counter()
     wrong: list[Any] = []
     lost: list[str] = []
@@ -340,7 +380,12 @@ def analyse(
                 lost.append(rid)
             continue
         status, output, etype, _how = r
-        if status == "ok":
+        if value in POISON:
+            if (status, etype) == ("error", "MaxDeliveries"):
+                poison_dead += 1
+            else:
+                wrong.append([rid, value, [status, etype]])
+        elif status == "ok":
             if output == 2 * value:
                 correct += 1
             else:
@@ -360,6 +405,8 @@ def analyse(
         "accepted": len(accepted),
         "refused at submit (Redis down), by type": dict(submit_failed),
         "answered correctly": correct,
+        "poison inputs accepted": sum(1 for v, _at in accepted.values() if v in POISON),
+        "poison inputs dead-lettered": poison_dead,
         "errored, by type": dict(errors),
         "answered via result key (not reply)": sum(
             1 for r in results.values() if r[3] == "result-key"
@@ -398,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drain-s", type=float, default=60.0, help="longest wait for stragglers")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    ap.add_argument("--crash-every", type=int, default=0, help="every N-th request aborts")
+    ap.add_argument("--hang-every", type=int, default=0, help="every N-th request hangs")
+    ap.add_argument("--max-batch-ms", type=int, default=2000, help="with --hang-every")
     args = ap.parse_args(argv)
     if not os.access(REDIS_BINARY, os.X_OK):
         print(f"no redis-server at {REDIS_BINARY}", file=sys.stderr)
@@ -408,7 +458,11 @@ def main(argv: list[str] | None = None) -> int:
     server.start()
     queue = f"chaos-{uuid.uuid4().hex[:8]}"
     keys = QueueKeys(queue)
-    workers = Workers(server.url, queue, workdir, heartbeat_s=0.2)
+    hostile = []
+    if args.crash_every or args.hang_every:
+        hostile = ["--max-deliveries", "3", "--max-batch-ms", str(args.max_batch_ms)]
+        hostile += ["--max-restarts-per-min", "1000"]
+    workers = Workers(server.url, queue, workdir, heartbeat_s=0.2, hostile=hostile)
     ctx = multiprocessing.get_context("spawn")
     procs: list[Any] = []
     redis_window: tuple[float, float] | None = None
@@ -433,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
                 args=(
                     *(i, server.url, queue, args.rate, end_at, args.drain_s),
                     str(workdir / f"producer-{i}.json"),
+                    (args.crash_every, args.hang_every),
                 ),
             )
             p.start()
@@ -484,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             client.close()
         summary["worker kills"] = workers.kills
+        summary["worker processes restarted by their supervisor"] = workers.restarts()
         exits += [(w, rc, time.time()) for w, rc in died]
         unexplained = [
             e

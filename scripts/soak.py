@@ -123,6 +123,7 @@ def start_worker(
     log_path = workdir / "worker.log"
     cmd = [sys.executable, "-m", "batchline", "worker", "--redis-url", url]
     cmd += ["--queue", args.queue, "--model", args.model, "--worker-id", "soak-worker"]
+    cmd += ["--max-restarts-per-min", "0"]  # no supervisor: the pid sampled is the worker's
     cmd += ["--batch-size", str(args.batch_size), "--result-ttl-s", str(args.result_ttl_s)]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)

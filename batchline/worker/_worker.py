@@ -14,9 +14,22 @@ runs on the batcher's own thread, or on the loop for a model quick enough, see
   which acknowledges each entry and, only if the acknowledgement took, writes its result
   (with its TTL) and pushes the replies, then deletes the entries;
 - the *cancel follower* reads the queue's cancel stream (:mod:`batchline._cancels`);
-- the *janitor* keeps this worker's claims alive during long batches and reclaims entries
-  that dead workers left pending (XAUTOCLAIM), dead-lettering those delivered too often,
-  and the *heartbeat* publishes liveness and statistics (both in :mod:`._upkeep`).
+- the *janitor* keeps this worker's claims alive during long batches, the *reclaimer*
+  takes over entries that dead workers left pending (XAUTOCLAIM), dead-lettering those
+  delivered too often, and the *heartbeat* publishes liveness and statistics (all in
+  :mod:`._upkeep`).
+
+Containment. An entry delivered more than once may be what killed its last worker, so it
+never shares a model call again: the reclaimer takes such entries one at a time and runs
+each alone (on a second batcher of batch size 1 that shares the model's lock), so a poison
+input crashes only itself, and its batch-mates, already redelivered, are answered.
+``max_batch_ms`` bounds one model call: a watchdog thread marks the worker hung, and then it
+stops reading and renewing, signs off (no heartbeat), hands back what it holds with
+``XCLAIM ... IDLE <claim_idle_ms>`` so another worker's XAUTOCLAIM takes it at once (entries
+not started keep their delivery count, ``RETRYCOUNT``), writes the answers already computed,
+and :meth:`Worker.run` raises :class:`~batchline.errors.WorkerHung`. A Python thread cannot
+be killed, so the process must end: ``batchline worker`` runs the worker in a child process
+and starts a fresh one (:mod:`._supervisor`).
 
 SIGTERM (or :meth:`Worker.stop`) drains: stop reading, run what was read, write, exit.
 """
@@ -49,7 +62,13 @@ from batchline._redis import Backoff, Script, connect, dedicated, own_connection
 from batchline._scripts import COMPLETE
 from batchline.codec import DecodeError, check_priority, decode_requests, request_value
 from batchline.config import WorkerSettings, redact_url
-from batchline.errors import BatcherClosed, BatchlineError, RequestCancelled, RequestTimeout
+from batchline.errors import (
+    BatcherClosed,
+    BatchlineError,
+    RequestCancelled,
+    RequestTimeout,
+    WorkerHung,
+)
 from batchline.keys import GROUP, check_name
 from batchline.worker._answers import Meta, Record, answer, dead_letter
 from batchline.worker._readcap import ENTRY_SLACK_BYTES, ReadCap
@@ -125,6 +144,18 @@ class Worker(Upkeep):
             max_concurrent_batches=1,
             on_batch_start=self._before_batch,
         )
+        # Entries delivered more than once run here, alone, never inline on the loop (the
+        # model's lock may be held by a batch of the main batcher).
+        self._alone: AioBatcher[Prepared, Any] = AioBatcher(
+            self._infer_alone,
+            BatchConfig(batch_size=1, timeout_ms=0, small_batch_threshold=0, inline_below_ms=0),
+            max_concurrent_batches=1,
+            on_batch_start=self._before_batch,
+        )
+        self._deliveries: dict[bytes, int] = {}  # of reclaimed entries held
+        self._model_since: float | None = None  # monotonic start of the model call running
+        self._hung = threading.Event()
+        self._settled: asyncio.Event | None = None
         # Answers wait here while a write is in flight; the next write takes them all (the
         # same coalescing as a batcher with timeout 0, without its per-record overhead).
         self._outbox: list[Record] = []
@@ -155,6 +186,8 @@ class Worker(Upkeep):
         loop = self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         self._space = asyncio.Event()
+        self._settled = asyncio.Event()
+        hung = asyncio.Event()
         logger.info(
             "worker %s: queue %r on %s, model %s",
             self.worker_id,
@@ -174,12 +207,14 @@ class Worker(Upkeep):
         self.metrics.start()
         reader = loop.create_task(self._read(), name="batchline-reader")
         janitor = loop.create_task(self._janitor(), name="batchline-janitor")
+        reclaimer = loop.create_task(self._reclaimer(), name="batchline-reclaimer")
         heartbeat = loop.create_task(self._heartbeat(), name="batchline-heartbeat")
         cancels = loop.create_task(
             self._cancels.follow(self._redis, self.keys, lambda: not self._closing),
             name="batchline-cancels",
         )
-        tasks = (reader, janitor, heartbeat, cancels)
+        tasks = (reader, janitor, reclaimer, heartbeat, cancels)
+        watchdog = self._start_watchdog(loop, hung)
         self.ready.set()
         stopped = loop.create_task(self._stop.wait())
         crashed: list[BaseException] = []
@@ -195,13 +230,10 @@ class Worker(Upkeep):
                         exc_info=task.exception(),
                     )
             self.stop()  # drain: what was read is still answered
-            if not reader.done():
-                await reader  # returns after its current read (at most one block interval)
-            await self._batcher.aclose(drain=True)
-            while self._flusher is not None:
-                await self._flusher
+            await self._drain_or_abandon(reader, hung)
         finally:
             stopped.cancel()
+            watchdog.set()
             # Cancelling alone is not enough on Python 3.11: a cancellation that lands just as
             # redis-py's internal wait_for completes is swallowed, so the loops also end on this.
             self._closing = True
@@ -218,9 +250,45 @@ class Worker(Upkeep):
             if self._own_client:
                 await self._redis.aclose()
             logger.info("worker %s: stopped (%s)", self.worker_id, dict(self.counts))
+        if self._hung.is_set():
+            raise WorkerHung(
+                f"worker {self.worker_id}: a model call ran past "
+                f"max_batch_ms={self.settings.max_batch_ms}"
+            )
         if crashed:
             # Exit non-zero so that a supervisor restarts the worker.
             raise RuntimeError(f"worker {self.worker_id} stopped: a task failed") from crashed[0]
+
+    async def _drain_or_abandon(self, reader: asyncio.Task[None], hung: asyncio.Event) -> None:
+        """Drain (run what was read, write its answers); if the model hangs, before or
+        during the drain, hand back what is held instead."""
+        drain = asyncio.ensure_future(self._drain(reader))
+        hang = asyncio.ensure_future(hung.wait())
+        await asyncio.wait({drain, hang}, return_when=asyncio.FIRST_COMPLETED)
+        hang.cancel()
+        if drain.done():
+            drain.result()
+            return
+        drain.cancel()
+        await asyncio.gather(drain, return_exceptions=True)
+        if not reader.done():
+            await reader  # returns after its current read (at most one block interval)
+        with contextlib.suppress(RedisError, OSError):
+            await self._redis.zrem(self.keys.workers, self.worker_id)  # unhealthy at once
+        await self._hand_back()
+        while self._flusher is not None:  # the answers already computed
+            await self._flusher
+        # Nothing is answered from here on: _hand_back forgot every call still held.
+        self._batcher.close()
+        self._alone.close()
+
+    async def _drain(self, reader: asyncio.Task[None]) -> None:
+        if not reader.done():
+            await reader  # returns after its current read (at most one block interval)
+        await self._alone.aclose(drain=True)
+        await self._batcher.aclose(drain=True)
+        while self._flusher is not None:
+            await self._flusher
 
     def stop(self) -> None:
         """Drain and stop; callable from any thread and from signal handlers."""
@@ -303,7 +371,10 @@ class Worker(Upkeep):
                 )
 
     async def _accept(
-        self, entries: Iterable[tuple[int, bytes, dict[bytes, bytes] | None]]
+        self,
+        entries: Iterable[tuple[int, bytes, dict[bytes, bytes] | None]],
+        *,
+        alone: bool = False,
     ) -> None:
         batch, too_large = self._readcap.split(list(entries))
         for sidx, entry, _raw in batch:
@@ -326,7 +397,7 @@ class Worker(Upkeep):
             if isinstance(outcome, Record):
                 self._answer(outcome)
             else:
-                self._submit(*outcome)
+                self._submit(*outcome, alone=alone)
 
     def _prepare_all(
         self, batch: list[tuple[int, bytes, dict[bytes, bytes] | None]]
@@ -361,14 +432,14 @@ class Worker(Upkeep):
             out.append((meta, prepared))
         return out
 
-    def _submit(self, meta: Meta, prepared: list[Prepared]) -> None:
+    def _submit(self, meta: Meta, prepared: list[Prepared], *, alone: bool = False) -> None:
         request = meta.request
         deadline = None
         deadline_ms = request.get("dl")
         if deadline_ms is not None:
             deadline = time.monotonic() + (deadline_ms / 1e3 - time.time())
         try:
-            call = self._batcher.enqueue(
+            call = (self._alone if alone else self._batcher).enqueue(
                 prepared, self._done, deadline=deadline, priority=meta.sidx
             )
         except BatcherClosed:
@@ -384,7 +455,16 @@ class Worker(Upkeep):
     # -- running -------------------------------------------------------------------------------
 
     def _infer(self, batch: list[Prepared]) -> Any:
-        return self.model.infer([p.payload for p in batch])
+        # Model calls are serialised (the batchers' lock): one stamp tells the watchdog.
+        self._model_since = time.monotonic()
+        try:
+            return self.model.infer([p.payload for p in batch])
+        finally:
+            self._model_since = None
+
+    def _infer_alone(self, batch: list[Prepared]) -> Any:
+        with self._batcher._fn_lock:  # never beside a batch of the main batcher
+            return self._infer(batch)
 
     async def _before_batch(self, batch: list[Item]) -> None:
         if self._space is not None:
@@ -453,8 +533,7 @@ class Worker(Upkeep):
                     # Unanswered entries stay pending; no longer kept alive by this worker,
                     # they go idle and are reclaimed and answered later.
                     logger.error("writer: %d answers not written: %s", len(records), exc)
-                    for r in records:
-                        self._inflight[r.sidx].discard(r.entry)
+                    self._settle(records)
         finally:
             self._flusher = None
 
@@ -483,8 +562,15 @@ class Worker(Upkeep):
             msgpack.packb(packed, use_bin_type=False),
         ]
         await self._with_retry(lambda: self._complete(self._writer, keys, args))
+        self._settle(records)
+
+    def _settle(self, records: list[Record]) -> None:
+        """These entries are no longer this worker's to keep alive."""
         for r in records:
             self._inflight[r.sidx].discard(r.entry)
+            self._deliveries.pop(r.entry, None)
+        if self._settled is not None:
+            self._settled.set()
 
     async def _with_retry(self, attempt: Any, budget_s: float = 30.0) -> Any:
         """Retry a write through a Redis restart; past the budget the entries stay pending

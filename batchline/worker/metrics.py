@@ -42,8 +42,10 @@ class Metrics:
             ("model_p50_ms", "Model time per batch p50 (ms), recent window"),
             ("model_p99_ms", "Model time per batch p99 (ms), recent window"),
             ("held", "Requests read and not yet answered"),
+            ("healthy", "1 while serving, 0 once a model call ran past max_batch_ms"),
         ):
             self._gauges[name] = Gauge(f"batchline_{name}", doc, registry=registry)
+        self._gauges["healthy"].set(1)
         self._server, _thread = start_http_server(self.port, registry=registry)
         logger.info("metrics on :%d/metrics", self.port)
 
@@ -66,6 +68,10 @@ class Metrics:
         g["model_p50_ms"].set(stats.function_ms.p50)
         g["model_p99_ms"].set(stats.function_ms.p99)
         g["held"].set(stats.queue_size)
+
+    def unhealthy(self) -> None:
+        if "healthy" in self._gauges:
+            self._gauges["healthy"].set(0)
 
     def stop(self) -> None:
         if self._server is not None:

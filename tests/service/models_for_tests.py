@@ -4,9 +4,11 @@ Workers in subprocesses import this module by name, so it has no test-only impor
 behaviour is steered by environment variables (not ``BATCHLINE_*``, which the settings
 reject as unknown):
 
-- ``BLTEST_RECORD_FILE``: ``record_batches``, ``slow`` and ``crash`` append each batch they
-  are given to this file, one JSON list per line, before doing anything else with it;
-- ``BLTEST_SLOW_S``: how long ``slow`` sleeps per batch.
+- ``BLTEST_RECORD_FILE``: ``record_batches``, ``slow``, ``crash``, ``abort`` and ``hang``
+  append each batch they are given to this file, one JSON list per line, before doing
+  anything else with it;
+- ``BLTEST_SLOW_S``: how long ``slow`` sleeps per batch; ``BLTEST_HANG_S``: how long
+  ``hang`` hangs.
 """
 
 from __future__ import annotations
@@ -112,3 +114,31 @@ class GatedModel:
 
     def postprocess(self, outputs: list[Any], value: Any) -> Any:
         return outputs[0]
+
+
+def abort(items: list[Any]) -> list[Any]:
+    """Aborts its whole process (SIGABRT, as a crash in native code would) when a batch holds
+    "abort"; echoes the rest."""
+    _record(items)
+    if "abort" in items:
+        os.abort()
+    return items
+
+
+def hang(items: list[Any]) -> list[Any]:
+    """Never returns (well, after ``BLTEST_HANG_S``, default 600 s) when a batch holds
+    "hang"; echoes the rest."""
+    _record(items)
+    if "hang" in items:
+        time.sleep(float(os.environ.get("BLTEST_HANG_S", "600")))
+    return items
+
+
+def double_or_die(items: list[Any]) -> list[Any]:
+    """``double``, except that a batch holding "crash" aborts the process and one holding
+    "hang" never returns (scripts/chaos.py's hostile inputs)."""
+    if "crash" in items:
+        os.abort()
+    if "hang" in items:
+        threading.Event().wait()
+    return [x * 2 for x in items]

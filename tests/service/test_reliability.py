@@ -160,8 +160,10 @@ def test_a_request_that_kills_every_worker_is_dead_lettered(
         outputs = [producer.result(h, timeout_s=T) for h in others]
         assert outputs == [f"ok-{i}" for i in range(20)]
         assert_all_done(rclient, keys)
-    crashed = [w for w in workers if w.proc.poll() is not None]
-    assert [w.proc.returncode for w in crashed] == [CRASH_EXIT_CODE] * 2
+    # Each crash killed a worker process, which its supervisor replaced: all still serve.
+    assert all(w.proc.poll() is None for w in workers)
+    logs = "".join(w.log() for w in workers)
+    assert logs.count(f"died (status {CRASH_EXIT_CODE}); restarting") == 2
     seen = Counter(x for batch in read_batches(record) for x in batch)
     assert seen["crash"] == 2  # delivered twice, then dead-lettered without running
     dead = rclient.xrange(keys.dead)
