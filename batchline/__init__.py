@@ -12,11 +12,14 @@ from batchline._inference import AioInferenceBatcher, InferenceBatcher
 from batchline._thread import ThreadBatcher
 from batchline.core.stats import BatchStats, Percentiles
 from batchline.errors import (
+    BadGenerationParams,
     BatcherClosed,
     BatchFunctionError,
     BatchlineError,
+    GenerationError,
     InferenceError,
     ItemTooLarge,
+    PromptTooLong,
     QueueFull,
     RequestCancelled,
     RequestExpired,
@@ -28,14 +31,17 @@ __version__ = "0.1.0"
 __all__ = [
     "AioBatcher",
     "AioInferenceBatcher",
+    "BadGenerationParams",
     "BatchFunctionError",
     "BatchStats",
     "BatcherClosed",
     "BatchlineError",
+    "GenerationError",
     "InferenceBatcher",
     "InferenceError",
     "ItemTooLarge",
     "Percentiles",
+    "PromptTooLong",
     "QueueFull",
     "RequestCancelled",
     "RequestExpired",

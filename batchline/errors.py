@@ -13,8 +13,11 @@ error subclasses that builtin too::
     ├── ItemTooLarge (ValueError)    one item alone exceeds max_tokens
     ├── BatchFunctionError           the batch function broke its contract
     │   (wrong number of results, or raised a BaseException such as SystemExit)
-    └── InferenceError               a worker's model failed on this request
-                                     (carries the remote error type and message)
+    ├── InferenceError               a worker's model failed on this request
+    │                                (carries the remote error type and message)
+    └── GenerationError              a text-generation request failed
+        ├── BadGenerationParams (ValueError)  invalid sampling or length parameters
+        └── PromptTooLong (ValueError)        the prompt (plus max_new_tokens) can never fit
 
 An exception raised by the batch function itself (a ``ValueError`` from the model, say)
 reaches the caller unchanged: batchline only isolates it to the items that cause it.
@@ -23,11 +26,14 @@ reaches the caller unchanged: batchline only isolates it to the items that cause
 from __future__ import annotations
 
 __all__ = [
+    "BadGenerationParams",
     "BatchFunctionError",
     "BatcherClosed",
     "BatchlineError",
+    "GenerationError",
     "InferenceError",
     "ItemTooLarge",
+    "PromptTooLong",
     "QueueFull",
     "RequestCancelled",
     "RequestExpired",
@@ -79,3 +85,16 @@ class InferenceError(BatchlineError):
         super().__init__(f"{error_type}: {error_message}")
         self.error_type = error_type
         self.error_message = error_message
+
+
+class GenerationError(BatchlineError):
+    """A text-generation request failed (its decoding raised, or it was refused)."""
+
+
+class BadGenerationParams(GenerationError, ValueError):
+    """A generation parameter is out of range (temperature, top_p, max_new_tokens, ...)."""
+
+
+class PromptTooLong(GenerationError, ValueError):
+    """The prompt, with room for ``max_new_tokens``, exceeds the model's context or the
+    scheduler's ``max_batch_tokens``: it could never be admitted."""
