@@ -5,7 +5,7 @@
 # then batchline itself in editable mode with the extras named in $BATCHLINE_EXTRAS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="${BATCHLINE_EXTRAS:-dev,redis,embed,service,web,demo}"
+extras="${BATCHLINE_EXTRAS:-dev,redis,embed,service,web,demo,generate}"
 py="${PYTHON:-python3}"
 
 if [ ! -x /usr/bin/redis-server ] && command -v apt-get >/dev/null 2>&1; then

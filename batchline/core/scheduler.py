@@ -36,12 +36,16 @@ __all__ = ["Admission", "GenerationScheduler", "SchedulerConfig", "Sequenced"]
 class Sequenced(Protocol):
     """What the scheduler needs to know of a generation request (waiting or running)."""
 
-    arrival: float
-    deadline: float | None
-    priority: int
-    prompt_tokens: int
-    max_new_tokens: int
-
+    @property
+    def arrival(self) -> float: ...
+    @property
+    def deadline(self) -> float | None: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def max_new_tokens(self) -> int: ...
     @property
     def cancelled(self) -> bool: ...
 
