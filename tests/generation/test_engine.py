@@ -12,7 +12,7 @@ from batchline.errors import PromptTooLong
 from batchline.generation import Engine, GenerationLoop, GenerationParams, GenerationResult
 from batchline.generation._types import Sequence_
 
-from .tiny import VOCAB, alone, tiny_model, torch
+from .tiny import VOCAB, CharTokenizer, alone, tiny_model, torch
 
 
 class Clock:
@@ -159,3 +159,25 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch() -> None:
     assert run_sampled(model, 42, 3) == first
     assert run_sampled(model, 42, 5) == first
     assert run_sampled(model, 43, 0) != first
+
+
+def test_stop_string_cuts_the_text_and_deltas_never_show_it() -> None:
+    model = tiny_model("llama")
+    free = Engine(model, CharTokenizer())
+    probe = request([5, 6, 7], [], max_new_tokens=12)
+    free.step([probe])
+    while free.running:
+        free.step([])
+    text = probe.text
+    stop = text[5:7]  # two letters from the middle of what it generates anyway
+    engine = Engine(model, CharTokenizer())
+    seq = request([5, 6, 7], [], max_new_tokens=12, stop=(stop,))
+    deltas = engine.step([seq]).deltas
+    reason = None
+    while engine.running:
+        out = engine.step([])
+        deltas += out.deltas
+        reason = out.finished[0][1] if out.finished else reason
+    assert reason == "stop"
+    assert seq.text == text[: text.find(stop)]
+    assert "".join(d.text for _, d in deltas) == seq.text

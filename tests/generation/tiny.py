@@ -48,3 +48,15 @@ def alone(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
         pad_token_id=0,
     )
     return [int(t) for t in out[0, len(prompt) :]]
+
+
+class CharTokenizer:
+    """Decodes token i as one letter (i mod 26): enough to exercise stop strings and deltas."""
+
+    eos_token_id = EOS
+    pad_token_id = 0
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(
+            chr(ord("a") + i % 26) for i in ids if not (skip_special_tokens and i == EOS)
+        )
