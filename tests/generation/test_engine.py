@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from batchline.core.scheduler import SchedulerConfig
-from batchline.errors import PromptTooLong
+from batchline.errors import PromptTooLong, RequestCancelled, RequestExpired
 from batchline.generation import Engine, GenerationLoop, GenerationParams, GenerationResult
 from batchline.generation._types import Sequence_
 
@@ -181,3 +181,25 @@ def test_stop_string_cuts_the_text_and_deltas_never_show_it() -> None:
     assert reason == "stop"
     assert seq.text == text[: text.find(stop)]
     assert "".join(d.text for _, d in deltas) == seq.text
+
+
+def test_a_waiting_request_past_its_deadline_expires_and_cancelled_ones_leave() -> None:
+    clock = Clock()
+    loop = GenerationLoop(
+        Engine(tiny_model("gpt2")), SchedulerConfig(max_batch_size=1), clock=clock
+    )
+    events: list[list[Any]] = [[], [], []]
+    first = Sequence_([5], GenerationParams(max_new_tokens=3), 0.0, events[0].append)
+    late = Sequence_([6], GenerationParams(max_new_tokens=3), 0.0, events[1].append, deadline=1.0)
+    gone = Sequence_([7], GenerationParams(max_new_tokens=3), 0.0, events[2].append)
+    for seq in (first, late, gone):
+        loop.submit(seq)
+    loop.run_once()  # first runs; the others wait for the one slot
+    loop.cancel(gone)
+    clock.now = 1.0
+    while not loop.idle:
+        loop.run_once()
+    assert isinstance(events[0][-1], GenerationResult)
+    assert isinstance(events[1][-1], RequestExpired)
+    assert isinstance(events[2][-1], RequestCancelled)
+    assert late.generated == gone.generated == []
