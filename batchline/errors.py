@@ -21,8 +21,13 @@ error subclasses that builtin too::
     │                                loading, read-only, down): NOT queued; retryable
     ├── EnqueueUncertain             the connection was lost with the write in flight: the
     │                                request MAY be queued (carries request_id)
-    └── DecodeError (ValueError)     bytes read from Redis are not a valid batchline message
-                                     (batchline.codec; a malformed result key, say)
+    ├── WorkerHung                   a worker's model call ran past max_batch_ms; the
+    │                                worker handed back what it held and stopped
+    ├── DecodeError (ValueError)     bytes read from Redis are not a valid batchline message
+    │                                (batchline.codec; a malformed result key, say)
+    └── GenerationError              a text-generation request failed
+        ├── BadGenerationParams (ValueError)  invalid sampling or length parameters
+        └── PromptTooLong (ValueError)        the prompt (plus max_new_tokens) can never fit
 
 An exception raised by the batch function itself (a ``ValueError`` from the model, say)
 reaches the caller unchanged: batchline only isolates it to the items that cause it.
@@ -36,13 +41,16 @@ resubmit with the same ``request_id`` (safe only where answering a request twice
 from __future__ import annotations
 
 __all__ = [
+    "BadGenerationParams",
     "BatchFunctionError",
     "BatcherClosed",
     "BatchlineError",
     "EnqueueTimeout",
     "EnqueueUncertain",
+    "GenerationError",
     "InferenceError",
     "ItemTooLarge",
+    "PromptTooLong",
     "QueueFull",
     "RequestCancelled",
     "RequestExpired",
@@ -141,3 +149,16 @@ class WorkerHung(BatchlineError):
     """A worker's model call ran past ``max_batch_ms``; the worker handed back what it held
     and stopped (its model thread cannot be stopped: end the process, as ``batchline worker``
     does)."""
+
+
+class GenerationError(BatchlineError):
+    """A text-generation request failed (its decoding raised, or it was refused)."""
+
+
+class BadGenerationParams(GenerationError, ValueError):
+    """A generation parameter is out of range (temperature, top_p, max_new_tokens, ...)."""
+
+
+class PromptTooLong(GenerationError, ValueError):
+    """The prompt, with room for ``max_new_tokens``, exceeds the model's context or the
+    scheduler's ``max_batch_tokens``: it could never be admitted."""

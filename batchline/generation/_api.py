@@ -1,0 +1,207 @@
+"""The in-process API: :class:`Generator` (asyncio) and :class:`SyncGenerator` (threads)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from types import TracebackType
+from typing import Any, Self, TypedDict, Unpack
+
+from batchline.core.scheduler import SchedulerConfig
+from batchline.generation._engine import Engine
+from batchline.generation._loop import GenerationLoop
+from batchline.generation._model import DEFAULT_MODEL, load_causal_lm
+from batchline.generation._types import (
+    GenerationDelta,
+    GenerationParams,
+    GenerationResult,
+    Sequence_,
+)
+
+__all__ = ["Generator", "RequestOptions", "SyncGenerator"]
+
+Event = GenerationDelta | GenerationResult | BaseException
+
+
+class RequestOptions(TypedDict, total=False):
+    """Keyword options of one generation call (see :class:`Generator`)."""
+
+    messages: list[dict[str, str]]
+    prompt_ids: Sequence[int]
+    priority: int
+    timeout_s: float | None
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: str | Sequence[str]
+
+
+def _checked(event: Event) -> GenerationDelta | GenerationResult:
+    """The event, or its exception raised."""
+    if isinstance(event, BaseException):
+        raise event
+    return event
+
+
+class _Base:
+    """Model loading, request building and the loop, shared by both facades."""
+
+    def __init__(
+        self,
+        model: Any = DEFAULT_MODEL,
+        *,
+        tokenizer: Any = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        max_batch_size: int = 32,
+        max_batch_tokens: int = 16384,
+        max_overtake_s: float = 0.1,
+        max_backfill_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if isinstance(model, str | os.PathLike):
+            model, tokenizer = load_causal_lm(model, device=device, dtype=dtype)
+        config = SchedulerConfig(
+            max_batch_size=max_batch_size,
+            max_batch_tokens=max_batch_tokens,
+            max_overtake_s=max_overtake_s,
+            max_backfill_s=max_backfill_s,
+        )
+        self.engine = Engine(model, tokenizer)
+        self.loop = GenerationLoop(self.engine, config, clock=clock)
+        self.loop.start()
+
+    @property
+    def mean_batch(self) -> float:
+        """Mean running batch per model step so far."""
+        return self.loop.batch_rows / self.loop.steps if self.loop.steps else 0.0
+
+    def _request(
+        self, on_event: Callable[[Event], None], prompt: str | None, options: RequestOptions
+    ) -> Sequence_:
+        opts: dict[str, Any] = dict(options)
+        messages = opts.pop("messages", None)
+        prompt_ids = opts.pop("prompt_ids", None)
+        priority = opts.pop("priority", 0)
+        timeout_s = opts.pop("timeout_s", None)
+        stop = opts.pop("stop", ())
+        params = GenerationParams(**opts, stop=(stop,) if isinstance(stop, str) else tuple(stop))
+        if prompt_ids is not None:
+            if prompt is not None or messages is not None:
+                raise TypeError("pass one of prompt, messages or prompt_ids")
+            ids = [int(i) for i in prompt_ids]
+        else:
+            ids = self.engine.encode(prompt, messages=messages)
+        params = self.engine.check(ids, params)
+        arrival = self.loop.clock()
+        deadline = None if timeout_s is None else arrival + timeout_s
+        seq = Sequence_(ids, params, arrival, on_event, deadline=deadline, priority=priority)
+        self.loop.submit(seq)
+        return seq
+
+
+class Generator(_Base):
+    """Continuous-batching text generation for asyncio code.
+
+    ``model`` is ``"smollm2"`` (the default, from the ``generate`` extra), a Hugging Face
+    causal-LM directory, a ``.gguf`` file, or a loaded model (then pass ``tokenizer``, or
+    ``prompt_ids`` on every call). Loading blocks: build it before the event loop, or with
+    ``await asyncio.to_thread(Generator, ...)``. The model runs on a thread of its own.
+
+    Per call: ``max_new_tokens``, ``temperature`` (0: greedy), ``top_p``, ``top_k``, ``seed``,
+    ``stop`` (strings), ``priority``, ``timeout_s`` (a deadline: a request still waiting
+    then raises RequestExpired; a running one ends with finish_reason ``"deadline"``).
+    Bad values raise BadGenerationParams; a prompt that cannot fit raises PromptTooLong.
+    """
+
+    async def generate(
+        self, prompt: str | None = None, **options: Unpack[RequestOptions]
+    ) -> GenerationResult:
+        """Generate to the end; the text, token ids, finish reason and timings."""
+        async for event in self._events(prompt, options):
+            if isinstance(event, GenerationResult):
+                return event
+        raise AssertionError("unreachable: every request ends with a result or an error")
+
+    async def stream(
+        self, prompt: str | None = None, **options: Unpack[RequestOptions]
+    ) -> AsyncIterator[GenerationDelta]:
+        """Yield each step's delta (new tokens, the text that became final) as it comes."""
+        async for event in self._events(prompt, options):
+            if isinstance(event, GenerationDelta):
+                yield event
+
+    async def _events(self, prompt: str | None, options: RequestOptions) -> AsyncIterator[Event]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def on_event(event: Event) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        seq = self._request(on_event, prompt, options)
+        try:
+            item: Event | None = None
+            while not isinstance(item, GenerationResult):
+                yield (item := _checked(await events.get()))
+        finally:
+            self.loop.cancel(seq)  # a no-op once it ended
+
+    async def aclose(self) -> None:
+        """Refuse new requests, finish the ones already in, stop the model thread."""
+        await asyncio.to_thread(self.loop.close)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+
+class SyncGenerator(_Base):
+    """The same as :class:`Generator`, callable from any number of threads."""
+
+    def generate(
+        self, prompt: str | None = None, **options: Unpack[RequestOptions]
+    ) -> GenerationResult:
+        """Generate to the end (blocks this thread)."""
+        for event in self._events(prompt, options):
+            if isinstance(event, GenerationResult):
+                return event
+        raise AssertionError("unreachable: every request ends with a result or an error")
+
+    def stream(
+        self, prompt: str | None = None, **options: Unpack[RequestOptions]
+    ) -> Iterator[GenerationDelta]:
+        """Yield each step's delta as it comes (blocks this thread between them)."""
+        for event in self._events(prompt, options):
+            if isinstance(event, GenerationDelta):
+                yield event
+
+    def _events(self, prompt: str | None, options: RequestOptions) -> Iterator[Event]:
+        events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        seq = self._request(events.put, prompt, options)
+        try:
+            item: Event | None = None
+            while not isinstance(item, GenerationResult):
+                yield (item := _checked(events.get()))
+        finally:
+            self.loop.cancel(seq)  # a no-op once it ended
+
+    def close(self) -> None:
+        """Refuse new requests, finish the ones already in, stop the model thread."""
+        self.loop.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

@@ -1,0 +1,149 @@
+"""What a generation request carries, what it yields, and how it ends (no torch here)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from batchline.errors import BadGenerationParams
+
+__all__ = ["FinishReason", "GenerationDelta", "GenerationParams", "GenerationResult", "Sequence_"]
+
+FinishReason = Literal["eos", "length", "stop", "cancelled", "deadline", "error"]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationParams:
+    """Per-request settings.
+
+    Attributes:
+        max_new_tokens: most tokens to generate.
+        temperature: 0 decodes greedily; above 0 samples from softmax(logits / temperature).
+        top_p: nucleus sampling mass, in (0, 1].
+        top_k: sample among the k likeliest tokens; 0 for all.
+        seed: seeds this request's own random generator (reproducible sampling), or None.
+        stop: strings that end the generation; the text ends before the first one found.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+            raise BadGenerationParams(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
+        if self.max_new_tokens < 1:
+            raise BadGenerationParams(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not (isinstance(self.temperature, int | float) and 0 <= self.temperature < math.inf):
+            raise BadGenerationParams(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_p, int | float) and 0 < self.top_p <= 1):
+            raise BadGenerationParams(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise BadGenerationParams(f"top_k must be an int >= 0, got {self.top_k!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
+            raise BadGenerationParams(f"seed must be an int or None, got {self.seed!r}")
+        if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
+            raise BadGenerationParams(
+                f"stop must be a sequence of non-empty strings: {self.stop!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationDelta:
+    """What one step added to one request: new tokens and the text that became final."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    """A finished request.
+
+    Attributes:
+        text: the generated text (without the prompt, cut before a stop string).
+        token_ids: the generated token ids (with the EOS token when it ended on one).
+        finish_reason: eos, length, stop, cancelled, deadline or error.
+        prompt_tokens: tokens in the prompt.
+        queue_s: from submission to joining the batch.
+        ttft_s: from submission to the first token.
+        total_s: from submission to the end.
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    queue_s: float
+    ttft_s: float
+    total_s: float
+
+    @property
+    def tokens(self) -> int:
+        """How many tokens were generated."""
+        return len(self.token_ids)
+
+
+@dataclass(eq=False)
+class Sequence_:  # a sequence in the batch; typing's Sequence has the plain name
+    """One request's state from submission to its end; shared by the engine and drivers.
+
+    Satisfies the scheduler's ``Sequenced`` protocol. ``on_event`` is called from the
+    model thread with each delta and, once, with the result or an exception.
+    """
+
+    prompt_ids: list[int]
+    params: GenerationParams
+    arrival: float
+    on_event: Callable[[GenerationDelta | GenerationResult | BaseException], None]
+    deadline: float | None = None
+    priority: int = 0
+    cancel_requested: bool = False
+    generated: list[int] = field(default_factory=list)
+    emitted_chars: int = 0
+    text: str = ""
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    rng: Any = None  # torch.Generator when seeded
+
+    @property
+    def cancelled(self) -> bool:
+        """Read by the scheduler: the caller gave up on this request."""
+        return self.cancel_requested
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens in the prompt."""
+        return len(self.prompt_ids)
+
+    @property
+    def max_new_tokens(self) -> int:
+        """Most tokens this request may generate."""
+        return self.params.max_new_tokens
+
+    def result(self, reason: FinishReason, now: float) -> GenerationResult:
+        """The finished result, with timings relative to ``arrival``."""
+        admitted = self.admitted_at if self.admitted_at is not None else now
+        first = self.first_token_at if self.first_token_at is not None else now
+        return GenerationResult(
+            text=self.text,
+            token_ids=tuple(self.generated),
+            finish_reason=reason,
+            prompt_tokens=self.prompt_tokens,
+            queue_s=admitted - self.arrival,
+            ttft_s=first - self.arrival,
+            total_s=now - self.arrival,
+        )
+
+
+def stop_cut(text: str, stop: Sequence[str]) -> int | None:
+    """Index where the first stop string starts in ``text``, or None."""
+    found = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return min(found) if found else None

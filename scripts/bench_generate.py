@@ -1,0 +1,208 @@
+"""Generation throughput in process: one at a time, static batching, transformers'
+continuous batching (generate_batch, tuned) and batchline, on SmolLM2-135M-Instruct.
+
+    python3 scripts/bench_generate.py            # the full workloads (several minutes on 2 cores)
+    python3 scripts/bench_generate.py --quick    # a short check of every path
+
+(a) uniform: N chat prompts, greedy, 32 new tokens each, all submitted at once.
+(b) mixed: M prompts, max_new_tokens drawn from 8..256, arriving open-loop (Poisson).
+Tokens counted are the useful ones: each request's own tokens up to its EOS or limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import time
+from typing import Any
+
+import torch
+
+from batchline.generation import Generator, load_causal_lm
+
+TOPICS = [
+    "the capital of France",
+    "photosynthesis",
+    "a haiku about rain",
+    "why the sky is blue",
+    "black holes",
+    "how to boil an egg",
+    "the French revolution",
+    "prime numbers",
+    "the water cycle",
+    "machine learning",
+    "a good breakfast",
+    "the moon landing",
+    "volcanoes",
+    "how bees make honey",
+    "the Roman empire",
+    "gravity",
+]
+
+
+def prompts(n: int) -> list[list[dict[str, str]]]:
+    verbs = ["Tell me about", "Explain", "Write two sentences on"]
+    return [
+        [{"role": "user", "content": f"{verbs[i % 3]} {TOPICS[i % len(TOPICS)]}."}]
+        for i in range(n)
+    ]
+
+
+def useful(tokens: list[int], limit: int, eos: set[int]) -> int:
+    for i, t in enumerate(tokens[:limit]):
+        if t in eos:
+            return i + 1
+    return min(len(tokens), limit)
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def static(model: Any, tok: Any, chats: list[Any], limits: list[int], size: int) -> dict[str, Any]:
+    """Left-padded model.generate over batches of ``size`` in order; each runs to its max."""
+    tok.padding_side = "left"
+    eos = {int(tok.eos_token_id)}
+    total, start = 0, time.perf_counter()
+    for i in range(0, len(chats), size):
+        texts = [
+            tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
+            for c in chats[i : i + size]
+        ]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        lim = limits[i : i + size]
+        with torch.inference_mode():
+            out = model.generate(
+                **enc, max_new_tokens=max(lim), do_sample=False, pad_token_id=tok.pad_token_id
+            )
+        for row, limit in zip(out[:, enc["input_ids"].shape[1] :].tolist(), lim, strict=True):
+            total += useful(row, limit, eos)
+    return {"tokens": total, "wall_s": time.perf_counter() - start}
+
+
+def tf_batch(path: str, tok: Any, chats: list[Any], limits: list[int]) -> dict[str, Any]:
+    """transformers' generate_batch, tuned as the issue says; one max_new_tokens for all."""
+    from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged|sdpa").eval()
+    ids = [
+        tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)
+        for c in chats
+    ]
+    config = GenerationConfig(
+        max_new_tokens=max(limits),
+        do_sample=False,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    cb = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=512)
+    start = time.perf_counter()
+    outs = model.generate_batch(ids, generation_config=config, continuous_batching_config=cb)
+    wall = time.perf_counter() - start
+    eos = {int(tok.eos_token_id)}
+    ordered = sorted(outs.values(), key=lambda o: int(str(o.request_id).split("_")[-1]))
+    total = sum(
+        useful(list(o.generated_tokens), lim, eos) for o, lim in zip(ordered, limits, strict=True)
+    )
+    return {"tokens": total, "wall_s": wall}
+
+
+async def ours(
+    gen: Generator, chats: list[Any], limits: list[int], gaps: list[float]
+) -> dict[str, Any]:
+    ttft: list[float] = []
+    itl: list[float] = []
+    steps0, rows0 = gen.loop.steps, gen.loop.batch_rows
+
+    async def one(chat: Any, limit: int, delay: float) -> int:
+        await asyncio.sleep(delay)
+        sent = last = time.perf_counter()
+        n = 0
+        async for delta in gen.stream(messages=chat, max_new_tokens=limit):
+            now = time.perf_counter()
+            (ttft if n == 0 else itl).append(now - (sent if n == 0 else last))
+            last, n = now, n + len(delta.token_ids)
+        return n
+
+    arrivals = [sum(gaps[: i + 1]) for i in range(len(gaps))]
+    start = time.perf_counter()
+    counts = await asyncio.gather(
+        *(one(c, m, a) for c, m, a in zip(chats, limits, arrivals, strict=True))
+    )
+    wall = time.perf_counter() - start
+    steps = gen.loop.steps - steps0
+    return {
+        "tokens": sum(counts),
+        "wall_s": wall,
+        "ttft_p50": pct(ttft, 0.5),
+        "ttft_p99": pct(ttft, 0.99),
+        "itl_p50": pct(itl, 0.5),
+        "itl_p99": pct(itl, 0.99),
+        "mean_batch": (gen.loop.batch_rows - rows0) / steps if steps else 0.0,
+    }
+
+
+def show(name: str, r: dict[str, Any], base: dict[str, float]) -> None:
+    rate = r["tokens"] / r["wall_s"]
+    ratios = " ".join(f"{rate / v:.2f}x {k}" for k, v in base.items() if v)
+    extra = ""
+    if "ttft_p50" in r:
+        extra = (
+            f" ttft p50/p99 {r['ttft_p50'] * 1e3:.0f}/{r['ttft_p99'] * 1e3:.0f} ms"
+            f" itl p50/p99 {r['itl_p50'] * 1e3:.0f}/{r['itl_p99'] * 1e3:.0f} ms"
+            f" mean batch {r['mean_batch']:.1f}"
+        )
+    print(
+        f"{name:<28} {r['tokens']:>6} tok {r['wall_s']:7.1f} s {rate:7.1f} tok/s{extra}  {ratios}"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small workloads: a check, not figures")
+    ap.add_argument("--skip-tf", action="store_true", help="skip transformers' generate_batch")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    n_uniform, n_alone, n_mixed, hi = (8, 2, 12, 48) if args.quick else (32, 8, 64, 256)
+    model, tok = load_causal_lm()
+    gen = Generator(model, tokenizer=tok, max_batch_size=32)
+    eos_note = "tokens counted up to each request's EOS or limit"
+
+    print(f"(a) uniform: {n_uniform} chat prompts, greedy, 32 new tokens ({eos_note})")
+    chats, limits = prompts(n_uniform), [32] * n_uniform
+    alone = static(model, tok, chats[:n_alone], limits[:n_alone], 1)
+    show(f"one at a time ({n_alone} prompts)", alone, {})
+    stat = static(model, tok, chats, limits, n_uniform)
+    show("static (one generate)", stat, {"one at a time": alone["tokens"] / alone["wall_s"]})
+    base = {"static": stat["tokens"] / stat["wall_s"]}
+    if not args.skip_tf:
+        tf = tf_batch(model.name_or_path, tok, chats, limits)
+        show("generate_batch (tuned)", tf, base)
+        base["generate_batch"] = tf["tokens"] / tf["wall_s"]
+    show("batchline", asyncio.run(ours(gen, chats, limits, [0.0] * n_uniform)), base)
+
+    rnd = random.Random(1)
+    chats, limits = prompts(n_mixed), [rnd.randint(8, hi) for _ in range(n_mixed)]
+    rate_per_s = 8.0
+    gaps = [rnd.expovariate(rate_per_s) for _ in range(n_mixed)]
+    print(
+        f"(b) mixed: {n_mixed} prompts, max_new_tokens 8..{hi}, Poisson arrivals "
+        f"{rate_per_s:.0f}/s (static and generate_batch get them all at once)"
+    )
+    stat = static(model, tok, chats, limits, 32)
+    show("static (batches of 32)", stat, {})
+    base = {"static": stat["tokens"] / stat["wall_s"]}
+    if not args.skip_tf:
+        tf = tf_batch(model.name_or_path, tok, chats, limits)
+        show("generate_batch (tuned)", tf, base)
+        base["generate_batch"] = tf["tokens"] / tf["wall_s"]
+    show("batchline", asyncio.run(ours(gen, chats, limits, gaps)), base)
+    gen.loop.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""The in-process API: asyncio Generator and thread SyncGenerator over tiny models."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+
+from batchline.errors import BadGenerationParams, BatcherClosed, PromptTooLong
+from batchline.generation import GenerationResult, Generator, SyncGenerator
+
+from .tiny import alone, tiny_model
+
+PROMPTS = [[5, 6, 7], [8] * 12, [9, 10], [11] * 30, [12, 13, 14, 15]]
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return tiny_model("llama")
+
+
+async def test_concurrent_generate_equals_each_alone(model: Any) -> None:
+    async with Generator(model, max_batch_size=3) as gen:
+        results = await asyncio.gather(
+            *(gen.generate(prompt_ids=p, max_new_tokens=5 + i) for i, p in enumerate(PROMPTS))
+        )
+        assert gen.mean_batch > 1
+    for i, (prompt, result) in enumerate(zip(PROMPTS, results, strict=True)):
+        assert list(result.token_ids) == alone(model, prompt, 5 + i)
+        assert result.finish_reason in ("length", "eos")
+        assert 0 <= result.queue_s <= result.ttft_s <= result.total_s
+
+
+async def test_stream_yields_every_token_in_order(model: Any) -> None:
+    async with Generator(model) as gen:
+        tokens = [
+            t async for d in gen.stream(prompt_ids=[5, 6], max_new_tokens=7) for t in d.token_ids
+        ]
+    assert tokens == alone(model, [5, 6], 7)
+
+
+async def test_typed_errors_for_one_request_alone(model: Any) -> None:
+    async with Generator(model, max_batch_tokens=64) as gen:
+        with pytest.raises(BadGenerationParams, match="top_p"):
+            await gen.generate(prompt_ids=[5], top_p=0)
+        with pytest.raises(BadGenerationParams, match="max_new_tokens"):
+            await gen.generate(prompt_ids=[5], max_new_tokens=0)
+        with pytest.raises(PromptTooLong, match="max_batch_tokens 64"):
+            await gen.generate(prompt_ids=[5] * 60, max_new_tokens=10)
+        with pytest.raises(PromptTooLong, match="context"):
+            await gen.generate(prompt_ids=[5] * 200)
+        result = await gen.generate(prompt_ids=[5], max_new_tokens=3)
+        assert result.tokens == 3
+    with pytest.raises(BatcherClosed):
+        await gen.generate(prompt_ids=[5])
+
+
+async def test_cancelling_the_caller_ends_its_sequence(model: Any) -> None:
+    async with Generator(model) as gen:
+        task = asyncio.create_task(gen.generate(prompt_ids=[5, 6], max_new_tokens=100_000 // 1000))
+        async for _ in gen.stream(prompt_ids=[7], max_new_tokens=2):
+            pass
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        ok = await gen.generate(prompt_ids=[8], max_new_tokens=2)
+        assert ok.tokens == 2
+
+
+async def test_aclose_drains_what_is_in(model: Any) -> None:
+    gen = Generator(model)
+    pending = [asyncio.create_task(gen.generate(prompt_ids=p, max_new_tokens=4)) for p in PROMPTS]
+    await asyncio.sleep(0)
+    await gen.aclose()
+    results = await asyncio.gather(*pending)
+    assert all(isinstance(r, GenerationResult) and r.tokens for r in results)
+
+
+def test_sync_generator_from_threads(model: Any) -> None:
+    out: dict[int, list[int]] = {}
+    with SyncGenerator(model) as gen:
+
+        def call(i: int) -> None:
+            out[i] = list(gen.generate(prompt_ids=PROMPTS[i], max_new_tokens=6).token_ids)
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        streamed = [t for d in gen.stream(prompt_ids=[5, 6], max_new_tokens=3) for t in d.token_ids]
+    assert out == {i: alone(model, p, 6) for i, p in enumerate(PROMPTS)}
+    assert streamed == alone(model, [5, 6], 3)

@@ -1,0 +1,205 @@
+"""The engine and loop under continuous batching, driven step by step with a fake clock."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from batchline.core.scheduler import SchedulerConfig
+from batchline.errors import PromptTooLong, RequestCancelled, RequestExpired
+from batchline.generation import Engine, GenerationLoop, GenerationParams, GenerationResult
+from batchline.generation._types import Sequence_
+
+from .tiny import VOCAB, CharTokenizer, alone, tiny_model, torch
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def request(prompt: list[int], events: list[Any], **params: Any) -> Sequence_:
+    return Sequence_(prompt, GenerationParams(**params), 0.0, events.append)
+
+
+def run_mixed(model: Any, seed: int, n: int = 20) -> tuple[list[list[int]], list[list[int]]]:
+    """Requests arriving at random steps, mixed prompt lengths and max_new_tokens; returns
+    (what the loop generated, what each generates alone)."""
+    rnd = random.Random(seed)
+    clock = Clock()
+    loop = GenerationLoop(
+        Engine(model), SchedulerConfig(max_batch_size=6, max_batch_tokens=400), clock=clock
+    )
+    plan = []
+    for _ in range(n):
+        prompt = [rnd.randrange(4, VOCAB) for _ in range(rnd.randint(1, 40))]
+        plan.append((rnd.randint(0, 25), prompt, rnd.randint(1, 24)))
+    results: list[list[Any]] = [[] for _ in plan]
+    for step in range(1000):
+        clock.now = float(step)
+        for (at, prompt, new), events in zip(plan, results, strict=True):
+            if at == step:
+                seq = Sequence_(
+                    prompt, GenerationParams(max_new_tokens=new), clock.now, events.append
+                )
+                loop.submit(seq)
+        loop.run_once()
+        if step > 25 and loop.idle:
+            break
+    assert loop.idle
+    got = []
+    for events in results:
+        assert isinstance(events[-1], GenerationResult), events[-1]
+        got.append(list(events[-1].token_ids))
+    want = [alone(model, prompt, new) for _, prompt, new in plan]
+    return got, want
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_greedy_under_continuous_batching_equals_each_alone_float64(kind: str) -> None:
+    model = tiny_model(kind, torch.float64)
+    for seed in range(2):
+        got, want = run_mixed(model, seed)
+        assert got == want
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_greedy_exact_match_rate_float32(kind: str) -> None:
+    model = tiny_model(kind, torch.float32)
+    got, want = run_mixed(model, 7, n=30)
+    rate = sum(g == w for g, w in zip(got, want, strict=True)) / len(want)
+    print(f"{kind} float32 exact-match rate: {rate:.2f}")  # 1.00 here
+    assert rate >= 0.9
+
+
+def test_eos_ends_a_sequence_and_is_kept() -> None:
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.lm_head.bias = None
+        model.lm_head.weight[3] += 100.0  # EOS dominates every step
+    engine = Engine(model)
+    events: list[Any] = []
+    seq = request([5, 6, 7], events, max_new_tokens=10)
+    out = engine.step([seq])
+    assert out.finished == [(seq, "eos")]
+    assert seq.generated == [3]
+    assert not engine.running
+
+
+def test_cancel_and_deadline_stop_a_running_sequence_within_one_step() -> None:
+    clock = Clock()
+    loop = GenerationLoop(Engine(tiny_model("gpt2")), SchedulerConfig(), clock=clock)
+    a_events: list[Any] = []
+    b_events: list[Any] = []
+    a = Sequence_([5, 6], GenerationParams(max_new_tokens=50), 0.0, a_events.append)
+    b = Sequence_(
+        [7, 8, 9], GenerationParams(max_new_tokens=50), 0.0, b_events.append, deadline=3.0
+    )
+    loop.submit(a)
+    loop.submit(b)
+    for step in range(3):
+        clock.now = float(step)
+        loop.run_once()
+    assert len(a.generated) == len(b.generated) == 3
+    loop.cancel(a)
+    clock.now = 3.0  # b's deadline
+    loop.run_once()
+    assert a_events[-1].finish_reason == "cancelled"
+    assert b_events[-1].finish_reason == "deadline"
+    assert len(a_events[-1].token_ids) == len(b_events[-1].token_ids) == 3
+    assert loop.idle
+
+
+def test_a_prompt_longer_than_the_context_is_refused_alone() -> None:
+    engine = Engine(tiny_model("gpt2"))  # context 128
+    with pytest.raises(PromptTooLong, match="context of 128"):
+        engine.check([5] * 128, GenerationParams())
+    assert engine.check([5] * 100, GenerationParams(max_new_tokens=50)).max_new_tokens == 28
+
+
+def test_one_request_whose_decoding_raises_fails_alone() -> None:
+    engine = Engine(tiny_model("gpt2"))
+    good: list[Any] = []
+    bad: list[Any] = []
+    ok = request([5, 6], good, max_new_tokens=4)
+    broken = request([7, 8], bad, max_new_tokens=4, temperature=1.0)
+    broken.rng = "not a generator"  # sampling with it raises
+    out = engine.step([ok, broken])
+    assert [s for s, _ in out.failed] == [broken]
+    assert engine.running == [ok]
+    while engine.running:
+        engine.step([])
+    assert ok.generated == alone(engine.model, [5, 6], 4)
+
+
+def run_sampled(model: Any, seed: int, others: int) -> list[int]:
+    engine = Engine(model)
+    rnd = random.Random(others)
+    batch = [
+        request([rnd.randrange(4, VOCAB)] * rnd.randint(1, 9), [], max_new_tokens=12)
+        for _ in range(others)
+    ]
+    target = request(
+        [9, 10, 11], [], max_new_tokens=12, temperature=0.8, top_k=20, top_p=0.9, seed=seed
+    )
+    engine.step(batch + [target])
+    while target in engine.running:
+        engine.step([])
+    return target.generated
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch() -> None:
+    model = tiny_model("llama")
+    first = run_sampled(model, 42, 0)
+    assert run_sampled(model, 42, 3) == first
+    assert run_sampled(model, 42, 5) == first
+    assert run_sampled(model, 43, 0) != first
+
+
+def test_stop_string_cuts_the_text_and_deltas_never_show_it() -> None:
+    model = tiny_model("llama")
+    free = Engine(model, CharTokenizer())
+    probe = request([5, 6, 7], [], max_new_tokens=12)
+    free.step([probe])
+    while free.running:
+        free.step([])
+    text = probe.text
+    stop = text[5:7]  # two letters from the middle of what it generates anyway
+    engine = Engine(model, CharTokenizer())
+    seq = request([5, 6, 7], [], max_new_tokens=12, stop=(stop,))
+    deltas = engine.step([seq]).deltas
+    reason = None
+    while engine.running:
+        out = engine.step([])
+        deltas += out.deltas
+        reason = out.finished[0][1] if out.finished else reason
+    assert reason == "stop"
+    assert seq.text == text[: text.find(stop)]
+    assert "".join(d.text for _, d in deltas) == seq.text
+
+
+def test_a_waiting_request_past_its_deadline_expires_and_cancelled_ones_leave() -> None:
+    clock = Clock()
+    loop = GenerationLoop(
+        Engine(tiny_model("gpt2")), SchedulerConfig(max_batch_size=1), clock=clock
+    )
+    events: list[list[Any]] = [[], [], []]
+    first = Sequence_([5], GenerationParams(max_new_tokens=3), 0.0, events[0].append)
+    late = Sequence_([6], GenerationParams(max_new_tokens=3), 0.0, events[1].append, deadline=1.0)
+    gone = Sequence_([7], GenerationParams(max_new_tokens=3), 0.0, events[2].append)
+    for seq in (first, late, gone):
+        loop.submit(seq)
+    loop.run_once()  # first runs; the others wait for the one slot
+    loop.cancel(gone)
+    clock.now = 1.0
+    while not loop.idle:
+        loop.run_once()
+    assert isinstance(events[0][-1], GenerationResult)
+    assert isinstance(events[1][-1], RequestExpired)
+    assert isinstance(events[2][-1], RequestCancelled)
+    assert late.generated == gone.generated == []
