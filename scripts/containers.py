@@ -560,7 +560,9 @@ def exercise(stack: Stack, encode: Callable[[list[str]], np.ndarray]) -> dict[st
     killed.reload()
     require(killed.attrs["State"]["ExitCode"] == 137, f"not killed: {killed.attrs['State']}")
     check_queue_empty(stack)
-    log(f"{N_REQUESTS} answered in {took:.1f} s, one worker killed mid-load; cosine >= {worst:.6f}")
+    log(
+        f"{N_REQUESTS} answered in {took:.1f} s, one worker killed mid-load; min cosine {worst:.7f}"
+    )
     figures["kill"] = {"requests": N_REQUESTS, "seconds": round(took, 1), "min_cosine": worst}
 
     # SIGTERM: bring the killed worker back, then stop the other one mid-load.
