@@ -263,35 +263,33 @@ def simulate(
                 int(lag or 0) > rules["activation"][names[s]] or pending > 0
                 for s, (lag, pending) in metrics.items()
             )
+            # The HPA (min 1 while KEDA keeps the target scaled) computes all along; KEDA
+            # itself takes the target to 0 once no trigger was active for cooldownPeriod.
+            asks = [
+                math.ceil(int(lag or 0) / rules["lag_target"][names[s]])
+                for s, (lag, _) in metrics.items()
+            ]
+            asks += [
+                math.ceil(p / rules["pending_target"][names[s]]) for s, (_, p) in metrics.items()
+            ]
+            recommendation = min(max(*asks, 1), maximum)
+            recent.append((now, recommendation))
+            while recent and recent[0][0] < now - args.stabilization_s:
+                recent.popleft()
+            # Scale up at once; scale down to the highest recommendation in the window.
+            desired = max(recommendation, min(max(r for _, r in recent), len(pool)))
             if active:
                 last_active = now
-                asks = [
-                    math.ceil(int(lag or 0) / rules["lag_target"][names[s]])
-                    for s, (lag, _) in metrics.items()
-                ]
-                asks += [
-                    math.ceil(p / rules["pending_target"][names[s]])
-                    for s, (_, p) in metrics.items()
-                ]
-                recommendation = min(max(*asks, 1), maximum)
-                recent.append((now, recommendation))
-                while recent and recent[0][0] < now - args.stabilization_s:
-                    recent.popleft()
-                # Scale up at once; scale down to the highest recommendation in the window.
-                desired = (
-                    max(r for _, r in recent) if recommendation < len(pool) else (recommendation)
-                )
-            elif now - last_active >= args.cooldown_s or (not was_active and not len(pool)):
+            elif now - last_active >= args.cooldown_s or not (was_active or len(pool)):
                 desired = 0
                 note = note or "idle past cooldownPeriod: scale to zero"
             else:
-                desired = len(pool)
                 note = note or "idle, within cooldownPeriod"
             was_active = was_active or active
         pool.scale(desired)
         print(
             f"{now - started:5.1f} {lag_total!s:>6} {pending_total!s:>7} {desired:>7} "
-            f"{len(pool):>7}  {note}",
+            f"{len(pool):>7}  {note}".rstrip(),
             flush=True,
         )
         if was_active and desired == 0 and metrics is not None:
