@@ -21,7 +21,9 @@ docker/compose.yaml (its commands, environment, health checks and grace periods)
 containers: Redis, 2 workers, the API on 127.0.0.1. Checked: every health check passes; 300
 embeddings through the API match a local encode (cosine >= 0.999); one worker killed (SIGKILL)
 mid-load loses nothing and answers nothing twice; `docker stop` (SIGTERM) drains a worker
-mid-load, exit 0. Everything it creates carries the label ``batchline.containers`` and is
+mid-load, exit 0. deploy/kubernetes/redis.yaml's Redis command and probe run as its pod runs
+them (non-root, read-only root filesystem): AOF on, the default user off, the ACL user held
+to its keys. Everything it creates carries the label ``batchline.containers`` and is
 removed at the end, also on failure, and at the start (leftovers of an interrupted run).
 
 The engine is driven through the Docker SDK for Python (``docker``, installed here): Debian's
@@ -280,6 +282,57 @@ def build_images(client: docker.DockerClient) -> dict[str, dict[str, float]]:
             log(f"built {tag} in {took:.0f} s, {size_mb:.0f} MB")
             figures[tag] = {"build_s": round(took, 1), "size_mb": round(size_mb)}
     return figures
+
+
+def check_kubernetes_redis(client: docker.DockerClient) -> None:
+    """deploy/kubernetes/redis.yaml's Redis command and probe, as its pod runs them (uid 999,
+    read-only root filesystem): AOF on, the default user off, the ACL user held to batchline:*."""
+    docs = yaml.safe_load_all((ROOT / "deploy/kubernetes/redis.yaml").read_text())
+    (stateful,) = [d for d in docs if d and d["kind"] == "StatefulSet"]
+    spec = stateful["spec"]["template"]["spec"]["containers"][0]
+    user = str(stateful["spec"]["template"]["spec"]["securityContext"]["runAsUser"])
+    env = {"REDIS_USERNAME": "batchline", "REDIS_PASSWORD": secrets.token_hex(8)}
+    container = client.containers.run(
+        REDIS_BASE,
+        spec["command"],
+        user=f"{user}:{user}",
+        environment=env,
+        detach=True,
+        read_only=True,
+        tmpfs={"/data": f"uid={user},gid={user}"},
+        network_disabled=True,
+        labels={LABEL: "1"},
+    )
+    try:
+        probe = spec["readinessProbe"]["exec"]["command"]
+        wait_for(
+            "the Kubernetes Redis probe",
+            lambda: container.exec_run(probe)[0] == 0,
+            timeout_s=30,
+            every_s=0.5,
+        )
+        cli = [
+            "redis-cli",
+            "--user",
+            env["REDIS_USERNAME"],
+            "--pass",
+            env["REDIS_PASSWORD"],
+            "--no-auth-warning",
+        ]
+        answers = {
+            "own key": container.exec_run([*cli, "set", "batchline:probe", "1"])[1],
+            "other key": container.exec_run([*cli, "set", "other", "1"])[1],
+            "default user": container.exec_run(["redis-cli", "ping"])[1],
+            "aof": container.exec_run(["ls", "/data/appendonlydir"])[1],
+        }
+    finally:
+        container.remove(force=True)
+    text = {k: v.decode().split() for k, v in answers.items()}
+    require(text["own key"] == ["OK"], f"the ACL user cannot write its keys: {text}")
+    require(text["other key"][:1] == ["NOPERM"], f"the ACL user writes other keys: {text}")
+    require(text["default user"][:1] == ["NOAUTH"], f"the default user is on: {text}")
+    require(any(f.endswith(".incr.aof") for f in text["aof"]), f"no AOF in /data: {text}")
+    log("deploy/kubernetes/redis.yaml: probe passes, AOF on, ACL user held to batchline:*")
 
 
 def check_cpu_only(client: docker.DockerClient) -> str:
@@ -541,7 +594,12 @@ def check_queue_empty(stack: Stack) -> dict[str, Any]:
 
 
 def exercise(stack: Stack, encode: Callable[[list[str]], np.ndarray]) -> dict[str, Any]:
-    figures: dict[str, Any] = {}
+    """A worker killed mid-load, then (the killed one back) another stopped mid-load."""
+    return {"kill": kill_phase(stack, encode), "sigterm": sigterm_phase(stack, encode)}
+
+
+def kill_phase(stack: Stack, encode: Callable[[list[str]], np.ndarray]) -> dict[str, Any]:
+    """300 requests; SIGKILL to one worker after 100 answers: all answered, once."""
     killed = stack.workers[0]
 
     batch = texts(N_REQUESTS, seed=1)
@@ -563,12 +621,14 @@ def exercise(stack: Stack, encode: Callable[[list[str]], np.ndarray]) -> dict[st
     log(
         f"{N_REQUESTS} answered in {took:.1f} s, one worker killed mid-load; min cosine {worst:.7f}"
     )
-    figures["kill"] = {"requests": N_REQUESTS, "seconds": round(took, 1), "min_cosine": worst}
+    return {"requests": N_REQUESTS, "seconds": round(took, 1), "min_cosine": worst}
 
-    # SIGTERM: bring the killed worker back, then stop the other one mid-load.
+
+def sigterm_phase(stack: Stack, encode: Callable[[list[str]], np.ndarray]) -> dict[str, Any]:
+    """The killed worker back; SIGTERM to the other one mid-load: it drains, exit 0."""
+    killed, stopped = stack.workers
     killed.start()
     wait_healthy(killed, timeout_s=600)
-    stopped = stack.workers[1]
     batch = texts(N_REQUESTS // 2, seed=2)
     expected = encode(batch)
     stop_started: list[float] = []
@@ -586,13 +646,14 @@ def exercise(stack: Stack, encode: Callable[[list[str]], np.ndarray]) -> dict[st
         timeout_s=stack.grace_s + 30,
     )
     stop_s = time.monotonic() - stop_started[0]
-    worst = check_answers(batch, answers, expected)
+    check_answers(batch, answers, expected)
     code = stopped.attrs["State"]["ExitCode"]
     require(code == 0, f"{stopped.name} exit code {code} after SIGTERM (not a clean drain)")
     check_queue_empty(stack)
+    last = [line for line in stopped.logs(tail=20).decode().splitlines() if "stopped" in line]
     log(f"SIGTERM drained {stopped.name}: exit 0 after {stop_s:.1f} s; {len(batch)} answered")
-    figures["sigterm"] = {"requests": len(batch), "exit_code": code, "stop_s": round(stop_s, 1)}
-    return figures
+    log(f"its last words: {last[-1] if last else '(none)'}")
+    return {"requests": len(batch), "exit_code": code, "stop_s": round(stop_s, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -613,6 +674,7 @@ def main(argv: list[str] | None = None) -> int:
         figures["standin_redis_s"] = round(ensure_redis_base(client))
         figures["images"] = build_images(client)
         figures["torch"] = check_cpu_only(client)
+        check_kubernetes_redis(client)
         encode = local_encoder()
         stack = Stack(client, workers=2)
         up_started = time.monotonic()
