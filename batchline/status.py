@@ -1,4 +1,14 @@
-"""``batchline status``: what a queue holds and which workers serve it."""
+"""``batchline status``: what a queue holds and which workers serve it.
+
+Per work stream, ``lag`` and ``pending`` are the two figures an autoscaler reads (KEDA's
+``redis-streams`` trigger: ``lagCount`` reads ``XINFO GROUPS`` ``lag``, ``pendingEntriesCount``
+reads ``XPENDING``), for the consumer group ``batchline``: ``lag`` counts entries no worker has
+read yet, ``pending`` those read and not acknowledged (a worker reads ahead up to
+``read_ahead`` x ``batch_size`` entries, so work a worker holds is pending, not lag).
+``backlog`` is their sum, the work left. Redis (>= 7) reports ``lag`` as null when it cannot
+tell (entries deleted between the group's last delivered id and the stream's end, e.g. by
+XDEL or XTRIM); ``backlog`` is null then too.
+"""
 
 from __future__ import annotations
 
@@ -40,6 +50,7 @@ async def collect(
                 "length": length,
                 "pending": pending,
                 "lag": lag,
+                "backlog": None if lag is None or pending is None else int(lag) + pending,
                 "consumers": consumers,
             }
         )
