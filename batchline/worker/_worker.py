@@ -72,6 +72,7 @@ from batchline.errors import (
 from batchline.keys import GROUP, check_name
 from batchline.worker._answers import Meta, Record, answer, dead_letter
 from batchline.worker._readcap import ENTRY_SLACK_BYTES, ReadCap
+from batchline.worker._threads import apply_threads, available_cpus, prepare_environment
 from batchline.worker._upkeep import Upkeep
 from batchline.worker.metrics import Metrics
 from batchline.worker.models import Model, Prepared, load_model
@@ -112,7 +113,15 @@ class Worker(Upkeep):
         self.worker_id = check_name(
             "worker_id", s.worker_id or f"{host[:40]}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         )
-        self.model = model or load_model(s.model, path=s.model_path, device=s.device, dtype=s.dtype)
+        self.threads = s.threads or available_cpus()
+        self.model = model or load_model(
+            s.model,
+            path=s.model_path,
+            device=s.device,
+            dtype=s.dtype,
+            backend=s.backend,
+            threads=self.threads,
+        )
         self._own_client = redis is None
         self._redis = redis if redis is not None else connect(s)
         self._writer = dedicated(self._redis)  # the writer task's own connection
@@ -196,7 +205,9 @@ class Worker(Upkeep):
             self._model_name,
         )
         await wait_for_redis(self._redis, self.settings, wait_s=self.settings.redis_wait_s)
+        prepare_environment(self.threads)  # before the model loads torch (or anything)
         await loop.run_in_executor(None, self.model.load)
+        apply_threads(self.threads)
         if self.model.heavy_preprocess:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="batchline-prep"
