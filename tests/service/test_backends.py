@@ -166,3 +166,22 @@ def test_backend_options_are_checked() -> None:
     with pytest.raises(ValueError, match="backend"):
         WorkerSettings(backend="onnx-fp16")
     assert WorkerSettings(backend="openvino-int8", threads=3).threads == 3
+
+
+@pytest.mark.parametrize(("policy", "spinning"), [("PASSIVE", "0"), ("ACTIVE", "")])
+def test_onnxruntime_gets_the_threads_and_the_wait_policy(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch, policy: str, spinning: str
+) -> None:
+    needs("onnx")
+    monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    model = SentenceTransformerModel(backend="onnx", threads=1)
+    model.load()
+    options = model.runner._session.get_session_options()
+    assert options.intra_op_num_threads == 1
+    key = "session.intra_op.allow_spinning"
+    # "0": idle threads sleep; unset (""): onnxruntime's default, spinning.
+    try:
+        entry = options.get_session_config_entry(key)
+    except RuntimeError:  # not set
+        entry = ""
+    assert entry == spinning
