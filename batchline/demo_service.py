@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from redis.exceptions import RedisError
 
+from batchline._options import DEFAULTS
 from batchline.embedded import EmbeddedRedis
 from batchline.sentences import labelled_sentences
 
@@ -286,8 +287,8 @@ def run_service_demo(
     requests: int | None = None,
     plot: str | None = None,
     step_s: float = 1.5,
-    batch_size: int = 32,
-    timeout_ms: float = 5.0,
+    batch_size: int = DEFAULTS.batch_size,
+    timeout_ms: float = DEFAULTS.timeout_ms,
 ) -> int:
     """Run the demo; returns the exit code (130 after Ctrl-C).
 

@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TypedDict, Unpack, cast
 
 import msgpack
 from redis.exceptions import RedisError
@@ -47,7 +47,7 @@ from batchline.errors import (
 from batchline.keys import check_name
 from batchline.producer._failures import Failed, connected, translate, uncertain, writer_for
 
-__all__ = ["AsyncProducer", "Handle"]
+__all__ = ["AsyncProducer", "Handle", "RequestOptions", "SubmitOptions"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,20 @@ def _new_id() -> str:
 
 #: Who learns how a write went: a submit's ack future, or an infer's (request id, future).
 _Target = asyncio.Future[Any] | tuple[str, "asyncio.Future[Result] | None"]
+
+
+class RequestOptions(TypedDict, total=False):
+    """Options of one request, taken by ``infer`` and ``map`` (see :meth:`AsyncProducer.submit`)."""
+
+    deadline_ms: float | None
+    priority: int | None
+    request_id: str | None
+
+
+class SubmitOptions(RequestOptions, total=False):
+    """``submit``'s options: a request's, and whether its result is pushed to this producer."""
+
+    reply: bool
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -377,7 +391,11 @@ class AsyncProducer:
         return result.unwrap()
 
     async def map(
-        self, values: Iterable[Any], *, timeout_s: float | None = None, **options: Any
+        self,
+        values: Iterable[Any],
+        *,
+        timeout_s: float | None = None,
+        **options: Unpack[RequestOptions],
     ) -> list[Any]:
         """Submit many requests (coalesced writes) and return their outputs, in order."""
         return list(
