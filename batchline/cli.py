@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import re
-import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -139,6 +138,7 @@ def _worker(args: argparse.Namespace) -> int:
 async def _check(settings: Any, max_age_s: float) -> int:
     """Health check: a worker of this host (or ``worker_id``) sent a heartbeat lately."""
     from batchline._redis import connect
+    from batchline.keys import host_id
 
     client = connect(settings)
     try:
@@ -148,8 +148,7 @@ async def _check(settings: Any, max_age_s: float) -> int:
         return 1
     finally:
         await client.aclose()
-    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:40]
-    want = settings.worker_id or host + "-"
+    want = settings.worker_id or host_id() + "-"
     names = [b.decode() for b in beats]
     # A worker_id names one worker (w1 is not w12); without one, any worker of this host.
     alive = [n for n in names if n == want or (not settings.worker_id and n.startswith(want))]

@@ -54,6 +54,7 @@ from batchline.errors import (
     RequestTimeout,
     ServiceUnavailable,
 )
+from batchline.keys import ID_PATTERN, MAX_ID_CHARS
 from batchline.producer import AsyncProducer, Handle
 from batchline.producer._failures import translate
 
@@ -77,7 +78,6 @@ MAX_TEXTS = 256
 #: Worker error types that the input caused: answered 422, every other one 500.
 INPUT_ERRORS = frozenset(["TypeError", "ValueError", "MalformedRequest", "ItemTooLarge"])
 RETRY_AFTER_S = 1
-_ID_PATTERN = r"^[A-Za-z0-9_.\-]{1,128}$"
 _NOT_STARTED = "the app's lifespan has not run: serve it with an ASGI server"
 
 _Text = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TEXT_CHARS)]
@@ -317,7 +317,7 @@ class _Backend:
         )
 
     async def job(
-        self, request_id: Annotated[str, Path(pattern=_ID_PATTERN, max_length=128)]
+        self, request_id: Annotated[str, Path(pattern=ID_PATTERN, max_length=MAX_ID_CHARS)]
     ) -> JSONResponse:
         """A job's state: pending (202), its result, or unknown (404)."""
         async with self.redis.pipeline(transaction=False) as pipe:

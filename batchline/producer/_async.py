@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
 import time
 import uuid
 from collections.abc import Iterable
@@ -44,7 +43,7 @@ from batchline.errors import (
     RequestCancelled,
     RequestTimeout,
 )
-from batchline.keys import check_name
+from batchline.keys import check_name, host_id
 from batchline.producer._failures import Failed, connected, translate, uncertain, writer_for
 
 __all__ = ["AsyncProducer", "Handle", "RequestOptions", "SubmitOptions"]
@@ -107,9 +106,8 @@ class AsyncProducer:
         self._own_client = redis is None
         self._redis = redis if redis is not None else connect(self.settings)
         self._writer = writer_for(self._redis)  # the flush task's own connection
-        host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())
         self.producer_id = check_name(
-            "producer id", f"{host[:40]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            "producer id", f"{host_id()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         )
         self._reply_key = self.keys.reply(self.producer_id)
         self._limits = self.settings.limits()
@@ -118,7 +116,7 @@ class AsyncProducer:
         self._reader_client: Any = None  # the reader's own client, while it runs
         self._closed = False
         self._enqueue_script = Script(ENQUEUE)
-        self._streams_low_first = [self.keys.stream(p) for p in range(self.keys.priorities)]
+        self._streams_low_first = self.keys.streams_low_first
         # Submits wait here while a write is in flight; the next write takes them all, so
         # concurrent submits are coalesced into one script call (as a batcher with timeout
         # 0 would, without its per-call overhead).

@@ -42,7 +42,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 import uuid
@@ -69,7 +68,7 @@ from batchline.errors import (
     RequestTimeout,
     WorkerHung,
 )
-from batchline.keys import GROUP, check_name
+from batchline.keys import GROUP, check_name, host_id
 from batchline.worker._answers import Meta, Record, answer, dead_letter
 from batchline.worker._readcap import ENTRY_SLACK_BYTES, ReadCap
 from batchline.worker._upkeep import Upkeep
@@ -108,16 +107,15 @@ class Worker(Upkeep):
         self.settings = s = settings or WorkerSettings(**overrides)
         self._model_name = type(model).__name__ if model is not None else s.model
         self.keys = s.keys
-        host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())
         self.worker_id = check_name(
-            "worker_id", s.worker_id or f"{host[:40]}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+            "worker_id", s.worker_id or f"{host_id()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         )
         self.model = model or load_model(s.model, path=s.model_path, device=s.device, dtype=s.dtype)
         self._own_client = redis is None
         self._redis = redis if redis is not None else connect(s)
         self._writer = dedicated(self._redis)  # the writer task's own connection
         self._limits = s.limits()
-        self._streams_low_first = [self.keys.stream(p) for p in range(self.keys.priorities)]
+        self._streams_low_first = self.keys.streams_low_first
         self._sidx = {name.encode(): i for i, name in enumerate(self._streams_low_first)}
         self._window = s.batch_size * s.read_ahead
         self._readcap = ReadCap(
@@ -557,8 +555,8 @@ class Worker(Upkeep):
             self.settings.result_ttl_s,
             _REPLY_MAXLEN,
             _DEAD_MAXLEN,
-            self.keys.result(""),
-            self.keys.reply(""),
+            self.keys.result_prefix,
+            self.keys.reply_prefix,
             msgpack.packb(packed, use_bin_type=False),
         ]
         await self._with_retry(lambda: self._complete(self._writer, keys, args))
