@@ -25,6 +25,7 @@ import msgpack
 from redis.exceptions import RedisError
 
 from batchline._cancels import cancel_request
+from batchline._outbox import Outbox
 from batchline._redis import Backoff, Script, connect, own_connection
 from batchline._scripts import ENQUEUE
 from batchline.codec import (
@@ -58,6 +59,8 @@ def _new_id() -> str:
 
 #: Who learns how a write went: a submit's ack future, or an infer's (request id, future).
 _Target = asyncio.Future[Any] | tuple[str, "asyncio.Future[Result] | None"]
+#: A request in the outbox: its entry for the enqueue script, who learns the outcome, its id.
+_Pending = tuple[list[Any], _Target, str]
 
 
 class RequestOptions(TypedDict, total=False):
@@ -118,12 +121,13 @@ class AsyncProducer:
         self._enqueue_script = Script(ENQUEUE)
         self._streams_low_first = self.keys.streams_low_first
         # Submits wait here while a write is in flight; the next write takes them all, so
-        # concurrent submits are coalesced into one script call (as a batcher with timeout
-        # 0 would, without its per-call overhead).
-        self._outbox: list[list[Any]] = []
-        self._outbox_targets: list[_Target] = []
-        self._outbox_ids: list[str] = []
-        self._flusher: asyncio.Task[None] | None = None
+        # concurrent submits are coalesced into one script call.
+        self._outbox: Outbox[_Pending] = Outbox(
+            self._flush,
+            max_batch=self.settings.submit_batch,
+            abandon=self._abandon,
+            name=f"batchline-submits:{self.producer_id}",
+        )
 
     def __repr__(self) -> str:
         return f"<AsyncProducer queue={self.keys.queue!r} id={self.producer_id!r}>"
@@ -145,8 +149,7 @@ class AsyncProducer:
         if self._closed:
             return
         self._closed = True
-        while self._flusher is not None:  # the submits already accepted are written
-            await asyncio.shield(self._flusher)
+        await self._outbox.drain()  # the submits already accepted are written
         if self._reader is not None:
             self._reader.cancel()
             done, _ = await asyncio.wait({self._reader}, timeout=0.05)
@@ -257,11 +260,8 @@ class AsyncProducer:
             # Registered before the write, so that even the fastest reply finds its waiter.
             fut = loop.create_future()
             self._waiting[rid] = fut
-        self._outbox.append([prio, [x for kv in fields.items() for x in kv]])
-        self._outbox_targets.append(ack if ack is not None else (rid, fut))
-        self._outbox_ids.append(rid)
-        if self._flusher is None:
-            self._flusher = loop.create_task(self._flush())
+        entry = [prio, [x for kv in fields.items() for x in kv]]
+        self._outbox.put((entry, ack if ack is not None else (rid, fut), rid))
         return rid, fut
 
     def _queue_full(self) -> QueueFull:
@@ -270,30 +270,25 @@ class AsyncProducer:
             f"{self.settings.max_queue_depth} requests"
         )
 
-    async def _flush(self) -> None:
+    async def _flush(self, pending: list[_Pending]) -> None:
+        """Write one batch of the outbox; tell each submit how its write went."""
+        targets = [target for _, target, _ in pending]
         try:
-            while self._outbox:
-                n = self.settings.submit_batch
-                batch, self._outbox = self._outbox[:n], self._outbox[n:]
-                targets, self._outbox_targets = self._outbox_targets[:n], self._outbox_targets[n:]
-                ids, self._outbox_ids = self._outbox_ids[:n], self._outbox_ids[n:]
-                try:
-                    entries = await self._write(batch, ids)
-                except Failed as failed:  # each submit of this write gets its error
-                    for target, error in zip(targets, failed.errors, strict=True):
-                        self._settle(target, error)
-                except Exception as exc:
-                    for target in targets:
-                        self._settle(target, exc)
-                else:
-                    for target, entry in zip(targets, entries, strict=True):
-                        self._settle(target, entry)
-        finally:
-            self._flusher = None
-            if self._outbox:  # cancelled (the loop is closing): nothing more will be written
-                for target in self._outbox_targets:
-                    self._settle(target, BatcherClosed("the producer stopped writing"))
-                self._outbox, self._outbox_targets, self._outbox_ids = [], [], []
+            entries = await self._write([e for e, _, _ in pending], [rid for _, _, rid in pending])
+        except Failed as failed:  # each submit of this write gets its error
+            for target, error in zip(targets, failed.errors, strict=True):
+                self._settle(target, error)
+        except Exception as exc:
+            for target in targets:
+                self._settle(target, exc)
+        else:
+            for target, entry in zip(targets, entries, strict=True):
+                self._settle(target, entry)
+
+    def _abandon(self, pending: list[_Pending]) -> None:
+        """The writes that will never go (the loop is closing)."""
+        for _, target, _ in pending:
+            self._settle(target, BatcherClosed("the producer stopped writing"))
 
     def _settle(self, target: _Target, outcome: Any) -> None:
         """Tell a submit how its write went: ``submit`` awaits the entry id (an ack future);

@@ -14,10 +14,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from batchline._redis import Script
 from batchline.keys import GROUP
 
-__all__ = ["PRUNE", "prune_consumers"]
+__all__ = ["PRUNE", "ensure_groups", "prune_consumers"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,3 +55,13 @@ async def prune_consumers(redis: Any, streams: list[str], *, idle_ms: int, keep:
     if removed:
         logger.info("removed idle consumers without pending entries: %s", ", ".join(removed))
     return removed
+
+
+async def ensure_groups(redis: Any, streams: list[str]) -> None:
+    """Create the consumer group on every work stream (and the streams) where missing."""
+    for stream in streams:
+        try:
+            await redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
