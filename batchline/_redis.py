@@ -43,7 +43,7 @@ class RedisUnreachable(BatchlineError, ConnectionError):
     redacted) and the setting to change."""
 
 
-def connect(settings: ServiceSettings) -> Any:
+def connect(settings: ServiceSettings) -> RedisClient:
     """An asyncio Redis (or Redis Cluster) client for ``settings.redis_url``; bytes replies."""
     url = settings.redis_url.get_secret_value()
     if settings.redis_cluster:
@@ -51,7 +51,7 @@ def connect(settings: ServiceSettings) -> Any:
     return Redis.from_url(url, health_check_interval=30)
 
 
-async def wait_for_redis(client: Any, settings: ServiceSettings, *, wait_s: float) -> None:
+async def wait_for_redis(client: RedisClient, settings: ServiceSettings, *, wait_s: float) -> None:
     """Return once ``client`` answers a PING; retry with back-off (0.25 s doubling up to
     5 s) for up to ``wait_s`` seconds (0: one try), logging each failure; then raise
     :class:`RedisUnreachable`.
@@ -83,7 +83,7 @@ async def wait_for_redis(client: Any, settings: ServiceSettings, *, wait_s: floa
             delay_s = min(delay_s * 2, 5.0)
 
 
-def dedicated(client: Any) -> Any:
+def dedicated(client: RedisClient) -> RedisClient:
     """A client holding one connection of ``client``'s pool for itself, for one task's loop
     of calls (a reader, a writer): it skips the pool's checkout and return on every call,
     which costs redis-py about as much CPU again as the call itself. Closing it returns the
@@ -97,7 +97,7 @@ def dedicated(client: Any) -> Any:
 
 
 @contextlib.asynccontextmanager
-async def own_connection(client: Any) -> AsyncIterator[Any]:
+async def own_connection(client: RedisClient) -> AsyncIterator[RedisClient]:
     """:func:`dedicated` for the length of a ``with`` block (a task's read loop)."""
     held = dedicated(client)
     try:
@@ -172,7 +172,7 @@ class Script:
         self.source = source
         self.sha = ""
 
-    async def __call__(self, client: Any, keys: list[str], args: list[Any]) -> Any:
+    async def __call__(self, client: RedisClient, keys: list[str], args: list[Any]) -> Any:
         if not self.sha:
             self.sha = await client.script_load(self.source)
         try:

@@ -17,25 +17,18 @@ value, field, value, ... (the result key's value; a reply entry carries an array
 See ``docs/protocol.md``.
 
 The package's parts: ``_values`` (values and their limits), ``_requests`` (request fields,
-validated by pydantic), ``_results`` (result field lists, checked by hand).
+validated by pydantic), ``_results`` (result field lists, checked by hand). What this package
+exports is the Python form of the contract; the worker's and the producer's own helpers
+(decoding a whole read, salvaging a malformed entry's id, the hot-path result encoder) stay
+in those modules.
 """
 
-from batchline.codec._requests import (
-    Request,
-    check_priority,
-    decode_request,
-    decode_requests,
-    encode_request,
-    request_value,
-    salvage_id,
-)
+from batchline.codec._requests import Request, decode_request, encode_request, request_value
 from batchline.codec._results import (
     Result,
     decode_result,
     encode_result,
     pack_result,
-    result_fields,
-    result_map,
     unpack_result,
 )
 from batchline.codec._values import SCHEMA_VERSION, Limits, pack_value, unpack_value
@@ -47,18 +40,13 @@ __all__ = [
     "Limits",
     "Request",
     "Result",
-    "check_priority",
     "decode_request",
-    "decode_requests",
     "decode_result",
     "encode_request",
     "encode_result",
     "pack_result",
     "pack_value",
     "request_value",
-    "result_fields",
-    "result_map",
-    "salvage_id",
     "unpack_result",
     "unpack_value",
 ]

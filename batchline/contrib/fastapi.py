@@ -43,7 +43,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from redis.exceptions import RedisError
 
-from batchline._redis import connect
+from batchline._redis import RedisClient, connect
 from batchline.codec import DecodeError, Result, unpack_result
 from batchline.config import ProducerSettings, check_environment
 from batchline.errors import (
@@ -236,7 +236,7 @@ class _Backend:
         self.timeout_s = timeout_s
         self._limits = settings.limits()
         self._producer: AsyncProducer | None = None
-        self._redis: Any = None
+        self._redis: RedisClient = None
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
@@ -258,7 +258,7 @@ class _Backend:
         return self._producer
 
     @property
-    def redis(self) -> Any:
+    def redis(self) -> RedisClient:
         """The producer's Redis client, also for the job markers and PING."""
         if self._redis is None:
             raise RuntimeError(_NOT_STARTED)

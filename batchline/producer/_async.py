@@ -26,16 +26,16 @@ from redis.exceptions import RedisError
 
 from batchline._cancels import cancel_request
 from batchline._outbox import Outbox
-from batchline._redis import Backoff, Script, connect, own_connection
+from batchline._redis import Backoff, RedisClient, Script, connect, own_connection
 from batchline._scripts import ENQUEUE
 from batchline.codec import (
     DecodeError,
     Result,
     decode_result,
     encode_request,
-    result_map,
     unpack_result,
 )
+from batchline.codec._results import result_map
 from batchline.config import ProducerSettings
 from batchline.errors import (
     BatcherClosed,
@@ -101,7 +101,7 @@ class AsyncProducer:
         self,
         settings: ProducerSettings | None = None,
         *,
-        redis: Any = None,
+        redis: RedisClient = None,
         **overrides: Any,
     ) -> None:
         self.settings = settings or ProducerSettings(**overrides)
@@ -116,7 +116,7 @@ class AsyncProducer:
         self._limits = self.settings.limits()
         self._waiting: dict[str, asyncio.Future[Result]] = {}
         self._reader: asyncio.Task[None] | None = None
-        self._reader_client: Any = None  # the reader's own client, while it runs
+        self._reader_client: RedisClient = None  # the reader's own client, while it runs
         self._closed = False
         self._enqueue_script = Script(ENQUEUE)
         self._streams_low_first = self.keys.streams_low_first
@@ -445,7 +445,7 @@ class AsyncProducer:
             finally:
                 self._reader_client = None
 
-    async def _read_replies_with(self, client: Any) -> None:
+    async def _read_replies_with(self, client: RedisClient) -> None:
         last = b"0-0"
         backoff = Backoff(logger, "reply reader")
         # aclose() cancels this task, but on Python 3.11 a cancellation that lands just as

@@ -11,14 +11,12 @@ from batchline.codec import (
     Limits,
     Request,
     Result,
-    check_priority,
-    decode_requests,
     encode_result,
     pack_result,
     request_value,
-    result_fields,
-    salvage_id,
 )
+from batchline.codec._requests import check_priority, decode_requests, salvage_id
+from batchline.codec._results import result_fields
 from batchline.worker._readcap import Entry
 from batchline.worker.models import Model, Prepared
 

@@ -12,11 +12,10 @@ again by its next read.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from redis.exceptions import ResponseError
 
-from batchline._redis import Script
+from batchline._redis import RedisClient, Script
 from batchline.keys import GROUP
 
 __all__ = ["PRUNE", "ensure_groups", "prune_consumers"]
@@ -45,7 +44,9 @@ return removed
 """)
 
 
-async def prune_consumers(redis: Any, streams: list[str], *, idle_ms: int, keep: str) -> list[str]:
+async def prune_consumers(
+    redis: RedisClient, streams: list[str], *, idle_ms: int, keep: str
+) -> list[str]:
     """Remove the consumers of ``streams`` other than ``keep`` idle over ``idle_ms`` with
     nothing pending; return their names."""
     removed = [
@@ -57,7 +58,7 @@ async def prune_consumers(redis: Any, streams: list[str], *, idle_ms: int, keep:
     return removed
 
 
-async def ensure_groups(redis: Any, streams: list[str]) -> None:
+async def ensure_groups(redis: RedisClient, streams: list[str]) -> None:
     """Create the consumer group on every work stream (and the streams) where missing."""
     for stream in streams:
         try:
