@@ -137,8 +137,8 @@ def _worker(args: argparse.Namespace) -> int:
 
 async def _check(settings: Any, max_age_s: float) -> int:
     """Health check: a worker of this host (or ``worker_id``) sent a heartbeat lately."""
-    from batchline._redis import connect
-    from batchline.keys import host_id
+    from batchline.transport._redis import connect
+    from batchline.transport.keys import host_id
 
     client = connect(settings)
     try:
@@ -168,8 +168,8 @@ def _status(args: argparse.Namespace) -> int:
     wait_s = settings.redis_wait_s if "redis_wait_s" in settings.model_fields_set else 0.0
 
     async def run() -> dict[str, Any]:
-        from batchline._redis import connect, wait_for_redis
-        from batchline.status import collect
+        from batchline.transport._redis import connect, wait_for_redis
+        from batchline.transport.status import collect
 
         client = connect(settings)
         try:
@@ -178,7 +178,7 @@ def _status(args: argparse.Namespace) -> int:
         finally:
             await client.aclose()
 
-    from batchline.status import render
+    from batchline.transport.status import render
 
     status = asyncio.run(run())
     print(json.dumps(status, indent=2) if args.json else render(status))
@@ -186,8 +186,8 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _acl(args: argparse.Namespace) -> int:
-    from batchline.acl import ROLES, acl_setuser
     from batchline.config import ServiceSettings
+    from batchline.transport.acl import ROLES, acl_setuser
 
     keys = _settings(ServiceSettings, args).keys
     for role in ROLES if args.role == "both" else (args.role,):
@@ -200,14 +200,14 @@ def _demo(args: argparse.Namespace) -> int:
         from batchline.demo import run_demo
 
         return run_demo(items=args.requests or 2000, threads=args.threads)
-    from batchline.demo_service import run_service_demo
+    from batchline.demo.service import run_service_demo
 
     return run_service_demo(requests=args.requests, plot=args.plot, step_s=args.step_s)
 
 
 def _parser() -> argparse.ArgumentParser:
     from batchline.config import ServiceSettings, WorkerSettings
-    from batchline.demo_service import RATES
+    from batchline.demo.service import RATES
 
     parser = argparse.ArgumentParser(
         prog="batchline",
@@ -289,7 +289,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``batchline`` command and ``python -m batchline``."""
-    from batchline._redis import RedisUnreachable
+    from batchline.transport._redis import RedisUnreachable
 
     args = _parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)

@@ -17,9 +17,9 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from batchline._options import DEFAULTS
-from batchline.codec import Limits
-from batchline.keys import QueueKeys, check_name
+from batchline.drivers._options import DEFAULTS
+from batchline.transport.codec import Limits
+from batchline.transport.keys import QueueKeys, check_name
 
 __all__ = [
     "ENV_PREFIX",

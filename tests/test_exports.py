@@ -21,6 +21,8 @@ import batchline.generation
 import batchline.inference
 import batchline.keys
 import batchline.producer
+import batchline.transport.codec
+import batchline.transport.keys
 import batchline.worker
 
 PUBLIC_MODULES = [
@@ -39,6 +41,8 @@ SERVICE_MODULES = [
     batchline.codec,
     batchline.config,
     batchline.keys,
+    batchline.transport.codec,
+    batchline.transport.keys,
 ]
 
 
@@ -124,6 +128,23 @@ def test_wire_helpers_are_private() -> None:
     # docs/protocol.md is the contract; the worker's and producer's own helpers are not.
     for name in ("decode_requests", "salvage_id", "result_fields", "result_map"):
         assert not hasattr(batchline.codec, name), f"batchline.codec.{name} should be private"
+        assert name not in batchline.transport.codec.__all__
+
+
+@pytest.mark.parametrize(
+    ("public", "home"),
+    [
+        (batchline.codec, batchline.transport.codec),
+        (batchline.keys, batchline.transport.keys),
+    ],
+    ids=lambda m: m.__name__,
+)
+def test_public_paths_reexport_their_home(public: types.ModuleType, home: types.ModuleType) -> None:
+    # The package is grouped by concern (batchline/transport/); the documented import paths
+    # stay, re-exporting every public name of the module that holds them.
+    assert set(public.__all__) == set(home.__all__)
+    for name in home.__all__:
+        assert getattr(public, name) is getattr(home, name)
 
 
 def test_public_names_are_reexported_from_their_home() -> None:

@@ -43,8 +43,6 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from redis.exceptions import RedisError
 
-from batchline._redis import RedisClient, connect
-from batchline.codec import DecodeError, Result, unpack_result
 from batchline.config import ProducerSettings, check_environment
 from batchline.errors import (
     BatcherClosed,
@@ -54,9 +52,11 @@ from batchline.errors import (
     RequestTimeout,
     ServiceUnavailable,
 )
-from batchline.keys import ID_PATTERN, MAX_ID_CHARS
 from batchline.producer import AsyncProducer, Handle
 from batchline.producer._failures import translate
+from batchline.transport._redis import RedisClient, connect
+from batchline.transport.codec import DecodeError, Result, unpack_result
+from batchline.transport.keys import ID_PATTERN, MAX_ID_CHARS
 
 __all__ = [
     "INPUT_ERRORS",

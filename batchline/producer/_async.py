@@ -24,18 +24,6 @@ from typing import Any, TypedDict, Unpack, cast
 import msgpack
 from redis.exceptions import RedisError
 
-from batchline._cancels import cancel_request
-from batchline._outbox import Outbox
-from batchline._redis import Backoff, RedisClient, Script, connect, own_connection
-from batchline._scripts import ENQUEUE
-from batchline.codec import (
-    DecodeError,
-    Result,
-    decode_result,
-    encode_request,
-    unpack_result,
-)
-from batchline.codec._results import result_map
 from batchline.config import ProducerSettings
 from batchline.errors import (
     BatcherClosed,
@@ -44,8 +32,20 @@ from batchline.errors import (
     RequestCancelled,
     RequestTimeout,
 )
-from batchline.keys import check_name, host_id
 from batchline.producer._failures import Failed, connected, translate, uncertain, writer_for
+from batchline.transport._cancels import cancel_request
+from batchline.transport._outbox import Outbox
+from batchline.transport._redis import Backoff, RedisClient, Script, connect, own_connection
+from batchline.transport._scripts import ENQUEUE
+from batchline.transport.codec import (
+    DecodeError,
+    Result,
+    decode_result,
+    encode_request,
+    unpack_result,
+)
+from batchline.transport.codec._results import result_map
+from batchline.transport.keys import check_name, host_id
 
 __all__ = ["AsyncProducer", "Handle", "RequestOptions", "SubmitOptions"]
 

@@ -31,13 +31,13 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from batchline._redis import RedisClient, dedicated
 from batchline.errors import (
     EnqueueTimeout,
     EnqueueUncertain,
     RequestTimeout,
     ServiceUnavailable,
 )
+from batchline.transport._redis import RedisClient, dedicated
 
 __all__ = ["Failed", "connected", "refused", "translate", "uncertain", "writer_for"]
 

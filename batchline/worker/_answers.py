@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchline.codec import (
+from batchline.transport.codec import (
     DecodeError,
     Limits,
     Request,
@@ -15,8 +15,8 @@ from batchline.codec import (
     pack_result,
     request_value,
 )
-from batchline.codec._requests import check_priority, decode_requests, salvage_id
-from batchline.codec._results import result_fields
+from batchline.transport.codec._requests import check_priority, decode_requests, salvage_id
+from batchline.transport.codec._results import result_fields
 from batchline.worker._readcap import Entry
 from batchline.worker.models import Model, Prepared
 

@@ -11,8 +11,8 @@ from collections.abc import Iterable
 
 from redis.exceptions import RedisError
 
-from batchline._redis import RedisClient
-from batchline.keys import GROUP
+from batchline.transport._redis import RedisClient
+from batchline.transport.keys import GROUP
 from batchline.worker._answers import Meta, Record
 
 __all__ = ["Claims"]

@@ -15,8 +15,8 @@ import logging
 
 from redis.exceptions import ResponseError
 
-from batchline._redis import RedisClient, Script
-from batchline.keys import GROUP
+from batchline.transport._redis import RedisClient, Script
+from batchline.transport.keys import GROUP
 
 __all__ = ["PRUNE", "ensure_groups", "prune_consumers"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from batchline.codec import Limits
+from batchline.transport.codec import Limits
 
 __all__ = ["ENTRY_SLACK_BYTES", "Entry", "ReadCap", "entry_bytes"]
 

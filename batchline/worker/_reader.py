@@ -9,8 +9,8 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from redis.exceptions import RedisError, ResponseError
 
-from batchline._redis import Backoff, RedisClient, own_connection
-from batchline.keys import GROUP
+from batchline.transport._redis import Backoff, RedisClient, own_connection
+from batchline.transport.keys import GROUP
 from batchline.worker._consumers import ensure_groups
 from batchline.worker._readcap import Entry, ReadCap
 

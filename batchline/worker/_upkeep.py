@@ -36,10 +36,10 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from batchline._redis import RedisClient
 from batchline.config import WorkerSettings
 from batchline.core.stats import BatchStats
-from batchline.keys import GROUP, QueueKeys
+from batchline.transport._redis import RedisClient
+from batchline.transport.keys import GROUP, QueueKeys
 from batchline.worker._claims import Claims
 from batchline.worker._consumers import prune_consumers
 from batchline.worker.metrics import Metrics

@@ -15,7 +15,7 @@ runs on the batcher's own thread, or on the loop for a model quick enough, see
   completion script per write, which acknowledges each entry and, only if the
   acknowledgement took, writes its result (with its TTL) and pushes the replies, then
   deletes the entries;
-- the *cancel follower* reads the queue's cancel stream (:mod:`batchline._cancels`);
+- the *cancel follower* reads the queue's cancel stream (:mod:`batchline.transport._cancels`);
 - the *janitor* keeps this worker's claims (:mod:`._claims`) alive during long batches, the
   *reclaimer* takes over entries that dead workers left pending (XAUTOCLAIM),
   dead-lettering those delivered too often, the *watchdog* bounds one model call, and the
@@ -42,11 +42,9 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from batchline._aio import AioBatcher
-from batchline._base import BatchConfig, Call, Item
-from batchline._cancels import CancelLog
-from batchline._redis import RedisClient, connect, dedicated, wait_for_redis
 from batchline.config import WorkerSettings, redact_url
+from batchline.drivers._aio import AioBatcher
+from batchline.drivers._base import BatchConfig, Call, Item
 from batchline.errors import (
     BatcherClosed,
     BatchlineError,
@@ -54,7 +52,9 @@ from batchline.errors import (
     RequestTimeout,
     WorkerHung,
 )
-from batchline.keys import check_name, host_id
+from batchline.transport._cancels import CancelLog
+from batchline.transport._redis import RedisClient, connect, dedicated, wait_for_redis
+from batchline.transport.keys import check_name, host_id
 from batchline.worker._answers import Meta, Record, answer, dead_letter, prepare
 from batchline.worker._claims import Claims
 from batchline.worker._consumers import ensure_groups

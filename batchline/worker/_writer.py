@@ -1,10 +1,10 @@
 """The worker's writer: answers go out in one call of the completion script per write.
 
-Answers wait in an :class:`~batchline._outbox.Outbox` while a write is in flight; the next
+Answers wait in an :class:`~batchline.transport._outbox.Outbox` while a write is in flight; the next
 write takes them all. The script acknowledges each entry and, only if the acknowledgement
 took, writes its result (with its TTL) and pushes the replies, then deletes the entries
 (``docs/protocol.md``). A write rides out a Redis restart (:meth:`Backoff.retry
-<batchline._redis.Backoff.retry>`); past its budget the entries stay pending, go idle and
+<batchline.transport._redis.Backoff.retry>`); past its budget the entries stay pending, go idle and
 are reclaimed and answered later, so nothing is lost either way.
 """
 
@@ -15,10 +15,10 @@ import logging
 import msgpack
 from redis.exceptions import RedisError
 
-from batchline._outbox import Outbox
-from batchline._redis import Backoff, RedisClient, Script
-from batchline._scripts import COMPLETE
-from batchline.keys import GROUP, QueueKeys
+from batchline.transport._outbox import Outbox
+from batchline.transport._redis import Backoff, RedisClient, Script
+from batchline.transport._scripts import COMPLETE
+from batchline.transport.keys import GROUP, QueueKeys
 from batchline.worker._answers import Record
 from batchline.worker._claims import Claims
 

@@ -31,8 +31,8 @@ from batchline.codec import (
     request_value,
     unpack_value,
 )
-from batchline.codec._requests import check_priority, decode_requests, salvage_id
 from batchline.errors import InferenceError, RequestCancelled, RequestExpired
+from batchline.transport.codec._requests import check_priority, decode_requests, salvage_id
 
 from .conftest import assert_same
 

@@ -27,8 +27,6 @@ import redis
 from redis.asyncio import Redis as AsyncRedis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from batchline._redis import Backoff, Script
-from batchline._scripts import COMPLETE
 from batchline.codec import (
     SCHEMA_VERSION,
     DecodeError,
@@ -50,6 +48,8 @@ from batchline.errors import (
 )
 from batchline.keys import GROUP, QueueKeys
 from batchline.producer import AsyncProducer
+from batchline.transport._redis import Backoff, Script
+from batchline.transport._scripts import COMPLETE
 
 from .conftest import RESULT_TIMEOUT_S, WorkerThread, pending_count, stream_lengths, wait_until
 from .models_for_tests import GatedModel

@@ -9,9 +9,9 @@ from typing import Any, Literal
 
 import msgpack
 
-from batchline.codec._values import SCHEMA_VERSION, Limits, pack_value, unpack_value
 from batchline.errors import DecodeError, InferenceError, RequestCancelled, RequestExpired
-from batchline.keys import is_name
+from batchline.transport.codec._values import SCHEMA_VERSION, Limits, pack_value, unpack_value
+from batchline.transport.keys import is_name
 
 __all__ = [
     "Result",

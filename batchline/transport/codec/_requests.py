@@ -9,9 +9,15 @@ from typing import Annotated, Any, NotRequired
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from typing_extensions import TypedDict
 
-from batchline.codec._values import SCHEMA_VERSION, Limits, _show, pack_value, unpack_value
 from batchline.errors import DecodeError
-from batchline.keys import ID_PATTERN, is_name
+from batchline.transport.codec._values import (
+    SCHEMA_VERSION,
+    Limits,
+    _show,
+    pack_value,
+    unpack_value,
+)
+from batchline.transport.keys import ID_PATTERN, is_name
 
 __all__ = [
     "Request",

@@ -18,9 +18,9 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from batchline._redis import RedisClient
 from batchline.config import ServiceSettings, redact_url
-from batchline.keys import GROUP
+from batchline.transport._redis import RedisClient
+from batchline.transport.keys import GROUP
 
 __all__ = ["collect", "render"]
 

@@ -21,8 +21,8 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from batchline._redis import Backoff, RedisClient
-from batchline.keys import MAX_ID_CHARS, QueueKeys, is_name
+from batchline.transport._redis import Backoff, RedisClient
+from batchline.transport.keys import MAX_ID_CHARS, QueueKeys, is_name
 
 __all__ = ["CancelLog", "cancel_request"]
 
