@@ -31,7 +31,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -189,28 +189,26 @@ class Reclaimer:
 
 class Watchdog:
     """Watches model calls from a thread of its own (a hung call may block the event loop):
-    one running past ``max_batch_ms`` sets ``hung``, marks the metrics unhealthy and calls
+    ``model_since()`` is the monotonic start of the call running (None between calls); one
+    running past ``max_batch_ms`` sets ``hung``, marks the metrics unhealthy and calls
     ``on_hung`` on the loop; if the loop does not answer within a grace period and
     ``exit_if_loop_blocked``, it ends the process with :data:`HUNG_EXIT_CODE`.
     """
 
     def __init__(
-        self, *, max_batch_ms: int, worker_id: str, hung: threading.Event, metrics: Metrics
+        self,
+        *,
+        max_batch_ms: int,
+        worker_id: str,
+        hung: threading.Event,
+        metrics: Metrics,
+        model_since: Callable[[], float | None],
     ) -> None:
         self._max_batch_ms = max_batch_ms
         self._worker_id = worker_id
         self._hung = hung
         self._metrics = metrics
-        self._since: float | None = None  # monotonic start of the model call running
-
-    @contextlib.contextmanager
-    def timing(self) -> Iterator[None]:
-        """Around one model call (calls are serialised by the batchers' lock)."""
-        self._since = time.monotonic()
-        try:
-            yield
-        finally:
-            self._since = None
+        self._model_since = model_since
 
     def start(
         self,
@@ -232,7 +230,7 @@ class Watchdog:
 
         def watch() -> None:
             while not done.wait(min(limit_s / 4, 1.0)):  # a watchdog timer
-                since = self._since
+                since = self._model_since()
                 if since is None or time.monotonic() - since <= limit_s:
                     continue
                 logger.error(
@@ -346,6 +344,7 @@ class Upkeep:
         keys: the queue's keys.
         metrics: the worker's metrics.
         hung: set once a model call ran past ``max_batch_ms``.
+        model_since: the monotonic start of the model call running (None between calls).
         serving: whether the worker still serves (neither stopping nor hung).
         accept: takes reclaimed entries in (see :class:`Reclaimer`).
         refuse: dead-letters one entry.
@@ -362,6 +361,7 @@ class Upkeep:
         metrics: Metrics,
         *,
         hung: threading.Event,
+        model_since: Callable[[], float | None],
         serving: Callable[[], bool],
         accept: Accept,
         refuse: Refuse,
@@ -385,7 +385,11 @@ class Upkeep:
             counts=counts,
         )
         self.watchdog = Watchdog(
-            max_batch_ms=s.max_batch_ms, worker_id=claims.worker_id, hung=hung, metrics=metrics
+            max_batch_ms=s.max_batch_ms,
+            worker_id=claims.worker_id,
+            hung=hung,
+            metrics=metrics,
+            model_since=model_since,
         )
         self.heartbeat = Heartbeat(
             claims.redis,

@@ -133,6 +133,7 @@ class Worker:
         )
         if isinstance(self.model, CountsPadding):  # its padding figures reach the stats
             self.model.count_padding(self._batcher.record_padding)
+        self._model_since: float | None = None  # monotonic start of the model call running
         self._hung = threading.Event()
         self._meta: dict[Call, Meta] = {}
         self._cancels = CancelLog(
@@ -160,6 +161,7 @@ class Worker:
             self.keys,
             self.metrics,
             hung=self._hung,
+            model_since=lambda: self._model_since,
             serving=self._serving,
             accept=self._accept,
             refuse=lambda *entry: self._answer(self._dead_letter(*entry)),
@@ -397,8 +399,12 @@ class Worker:
     # -- running -------------------------------------------------------------------------------
 
     def _infer(self, batch: list[Prepared]) -> Any:
-        with self._upkeep.watchdog.timing():  # model calls are serialised (the batchers' lock)
+        # Model calls are serialised (the batchers' lock): one stamp tells the watchdog.
+        self._model_since = time.monotonic()
+        try:
             return self.model.infer([p.payload for p in batch])
+        finally:
+            self._model_since = None
 
     def _infer_alone(self, batch: list[Prepared]) -> Any:
         with self._batcher._fn_lock:  # never beside a batch of the main batcher
