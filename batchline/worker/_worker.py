@@ -104,7 +104,6 @@ class Worker:
         self._limits = s.limits()
         self._streams_low_first = self.keys.streams_low_first
         self._window = s.batch_size * s.read_ahead
-        self._readcap = ReadCap.within(self._limits, max_read_bytes=s.max_read_bytes)
         # No batch is handed to the model's thread ahead of time: cancellations and deadlines
         # are checked as a batch starts, which must be when the model is free to run it (a
         # real model's batch takes far longer than the wait this would save).
@@ -136,17 +135,28 @@ class Worker:
         self._model_since: float | None = None  # monotonic start of the model call running
         self._hung = threading.Event()
         self._meta: dict[Call, Meta] = {}
-        self._cancels = CancelLog(
-            s.result_ttl_s, max_ids=s.cancel_max_ids, max_bytes=s.cancel_max_bytes
-        )
-        self._claims = Claims(self._redis, self._streams_low_first, self.worker_id)
-        self._answers = AnswerWriter(
-            self._writer, self.keys, result_ttl_s=s.result_ttl_s, claims=self._claims
-        )
         self._preparing = 0
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.counts: Counter[str] = Counter()
         self.metrics = Metrics(s.metrics_port)
+        self._stop: asyncio.Event | None = None
+        self._space: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
+        self.ready = threading.Event()
+        self._parts(s)
+
+    def _parts(self, s: WorkerSettings) -> None:
+        """The parts the worker owns around its batchers: the entries it holds, the reader,
+        the writer, the cancel log and the upkeep."""
+        self._cancels = CancelLog(
+            s.result_ttl_s, max_ids=s.cancel_max_ids, max_bytes=s.cancel_max_bytes
+        )
+        self._readcap = ReadCap.within(self._limits, max_read_bytes=s.max_read_bytes)
+        self._claims = Claims(self._redis, self._streams_low_first, self.worker_id)
+        self._answers = AnswerWriter(
+            self._writer, self.keys, result_ttl_s=s.result_ttl_s, claims=self._claims
+        )
         self._reader = Reader(
             self._redis,
             self._streams_low_first,
@@ -169,11 +179,6 @@ class Worker:
             batch_stats=lambda: self._batcher.stats,
             counts=self.counts,
         )
-        self._stop: asyncio.Event | None = None
-        self._space: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._closing = False
-        self.ready = threading.Event()
 
     #: End the process if a hung model call blocks the event loop (``batchline worker``).
     exit_if_loop_blocked = False
