@@ -251,7 +251,9 @@ class Upkeep:
             "worker": self.worker_id,
             "pid": os.getpid(),
             "model": self._model_name,
-            "batch_size": self.settings.batch_size,
+            "batch_size": st.batch_size,  # in force: chosen online in latency-SLO mode
+            "timeout_ms": round(st.timeout_ms, 3),
+            "target_p99_ms": st.target_p99_ms,
             "requests": dict(self.counts),
             "batches": st.batches,
             "mean_batch_size": round(st.mean_batch_size, 2),

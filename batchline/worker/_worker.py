@@ -134,6 +134,7 @@ class Worker(Upkeep):
             BatchConfig(
                 batch_size=s.batch_size,
                 timeout_ms=s.timeout_ms,
+                target_p99_ms=s.target_p99_ms,
                 small_batch_threshold=0,
                 max_tokens=s.max_tokens,
                 length_fn=_length,
