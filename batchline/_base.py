@@ -294,7 +294,11 @@ class BatcherBase(Generic[T, R]):
         self._slo = None if slo is None else SloController(slo)
         # The policy settings in force: the configured ones, or the SLO controller's choice.
         self._policy_config = config.policy()
-        self._recorder.record_settings(config.batch_size, config.timeout_ms, config.target_p99_ms)
+        if slo is not None:  # no wait until the controller has seen the function run
+            self._policy_config = dataclasses.replace(self._policy_config, timeout_s=0.0)
+        self._recorder.record_settings(
+            config.batch_size, self._policy_config.timeout_s * 1e3, config.target_p99_ms
+        )
         self._closed = False
         self._attr: str | None = None
         self._bind_lock = threading.Lock()

@@ -679,7 +679,8 @@ def test_latency_slo_mode_chooses_its_settings_within_the_limits() -> None:
         return [2 * x for x in xs]
 
     assert double.stats.target_p99_ms == 10.0
-    assert (double.stats.batch_size, double.stats.timeout_ms) == (64, 20.0)  # before any batch
+    # Before any batch: the largest batch, no wait (until the function's time is known).
+    assert (double.stats.batch_size, double.stats.timeout_ms) == (64, 0.0)
     assert [double(i) for i in range(200)] == [2 * i for i in range(200)]
     stats = double.stats
     # One call at a time: a 20 ms wait for company would break a 10 ms target; the
