@@ -54,7 +54,7 @@ def min_cosine(got: Any, want: Any) -> float:
 
 def part_d(bench: Any, backends: list[str]) -> None:
     """Measure each backend served through Redis (``bench`` is bench_queue's Bench)."""
-    from batchline.sentences import sentences
+    from batchline.demo.sentences import sentences
 
     cfg, res, procs = bench.cfg, bench.res, bench.procs
     texts = sentences(cfg.sentences, seed=7)

@@ -92,10 +92,11 @@ def model_hash(path: str | os.PathLike[str]) -> str:
 
 def export_path(model_dir: str | os.PathLike[str], *, int8: bool) -> Path:
     """Where the export of the model in ``model_dir`` is cached."""
-    from batchline.generation._model import cache_dir
-
+    # The same cache as batchline.generation's converted models (a layer this one does not
+    # import): $BATCHLINE_CACHE_DIR, default ~/.cache/batchline.
+    root = os.environ.get("BATCHLINE_CACHE_DIR") or Path.home() / ".cache" / "batchline"
     name = "model-int8.onnx" if int8 else "model.onnx"
-    return cache_dir() / f"st-onnx{_FORMAT}-{model_hash(model_dir)}" / name
+    return Path(root) / f"st-onnx{_FORMAT}-{model_hash(model_dir)}" / name
 
 
 def _export(st_model: Any, names: list[str], target: Path) -> None:

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from batchline.config import WorkerSettings
+from batchline.demo.sentences import sentences
 from batchline.producer import Producer
-from batchline.sentences import sentences
 from batchline.worker import SentenceTransformerModel, _backends, load_model
 
 from .conftest import RESULT_TIMEOUT_S, WorkerProcess

@@ -2,8 +2,8 @@
 
 Each decorator takes ``**options: Unpack[...]`` of one of the TypedDicts below, so mypy checks
 every option a caller passes, and adding an option is one line here, one field of
-:class:`~batchline._base.BatchConfig` (its default and validation) or of
-:class:`~batchline._inference.Padding`, and one line of documentation. The defaults live in
+:class:`~batchline.drivers._base.BatchConfig` (its default and validation) or of
+:class:`~batchline.drivers._inference.Padding`, and one line of documentation. The defaults live in
 those two classes only; :data:`DEFAULTS` exposes them to the worker settings and the docs.
 
 Options of every decorator (:class:`BatchOptions`):
@@ -20,6 +20,12 @@ Options of every decorator (:class:`BatchOptions`):
   no bound.
 - ``isolate_errors``: when the function raises, split the batch and retry the halves, so
   that only the failing items' callers get the exception. Default True.
+- ``target_p99_ms``: latency-SLO mode. The batcher chooses its batch size (up to
+  ``batch_size``) and wait (up to ``timeout_ms``) online, from the batch function's measured
+  time per batch size and the load, to keep the p99 of queue wait plus function time at or
+  under this target while serving the most it can (:mod:`batchline.core.slo`); when the load
+  exceeds what any setting can serve within the target, it serves the most it can
+  (``batch_size``). ``stats`` shows the chosen settings. Default: off (fixed settings).
 
 Plain decorators (:class:`ThreadOptions`) add ``length_fn``: an item's length in tokens;
 when given, similar lengths are also grouped into one batch whenever more items wait than
@@ -42,7 +48,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypedDict
 
-from batchline._base import BatchConfig
+from batchline.drivers._base import BatchConfig
 
 __all__ = [
     "DEFAULTS",
@@ -67,6 +73,7 @@ class BatchOptions(TypedDict, total=False):
     max_tokens: int | None
     max_queue_size: int | None
     isolate_errors: bool
+    target_p99_ms: float | None
 
 
 class ThreadOptions(BatchOptions, total=False):

@@ -19,13 +19,14 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from batchline.config import ServiceSettings, redact_url
-from batchline.keys import GROUP
+from batchline.transport._redis import RedisClient
+from batchline.transport.keys import GROUP
 
 __all__ = ["collect", "render"]
 
 
 async def collect(
-    settings: ServiceSettings, client: Any, *, live_within_s: float = 10.0
+    settings: ServiceSettings, client: RedisClient, *, live_within_s: float = 10.0
 ) -> dict[str, Any]:
     """Queue depth, pending, lag and dead letters, with the live workers and their figures."""
     keys = settings.keys
@@ -92,11 +93,17 @@ def render(status: dict[str, Any]) -> str:
         model = w.get("model_ms", {})
         lines.append(
             f"    {w.get('worker')}: {w.get('model', '?')}, answered {requests}, "
-            f"mean batch {w.get('mean_batch_size', 0)}, "
+            f"mean batch {w.get('mean_batch_size', 0)} (limit {w.get('batch_size', '?')}, "
+            f"wait {w.get('timeout_ms', '?')} ms{_slo(w)}), "
             f"queue wait p50/p95/p99 {_ms(wait)} ms, model p50/p95/p99 {_ms(model)} ms, "
             f"held {w.get('held', 0)}"
         )
     return "\n".join(lines)
+
+
+def _slo(worker: dict[str, Any]) -> str:
+    target = worker.get("target_p99_ms")
+    return "" if target is None else f", chosen for p99 <= {target:g} ms"
 
 
 def _ms(figures: dict[str, float]) -> str:
