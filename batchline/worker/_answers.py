@@ -55,6 +55,11 @@ class Record:
     request_id: str | None = None
     reply: str | None = None
     dead: list[Any] | None = field(default=None)
+    # Answers computed once (worker/_cache.py): the input hash the worker computed, the cache
+    # key this result may fill, and the in-flight mark it clears; empty where none applies.
+    input_hash: str = ""
+    cache_key: str = ""
+    flight_key: str = ""
 
 
 def answer(

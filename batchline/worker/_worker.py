@@ -71,6 +71,7 @@ from batchline.errors import (
 )
 from batchline.keys import GROUP, check_name
 from batchline.worker._answers import Meta, Record, answer, dead_letter
+from batchline.worker._cache import AnswerCache
 from batchline.worker._readcap import ENTRY_SLACK_BYTES, ReadCap
 from batchline.worker._upkeep import Upkeep
 from batchline.worker.metrics import Metrics
@@ -161,6 +162,7 @@ class Worker(Upkeep):
         self._outbox: list[Record] = []
         self._flusher: asyncio.Task[None] | None = None
         self._complete = Script(COMPLETE)
+        self._cache = AnswerCache(s, model)
         self._meta: dict[Call, Meta] = {}
         self._cancels = CancelLog(
             s.result_ttl_s, max_ids=s.cancel_max_ids, max_bytes=s.cancel_max_bytes
@@ -202,6 +204,7 @@ class Worker(Upkeep):
                 1, thread_name_prefix="batchline-prep"
             )
         await self._ensure_groups()
+        await self._cache.publish(self._redis)
         await self._cancels.catch_up(self._redis, self.keys)
         self._install_signals(loop)
         self.metrics.start()
@@ -507,7 +510,8 @@ class Worker(Upkeep):
     def _record(
         self, meta: Meta, status: str, *, output: Any = None, error: BaseException | None = None
     ) -> Record:
-        return answer(meta, status, self.worker_id, output=output, error=error)
+        record = answer(meta, status, self.worker_id, output=output, error=error)
+        return self._cache.mark(record, meta.request)
 
     def _dead_letter(
         self, sidx: int, entry: bytes, raw: dict[bytes, bytes], kind: str, reason: str
@@ -549,6 +553,10 @@ class Worker(Upkeep):
                     r.reply or "" if has_result else "",
                     r.dead or [],
                     r.result if has_result else "",
+                    r.status,
+                    r.input_hash,
+                    r.cache_key,
+                    r.flight_key,
                 ]
             )
         keys = [*self._streams_low_first, self.keys.dead]
@@ -560,6 +568,9 @@ class Worker(Upkeep):
             self.keys.result(""),
             self.keys.reply(""),
             msgpack.packb(packed, use_bin_type=False),
+            self.keys.request_input(""),
+            self.keys.waiters(""),
+            self.settings.cache_ttl_s,
         ]
         await self._with_retry(lambda: self._complete(self._writer, keys, args))
         self._settle(records)

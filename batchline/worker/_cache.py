@@ -1,0 +1,66 @@
+"""The worker's part in answers computed once: the model identity it publishes (part of
+every cache hash) and, per answer, what the completion script may do with it.
+
+The cache hash of an entry (field ``ck``, added by the enqueue script) is trusted only once
+recomputed here from the entry's own ``meta`` and ``blob`` and this worker's model identity:
+a producer may add entries directly, and a worker that serves another model (a rolling
+model upgrade) must not fill the cache under the old model's hash. Where it matches, an ok
+result fills the cache key; either way the in-flight mark is cleared (the script clears it
+only while it names this request), and the input hash lets the script check each request
+coalesced onto this one (docs/protocol.md, Answers computed once).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from batchline._once import cache_hash, input_hash
+from batchline.codec import Request
+from batchline.config import WorkerSettings
+from batchline.worker._answers import Record
+
+__all__ = ["AnswerCache", "model_identity"]
+
+logger = logging.getLogger(__name__)
+
+
+def model_identity(settings: WorkerSettings, model: object | None) -> str:
+    """The ``model_id`` setting, else the model spec and path, else the model's class."""
+    if settings.model_id:
+        return settings.model_id
+    if model is not None:
+        return f"{type(model).__module__}.{type(model).__qualname__}"
+    return f"{settings.model}|{settings.model_path or ''}"
+
+
+class AnswerCache:
+    """What one worker publishes and marks for the cache (``cache_ttl_s > 0``)."""
+
+    def __init__(self, settings: WorkerSettings, model: object | None) -> None:
+        self.keys = settings.keys
+        self.enabled = settings.cache_ttl_s > 0
+        self.model_id = model_identity(settings, model)
+
+    async def publish(self, client: Any) -> None:
+        """Name this worker's model for the producers' cache hashes (cache on only)."""
+        if not self.enabled:
+            return
+        try:
+            await client.set(self.keys.model, self.model_id)
+        except (RedisError, OSError) as exc:  # the cache stays off until the next worker
+            logger.warning("could not publish the model identity: %s", exc)
+
+    def mark(self, record: Record, request: Request) -> Record:
+        """Fill in the record's input hash, cache key and in-flight mark (entries that the
+        enqueue script gave a cache hash only)."""
+        key = request.get("ck")
+        if not key:
+            return record
+        record.input_hash = input_hash(request["meta"], request.get("blob", b""))
+        record.flight_key = self.keys.in_flight(key)
+        if self.enabled and cache_hash(self.model_id, record.input_hash) == key:
+            record.cache_key = self.keys.cache(key)
+        return record
