@@ -12,8 +12,9 @@ newline and the input hash (hex, lower case).
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
-__all__ = ["cache_hash", "input_hash"]
+__all__ = ["ONCE_COUNTERS", "cache_hash", "input_hash", "once_figures"]
 
 
 def input_hash(meta: bytes, blob: bytes) -> str:
@@ -28,3 +29,20 @@ def cache_hash(model_id: str, input_key: str) -> str:
     """The cache hash of one input (its :func:`input_hash`) for the model ``model_id``."""
     data = model_id.encode() + b"\n" + input_key.encode()
     return hashlib.sha1(data, usedforsecurity=False).hexdigest()
+
+
+#: The enqueue script's counters (the queue's ``once`` hash).
+ONCE_COUNTERS = ("existing", "attached", "conflict", "hit", "miss", "coalesced")
+
+
+def once_figures(raw: dict[Any, Any]) -> dict[str, float]:
+    """The counters of a ``once`` hash (HGETALL), each present, and the cache's hit rate:
+    ``hit / (hit + miss + coalesced)`` (0 before any look-up)."""
+    figures: dict[str, float] = {name: 0 for name in ONCE_COUNTERS}
+    for name, value in raw.items():
+        key = name.decode() if isinstance(name, bytes) else str(name)
+        if key in figures:
+            figures[key] = int(value)
+    looked_up = figures["hit"] + figures["miss"] + figures["coalesced"]
+    figures["hit_rate"] = round(figures["hit"] / looked_up, 4) if looked_up else 0.0
+    return figures

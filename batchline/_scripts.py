@@ -98,6 +98,7 @@ for i, request in ipairs(requests) do
   end
 end
 for name, n in pairs(counts) do redis.call('HINCRBY', ARGV[11], name, n) end
+if next(counts) then redis.call('EXPIRE', ARGV[11], ttl) end
 return out
 """
 

@@ -62,7 +62,7 @@ def _producer(base: str) -> list[str]:
         # (read and set), waiters (added, never read), and its counters.
         f"(~{base}:rid:* ~{base}:flight:* +get +set)",
         f"(%W~{base}:wait:* +sadd +expire)",
-        f"(~{base}:once +hincrby)",
+        f"(~{base}:once +hincrby +expire)",
     ]
 
 

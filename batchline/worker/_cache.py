@@ -13,16 +13,19 @@ coalesced onto this one (docs/protocol.md, Answers computed once).
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from redis.exceptions import RedisError
 
-from batchline._once import cache_hash, input_hash
+from batchline._once import cache_hash, input_hash, once_figures
 from batchline.codec import Request
 from batchline.config import WorkerSettings
 from batchline.worker._answers import Record
+from batchline.worker.metrics import Metrics
 
 __all__ = ["AnswerCache", "model_identity"]
+
 
 logger = logging.getLogger(__name__)
 
@@ -43,15 +46,27 @@ class AnswerCache:
         self.keys = settings.keys
         self.enabled = settings.cache_ttl_s > 0
         self.model_id = model_identity(settings, model)
+        # The identity lives as long as a worker renews it (heartbeats): with no worker
+        # left, producers queue requests without cache hashes.
+        self._model_ttl_s = max(5, math.ceil(3 * settings.heartbeat_s))
 
     async def publish(self, client: Any) -> None:
         """Name this worker's model for the producers' cache hashes (cache on only)."""
         if not self.enabled:
             return
         try:
-            await client.set(self.keys.model, self.model_id)
+            await client.set(self.keys.model, self.model_id, ex=self._model_ttl_s)
         except (RedisError, OSError) as exc:  # the cache stays off until the next worker
             logger.warning("could not publish the model identity: %s", exc)
+
+    async def beat(self, client: Any, metrics: Metrics) -> None:
+        """With each heartbeat: renew the model identity, export the queue's counters."""
+        await self.publish(client)
+        if metrics.port:
+            try:
+                metrics.once(once_figures(await client.hgetall(self.keys.once_stats)))
+            except (RedisError, OSError) as exc:
+                logger.warning("could not read the queue's counters: %s", exc)
 
     def mark(self, record: Record, request: Request) -> Record:
         """Fill in the record's input hash, cache key and in-flight mark (entries that the

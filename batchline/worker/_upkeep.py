@@ -31,6 +31,7 @@ from batchline.worker.models import Model
 if TYPE_CHECKING:
     from batchline._aio import AioBatcher
     from batchline.config import WorkerSettings
+    from batchline.worker._cache import AnswerCache
 
 __all__ = ["HUNG_EXIT_CODE", "Upkeep"]
 
@@ -65,6 +66,7 @@ class Upkeep:
     _deliveries: dict[bytes, int]
     _model_since: float | None
     _hung: threading.Event
+    _cache: AnswerCache
     #: End the process if a hung model call blocks the event loop (``batchline worker``).
     exit_if_loop_blocked = False
 
@@ -286,6 +288,7 @@ class Upkeep:
                     )
                     await pipe.execute()
                 self.metrics.batches(self._batcher.stats)
+                await self._cache.beat(self._redis, self.metrics)
             except (RedisError, OSError) as exc:
                 logger.warning("heartbeat: %s", type(exc).__name__)
             await asyncio.sleep(period)  # a report timer, not a poll for work

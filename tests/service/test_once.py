@@ -9,13 +9,19 @@ import signal
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
+from batchline._once import cache_hash, input_hash
+from batchline.config import WorkerSettings
 from batchline.errors import RequestIdConflict
 from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer
+from batchline.status import collect, render
+from batchline.worker._answers import Record
+from batchline.worker._cache import AnswerCache
 
 from .conftest import (
     RESULT_TIMEOUT_S,
@@ -28,7 +34,7 @@ from .conftest import (
     stream_lengths,
     wait_until,
 )
-from .models_for_tests import GatedModel, read_batches
+from .models_for_tests import GatedModel, poison, read_batches
 from .reply_spy import count_replies
 
 T = RESULT_TIMEOUT_S
@@ -190,3 +196,146 @@ def test_producer_processes_resubmitting_the_same_ids_while_a_worker_dies(
     assert twice <= set(started_by_the_dead)  # and only what the dead worker had started
     assert sum(stream_lengths(rclient, keys)) == 0
     assert rclient.xlen(keys.dead) == 0
+
+
+# -- the result cache --------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def cached(redis_url: str, queue: str) -> AsyncIterator[list[AsyncProducer]]:
+    """Two producers of the test's queue with the cache on (60 s)."""
+    async with (
+        AsyncProducer(redis_url=redis_url, queue=queue, cache_ttl_s=60) as a,
+        AsyncProducer(redis_url=redis_url, queue=queue, cache_ttl_s=60) as b,
+    ):
+        yield [a, b]
+
+
+def queue_keys(client: redis.Redis, keys: QueueKeys, kind: str) -> list[bytes]:
+    """The queue's keys of one kind (``cache``, ``flight``, ``wait``, ``rid``, ...)."""
+    return sorted(client.scan_iter(match=f"{keys.base}:{kind}:*"))
+
+
+async def test_identical_inputs_are_coalesced_then_answered_from_the_cache(
+    cached: list[AsyncProducer],
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+) -> None:
+    a, b = cached
+    replies = [count_replies(a), count_replies(b)]
+    model = GatedModel()
+    worker = start_worker(model=model, cache_ttl_s=60, model_id="m1").worker
+    first = await a.submit("same text")  # a miss: queued, marked in flight
+    assert model.entered.wait(T)
+    # The same input under other ids, while it runs: coalesced onto it, nothing queued.
+    joined = [await p.submit("same text") for p in (a, b, b)]
+    poller = await a.submit("same text", reply=False)
+    other = await b.submit("other text")  # another input: a miss of its own
+    assert entries_added(rclient, keys) == [0, 2, 0]
+    assert len(queue_keys(rclient, keys, "flight")) == 2
+    model.release.set()
+    for producer, handle in [(a, first), (a, joined[0]), (b, joined[1]), (b, joined[2])]:
+        result = await producer.wait(handle, timeout_s=T)
+        assert (result.id, result.status, result.output) == (handle.id, "ok", "same text")
+    assert (await b.wait(other, timeout_s=T)).output == "other text"
+    wait_until(lambda: rclient.exists(keys.result(poller.id)), "the poller's result key")
+    polled = await a.get_result(poller.id)
+    assert polled is not None
+    assert (polled.id, polled.output) == (poller.id, "same text")
+    assert replies == [
+        Counter({first.id: 1, joined[0].id: 1}),
+        Counter({joined[1].id: 1, joined[2].id: 1, other.id: 1}),
+    ]
+    # Answered: both inputs are cached; their in-flight marks and waiters are gone.
+    assert len(queue_keys(rclient, keys, "cache")) == 2
+    assert queue_keys(rclient, keys, "flight") == []
+    assert queue_keys(rclient, keys, "wait") == []
+    # Now a hit: answered at once, with its own id, from the cached bytes; nothing queued.
+    hit = await b.submit("same text")
+    assert hit._future is not None
+    assert hit._future.done()
+    result = await b.wait(hit, timeout_s=T)
+    assert (result.id, result.output, result.worker) == (hit.id, "same text", worker.worker_id)
+    assert await a.infer("same text", timeout_s=T) == "same text"
+    assert await b.get_result(hit.id) == result  # a poller finds it through rid:<id>
+    assert entries_added(rclient, keys) == [0, 2, 0]
+    assert sorted(computed(model)) == ["other text", "same text"]  # each input once
+    figures = await a_status(a)
+    assert {k: figures[k] for k in ("hit", "miss", "coalesced")} == {
+        "hit": 2,
+        "miss": 2,
+        "coalesced": 4,
+    }
+    assert figures["hit_rate"] == 0.25
+    assert (a.counts["cached"], b.counts["cached"], b.counts["coalesced"]) == (1, 1, 2)
+
+
+async def test_only_ok_results_are_cached_and_every_new_key_expires(
+    cached: list[AsyncProducer],
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+) -> None:
+    a, _b = cached
+    model = GatedModel(poison)
+    model.release.set()
+    start_worker(model=model, cache_ttl_s=60)
+    for _ in range(2):  # an error is not cached: the same input runs again
+        result = await a.wait(await a.submit("poison"), timeout_s=T)
+        assert (result.status, result.error_type) == ("error", "ValueError")
+    assert await a.infer("fine", timeout_s=T) == "fine"
+    assert await a.infer("fine", timeout_s=T) == "fine"  # a hit
+    assert computed(model).count("poison") == 2
+    assert computed(model).count("fine") == 1
+    cache = queue_keys(rclient, keys, "cache")
+    assert len(cache) == 1
+    assert 0 < rclient.ttl(cache[0]) <= 60
+    # Every key this created expires; only the work streams (and the dead letters, none
+    # here) live on.
+    lasting = {k for k in rclient.scan_iter(match=f"{keys.base}:*") if rclient.ttl(k) == -1}
+    assert lasting <= {s.encode() for s in [*keys.streams, keys.workers]}
+    assert 0 < rclient.pttl(keys.model) <= 5000
+    assert 0 < rclient.ttl(keys.once_stats) <= 3600
+
+
+async def test_a_worker_without_the_cache_does_not_fill_it(
+    cached: list[AsyncProducer],
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+) -> None:
+    a, _b = cached
+    rclient.set(keys.model, "the-new-model", ex=60)  # published by another worker
+    model = GatedModel()
+    model.release.set()
+    start_worker(model=model)  # its cache is off: it publishes and fills nothing
+    assert await a.infer("text", timeout_s=T) == "text"
+    assert await a.infer("text", timeout_s=T) == "text"
+    assert computed(model) == ["text", "text"]  # a miss each time: not cached
+    assert queue_keys(rclient, keys, "cache") == []
+    assert queue_keys(rclient, keys, "flight") == []
+
+
+async def a_status(producer: AsyncProducer) -> dict[str, float]:
+    """The queue's counters as ``batchline status`` reports them."""
+    figures = await collect(producer.settings, producer._redis)
+    once = figures["once"]
+    assert f"hit rate {once['hit_rate']:.1%}" in render(figures)
+    return dict(once)
+
+
+def test_a_worker_fills_the_cache_only_under_its_own_model_and_the_input_it_ran() -> None:
+    cache = AnswerCache(WorkerSettings(cache_ttl_s=60, model_id="old"), None)
+    meta, blob = b'"text"', b""
+    h = input_hash(meta, blob)
+    request: Any = {"v": 2, "id": "r", "meta": meta}
+    for model_id, fills in (("old", True), ("new", False)):
+        key = cache_hash(model_id, h)
+        record = cache.mark(Record(0, b"1-0", "ok"), {**request, "ck": key})
+        assert record.input_hash == h
+        assert record.flight_key == cache.keys.in_flight(key)  # cleared either way
+        assert record.cache_key == (cache.keys.cache(key) if fills else "")
+    lying = cache.mark(Record(0, b"1-0", "ok"), {**request, "ck": cache_hash("old", "0" * 40)})
+    assert lying.cache_key == ""  # a ck that is not this input's: never filled
+    assert cache.mark(Record(0, b"1-0", "ok"), request).flight_key == ""  # no ck: nothing
