@@ -50,7 +50,9 @@ for i, request in ipairs(requests) do
   local id, reply = f['id'], f['reply'] or ''
   local meta, blob = f['meta'] or '', f['blob'] or ''
   local h = once and redis.sha1hex(#meta .. ':' .. meta .. blob)
-  local known = once and redis.call('GET', rid .. id)
+  -- A new id (the common case) is claimed in one command; a known one is read.
+  local claimed = once and redis.call('SET', rid .. id, h, 'NX', 'EX', ttl)
+  local known = once and not claimed and redis.call('GET', rid .. id)
   if known and string.sub(known, 1, 40) ~= h then
     out[i] = {'conflict'}
     count('conflict')
@@ -84,6 +86,7 @@ for i, request in ipairs(requests) do
       count('coalesced')
     elseif max_depth > 0 and depth >= max_depth then
       out[i] = false
+      if claimed then redis.call('DEL', rid .. id) end
     else
       if key then
         fields[#fields + 1] = 'ck'
@@ -92,7 +95,7 @@ for i, request in ipairs(requests) do
         count('miss')
       end
       out[i] = redis.call('XADD', KEYS[tonumber(request[1]) + 1], '*', unpack(fields))
-      if once then redis.call('SET', rid .. id, h, 'EX', ttl) end
+      if once and not claimed then redis.call('SET', rid .. id, h, 'EX', ttl) end
       depth = depth + 1
     end
   end

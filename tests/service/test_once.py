@@ -16,7 +16,7 @@ import redis
 
 from batchline._once import cache_hash, input_hash
 from batchline.config import WorkerSettings
-from batchline.errors import RequestIdConflict
+from batchline.errors import QueueFull, RequestIdConflict
 from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer
 from batchline.status import collect, render
@@ -339,3 +339,17 @@ def test_a_worker_fills_the_cache_only_under_its_own_model_and_the_input_it_ran(
     lying = cache.mark(Record(0, b"1-0", "ok"), {**request, "ck": cache_hash("old", "0" * 40)})
     assert lying.cache_key == ""  # a ck that is not this input's: never filled
     assert cache.mark(Record(0, b"1-0", "ok"), request).flight_key == ""  # no ck: nothing
+
+
+async def test_a_request_refused_as_the_queue_was_full_leaves_its_id_free(
+    redis_url: str, queue: str, rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    async with AsyncProducer(redis_url=redis_url, queue=queue, max_queue_depth=1) as producer:
+        await producer.submit("first", request_id="in")
+        with pytest.raises(QueueFull):
+            await producer.submit("second", request_id="out")
+        assert not rclient.exists(keys.request_input("out"))
+        rclient.delete(*keys.streams)  # room again
+        again = await producer.submit("another input", request_id="out")  # no conflict
+        assert again.id == "out"
+        assert producer.counts == Counter(queued=2, full=1)
