@@ -59,7 +59,8 @@ def _producer(base: str) -> list[str]:
         # The web backend's markers of polled jobs.
         f"(~{base}:job:* +set +get +del)",
         # The enqueue script's resubmits and coalescing: input hashes and in-flight marks
-        # (read, set; a refused request's input hash deleted), waiters (added, never read), and its counters.
+        # (read, set; a refused request's input hash deleted), waiters (added, never
+        # read), and its counters.
         f"(~{base}:rid:* ~{base}:flight:* +get +set +del)",
         f"(%W~{base}:wait:* +sadd +expire)",
         f"(~{base}:once +hincrby +expire)",
