@@ -48,6 +48,7 @@ __all__ = [
     "BatchFunctionError",
     "BatcherClosed",
     "BatchlineError",
+    "DecodeError",
     "EnqueueTimeout",
     "EnqueueUncertain",
     "GenerationError",
@@ -90,6 +91,10 @@ class RequestCancelled(BatchlineError):
 
 class ItemTooLarge(BatchlineError, ValueError):
     """A single item is longer than the whole ``max_tokens`` budget of a batch."""
+
+
+class DecodeError(BatchlineError, ValueError):
+    """Bytes read from Redis are not a valid batchline message."""
 
 
 class BatchFunctionError(BatchlineError):

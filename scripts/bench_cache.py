@@ -77,8 +77,8 @@ def measure(
     """One measurement on a fresh queue and worker: requests/s, and the queue's counters."""
     import redis
 
-    from batchline._once import once_figures
     from batchline.keys import QueueKeys
+    from batchline.transport._once import once_figures
 
     queue = f"{'cache' if cache else 'plain'}-{rep}"
     ttl = 600 if cache else 0
@@ -111,8 +111,8 @@ def enqueue_cost(url: str, calls: int) -> dict[str, float]:
     per request, the median of the calls; the work streams are emptied between calls."""
     import msgpack
     import redis
-
     from batchline._scripts import ENQUEUE
+
     from batchline.codec import encode_request
     from batchline.keys import QueueKeys
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from batchline.codec import DecodeError, Limits, Result, unpack_result
 from batchline.errors import RequestIdConflict
-from batchline.keys import QueueKeys
+from batchline.transport.codec import DecodeError, Limits, Result, unpack_result
+from batchline.transport.keys import QueueKeys
 
 __all__ = ["OUTCOMES", "Answered", "cached_result", "outcome_of"]
 

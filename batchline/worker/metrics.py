@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from batchline._once import ONCE_COUNTERS
 from batchline.core.stats import BatchStats
+from batchline.transport._once import ONCE_COUNTERS
 
 __all__ = ["Metrics"]
 

@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 import redis
 
-from batchline._once import cache_hash, input_hash
 from batchline.codec import pack_value
 from batchline.config import WorkerSettings
 from batchline.errors import QueueFull, RequestIdConflict
 from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer
-from batchline.status import collect, render
-from batchline.worker._answers import Record
+from batchline.transport._once import cache_hash, input_hash
+from batchline.transport.status import collect, render
+from batchline.worker._answers import Meta, Record, answer
 from batchline.worker._cache import AnswerCache
 
 from .conftest import (
@@ -328,18 +328,23 @@ async def a_status(producer: AsyncProducer) -> dict[str, float]:
 
 def test_a_worker_fills_the_cache_only_under_its_own_model_and_the_input_it_ran() -> None:
     cache = AnswerCache(WorkerSettings(cache_ttl_s=60, model_id="old"), None)
-    meta, blob = b'"text"', b""
-    h = input_hash(meta, blob)
-    request: Any = {"v": 2, "id": "r", "meta": meta}
+    meta = b'"text"'
+    h = input_hash(meta, b"")
+
+    def record(ck: str | None) -> Record:
+        request: Any = {"v": 2, "id": "r", "meta": meta, **({"ck": ck} if ck else {})}
+        return answer(Meta(0, b"1-0", request, "text", 0.0), "ok", "w", output="text")
+
     for model_id, fills in (("old", True), ("new", False)):
         key = cache_hash(model_id, h)
-        record = cache.mark(Record(0, b"1-0", "ok"), {**request, "ck": key})
-        assert record.input_hash == h
-        assert record.flight_key == cache.keys.in_flight(key)  # cleared either way
-        assert record.cache_key == (cache.keys.cache(key) if fills else "")
-    lying = cache.mark(Record(0, b"1-0", "ok"), {**request, "ck": cache_hash("old", "0" * 40)})
-    assert lying.cache_key == ""  # a ck that is not this input's: never filled
-    assert cache.mark(Record(0, b"1-0", "ok"), request).flight_key == ""  # no ck: nothing
+        filled, mark = cache.keys_for(record(key))
+        assert record(key).input_hash == h
+        assert mark == cache.keys.in_flight(key)  # cleared either way
+        assert filled == (cache.keys.cache(key) if fills else "")
+    lying = cache_hash("old", "0" * 40)  # a ck that is not this input's: never filled
+    assert cache.keys_for(record(lying)) == ("", cache.keys.in_flight(lying))
+    assert cache.keys_for(record(None)) == ("", "")  # no ck: nothing
+    assert record(None).input_hash == ""
 
 
 async def test_a_request_refused_as_the_queue_was_full_leaves_its_id_free(
