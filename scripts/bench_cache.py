@@ -45,7 +45,7 @@ REDIS_SERVER = next(
 
 def workload(requests: int, seed: int) -> tuple[list[str], list[str]]:
     """The measured texts (each distinct one twice, shuffled) and the warm-up texts."""
-    from batchline.sentences import sentences
+    from batchline.demo.sentences import sentences
 
     distinct = sentences(requests // 2 + 64, seed=seed)
     measured, warmup = distinct[64:] * 2, distinct[:64]
@@ -77,7 +77,7 @@ def measure(
     """One measurement on a fresh queue and worker: requests/s, and the queue's counters."""
     import redis
 
-    from batchline.keys import QueueKeys
+    from batchline.transport.keys import QueueKeys
     from batchline.transport._once import once_figures
 
     queue = f"{'cache' if cache else 'plain'}-{rep}"
@@ -111,10 +111,10 @@ def enqueue_cost(url: str, calls: int) -> dict[str, float]:
     per request, the median of the calls; the work streams are emptied between calls."""
     import msgpack
     import redis
-    from batchline._scripts import ENQUEUE
+    from batchline.transport._scripts import ENQUEUE
 
-    from batchline.codec import encode_request
-    from batchline.keys import QueueKeys
+    from batchline.transport.codec import encode_request
+    from batchline.transport.keys import QueueKeys
 
     client = redis.Redis.from_url(url)
     sha = client.script_load(ENQUEUE)
