@@ -36,6 +36,7 @@ lists each command's settings with their defaults.
 _SHOWN_DEFAULTS = {
     "model_path": "all-MiniLM-L6-v2",
     "worker_id": "host-pid-random",
+    "threads": "available cores",
 }
 
 

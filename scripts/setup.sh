@@ -11,7 +11,9 @@
 # torch from, or "default" for pip's configured index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="${BATCHLINE_EXTRAS:-dev,redis,embed,service,web,demo,generate}"
+# cpu-fast (onnxruntime, onnx, openvino: the worker's CPU backends) is wheels only, about
+# 80 MB, and changes nothing already installed (torch, transformers, sentence-transformers).
+extras="${BATCHLINE_EXTRAS:-dev,redis,embed,service,web,demo,generate,cpu-fast}"
 py="${PYTHON:-python3}"
 cpu_index="https://download.pytorch.org/whl/cpu"
 export PIP_DISABLE_PIP_VERSION_CHECK=1

@@ -61,6 +61,7 @@ from batchline.worker._claims import Claims
 from batchline.worker._consumers import ensure_groups
 from batchline.worker._readcap import Entry, ReadCap
 from batchline.worker._reader import Entries, Reader
+from batchline.worker._threads import apply_threads, available_cpus, prepare_environment
 from batchline.worker._upkeep import Upkeep, every, snapshot
 from batchline.worker._writer import AnswerWriter
 from batchline.worker.metrics import Metrics
@@ -98,7 +99,15 @@ class Worker:
         self.worker_id = check_name(
             "worker_id", s.worker_id or f"{host_id()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         )
-        self.model = model or load_model(s.model, path=s.model_path, device=s.device, dtype=s.dtype)
+        self.threads = s.threads or available_cpus()
+        self.model = model or load_model(
+            s.model,
+            path=s.model_path,
+            device=s.device,
+            dtype=s.dtype,
+            backend=s.backend,
+            threads=self.threads,
+        )
         self._cache = AnswerCache(s, model)
         self._own_client = redis is None
         self._redis = redis if redis is not None else connect(s)
@@ -263,7 +272,9 @@ class Worker:
             self._model_name,
         )
         await wait_for_redis(self._redis, self.settings, wait_s=self.settings.redis_wait_s)
+        prepare_environment(self.threads)  # before the model loads torch (or anything)
         await loop.run_in_executor(None, self.model.load)
+        apply_threads(self.threads)
         if self.model.heavy_preprocess:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="batchline-prep"

