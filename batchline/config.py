@@ -168,7 +168,8 @@ class WorkerSettings(ServiceSettings):
         consumer_idle_ms: a consumer of the group (a dead worker) idle this long with
             nothing pending is removed by the janitor.
         model_id: the model's identity in cache hashes, which workers publish (default: the
-            model spec and path); change it when the model's outputs change.
+            model spec and path, backend and dtype); change it when the model's outputs
+            change.
     """
 
     model: str = "sentence-transformers"

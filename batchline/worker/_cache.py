@@ -31,12 +31,14 @@ logger = logging.getLogger(__name__)
 
 
 def model_identity(settings: WorkerSettings, model: object | None) -> str:
-    """The ``model_id`` setting, else the model spec and path, else the model's class."""
+    """The ``model_id`` setting, else the model's class (a model object given to the
+    worker), else the model spec and path with the backend and dtype that change its
+    numerics: workers that would answer differently never share cached answers."""
     if settings.model_id:
         return settings.model_id
     if model is not None:
         return f"{type(model).__module__}.{type(model).__qualname__}"
-    return f"{settings.model}|{settings.model_path or ''}"
+    return "|".join((settings.model, settings.model_path or "", settings.backend, settings.dtype))
 
 
 class AnswerCache:
