@@ -29,8 +29,8 @@ from batchline.worker.metrics import Metrics
 from batchline.worker.models import Model
 
 if TYPE_CHECKING:
-    from batchline._aio import AioBatcher
     from batchline.config import WorkerSettings
+    from batchline.worker._generate import Executor
 
 __all__ = ["HUNG_EXIT_CODE", "Upkeep"]
 
@@ -54,7 +54,7 @@ class Upkeep:
     counts: Counter[str]
     _model_name: str
     _redis: Any
-    _batcher: AioBatcher[Any, Any]
+    _batcher: Executor
     _streams_low_first: list[str]
     _inflight: list[set[bytes]]
     _window: int
