@@ -19,7 +19,6 @@ What a request may carry, and its result, are in ``docs/protocol.md`` (Generatio
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -30,10 +29,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
 
+from batchline._aio import _FunctionThread
 from batchline._base import Call, Item
 from batchline.core.scheduler import SchedulerConfig
 from batchline.core.stats import BatchStats, Percentiles, StatsRecorder
-from batchline.errors import BadGenerationParams, BatcherClosed
+from batchline.errors import BadGenerationParams, BatcherClosed, GenerationError
 from batchline.worker.models import Prepared, pick_device, pick_dtype, resolve_callable
 
 if TYPE_CHECKING:  # batchline.generation imports torch: only once a model is served
@@ -253,9 +253,7 @@ class GenerationExecutor:
         self._held: list[Sequence_] = []  # read while a request runs alone
         self._solo: deque[Sequence_] = deque()  # to run alone, in turn
         self._solo_running: Sequence_ | None = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="batchline-generate"
-        )
+        self._thread: _FunctionThread | None = None  # the model thread (a daemon)
         self._recorder = StatsRecorder()
         self._histogram: Counter[int] = Counter()
         self._waits_s: deque[float] = deque(maxlen=_WINDOW)
@@ -338,7 +336,7 @@ class GenerationExecutor:
         self._poke()
         if self._task is not None:
             await asyncio.shield(self._task)
-        self._pool.shutdown(wait=False)
+        self._stop_thread()
 
     def close(self) -> None:
         """Refuse new requests and reject those held (on the worker's loop)."""
@@ -349,7 +347,12 @@ class GenerationExecutor:
             call.reject(BatcherClosed("the generation executor was closed"))
         if self._task is not None:
             self._task.cancel()
-        self._pool.shutdown(wait=False)  # a hung step's thread cannot be stopped
+        self._stop_thread()  # ends after the step under way, if it ever ends
+
+    def _stop_thread(self) -> None:
+        if self._thread is not None:
+            self._thread.stop()
+            self._thread = None
 
     # -- the driver ----------------------------------------------------------------------------
 
@@ -389,6 +392,7 @@ class GenerationExecutor:
         if wake is None:  # pragma: no cover - _poke sets it first
             raise RuntimeError("the driver started without its event")
         aio = asyncio.get_running_loop()
+        self._thread = thread = _FunctionThread("batchline-generate")
         while True:
             self._next_solo(gen)
             if gen.idle:
@@ -399,13 +403,32 @@ class GenerationExecutor:
                 continue
             self._mark_cancelled()
             rows, started = gen.batch_rows, time.perf_counter()
-            await aio.run_in_executor(self._pool, self._guard, gen.run_once)
+            try:
+                await thread.submit(aio, self._guard, gen.run_once)
+            except Exception as exc:  # not a step's failure (the loop answers those): a bug
+                logger.exception("the generation loop failed; failing what it held")
+                gen = self._reset(exc)
+                continue
             if gen.batch_rows != rows:
                 took = time.perf_counter() - started
                 self._histogram[gen.batch_rows - rows] += 1
                 self._steps_s.append(took)
                 self._step_total_s += took
             self._settle()
+
+    def _reset(self, exc: Exception) -> GenerationLoop:
+        """Fail every request held and start from an empty batch."""
+        engine = self.model.engine
+        engine.evict(list(engine.running))
+        self._finals.clear()
+        self._held.clear()
+        self._solo.clear()
+        self._solo_running = None
+        calls, self._calls = self._calls, {}
+        for call in calls.values():
+            call.reject(GenerationError(f"{type(exc).__name__}: {exc}"))
+        self._gen = None
+        return self._loop()
 
     def _next_solo(self, gen: GenerationLoop) -> None:
         """Start the next request to run alone once the batch has drained; when none is
