@@ -8,6 +8,7 @@ installed.
 from __future__ import annotations
 
 import importlib.util
+import re
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +24,7 @@ from batchline.errors import WorkerHung
 from batchline.keys import GROUP, QueueKeys
 from batchline.producer import Producer
 
-from .conftest import RESULT_TIMEOUT_S, WorkerProcess, WorkerThread, spec, wait_until
+from .conftest import RESULT_TIMEOUT_S, WorkerProcess, WorkerThread, run_cli, spec, wait_until
 from .models_for_tests import GATE, read_batches, tiny_llama
 from .reply_spy import count_replies
 from .test_reliability import assert_all_done
@@ -281,3 +282,16 @@ def test_a_hung_step_hands_its_request_back_started(
         start_worker("generate", model_path=TINY, claim_idle_ms=300)
         r = producer.wait(handle, timeout_s=T)
     assert (r.status, r.output["tokens"], r.batch_size) == ("ok", 6, 1)  # alone, the 2nd time
+
+
+def test_the_generate_demo_answers_its_prompts_live() -> None:
+    from batchline.demo_generate import PROMPTS
+
+    done = run_cli("demo", "--generate", "--model-path", TINY, timeout_s=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for question in PROMPTS:
+        assert f"> {question}\n" in done.stdout
+    assert done.stdout.count("[48 tokens, length; first token after") == len(PROMPTS)
+    found = re.search(r"4 answers, 192 tokens in [0-9.]+ s: ([0-9.]+) tokens/s", done.stdout)
+    assert found is not None, done.stdout
+    assert float(found.group(1)) > 0
