@@ -10,6 +10,8 @@ runs on the batcher's own thread, or on the loop for a model quick enough, see
 - the *model batcher* is the asyncio driver of the in-process core (same policy, same
   isolation, same padding): batch size, timeout, token budget, priorities, deadlines and
   length grouping all come from there;
+  for ``--model generate`` an executor with the same small interface runs continuous
+  batching instead (:mod:`._generate`);
 - the *writer* coalesces finished requests into one call of the completion script per batch,
   which acknowledges each entry and, only if the acknowledgement took, writes its result
   (with its TTL) and pushes the replies, then deletes the entries;

@@ -159,6 +159,23 @@ def poll(producer: Producer, request_id: str) -> Result:
     return found
 
 
+def test_a_request_read_while_the_model_steps_joins_the_running_batch(
+    start_worker: Callable[..., WorkerThread], redis_url: str, queue: str, gate: Any
+) -> None:
+    worker = start_worker("generate", model_path=spec("tiny_llama_gated")).worker
+    with Producer(redis_url=redis_url, queue=queue) as producer:
+        first = producer.submit({"prompt": "a long one", "max_new_tokens": 30})
+        gate.allow(3)
+        gate.wait_passes(3)  # running, and the model thread is held inside its 4th step
+        second = producer.submit({"prompt": "short", "max_new_tokens": 3})
+        wait_until(lambda: worker._batcher.queue_size == 2, "the second request to be read")
+        gate.open()
+        long, short = producer.wait(first, timeout_s=T), producer.wait(second, timeout_s=T)
+    assert (long.batch_size, short.batch_size) == (1, 2)  # it joined the running batch
+    assert (long.output["tokens"], short.output["tokens"]) == (30, 3)
+    assert short.output["total_ms"] < long.output["total_ms"]
+
+
 def test_cancel_ends_a_running_request_within_a_step(
     start_worker: Callable[..., WorkerThread], redis_url: str, queue: str, gate: Any
 ) -> None:
