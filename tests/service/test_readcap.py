@@ -94,6 +94,7 @@ async def test_an_oversized_entry_is_dead_lettered_unread(
         raw = {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in fields.items()}
         assert dead[0][1][b"size"] == str(entry_bytes(raw)).encode()
         assert b"blob" not in dead[0][1]  # not copied into the dead letter
+        assert dead[0][1][b"id"] == b"big-1"  # the fields that fit are kept, the id first
         wait_until(lambda: pending_count(rclient, keys) == 0, "nothing pending")
         cap = thread.worker._readcap
         assert cap.refused == 1
