@@ -9,7 +9,12 @@ batchline through Redis (a private redis-server and one ``--model generate`` wor
 (b) mixed: M prompts, max_new_tokens drawn from 8..256, arriving open-loop (Poisson).
 Tokens counted are the useful ones: each request's own tokens up to its EOS or limit.
 The through-Redis row runs the same workload with producer.infer and is reported as a ratio
-to batchline in process (``--skip-redis`` leaves it out).
+to batchline in process (``--skip-redis`` leaves it out). On a shared machine whose load
+swings, two runs minutes apart differ by more than the two paths do: ``--redis-ab`` runs
+only the uniform workload, in process and through Redis alternately, ``--rounds`` times
+each, and reports the ratio of their total rates.
+
+    python3 scripts/bench_generate.py --quick --redis-ab
 """
 
 from __future__ import annotations
@@ -210,17 +215,50 @@ def show(name: str, r: dict[str, Any], base: dict[str, float]) -> None:
     )
 
 
+def redis_ab(gen: Generator, redis: RedisWorker, n: int, new: int, rounds: int) -> None:
+    """In process and through Redis alternately on one workload; the ratio of the totals."""
+    chats, limits = prompts(n), [new] * n
+    redis.run(chats[:1], [2], [0.0])  # warm both paths
+    asyncio.run(ours(gen, chats[:1], [2], [0.0]))
+    print(f"uniform: {n} chat prompts, greedy, {new} new tokens; alternating, {rounds} rounds")
+    totals = {"in process": [0, 0.0], "through Redis": [0, 0.0]}
+    for _ in range(rounds):
+        for name, run in (
+            ("in process", lambda: asyncio.run(ours(gen, chats, limits, [0.0] * n))),
+            ("through Redis", lambda: redis.run(chats, limits, [0.0] * n)),
+        ):
+            r = run()
+            show(f"batchline {name}", r, {})
+            totals[name][0] += r["tokens"]
+            totals[name][1] += r["wall_s"]
+    rates = {k: t / s for k, (t, s) in totals.items()}
+    print(
+        f"total: in process {rates['in process']:.1f} tok/s, through Redis "
+        f"{rates['through Redis']:.1f} tok/s: "
+        f"{rates['through Redis'] / rates['in process']:.2f}x in process"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small workloads: a check, not figures")
     ap.add_argument("--skip-tf", action="store_true", help="skip transformers' generate_batch")
     ap.add_argument("--skip-redis", action="store_true", help="skip the through-Redis rows")
+    ap.add_argument(
+        "--redis-ab", action="store_true", help="only: in process vs through Redis, alternating"
+    )
+    ap.add_argument("--rounds", type=int, default=2, help="with --redis-ab [default 2]")
     args = ap.parse_args()
     torch.manual_seed(0)
     n_uniform, n_alone, n_mixed, hi = (8, 2, 12, 48) if args.quick else (32, 8, 64, 256)
     model, tok = load_causal_lm()
     gen = Generator(model, tokenizer=tok, max_batch_size=32)
     redis = None if args.skip_redis else RedisWorker(batch_size=32)
+    if args.redis_ab and redis is not None:
+        redis_ab(gen, redis, n_uniform, 16 if args.quick else 32, args.rounds)
+        redis.close()
+        gen.loop.close()
+        return
     eos_note = "tokens counted up to each request's EOS or limit"
 
     print(f"(a) uniform: {n_uniform} chat prompts, greedy, 32 new tokens ({eos_note})")
