@@ -6,10 +6,11 @@ gather calls that arrive close together into batches for one call of the functio
 """
 
 from batchline import aio, inference
-from batchline._aio import AioBatcher
-from batchline._api import dynamically
-from batchline._inference import AioInferenceBatcher, InferenceBatcher
-from batchline._options import (
+from batchline.core.stats import BatchStats, Percentiles
+from batchline.drivers._aio import AioBatcher
+from batchline.drivers._api import dynamically
+from batchline.drivers._inference import AioInferenceBatcher, InferenceBatcher
+from batchline.drivers._options import (
     AioInferenceOptions,
     AioOptions,
     BatchOptions,
@@ -17,13 +18,13 @@ from batchline._options import (
     PaddingOptions,
     ThreadOptions,
 )
-from batchline._thread import ThreadBatcher
-from batchline.core.stats import BatchStats, Percentiles
+from batchline.drivers._threads import ThreadBatcher
 from batchline.errors import (
     BadGenerationParams,
     BatcherClosed,
     BatchFunctionError,
     BatchlineError,
+    DecodeError,
     EnqueueTimeout,
     EnqueueUncertain,
     GenerationError,
@@ -51,6 +52,7 @@ __all__ = [
     "BatchStats",
     "BatcherClosed",
     "BatchlineError",
+    "DecodeError",
     "EnqueueTimeout",
     "EnqueueUncertain",
     "GenerationError",

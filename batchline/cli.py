@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import re
-import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -139,7 +138,8 @@ def _worker(args: argparse.Namespace) -> int:
 
 async def _check(settings: Any, max_age_s: float) -> int:
     """Health check: a worker of this host (or ``worker_id``) sent a heartbeat lately."""
-    from batchline._redis import connect
+    from batchline.transport._redis import connect
+    from batchline.transport.keys import host_id
 
     client = connect(settings)
     try:
@@ -149,8 +149,7 @@ async def _check(settings: Any, max_age_s: float) -> int:
         return 1
     finally:
         await client.aclose()
-    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:40]
-    want = settings.worker_id or host + "-"
+    want = settings.worker_id or host_id() + "-"
     names = [b.decode() for b in beats]
     # A worker_id names one worker (w1 is not w12); without one, any worker of this host.
     alive = [n for n in names if n == want or (not settings.worker_id and n.startswith(want))]
@@ -170,8 +169,8 @@ def _status(args: argparse.Namespace) -> int:
     wait_s = settings.redis_wait_s if "redis_wait_s" in settings.model_fields_set else 0.0
 
     async def run() -> dict[str, Any]:
-        from batchline._redis import connect, wait_for_redis
-        from batchline.status import collect
+        from batchline.transport._redis import connect, wait_for_redis
+        from batchline.transport.status import collect
 
         client = connect(settings)
         try:
@@ -180,7 +179,7 @@ def _status(args: argparse.Namespace) -> int:
         finally:
             await client.aclose()
 
-    from batchline.status import render
+    from batchline.transport.status import render
 
     status = asyncio.run(run())
     print(json.dumps(status, indent=2) if args.json else render(status))
@@ -188,8 +187,8 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _acl(args: argparse.Namespace) -> int:
-    from batchline.acl import ROLES, acl_setuser
     from batchline.config import ServiceSettings
+    from batchline.transport.acl import ROLES, acl_setuser
 
     keys = _settings(ServiceSettings, args).keys
     for role in ROLES if args.role == "both" else (args.role,):
@@ -199,21 +198,21 @@ def _acl(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     if args.generate:
-        from batchline.demo_generate import run_generate_demo
+        from batchline.demo.generate import run_generate_demo
 
         return run_generate_demo(model_path=args.model_path)
     if args.in_process:
         from batchline.demo import run_demo
 
         return run_demo(items=args.requests or 2000, threads=args.threads)
-    from batchline.demo_service import run_service_demo
+    from batchline.demo.service import run_service_demo
 
     return run_service_demo(requests=args.requests, plot=args.plot, step_s=args.step_s)
 
 
 def _parser() -> argparse.ArgumentParser:
     from batchline.config import ServiceSettings, WorkerSettings
-    from batchline.demo_service import RATES
+    from batchline.demo.service import RATES
 
     parser = argparse.ArgumentParser(
         prog="batchline",
@@ -305,7 +304,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``batchline`` command and ``python -m batchline``."""
-    from batchline._redis import RedisUnreachable
+    from batchline.transport._redis import RedisUnreachable
 
     args = _parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)

@@ -17,8 +17,9 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from batchline.codec import Limits
-from batchline.keys import QueueKeys, check_name
+from batchline.drivers._options import DEFAULTS
+from batchline.transport.codec import Limits
+from batchline.transport.keys import QueueKeys, check_name
 
 __all__ = [
     "ENV_PREFIX",
@@ -169,8 +170,8 @@ class WorkerSettings(ServiceSettings):
     model_path: str | None = None
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    batch_size: int = Field(default=32, ge=1)
-    timeout_ms: float = Field(default=5.0, ge=0)
+    batch_size: int = Field(default=DEFAULTS.batch_size, ge=1)
+    timeout_ms: float = Field(default=DEFAULTS.timeout_ms, ge=0)
     max_tokens: int | None = Field(default=None, ge=1)
     read_ahead: int = Field(default=16, ge=1)
     claim_idle_ms: int = Field(default=30_000, ge=100)

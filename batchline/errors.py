@@ -45,6 +45,7 @@ __all__ = [
     "BatchFunctionError",
     "BatcherClosed",
     "BatchlineError",
+    "DecodeError",
     "EnqueueTimeout",
     "EnqueueUncertain",
     "GenerationError",
@@ -86,6 +87,10 @@ class RequestCancelled(BatchlineError):
 
 class ItemTooLarge(BatchlineError, ValueError):
     """A single item is longer than the whole ``max_tokens`` budget of a batch."""
+
+
+class DecodeError(BatchlineError, ValueError):
+    """Bytes read from Redis are not a valid batchline message."""
 
 
 class BatchFunctionError(BatchlineError):

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Unpack, overload
 
-from batchline._decorators import make_inference
-from batchline._inference import InferenceBatcher
-from batchline._options import InferenceOptions
+from batchline.drivers._decorators import make_inference
+from batchline.drivers._inference import InferenceBatcher
+from batchline.drivers._options import InferenceOptions
 
 __all__ = ["InferenceBatcher", "dynamically"]
 

@@ -184,7 +184,7 @@ class RedisWorker:
     def __init__(self, batch_size: int) -> None:
         import contextlib
 
-        from batchline.demo_service import redis_for_demo, start_worker, stop_worker
+        from batchline.demo.service import redis_for_demo, start_worker, stop_worker
 
         self.queue = "bench-generate"
         self.stack = contextlib.ExitStack()

@@ -12,7 +12,7 @@ and its own worker and producer processes, and measures:
     interleaved; the side not measured is paused with SIGSTOP.
 (b) idle latency: one request at a time (sequential submit + wait) on the idle no-op worker,
     over the no-op model's own time.
-(c) all-MiniLM-L6-v2 on the CPU, realistic mixed-length sentences (``batchline.sentences``):
+(c) all-MiniLM-L6-v2 on the CPU, realistic mixed-length sentences (``batchline.demo.sentences``):
     sentences/s served through Redis (one worker, batch 32, timeout_ms 0, all sentences
     submitted at once) vs the offline ceiling ``model.encode(sentences, batch_size=32)`` in this
     process (the worker paused with SIGSTOP, both with torch's default thread count unless
@@ -681,8 +681,8 @@ class Bench:
     # -- (c): all-MiniLM-L6-v2 ----------------------------------------------------------------
 
     def part_c(self) -> None:
+        from batchline.demo.sentences import sentences
         from batchline.producer import AsyncProducer
-        from batchline.sentences import sentences
 
         cfg, res = self.cfg, self.res
         texts = sentences(cfg.sentences, seed=7)

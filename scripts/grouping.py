@@ -1,6 +1,6 @@
 """Padding efficiency of the worker's length grouping, by read-ahead window.
 
-Replays the queue benchmark's sentences (``batchline.sentences``, tokenized with
+Replays the queue benchmark's sentences (``batchline.demo.sentences``, tokenized with
 all-MiniLM-L6-v2's tokenizer, offline) through the real batch policy with a full backlog, as a
 worker with that many batches read ahead would form them, and prints the share of real
 tokens in the padded batches; beside it, an offline sort of everything (what
@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from batchline.core.policy import BatchPolicy, PolicyConfig
-from batchline.sentences import sentences
+from batchline.demo.sentences import sentences
 
 
 @dataclass(slots=True)

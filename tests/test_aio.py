@@ -13,7 +13,7 @@ import pytest
 
 import batchline
 from batchline import AioBatcher, BatcherClosed, BatchFunctionError, QueueFull, RequestTimeout
-from batchline._base import BatchConfig
+from batchline.drivers._base import BatchConfig
 
 HUGE_MS = 600_000.0  # never fires in a test: batches flush by size or by close
 

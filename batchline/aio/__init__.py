@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar, Unpack, overload
 
-from batchline._aio import AioBatcher
-from batchline._decorators import make_aio
-from batchline._options import AioOptions
 from batchline.aio import inference
+from batchline.drivers._aio import AioBatcher
+from batchline.drivers._decorators import make_aio
+from batchline.drivers._options import AioOptions
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")

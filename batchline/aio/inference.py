@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Unpack, overload
 
-from batchline._decorators import make_aio_inference
-from batchline._inference import AioInferenceBatcher
-from batchline._options import AioInferenceOptions
+from batchline.drivers._decorators import make_aio_inference
+from batchline.drivers._inference import AioInferenceBatcher
+from batchline.drivers._options import AioInferenceOptions
 
 __all__ = ["AioInferenceBatcher", "dynamically"]
 

@@ -43,8 +43,6 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from redis.exceptions import RedisError
 
-from batchline._redis import connect
-from batchline.codec import DecodeError, Result, unpack_result
 from batchline.config import ProducerSettings, check_environment
 from batchline.errors import (
     BatcherClosed,
@@ -56,6 +54,9 @@ from batchline.errors import (
 )
 from batchline.producer import AsyncProducer, Handle
 from batchline.producer._failures import translate
+from batchline.transport._redis import RedisClient, connect
+from batchline.transport.codec import DecodeError, Result, unpack_result
+from batchline.transport.keys import ID_PATTERN, MAX_ID_CHARS
 
 __all__ = [
     "INPUT_ERRORS",
@@ -77,7 +78,6 @@ MAX_TEXTS = 256
 #: Worker error types that the input caused: answered 422, every other one 500.
 INPUT_ERRORS = frozenset(["TypeError", "ValueError", "MalformedRequest", "ItemTooLarge"])
 RETRY_AFTER_S = 1
-_ID_PATTERN = r"^[A-Za-z0-9_.\-]{1,128}$"
 _NOT_STARTED = "the app's lifespan has not run: serve it with an ASGI server"
 
 _Text = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TEXT_CHARS)]
@@ -236,7 +236,7 @@ class _Backend:
         self.timeout_s = timeout_s
         self._limits = settings.limits()
         self._producer: AsyncProducer | None = None
-        self._redis: Any = None
+        self._redis: RedisClient = None
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
@@ -258,7 +258,7 @@ class _Backend:
         return self._producer
 
     @property
-    def redis(self) -> Any:
+    def redis(self) -> RedisClient:
         """The producer's Redis client, also for the job markers and PING."""
         if self._redis is None:
             raise RuntimeError(_NOT_STARTED)
@@ -317,7 +317,7 @@ class _Backend:
         )
 
     async def job(
-        self, request_id: Annotated[str, Path(pattern=_ID_PATTERN, max_length=128)]
+        self, request_id: Annotated[str, Path(pattern=ID_PATTERN, max_length=MAX_ID_CHARS)]
     ) -> JSONResponse:
         """A job's state: pending (202), its result, or unknown (404)."""
         async with self.redis.pipeline(transaction=False) as pipe:

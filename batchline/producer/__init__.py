@@ -1,7 +1,7 @@
 """What web backends import: enqueue requests and receive results over Redis."""
 
-from batchline.codec import Result
-from batchline.producer._async import AsyncProducer, Handle
+from batchline.producer._async import AsyncProducer, Handle, RequestOptions, SubmitOptions
 from batchline.producer._sync import Producer
+from batchline.transport.codec import Result
 
-__all__ = ["AsyncProducer", "Handle", "Producer", "Result"]
+__all__ = ["AsyncProducer", "Handle", "Producer", "RequestOptions", "Result", "SubmitOptions"]

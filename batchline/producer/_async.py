@@ -15,27 +15,15 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
 import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TypedDict, Unpack, cast
 
 import msgpack
 from redis.exceptions import RedisError
 
-from batchline._cancels import cancel_request
-from batchline._redis import Backoff, Script, connect, own_connection
-from batchline._scripts import ENQUEUE
-from batchline.codec import (
-    DecodeError,
-    Result,
-    decode_result,
-    encode_request,
-    result_map,
-    unpack_result,
-)
 from batchline.config import ProducerSettings
 from batchline.errors import (
     BatcherClosed,
@@ -44,10 +32,22 @@ from batchline.errors import (
     RequestCancelled,
     RequestTimeout,
 )
-from batchline.keys import check_name
 from batchline.producer._failures import Failed, connected, translate, uncertain, writer_for
+from batchline.transport._cancels import cancel_request
+from batchline.transport._outbox import Outbox
+from batchline.transport._redis import Backoff, RedisClient, Script, connect, own_connection
+from batchline.transport._scripts import ENQUEUE
+from batchline.transport.codec import (
+    DecodeError,
+    Result,
+    decode_result,
+    encode_request,
+    unpack_result,
+)
+from batchline.transport.codec._results import result_map
+from batchline.transport.keys import check_name, host_id
 
-__all__ = ["AsyncProducer", "Handle"]
+__all__ = ["AsyncProducer", "Handle", "RequestOptions", "SubmitOptions"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,22 @@ def _new_id() -> str:
 
 #: Who learns how a write went: a submit's ack future, or an infer's (request id, future).
 _Target = asyncio.Future[Any] | tuple[str, "asyncio.Future[Result] | None"]
+#: A request in the outbox: its entry for the enqueue script, who learns the outcome, its id.
+_Pending = tuple[list[Any], _Target, str]
+
+
+class RequestOptions(TypedDict, total=False):
+    """Options of one request, taken by ``infer`` and ``map`` (see :meth:`AsyncProducer.submit`)."""
+
+    deadline_ms: float | None
+    priority: int | None
+    request_id: str | None
+
+
+class SubmitOptions(RequestOptions, total=False):
+    """``submit``'s options: a request's, and whether its result is pushed to this producer."""
+
+    reply: bool
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -85,7 +101,7 @@ class AsyncProducer:
         self,
         settings: ProducerSettings | None = None,
         *,
-        redis: Any = None,
+        redis: RedisClient = None,
         **overrides: Any,
     ) -> None:
         self.settings = settings or ProducerSettings(**overrides)
@@ -93,25 +109,25 @@ class AsyncProducer:
         self._own_client = redis is None
         self._redis = redis if redis is not None else connect(self.settings)
         self._writer = writer_for(self._redis)  # the flush task's own connection
-        host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())
         self.producer_id = check_name(
-            "producer id", f"{host[:40]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            "producer id", f"{host_id()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         )
         self._reply_key = self.keys.reply(self.producer_id)
         self._limits = self.settings.limits()
         self._waiting: dict[str, asyncio.Future[Result]] = {}
         self._reader: asyncio.Task[None] | None = None
-        self._reader_client: Any = None  # the reader's own client, while it runs
+        self._reader_client: RedisClient = None  # the reader's own client, while it runs
         self._closed = False
         self._enqueue_script = Script(ENQUEUE)
-        self._streams_low_first = [self.keys.stream(p) for p in range(self.keys.priorities)]
+        self._streams_low_first = self.keys.streams_low_first
         # Submits wait here while a write is in flight; the next write takes them all, so
-        # concurrent submits are coalesced into one script call (as a batcher with timeout
-        # 0 would, without its per-call overhead).
-        self._outbox: list[list[Any]] = []
-        self._outbox_targets: list[_Target] = []
-        self._outbox_ids: list[str] = []
-        self._flusher: asyncio.Task[None] | None = None
+        # concurrent submits are coalesced into one script call.
+        self._outbox: Outbox[_Pending] = Outbox(
+            self._flush,
+            max_batch=self.settings.submit_batch,
+            abandon=self._abandon,
+            name=f"batchline-submits:{self.producer_id}",
+        )
 
     def __repr__(self) -> str:
         return f"<AsyncProducer queue={self.keys.queue!r} id={self.producer_id!r}>"
@@ -133,8 +149,7 @@ class AsyncProducer:
         if self._closed:
             return
         self._closed = True
-        while self._flusher is not None:  # the submits already accepted are written
-            await asyncio.shield(self._flusher)
+        await self._outbox.drain()  # the submits already accepted are written
         if self._reader is not None:
             self._reader.cancel()
             done, _ = await asyncio.wait({self._reader}, timeout=0.05)
@@ -245,11 +260,8 @@ class AsyncProducer:
             # Registered before the write, so that even the fastest reply finds its waiter.
             fut = loop.create_future()
             self._waiting[rid] = fut
-        self._outbox.append([prio, [x for kv in fields.items() for x in kv]])
-        self._outbox_targets.append(ack if ack is not None else (rid, fut))
-        self._outbox_ids.append(rid)
-        if self._flusher is None:
-            self._flusher = loop.create_task(self._flush())
+        entry = [prio, [x for kv in fields.items() for x in kv]]
+        self._outbox.put((entry, ack if ack is not None else (rid, fut), rid))
         return rid, fut
 
     def _queue_full(self) -> QueueFull:
@@ -258,30 +270,25 @@ class AsyncProducer:
             f"{self.settings.max_queue_depth} requests"
         )
 
-    async def _flush(self) -> None:
+    async def _flush(self, pending: list[_Pending]) -> None:
+        """Write one batch of the outbox; tell each submit how its write went."""
+        targets = [target for _, target, _ in pending]
         try:
-            while self._outbox:
-                n = self.settings.submit_batch
-                batch, self._outbox = self._outbox[:n], self._outbox[n:]
-                targets, self._outbox_targets = self._outbox_targets[:n], self._outbox_targets[n:]
-                ids, self._outbox_ids = self._outbox_ids[:n], self._outbox_ids[n:]
-                try:
-                    entries = await self._write(batch, ids)
-                except Failed as failed:  # each submit of this write gets its error
-                    for target, error in zip(targets, failed.errors, strict=True):
-                        self._settle(target, error)
-                except Exception as exc:
-                    for target in targets:
-                        self._settle(target, exc)
-                else:
-                    for target, entry in zip(targets, entries, strict=True):
-                        self._settle(target, entry)
-        finally:
-            self._flusher = None
-            if self._outbox:  # cancelled (the loop is closing): nothing more will be written
-                for target in self._outbox_targets:
-                    self._settle(target, BatcherClosed("the producer stopped writing"))
-                self._outbox, self._outbox_targets, self._outbox_ids = [], [], []
+            entries = await self._write([e for e, _, _ in pending], [rid for _, _, rid in pending])
+        except Failed as failed:  # each submit of this write gets its error
+            for target, error in zip(targets, failed.errors, strict=True):
+                self._settle(target, error)
+        except Exception as exc:
+            for target in targets:
+                self._settle(target, exc)
+        else:
+            for target, entry in zip(targets, entries, strict=True):
+                self._settle(target, entry)
+
+    def _abandon(self, pending: list[_Pending]) -> None:
+        """The writes that will never go (the loop is closing)."""
+        for _, target, _ in pending:
+            self._settle(target, BatcherClosed("the producer stopped writing"))
 
     def _settle(self, target: _Target, outcome: Any) -> None:
         """Tell a submit how its write went: ``submit`` awaits the entry id (an ack future);
@@ -377,7 +384,11 @@ class AsyncProducer:
         return result.unwrap()
 
     async def map(
-        self, values: Iterable[Any], *, timeout_s: float | None = None, **options: Any
+        self,
+        values: Iterable[Any],
+        *,
+        timeout_s: float | None = None,
+        **options: Unpack[RequestOptions],
     ) -> list[Any]:
         """Submit many requests (coalesced writes) and return their outputs, in order."""
         return list(
@@ -435,7 +446,7 @@ class AsyncProducer:
             finally:
                 self._reader_client = None
 
-    async def _read_replies_with(self, client: Any) -> None:
+    async def _read_replies_with(self, client: RedisClient) -> None:
         last = b"0-0"
         backoff = Backoff(logger, "reply reader")
         # aclose() cancels this task, but on Python 3.11 a cancellation that lands just as

@@ -17,7 +17,6 @@ reaches the caller as it is.
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.retry import Retry
@@ -32,13 +31,13 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from batchline._redis import dedicated
 from batchline.errors import (
     EnqueueTimeout,
     EnqueueUncertain,
     RequestTimeout,
     ServiceUnavailable,
 )
+from batchline.transport._redis import RedisClient, dedicated
 
 __all__ = ["Failed", "connected", "refused", "translate", "uncertain", "writer_for"]
 
@@ -101,7 +100,7 @@ class Failed(Exception):
         self.errors = errors
 
 
-def writer_for(client: Any) -> Any:
+def writer_for(client: RedisClient) -> RedisClient:
     """The writer's own client: one connection, in a pool of its own, on which redis-py never
     sends a command again by itself after a lost connection (it would queue a request twice,
     unknown to anyone). A cluster client (or anything else) is used as it is."""
@@ -113,7 +112,7 @@ def writer_for(client: Any) -> Any:
     return Redis(connection_pool=own, single_connection_client=True)
 
 
-async def connected(client: Any) -> None:
+async def connected(client: RedisClient) -> None:
     """Make the writer's connection ready before a write is sent: open it if it is closed
     (redis-py closes it after an error), and run redis-py's periodic PING here, where its
     failure (a connection that died while idle) sends nothing: reconnect once instead."""

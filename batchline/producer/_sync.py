@@ -9,11 +9,11 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine, Iterable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
-from batchline.codec import Result
 from batchline.config import ProducerSettings
-from batchline.producer._async import AsyncProducer, Handle
+from batchline.producer._async import AsyncProducer, Handle, RequestOptions, SubmitOptions
+from batchline.transport.codec import Result
 
 __all__ = ["Producer"]
 
@@ -50,7 +50,7 @@ class Producer:
     def producer_id(self) -> str:
         return self._async.producer_id
 
-    def submit(self, value: Any, **options: Any) -> Handle:
+    def submit(self, value: Any, **options: Unpack[SubmitOptions]) -> Handle:
         """See :meth:`AsyncProducer.submit`."""
         return self._run(self._async.submit(value, **options))
 
@@ -62,12 +62,18 @@ class Producer:
         """See :meth:`AsyncProducer.result`."""
         return self._run(self._async.result(handle, timeout_s))
 
-    def infer(self, value: Any, *, timeout_s: float | None = None, **options: Any) -> Any:
+    def infer(
+        self, value: Any, *, timeout_s: float | None = None, **options: Unpack[RequestOptions]
+    ) -> Any:
         """See :meth:`AsyncProducer.infer`."""
         return self._run(self._async.infer(value, timeout_s=timeout_s, **options))
 
     def map(
-        self, values: Iterable[Any], *, timeout_s: float | None = None, **options: Any
+        self,
+        values: Iterable[Any],
+        *,
+        timeout_s: float | None = None,
+        **options: Unpack[RequestOptions],
     ) -> list[Any]:
         """See :meth:`AsyncProducer.map`."""
         return self._run(self._async.map(list(values), timeout_s=timeout_s, **options))

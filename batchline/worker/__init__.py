@@ -3,6 +3,7 @@
 from batchline.worker._worker import Worker
 from batchline.worker.models import (
     CallableModel,
+    CountsPadding,
     Model,
     Prepared,
     SentenceTransformerModel,
@@ -12,6 +13,7 @@ from batchline.worker.models import (
 
 __all__ = [
     "CallableModel",
+    "CountsPadding",
     "Model",
     "Prepared",
     "SentenceTransformerModel",

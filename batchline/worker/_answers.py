@@ -6,16 +6,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchline.codec import (
+from batchline.transport.codec import (
+    DecodeError,
+    Limits,
     Request,
     Result,
     encode_result,
     pack_result,
-    result_fields,
-    salvage_id,
+    request_value,
 )
+from batchline.transport.codec._requests import check_priority, decode_requests, salvage_id
+from batchline.transport.codec._results import result_fields
+from batchline.worker._readcap import Entry
+from batchline.worker.models import Model, Prepared
 
-__all__ = ["Meta", "Record", "answer", "dead_letter"]
+__all__ = ["Meta", "Record", "answer", "dead_letter", "prepare"]
 
 _MAX_DEAD_RAW = 1 << 20  # a dead letter keeps the original fields up to this size in all
 _MAX_DEAD_FIELDS = 256  # and this many of them (Lua's unpack() takes a few thousand values)
@@ -131,3 +136,41 @@ def _original_fields(raw: dict[bytes, bytes]) -> list[Any]:
             omitted.append(name)
     names = ",".join(n[:128].decode("utf-8", "backslashreplace") for n in omitted[:_MAX_OMITTED])
     return [*kept, "size", str(size), "fields", str(len(raw)), "omitted", names]
+
+
+def prepare(
+    batch: list[Entry], model: Model, limits: Limits, worker_id: str
+) -> list[Record | tuple[Meta, list[Prepared]]]:
+    """Decode, validate and preprocess the entries of one read: each becomes its request's
+    prepared items, or the record that answers it at once (malformed: dead-lettered;
+    expired; refused by the model's ``preprocess``; deleted while pending: acknowledged)."""
+    now = time.time()
+    out: list[Record | tuple[Meta, list[Prepared]]] = []
+    requests = iter(decode_requests([raw for _sidx, _entry, raw in batch if raw]))
+    for sidx, entry, raw in batch:
+        if not raw:  # deleted while pending: nothing to answer, only to acknowledge
+            out.append(Record(sidx, entry))
+            continue
+        request = next(requests)
+        try:
+            if isinstance(request, DecodeError):
+                raise request
+            check_priority(request, sidx)  # the stream decides
+            value = request_value(request, limits)
+        except DecodeError as exc:
+            out.append(
+                dead_letter(sidx, entry, raw, "MalformedRequest", str(exc), worker_id=worker_id)
+            )
+            continue
+        meta = Meta(sidx, entry, request, value, now)
+        deadline_ms = request.get("dl")
+        if deadline_ms is not None and deadline_ms <= now * 1e3:
+            out.append(answer(meta, "expired", worker_id))
+            continue
+        try:
+            prepared = model.preprocess(value)
+        except Exception as exc:  # the input's fault: this request alone fails
+            out.append(answer(meta, "error", worker_id, error=exc))
+            continue
+        out.append((meta, prepared))
+    return out

@@ -12,12 +12,13 @@ again by its next read.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
-from batchline._redis import Script
-from batchline.keys import GROUP
+from redis.exceptions import ResponseError
 
-__all__ = ["PRUNE", "prune_consumers"]
+from batchline.transport._redis import RedisClient, Script
+from batchline.transport.keys import GROUP
+
+__all__ = ["PRUNE", "ensure_groups", "prune_consumers"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,9 @@ return removed
 """)
 
 
-async def prune_consumers(redis: Any, streams: list[str], *, idle_ms: int, keep: str) -> list[str]:
+async def prune_consumers(
+    redis: RedisClient, streams: list[str], *, idle_ms: int, keep: str
+) -> list[str]:
     """Remove the consumers of ``streams`` other than ``keep`` idle over ``idle_ms`` with
     nothing pending; return their names."""
     removed = [
@@ -53,3 +56,13 @@ async def prune_consumers(redis: Any, streams: list[str], *, idle_ms: int, keep:
     if removed:
         logger.info("removed idle consumers without pending entries: %s", ", ".join(removed))
     return removed
+
+
+async def ensure_groups(redis: RedisClient, streams: list[str]) -> None:
+    """Create the consumer group on every work stream (and the streams) where missing."""
+    for stream in streams:
+        try:
+            await redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise

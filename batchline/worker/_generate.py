@@ -29,10 +29,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
 
-from batchline._aio import _FunctionThread
-from batchline._base import Call, Item
 from batchline.core.scheduler import SchedulerConfig
 from batchline.core.stats import BatchStats, Percentiles, StatsRecorder
+from batchline.drivers._aio import _FunctionThread
+from batchline.drivers._base import Call, Item
 from batchline.errors import BadGenerationParams, BatcherClosed, GenerationError
 from batchline.worker.models import Prepared, pick_device, pick_dtype, resolve_callable
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from batchline.transport.codec import Limits
+
 __all__ = ["ENTRY_SLACK_BYTES", "Entry", "ReadCap", "entry_bytes"]
 
 #: One entry read: stream index, entry id, fields (None: deleted while pending).
@@ -49,6 +51,12 @@ class ReadCap:
         self.max_entry_bytes = max_entry_bytes
         self.largest_bytes = 0
         self.refused = 0
+
+    @classmethod
+    def within(cls, limits: Limits, *, max_read_bytes: int) -> ReadCap:
+        """The cap of a worker that accepts requests within ``limits``."""
+        largest = limits.max_meta_bytes + limits.max_blob_bytes + ENTRY_SLACK_BYTES
+        return cls(max_read_bytes=max_read_bytes, max_entry_bytes=largest)
 
     def count(self, room: int, streams: int) -> int:
         """COUNT for one read of ``streams`` streams (COUNT applies to each stream) with

@@ -1,10 +1,23 @@
-"""A worker's upkeep: the janitor (keeping its claims alive, removing the consumers of dead
-workers), the reclaimer (taking over what dead workers left pending, one entry at a time, each
-run alone; dead-lettering the poisonous), the watchdog (a model call past ``max_batch_ms``) and
-the heartbeat (liveness and statistics).
+"""A worker's upkeep, as parts the worker owns: the janitor (keeping its claims alive,
+removing the consumers of dead workers), the reclaimer (taking over what dead workers left
+pending, one entry at a time, each run alone; dead-lettering the poisonous), the watchdog (a
+model call past ``max_batch_ms``) and the heartbeat (liveness and statistics).
 
-A mixin of :class:`~batchline.worker.Worker`, kept apart so that the serving path (reading,
-batching, writing) reads on its own.
+Each is given exactly what it needs (the client, the streams, the worker's
+:class:`~batchline.worker._claims.Claims`, a few callbacks), so that the serving path
+(reading, batching, writing) reads on its own in :mod:`._worker`.
+
+Containment. An entry delivered more than once may be what killed its last worker, so it
+never shares a model call again: the reclaimer takes such entries one at a time and runs
+each alone (on a second batcher of batch size 1 that shares the model's lock), so a poison
+input crashes only itself, and its batch-mates, already redelivered, are answered.
+``max_batch_ms`` bounds one model call: a watchdog thread marks the worker hung, and then it
+stops reading and renewing, signs off (no heartbeat), hands back what it holds with
+``XCLAIM ... IDLE <claim_idle_ms>`` so another worker's XAUTOCLAIM takes it at once (entries
+not started keep their delivery count, ``RETRYCOUNT``), writes the answers already computed,
+and ``Worker.run`` raises :class:`~batchline.errors.WorkerHung`. A Python thread cannot be
+killed, so the process must end: ``batchline worker`` runs the worker in a child process and
+starts a fresh one (:mod:`._supervisor`).
 """
 
 from __future__ import annotations
@@ -17,22 +30,30 @@ import math
 import os
 import threading
 import time
-from collections import Counter, defaultdict
-from typing import TYPE_CHECKING, Any
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 from redis.exceptions import RedisError
 
-from batchline.keys import GROUP, QueueKeys
-from batchline.worker._answers import Meta, Record
+from batchline.config import WorkerSettings
+from batchline.core.stats import BatchStats
+from batchline.transport._redis import RedisClient
+from batchline.transport.keys import GROUP, QueueKeys
+from batchline.worker._claims import Claims
 from batchline.worker._consumers import prune_consumers
 from batchline.worker.metrics import Metrics
-from batchline.worker.models import Model
 
-if TYPE_CHECKING:
-    from batchline.config import WorkerSettings
-    from batchline.worker._generate import Executor
-
-__all__ = ["HUNG_EXIT_CODE", "Upkeep"]
+__all__ = [
+    "HUNG_EXIT_CODE",
+    "Heartbeat",
+    "Janitor",
+    "Reclaimer",
+    "Upkeep",
+    "Watchdog",
+    "every",
+    "snapshot",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -43,102 +64,91 @@ HUNG_EXIT_CODE = 70
 _LOOP_GRACE_S = 10.0
 
 
-class Upkeep:
-    """The janitor and heartbeat tasks of a worker (which provides these attributes)."""
+async def every(
+    period_s: float, what: str, step: Callable[[], Awaitable[None]], closing: Callable[[], bool]
+) -> None:
+    """Run ``step`` every ``period_s`` seconds until ``closing()``; a Redis failure is logged
+    and the next period tries again."""
+    while not closing():
+        await asyncio.sleep(period_s)  # a maintenance timer, not a poll for work
+        try:
+            await step()
+        except (RedisError, OSError) as exc:
+            logger.warning("%s: %s: %s", what, type(exc).__name__, exc)
 
-    settings: WorkerSettings
-    keys: QueueKeys
-    worker_id: str
-    model: Model
-    metrics: Metrics
-    counts: Counter[str]
-    _model_name: str
-    _redis: Any
-    _batcher: Executor
-    _streams_low_first: list[str]
-    _inflight: list[set[bytes]]
-    _window: int
-    _closing: bool
-    _stop: asyncio.Event | None
-    _settled: asyncio.Event | None
-    _meta: dict[Any, Meta]
-    _deliveries: dict[bytes, int]
-    _model_since: float | None
-    _hung: threading.Event
-    #: End the process if a hung model call blocks the event loop (``batchline worker``).
-    exit_if_loop_blocked = False
 
-    def stop(self) -> None:
-        raise NotImplementedError
+class Janitor:
+    """Keeps the worker's claims alive (while its model is not hung: a hung batch's claims
+    lapse) and, while it serves, removes consumers idle past ``consumer_idle_ms``."""
 
-    def _answer(self, record: Record) -> None:
-        raise NotImplementedError
+    def __init__(
+        self,
+        claims: Claims,
+        *,
+        consumer_idle_ms: int,
+        hung: threading.Event,
+        serving: Callable[[], bool],
+    ) -> None:
+        self._claims = claims
+        self._consumer_idle_ms = consumer_idle_ms
+        self._hung = hung
+        self._serving = serving
 
-    def _dead_letter(
-        self, sidx: int, entry: bytes, raw: dict[bytes, bytes], kind: str, reason: str
-    ) -> Record:
-        raise NotImplementedError
+    async def step(self) -> None:
+        if not self._hung.is_set():
+            await self._claims.keep_alive()
+        if self._serving():
+            c = self._claims
+            await prune_consumers(
+                c.redis, c.streams, idle_ms=self._consumer_idle_ms, keep=c.worker_id
+            )
 
-    async def _accept(self, entries: Any, *, alone: bool = False) -> None:
-        raise NotImplementedError
 
-    def _serving(self) -> bool:
-        return self._stop is not None and not self._stop.is_set() and not self._hung.is_set()
+#: Takes entries into the worker: (sidx, entry id, fields) each; ``alone``: run each alone.
+Accept = Callable[..., Awaitable[None]]
+#: Dead-letters one entry: sidx, entry id, fields, error type, reason.
+Refuse = Callable[[int, bytes, dict[bytes, bytes], str, str], None]
 
-    async def _janitor(self) -> None:
-        period = self.settings.claim_idle_ms / 3e3
-        while not self._closing:
-            await asyncio.sleep(period)  # a maintenance timer, not a poll for work
-            try:
-                if not self._hung.is_set():  # a hung batch's claims lapse
-                    await self._keep_claims()
-                if self._serving():
-                    await prune_consumers(
-                        self._redis,
-                        self._streams_low_first,
-                        idle_ms=self.settings.consumer_idle_ms,
-                        keep=self.worker_id,
-                    )
-            except (RedisError, OSError) as exc:
-                logger.warning("janitor: %s: %s", type(exc).__name__, exc)
 
-    async def _reclaimer(self) -> None:
-        period = self.settings.claim_idle_ms / 3e3
-        while not self._closing:
-            await asyncio.sleep(period)  # a maintenance timer, not a poll for work
-            try:
-                if self._serving():
-                    await self._reclaim()
-            except (RedisError, OSError) as exc:
-                logger.warning("reclaimer: %s: %s", type(exc).__name__, exc)
+class Reclaimer:
+    """Takes over entries left pending by dead (or hung) workers, one at a time.
 
-    async def _keep_claims(self) -> None:
-        """Reset the idle time of the entries this worker holds, so nobody reclaims them."""
-        for sidx, entries in enumerate(self._inflight):
-            if entries:
-                await self._redis.xclaim(
-                    self._streams_low_first[sidx],
-                    GROUP,
-                    self.worker_id,
-                    0,
-                    list(entries),
-                    justid=True,
-                )
+    An entry delivered before may be what killed its worker: it runs alone, and the next is
+    claimed only once it is answered, so that a crash takes no other reclaimed entry down
+    with it. Entries handed back unstarted (delivered once) join the batches; entries
+    delivered more than ``max_deliveries`` times are dead-lettered.
+    """
 
-    async def _reclaim(self) -> None:
-        """Take over entries left pending by dead (or hung) workers, one at a time.
+    def __init__(
+        self,
+        claims: Claims,
+        *,
+        claim_idle_ms: int,
+        max_deliveries: int,
+        serving: Callable[[], bool],
+        accept: Accept,
+        refuse: Refuse,
+        counts: Counter[str],
+    ) -> None:
+        self._redis, self._streams, self._worker_id = claims.redis, claims.streams, claims.worker_id
+        self._claims = claims
+        self._claim_idle_ms = claim_idle_ms
+        self._max_deliveries = max_deliveries
+        self._serving = serving
+        self._accept = accept
+        self._refuse = refuse
+        self._counts = counts
 
-        An entry delivered before may be what killed its worker: it runs alone, and the next
-        is claimed only once it is answered, so that a crash takes no other reclaimed entry
-        down with it. Entries handed back unstarted (delivered once) join the batches.
-        """
+    async def step(self) -> None:
+        if not self._serving():
+            return
         taken = 0
-        for sidx in reversed(range(len(self._streams_low_first))):
-            stream = self._streams_low_first[sidx]
+        for sidx in reversed(range(len(self._streams))):  # highest priority first
+            stream = self._streams[sidx]
             cursor: Any = "0-0"
             while self._serving():
                 response = await self._redis.xautoclaim(
-                    stream, GROUP, self.worker_id, self.settings.claim_idle_ms, cursor, count=1
+                    stream, GROUP, self._worker_id, self._claim_idle_ms, cursor, count=1
                 )
                 cursor = response[0]
                 for entry, raw in response[1]:
@@ -148,70 +158,93 @@ class Upkeep:
                 if cursor in (b"0-0", "0-0"):
                     break
         if taken:
-            self.counts["reclaimed"] += taken
+            self._counts["reclaimed"] += taken
             logger.info("reclaimed %d entries", taken)
 
     async def _take_over(
         self, sidx: int, stream: str, entry: bytes, raw: dict[bytes, bytes] | None
     ) -> None:
-        s = self.settings
         pending = await self._redis.xpending_range(stream, GROUP, entry, entry, 1)
         times = int(pending[0]["times_delivered"]) if pending else 1
-        if times > s.max_deliveries and raw:
-            self._inflight[sidx].add(entry)
+        if times > self._max_deliveries and raw:
+            self._claims.hold(sidx, entry)
             reason = (
-                f"delivered {times} times without an answer (max_deliveries={s.max_deliveries})"
+                f"delivered {times} times without an answer (max_deliveries={self._max_deliveries})"
             )
-            self._answer(self._dead_letter(sidx, entry, raw, "MaxDeliveries", reason))
+            self._refuse(sidx, entry, raw, "MaxDeliveries", reason)
             return
         if times <= 1:
             await self._accept([(sidx, entry, raw)])
             return
-        self._deliveries[entry] = times
+        self._claims.deliveries[entry] = times
         await self._accept([(sidx, entry, raw)], alone=True)
-        settled = self._settled
-        while settled is not None:
+        settled = self._claims.settled
+        while True:
             settled.clear()
-            if entry not in self._inflight[sidx] or not self._serving():
+            if not self._claims.holds(sidx, entry) or not self._serving():
                 break
             with contextlib.suppress(asyncio.TimeoutError):  # re-check serving now and then
-                await asyncio.wait_for(settled.wait(), s.claim_idle_ms / 1e3)
+                await asyncio.wait_for(settled.wait(), self._claim_idle_ms / 1e3)
 
-    # -- a model call past max_batch_ms --------------------------------------------------------
 
-    def _start_watchdog(
-        self, loop: asyncio.AbstractEventLoop, hung: asyncio.Event
+class Watchdog:
+    """Watches model calls from a thread of its own (a hung call may block the event loop):
+    ``model_since()`` is the monotonic start of the call running (None between calls); one
+    running past ``max_batch_ms`` sets ``hung``, marks the metrics unhealthy and calls
+    ``on_hung`` on the loop; if the loop does not answer within a grace period and
+    ``exit_if_loop_blocked``, it ends the process with :data:`HUNG_EXIT_CODE`.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_batch_ms: int,
+        worker_id: str,
+        hung: threading.Event,
+        metrics: Metrics,
+        model_since: Callable[[], float | None],
+    ) -> None:
+        self._max_batch_ms = max_batch_ms
+        self._worker_id = worker_id
+        self._hung = hung
+        self._metrics = metrics
+        self._model_since = model_since
+
+    def start(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_hung: Callable[[], None],
+        *,
+        exit_if_loop_blocked: bool,
     ) -> threading.Event:
-        """Watch model calls from a thread (a hung call may block the loop); returns the
-        event that ends the watch."""
+        """Start watching; returns the event that ends the watch."""
         done = threading.Event()
-        limit_s = self.settings.max_batch_ms / 1e3
+        limit_s = self._max_batch_ms / 1e3
         if limit_s <= 0:
             return done
         seen = threading.Event()
 
-        def on_hung() -> None:  # on the loop
+        def on_loop() -> None:
             seen.set()
-            hung.set()
-            self.stop()
+            on_hung()
 
         def watch() -> None:
             while not done.wait(min(limit_s / 4, 1.0)):  # a watchdog timer
-                since = self._model_since
+                since = self._model_since()
                 if since is None or time.monotonic() - since <= limit_s:
                     continue
                 logger.error(
                     "worker %s: a model call has run %.1f s, past max_batch_ms=%d: handing "
                     "back what it holds and stopping",
-                    self.worker_id,
+                    self._worker_id,
                     time.monotonic() - since,
-                    self.settings.max_batch_ms,
+                    self._max_batch_ms,
                 )
                 self._hung.set()
-                self.metrics.unhealthy()
+                self._metrics.unhealthy()
                 with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to do
-                    loop.call_soon_threadsafe(on_hung)
-                if not seen.wait(_LOOP_GRACE_S) and self.exit_if_loop_blocked:
+                    loop.call_soon_threadsafe(on_loop)
+                if not seen.wait(_LOOP_GRACE_S) and exit_if_loop_blocked:
                     logger.critical("the hung model call blocks the event loop: exiting")
                     logging.shutdown()
                     os._exit(HUNG_EXIT_CODE)
@@ -220,78 +253,159 @@ class Upkeep:
         threading.Thread(target=watch, name="batchline-watchdog", daemon=True).start()
         return done
 
-    async def _hand_back(self) -> None:
-        """Give every held entry back with an idle time past ``claim_idle_ms``, so another
-        worker's XAUTOCLAIM takes it at once: the started ones (the hung batch) with their
-        delivery count (XAUTOCLAIM adds one), the others as they were before this worker."""
-        groups: defaultdict[tuple[int, int | None], list[bytes]] = defaultdict(list)
-        for meta in self._meta.values():
-            retry = None if meta.started_unix else self._deliveries.get(meta.entry, 1) - 1
-            groups[(meta.sidx, retry)].append(meta.entry)
-            self._inflight[meta.sidx].discard(meta.entry)
-        self._meta.clear()
-        for (sidx, retry), entries in groups.items():
-            with contextlib.suppress(RedisError, OSError):
-                await self._redis.xclaim(
-                    self._streams_low_first[sidx],
-                    GROUP,
-                    self.worker_id,
-                    0,
-                    entries,
-                    idle=self.settings.claim_idle_ms,
-                    retrycount=retry,
-                    justid=True,
-                )
-        logger.warning("handed back %d entries", sum(len(e) for e in groups.values()))
 
-    def stats(self) -> dict[str, Any]:
-        """This worker's statistics, as published with its heartbeat."""
-        st = self._batcher.stats
-        return {
-            "worker": self.worker_id,
-            "pid": os.getpid(),
-            "model": self._model_name,
-            "batch_size": self.settings.batch_size,
-            "requests": dict(self.counts),
-            "batches": st.batches,
-            "mean_batch_size": round(st.mean_batch_size, 2),
-            "batch_size_histogram": dict(st.batch_size_histogram),
-            "queue_wait_ms": {
-                "p50": st.queue_wait_ms.p50,
-                "p95": st.queue_wait_ms.p95,
-                "p99": st.queue_wait_ms.p99,
-            },
-            "model_ms": {
-                "p50": st.function_ms.p50,
-                "p95": st.function_ms.p95,
-                "p99": st.function_ms.p99,
-            },
-            "held": self._batcher.queue_size,
-            "padding_efficiency": _padding(self.model),
-            "time": time.time(),
-        }
+def snapshot(
+    *,
+    worker_id: str,
+    model_name: str,
+    batch_size: int,
+    counts: Counter[str],
+    stats: BatchStats,
+) -> dict[str, Any]:
+    """A worker's statistics as its heartbeat publishes them (``batchline status``)."""
+    return {
+        "worker": worker_id,
+        "pid": os.getpid(),
+        "model": model_name,
+        "batch_size": batch_size,
+        "requests": dict(counts),
+        "batches": stats.batches,
+        "mean_batch_size": round(stats.mean_batch_size, 2),
+        "batch_size_histogram": dict(stats.batch_size_histogram),
+        "queue_wait_ms": {
+            "p50": stats.queue_wait_ms.p50,
+            "p95": stats.queue_wait_ms.p95,
+            "p99": stats.queue_wait_ms.p99,
+        },
+        "model_ms": {
+            "p50": stats.function_ms.p50,
+            "p95": stats.function_ms.p95,
+            "p99": stats.function_ms.p99,
+        },
+        "held": stats.queue_size,
+        "padding_efficiency": (
+            None if stats.padding_efficiency is None else round(stats.padding_efficiency, 4)
+        ),
+        "time": time.time(),
+    }
 
-    async def _heartbeat(self) -> None:
-        period = self.settings.heartbeat_s
-        while not self._closing and not self._hung.is_set():
+
+class Heartbeat:
+    """Every ``period_s``: the worker's liveness (its score in the workers set, where
+    entries older than an hour are dropped) and its statistics (a key expiring after three
+    periods), and its batch figures to the metrics."""
+
+    def __init__(
+        self,
+        redis: RedisClient,
+        keys: QueueKeys,
+        worker_id: str,
+        *,
+        period_s: float,
+        stats: Callable[[], dict[str, Any]],
+        batch_stats: Callable[[], BatchStats],
+        metrics: Metrics,
+    ) -> None:
+        self._redis, self._keys, self._worker_id = redis, keys, worker_id
+        self._period_s = period_s
+        self._stats = stats
+        self._batch_stats = batch_stats
+        self._metrics = metrics
+
+    async def run(self, beating: Callable[[], bool]) -> None:
+        """Beat while ``beating()``."""
+        while beating():
             try:
-                now = time.time()
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    pipe.zadd(self.keys.workers, {self.worker_id: now})
-                    pipe.zremrangebyscore(self.keys.workers, "-inf", now - 3600)
-                    pipe.set(
-                        self.keys.worker_stats(self.worker_id),
-                        json.dumps(self.stats()),
-                        ex=max(1, math.ceil(3 * period)),
-                    )
-                    await pipe.execute()
-                self.metrics.batches(self._batcher.stats)
+                await self.beat()
             except (RedisError, OSError) as exc:
                 logger.warning("heartbeat: %s", type(exc).__name__)
-            await asyncio.sleep(period)  # a report timer, not a poll for work
+            await asyncio.sleep(self._period_s)  # a report timer, not a poll for work
+
+    async def beat(self) -> None:
+        now = time.time()
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.zadd(self._keys.workers, {self._worker_id: now})
+            pipe.zremrangebyscore(self._keys.workers, "-inf", now - 3600)
+            pipe.set(
+                self._keys.worker_stats(self._worker_id),
+                json.dumps(self._stats()),
+                ex=max(1, math.ceil(3 * self._period_s)),
+            )
+            await pipe.execute()
+        self._metrics.batches(self._batch_stats())
 
 
-def _padding(model: Model) -> float | None:
-    """Real / padded tokens over every batch so far, for models that pad (else None)."""
-    padded = getattr(model, "padded_tokens", 0)
-    return round(getattr(model, "real_tokens", 0) / padded, 4) if padded else None
+class Upkeep:
+    """A worker's upkeep parts, built from its settings, and the tasks that run them.
+
+    Args:
+        claims: the entries the worker holds (and its client, streams and consumer name).
+        settings: the worker's settings.
+        keys: the queue's keys.
+        metrics: the worker's metrics.
+        hung: set once a model call ran past ``max_batch_ms``.
+        model_since: the monotonic start of the model call running (None between calls).
+        serving: whether the worker still serves (neither stopping nor hung).
+        accept: takes reclaimed entries in (see :class:`Reclaimer`).
+        refuse: dead-letters one entry.
+        stats: the worker's statistics, as the heartbeat publishes them.
+        batch_stats: the model batcher's statistics.
+        counts: the worker's answers by status (the reclaimer adds ``reclaimed``).
+    """
+
+    def __init__(
+        self,
+        claims: Claims,
+        settings: WorkerSettings,
+        keys: QueueKeys,
+        metrics: Metrics,
+        *,
+        hung: threading.Event,
+        model_since: Callable[[], float | None],
+        serving: Callable[[], bool],
+        accept: Accept,
+        refuse: Refuse,
+        stats: Callable[[], dict[str, Any]],
+        batch_stats: Callable[[], BatchStats],
+        counts: Counter[str],
+    ) -> None:
+        s = settings
+        self._hung = hung
+        self._period_s = s.claim_idle_ms / 3e3
+        self.janitor = Janitor(
+            claims, consumer_idle_ms=s.consumer_idle_ms, hung=hung, serving=serving
+        )
+        self.reclaimer = Reclaimer(
+            claims,
+            claim_idle_ms=s.claim_idle_ms,
+            max_deliveries=s.max_deliveries,
+            serving=serving,
+            accept=accept,
+            refuse=refuse,
+            counts=counts,
+        )
+        self.watchdog = Watchdog(
+            max_batch_ms=s.max_batch_ms,
+            worker_id=claims.worker_id,
+            hung=hung,
+            metrics=metrics,
+            model_since=model_since,
+        )
+        self.heartbeat = Heartbeat(
+            claims.redis,
+            keys,
+            claims.worker_id,
+            period_s=s.heartbeat_s,
+            stats=stats,
+            batch_stats=batch_stats,
+            metrics=metrics,
+        )
+
+    def jobs(self, closing: Callable[[], bool]) -> dict[str, Coroutine[Any, Any, None]]:
+        """The janitor, reclaimer and heartbeat loops, by name, to run until ``closing()``
+        (the heartbeat stops at once when the model hangs: the worker is not healthy)."""
+        return {
+            "janitor": every(self._period_s, "janitor", self.janitor.step, closing),
+            "reclaimer": every(self._period_s, "reclaimer", self.reclaimer.step, closing),
+            "heartbeat": self.heartbeat.run(lambda: not closing() and not self._hung.is_set()),
+        }

@@ -30,6 +30,7 @@ from batchline.core.padding import collate, split_outputs
 
 __all__ = [
     "CallableModel",
+    "CountsPadding",
     "Model",
     "Prepared",
     "SentenceTransformerModel",
@@ -72,6 +73,14 @@ class Model(Protocol):
     def infer(self, batch: list[Any]) -> Sequence[Any]: ...
 
     def postprocess(self, outputs: list[Any], value: Any) -> Any: ...
+
+
+@runtime_checkable
+class CountsPadding(Protocol):
+    """A model that pads its batches itself (tensor models), and reports each batch's real
+    and padded tokens to the worker's statistics (``padding_efficiency``)."""
+
+    def count_padding(self, sink: Callable[[int, int], None]) -> None: ...
 
 
 def echo(items: list[Any]) -> list[Any]:
@@ -125,11 +134,14 @@ class _Tokenized:
 
     heavy_preprocess = True
     pads = True
-    real_tokens = 0  # tokens of real data in every batch so far
-    padded_tokens = 0  # tokens after padding
+    _padding_sink: Callable[[int, int], None] | None = None
     tokenizer: Any
     max_length: int
     device: str
+
+    def count_padding(self, sink: Callable[[int, int], None]) -> None:
+        """Report each batch's real and padded tokens to ``sink``."""
+        self._padding_sink = sink
 
     def _tokenize(self, text: str) -> Prepared:
         encoded = self.tokenizer(
@@ -146,8 +158,8 @@ class _Tokenized:
         import torch
 
         features, info = collate(batch, self._pad_tokens())
-        self.real_tokens += info.real
-        self.padded_tokens += info.total
+        if self._padding_sink is not None:
+            self._padding_sink(info.real, info.total)
         tensors = {
             k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device)
             for k, v in features.items()

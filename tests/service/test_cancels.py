@@ -19,10 +19,10 @@ import pytest
 import redis
 from redis.asyncio import Redis as AsyncRedis
 
-from batchline._cancels import ID_OVERHEAD_BYTES, CancelLog, cancel_request
 from batchline.errors import RequestCancelled
 from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer
+from batchline.transport._cancels import ID_OVERHEAD_BYTES, CancelLog, cancel_request
 
 from .conftest import RESULT_TIMEOUT_S, WorkerThread, pending_count, poll_result, wait_until
 from .models_for_tests import GatedModel

@@ -13,7 +13,7 @@ from pathlib import Path
 import redis
 
 from batchline.config import ProducerSettings, WorkerSettings
-from batchline.embedded import EmbeddedRedis
+from batchline.demo.embedded import EmbeddedRedis
 from batchline.keys import QueueKeys
 
 from .conftest import REPO, run_cli, spec, subprocess_env, wait_until

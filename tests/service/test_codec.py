@@ -23,18 +23,16 @@ from batchline.codec import (
     DecodeError,
     Limits,
     Result,
-    check_priority,
     decode_request,
-    decode_requests,
     decode_result,
     encode_request,
     encode_result,
     pack_value,
     request_value,
-    salvage_id,
     unpack_value,
 )
 from batchline.errors import InferenceError, RequestCancelled, RequestExpired
+from batchline.transport.codec._requests import check_priority, decode_requests, salvage_id
 
 from .conftest import assert_same
 

@@ -302,7 +302,7 @@ def test_a_hung_step_hands_its_request_back_started(
 
 
 def test_the_generate_demo_answers_its_prompts_live() -> None:
-    from batchline.demo_generate import PROMPTS
+    from batchline.demo.generate import PROMPTS
 
     done = run_cli("demo", "--generate", "--model-path", TINY, timeout_s=240)
     assert done.returncode == 0, done.stdout + done.stderr

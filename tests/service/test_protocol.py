@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 import redis
 
-from batchline._scripts import COMPLETE, ENQUEUE
 from batchline.codec import SCHEMA_VERSION, Limits, Result, unpack_result
 from batchline.keys import QueueKeys
+from batchline.transport._scripts import COMPLETE, ENQUEUE
 from batchline.worker import load_model
 from batchline.worker._answers import dead_letter
 
@@ -343,7 +343,7 @@ def doc_block(language: str, after: str) -> str:
 
 def test_the_doc_quotes_the_enqueue_script_verbatim() -> None:
     assert doc_block("lua", "enqueue script's reference text") == ENQUEUE.lstrip("\n")
-    assert "`COMPLETE` in `batchline/_scripts.py`" in DOC
+    assert "`COMPLETE` in `batchline/transport/_scripts.py`" in DOC
     assert "redis.call('EXPIRE'" in COMPLETE  # the ACL section's reason for +expire
 
 

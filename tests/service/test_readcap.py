@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import redis
 
-import batchline.worker._worker as worker_module
+import batchline.worker._answers as answers_module
 from batchline.codec import SCHEMA_VERSION, encode_request
 from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer
@@ -61,13 +61,13 @@ async def test_an_oversized_entry_is_dead_lettered_unread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     decoded_sizes: list[int] = []
-    real_decode = worker_module.decode_requests
+    real_decode = answers_module.decode_requests
 
     def spy(raws: list[Any]) -> Any:
         decoded_sizes.extend(entry_bytes(raw) for raw in raws)
         return real_decode(raws)
 
-    monkeypatch.setattr(worker_module, "decode_requests", spy)
+    monkeypatch.setattr(answers_module, "decode_requests", spy)
     async with AsyncProducer(redis_url=redis_url, queue=keys.queue) as producer:
         before = await producer.submit("before")
         # 3 MiB of value data: more than max_elements=1000 allows (8,000 bytes of data plus

@@ -27,8 +27,6 @@ import redis
 from redis.asyncio import Redis as AsyncRedis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from batchline._redis import Script
-from batchline._scripts import COMPLETE
 from batchline.codec import (
     SCHEMA_VERSION,
     DecodeError,
@@ -50,7 +48,8 @@ from batchline.errors import (
 )
 from batchline.keys import GROUP, QueueKeys
 from batchline.producer import AsyncProducer
-from batchline.worker import Worker
+from batchline.transport._redis import Backoff, Script
+from batchline.transport._scripts import COMPLETE
 
 from .conftest import RESULT_TIMEOUT_S, WorkerThread, pending_count, stream_lengths, wait_until
 from .models_for_tests import GatedModel
@@ -104,7 +103,7 @@ def packed_with(result: Result, **changed: Any) -> bytes:
 def complete_args(keys: QueueKeys, records: list[Any]) -> list[Any]:
     """The completion script's ARGV for these records (TTL 60 s, caps of 1000)."""
     packed_records = msgpack.packb(records, use_bin_type=False)
-    return [GROUP, 60, 1000, 1000, keys.result(""), keys.reply(""), packed_records]
+    return [GROUP, 60, 1000, 1000, keys.result_prefix, keys.reply_prefix, packed_records]
 
 
 def push_reply(client: redis.Redis, keys: QueueKeys, producer_id: str, results: list[Any]) -> None:
@@ -436,7 +435,8 @@ async def test_a_worker_write_refused_for_memory_waits_until_memory_frees(
 ) -> None:
     # The completion script acknowledges first, after which Redis lets a script finish even
     # out of memory; a write refused outright is waited out, not given up (entries pending).
-    worker = Worker(model="batchline.worker.models:echo", redis_url=redis_url, queue=queue)
+    # The worker's writer retries its writes with Backoff.retry, tested here alone.
+    retry = Backoff(logging.getLogger("test"), "writer", max_delay_s=1.0)
     client = AsyncRedis.from_url(redis_url)
     calls = 0
 
@@ -449,10 +449,9 @@ async def test_a_worker_write_refused_for_memory_waits_until_memory_frees(
 
     try:
         with out_of_memory(rclient):
-            assert await worker._with_retry(attempt) is True
+            assert await retry.retry(attempt, budget_s=30.0) is True
     finally:
         await client.aclose()
-        await worker._redis.aclose()
     assert calls == 3
     assert rclient.get(keys.result("oom")) == b"answered"
 

@@ -27,8 +27,9 @@ from typing import Any, TypeVar
 import numpy as np
 from redis.exceptions import RedisError
 
-from batchline.embedded import EmbeddedRedis
-from batchline.sentences import labelled_sentences
+from batchline.demo.embedded import EmbeddedRedis
+from batchline.demo.sentences import labelled_sentences
+from batchline.drivers._options import DEFAULTS
 
 __all__ = ["run_service_demo"]
 
@@ -76,7 +77,7 @@ async def _drive(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from batchline.producer import AsyncProducer
-    from batchline.status import collect
+    from batchline.transport.status import collect
 
     texts = [t for _, t in pairs]
     vectors: list[Any] = [None] * len(texts)
@@ -141,8 +142,8 @@ async def forget(url: str, queue: str) -> None:
     """Delete the demo queue's keys from a Redis that is not ours (results expire anyway)."""
     from pydantic import SecretStr
 
-    from batchline._redis import connect
     from batchline.config import ServiceSettings
+    from batchline.transport._redis import connect
 
     settings = ServiceSettings(redis_url=SecretStr(url), queue=queue)
     client = connect(settings)
@@ -309,8 +310,8 @@ def run_service_demo(
     requests: int | None = None,
     plot: str | None = None,
     step_s: float = 1.5,
-    batch_size: int = 32,
-    timeout_ms: float = 5.0,
+    batch_size: int = DEFAULTS.batch_size,
+    timeout_ms: float = DEFAULTS.timeout_ms,
 ) -> int:
     """Run the demo; returns the exit code (130 after Ctrl-C).
 

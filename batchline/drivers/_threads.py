@@ -20,7 +20,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
-from batchline._base import (
+from batchline.core.isolation import Isolation
+from batchline.core.policy import BatchPolicy
+from batchline.drivers._base import (
     BatchConfig,
     BatcherBase,
     Call,
@@ -30,8 +32,6 @@ from batchline._base import (
     settle_future,
     timed_out,
 )
-from batchline.core.isolation import Isolation
-from batchline.core.policy import BatchPolicy
 from batchline.errors import BatcherClosed
 
 T = TypeVar("T")

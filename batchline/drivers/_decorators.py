@@ -5,18 +5,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from batchline._aio import AioBatcher
-from batchline._base import BatchConfig, BatcherBase
-from batchline._inference import AioInferenceBatcher, InferenceBatcher, Padding
-from batchline._options import (
+from batchline.core.padding import row_length
+from batchline.drivers._aio import AioBatcher
+from batchline.drivers._base import BatchConfig, BatcherBase
+from batchline.drivers._inference import AioInferenceBatcher, InferenceBatcher, Padding
+from batchline.drivers._options import (
     AioInferenceOptions,
     AioOptions,
     InferenceOptions,
     PaddingOptions,
     ThreadOptions,
 )
-from batchline._thread import ThreadBatcher
-from batchline.core.padding import row_length
+from batchline.drivers._threads import ThreadBatcher
 
 B = TypeVar("B", bound=BatcherBase[Any, Any])
 

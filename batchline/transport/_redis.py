@@ -6,17 +6,20 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeAlias, TypeVar
 
 from redis.asyncio import Redis, RedisCluster
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, OutOfMemoryError, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from batchline.config import ServiceSettings, redact_url
 from batchline.errors import BatchlineError
 
 __all__ = [
     "Backoff",
+    "RedisClient",
     "RedisUnreachable",
     "Script",
     "connect",
@@ -27,13 +30,20 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
+#: An asyncio ``redis.asyncio.Redis`` or ``RedisCluster`` client (bytes replies). Any to
+#: mypy: redis-py types each command as returning ``Awaitable[T] | T`` for its sync and
+#: async clients at once, which no ``await`` type-checks.
+RedisClient: TypeAlias = Any
+
 
 class RedisUnreachable(BatchlineError, ConnectionError):
     """Redis did not answer within the wait allowed; the message names the URL (its password
     redacted) and the setting to change."""
 
 
-def connect(settings: ServiceSettings) -> Any:
+def connect(settings: ServiceSettings) -> RedisClient:
     """An asyncio Redis (or Redis Cluster) client for ``settings.redis_url``; bytes replies."""
     url = settings.redis_url.get_secret_value()
     if settings.redis_cluster:
@@ -41,7 +51,7 @@ def connect(settings: ServiceSettings) -> Any:
     return Redis.from_url(url, health_check_interval=30)
 
 
-async def wait_for_redis(client: Any, settings: ServiceSettings, *, wait_s: float) -> None:
+async def wait_for_redis(client: RedisClient, settings: ServiceSettings, *, wait_s: float) -> None:
     """Return once ``client`` answers a PING; retry with back-off (0.25 s doubling up to
     5 s) for up to ``wait_s`` seconds (0: one try), logging each failure; then raise
     :class:`RedisUnreachable`.
@@ -73,7 +83,7 @@ async def wait_for_redis(client: Any, settings: ServiceSettings, *, wait_s: floa
             delay_s = min(delay_s * 2, 5.0)
 
 
-def dedicated(client: Any) -> Any:
+def dedicated(client: RedisClient) -> RedisClient:
     """A client holding one connection of ``client``'s pool for itself, for one task's loop
     of calls (a reader, a writer): it skips the pool's checkout and return on every call,
     which costs redis-py about as much CPU again as the call itself. Closing it returns the
@@ -87,7 +97,7 @@ def dedicated(client: Any) -> Any:
 
 
 @contextlib.asynccontextmanager
-async def own_connection(client: Any) -> AsyncIterator[Any]:
+async def own_connection(client: RedisClient) -> AsyncIterator[RedisClient]:
     """:func:`dedicated` for the length of a ``with`` block (a task's read loop)."""
     held = dedicated(client)
     try:
@@ -99,16 +109,18 @@ async def own_connection(client: Any) -> AsyncIterator[Any]:
 
 class Backoff:
     """The wait after a failed Redis call in a loop that must ride out a Redis restart:
-    0.05 s, doubling up to 2 s, back to 0.05 s after a call that worked.
+    0.05 s, doubling up to ``max_delay_s``, back to 0.05 s after a call that worked.
 
     Args:
         logger: where each failure is logged (a warning).
         what: the loop's name in that line, e.g. ``"reader"``.
+        max_delay_s: the longest wait.
     """
 
-    def __init__(self, logger: logging.Logger, what: str) -> None:
+    def __init__(self, logger: logging.Logger, what: str, *, max_delay_s: float = 2.0) -> None:
         self._logger = logger
         self._what = what
+        self._max_delay_s = max_delay_s
         self.delay_s = 0.05
 
     def reset(self) -> None:
@@ -117,11 +129,36 @@ class Backoff:
 
     async def wait(self, exc: BaseException) -> None:
         """Log the failure and wait before the next try."""
-        self._logger.warning(
-            "%s: %s; retrying in %.2f s", self._what, type(exc).__name__, self.delay_s
-        )
+        shown = str(exc) if isinstance(exc, ResponseError) else type(exc).__name__
+        self._logger.warning("%s: %s; retrying in %.2f s", self._what, shown, self.delay_s)
         await asyncio.sleep(self.delay_s)  # back-off after a failed call, not a poll
-        self.delay_s = min(self.delay_s * 2, 2.0)
+        self.delay_s = min(self.delay_s * 2, self._max_delay_s)
+
+    async def retry(self, attempt: Callable[[], Awaitable[T]], *, budget_s: float) -> T:
+        """Call ``attempt`` until it works, through a Redis restart (lost connections,
+        timeouts) and the states Redis leaves by itself (loading its data after a restart,
+        out of memory under ``noeviction``), waiting between tries; past ``budget_s``
+        seconds of waiting, or for any other error, raise it."""
+        self.reset()
+        waited_s = 0.0
+        while True:
+            try:
+                result = await attempt()
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                if waited_s >= budget_s:
+                    raise
+                error: BaseException = exc
+            except ResponseError as exc:
+                text = str(exc)
+                passing = isinstance(exc, OutOfMemoryError) or "LOADING" in text or "OOM" in text
+                if not passing or waited_s >= budget_s:
+                    raise
+                error = exc
+            else:
+                self.reset()
+                return result
+            waited_s += self.delay_s
+            await self.wait(error)
 
 
 class Script:
@@ -135,7 +172,7 @@ class Script:
         self.source = source
         self.sha = ""
 
-    async def __call__(self, client: Any, keys: list[str], args: list[Any]) -> Any:
+    async def __call__(self, client: RedisClient, keys: list[str], args: list[Any]) -> Any:
         if not self.sha:
             self.sha = await client.script_load(self.source)
         try:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import shlex
 from typing import Literal
 
-from batchline.keys import QueueKeys
+from batchline.transport.keys import QueueKeys
 
 __all__ = ["ROLES", "Role", "acl_rules", "acl_setuser"]
 

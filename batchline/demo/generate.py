@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Any
 
-from batchline.demo_service import drive_then_stop, redis_for_demo, start_worker, stop_worker
+from batchline.demo.service import drive_then_stop, redis_for_demo, start_worker, stop_worker
 
 __all__ = ["PROMPTS", "run_generate_demo"]
 

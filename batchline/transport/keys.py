@@ -19,21 +19,34 @@ The consumer group on every work stream is :data:`GROUP`.
 from __future__ import annotations
 
 import re
+import socket
 from dataclasses import dataclass
 
-__all__ = ["GROUP", "MAX_ID_CHARS", "QueueKeys", "check_name", "is_name"]
+__all__ = ["GROUP", "ID_PATTERN", "MAX_ID_CHARS", "QueueKeys", "check_name", "host_id", "is_name"]
 
 GROUP = "batchline"
 
 #: The longest name (queue, prefix, request id, worker id).
 MAX_ID_CHARS = 128
 
-_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}\Z")
+#: Every name (queue, prefix, request id, producer id, worker id): 1-128 characters of
+#: letters, digits, ``_``, ``.`` and ``-``. In this form for pydantic and OpenAPI patterns;
+#: in Python, :func:`is_name` (``$`` would also let a trailing newline through ``re.match``).
+ID_PATTERN = r"^[A-Za-z0-9_.\-]{1,128}$"
+
+_NAME = re.compile(ID_PATTERN)
+_NOT_NAME = re.compile(r"[^A-Za-z0-9_.\-]")
 
 
 def is_name(value: object) -> bool:
     """Whether ``value`` is a valid queue name, prefix, request id or worker id."""
-    return isinstance(value, str) and _NAME.match(value) is not None
+    return isinstance(value, str) and _NAME.fullmatch(value) is not None
+
+
+def host_id() -> str:
+    """This host's name as the first part of a worker or producer id: at most 40 characters,
+    each one a letter, a digit, ``_``, ``.`` or ``-`` (any other becomes ``-``)."""
+    return _NOT_NAME.sub("-", socket.gethostname())[:40]
 
 
 def check_name(kind: str, value: str) -> str:
@@ -79,15 +92,31 @@ class QueueKeys:
     @property
     def streams(self) -> list[str]:
         """Every work stream, highest priority first."""
-        return [self.stream(p) for p in reversed(range(self.priorities))]
+        return self.streams_low_first[::-1]
+
+    @property
+    def streams_low_first(self) -> list[str]:
+        """Every work stream, lowest priority first: index = priority (the order of the
+        scripts' KEYS)."""
+        return [self.stream(p) for p in range(self.priorities)]
+
+    @property
+    def result_prefix(self) -> str:
+        """What every result key starts with (the write script appends the request id)."""
+        return f"{self.base}:res:"
+
+    @property
+    def reply_prefix(self) -> str:
+        """What every reply stream starts with (the write script appends the producer id)."""
+        return f"{self.base}:reply:"
 
     def result(self, request_id: str) -> str:
         """The result key of one request."""
-        return f"{self.base}:res:{request_id}"
+        return self.result_prefix + request_id
 
     def reply(self, producer_id: str) -> str:
         """The reply stream of one producer process."""
-        return f"{self.base}:reply:{producer_id}"
+        return self.reply_prefix + producer_id
 
     @property
     def cancels(self) -> str:

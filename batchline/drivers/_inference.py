@@ -14,11 +14,11 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from batchline._aio import AioBatcher
-from batchline._base import BatchConfig, BatcherBase
-from batchline._thread import ThreadBatcher
 from batchline.core.padding import Side, collate, split_outputs, split_rows, stack_rows
 from batchline.core.stats import StatsRecorder
+from batchline.drivers._aio import AioBatcher
+from batchline.drivers._base import BatchConfig, BatcherBase
+from batchline.drivers._threads import ThreadBatcher
 
 __all__ = ["AioInferenceBatcher", "InferenceBatcher", "Padding"]
 
@@ -43,7 +43,7 @@ class Padding:
         padding_side: Side | None = None,
         spread_kwargs: bool | None = None,
     ) -> Padding:
-        """From the decorators' :class:`~batchline._options.PaddingOptions`: ``pad_token``
+        """From the decorators' :class:`~batchline.drivers._options.PaddingOptions`: ``pad_token``
         (or batched's ``pad_tokens``) is a dict of feature -> pad value, or one value for
         every feature; what is not given keeps this class's default."""
         if pad_token is not None and pad_tokens is not None:

@@ -391,6 +391,11 @@ class BatcherBase(Generic[T, R]):
     def _queue_size(self) -> int:
         raise NotImplementedError
 
+    def record_padding(self, real: int, padded: int) -> None:
+        """Count a batch that the function padded itself (``real`` of ``padded`` elements
+        are data) in :attr:`stats` (``padding_efficiency``)."""
+        self._recorder.record_padding(real, padded)
+
     @property
     def queue_size(self) -> int:
         """Items waiting for a batch now (what ``stats.queue_size`` reports)."""

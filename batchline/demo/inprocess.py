@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from batchline._api import dynamically
-from batchline.sentences import labelled_sentences
+from batchline.demo.sentences import labelled_sentences
+from batchline.drivers._api import dynamically
 
 __all__ = ["run_demo"]
 

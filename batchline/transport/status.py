@@ -19,13 +19,14 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from batchline.config import ServiceSettings, redact_url
-from batchline.keys import GROUP
+from batchline.transport._redis import RedisClient
+from batchline.transport.keys import GROUP
 
 __all__ = ["collect", "render"]
 
 
 async def collect(
-    settings: ServiceSettings, client: Any, *, live_within_s: float = 10.0
+    settings: ServiceSettings, client: RedisClient, *, live_within_s: float = 10.0
 ) -> dict[str, Any]:
     """Queue depth, pending, lag and dead letters, with the live workers and their figures."""
     keys = settings.keys

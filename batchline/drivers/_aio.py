@@ -22,7 +22,10 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, overload
 
-from batchline._base import (
+from batchline.core.isolation import Isolation
+from batchline.core.pace import Pace
+from batchline.core.policy import BatchPolicy
+from batchline.drivers._base import (
     BatchConfig,
     BatcherBase,
     Call,
@@ -31,9 +34,6 @@ from batchline._base import (
     call_args,
     settle_future,
 )
-from batchline.core.isolation import Isolation
-from batchline.core.pace import Pace
-from batchline.core.policy import BatchPolicy
 from batchline.errors import BatcherClosed
 
 T = TypeVar("T")

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, Unpack, overload
 
-from batchline._decorators import make_thread
-from batchline._options import ThreadOptions
-from batchline._thread import ThreadBatcher
+from batchline.drivers._decorators import make_thread
+from batchline.drivers._options import ThreadOptions
+from batchline.drivers._threads import ThreadBatcher
 
 T = TypeVar("T")
 R = TypeVar("R")

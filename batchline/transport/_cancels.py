@@ -21,8 +21,8 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from batchline._redis import Backoff
-from batchline.keys import MAX_ID_CHARS, QueueKeys, is_name
+from batchline.transport._redis import Backoff, RedisClient
+from batchline.transport.keys import MAX_ID_CHARS, QueueKeys, is_name
 
 __all__ = ["CancelLog", "cancel_request"]
 
@@ -36,7 +36,7 @@ CANCELS_MAXLEN = 100_000
 ID_OVERHEAD_BYTES = 120
 
 
-async def cancel_request(redis: Any, keys: QueueKeys, request_id: str, ttl_s: int) -> None:
+async def cancel_request(redis: RedisClient, keys: QueueKeys, request_id: str, ttl_s: int) -> None:
     """Ask every worker of the queue to skip this request if it has not started it."""
     async with redis.pipeline(transaction=False) as pipe:
         pipe.xadd(keys.cancels, {"id": request_id}, maxlen=CANCELS_MAXLEN, approximate=True)
@@ -126,7 +126,7 @@ class CancelLog:
                 else:
                     self.ignored += 1
 
-    async def catch_up(self, redis: Any, keys: QueueKeys) -> None:
+    async def catch_up(self, redis: RedisClient, keys: QueueKeys) -> None:
         """Read every id still in the stream from the last TTL (before serving starts)."""
         while True:
             response = await redis.xread({keys.cancels: self._last}, count=1000)
@@ -134,7 +134,9 @@ class CancelLog:
             if not response or len(response[0][1]) < 1000:
                 return
 
-    async def follow(self, redis: Any, keys: QueueKeys, running: Callable[[], bool]) -> None:
+    async def follow(
+        self, redis: RedisClient, keys: QueueKeys, running: Callable[[], bool]
+    ) -> None:
         """Block on the stream for new ids while ``running()``; rides out Redis restarts."""
         backoff = Backoff(logger, "cancel reader")
         while running():

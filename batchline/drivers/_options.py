@@ -2,8 +2,8 @@
 
 Each decorator takes ``**options: Unpack[...]`` of one of the TypedDicts below, so mypy checks
 every option a caller passes, and adding an option is one line here, one field of
-:class:`~batchline._base.BatchConfig` (its default and validation) or of
-:class:`~batchline._inference.Padding`, and one line of documentation. The defaults live in
+:class:`~batchline.drivers._base.BatchConfig` (its default and validation) or of
+:class:`~batchline.drivers._inference.Padding`, and one line of documentation. The defaults live in
 those two classes only; :data:`DEFAULTS` exposes them to the worker settings and the docs.
 
 Options of every decorator (:class:`BatchOptions`):
@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypedDict
 
-from batchline._base import BatchConfig
+from batchline.drivers._base import BatchConfig
 
 __all__ = [
     "DEFAULTS",

@@ -1,0 +1,226 @@
+"""Results: msgpack field lists, decoded and checked by hand (a producer's hot path)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgpack
+
+from batchline.errors import DecodeError, InferenceError, RequestCancelled, RequestExpired
+from batchline.transport.codec._values import SCHEMA_VERSION, Limits, pack_value, unpack_value
+from batchline.transport.keys import is_name
+
+__all__ = [
+    "Result",
+    "Status",
+    "decode_result",
+    "encode_result",
+    "pack_result",
+    "result_fields",
+    "result_map",
+    "unpack_result",
+]
+
+Status = Literal["ok", "error", "expired", "cancelled"]
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """The outcome of one request, as stored in its result key and pushed to its producer.
+
+    Attributes:
+        id: the request id.
+        status: ok, error, expired or cancelled.
+        output: the model's output (ok only).
+        error_type: the exception type the worker saw (error only).
+        error_message: its message.
+        queue_ms: time from enqueue to the start of its batch.
+        batch_size: requests in its batch.
+        model_ms: time of the model call on its batch.
+        worker: id of the worker that answered.
+    """
+
+    id: str
+    status: Status
+    output: Any = None
+    error_type: str = ""
+    error_message: str = ""
+    queue_ms: float = 0.0
+    batch_size: int = 0
+    model_ms: float = 0.0
+    worker: str = ""
+
+    def unwrap(self) -> Any:
+        """The output, or the typed error this result stands for."""
+        if self.status == "ok":
+            return self.output
+        if self.status == "expired":
+            raise RequestExpired(f"request {self.id} expired before a worker started it")
+        if self.status == "cancelled":
+            raise RequestCancelled(f"request {self.id} was cancelled before a worker started it")
+        raise InferenceError(self.error_type or "Error", self.error_message)
+
+
+def encode_result(result: Result) -> list[bytes | str]:
+    """The result as it travels: a flat ``[field, value, ...]`` list (``HSET`` arguments).
+
+    Fields whose value would be empty (``blob``, ``etype``, ``emsg``) are left out; a reader
+    takes a missing one as empty. Raises TypeError for an output that cannot travel.
+    """
+    r = result
+    return result_fields(
+        r.id, r.status, r.output, r.error_type, r.error_message,
+        r.queue_ms, r.batch_size, r.model_ms, r.worker,
+    )  # fmt: skip
+
+
+def result_fields(  # noqa: PLR0917 - the fields of a Result, without building one
+    request_id: str,
+    status: str,
+    output: Any,
+    error_type: str,
+    error_message: str,
+    queue_ms: float,
+    batch_size: int,
+    model_ms: float,
+    worker: str,
+) -> list[bytes | str]:
+    """:func:`encode_result` of the Result these would make (a worker's hot path)."""
+    meta, blob = pack_value(output) if status == "ok" else (b"null", b"")
+    fields: list[bytes | str] = [
+        "v",
+        _VERSION,
+        "id",
+        request_id,
+        "status",
+        status,
+        "meta",
+        meta,
+        "queue_ms",
+        f"{queue_ms:.3f}",
+        "batch",
+        str(batch_size),
+        "model_ms",
+        f"{model_ms:.3f}",
+        "worker",
+        worker,
+    ]
+    if blob:
+        fields += ("blob", blob)
+    if error_type:
+        fields += ("etype", error_type)
+    if error_message:
+        fields += ("emsg", error_message)
+    return fields
+
+
+_VERSION = str(SCHEMA_VERSION)
+
+
+_STATUSES = frozenset(("ok", "error", "expired", "cancelled"))
+
+
+def pack_result(fields: list[bytes | str]) -> bytes:
+    """The bytes of a result key (and of one result in a reply entry): msgpack of the flat
+    ``[field, value, ...]`` list, every string as msgpack raw (str) bytes."""
+    packed: bytes = msgpack.packb(fields, use_bin_type=False)
+    return packed
+
+
+def unpack_result(data: Any, limits: Limits) -> Result:
+    """Decode a result key's bytes (or one element of a reply entry, already unpacked);
+    raises DecodeError for anything that is not a valid result."""
+    return decode_result(result_map(data), limits)
+
+
+def result_map(data: Any) -> dict[Any, Any]:
+    """A result's fields by name, from its bytes or its unpacked flat array (not validated:
+    that is :func:`decode_result`); raises DecodeError for anything of another shape."""
+    if isinstance(data, bytes):
+        try:
+            # Plain msgpack: strings, numbers, arrays; no length in it can exceed the bytes.
+            data = msgpack.unpackb(data, raw=True, use_list=True)
+        except (ValueError, TypeError, OverflowError) as exc:  # msgpack's are ValueErrors
+            raise DecodeError(f"a result is not msgpack: {exc}") from None
+    if not isinstance(data, list) or len(data) % 2:
+        raise DecodeError("a result is not a flat array of fields and values")
+    it = iter(data)
+    try:
+        return dict(zip(it, it, strict=True))
+    except TypeError:  # an unhashable field name
+        raise DecodeError("a result's field names must be strings") from None
+
+
+def _text(raw: Mapping[Any, Any], name: bytes, default: bytes = b"") -> str:
+    value = raw.get(name, default)
+    if not isinstance(value, bytes):
+        raise DecodeError(f"malformed result: {name.decode()} is a {type(value).__name__}")
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        raise DecodeError(f"malformed result: {name.decode()} is not UTF-8") from None
+
+
+def _number(raw: Mapping[Any, Any], name: bytes, kind: type[int] | type[float]) -> Any:
+    """An int or float field, as msgpack text (what workers write) or a msgpack number."""
+    value = raw.get(name, b"0")
+    if isinstance(value, bool) or not isinstance(value, bytes | int | float):
+        raise DecodeError(f"malformed result: {name.decode()} is a {type(value).__name__}")
+    if isinstance(value, bytes) and len(value) > 64:
+        raise DecodeError(f"malformed result: {name.decode()} is {len(value)} bytes long")
+    try:
+        number = kind(value)
+    except (ValueError, TypeError, OverflowError):
+        raise DecodeError(f"malformed result: {name.decode()} is not a number: {value!r}") from None
+    if kind is float and not math.isfinite(number):
+        raise DecodeError(f"malformed result: {name.decode()} must be finite")
+    if not 0 <= number < _MAX_NUMBER:
+        raise DecodeError(f"malformed result: {name.decode()} {number!r} is out of range")
+    return number
+
+
+_MAX_NUMBER = 1 << 63  # timings in ms and batch sizes: anything larger is not one
+
+
+def decode_result(raw: Mapping[Any, Any], limits: Limits) -> Result:
+    """Validate and decode a result's fields (see :func:`unpack_result`); raises DecodeError,
+    and only DecodeError, for anything that is not a valid result.
+
+    Checked by hand rather than by a pydantic model: a producer decodes one per request,
+    and this is several times faster for the same checks.
+    """
+    if not isinstance(raw, Mapping):
+        raise DecodeError(f"a result is a map of fields, not a {type(raw).__name__}")
+    if raw and not all(isinstance(k, bytes) for k in raw):
+        raw = {
+            (k.encode() if isinstance(k, str) else k): (v.encode() if isinstance(v, str) else v)
+            for k, v in raw.items()
+        }
+    version = _number(raw, b"v", int) if b"v" in raw else -1
+    if version != SCHEMA_VERSION:
+        raise DecodeError(f"result schema version {version} is not {SCHEMA_VERSION}")
+    rid = _text(raw, b"id")
+    if not is_name(rid):
+        raise DecodeError(f"malformed result: invalid request id {rid[:200]!r}")
+    status = _text(raw, b"status")
+    if status not in _STATUSES:
+        raise DecodeError(f"malformed result: unknown status {status[:200]!r}")
+    etype, emsg, worker = (_text(raw, name) for name in (b"etype", b"emsg", b"worker"))
+    queue_ms = _number(raw, b"queue_ms", float)
+    batch = _number(raw, b"batch", int)
+    model_ms = _number(raw, b"model_ms", float)
+    meta, blob = raw.get(b"meta", b"null"), raw.get(b"blob", b"")
+    if not (isinstance(meta, bytes) and isinstance(blob, bytes)):
+        raise DecodeError("malformed result: meta and blob must be bytes")
+    output = None
+    if status == "ok":
+        try:
+            output = unpack_value(meta, blob, limits)
+        except DecodeError:
+            raise
+        except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # belt and braces
+            raise DecodeError(f"malformed result: its output: {exc}") from None
+    return Result(rid, status, output, etype, emsg, queue_ms, batch, model_ms, worker)  # type: ignore[arg-type]

@@ -1,0 +1,207 @@
+"""Values on the wire: JSON plus raw array bytes, decoded within limits (see the package)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from batchline.errors import DecodeError
+
+__all__ = ["SCHEMA_VERSION", "Limits", "pack_value", "unpack_value"]
+
+SCHEMA_VERSION = 2  # 2: results as msgpack strings, one reply entry per batch
+_DTYPES = frozenset(
+    ["|b1", "|i1", "|u1", "<i2", "<i4", "<i8", "<u2", "<u4", "<u8", "<f2", "<f4", "<f8"]
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What a reader accepts; anything larger is refused before it is allocated.
+
+    Attributes:
+        max_meta_bytes: longest JSON part of one value.
+        max_blob_bytes: longest binary part of one value.
+        max_elements: most array elements in one value, all arrays together.
+        max_chars: longest text in one value.
+        max_items: most texts (or list entries) in one value.
+        max_depth: deepest nesting of lists and dicts.
+    """
+
+    max_meta_bytes: int = 1 << 20
+    max_blob_bytes: int = 64 << 20
+    max_elements: int = 16 << 20
+    max_chars: int = 100_000
+    max_items: int = 4096
+    max_depth: int = 16
+
+
+def _as_array(value: Any) -> np.ndarray[Any, Any] | None:
+    if isinstance(value, np.ndarray | np.generic):
+        return np.asarray(value)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu()
+        if tensor.dtype == torch.bfloat16:
+            tensor = tensor.float()
+        return np.asarray(tensor.numpy())
+    return None
+
+
+def pack_value(value: Any) -> tuple[bytes, bytes]:
+    """Encode a value as (JSON meta, blob); raises TypeError for what cannot travel."""
+    if type(value) is str or (type(value) is list and all(type(v) is str for v in value)):
+        return _ENCODER.encode(value).encode(), b""  # texts: the common case, no walk
+    chunks: list[bytes] = []
+    offset = 0
+
+    def walk(v: Any) -> Any:
+        nonlocal offset
+        array = _as_array(v)
+        if array is not None:
+            little = array.astype(array.dtype.newbyteorder("<"), copy=False)
+            dtype = little.dtype.str
+            if dtype not in _DTYPES:
+                raise TypeError(f"arrays of dtype {array.dtype} cannot travel; use a numeric one")
+            data = np.ascontiguousarray(little).tobytes()
+            ref = {"$nd": [dtype, list(array.shape), offset]}
+            chunks.append(data)
+            offset += len(data)
+            return ref
+        if v is None or isinstance(v, bool | int | str):
+            return v
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                raise TypeError(f"non-finite float {v!r} cannot travel as JSON")
+            return v
+        if isinstance(v, list | tuple):
+            return [walk(x) for x in v]
+        if isinstance(v, Mapping):
+            out: dict[str, Any] = {}
+            for k, x in v.items():
+                if not isinstance(k, str) or k.startswith("$"):
+                    raise TypeError(f"dict keys must be strings not starting with '$', got {k!r}")
+                out[k] = walk(x)
+            return out
+        raise TypeError(f"a {type(v).__name__} cannot travel; use JSON types or numeric arrays")
+
+    meta = _ENCODER.encode(walk(value)).encode()
+    return meta, b"".join(chunks)
+
+
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)  # one, not one per call
+
+
+def unpack_value(meta: bytes, blob: bytes, limits: Limits) -> Any:
+    """Decode (meta, blob) within ``limits``; raises DecodeError for anything off."""
+    if len(meta) > limits.max_meta_bytes:
+        raise DecodeError(f"value header of {len(meta)} bytes exceeds {limits.max_meta_bytes}")
+    if len(blob) > limits.max_blob_bytes:
+        raise DecodeError(f"value data of {len(blob)} bytes exceeds {limits.max_blob_bytes}")
+    try:
+        tree = _JSON.decode(meta.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise DecodeError(f"value header is not UTF-8: {exc.reason} at byte {exc.start}") from None
+    except (ValueError, RecursionError) as exc:
+        raise DecodeError(f"value header is not JSON: {exc}") from None
+    if type(tree) is str and len(tree) <= limits.max_chars:
+        return tree  # one text: the common case, no walk
+    elements = 0
+
+    def walk(v: Any, depth: int) -> Any:
+        """``depth``: the lists and objects around ``v``, so ``v`` itself, if one, is the
+        ``depth + 1``-th level."""
+        nonlocal elements
+        if isinstance(v, str):
+            if len(v) > limits.max_chars:
+                raise DecodeError(
+                    f"text of {len(v)} characters exceeds max_chars={limits.max_chars}"
+                )
+            return v
+        if isinstance(v, list):
+            if depth >= limits.max_depth:
+                raise DecodeError(f"value nests deeper than max_depth={limits.max_depth}")
+            if len(v) > limits.max_items:
+                raise DecodeError(f"list of {len(v)} entries exceeds max_items={limits.max_items}")
+            return [walk(x, depth + 1) for x in v]
+        if isinstance(v, dict):
+            if "$nd" in v:
+                array = _array(v, blob, limits.max_elements - elements)
+                elements += array.size
+                return array
+            if depth >= limits.max_depth:
+                raise DecodeError(f"value nests deeper than max_depth={limits.max_depth}")
+            if len(v) > limits.max_items:
+                raise DecodeError(
+                    f"object of {len(v)} entries exceeds max_items={limits.max_items}"
+                )
+            for k in v:
+                if k.startswith("$"):
+                    raise DecodeError(
+                        f"object key {_show(k)} starts with '$' (reserved for array references)"
+                    )
+            return {k: walk(x, depth + 1) for k, x in v.items()}
+        return v  # None, bool, int, float
+
+    return walk(tree, 0)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):  # 1e999: JSON, but no 64-bit float holds it
+        raise ValueError(f"number {text} is out of the range of a 64-bit float")
+    return number
+
+
+# One decoder, not one per call; NaN and Infinity are not JSON, and a number too large for
+# a float is refused alike rather than read as infinity.
+_JSON = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite)
+
+
+def _show(value: Any, *, max_chars: int = 80) -> str:
+    """A value for an error message, readable in any language: text as JSON text (bytes
+    decoded as UTF-8, undecodable bytes as \\xNN), anything else as JSON; cut short."""
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "backslashreplace")
+    try:
+        text = json.dumps(value, ensure_ascii=False, default=str)
+    except (ValueError, RecursionError):
+        text = str(value)
+    return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
+
+
+def _array(ref: dict[str, Any], blob: bytes, budget: int) -> np.ndarray[Any, Any]:
+    spec = ref["$nd"]
+    if len(ref) != 1 or not isinstance(spec, list) or len(spec) != 3:
+        raise DecodeError('an array reference is {"$nd": [dtype, shape, offset]} and nothing else')
+    dtype, shape, offset = spec
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
+        raise DecodeError(f"array dtype {_show(dtype)} is not allowed")
+    if not isinstance(shape, list) or len(shape) > 8:
+        raise DecodeError("array shape must be a list of at most 8 dimensions")
+    count = 1
+    for n in shape:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise DecodeError(f"array shape {_show(shape)} is not a list of sizes")
+        count *= n
+        if count > budget:
+            raise DecodeError(f"array of shape {shape} exceeds max_elements")
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+        raise DecodeError(f"array offset {_show(offset)} is invalid")
+    nbytes = count * np.dtype(dtype).itemsize
+    if offset + nbytes > len(blob):
+        raise DecodeError(f"array of shape {shape} needs {nbytes} bytes at {offset}; blob is short")
+    try:
+        return np.frombuffer(blob, dtype=dtype, count=count, offset=offset).reshape(shape)
+    except ValueError as exc:  # an empty array whose other sizes numpy cannot index
+        raise DecodeError(f"array shape {shape} is invalid: {exc}") from None

@@ -1,0 +1,99 @@
+"""The worker's writer: answers go out in one call of the completion script per write.
+
+Answers wait in an :class:`~batchline.transport._outbox.Outbox` while a write is in flight; the next
+write takes them all. The script acknowledges each entry and, only if the acknowledgement
+took, writes its result (with its TTL) and pushes the replies, then deletes the entries
+(``docs/protocol.md``). A write rides out a Redis restart (:meth:`Backoff.retry
+<batchline.transport._redis.Backoff.retry>`); past its budget the entries stay pending, go idle and
+are reclaimed and answered later, so nothing is lost either way.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgpack
+from redis.exceptions import RedisError
+
+from batchline.transport._outbox import Outbox
+from batchline.transport._redis import Backoff, RedisClient, Script
+from batchline.transport._scripts import COMPLETE
+from batchline.transport.keys import GROUP, QueueKeys
+from batchline.worker._answers import Record
+from batchline.worker._claims import Claims
+
+__all__ = ["AnswerWriter"]
+
+logger = logging.getLogger(__name__)
+
+_REPLY_MAXLEN = 100_000
+_DEAD_MAXLEN = 100_000
+#: How long one write is retried through a Redis restart before its entries are left pending.
+_RETRY_BUDGET_S = 30.0
+
+
+class AnswerWriter:
+    """Writes a worker's answers; the entries written (or given up) leave its ``claims``.
+
+    Args:
+        client: the writer's own client (a dedicated connection).
+        keys: the queue's keys.
+        result_ttl_s: how long a result key lives.
+        claims: the entries the worker holds.
+    """
+
+    def __init__(
+        self, client: RedisClient, keys: QueueKeys, *, result_ttl_s: int, claims: Claims
+    ) -> None:
+        self._client = client
+        self._keys = keys
+        self._result_ttl_s = result_ttl_s
+        self._claims = claims
+        self._script = Script(COMPLETE)
+        self._retry = Backoff(logger, "writer", max_delay_s=1.0)
+        self._outbox: Outbox[Record] = Outbox(self._flush, name="batchline-writer")
+
+    def put(self, record: Record) -> None:
+        """Write ``record`` with the next write (on the running event loop)."""
+        self._outbox.put(record)
+
+    async def drain(self) -> None:
+        """Return once every record put so far is written (or given up)."""
+        await self._outbox.drain()
+
+    async def _flush(self, records: list[Record]) -> None:
+        try:
+            await self._write(records)
+        except (RedisError, OSError) as exc:
+            # Unanswered entries stay pending; no longer kept alive by this worker, they go
+            # idle and are reclaimed and answered later.
+            logger.error("writer: %d answers not written: %s", len(records), exc)
+        self._claims.settle(records)
+
+    async def _write(self, records: list[Record]) -> None:
+        packed = []
+        for r in records:
+            has_result = r.result is not None and r.request_id is not None
+            packed.append(
+                [
+                    r.sidx,
+                    r.entry,
+                    r.request_id or "" if has_result else "",
+                    r.reply or "" if has_result else "",
+                    r.dead or [],
+                    r.result if has_result else "",
+                ]
+            )
+        keys = [*self._keys.streams_low_first, self._keys.dead]
+        args = [
+            GROUP,
+            self._result_ttl_s,
+            _REPLY_MAXLEN,
+            _DEAD_MAXLEN,
+            self._keys.result_prefix,
+            self._keys.reply_prefix,
+            msgpack.packb(packed, use_bin_type=False),
+        ]
+        await self._retry.retry(
+            lambda: self._script(self._client, keys, args), budget_s=_RETRY_BUDGET_S
+        )
