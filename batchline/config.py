@@ -134,6 +134,9 @@ class WorkerSettings(ServiceSettings):
         batch_size: most requests (texts) per batch; for ``generate``, most sequences
             running at once.
         timeout_ms: longest the oldest waiting request waits for its batch to fill.
+        target_p99_ms: latency-SLO mode: the worker chooses its batch size (up to
+            ``batch_size``) and wait (up to ``timeout_ms``) online to keep the p99 of queue
+            wait plus model time at or under this (time in Redis before the read not counted).
         max_tokens: padded-token budget of one batch (rows x longest row), or none.
         read_ahead: requests held ahead of the model, in batches (also the grouping window).
         claim_idle_ms: a request pending this long on a silent worker is reclaimed.
@@ -172,6 +175,7 @@ class WorkerSettings(ServiceSettings):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     batch_size: int = Field(default=DEFAULTS.batch_size, ge=1)
     timeout_ms: float = Field(default=DEFAULTS.timeout_ms, ge=0)
+    target_p99_ms: float | None = Field(default=None, gt=0)
     max_tokens: int | None = Field(default=None, ge=1)
     read_ahead: int = Field(default=16, ge=1)
     claim_idle_ms: int = Field(default=30_000, ge=100)

@@ -6,6 +6,7 @@ keep the scripts and their shared harness (scripts/_harness.py) working.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,3 +26,18 @@ def test_bench_queue_quick_idle_latency_part() -> None:
     assert "## batchline queue benchmark" in out.stdout
     assert "(b) idle latency over the model's own time, p50" in out.stdout
     assert "SIGTERM: noop worker exit code 0" in out.stdout
+
+
+def test_bench_slo_quick() -> None:
+    out = subprocess.run(
+        [sys.executable, "scripts/bench_slo.py", "--quick"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env=os.environ | {"PYTHONPATH": str(REPO)},
+    )
+    assert "## latency-SLO mode vs fixed settings" in out.stdout
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| 200 |")]
+    assert len(rows) == 1, out.stdout

@@ -671,3 +671,28 @@ def test_a_result_that_cannot_be_read_fails_its_callers_and_the_batcher_lives_on
         broken_then_fine(1, timeout_s=30)
     assert broken_then_fine(2, timeout_s=30) == 2
     broken_then_fine.close()
+
+
+def test_latency_slo_mode_chooses_its_settings_within_the_limits() -> None:
+    @batchline.dynamically(batch_size=64, timeout_ms=20.0, target_p99_ms=10.0)
+    def double(xs: list[int]) -> list[int]:
+        return [2 * x for x in xs]
+
+    assert double.stats.target_p99_ms == 10.0
+    # Before any batch: the largest batch, no wait (until the function's time is known).
+    assert (double.stats.batch_size, double.stats.timeout_ms) == (64, 0.0)
+    assert [double(i) for i in range(200)] == [2 * i for i in range(200)]
+    stats = double.stats
+    # One call at a time: a 20 ms wait for company would break a 10 ms target; the
+    # controller waits at most what the target leaves after twice the batch's time.
+    assert stats.timeout_ms < 10.0
+    assert 1 <= stats.batch_size <= 64
+    double.close()
+
+
+@pytest.mark.parametrize("bad", [0, -5.0, float("inf"), float("nan")])
+def test_latency_slo_target_must_be_positive_and_finite(bad: float) -> None:
+    with pytest.raises(ValueError, match="target_p99_ms"):
+        batchline.dynamically(lambda xs: xs, target_p99_ms=bad)
+    with pytest.raises(TypeError, match="target_p99_ms"):
+        batchline.dynamically(lambda xs: xs, target_p99_ms="5")  # type: ignore[arg-type]

@@ -58,6 +58,9 @@ class BatchStats:
         errors: items that ended with an error (including timeouts and rejections).
         expired: items whose timeout or deadline passed before their batch ran.
         rejected: items refused at submission (queue full, too large, closed).
+        batch_size: the batch size limit in force (in latency-SLO mode, the one chosen).
+        timeout_ms: the wait for a batch to fill in force (likewise).
+        target_p99_ms: the latency target of latency-SLO mode, or None.
     """
 
     items: int = 0
@@ -74,6 +77,9 @@ class BatchStats:
     errors: int = 0
     expired: int = 0
     rejected: int = 0
+    batch_size: int = 0
+    timeout_ms: float = 0.0
+    target_p99_ms: float | None = None
 
 
 class StatsRecorder:
@@ -95,6 +101,7 @@ class StatsRecorder:
         self._errors = 0
         self._expired = 0
         self._rejected = 0
+        self._settings: tuple[int, float, float | None] = (0, 0.0, None)
 
     def record_batch(self, waits_s: list[float], function_s: list[float]) -> None:
         """One batch ran: each item's queue wait and each batch-function call's duration."""
@@ -106,6 +113,13 @@ class StatsRecorder:
             self._queue_wait.extend(waits_s)
             self._function.extend(function_s)
             self._function_total += sum(function_s)
+
+    def record_settings(
+        self, batch_size: int, timeout_ms: float, target_p99_ms: float | None = None
+    ) -> None:
+        """The batch size and wait in force from now on (and the latency target, if any)."""
+        target = self._settings[2] if target_p99_ms is None else target_p99_ms
+        self._settings = (batch_size, timeout_ms, target)  # one assignment: read whole
 
     def record_call(self, latency_s: float, *, ok: bool, items: int) -> None:
         """One caller's call finished, after ``latency_s``, successfully or not.
@@ -169,4 +183,7 @@ class StatsRecorder:
             errors=errors,
             expired=expired,
             rejected=rejected,
+            batch_size=self._settings[0],
+            timeout_ms=self._settings[1],
+            target_p99_ms=self._settings[2],
         )

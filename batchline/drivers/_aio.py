@@ -225,7 +225,7 @@ class AioBatcher(BatcherBase[T, R]):
             with self._states_lock:
                 state = self._states.get(loop)
                 if state is None:
-                    state = _LoopState(BatchPolicy(self._config.policy()))
+                    state = _LoopState(BatchPolicy(self._policy_config))
                     self._states[loop] = state
         self._last = (weakref.ref(loop), state)
         return state
@@ -317,7 +317,7 @@ class AioBatcher(BatcherBase[T, R]):
             run.abort(BatcherClosed(f"{self._name}: its event loop is shutting down"))
             raise
         finally:
-            self._recorder.record_batch([started - it.arrival for it in batch], run.durations_s)
+            self._batch_ran(started, batch, run.durations_s)
 
     async def _next_outputs(self, run: Isolation[Item]) -> Any:
         """The function's outputs for the run's next payloads, or _DONE.
@@ -418,6 +418,9 @@ class AioBatcher(BatcherBase[T, R]):
         if self._thread is not None:
             self._thread.stop()
             self._thread = None
+
+    def _policies(self) -> list[BatchPolicy[Item]]:
+        return [state.policy for state in list(self._states.values())]
 
     def _queue_size(self) -> int:
         return sum(len(state.policy) for state in list(self._states.values()))

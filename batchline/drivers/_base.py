@@ -8,6 +8,7 @@ into items for the policy and settles the caller when its items are done.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import math
 import threading
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from batchline.core.policy import BatchPolicy, PolicyConfig
+from batchline.core.slo import SloConfig, SloController
 from batchline.core.stats import BatchStats, StatsRecorder
 from batchline.errors import BatcherClosed, QueueFull, RequestTimeout
 
@@ -43,6 +45,7 @@ class BatchConfig:
     group_window: int = 4
     max_overtake_ms: float = 100.0
     inline_below_ms: float = 0.2
+    target_p99_ms: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.timeout_ms, bool) or not isinstance(self.timeout_ms, int | float):
@@ -66,6 +69,19 @@ class BatchConfig:
         if self.length_fn is not None and not callable(self.length_fn):
             raise TypeError(f"length_fn must be callable, got {self.length_fn!r}")
         self.policy()  # validates batch_size and max_tokens
+        self.slo()  # validates target_p99_ms
+
+    def slo(self) -> SloConfig | None:
+        """The latency-SLO controller's settings, or None without ``target_p99_ms``."""
+        if self.target_p99_ms is None:
+            return None
+        if isinstance(self.target_p99_ms, bool) or not isinstance(self.target_p99_ms, int | float):
+            raise TypeError(f"target_p99_ms must be a number, got {self.target_p99_ms!r}")
+        return SloConfig(
+            target_p99_s=self.target_p99_ms / 1e3,
+            max_batch_size=self.batch_size,
+            max_timeout_s=self.timeout_ms / 1e3,
+        )
 
     def policy(self) -> PolicyConfig:
         """The core policy's settings."""
@@ -274,6 +290,15 @@ class BatcherBase(Generic[T, R]):
         self._config = config
         self._owner = owner
         self._recorder = StatsRecorder()
+        slo = config.slo()
+        self._slo = None if slo is None else SloController(slo)
+        # The policy settings in force: the configured ones, or the SLO controller's choice.
+        self._policy_config = config.policy()
+        if slo is not None:  # no wait until the controller has seen the function run
+            self._policy_config = dataclasses.replace(self._policy_config, timeout_s=0.0)
+        self._recorder.record_settings(
+            config.batch_size, self._policy_config.timeout_s * 1e3, config.target_p99_ms
+        )
         self._closed = False
         self._attr: str | None = None
         self._bind_lock = threading.Lock()
@@ -381,6 +406,25 @@ class BatcherBase(Generic[T, R]):
         for item in items:
             wake = policy.add(item) or wake
         return wake
+
+    def _batch_ran(self, started: float, batch: list[Item], durations_s: list[float]) -> None:
+        """Record a batch that ran; in latency-SLO mode, retune the policies from it."""
+        waits = [started - it.arrival for it in batch]
+        self._recorder.record_batch(waits, durations_s)
+        if self._slo is None:
+            return
+        chosen = self._slo.observe(started, waits, sum(durations_s), queued=self._queue_size())
+        current = self._policy_config
+        if chosen.batch_size != current.batch_size or chosen.timeout_s != current.timeout_s:
+            self._policy_config = tuned = dataclasses.replace(
+                current, batch_size=chosen.batch_size, timeout_s=chosen.timeout_s
+            )
+            self._recorder.record_settings(chosen.batch_size, chosen.timeout_s * 1e3)
+            for policy in self._policies():
+                policy.config = tuned  # one assignment: a poll sees the old or the new
+
+    def _policies(self) -> list[BatchPolicy[Item]]:
+        raise NotImplementedError
 
     def _expire(self, items: list[Item]) -> None:
         if items:

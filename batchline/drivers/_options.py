@@ -20,6 +20,12 @@ Options of every decorator (:class:`BatchOptions`):
   no bound.
 - ``isolate_errors``: when the function raises, split the batch and retry the halves, so
   that only the failing items' callers get the exception. Default True.
+- ``target_p99_ms``: latency-SLO mode. The batcher chooses its batch size (up to
+  ``batch_size``) and wait (up to ``timeout_ms``) online, from the batch function's measured
+  time per batch size and the load, to keep the p99 of queue wait plus function time at or
+  under this target while serving the most it can (:mod:`batchline.core.slo`); when the load
+  exceeds what any setting can serve within the target, it serves the most it can
+  (``batch_size``). ``stats`` shows the chosen settings. Default: off (fixed settings).
 
 Plain decorators (:class:`ThreadOptions`) add ``length_fn``: an item's length in tokens;
 when given, similar lengths are also grouped into one batch whenever more items wait than
@@ -67,6 +73,7 @@ class BatchOptions(TypedDict, total=False):
     max_tokens: int | None
     max_queue_size: int | None
     isolate_errors: bool
+    target_p99_ms: float | None
 
 
 class ThreadOptions(BatchOptions, total=False):

@@ -106,7 +106,7 @@ class ThreadBatcher(BatcherBase[T, R]):
         owner: weakref.ref[Any] | None = None,
     ) -> None:
         super().__init__(fn, config, owner=owner)
-        self._policy: BatchPolicy[Item] = BatchPolicy(config.policy())
+        self._policy: BatchPolicy[Item] = BatchPolicy(self._policy_config)
         self._cond = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
         self._idle = False
@@ -229,7 +229,7 @@ class ThreadBatcher(BatcherBase[T, R]):
                 else:
                     settles.append(run.settle_later(outputs))
             # Recorded before any caller is woken, so a caller sees its batch in the stats.
-            self._recorder.record_batch([started - it.arrival for it in batch], run.durations_s)
+            self._batch_ran(started, batch, run.durations_s)
             if len(policy):
                 # More work waits: the settler thread resolves and wakes this batch's callers
                 # while the next batch runs, instead of before it starts.
@@ -281,6 +281,9 @@ class ThreadBatcher(BatcherBase[T, R]):
             thread.join(timeout_s)
             if not thread.is_alive():
                 self._settler.join(timeout_s)
+
+    def _policies(self) -> list[BatchPolicy[Item]]:
+        return [self._policy]
 
     def _queue_size(self) -> int:
         return len(self._policy)

@@ -93,11 +93,17 @@ def render(status: dict[str, Any]) -> str:
         model = w.get("model_ms", {})
         lines.append(
             f"    {w.get('worker')}: {w.get('model', '?')}, answered {requests}, "
-            f"mean batch {w.get('mean_batch_size', 0)}, "
+            f"mean batch {w.get('mean_batch_size', 0)} (limit {w.get('batch_size', '?')}, "
+            f"wait {w.get('timeout_ms', '?')} ms{_slo(w)}), "
             f"queue wait p50/p95/p99 {_ms(wait)} ms, model p50/p95/p99 {_ms(model)} ms, "
             f"held {w.get('held', 0)}"
         )
     return "\n".join(lines)
+
+
+def _slo(worker: dict[str, Any]) -> str:
+    target = worker.get("target_p99_ms")
+    return "" if target is None else f", chosen for p99 <= {target:g} ms"
 
 
 def _ms(figures: dict[str, float]) -> str:

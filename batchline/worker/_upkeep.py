@@ -258,7 +258,6 @@ def snapshot(
     *,
     worker_id: str,
     model_name: str,
-    batch_size: int,
     counts: Counter[str],
     stats: BatchStats,
 ) -> dict[str, Any]:
@@ -267,7 +266,9 @@ def snapshot(
         "worker": worker_id,
         "pid": os.getpid(),
         "model": model_name,
-        "batch_size": batch_size,
+        "batch_size": stats.batch_size,  # in force: chosen online in latency-SLO mode
+        "timeout_ms": round(stats.timeout_ms, 3),
+        "target_p99_ms": stats.target_p99_ms,
         "requests": dict(counts),
         "batches": stats.batches,
         "mean_batch_size": round(stats.mean_batch_size, 2),

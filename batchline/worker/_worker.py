@@ -118,6 +118,7 @@ class Worker:
             BatchConfig(
                 batch_size=s.batch_size,
                 timeout_ms=s.timeout_ms,
+                target_p99_ms=s.target_p99_ms,
                 small_batch_threshold=0,
                 max_tokens=s.max_tokens,
                 length_fn=_length,
@@ -208,7 +209,6 @@ class Worker:
         return snapshot(
             worker_id=self.worker_id,
             model_name=self._model_name,
-            batch_size=self.settings.batch_size,
             counts=self.counts,
             stats=self._batcher.stats,
         )

@@ -42,6 +42,8 @@ class Metrics:
             ("model_p50_ms", "Model time per batch p50 (ms), recent window"),
             ("model_p99_ms", "Model time per batch p99 (ms), recent window"),
             ("held", "Requests read and not yet answered"),
+            ("batch_size_limit", "Batch size limit in force (chosen online with target_p99_ms)"),
+            ("timeout_ms", "Wait for a batch to fill in force (ms)"),
             ("healthy", "1 while serving, 0 once a model call ran past max_batch_ms"),
         ):
             self._gauges[name] = Gauge(f"batchline_{name}", doc, registry=registry)
@@ -68,6 +70,8 @@ class Metrics:
         g["model_p50_ms"].set(stats.function_ms.p50)
         g["model_p99_ms"].set(stats.function_ms.p99)
         g["held"].set(stats.queue_size)
+        g["batch_size_limit"].set(stats.batch_size)
+        g["timeout_ms"].set(stats.timeout_ms)
 
     def unhealthy(self) -> None:
         if "healthy" in self._gauges:

@@ -7,6 +7,7 @@ import urllib.request
 from collections.abc import Callable
 
 from batchline.producer import AsyncProducer
+from batchline.transport.status import render
 
 from .conftest import RESULT_TIMEOUT_S, WorkerThread, spec, wait_until
 
@@ -50,3 +51,30 @@ async def test_metrics_count_answers_by_status_and_batches_by_size(
         if line.startswith("batchline_batches_total{")
     ]
     assert sum(sizes) >= 1
+
+
+async def test_latency_slo_settings_show_in_metrics_heartbeat_and_status(
+    start_worker: Callable[..., WorkerThread], redis_url: str, queue: str
+) -> None:
+    port = _free_port()
+    worker = start_worker(metrics_port=port, batch_size=64, timeout_ms=50, target_p99_ms=20)
+    async with AsyncProducer(redis_url=redis_url, queue=queue) as producer:
+        for i in range(20):  # one at a time: waiting 50 ms for company would break 20 ms
+            assert await producer.result(await producer.submit(i), timeout_s=RESULT_TIMEOUT_S) == i
+    stats = worker.worker.stats()
+    assert stats["target_p99_ms"] == 20
+    assert stats["timeout_ms"] < 20
+    assert 1 <= stats["batch_size"] <= 64
+
+    def chosen() -> str | None:
+        text = _scrape(port)
+        return text if "batchline_timeout_ms" in text and "50.0" not in _line(text) else None
+
+    text = wait_until(chosen, "the chosen wait in the metrics")
+    assert "batchline_batch_size_limit" in text
+    shown = {"queue": queue, "redis": "r", "depth": 0, "dead_letters": 0, "streams": []}
+    assert render(shown | {"workers": [stats]}).count("chosen for p99 <= 20 ms") == 1
+
+
+def _line(text: str) -> str:
+    return next(x for x in text.splitlines() if x.startswith("batchline_timeout_ms "))

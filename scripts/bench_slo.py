@@ -1,0 +1,132 @@
+"""Latency-SLO mode against fixed settings, in one run, in real time.
+
+A batch function that sleeps 2 ms + 0.4 ms per item (a vectorised model's shape: a fixed cost
+per call plus a cost per item; it sleeps, so the CPU stays free for the load generator) is
+served by ``batchline.aio.dynamically`` under an open-loop Poisson load at rising rates. At
+each rate the script runs the batcher with ``target_p99_ms`` and with every fixed setting of
+a sweep (batch size x wait), and reports p99 latency (submit to result) and the served rate.
+For each rate it names the best fixed setting that met the target (the most served) and the
+ratio of the SLO mode's served rate to it; fixed settings either break the target (a long
+wait at a light load) or lose throughput (a small batch at a heavy load).
+
+    python scripts/bench_slo.py            # about 3 minutes
+    python scripts/bench_slo.py --quick    # about 40 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+from _harness import fmt, log, machine, percentile, provenance, ratio, versions
+
+import batchline.aio
+
+FIXED_COST_S = 0.002
+PER_ITEM_S = 0.0004
+
+
+def model(xs: list[int]) -> list[int]:
+    time.sleep(FIXED_COST_S + PER_ITEM_S * len(xs))
+    return xs
+
+
+@dataclass
+class Run:
+    p99_ms: float
+    served_per_s: float
+    batch_size: int
+    timeout_ms: float
+
+
+async def measure(rate: float, seconds: float, seed: int, **options: float | None) -> Run:
+    f = batchline.aio.dynamically(model, **options)  # type: ignore[call-overload]
+    rng = random.Random(seed)
+    latencies: list[float] = []
+    warm = seconds / 4
+    start = time.monotonic()
+
+    async def one(i: int, at: float) -> None:
+        await f(i)
+        if at - start >= warm:
+            latencies.append(time.monotonic() - at)
+
+    tasks: list[asyncio.Task[None]] = []
+    t, i = start, 0
+    while t - start < seconds:
+        t += rng.expovariate(rate)
+        delay = t - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(one(i, t)))
+        i += 1
+    await asyncio.gather(*tasks)
+    span = time.monotonic() - start - warm
+    stats = f.stats
+    await f.aclose()
+    latencies.sort()
+    return Run(
+        percentile(latencies, 99) * 1e3, len(latencies) / span, stats.batch_size, stats.timeout_ms
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--target-ms", type=float, default=20.0)
+    parser.add_argument("--rates", default="200,800,1400,1800")
+    parser.add_argument("--seconds", type=float, default=2.0, help="per setting and rate")
+    args = parser.parse_args()
+    rates = [float(r) for r in args.rates.split(",")]
+    sizes, waits = [4, 8, 16, 32, 64], [0.0, 5.0, 20.0]
+    if args.quick:
+        rates, sizes, waits, args.seconds = [200.0, 1400.0], [8, 64], [0.0, 20.0], 1.5
+    target = args.target_ms
+    print(f"## latency-SLO mode vs fixed settings ({provenance()})")
+    print(f"{machine()}; {versions('batchline')}")
+    print(
+        f"model: sleep {FIXED_COST_S * 1e3:g} ms + {PER_ITEM_S * 1e3:g} ms per item; Poisson "
+        f"load, {args.seconds:g} s per setting and rate (first quarter not counted); "
+        f"target p99 {target:g} ms; batch size up to 64, wait up to 20 ms in SLO mode"
+    )
+    print()
+    print(
+        "| offered/s | SLO p99 ms | SLO served/s | SLO chose | best fixed meeting target | its served/s | SLO / best | fixed settings breaking target |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    ratios: list[float] = []
+    for n, rate in enumerate(rates):
+        log(f"rate {rate:g}/s")
+        slo = asyncio.run(
+            measure(rate, args.seconds, n, batch_size=64, timeout_ms=20.0, target_p99_ms=target)
+        )
+        best: tuple[float, str] | None = None
+        broken = 0
+        for b in sizes:
+            for w in waits:
+                run = asyncio.run(measure(rate, args.seconds, n, batch_size=b, timeout_ms=w))
+                if run.p99_ms <= target:
+                    if best is None or run.served_per_s > best[0]:
+                        best = (run.served_per_s, f"{b} / {w:g} ms")
+                else:
+                    broken += 1
+        r = ratio(slo.served_per_s, best[0] if best else None)
+        if r is not None and slo.p99_ms <= target:
+            ratios.append(r)
+        print(
+            f"| {rate:g} | {fmt(slo.p99_ms, 1)} | {fmt(slo.served_per_s)} | "
+            f"{slo.batch_size} / {slo.timeout_ms:.1f} ms | {best[1] if best else 'none'} | "
+            f"{fmt(best[0]) if best else '-'} | {fmt(r, 2)} | {broken} of {len(sizes) * len(waits)} |"
+        )
+    if ratios:
+        print(
+            f"\nmedian SLO / best fixed where the SLO mode met the target: {statistics.median(ratios):.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
