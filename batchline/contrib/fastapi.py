@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -54,6 +55,7 @@ from batchline.errors import (
 )
 from batchline.producer import AsyncProducer, Handle
 from batchline.producer._failures import translate
+from batchline.producer._once import cached_result
 from batchline.transport._redis import RedisClient, connect
 from batchline.transport.codec import DecodeError, Result, unpack_result
 from batchline.transport.keys import ID_PATTERN, MAX_ID_CHARS
@@ -324,11 +326,14 @@ class _Backend:
             pipe.get(self.keys.result(request_id))
             pipe.get(self.keys.job(request_id))
             raw, marker = await pipe.execute()
+        if raw is None and marker is not None and self.producer.settings.cache_ttl_s > 0:
+            raw = await cached_result(self.redis, self.keys, request_id)  # a cache hit's
         if raw is not None:
             try:
                 result = unpack_result(raw, self._limits)
             except DecodeError as exc:
                 raise DecodeError(f"the result of job {request_id} is malformed: {exc}") from None
+            result = dataclasses.replace(result, id=request_id)  # a cached one has another
             kind = marker.decode() if marker in (b"embedding", b"embeddings") else None
             return _answer(result, kind or _kind_of(result.output), expired_status=410)
         if marker is not None:

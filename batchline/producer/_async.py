@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypedDict, Unpack, cast
@@ -33,6 +35,7 @@ from batchline.errors import (
     RequestTimeout,
 )
 from batchline.producer._failures import Failed, connected, translate, uncertain, writer_for
+from batchline.producer._once import Answered, cached_result, outcome_of
 from batchline.transport._cancels import cancel_request
 from batchline.transport._outbox import Outbox
 from batchline.transport._redis import Backoff, RedisClient, Script, connect, own_connection
@@ -114,12 +117,24 @@ class AsyncProducer:
         )
         self._reply_key = self.keys.reply(self.producer_id)
         self._limits = self.settings.limits()
-        self._waiting: dict[str, asyncio.Future[Result]] = {}
+        # Every waiter of a request id here (a resubmit of a waiting id adds one).
+        self._waiting: dict[str, list[asyncio.Future[Result]]] = {}
+        #: Submits by what the enqueue script did with them (queued, result, cached, ...).
+        self.counts: Counter[str] = Counter()
         self._reader: asyncio.Task[None] | None = None
         self._reader_client: RedisClient = None  # the reader's own client, while it runs
         self._closed = False
         self._enqueue_script = Script(ENQUEUE)
         self._streams_low_first = self.keys.streams_low_first
+        self._enqueue_keys = [
+            self.keys.result(""),
+            self.keys.request_input(""),
+            self.keys.waiters(""),
+            self.keys.cache(""),
+            self.keys.in_flight(""),
+            self.keys.model,
+            self.keys.once_stats,
+        ]
         # Submits wait here while a write is in flight; the next write takes them all, so
         # concurrent submits are coalesced into one script call.
         self._outbox: Outbox[_Pending] = Outbox(
@@ -161,10 +176,11 @@ class AsyncProducer:
                     await connection.disconnect(nowait=True)
             with contextlib.suppress(asyncio.CancelledError, RedisError, OSError):
                 await self._reader
-        for fut in self._waiting.values():
-            if not fut.done():
-                fut.set_exception(BatcherClosed("the producer was closed before the result came"))
-                fut.exception()  # retrieved: nobody may be waiting on it any more
+        for futs in self._waiting.values():
+            for fut in futs:
+                if not fut.done():
+                    fut.set_exception(BatcherClosed("the producer was closed before the result"))
+                    fut.exception()  # retrieved: nobody may be waiting on it any more
         self._waiting.clear()
         with contextlib.suppress(RedisError, OSError):
             await self._redis.delete(self._reply_key)
@@ -212,13 +228,20 @@ class AsyncProducer:
             ack=ack,
         )
         try:
-            entry = await ack
+            outcome: Answered = await ack
         except BaseException:
-            self._waiting.pop(rid, None)
+            self._drop(rid, fut)
             raise
-        if entry is None:
-            self._waiting.pop(rid, None)
+        if outcome.kind == "full":
+            self._drop(rid, fut)
             raise self._queue_full()
+        if isinstance(outcome.now, BaseException):
+            self._drop(rid, fut)
+            raise outcome.now
+        if outcome.now is not None:  # answered already: the result (or the cache) had it
+            self._drop(rid, fut)
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result(outcome.now)
         return Handle(rid, fut)
 
     async def _send(
@@ -242,9 +265,6 @@ class AsyncProducer:
         if not 0 <= prio < self.keys.priorities:
             raise ValueError(f"priority must be in 0..{self.keys.priorities - 1}, got {prio!r}")
         rid = check_name("request_id", request_id) if request_id is not None else _new_id()
-        waiting = self._waiting.get(rid)
-        if waiting is not None and not waiting.done():
-            raise ValueError(f"request_id {rid!r} is already waiting for its result here")
         now_ms = time.time() * 1e3
         fields = encode_request(
             rid,
@@ -259,7 +279,7 @@ class AsyncProducer:
         if reply:
             # Registered before the write, so that even the fastest reply finds its waiter.
             fut = loop.create_future()
-            self._waiting[rid] = fut
+            self._waiting.setdefault(rid, []).append(fut)
         entry = [prio, [x for kv in fields.items() for x in kv]]
         self._outbox.put((entry, ack if ack is not None else (rid, fut), rid))
         return rid, fut
@@ -282,8 +302,10 @@ class AsyncProducer:
             for target in targets:
                 self._settle(target, exc)
         else:
-            for target, entry in zip(targets, entries, strict=True):
-                self._settle(target, entry)
+            for (_, target, rid), entry in zip(pending, entries, strict=True):
+                outcome = outcome_of(rid, entry, self._limits)
+                self.counts[outcome.kind] += 1
+                self._settle(target, outcome)
 
     def _abandon(self, pending: list[_Pending]) -> None:
         """The writes that will never go (the loop is closing)."""
@@ -291,8 +313,9 @@ class AsyncProducer:
             self._settle(target, BatcherClosed("the producer stopped writing"))
 
     def _settle(self, target: _Target, outcome: Any) -> None:
-        """Tell a submit how its write went: ``submit`` awaits the entry id (an ack future);
-        ``infer`` awaits only its result, so only a failed write resolves that one."""
+        """Tell a submit how its write went: ``submit`` awaits the script's answer (an ack
+        future); ``infer`` awaits only its result, so only a failed write, or an answer that
+        settles it at once (a stored or cached result, a conflict), resolves that one."""
         if isinstance(target, asyncio.Future):
             if not target.done():
                 if isinstance(outcome, BaseException):
@@ -301,16 +324,35 @@ class AsyncProducer:
                     target.set_result(outcome)
             return
         rid, fut = target
-        if isinstance(outcome, BaseException) or outcome is None:
-            self._waiting.pop(rid, None)
+        if isinstance(outcome, Answered):
+            if outcome.kind == "full":
+                outcome = self._queue_full()
+            elif outcome.now is None:
+                return  # queued, attached or coalesced: the answer will be pushed
+            else:
+                outcome = outcome.now
+        if isinstance(outcome, BaseException | Result):
+            self._drop(rid, fut)
             if fut is not None and not fut.done():
-                fut.set_exception(outcome if outcome is not None else self._queue_full())
-                fut.exception()  # retrieved: its caller may have gone
+                if isinstance(outcome, Result):
+                    fut.set_result(outcome)
+                else:
+                    fut.set_exception(outcome)
+                    fut.exception()  # retrieved: its caller may have gone
+
+    def _drop(self, rid: str, fut: asyncio.Future[Result] | None) -> None:
+        """Forget one waiter of ``rid`` (its caller has its answer, or gave up)."""
+        futs = self._waiting.get(rid)
+        if futs is not None and fut in futs:
+            futs.remove(fut)
+            if not futs:
+                del self._waiting[rid]
 
     async def _write(self, batch: list[list[Any]], ids: list[str]) -> list[Any]:
         """One call of the enqueue script; raises Failed with a typed error per request."""
         payload = msgpack.packb(batch, use_bin_type=False)
-        args = [self.settings.max_queue_depth, payload]
+        s = self.settings
+        args = [s.max_queue_depth, payload, s.result_ttl_s, s.cache_ttl_s, *self._enqueue_keys]
         try:
             # Connected first, so that a failure to connect (nothing sent) is told apart
             # from one with the write in flight.
@@ -329,7 +371,11 @@ class AsyncProducer:
         ``timeout_s`` seconds. For a request this producer did not submit (or submitted with
         ``reply=False``) it reads the result key once and raises KeyError if none is there."""
         rid = handle if isinstance(handle, str) else handle.id
-        fut = handle._future if isinstance(handle, Handle) else self._waiting.get(rid)
+        fut = (
+            handle._future
+            if isinstance(handle, Handle)
+            else next(iter(self._waiting.get(rid, [])), None)
+        )
         if fut is None or fut.cancelled():
             found = await self.get_result(rid)
             if found is None:
@@ -380,7 +426,7 @@ class AsyncProducer:
             raise RequestTimeout(f"no result for request {rid} within {timeout_s} s") from None
         finally:
             if not fut.done() or fut.cancelled():
-                self._waiting.pop(rid, None)  # this caller gave up: nobody waits for it now
+                self._drop(rid, fut)  # this caller gave up: it waits no more
         return result.unwrap()
 
     async def map(
@@ -401,16 +447,19 @@ class AsyncProducer:
         key = self.keys.result(check_name("request_id", request_id))
         try:
             raw = await self._redis.get(key)
+            if raw is None and self.settings.cache_ttl_s > 0:
+                raw = await cached_result(self._redis, self.keys, request_id)
         except (RedisError, OSError) as exc:
             raise translate(exc) from exc
         if raw is None:
             return None
         try:
-            return unpack_result(raw, self._limits)
+            result = unpack_result(raw, self._limits)
         except DecodeError as exc:
             raise DecodeError(
                 f"the result key of request {request_id} is malformed: {exc}"
             ) from None
+        return result if result.id == request_id else dataclasses.replace(result, id=request_id)
 
     async def cancel(self, handle: Handle | str) -> None:
         """Ask workers to skip this request if none has started it (the caller went away);
@@ -420,11 +469,11 @@ class AsyncProducer:
             await cancel_request(self._redis, self.keys, rid, self.settings.result_ttl_s)
         except (RedisError, OSError) as exc:
             raise translate(exc) from exc
-        fut = self._waiting.pop(rid, None)
-        if fut is not None and not fut.done():
-            # Not fut.cancel(): a waiter would take that for its own task being cancelled.
-            fut.set_exception(RequestCancelled(f"request {rid} was cancelled by this producer"))
-            fut.exception()  # retrieved: nobody may be waiting on it
+        for fut in self._waiting.pop(rid, []):
+            if not fut.done():
+                # Not fut.cancel(): a waiter would take that for its own task being cancelled.
+                fut.set_exception(RequestCancelled(f"request {rid} was cancelled by this producer"))
+                fut.exception()  # retrieved: nobody may be waiting on it
 
     async def queue_depth(self) -> int:
         """Requests waiting or in progress in this queue, all priorities together."""
@@ -525,6 +574,6 @@ class AsyncProducer:
         """Resolve the waiter of one result (its fields by name); raises DecodeError for a
         malformed one."""
         result = decode_result(fields, self._limits)
-        fut = self._waiting.pop(result.id, None)
-        if fut is not None and not fut.done():
-            fut.set_result(result)
+        for fut in self._waiting.pop(result.id, []):
+            if not fut.done():
+                fut.set_result(result)

@@ -11,34 +11,112 @@ from __future__ import annotations
 
 __all__ = ["COMPLETE", "ENQUEUE"]
 
-# KEYS: the work streams, priority 0 first. ARGV[1]: max_depth (0: unbounded); ARGV[2]:
-# msgpack array of requests, each [priority, [field, value, field, value, ...]].
-# Returns per request the new entry id, or false when the queue already held max_depth
-# entries (nothing is added then).
+# KEYS: the work streams, priority 0 first. ARGV: max_depth (0: unbounded); a msgpack array
+# of requests, each [priority, [field, value, field, value, ...]]; result_ttl_s;
+# cache_ttl_s (0: no cache); the key prefixes of results, request inputs, waiters, the
+# cache and the in-flight marks; the model key; the counters' key. (Not KEYS: an ACL
+# checks every declared key against one rule, and the producer's may not write those.)
+# Called with the first two arguments only, it only adds entries (no resubmit checks).
+# Returns per request the new entry id; false when the queue already held max_depth
+# entries (nothing is added then); or an array: {'result', bytes} (the id was answered),
+# {'cached', bytes} (the input's cached result), {'attached'} (the id is queued or running:
+# the result will come), {'coalesced'} (the same input is being computed for another id:
+# its result will come, with this id), {'conflict'} (the id was used for another input).
 ENQUEUE = """
 local max_depth = tonumber(ARGV[1])
 local requests = cmsgpack.unpack(ARGV[2])
+local once = #ARGV >= 11  -- else the short call: no resubmit checks, no cache
+local ttl, cache_ttl = tonumber(ARGV[3]), tonumber(ARGV[4])
+local res, rid, wait, cache, flight = ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]
+local model = false
+if once and cache_ttl > 0 then model = redis.call('GET', ARGV[10]) end
 local depth = 0
 if max_depth > 0 then
   for i = 1, #KEYS do depth = depth + redis.call('XLEN', KEYS[i]) end
 end
-local out = {}
-for i, request in ipairs(requests) do
-  if max_depth > 0 and depth >= max_depth then
-    out[i] = false
-  else
-    out[i] = redis.call('XADD', KEYS[tonumber(request[1]) + 1], '*', unpack(request[2]))
-    depth = depth + 1
+local counts = {}
+local function count(name) counts[name] = (counts[name] or 0) + 1 end
+local function attach(leader, id, reply, h)
+  if leader ~= id or reply ~= '' then
+    redis.call('SADD', wait .. leader, id .. ' ' .. reply .. ' ' .. h)
+    redis.call('EXPIRE', wait .. leader, ttl)
   end
 end
+local out = {}
+for i, request in ipairs(requests) do
+  local fields = request[2]
+  local f = {}
+  for j = 1, #fields, 2 do f[fields[j]] = fields[j + 1] end
+  local id, reply = f['id'], f['reply'] or ''
+  local meta, blob = f['meta'] or '', f['blob'] or ''
+  local h = once and redis.sha1hex(#meta .. ':' .. meta .. blob)
+  -- A new id (the common case) is claimed in one command; a known one is read.
+  local claimed = once and redis.call('SET', rid .. id, h, 'NX', 'EX', ttl)
+  local known = once and not claimed and redis.call('GET', rid .. id)
+  if known and string.sub(known, 1, 40) ~= h then
+    out[i] = {'conflict'}
+    count('conflict')
+  elseif known then
+    local mark, ref = string.sub(known, 42, 42), string.sub(known, 43)
+    local result = redis.call('GET', res .. id)
+    if not result and mark == '=' then result = redis.call('GET', cache .. ref) end
+    if result then
+      out[i] = {'result', result}
+      count('existing')
+    elseif mark == '=' then
+      known = false  -- served from the cache, which has expired since: run it again
+    else
+      attach(mark == '>' and ref or id, id, reply, h)
+      out[i] = {'attached'}
+      count('attached')
+    end
+  end
+  if not known then
+    local key = model and redis.sha1hex(model .. '\\n' .. h)
+    local cached = key and redis.call('GET', cache .. key)
+    local leader = key and not cached and not f['dl'] and redis.call('GET', flight .. key)
+    if cached then
+      redis.call('SET', rid .. id, h .. ' =' .. key, 'EX', math.min(ttl, cache_ttl))
+      out[i] = {'cached', cached}
+      count('hit')
+    elseif leader then
+      attach(leader, id, reply, h)
+      redis.call('SET', rid .. id, h .. ' >' .. leader, 'EX', ttl)
+      out[i] = {'coalesced'}
+      count('coalesced')
+    elseif max_depth > 0 and depth >= max_depth then
+      out[i] = false
+      if claimed then redis.call('DEL', rid .. id) end
+    else
+      if key then
+        fields[#fields + 1] = 'ck'
+        fields[#fields + 1] = key
+        if not f['dl'] then redis.call('SET', flight .. key, id, 'EX', ttl) end
+        count('miss')
+      end
+      out[i] = redis.call('XADD', KEYS[tonumber(request[1]) + 1], '*', unpack(fields))
+      if once and not claimed then redis.call('SET', rid .. id, h, 'EX', ttl) end
+      depth = depth + 1
+    end
+  end
+end
+for name, n in pairs(counts) do redis.call('HINCRBY', ARGV[11], name, n) end
+if next(counts) then redis.call('EXPIRE', ARGV[11], ttl) end
 return out
 """
 
 # KEYS: the work streams (priority 0 first), then the dead-letter stream. ARGV: group,
-# ttl_s, reply_maxlen, dead_maxlen, the result-key prefix, the reply-stream prefix, and a
+# ttl_s, reply_maxlen, dead_maxlen, the result-key prefix, the reply-stream prefix, a
 # msgpack array of records, each [stream index (0-based), entry id, request id or '',
-# reply producer id or '', [dead-letter field, value, ...], packed result or ''] (a packed
-# result is itself msgpack: the flat [field, value, ...] array).
+# reply producer id or '', [dead-letter field, value, ...], packed result or '', status,
+# input hash or '', cache key to fill or '', in-flight mark to clear or ''] (a packed
+# result is itself msgpack: the flat [field, value, ...] array), then the prefixes of
+# request inputs and of waiters, and cache_ttl_s.
+# Each result also reaches the request's further waiters (its waiters' set): the same id
+# from other producers, and requests of other ids coalesced onto it (for those the result
+# is written again under their own id, its id field replaced; one whose input hash differs
+# from the one the worker computed gets an error result instead). An ok result fills the
+# cache key the worker names.
 # For each record the entry is acknowledged; only if that acknowledgement took (no other
 # worker answered it first) are the dead letter added and the result written to its key
 # (prefix .. request id) with its TTL, and the result queued for its producer. Then the
@@ -54,10 +132,48 @@ local dead_maxlen = ARGV[4]
 local result_prefix = ARGV[5]
 local reply_prefix = ARGV[6]
 local records = cmsgpack.unpack(ARGV[7])
+local rid_prefix, wait_prefix, cache_ttl = ARGV[8], ARGV[9], ARGV[10]
 local dead = KEYS[#KEYS]
 local answered = 0
 local replies = {}
 local finished = {}
+local function push(reply, result)
+  local pending = replies[reply]
+  if pending == nil then
+    pending = {}
+    replies[reply] = pending
+  end
+  pending[#pending + 1] = result
+end
+local function restamp(result, id)
+  local flat = cmsgpack.unpack(result)
+  for j = 1, #flat, 2 do
+    if flat[j] == 'id' then flat[j + 1] = id end
+  end
+  return cmsgpack.pack(flat)
+end
+local function mismatch(id)
+  return cmsgpack.pack({'v', '2', 'id', id, 'status', 'error', 'meta', 'null',
+    'queue_ms', '0', 'batch', '0', 'model_ms', '0', 'worker', '', 'etype', 'CoalesceMismatch',
+    'emsg', 'the request it was coalesced onto had another input'})
+end
+local function answer_waiters(request_id, reply, result, h)
+  local key = wait_prefix .. request_id
+  local waiters = redis.call('SMEMBERS', key)
+  if #waiters == 0 then return end
+  redis.call('DEL', key)
+  for _, waiter in ipairs(waiters) do
+    local id, to, hash = string.match(waiter, '^(%S+) (%S*) (%S*)$')
+    if id == request_id then
+      if to ~= '' and to ~= reply then push(to, result) end
+    elseif id then
+      local own = hash == h and restamp(result, id) or mismatch(id)
+      redis.call('SET', result_prefix .. id, own, 'EX', ttl)
+      redis.call('EXPIRE', rid_prefix .. id, ttl)
+      if to ~= '' then push(to, own) end
+    end
+  end
+end
 for _, record in ipairs(records) do
   local stream = KEYS[tonumber(record[1]) + 1]
   local entry = record[2]
@@ -74,14 +190,14 @@ for _, record in ipairs(records) do
     end
     if result ~= '' and request_id ~= '' then
       redis.call('SET', result_prefix .. request_id, result, 'EX', ttl)
-      if reply ~= '' then
-        local pending = replies[reply]
-        if pending == nil then
-          pending = {}
-          replies[reply] = pending
-        end
-        pending[#pending + 1] = result
+      redis.call('EXPIRE', rid_prefix .. request_id, ttl)
+      if reply ~= '' then push(reply, result) end
+      answer_waiters(request_id, reply, result, record[8] or '')
+      local cache_key, mark = record[9] or '', record[10] or ''
+      if record[7] == 'ok' and cache_key ~= '' then
+        redis.call('SET', cache_key, result, 'EX', cache_ttl)
       end
+      if mark ~= '' and redis.call('GET', mark) == request_id then redis.call('DEL', mark) end
     end
   end
   local done = finished[stream]

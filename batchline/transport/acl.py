@@ -49,12 +49,21 @@ def _producer(base: str) -> list[str]:
         "+xadd",
         # Results and reply streams: read only.
         f"({' '.join([f'%R~{base}:res:*', f'%R~{base}:reply:*', '+get', '+xread'])})",
+        # The cache and the model identity: read only (by the enqueue script; only workers
+        # fill the cache).
+        f"(%R~{base}:cache:* %R~{base}:model +get)",
         # Deleting what it read from its reply stream, and the stream when it closes.
         f"(%W~{base}:reply:* +xdel +del)",
         # Cancelling: add to the cancel stream (and renew its TTL), never read it.
         f"(%W~{base}:cancels +xadd +expire)",
         # The web backend's markers of polled jobs.
         f"(~{base}:job:* +set +get +del)",
+        # The enqueue script's resubmits and coalescing: input hashes and in-flight marks
+        # (read, set; a refused request's input hash deleted), waiters (added, never
+        # read), and its counters.
+        f"(~{base}:rid:* ~{base}:flight:* +get +set +del)",
+        f"(%W~{base}:wait:* +sadd +expire)",
+        f"(~{base}:once +hincrby +expire)",
     ]
 
 
@@ -67,6 +76,17 @@ def _worker(base: str) -> list[str]:
         f"~{base}:dead",
         f"~{base}:workers",
         f"~{base}:wstats:*",
+        # Answers computed once: the complete script reads and clears waiters and in-flight
+        # marks, renews input hashes, fills the cache; the model identity; the counters.
+        f"~{base}:rid:*",
+        f"~{base}:wait:*",
+        f"~{base}:cache:*",
+        f"~{base}:flight:*",
+        f"~{base}:model",
+        f"~{base}:once",
+        "+smembers",
+        "+del",
+        "+hgetall",
         # The complete script: XACK, XADD (dead letters, replies), SET, EXPIRE, XDEL.
         "+evalsha",
         "+eval",

@@ -12,6 +12,12 @@ layout (``docs/protocol.md`` has the full protocol)::
     <prefix>:{<queue>}:dead               dead-letter stream
     <prefix>:{<queue>}:workers            sorted set: worker id -> last heartbeat (unix s)
     <prefix>:{<queue>}:wstats:<worker>    one worker's statistics (JSON, expires)
+    <prefix>:{<queue>}:rid:<request id>   input hash of a request id (resubmits; expires)
+    <prefix>:{<queue>}:wait:<request id>  set of further waiters of a request (expires)
+    <prefix>:{<queue>}:cache:<hash>       cached result of an input (opt-in; expires)
+    <prefix>:{<queue>}:flight:<hash>      request id computing an input now (opt-in; expires)
+    <prefix>:{<queue>}:model              the model identity workers publish (cache keys)
+    <prefix>:{<queue>}:once               hash: resubmit and cache counters
 
 The consumer group on every work stream is :data:`GROUP`.
 """
@@ -140,3 +146,32 @@ class QueueKeys:
     def worker_stats(self, worker_id: str) -> str:
         """One worker's statistics."""
         return f"{self.base}:wstats:{worker_id}"
+
+    # -- answers computed once (resubmits, the result cache; see docs/protocol.md) ------------
+
+    def request_input(self, request_id: str) -> str:
+        """The input hash of a request id (``<sha1>``, or ``<sha1> =<cache hash>`` when served
+        from the cache, or ``<sha1> ><request id>`` when coalesced onto that request)."""
+        return f"{self.base}:rid:{request_id}"
+
+    def waiters(self, request_id: str) -> str:
+        """The set of further waiters of a request (``<request id> <producer id> <sha1>``)."""
+        return f"{self.base}:wait:{request_id}"
+
+    def cache(self, input_key: str) -> str:
+        """The cached result of one input of one model (its cache hash)."""
+        return f"{self.base}:cache:{input_key}"
+
+    def in_flight(self, input_key: str) -> str:
+        """The id of the request computing one input of one model now (its cache hash)."""
+        return f"{self.base}:flight:{input_key}"
+
+    @property
+    def model(self) -> str:
+        """The model identity the workers publish (part of every cache hash)."""
+        return f"{self.base}:model"
+
+    @property
+    def once_stats(self) -> str:
+        """Counters of resubmits and of the cache (a hash)."""
+        return f"{self.base}:once"

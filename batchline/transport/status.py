@@ -19,6 +19,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from batchline.config import ServiceSettings, redact_url
+from batchline.transport._once import once_figures
 from batchline.transport._redis import RedisClient
 from batchline.transport.keys import GROUP
 
@@ -67,6 +68,7 @@ async def collect(
         "depth": sum(s["length"] for s in streams),
         "streams": streams,
         "dead_letters": int(await client.xlen(keys.dead)),
+        "once": once_figures(await client.hgetall(keys.once_stats)),
         "workers": workers,
     }
 
@@ -85,6 +87,14 @@ def render(status: dict[str, Any]) -> str:
         lines.append(
             f"  priority {s['priority']}: length {s['length']}, pending {s['pending']}, "
             f"lag {s['lag']}, consumers {s['consumers']}"
+        )
+    once = status.get("once") or {}
+    if any(once.values()):
+        lines.append(
+            f"  resubmits: {once.get('existing', 0):.0f} answered from a stored result, "
+            f"{once.get('attached', 0):.0f} attached, {once.get('conflict', 0):.0f} refused; "
+            f"cache: {once.get('hit', 0):.0f} hits, {once.get('miss', 0):.0f} misses, "
+            f"{once.get('coalesced', 0):.0f} coalesced, hit rate {once.get('hit_rate', 0):.1%}"
         )
     lines.append(f"  live workers: {len(status['workers'])}")
     for w in status["workers"]:

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchline.transport._once import input_hash
 from batchline.transport.codec import (
     DecodeError,
     Limits,
@@ -60,6 +61,10 @@ class Record:
     request_id: str | None = None
     reply: str | None = None
     dead: list[Any] | None = field(default=None)
+    # Answers computed once (worker/_cache.py): for an entry the enqueue script gave a cache
+    # hash (its ck), that hash and the input hash computed here; empty otherwise.
+    cache_hash: str = ""
+    input_hash: str = ""
 
 
 def answer(
@@ -95,7 +100,12 @@ def answer(
             Result(request_id, "error", None, type(exc).__name__, str(exc)[:2000], worker=worker_id)
         )
     packed = pack_result(fields)
-    return Record(meta.sidx, meta.entry, status, packed, request_id, request.get("reply"))
+    record = Record(meta.sidx, meta.entry, status, packed, request_id, request.get("reply"))
+    cache_hash = request.get("ck")
+    if cache_hash:  # the completion script checks coalesced requests against its input hash
+        record.cache_hash = cache_hash
+        record.input_hash = input_hash(request["meta"], request.get("blob", b""))
+    return record
 
 
 def dead_letter(

@@ -59,12 +59,13 @@ from batchline.transport._cancels import CancelLog
 from batchline.transport._redis import RedisClient, connect, dedicated, wait_for_redis
 from batchline.transport.keys import check_name, host_id
 from batchline.worker._answers import Meta, Record, answer, dead_letter, prepare
+from batchline.worker._cache import AnswerCache
 from batchline.worker._claims import Claims
 from batchline.worker._consumers import ensure_groups
 from batchline.worker._generate import Executor, GenerationExecutor, GenerationModel
 from batchline.worker._readcap import Entry, ReadCap
 from batchline.worker._reader import Entries, Reader
-from batchline.worker._upkeep import Upkeep, snapshot
+from batchline.worker._upkeep import Upkeep, every, snapshot
 from batchline.worker._writer import AnswerWriter
 from batchline.worker.metrics import Metrics
 from batchline.worker.models import CountsPadding, Model, Prepared, load_model
@@ -104,6 +105,7 @@ class Worker:
             "worker_id", s.worker_id or f"{host_id()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         )
         self.model = model or load_model(s.model, path=s.model_path, device=s.device, dtype=s.dtype)
+        self._cache = AnswerCache(s, model)
         self._own_client = redis is None
         self._redis = redis if redis is not None else connect(s)
         self._writer = dedicated(self._redis)  # the writer task's own connection
@@ -173,7 +175,11 @@ class Worker:
         self._readcap = ReadCap.within(self._limits, max_read_bytes=s.max_read_bytes)
         self._claims = Claims(self._redis, self._streams_low_first, self.worker_id)
         self._answers = AnswerWriter(
-            self._writer, self.keys, result_ttl_s=s.result_ttl_s, claims=self._claims
+            self._writer,
+            self.keys,
+            result_ttl_s=s.result_ttl_s,
+            claims=self._claims,
+            cache=self._cache,
         )
         self._reader = Reader(
             self._redis,
@@ -280,6 +286,7 @@ class Worker:
                 1, thread_name_prefix="batchline-prep"
             )
         await ensure_groups(self._redis, self._streams_low_first)
+        await self._cache.publish(self._redis)
         await self._cancels.catch_up(self._redis, self.keys)
         self._install_signals(loop)
         self.metrics.start()
@@ -290,6 +297,12 @@ class Worker:
             "reader": self._read(),
             **self._upkeep.jobs(lambda: self._closing),
             "cancels": self._cancels.follow(self._redis, self.keys, lambda: not self._closing),
+            "cache": every(
+                self.settings.heartbeat_s,
+                "cache",
+                lambda: self._cache.beat(self._redis, self.metrics),
+                lambda: self._closing,
+            ),
         }
         return [loop.create_task(job, name=f"batchline-{name}") for name, job in jobs.items()]
 

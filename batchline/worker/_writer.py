@@ -20,6 +20,7 @@ from batchline.transport._redis import Backoff, RedisClient, Script
 from batchline.transport._scripts import COMPLETE
 from batchline.transport.keys import GROUP, QueueKeys
 from batchline.worker._answers import Record
+from batchline.worker._cache import AnswerCache
 from batchline.worker._claims import Claims
 
 __all__ = ["AnswerWriter"]
@@ -43,9 +44,16 @@ class AnswerWriter:
     """
 
     def __init__(
-        self, client: RedisClient, keys: QueueKeys, *, result_ttl_s: int, claims: Claims
+        self,
+        client: RedisClient,
+        keys: QueueKeys,
+        *,
+        result_ttl_s: int,
+        claims: Claims,
+        cache: AnswerCache | None = None,
     ) -> None:
         self._client = client
+        self._cache = cache
         self._keys = keys
         self._result_ttl_s = result_ttl_s
         self._claims = claims
@@ -82,6 +90,9 @@ class AnswerWriter:
                     r.reply or "" if has_result else "",
                     r.dead or [],
                     r.result if has_result else "",
+                    r.status,
+                    r.input_hash,
+                    *(self._cache.keys_for(r) if self._cache is not None else ("", "")),
                 ]
             )
         keys = [*self._keys.streams_low_first, self._keys.dead]
@@ -93,6 +104,9 @@ class AnswerWriter:
             self._keys.result_prefix,
             self._keys.reply_prefix,
             msgpack.packb(packed, use_bin_type=False),
+            self._keys.request_input(""),
+            self._keys.waiters(""),
+            self._cache.ttl_s if self._cache is not None else 0,
         ]
         await self._retry.retry(
             lambda: self._script(self._client, keys, args), budget_s=_RETRY_BUDGET_S

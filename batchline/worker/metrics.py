@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from batchline.core.stats import BatchStats
+from batchline.transport._once import ONCE_COUNTERS
 
 __all__ = ["Metrics"]
 
@@ -47,6 +48,17 @@ class Metrics:
             ("healthy", "1 while serving, 0 once a model call ran past max_batch_ms"),
         ):
             self._gauges[name] = Gauge(f"batchline_{name}", doc, registry=registry)
+        for name in ONCE_COUNTERS:
+            self._gauges[f"once_{name}"] = Gauge(
+                f"batchline_once_{name}",
+                f"Requests the queue's enqueue script counted as {name} (all producers)",
+                registry=registry,
+            )
+        self._gauges["cache_hit_rate"] = Gauge(
+            "batchline_cache_hit_rate",
+            "Cache hits / (hits + misses + coalesced), the queue's counters",
+            registry=registry,
+        )
         self._gauges["healthy"].set(1)
         self._server, _thread = start_http_server(self.port, registry=registry)
         logger.info("metrics on :%d/metrics", self.port)
@@ -72,6 +84,13 @@ class Metrics:
         g["held"].set(stats.queue_size)
         g["batch_size_limit"].set(stats.batch_size)
         g["timeout_ms"].set(stats.timeout_ms)
+
+    def once(self, figures: dict[str, float]) -> None:
+        """The queue's resubmit and cache counters (``once_figures``)."""
+        for name, value in figures.items():
+            gauge = self._gauges.get("cache_hit_rate" if name == "hit_rate" else f"once_{name}")
+            if gauge is not None:
+                gauge.set(value)
 
     def unhealthy(self) -> None:
         if "healthy" in self._gauges:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -30,6 +31,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from subprocess import Popen
 from typing import Any
 
 import numpy as np
@@ -332,6 +334,49 @@ def subprocess_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env
+
+
+def start_producers(redis_url: str, queue: str, runs: list[list[str]]) -> list[Popen[str]]:
+    """Start ``producer_script.py URL QUEUE *run`` once per run (``[NAME, N]`` or
+    ``[NAME, N, "shared"]``); stop them with :func:`stop_producers`."""
+    script = str(Path(__file__).with_name("producer_script.py"))
+    return [
+        subprocess.Popen(
+            [sys.executable, script, redis_url, queue, *run],
+            env=subprocess_env(),
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for run in runs
+    ]
+
+
+def producer_reports(procs: list[Popen[str]], *, final: bool = False) -> list[dict[str, Any]]:
+    """Each producer process's next report line; ``final``: its reply count, asked for once
+    no reply can come any more (every worker has exited), and then its exit (status 0)."""
+    reports = []
+    for proc in procs:
+        if proc.stdin is None or proc.stdout is None:
+            raise AssertionError("a producer process without pipes")
+        if final:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        line = proc.stdout.readline()
+        assert line, f"a producer exited with {proc.wait(10)} before its report"
+        reports.append(json.loads(line))
+        if final:
+            assert proc.wait(RESULT_TIMEOUT_S) == 0
+    return reports
+
+
+def stop_producers(procs: list[Popen[str]]) -> None:
+    """Kill the producer processes still running (a failed test's)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def run_cli(

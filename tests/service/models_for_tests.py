@@ -68,6 +68,13 @@ def slow(items: list[Any]) -> list[Any]:
     return items
 
 
+def slow_double(items: list[Any]) -> list[Any]:
+    """``double``, recorded and slowed as ``slow`` is."""
+    _record(items)
+    time.sleep(float(os.environ.get("BLTEST_SLOW_S", "0")))
+    return [x * 2 for x in items]
+
+
 def crash(items: list[Any]) -> list[Any]:
     """Kills its whole process (no clean-up at all) when a batch holds "crash"."""
     _record(items)

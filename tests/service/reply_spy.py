@@ -5,17 +5,17 @@ from __future__ import annotations
 
 from collections import Counter
 
-from batchline.producer import Producer
+from batchline.producer import AsyncProducer, Producer
 
 
-def count_replies(producer: Producer) -> Counter[str]:
+def count_replies(producer: Producer | AsyncProducer) -> Counter[str]:
     """Count every reply the producer's reader receives, by request id.
 
     A spy on a private method: the public API settles a request once and drops any further
     reply for it silently, so a duplicate answer can only be seen where it arrives.
     """
     replies: Counter[str] = Counter()
-    inner = producer._async
+    inner = producer._async if isinstance(producer, Producer) else producer
     deliver = inner._deliver
 
     def counting(raw: dict[bytes, bytes]) -> None:

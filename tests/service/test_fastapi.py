@@ -218,6 +218,26 @@ def test_job_is_pending_then_done(
     assert client.get(one).json()["embedding"] == vector("a job")  # until the result expires
 
 
+def test_a_job_answered_from_the_cache_is_served_by_its_own_id(
+    make_app: MakeApp,
+    serve: Serve,
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+) -> None:
+    start_worker(MODEL, cache_ttl_s=60)
+    client = serve(make_app(cache_ttl_s=60))
+    first = poll_job(client, submit_job(client, {"text": "twice"}))
+    assert first.status_code == 200, first.text
+    url = submit_job(client, {"text": "twice"})  # a hit: no result key of its own
+    job_id = url.rsplit("/", 1)[1]
+    assert not rclient.exists(keys.result(job_id))
+    response = client.get(url)
+    assert response.status_code == 200, response.text
+    assert response.json()["id"] == job_id
+    assert response.json()["embedding"] == first.json()["embedding"]
+
+
 def test_unknown_job_is_404_and_invalid_id_422(make_app: MakeApp, serve: Serve) -> None:
     client = serve(make_app())
     response = client.get(f"/jobs/{uuid.uuid4().hex}")

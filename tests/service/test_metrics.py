@@ -53,6 +53,25 @@ async def test_metrics_count_answers_by_status_and_batches_by_size(
     assert sum(sizes) >= 1
 
 
+async def test_metrics_export_the_queues_cache_counters(
+    start_worker: Callable[..., WorkerThread], redis_url: str, queue: str
+) -> None:
+    port = _free_port()
+    start_worker(spec("echo"), metrics_port=port, cache_ttl_s=60)
+    async with AsyncProducer(redis_url=redis_url, queue=queue, cache_ttl_s=60) as producer:
+        assert await producer.infer("a", timeout_s=RESULT_TIMEOUT_S) == "a"  # a miss
+        for _ in range(3):  # hits
+            assert await producer.infer("a", timeout_s=RESULT_TIMEOUT_S) == "a"
+
+    def counted() -> str | None:
+        text = _scrape(port)
+        return text if "batchline_once_hit 3.0" in text else None
+
+    text = wait_until(counted, "the metrics to export the queue's cache counters")
+    assert "batchline_once_miss 1.0" in text
+    assert "batchline_cache_hit_rate 0.75" in text
+
+
 async def test_latency_slo_settings_show_in_metrics_heartbeat_and_status(
     start_worker: Callable[..., WorkerThread], redis_url: str, queue: str
 ) -> None:

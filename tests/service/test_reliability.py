@@ -3,10 +3,7 @@ kills every worker that takes it, and a SIGTERM drain. Every request is answered
 
 from __future__ import annotations
 
-import json
 import signal
-import subprocess
-import sys
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -20,13 +17,14 @@ from batchline.keys import QueueKeys
 from batchline.producer import Producer
 
 from .conftest import (
-    REPO,
     RESULT_TIMEOUT_S,
     WorkerProcess,
     pending_count,
+    producer_reports,
     spec,
+    start_producers,
+    stop_producers,
     stream_lengths,
-    subprocess_env,
     wait_until,
 )
 from .models_for_tests import CRASH_EXIT_CODE, read_batches
@@ -54,25 +52,10 @@ def test_many_producers_and_workers_answer_every_request_once(
     ]
     for worker in workers:
         worker.wait_ready(rclient, keys)
-    producers = [
-        subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("producer_script.py"))]
-            + [redis_url, queue, f"p{n}", "150"],
-            env=subprocess_env(),
-            cwd=REPO,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for n in range(4)
-    ]
+    producers = start_producers(redis_url, queue, [[f"p{n}", "150"] for n in range(4)])
     try:
         served: Counter[str] = Counter()
-        for proc in producers:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            assert line, f"a producer exited with {proc.wait(10)} before its results"
-            report = json.loads(line)
+        for report in producer_reports(producers):
             assert report["wrong"] == []
             served.update(report["workers"])
         assert sum(served.values()) == 600
@@ -81,19 +64,10 @@ def test_many_producers_and_workers_answer_every_request_once(
             worker.signal(signal.SIGTERM)
         for worker in workers:
             assert worker.wait() == 0, worker.log()
-        for proc in producers:
-            assert proc.stdin is not None
-            assert proc.stdout is not None
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-            report = json.loads(proc.stdout.readline())
+        for report in producer_reports(producers, final=True):
             assert report == {"left": 0, "missing": [], "twice": {}, "strangers": []}
-            assert proc.wait(T) == 0
     finally:
-        for proc in producers:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        stop_producers(producers)
     assert_all_done(rclient, keys)
     assert rclient.xlen(keys.dead) == 0
 

@@ -103,7 +103,8 @@ def packed_with(result: Result, **changed: Any) -> bytes:
 def complete_args(keys: QueueKeys, records: list[Any]) -> list[Any]:
     """The completion script's ARGV for these records (TTL 60 s, caps of 1000)."""
     packed_records = msgpack.packb(records, use_bin_type=False)
-    return [GROUP, 60, 1000, 1000, keys.result_prefix, keys.reply_prefix, packed_records]
+    prefixes = [keys.result_prefix, keys.reply_prefix, packed_records]
+    return [GROUP, 60, 1000, 1000, *prefixes, keys.request_input(""), keys.waiters(""), 0]
 
 
 def push_reply(client: redis.Redis, keys: QueueKeys, producer_id: str, results: list[Any]) -> None:

@@ -211,7 +211,7 @@ def test_the_reply_reader_survives_any_entry(
         # No Redis is touched: the producer is never started, only its per-entry step runs.
         producer = AsyncProducer(redis_url="redis://127.0.0.1:1/0", queue="fuzz")
         fut: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
-        producer._waiting[BASE.id] = fut
+        producer._waiting[BASE.id] = [fut]
         raw: dict[bytes, Any] = {}
         if r is not None:
             raw[b"r"] = r

@@ -28,6 +28,7 @@ from batchline.errors import (
     QueueFull,
     RequestCancelled,
     RequestExpired,
+    RequestIdConflict,
     RequestTimeout,
 )
 from batchline.keys import QueueKeys
@@ -178,15 +179,19 @@ async def test_producer_argument_checks(producer: AsyncProducer) -> None:
     assert handle.id == "mine-1"
     with pytest.raises(RequestTimeout):
         await producer.result(handle, timeout_s=0.05)
-    # Its own id again while the first still waits: refused, the first waiter kept.
-    with pytest.raises(ValueError, match="already waiting"):
+    # Its own id again with another input while the first still waits: refused (a
+    # ValueError), the first waiter kept; with the same input it waits for the same answer.
+    with pytest.raises(RequestIdConflict):
         await producer.submit("again", request_id="mine-1")
-    with pytest.raises(ValueError, match="already waiting"):
+    with pytest.raises(RequestIdConflict):
         await producer.infer("again", request_id="mine-1")
-    assert producer._waiting["mine-1"] is handle._future
-    await producer.cancel(handle)  # no longer waited for: the id may be used again
-    again = await producer.submit("again", request_id="mine-1", reply=False)
-    assert again.id == "mine-1"
+    assert producer._waiting["mine-1"] == [handle._future]
+    same = await producer.submit("nobody serves this queue", request_id="mine-1")
+    assert producer._waiting["mine-1"] == [handle._future, same._future]
+    await producer.cancel(handle)  # every waiter of the id here gets RequestCancelled
+    with pytest.raises(RequestCancelled):
+        await producer.result(same)
+    assert "mine-1" not in producer._waiting
     await producer.aclose()
     with pytest.raises(BatcherClosed):
         await producer.submit("x")

@@ -54,6 +54,7 @@ class Request(TypedDict):
     dl: NotRequired[Annotated[float | None, Field(allow_inf_nan=False)]]  # deadline, unix ms
     ts: NotRequired[Annotated[float, Field(ge=0, allow_inf_nan=False)]]  # enqueued, unix ms
     reply: NotRequired[Annotated[str | None, Field(pattern=ID_PATTERN)]]
+    ck: NotRequired[Annotated[str, Field(pattern=r"^[0-9a-f]{40}$")]]  # cache hash (enqueue)
 
 
 _REQUEST: TypeAdapter[Request] = TypeAdapter(Request)  # its own config: keys only
