@@ -23,6 +23,7 @@ commands:
   batchline demo                   the whole service on one machine: a private Redis, a worker
                                    serving all-MiniLM-L6-v2, a rising load (about 1 minute)
   batchline demo --in-process      the in-process batcher (batchline.dynamically), no Redis
+  batchline demo --generate        chat prompts answered live by a text-generation worker
   batchline worker [--batch-size 64 ...]
                                    serve a queue (settings: flags, else BATCHLINE_* variables)
   batchline worker --check         exit 0 if a worker on this host is alive
@@ -197,6 +198,10 @@ def _acl(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.generate:
+        from batchline.demo.generate import run_generate_demo
+
+        return run_generate_demo(model_path=args.model_path)
     if args.in_process:
         from batchline.demo import run_demo
 
@@ -283,6 +288,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--threads", type=int, default=64, help="with --in-process: concurrent callers [default 64]"
+    )
+    demo.add_argument(
+        "--generate",
+        action="store_true",
+        help="instead: a few chat prompts answered live through Redis by a --model generate "
+        "worker (SmolLM2-135M-Instruct), with tokens/s",
+    )
+    demo.add_argument(
+        "--model-path",
+        help="with --generate: the worker's model_path [default smollm2]",
     )
     demo.set_defaults(run=_demo)
     return parser

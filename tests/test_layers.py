@@ -16,7 +16,8 @@ ALLOWED = {
     "drivers": {"core", "drivers", "errors"},
     "transport": {"transport", "errors", "config"},
     "producer": {"producer", "transport", "errors", "config"},
-    "worker": {"worker", "transport", "drivers", "core", "errors", "config"},
+    # and generation/, whose loop a --model generate worker drives
+    "worker": {"worker", "transport", "drivers", "core", "errors", "config", "generation"},
 }
 
 

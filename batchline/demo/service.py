@@ -20,8 +20,9 @@ import sys
 import time
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from redis.exceptions import RedisError
@@ -32,6 +33,7 @@ from batchline.drivers._options import DEFAULTS
 
 __all__ = ["run_service_demo"]
 
+T = TypeVar("T")
 RATES = (20, 40, 80, 160, 320, 640)  # offered requests per second, one step each
 
 
@@ -46,27 +48,11 @@ class _Step:
     ended: float = 0.0
 
 
-def _start_worker(
-    url: str, queue: str, batch_size: int, timeout_ms: float
-) -> subprocess.Popen[bytes]:
+def start_worker(url: str, queue: str, settings: list[str]) -> subprocess.Popen[bytes]:
+    """A ``batchline worker`` process serving ``queue`` with these settings (flags)."""
     env = dict(os.environ, BATCHLINE_REDIS_URL=url, BATCHLINE_QUEUE=queue, HF_HUB_OFFLINE="1")
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "batchline",
-            "--log-level",
-            "WARNING",
-            "worker",
-            "--model",
-            "sentence-transformers",
-            "--batch-size",
-            str(batch_size),
-            "--timeout-ms",
-            str(timeout_ms),
-            "--heartbeat-s",
-            "0.5",
-        ],
+        [sys.executable, "-m", "batchline", "--log-level", "WARNING", "worker", *settings],
         env=env,
         # Its own session: a Ctrl-C at the terminal reaches only the demo, which stops the
         # worker itself, before the Redis it talks to.
@@ -74,7 +60,7 @@ def _start_worker(
     )
 
 
-def _stop(process: subprocess.Popen[bytes], wait_s: float = 30.0) -> None:
+def stop_worker(process: subprocess.Popen[bytes], wait_s: float = 30.0) -> None:
     """SIGTERM (the worker drains), then SIGKILL if it has not exited within ``wait_s``."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
@@ -152,7 +138,7 @@ async def _drive(
     return steps, vectors, status, elapsed
 
 
-async def _forget(url: str, queue: str) -> None:
+async def forget(url: str, queue: str) -> None:
     """Delete the demo queue's keys from a Redis that is not ours (results expire anyway)."""
     from pydantic import SecretStr
 
@@ -282,6 +268,43 @@ def _plot(steps: list[_Step], path: str, batch_size: int) -> None:
     fig.savefig(path, dpi=110)
 
 
+def redis_for_demo(stack: contextlib.ExitStack, queue: str) -> str:
+    """BATCHLINE_REDIS_URL, or a private redis-server stopped with ``stack``; says which."""
+    url = os.environ.get("BATCHLINE_REDIS_URL")
+    if url:
+        print(f"using Redis at BATCHLINE_REDIS_URL, queue {queue}", flush=True)
+        return url
+    redis = EmbeddedRedis()
+    stack.callback(redis.stop)
+    url = redis.start()
+    print(f"started a private redis-server ({redis.binary}) on {url}", flush=True)
+    return url
+
+
+def drive_then_stop(
+    url: str, queue: str, worker: subprocess.Popen[bytes], drive: Callable[[], Awaitable[T]]
+) -> T | None:
+    """``drive()``'s result, then the worker stopped (and the queue forgotten on a shared
+    Redis); after Ctrl-C, None, the worker stopped at once."""
+    try:
+        result = asyncio.run(_run(drive))
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping the worker and Redis", file=sys.stderr, flush=True)
+        stop_worker(worker, wait_s=2.0)  # a short drain, then SIGKILL: nothing here is kept
+        if os.environ.get("BATCHLINE_REDIS_URL"):
+            with contextlib.suppress(RedisError, OSError):
+                asyncio.run(forget(url, queue))
+        return None
+    stop_worker(worker)
+    if os.environ.get("BATCHLINE_REDIS_URL"):
+        asyncio.run(forget(url, queue))
+    return result
+
+
+async def _run(drive: Callable[[], Awaitable[T]]) -> T:
+    return await drive()
+
+
 def run_service_demo(
     *,
     requests: int | None = None,
@@ -298,32 +321,24 @@ def run_service_demo(
     pairs = labelled_sentences(min(requests, total) if requests else total, seed=11)
     queue = f"demo-{uuid.uuid4().hex[:8]}"
     with contextlib.ExitStack() as stack:
-        url = os.environ.get("BATCHLINE_REDIS_URL")
-        if url:
-            print(f"using Redis at BATCHLINE_REDIS_URL, queue {queue}", flush=True)
-        else:
-            redis = EmbeddedRedis()
-            stack.callback(redis.stop)
-            url = redis.start()
-            print(f"started a private redis-server ({redis.binary}) on {url}", flush=True)
-        worker = _start_worker(url, queue, batch_size, timeout_ms)
-        stack.callback(_stop, worker)
+        url = redis_for_demo(stack, queue)
+        worker = start_worker(
+            url,
+            queue,
+            [
+                *("--model", "sentence-transformers", "--batch-size", str(batch_size)),
+                *("--timeout-ms", str(timeout_ms), "--heartbeat-s", "0.5"),
+            ],
+        )
+        stack.callback(stop_worker, worker)
         print(
             "started a worker process (all-MiniLM-L6-v2, offline); waiting for its model ...",
             flush=True,
         )
-        try:
-            steps, vectors, status, wall = asyncio.run(_drive(url, queue, pairs, step_s))
-        except KeyboardInterrupt:
-            print("\ninterrupted: stopping the worker and Redis", file=sys.stderr, flush=True)
-            _stop(worker, wait_s=2.0)  # a short drain, then SIGKILL: nothing here is kept
-            if os.environ.get("BATCHLINE_REDIS_URL"):
-                with contextlib.suppress(RedisError, OSError):
-                    asyncio.run(_forget(url, queue))
+        done = drive_then_stop(url, queue, worker, lambda: _drive(url, queue, pairs, step_s))
+        if done is None:
             return 130
-        _stop(worker)
-        if os.environ.get("BATCHLINE_REDIS_URL"):
-            asyncio.run(_forget(url, queue))
+        steps, vectors, status, wall = done
         for line in _report(steps, vectors, pairs, status, wall):
             print(line)
         if plot:

@@ -32,8 +32,12 @@ class GenerationLoop:
         config: SchedulerConfig,
         *,
         clock: Callable[[], float] = time.monotonic,
+        on_admit: Callable[[list[Sequence_], int], None] | None = None,
     ) -> None:
         self.engine = engine
+        #: Called on the model thread with the requests joining and the batch they make, just
+        #: before the step that prefills them (a worker marks them started there).
+        self.on_admit = on_admit
         self.scheduler: GenerationScheduler[Sequence_] = GenerationScheduler(config)
         self.clock = clock
         self.steps = 0
@@ -100,6 +104,8 @@ class GenerationLoop:
             seq.on_event(RequestCancelled("cancelled before generation started"))
         for seq in admission.admit:
             seq.admitted_at = now
+        if admission.admit and self.on_admit is not None:
+            self.on_admit(admission.admit, len(self.engine.running) + len(admission.admit))
         if not (self.engine.running or admission.admit):
             return
         self._step(admission.admit)

@@ -462,7 +462,8 @@ class AsyncProducer:
         return result if result.id == request_id else dataclasses.replace(result, id=request_id)
 
     async def cancel(self, handle: Handle | str) -> None:
-        """Ask workers to skip this request if none has started it (the caller went away)."""
+        """Ask workers to skip this request if none has started it (the caller went away);
+        a generation worker also ends one it is running, at its next step."""
         rid = handle if isinstance(handle, str) else handle.id
         try:
             await cancel_request(self._redis, self.keys, rid, self.settings.result_ttl_s)

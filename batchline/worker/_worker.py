@@ -11,6 +11,8 @@ runs on the batcher's own thread, or on the loop for a model quick enough, see
 - the *model batcher* is the asyncio driver of the in-process core (same policy, same
   isolation, same padding): batch size, timeout, token budget, priorities, deadlines and
   length grouping all come from there;
+  for ``--model generate`` an executor with the same small interface runs continuous
+  batching instead (:mod:`._generate`);
 - the *writer* (:mod:`._writer`) coalesces finished requests into one call of the
   completion script per write, which acknowledges each entry and, only if the
   acknowledgement took, writes its result (with its TTL) and pushes the replies, then
@@ -38,7 +40,8 @@ import threading
 import time
 import uuid
 from collections import Counter
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from redis.exceptions import RedisError
 
@@ -59,6 +62,7 @@ from batchline.worker._answers import Meta, Record, answer, dead_letter, prepare
 from batchline.worker._cache import AnswerCache
 from batchline.worker._claims import Claims
 from batchline.worker._consumers import ensure_groups
+from batchline.worker._generate import Executor, GenerationExecutor, GenerationModel
 from batchline.worker._readcap import Entry, ReadCap
 from batchline.worker._reader import Entries, Reader
 from batchline.worker._threads import apply_threads, available_cpus, prepare_environment
@@ -70,6 +74,8 @@ from batchline.worker.models import CountsPadding, Model, Prepared, load_model
 __all__ = ["Worker"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Worker:
@@ -118,7 +124,7 @@ class Worker:
         # No batch is handed to the model's thread ahead of time: cancellations and deadlines
         # are checked as a batch starts, which must be when the model is free to run it (a
         # real model's batch takes far longer than the wait this would save).
-        self._batcher: AioBatcher[Prepared, Any] = AioBatcher(
+        batcher: AioBatcher[Prepared, Any] = AioBatcher(
             self._infer,
             BatchConfig(
                 batch_size=s.batch_size,
@@ -134,16 +140,33 @@ class Worker:
             max_concurrent_batches=1,
             on_batch_start=self._before_batch,
         )
+        self._fn_lock = batcher._fn_lock
         # Entries delivered more than once run here, alone, never inline on the loop (the
         # model's lock may be held by a batch of the main batcher).
-        self._alone: AioBatcher[Prepared, Any] = AioBatcher(
+        self._alone: Executor = AioBatcher(
             self._infer_alone,
             BatchConfig(batch_size=1, timeout_ms=0, small_batch_threshold=0, inline_below_ms=0),
             max_concurrent_batches=1,
             on_batch_start=self._before_batch,
         )
         if isinstance(self.model, CountsPadding):  # its padding figures reach the stats
-            self.model.count_padding(self._batcher.record_padding)
+            self.model.count_padding(batcher.record_padding)
+        self._batcher: Executor = batcher
+        if isinstance(self.model, GenerationModel):  # continuous batching instead
+            gen = GenerationExecutor(
+                self.model,
+                s,
+                guard=self._guarded,
+                on_start=self._mark_started,
+                cancelled=self._is_cancelled,
+            )
+            self._batcher, self._alone, self._window = gen, gen.alone, gen.window
+            if s.cache_ttl_s > 0:
+                logger.warning(
+                    "cache_ttl_s=%s on a generation queue: identical requests share one "
+                    "answer, also sampled ones without a seed",
+                    s.cache_ttl_s,
+                )
         self._model_since: float | None = None  # monotonic start of the model call running
         self._hung = threading.Event()
         self._meta: dict[Call, Meta] = {}
@@ -427,35 +450,46 @@ class Worker:
 
     # -- running -------------------------------------------------------------------------------
 
-    def _infer(self, batch: list[Prepared]) -> Any:
+    def _guarded(self, fn: Callable[[], T]) -> T:
         # Model calls are serialised (the batchers' lock): one stamp tells the watchdog.
         self._model_since = time.monotonic()
         try:
-            return self.model.infer([p.payload for p in batch])
+            return fn()
         finally:
             self._model_since = None
 
+    def _infer(self, batch: list[Prepared]) -> Any:
+        return self._guarded(lambda: self.model.infer([p.payload for p in batch]))
+
     def _infer_alone(self, batch: list[Prepared]) -> Any:
-        with self._batcher._fn_lock:  # never beside a batch of the main batcher
+        with self._fn_lock:  # never beside a batch of the main batcher
             return self._infer(batch)
 
     async def _before_batch(self, batch: list[Item]) -> None:
         if self._space is not None:
             self._space.set()
-        now = time.time()
         calls = list(dict.fromkeys(item.call for item in batch))
-        metas = [self._meta.get(c) for c in calls]
-        for meta in metas:
-            if meta is not None:
-                meta.started_unix = now
-                meta.batch_size = len(batch)
+        self._mark_started(calls, len(batch))
         if not self._cancels:
             return
-        for call, meta in zip(calls, metas, strict=True):
-            if meta is not None and meta.request["id"] in self._cancels:
+        for call in calls:
+            if self._is_cancelled(call):
                 call.reject(
                     RequestCancelled("cancelled by its producer before a worker started it")
                 )
+
+    def _mark_started(self, calls: list[Call], batch_size: int) -> None:
+        """These calls start, in a batch of ``batch_size`` (any thread: plain writes)."""
+        now = time.time()
+        for call in calls:
+            meta = self._meta.get(call)
+            if meta is not None:
+                meta.started_unix = now
+                meta.batch_size = batch_size
+
+    def _is_cancelled(self, call: Call) -> bool:
+        meta = self._meta.get(call) if self._cancels else None
+        return meta is not None and meta.request["id"] in self._cancels
 
     def _done(self, call: Call) -> None:
         meta = self._meta.pop(call, None)

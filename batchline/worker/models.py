@@ -11,6 +11,7 @@ in-process batchers use) and turns one request's item outputs into its result
 - ``transformers``: a Hugging Face model fed token features (a text, a list of texts, or
   ``{"input_ids": [...], "attention_mask": [...]}``), mean-pooled embeddings or, with
   ``task="classify"``, class probabilities;
+- ``generate``: a causal LM run by continuous batching (:mod:`._generate`), SmolLM2 by default;
 - ``module:callable``: any batch function taking a list of inputs and returning as many
   outputs (``batchline.worker.models:echo`` returns its inputs, for tests and benchmarks).
 """
@@ -38,6 +39,7 @@ __all__ = [
     "load_model",
     "pick_device",
     "pick_dtype",
+    "resolve_callable",
 ]
 
 
@@ -362,13 +364,7 @@ class CallableModel:
         self.fn: Callable[[list[Any]], Sequence[Any]] | None = None
 
     def load(self) -> None:
-        module, _, attr = self.spec.partition(":")
-        target: Any = importlib.import_module(module)
-        for part in attr.split("."):
-            target = getattr(target, part)
-        if not callable(target):
-            raise TypeError(f"{self.spec} is not callable")
-        self.fn = target
+        self.fn = resolve_callable(self.spec)
 
     def preprocess(self, value: Any) -> list[Prepared]:
         return [Prepared(value, len(value) if isinstance(value, str | list) else 1)]
@@ -380,6 +376,19 @@ class CallableModel:
 
     def postprocess(self, outputs: list[Any], value: Any) -> Any:
         return outputs[0]
+
+
+def resolve_callable(spec: str) -> Callable[..., Any]:
+    """The callable that ``module:callable`` (``callable`` may be dotted) names."""
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"a callable is named 'module:callable', got {spec!r}")
+    target: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        target = getattr(target, part)
+    if not callable(target):
+        raise TypeError(f"{spec} is not callable")
+    return target  # type: ignore[no-any-return]
 
 
 def load_model(
@@ -394,9 +403,11 @@ def load_model(
     """The model a worker setting names (not loaded yet: call ``load()``).
 
     Args:
-        spec: ``sentence-transformers``, ``transformers``, ``transformers-classify``, or
-            ``module:callable``.
-        path: the model's directory or hub name (tensor models).
+        spec: ``sentence-transformers``, ``transformers``, ``transformers-classify``,
+            ``generate`` (a causal LM, continuous batching), or ``module:callable``.
+        path: the model's directory or hub name (tensor models); for ``generate``,
+            ``smollm2`` (default), a directory, a ``.gguf`` file or ``module:callable``
+            returning ``(model, tokenizer)``.
         device: ``auto`` or a torch device.
         dtype: ``auto``, ``float32``, ``float16`` or ``bfloat16``.
         backend: ``sentence-transformers`` only: ``torch``, ``onnx``, ``onnx-int8``,
@@ -417,9 +428,13 @@ def load_model(
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
         task = "classify" if spec.endswith("classify") else "embed"
         return TransformersModel(path, task=task, device=device, dtype=dtype)
+    if spec == "generate":
+        from batchline.worker._generate import GenerationModel
+
+        return GenerationModel(path, device=device, dtype=dtype)
     if ":" in spec:
         return CallableModel(spec)
     raise ValueError(
-        f"model must be sentence-transformers, transformers, transformers-classify or "
-        f"module:callable; got {spec!r}"
+        f"model must be sentence-transformers, transformers, transformers-classify, generate "
+        f"or module:callable; got {spec!r}"
     )

@@ -149,3 +149,117 @@ def double_or_die(items: list[Any]) -> list[Any]:
     if "hang" in items:
         threading.Event().wait()
     return [x * 2 for x in items]
+
+
+# -- generation: a tiny random Llama and a byte tokenizer (no download) ------------------------
+
+
+class ByteTokenizer:
+    """Token ``4 + b`` for each UTF-8 byte ``b``; 0 pads, 1 begins, 3 ends a sequence.
+
+    What the generation engine asks of a tokenizer: encoding a prompt, a chat template,
+    decoding. Enough to run a tiny random model end to end without a download.
+    """
+
+    pad_token_id = 0
+    bos_token_id = 1
+    eos_token_id = 3
+    vocab_size = 260
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        ids = [4 + b for b in text.encode()]
+        return {"input_ids": [self.bos_token_id, *ids] if add_special_tokens else ids}
+
+    def apply_chat_template(self, messages: list[dict[str, str]], **_options: Any) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+        return self(text)["input_ids"]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        data = bytes(i - 4 for i in ids if i >= 4)
+        return data.decode("utf-8", "replace")
+
+
+def tiny_llama(dtype: str = "float64") -> tuple[Any, ByteTokenizer]:
+    """A 2-layer Llama with random weights (seed 0) and a byte tokenizer; float64 by default
+    so that padding numerics never flip a greedy choice.
+
+    ``BLTEST_STEP_S`` makes every forward pass sleep that long (a slow model);
+    ``BLTEST_RECORD_FILE`` gets one line per forward pass (``["step"]``)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    tok = ByteTokenizer()
+    config = transformers.LlamaConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    model = transformers.LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
+    step_s = float(os.environ.get("BLTEST_STEP_S", "0"))
+    if step_s or os.environ.get("BLTEST_RECORD_FILE"):
+
+        def slow(_module: Any, _args: Any) -> None:
+            _record(["step"])
+            time.sleep(step_s)
+
+        model.register_forward_pre_hook(slow)
+    return model, tok
+
+
+class StepGate:
+    """Lets forward passes of a model through one permit at a time (for in-process workers).
+
+    Open (the default) lets everything through; :meth:`close` then :meth:`allow` counts
+    permits; ``passes`` counts forward passes that went through. Waits are bounded.
+    """
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.permits: int | None = None
+        self.passes = 0
+
+    def hook(self, _module: Any, _args: Any) -> None:
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.permits != 0, timeout=60):
+                raise TimeoutError("the test never let the step through")
+            if self.permits is not None:
+                self.permits -= 1
+            self.passes += 1
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.permits = 0
+
+    def allow(self, n: int) -> None:
+        with self.cond:
+            self.permits = (self.permits or 0) + n
+            self.cond.notify_all()
+
+    def open(self) -> None:
+        with self.cond:
+            self.permits = None
+            self.cond.notify_all()
+
+    def wait_passes(self, n: int, timeout_s: float = 60) -> None:
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.passes >= n, timeout=timeout_s):
+                raise AssertionError(f"only {self.passes} of {n} forward passes in {timeout_s} s")
+
+
+GATE = StepGate()
+
+
+def tiny_llama_gated() -> tuple[Any, ByteTokenizer]:
+    """:func:`tiny_llama` whose forward passes go through :data:`GATE`."""
+    model, tok = tiny_llama()
+    model.register_forward_pre_hook(GATE.hook)
+    return model, tok

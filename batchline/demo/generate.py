@@ -1,0 +1,80 @@
+"""``batchline demo --generate``: a few chat prompts answered live through Redis and a
+``--model generate`` worker (SmolLM2-135M-Instruct by default), with tokens/s.
+
+As ``batchline demo``: a private redis-server unless ``BATCHLINE_REDIS_URL`` is set, one worker
+process, everything stopped on the way out (Ctrl-C included). The prompts are sent at once, so
+the worker answers them in one continuous batch; each answer is printed as it comes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from typing import Any
+
+from batchline.demo.service import drive_then_stop, redis_for_demo, start_worker, stop_worker
+
+__all__ = ["PROMPTS", "run_generate_demo"]
+
+PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence why the sky is blue.",
+    "Give me three tips for learning Python.",
+)
+
+
+async def _ask(url: str, queue: str, max_new_tokens: int) -> tuple[list[dict[str, Any]], float]:
+    from batchline.producer import AsyncProducer
+
+    async with AsyncProducer(redis_url=url, queue=queue, max_queue_depth=0) as producer:
+        # The first answer waits for the model to load (the first run converts SmolLM2 once).
+        await producer.infer({"prompt": "Hello", "max_new_tokens": 1}, timeout_s=600)
+        print(f"model loaded; asking {len(PROMPTS)} questions at once\n", flush=True)
+        started = time.perf_counter()
+
+        async def one(question: str) -> dict[str, Any]:
+            value = {
+                "messages": [{"role": "user", "content": question}],
+                "max_new_tokens": max_new_tokens,
+            }
+            out: dict[str, Any] = await producer.infer(value, timeout_s=600)
+            print(f"> {question}\n{out['text'].strip()}", flush=True)
+            print(
+                f"  [{out['tokens']} tokens, {out['finish_reason']}; first token after "
+                f"{out['ttft_ms']:.0f} ms, done after {out['total_ms']:.0f} ms]\n",
+                flush=True,
+            )
+            return out
+
+        answers = await asyncio.gather(*(one(q) for q in PROMPTS))
+        return list(answers), time.perf_counter() - started
+
+
+def run_generate_demo(*, model_path: str | None = None, max_new_tokens: int = 48) -> int:
+    """Run the demo; returns the exit code (130 after Ctrl-C)."""
+    queue = f"demo-gen-{uuid.uuid4().hex[:8]}"
+    settings = ["--model", "generate", "--batch-size", "8", "--heartbeat-s", "0.5"]
+    if model_path:
+        settings += ["--model-path", model_path]
+    with contextlib.ExitStack() as stack:
+        url = redis_for_demo(stack, queue)
+        worker = start_worker(url, queue, settings)
+        stack.callback(stop_worker, worker)
+        print(
+            f"started a worker process (--model generate, {model_path or 'SmolLM2-135M'}); "
+            "waiting for its model ...",
+            flush=True,
+        )
+        done = drive_then_stop(url, queue, worker, lambda: _ask(url, queue, max_new_tokens))
+    if done is None:
+        return 130
+    answers, wall_s = done
+    tokens = sum(a["tokens"] for a in answers)
+    print(
+        f"{len(answers)} answers, {tokens} tokens in {wall_s:.2f} s: "
+        f"{tokens / wall_s:.1f} tokens/s through Redis (one worker, one continuous batch)"
+    )
+    return 0
