@@ -104,7 +104,7 @@ class SloController:
         self._queued = queued
         self._latencies.extend(w + function_s for w in waits_s)
         self._since_feedback += size
-        if self._since_feedback >= max(50, self.config.window // 4):
+        if self._since_feedback >= max(50, self.config.window // 10):
             self._feedback()
         self.settings = self._choose()
         return self.settings
