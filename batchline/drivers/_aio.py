@@ -131,6 +131,9 @@ class AioBatcher(BatcherBase[T, R]):
             coroutine function always runs one batch at a time.
         on_batch_start: awaited with a batch's items as they leave the queue, before the
             function sees them; it may reject items (they are then not run).
+        lock: held around every call of a plain function (default: a lock of its own);
+            batchers given one lock never run their functions at once (the worker's two
+            batchers of one model).
     """
 
     def __init__(
@@ -141,6 +144,7 @@ class AioBatcher(BatcherBase[T, R]):
         owner: weakref.ref[Any] | None = None,
         max_concurrent_batches: int = 2,
         on_batch_start: Callable[[list[Item]], Awaitable[None]] | None = None,
+        lock: threading.Lock | None = None,
     ) -> None:
         super().__init__(fn, config, owner=owner)
         if max_concurrent_batches not in (1, 2):
@@ -156,7 +160,7 @@ class AioBatcher(BatcherBase[T, R]):
         self._is_coroutine = inspect.iscoroutinefunction(fn)
         self._thread: _FunctionThread | None = None
         # Calls of a plain function never overlap: on its thread or inline, each holds this.
-        self._fn_lock = threading.Lock()
+        self._fn_lock = lock if lock is not None else threading.Lock()
         self._pace = Pace(config.inline_below_ms / 1e3)
         self._draining = False
 

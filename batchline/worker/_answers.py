@@ -1,11 +1,16 @@
-"""What a worker writes back: result records, dead letters, and what it keeps per request."""
+"""What a worker writes back: result records, dead letters, and what it keeps per request;
+and the way in: read entries decoded, validated and preprocessed (:class:`Preparer`)."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchline.drivers._base import Call
+from batchline.errors import RequestCancelled, RequestTimeout
 from batchline.transport._once import input_hash
 from batchline.transport.codec import (
     DecodeError,
@@ -21,7 +26,7 @@ from batchline.transport.codec._results import result_fields
 from batchline.worker._readcap import Entry
 from batchline.worker.models import Model, Prepared
 
-__all__ = ["Meta", "Record", "answer", "dead_letter", "prepare"]
+__all__ = ["Meta", "Outcome", "Preparer", "Record", "answer", "dead_letter", "finished", "prepare"]
 
 _MAX_DEAD_RAW = 1 << 20  # a dead letter keeps the original fields up to this size in all
 _MAX_DEAD_FIELDS = 256  # and this many of them (Lua's unpack() takes a few thousand values)
@@ -67,6 +72,11 @@ class Record:
     input_hash: str = ""
 
 
+#: What :func:`prepare` makes of one entry: the record answering it at once, or its request
+#: and prepared items for the executor.
+Outcome = Record | tuple[Meta, list[Prepared]]
+
+
 def answer(
     meta: Meta,
     status: str,
@@ -106,6 +116,22 @@ def answer(
         record.cache_hash = cache_hash
         record.input_hash = input_hash(request["meta"], request.get("blob", b""))
     return record
+
+
+def finished(meta: Meta, call: Call, model: Model, worker_id: str) -> Record:
+    """The record answering a call that left its executor: the model's postprocessed
+    output, or what became of it (cancelled, expired, an error)."""
+    if call.error is None:
+        try:
+            output = model.postprocess(call.results, meta.value)
+        except Exception as exc:
+            return answer(meta, "error", worker_id, error=exc)
+        return answer(meta, "ok", worker_id, output=output)
+    if isinstance(call.error, RequestCancelled):
+        return answer(meta, "cancelled", worker_id)
+    if isinstance(call.error, RequestTimeout):
+        return answer(meta, "expired", worker_id)
+    return answer(meta, "error", worker_id, error=call.error)
 
 
 def dead_letter(
@@ -148,14 +174,12 @@ def _original_fields(raw: dict[bytes, bytes]) -> list[Any]:
     return [*kept, "size", str(size), "fields", str(len(raw)), "omitted", names]
 
 
-def prepare(
-    batch: list[Entry], model: Model, limits: Limits, worker_id: str
-) -> list[Record | tuple[Meta, list[Prepared]]]:
+def prepare(batch: list[Entry], model: Model, limits: Limits, worker_id: str) -> list[Outcome]:
     """Decode, validate and preprocess the entries of one read: each becomes its request's
     prepared items, or the record that answers it at once (malformed: dead-lettered;
     expired; refused by the model's ``preprocess``; deleted while pending: acknowledged)."""
     now = time.time()
-    out: list[Record | tuple[Meta, list[Prepared]]] = []
+    out: list[Outcome] = []
     requests = iter(decode_requests([raw for _sidx, _entry, raw in batch if raw]))
     for sidx, entry, raw in batch:
         if not raw:  # deleted while pending: nothing to answer, only to acknowledge
@@ -184,3 +208,38 @@ def prepare(
             continue
         out.append((meta, prepared))
     return out
+
+
+class Preparer:
+    """Runs :func:`prepare` on the entries of each read: on a thread of its own for a model
+    whose preprocessing is heavy (a tokenizer), so the event loop stays free; else inline.
+
+    ``preparing`` counts the entries on that thread now (they hold room in the window).
+    """
+
+    def __init__(self, model: Model, limits: Limits, worker_id: str) -> None:
+        self._model, self._limits, self._worker_id = model, limits, worker_id
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.preparing = 0
+
+    def start(self) -> None:
+        """Once the model has loaded (it says then whether its preprocessing is heavy)."""
+        if self._model.heavy_preprocess and self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="batchline-prep"
+            )
+
+    async def __call__(self, batch: list[Entry]) -> list[Outcome]:
+        if self._pool is None:
+            return prepare(batch, self._model, self._limits, self._worker_id)
+        self.preparing += len(batch)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._pool, prepare, batch, self._model, self._limits, self._worker_id
+            )
+        finally:
+            self.preparing -= len(batch)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)

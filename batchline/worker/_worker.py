@@ -6,13 +6,13 @@ runs on the batcher's own thread, or on the loop for a model quick enough, see
 
 - the *reader* (:mod:`._reader`) fills the batch policy from ``XREADGROUP`` (all priority
   streams, highest first), keeping at most ``read_ahead`` batches ahead of the model;
-  decoding and tokenizing (:func:`._answers.prepare`) run on a thread of their own for
+  decoding and tokenizing (:class:`._answers.Preparer`) run on a thread of their own for
   tokenizer-backed models;
 - the *model batcher* is the asyncio driver of the in-process core (same policy, same
   isolation, same padding): batch size, timeout, token budget, priorities, deadlines and
   length grouping all come from there;
   for ``--model generate`` an executor with the same small interface runs continuous
-  batching instead (:mod:`._generate`);
+  batching instead (:mod:`._generate`); :mod:`._executors` builds the one the model needs;
 - the *writer* (:mod:`._writer`) coalesces finished requests into one call of the
   completion script per write, which acknowledges each entry and, only if the
   acknowledgement took, writes its result (with its TTL) and pushes the replies, then
@@ -31,7 +31,6 @@ SIGTERM (or :meth:`Worker.stop`) drains: stop reading, run what was read, write,
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import os
@@ -46,30 +45,23 @@ from typing import Any, TypeVar
 from redis.exceptions import RedisError
 
 from batchline.config import WorkerSettings, redact_url
-from batchline.drivers._aio import AioBatcher
-from batchline.drivers._base import BatchConfig, Call, Item
-from batchline.errors import (
-    BatcherClosed,
-    BatchlineError,
-    RequestCancelled,
-    RequestTimeout,
-    WorkerHung,
-)
+from batchline.drivers._base import Call, Item
+from batchline.errors import BatcherClosed, BatchlineError, RequestCancelled, WorkerHung
 from batchline.transport._cancels import CancelLog
 from batchline.transport._redis import RedisClient, connect, dedicated, wait_for_redis
 from batchline.transport.keys import check_name, host_id
-from batchline.worker._answers import Meta, Record, answer, dead_letter, prepare
+from batchline.worker._answers import Meta, Preparer, Record, answer, dead_letter, finished
 from batchline.worker._cache import AnswerCache
 from batchline.worker._claims import Claims
 from batchline.worker._consumers import ensure_groups
-from batchline.worker._generate import Executor, GenerationExecutor, GenerationModel
-from batchline.worker._readcap import Entry, ReadCap
+from batchline.worker._executors import Hooks, build
+from batchline.worker._readcap import ReadCap
 from batchline.worker._reader import Entries, Reader
 from batchline.worker._threads import apply_threads, available_cpus, prepare_environment
 from batchline.worker._upkeep import Upkeep, every, snapshot
 from batchline.worker._writer import AnswerWriter
 from batchline.worker.metrics import Metrics
-from batchline.worker.models import CountsPadding, Model, Prepared, load_model
+from batchline.worker.models import Model, Prepared, load_model
 
 __all__ = ["Worker"]
 
@@ -120,58 +112,23 @@ class Worker:
         self._writer = dedicated(self._redis)  # the writer task's own connection
         self._limits = s.limits()
         self._streams_low_first = self.keys.streams_low_first
-        self._window = s.batch_size * s.read_ahead
-        # No batch is handed to the model's thread ahead of time: cancellations and deadlines
-        # are checked as a batch starts, which must be when the model is free to run it (a
-        # real model's batch takes far longer than the wait this would save).
-        batcher: AioBatcher[Prepared, Any] = AioBatcher(
-            self._infer,
-            BatchConfig(
-                batch_size=s.batch_size,
-                timeout_ms=s.timeout_ms,
-                target_p99_ms=s.target_p99_ms,
-                small_batch_threshold=0,
-                max_tokens=s.max_tokens,
-                length_fn=_length,
-                # Grouping similar lengths pays only where the model pads (optional attribute).
-                group_by_length=bool(getattr(self.model, "pads", True)),
-                group_window=s.read_ahead,
-            ),
-            max_concurrent_batches=1,
-            on_batch_start=self._before_batch,
-        )
-        self._fn_lock = batcher._fn_lock
-        # Entries delivered more than once run here, alone, never inline on the loop (the
-        # model's lock may be held by a batch of the main batcher).
-        self._alone: Executor = AioBatcher(
-            self._infer_alone,
-            BatchConfig(batch_size=1, timeout_ms=0, small_batch_threshold=0, inline_below_ms=0),
-            max_concurrent_batches=1,
-            on_batch_start=self._before_batch,
-        )
-        if isinstance(self.model, CountsPadding):  # its padding figures reach the stats
-            self.model.count_padding(batcher.record_padding)
-        self._batcher: Executor = batcher
-        if isinstance(self.model, GenerationModel):  # continuous batching instead
-            gen = GenerationExecutor(
-                self.model,
-                s,
+        executors = build(
+            self.model,
+            s,
+            Hooks(
+                infer=self._infer,
+                before_batch=self._before_batch,
                 guard=self._guarded,
-                on_start=self._mark_started,
+                mark_started=self._mark_started,
                 cancelled=self._is_cancelled,
-            )
-            self._batcher, self._alone, self._window = gen, gen.alone, gen.window
-            if s.cache_ttl_s > 0:
-                logger.warning(
-                    "cache_ttl_s=%s on a generation queue: identical requests share one "
-                    "answer, also sampled ones without a seed",
-                    s.cache_ttl_s,
-                )
+            ),
+        )
+        self._batcher, self._alone = executors.main, executors.alone
+        self._window = executors.window
         self._model_since: float | None = None  # monotonic start of the model call running
         self._hung = threading.Event()
         self._meta: dict[Call, Meta] = {}
-        self._preparing = 0
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._prepare = Preparer(self.model, self._limits, self.worker_id)
         self.counts: Counter[str] = Counter()
         self.metrics = Metrics(s.metrics_port)
         self._stop: asyncio.Event | None = None
@@ -298,10 +255,7 @@ class Worker:
         prepare_environment(self.threads)  # before the model loads torch (or anything)
         await loop.run_in_executor(None, self.model.load)
         apply_threads(self.threads)
-        if self.model.heavy_preprocess:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="batchline-prep"
-            )
+        self._prepare.start()
         await ensure_groups(self._redis, self._streams_low_first)
         await self._cache.publish(self._redis)
         await self._cancels.catch_up(self._redis, self.keys)
@@ -332,8 +286,7 @@ class Worker:
         await asyncio.gather(*tasks, return_exceptions=True)
         with contextlib.suppress(RedisError, OSError):
             await self._redis.zrem(self.keys.workers, self.worker_id)
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
+        self._prepare.close()
         self.metrics.stop()
         if self._writer is not self._redis:
             await self._writer.aclose()
@@ -398,7 +351,7 @@ class Worker:
 
     def _room(self) -> int:
         """How many more entries the reader may bring in."""
-        return self._window - self._batcher.queue_size - self._preparing
+        return self._window - self._batcher.queue_size - self._prepare.preparing
 
     async def _accept(self, entries: Entries, *, alone: bool = False) -> None:
         batch, too_large = self._readcap.split(list(entries))
@@ -409,24 +362,11 @@ class Worker:
             limit = self._readcap.max_entry_bytes
             reason = f"entry of {size} bytes exceeds the largest request ({limit} bytes)"
             self._answer(self._dead_letter(sidx, entry, raw or {}, "MalformedRequest", reason))
-        if self._pool is not None:
-            self._preparing += len(batch)
-            try:
-                loop = asyncio.get_running_loop()
-                outcomes = await loop.run_in_executor(self._pool, self._prepare, batch)
-            finally:
-                self._preparing -= len(batch)
-        else:
-            outcomes = self._prepare(batch)
-        for outcome in outcomes:
+        for outcome in await self._prepare(batch):
             if isinstance(outcome, Record):
                 self._answer(outcome)
             else:
                 self._submit(*outcome, alone=alone)
-
-    def _prepare(self, batch: list[Entry]) -> list[Record | tuple[Meta, list[Prepared]]]:
-        """Decode, validate and preprocess entries (off the event loop for heavy models)."""
-        return prepare(batch, self.model, self._limits, self.worker_id)
 
     def _submit(self, meta: Meta, prepared: list[Prepared], *, alone: bool = False) -> None:
         request = meta.request
@@ -444,7 +384,7 @@ class Worker:
             self._claims.drop(meta.sidx, meta.entry)
             return
         except BatchlineError as exc:  # ItemTooLarge: this request alone fails
-            self._answer(self._record(meta, "error", error=exc))
+            self._answer(answer(meta, "error", self.worker_id, error=exc))
             return
         self._meta[call] = meta
 
@@ -460,10 +400,6 @@ class Worker:
 
     def _infer(self, batch: list[Prepared]) -> Any:
         return self._guarded(lambda: self.model.infer([p.payload for p in batch]))
-
-    def _infer_alone(self, batch: list[Prepared]) -> Any:
-        with self._fn_lock:  # never beside a batch of the main batcher
-            return self._infer(batch)
 
     async def _before_batch(self, batch: list[Item]) -> None:
         if self._space is not None:
@@ -497,24 +433,7 @@ class Worker:
             return
         if self._space is not None:
             self._space.set()  # it left the queue (answered, expired or cancelled): read more
-        if call.error is None:
-            try:
-                output = self.model.postprocess(call.results, meta.value)
-            except Exception as exc:
-                self._answer(self._record(meta, "error", error=exc))
-                return
-            self._answer(self._record(meta, "ok", output=output))
-        elif isinstance(call.error, RequestCancelled):
-            self._answer(self._record(meta, "cancelled"))
-        elif isinstance(call.error, RequestTimeout):
-            self._answer(self._record(meta, "expired"))
-        else:
-            self._answer(self._record(meta, "error", error=call.error))
-
-    def _record(
-        self, meta: Meta, status: str, *, output: Any = None, error: BaseException | None = None
-    ) -> Record:
-        return answer(meta, status, self.worker_id, output=output, error=error)
+        self._answer(finished(meta, call, self.model, self.worker_id))
 
     def _dead_letter(
         self, sidx: int, entry: bytes, raw: dict[bytes, bytes], kind: str, reason: str
@@ -525,10 +444,6 @@ class Worker:
         self.counts[record.status] += 1
         self.metrics.result(record.status)
         self._answers.put(record)
-
-
-def _length(prepared: Prepared) -> int:
-    return prepared.length
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
