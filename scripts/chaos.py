@@ -240,7 +240,7 @@ async def _produce(
         producer = AsyncProducer(redis_url=url, queue=queue)
         # Count raw replies where they arrive: the public API settles each request once and
         # drops a second reply for it silently.
-        deliver = producer._deliver
+        deliver = producer._replies.deliver
 
         def counting(raw: dict[bytes, bytes]) -> None:
             rid = raw.get(b"id", b"?").decode(errors="replace")
@@ -248,7 +248,7 @@ async def _produce(
             first_reply_at.setdefault(rid, time.time())
             deliver(raw)
 
-        producer._deliver = counting  # type: ignore[method-assign]
+        producer._replies.deliver = counting  # type: ignore[method-assign]
         await producer.start()
         producers.append(producer)
         return producer

@@ -2,11 +2,13 @@
 
 Writes: concurrent ``submit`` calls are coalesced (a write goes as soon as the previous one
 is back, carrying everything that arrived meanwhile, up to ``submit_batch``) into one call
-of the enqueue script, which checks the queue depth and adds the entries atomically.
+of the enqueue script, which checks the queue depth and adds the entries atomically
+(:mod:`._enqueue`).
 
 Reads: each producer has its own reply stream; one task reads it with a blocking XREAD and
-resolves the futures of the requests waiting on this producer. No connection per request,
-no polling loop. ``get_result`` reads a result key for callers that only poll.
+resolves the futures of the requests waiting on this producer (:mod:`._replies`). No
+connection per request, no polling loop. ``get_result`` reads a result key for callers that
+only poll.
 """
 
 from __future__ import annotations
@@ -23,31 +25,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypedDict, Unpack, cast
 
-import msgpack
 from redis.exceptions import RedisError
 
 from batchline.config import ProducerSettings
-from batchline.errors import (
-    BatcherClosed,
-    BatchlineError,
-    QueueFull,
-    RequestCancelled,
-    RequestTimeout,
-)
-from batchline.producer._failures import Failed, connected, translate, uncertain, writer_for
-from batchline.producer._once import Answered, cached_result, outcome_of
+from batchline.errors import BatcherClosed, BatchlineError, RequestCancelled, RequestTimeout
+from batchline.producer._enqueue import Enqueuer
+from batchline.producer._failures import translate
+from batchline.producer._once import Answered, cached_result
+from batchline.producer._replies import ReplyReader, Waiters
 from batchline.transport._cancels import cancel_request
-from batchline.transport._outbox import Outbox
-from batchline.transport._redis import Backoff, RedisClient, Script, connect, own_connection
-from batchline.transport._scripts import ENQUEUE
-from batchline.transport.codec import (
-    DecodeError,
-    Result,
-    decode_result,
-    encode_request,
-    unpack_result,
-)
-from batchline.transport.codec._results import result_map
+from batchline.transport._redis import RedisClient, connect
+from batchline.transport.codec import DecodeError, Result, encode_request, unpack_result
 from batchline.transport.keys import check_name, host_id
 
 __all__ = ["AsyncProducer", "Handle", "RequestOptions", "SubmitOptions"]
@@ -58,12 +46,6 @@ logger = logging.getLogger(__name__)
 def _new_id() -> str:
     """A random request id (128 bits; os.urandom is 4x quicker than uuid4 here)."""
     return os.urandom(16).hex()
-
-
-#: Who learns how a write went: a submit's ack future, or an infer's (request id, future).
-_Target = asyncio.Future[Any] | tuple[str, "asyncio.Future[Result] | None"]
-#: A request in the outbox: its entry for the enqueue script, who learns the outcome, its id.
-_Pending = tuple[list[Any], _Target, str]
 
 
 class RequestOptions(TypedDict, total=False):
@@ -111,36 +93,28 @@ class AsyncProducer:
         self.keys = self.settings.keys
         self._own_client = redis is None
         self._redis = redis if redis is not None else connect(self.settings)
-        self._writer = writer_for(self._redis)  # the flush task's own connection
         self.producer_id = check_name(
             "producer id", f"{host_id()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         )
         self._reply_key = self.keys.reply(self.producer_id)
         self._limits = self.settings.limits()
         # Every waiter of a request id here (a resubmit of a waiting id adds one).
-        self._waiting: dict[str, list[asyncio.Future[Result]]] = {}
+        self._waiting = Waiters()
         #: Submits by what the enqueue script did with them (queued, result, cached, ...).
         self.counts: Counter[str] = Counter()
         self._reader: asyncio.Task[None] | None = None
-        self._reader_client: RedisClient = None  # the reader's own client, while it runs
         self._closed = False
-        self._enqueue_script = Script(ENQUEUE)
+        self._replies = ReplyReader(
+            self._redis, self._reply_key, self._waiting, self._limits, lambda: self._closed
+        )
         self._streams_low_first = self.keys.streams_low_first
-        self._enqueue_keys = [
-            self.keys.result(""),
-            self.keys.request_input(""),
-            self.keys.waiters(""),
-            self.keys.cache(""),
-            self.keys.in_flight(""),
-            self.keys.model,
-            self.keys.once_stats,
-        ]
-        # Submits wait here while a write is in flight; the next write takes them all, so
+        # Submits wait there while a write is in flight; the next write takes them all, so
         # concurrent submits are coalesced into one script call.
-        self._outbox: Outbox[_Pending] = Outbox(
-            self._flush,
-            max_batch=self.settings.submit_batch,
-            abandon=self._abandon,
+        self._enqueue = Enqueuer(
+            self._redis,
+            self.settings,
+            self._waiting,
+            self.counts,
             name=f"batchline-submits:{self.producer_id}",
         )
 
@@ -155,7 +129,7 @@ class AsyncProducer:
             raise BatcherClosed("this producer is closed")
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(
-                self._read_replies(), name=f"batchline-replies:{self.producer_id}"
+                self._replies.run(), name=f"batchline-replies:{self.producer_id}"
             )
         return self
 
@@ -164,18 +138,9 @@ class AsyncProducer:
         if self._closed:
             return
         self._closed = True
-        await self._outbox.drain()  # the submits already accepted are written
+        await self._enqueue.drain()  # the submits already accepted are written
         if self._reader is not None:
-            self._reader.cancel()
-            done, _ = await asyncio.wait({self._reader}, timeout=0.05)
-            if not done and self._reader_client is not None:
-                # The cancellation was lost inside redis-py's blocking read (Python 3.11):
-                # cut the reader's connection rather than wait for the block to end.
-                connection = getattr(self._reader_client, "connection", None)
-                if connection is not None:
-                    await connection.disconnect(nowait=True)
-            with contextlib.suppress(asyncio.CancelledError, RedisError, OSError):
-                await self._reader
+            await self._replies.stop(self._reader)
         for futs in self._waiting.values():
             for fut in futs:
                 if not fut.done():
@@ -184,9 +149,7 @@ class AsyncProducer:
         self._waiting.clear()
         with contextlib.suppress(RedisError, OSError):
             await self._redis.delete(self._reply_key)
-        if self._writer is not self._redis:
-            await self._writer.aclose()
-            await self._writer.connection_pool.disconnect()  # its own pool (writer_for)
+        await self._enqueue.aclose()
         if self._own_client:
             await self._redis.aclose()
 
@@ -230,16 +193,16 @@ class AsyncProducer:
         try:
             outcome: Answered = await ack
         except BaseException:
-            self._drop(rid, fut)
+            self._waiting.drop(rid, fut)
             raise
         if outcome.kind == "full":
-            self._drop(rid, fut)
-            raise self._queue_full()
+            self._waiting.drop(rid, fut)
+            raise self._enqueue.queue_full()
         if isinstance(outcome.now, BaseException):
-            self._drop(rid, fut)
+            self._waiting.drop(rid, fut)
             raise outcome.now
         if outcome.now is not None:  # answered already: the result (or the cache) had it
-            self._drop(rid, fut)
+            self._waiting.drop(rid, fut)
             fut = asyncio.get_running_loop().create_future()
             fut.set_result(outcome.now)
         return Handle(rid, fut)
@@ -274,95 +237,11 @@ class AsyncProducer:
             enqueued_unix_ms=now_ms,
             reply=self.producer_id if reply else None,
         )
-        fut: asyncio.Future[Result] | None = None
-        loop = asyncio.get_running_loop()
-        if reply:
-            # Registered before the write, so that even the fastest reply finds its waiter.
-            fut = loop.create_future()
-            self._waiting.setdefault(rid, []).append(fut)
+        # Registered before the write, so that even the fastest reply finds its waiter.
+        fut = self._waiting.add(rid) if reply else None
         entry = [prio, [x for kv in fields.items() for x in kv]]
-        self._outbox.put((entry, ack if ack is not None else (rid, fut), rid))
+        self._enqueue.put(entry, ack if ack is not None else (rid, fut), rid)
         return rid, fut
-
-    def _queue_full(self) -> QueueFull:
-        return QueueFull(
-            f"queue {self.keys.queue!r} holds max_queue_depth="
-            f"{self.settings.max_queue_depth} requests"
-        )
-
-    async def _flush(self, pending: list[_Pending]) -> None:
-        """Write one batch of the outbox; tell each submit how its write went."""
-        targets = [target for _, target, _ in pending]
-        try:
-            entries = await self._write([e for e, _, _ in pending], [rid for _, _, rid in pending])
-        except Failed as failed:  # each submit of this write gets its error
-            for target, error in zip(targets, failed.errors, strict=True):
-                self._settle(target, error)
-        except Exception as exc:
-            for target in targets:
-                self._settle(target, exc)
-        else:
-            for (_, target, rid), entry in zip(pending, entries, strict=True):
-                outcome = outcome_of(rid, entry, self._limits)
-                self.counts[outcome.kind] += 1
-                self._settle(target, outcome)
-
-    def _abandon(self, pending: list[_Pending]) -> None:
-        """The writes that will never go (the loop is closing)."""
-        for _, target, _ in pending:
-            self._settle(target, BatcherClosed("the producer stopped writing"))
-
-    def _settle(self, target: _Target, outcome: Any) -> None:
-        """Tell a submit how its write went: ``submit`` awaits the script's answer (an ack
-        future); ``infer`` awaits only its result, so only a failed write, or an answer that
-        settles it at once (a stored or cached result, a conflict), resolves that one."""
-        if isinstance(target, asyncio.Future):
-            if not target.done():
-                if isinstance(outcome, BaseException):
-                    target.set_exception(outcome)
-                else:
-                    target.set_result(outcome)
-            return
-        rid, fut = target
-        if isinstance(outcome, Answered):
-            if outcome.kind == "full":
-                outcome = self._queue_full()
-            elif outcome.now is None:
-                return  # queued, attached or coalesced: the answer will be pushed
-            else:
-                outcome = outcome.now
-        if isinstance(outcome, BaseException | Result):
-            self._drop(rid, fut)
-            if fut is not None and not fut.done():
-                if isinstance(outcome, Result):
-                    fut.set_result(outcome)
-                else:
-                    fut.set_exception(outcome)
-                    fut.exception()  # retrieved: its caller may have gone
-
-    def _drop(self, rid: str, fut: asyncio.Future[Result] | None) -> None:
-        """Forget one waiter of ``rid`` (its caller has its answer, or gave up)."""
-        futs = self._waiting.get(rid)
-        if futs is not None and fut in futs:
-            futs.remove(fut)
-            if not futs:
-                del self._waiting[rid]
-
-    async def _write(self, batch: list[list[Any]], ids: list[str]) -> list[Any]:
-        """One call of the enqueue script; raises Failed with a typed error per request."""
-        payload = msgpack.packb(batch, use_bin_type=False)
-        s = self.settings
-        args = [s.max_queue_depth, payload, s.result_ttl_s, s.cache_ttl_s, *self._enqueue_keys]
-        try:
-            # Connected first, so that a failure to connect (nothing sent) is told apart
-            # from one with the write in flight.
-            await connected(self._writer)
-        except (RedisError, OSError) as exc:
-            raise Failed([translate(exc) for _ in ids], exc) from exc
-        try:
-            return list(await self._enqueue_script(self._writer, self._streams_low_first, args))
-        except (RedisError, OSError) as exc:
-            raise Failed([uncertain(exc, rid) for rid in ids], exc) from exc
 
     # -- results -------------------------------------------------------------------------------
 
@@ -426,7 +305,7 @@ class AsyncProducer:
             raise RequestTimeout(f"no result for request {rid} within {timeout_s} s") from None
         finally:
             if not fut.done() or fut.cancelled():
-                self._drop(rid, fut)  # this caller gave up: it waits no more
+                self._waiting.drop(rid, fut)  # this caller gave up: it waits no more
         return result.unwrap()
 
     async def map(
@@ -484,96 +363,3 @@ class AsyncProducer:
                 return int(sum(await pipe.execute()))
         except (RedisError, OSError) as exc:
             raise translate(exc) from exc
-
-    # -- the reply reader ----------------------------------------------------------------------
-
-    async def _read_replies(self) -> None:
-        async with own_connection(self._redis) as client:  # for the blocking reads
-            self._reader_client = client if client is not self._redis else None
-            try:
-                await self._read_replies_with(client)
-            finally:
-                self._reader_client = None
-
-    async def _read_replies_with(self, client: RedisClient) -> None:
-        last = b"0-0"
-        backoff = Backoff(logger, "reply reader")
-        # aclose() cancels this task, but on Python 3.11 a cancellation that lands just as
-        # redis-py's internal wait_for completes is swallowed; the flag ends the loop anyway.
-        while not self._closed:
-            try:
-                response = await client.xread({self._reply_key: last}, count=1000, block=1000)
-            except (RedisError, OSError) as exc:
-                await backoff.wait(exc)
-                continue
-            backoff.reset()
-            if not response:
-                continue
-            seen: list[bytes] = []
-            for _stream, entries in response:
-                for entry_id, raw in entries:
-                    seen.append(entry_id)
-                    self._deliver_all(raw)
-            last = seen[-1]
-            with contextlib.suppress(RedisError, OSError):
-                await client.xdel(self._reply_key, *seen)
-
-    def _deliver_all(self, raw: Any) -> None:
-        """Resolve the waiters of one reply entry (the results of one worker batch).
-
-        Whatever the entry holds, this never raises: a malformed entry, or a malformed result
-        in it, is dropped with one warning for the entry (not one per result), and every
-        valid result in it still reaches its waiter. The reader must outlive any write.
-        """
-        try:
-            problems = self._deliver_checked(raw)
-        except Exception as exc:  # a bug, not bad input: the reader must still live on
-            logger.warning(
-                "reply stream %s: dropped a reply entry: %s", self._reply_key, exc, exc_info=True
-            )
-            return
-        if problems:
-            dropped, first = problems
-            logger.warning(
-                "reply stream %s: dropped a malformed reply (%d malformed result%s): %s",
-                self._reply_key,
-                dropped,
-                "" if dropped == 1 else "s",
-                first,
-            )
-
-    def _deliver_checked(self, raw: Any) -> tuple[int, str] | None:
-        """Deliver an entry's valid results; returns (how many were dropped, the first reason)
-        when any part of it was malformed, else None."""
-        try:
-            packed = raw[b"r"]
-            if not isinstance(packed, bytes):
-                raise DecodeError(f"its r is a {type(packed).__name__}, not msgpack bytes")
-            # Plain msgpack: strings and arrays, nothing executable; no length in it can
-            # exceed the bytes received.
-            results = msgpack.unpackb(packed, raw=True, use_list=True)
-            if not isinstance(results, list):
-                raise DecodeError("its r is not an array")
-        except (KeyError, ValueError, TypeError, OverflowError) as exc:
-            return 1, f"{type(exc).__name__}: {exc}"
-        dropped, first = 0, ""
-        for flat in results:
-            try:
-                # Each result in a reply is an unpacked array (bytes would be another shape).
-                self._deliver(result_map(flat if isinstance(flat, list) else None))
-            except Exception as exc:  # DecodeError (or a bug): this result alone is lost
-                dropped += 1
-                first = first or str(exc)
-        count = raw.get(b"n") if isinstance(raw, dict) else None
-        if count != str(len(results)).encode() and not dropped:
-            # n is informational (r is what counts): a mismatch is noted, nothing dropped.
-            return 0, f"its n ({count!r}) does not match its {len(results)} results"
-        return (dropped, first) if dropped else None
-
-    def _deliver(self, fields: dict[Any, Any]) -> None:
-        """Resolve the waiter of one result (its fields by name); raises DecodeError for a
-        malformed one."""
-        result = decode_result(fields, self._limits)
-        for fut in self._waiting.pop(result.id, []):
-            if not fut.done():
-                fut.set_result(result)

@@ -16,11 +16,11 @@ def count_replies(producer: Producer | AsyncProducer) -> Counter[str]:
     """
     replies: Counter[str] = Counter()
     inner = producer._async if isinstance(producer, Producer) else producer
-    deliver = inner._deliver
+    deliver = inner._replies.deliver
 
     def counting(raw: dict[bytes, bytes]) -> None:
         replies[raw.get(b"id", b"?").decode(errors="replace")] += 1
         deliver(raw)
 
-    inner._deliver = counting  # type: ignore[method-assign]
+    inner._replies.deliver = counting  # type: ignore[method-assign]
     return replies

@@ -56,7 +56,7 @@ from .models_for_tests import GatedModel
 
 T = RESULT_TIMEOUT_S
 HUGE_MS = 600_000.0  # a batch timeout that never fires: batches flush by size
-PRODUCER_LOGGER = "batchline.producer._async"
+PRODUCER_LOGGER = "batchline.producer._replies"
 DROPPED = "dropped a malformed reply"
 
 
@@ -224,13 +224,13 @@ async def test_a_producer_reads_a_whole_batch_from_one_reply_entry(
     keys: QueueKeys,
 ) -> None:
     entries: list[int] = []  # per reply entry the reader handled: how many results it held
-    deliver_all = producer._deliver_all
+    deliver_all = producer._replies.deliver_all
 
     def spy(raw: dict[bytes, bytes]) -> None:  # a spy on a private method: what arrives
         entries.append(len(msgpack.unpackb(raw[b"r"], raw=True)))
         deliver_all(raw)
 
-    producer._deliver_all = spy  # type: ignore[method-assign]
+    producer._replies.deliver_all = spy  # type: ignore[method-assign]
     handles = [await producer.submit(f"v{i}") for i in range(6)]
     start_worker(batch_size=6, timeout_ms=HUGE_MS)
     assert [await producer.result(h, timeout_s=T) for h in handles] == [f"v{i}" for i in range(6)]

@@ -218,13 +218,13 @@ def test_the_reply_reader_survives_any_entry(
         if n is not None:
             raw[b"n"] = n
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="batchline.producer._async"):
-            producer._deliver_all(raw)
+        with caplog.at_level(logging.WARNING, logger="batchline.producer._replies"):
+            producer._replies.deliver_all(raw)
         assert len(caplog.records) <= 1, [rec.getMessage() for rec in caplog.records]
         if fut.done():  # a valid result for the waiter (fields may differ from BASE's)
             assert isinstance(fut.result(), Result)
             assert fut.result().id == BASE.id
         await producer._redis.aclose()
-        await producer._writer.aclose()
+        await producer._enqueue.aclose()
 
     asyncio.run(check())

@@ -1,0 +1,163 @@
+"""The way in: concurrent submits coalesced into one call of the enqueue script per write.
+
+A write goes as soon as the previous one is back, carrying everything that arrived meanwhile
+(up to ``submit_batch``); the script checks the queue depth and adds the entries atomically,
+and says of each request what it did with it (see :mod:`._once`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+import msgpack
+from redis.exceptions import RedisError
+
+from batchline.config import ProducerSettings
+from batchline.errors import BatcherClosed, QueueFull
+from batchline.producer._failures import Failed, connected, translate, uncertain, writer_for
+from batchline.producer._once import Answered, outcome_of
+from batchline.producer._replies import Waiters
+from batchline.transport._outbox import Outbox
+from batchline.transport._redis import RedisClient, Script
+from batchline.transport._scripts import ENQUEUE
+from batchline.transport.codec import Result
+
+__all__ = ["Enqueuer", "Target"]
+
+#: Who learns how a write went: a submit's ack future, or an infer's (request id, future).
+Target = asyncio.Future[Any] | tuple[str, "asyncio.Future[Result] | None"]
+#: A request in the outbox: its entry for the enqueue script, who learns the outcome, its id.
+_Pending = tuple[list[Any], Target, str]
+
+
+class Enqueuer:
+    """A producer's writes: requests wait in an outbox while a write is in flight; the next
+    write takes them all, on a connection of its own (:func:`._failures.writer_for`).
+
+    Args:
+        redis: the producer's client.
+        settings: the producer's settings.
+        waiting: the producer's waiters (a failed write, or one answered at once, settles
+            an ``infer``'s waiter).
+        counts: submits by what the enqueue script did with them (queued, result, ...).
+        name: the writing task's name.
+    """
+
+    def __init__(
+        self,
+        redis: RedisClient,
+        settings: ProducerSettings,
+        waiting: Waiters,
+        counts: Counter[str],
+        *,
+        name: str,
+    ) -> None:
+        self.settings = settings
+        keys = settings.keys
+        self._redis = redis
+        self._writer = writer_for(redis)  # the writes' own connection
+        self._waiting = waiting
+        self._counts = counts
+        self._limits = settings.limits()
+        self._script = Script(ENQUEUE)
+        self._streams_low_first = keys.streams_low_first
+        self._keys = [
+            keys.result(""),
+            keys.request_input(""),
+            keys.waiters(""),
+            keys.cache(""),
+            keys.in_flight(""),
+            keys.model,
+            keys.once_stats,
+        ]
+        self._outbox: Outbox[_Pending] = Outbox(
+            self._flush, max_batch=settings.submit_batch, abandon=self._abandon, name=name
+        )
+
+    def put(self, entry: list[Any], target: Target, rid: str) -> None:
+        """Queue one request's entry for the next write; ``target`` learns how it went."""
+        self._outbox.put((entry, target, rid))
+
+    async def drain(self) -> None:
+        """Wait until the requests already put are written."""
+        await self._outbox.drain()
+
+    async def aclose(self) -> None:
+        """Close the writes' own connection."""
+        if self._writer is not self._redis:
+            await self._writer.aclose()
+            await self._writer.connection_pool.disconnect()  # its own pool (writer_for)
+
+    def queue_full(self) -> QueueFull:
+        keys = self.settings.keys
+        return QueueFull(
+            f"queue {keys.queue!r} holds max_queue_depth={self.settings.max_queue_depth} requests"
+        )
+
+    async def _flush(self, pending: list[_Pending]) -> None:
+        """Write one batch of the outbox; tell each submit how its write went."""
+        targets = [target for _, target, _ in pending]
+        try:
+            entries = await self._write([e for e, _, _ in pending], [rid for _, _, rid in pending])
+        except Failed as failed:  # each submit of this write gets its error
+            for target, error in zip(targets, failed.errors, strict=True):
+                self._settle(target, error)
+        except Exception as exc:
+            for target in targets:
+                self._settle(target, exc)
+        else:
+            for (_, target, rid), entry in zip(pending, entries, strict=True):
+                outcome = outcome_of(rid, entry, self._limits)
+                self._counts[outcome.kind] += 1
+                self._settle(target, outcome)
+
+    def _abandon(self, pending: list[_Pending]) -> None:
+        """The writes that will never go (the loop is closing)."""
+        for _, target, _ in pending:
+            self._settle(target, BatcherClosed("the producer stopped writing"))
+
+    def _settle(self, target: Target, outcome: Any) -> None:
+        """Tell a submit how its write went: ``submit`` awaits the script's answer (an ack
+        future); ``infer`` awaits only its result, so only a failed write, or an answer that
+        settles it at once (a stored or cached result, a conflict), resolves that one."""
+        if isinstance(target, asyncio.Future):
+            if not target.done():
+                if isinstance(outcome, BaseException):
+                    target.set_exception(outcome)
+                else:
+                    target.set_result(outcome)
+            return
+        rid, fut = target
+        if isinstance(outcome, Answered):
+            if outcome.kind == "full":
+                outcome = self.queue_full()
+            elif outcome.now is None:
+                return  # queued, attached or coalesced: the answer will be pushed
+            else:
+                outcome = outcome.now
+        if isinstance(outcome, BaseException | Result):
+            self._waiting.drop(rid, fut)
+            if fut is not None and not fut.done():
+                if isinstance(outcome, Result):
+                    fut.set_result(outcome)
+                else:
+                    fut.set_exception(outcome)
+                    fut.exception()  # retrieved: its caller may have gone
+
+    async def _write(self, batch: list[list[Any]], ids: list[str]) -> list[Any]:
+        """One call of the enqueue script; raises Failed with a typed error per request."""
+        payload = msgpack.packb(batch, use_bin_type=False)
+        s = self.settings
+        args = [s.max_queue_depth, payload, s.result_ttl_s, s.cache_ttl_s, *self._keys]
+        try:
+            # Connected first, so that a failure to connect (nothing sent) is told apart
+            # from one with the write in flight.
+            await connected(self._writer)
+        except (RedisError, OSError) as exc:
+            raise Failed([translate(exc) for _ in ids], exc) from exc
+        try:
+            return list(await self._script(self._writer, self._streams_low_first, args))
+        except (RedisError, OSError) as exc:
+            raise Failed([uncertain(exc, rid) for rid in ids], exc) from exc

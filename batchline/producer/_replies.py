@@ -1,0 +1,174 @@
+"""The way back: a producer's reply stream, read by one task that resolves its waiters.
+
+Each producer has its own reply stream; one task reads it with a blocking XREAD and resolves
+the futures of the requests waiting on this producer. No connection per request, no polling
+loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+from redis.exceptions import RedisError
+
+from batchline.transport._redis import Backoff, RedisClient, own_connection
+from batchline.transport.codec import DecodeError, Limits, Result, decode_result
+from batchline.transport.codec._results import result_map
+
+__all__ = ["ReplyReader", "Waiters"]
+
+logger = logging.getLogger(__name__)
+
+
+class Waiters(dict[str, list["asyncio.Future[Result]"]]):
+    """Every waiter of a request id in one producer (a resubmit of a waiting id adds one)."""
+
+    def add(self, rid: str) -> asyncio.Future[Result]:
+        """A new waiter of ``rid``, on the running loop."""
+        fut: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        self.setdefault(rid, []).append(fut)
+        return fut
+
+    def drop(self, rid: str, fut: asyncio.Future[Result] | None) -> None:
+        """Forget one waiter of ``rid`` (its caller has its answer, or gave up)."""
+        futs = self.get(rid)
+        if futs is not None and fut in futs:
+            futs.remove(fut)
+            if not futs:
+                del self[rid]
+
+
+class ReplyReader:
+    """Reads one producer's reply stream until ``closed()``; :meth:`run` is its task.
+
+    Args:
+        redis: the producer's client (the reader takes a connection of its own from it).
+        reply_key: the producer's reply stream.
+        waiting: the producer's waiters, resolved by the results that arrive.
+        limits: what a valid result may hold.
+        closed: whether the producer is closing (the loop's end; see :meth:`run`).
+    """
+
+    def __init__(
+        self,
+        redis: RedisClient,
+        reply_key: str,
+        waiting: Waiters,
+        limits: Limits,
+        closed: Callable[[], bool],
+    ) -> None:
+        self._redis = redis
+        self._reply_key = reply_key
+        self._waiting = waiting
+        self._limits = limits
+        self._closed = closed
+        self._client: RedisClient = None  # the reader's own client, while it runs
+
+    async def run(self) -> None:
+        async with own_connection(self._redis) as client:  # for the blocking reads
+            self._client = client if client is not self._redis else None
+            try:
+                await self._read_with(client)
+            finally:
+                self._client = None
+
+    async def stop(self, task: asyncio.Task[None]) -> None:
+        """Cancel ``task`` (running :meth:`run`) and wait for its end."""
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=0.05)
+        if not done and self._client is not None:
+            # The cancellation was lost inside redis-py's blocking read (Python 3.11): cut
+            # the reader's connection rather than wait for the block to end.
+            connection = getattr(self._client, "connection", None)
+            if connection is not None:
+                await connection.disconnect(nowait=True)
+        with contextlib.suppress(asyncio.CancelledError, RedisError, OSError):
+            await task
+
+    async def _read_with(self, client: RedisClient) -> None:
+        last = b"0-0"
+        backoff = Backoff(logger, "reply reader")
+        # stop() cancels this task, but on Python 3.11 a cancellation that lands just as
+        # redis-py's internal wait_for completes is swallowed; closed() ends the loop anyway.
+        while not self._closed():
+            try:
+                response = await client.xread({self._reply_key: last}, count=1000, block=1000)
+            except (RedisError, OSError) as exc:
+                await backoff.wait(exc)
+                continue
+            backoff.reset()
+            if not response:
+                continue
+            seen: list[bytes] = []
+            for _stream, entries in response:
+                for entry_id, raw in entries:
+                    seen.append(entry_id)
+                    self.deliver_all(raw)
+            last = seen[-1]
+            with contextlib.suppress(RedisError, OSError):
+                await client.xdel(self._reply_key, *seen)
+
+    def deliver_all(self, raw: Any) -> None:
+        """Resolve the waiters of one reply entry (the results of one worker batch).
+
+        Whatever the entry holds, this never raises: a malformed entry, or a malformed result
+        in it, is dropped with one warning for the entry (not one per result), and every
+        valid result in it still reaches its waiter. The reader must outlive any write.
+        """
+        try:
+            problems = self._deliver_checked(raw)
+        except Exception as exc:  # a bug, not bad input: the reader must still live on
+            logger.warning(
+                "reply stream %s: dropped a reply entry: %s", self._reply_key, exc, exc_info=True
+            )
+            return
+        if problems:
+            dropped, first = problems
+            logger.warning(
+                "reply stream %s: dropped a malformed reply (%d malformed result%s): %s",
+                self._reply_key,
+                dropped,
+                "" if dropped == 1 else "s",
+                first,
+            )
+
+    def _deliver_checked(self, raw: Any) -> tuple[int, str] | None:
+        """Deliver an entry's valid results; returns (how many were dropped, the first reason)
+        when any part of it was malformed, else None."""
+        try:
+            packed = raw[b"r"]
+            if not isinstance(packed, bytes):
+                raise DecodeError(f"its r is a {type(packed).__name__}, not msgpack bytes")
+            # Plain msgpack: strings and arrays, nothing executable; no length in it can
+            # exceed the bytes received.
+            results = msgpack.unpackb(packed, raw=True, use_list=True)
+            if not isinstance(results, list):
+                raise DecodeError("its r is not an array")
+        except (KeyError, ValueError, TypeError, OverflowError) as exc:
+            return 1, f"{type(exc).__name__}: {exc}"
+        dropped, first = 0, ""
+        for flat in results:
+            try:
+                # Each result in a reply is an unpacked array (bytes would be another shape).
+                self.deliver(result_map(flat if isinstance(flat, list) else None))
+            except Exception as exc:  # DecodeError (or a bug): this result alone is lost
+                dropped += 1
+                first = first or str(exc)
+        count = raw.get(b"n") if isinstance(raw, dict) else None
+        if count != str(len(results)).encode() and not dropped:
+            # n is informational (r is what counts): a mismatch is noted, nothing dropped.
+            return 0, f"its n ({count!r}) does not match its {len(results)} results"
+        return (dropped, first) if dropped else None
+
+    def deliver(self, fields: dict[Any, Any]) -> None:
+        """Resolve the waiter of one result (its fields by name); raises DecodeError for a
+        malformed one."""
+        result = decode_result(fields, self._limits)
+        for fut in self._waiting.pop(result.id, []):
+            if not fut.done():
+                fut.set_result(result)
