@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any
 
 from batchline.errors import RequestIdConflict
+from batchline.transport._redis import RedisClient
 from batchline.transport.codec import DecodeError, Limits, Result, unpack_result
 from batchline.transport.keys import QueueKeys
 
@@ -52,7 +53,7 @@ def outcome_of(request_id: str, reply: Any, limits: Limits) -> Answered:
     return Answered(kind if kind in OUTCOMES else "queued")
 
 
-async def cached_result(client: Any, keys: QueueKeys, request_id: str) -> bytes | None:
+async def cached_result(client: RedisClient, keys: QueueKeys, request_id: str) -> bytes | None:
     """The cached result that answered ``request_id`` (its result key holds none: the
     enqueue script answered it from the cache), while the cache still holds it."""
     known = await client.get(keys.request_input(request_id))

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
 
 from redis.exceptions import RedisError
 
 from batchline.config import WorkerSettings
 from batchline.transport._once import cache_hash, once_figures
+from batchline.transport._redis import RedisClient
 from batchline.worker._answers import Record
 from batchline.worker.metrics import Metrics
 
@@ -52,7 +52,7 @@ class AnswerCache:
         # left, producers queue requests without cache hashes.
         self._model_ttl_s = max(5, math.ceil(3 * settings.heartbeat_s))
 
-    async def publish(self, client: Any) -> None:
+    async def publish(self, client: RedisClient) -> None:
         """Name this worker's model for the producers' cache hashes (cache on only)."""
         if self.ttl_s <= 0:
             return
@@ -61,7 +61,7 @@ class AnswerCache:
         except (RedisError, OSError) as exc:  # the cache stays off until the next worker
             logger.warning("could not publish the model identity: %s", exc)
 
-    async def beat(self, client: Any, metrics: Metrics) -> None:
+    async def beat(self, client: RedisClient, metrics: Metrics) -> None:
         """With each heartbeat: renew the model identity, export the queue's counters."""
         await self.publish(client)
         if metrics.port:
