@@ -36,7 +36,7 @@ def dynamically(
         fn: the inference function (when used bare).
         **options: those of :func:`batchline.dynamically` but ``length_fn`` (a row's length
             is the first dimension of its first feature, which ``max_tokens`` counts), and
-            ``pad_token``, ``pad_tokens``, ``padding_side`` ("right"), ``spread_kwargs``
-            (False): :class:`batchline.InferenceOptions` says what each does.
+            ``pad_token``, ``pad_tokens``, ``padding_side``, ``spread_kwargs``:
+            :class:`batchline.InferenceOptions` says what each does and its default.
     """
     return make_inference(fn, options)

@@ -42,7 +42,7 @@ def dynamically(fn: Callable[..., Any] | None = None, /, **options: Unpack[AioOp
 
     Args:
         fn: the batch function (when used bare).
-        **options: those of :func:`batchline.dynamically`, and ``inline_below_ms`` (0.2):
-            :class:`batchline.AioOptions` says what each does.
+        **options: those of :func:`batchline.dynamically`, and ``inline_below_ms``:
+            :class:`batchline.AioOptions` says what each does and its default.
     """
     return make_aio(fn, options)

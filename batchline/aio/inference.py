@@ -32,7 +32,7 @@ def dynamically(
     Args:
         fn: the inference function (when used bare).
         **options: those of :func:`batchline.inference.dynamically`, and
-            ``inline_below_ms`` (0.2): :class:`batchline.AioInferenceOptions` says what each
-            does.
+            ``inline_below_ms``: :class:`batchline.AioInferenceOptions` says what each does
+            and its default.
     """
     return make_aio_inference(fn, options)

@@ -40,9 +40,9 @@ def dynamically(fn: Callable[..., Any] | None = None, /, **options: Unpack[Threa
 
     Args:
         fn: the batch function (when used bare).
-        **options: ``batch_size`` (32), ``timeout_ms`` (5), ``small_batch_threshold`` (8),
-            ``max_tokens``, ``length_fn``, ``max_queue_size``, ``isolate_errors`` (True):
-            :class:`batchline.ThreadOptions` says what each does.
+        **options: ``batch_size``, ``timeout_ms``, ``small_batch_threshold``, ``max_tokens``,
+            ``length_fn``, ``max_queue_size``, ``isolate_errors``, ``target_p99_ms``:
+            :class:`batchline.ThreadOptions` says what each does and its default.
 
     Returns:
         A :class:`ThreadBatcher`, or a decorator that makes one.
