@@ -9,6 +9,7 @@ Each benchmark then reads as what it measures. Import it from a script in this f
   share of the machine the rest of it used meanwhile ("other load": the machine is shared).
 - :class:`Samples` keeps the repeats of each figure: medians, ranges, paired ratios.
 - :func:`provenance`, :func:`versions`, :func:`machine` say what was measured, where.
+- :func:`watchdog` ends a run that goes on too long.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -98,13 +100,38 @@ def versions(*dists: str) -> str:
     return ", ".join(out)
 
 
-def machine() -> str:
-    """Cores, processor, kernel and load average now (the machine is shared)."""
-    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+def load() -> str:
+    """The load average now: ``1.20 / 0.80 / 0.50`` (1, 5 and 15 minutes)."""
+    return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def machine(load_before: str | None = None, load_after: str | None = None) -> str:
+    """Cores, processor, kernel and load average: now, or before and after a run given the
+    load before it (the machine is shared)."""
+    loads = (
+        f"load average {load()}"
+        if load_before is None
+        else f"load average before the run {load_before}, after {load_after or load()}"
+    )
     return (
         f"{os.cpu_count()} cores ({platform.processor() or platform.machine()}), "
-        f"{platform.system()} {platform.release()}, load average {load}"
+        f"{platform.system()} {platform.release()}, {loads}"
     )
+
+
+def watchdog(seconds: float, name: str, on_fire: Callable[[], object] | None = None) -> None:
+    """End the process (exit status 3) if it still runs after ``seconds``; ``on_fire`` runs
+    first (to stop child processes, say)."""
+
+    def fire() -> None:
+        log(f"{name}: still running after {seconds:.0f} s; aborting")
+        if on_fire is not None:
+            on_fire()
+        os._exit(3)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
 
 
 # -- repeats -------------------------------------------------------------------------------------

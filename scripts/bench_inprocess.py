@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import gc
 import os
-import platform
 import statistics
 import sys
 import threading
@@ -52,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import batched
 import batched.aio
-from _harness import log, provenance, ratio, versions
+from _harness import Samples, load, log, machine, provenance, ratio, versions, watchdog
 from fast_dynamic_batcher.dyn_batcher import DynBatcher
 from fast_dynamic_batcher.inference_template import InferenceModel
 
@@ -497,42 +496,51 @@ THROUGHPUT_ROWS: list[tuple[str, str, str, list[str]]] = [
 ]
 
 
+Cell = tuple[str, str, str]  # (API, function, implementation)
+
+
+def _row(figure: str, key: Cell) -> str:
+    return " ".join((figure, *key))
+
+
 @dataclass
-class Results:
-    throughput: dict[tuple[str, str, str], list[CellResult]] = field(default_factory=dict)
-    ideal: list[float] = field(default_factory=list)
+class Results(Samples):
+    """The repeats of each throughput cell (its rate and mean batch, as Samples' rows
+    ``rate <api> <fn> <impl>`` and ``batch ...``, and ``ideal``), and the other parts."""
+
+    errors: dict[Cell, int] = field(default_factory=dict)
     latency: dict[tuple[str, str, float], tuple[float, float]] = field(default_factory=dict)
     own_time_us: float = 0.0
     idle_cpu: dict[tuple[str, str, float | None], float] = field(default_factory=dict)
-    load_before: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    load_before: str = ""
+    load_after: str = ""
     provenance_before: str = ""
     provenance_after: str = ""
     wall_s: float = 0.0
 
-    def median_rate(self, key: tuple[str, str, str]) -> float | None:
-        cells = self.throughput.get(key)
-        return statistics.median(c.rate for c in cells) if cells else None
+    def add_cell(self, key: Cell, cell: CellResult) -> None:
+        self.add(_row("rate", key), cell.rate)
+        self.add(_row("batch", key), cell.batch)
+        self.errors[key] = self.errors.get(key, 0) + cell.errors
 
-    def paired_ratios(
-        self, key_a: tuple[str, str, str], key_b: tuple[str, str, str]
-    ) -> list[float]:
-        """a / b per repeat: the repeats are interleaved, so each pair shares its moment."""
-        a, b = self.throughput.get(key_a, []), self.throughput.get(key_b, [])
-        return [x.rate / y.rate for x, y in zip(a, b, strict=False) if y.rate]
+    def rates(self, key: Cell) -> list[float]:
+        return self.rows.get(_row("rate", key), [])
 
-    def median_batch(self, key: tuple[str, str, str]) -> float | None:
-        cells = self.throughput.get(key)
-        if not cells or cells[0].batch is None:
-            return None
-        return statistics.median(c.batch for c in cells if c.batch is not None)
+    def median_rate(self, key: Cell) -> float | None:
+        return self.med(_row("rate", key))
+
+    def paired_ratios(self, key_a: Cell, key_b: Cell) -> list[float]:
+        return self.paired(_row("rate", key_a), _row("rate", key_b))
+
+    def median_batch(self, key: Cell) -> float | None:
+        return self.med(_row("batch", key))
 
 
 def run_throughput(res: Results, repeats: int, scale: int) -> None:
     for r in range(repeats):
         log(f"throughput, repeat {r + 1}/{repeats}")
-        res.ideal.append(ideal_rate(max(10, IDEAL_BATCHES // scale)))
-        log(f"  ideal model-like: {fmt_rate(res.ideal[-1])} items/s")
+        res.add("ideal", ideal_rate(max(10, IDEAL_BATCHES // scale)))
+        log(f"  ideal model-like: {fmt_rate(res.rows['ideal'][-1])} items/s")
         for api, fname, _label, impls in THROUGHPUT_ROWS:
             for impl in impls:
                 key = (api, fname, impl)
@@ -543,7 +551,7 @@ def run_throughput(res: Results, repeats: int, scale: int) -> None:
                     cell = thread_cell(impl, fname, n)
                 else:
                     cell = asyncio.run(aio_cell(impl, fname, n))
-                res.throughput.setdefault(key, []).append(cell)
+                res.add_cell(key, cell)
                 batch = "" if cell.batch is None else f", mean batch {cell.batch:.1f}"
                 err = f", {cell.errors} WRONG RESULTS" if cell.errors else ""
                 log(
@@ -613,7 +621,7 @@ def run_idle_cpu(res: Results, seconds: float) -> None:
 
 
 def report(res: Results, args: argparse.Namespace) -> str:
-    ideal = statistics.median(res.ideal)
+    ideal = res.med("ideal")
     out: list[str] = []
     w = out.append
     w("## In-process benchmark: batchline vs batched vs fast-dynamic-batcher\n")
@@ -623,9 +631,7 @@ def report(res: Results, args: argparse.Namespace) -> str:
         + (" (**--quick smoke run: not representative**)" if args.quick else "")
     )
     w(
-        f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} "
-        f"{platform.release()}; Python {platform.python_version()}; "
-        f"load average before {res.load_before[0]:.2f}, after {res.load_after[0]:.2f} "
+        f"- machine: {machine(res.load_before, res.load_after)} "
         "(shared machine: other work may run concurrently)"
     )
     changed = (
@@ -681,7 +687,7 @@ def report(res: Results, args: argparse.Namespace) -> str:
     w(
         f"\nIdeal (model-like fn called back to back on full batches of {BATCH_SIZE}, no "
         f"batcher, same run): **{fmt_rate(ideal)} items/s** "
-        f"(repeats: {', '.join(fmt_rate(x) for x in res.ideal)})."
+        f"(repeats: {', '.join(fmt_rate(x) for x in res.rows['ideal'])})."
     )
     fdb_model = res.median_rate(("aio", "model", "fdb"))
     w(
@@ -711,13 +717,12 @@ def report(res: Results, args: argparse.Namespace) -> str:
     w("|---|---|---|---:|---|---:|---:|")
     for api, fname, label, impls in THROUGHPUT_ROWS:
         for impl in impls:
-            cells = res.throughput.get((api, fname, impl), [])
-            if not cells:
+            rates = res.rates((api, fname, impl))
+            if not rates:
                 continue
             unit = THREADS if api == "thread" else TASKS
             n = rounded_up(COUNTS[(api, fname, impl)] // args.scale, unit)
-            rates = [c.rate for c in cells]
-            errs = sum(c.errors for c in cells)
+            errs = res.errors.get((api, fname, impl), 0)
             w(
                 f"| {api} | {label} | {IMPL_NAMES[impl]} | {n} "
                 f"| {', '.join(fmt_rate(x) for x in rates)} | {fmt_rate(statistics.median(rates))} "
@@ -796,16 +801,6 @@ def report(res: Results, args: argparse.Namespace) -> str:
     return "\n".join(out)
 
 
-def watchdog(seconds: float) -> None:
-    def fire() -> None:
-        log(f"bench_inprocess: still running after {seconds:.0f} s; aborting")
-        os._exit(3)
-
-    timer = threading.Timer(seconds, fire)
-    timer.daemon = True
-    timer.start()
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -830,10 +825,10 @@ def main() -> int:
         args.repeats = min(args.repeats, 1)
     args.latency_calls = 30 if args.quick else 300
     args.idle_seconds = 0.5 if args.quick else 2.0
-    watchdog(args.max_seconds or (120 if args.quick else 900))
+    watchdog(args.max_seconds or (120 if args.quick else 900), "bench_inprocess")
     parts = set(args.only or ["throughput", "latency", "idle"])
 
-    res = Results(load_before=os.getloadavg(), provenance_before=provenance())
+    res = Results(load_before=load(), provenance_before=provenance())
     t0 = time.perf_counter()
     if "idle" in parts:
         run_idle_cpu(res, args.idle_seconds)
@@ -842,9 +837,9 @@ def main() -> int:
     if "throughput" in parts:
         run_throughput(res, args.repeats, args.scale)
     else:
-        res.ideal.append(ideal_rate(max(10, IDEAL_BATCHES // args.scale)))
+        res.add("ideal", ideal_rate(max(10, IDEAL_BATCHES // args.scale)))
     res.wall_s = time.perf_counter() - t0
-    res.load_after = os.getloadavg()
+    res.load_after = load()
     res.provenance_after = provenance()
 
     text = report(res, args)

@@ -45,14 +45,12 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -68,10 +66,13 @@ from _harness import (
     Samples,
     fmt,
     free_port,
+    load,
     log,
+    machine,
     percentile,
     provenance,
     versions,
+    watchdog,
 )
 
 BATCH_SIZE = 32
@@ -822,9 +823,8 @@ def report(res: Results, cfg: Config, argv: list[str]) -> str:
         "## batchline queue benchmark (Redis service, end to end)",
         "",
         f"Command: `python scripts/bench_queue.py {' '.join(argv)}`  ",
-        f"Machine: {os.cpu_count()} cores ({platform.processor() or platform.machine()}), "
-        f"load average before the run {res.info.get('load_before', '?')}, after "
-        f"{res.info.get('load_after', '?')}; shared with other users.  ",
+        f"Machine: {machine(res.info.get('load_before', '?'), res.info.get('load_after', '?'))}"
+        "; shared with other users.  ",
         f"Measured: {res.info.get('provenance', '?')}  ",
         f"{versions(*DISTS)}; {res.info.get('redis', '')}  ",
         f"Medians of {cfg.repeats} interleaved repeat(s); ratios are medians of per-repeat "
@@ -1073,21 +1073,13 @@ def main(argv: list[str] | None = None) -> int:
     logdir = Path(tempfile.mkdtemp(prefix="bench-queue-"))
     procs = Procs(logdir)
     res = Results()
-    res.info["load_before"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    res.info["load_before"] = load()
 
     def on_signal(signum: int, _frame: Any) -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_signal)
-    limit = args.max_seconds or (120.0 if cfg.quick else 1800.0)
-
-    def watchdog() -> None:
-        time.sleep(limit)
-        log(f"still running after {limit:.0f} s: stopping every process and exiting")
-        procs.stop_all()
-        os._exit(3)
-
-    threading.Thread(target=watchdog, daemon=True, name="watchdog").start()
+    watchdog(args.max_seconds or (120.0 if cfg.quick else 1800.0), "bench_queue", procs.stop_all)
     failed = False
     started = time.perf_counter()
     try:
@@ -1113,7 +1105,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(logdir, ignore_errors=True)
         else:
             log(f"process logs kept in {logdir}")
-    res.info["load_after"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    res.info["load_after"] = load()
     text = report(res, cfg, argv)
     if "d" in cfg.parts:
         text += "\n".join(report_d(res, cfg, cfg.backends)) + "\n"
