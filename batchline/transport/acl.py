@@ -37,53 +37,53 @@ ROLES: tuple[Role, ...] = ("producer", "worker")
 _COMMON = ["+ping", "+cluster|slots", "+cluster|shards", "+command"]
 
 
-def _producer(base: str) -> list[str]:
+def _producer(keys: QueueKeys) -> list[str]:
     return [
         # The work streams: the enqueue script (XLEN for the depth check, XADD) and
         # queue_depth(); no command that reads entries (XRANGE, XREAD, XREADGROUP, XINFO).
-        f"~{base}:req:*",
+        f"~{keys.stream_prefix}*",
         "+evalsha",
         "+eval",
         "+script|load",
         "+xlen",
         "+xadd",
         # Results and reply streams: read only.
-        f"({' '.join([f'%R~{base}:res:*', f'%R~{base}:reply:*', '+get', '+xread'])})",
+        f"(%R~{keys.result_prefix}* %R~{keys.reply_prefix}* +get +xread)",
         # The cache and the model identity: read only (by the enqueue script; only workers
         # fill the cache).
-        f"(%R~{base}:cache:* %R~{base}:model +get)",
+        f"(%R~{keys.cache('*')} %R~{keys.model} +get)",
         # Deleting what it read from its reply stream, and the stream when it closes.
-        f"(%W~{base}:reply:* +xdel +del)",
+        f"(%W~{keys.reply_prefix}* +xdel +del)",
         # Cancelling: add to the cancel stream (and renew its TTL), never read it.
-        f"(%W~{base}:cancels +xadd +expire)",
+        f"(%W~{keys.cancels} +xadd +expire)",
         # The web backend's markers of polled jobs.
-        f"(~{base}:job:* +set +get +del)",
+        f"(~{keys.job('*')} +set +get +del)",
         # The enqueue script's resubmits and coalescing: input hashes and in-flight marks
         # (read, set; a refused request's input hash deleted), waiters (added, never
         # read), and its counters.
-        f"(~{base}:rid:* ~{base}:flight:* +get +set +del)",
-        f"(%W~{base}:wait:* +sadd +expire)",
-        f"(~{base}:once +hincrby +expire)",
+        f"(~{keys.request_input('*')} ~{keys.in_flight('*')} +get +set +del)",
+        f"(%W~{keys.waiters('*')} +sadd +expire)",
+        f"(~{keys.once_stats} +hincrby +expire)",
     ]
 
 
-def _worker(base: str) -> list[str]:
+def _worker(keys: QueueKeys) -> list[str]:
     return [
-        f"~{base}:req:*",
-        f"~{base}:res:*",
-        f"~{base}:reply:*",
-        f"%R~{base}:cancels",
-        f"~{base}:dead",
-        f"~{base}:workers",
-        f"~{base}:wstats:*",
+        f"~{keys.stream_prefix}*",
+        f"~{keys.result_prefix}*",
+        f"~{keys.reply_prefix}*",
+        f"%R~{keys.cancels}",
+        f"~{keys.dead}",
+        f"~{keys.workers}",
+        f"~{keys.worker_stats('*')}",
         # Answers computed once: the complete script reads and clears waiters and in-flight
         # marks, renews input hashes, fills the cache; the model identity; the counters.
-        f"~{base}:rid:*",
-        f"~{base}:wait:*",
-        f"~{base}:cache:*",
-        f"~{base}:flight:*",
-        f"~{base}:model",
-        f"~{base}:once",
+        f"~{keys.request_input('*')}",
+        f"~{keys.waiters('*')}",
+        f"~{keys.cache('*')}",
+        f"~{keys.in_flight('*')}",
+        f"~{keys.model}",
+        f"~{keys.once_stats}",
         "+smembers",
         "+del",
         "+hgetall",
@@ -122,7 +122,7 @@ def acl_rules(keys: QueueKeys, role: Role) -> list[str]:
     build = {"producer": _producer, "worker": _worker}.get(role)
     if build is None:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-    return ["resetkeys", "resetchannels", "-@all", *_COMMON, *build(keys.base)]
+    return ["resetkeys", "resetchannels", "-@all", *_COMMON, *build(keys)]
 
 
 def acl_setuser(keys: QueueKeys, role: Role, *, user: str) -> str:

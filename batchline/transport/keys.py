@@ -89,11 +89,16 @@ class QueueKeys:
         """The part every key of this queue starts with."""
         return f"{self.prefix}:{{{self.queue}}}"
 
+    @property
+    def stream_prefix(self) -> str:
+        """What every work stream's name starts with (then its priority level)."""
+        return f"{self.base}:req:"
+
     def stream(self, priority: int) -> str:
         """The work stream of one priority level."""
         if not 0 <= priority < self.priorities:
             raise ValueError(f"priority must be in 0..{self.priorities - 1}, got {priority!r}")
-        return f"{self.base}:req:{priority}"
+        return f"{self.stream_prefix}{priority}"
 
     @property
     def streams(self) -> list[str]:
