@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import gc
 import os
 import statistics
@@ -559,39 +560,28 @@ def run_throughput(res: Results, repeats: int, scale: int) -> None:
                 )
 
 
+def run_aio(fn: Callable[..., Awaitable[list[float]]], *args: Any) -> list[float]:
+    return asyncio.run(fn(*args))
+
+
 def run_latency(res: Results, calls: int) -> None:
     log("latency (single caller, idle batcher)")
     res.own_time_us = own_time_s() * 1e6
     own = res.own_time_us / 1e6
     for timeout_ms in (5.0, 0.0):
         configs: list[tuple[str, str, Callable[[], list[float]]]] = [
-            ("batchline", "thread", lambda t=timeout_ms: latency_thread("batchline", t, calls)),
-            ("batched", "thread", lambda t=timeout_ms: latency_thread("batched", t, calls)),
-            (
-                "batchline",
-                "aio (sync fn)",
-                lambda t=timeout_ms: asyncio.run(latency_aio("batchline", "noop", t, calls)),
-            ),
-            (
-                "batchline",
-                "aio (async fn)",
-                lambda t=timeout_ms: asyncio.run(latency_aio("batchline", "anoop", t, calls)),
-            ),
-            (
-                "batched",
-                "aio (sync fn)",
-                lambda t=timeout_ms: asyncio.run(latency_aio("batched", "noop", t, calls)),
-            ),
-            (
-                "batched",
-                "aio (async fn)",
-                lambda t=timeout_ms: asyncio.run(latency_aio("batched", "anoop", t, calls)),
-            ),
-            (
-                "fdb",
-                "aio",
-                lambda t=timeout_ms: asyncio.run(latency_aio("fdb", "noop", t, calls)),
-            ),
+            (impl, "thread", functools.partial(latency_thread, impl, timeout_ms, calls))
+            for impl in ("batchline", "batched")
+        ]
+        configs += [
+            (impl, api, functools.partial(run_aio, latency_aio, impl, fname, timeout_ms, calls))
+            for impl, api, fname in (
+                ("batchline", "aio (sync fn)", "noop"),
+                ("batchline", "aio (async fn)", "anoop"),
+                ("batched", "aio (sync fn)", "noop"),
+                ("batched", "aio (async fn)", "anoop"),
+                ("fdb", "aio", "noop"),
+            )
         ]
         for impl, api, measure in configs:
             samples = [s - own for s in measure()]
