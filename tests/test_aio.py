@@ -608,3 +608,25 @@ async def test_on_batch_start_may_reject_items() -> None:
 def test_max_concurrent_batches_is_validated() -> None:
     with pytest.raises(ValueError, match="max_concurrent_batches must be 1 or 2, got 3"):
         AioBatcher(double, BatchConfig(), max_concurrent_batches=3)
+
+
+async def test_batchers_given_one_lock_never_run_their_functions_at_once() -> None:
+    """The worker's two batchers of one model share its lock (``lock=``)."""
+    lock = threading.Lock()
+    held: list[bool] = []
+
+    def fn(xs: list[int]) -> list[int]:
+        held.append(lock.locked())  # the batcher holds it around each call
+        return double(xs)
+
+    config = BatchConfig(batch_size=1, timeout_ms=0, inline_below_ms=0)
+    a, b = AioBatcher(fn, config, lock=lock), AioBatcher(fn, config, lock=lock)
+    with lock:  # as a batch of another batcher would
+        call = asyncio.ensure_future(a(1))
+        await asyncio.sleep(0.05)  # room for a call past the lock to happen; not needed to pass
+        assert not call.done()
+    assert await call == 2
+    assert await b(2) == 4
+    assert held == [True, True]
+    await a.aclose()
+    await b.aclose()
