@@ -35,7 +35,13 @@ from batchline.errors import (
     RequestTimeout,
 )
 from batchline.producer._failures import Failed, connected, translate, uncertain, writer_for
-from batchline.producer._once import Answered, cached_result, outcome_of
+from batchline.producer._once import (
+    Answered,
+    cached_result,
+    check_input,
+    outcome_of,
+    sent_input,
+)
 from batchline.transport._cancels import cancel_request
 from batchline.transport._outbox import Outbox
 from batchline.transport._redis import Backoff, RedisClient, Script, connect, own_connection
@@ -119,6 +125,9 @@ class AsyncProducer:
         self._limits = self.settings.limits()
         # Every waiter of a request id here (a resubmit of a waiting id adds one).
         self._waiting: dict[str, list[asyncio.Future[Result]]] = {}
+        # The input hash of each waited-for request as sent: a pushed result computed from
+        # another input (its ih) is not taken (check_input).
+        self._inputs: dict[str, str] = {}
         #: Submits by what the enqueue script did with them (queued, result, cached, ...).
         self.counts: Counter[str] = Counter()
         self._reader: asyncio.Task[None] | None = None
@@ -182,6 +191,7 @@ class AsyncProducer:
                     fut.set_exception(BatcherClosed("the producer was closed before the result"))
                     fut.exception()  # retrieved: nobody may be waiting on it any more
         self._waiting.clear()
+        self._inputs.clear()
         with contextlib.suppress(RedisError, OSError):
             await self._redis.delete(self._reply_key)
         if self._writer is not self._redis:
@@ -276,11 +286,13 @@ class AsyncProducer:
         )
         fut: asyncio.Future[Result] | None = None
         loop = asyncio.get_running_loop()
+        flat: list[Any] = [x for kv in fields.items() for x in kv]
+        entry = [prio, flat]
         if reply:
             # Registered before the write, so that even the fastest reply finds its waiter.
             fut = loop.create_future()
             self._waiting.setdefault(rid, []).append(fut)
-        entry = [prio, [x for kv in fields.items() for x in kv]]
+            self._inputs.setdefault(rid, sent_input(flat))  # a conflict keeps the first
         self._outbox.put((entry, ack if ack is not None else (rid, fut), rid))
         return rid, fut
 
@@ -302,8 +314,8 @@ class AsyncProducer:
             for target in targets:
                 self._settle(target, exc)
         else:
-            for (_, target, rid), entry in zip(pending, entries, strict=True):
-                outcome = outcome_of(rid, entry, self._limits)
+            for (sent, target, rid), entry in zip(pending, entries, strict=True):
+                outcome = outcome_of(rid, entry, self._limits, sent[1])
                 self.counts[outcome.kind] += 1
                 self._settle(target, outcome)
 
@@ -347,6 +359,7 @@ class AsyncProducer:
             futs.remove(fut)
             if not futs:
                 del self._waiting[rid]
+                self._inputs.pop(rid, None)
 
     async def _write(self, batch: list[list[Any]], ids: list[str]) -> list[Any]:
         """One call of the enqueue script; raises Failed with a typed error per request."""
@@ -469,6 +482,7 @@ class AsyncProducer:
             await cancel_request(self._redis, self.keys, rid, self.settings.result_ttl_s)
         except (RedisError, OSError) as exc:
             raise translate(exc) from exc
+        self._inputs.pop(rid, None)
         for fut in self._waiting.pop(rid, []):
             if not fut.done():
                 # Not fut.cancel(): a waiter would take that for its own task being cancelled.
@@ -574,6 +588,10 @@ class AsyncProducer:
         """Resolve the waiter of one result (its fields by name); raises DecodeError for a
         malformed one."""
         result = decode_result(fields, self._limits)
+        if result.id not in self._waiting:
+            return  # a late answer (timed out, cancelled), or not this producer's
+        check_input(result, self._inputs.get(result.id, ""))
+        self._inputs.pop(result.id, None)
         for fut in self._waiting.pop(result.id, []):
             if not fut.done():
                 fut.set_result(result)
