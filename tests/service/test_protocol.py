@@ -14,8 +14,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -32,10 +35,12 @@ from batchline.worker._answers import dead_letter
 from .conftest import (
     REPO,
     RESULT_TIMEOUT_S,
+    WorkerProcess,
     WorkerThread,
     pending_count,
     spec,
     stream_lengths,
+    subprocess_env,
     wait_until,
 )
 from .models_for_tests import GatedModel
@@ -356,6 +361,44 @@ def test_the_doc_example_producer_runs_against_a_worker(
     namespace: dict[str, Any] = {"ENQUEUE_LUA": ENQUEUE}
     exec(compile(code, "docs/protocol.md", "exec"), namespace)  # the doc's own example
     assert (namespace["status"], namespace["output"]) == ("ok", "a sentence")
+
+
+def test_a_producer_written_from_the_doc_alone_against_a_worker_process(
+    spawn_worker: Callable[..., WorkerProcess],
+    redis_url: str,
+    queue: str,
+    rclient: redis.Redis,
+    keys: QueueKeys,
+) -> None:
+    """tests/service/foreign_producer.py imports redis-py and msgpack, never batchline: it
+    enqueues (the script's full call), reads its replies, polls a result key and cancels."""
+    script = Path(__file__).with_name("foreign_producer.py")
+    proc = subprocess.Popen(
+        [sys.executable, str(script), redis_url, queue],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert first == "queued\n", first + proc.communicate(timeout=T)[1]
+        spawn_worker()  # reads the cancel stream before it reads requests
+        out, err = proc.communicate(timeout=T)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert json.loads(out) == {
+        "hello": ["ok", "hello"],
+        "polled": ["ok", "polled"],
+        "doomed": ["cancelled", None],
+        "batchline_imported": [],
+    }
+    wait_until(lambda: sum(stream_lengths(rclient, keys)) == 0, "every entry to be answered")
+    assert rclient.xlen(keys.dead) == 0
 
 
 async def async_double(items: list[Any]) -> list[Any]:
