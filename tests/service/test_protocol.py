@@ -26,11 +26,14 @@ import numpy as np
 import pytest
 import redis
 
-from batchline.codec import SCHEMA_VERSION, Limits, Result, unpack_result
+from batchline.codec import SCHEMA_VERSION, Limits, Result, pack_value, unpack_result
+from batchline.errors import BadGenerationParams
+from batchline.generation import GenerationParams
 from batchline.keys import QueueKeys
 from batchline.transport._scripts import COMPLETE, ENQUEUE
 from batchline.worker import load_model
 from batchline.worker._answers import dead_letter
+from batchline.worker._generate import parse_request
 
 from .conftest import (
     REPO,
@@ -142,6 +145,24 @@ def test_an_entry_without_prio_runs_at_the_priority_of_its_stream(
     assert result_of(rclient, keys, "silent").output == "silent"
 
 
+def test_arrival_is_when_the_worker_reads_an_entry_not_its_id_or_ts(
+    start_worker: Callable[..., WorkerThread], rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    # Written before any worker runs, so one read brings them all: four priority-0 entries
+    # whose entry ids and ts say 1970, and one priority-2 entry of now.
+    for i in range(4):
+        old = entry(f"old-{i}", f"old-{i}", ts="1000.000")
+        rclient.xadd(keys.stream(0), old, id=f"{1000 + i}-0")
+    rclient.xadd(keys.stream(2), entry("new", "new"))
+    gate = GatedModel()
+    gate.release.set()
+    start_worker(gate, batch_size=1, timeout_ms=HUGE_MS, read_ahead=16)
+    wait_until(lambda: sum(stream_lengths(rclient, keys)) == 0, "every entry to be answered")
+    # Arrived together (one read): the higher priority runs first. Were arrival the entry
+    # id's time or ts, the old entries would have waited decades and gone first.
+    assert [b[0] for b in gate.batches] == ["new", "old-0", "old-1", "old-2", "old-3"]
+
+
 # -- which failures are dead-lettered ------------------------------------------------------------
 
 
@@ -229,6 +250,36 @@ def test_a_small_malformed_entry_keeps_every_field() -> None:
     assert record.dead is not None
     assert record.dead[:8] == [b"v", b"2", b"id", b"r1", b"meta", b"{", b"extra", b"\xff"]
     assert record.dead[8:] == ["reason", "MalformedRequest: bad", "worker", "w"]
+
+
+@pytest.mark.parametrize(
+    ("fail", "shown"),
+    [
+        (lambda: pack_value({b"k": 1}), "not starting with '$', got \"k\""),
+        (lambda: pack_value({"$k": None}), 'got "$k"'),
+        (lambda: pack_value([float("inf")]), "non-finite float Infinity cannot"),
+        (lambda: GenerationParams(temperature="hot"), 'temperature must be >= 0, got "hot"'),
+        (lambda: GenerationParams(seed=True), "seed must be an integer or null, got true"),
+        (lambda: GenerationParams(stop=("",)), 'non-empty strings: [""]'),
+        (lambda: parse({"prompt": "x", "stop": 5}), "list of texts, got 5"),
+        (lambda: parse({"prompt": "x", "colour": 1}), "unknown field(s) colour; known: max_"),
+    ],
+)
+def test_error_messages_that_travel_show_values_as_json(
+    fail: Callable[[], Any], shown: str
+) -> None:
+    """Messages of errors a producer gets in a result (an output that cannot travel, bad
+    generation parameters) show values as JSON, never as Python literals."""
+    with pytest.raises((TypeError, BadGenerationParams)) as info:
+        fail()
+    message = str(info.value)
+    assert shown in message, message
+    for literal in ("b'", "True", "None", "['", "('", "inf"):
+        assert literal not in message, message
+
+
+def parse(value: Any) -> Any:
+    return parse_request(value, default_max_new_tokens=16, max_new_tokens_limit=64)
 
 
 # -- result fields -------------------------------------------------------------------------------
