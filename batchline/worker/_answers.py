@@ -82,11 +82,13 @@ def answer(
     enqueued_ms = request.get("ts", 0.0)
     now = time.time()
     started = meta.started_unix or now
-    # An entry with a cache hash (ck) may answer requests coalesced onto it: its result
-    # carries the input hash it was computed from, which their producers check, and the
-    # completion script checks them against it (docs/protocol.md, Answers computed once).
+    # Every result carries the input hash of what it answers (ih), which producers check:
+    # work streams, waiters' sets and in-flight marks are written with producer rights, so
+    # another producer may add an entry under a victim's id, or name the victim a waiter of
+    # its own request (docs/protocol.md, Access control). An entry with a cache hash (ck)
+    # may answer requests coalesced onto it: the completion script checks them against it.
     cache_hash = request.get("ck") or ""
-    ih = input_hash(request["meta"], request.get("blob", b"")) if cache_hash else ""
+    ih = input_hash(request["meta"], request.get("blob", b""))
     try:
         fields = result_fields(
             request_id,
@@ -107,7 +109,8 @@ def answer(
         fields = encode_result(failed)
     packed = pack_result(fields)
     record = Record(meta.sidx, meta.entry, status, packed, request_id, request.get("reply"))
-    record.cache_hash, record.input_hash = cache_hash, ih
+    if cache_hash:
+        record.cache_hash, record.input_hash = cache_hash, ih
     return record
 
 

@@ -68,7 +68,7 @@ def main(url: str, queue: str) -> None:
 
     results: dict[str, dict[bytes, bytes]] = {}
     stream, last = f"{base}:reply:{me}", "0-0"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300  # a worker process may be slow to start on a busy machine
     while len(results) < 2 and time.monotonic() < deadline:
         for _stream, entries in r.xread({stream: last}, block=5000) or []:
             for last, reply in entries:

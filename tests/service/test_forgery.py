@@ -127,8 +127,44 @@ async def test_a_forged_waiter_gets_another_request_no_answer(
     thief.close()
     taken = [r.getMessage() for r in caplog.records if "another input" in r.getMessage()]
     # With the cache on, the forged answer was pushed (the script saw a matching hash) and
-    # the victim's producer refused it by its input hash; with it off, nothing was pushed.
+    # the victim's producer refused it by its input hash; with it off (no cache hash on the
+    # entry), nothing was pushed.
     assert len(taken) == (1 if cache_ttl_s else 0), taken
+
+
+async def test_an_entry_added_under_another_request_id_does_not_answer_it(
+    urls: dict[str, str],
+    serve: Callable[..., dict[str, Any]],
+    keys: QueueKeys,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = GatedModel()
+    common = serve(model, cache_ttl_s=0)
+    thief = redis.Redis.from_url(urls["producer"])
+    async with (
+        AsyncProducer(redis_url=urls["producer"], **common) as attacker,
+        AsyncProducer(redis_url=urls["producer"], **common) as victim,
+    ):
+        evil = await attacker.submit("the attacker's input")
+        assert model.entered.wait(T), "no batch reached the model"
+        # A guessable id and the victim's reply stream: the forged entry runs first.
+        forged = {"v": "2", "id": "order-2", "meta": '"the forged input"'}
+        stream = keys.stream(victim.settings.default_priority)
+        thief.xadd(stream, {**forged, "reply": victim.producer_id})
+        mine = await victim.submit("the victim's input", request_id="order-2")
+        model.release.set()
+        result = await victim.wait(mine, timeout_s=T)
+        assert (result.status, result.output) == ("ok", "the victim's input")
+        assert result.input_hash == hash_of("the victim's input")
+        assert (await attacker.wait(evil, timeout_s=T)).status == "ok"
+    thief.close()
+    assert [b[0] for b in model.batches] == [
+        "the attacker's input",
+        "the forged input",
+        "the victim's input",
+    ]
+    taken = [r.getMessage() for r in caplog.records if "another input" in r.getMessage()]
+    assert len(taken) == 1, taken
 
 
 async def test_a_forged_cache_link_does_not_answer_a_guessable_id(

@@ -436,7 +436,7 @@ def test_a_producer_written_from_the_doc_alone_against_a_worker_process(
         first = proc.stdout.readline()
         assert first == "queued\n", first + proc.communicate(timeout=T)[1]
         spawn_worker()  # reads the cancel stream before it reads requests
-        out, err = proc.communicate(timeout=T)
+        out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -41,9 +41,9 @@ class Result:
         batch_size: requests in its batch.
         model_ms: time of the model call on its batch.
         worker: id of the worker that answered.
-        input_hash: the input hash (docs/protocol.md) of the input this answer was computed
-            from, where the worker wrote one (field ``ih``; entries with a cache hash);
-            empty otherwise. A producer that knows its request's input checks it.
+        input_hash: the input hash (docs/protocol.md) of the input this answer is for (field
+            ``ih``); empty where the worker wrote none (a malformed entry, an older worker).
+            A producer that knows its request's input checks it.
     """
 
     id: str
