@@ -7,9 +7,10 @@ sees), the producers of the package (which check a result's input hash) and raw 
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ import redis
 from batchline.acl import ROLES, acl_setuser
 from batchline.codec import pack_value
 from batchline.keys import QueueKeys
-from batchline.producer import AsyncProducer
+from batchline.producer import AsyncProducer, Handle
 from batchline.transport._once import cache_hash, input_hash
 
 from .conftest import RESULT_TIMEOUT_S, WorkerThread, wait_until
@@ -83,6 +84,30 @@ def serve(
     return start
 
 
+@contextlib.asynccontextmanager
+async def parties(
+    url: str, common: dict[str, Any]
+) -> AsyncIterator[tuple[redis.Redis, AsyncProducer, AsyncProducer]]:
+    """With producer rights: a raw client (the forger's own commands), the forger's producer
+    and the victim's."""
+    thief = redis.Redis.from_url(url)
+    try:
+        async with (
+            AsyncProducer(redis_url=url, **common) as attacker,
+            AsyncProducer(redis_url=url, **common) as victim,
+        ):
+            yield thief, attacker, victim
+    finally:
+        thief.close()
+
+
+async def running(attacker: AsyncProducer, model: GatedModel) -> Handle:
+    """The attacker's request, held by the model (so what is added next waits behind it)."""
+    evil = await attacker.submit("the attacker's input")
+    assert model.entered.wait(T), "no batch reached the model"
+    return evil
+
+
 @pytest.mark.parametrize("cache_ttl_s", [0, 60], ids=["cache-off", "cache-on"])
 async def test_a_forged_waiter_gets_another_request_no_answer(
     urls: dict[str, str],
@@ -93,13 +118,8 @@ async def test_a_forged_waiter_gets_another_request_no_answer(
 ) -> None:
     model = GatedModel()
     common = serve(model, cache_ttl_s=cache_ttl_s)
-    thief = redis.Redis.from_url(urls["producer"])
-    async with (
-        AsyncProducer(redis_url=urls["producer"], **common) as attacker,
-        AsyncProducer(redis_url=urls["producer"], **common) as victim,
-    ):
-        evil = await attacker.submit("the attacker's input")
-        assert model.entered.wait(T), "no batch reached the model"
+    async with parties(urls["producer"], common) as (thief, attacker, victim):
+        evil = await running(attacker, model)
         mine = await victim.submit("the victim's input")  # queued behind it
         # The attacker names the victim's request (its id and reply stream) a waiter of its
         # own running request: as if coalesced, with its own input's hash, or none.
@@ -124,7 +144,6 @@ async def test_a_forged_waiter_gets_another_request_no_answer(
         stored = await victim.get_result(mine.id)
         assert stored is not None
         assert stored.output == "the victim's input"
-    thief.close()
     taken = [r.getMessage() for r in caplog.records if "another input" in r.getMessage()]
     # With the cache on, the forged answer was pushed (the script saw a matching hash) and
     # the victim's producer refused it by its input hash; with it off (no cache hash on the
@@ -140,13 +159,8 @@ async def test_an_entry_added_under_another_request_id_does_not_answer_it(
 ) -> None:
     model = GatedModel()
     common = serve(model, cache_ttl_s=0)
-    thief = redis.Redis.from_url(urls["producer"])
-    async with (
-        AsyncProducer(redis_url=urls["producer"], **common) as attacker,
-        AsyncProducer(redis_url=urls["producer"], **common) as victim,
-    ):
-        evil = await attacker.submit("the attacker's input")
-        assert model.entered.wait(T), "no batch reached the model"
+    async with parties(urls["producer"], common) as (thief, attacker, victim):
+        evil = await running(attacker, model)
         # A guessable id and the victim's reply stream: the forged entry runs first.
         forged = {"v": "2", "id": "order-2", "meta": '"the forged input"'}
         stream = keys.stream(victim.settings.default_priority)
@@ -157,7 +171,6 @@ async def test_an_entry_added_under_another_request_id_does_not_answer_it(
         assert (result.status, result.output) == ("ok", "the victim's input")
         assert result.input_hash == hash_of("the victim's input")
         assert (await attacker.wait(evil, timeout_s=T)).status == "ok"
-    thief.close()
     assert [b[0] for b in model.batches] == [
         "the attacker's input",
         "the forged input",
@@ -174,11 +187,7 @@ async def test_a_forged_cache_link_does_not_answer_a_guessable_id(
     keys: QueueKeys,
 ) -> None:
     common = serve(cache_ttl_s=60)
-    thief = redis.Redis.from_url(urls["producer"])
-    async with (
-        AsyncProducer(redis_url=urls["producer"], **common) as attacker,
-        AsyncProducer(redis_url=urls["producer"], **common) as victim,
-    ):
+    async with parties(urls["producer"], common) as (thief, attacker, victim):
         assert await attacker.infer("the attacker's input", timeout_s=T) == "the attacker's input"
         cached = cache_hash(MODEL_ID, hash_of("the attacker's input"))
         assert rclient.exists(keys.cache(cached))
@@ -189,7 +198,6 @@ async def test_a_forged_cache_link_does_not_answer_a_guessable_id(
         output = await victim.infer("the victim input", request_id="order-1", timeout_s=T)
         assert output == "the victim input"
         assert victim.counts == Counter(queued=1)  # the script did not follow the link
-    thief.close()
 
 
 def test_a_producer_cannot_write_the_cache_or_the_model_identity(
