@@ -180,6 +180,28 @@ async def test_an_entry_added_under_another_request_id_does_not_answer_it(
     assert len(taken) == 1, taken
 
 
+async def test_a_forged_in_flight_mark_gets_the_coalesced_an_error_not_another_answer(
+    urls: dict[str, str], serve: Callable[..., dict[str, Any]], keys: QueueKeys
+) -> None:
+    model = GatedModel()
+    common = serve(model, cache_ttl_s=60)
+    async with parties(urls["producer"], common) as (thief, attacker, victim):
+        evil = await running(attacker, model)
+        # A producer may SET in-flight marks (the enqueue script does): point the victim's
+        # input at the attacker's running request.
+        thief.set(keys.in_flight(cache_hash(MODEL_ID, hash_of("the victim's input"))), evil.id)
+        mine = await victim.submit("the victim's input")
+        assert victim.counts["coalesced"] == 1
+        with_deadline = await victim.submit("the attacker's input", deadline_ms=600_000)
+        assert victim.counts["queued"] == 1  # a request with a deadline is never coalesced
+        model.release.set()
+        result = await victim.wait(mine, timeout_s=T)
+        assert (result.status, result.error_type) == ("error", "CoalesceMismatch")
+        assert (await attacker.wait(evil, timeout_s=T)).output == "the attacker's input"
+        assert (await victim.wait(with_deadline, timeout_s=T)).output == "the attacker's input"
+    assert [x for batch in model.batches for x in batch] == ["the attacker's input"] * 2
+
+
 async def test_a_forged_cache_link_does_not_answer_a_guessable_id(
     urls: dict[str, str],
     serve: Callable[..., dict[str, Any]],
