@@ -27,6 +27,7 @@ import pytest
 import redis
 
 from batchline.codec import SCHEMA_VERSION, Limits, Result, pack_value, unpack_result
+from batchline.config import ProducerSettings, WorkerSettings
 from batchline.errors import BadGenerationParams
 from batchline.generation import GenerationParams
 from batchline.keys import QueueKeys
@@ -401,6 +402,29 @@ def test_the_doc_quotes_the_enqueue_script_verbatim() -> None:
     assert doc_block("lua", "enqueue script's reference text") == ENQUEUE.lstrip("\n")
     assert "`COMPLETE` in `batchline/transport/_scripts.py`" in DOC
     assert "redis.call('EXPIRE'" in COMPLETE  # the ACL section's reason for +expire
+
+
+def _documented_number(cell: str) -> int:
+    """The value a cell of the doc's limits table states: its last number, parentheses
+    aside ("1 MiB (1,048,576)", "8 × `max_elements` = 8 MiB", "16 (17 is refused)")."""
+    found = re.findall(r"(\d[\d,]*)\s*(MiB|Mi)?", re.sub(r"\(.*?\)", "", cell))
+    number, unit = found[-1]
+    return int(number.replace(",", "")) << (20 if unit else 0)
+
+
+def test_the_doc_states_the_readers_default_limits() -> None:
+    table = re.search(
+        r"\| limit \| worker \(request\) \| producer \(result\) \|\n.*?\n(.*?)\n\n", DOC, re.S
+    )
+    assert table is not None, "no limits table in docs/protocol.md"
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.group(1).splitlines()]
+    names = ["max_meta_bytes", "max_blob_bytes", "max_elements", "max_chars", "max_items"]
+    names.append("max_depth")
+    assert len(rows) == len(names), rows
+    worker, producer = WorkerSettings().limits(), ProducerSettings().limits()
+    for name, (_what, for_worker, for_producer) in zip(names, rows, strict=True):
+        assert _documented_number(for_worker) == getattr(worker, name), (name, for_worker)
+        assert _documented_number(for_producer) == getattr(producer, name), (name, for_producer)
 
 
 def test_the_doc_example_producer_runs_against_a_worker(
