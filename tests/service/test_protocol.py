@@ -197,6 +197,19 @@ def test_malformed_values_are_dead_lettered_with_malformed_request(
     assert result_of(rclient, keys, "deep16").status == "ok"
 
 
+def test_a_request_of_the_previous_schema_version_is_dead_lettered(
+    start_worker: Callable[..., WorkerThread], rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    """What docs/protocol.md says under Schema versions: version 1 is not read (not a rolling
+    upgrade from 1 to 2)."""
+    start_worker()
+    rclient.xadd(keys.stream(0), entry("old", "x", v="1", reply="p1"))
+    result = result_of(rclient, keys, "old")
+    assert (result.status, result.error_type) == ("error", "MalformedRequest")
+    assert "schema version 1 is not 2" in result.error_message
+    assert dead_letters(rclient, keys)["old"][b"v"] == b"1"
+
+
 def test_an_input_the_model_refuses_is_an_error_result_without_a_dead_letter(
     start_worker: Callable[..., WorkerThread], rclient: redis.Redis, keys: QueueKeys
 ) -> None:
