@@ -220,6 +220,11 @@ async def test_a_forged_cache_link_does_not_answer_a_guessable_id(
         output = await victim.infer("the victim input", request_id="order-1", timeout_s=T)
         assert output == "the victim input"
         assert victim.counts == Counter(queued=1)  # the script did not follow the link
+        # A link the script made itself (a cache hit) is followed when the id comes again.
+        hit = await victim.submit("the attacker's input")
+        again = await victim.submit("the attacker's input", request_id=hit.id)
+        assert (await victim.wait(again, timeout_s=T)).output == "the attacker's input"
+        assert victim.counts == Counter(queued=1, cached=1, result=1)
 
 
 def test_a_producer_cannot_write_the_cache_or_the_model_identity(
