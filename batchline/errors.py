@@ -43,6 +43,9 @@ again (the new submit waits for the same answer), and one already answered gets 
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 __all__ = [
     "BadGenerationParams",
     "BatchFunctionError",
@@ -189,3 +192,18 @@ class BadGenerationParams(GenerationError, ValueError):
 class PromptTooLong(GenerationError, ValueError):
     """The prompt, with room for ``max_new_tokens``, exceeds the model's context or the
     scheduler's ``max_batch_tokens``: it could never be admitted."""
+
+
+def show_value(value: Any, *, max_chars: int = 80) -> str:
+    """A value for an error message, readable in any language (messages travel to producers
+    in other languages: docs/protocol.md): text as JSON text (bytes decoded as UTF-8,
+    undecodable bytes as \\xNN), anything else as JSON; cut short. Never a Python repr."""
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "backslashreplace")
+    if isinstance(value, tuple | set | frozenset):
+        value = list(value)
+    try:
+        text = json.dumps(value, ensure_ascii=False, default=str)
+    except (ValueError, RecursionError):
+        text = str(value)
+    return text if len(text) <= max_chars else text[: max_chars - 3] + "..."

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from batchline.errors import BadGenerationParams
+from batchline.errors import BadGenerationParams, show_value
 
 __all__ = ["FinishReason", "GenerationDelta", "GenerationParams", "GenerationResult", "Sequence_"]
 
@@ -36,22 +36,27 @@ class GenerationParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
-            raise BadGenerationParams(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
+            raise BadGenerationParams(
+                f"max_new_tokens must be an int, got {show_value(self.max_new_tokens)}"
+            )
         if self.max_new_tokens < 1:
             raise BadGenerationParams(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not (isinstance(self.temperature, int | float) and 0 <= self.temperature < math.inf):
-            raise BadGenerationParams(f"temperature must be >= 0, got {self.temperature!r}")
+            raise BadGenerationParams(
+                f"temperature must be >= 0, got {show_value(self.temperature)}"
+            )
         if not (isinstance(self.top_p, int | float) and 0 < self.top_p <= 1):
-            raise BadGenerationParams(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise BadGenerationParams(f"top_p must be in (0, 1], got {show_value(self.top_p)}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise BadGenerationParams(f"top_k must be an int >= 0, got {self.top_k!r}")
+            raise BadGenerationParams(f"top_k must be an int >= 0, got {show_value(self.top_k)}")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):
-            raise BadGenerationParams(f"seed must be an int or None, got {self.seed!r}")
+            shown = show_value(self.seed)
+            raise BadGenerationParams(f"seed must be an integer or null, got {shown}")
         if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
             raise BadGenerationParams(
-                f"stop must be a sequence of non-empty strings: {self.stop!r}"
+                f"stop must be a sequence of non-empty strings: {show_value(self.stop)}"
             )
 
 

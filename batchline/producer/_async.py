@@ -31,7 +31,7 @@ from batchline.config import ProducerSettings
 from batchline.errors import BatcherClosed, BatchlineError, RequestCancelled, RequestTimeout
 from batchline.producer._enqueue import Enqueuer
 from batchline.producer._failures import translate
-from batchline.producer._once import Answered, cached_result
+from batchline.producer._once import Answered, cached_result, sent_input
 from batchline.producer._replies import ReplyReader, Waiters
 from batchline.transport._cancels import cancel_request
 from batchline.transport._redis import RedisClient, connect
@@ -238,8 +238,9 @@ class AsyncProducer:
             reply=self.producer_id if reply else None,
         )
         # Registered before the write, so that even the fastest reply finds its waiter.
-        fut = self._waiting.add(rid) if reply else None
-        entry = [prio, [x for kv in fields.items() for x in kv]]
+        flat: list[Any] = [x for kv in fields.items() for x in kv]
+        fut = self._waiting.add(rid, sent_input(flat)) if reply else None
+        entry = [prio, flat]
         self._enqueue.put(entry, ack if ack is not None else (rid, fut), rid)
         return rid, fut
 
@@ -348,6 +349,7 @@ class AsyncProducer:
             await cancel_request(self._redis, self.keys, rid, self.settings.result_ttl_s)
         except (RedisError, OSError) as exc:
             raise translate(exc) from exc
+        self._waiting.inputs.pop(rid, None)
         for fut in self._waiting.pop(rid, []):
             if not fut.done():
                 # Not fut.cancel(): a waiter would take that for its own task being cancelled.

@@ -108,8 +108,8 @@ class Enqueuer:
             for target in targets:
                 self._settle(target, exc)
         else:
-            for (_, target, rid), entry in zip(pending, entries, strict=True):
-                outcome = outcome_of(rid, entry, self._limits)
+            for (sent, target, rid), entry in zip(pending, entries, strict=True):
+                outcome = outcome_of(rid, entry, self._limits, sent[1])
                 self._counts[outcome.kind] += 1
                 self._settle(target, outcome)
 

@@ -13,11 +13,12 @@ import dataclasses
 from typing import Any
 
 from batchline.errors import RequestIdConflict
+from batchline.transport._once import input_hash
 from batchline.transport._redis import RedisClient
 from batchline.transport.codec import DecodeError, Limits, Result, unpack_result
 from batchline.transport.keys import QueueKeys
 
-__all__ = ["OUTCOMES", "Answered", "cached_result", "outcome_of"]
+__all__ = ["OUTCOMES", "Answered", "cached_result", "check_input", "outcome_of", "sent_input"]
 
 #: The names a producer counts its submits by (``AsyncProducer.counts``).
 OUTCOMES = ("queued", "full", "result", "cached", "attached", "coalesced", "conflict")
@@ -32,8 +33,28 @@ class Answered:
     now: Result | BaseException | None = None
 
 
-def outcome_of(request_id: str, reply: Any, limits: Limits) -> Answered:
-    """Read the enqueue script's answer for one request."""
+def sent_input(fields: list[Any]) -> str:
+    """The input hash of a request as this producer sent it (its flat stream fields)."""
+    named = dict(zip(fields[::2], fields[1::2], strict=True))
+    meta, blob = named["meta"], named.get("blob", b"")
+    return input_hash(meta if isinstance(meta, bytes) else meta.encode(), blob)
+
+
+def check_input(result: Result, sent: str) -> Result:
+    """``result``, if it may answer the request whose input hash is ``sent``; raises
+    DecodeError for a result computed from another input (its ``ih``). A request's waiters
+    and in-flight marks are written with producer rights, so another producer may try to
+    have one request answered with another's result (docs/protocol.md, Access control)."""
+    if result.input_hash and result.input_hash != sent:
+        raise DecodeError(
+            f"the result of request {result.id} was computed from another input (input hash "
+            f"{result.input_hash}, sent {sent}): not taken"
+        )
+    return result
+
+
+def outcome_of(request_id: str, reply: Any, limits: Limits, sent: list[Any]) -> Answered:
+    """Read the enqueue script's answer for one request (``sent``: its stream fields)."""
     if reply is None:
         return Answered("full")
     if not isinstance(reply, list) or not reply:
@@ -43,7 +64,7 @@ def outcome_of(request_id: str, reply: Any, limits: Limits) -> Answered:
         return Answered(kind, RequestIdConflict(request_id))
     if kind in ("result", "cached") and len(reply) == 2:
         try:
-            result = unpack_result(reply[1], limits)
+            result = check_input(unpack_result(reply[1], limits), sent_input(sent))
         except DecodeError as exc:
             what = "cached result" if kind == "cached" else "result key"
             return Answered(kind, DecodeError(f"the {what} of request {request_id}: {exc}"))

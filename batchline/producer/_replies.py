@@ -16,6 +16,7 @@ from typing import Any
 import msgpack
 from redis.exceptions import RedisError
 
+from batchline.producer._once import check_input
 from batchline.transport._redis import Backoff, RedisClient, own_connection
 from batchline.transport.codec import DecodeError, Limits, Result, decode_result
 from batchline.transport.codec._results import result_map
@@ -26,13 +27,34 @@ logger = logging.getLogger(__name__)
 
 
 class Waiters(dict[str, list["asyncio.Future[Result]"]]):
-    """Every waiter of a request id in one producer (a resubmit of a waiting id adds one)."""
+    """Every waiter of a request id in one producer (a resubmit of a waiting id adds one),
+    and the input hash of each waited-for request as sent: a pushed result computed from
+    another input (its ``ih``) is not taken (:func:`~batchline.producer._once.check_input`)."""
 
-    def add(self, rid: str) -> asyncio.Future[Result]:
-        """A new waiter of ``rid``, on the running loop."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.inputs: dict[str, str] = {}
+
+    def add(self, rid: str, sent: str) -> asyncio.Future[Result]:
+        """A new waiter of ``rid`` (whose input hash as sent is ``sent``), on the running
+        loop."""
         fut: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         self.setdefault(rid, []).append(fut)
+        self.inputs.setdefault(rid, sent)  # a conflict keeps the first
         return fut
+
+    def take(self, result: Result) -> list[asyncio.Future[Result]]:
+        """The waiters ``result`` answers, forgotten here; raises DecodeError for a result
+        computed from another input than the one sent under its id."""
+        if result.id not in self:
+            return []  # a late answer (timed out, cancelled), or not this producer's
+        check_input(result, self.inputs.get(result.id, ""))
+        self.inputs.pop(result.id, None)
+        return self.pop(result.id)
+
+    def clear(self) -> None:
+        super().clear()
+        self.inputs.clear()
 
     def drop(self, rid: str, fut: asyncio.Future[Result] | None) -> None:
         """Forget one waiter of ``rid`` (its caller has its answer, or gave up)."""
@@ -41,6 +63,7 @@ class Waiters(dict[str, list["asyncio.Future[Result]"]]):
             futs.remove(fut)
             if not futs:
                 del self[rid]
+                self.inputs.pop(rid, None)
 
 
 class ReplyReader:
@@ -169,6 +192,6 @@ class ReplyReader:
         """Resolve the waiter of one result (its fields by name); raises DecodeError for a
         malformed one."""
         result = decode_result(fields, self._limits)
-        for fut in self._waiting.pop(result.id, []):
+        for fut in self._waiting.take(result):
             if not fut.done():
                 fut.set_result(result)

@@ -59,12 +59,19 @@ for i, request in ipairs(requests) do
   elseif known then
     local mark, ref = string.sub(known, 42, 42), string.sub(known, 43)
     local result = redis.call('GET', res .. id)
-    if not result and mark == '=' then result = redis.call('GET', cache .. ref) end
+    if not result and mark == '=' then
+      -- rid keys are written with producer rights: follow one only to this input's answer
+      -- under the model serving now.
+      local m = model or redis.call('GET', ARGV[10])
+      if m and ref == redis.sha1hex(m .. '\\n' .. h) then
+        result = redis.call('GET', cache .. ref)
+      end
+    end
     if result then
       out[i] = {'result', result}
       count('existing')
     elseif mark == '=' then
-      known = false  -- served from the cache, which has expired since: run it again
+      known = false  -- its cached answer is gone (expired, or not this input's): run again
     else
       attach(mark == '>' and ref or id, id, reply, h)
       out[i] = {'attached'}
@@ -115,7 +122,9 @@ return out
 # Each result also reaches the request's further waiters (its waiters' set): the same id
 # from other producers, and requests of other ids coalesced onto it (for those the result
 # is written again under their own id, its id field replaced; one whose input hash differs
-# from the one the worker computed gets an error result instead). An ok result fills the
+# from the one the worker computed gets an error result instead; either only if that
+# request has no result stored yet, and only for an entry with a cache hash). An ok result
+# fills the
 # cache key the worker names.
 # For each record the entry is acknowledged; only if that acknowledgement took (no other
 # worker answered it first) are the dead letter added and the result written to its key
@@ -152,10 +161,15 @@ local function restamp(result, id)
   end
   return cmsgpack.pack(flat)
 end
-local function mismatch(id)
-  return cmsgpack.pack({'v', '2', 'id', id, 'status', 'error', 'meta', 'null',
+local function mismatch(id, hash)
+  local flat = {'v', '2', 'id', id, 'status', 'error', 'meta', 'null',
     'queue_ms', '0', 'batch', '0', 'model_ms', '0', 'worker', '', 'etype', 'CoalesceMismatch',
-    'emsg', 'the request it was coalesced onto had another input'})
+    'emsg', 'the request it was coalesced onto had another input'}
+  if hash ~= '' then
+    flat[#flat + 1] = 'ih'
+    flat[#flat + 1] = hash
+  end
+  return cmsgpack.pack(flat)
 end
 local function answer_waiters(request_id, reply, result, h)
   local key = wait_prefix .. request_id
@@ -166,11 +180,15 @@ local function answer_waiters(request_id, reply, result, h)
     local id, to, hash = string.match(waiter, '^(%S+) (%S*) (%S*)$')
     if id == request_id then
       if to ~= '' and to ~= reply then push(to, result) end
-    elseif id then
-      local own = hash == h and restamp(result, id) or mismatch(id)
-      redis.call('SET', result_prefix .. id, own, 'EX', ttl)
-      redis.call('EXPIRE', rid_prefix .. id, ttl)
-      if to ~= '' then push(to, own) end
+    elseif id and h ~= '' then
+      -- Coalesced (only entries with a cache hash have those). Waiters' sets are written
+      -- with producer rights: a result already stored is never replaced, and the result
+      -- carries the input hash it was computed from, for its producer to check.
+      local own = hash == h and restamp(result, id) or mismatch(id, hash)
+      if redis.call('SET', result_prefix .. id, own, 'NX', 'EX', ttl) then
+        redis.call('EXPIRE', rid_prefix .. id, ttl)
+        if to ~= '' then push(to, own) end
+      end
     end
   end
 end

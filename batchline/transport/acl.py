@@ -3,9 +3,14 @@
 Threat model: anyone holding the producer credentials (a web backend, a batch job) is not
 trusted with the results of other producers. With the producer rules such a client can add
 requests, read a result whose request id it knows, read reply streams and cancel requests;
-it cannot write a result key or a reply stream, read the work streams (where every request's
-id and reply address are), read or write the dead-letter stream or the workers set. So no
-producer can make another producer or a poller accept a result that no worker wrote. What a
+it cannot write a result key, a cache key or a reply stream, read the work streams (where
+every request's id and reply address are), read or write the dead-letter stream or the
+workers set. What it must be able to write (work-stream entries; through the enqueue
+script ``rid:`` keys, in-flight marks, waiters) is checked where it is used: every result
+carries the input hash of what it answers (``ih``), which the victim's producer checks
+(docs/protocol.md, Access control). So no producer can make another producer accept a
+result that no worker computed for its input; a poller that knows only an id relies on the
+id being unguessable. What a
 producer can still do is deny service: fill the queue up to ``max_queue_depth``, and, by a
 name it cannot list but might guess, read or delete the entries of another producer's reply
 stream (it must delete those it read: ``XDEL`` cannot be limited to one's own stream), or

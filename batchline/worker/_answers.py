@@ -92,6 +92,13 @@ def answer(
     enqueued_ms = request.get("ts", 0.0)
     now = time.time()
     started = meta.started_unix or now
+    # Every result carries the input hash of what it answers (ih), which producers check:
+    # work streams, waiters' sets and in-flight marks are written with producer rights, so
+    # another producer may add an entry under a victim's id, or name the victim a waiter of
+    # its own request (docs/protocol.md, Access control). An entry with a cache hash (ck)
+    # may answer requests coalesced onto it: the completion script checks them against it.
+    cache_hash = request.get("ck") or ""
+    ih = input_hash(request["meta"], request.get("blob", b""))
     try:
         fields = result_fields(
             request_id,
@@ -103,18 +110,17 @@ def answer(
             meta.batch_size,
             (now - meta.started_unix) * 1e3 if meta.started_unix else 0.0,
             worker_id,
+            input_hash=ih,
         )
     except (TypeError, ValueError, RecursionError) as exc:  # the output cannot travel
         status = "error"
-        fields = encode_result(
-            Result(request_id, "error", None, type(exc).__name__, str(exc)[:2000], worker=worker_id)
-        )
+        kind, message = type(exc).__name__, str(exc)[:2000]
+        failed = Result(request_id, "error", None, kind, message, worker=worker_id, input_hash=ih)
+        fields = encode_result(failed)
     packed = pack_result(fields)
     record = Record(meta.sidx, meta.entry, status, packed, request_id, request.get("reply"))
-    cache_hash = request.get("ck")
-    if cache_hash:  # the completion script checks coalesced requests against its input hash
-        record.cache_hash = cache_hash
-        record.input_hash = input_hash(request["meta"], request.get("blob", b""))
+    if cache_hash:
+        record.cache_hash, record.input_hash = cache_hash, ih
     return record
 
 

@@ -33,7 +33,7 @@ from batchline.core.scheduler import SchedulerConfig
 from batchline.core.stats import BatchStats, Percentiles, StatsRecorder
 from batchline.drivers._aio import _FunctionThread
 from batchline.drivers._base import Call, Item
-from batchline.errors import BadGenerationParams, BatcherClosed, GenerationError
+from batchline.errors import BadGenerationParams, BatcherClosed, GenerationError, show_value
 from batchline.worker.models import Prepared, pick_device, pick_dtype, resolve_callable
 
 if TYPE_CHECKING:  # batchline.generation imports torch: only once a model is served
@@ -105,7 +105,9 @@ def parse_request(
         )
     unknown = sorted(set(value) - _KEYS)
     if unknown:
-        raise BadGenerationParams(f"unknown field(s) {unknown}; known: {sorted(_KEYS)}")
+        raise BadGenerationParams(
+            f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(_KEYS))}"
+        )
     prompt, messages = value.get("prompt"), value.get("messages")
     if (prompt is None) == (messages is None):
         raise BadGenerationParams("give exactly one of prompt or messages")
@@ -130,7 +132,7 @@ def parse_request(
     elif isinstance(stop, list | tuple):
         stop = tuple(stop)
     else:
-        raise BadGenerationParams(f"stop must be a text or a list of texts, got {stop!r}")
+        raise BadGenerationParams(f"stop must be a text or a list of texts, got {show_value(stop)}")
     options = {k: value[k] for k in _PARAMS[:-1] if k in value}
     options.setdefault("max_new_tokens", min(default_max_new_tokens, max_new_tokens_limit))
     params = GenerationParams(**options, stop=stop)  # checks each value

@@ -307,6 +307,28 @@ def start_worker(redis_url: str, queue: str) -> Iterator[Callable[..., WorkerThr
     stop_all(started)
 
 
+@pytest.fixture
+def acl_user(redis_url: str) -> Iterator[Callable[[list[str]], str]]:
+    """Create ACL users with the given rules; each call returns a URL logged in as one. Ask
+    for it before ``start_worker``, so that workers stop before their users go."""
+    admin = redis.Redis.from_url(redis_url)
+    made: list[str] = []
+
+    def make(rules: list[str]) -> str:
+        user, password = f"acl-{secrets.token_hex(4)}", secrets.token_hex(12)
+        rules = [f">{password}" if r == ">PASSWORD" else r for r in rules]
+        admin.execute_command("ACL", "SETUSER", user, "reset", *rules)
+        made.append(user)
+        return redis_url.replace("redis://", f"redis://{user}:{password}@")
+
+    try:
+        yield make
+    finally:
+        for user in made:
+            admin.execute_command("ACL", "DELUSER", user)
+        admin.close()
+
+
 def stop_all(threads: list[WorkerThread]) -> None:
     """Stop workers started by a fixture, newest first; all are stopped even if one fails,
     whose error is raised then."""

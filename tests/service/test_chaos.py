@@ -1,4 +1,5 @@
-"""A short run of scripts/chaos.py: workers killed with SIGKILL, redis-server restarted once.
+"""Short runs of scripts/chaos.py: workers killed with SIGKILL, redis-server restarted once;
+and hostile inputs that crash or hang the model.
 
 The script starts its own redis-server (with AOF), workers and producer processes, so this
 test needs none of the session's fixtures, only a redis-server binary. Every wait in it is
@@ -12,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -20,10 +22,8 @@ from .conftest import REPO, subprocess_env
 REDIS = os.environ.get("BLTEST_REDIS_SERVER", "/usr/bin/redis-server")
 
 
-@pytest.mark.skipif(not os.access(REDIS, os.X_OK), reason=f"no redis-server at {REDIS}")
-def test_chaos_loses_nothing() -> None:
-    args = ["--duration", "10", "--producers", "2", "--workers", "2", "--rate", "40"]
-    args += ["--kill-every", "2", "--drain-s", "60", "--seed", "1"]
+def run_chaos(*args: str) -> tuple[dict[str, Any], str]:
+    """Run scripts/chaos.py with ``args``; its summary and its whole output. It passed."""
     done = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "chaos.py"), *args],
         env=subprocess_env({"BLTEST_REDIS_SERVER": REDIS}),
@@ -36,12 +36,24 @@ def test_chaos_loses_nothing() -> None:
     out = done.stdout + done.stderr
     found = re.search(r"CHAOS SUMMARY (\{.*?\n\})", done.stdout, re.DOTALL)
     assert found, out
-    summary = json.loads(found.group(1))
+    summary: dict[str, Any] = json.loads(found.group(1))
     assert done.returncode == 0, out
     assert summary["lost"] == 0, out
     assert summary["answered twice"] == 0, out
     assert summary["wrong results"] == 0, out
     assert summary["accepted"] > 0, out
+    return summary, out
+
+
+needs_redis = pytest.mark.skipif(
+    not os.access(REDIS, os.X_OK), reason=f"no redis-server at {REDIS}"
+)
+
+
+@needs_redis
+def test_chaos_loses_nothing() -> None:
+    args = ["--duration", "10", "--producers", "2", "--workers", "2", "--rate", "40"]
+    summary, out = run_chaos(*args, "--kill-every", "2", "--drain-s", "60", "--seed", "1")
     assert summary["worker kills"] >= 2, out
     assert summary["redis restart"] != "none", out
     # Everything accepted was answered, correctly (no error results either: 10 deliveries).
@@ -49,3 +61,20 @@ def test_chaos_loses_nothing() -> None:
         summary["answered correctly"] + summary["lost in the Redis restart window"]
         == summary["accepted"]
     ), out
+
+
+@needs_redis
+def test_chaos_with_inputs_that_crash_or_hang_the_model() -> None:
+    """Every 50th request aborts the worker process, every 70th hangs it (max_batch_ms 1 s):
+    only those are dead-lettered, every batch-mate is answered, the supervisors replace the
+    processes, and no worker exits for good."""
+    args = ["--duration", "6", "--producers", "1", "--workers", "2", "--rate", "30"]
+    args += ["--kill-every", "1000", "--no-redis-restart", "--crash-every", "50"]
+    summary, out = run_chaos(*args, "--hang-every", "70", "--max-batch-ms", "1000", "--seed", "1")
+    poison = summary["poison inputs accepted"]
+    assert poison >= 2, out  # a crash and a hang at least
+    assert summary["poison inputs dead-lettered"] == poison, out
+    assert summary["answered correctly"] + poison == summary["accepted"], out
+    assert summary["errored, by type"] == {}, out
+    assert summary["worker processes restarted by their supervisor"] >= poison, out
+    assert summary["workers that exited on their own otherwise"] == 0, out

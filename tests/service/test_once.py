@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import redis
 
-from batchline.codec import pack_value
 from batchline.config import WorkerSettings
 from batchline.errors import QueueFull, RequestIdConflict
 from batchline.keys import QueueKeys
@@ -359,30 +358,3 @@ async def test_a_request_refused_as_the_queue_was_full_leaves_its_id_free(
         again = await producer.submit("another input", request_id="out")  # no conflict
         assert again.id == "out"
         assert producer.counts == Counter(queued=2, full=1)
-
-
-async def test_a_forged_in_flight_mark_gets_the_coalesced_an_error_not_another_answer(
-    cached: list[AsyncProducer],
-    start_worker: Callable[..., WorkerThread],
-    rclient: redis.Redis,
-    keys: QueueKeys,
-) -> None:
-    attacker, victim = cached
-    model = GatedModel()
-    start_worker(model=model, cache_ttl_s=60, model_id="m1")
-    evil = await attacker.submit("the attacker's input")
-    assert model.entered.wait(T)
-    # A producer may SET in-flight marks (the enqueue script does): point the victim's input
-    # at the attacker's running request.
-    meta, _blob = pack_value("the victim's input")
-    rclient.set(keys.in_flight(cache_hash("m1", input_hash(meta, b""))), evil.id)
-    mine = await victim.submit("the victim's input")
-    assert victim.counts["coalesced"] == 1
-    with_deadline = await victim.submit("the attacker's input", deadline_ms=600_000)
-    assert victim.counts["queued"] == 1  # a request with a deadline is never coalesced
-    model.release.set()
-    result = await victim.wait(mine, timeout_s=T)
-    assert (result.id, result.status, result.error_type) == (mine.id, "error", "CoalesceMismatch")
-    assert (await attacker.wait(evil, timeout_s=T)).output == "the attacker's input"
-    assert (await victim.wait(with_deadline, timeout_s=T)).output == "the attacker's input"
-    assert computed(model) == ["the attacker's input"] * 2

@@ -14,8 +14,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -23,19 +26,25 @@ import numpy as np
 import pytest
 import redis
 
-from batchline.codec import SCHEMA_VERSION, Limits, Result, unpack_result
+from batchline.codec import SCHEMA_VERSION, Limits, Result, pack_value, unpack_result
+from batchline.config import ProducerSettings, WorkerSettings
+from batchline.errors import BadGenerationParams
+from batchline.generation import GenerationParams
 from batchline.keys import QueueKeys
 from batchline.transport._scripts import COMPLETE, ENQUEUE
 from batchline.worker import load_model
 from batchline.worker._answers import dead_letter
+from batchline.worker._generate import parse_request
 
 from .conftest import (
     REPO,
     RESULT_TIMEOUT_S,
+    WorkerProcess,
     WorkerThread,
     pending_count,
     spec,
     stream_lengths,
+    subprocess_env,
     wait_until,
 )
 from .models_for_tests import GatedModel
@@ -137,6 +146,24 @@ def test_an_entry_without_prio_runs_at_the_priority_of_its_stream(
     assert result_of(rclient, keys, "silent").output == "silent"
 
 
+def test_arrival_is_when_the_worker_reads_an_entry_not_its_id_or_ts(
+    start_worker: Callable[..., WorkerThread], rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    # Written before any worker runs, so one read brings them all: four priority-0 entries
+    # whose entry ids and ts say 1970, and one priority-2 entry of now.
+    for i in range(4):
+        old = entry(f"old-{i}", f"old-{i}", ts="1000.000")
+        rclient.xadd(keys.stream(0), old, id=f"{1000 + i}-0")
+    rclient.xadd(keys.stream(2), entry("new", "new"))
+    gate = GatedModel()
+    gate.release.set()
+    start_worker(gate, batch_size=1, timeout_ms=HUGE_MS, read_ahead=16)
+    wait_until(lambda: sum(stream_lengths(rclient, keys)) == 0, "every entry to be answered")
+    # Arrived together (one read): the higher priority runs first. Were arrival the entry
+    # id's time or ts, the old entries would have waited decades and gone first.
+    assert [b[0] for b in gate.batches] == ["new", "old-0", "old-1", "old-2", "old-3"]
+
+
 # -- which failures are dead-lettered ------------------------------------------------------------
 
 
@@ -168,6 +195,19 @@ def test_malformed_values_are_dead_lettered_with_malformed_request(
     deep = "[" * 16 + "]" * 16  # 16 levels pass
     rclient.xadd(keys.stream(0), {"v": V, "id": "deep16", "meta": deep})
     assert result_of(rclient, keys, "deep16").status == "ok"
+
+
+def test_a_request_of_the_previous_schema_version_is_dead_lettered(
+    start_worker: Callable[..., WorkerThread], rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    """What docs/protocol.md says under Schema versions: version 1 is not read (not a rolling
+    upgrade from 1 to 2)."""
+    start_worker()
+    rclient.xadd(keys.stream(0), entry("old", "x", v="1", reply="p1"))
+    result = result_of(rclient, keys, "old")
+    assert (result.status, result.error_type) == ("error", "MalformedRequest")
+    assert "schema version 1 is not 2" in result.error_message
+    assert dead_letters(rclient, keys)["old"][b"v"] == b"1"
 
 
 def test_an_input_the_model_refuses_is_an_error_result_without_a_dead_letter(
@@ -224,6 +264,36 @@ def test_a_small_malformed_entry_keeps_every_field() -> None:
     assert record.dead is not None
     assert record.dead[:8] == [b"v", b"2", b"id", b"r1", b"meta", b"{", b"extra", b"\xff"]
     assert record.dead[8:] == ["reason", "MalformedRequest: bad", "worker", "w"]
+
+
+@pytest.mark.parametrize(
+    ("fail", "shown"),
+    [
+        (lambda: pack_value({b"k": 1}), "not starting with '$', got \"k\""),
+        (lambda: pack_value({"$k": None}), 'got "$k"'),
+        (lambda: pack_value([float("inf")]), "non-finite float Infinity cannot"),
+        (lambda: GenerationParams(temperature="hot"), 'temperature must be >= 0, got "hot"'),
+        (lambda: GenerationParams(seed=True), "seed must be an integer or null, got true"),
+        (lambda: GenerationParams(stop=("",)), 'non-empty strings: [""]'),
+        (lambda: parse({"prompt": "x", "stop": 5}), "list of texts, got 5"),
+        (lambda: parse({"prompt": "x", "colour": 1}), "unknown field(s) colour; known: max_"),
+    ],
+)
+def test_error_messages_that_travel_show_values_as_json(
+    fail: Callable[[], Any], shown: str
+) -> None:
+    """Messages of errors a producer gets in a result (an output that cannot travel, bad
+    generation parameters) show values as JSON, never as Python literals."""
+    with pytest.raises((TypeError, BadGenerationParams)) as info:
+        fail()
+    message = str(info.value)
+    assert shown in message, message
+    for literal in ("b'", "True", "None", "['", "('", "inf"):
+        assert literal not in message, message
+
+
+def parse(value: Any) -> Any:
+    return parse_request(value, default_max_new_tokens=16, max_new_tokens_limit=64)
 
 
 # -- result fields -------------------------------------------------------------------------------
@@ -347,6 +417,29 @@ def test_the_doc_quotes_the_enqueue_script_verbatim() -> None:
     assert "redis.call('EXPIRE'" in COMPLETE  # the ACL section's reason for +expire
 
 
+def _documented_number(cell: str) -> int:
+    """The value a cell of the doc's limits table states: its last number, parentheses
+    aside ("1 MiB (1,048,576)", "8 × `max_elements` = 8 MiB", "16 (17 is refused)")."""
+    found = re.findall(r"(\d[\d,]*)\s*(MiB|Mi)?", re.sub(r"\(.*?\)", "", cell))
+    number, unit = found[-1]
+    return int(number.replace(",", "")) << (20 if unit else 0)
+
+
+def test_the_doc_states_the_readers_default_limits() -> None:
+    table = re.search(
+        r"\| limit \| worker \(request\) \| producer \(result\) \|\n.*?\n(.*?)\n\n", DOC, re.S
+    )
+    assert table is not None, "no limits table in docs/protocol.md"
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.group(1).splitlines()]
+    names = ["max_meta_bytes", "max_blob_bytes", "max_elements", "max_chars", "max_items"]
+    names.append("max_depth")
+    assert len(rows) == len(names), rows
+    worker, producer = WorkerSettings().limits(), ProducerSettings().limits()
+    for name, (_what, for_worker, for_producer) in zip(names, rows, strict=True):
+        assert _documented_number(for_worker) == getattr(worker, name), (name, for_worker)
+        assert _documented_number(for_producer) == getattr(producer, name), (name, for_producer)
+
+
 def test_the_doc_example_producer_runs_against_a_worker(
     start_worker: Callable[..., WorkerThread], redis_url: str, queue: str
 ) -> None:
@@ -356,6 +449,44 @@ def test_the_doc_example_producer_runs_against_a_worker(
     namespace: dict[str, Any] = {"ENQUEUE_LUA": ENQUEUE}
     exec(compile(code, "docs/protocol.md", "exec"), namespace)  # the doc's own example
     assert (namespace["status"], namespace["output"]) == ("ok", "a sentence")
+
+
+def test_a_producer_written_from_the_doc_alone_against_a_worker_process(
+    spawn_worker: Callable[..., WorkerProcess],
+    redis_url: str,
+    queue: str,
+    rclient: redis.Redis,
+    keys: QueueKeys,
+) -> None:
+    """tests/service/foreign_producer.py imports redis-py and msgpack, never batchline: it
+    enqueues (the script's full call), reads its replies, polls a result key and cancels."""
+    script = Path(__file__).with_name("foreign_producer.py")
+    proc = subprocess.Popen(
+        [sys.executable, str(script), redis_url, queue],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert first == "queued\n", first + proc.communicate(timeout=T)[1]
+        spawn_worker()  # reads the cancel stream before it reads requests
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert json.loads(out) == {
+        "hello": ["ok", "hello"],
+        "polled": ["ok", "polled"],
+        "doomed": ["cancelled", None],
+        "batchline_imported": [],
+    }
+    wait_until(lambda: sum(stream_lengths(rclient, keys)) == 0, "every entry to be answered")
+    assert rclient.xlen(keys.dead) == 0
 
 
 async def async_double(items: list[Any]) -> list[Any]:

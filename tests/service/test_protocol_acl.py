@@ -7,8 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -36,27 +35,6 @@ def documented_rules() -> list[str]:
     found = re.search(r"```acl\nACL SETUSER batchline (.*?)\n```", DOC)
     assert found is not None, "no ACL SETUSER line in docs/protocol.md"
     return found.group(1).split()
-
-
-@pytest.fixture
-def acl_user(redis_url: str) -> Iterator[Callable[[list[str]], str]]:
-    """Create ACL users with the given rules; each call returns a URL logged in as one."""
-    admin = redis.Redis.from_url(redis_url)
-    made: list[str] = []
-
-    def make(rules: list[str]) -> str:
-        user, password = f"acl-{secrets.token_hex(4)}", secrets.token_hex(12)
-        rules = [f">{password}" if r == ">PASSWORD" else r for r in rules]
-        admin.execute_command("ACL", "SETUSER", user, "reset", *rules)
-        made.append(user)
-        return redis_url.replace("redis://", f"redis://{user}:{password}@")
-
-    try:
-        yield make
-    finally:
-        for user in made:
-            admin.execute_command("ACL", "DELUSER", user)
-        admin.close()
 
 
 def denials(client: redis.Redis, url: str) -> list[Any]:

@@ -32,7 +32,7 @@ from batchline.producer import AsyncProducer
 
 LIMITS = Limits()
 FIELDS = ["v", "id", "status", "meta", "blob", "etype", "emsg", "queue_ms", "batch", "model_ms"]
-FIELDS += ["worker"]
+FIELDS += ["worker", "ih"]
 
 _edges = [0, 1, -1, 2**31, 2**32, 2**53 + 1, 2**63 - 1, -(2**63), 2**63, 2**64 - 1]
 ints = st.one_of(
@@ -92,7 +92,9 @@ def decodes_or_refuses(data: Any) -> Result | None:
     return result
 
 
-BASE = Result("r1", "ok", "out", queue_ms=1.5, batch_size=3, model_ms=2.0, worker="w")
+BASE = Result(
+    "r1", "ok", "out", queue_ms=1.5, batch_size=3, model_ms=2.0, worker="w", input_hash="0" * 40
+)
 
 
 def test_the_base_result_decodes() -> None:
@@ -106,6 +108,16 @@ def test_out_of_range_numbers_are_refused(name: str, value: Any) -> None:
     fields[name] = value
     with pytest.raises(DecodeError):
         unpack_result(packed(fields), LIMITS)
+
+
+@pytest.mark.parametrize("ih", ["abc", "0" * 39, "0" * 41, "g" * 40, "A" * 40, 7])
+def test_an_input_hash_that_is_not_40_lower_case_hex_digits_is_refused(ih: Any) -> None:
+    fields = good_fields(BASE)
+    fields["ih"] = ih
+    with pytest.raises(DecodeError, match="ih"):
+        unpack_result(packed(fields), LIMITS)
+    fields.pop("ih")
+    assert unpack_result(packed(fields), LIMITS).input_hash == ""  # absent: an older worker
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -212,6 +224,7 @@ def test_the_reply_reader_survives_any_entry(
         producer = AsyncProducer(redis_url="redis://127.0.0.1:1/0", queue="fuzz")
         fut: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         producer._waiting[BASE.id] = [fut]
+        producer._waiting.inputs[BASE.id] = BASE.input_hash  # what it "sent"
         raw: dict[bytes, Any] = {}
         if r is not None:
             raw[b"r"] = r

@@ -9,11 +9,10 @@ from typing import Annotated, Any, NotRequired
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from typing_extensions import TypedDict
 
-from batchline.errors import DecodeError
+from batchline.errors import DecodeError, show_value
 from batchline.transport.codec._values import (
     SCHEMA_VERSION,
     Limits,
-    _show,
     pack_value,
     unpack_value,
 )
@@ -154,7 +153,7 @@ def _problem(error: Any) -> str:
     value = error["input"]
     if isinstance(value, bytes):
         value = value.decode("utf-8", "backslashreplace")
-    shown = value if isinstance(value, str) and _BARE.match(value) else _show(value)
+    shown = value if isinstance(value, str) and _BARE.match(value) else show_value(value)
     if field == "v":
         return f"schema version {shown} is not {SCHEMA_VERSION}"
     if kind == "string_pattern_mismatch":

@@ -41,6 +41,9 @@ class Result:
         batch_size: requests in its batch.
         model_ms: time of the model call on its batch.
         worker: id of the worker that answered.
+        input_hash: the input hash (docs/protocol.md) of the input this answer is for (field
+            ``ih``); empty where the worker wrote none (a malformed entry, an older worker).
+            A producer that knows its request's input checks it.
     """
 
     id: str
@@ -52,6 +55,7 @@ class Result:
     batch_size: int = 0
     model_ms: float = 0.0
     worker: str = ""
+    input_hash: str = ""
 
     def unwrap(self) -> Any:
         """The output, or the typed error this result stands for."""
@@ -73,7 +77,7 @@ def encode_result(result: Result) -> list[bytes | str]:
     r = result
     return result_fields(
         r.id, r.status, r.output, r.error_type, r.error_message,
-        r.queue_ms, r.batch_size, r.model_ms, r.worker,
+        r.queue_ms, r.batch_size, r.model_ms, r.worker, input_hash=r.input_hash,
     )  # fmt: skip
 
 
@@ -87,6 +91,8 @@ def result_fields(  # noqa: PLR0917 - the fields of a Result, without building o
     batch_size: int,
     model_ms: float,
     worker: str,
+    *,
+    input_hash: str = "",
 ) -> list[bytes | str]:
     """:func:`encode_result` of the Result these would make (a worker's hot path)."""
     meta, blob = pack_value(output) if status == "ok" else (b"null", b"")
@@ -114,6 +120,8 @@ def result_fields(  # noqa: PLR0917 - the fields of a Result, without building o
         fields += ("etype", error_type)
     if error_message:
         fields += ("emsg", error_message)
+    if input_hash:
+        fields += ("ih", input_hash)
     return fields
 
 
@@ -212,6 +220,9 @@ def decode_result(raw: Mapping[Any, Any], limits: Limits) -> Result:
     queue_ms = _number(raw, b"queue_ms", float)
     batch = _number(raw, b"batch", int)
     model_ms = _number(raw, b"model_ms", float)
+    ih = _text(raw, b"ih")
+    if ih and not _is_hash(ih):
+        raise DecodeError("malformed result: ih is not 40 lower-case hex digits")
     meta, blob = raw.get(b"meta", b"null"), raw.get(b"blob", b"")
     if not (isinstance(meta, bytes) and isinstance(blob, bytes)):
         raise DecodeError("malformed result: meta and blob must be bytes")
@@ -223,4 +234,12 @@ def decode_result(raw: Mapping[Any, Any], limits: Limits) -> Result:
             raise
         except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # belt and braces
             raise DecodeError(f"malformed result: its output: {exc}") from None
-    return Result(rid, status, output, etype, emsg, queue_ms, batch, model_ms, worker)  # type: ignore[arg-type]
+    return Result(rid, status, output, etype, emsg, queue_ms, batch, model_ms, worker, ih)  # type: ignore[arg-type]
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def _is_hash(text: str) -> bool:
+    """Whether ``text`` is a SHA-1 in hex, lower case (an input hash)."""
+    return len(text) == 40 and _HEX.issuperset(text)

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from batchline.errors import DecodeError
+from batchline.errors import DecodeError, show_value
 
 __all__ = ["SCHEMA_VERSION", "Limits", "pack_value", "unpack_value"]
 
@@ -78,7 +78,7 @@ def pack_value(value: Any) -> tuple[bytes, bytes]:
             return v
         if isinstance(v, float):
             if not math.isfinite(v):
-                raise TypeError(f"non-finite float {v!r} cannot travel as JSON")
+                raise TypeError(f"non-finite float {show_value(v)} cannot travel as JSON")
             return v
         if isinstance(v, list | tuple):
             return [walk(x) for x in v]
@@ -86,7 +86,9 @@ def pack_value(value: Any) -> tuple[bytes, bytes]:
             out: dict[str, Any] = {}
             for k, x in v.items():
                 if not isinstance(k, str) or k.startswith("$"):
-                    raise TypeError(f"dict keys must be strings not starting with '$', got {k!r}")
+                    raise TypeError(
+                        f"dict keys must be strings not starting with '$', got {show_value(k)}"
+                    )
                 out[k] = walk(x)
             return out
         raise TypeError(f"a {type(v).__name__} cannot travel; use JSON types or numeric arrays")
@@ -144,7 +146,8 @@ def unpack_value(meta: bytes, blob: bytes, limits: Limits) -> Any:
             for k in v:
                 if k.startswith("$"):
                     raise DecodeError(
-                        f"object key {_show(k)} starts with '$' (reserved for array references)"
+                        f"object key {show_value(k)} starts with '$' "
+                        "(reserved for array references)"
                     )
             return {k: walk(x, depth + 1) for k, x in v.items()}
         return v  # None, bool, int, float
@@ -168,36 +171,24 @@ def _finite(text: str) -> float:
 _JSON = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite)
 
 
-def _show(value: Any, *, max_chars: int = 80) -> str:
-    """A value for an error message, readable in any language: text as JSON text (bytes
-    decoded as UTF-8, undecodable bytes as \\xNN), anything else as JSON; cut short."""
-    if isinstance(value, bytes):
-        value = value.decode("utf-8", "backslashreplace")
-    try:
-        text = json.dumps(value, ensure_ascii=False, default=str)
-    except (ValueError, RecursionError):
-        text = str(value)
-    return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
-
-
 def _array(ref: dict[str, Any], blob: bytes, budget: int) -> np.ndarray[Any, Any]:
     spec = ref["$nd"]
     if len(ref) != 1 or not isinstance(spec, list) or len(spec) != 3:
         raise DecodeError('an array reference is {"$nd": [dtype, shape, offset]} and nothing else')
     dtype, shape, offset = spec
     if not isinstance(dtype, str) or dtype not in _DTYPES:
-        raise DecodeError(f"array dtype {_show(dtype)} is not allowed")
+        raise DecodeError(f"array dtype {show_value(dtype)} is not allowed")
     if not isinstance(shape, list) or len(shape) > 8:
         raise DecodeError("array shape must be a list of at most 8 dimensions")
     count = 1
     for n in shape:
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise DecodeError(f"array shape {_show(shape)} is not a list of sizes")
+            raise DecodeError(f"array shape {show_value(shape)} is not a list of sizes")
         count *= n
         if count > budget:
             raise DecodeError(f"array of shape {shape} exceeds max_elements")
     if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-        raise DecodeError(f"array offset {_show(offset)} is invalid")
+        raise DecodeError(f"array offset {show_value(offset)} is invalid")
     nbytes = count * np.dtype(dtype).itemsize
     if offset + nbytes > len(blob):
         raise DecodeError(f"array of shape {shape} needs {nbytes} bytes at {offset}; blob is short")
