@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,8 @@ from batchline.worker._readcap import Entry
 from batchline.worker.models import Model, Prepared
 
 __all__ = ["Meta", "Record", "answer", "dead_letter", "prepare"]
+
+logger = logging.getLogger(__name__)
 
 _MAX_DEAD_RAW = 1 << 20  # a dead letter keeps the original fields up to this size in all
 _MAX_DEAD_FIELDS = 256  # and this many of them (Lua's unpack() takes a few thousand values)
@@ -156,6 +159,7 @@ def prepare(
     expired; refused by the model's ``preprocess``; deleted while pending: acknowledged)."""
     now = time.time()
     out: list[Record | tuple[Meta, list[Prepared]]] = []
+    waiting: list[tuple[int, Meta]] = []  # (its place in out, request) to preprocess
     requests = iter(decode_requests([raw for _sidx, _entry, raw in batch if raw]))
     for sidx, entry, raw in batch:
         if not raw:  # deleted while pending: nothing to answer, only to acknowledge
@@ -177,10 +181,31 @@ def prepare(
         if deadline_ms is not None and deadline_ms <= now * 1e3:
             out.append(answer(meta, "expired", worker_id))
             continue
+        waiting.append((len(out), meta))
+        out.append(Record(sidx, entry))  # a placeholder, replaced below
+    for (index, meta), prepared in zip(
+        waiting, _preprocess(model, [m.value for _, m in waiting]), strict=True
+    ):
+        if isinstance(prepared, Exception):  # the input's fault: this request alone fails
+            out[index] = answer(meta, "error", worker_id, error=prepared)
+        else:
+            out[index] = (meta, prepared)
+    return out
+
+
+def _preprocess(model: Model, values: list[Any]) -> list[list[Prepared] | Exception]:
+    """Each value's prepared items, or the exception ``preprocess`` raised for it; all at
+    once where the model has ``preprocess_many`` (the tokenizer models: one call per read)."""
+    many = getattr(model, "preprocess_many", None)
+    if many is not None and values:
         try:
-            prepared = model.preprocess(value)
-        except Exception as exc:  # the input's fault: this request alone fails
-            out.append(answer(meta, "error", worker_id, error=exc))
-            continue
-        out.append((meta, prepared))
+            return list(many(values))
+        except Exception:  # one value broke the call: each alone, so that only it fails
+            logger.debug("preprocess_many failed; preprocessing one by one", exc_info=True)
+    out: list[list[Prepared] | Exception] = []
+    for value in values:
+        try:
+            out.append(model.preprocess(value))
+        except Exception as exc:
+            out.append(exc)
     return out

@@ -31,7 +31,6 @@ SIGTERM (or :meth:`Worker.stop`) drains: stop reading, run what was read, write,
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import os
@@ -58,12 +57,13 @@ from batchline.errors import (
 from batchline.transport._cancels import CancelLog
 from batchline.transport._redis import RedisClient, connect, dedicated, wait_for_redis
 from batchline.transport.keys import check_name, host_id
-from batchline.worker._answers import Meta, Record, answer, dead_letter, prepare
+from batchline.worker._answers import Meta, Record, answer, dead_letter
 from batchline.worker._cache import AnswerCache
 from batchline.worker._claims import Claims
 from batchline.worker._consumers import ensure_groups
 from batchline.worker._generate import Executor, GenerationExecutor, GenerationModel
-from batchline.worker._readcap import Entry, ReadCap
+from batchline.worker._prep import Preparer
+from batchline.worker._readcap import ReadCap
 from batchline.worker._reader import Entries, Reader
 from batchline.worker._threads import apply_threads, available_cpus, prepare_environment
 from batchline.worker._upkeep import Upkeep, every, snapshot
@@ -171,7 +171,7 @@ class Worker:
         self._hung = threading.Event()
         self._meta: dict[Call, Meta] = {}
         self._preparing = 0
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._prep = Preparer(self.model, self._limits, self.worker_id, threads=s.prep_threads)
         self.counts: Counter[str] = Counter()
         self.metrics = Metrics(s.metrics_port)
         self._stop: asyncio.Event | None = None
@@ -232,6 +232,7 @@ class Worker:
             model_name=self._model_name,
             counts=self.counts,
             stats=self._batcher.stats,
+            prepare=self._prep.stats(),
         )
 
     def _serving(self) -> bool:
@@ -298,10 +299,7 @@ class Worker:
         prepare_environment(self.threads)  # before the model loads torch (or anything)
         await loop.run_in_executor(None, self.model.load)
         apply_threads(self.threads)
-        if self.model.heavy_preprocess:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="batchline-prep"
-            )
+        self._prep.start()
         await ensure_groups(self._redis, self._streams_low_first)
         await self._cache.publish(self._redis)
         await self._cancels.catch_up(self._redis, self.keys)
@@ -332,8 +330,7 @@ class Worker:
         await asyncio.gather(*tasks, return_exceptions=True)
         with contextlib.suppress(RedisError, OSError):
             await self._redis.zrem(self.keys.workers, self.worker_id)
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
+        self._prep.close()
         self.metrics.stop()
         if self._writer is not self._redis:
             await self._writer.aclose()
@@ -409,24 +406,16 @@ class Worker:
             limit = self._readcap.max_entry_bytes
             reason = f"entry of {size} bytes exceeds the largest request ({limit} bytes)"
             self._answer(self._dead_letter(sidx, entry, raw or {}, "MalformedRequest", reason))
-        if self._pool is not None:
-            self._preparing += len(batch)
-            try:
-                loop = asyncio.get_running_loop()
-                outcomes = await loop.run_in_executor(self._pool, self._prepare, batch)
-            finally:
-                self._preparing -= len(batch)
-        else:
-            outcomes = self._prepare(batch)
+        self._preparing += len(batch)
+        try:
+            outcomes = await self._prep(batch)
+        finally:
+            self._preparing -= len(batch)
         for outcome in outcomes:
             if isinstance(outcome, Record):
                 self._answer(outcome)
             else:
                 self._submit(*outcome, alone=alone)
-
-    def _prepare(self, batch: list[Entry]) -> list[Record | tuple[Meta, list[Prepared]]]:
-        """Decode, validate and preprocess entries (off the event loop for heavy models)."""
-        return prepare(batch, self.model, self._limits, self.worker_id)
 
     def _submit(self, meta: Meta, prepared: list[Prepared], *, alone: bool = False) -> None:
         request = meta.request
