@@ -28,6 +28,7 @@ import numpy as np
 from redis.exceptions import RedisError
 
 from batchline.demo.embedded import EmbeddedRedis
+from batchline.demo.load import open_loop
 from batchline.demo.sentences import labelled_sentences
 from batchline.drivers._options import DEFAULTS
 
@@ -112,17 +113,19 @@ async def _drive(
             i = 0
             try:
                 for rate in RATES:
-                    step = _Step(rate, started=time.perf_counter())
+                    step = _Step(rate)
                     steps.append(step)
                     progress.update(task, description=f"offered {rate:>4} req/s")
                     count = min(len(texts) - i, int(rate * step_s))
-                    for k in range(count):
-                        # Open-loop arrivals at the step's rate: the load does not wait.
-                        await asyncio.sleep(max(0.0, step.started + k / rate - time.perf_counter()))
-                        pending.append(asyncio.create_task(one(i, step, progress, task)))
-                        i += 1
+
+                    def send(k: int, step: _Step = step, first: int = i) -> None:
+                        pending.append(asyncio.create_task(one(first + k, step, progress, task)))
                         step.sent += 1
+
+                    # Open-loop arrivals at the step's rate: the load does not wait.
+                    step.started = await open_loop(rate, count, send)
                     step.ended = time.perf_counter()
+                    i += count
                     if i >= len(texts):
                         break
                 progress.update(task, description="draining")
