@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import platform
@@ -96,7 +97,16 @@ from _harness import (
 
 BATCH_SIZE = 32
 
-DISTS = ("redis", "hiredis", "arq", "torch", "sentence-transformers", "onnxruntime", "openvino")
+DISTS = (
+    "redis",
+    "hiredis",
+    "uvloop",
+    "arq",
+    "torch",
+    "sentence-transformers",
+    "onnxruntime",
+    "openvino",
+)
 
 TARGETS = {
     "a_rps": 20_000.0,  # batchline end-to-end requests/s, no-op model
@@ -260,7 +270,10 @@ def child_main(args: argparse.Namespace) -> int:
     if args.role == "arq-worker":
         arq_worker_role(args)
     else:
-        asyncio.run(load_role(args))
+        from batchline._loop import run
+
+        # The producer's loop as batchline worker picks its own (BATCHLINE_EVENT_LOOP).
+        run(load_role(args), event_loop=os.environ.get("BATCHLINE_EVENT_LOOP", "auto"))
     return 0
 
 
@@ -518,7 +531,13 @@ class Bench:
         }
         arq: dict[str, subprocess.Popen[bytes]] = {}
         arq_pid = 0
-        if "a" in cfg.parts:
+        has_arq = importlib.util.find_spec("arq") is not None
+        if "a" in cfg.parts and not has_arq:
+            res.notes.append(
+                "arq is not installed (pip install 'batchline[bench]'; it pins redis < 6): "
+                "the arq comparison is left out"
+            )
+        if "a" in cfg.parts and has_arq:
             arq_pid = self.procs.spawn(
                 "arq-worker",
                 self.python("arq-worker", [
@@ -856,6 +875,7 @@ def report(res: Results, cfg: Config, argv: list[str]) -> str:
         f"{res.info.get('load_after', '?')}; shared with other users.  ",
         f"Measured: {res.info.get('provenance', '?')}  ",
         f"{versions(*DISTS)}; {res.info.get('redis', '')}  ",
+        f"Event loop of the worker and producer processes: {res.info.get('loop', '?')}  ",
         f"Medians of {cfg.repeats} interleaved repeat(s); ratios are medians of per-repeat "
         "ratios; the range of the repeats is in brackets.",
         "",
@@ -1109,6 +1129,15 @@ def config(args: argparse.Namespace) -> Config:
     return cfg
 
 
+def loop_in_use() -> str:
+    """The event loop the children pick (BATCHLINE_EVENT_LOOP, batchline._loop)."""
+    from batchline._loop import loop_factory
+
+    name = os.environ.get("BATCHLINE_EVENT_LOOP", "auto")
+    factory = loop_factory(name)
+    return f"{factory.__module__.split('.')[0]} (BATCHLINE_EVENT_LOOP={name})"
+
+
 @contextlib.contextmanager
 def snapshot(live: bool) -> Iterator[Path]:
     """A copy of batchline/ (or the checkout itself with ``live``), first on sys.path."""
@@ -1166,6 +1195,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with snapshot(args.no_snapshot) as src:
             res.info["provenance"] = provenance(src)
+            res.info["loop"] = loop_in_use()
             if cfg.device == "auto" and not args.batch_size:
                 cfg.batch_sizes = [64, 128, 256] if device_of(cfg) == "cuda" else [BATCH_SIZE]
             bench = Bench(cfg, procs, src, res)

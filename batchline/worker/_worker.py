@@ -289,11 +289,12 @@ class Worker:
     async def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Reach Redis, load the model, create the groups, catch up on cancels."""
         logger.info(
-            "worker %s: queue %r on %s, model %s",
+            "worker %s: queue %r on %s, model %s, event loop %s",
             self.worker_id,
             self.keys.queue,
             redact_url(self.settings.redis_url.get_secret_value()),
             self._model_name,
+            type(loop).__module__.split(".")[0],
         )
         await wait_for_redis(self._redis, self.settings, wait_s=self.settings.redis_wait_s)
         prepare_environment(self.threads)  # before the model loads torch (or anything)
