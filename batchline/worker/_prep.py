@@ -66,10 +66,11 @@ class Preparer:
             outcomes, took = self._prepare(batch)
             self._count(took, len(batch))
             return outcomes
+        if not batch:  # every entry of the read was too large: dead-lettered unread
+            return []
         loop = asyncio.get_running_loop()
-        parts = min(self._threads, len(batch)) or 1
-        size = -(-len(batch) // parts)
-        chunks = [batch[i : i + size] for i in range(0, len(batch), size)] or [batch]
+        size = -(-len(batch) // min(self._threads, len(batch)))
+        chunks = [batch[i : i + size] for i in range(0, len(batch), size)]
         done = await asyncio.gather(
             *(loop.run_in_executor(self._pool, self._prepare, chunk) for chunk in chunks)
         )
