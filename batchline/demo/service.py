@@ -183,8 +183,8 @@ def _load_summary(steps: list[_Step], served: list[float], ceiling: float | None
     if ceiling:
         lines.append(
             f"served at most {top:,.0f}/s = {top / ceiling:.0%} of the offline ceiling "
-            f"{ceiling:,.0f}/s (encode(batch_size={_CEILING_BATCH}) of the same sentences, "
-            "in a process of its own after the load, the worker stopped)"
+            f"{ceiling:,.0f}/s (encode(batch_size={_CEILING_BATCH}) of the sentences sent, at "
+            f"most {_CEILING_TEXTS}, in a process of its own after the load, the worker stopped)"
         )
     below = [s for s in steps if s.rate < 0.9 * top and s.latencies_ms]
     over = [s for s in steps if s.rate > 1.1 * top and s.latencies_ms]
