@@ -121,8 +121,8 @@ def _worker(args: argparse.Namespace) -> int:
     if supervised and args.supervised_child is None:
         # Run the worker in a child process, restarted if it dies.
         return supervise(args.argv, max_restarts_per_min=settings.max_restarts_per_min)
-    from batchline._loop import run
     from batchline.errors import WorkerHung
+    from batchline.transport._loop import run
     from batchline.worker import Worker
     from batchline.worker._upkeep import HUNG_EXIT_CODE
 

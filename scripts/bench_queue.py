@@ -270,7 +270,7 @@ def child_main(args: argparse.Namespace) -> int:
     if args.role == "arq-worker":
         arq_worker_role(args)
     else:
-        from batchline._loop import run
+        from batchline.transport._loop import run
 
         # The producer's loop as batchline worker picks its own (BATCHLINE_EVENT_LOOP).
         run(load_role(args), event_loop=os.environ.get("BATCHLINE_EVENT_LOOP", "auto"))
@@ -1133,8 +1133,8 @@ def config(args: argparse.Namespace) -> Config:
 
 
 def loop_in_use() -> str:
-    """The event loop the children pick (BATCHLINE_EVENT_LOOP, batchline._loop)."""
-    from batchline._loop import loop_factory
+    """The event loop the children pick (BATCHLINE_EVENT_LOOP, batchline.transport._loop)."""
+    from batchline.transport._loop import loop_factory
 
     name = os.environ.get("BATCHLINE_EVENT_LOOP", "auto")
     factory = loop_factory(name)

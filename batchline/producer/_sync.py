@@ -11,9 +11,9 @@ import threading
 from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar, Unpack
 
-from batchline._loop import loop_factory
 from batchline.config import ProducerSettings
 from batchline.producer._async import AsyncProducer, Handle, RequestOptions, SubmitOptions
+from batchline.transport._loop import loop_factory
 from batchline.transport.codec import Result
 
 __all__ = ["Producer"]
