@@ -51,7 +51,7 @@ class GpuSampler:
         elif shutil.which("nvidia-smi"):
             query = ["nvidia-smi", "-i", "0", "--query-gpu=utilization.gpu"]
             self._proc = subprocess.Popen(
-                [*query, "--format=csv,noheader,nounits", f"-lms={GPU_SAMPLE_MS}"],
+                [*query, "--format=csv,noheader,nounits", f"--loop-ms={GPU_SAMPLE_MS}"],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
                 text=True,
