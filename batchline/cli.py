@@ -122,6 +122,7 @@ def _worker(args: argparse.Namespace) -> int:
         # Run the worker in a child process, restarted if it dies.
         return supervise(args.argv, max_restarts_per_min=settings.max_restarts_per_min)
     from batchline.errors import WorkerHung
+    from batchline.transport._loop import run
     from batchline.worker import Worker
     from batchline.worker._upkeep import HUNG_EXIT_CODE
 
@@ -130,7 +131,7 @@ def _worker(args: argparse.Namespace) -> int:
     if args.supervised_child is not None:
         report_ready(args.supervised_child, worker.ready)
     try:
-        asyncio.run(worker.run())
+        run(worker.run(), event_loop=settings.event_loop)
     except WorkerHung:
         logging.shutdown()
         os._exit(HUNG_EXIT_CODE)  # the hung model's thread cannot be stopped otherwise

@@ -65,6 +65,9 @@ class ServiceSettings(BaseSettings):
         cache_ttl_s: how long an ok result stays in the queue's result cache, by input (0:
             no cache; set it on producers and workers alike: producers look results up and
             coalesce identical inputs, workers fill it).
+        event_loop: the event loop of ``batchline worker`` and of the blocking ``Producer``:
+            ``auto`` (uvloop where it is installed, the ``fast`` extra; else asyncio's),
+            ``uvloop`` or ``asyncio``.
     """
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
@@ -77,6 +80,7 @@ class ServiceSettings(BaseSettings):
     result_ttl_s: int = Field(default=3600, ge=1)
     redis_wait_s: float = Field(default=30.0, ge=0)
     cache_ttl_s: int = Field(default=0, ge=0)
+    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
 
     @field_validator("queue", "prefix")
     @classmethod
@@ -148,6 +152,9 @@ class WorkerSettings(ServiceSettings):
             wait plus model time at or under this (time in Redis before the read not counted).
         max_tokens: padded-token budget of one batch (rows x longest row), or none.
         read_ahead: requests held ahead of the model, in batches (also the grouping window).
+        prep_threads: threads decoding and tokenizing what the worker reads, overlapping the
+            model's compute (a tokenizer model's reads are split across them; raise it where
+            a fast model, a GPU, waits for tokenizing).
         claim_idle_ms: a request pending this long on a silent worker is reclaimed.
         max_deliveries: deliveries before a request goes to the dead-letter stream (a
             request delivered more than once runs alone, so it fails only itself).
@@ -192,6 +199,7 @@ class WorkerSettings(ServiceSettings):
     target_p99_ms: float | None = Field(default=None, gt=0)
     max_tokens: int | None = Field(default=None, ge=1)
     read_ahead: int = Field(default=16, ge=1)
+    prep_threads: int = Field(default=1, ge=1, le=64)
     claim_idle_ms: int = Field(default=30_000, ge=100)
     max_deliveries: int = Field(default=3, ge=1)
     max_batch_ms: int = Field(default=60_000, ge=0)

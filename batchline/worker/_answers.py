@@ -3,8 +3,7 @@ and the way in: read entries decoded, validated and preprocessed (:class:`Prepar
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +25,9 @@ from batchline.transport.codec._results import result_fields
 from batchline.worker._readcap import Entry
 from batchline.worker.models import Model, Prepared
 
-__all__ = ["Meta", "Outcome", "Preparer", "Record", "answer", "dead_letter", "finished", "prepare"]
+__all__ = ["Meta", "Outcome", "Record", "answer", "dead_letter", "finished", "prepare"]
+
+logger = logging.getLogger(__name__)
 
 _MAX_DEAD_RAW = 1 << 20  # a dead letter keeps the original fields up to this size in all
 _MAX_DEAD_FIELDS = 256  # and this many of them (Lua's unpack() takes a few thousand values)
@@ -186,6 +187,7 @@ def prepare(batch: list[Entry], model: Model, limits: Limits, worker_id: str) ->
     expired; refused by the model's ``preprocess``; deleted while pending: acknowledged)."""
     now = time.time()
     out: list[Outcome] = []
+    waiting: list[tuple[int, Meta]] = []  # (its place in out, request) to preprocess
     requests = iter(decode_requests([raw for _sidx, _entry, raw in batch if raw]))
     for sidx, entry, raw in batch:
         if not raw:  # deleted while pending: nothing to answer, only to acknowledge
@@ -207,45 +209,31 @@ def prepare(batch: list[Entry], model: Model, limits: Limits, worker_id: str) ->
         if deadline_ms is not None and deadline_ms <= now * 1e3:
             out.append(answer(meta, "expired", worker_id))
             continue
-        try:
-            prepared = model.preprocess(value)
-        except Exception as exc:  # the input's fault: this request alone fails
-            out.append(answer(meta, "error", worker_id, error=exc))
-            continue
-        out.append((meta, prepared))
+        waiting.append((len(out), meta))
+        out.append(Record(sidx, entry))  # a placeholder, replaced below
+    for (index, meta), prepared in zip(
+        waiting, _preprocess(model, [m.value for _, m in waiting]), strict=True
+    ):
+        if isinstance(prepared, Exception):  # the input's fault: this request alone fails
+            out[index] = answer(meta, "error", worker_id, error=prepared)
+        else:
+            out[index] = (meta, prepared)
     return out
 
 
-class Preparer:
-    """Runs :func:`prepare` on the entries of each read: on a thread of its own for a model
-    whose preprocessing is heavy (a tokenizer), so the event loop stays free; else inline.
-
-    ``preparing`` counts the entries on that thread now (they hold room in the window).
-    """
-
-    def __init__(self, model: Model, limits: Limits, worker_id: str) -> None:
-        self._model, self._limits, self._worker_id = model, limits, worker_id
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self.preparing = 0
-
-    def start(self) -> None:
-        """Once the model has loaded (it says then whether its preprocessing is heavy)."""
-        if self._model.heavy_preprocess and self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="batchline-prep"
-            )
-
-    async def __call__(self, batch: list[Entry]) -> list[Outcome]:
-        if self._pool is None:
-            return prepare(batch, self._model, self._limits, self._worker_id)
-        self.preparing += len(batch)
+def _preprocess(model: Model, values: list[Any]) -> list[list[Prepared] | Exception]:
+    """Each value's prepared items, or the exception ``preprocess`` raised for it; all at
+    once where the model has ``preprocess_many`` (the tokenizer models: one call per read)."""
+    many = getattr(model, "preprocess_many", None)
+    if many is not None and values:
         try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self._pool, prepare, batch, self._model, self._limits, self._worker_id
-            )
-        finally:
-            self.preparing -= len(batch)
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
+            return list(many(values))
+        except Exception:  # one value broke the call: each alone, so that only it fails
+            logger.debug("preprocess_many failed; preprocessing one by one", exc_info=True)
+    out: list[list[Prepared] | Exception] = []
+    for value in values:
+        try:
+            out.append(model.preprocess(value))
+        except Exception as exc:
+            out.append(exc)
+    return out

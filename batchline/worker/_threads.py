@@ -15,10 +15,10 @@ process may use, no more (threads beyond them only take turns) and no fewer:
   nothing on a machine of its own but takes the cores from everything else on a shared one
   (the producer beside the worker, the worker's own reading and tokenizing thread) and
   slows the whole service many times there.
-- ``TOKENIZERS_PARALLELISM=false`` unless set: the worker tokenizes one text at a time on
-  its single preprocessing thread (overlapping the model's compute), so the Rust
-  tokenizers' thread pool would only add one more thread per core competing with the
-  model's.
+- ``TOKENIZERS_PARALLELISM=false`` unless set: the worker tokenizes on preprocessing
+  threads of its own (``prep_threads``, one by default; overlapping the model's compute),
+  so the Rust tokenizers' thread pool would only add one more thread per core competing
+  with the model's.
 
 The environment variables only take effect if they are set before torch is imported in
 the process (``batchline worker`` sets them before it loads anything); the torch calls

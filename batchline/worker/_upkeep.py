@@ -260,6 +260,7 @@ def snapshot(
     model_name: str,
     counts: Counter[str],
     stats: BatchStats,
+    prepare: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A worker's statistics as its heartbeat publishes them (``batchline status``)."""
     return {
@@ -287,6 +288,8 @@ def snapshot(
         "padding_efficiency": (
             None if stats.padding_efficiency is None else round(stats.padding_efficiency, 4)
         ),
+        # decoding and tokenizing: seconds (summed over the threads), requests, threads
+        "prepare": prepare,
         "time": time.time(),
     }
 

@@ -50,11 +50,12 @@ from batchline.errors import BatcherClosed, BatchlineError, RequestCancelled, Wo
 from batchline.transport._cancels import CancelLog
 from batchline.transport._redis import RedisClient, connect, dedicated, wait_for_redis
 from batchline.transport.keys import check_name, host_id
-from batchline.worker._answers import Meta, Preparer, Record, answer, dead_letter, finished
+from batchline.worker._answers import Meta, Record, answer, dead_letter, finished
 from batchline.worker._cache import AnswerCache
 from batchline.worker._claims import Claims
 from batchline.worker._consumers import ensure_groups
 from batchline.worker._executors import Hooks, build
+from batchline.worker._prep import Preparer
 from batchline.worker._readcap import ReadCap
 from batchline.worker._reader import Entries, Reader
 from batchline.worker._threads import apply_threads, available_cpus, prepare_environment
@@ -128,7 +129,7 @@ class Worker:
         self._model_since: float | None = None  # monotonic start of the model call running
         self._hung = threading.Event()
         self._meta: dict[Call, Meta] = {}
-        self._prepare = Preparer(self.model, self._limits, self.worker_id)
+        self._prep = Preparer(self.model, self._limits, self.worker_id, threads=s.prep_threads)
         self.counts: Counter[str] = Counter()
         self.metrics = Metrics(s.metrics_port)
         self._stop: asyncio.Event | None = None
@@ -189,6 +190,7 @@ class Worker:
             model_name=self._model_name,
             counts=self.counts,
             stats=self._batcher.stats,
+            prepare=self._prep.stats(),
         )
 
     def _serving(self) -> bool:
@@ -245,17 +247,18 @@ class Worker:
     async def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Reach Redis, load the model, create the groups, catch up on cancels."""
         logger.info(
-            "worker %s: queue %r on %s, model %s",
+            "worker %s: queue %r on %s, model %s, event loop %s",
             self.worker_id,
             self.keys.queue,
             redact_url(self.settings.redis_url.get_secret_value()),
             self._model_name,
+            type(loop).__module__.split(".")[0],
         )
         await wait_for_redis(self._redis, self.settings, wait_s=self.settings.redis_wait_s)
         prepare_environment(self.threads)  # before the model loads torch (or anything)
         await loop.run_in_executor(None, self.model.load)
         apply_threads(self.threads)
-        self._prepare.start()
+        self._prep.start()
         await ensure_groups(self._redis, self._streams_low_first)
         await self._cache.publish(self._redis)
         await self._cancels.catch_up(self._redis, self.keys)
@@ -286,7 +289,7 @@ class Worker:
         await asyncio.gather(*tasks, return_exceptions=True)
         with contextlib.suppress(RedisError, OSError):
             await self._redis.zrem(self.keys.workers, self.worker_id)
-        self._prepare.close()
+        self._prep.close()
         self.metrics.stop()
         if self._writer is not self._redis:
             await self._writer.aclose()
@@ -351,7 +354,7 @@ class Worker:
 
     def _room(self) -> int:
         """How many more entries the reader may bring in."""
-        return self._window - self._batcher.queue_size - self._prepare.preparing
+        return self._window - self._batcher.queue_size - self._prep.preparing
 
     async def _accept(self, entries: Entries, *, alone: bool = False) -> None:
         batch, too_large = self._readcap.split(list(entries))
@@ -362,7 +365,7 @@ class Worker:
             limit = self._readcap.max_entry_bytes
             reason = f"entry of {size} bytes exceeds the largest request ({limit} bytes)"
             self._answer(self._dead_letter(sidx, entry, raw or {}, "MalformedRequest", reason))
-        for outcome in await self._prepare(batch):
+        for outcome in await self._prep(batch):
             if isinstance(outcome, Record):
                 self._answer(outcome)
             else:

@@ -65,6 +65,8 @@ class Model(Protocol):
 
     # Optional: ``pads = False`` tells the worker that batches are not padded, so grouping
     # requests of similar length is wasted work (a model without it is taken to pad).
+    # Optional: ``preprocess_many(values)`` preprocesses one read's values at once, returning
+    # per value its items or the exception that refuses it (the tokenizer models have it).
 
     def load(self) -> None: ...
 
@@ -143,13 +145,6 @@ class _Tokenized:
         """Report each batch's real and padded tokens to ``sink``."""
         self._padding_sink = sink
 
-    def _tokenize(self, text: str) -> Prepared:
-        encoded = self.tokenizer(
-            text, truncation=True, max_length=self.max_length, return_tensors="np"
-        )
-        row = {k: np.asarray(v[0]) for k, v in encoded.items()}
-        return Prepared(row, int(row["input_ids"].shape[0]))
-
     def _pad_tokens(self) -> dict[str, int]:
         pad_id = self.tokenizer.pad_token_id
         return {"input_ids": 0 if pad_id is None else int(pad_id)}
@@ -160,14 +155,63 @@ class _Tokenized:
             self._padding_sink(info.real, info.total)
         return features, info
 
+    def _tokenize(self, texts: list[str]) -> list[Prepared]:
+        """Each text's token features (int64 arrays), from one tokenizer call for all: its
+        Python overhead is paid once, and the fast (Rust) tokenizers encode a list without
+        holding the GIL, so several preprocessing threads run in parallel."""
+        encoded = self.tokenizer(texts, truncation=True, max_length=self.max_length)
+        names = list(encoded.keys())
+        out = []
+        for i in range(len(texts)):
+            row = {k: np.asarray(encoded[k][i], dtype=np.int64) for k in names}
+            out.append(Prepared(row, int(row["input_ids"].shape[0])))
+        return out
+
+    def preprocess(self, value: Any) -> list[Prepared]:
+        return self._tokenize(_texts(value))
+
+    def preprocess_many(self, values: list[Any]) -> list[list[Prepared] | Exception]:
+        """``preprocess`` of several requests' values (one read), their texts tokenized in
+        one call; an exception in place of a value's items where it is refused (that
+        request alone fails)."""
+        out: list[list[Prepared] | Exception] = []
+        texts: list[str] = []
+        spans: list[tuple[int, int, int]] = []  # (index in out, first text, end)
+        for value in values:
+            if isinstance(value, Mapping):  # token features: no tokenizing
+                try:
+                    out.append(self.preprocess(value))
+                except Exception as exc:
+                    out.append(exc)
+                continue
+            try:
+                mine = _texts(value)
+            except TypeError as exc:
+                out.append(exc)
+                continue
+            spans.append((len(out), len(texts), len(texts) + len(mine)))
+            texts.extend(mine)
+            out.append([])
+        if texts:
+            rows = self._tokenize(texts)
+            for index, start, end in spans:
+                out[index] = rows[start:end]
+        return out
+
     def _collate(self, batch: list[Any]) -> tuple[dict[str, Any], Any]:
         import torch
 
         features, info = self._collate_arrays(batch)
-        tensors = {
-            k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device)
-            for k, v in features.items()
-        }
+        cuda = self.device.startswith("cuda")
+        tensors = {}
+        for k, v in features.items():
+            host = torch.from_numpy(np.ascontiguousarray(v))
+            if cuda:
+                # From page-locked memory the copy is a DMA that does not hold this thread
+                # (non_blocking): it queues on the stream ahead of the model's kernels, and
+                # torch's host allocator keeps the buffer until the copy has run.
+                host = host.pin_memory()
+            tensors[k] = host.to(self.device, non_blocking=cuda)
         return tensors, info
 
 
@@ -236,9 +280,6 @@ class SentenceTransformerModel(_Tokenized):
             self.runner = load_runner(self.backend, self.model, path, names, threads=threads)
             self.model = None  # the torch copy was needed for the export only
 
-    def preprocess(self, value: Any) -> list[Prepared]:
-        return [self._tokenize(t) for t in _texts(value)]
-
     def infer(self, batch: list[Any]) -> Sequence[Any]:
         if self.runner is not None:
             features, info = self._collate_arrays(batch)
@@ -293,7 +334,7 @@ class TransformersModel(_Tokenized):
     def preprocess(self, value: Any) -> list[Prepared]:
         if isinstance(value, Mapping):
             return [self._features(value)]
-        return [self._tokenize(t) for t in _texts(value)]
+        return self._tokenize(_texts(value))
 
     def _features(self, value: Mapping[str, Any]) -> Prepared:
         if "input_ids" not in value:

@@ -123,6 +123,17 @@ class GatedModel:
         return outputs[0]
 
 
+class HeavyEcho(GatedModel):
+    """Echoes, its preprocessing declared heavy (the worker prepares on threads, as for a
+    tokenizer model), its gate open."""
+
+    heavy_preprocess = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release.set()
+
+
 def abort(items: list[Any]) -> list[Any]:
     """Aborts its whole process (SIGABRT, as a crash in native code would) when a batch holds
     "abort"; echoes the rest."""

@@ -54,6 +54,16 @@ def test_the_demo_over_redis(tmp_path: Path) -> None:
         done.stdout,
     ), done.stdout
     assert "sentences/s overall" not in done.stdout
+    # ... and its share of the offline ceiling measured in the same run, after the load.
+    ceiling = re.search(
+        r"served at most ([0-9,]+)/s = (\d+)% of the offline ceiling ([0-9,]+)/s", done.stdout
+    )
+    assert ceiling is not None, done.stdout
+    top, share, limit = (float(g.replace(",", "")) for g in ceiling.groups())
+    assert limit >= 1
+    # The rates are printed rounded to whole sentences/s: the share lies within their bounds.
+    low, high = 100 * (top - 0.5) / (limit + 0.5), 100 * (top + 0.5) / max(limit - 0.5, 0.5)
+    assert low - 1 <= share <= high + 1, ceiling.group(0)
     assert plot.stat().st_size > 10_000
     check_neighbours(done.stdout, 64)
     assert "started a private redis-server" in done.stdout + done.stderr

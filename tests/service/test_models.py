@@ -63,6 +63,46 @@ def test_sentence_transformers_worker_matches_the_model(
             assert info.value.error_type == "TypeError"
 
 
+def test_one_read_of_good_and_bad_inputs_tokenized_together_on_two_threads(
+    redis_url: str,
+    queue: str,
+    start_worker: Callable[..., WorkerThread],
+    reference: Any,
+) -> None:
+    # All queued before the worker starts, so that its reads mix good and bad inputs: a read's
+    # texts are tokenized in one call, split across prep_threads, and a bad input fails alone.
+    values: list[Any] = [TEXTS[0], 42, TEXTS, ["text", 3], TEXTS[1], {"input_ids": [1]}, "x"]
+    values *= 3
+    with Producer(redis_url=redis_url, queue=queue) as producer:
+        handles = [producer.submit(v) for v in values]
+        thread = start_worker("sentence-transformers", device="cpu", batch_size=8, prep_threads=2)
+        results = [producer.wait(h, timeout_s=T) for h in handles]
+    for value, result in zip(values, results, strict=True):
+        if isinstance(value, str) or (isinstance(value, list) and value == TEXTS):
+            assert result.status == "ok", result
+            np.testing.assert_allclose(result.output, reference.encode(value), atol=1e-4)
+        else:
+            assert (result.status, result.error_type) == ("error", "TypeError"), value
+    prepared = thread.worker.stats()["prepare"]
+    assert prepared["requests"] == len(values)
+    assert prepared["threads"] == 2
+    assert prepared["seconds"] > 0
+
+
+@pytest.mark.skipif(
+    not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (pinned copies)"
+)
+def test_sentence_transformers_on_cuda_matches_the_cpu_model(reference: Any) -> None:
+    # The batch goes to the GPU from pinned host memory, copied without blocking.
+    model = load_model("sentence-transformers", device="cuda", dtype="float32")
+    model.load()
+    batch = [p.payload for t in TEXTS for p in model.preprocess(t)]
+    tensors, _ = model._collate(batch)  # type: ignore[attr-defined]
+    assert all(t.device.type == "cuda" for t in tensors.values())
+    got = np.stack(model.infer(batch))
+    np.testing.assert_allclose(got, reference.encode(TEXTS), atol=1e-4)
+
+
 def test_transformers_worker_takes_token_features(
     redis_url: str,
     queue: str,

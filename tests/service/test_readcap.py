@@ -17,6 +17,7 @@ from batchline.producer import AsyncProducer
 from batchline.worker._readcap import Entry, ReadCap, entry_bytes
 
 from .conftest import RESULT_TIMEOUT_S, WorkerThread, pending_count, poll_result, wait_until
+from .models_for_tests import HeavyEcho
 
 
 def _entries(*sizes: int) -> list[Entry]:
@@ -101,3 +102,25 @@ async def test_an_oversized_entry_is_dead_lettered_unread(
         assert cap.count(1000, keys.priorities) == 1  # right after it: one entry a stream
     assert decoded_sizes
     assert max(decoded_sizes) < 1 << 20  # the large entry was never decoded
+
+
+async def test_a_read_of_only_an_oversized_entry_on_preparing_threads(
+    redis_url: str,
+    keys: QueueKeys,
+    rclient: redis.Redis,
+    start_worker: Callable[..., WorkerThread],
+) -> None:
+    # The only entry is too large: the read leaves nothing to prepare on the threads of a
+    # model with heavy preprocessing, and the worker carries on.
+    async with AsyncProducer(redis_url=redis_url, queue=keys.queue) as producer:
+        fields = encode_request("big-2", "x", enqueued_unix_ms=0.0, reply=producer.producer_id)
+        fields["blob"] = b"\0" * (3 << 20)
+        rclient.xadd(keys.stream(0), fields)  # type: ignore[arg-type]
+        thread = start_worker(
+            HeavyEcho(), max_elements=1000, max_read_bytes=1 << 20, prep_threads=2
+        )
+        found = await poll_result(producer, "big-2")
+        assert (found.status, found.error_type) == ("error", "MalformedRequest"), found
+        assert await producer.infer("after", timeout_s=RESULT_TIMEOUT_S) == "after"
+        assert thread.alive
+        assert thread.worker.stats()["prepare"]["threads"] == 2

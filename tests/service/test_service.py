@@ -118,6 +118,19 @@ def test_sync_producer_from_plain_threads(
         assert many == [f"t{n}-{i}" * 2 for i in range(10)]
 
 
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+def test_worker_and_producer_on_each_event_loop(
+    redis_url: str, queue: str, spawn_worker: Callable[..., Any], event_loop: str
+) -> None:
+    if event_loop == "uvloop":
+        pytest.importorskip("uvloop")
+    worker = spawn_worker(spec("double"), event_loop=event_loop)
+    with Producer(redis_url=redis_url, queue=queue, event_loop=event_loop) as producer:
+        assert type(producer._loop).__module__.split(".")[0] == event_loop
+        assert producer.map(list(range(40)), timeout_s=T) == [2 * i for i in range(40)]
+    assert f"event loop {event_loop}" in worker.log()
+
+
 async def test_many_concurrent_submits_get_their_own_results_in_order(
     producer: AsyncProducer, start_worker: Callable[..., WorkerThread]
 ) -> None:
