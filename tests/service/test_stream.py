@@ -19,6 +19,7 @@ import redis
 from batchline.codec import Limits, encode_request, unpack_result
 from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer, Producer, StreamChunk
+from batchline.producer._stream import StreamState
 
 from .conftest import RESULT_TIMEOUT_S, WorkerProcess, WorkerThread, spec, wait_until
 from .reply_spy import count_replies
@@ -200,7 +201,16 @@ def test_a_worker_killed_mid_stream_is_rerun_and_no_token_shows_twice_or_never(
     queue: str,
     rclient: redis.Redis,
     keys: QueueKeys,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    resent: list[int] = []  # tokens that arrived a second time (the re-run's), and were dropped
+    take = StreamState.take
+
+    def spy(state: StreamState, chunk: Any) -> None:
+        resent.append(max(0, min(len(state.tokens) - chunk.index, len(chunk.token_ids))))
+        take(state, chunk)
+
+    monkeypatch.setattr(StreamState, "take", spy)
     settings = dict(model_path=TINY, claim_idle_ms=1000, max_restarts_per_min=0)
     first = spawn_worker("generate", env={"BLTEST_STEP_S": "0.05"}, **settings)  # slow steps
     values = [{"prompt": "story 0", "max_new_tokens": 40}, {**SEEDED, "max_new_tokens": 40}]
@@ -221,6 +231,7 @@ def test_a_worker_killed_mid_stream_is_rerun_and_no_token_shows_twice_or_never(
         answers = [producer.get_result(rid) for rid in ids]
         assert_all_done(rclient, keys)
         assert [replies[rid] for rid in ids] == [1, 1], replies
+    assert sum(resent) >= 2 * 5  # the re-run streamed from the start: dropped, not shown
     for chunks, before, answer in zip(got, streamed_before, answers, strict=True):
         result = check_whole(chunks)  # every token once, in order
         assert answer is not None
