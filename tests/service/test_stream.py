@@ -17,11 +17,19 @@ import pytest
 import redis
 
 from batchline.codec import Limits, encode_request, unpack_result
+from batchline.errors import RequestTimeout
 from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer, Producer, StreamChunk
 from batchline.producer._stream import StreamState
 
-from .conftest import RESULT_TIMEOUT_S, WorkerProcess, WorkerThread, spec, wait_until
+from .conftest import (
+    RESULT_TIMEOUT_S,
+    WorkerProcess,
+    WorkerThread,
+    poll_result,
+    spec,
+    wait_until,
+)
 from .reply_spy import count_replies
 from .test_generate import poll
 from .test_reliability import assert_all_done
@@ -120,6 +128,49 @@ def test_a_worker_that_sends_no_chunks_streams_the_whole_text_at_the_end(
     assert chunks[0].index == 0
     result = check_whole(chunks)
     assert [result[k] for k in SAME] == [answer[k] for k in SAME]
+
+
+async def test_breaking_out_or_cancelling_the_task_cancels_the_request(
+    start_worker: Callable[..., WorkerThread],
+    redis_url: str,
+    queue: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("BLTEST_STEP_S", "0.01")  # 400 tokens: several seconds
+    start_worker("generate", model_path=TINY)
+    value = {"prompt": "abc", "max_new_tokens": 400}
+    async with AsyncProducer(redis_url=redis_url, queue=queue) as producer:
+        async for _chunk in producer.stream(value, request_id="broke-off"):
+            break  # the generator is finalized, and the request cancelled
+        started = asyncio.Event()
+
+        async def consume() -> None:
+            async for _chunk in producer.stream(value, request_id="task-cancelled"):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        results = [await poll_result(producer, rid) for rid in ("broke-off", "task-cancelled")]
+    for r in results:
+        assert r.output["finish_reason"] == "cancelled"
+        assert r.output["tokens"] < 400
+
+
+def test_a_stream_past_its_timeout_raises_and_cancels_the_request(
+    start_worker: Callable[..., WorkerThread], redis_url: str, queue: str, gate: Any
+) -> None:
+    worker = start_worker("generate", model_path=GATED).worker
+    with Producer(redis_url=redis_url, queue=queue) as producer:
+        chunks = producer.stream("abc", request_id="too-slow", timeout_s=0.5)
+        with pytest.raises(RequestTimeout):
+            next(chunks)  # the gate holds its prefill
+        wait_until(lambda: "too-slow" in worker._cancels, "the worker to see the cancel")
+        gate.open()
+        r = poll(producer, "too-slow")
+    assert (r.status, r.output["finish_reason"], r.output["tokens"]) == ("ok", "cancelled", 1)
 
 
 def test_leaving_the_loop_cancels_the_request_within_a_step(
