@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from batchline.codec import Limits, encode_request, unpack_result
-from batchline.errors import RequestTimeout
+from batchline.errors import InferenceError, RequestTimeout
 from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer, Producer, StreamChunk
 from batchline.producer._stream import StreamState
@@ -91,6 +91,8 @@ async def test_deltas_add_up_to_the_result_and_equal_infer(
     async with AsyncProducer(redis_url=redis_url, queue=queue) as producer:
         streams = await asyncio.gather(*(collect(producer, v) for v in values))
         answers = await asyncio.gather(*(producer.infer(v, timeout_s=T) for v in values))
+        with pytest.raises(InferenceError, match="BadGenerationParams"):  # as infer raises
+            await collect(producer, {"prompt": "x", "top_p": 2})
     for value, chunks, answer in zip(values, streams, answers, strict=True):
         result = check_whole(chunks)
         assert [result[k] for k in SAME] == [answer[k] for k in SAME], value

@@ -51,6 +51,17 @@ def test_chunks_of_one_request_that_follow_each_other_merge() -> None:
     assert chunks[0] == Chunk("a", 0, 0, "h", [1])  # the chunks given are left as they were
 
 
+def test_a_reader_of_results_alone_drops_a_chunk_entry_and_goes_on() -> None:
+    """What a producer of before streaming does with one (it never asks for chunks)."""
+    from batchline.producer import AsyncProducer
+
+    producer = AsyncProducer(redis_url="redis://127.0.0.1:9/0")  # never connects here
+    dropped = producer._deliver_checked({b"c": pack_chunks([Chunk("a", 0, 0, "x", [1])])})
+    assert dropped is not None
+    assert dropped[0] == 1
+    assert "KeyError" in dropped[1]
+
+
 def output(text: str, tokens: list[int], reason: str = "length") -> dict[str, object]:
     return {"text": text, "token_ids": tokens, "tokens": len(tokens), "finish_reason": reason}
 
