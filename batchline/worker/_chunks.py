@@ -1,7 +1,7 @@
 """The worker's chunk writer: streamed generations' new tokens, pushed to their producers.
 
 After each step the generation executor hands over, for every running request that asked
-for chunks, the tokens and text it added (:meth:`ChunkWriter.put`). They wait in an
+for chunks, the tokens and text it added (through :meth:`ChunkWriter.to`). They wait in an
 :class:`~batchline.transport._outbox.Outbox` while a write is in flight, so one write
 carries what several steps produced: one reply entry per producer per write (the chunks of
 one request merged into one), ``XADD … MAXLEN ~`` and ``EXPIRE`` like the results.
@@ -9,7 +9,7 @@ one request merged into one), ``XADD … MAXLEN ~`` and ``EXPIRE`` like the resu
 A producer reads and deletes its reply entries as they come (its reader does not wait for
 its callers), so a reply stream holding more than ``max_unread`` entries after a write
 belongs to a producer that is gone (or stalled that long): its streamed requests are
-cancelled (``gone``), and end at the next step instead of running to their end. A failed
+cancelled (``cancel``), and end at the next step instead of running to their end. A failed
 write is logged and dropped: the chunks' text reaches the producer with the result.
 """
 
@@ -39,7 +39,7 @@ class ChunkWriter:
         keys: the queue's keys.
         ttl_s: a reply stream expires this long after its last write (``result_ttl_s``).
         max_unread: a reply stream with more entries than this after a write is unread.
-        gone: called with the ids of the requests written to an unread reply stream.
+        cancel: called with the id of each request written to an unread reply stream.
     """
 
     def __init__(
@@ -49,18 +49,23 @@ class ChunkWriter:
         *,
         ttl_s: int,
         max_unread: int,
-        gone: Callable[[list[str]], None],
+        cancel: Callable[[str], None],
     ) -> None:
         self._client = client
         self._keys = keys
         self._ttl_s = ttl_s
         self._max_unread = max_unread
-        self._gone = gone
+        self._cancel = cancel
         self._outbox: Outbox[tuple[str, Chunk]] = Outbox(self._flush, name="batchline-chunks")
 
-    def put(self, reply: str, chunk: Chunk) -> None:
-        """Write ``chunk`` to producer ``reply`` with the next write (on the event loop)."""
-        self._outbox.put((reply, chunk))
+    def to(self, reply: str, request_id: str) -> Callable[[int, int, str, list[int]], None]:
+        """What takes a request's chunks, given (index, chars, text, token ids), for the
+        generation executor; each goes with the next write (on the event loop)."""
+
+        def put(index: int, chars: int, text: str, tokens: list[int]) -> None:
+            self._outbox.put((reply, Chunk(request_id, index, chars, text, tokens)))
+
+        return put
 
     async def drain(self) -> None:
         """Return once every chunk put so far is written (or given up)."""
@@ -92,4 +97,5 @@ class ChunkWriter:
                     unread,
                     ids,
                 )
-                self._gone(ids)
+                for rid in ids:
+                    self._cancel(rid)  # as if read from the cancel stream

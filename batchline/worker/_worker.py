@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import logging
 import os
 import signal
@@ -58,7 +57,6 @@ from batchline.errors import (
 )
 from batchline.transport._cancels import CancelLog
 from batchline.transport._redis import RedisClient, connect, dedicated, wait_for_redis
-from batchline.transport.codec._chunks import Chunk
 from batchline.transport.keys import check_name, host_id
 from batchline.worker._answers import Meta, Record, answer, dead_letter, prepare
 from batchline.worker._cache import AnswerCache
@@ -205,7 +203,7 @@ class Worker:
             self.keys,
             ttl_s=s.result_ttl_s,
             max_unread=s.stream_max_unread,
-            gone=self._cancel_here,
+            cancel=self._cancels.add,  # on this worker alone: its producer is gone
         )
         self._reader = Reader(
             self._redis,
@@ -461,19 +459,7 @@ class Worker:
         self._meta[call] = meta
         reply = request.get("reply")
         if request.get("stream") and reply and self._generation is not None:
-            push = functools.partial(self._push_chunk, reply, request["id"])
-            self._generation.stream(call, push)
-
-    def _cancel_here(self, request_ids: list[str]) -> None:
-        """Cancel requests on this worker alone (their producer is gone): as if read from
-        the cancel stream, they end at the next step."""
-        for rid in request_ids:
-            self._cancels.add(rid)
-
-    def _push_chunk(  # noqa: PLR0917 - the executor's emit, with where it goes bound first
-        self, reply: str, request_id: str, index: int, chars: int, text: str, tokens: list[int]
-    ) -> None:
-        self._chunks.put(reply, Chunk(request_id, index, chars, text, tokens))
+            self._generation.stream(call, self._chunks.to(reply, request["id"]))
 
     # -- running -------------------------------------------------------------------------------
 
