@@ -58,3 +58,21 @@ def test_bench_cache_smoke() -> None:
     assert "## batchline result cache" in out.stdout
     assert "50% of the requests served without a model call" in out.stdout
     assert "full, cache on" in out.stdout
+
+
+def test_bench_generate_stream_ab_quick() -> None:
+    """The streaming row, on the tiny random Llama of the service tests (no download)."""
+    pytest.importorskip("transformers")
+    out = subprocess.run(
+        [sys.executable, "scripts/bench_generate.py", "--quick", "--stream-ab", "--rounds", "1"]
+        + ["--model-path", "service.models_for_tests:tiny_llama"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env=os.environ | {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])},
+    )
+    assert "uniform: 8 chat prompts, greedy, 16 new tokens, through Redis" in out.stdout
+    assert out.stdout.count(" 128 tok ") == 2, out.stdout
+    assert "x without (" in out.stdout
