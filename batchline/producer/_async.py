@@ -19,7 +19,7 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypedDict, Unpack, cast
 
@@ -36,6 +36,7 @@ from batchline.errors import (
 )
 from batchline.producer._failures import Failed, connected, translate, uncertain, writer_for
 from batchline.producer._once import Answered, cached_result, outcome_of
+from batchline.producer._stream import StreamChunk, StreamState, stream_request
 from batchline.transport._cancels import cancel_request
 from batchline.transport._outbox import Outbox
 from batchline.transport._redis import Backoff, RedisClient, Script, connect, own_connection
@@ -47,6 +48,7 @@ from batchline.transport.codec import (
     encode_request,
     unpack_result,
 )
+from batchline.transport.codec._chunks import CHUNKS_FIELD, unpack_chunks
 from batchline.transport.codec._results import result_map
 from batchline.transport.keys import check_name, host_id
 
@@ -119,6 +121,9 @@ class AsyncProducer:
         self._limits = self.settings.limits()
         # Every waiter of a request id here (a resubmit of a waiting id adds one).
         self._waiting: dict[str, list[asyncio.Future[Result]]] = {}
+        # Every streamed request waiting here: what it has received of its chunks.
+        self._streams: dict[str, list[StreamState]] = {}
+        self._cancelling: set[asyncio.Task[None]] = set()  # cancels of streams left early
         #: Submits by what the enqueue script did with them (queued, result, cached, ...).
         self.counts: Counter[str] = Counter()
         self._reader: asyncio.Task[None] | None = None
@@ -165,6 +170,10 @@ class AsyncProducer:
             return
         self._closed = True
         await self._outbox.drain()  # the submits already accepted are written
+        for rid in list(self._streams):  # nobody will read them any more: stop generating
+            self._cancel_soon(rid)
+        if self._cancelling:
+            await asyncio.wait(self._cancelling)
         if self._reader is not None:
             self._reader.cancel()
             done, _ = await asyncio.wait({self._reader}, timeout=0.05)
@@ -253,6 +262,7 @@ class AsyncProducer:
         request_id: str | None,
         reply: bool,
         ack: asyncio.Future[Any] | None = None,
+        stream: bool = False,
     ) -> tuple[str, asyncio.Future[Result] | None]:
         """Validate and encode one request, register its waiter and put it in the outbox;
         the write goes with the next flush, which resolves ``ack`` with the entry id (or,
@@ -273,6 +283,7 @@ class AsyncProducer:
             deadline_unix_ms=None if deadline_ms is None else now_ms + deadline_ms,
             enqueued_unix_ms=now_ms,
             reply=self.producer_id if reply else None,
+            stream=stream,
         )
         fut: asyncio.Future[Result] | None = None
         loop = asyncio.get_running_loop()
@@ -441,6 +452,72 @@ class AsyncProducer:
             await asyncio.gather(*(self.infer(v, timeout_s=timeout_s, **options) for v in values))
         )
 
+    def stream(
+        self, value: Any, *, timeout_s: float | None = None, **options: Unpack[RequestOptions]
+    ) -> AsyncGenerator[StreamChunk, None]:
+        """Submit one generation request and yield its text as it is generated.
+
+        Each :class:`StreamChunk` carries the new text and tokens; the last one also its
+        ``finish_reason`` and ``result`` (the output ``infer`` would return), and then the
+        iteration ends. The texts joined equal the result's text, the tokens its token ids,
+        each exactly once, even when another worker re-runs the request after its first
+        died (``StreamDiverged`` if that re-run produced something else). Errors are those
+        of ``infer``. Leaving the loop early (``break``, an exception, the task cancelled)
+        cancels the request: its worker ends it at its next step. A worker that does not
+        stream (an older one) yields the whole text as the one last chunk.
+
+        Args:
+            value: the generation request (a prompt text, or an object with ``prompt`` or
+                ``messages`` and parameters: docs/protocol.md, Generation).
+            timeout_s: RequestTimeout if the generation has not ended this many seconds
+                after the call (default: no limit).
+            **options: ``deadline_ms``, ``priority``, ``request_id``, as for :meth:`submit`.
+        """
+        return stream_request(self, value, timeout_s, options)
+
+    async def _send_streamed(
+        self, value: Any, options: RequestOptions
+    ) -> tuple[str, asyncio.Future[Result], StreamState]:
+        """Submit a request that asks for chunks; register what receives them."""
+        rid, waiter = await self._send(
+            value,
+            deadline_ms=options.get("deadline_ms"),
+            priority=options.get("priority"),
+            request_id=options.get("request_id"),
+            reply=True,
+            stream=True,
+        )
+        fut = cast("asyncio.Future[Result]", waiter)  # reply=True: there is one
+        # Registered before the write goes (with the next flush, after this returns).
+        state = StreamState(rid)
+        self._streams.setdefault(rid, []).append(state)
+        fut.add_done_callback(lambda _: state.event.set())
+        return rid, fut, state
+
+    def _end_stream(self, rid: str, fut: asyncio.Future[Result], state: StreamState) -> None:
+        """A stream ended: forget it; if it ended before its result, cancel the request."""
+        states = self._streams.get(rid)
+        if states is not None and state in states:
+            states.remove(state)
+            if not states:
+                del self._streams[rid]
+        if not fut.done():
+            self._drop(rid, fut)
+            fut.cancel()
+            self._cancel_soon(rid)
+
+    def _cancel_soon(self, rid: str) -> None:
+        """Cancel a request in the background (its stream's caller has gone)."""
+        task = asyncio.get_running_loop().create_task(self._cancel_quietly(rid))
+        self._cancelling.add(task)
+        task.add_done_callback(self._cancelling.discard)
+
+    async def _cancel_quietly(self, rid: str) -> None:
+        try:
+            await cancel_request(self._redis, self.keys, rid, self.settings.result_ttl_s)
+        except (RedisError, OSError) as exc:
+            logger.warning("could not cancel request %s, whose stream ended: %s", rid, exc)
+
     async def get_result(self, request_id: str) -> Result | None:
         """Read a request's result key: its Result, or None while there is none; raises
         DecodeError (a ValueError) if the key holds something that is not a valid result."""
@@ -526,7 +603,10 @@ class AsyncProducer:
         valid result in it still reaches its waiter. The reader must outlive any write.
         """
         try:
-            problems = self._deliver_checked(raw)
+            if isinstance(raw, dict) and CHUNKS_FIELD in raw:
+                problems = self._deliver_chunks(raw[CHUNKS_FIELD])
+            else:
+                problems = self._deliver_checked(raw)
         except Exception as exc:  # a bug, not bad input: the reader must still live on
             logger.warning(
                 "reply stream %s: dropped a reply entry: %s", self._reply_key, exc, exc_info=True
@@ -568,6 +648,23 @@ class AsyncProducer:
         if count != str(len(results)).encode() and not dropped:
             # n is informational (r is what counts): a mismatch is noted, nothing dropped.
             return 0, f"its n ({count!r}) does not match its {len(results)} results"
+        return (dropped, first) if dropped else None
+
+    def _deliver_chunks(self, packed: Any) -> tuple[int, str] | None:
+        """Hand a chunk entry's chunks to their streams (a chunk for no stream waiting
+        here is dropped: its stream ended); returns what was malformed, as for results."""
+        try:
+            chunks = unpack_chunks(packed)
+        except DecodeError as exc:
+            return 1, str(exc)
+        dropped, first = 0, ""
+        for chunk in chunks:
+            if isinstance(chunk, DecodeError):
+                dropped += 1
+                first = first or str(chunk)
+                continue
+            for state in self._streams.get(chunk.request_id, ()):
+                state.take(chunk)
         return (dropped, first) if dropped else None
 
     def _deliver(self, fields: dict[Any, Any]) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -57,9 +58,11 @@ from batchline.errors import (
 )
 from batchline.transport._cancels import CancelLog
 from batchline.transport._redis import RedisClient, connect, dedicated, wait_for_redis
+from batchline.transport.codec._chunks import Chunk
 from batchline.transport.keys import check_name, host_id
 from batchline.worker._answers import Meta, Record, answer, dead_letter, prepare
 from batchline.worker._cache import AnswerCache
+from batchline.worker._chunks import ChunkWriter
 from batchline.worker._claims import Claims
 from batchline.worker._consumers import ensure_groups
 from batchline.worker._generate import Executor, GenerationExecutor, GenerationModel
@@ -152,8 +155,9 @@ class Worker:
         if isinstance(self.model, CountsPadding):  # its padding figures reach the stats
             self.model.count_padding(batcher.record_padding)
         self._batcher: Executor = batcher
+        self._generation: GenerationExecutor | None = None
         if isinstance(self.model, GenerationModel):  # continuous batching instead
-            gen = GenerationExecutor(
+            self._generation = gen = GenerationExecutor(
                 self.model,
                 s,
                 guard=self._guarded,
@@ -195,6 +199,13 @@ class Worker:
             result_ttl_s=s.result_ttl_s,
             claims=self._claims,
             cache=self._cache,
+        )
+        self._chunks = ChunkWriter(
+            self._redis,
+            self.keys,
+            ttl_s=s.result_ttl_s,
+            max_unread=s.stream_max_unread,
+            gone=self._cancel_here,
         )
         self._reader = Reader(
             self._redis,
@@ -369,6 +380,7 @@ class Worker:
             await reader  # returns after its current read (at most one block interval)
         await self._alone.aclose(drain=True)
         await self._batcher.aclose(drain=True)
+        await self._chunks.drain()
         await self._answers.drain()
 
     def stop(self) -> None:
@@ -447,6 +459,21 @@ class Worker:
             self._answer(self._record(meta, "error", error=exc))
             return
         self._meta[call] = meta
+        reply = request.get("reply")
+        if request.get("stream") and reply and self._generation is not None:
+            push = functools.partial(self._push_chunk, reply, request["id"])
+            self._generation.stream(call, push)
+
+    def _cancel_here(self, request_ids: list[str]) -> None:
+        """Cancel requests on this worker alone (their producer is gone): as if read from
+        the cancel stream, they end at the next step."""
+        for rid in request_ids:
+            self._cancels.add(rid)
+
+    def _push_chunk(  # noqa: PLR0917 - the executor's emit, with where it goes bound first
+        self, reply: str, request_id: str, index: int, chars: int, text: str, tokens: list[int]
+    ) -> None:
+        self._chunks.put(reply, Chunk(request_id, index, chars, text, tokens))
 
     # -- running -------------------------------------------------------------------------------
 
