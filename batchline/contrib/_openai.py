@@ -18,23 +18,26 @@ that long), 500 when the model failed. A client that disconnects cancels its req
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive
 
 from batchline.config import ProducerSettings, WebSettings
-from batchline.contrib._common import INPUT_ERRORS, RETRY_AFTER_S
+from batchline.contrib._openai_errors import (
+    OpenAIError,
+    answer_batchline,
+    answer_http,
+    answer_invalid,
+)
 from batchline.contrib._openai_schema import (
     ChatRequest,
     CompletionRequest,
@@ -42,100 +45,23 @@ from batchline.contrib._openai_schema import (
     chat_body,
     completion_body,
     embedding_body,
-    error_body,
+    head,
 )
-from batchline.errors import (
-    BatcherClosed,
-    BatchlineError,
-    EnqueueUncertain,
-    QueueFull,
-    RequestTimeout,
-    ServiceUnavailable,
+from batchline.contrib._openai_stream import (
+    EventStream,
+    StreamInfo,
+    next_chunk,
+    unless_disconnected,
 )
-from batchline.producer import AsyncProducer, Handle, Result
-from batchline.producer._failures import translate
+from batchline.errors import BatchlineError, RequestTimeout
+from batchline.producer import AsyncProducer, Handle, Result, StreamChunk
 
-__all__ = ["OpenAIError", "OpenAIRoutes"]
+__all__ = ["OpenAIRoutes"]
 
-logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 Kind = Literal["embedding", "generation"]
 _SETTING = {"embedding": "embedding_queue", "generation": "generation_queue"}
 _ROUTES = {"embedding": "embeddings", "generation": "completions and chat completions"}
-
-
-class OpenAIError(Exception):
-    """An error answered in OpenAI's shape, with its HTTP status."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str = "invalid_request_error",
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        retry: bool = False,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
-        self.param, self.code, self.retry = param, code, retry
-
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.retry else None
-        body = error_body(self.message, self.kind, param=self.param, code=self.code)
-        return JSONResponse(body, status_code=self.status, headers=headers)
-
-
-def _typed(exc: BaseException) -> OpenAIError:
-    """The OpenAI error for what submitting or waiting raised."""
-    if isinstance(exc, RedisError | OSError) and not isinstance(exc, BatchlineError):
-        exc = translate(exc)  # (RequestTimeout is an OSError: a TimeoutError)
-    if isinstance(exc, QueueFull):
-        return OpenAIError(429, str(exc), "rate_limit_error", code="queue_full", retry=True)
-    if isinstance(exc, EnqueueUncertain):  # EnqueueTimeout too: may be queued, may not
-        return OpenAIError(503, str(exc), "server_error", code="enqueue_uncertain", retry=True)
-    if isinstance(exc, ServiceUnavailable | BatcherClosed):
-        return OpenAIError(503, str(exc), "server_error", code="service_unavailable", retry=True)
-    if isinstance(exc, RequestTimeout):
-        return OpenAIError(504, str(exc), "timeout_error", code="timeout")
-    return OpenAIError(500, f"{type(exc).__name__}: {exc}", "server_error")
-
-
-def _failed(result: Result) -> OpenAIError:
-    """The OpenAI error for a result that is not ``ok``."""
-    if result.status == "expired":
-        return OpenAIError(504, f"request {result.id} expired", "timeout_error", code="expired")
-    if result.status == "cancelled":
-        return OpenAIError(409, f"request {result.id} was cancelled", code="cancelled")
-    error_type = result.error_type or "Error"
-    message = f"{error_type}: {result.error_message}"
-    if error_type not in INPUT_ERRORS:
-        return OpenAIError(500, message, "server_error", code=error_type)
-    code = "context_length_exceeded" if error_type == "PromptTooLong" else error_type
-    return OpenAIError(400, message, code=code)
-
-
-async def _disconnected(receive: Receive) -> None:
-    """Return once the client has gone (the body is read already: what is left to receive
-    is the disconnect, which a server also sends once the answer is complete)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
-    """What ``work`` returns (or raises), or None if the client went first (``work`` is
-    then cancelled: it must leave nothing to clean up)."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request.receive))
-    try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (task, gone):
-            t.cancel()
-        await asyncio.gather(task, gone, return_exceptions=True)
-    return None if task.cancelled() else task.result()
 
 
 @dataclass
@@ -208,11 +134,11 @@ class OpenAIRoutes:
         app.add_api_route("/embeddings", self.embeddings, methods=["POST"], response_model=None)
         app.add_api_route("/completions", self.completions, methods=["POST"], response_model=None)
         app.add_api_route("/chat/completions", self.chat, methods=["POST"], response_model=None)
-        app.add_exception_handler(OpenAIError, _answer_error)
-        app.add_exception_handler(RequestValidationError, _answer_invalid)
-        app.add_exception_handler(StarletteHTTPException, _answer_http)
-        app.add_exception_handler(BatchlineError, _answer_batchline)
-        app.add_exception_handler(RedisError, _answer_batchline)
+        app.add_exception_handler(OpenAIError, answer_batchline)
+        app.add_exception_handler(BatchlineError, answer_batchline)
+        app.add_exception_handler(RedisError, answer_batchline)
+        app.add_exception_handler(RequestValidationError, answer_invalid)
+        app.add_exception_handler(StarletteHTTPException, answer_http)
         return app
 
     # -- routes --------------------------------------------------------------------------------
@@ -279,87 +205,71 @@ class OpenAIRoutes:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         """Complete a prompt."""
-        served = self._queue("generation", body.model)
-        return await self._generate(served, body, body.value(), request, chat=False)
+        return await self._generate(body, request, chat=False)
 
     async def chat(self, body: ChatRequest, request: Request) -> Response:
         """Answer a chat (the worker applies the model's chat template)."""
-        served = self._queue("generation", body.model)
-        return await self._generate(served, body, body.value(), request, chat=True)
+        return await self._generate(body, request, chat=True)
 
     # -- running a request ---------------------------------------------------------------------
 
     async def _generate(
-        self,
-        served: _Served,
-        body: CompletionRequest | ChatRequest,
-        value: dict[str, Any],
-        request: Request,
-        *,
-        chat: bool,
+        self, body: CompletionRequest | ChatRequest, request: Request, *, chat: bool
     ) -> Response:
+        served = self._queue("generation", body.model)
         if body.stream:
-            raise OpenAIError(400, "stream is not supported yet", param="stream")
-        result = await self._run(served, value, request)
+            rid = uuid.uuid4().hex  # the request's id, and the chunks'
+            info = StreamInfo(
+                chat=chat,
+                head=head(chat, rid, served.name, chunk=True),
+                include_usage=body.include_usage,
+                timeout_s=self.timeout_s,
+            )
+            chunks = served.producer.stream(body.value(), request_id=rid)
+            return await self._stream(chunks, info, request)
+        result = await self._run(served, body.value(), request)
         if result is None:
             return Response(status_code=499)
         build = chat_body if chat else completion_body
         return JSONResponse(build(result.id, served.name, result.output))
 
     async def _run(self, served: _Served, value: Any, request: Request) -> Result | None:
-        """Submit, and wait for an ``ok`` result; None if the client went away first (the
-        request is then cancelled, as it is when no answer comes in time)."""
+        """Submit, and wait for an ``ok`` result (any other raises its typed error); None
+        if the client went away first. Either way, a request nobody waits for any more is
+        cancelled."""
         producer = served.producer
         handle = await producer.submit(value)
         try:
-            result = await _unless_disconnected(request, producer.wait(handle, self.timeout_s))
+            result = await unless_disconnected(
+                request.receive, producer.wait(handle, self.timeout_s)
+            )
         except RequestTimeout:
             await self._cancel(producer, handle)
             raise
         if result is None:  # the client went away
             await self._cancel(producer, handle)
             return None
-        if result.status != "ok":
-            raise _failed(result)
+        result.unwrap()  # raises what a result that is not ok stands for
         return result
 
     @staticmethod
     async def _cancel(producer: AsyncProducer, handle: Handle) -> None:
         with contextlib.suppress(RedisError, OSError, BatchlineError):
-            await producer.cancel(handle)  # nobody waits for it any more
+            await producer.cancel(handle)
 
-
-# -- exception handlers ---------------------------------------------------------------------------
-
-
-async def _answer_error(_request: Request, exc: Exception) -> Response:
-    if not isinstance(exc, OpenAIError):  # pragma: no cover - registered for OpenAIError
-        raise exc
-    return exc.response()
-
-
-async def _answer_invalid(_request: Request, exc: Exception) -> Response:
-    """A body that fails validation: 400, naming the first bad parameter."""
-    errors = exc.errors() if isinstance(exc, RequestValidationError) else []
-    if not errors:
-        return OpenAIError(400, str(exc)).response()
-    first = errors[0]
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    param = ".".join(loc) or None
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-    return OpenAIError(400, message, param=param).response()
-
-
-async def _answer_http(_request: Request, exc: Exception) -> Response:
-    """Starlette's own errors (an unknown path, a wrong method) in OpenAI's shape."""
-    status = exc.status_code if isinstance(exc, StarletteHTTPException) else 500
-    detail = exc.detail if isinstance(exc, StarletteHTTPException) else str(exc)
-    return OpenAIError(status, str(detail)).response()
-
-
-async def _answer_batchline(request: Request, exc: Exception) -> Response:
-    """Errors of the producer (a full queue, Redis unavailable, no answer in time)."""
-    error = _typed(exc)
-    level = logging.ERROR if error.status == 500 else logging.WARNING
-    logger.log(level, "%s %s: %s", request.method, request.url.path, exc)
-    return error.response()
+    @staticmethod
+    async def _stream(
+        chunks: AsyncGenerator[StreamChunk, None], info: StreamInfo, request: Request
+    ) -> Response:
+        """Wait for the first chunk (what fails before it is an HTTP error), then answer
+        the chunks as server-sent events. Closing the producer's stream, however it
+        happens (the client gone, no chunk in time), cancels the request."""
+        try:
+            first = await unless_disconnected(request.receive, next_chunk(chunks, info.timeout_s))
+        except BaseException:
+            await chunks.aclose()
+            raise
+        if first is None:  # the client went away
+            await chunks.aclose()
+            return Response(status_code=499)
+        return EventStream(first, chunks, info)

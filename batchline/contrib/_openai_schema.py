@@ -31,12 +31,15 @@ __all__ = [
     "CompletionRequest",
     "EmbeddingRequest",
     "chat_body",
-    "chunk_event",
+    "chunk_body",
     "completion_body",
     "embedding_body",
     "error_body",
     "finish_reason",
+    "head",
+    "sse",
     "usage",
+    "usage_chunk",
 ]
 
 #: Most texts in one ``POST /v1/embeddings`` (OpenAI's own limit).
@@ -254,8 +257,10 @@ def usage(output: dict[str, Any]) -> dict[str, int]:
     }
 
 
-def _head(kind: str, rid: str, model: str) -> dict[str, Any]:
-    prefix = "cmpl" if kind.startswith("text") else "chatcmpl"
+def head(chat: bool, rid: str, model: str, *, chunk: bool = False) -> dict[str, Any]:
+    """The fields every answer (or every chunk of one stream) starts with."""
+    kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chunk and chat else "")
+    prefix = "chatcmpl" if chat else "cmpl"
     return {"id": f"{prefix}-{rid}", "object": kind, "created": int(time.time()), "model": model}
 
 
@@ -267,7 +272,7 @@ def completion_body(rid: str, model: str, output: dict[str, Any]) -> dict[str, A
         "logprobs": None,
         "finish_reason": finish_reason(output["finish_reason"]),
     }
-    return {**_head("text_completion", rid, model), "choices": [choice], "usage": usage(output)}
+    return {**head(False, rid, model), "choices": [choice], "usage": usage(output)}
 
 
 def chat_body(rid: str, model: str, output: dict[str, Any]) -> dict[str, Any]:
@@ -278,35 +283,31 @@ def chat_body(rid: str, model: str, output: dict[str, Any]) -> dict[str, Any]:
         "logprobs": None,
         "finish_reason": finish_reason(output["finish_reason"]),
     }
-    return {**_head("chat.completion", rid, model), "choices": [choice], "usage": usage(output)}
+    return {**head(True, rid, model), "choices": [choice], "usage": usage(output)}
 
 
-def chunk_event(
-    chat: bool,
-    rid: str,
-    model: str,
-    *,
-    text: str | None,
-    reason: str | None = None,
-    first: bool = False,
-    output: dict[str, Any] | None = None,
-    with_usage: bool = False,
-) -> bytes:
-    """One server-sent event of a stream: a text delta (``text``, ``reason`` on the last),
-    or, with ``output`` and ``text`` None, the closing chunk that carries only ``usage``."""
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    body = _head(kind, rid, model)
-    if text is None:
-        body["choices"] = []
-    elif chat:
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
-        body["choices"] = [{"index": 0, "delta": delta, "logprobs": None}]
+def chunk_body(
+    chat: bool, fields: dict[str, Any], text: str | None, *, reason: str | None, role: bool
+) -> dict[str, Any]:
+    """One chunk of a stream: new ``text``, or (None) the closing one with the ``reason``."""
+    choice: dict[str, Any] = {"index": 0}
+    if chat:
+        delta = {} if text is None else {"content": text}
+        choice["delta"] = {"role": "assistant", **delta} if role else delta
     else:
-        body["choices"] = [{"index": 0, "text": text, "logprobs": None}]
-    if body["choices"]:
-        body["choices"][0]["finish_reason"] = finish_reason(reason)
-    if with_usage:
-        body["usage"] = usage(output) if output is not None and text is None else None
+        choice["text"] = text or ""
+    choice["logprobs"] = None
+    choice["finish_reason"] = finish_reason(reason)
+    return {**fields, "choices": [choice]}
+
+
+def usage_chunk(fields: dict[str, Any], output: dict[str, Any] | None) -> dict[str, Any]:
+    """The chunk that closes a stream asked for ``include_usage``: no choices, the usage."""
+    return {**fields, "choices": [], "usage": None if output is None else usage(output)}
+
+
+def sse(body: dict[str, Any]) -> bytes:
+    """One server-sent event carrying ``body`` as JSON."""
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
 

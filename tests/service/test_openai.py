@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import socket
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -260,6 +261,18 @@ def posted(http: httpx.Client, path: str, body: bytes) -> Iterator[socket.socket
         yield sock
 
 
+def read_events(sock: socket.socket, n: int) -> bytes:
+    """Read an answer from ``sock`` until it holds ``n`` server-sent events."""
+    received = b""
+    while received.count(b"data: ") < n:
+        data = sock.recv(65536)
+        assert data, f"the answer ended: {received!r}"
+        received += data
+    assert b" 200 OK" in received.split(b"\r\n", 1)[0]
+    return received
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_client_that_hangs_up_cancels_its_request(
     make_app: MakeApp,
     serve: Serve,  # noqa: F811
@@ -268,19 +281,107 @@ def test_a_client_that_hangs_up_cancels_its_request(
     gen_queue: str,
     rclient: redis.Redis,
     gate: Any,  # noqa: F811
+    stream: bool,
 ) -> None:
     start_worker("generate", model_path=spec("tiny_llama_gated"), queue=gen_queue)
     http = serve(make_app())
     keys = QueueKeys(gen_queue)
-    body = b'{"model": "%s", "prompt": "abc", "max_tokens": 200}' % gen_queue.encode()
-    with posted(http, "/v1/completions", body):
-        gate.allow(2)
-        gate.wait_passes(2)  # it runs; then the client hangs up
+    body = {"model": gen_queue, "messages": CHAT, "max_tokens": 200, "stream": stream}
+    with posted(http, "/v1/chat/completions", json.dumps(body).encode()) as sock:
+        gate.allow(3)  # the prefill and two decode steps
+        if stream:
+            received = read_events(sock, 2)  # the role chunk, and text
+        else:
+            gate.wait_passes(3)  # it runs
     cancels = wait_until(lambda: rclient.xrange(keys.cancels), "the app to cancel the request")
     request_id = cancels[0][1][b"id"].decode()
+    if stream:
+        assert request_id.encode() in received  # the chunks' id is the request's
     gate.open()
     with Producer(redis_url=redis_url, queue=gen_queue) as producer:
         result = poll(producer, request_id)
     assert result.status == "ok"
     assert result.output["finish_reason"] == "cancelled"
     assert result.output["tokens"] < 200
+
+
+# -- streaming ------------------------------------------------------------------------------------
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """The ``data:`` payloads of a server-sent event stream, in order."""
+    assert response.status_code == 200, response.read()
+    assert response.headers["content-type"].startswith("text/event-stream")
+    return [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_streamed_chat_with_the_openai_client(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    workers: Callable[..., None],
+    gen_queue: str,
+    reference: Any,  # noqa: F811
+) -> None:
+    workers()
+    client = client_for(serve(make_app()))
+    want = in_process(reference, {"messages": CHAT, "max_new_tokens": 14})
+
+    chunks = list(
+        client.chat.completions.create(
+            model=gen_queue,
+            messages=CHAT,
+            max_tokens=14,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    *with_choices, last = chunks
+    assert with_choices[0].choices[0].delta.role == "assistant"
+    texts = [c.choices[0].delta.content or "" for c in with_choices]
+    assert "".join(texts) == want.text
+    reasons = [c.choices[0].finish_reason for c in with_choices]
+    assert reasons[:-1] == [None] * (len(reasons) - 1)
+    assert reasons[-1] == ("length" if want.finish_reason == "length" else "stop")
+    assert len({c.id for c in chunks}) == 1
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
+    assert all(c.usage is None for c in with_choices)
+    assert last.choices == []
+    assert last.usage.prompt_tokens == want.prompt_tokens
+    assert last.usage.completion_tokens == len(want.token_ids)
+
+
+def test_a_streamed_completion_read_as_raw_events(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    workers: Callable[..., None],
+    gen_queue: str,
+    reference: Any,  # noqa: F811
+) -> None:
+    workers(max_new_tokens_limit=50)
+    http = serve(make_app())
+    body = {"model": gen_queue, "prompt": "Once upon a time", "max_tokens": 20, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    want = in_process(reference, {"prompt": "Once upon a time", "max_new_tokens": 20})
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want.text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["object"] == "text_completion" and "usage" not in c for c in chunks)
+
+    # What fails before the first chunk is an HTTP error, not a stream.
+    response = http.post("/v1/completions", json={**body, "max_tokens": 51})
+    assert_error(response, 400, code="BadGenerationParams")
+
+
+def test_a_stream_with_no_answer_in_time_is_504_and_cancelled(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    gen_queue: str,
+    rclient: redis.Redis,
+) -> None:
+    http = serve(make_app(timeout_s=0.5))  # and no worker
+    body = {"model": gen_queue, "messages": CHAT, "stream": True}
+    assert_error(http.post("/v1/chat/completions", json=body), 504, type="timeout_error")
+    cancels = wait_until(lambda: rclient.xrange(QueueKeys(gen_queue).cancels), "the cancel")
+    assert len(cancels) == 1
