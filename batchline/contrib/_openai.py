@@ -139,6 +139,7 @@ class OpenAIRoutes:
         app.add_exception_handler(RedisError, answer_batchline)
         app.add_exception_handler(RequestValidationError, answer_invalid)
         app.add_exception_handler(StarletteHTTPException, answer_http)
+        app.add_exception_handler(Exception, answer_batchline)  # a bug's 500, in OpenAI's shape
         return app
 
     # -- routes --------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ at its next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -133,5 +134,6 @@ class EventStream(Response):
         except Exception as exc:  # the answer has started: the error goes as an event
             error = typed(exc)
             log_error(f"stream {info.head['id']}", error, exc)
-            await emit(error.event())
+            with contextlib.suppress(OSError):  # how some servers report a gone client
+                await emit(error.event())
         return True

@@ -221,8 +221,10 @@ def test_a_route_without_its_queue_says_which_setting_to_set(
     assert "BATCHLINE_GENERATION_QUEUE" in message
     response = http.post("/v1/embeddings", json={"model": queue, "input": "x"})
     assert "embedding_queue" in assert_error(response, 404)["message"]
-    # The app's own routes are still there.
+    # The app's own routes are still there, and the /v1 routes' own OpenAPI document.
     assert http.get("/healthz").status_code == 200
+    paths = http.get("/v1/openapi.json").json()["paths"]
+    assert {"/embeddings", "/completions", "/chat/completions", "/models"} <= set(paths)
 
 
 def test_a_full_queue_is_429_and_no_answer_in_time_is_504_and_cancelled(
