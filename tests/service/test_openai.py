@@ -387,3 +387,25 @@ def test_a_stream_with_no_answer_in_time_is_504_and_cancelled(
     assert_error(http.post("/v1/chat/completions", json=body), 504, type="timeout_error")
     cancels = wait_until(lambda: rclient.xrange(QueueKeys(gen_queue).cancels), "the cancel")
     assert len(cancels) == 1
+
+
+def test_a_stream_that_stalls_ends_with_an_error_event_and_is_cancelled(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    start_worker: Callable[..., WorkerThread],
+    gen_queue: str,
+    rclient: redis.Redis,
+    gate: Any,  # noqa: F811
+) -> None:
+    start_worker("generate", model_path=spec("tiny_llama_gated"), queue=gen_queue)
+    http = serve(make_app(timeout_s=8))  # ample for the first steps, then the model stalls
+    gate.allow(3)  # the prefill and two decode steps, then no more
+    body = {"model": gen_queue, "prompt": "abc", "max_tokens": 200, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        events = sse_events(response)
+    *chunks, last = [json.loads(e) for e in events]  # no [DONE]
+    assert chunks
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
+    assert last["error"]["type"] == "timeout_error"
+    cancels = wait_until(lambda: rclient.xrange(QueueKeys(gen_queue).cancels), "the cancel")
+    assert chunks[0]["id"] == f"cmpl-{cancels[0][1][b'id'].decode()}"
