@@ -68,7 +68,6 @@ _ROUTES = {"embedding": "embeddings", "generation": "completions and chat comple
 class _Served:
     """A queue the routes submit to: its model name and the producer opened for it."""
 
-    kind: Kind
     name: str
     settings: ProducerSettings
     opened: AsyncProducer | None = field(default=None, repr=False)
@@ -95,9 +94,7 @@ class OpenAIRoutes:
         names = settings.served_models() if isinstance(settings, WebSettings) else {}
         self.served: dict[str, _Served] = {}
         for kind, queue in self._queues(settings).items():
-            self.served[kind] = _Served(
-                kind, names[kind], settings.model_copy(update={"queue": queue})
-            )
+            self.served[kind] = _Served(names[kind], settings.model_copy(update={"queue": queue}))
         self.app = self._make_app()
 
     @staticmethod
