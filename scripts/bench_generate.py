@@ -22,6 +22,13 @@ its time to first token (request sent to first event) over the in-process one (c
 first delta). ``--http-ab`` runs only that comparison, alternating, ``--rounds`` times.
 
     python3 scripts/bench_generate.py --quick --http-ab
+
+``--stream-ab`` measures streaming through Redis (``AsyncProducer.stream``) against the
+result alone (``infer``) on the uniform workload, alternately, ``--rounds`` times each:
+tokens/s and the time until the caller has its first text (with ``infer``, its whole answer).
+``--model-path`` serves another model there (a ``module:callable`` spec, say):
+
+    python3 scripts/bench_generate.py --quick --stream-ab
 """
 
 from __future__ import annotations
@@ -163,19 +170,36 @@ async def ours(
 
 
 async def through_redis(
-    url: str, queue: str, chats: list[Any], limits: list[int], gaps: list[float]
+    url: str,
+    queue: str,
+    chats: list[Any],
+    limits: list[int],
+    gaps: list[float],
+    *,
+    stream: bool = False,
 ) -> dict[str, Any]:
-    """The same requests through Redis: one producer, the worker started by main()."""
+    """The same requests through Redis: one producer, the worker started by main();
+    ``stream``: with ``producer.stream`` instead of ``producer.infer``. ``first_s``: until
+    each caller had text (with infer, its answer)."""
     from batchline.producer import AsyncProducer
 
     async with AsyncProducer(redis_url=url, queue=queue, max_queue_depth=0) as producer:
         await producer.infer({"prompt": "Hello", "max_new_tokens": 2}, timeout_s=600)  # loaded
 
-        async def one(chat: Any, limit: int, delay: float) -> dict[str, Any]:
+        async def one(chat: Any, limit: int, delay: float) -> tuple[int, float]:
             await asyncio.sleep(delay)
             value = {"messages": chat, "max_new_tokens": limit}
-            out: dict[str, Any] = await producer.infer(value, timeout_s=3600)
-            return out
+            sent = time.perf_counter()
+            if not stream:
+                out: dict[str, Any] = await producer.infer(value, timeout_s=3600)
+                return out["tokens"], time.perf_counter() - sent
+            first = None
+            async for chunk in producer.stream(value, timeout_s=3600):
+                if first is None and chunk.token_ids:
+                    first = time.perf_counter() - sent
+                if chunk.result is not None:
+                    return chunk.result["tokens"], first or 0.0
+            raise AssertionError("a stream ended without its last chunk")
 
         arrivals = [sum(gaps[: i + 1]) for i in range(len(gaps))]
         start = time.perf_counter()
@@ -183,7 +207,7 @@ async def through_redis(
             *(one(c, m, a) for c, m, a in zip(chats, limits, arrivals, strict=True))
         )
         wall = time.perf_counter() - start
-    return {"tokens": sum(o["tokens"] for o in outs), "wall_s": wall}
+    return {"tokens": sum(n for n, _ in outs), "wall_s": wall, "first_s": [f for _, f in outs]}
 
 
 async def via_http(
@@ -230,7 +254,7 @@ async def via_http(
 class RedisWorker:
     """A private redis-server and one generation worker process, for the through-Redis rows."""
 
-    def __init__(self, batch_size: int) -> None:
+    def __init__(self, batch_size: int, model_path: str | None = None) -> None:
         import contextlib
 
         from batchline.demo.service import redis_for_demo, start_worker, stop_worker
@@ -239,12 +263,15 @@ class RedisWorker:
         self.stack = contextlib.ExitStack()
         self.url = redis_for_demo(self.stack, self.queue)
         flags = ["--model", "generate", "--batch-size", str(batch_size)]
+        flags += ["--model-path", model_path] if model_path else []
         worker = start_worker(self.url, self.queue, [*flags, "--max-restarts-per-min", "0"])
         self.stack.callback(stop_worker, worker)
         self.base_url: str | None = None
 
-    def run(self, chats: list[Any], limits: list[int], gaps: list[float]) -> dict[str, Any]:
-        return asyncio.run(through_redis(self.url, self.queue, chats, limits, gaps))
+    def run(
+        self, chats: list[Any], limits: list[int], gaps: list[float], *, stream: bool = False
+    ) -> dict[str, Any]:
+        return asyncio.run(through_redis(self.url, self.queue, chats, limits, gaps, stream=stream))
 
     def http(self, chats: list[Any], limits: list[int], gaps: list[float]) -> dict[str, Any]:
         """The requests through the FastAPI backend (started on first use) and Redis."""
@@ -356,6 +383,32 @@ def http_ab(gen: Generator, redis: RedisWorker, n: int, new: int, rounds: int) -
     )
 
 
+def stream_ab(redis: RedisWorker, n: int, new: int, rounds: int) -> None:
+    """Through Redis with and without streaming, alternately: tokens/s of the totals and
+    the time to the first text (p50 over every request of every round)."""
+    chats, limits = prompts(n), [new] * n
+    redis.run(chats[:1], [2], [0.0], stream=True)  # warm both paths
+    print(f"uniform: {n} chat prompts, greedy, {new} new tokens, through Redis; {rounds} rounds")
+    names = {"without streaming (infer)": False, "streaming (stream)": True}
+    totals: dict[str, list[Any]] = {name: [0, 0.0, []] for name in names}
+    for _ in range(rounds):
+        for name, stream in names.items():
+            r = redis.run(chats, limits, [0.0] * n, stream=stream)
+            rate, first = r["tokens"] / r["wall_s"], pct(r["first_s"], 0.5) * 1e3
+            print(f"{name:<28} {r['tokens']:>6} tok {r['wall_s']:7.1f} s {rate:7.1f} tok/s"
+                  f" first text p50 {first:.0f} ms")  # fmt: skip
+            totals[name][0] += r["tokens"]
+            totals[name][1] += r["wall_s"]
+            totals[name][2] += r["first_s"]
+    (plain, plain_s, plain_first), (streamed, streamed_s, streamed_first) = totals.values()
+    ratio = (streamed / streamed_s) / (plain / plain_s)
+    print(
+        f"streaming: {streamed / streamed_s:.1f} tok/s, {ratio:.2f}x without "
+        f"({plain / plain_s:.1f} tok/s); first text p50 {pct(streamed_first, 0.5) * 1e3:.0f} ms "
+        f"against {pct(plain_first, 0.5) * 1e3:.0f} ms"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small workloads: a check, not figures")
@@ -367,13 +420,33 @@ def main() -> None:
     ap.add_argument(
         "--http-ab", action="store_true", help="only: ttft in process vs via HTTP, alternating"
     )
-    ap.add_argument("--rounds", type=int, default=2, help="with --redis-ab, --http-ab [default 2]")
+    ap.add_argument(
+        "--stream-ab", action="store_true", help="only: through Redis, streaming vs infer"
+    )
+    ap.add_argument("--rounds", type=int, default=2, help="with --*-ab [default 2]")
+    ap.add_argument(
+        "--model-path", help="with --stream-ab, --http-ab: the model (both sides) [smollm2]"
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     n_uniform, n_alone, n_mixed, hi = (8, 2, 12, 48) if args.quick else (32, 8, 64, 256)
-    model, tok = load_causal_lm()
+    if args.stream_ab:
+        redis = RedisWorker(batch_size=32, model_path=args.model_path)
+        try:
+            stream_ab(redis, n_uniform, 16 if args.quick else 32, args.rounds)
+        finally:
+            redis.close()
+        return
+    if args.model_path and not args.http_ab:
+        ap.error("--model-path goes with --stream-ab or --http-ab")
+    if args.model_path and ":" in args.model_path:  # module:callable, as the worker takes it
+        from batchline.worker.models import resolve_callable
+
+        model, tok = resolve_callable(args.model_path)()
+    else:
+        model, tok = load_causal_lm(*([args.model_path] if args.model_path else []))
     gen = Generator(model, tokenizer=tok, max_batch_size=32)
-    redis = None if args.skip_redis else RedisWorker(batch_size=32)
+    redis = None if args.skip_redis else RedisWorker(batch_size=32, model_path=args.model_path)
     if (args.redis_ab or args.http_ab) and redis is not None:
         ab = redis_ab if args.redis_ab else http_ab
         ab(gen, redis, n_uniform, 16 if args.quick else 32, args.rounds)

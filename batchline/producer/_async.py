@@ -36,7 +36,7 @@ from batchline.errors import (
 )
 from batchline.producer._failures import Failed, connected, translate, uncertain, writer_for
 from batchline.producer._once import Answered, cached_result, outcome_of
-from batchline.producer._stream import StreamChunk, StreamState, stream_request
+from batchline.producer._stream import StreamChunk, Streams, StreamState, stream_request
 from batchline.transport._cancels import cancel_request
 from batchline.transport._outbox import Outbox
 from batchline.transport._redis import Backoff, RedisClient, Script, connect, own_connection
@@ -48,7 +48,7 @@ from batchline.transport.codec import (
     encode_request,
     unpack_result,
 )
-from batchline.transport.codec._chunks import CHUNKS_FIELD, unpack_chunks
+from batchline.transport.codec._chunks import CHUNKS_FIELD
 from batchline.transport.codec._results import result_map
 from batchline.transport.keys import check_name, host_id
 
@@ -121,9 +121,7 @@ class AsyncProducer:
         self._limits = self.settings.limits()
         # Every waiter of a request id here (a resubmit of a waiting id adds one).
         self._waiting: dict[str, list[asyncio.Future[Result]]] = {}
-        # Every streamed request waiting here: what it has received of its chunks.
-        self._streams: dict[str, list[StreamState]] = {}
-        self._cancelling: set[asyncio.Task[None]] = set()  # cancels of streams left early
+        self._streams = Streams(self._cancel_quietly)  # the streamed requests waiting here
         #: Submits by what the enqueue script did with them (queued, result, cached, ...).
         self.counts: Counter[str] = Counter()
         self._reader: asyncio.Task[None] | None = None
@@ -170,10 +168,7 @@ class AsyncProducer:
             return
         self._closed = True
         await self._outbox.drain()  # the submits already accepted are written
-        for rid in list(self._streams):  # nobody will read them any more: stop generating
-            self._cancel_soon(rid)
-        if self._cancelling:
-            await asyncio.wait(self._cancelling)
+        await self._streams.aclose()  # nobody will read them any more: stop generating
         if self._reader is not None:
             self._reader.cancel()
             done, _ = await asyncio.wait({self._reader}, timeout=0.05)
@@ -489,30 +484,10 @@ class AsyncProducer:
         )
         fut = cast("asyncio.Future[Result]", waiter)  # reply=True: there is one
         # Registered before the write goes (with the next flush, after this returns).
-        state = StreamState(rid)
-        self._streams.setdefault(rid, []).append(state)
-        fut.add_done_callback(lambda _: state.event.set())
-        return rid, fut, state
-
-    def _end_stream(self, rid: str, fut: asyncio.Future[Result], state: StreamState) -> None:
-        """A stream ended: forget it; if it ended before its result, cancel the request."""
-        states = self._streams.get(rid)
-        if states is not None and state in states:
-            states.remove(state)
-            if not states:
-                del self._streams[rid]
-        if not fut.done():
-            self._drop(rid, fut)
-            fut.cancel()
-            self._cancel_soon(rid)
-
-    def _cancel_soon(self, rid: str) -> None:
-        """Cancel a request in the background (its stream's caller has gone)."""
-        task = asyncio.get_running_loop().create_task(self._cancel_quietly(rid))
-        self._cancelling.add(task)
-        task.add_done_callback(self._cancelling.discard)
+        return rid, fut, self._streams.open(rid, fut)
 
     async def _cancel_quietly(self, rid: str) -> None:
+        """Cancel a request whose stream's caller has gone (in the background)."""
         try:
             await cancel_request(self._redis, self.keys, rid, self.settings.result_ttl_s)
         except (RedisError, OSError) as exc:
@@ -604,7 +579,7 @@ class AsyncProducer:
         """
         try:
             if isinstance(raw, dict) and CHUNKS_FIELD in raw:
-                problems = self._deliver_chunks(raw[CHUNKS_FIELD])
+                problems = self._streams.deliver(raw[CHUNKS_FIELD])
             else:
                 problems = self._deliver_checked(raw)
         except Exception as exc:  # a bug, not bad input: the reader must still live on
@@ -648,23 +623,6 @@ class AsyncProducer:
         if count != str(len(results)).encode() and not dropped:
             # n is informational (r is what counts): a mismatch is noted, nothing dropped.
             return 0, f"its n ({count!r}) does not match its {len(results)} results"
-        return (dropped, first) if dropped else None
-
-    def _deliver_chunks(self, packed: Any) -> tuple[int, str] | None:
-        """Hand a chunk entry's chunks to their streams (a chunk for no stream waiting
-        here is dropped: its stream ended); returns what was malformed, as for results."""
-        try:
-            chunks = unpack_chunks(packed)
-        except DecodeError as exc:
-            return 1, str(exc)
-        dropped, first = 0, ""
-        for chunk in chunks:
-            if isinstance(chunk, DecodeError):
-                dropped += 1
-                first = first or str(chunk)
-                continue
-            for state in self._streams.get(chunk.request_id, ()):
-                state.take(chunk)
         return (dropped, first) if dropped else None
 
     def _deliver(self, fields: dict[Any, Any]) -> None:

@@ -15,17 +15,18 @@ the result (its text and tokens past what was yielded), so a worker that sends n
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from batchline.errors import InferenceError, RequestTimeout, StreamDiverged
-from batchline.transport.codec._chunks import Chunk
+from batchline.errors import DecodeError, InferenceError, RequestTimeout, StreamDiverged
+from batchline.transport.codec import Result
+from batchline.transport.codec._chunks import Chunk, unpack_chunks
 
 if TYPE_CHECKING:
     from batchline.producer._async import AsyncProducer, RequestOptions
 
-__all__ = ["StreamChunk", "StreamState", "stream_request"]
+__all__ = ["StreamChunk", "StreamState", "Streams", "stream_request"]
 
 S = TypeVar("S", str, list[int])
 
@@ -135,6 +136,69 @@ class StreamState:
         )
 
 
+class Streams:
+    """A producer's streamed requests waiting for chunks, by request id.
+
+    Args:
+        cancel: cancels a request (for a stream left before its end).
+    """
+
+    def __init__(self, cancel: Callable[[str], Coroutine[Any, Any, None]]) -> None:
+        self._cancel = cancel
+        self._states: dict[str, list[StreamState]] = {}
+        self._cancelling: set[asyncio.Task[None]] = set()
+
+    def open(self, rid: str, fut: asyncio.Future[Result]) -> StreamState:
+        """Register a stream of request ``rid``, whose result lands in ``fut``."""
+        state = StreamState(rid)
+        self._states.setdefault(rid, []).append(state)
+        fut.add_done_callback(lambda _: state.event.set())
+        return state
+
+    def end(self, state: StreamState, fut: asyncio.Future[Result]) -> bool:
+        """Forget a stream; if it ended before its result, cancel the request (in the
+        background). Returns whether it did."""
+        states = self._states.get(state.request_id)
+        if states is not None and state in states:
+            states.remove(state)
+            if not states:
+                del self._states[state.request_id]
+        if fut.done():
+            return False
+        self._cancel_soon(state.request_id)
+        return True
+
+    def _cancel_soon(self, rid: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._cancel(rid))
+        self._cancelling.add(task)
+        task.add_done_callback(self._cancelling.discard)
+
+    async def aclose(self) -> None:
+        """Cancel the requests of every stream still open, and wait for the cancels."""
+        for rid in list(self._states):
+            self._cancel_soon(rid)
+        if self._cancelling:
+            await asyncio.wait(self._cancelling)
+
+    def deliver(self, packed: Any) -> tuple[int, str] | None:
+        """Hand a chunk entry's chunks to their streams (a chunk for no stream open here is
+        dropped: its stream ended); returns (how many were malformed, the first reason) if
+        any was."""
+        try:
+            chunks = unpack_chunks(packed)
+        except DecodeError as exc:
+            return 1, str(exc)
+        dropped, first = 0, ""
+        for chunk in chunks:
+            if isinstance(chunk, DecodeError):
+                dropped += 1
+                first = first or str(chunk)
+                continue
+            for state in self._states.get(chunk.request_id, ()):
+                state.take(chunk)
+        return (dropped, first) if dropped else None
+
+
 async def stream_request(
     producer: AsyncProducer, value: Any, timeout_s: float | None, options: RequestOptions
 ) -> AsyncGenerator[StreamChunk, None]:
@@ -160,4 +224,6 @@ async def stream_request(
             except TimeoutError:
                 raise RequestTimeout(f"request {rid} did not finish within {timeout_s} s") from None
     finally:
-        producer._end_stream(rid, fut, state)
+        if producer._streams.end(state, fut):  # left before its end: it waits no more
+            producer._drop(rid, fut)
+            fut.cancel()
