@@ -30,12 +30,12 @@ from batchline.producer import Producer
 
 from .conftest import RESULT_TIMEOUT_S, WorkerThread, spec, wait_until
 from .test_fastapi import MODEL, Serve, serve
-from .test_generate import CHAT, TINY, gate, in_process, poll, reference
+from .test_generate import CHAT, TINY, in_process, poll, reference
 from .web_models import BAD_INPUT, MODEL_FAILURE, vector
 
 openai = pytest.importorskip("openai")
 
-__all__ = ["gate", "reference", "serve"]  # fixtures, used here
+__all__ = ["reference", "serve"]  # fixtures, used here
 
 MakeApp = Callable[..., FastAPI]
 
@@ -282,7 +282,7 @@ def test_a_client_that_hangs_up_cancels_its_request(
     redis_url: str,
     gen_queue: str,
     rclient: redis.Redis,
-    gate: Any,  # noqa: F811
+    gate: Any,
     stream: bool,
 ) -> None:
     start_worker("generate", model_path=spec("tiny_llama_gated"), queue=gen_queue)
@@ -395,7 +395,7 @@ def test_a_stream_that_stalls_ends_with_an_error_event_and_is_cancelled(
     start_worker: Callable[..., WorkerThread],
     gen_queue: str,
     rclient: redis.Redis,
-    gate: Any,  # noqa: F811
+    gate: Any,
 ) -> None:
     start_worker("generate", model_path=spec("tiny_llama_gated"), queue=gen_queue)
     http = serve(make_app(timeout_s=8))  # ample for the first steps, then the model stalls
