@@ -57,9 +57,6 @@ class ChunkWriter:
         self._max_unread = max_unread
         self._gone = gone
         self._outbox: Outbox[tuple[str, Chunk]] = Outbox(self._flush, name="batchline-chunks")
-        #: Chunk entries written, and chunk writes that failed.
-        self.entries = 0
-        self.failed = 0
 
     def put(self, reply: str, chunk: Chunk) -> None:
         """Write ``chunk`` to producer ``reply`` with the next write (on the event loop)."""
@@ -83,10 +80,8 @@ class ChunkWriter:
                     pipe.xlen(key)
                 replies = await pipe.execute()
         except (RedisError, OSError) as exc:
-            self.failed += 1
             logger.warning("chunks for %d producers not written: %s", len(by_reply), exc)
             return
-        self.entries += len(by_reply)
         for (reply, chunks), unread in zip(by_reply.items(), replies[2::3], strict=True):
             if int(unread) > self._max_unread:
                 ids = list(dict.fromkeys(c.request_id for c in chunks))
