@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["INPUT_ERRORS", "RETRY_AFTER_S"]
+__all__ = ["INPUT_ERRORS", "MAX_TEXT_CHARS", "RETRY_AFTER_S"]
 
 #: Worker error types that the input caused (the client's fault: 422 on ``/embed``, 400 on
 #: ``/v1``); every other one is the server's (500).
@@ -18,3 +18,5 @@ INPUT_ERRORS = frozenset(
 )
 #: Seconds a client should wait before retrying a refused request (``Retry-After``).
 RETRY_AFTER_S = 1
+#: Longest text accepted (the worker's default ``max_chars``).
+MAX_TEXT_CHARS = 20_000

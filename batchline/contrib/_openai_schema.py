@@ -25,6 +25,8 @@ from pydantic import (
     model_validator,
 )
 
+from batchline.contrib._common import MAX_TEXT_CHARS
+
 __all__ = [
     "MAX_EMBEDDING_INPUTS",
     "ChatRequest",
@@ -44,8 +46,6 @@ __all__ = [
 
 #: Most texts in one ``POST /v1/embeddings`` (OpenAI's own limit).
 MAX_EMBEDDING_INPUTS = 2048
-#: The most characters of one text (the workers' default ``max_chars``).
-MAX_TEXT_CHARS = 20_000
 
 #: batchline's finish reasons in OpenAI's terms: a natural end is ``stop``; ``length`` is
 #: the token limit. ``cancelled`` and ``deadline`` (the request was cut short; the app sets
@@ -58,7 +58,7 @@ _Stop = Annotated[str, StringConstraints(min_length=1)]
 
 def _default(value: Any) -> bool:
     """Whether a parameter batchline lacks is at its OpenAI default (so it may be sent)."""
-    return value is None or value is False or value in (0, {}, [])
+    return value is None or value is False or value in (0, "", {}, [])
 
 
 def _only_default(value: Any) -> Any:

@@ -47,7 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 from redis.exceptions import RedisError
 
 from batchline.config import ProducerSettings, WebSettings, check_environment
-from batchline.contrib._common import INPUT_ERRORS, RETRY_AFTER_S
+from batchline.contrib._common import INPUT_ERRORS, MAX_TEXT_CHARS, RETRY_AFTER_S
 from batchline.contrib._openai import OpenAIRoutes
 from batchline.errors import (
     BatcherClosed,
@@ -77,8 +77,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Longest text accepted (the worker's default ``max_chars``).
-MAX_TEXT_CHARS = 20_000
 #: Most texts in one request.
 MAX_TEXTS = 256
 _NOT_STARTED = "the app's lifespan has not run: serve it with an ASGI server"
