@@ -135,12 +135,15 @@ class WebSettings(ProducerSettings):
             /v1/models`` lists (default: ``embedding_queue``).
         generation_model_name: the same for the generation routes (default:
             ``generation_queue``).
+        request_timeout_s: longest a request waits for its result before the app answers
+            504 and cancels it (a ``/v1`` stream: for each new chunk).
     """
 
     embedding_queue: str | None = None
     generation_queue: str | None = None
     embedding_model_name: str | None = Field(default=None, min_length=1, max_length=256)
     generation_model_name: str | None = Field(default=None, min_length=1, max_length=256)
+    request_timeout_s: float = Field(default=30.0, gt=0)
 
     @field_validator("embedding_queue", "generation_queue")
     @classmethod

@@ -367,7 +367,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 def create_app(
-    settings: ProducerSettings | None = None, *, timeout_s: float = 30.0, **overrides: Any
+    settings: ProducerSettings | None = None, *, timeout_s: float | None = None, **overrides: Any
 ) -> FastAPI:
     """A FastAPI app that enqueues requests for batchline workers: embeddings on ``queue``,
     and OpenAI-compatible routes under ``/v1`` (see :mod:`batchline.contrib._openai`).
@@ -377,16 +377,19 @@ def create_app(
             ProducerSettings: no ``/v1`` queue); default: ``BATCHLINE_*`` variables and
             ``overrides`` (an unknown ``BATCHLINE_*`` variable is an error).
         timeout_s: longest a request waits for its result before answering 504 (a
-            ``/v1`` stream: for each chunk).
+            ``/v1`` stream: for each chunk); default: the settings' ``request_timeout_s``
+            (30 s).
         **overrides: single settings, e.g. ``queue="embed"``, ``generation_queue="chat"``.
     """
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
     if settings is None:
         check_environment()
         settings = WebSettings(**overrides)
     elif overrides:
         raise TypeError(f"give settings or single settings, not both: {sorted(overrides)}")
+    if timeout_s is None:
+        timeout_s = settings.request_timeout_s if isinstance(settings, WebSettings) else 30.0
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
     backend = _Backend(settings, timeout_s=timeout_s)
     openai = OpenAIRoutes(settings, timeout_s=timeout_s)
 

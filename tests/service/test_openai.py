@@ -50,7 +50,7 @@ def make_app(redis_url: str, queue: str, gen_queue: str) -> MakeApp:
     """``make_app(**settings)``: the app with ``queue`` as the embedding queue and
     ``gen_queue`` as the generation queue (``embedding_queue=None`` etc. leave one out)."""
 
-    def make(*, timeout_s: float = RESULT_TIMEOUT_S, **settings: Any) -> FastAPI:
+    def make(*, timeout_s: float | None = RESULT_TIMEOUT_S, **settings: Any) -> FastAPI:
         settings.setdefault("embedding_queue", queue)
         settings.setdefault("generation_queue", gen_queue)
         return create_app(
@@ -235,7 +235,7 @@ def test_a_full_queue_is_429_and_no_answer_in_time_is_504_and_cancelled(
     rclient: redis.Redis,
 ) -> None:
     # No worker: what is queued stays queued.
-    http = serve(make_app(timeout_s=0.5, max_queue_depth=2))
+    http = serve(make_app(timeout_s=None, request_timeout_s=0.5, max_queue_depth=2))
     body = {"model": gen_queue, "prompt": "x"}
     response = http.post("/v1/completions", json=body)
     assert_error(response, 504, type="timeout_error")
