@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from batchline.drivers._options import DEFAULTS
@@ -25,6 +25,7 @@ __all__ = [
     "ENV_PREFIX",
     "ProducerSettings",
     "ServiceSettings",
+    "WebSettings",
     "WorkerSettings",
     "check_environment",
     "redact_url",
@@ -119,6 +120,54 @@ class ProducerSettings(ServiceSettings):
             max_chars=self.max_result_bytes,
             max_items=1 << 20,
         )
+
+
+class WebSettings(ProducerSettings):
+    """Settings of the FastAPI backend (``batchline.contrib.fastapi``): a producer's for
+    ``queue`` (``/embed``, ``/jobs``), and the queues of its OpenAI-compatible routes.
+
+    Attributes:
+        embedding_queue: the queue ``POST /v1/embeddings`` submits to, served by an
+            embedding worker (none: that route answers 404 saying to set this).
+        generation_queue: the queue of ``POST /v1/completions`` and
+            ``/v1/chat/completions``, served by ``--model generate`` workers (none: 404).
+        embedding_model_name: the model name ``/v1/embeddings`` accepts and ``GET
+            /v1/models`` lists (default: ``embedding_queue``).
+        generation_model_name: the same for the generation routes (default:
+            ``generation_queue``).
+        request_timeout_s: longest a request waits for its result before the app answers
+            504 and cancels it (a ``/v1`` stream: for each new chunk).
+    """
+
+    embedding_queue: str | None = None
+    generation_queue: str | None = None
+    embedding_model_name: str | None = Field(default=None, min_length=1, max_length=256)
+    generation_model_name: str | None = Field(default=None, min_length=1, max_length=256)
+    request_timeout_s: float = Field(default=30.0, gt=0)
+
+    @field_validator("embedding_queue", "generation_queue")
+    @classmethod
+    def _queue_name(cls, value: str | None) -> str | None:
+        return None if value is None else check_name("name", value)
+
+    @model_validator(mode="after")
+    def _distinct_names(self) -> WebSettings:
+        names = self.served_models()
+        if len(set(names.values())) < len(names):
+            raise ValueError(
+                "the embedding and the generation model names must differ, both are "
+                f"{names['embedding']!r}: set embedding_model_name or generation_model_name"
+            )
+        return self
+
+    def served_models(self) -> dict[str, str]:
+        """The model name of each kind of route whose queue is set (``embedding``,
+        ``generation``)."""
+        names = {
+            "embedding": (self.embedding_queue, self.embedding_model_name),
+            "generation": (self.generation_queue, self.generation_model_name),
+        }
+        return {kind: name or q for kind, (q, name) in names.items() if q is not None}
 
 
 class WorkerSettings(ServiceSettings):
@@ -228,7 +277,7 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
     env = os.environ if environ is None else environ
     known = {
         ENV_PREFIX + name.upper()
-        for cls in (ProducerSettings, WorkerSettings)
+        for cls in (WebSettings, WorkerSettings)
         for name in cls.model_fields
     }
     known.add(ENV_PREFIX + "CACHE_DIR")  # where converted and exported models are kept
