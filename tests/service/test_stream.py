@@ -8,6 +8,7 @@ gate, as processes where one is killed), the tiny random Llama of test_generate.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import time
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from .conftest import (
 from .reply_spy import count_replies
 from .test_generate import poll
 from .test_reliability import assert_all_done
+from .test_scale_security import PREFIX, _acl_users
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -289,3 +291,38 @@ def test_a_worker_killed_mid_stream_is_rerun_and_no_token_shows_twice_or_never(
         assert result == answer.output
         assert result["tokens"] == 40
         assert result["token_ids"][: len(before)] == before
+
+
+def test_a_stream_under_the_producer_and_worker_acl_users(
+    start_worker: Callable[..., WorkerThread],
+    redis_url: str,
+    queue: str,
+    rclient: redis.Redis,
+    gate: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """batchline.acl's users allow all a stream does: the worker's chunk writes (XADD,
+    EXPIRE, XLEN on the reply stream), the producer's reads and deletes, its cancel."""
+    caplog.set_level(logging.WARNING)  # a refused chunk write is only logged
+    keys = QueueKeys(queue, PREFIX)
+    users = _acl_users(rclient, redis_url, keys, queue[-8:])
+    as_user = {"queue": queue, "prefix": PREFIX}
+    thread = start_worker("generate", model_path=GATED, redis_url=users["worker"][0], **as_user)
+    try:
+        with Producer(redis_url=users["producer"][0], **as_user) as producer:
+            gate.open()
+            chunks = list(producer.stream(VALUES[0], timeout_s=T))
+            assert len(chunks) > 1  # chunks came before the result
+            assert check_whole(chunks)["text"] == producer.infer(VALUES[0], timeout_s=T)["text"]
+            gate.close()
+            gate.allow(3)  # the prefill and two decode steps
+            for _chunk in producer.stream({"prompt": "abc", "max_new_tokens": 200}, request_id="a"):
+                break  # the iterator is closed here: the request is cancelled
+            wait_until(lambda: "a" in thread.worker._cancels, "the worker to see the cancel")
+            gate.open()
+            assert poll(producer, "a").output["finish_reason"] == "cancelled"
+        thread.stop()  # before its user goes
+    finally:
+        for role in ("producer", "worker"):
+            rclient.execute_command("ACL", "DELUSER", f"blq-{role}-{queue[-8:]}")
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
