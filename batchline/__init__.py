@@ -37,6 +37,7 @@ from batchline.errors import (
     RequestIdConflict,
     RequestTimeout,
     ServiceUnavailable,
+    StreamDiverged,
     WorkerHung,
 )
 
@@ -70,6 +71,7 @@ __all__ = [
     "RequestIdConflict",
     "RequestTimeout",
     "ServiceUnavailable",
+    "StreamDiverged",
     "ThreadBatcher",
     "ThreadOptions",
     "WorkerHung",

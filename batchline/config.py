@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from batchline.drivers._options import DEFAULTS
@@ -25,6 +25,7 @@ __all__ = [
     "ENV_PREFIX",
     "ProducerSettings",
     "ServiceSettings",
+    "WebSettings",
     "WorkerSettings",
     "check_environment",
     "redact_url",
@@ -125,6 +126,54 @@ class ProducerSettings(ServiceSettings):
         )
 
 
+class WebSettings(ProducerSettings):
+    """Settings of the FastAPI backend (``batchline.contrib.fastapi``): a producer's for
+    ``queue`` (``/embed``, ``/jobs``), and the queues of its OpenAI-compatible routes.
+
+    Attributes:
+        embedding_queue: the queue ``POST /v1/embeddings`` submits to, served by an
+            embedding worker (none: that route answers 404 saying to set this).
+        generation_queue: the queue of ``POST /v1/completions`` and
+            ``/v1/chat/completions``, served by ``--model generate`` workers (none: 404).
+        embedding_model_name: the model name ``/v1/embeddings`` accepts and ``GET
+            /v1/models`` lists (default: ``embedding_queue``).
+        generation_model_name: the same for the generation routes (default:
+            ``generation_queue``).
+        request_timeout_s: longest a request waits for its result before the app answers
+            504 and cancels it (a ``/v1`` stream: for each new chunk).
+    """
+
+    embedding_queue: str | None = None
+    generation_queue: str | None = None
+    embedding_model_name: str | None = Field(default=None, min_length=1, max_length=256)
+    generation_model_name: str | None = Field(default=None, min_length=1, max_length=256)
+    request_timeout_s: float = Field(default=30.0, gt=0)
+
+    @field_validator("embedding_queue", "generation_queue")
+    @classmethod
+    def _queue_name(cls, value: str | None) -> str | None:
+        return None if value is None else check_name("name", value)
+
+    @model_validator(mode="after")
+    def _distinct_names(self) -> WebSettings:
+        names = self.served_models()
+        if len(set(names.values())) < len(names):
+            raise ValueError(
+                "the embedding and the generation model names must differ, both are "
+                f"{names['embedding']!r}: set embedding_model_name or generation_model_name"
+            )
+        return self
+
+    def served_models(self) -> dict[str, str]:
+        """The model name of each kind of route whose queue is set (``embedding``,
+        ``generation``)."""
+        names = {
+            "embedding": (self.embedding_queue, self.embedding_model_name),
+            "generation": (self.generation_queue, self.generation_model_name),
+        }
+        return {kind: name or q for kind, (q, name) in names.items() if q is not None}
+
+
 class WorkerSettings(ServiceSettings):
     """Settings of a worker.
 
@@ -186,6 +235,9 @@ class WorkerSettings(ServiceSettings):
             none.
         max_new_tokens_limit: ``generate`` only: the largest max_new_tokens a request may
             ask for (more: BadGenerationParams).
+        stream_max_unread: ``generate`` only: a producer whose reply stream holds more
+            entries than this unread is taken as gone, and its streamed requests are
+            cancelled.
     """
 
     model: str = "sentence-transformers"
@@ -217,6 +269,7 @@ class WorkerSettings(ServiceSettings):
     max_batch_tokens: int = Field(default=16384, ge=1)
     default_max_new_tokens: int = Field(default=128, ge=1)
     max_new_tokens_limit: int = Field(default=1024, ge=1)
+    stream_max_unread: int = Field(default=1000, ge=1)
 
     def limits(self) -> Limits:
         """What the worker accepts in a request."""
@@ -232,7 +285,7 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
     env = os.environ if environ is None else environ
     known = {
         ENV_PREFIX + name.upper()
-        for cls in (ProducerSettings, WorkerSettings)
+        for cls in (WebSettings, WorkerSettings)
         for name in cls.model_fields
     }
     known.add(ENV_PREFIX + "CACHE_DIR")  # where converted and exported models are kept

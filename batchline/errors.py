@@ -29,7 +29,10 @@ error subclasses that builtin too::
     │                                (batchline.codec; a malformed result key, say)
     └── GenerationError              a text-generation request failed
         ├── BadGenerationParams (ValueError)  invalid sampling or length parameters
-        └── PromptTooLong (ValueError)        the prompt (plus max_new_tokens) can never fit
+        ├── PromptTooLong (ValueError)        the prompt (plus max_new_tokens) can never fit
+        └── StreamDiverged               a streamed request re-run by another worker (its
+                                         first one died) produced other tokens than those
+                                         already streamed
 
 An exception raised by the batch function itself (a ``ValueError`` from the model, say)
 reaches the caller unchanged: batchline only isolates it to the items that cause it.
@@ -64,6 +67,7 @@ __all__ = [
     "RequestIdConflict",
     "RequestTimeout",
     "ServiceUnavailable",
+    "StreamDiverged",
     "WorkerHung",
 ]
 
@@ -207,3 +211,11 @@ def show_value(value: Any, *, max_chars: int = 80) -> str:
     except (ValueError, RecursionError):
         text = str(value)
     return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
+
+
+class StreamDiverged(GenerationError):
+    """A streamed generation was re-run (its worker died mid-stream, another took it over)
+    and the re-run produced tokens or text other than those already streamed: a sampled
+    request without a seed, or numerics that differ between the two runs. The stream ends
+    here rather than show a text that is neither run's; the re-run's complete result is in
+    the request's result key (``get_result``)."""

@@ -15,12 +15,27 @@ only the uniform workload, in process and through Redis alternately, ``--rounds`
 each, and reports the ratio of their total rates.
 
     python3 scripts/bench_generate.py --quick --redis-ab
+
+The via-HTTP row streams the uniform workload through the FastAPI backend's OpenAI route
+(``POST /v1/chat/completions``, ``stream: true``, uvicorn in this process, the same worker):
+its time to first token (request sent to first event) over the in-process one (call to
+first delta). ``--http-ab`` runs only that comparison, alternating, ``--rounds`` times.
+
+    python3 scripts/bench_generate.py --quick --http-ab
+
+``--stream-ab`` measures streaming through Redis (``AsyncProducer.stream``) against the
+result alone (``infer``) on the uniform workload, alternately, ``--rounds`` times each:
+tokens/s and the time until the caller has its first text (with ``infer``, its whole answer).
+``--model-path`` serves another model there (a ``module:callable`` spec, say):
+
+    python3 scripts/bench_generate.py --quick --stream-ab
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import time
 from typing import Any
@@ -161,19 +176,36 @@ async def ours(
 
 
 async def through_redis(
-    url: str, queue: str, chats: list[Any], limits: list[int], gaps: list[float]
+    url: str,
+    queue: str,
+    chats: list[Any],
+    limits: list[int],
+    gaps: list[float],
+    *,
+    stream: bool = False,
 ) -> dict[str, Any]:
-    """The same requests through Redis: one producer, the worker started by main()."""
+    """The same requests through Redis: one producer, the worker started by main();
+    ``stream``: with ``producer.stream`` instead of ``producer.infer``. ``first_s``: until
+    each caller had text (with infer, its answer)."""
     from batchline.producer import AsyncProducer
 
     async with AsyncProducer(redis_url=url, queue=queue, max_queue_depth=0) as producer:
         await producer.infer({"prompt": "Hello", "max_new_tokens": 2}, timeout_s=600)  # loaded
 
-        async def one(chat: Any, limit: int, delay: float) -> dict[str, Any]:
+        async def one(chat: Any, limit: int, delay: float) -> tuple[int, float]:
             await asyncio.sleep(delay)
             value = {"messages": chat, "max_new_tokens": limit}
-            out: dict[str, Any] = await producer.infer(value, timeout_s=3600)
-            return out
+            sent = time.perf_counter()
+            if not stream:
+                out: dict[str, Any] = await producer.infer(value, timeout_s=3600)
+                return out["tokens"], time.perf_counter() - sent
+            first = None
+            async for chunk in producer.stream(value, timeout_s=3600):
+                if first is None and chunk.token_ids:
+                    first = time.perf_counter() - sent
+                if chunk.result is not None:
+                    return chunk.result["tokens"], first or 0.0
+            raise AssertionError("a stream ended without its last chunk")
 
         arrivals = [sum(gaps[: i + 1]) for i in range(len(gaps))]
         start = time.perf_counter()
@@ -181,13 +213,60 @@ async def through_redis(
             *(one(c, m, a) for c, m, a in zip(chats, limits, arrivals, strict=True))
         )
         wall = time.perf_counter() - start
-    return {"tokens": sum(o["tokens"] for o in outs), "wall_s": wall}
+    return {"tokens": sum(n for n, _ in outs), "wall_s": wall, "first_s": [f for _, f in outs]}
+
+
+async def via_http(
+    base_url: str, model: str, chats: list[Any], limits: list[int], gaps: list[float]
+) -> dict[str, Any]:
+    """The same requests streamed through the OpenAI route of the FastAPI backend."""
+    import httpx
+
+    ttft: list[float] = []
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=3600) as client:
+
+        async def one(chat: Any, limit: int, delay: float) -> int:
+            await asyncio.sleep(delay)
+            body = {"model": model, "messages": chat, "max_tokens": limit, "stream": True}
+            body["stream_options"] = {"include_usage": True}
+            sent, first, tokens = time.perf_counter(), True, 0
+            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                response.raise_for_status()
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    if first:  # sent once the first chunk, the first token, has come
+                        ttft.append(time.perf_counter() - sent)
+                        first = False
+                    usage = json.loads(line[len("data: ") :]).get("usage")
+                    tokens = usage["completion_tokens"] if usage else tokens
+            return tokens
+
+        arrivals = [sum(gaps[: i + 1]) for i in range(len(gaps))]
+        start = time.perf_counter()
+        counts = await asyncio.gather(
+            *(one(c, m, a) for c, m, a in zip(chats, limits, arrivals, strict=True))
+        )
+        wall = time.perf_counter() - start
+    return {
+        "tokens": sum(counts),
+        "wall_s": wall,
+        "ttft_p50": pct(ttft, 0.5),
+        "ttft_p99": pct(ttft, 0.99),
+    }
 
 
 class RedisWorker:
     """A private redis-server and one generation worker process, for the through-Redis rows."""
 
-    def __init__(self, batch_size: int, device: str, dtype: str) -> None:
+    def __init__(
+        self,
+        batch_size: int,
+        device: str = "auto",
+        dtype: str = "auto",
+        model_path: str | None = None,
+    ) -> None:
         import contextlib
 
         from batchline.demo.service import redis_for_demo, start_worker, stop_worker
@@ -197,11 +276,50 @@ class RedisWorker:
         self.url = redis_for_demo(self.stack, self.queue)
         flags = ["--model", "generate", "--batch-size", str(batch_size)]
         flags += ["--device", device, "--dtype", dtype]
+        flags += ["--model-path", model_path] if model_path else []
         worker = start_worker(self.url, self.queue, [*flags, "--max-restarts-per-min", "0"])
         self.stack.callback(stop_worker, worker)
+        self.base_url: str | None = None
 
-    def run(self, chats: list[Any], limits: list[int], gaps: list[float]) -> dict[str, Any]:
-        return asyncio.run(through_redis(self.url, self.queue, chats, limits, gaps))
+    def run(
+        self, chats: list[Any], limits: list[int], gaps: list[float], *, stream: bool = False
+    ) -> dict[str, Any]:
+        return asyncio.run(through_redis(self.url, self.queue, chats, limits, gaps, stream=stream))
+
+    def http(self, chats: list[Any], limits: list[int], gaps: list[float]) -> dict[str, Any]:
+        """The requests through the FastAPI backend (started on first use) and Redis."""
+        if self.base_url is None:
+            self.base_url = self._serve()
+        return asyncio.run(via_http(self.base_url, self.queue, chats, limits, gaps))
+
+    def _serve(self) -> str:
+        """uvicorn on a thread of this process, serving the app for this worker's queue."""
+        import socket
+        import threading
+
+        import uvicorn
+
+        from batchline.contrib.fastapi import create_app
+
+        app = create_app(
+            redis_url=self.url, generation_queue=self.queue, max_queue_depth=0, timeout_s=3600
+        )
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        while not server.started:  # start-up only: a bounded wait on the thread
+            thread.join(0.05)
+            if not thread.is_alive():
+                raise RuntimeError("the FastAPI backend did not start")
+
+        def stop() -> None:
+            server.should_exit = True
+            thread.join(30)
+
+        self.stack.callback(stop)
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
     def close(self) -> None:
         self.stack.close()
@@ -246,6 +364,64 @@ def redis_ab(gen: Generator, redis: RedisWorker, n: int, new: int, rounds: int) 
     )
 
 
+def show_http(r: dict[str, Any], inproc: dict[str, Any]) -> None:
+    """The via-HTTP row: its rate, and its time to first token over the in-process one."""
+    rate = r["tokens"] / r["wall_s"]
+    print(
+        f"{'batchline via HTTP + Redis':<28} {r['tokens']:>6} tok {r['wall_s']:7.1f} s "
+        f"{rate:7.1f} tok/s ttft p50/p99 {r['ttft_p50'] * 1e3:.0f}/{r['ttft_p99'] * 1e3:.0f} ms"
+        f"  ttft p50 {r['ttft_p50'] / inproc['ttft_p50']:.2f}x in process"
+    )
+
+
+def http_ab(gen: Generator, redis: RedisWorker, n: int, new: int, rounds: int) -> None:
+    """Time to first token in process and via HTTP + Redis, alternately, on one workload."""
+    chats, limits = prompts(n), [new] * n
+    redis.http(chats[:1], [2], [0.0])  # warm both paths
+    asyncio.run(ours(gen, chats[:1], [2], [0.0]))
+    print(f"uniform: {n} chat prompts, greedy, {new} new tokens; alternating, {rounds} rounds")
+    ttfts: dict[str, list[float]] = {"in process": [], "via HTTP": []}
+    for _ in range(rounds):
+        inproc = asyncio.run(ours(gen, chats, limits, [0.0] * n))
+        show("batchline", inproc, {})
+        http = redis.http(chats, limits, [0.0] * n)
+        show_http(http, inproc)
+        ttfts["in process"].append(inproc["ttft_p50"])
+        ttfts["via HTTP"].append(http["ttft_p50"])
+    means = {k: sum(v) / len(v) for k, v in ttfts.items()}
+    print(
+        f"ttft p50, mean of rounds: in process {means['in process'] * 1e3:.0f} ms, via HTTP + "
+        f"Redis {means['via HTTP'] * 1e3:.0f} ms: "
+        f"{means['via HTTP'] / means['in process']:.2f}x in process"
+    )
+
+
+def stream_ab(redis: RedisWorker, n: int, new: int, rounds: int) -> None:
+    """Through Redis with and without streaming, alternately: tokens/s of the totals and
+    the time to the first text (p50 over every request of every round)."""
+    chats, limits = prompts(n), [new] * n
+    redis.run(chats[:1], [2], [0.0], stream=True)  # warm both paths
+    print(f"uniform: {n} chat prompts, greedy, {new} new tokens, through Redis; {rounds} rounds")
+    names = {"without streaming (infer)": False, "streaming (stream)": True}
+    totals: dict[str, list[Any]] = {name: [0, 0.0, []] for name in names}
+    for _ in range(rounds):
+        for name, stream in names.items():
+            r = redis.run(chats, limits, [0.0] * n, stream=stream)
+            rate, first = r["tokens"] / r["wall_s"], pct(r["first_s"], 0.5) * 1e3
+            print(f"{name:<28} {r['tokens']:>6} tok {r['wall_s']:7.1f} s {rate:7.1f} tok/s"
+                  f" first text p50 {first:.0f} ms")  # fmt: skip
+            totals[name][0] += r["tokens"]
+            totals[name][1] += r["wall_s"]
+            totals[name][2] += r["first_s"]
+    (plain, plain_s, plain_first), (streamed, streamed_s, streamed_first) = totals.values()
+    ratio = (streamed / streamed_s) / (plain / plain_s)
+    print(
+        f"streaming: {streamed / streamed_s:.1f} tok/s, {ratio:.2f}x without "
+        f"({plain / plain_s:.1f} tok/s); first text p50 {pct(streamed_first, 0.5) * 1e3:.0f} ms "
+        f"against {pct(plain_first, 0.5) * 1e3:.0f} ms"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small workloads: a check, not figures")
@@ -254,7 +430,16 @@ def main() -> None:
     ap.add_argument(
         "--redis-ab", action="store_true", help="only: in process vs through Redis, alternating"
     )
-    ap.add_argument("--rounds", type=int, default=2, help="with --redis-ab [default 2]")
+    ap.add_argument(
+        "--http-ab", action="store_true", help="only: ttft in process vs via HTTP, alternating"
+    )
+    ap.add_argument(
+        "--stream-ab", action="store_true", help="only: through Redis, streaming vs infer"
+    )
+    ap.add_argument("--rounds", type=int, default=2, help="with --*-ab [default 2]")
+    ap.add_argument(
+        "--model-path", help="with --stream-ab, --http-ab: the model (both sides) [smollm2]"
+    )
     ap.add_argument("--device", default="auto", help="every row's device: auto, cpu, cuda")
     ap.add_argument(
         "--dtype",
@@ -265,13 +450,29 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     n_uniform, n_alone, n_mixed, hi = (8, 2, 12, 48) if args.quick else (32, 8, 64, 256)
-    model, tok = load_causal_lm(device=args.device, dtype=args.dtype)
+    on = {"device": args.device, "dtype": args.dtype}
+    if args.stream_ab:
+        redis = RedisWorker(32, **on, model_path=args.model_path)
+        try:
+            stream_ab(redis, n_uniform, 16 if args.quick else 32, args.rounds)
+        finally:
+            redis.close()
+        return
+    if args.model_path and not args.http_ab:
+        ap.error("--model-path goes with --stream-ab or --http-ab")
+    if args.model_path and ":" in args.model_path:  # module:callable, as the worker takes it
+        from batchline.worker.models import resolve_callable
+
+        model, tok = resolve_callable(args.model_path)()
+    else:
+        model, tok = load_causal_lm(*([args.model_path] if args.model_path else []), **on)
     where = (model.device, model.dtype)  # as picked for the model: the other rows' too
     print(f"device {model.device}, dtype {model.dtype}")
     gen = Generator(model, tokenizer=tok, max_batch_size=32)
-    redis = None if args.skip_redis else RedisWorker(32, args.device, args.dtype)
-    if args.redis_ab and redis is not None:
-        redis_ab(gen, redis, n_uniform, 16 if args.quick else 32, args.rounds)
+    redis = None if args.skip_redis else RedisWorker(32, **on, model_path=args.model_path)
+    if (args.redis_ab or args.http_ab) and redis is not None:
+        ab = redis_ab if args.redis_ab else http_ab
+        ab(gen, redis, n_uniform, 16 if args.quick else 32, args.rounds)
         redis.close()
         gen.loop.close()
         return
@@ -293,6 +494,7 @@ def main() -> None:
     if redis is not None:
         own = {"in process": inproc["tokens"] / inproc["wall_s"]}
         show("batchline through Redis", redis.run(chats, limits, [0.0] * n_uniform), own)
+        show_http(redis.http(chats, limits, [0.0] * n_uniform), inproc)
 
     rnd = random.Random(1)
     chats, limits = prompts(n_mixed), [rnd.randint(8, hi) for _ in range(n_mixed)]

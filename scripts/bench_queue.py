@@ -174,7 +174,7 @@ async def safe_close(producer: Any, timeout_s: float = 5.0) -> bool:
     """Close an AsyncProducer; True if it closed in time.
 
     Works around a hang seen with redis-py 8.1 on Python 3.11: a cancelled XREAD can return
-    normally (the cancellation is swallowed), and AsyncProducer._read_replies loops on
+    normally (the cancellation is swallowed), and the reply reader (ReplyReader.run) loops on
     ``while True``, so ``aclose()`` waits for its reader forever. Cancelling again frees it.
     """
     task = asyncio.ensure_future(producer.aclose())

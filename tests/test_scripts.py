@@ -104,3 +104,41 @@ def test_bench_cache_smoke() -> None:
     assert "## batchline result cache" in out.stdout
     assert "50% of the requests served without a model call" in out.stdout
     assert "full, cache on" in out.stdout
+
+
+def test_bench_generate_stream_ab_quick() -> None:
+    """The streaming row, on the tiny random Llama of the service tests (no download)."""
+    pytest.importorskip("transformers")
+    out = subprocess.run(
+        [sys.executable, "scripts/bench_generate.py", "--quick", "--stream-ab", "--rounds", "1"]
+        + ["--model-path", "service.models_for_tests:tiny_llama"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env=os.environ | {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])},
+    )
+    assert "uniform: 8 chat prompts, greedy, 16 new tokens, through Redis" in out.stdout
+    assert out.stdout.count(" 128 tok ") == 2, out.stdout
+    assert "x without (" in out.stdout
+
+
+def test_bench_generate_http_ab_quick() -> None:
+    """The via-HTTP row (the OpenAI route, streamed), on the tiny random Llama."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("uvicorn")
+    out = subprocess.run(
+        [sys.executable, "scripts/bench_generate.py", "--quick", "--http-ab", "--rounds", "1"]
+        + ["--model-path", "service.models_for_tests:tiny_llama"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env=os.environ | {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])},
+    )
+    assert "uniform: 8 chat prompts, greedy, 16 new tokens; alternating, 1 rounds" in out.stdout
+    assert out.stdout.count(" 128 tok ") == 2, out.stdout
+    assert "batchline via HTTP + Redis" in out.stdout
+    assert "x in process" in out.stdout

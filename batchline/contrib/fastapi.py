@@ -11,7 +11,9 @@ shutdown; workers (``batchline worker``) do the inference. Routes:
 - ``POST /jobs`` (same body): submit without waiting, answer 202 ``{"id", "status_url"}``;
 - ``GET /jobs/{id}``: 202 while pending, 200 with the result, 410 expired, 409 cancelled,
   404 unknown (or its result has expired), 422 or 500 for a failed request;
-- ``GET /healthz``: 200 while Redis answers PING, else 503.
+- ``GET /healthz``: 200 while Redis answers PING, else 503;
+- ``/v1/...``: OpenAI-compatible embeddings, completions and chat completions on the queues
+  ``embedding_queue`` and ``generation_queue`` (:mod:`batchline.contrib._openai`).
 
 Errors: a full queue, Redis out of memory (``maxmemory``) or unreachable is 503 with
 ``Retry-After`` (nothing was queued); a connection lost while the request was written is
@@ -44,7 +46,9 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from redis.exceptions import RedisError
 
-from batchline.config import ProducerSettings, check_environment
+from batchline.config import ProducerSettings, WebSettings, check_environment
+from batchline.contrib._common import INPUT_ERRORS, MAX_TEXT_CHARS, RETRY_AFTER_S
+from batchline.contrib._openai import OpenAIRoutes
 from batchline.errors import (
     BatcherClosed,
     BatchlineError,
@@ -73,13 +77,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Longest text accepted (the worker's default ``max_chars``).
-MAX_TEXT_CHARS = 20_000
 #: Most texts in one request.
 MAX_TEXTS = 256
-#: Worker error types that the input caused: answered 422, every other one 500.
-INPUT_ERRORS = frozenset(["TypeError", "ValueError", "MalformedRequest", "ItemTooLarge"])
-RETRY_AFTER_S = 1
 _NOT_STARTED = "the app's lifespan has not run: serve it with an ASGI server"
 
 _Text = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TEXT_CHARS)]
@@ -368,29 +367,43 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 def create_app(
-    settings: ProducerSettings | None = None, *, timeout_s: float = 30.0, **overrides: Any
+    settings: ProducerSettings | None = None, *, timeout_s: float | None = None, **overrides: Any
 ) -> FastAPI:
-    """A FastAPI app that enqueues embedding requests for batchline workers.
+    """A FastAPI app that enqueues requests for batchline workers: embeddings on ``queue``,
+    and OpenAI-compatible routes under ``/v1`` (see :mod:`batchline.contrib._openai`).
 
     Args:
-        settings: the producer's settings (default: ``BATCHLINE_*`` variables and
-            ``overrides``; an unknown ``BATCHLINE_*`` variable is an error).
-        timeout_s: longest ``POST /embed`` waits for a result before answering 504.
-        **overrides: single producer settings, e.g. ``queue="embed"``.
+        settings: the app's settings, a :class:`~batchline.config.WebSettings` (or a plain
+            ProducerSettings: no ``/v1`` queue); default: ``BATCHLINE_*`` variables and
+            ``overrides`` (an unknown ``BATCHLINE_*`` variable is an error).
+        timeout_s: longest a request waits for its result before answering 504 (a
+            ``/v1`` stream: for each chunk); default: the settings' ``request_timeout_s``
+            (30 s).
+        **overrides: single settings, e.g. ``queue="embed"``, ``generation_queue="chat"``.
     """
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
     if settings is None:
         check_environment()
-        settings = ProducerSettings(**overrides)
+        settings = WebSettings(**overrides)
     elif overrides:
         raise TypeError(f"give settings or single settings, not both: {sorted(overrides)}")
+    if timeout_s is None:
+        timeout_s = settings.request_timeout_s if isinstance(settings, WebSettings) else 30.0
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
     backend = _Backend(settings, timeout_s=timeout_s)
+    openai = OpenAIRoutes(settings, timeout_s=timeout_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with backend.lifespan(app), openai.lifespan():
+            yield
+
     app = FastAPI(
         title="batchline",
-        summary="Embeddings from batchline workers over Redis",
-        lifespan=backend.lifespan,
+        summary="Embeddings from batchline workers over Redis (OpenAI-compatible API: /v1/docs)",
+        lifespan=lifespan,
     )
+    app.mount("/v1", openai.app)
     app.add_api_route(
         "/embed",
         backend.embed,

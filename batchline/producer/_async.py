@@ -21,7 +21,7 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypedDict, Unpack, cast
 
@@ -33,6 +33,7 @@ from batchline.producer._enqueue import Enqueuer
 from batchline.producer._failures import translate
 from batchline.producer._once import Answered, cached_result, sent_input
 from batchline.producer._replies import ReplyReader, Waiters
+from batchline.producer._stream import StreamChunk, Streams, quiet_cancel, stream_request
 from batchline.transport._cancels import cancel_request
 from batchline.transport._redis import RedisClient, connect
 from batchline.transport.codec import DecodeError, Result, encode_request, unpack_result
@@ -100,12 +101,19 @@ class AsyncProducer:
         self._limits = self.settings.limits()
         # Every waiter of a request id here (a resubmit of a waiting id adds one).
         self._waiting = Waiters()
+        # The streamed requests waiting here; one left before its end is cancelled.
+        self._streams = Streams(quiet_cancel(self._redis, self.keys, self.settings.result_ttl_s))
         #: Submits by what the enqueue script did with them (queued, result, cached, ...).
         self.counts: Counter[str] = Counter()
         self._reader: asyncio.Task[None] | None = None
         self._closed = False
         self._replies = ReplyReader(
-            self._redis, self._reply_key, self._waiting, self._limits, lambda: self._closed
+            self._redis,
+            self._reply_key,
+            self._waiting,
+            self._limits,
+            lambda: self._closed,
+            streams=self._streams,
         )
         self._streams_low_first = self.keys.streams_low_first
         # Submits wait there while a write is in flight; the next write takes them all, so
@@ -139,6 +147,7 @@ class AsyncProducer:
             return
         self._closed = True
         await self._enqueue.drain()  # the submits already accepted are written
+        await self._streams.aclose()  # nobody will read them any more: stop generating
         if self._reader is not None:
             await self._replies.stop(self._reader)
         for futs in self._waiting.values():
@@ -216,6 +225,7 @@ class AsyncProducer:
         request_id: str | None,
         reply: bool,
         ack: asyncio.Future[Any] | None = None,
+        stream: bool = False,
     ) -> tuple[str, asyncio.Future[Result] | None]:
         """Validate and encode one request, register its waiter and put it in the outbox;
         the write goes with the next flush, which resolves ``ack`` with the entry id (or,
@@ -236,6 +246,7 @@ class AsyncProducer:
             deadline_unix_ms=None if deadline_ms is None else now_ms + deadline_ms,
             enqueued_unix_ms=now_ms,
             reply=self.producer_id if reply else None,
+            stream=stream,
         )
         # Registered before the write, so that even the fastest reply finds its waiter.
         flat: list[Any] = [x for kv in fields.items() for x in kv]
@@ -320,6 +331,29 @@ class AsyncProducer:
         return list(
             await asyncio.gather(*(self.infer(v, timeout_s=timeout_s, **options) for v in values))
         )
+
+    def stream(
+        self, value: Any, *, timeout_s: float | None = None, **options: Unpack[RequestOptions]
+    ) -> AsyncGenerator[StreamChunk, None]:
+        """Submit one generation request and yield its text as it is generated.
+
+        Each :class:`StreamChunk` carries the new text and tokens; the last one also its
+        ``finish_reason`` and ``result`` (the output ``infer`` would return), and then the
+        iteration ends. The texts joined equal the result's text, the tokens its token ids,
+        each exactly once, even when another worker re-runs the request after its first
+        died (``StreamDiverged`` if that re-run produced something else). Errors are those
+        of ``infer``. Leaving the loop early (``break``, an exception, the task cancelled)
+        cancels the request: its worker ends it at its next step. A worker that does not
+        stream (an older one) yields the whole text as the one last chunk.
+
+        Args:
+            value: the generation request (a prompt text, or an object with ``prompt`` or
+                ``messages`` and parameters: docs/protocol.md, Generation).
+            timeout_s: RequestTimeout if the generation has not ended this many seconds
+                after the call (default: no limit).
+            **options: ``deadline_ms``, ``priority``, ``request_id``, as for :meth:`submit`.
+        """
+        return stream_request(self, value, timeout_s, options)
 
     async def get_result(self, request_id: str) -> Result | None:
         """Read a request's result key: its Result, or None while there is none; raises

@@ -2,7 +2,8 @@
 
 Each producer has its own reply stream; one task reads it with a blocking XREAD and resolves
 the futures of the requests waiting on this producer. No connection per request, no polling
-loop.
+loop. A chunk entry (a streamed generation's tokens, field ``c``) goes to the producer's
+:class:`~._stream.Streams`; a reader of results alone drops it as malformed.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import msgpack
 from redis.exceptions import RedisError
 
 from batchline.producer._once import check_input
+from batchline.producer._stream import Streams
 from batchline.transport._redis import Backoff, RedisClient, own_connection
 from batchline.transport.codec import DecodeError, Limits, Result, decode_result
+from batchline.transport.codec._chunks import CHUNKS_FIELD
 from batchline.transport.codec._results import result_map
 
 __all__ = ["ReplyReader", "Waiters"]
@@ -75,6 +78,7 @@ class ReplyReader:
         waiting: the producer's waiters, resolved by the results that arrive.
         limits: what a valid result may hold.
         closed: whether the producer is closing (the loop's end; see :meth:`run`).
+        streams: where chunk entries go (the producer's streamed requests).
     """
 
     def __init__(
@@ -84,12 +88,15 @@ class ReplyReader:
         waiting: Waiters,
         limits: Limits,
         closed: Callable[[], bool],
+        *,
+        streams: Streams,
     ) -> None:
         self._redis = redis
         self._reply_key = reply_key
         self._waiting = waiting
         self._limits = limits
         self._closed = closed
+        self._streams = streams
         self._client: RedisClient = None  # the reader's own client, while it runs
 
     async def run(self) -> None:
@@ -144,7 +151,10 @@ class ReplyReader:
         valid result in it still reaches its waiter. The reader must outlive any write.
         """
         try:
-            problems = self._deliver_checked(raw)
+            if isinstance(raw, dict) and CHUNKS_FIELD in raw:
+                problems = self._streams.deliver(raw[CHUNKS_FIELD])
+            else:
+                problems = self._deliver_checked(raw)
         except Exception as exc:  # a bug, not bad input: the reader must still live on
             logger.warning(
                 "reply stream %s: dropped a reply entry: %s", self._reply_key, exc, exc_info=True

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Iterable
+from collections.abc import AsyncGenerator, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar, Unpack
 
 from batchline.config import ProducerSettings
 from batchline.producer._async import AsyncProducer, Handle, RequestOptions, SubmitOptions
+from batchline.producer._stream import StreamChunk
 from batchline.transport._loop import loop_factory
 from batchline.transport.codec import Result
 
@@ -83,6 +84,23 @@ class Producer:
         """See :meth:`AsyncProducer.map`."""
         return self._run(self._async.map(list(values), timeout_s=timeout_s, **options))
 
+    def stream(
+        self, value: Any, *, timeout_s: float | None = None, **options: Unpack[RequestOptions]
+    ) -> Iterator[StreamChunk]:
+        """See :meth:`AsyncProducer.stream`; leaving the loop early (or closing the iterator)
+        cancels the request."""
+        chunks = self._async.stream(value, timeout_s=timeout_s, **options)
+        try:
+            while True:
+                try:
+                    chunk = self._run(_next(chunks))
+                except StopAsyncIteration:
+                    return
+                yield chunk
+        finally:
+            if not self._loop.is_closed():
+                self._run(chunks.aclose())
+
     def get_result(self, request_id: str) -> Result | None:
         """See :meth:`AsyncProducer.get_result`."""
         return self._run(self._async.get_result(request_id))
@@ -112,3 +130,7 @@ class Producer:
 
     def __repr__(self) -> str:
         return f"<Producer {self._async!r}>"
+
+
+async def _next(chunks: AsyncGenerator[StreamChunk, None]) -> StreamChunk:
+    return await anext(chunks)

@@ -7,6 +7,8 @@ engine) and steps it on one model thread, one step at a time, from a driver task
 worker's event loop. Between two steps the driver marks the requests whose producers
 cancelled them (they end at the next step), so the reader, the writer and the cancel follower
 run while the model computes, and finished requests leave (and are answered) at every step.
+A request that asked for chunks (:meth:`GenerationExecutor.stream`) has what each step added
+handed over after the step, all but its last, which its result carries.
 
 Containment as for the batcher: a request delivered more than once (``alone``) waits until
 the running batch has drained, then runs with no other request beside it; requests read
@@ -252,6 +254,8 @@ class GenerationExecutor:
         self._gen: GenerationLoop | None = None
         self._calls: dict[Sequence_, Call] = {}
         self._finals: list[tuple[Sequence_, GenerationResult | BaseException]] = []
+        self._progressed: list[Sequence_] = []  # the sequences a step added to
+        self._streams: dict[Sequence_, _Streamed] = {}
         self._held: list[Sequence_] = []  # read while a request runs alone
         self._solo: deque[Sequence_] = deque()  # to run alone, in turn
         self._solo_running: Sequence_ | None = None
@@ -307,6 +311,16 @@ class GenerationExecutor:
         self._poke()
         return call
 
+    def stream(self, call: Call, emit: Callable[[int, int, str, list[int]], None]) -> None:
+        """After each step that adds to the request of ``call`` (queued here), but its
+        last, call ``emit(index, chars, text, token_ids)`` with what it added: the new
+        tokens from token ``index`` on, the text that became final from character
+        ``chars`` on (on the event loop)."""
+        for seq, held in self._calls.items():
+            if held is call:
+                self._streams[seq] = _Streamed(emit)
+                return
+
     @property
     def queue_size(self) -> int:
         """Requests held: waiting and running."""
@@ -344,6 +358,7 @@ class GenerationExecutor:
         """Refuse new requests and reject those held (on the worker's loop)."""
         self._closing = True
         calls, self._calls = self._calls, {}
+        self._streams.clear()
         for seq, call in calls.items():
             seq.cancel_requested = True
             call.reject(BatcherClosed("the generation executor was closed"))
@@ -381,7 +396,10 @@ class GenerationExecutor:
     ) -> None:
         from batchline.generation._types import GenerationDelta
 
-        if not isinstance(event, GenerationDelta):  # on the model thread; read after the step
+        # On the model thread; read after the step.
+        if isinstance(event, GenerationDelta):
+            self._progressed.append(seq)
+        else:
             self._finals.append((seq, event))
 
     def _admitted(self, seqs: list[Sequence_], batch_size: int) -> None:
@@ -416,6 +434,7 @@ class GenerationExecutor:
                 self._histogram[gen.batch_rows - rows] += 1
                 self._steps_s.append(took)
                 self._step_total_s += took
+            self._emit()
             self._settle()
 
     def _reset(self, exc: Exception) -> GenerationLoop:
@@ -423,6 +442,8 @@ class GenerationExecutor:
         engine = self.model.engine
         engine.evict(list(engine.running))
         self._finals.clear()
+        self._progressed.clear()
+        self._streams.clear()
         self._held.clear()
         self._solo.clear()
         self._solo_running = None
@@ -450,9 +471,27 @@ class GenerationExecutor:
             if not seq.cancel_requested and self._cancelled(call):
                 seq.cancel_requested = True  # ends at the next step (or is never admitted)
 
+    def _emit(self) -> None:
+        """Hand over what the step added to each streamed request still running."""
+        progressed, self._progressed = self._progressed, []
+        if not self._streams:
+            return
+        ended = {seq for seq, _ in self._finals}
+        for seq in dict.fromkeys(progressed):
+            streamed = self._streams.get(seq)
+            if streamed is None or seq in ended:
+                continue
+            tokens, chars = streamed.tokens, streamed.chars
+            if len(seq.generated) > tokens:
+                streamed.tokens, streamed.chars = len(seq.generated), seq.emitted_chars
+                streamed.emit(
+                    tokens, chars, seq.text[chars : seq.emitted_chars], seq.generated[tokens:]
+                )
+
     def _settle(self) -> None:
         finals, self._finals = self._finals, []
         for seq, event in finals:
+            self._streams.pop(seq, None)
             if seq is self._solo_running:
                 self._solo_running = None
             call = self._calls.pop(seq, None)
@@ -464,6 +503,15 @@ class GenerationExecutor:
                 call.reject(event)
             else:
                 Item(call, 0, None, 1, False).resolve(event)
+
+
+@dataclasses.dataclass(slots=True)
+class _Streamed:
+    """A streamed request: where its chunks go, and how far they have gone."""
+
+    emit: Callable[[int, int, str, list[int]], None]
+    tokens: int = 0
+    chars: int = 0
 
 
 class _Alone:

@@ -52,9 +52,11 @@ from batchline.transport._redis import RedisClient, connect, dedicated, wait_for
 from batchline.transport.keys import check_name, host_id
 from batchline.worker._answers import Meta, Record, answer, dead_letter, finished
 from batchline.worker._cache import AnswerCache
+from batchline.worker._chunks import ChunkWriter
 from batchline.worker._claims import Claims
 from batchline.worker._consumers import ensure_groups
 from batchline.worker._executors import Hooks, build
+from batchline.worker._generate import GenerationExecutor
 from batchline.worker._prep import Preparer
 from batchline.worker._readcap import ReadCap
 from batchline.worker._reader import Entries, Reader
@@ -126,6 +128,9 @@ class Worker:
         )
         self._batcher, self._alone = executors.main, executors.alone
         self._window = executors.window
+        self._generation = (
+            executors.main if isinstance(executors.main, GenerationExecutor) else None
+        )
         self._model_since: float | None = None  # monotonic start of the model call running
         self._hung = threading.Event()
         self._meta: dict[Call, Meta] = {}
@@ -153,6 +158,13 @@ class Worker:
             result_ttl_s=s.result_ttl_s,
             claims=self._claims,
             cache=self._cache,
+        )
+        self._chunks = ChunkWriter(
+            self._redis,
+            self.keys,
+            ttl_s=s.result_ttl_s,
+            max_unread=s.stream_max_unread,
+            cancel=self._cancels.add,  # on this worker alone: its producer is gone
         )
         self._reader = Reader(
             self._redis,
@@ -325,6 +337,7 @@ class Worker:
             await reader  # returns after its current read (at most one block interval)
         await self._alone.aclose(drain=True)
         await self._batcher.aclose(drain=True)
+        await self._chunks.drain()
         await self._answers.drain()
 
     def stop(self) -> None:
@@ -390,6 +403,9 @@ class Worker:
             self._answer(answer(meta, "error", self.worker_id, error=exc))
             return
         self._meta[call] = meta
+        reply = request.get("reply")
+        if request.get("stream") and reply and self._generation is not None:
+            self._generation.stream(call, self._chunks.to(reply, request["id"]))
 
     # -- running -------------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ __all__ = ["AnswerWriter"]
 
 logger = logging.getLogger(__name__)
 
-_REPLY_MAXLEN = 100_000
+REPLY_MAXLEN = 100_000
 _DEAD_MAXLEN = 100_000
 #: How long one write is retried through a Redis restart before its entries are left pending.
 _RETRY_BUDGET_S = 30.0
@@ -99,7 +99,7 @@ class AnswerWriter:
         args = [
             GROUP,
             self._result_ttl_s,
-            _REPLY_MAXLEN,
+            REPLY_MAXLEN,
             _DEAD_MAXLEN,
             self._keys.result_prefix,
             self._keys.reply_prefix,

@@ -239,6 +239,19 @@ def stream_lengths(client: redis.Redis, keys: QueueKeys) -> list[int]:
     return [int(client.xlen(stream)) for stream in keys.streams]
 
 
+@pytest.fixture
+def gate() -> Iterator[models_for_tests.StepGate]:
+    """The gate of ``tiny_llama_gated``'s forward passes, closed (``gate.allow(n)`` lets n
+    through), reset, and opened again after the test."""
+    gate = models_for_tests.GATE
+    gate.close()
+    gate.passes = 0
+    try:
+        yield gate
+    finally:
+        gate.open()
+
+
 # -- workers in this process ---------------------------------------------------------------------
 
 

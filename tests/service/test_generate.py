@@ -25,7 +25,7 @@ from batchline.keys import GROUP, QueueKeys
 from batchline.producer import Producer
 
 from .conftest import RESULT_TIMEOUT_S, WorkerProcess, WorkerThread, run_cli, spec, wait_until
-from .models_for_tests import GATE, read_batches, tiny_llama
+from .models_for_tests import read_batches, tiny_llama
 from .reply_spy import count_replies
 from .test_reliability import assert_all_done
 
@@ -139,16 +139,6 @@ def test_bad_parameters_fail_only_their_own_request(
             assert (r.status, r.error_type) == ("error", etype), (value, r)
     assert rclient.xlen(keys.dead) == 0  # refused, not dead-lettered
     assert_all_done(rclient, keys)
-
-
-@pytest.fixture
-def gate() -> Iterator[Any]:
-    GATE.close()
-    GATE.passes = 0
-    try:
-        yield GATE
-    finally:
-        GATE.open()
 
 
 def poll(producer: Producer, request_id: str) -> Result:

@@ -10,14 +10,16 @@ dtype against a whitelist of plain numeric types and the shape against both the 
 present and ``max_elements``, so a hostile header can never make the reader allocate.
 
 Request fields: ``v`` (schema version), ``id``, ``meta``, ``blob``, ``prio``, ``dl`` (deadline,
-unix ms), ``ts`` (enqueued, unix ms), ``reply`` (producer id). Result fields: ``v``, ``id``,
+unix ms), ``ts`` (enqueued, unix ms), ``reply`` (producer id), ``stream`` (1: push generated
+tokens as chunks, ``_chunks``). Result fields: ``v``, ``id``,
 ``status`` (ok | error | expired | cancelled), ``meta``/``blob`` (the output), ``etype``,
 ``emsg``, ``queue_ms``, ``batch``, ``model_ms``, ``worker``, as one msgpack array of field,
 value, field, value, ... (the result key's value; a reply entry carries an array of them).
 See ``docs/protocol.md``.
 
 The package's parts: ``_values`` (values and their limits), ``_requests`` (request fields,
-validated by pydantic), ``_results`` (result field lists, checked by hand). What this package
+validated by pydantic), ``_results`` (result field lists, checked by hand), ``_chunks`` (the
+chunk entries of streamed generations, checked by hand). What this package
 exports is the Python form of the contract; the worker's and the producer's own helpers
 (decoding a whole read, salvaging a malformed entry's id, the hot-path result encoder) stay
 in those modules.

@@ -54,6 +54,7 @@ class Request(TypedDict):
     ts: NotRequired[Annotated[float, Field(ge=0, allow_inf_nan=False)]]  # enqueued, unix ms
     reply: NotRequired[Annotated[str | None, Field(pattern=ID_PATTERN)]]
     ck: NotRequired[Annotated[str, Field(pattern=r"^[0-9a-f]{40}$")]]  # cache hash (enqueue)
+    stream: NotRequired[Annotated[int, Field(ge=0, le=1)]]  # 1: push generated tokens as chunks
 
 
 _REQUEST: TypeAdapter[Request] = TypeAdapter(Request)  # its own config: keys only
@@ -73,8 +74,10 @@ def encode_request(
     deadline_unix_ms: float | None = None,
     enqueued_unix_ms: float,
     reply: str | None,
+    stream: bool = False,
 ) -> dict[str, bytes | str]:
-    """The stream fields of one request (all strings or bytes, as they travel)."""
+    """The stream fields of one request (all strings or bytes, as they travel); ``stream``
+    asks a generation worker to push its tokens to ``reply`` as they come."""
     meta, blob = pack_value(value)
     fields: dict[str, bytes | str] = {
         "v": str(SCHEMA_VERSION),
@@ -89,6 +92,8 @@ def encode_request(
         fields["dl"] = f"{deadline_unix_ms:.3f}"
     if reply is not None:
         fields["reply"] = reply
+    if stream:
+        fields["stream"] = "1"
     return fields
 
 

@@ -1,0 +1,273 @@
+"""OpenAI-compatible routes, mounted at ``/v1`` by :func:`batchline.contrib.fastapi.create_app`.
+
+- ``POST /v1/embeddings`` submits to ``embedding_queue`` (an embedding worker's);
+- ``POST /v1/completions`` and ``POST /v1/chat/completions`` to ``generation_queue`` (a
+  ``--model generate`` worker's), whole or, with ``stream: true``, as server-sent events
+  ending in ``data: [DONE]``;
+- ``GET /v1/models`` (and ``/v1/models/{id}``) lists the served model names:
+  ``embedding_model_name`` and ``generation_model_name``, by default the queues' names.
+
+A route whose queue is not set answers 404 naming the setting; a ``model`` that is not the
+route's served name answers 404 (``model_not_found``). Every error is OpenAI's error
+object: 400 for a request batchline cannot serve (validation, a parameter it lacks, the
+worker's ``BadGenerationParams`` or ``PromptTooLong``), 429 with ``Retry-After`` when the
+queue is full, 503 with ``Retry-After`` when Redis is unavailable, 504 (and the request
+cancelled) when no answer comes within the app's ``timeout_s`` (for a stream: no chunk for
+that long), 500 when the model failed. A client that disconnects cancels its request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from batchline.config import ProducerSettings, WebSettings
+from batchline.contrib._openai_errors import (
+    OpenAIError,
+    answer_batchline,
+    answer_http,
+    answer_invalid,
+)
+from batchline.contrib._openai_schema import (
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    chat_body,
+    completion_body,
+    embedding_body,
+    head,
+)
+from batchline.contrib._openai_stream import (
+    EventStream,
+    StreamInfo,
+    next_chunk,
+    unless_disconnected,
+)
+from batchline.errors import BatchlineError, RequestTimeout
+from batchline.producer import AsyncProducer, Handle, Result, StreamChunk
+
+__all__ = ["OpenAIRoutes"]
+
+
+Kind = Literal["embedding", "generation"]
+_SETTING = {"embedding": "embedding_queue", "generation": "generation_queue"}
+_ROUTES = {"embedding": "embeddings", "generation": "completions and chat completions"}
+
+
+@dataclass
+class _Served:
+    """A queue the routes submit to: its model name and the producer opened for it."""
+
+    name: str
+    settings: ProducerSettings
+    opened: AsyncProducer | None = field(default=None, repr=False)
+
+    @property
+    def producer(self) -> AsyncProducer:
+        if self.opened is None:
+            raise RuntimeError("the app's lifespan has not run: serve it with an ASGI server")
+        return self.opened
+
+
+class OpenAIRoutes:
+    """The ``/v1`` app and the producers its lifespan opens (one per configured queue).
+
+    Args:
+        settings: the app's settings; the queues and names come from a :class:`WebSettings`
+            (other settings: no queue, every route but ``/v1/models`` answers 404).
+        timeout_s: longest a request waits for its answer (a stream: for each chunk).
+    """
+
+    def __init__(self, settings: ProducerSettings, *, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.created = int(time.time())
+        names = settings.served_models() if isinstance(settings, WebSettings) else {}
+        self.served: dict[str, _Served] = {}
+        for kind, queue in self._queues(settings).items():
+            self.served[kind] = _Served(names[kind], settings.model_copy(update={"queue": queue}))
+        self.app = self._make_app()
+
+    @staticmethod
+    def _queues(settings: ProducerSettings) -> dict[Kind, str]:
+        if not isinstance(settings, WebSettings):
+            return {}
+        queues: dict[Kind, str | None] = {
+            "embedding": settings.embedding_queue,
+            "generation": settings.generation_queue,
+        }
+        return {kind: q for kind, q in queues.items() if q is not None}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self) -> AsyncIterator[None]:
+        """Open a producer per served queue for the app's lifetime."""
+        try:
+            for served in self.served.values():
+                served.opened = AsyncProducer(served.settings)
+                await served.opened.start()
+            yield
+        finally:
+            for served in self.served.values():
+                if served.opened is not None:
+                    await served.opened.aclose()  # waiting requests get BatcherClosed
+                    served.opened = None
+
+    def _make_app(self) -> FastAPI:
+        app = FastAPI(
+            title="batchline (OpenAI-compatible)",
+            summary="Embeddings and text generation from batchline workers, in OpenAI's API",
+        )
+        app.add_api_route("/models", self.models, methods=["GET"])
+        app.add_api_route("/models/{model_id:path}", self.model, methods=["GET"])
+        app.add_api_route("/embeddings", self.embeddings, methods=["POST"], response_model=None)
+        app.add_api_route("/completions", self.completions, methods=["POST"], response_model=None)
+        app.add_api_route("/chat/completions", self.chat, methods=["POST"], response_model=None)
+        app.add_exception_handler(OpenAIError, answer_batchline)
+        app.add_exception_handler(BatchlineError, answer_batchline)
+        app.add_exception_handler(RedisError, answer_batchline)
+        app.add_exception_handler(RequestValidationError, answer_invalid)
+        app.add_exception_handler(StarletteHTTPException, answer_http)
+        app.add_exception_handler(Exception, answer_batchline)  # a bug's 500, in OpenAI's shape
+        return app
+
+    # -- routes --------------------------------------------------------------------------------
+
+    def _model_object(self, served: _Served) -> dict[str, Any]:
+        return {
+            "id": served.name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "batchline",
+        }
+
+    async def models(self) -> dict[str, Any]:
+        """The served model names."""
+        return {"object": "list", "data": [self._model_object(s) for s in self.served.values()]}
+
+    async def model(self, model_id: str) -> dict[str, Any]:
+        """One served model."""
+        for served in self.served.values():
+            if served.name == model_id:
+                return self._model_object(served)
+        raise self._not_found(model_id)
+
+    def _not_found(self, model: str) -> OpenAIError:
+        names = sorted(s.name for s in self.served.values())
+        return OpenAIError(
+            404,
+            f"the model {model!r} does not exist; served: {names}",
+            param="model",
+            code="model_not_found",
+        )
+
+    def _queue(self, kind: Kind, model: str) -> _Served:
+        """The served queue of ``kind`` if ``model`` names it; 404 otherwise."""
+        served = self.served.get(kind)
+        if served is None:
+            raise OpenAIError(
+                404,
+                f"no {kind} queue: set {_SETTING[kind]} (BATCHLINE_{_SETTING[kind].upper()}) "
+                f"to serve {_ROUTES[kind]}",
+                code="queue_not_configured",
+            )
+        if model != served.name:
+            other = [s for s in self.served.values() if s.name == model]
+            if other:
+                raise OpenAIError(
+                    400, f"the model {model!r} does not serve {_ROUTES[kind]}", param="model"
+                )
+            raise self._not_found(model)
+        return served
+
+    async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
+        """Embed a text or a list of texts."""
+        served = self._queue("embedding", body.model)
+        texts = body.texts
+        result = await self._run(served, texts, request)
+        if result is None:
+            return Response(status_code=499)
+        try:
+            answer = embedding_body(served.name, texts, result.output, body.encoding_format)
+        except ValueError as exc:
+            raise OpenAIError(500, str(exc), "server_error") from None
+        return JSONResponse(answer)
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        """Complete a prompt."""
+        return await self._generate(body, request, chat=False)
+
+    async def chat(self, body: ChatRequest, request: Request) -> Response:
+        """Answer a chat (the worker applies the model's chat template)."""
+        return await self._generate(body, request, chat=True)
+
+    # -- running a request ---------------------------------------------------------------------
+
+    async def _generate(
+        self, body: CompletionRequest | ChatRequest, request: Request, *, chat: bool
+    ) -> Response:
+        served = self._queue("generation", body.model)
+        if body.stream:
+            rid = uuid.uuid4().hex  # the request's id, and the chunks'
+            info = StreamInfo(
+                chat=chat,
+                head=head(chat, rid, served.name, chunk=True),
+                include_usage=body.include_usage,
+                timeout_s=self.timeout_s,
+            )
+            chunks = served.producer.stream(body.value(), request_id=rid)
+            return await self._stream(chunks, info, request)
+        result = await self._run(served, body.value(), request)
+        if result is None:
+            return Response(status_code=499)
+        build = chat_body if chat else completion_body
+        return JSONResponse(build(result.id, served.name, result.output))
+
+    async def _run(self, served: _Served, value: Any, request: Request) -> Result | None:
+        """Submit, and wait for an ``ok`` result (any other raises its typed error); None
+        if the client went away first. Either way, a request nobody waits for any more is
+        cancelled."""
+        producer = served.producer
+        handle = await producer.submit(value)
+        try:
+            result = await unless_disconnected(
+                request.receive, producer.wait(handle, self.timeout_s)
+            )
+        except RequestTimeout:
+            await self._cancel(producer, handle)
+            raise
+        if result is None:  # the client went away
+            await self._cancel(producer, handle)
+            return None
+        result.unwrap()  # raises what a result that is not ok stands for
+        return result
+
+    @staticmethod
+    async def _cancel(producer: AsyncProducer, handle: Handle) -> None:
+        with contextlib.suppress(RedisError, OSError, BatchlineError):
+            await producer.cancel(handle)
+
+    @staticmethod
+    async def _stream(
+        chunks: AsyncGenerator[StreamChunk, None], info: StreamInfo, request: Request
+    ) -> Response:
+        """Wait for the first chunk (what fails before it is an HTTP error), then answer
+        the chunks as server-sent events. Closing the producer's stream, however it
+        happens (the client gone, no chunk in time), cancels the request."""
+        try:
+            first = await unless_disconnected(request.receive, next_chunk(chunks, info.timeout_s))
+        except BaseException:
+            await chunks.aclose()
+            raise
+        if first is None:  # the client went away
+            await chunks.aclose()
+            return Response(status_code=499)
+        return EventStream(first, chunks, info)

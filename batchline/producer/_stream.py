@@ -1,0 +1,263 @@
+"""Streaming a generation: the chunks a worker pushes, deduplicated by token index, as text
+deltas, and the result as the last one.
+
+A request submitted with ``stream`` gets chunk entries on this producer's reply stream as
+its worker generates (``docs/protocol.md``, Generation: streaming), then its result as
+usual. :class:`StreamState` keeps what one request has received: a chunk is placed by its
+token index and character offset, so a chunk whose tokens were received already (another
+worker re-running the request after the first died) adds only what is new, and one that
+contradicts them ends the stream with :class:`~batchline.errors.StreamDiverged`. A chunk
+past a gap (an entry lost) is dropped: the result fills it in. The last chunk is made from
+the result (its text and tokens past what was yielded), so a worker that sends no chunks
+(an older one) yields the whole text as one last chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+from redis.exceptions import RedisError
+
+from batchline.errors import DecodeError, InferenceError, RequestTimeout, StreamDiverged
+from batchline.transport._cancels import cancel_request
+from batchline.transport._redis import RedisClient
+from batchline.transport.codec import Result
+from batchline.transport.codec._chunks import Chunk, unpack_chunks
+from batchline.transport.keys import QueueKeys
+
+if TYPE_CHECKING:
+    from batchline.producer._async import AsyncProducer, RequestOptions
+
+__all__ = ["StreamChunk", "StreamState", "Streams", "quiet_cancel", "stream_request"]
+
+logger = logging.getLogger(__name__)
+
+S = TypeVar("S", str, list[int])
+
+
+@dataclass(frozen=True, slots=True)
+class StreamChunk:
+    """A piece of a streamed generation (see :meth:`AsyncProducer.stream`).
+
+    Attributes:
+        text: the new text (may be empty: text that may still change is held back).
+        token_ids: the new tokens.
+        index: index of the first of ``token_ids`` in the generated sequence.
+        finish_reason: None, except on the last chunk: ``eos``, ``length``, ``stop``,
+            ``cancelled`` or ``deadline``.
+        result: None, except on the last chunk: the complete output, as ``infer`` returns
+            it (text, tokens, token_ids, finish_reason, prompt_tokens, queue_ms, ttft_ms,
+            total_ms).
+    """
+
+    text: str
+    token_ids: list[int]
+    index: int
+    finish_reason: str | None = None
+    result: dict[str, Any] | None = None
+
+
+def _new(seen: S, start: int, items: S, request_id: str) -> S | None:
+    """What ``items``, placed at ``start``, add to ``seen``: None past a gap; raises
+    StreamDiverged where they overlap ``seen`` with something else."""
+    if start > len(seen):
+        return None
+    overlap = seen[start : start + len(items)]
+    if items[: len(overlap)] != overlap:
+        raise StreamDiverged(
+            f"request {request_id} was re-run after its worker died and the re-run "
+            f"produced other output from position {start} on than the one streamed"
+        )
+    return items[len(overlap) :]
+
+
+class StreamState:
+    """What one streamed request has received (deduplicated) and yielded so far."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.tokens: list[int] = []
+        self.text = ""
+        self.yielded_tokens = 0
+        self.yielded_chars = 0
+        self.error: StreamDiverged | None = None
+        self.event = asyncio.Event()  # set when there is something new (or an end)
+
+    def take(self, chunk: Chunk) -> None:
+        """Add what ``chunk`` brings that was not received yet (on the reader's side)."""
+        if self.error is not None:
+            return
+        try:
+            tokens = _new(self.tokens, chunk.index, chunk.token_ids, self.request_id)
+            text = _new(self.text, chunk.chars, chunk.text, self.request_id)
+        except StreamDiverged as exc:
+            self.error = exc
+            self.event.set()
+            return
+        if tokens is None or text is None:
+            return  # past a gap: the result fills it in
+        if tokens or text:
+            self.tokens += tokens
+            self.text += text
+            self.event.set()
+
+    def pending(self) -> StreamChunk | None:
+        """What was received and not yielded yet, as one chunk, or None."""
+        if self.yielded_tokens == len(self.tokens) and self.yielded_chars == len(self.text):
+            return None
+        chunk = StreamChunk(
+            self.text[self.yielded_chars :], self.tokens[self.yielded_tokens :], self.yielded_tokens
+        )
+        self.yielded_tokens, self.yielded_chars = len(self.tokens), len(self.text)
+        return chunk
+
+    def last(self, output: Any) -> StreamChunk:
+        """The last chunk, from the request's output: what was not yielded yet."""
+        if not (
+            isinstance(output, dict)
+            and isinstance(output.get("text"), str)
+            and isinstance(output.get("token_ids"), list)
+            and isinstance(output.get("finish_reason"), str)
+        ):
+            raise InferenceError(
+                "NotAGeneration",
+                f"request {self.request_id} was answered with an output that is not a "
+                "generation's (is this queue served by --model generate workers?)",
+            )
+        text: str = output["text"]
+        tokens: Sequence[int] = output["token_ids"]
+        if list(tokens[: len(self.tokens)]) != self.tokens or not text.startswith(self.text):
+            raise StreamDiverged(
+                f"request {self.request_id} was re-run after its worker died and its result "
+                "differs from the output streamed"
+            )
+        return StreamChunk(
+            text[self.yielded_chars :],
+            list(tokens[self.yielded_tokens :]),
+            self.yielded_tokens,
+            output["finish_reason"],
+            output,
+        )
+
+
+#: Cancels a request (in the background, for a stream left before its end).
+Cancel = Callable[[str], Coroutine[Any, Any, None]]
+
+
+def quiet_cancel(redis: RedisClient, keys: QueueKeys, ttl_s: int) -> Cancel:
+    """A :data:`Cancel` that logs a failure rather than raising it (nobody awaits it)."""
+
+    async def cancel(rid: str) -> None:
+        try:
+            await cancel_request(redis, keys, rid, ttl_s)
+        except (RedisError, OSError) as exc:
+            logger.warning("could not cancel request %s, whose stream ended: %s", rid, exc)
+
+    return cancel
+
+
+class Streams:
+    """A producer's streamed requests waiting for chunks, by request id.
+
+    Args:
+        cancel: cancels a request (for a stream left before its end).
+    """
+
+    def __init__(self, cancel: Cancel) -> None:
+        self._cancel = cancel
+        self._states: dict[str, list[StreamState]] = {}
+        self._cancelling: set[asyncio.Task[None]] = set()
+
+    def open(self, rid: str, fut: asyncio.Future[Result]) -> StreamState:
+        """Register a stream of request ``rid``, whose result lands in ``fut``."""
+        state = StreamState(rid)
+        self._states.setdefault(rid, []).append(state)
+        fut.add_done_callback(lambda _: state.event.set())
+        return state
+
+    def end(self, state: StreamState, fut: asyncio.Future[Result]) -> bool:
+        """Forget a stream; if it ended before its result, cancel the request (in the
+        background). Returns whether it did."""
+        states = self._states.get(state.request_id)
+        if states is not None and state in states:
+            states.remove(state)
+            if not states:
+                del self._states[state.request_id]
+        if fut.done():
+            return False
+        self._cancel_soon(state.request_id)
+        return True
+
+    def _cancel_soon(self, rid: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._cancel(rid))
+        self._cancelling.add(task)
+        task.add_done_callback(self._cancelling.discard)
+
+    async def aclose(self) -> None:
+        """Cancel the requests of every stream still open, and wait for the cancels."""
+        for rid in list(self._states):
+            self._cancel_soon(rid)
+        if self._cancelling:
+            await asyncio.wait(self._cancelling)
+
+    def deliver(self, packed: Any) -> tuple[int, str] | None:
+        """Hand a chunk entry's chunks to their streams (a chunk for no stream open here is
+        dropped: its stream ended); returns (how many were malformed, the first reason) if
+        any was."""
+        try:
+            chunks = unpack_chunks(packed)
+        except DecodeError as exc:
+            return 1, str(exc)
+        dropped, first = 0, ""
+        for chunk in chunks:
+            if isinstance(chunk, DecodeError):
+                dropped += 1
+                first = first or str(chunk)
+                continue
+            for state in self._states.get(chunk.request_id, ()):
+                state.take(chunk)
+        return (dropped, first) if dropped else None
+
+
+async def stream_request(
+    producer: AsyncProducer, value: Any, timeout_s: float | None, options: RequestOptions
+) -> AsyncGenerator[StreamChunk, None]:
+    """:meth:`AsyncProducer.stream`: submit with ``stream``, yield chunks, then the last."""
+    rid, waiter = await producer._send(
+        value,
+        deadline_ms=options.get("deadline_ms"),
+        priority=options.get("priority"),
+        request_id=options.get("request_id"),
+        reply=True,
+        stream=True,
+    )
+    fut = cast("asyncio.Future[Result]", waiter)  # reply=True: there is one
+    # Registered before the write goes (with the next flush, after _send returns).
+    state = producer._streams.open(rid, fut)
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout_s is None else loop.time() + timeout_s
+    try:
+        while True:
+            if state.error is not None:
+                raise state.error
+            if fut.done():
+                yield state.last(fut.result().unwrap())
+                return
+            chunk = state.pending()
+            if chunk is not None:
+                yield chunk
+                continue
+            state.event.clear()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await state.event.wait()
+            except TimeoutError:
+                raise RequestTimeout(f"request {rid} did not finish within {timeout_s} s") from None
+    finally:
+        if producer._streams.end(state, fut):  # left before its end: it waits no more
+            producer._waiting.drop(rid, fut)
+            fut.cancel()

@@ -1,0 +1,101 @@
+"""The worker's chunk writer: streamed generations' new tokens, pushed to their producers.
+
+After each step the generation executor hands over, for every running request that asked
+for chunks, the tokens and text it added (through :meth:`ChunkWriter.to`). They wait in an
+:class:`~batchline.transport._outbox.Outbox` while a write is in flight, so one write
+carries what several steps produced: one reply entry per producer per write (the chunks of
+one request merged into one), ``XADD … MAXLEN ~`` and ``EXPIRE`` like the results.
+
+A producer reads and deletes its reply entries as they come (its reader does not wait for
+its callers), so a reply stream holding more than ``max_unread`` entries after a write
+belongs to a producer that is gone (or stalled that long): its streamed requests are
+cancelled (``cancel``), and end at the next step instead of running to their end. A failed
+write is logged and dropped: the chunks' text reaches the producer with the result.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from redis.exceptions import RedisError
+
+from batchline.transport._outbox import Outbox
+from batchline.transport._redis import RedisClient
+from batchline.transport.codec._chunks import CHUNKS_FIELD, Chunk, merge_chunks, pack_chunks
+from batchline.transport.keys import QueueKeys
+from batchline.worker._writer import REPLY_MAXLEN
+
+__all__ = ["ChunkWriter"]
+
+logger = logging.getLogger(__name__)
+
+
+class ChunkWriter:
+    """Writes streamed requests' chunks to their producers' reply streams.
+
+    Args:
+        client: the client to write with.
+        keys: the queue's keys.
+        ttl_s: a reply stream expires this long after its last write (``result_ttl_s``).
+        max_unread: a reply stream with more entries than this after a write is unread.
+        cancel: called with the id of each request written to an unread reply stream.
+    """
+
+    def __init__(
+        self,
+        client: RedisClient,
+        keys: QueueKeys,
+        *,
+        ttl_s: int,
+        max_unread: int,
+        cancel: Callable[[str], None],
+    ) -> None:
+        self._client = client
+        self._keys = keys
+        self._ttl_s = ttl_s
+        self._max_unread = max_unread
+        self._cancel = cancel
+        self._outbox: Outbox[tuple[str, Chunk]] = Outbox(self._flush, name="batchline-chunks")
+
+    def to(self, reply: str, request_id: str) -> Callable[[int, int, str, list[int]], None]:
+        """What takes a request's chunks, given (index, chars, text, token ids), for the
+        generation executor; each goes with the next write (on the event loop)."""
+
+        def put(index: int, chars: int, text: str, tokens: list[int]) -> None:
+            self._outbox.put((reply, Chunk(request_id, index, chars, text, tokens)))
+
+        return put
+
+    async def drain(self) -> None:
+        """Return once every chunk put so far is written (or given up)."""
+        await self._outbox.drain()
+
+    async def _flush(self, items: list[tuple[str, Chunk]]) -> None:
+        by_reply: dict[str, list[Chunk]] = {}
+        for reply, chunk in items:
+            by_reply.setdefault(reply, []).append(chunk)
+        try:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for reply, chunks in by_reply.items():
+                    key = self._keys.reply(reply)
+                    packed = pack_chunks(merge_chunks(chunks))
+                    pipe.xadd(key, {CHUNKS_FIELD: packed}, maxlen=REPLY_MAXLEN, approximate=True)
+                    pipe.expire(key, self._ttl_s)
+                    pipe.xlen(key)
+                replies = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            logger.warning("chunks for %d producers not written: %s", len(by_reply), exc)
+            return
+        for (reply, chunks), unread in zip(by_reply.items(), replies[2::3], strict=True):
+            if int(unread) > self._max_unread:
+                ids = list(dict.fromkeys(c.request_id for c in chunks))
+                logger.warning(
+                    "reply stream of producer %s holds %s unread entries: cancelling its "
+                    "streamed requests %s",
+                    reply,
+                    unread,
+                    ids,
+                )
+                for rid in ids:
+                    self._cancel(rid)  # as if read from the cancel stream
