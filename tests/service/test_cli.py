@@ -12,7 +12,7 @@ from pathlib import Path
 
 import redis
 
-from batchline.config import ProducerSettings, WorkerSettings
+from batchline.config import ProducerSettings, WebSettings, WorkerSettings
 from batchline.demo.embedded import EmbeddedRedis
 from batchline.keys import QueueKeys
 
@@ -45,11 +45,16 @@ def _readme_settings() -> dict[str, str]:
 
 def test_every_documented_setting_is_in_worker_help_with_the_readmes_default() -> None:
     table = _readme_settings()
-    # The table documents every setting of a worker, and the producer's own ones.
-    assert set(WorkerSettings.model_fields) <= set(table), set(WorkerSettings.model_fields) - set(
-        table
+    # The table documents every setting of a worker, the producer's own ones and the web
+    # backend's.
+    documented = set(table)
+    for settings in (WorkerSettings, ProducerSettings, WebSettings):
+        assert set(settings.model_fields) <= documented, set(settings.model_fields) - documented
+    assert documented <= (
+        set(WorkerSettings.model_fields)
+        | set(ProducerSettings.model_fields)
+        | set(WebSettings.model_fields)
     )
-    assert set(table) <= set(WorkerSettings.model_fields) | set(ProducerSettings.model_fields)
     done = run_cli("worker", "--help", env={"COLUMNS": "400"})
     assert done.returncode == 0, done.stderr
     shown = {
