@@ -57,8 +57,9 @@ def test_bench_slo_quick() -> None:
     ]
     assert [r[0] for r in rows] == ["200", "1400"], out  # the quick run's rates
     servable = []
-    for rate, p99, met, served, _chose, best, best_served, r, broken in rows:
+    for rate, p99, met, late, served, _chose, best, best_served, r, broken in rows:
         assert _number(p99) > 0, out
+        assert 0 <= _number(late) <= _number(p99), out
         assert met == ("yes" if _number(p99) <= 20 else "no"), out
         assert 0 < _number(served) <= 2 * _number(rate), out
         assert re.fullmatch(r"\d+ of 4", broken), out  # 2 sizes x 2 waits
