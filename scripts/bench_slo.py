@@ -125,7 +125,8 @@ def verdict(rows: list[Row], target: float) -> list[str]:
 
     Targets: where some fixed setting keeps p99 under the target, the SLO mode does too; and
     there it serves at least 90 % of the best such setting's rate. Where none does (the load
-    exceeds what any setting can serve within the target), only the served rate is reported.
+    exceeds what any setting can serve within the target, or the machine stalled the whole
+    process for longer than the target), only the served rate is reported.
     """
     servable = [r for r in rows if r.best is not None]
     met = [r for r in servable if r.slo.p99_ms <= target]
@@ -139,8 +140,8 @@ def verdict(rows: list[Row], target: float) -> list[str]:
         f"SLO / best fixed meeting the target, per rate where one met it: min {low:.2f}, "
         f"median {med:.2f}",
         f"p99 at or under {target:g} ms where some fixed setting met it: {len(met)} of "
-        f"{len(servable)} rates; beyond what any setting serves within it: "
-        f"{', '.join(beyond) or 'none'}",
+        f"{len(servable)} rates; no fixed setting met it at: {', '.join(beyond) or 'none'} "
+        "(a load beyond what any setting serves within it, or stalls of a busy machine)",
         f"verdict: p99 target {'met' if p99_ok else 'MISSED'}; served >= {MIN_RATIO:.0%} of "
         f"the best fixed setting {'met' if rate_ok else 'MISSED'}",
     ]
