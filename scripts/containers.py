@@ -20,8 +20,9 @@ to the build from 127.0.0.1, as pip's ``PIP_FIND_LINKS``. Then the services of
 docker/compose.yaml (its commands, environment, health checks and grace periods) run as
 containers: Redis, 2 workers, the API on 127.0.0.1. Checked: every health check passes; 300
 embeddings through the API match a local encode (cosine >= 0.999); one worker killed (SIGKILL)
-mid-load loses nothing and answers nothing twice; `docker stop` (SIGTERM) drains a worker
-mid-load, exit 0. deploy/kubernetes/redis.yaml's Redis command and probe run as its pod runs
+mid-load loses nothing and answers nothing twice (each answered request's result key written
+exactly once, no other written: Redis's keyspace notifications, counted per request id);
+`docker stop` (SIGTERM) drains a worker mid-load, exit 0. deploy/kubernetes/redis.yaml's Redis command and probe run as its pod runs
 them (non-root, read-only root filesystem): AOF on, the default user off, the ACL user held
 to its keys. Everything it creates carries the label ``batchline.containers`` and is
 removed at the end, also on failure, and at the start (leftovers of an interrupted run).
@@ -35,8 +36,10 @@ waits and label-based cleanup without parsing CLI output.
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import contextlib
+import csv
 import functools
 import http.server
 import io
@@ -582,6 +585,72 @@ def check_answers(batch: list[str], answers: list[dict[str, Any]], expected: np.
     return worst
 
 
+class ResultWrites:
+    """The writes of the queue's result keys, counted per request id while the load runs.
+
+    A request's result is written once, in the step that acknowledges its work entry (the
+    completion script), and only if that acknowledgement took: a second write would be a
+    second answer (two workers answering one entry, or one answer pushed twice). Redis's
+    keyspace notifications report every write; Redis is on an internal network, so
+    ``redis-cli PSUBSCRIBE`` runs inside its container and its lines are counted here.
+    """
+
+    def __init__(self, redis: Any, *, queue: str = "default", prefix: str = "batchline") -> None:
+        self.redis = redis
+        self.key_prefix = f"{prefix}:{{{queue}}}:res:"
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.answered: set[str] = set()  # the ids of every checked answer so far
+        self.changed = threading.Condition()
+        self.subscribed = threading.Event()
+        code, out = redis.exec_run(["redis-cli", "config", "set", "notify-keyspace-events", "K$"])
+        require(code == 0 and out.strip() == b"OK", f"keyspace notifications: {out!r}")
+        pattern = f"__keyspace@0__:{self.key_prefix}*"
+        _, output = redis.exec_run(["redis-cli", "--csv", "psubscribe", pattern], stream=True)
+        threading.Thread(target=self._read, args=(output,), daemon=True).start()
+        require(self.subscribed.wait(30), "redis-cli psubscribe did not confirm in 30 s")
+
+    def _read(self, output: Iterator[bytes]) -> None:
+        pending = b""
+        for chunk in output:
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                self.take(line.decode(errors="replace").strip())
+
+    def take(self, line: str) -> None:
+        """One line of ``redis-cli --csv psubscribe``: the confirmation, or a notification
+        ``"pmessage","<pattern>","__keyspace@0__:<key>","set"``."""
+        row = next(csv.reader([line]), [])
+        if row[:1] == ["psubscribe"]:
+            self.subscribed.set()
+        elif len(row) == 4 and row[0] == "pmessage" and row[3] == "set":
+            key = row[2].split(":", 1)[1]
+            with self.changed:
+                self.counts[key.removeprefix(self.key_prefix)] += 1
+                self.changed.notify_all()
+
+    def check_once(self, answers: list[dict[str, Any]]) -> None:
+        """Each of these answers' result keys written once, and none besides the answers'.
+
+        A marker key written now is notified after every earlier write (pub/sub keeps the
+        order), so when it has arrived every write before it has been counted."""
+        mark = "marker-" + secrets.token_hex(6)
+        code, out = self.redis.exec_run(
+            ["redis-cli", "set", self.key_prefix + mark, "1", "EX", "60"]
+        )
+        require(code == 0, f"redis-cli set: {out!r}")
+        with self.changed:
+            seen = self.changed.wait_for(lambda: mark in self.counts, timeout=60)
+            require(seen, "the marker's keyspace notification did not arrive in 60 s")
+            del self.counts[mark]
+            counts = collections.Counter(self.counts)
+        ids = [str(a["id"]) for a in answers]
+        self.answered.update(ids)
+        not_once = {i: counts[i] for i in ids if counts[i] != 1}
+        require(not not_once, f"result keys not written exactly once: {not_once}")
+        others = sorted(set(counts) - self.answered)
+        require(not others, f"results written for requests nobody was answered: {others[:10]}")
+
+
 def check_queue_empty(stack: Stack) -> dict[str, Any]:
     status = stack.batchline_status()
     waiting = [(s["stream"], s["length"], s["pending"]) for s in status["streams"] if s["pending"]]
@@ -595,10 +664,17 @@ def check_queue_empty(stack: Stack) -> dict[str, Any]:
 
 def exercise(stack: Stack, encode: Callable[[list[str]], np.ndarray]) -> dict[str, Any]:
     """A worker killed mid-load, then (the killed one back) another stopped mid-load."""
-    return {"kill": kill_phase(stack, encode), "sigterm": sigterm_phase(stack, encode)}
+    queue = str(stack.services["worker"]["environment"]["BATCHLINE_QUEUE"])
+    writes = ResultWrites(stack.redis, queue=queue)
+    return {
+        "kill": kill_phase(stack, encode, writes),
+        "sigterm": sigterm_phase(stack, encode, writes),
+    }
 
 
-def kill_phase(stack: Stack, encode: Callable[[list[str]], np.ndarray]) -> dict[str, Any]:
+def kill_phase(
+    stack: Stack, encode: Callable[[list[str]], np.ndarray], writes: ResultWrites
+) -> dict[str, Any]:
     """300 requests; SIGKILL to one worker after 100 answers: all answered, once."""
     killed = stack.workers[0]
 
@@ -615,6 +691,7 @@ def kill_phase(stack: Stack, encode: Callable[[list[str]], np.ndarray]) -> dict[
     answers = send_load(stack.api_url, batch, during=kill)
     took = time.monotonic() - started
     worst = check_answers(batch, answers, expected)
+    writes.check_once(answers)
     killed.reload()
     require(killed.attrs["State"]["ExitCode"] == 137, f"not killed: {killed.attrs['State']}")
     check_queue_empty(stack)
@@ -624,7 +701,9 @@ def kill_phase(stack: Stack, encode: Callable[[list[str]], np.ndarray]) -> dict[
     return {"requests": N_REQUESTS, "seconds": round(took, 1), "min_cosine": worst}
 
 
-def sigterm_phase(stack: Stack, encode: Callable[[list[str]], np.ndarray]) -> dict[str, Any]:
+def sigterm_phase(
+    stack: Stack, encode: Callable[[list[str]], np.ndarray], writes: ResultWrites
+) -> dict[str, Any]:
     """The killed worker back; SIGTERM to the other one mid-load: it drains, exit 0."""
     killed, stopped = stack.workers
     killed.start()
@@ -647,6 +726,7 @@ def sigterm_phase(stack: Stack, encode: Callable[[list[str]], np.ndarray]) -> di
     )
     stop_s = time.monotonic() - stop_started[0]
     check_answers(batch, answers, expected)
+    writes.check_once(answers)
     code = stopped.attrs["State"]["ExitCode"]
     require(code == 0, f"{stopped.name} exit code {code} after SIGTERM (not a clean drain)")
     check_queue_empty(stack)

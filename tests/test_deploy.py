@@ -55,31 +55,79 @@ def test_a_wrong_field_fails_validation() -> None:
         kubernetes_validate.validate(worker, K8S_VERSION, strict=True)
 
 
+# One ScaledObject per Redis topology (apply one of them): keda.yaml for one Redis server,
+# keda-cluster.yaml for a Redis Cluster; each with its TriggerAuthentication.
+SCALED = {"redis-streams": "batchline-worker", "redis-cluster-streams": "batchline-worker-cluster"}
+CONNECTION = {"address", "addresses"}  # where the two differ, besides the trigger's type
+
+
 def test_keda_objects_match_the_documented_schema() -> None:
     schema = json.loads((DEPLOY / "keda-schema.json").read_text())
     keda = [o for o in objects() if o["apiVersion"].startswith("keda.sh/")]
-    assert sorted(o["kind"] for o in keda) == ["ScaledObject", "TriggerAuthentication"]
+    assert sorted(o["kind"] for o in keda) == ["ScaledObject"] * 2 + ["TriggerAuthentication"] * 2
     for obj in keda:
         jsonschema.validate(obj, schema)
-    scaled = one("ScaledObject", "batchline-worker")
-    bad = json.loads(json.dumps(scaled))
-    bad["spec"]["triggers"][0]["metadata"]["lagCount"] = 256  # KEDA wants strings
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(bad, schema)
+    for kind, name in SCALED.items():
+        scaled = one("ScaledObject", name)
+        assert {t["type"] for t in scaled["spec"]["triggers"]} == {kind}
+        bad = json.loads(json.dumps(scaled))
+        bad["spec"]["triggers"][0]["metadata"]["lagCount"] = 256  # KEDA wants strings
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
 
 
-def test_the_scaled_object_watches_every_work_stream_of_the_queue() -> None:
+def test_each_stream_trigger_takes_only_its_own_connection_fields() -> None:
+    """redis-streams names one server (``address``); redis-cluster-streams the cluster's nodes
+    (``addresses``, host:port, comma-separated): the schema refuses one in the other's place."""
+    schema = json.loads((DEPLOY / "keda-schema.json").read_text())
+    single = one("ScaledObject", SCALED["redis-streams"])
+    cluster = one("ScaledObject", SCALED["redis-cluster-streams"])
+    assert all("addresses" in t["metadata"] for t in cluster["spec"]["triggers"])
+    for obj, field, value in [
+        (single, "addresses", "redis:6379"),
+        (cluster, "address", "redis:6379"),
+        (cluster, "addresses", "node-0 node-1"),  # not host:port
+    ]:
+        bad = json.loads(json.dumps(obj))
+        meta = bad["spec"]["triggers"][0]["metadata"]
+        meta.pop("address", None)
+        meta.pop("addresses", None)
+        meta[field] = value
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+
+
+def test_the_cluster_scaled_object_scales_as_the_single_server_one() -> None:
+    """The same targets, limits and behaviour; only the trigger type and its connection differ."""
+
+    def policy(name: str) -> dict[str, Any]:
+        spec = json.loads(json.dumps(one("ScaledObject", name)["spec"]))
+        for trigger in spec["triggers"]:
+            del trigger["type"], trigger["authenticationRef"]
+            for field in CONNECTION:
+                trigger["metadata"].pop(field, None)
+        return spec
+
+    assert policy(SCALED["redis-cluster-streams"]) == policy(SCALED["redis-streams"])
+
+
+@pytest.mark.parametrize("name", sorted(SCALED.values()))
+def test_the_scaled_object_watches_every_work_stream_of_the_queue(name: str) -> None:
     worker = one("Deployment", "batchline-worker")
     env = {e["name"]: e for e in worker["spec"]["template"]["spec"]["containers"][0]["env"]}
     keys = QueueKeys(env["BATCHLINE_QUEUE"]["value"])
-    scaled = one("ScaledObject", "batchline-worker")["spec"]
+    scaled = one("ScaledObject", name)["spec"]
     assert scaled["scaleTargetRef"]["name"] == worker["metadata"]["name"]
     assert scaled["minReplicaCount"] == 0  # an idle queue scales to zero
-    auth = one("TriggerAuthentication", "batchline-redis")
+    auths = {o["metadata"]["name"]: o for o in objects() if o["kind"] == "TriggerAuthentication"}
     lag, pending = {}, {}
     for trigger in scaled["triggers"]:
         meta = trigger["metadata"]
-        assert trigger["authenticationRef"]["name"] == auth["metadata"]["name"]
+        auth = auths[trigger["authenticationRef"]["name"]]
+        secrets = {(r["parameter"], r["name"], r["key"]) for r in auth["spec"]["secretTargetRef"]}
+        for parameter in ("username", "password"):  # the ACL user of secret.yaml
+            assert (parameter, "batchline-redis", parameter) in secrets
+            assert parameter in one("Secret", "batchline-redis")["stringData"]
         assert meta["consumerGroup"] == GROUP
         if "lagCount" in meta:
             assert meta["activationLagCount"] == "0"  # one unread entry starts a worker

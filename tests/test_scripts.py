@@ -76,19 +76,53 @@ def test_bench_queue_device_flags() -> None:
     assert bench_queue.config(bench_queue.parse([])).batch_sizes == [32]
 
 
+def _number(cell: str) -> float:
+    return float(cell.replace(",", ""))
+
+
 def test_bench_slo_quick() -> None:
+    """The quick run reports, per rate, a measured p99 against the target and the ratio to the
+    best fixed setting meeting it, and a verdict that agrees with its own table (the figures
+    themselves are not checked: they are timings)."""
     out = subprocess.run(
-        [sys.executable, "scripts/bench_slo.py", "--quick"],
+        [sys.executable, "scripts/bench_slo.py", "--quick", "--target-ms", "20"],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=300,
         check=True,
         env=os.environ | {"PYTHONPATH": str(REPO)},
+    ).stdout
+    assert "## latency-SLO mode vs fixed settings" in out
+    assert "target p99 20 ms" in out, out
+    rows = [
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in out.splitlines()
+        if re.match(r"\| [0-9]", line)
+    ]
+    assert [r[0] for r in rows] == ["200", "1400"], out  # the quick run's rates
+    servable = []
+    for rate, p99, met, late, served, _chose, best, best_served, r, broken in rows:
+        assert _number(p99) > 0, out
+        assert 0 <= _number(late) <= _number(p99), out
+        assert met == ("yes" if _number(p99) <= 20 else "no"), out
+        assert 0 < _number(served) <= 2 * _number(rate), out
+        assert re.fullmatch(r"\d+ of 4", broken), out  # 2 sizes x 2 waits
+        if best == "none":
+            assert (best_served, r) == ("-", "n/a"), out
+        else:
+            servable.append(met)
+            assert abs(_number(r) - _number(served) / _number(best_served)) < 0.02, out
+    found = re.search(
+        r"^SLO / best fixed meeting the target, per rate where one met it: "
+        r"min ([0-9.]+|nan), median ([0-9.]+|nan)$",
+        out,
+        re.M,
     )
-    assert "## latency-SLO mode vs fixed settings" in out.stdout
-    rows = [line for line in out.stdout.splitlines() if line.startswith("| 200 |")]
-    assert len(rows) == 1, out.stdout
+    assert found is not None, out
+    assert (found.group(1) == "nan") == (not servable), out
+    p99_verdict = "met" if all(m == "yes" for m in servable) else "MISSED"
+    assert re.search(rf"^verdict: p99 target {p99_verdict}; served >= 90% of the best", out, re.M)
 
 
 def test_bench_cache_smoke() -> None:

@@ -165,6 +165,17 @@ def test_the_fit_recovers_the_model_and_the_rate() -> None:
     assert slo.rate_per_s == pytest.approx(1000.0, rel=0.15)
 
 
+def test_the_observed_p99_is_numpys_percentile() -> None:
+    rng = np.random.default_rng(7)
+    for n in (1, 2, 99, 100, 101, 1000, 1500):
+        slo = SloController(SloConfig(target_p99_s=0.02))
+        latencies = rng.exponential(0.005, n)
+        for i, latency in enumerate(latencies):
+            slo.observe(i * 0.01, [float(latency)], 0.0)
+        kept = latencies[-slo.config.window :]
+        assert slo.observed_p99_s == pytest.approx(float(np.percentile(kept, 99)), rel=1e-12)
+
+
 def test_invalid_targets_are_refused() -> None:
     for bad in (0.0, -1.0, math.inf, math.nan):
         with pytest.raises(ValueError, match="target_p99_ms"):

@@ -125,6 +125,7 @@ def test_ctrl_c_mid_load_stops_everything_quickly_and_quietly() -> None:
         socket_dir = str(Path(started.rsplit("unix://", 1)[1].strip()).parent)
         assert _processes_mentioning(socket_dir), "no redis-server or worker found"
         time.sleep(1.0)  # mid-load (the first step lasts 2 s); not a race: any moment will do
+        before = len(lines)
         sent_at = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(30)
@@ -136,7 +137,13 @@ def test_ctrl_c_mid_load_stops_everything_quickly_and_quietly() -> None:
     reader.join(10)
     out = "".join(lines)
     assert proc.returncode == 130, out
-    assert took_s < 10.0, (took_s, out)  # about 2-3 s here; generous for a shared machine
+    # 2.2-2.7 s measured here at load average 7-8 on 2 cores (the worker's 2 s drain, then
+    # Redis); the bound leaves room for a busier moment.
+    assert took_s < 6.0, (took_s, out)
+    # What follows the interrupt is short: the progress bar's last line, the one line below.
+    after = lines[before:]
+    assert len(after) <= 6, out
+    assert all(len(line) <= 200 for line in after), out
     assert "Traceback" not in out, out
     assert "never retrieved" not in out, out
     assert "interrupted: stopping the worker and Redis" in out
