@@ -1,9 +1,11 @@
 """What a worker writes back: result records, dead letters, and what it keeps per request;
-and the way in: read entries decoded, validated and preprocessed (:class:`Preparer`)."""
+and the way in: read entries decoded, validated and preprocessed (:func:`prepare`, which
+:class:`~batchline.worker._prep.Preparer` runs)."""
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +36,7 @@ _MAX_DEAD_FIELDS = 256  # and this many of them (Lua's unpack() takes a few thou
 _MAX_DEAD_FIELD = 64 << 10  # of a larger entry, it keeps each field up to this size
 _MAX_OMITTED = 64  # and names this many of the fields it left out
 # The fields an oversize entry's dead letter keeps first (a stable sort keeps the rest's order).
+_CACHE_HASH = re.compile(rb"[0-9a-f]{40}")  # a ck field as the enqueue script writes it
 _FIRST = {
     name: i
     for i, name in enumerate([b"id", b"reply", b"v", b"prio", b"dl", b"ts", b"meta", b"blob"])
@@ -145,15 +148,27 @@ def dead_letter(
     sidx: int, entry: bytes, raw: dict[bytes, bytes], kind: str, reason: str, *, worker_id: str
 ) -> Record:
     """The record moving an entry to the dead-letter stream, with an error result for its
-    producer when the entry carries a valid id."""
+    producer when the entry carries a valid id.
+
+    Where the entry has ``meta``, the result carries its input hash (``ih``), as every result
+    does: a producer takes it only for the input it sent. Where it also has a cache hash
+    (``ck``), requests may have been coalesced onto it: the record names both hashes, so that
+    the completion script answers them too (this error, or CoalesceMismatch) and clears the
+    in-flight mark, which would otherwise coalesce every later request of this input onto
+    an entry that is gone."""
     request_id, reply = salvage_id(raw)
     dead = _original_fields(raw)
     dead += ["reason", f"{kind}: {reason}", "worker", worker_id]
     record = Record(sidx, entry, "dead", dead=dead)
-    if request_id is not None:
-        result = Result(request_id, "error", None, kind, reason, worker=worker_id)
-        record.result = pack_result(encode_result(result))
-        record.request_id, record.reply = request_id, reply
+    if request_id is None:
+        return record
+    meta, ck = raw.get(b"meta"), raw.get(b"ck", b"")
+    ih = input_hash(meta, raw.get(b"blob", b"")) if isinstance(meta, bytes) else ""
+    result = Result(request_id, "error", None, kind, reason, worker=worker_id, input_hash=ih)
+    record.result = pack_result(encode_result(result))
+    record.request_id, record.reply = request_id, reply
+    if ih and _CACHE_HASH.fullmatch(ck):
+        record.cache_hash, record.input_hash = ck.decode(), ih
     return record
 
 

@@ -151,31 +151,38 @@ async def test_a_forged_waiter_gets_another_request_no_answer(
     assert len(taken) == (1 if cache_ttl_s else 0), taken
 
 
+@pytest.mark.parametrize("version", ["2", "99"], ids=["valid", "malformed"])
 async def test_an_entry_added_under_another_request_id_does_not_answer_it(
     urls: dict[str, str],
     serve: Callable[..., dict[str, Any]],
+    rclient: redis.Redis,
     keys: QueueKeys,
     caplog: pytest.LogCaptureFixture,
+    version: str,
 ) -> None:
     model = GatedModel()
     common = serve(model, cache_ttl_s=0)
     async with parties(urls["producer"], common) as (thief, attacker, victim):
         evil = await running(attacker, model)
-        # A guessable id and the victim's reply stream: the forged entry runs first.
-        forged = {"v": "2", "id": "order-2", "meta": '"the forged input"'}
+        # A guessable id and the victim's reply stream. A valid forged entry, added first,
+        # runs before the victim's; a malformed one (another schema version), added once the
+        # victim waits, is dead-lettered as soon as it is read, its error pushed to the victim.
+        forged = {"v": version, "id": "order-2", "meta": '"the forged input"'}
+        forged["reply"] = victim.producer_id
         stream = keys.stream(victim.settings.default_priority)
-        thief.xadd(stream, {**forged, "reply": victim.producer_id})
+        if version == "2":
+            thief.xadd(stream, forged)
         mine = await victim.submit("the victim's input", request_id="order-2")
+        if version != "2":
+            thief.xadd(stream, forged)
+            wait_until(lambda: rclient.xlen(keys.dead) == 1, "the forged entry's dead letter")
         model.release.set()
         result = await victim.wait(mine, timeout_s=T)
         assert (result.status, result.output) == ("ok", "the victim's input")
         assert result.input_hash == hash_of("the victim's input")
         assert (await attacker.wait(evil, timeout_s=T)).status == "ok"
-    assert [b[0] for b in model.batches] == [
-        "the attacker's input",
-        "the forged input",
-        "the victim's input",
-    ]
+    ran = ["the forged input"] if version == "2" else []
+    assert [b[0] for b in model.batches] == ["the attacker's input", *ran, "the victim's input"]
     taken = [r.getMessage() for r in caplog.records if "another input" in r.getMessage()]
     assert len(taken) == 1, taken
 

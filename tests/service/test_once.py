@@ -16,7 +16,7 @@ import redis
 
 from batchline.config import WorkerSettings
 from batchline.errors import QueueFull, RequestIdConflict
-from batchline.keys import QueueKeys
+from batchline.keys import GROUP, QueueKeys
 from batchline.producer import AsyncProducer
 from batchline.transport._once import cache_hash, input_hash
 from batchline.transport.status import collect, render
@@ -315,6 +315,53 @@ async def test_a_worker_without_the_cache_does_not_fill_it(
     assert computed(model) == ["text", "text"]  # a miss each time: not cached
     assert queue_keys(rclient, keys, "cache") == []
     assert queue_keys(rclient, keys, "flight") == []
+
+
+@pytest.mark.parametrize("how", ["refused", "max_deliveries"])
+async def test_requests_coalesced_onto_a_dead_lettered_one_get_its_error(
+    cached: list[AsyncProducer],
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    how: str,
+) -> None:
+    a, b = cached
+    rclient.set(keys.model, "m1", ex=60)  # as the worker below publishes it
+    text = "a text longer than the refusing worker accepts"
+    leader = await a.submit(text)  # queued with its cache hash, marked in flight
+    joined = await b.submit(text)  # the same input: coalesced onto it
+    poller = await a.submit(text, reply=False)  # coalesced too, without a reply stream
+    assert (a.counts["coalesced"], b.counts["coalesced"]) == (1, 1)
+    assert rclient.xlen(keys.stream(1)) == 1
+    if how == "refused":  # the worker's limits refuse the entry: MalformedRequest
+        kind, settings = "MalformedRequest", dict(max_chars=8)
+    else:  # a worker read it and died: delivered too often, MaxDeliveries
+        kind, settings = "MaxDeliveries", dict(max_deliveries=1, claim_idle_ms=100)
+        rclient.xgroup_create(keys.stream(1), GROUP, id="0")
+        assert rclient.xreadgroup(GROUP, "gone", {keys.stream(1): ">"}, count=1)
+    start_worker(cache_ttl_s=60, model_id="m1", **settings)
+    first = await a.wait(leader, timeout_s=T)
+    assert (first.status, first.error_type) == ("error", kind)
+    assert [d[1][b"id"] for d in rclient.xrange(keys.dead)] == [leader.id.encode()]
+    # The members were answered in the same script call as their leader: stored already.
+    assert rclient.exists(keys.result(joined.id), keys.result(poller.id)) == 2
+    result = await b.wait(joined, timeout_s=T)
+    assert (result.id, result.status, result.error_type) == (joined.id, "error", kind)
+    polled = await a.get_result(poller.id)
+    assert polled is not None
+    assert (polled.id, polled.status, polled.error_type) == (poller.id, "error", kind)
+    # Its in-flight mark and waiters are gone; an error fills no cache.
+    for kind_of_key in ("flight", "wait", "cache"):
+        assert queue_keys(rclient, keys, kind_of_key) == []
+    # A later request of this input is queued, not coalesced onto the dead-lettered one.
+    later = await b.submit(text)
+    assert b.counts["coalesced"] == 1
+    assert entries_added(rclient, keys) == [0, 2, 0]
+    again = await b.wait(later, timeout_s=T)
+    if how == "refused":
+        assert (again.status, again.error_type) == ("error", kind)
+    else:
+        assert (again.status, again.output) == ("ok", text)
 
 
 async def a_status(producer: AsyncProducer) -> dict[str, float]:
