@@ -383,8 +383,7 @@ class AsyncProducer:
             await cancel_request(self._redis, self.keys, rid, self.settings.result_ttl_s)
         except (RedisError, OSError) as exc:
             raise translate(exc) from exc
-        self._waiting.inputs.pop(rid, None)
-        for fut in self._waiting.pop(rid, []):
+        for fut in self._waiting.forget(rid):
             if not fut.done():
                 # Not fut.cancel(): a waiter would take that for its own task being cancelled.
                 fut.set_exception(RequestCancelled(f"request {rid} was cancelled by this producer"))

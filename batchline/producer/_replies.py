@@ -52,8 +52,12 @@ class Waiters(dict[str, list["asyncio.Future[Result]"]]):
         if result.id not in self:
             return []  # a late answer (timed out, cancelled), or not this producer's
         check_input(result, self.inputs.get(result.id, ""))
-        self.inputs.pop(result.id, None)
-        return self.pop(result.id)
+        return self.forget(result.id)
+
+    def forget(self, rid: str) -> list[asyncio.Future[Result]]:
+        """Every waiter of ``rid``, forgotten here with its input hash (none: empty)."""
+        self.inputs.pop(rid, None)
+        return self.pop(rid, [])
 
     def clear(self) -> None:
         super().clear()
@@ -65,8 +69,7 @@ class Waiters(dict[str, list["asyncio.Future[Result]"]]):
         if futs is not None and fut in futs:
             futs.remove(fut)
             if not futs:
-                del self[rid]
-                self.inputs.pop(rid, None)
+                self.forget(rid)
 
 
 class ReplyReader:

@@ -161,6 +161,7 @@ async def test_cancel_appends_the_id_to_the_cancel_stream_with_a_ttl(
     assert 0 < rclient.ttl(keys.cancels) <= 300
     # This producer's own waiter learns at once, with a typed error.
     assert handle.id not in producer._waiting
+    assert handle.id not in producer._waiting.inputs
     with pytest.raises(RequestCancelled):
         await producer.wait(handle, timeout_s=0)
 

@@ -48,6 +48,7 @@ from batchline.errors import (
 )
 from batchline.keys import GROUP, QueueKeys
 from batchline.producer import AsyncProducer
+from batchline.producer._replies import Waiters
 from batchline.transport._redis import Backoff, Script
 from batchline.transport._scripts import COMPLETE
 
@@ -677,6 +678,18 @@ async def test_cancelling_an_infer_forgets_its_request(
     push_reply(rclient, keys, producer.producer_id, [flat(Result("next", "ok", "C"))])
     assert await nxt == "C"
     assert producer._waiting == {}
+
+
+async def test_waiters_forget_an_id_with_its_input_hash() -> None:
+    waiters = Waiters()
+    first, second = waiters.add("r", "h1"), waiters.add("r", "h2")
+    other = waiters.add("s", "h3")
+    assert waiters.inputs == {"r": "h1", "s": "h3"}  # a resubmit keeps the first
+    assert waiters.forget("r") == [first, second]  # cancel(): every waiter of the id
+    assert waiters.forget("r") == []
+    assert waiters.inputs == {"s": "h3"}
+    waiters.drop("s", other)  # its last waiter gave up: the id goes with its hash
+    assert (dict(waiters), waiters.inputs) == ({}, {})
 
 
 async def test_map_returns_outputs_in_order_whatever_order_they_arrive_in(
