@@ -27,7 +27,16 @@ from batchline.transport.codec._results import result_fields
 from batchline.worker._readcap import Entry
 from batchline.worker.models import Model, Prepared
 
-__all__ = ["Meta", "Outcome", "Record", "answer", "dead_letter", "finished", "prepare"]
+__all__ = [
+    "Meta",
+    "Outcome",
+    "Record",
+    "answer",
+    "dead_letter",
+    "finished",
+    "prepare",
+    "warm_up",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -234,6 +243,15 @@ def prepare(batch: list[Entry], model: Model, limits: Limits, worker_id: str) ->
         else:
             out[index] = (meta, prepared)
     return out
+
+
+def warm_up(model: Model) -> None:
+    """Preprocess one short text, its outcome dropped (a model that takes no text refuses
+    it, which is fine). A fast tokenizer sets its truncation and padding on its first call
+    with them (``set_truncation_and_padding`` mutates the Rust tokenizer): done once here,
+    before the preparing threads start, rather than by concurrent first calls, which may
+    fail with "Already borrowed"."""
+    _preprocess(model, ["warm-up"])
 
 
 def _preprocess(model: Model, values: list[Any]) -> list[list[Prepared] | Exception]:

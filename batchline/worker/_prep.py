@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from batchline.transport.codec import Limits
-from batchline.worker._answers import Outcome, prepare
+from batchline.worker._answers import Outcome, prepare, warm_up
 from batchline.worker._readcap import Entry
 from batchline.worker.models import Model
 
@@ -42,8 +42,10 @@ class Preparer:
         self.preparing = 0  # entries being prepared now (they hold room in the window)
 
     def start(self) -> None:
-        """Start the threads, if the model's preprocessing is heavy (once it is loaded)."""
+        """Start the threads, if the model's preprocessing is heavy (once it is loaded),
+        after one preprocess here (:func:`~._answers.warm_up`)."""
         if self._model.heavy_preprocess and self._pool is None:
+            warm_up(self._model)
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 self._threads, thread_name_prefix="batchline-prep"
             )

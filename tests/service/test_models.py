@@ -89,6 +89,20 @@ def test_one_read_of_good_and_bad_inputs_tokenized_together_on_two_threads(
     assert prepared["seconds"] > 0
 
 
+def test_the_tokenizer_is_set_up_before_the_preparing_threads_start(
+    start_worker: Callable[..., WorkerThread],
+) -> None:
+    # A fast tokenizer sets its truncation and padding on its first call with them (a
+    # mutation of the Rust tokenizer, which concurrent first calls on prep_threads threads
+    # may race on: "Already borrowed"): the worker makes that call before serving.
+    worker = start_worker("sentence-transformers", device="cpu", prep_threads=2).worker
+    model: Any = worker.model
+    backend = model.tokenizer.backend_tokenizer
+    assert backend.truncation["max_length"] == model.max_length
+    assert backend.padding is None
+    assert worker.stats()["prepare"]["requests"] == 0  # a warm-up, not a request
+
+
 @pytest.mark.skipif(
     not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (pinned copies)"
 )
