@@ -119,13 +119,13 @@ return out
 # input hash or '', cache key to fill or '', in-flight mark to clear or ''] (a packed
 # result is itself msgpack: the flat [field, value, ...] array), then the prefixes of
 # request inputs and of waiters, and cache_ttl_s.
-# Each result also reaches the request's further waiters (its waiters' set): the same id
+# Each result (a dead letter's error result too) also reaches the request's further
+# waiters (its waiters' set): the same id
 # from other producers, and requests of other ids coalesced onto it (for those the result
 # is written again under their own id, its id field replaced; one whose input hash differs
 # from the one the worker computed gets an error result instead; either only if that
 # request has no result stored yet, and only for an entry with a cache hash). An ok result
-# fills the
-# cache key the worker names.
+# fills the cache key the worker names.
 # For each record the entry is acknowledged; only if that acknowledgement took (no other
 # worker answered it first) are the dead letter added and the result written to its key
 # (prefix .. request id) with its TTL, and the result queued for its producer. Then the

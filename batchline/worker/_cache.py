@@ -3,13 +3,13 @@ every cache hash) and, per answer, which cache key the completion script may fil
 in-flight mark it clears.
 
 The cache hash of an entry (field ``ck``, added by the enqueue script) is trusted only once
-recomputed here from the entry's own ``meta`` and ``blob`` (the record's input hash,
-:func:`~batchline.worker._answers.answer`) and this worker's model identity: a producer may
-add entries directly, and a worker that serves another model (a rolling model upgrade) must
-not fill the cache under the old model's hash. Where it matches, an ok result fills the
-cache key; either way the in-flight mark is cleared (the script clears it only while it
-names this request), and the input hash lets the script check each request coalesced onto
-this one (docs/protocol.md, Answers computed once).
+recomputed here from the entry's own ``meta`` and ``blob`` (the record's input hash:
+:func:`~batchline.worker._answers.answer`, ``dead_letter``) and this worker's model
+identity: a producer may add entries directly, and a worker that serves another model (a
+rolling model upgrade) must not fill the cache under the old model's hash. Where it
+matches, an ok result fills the cache key; either way the in-flight mark is cleared (the
+script clears it only while it names this request), and the input hash lets the script
+check each request coalesced onto this one (docs/protocol.md, Answers computed once).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ runs on the batcher's own thread, or on the loop for a model quick enough, see
 
 - the *reader* (:mod:`._reader`) fills the batch policy from ``XREADGROUP`` (all priority
   streams, highest first), keeping at most ``read_ahead`` batches ahead of the model;
-  decoding and tokenizing (:class:`._answers.Preparer`) run on a thread of their own for
-  tokenizer-backed models;
+  decoding and tokenizing (:class:`._prep.Preparer`) run on ``prep_threads`` threads of
+  their own for tokenizer-backed models;
 - the *model batcher* is the asyncio driver of the in-process core (same policy, same
   isolation, same padding): batch size, timeout, token budget, priorities, deadlines and
   length grouping all come from there;
