@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 
 from batchline.transport._outbox import Outbox
 from batchline.transport._redis import RedisClient
-from batchline.transport.codec._chunks import CHUNKS_FIELD, Chunk, merge_chunks, pack_chunks
+from batchline.transport.codec._chunks import Chunk, merge_chunks, pack_chunks
 from batchline.transport.keys import QueueKeys
 from batchline.worker._writer import REPLY_MAXLEN
 
@@ -58,12 +58,16 @@ class ChunkWriter:
         self._cancel = cancel
         self._outbox: Outbox[tuple[str, Chunk]] = Outbox(self._flush, name="batchline-chunks")
 
-    def to(self, reply: str, request_id: str) -> Callable[[int, int, str, list[int]], None]:
+    def to(
+        self, reply: str, request_id: str, input_hash: str
+    ) -> Callable[[int, int, str, list[int]], None]:
         """What takes a request's chunks, given (index, chars, text, token ids), for the
-        generation executor; each goes with the next write (on the event loop)."""
+        generation executor; each goes with the next write (on the event loop), with the
+        input hash of the entry (``input_hash``)."""
 
         def put(index: int, chars: int, text: str, tokens: list[int]) -> None:
-            self._outbox.put((reply, Chunk(request_id, index, chars, text, tokens)))
+            chunk = Chunk(request_id, index, chars, text, tokens, input_hash)
+            self._outbox.put((reply, chunk))
 
         return put
 
@@ -79,8 +83,8 @@ class ChunkWriter:
             async with self._client.pipeline(transaction=False) as pipe:
                 for reply, chunks in by_reply.items():
                     key = self._keys.reply(reply)
-                    packed = pack_chunks(merge_chunks(chunks))
-                    pipe.xadd(key, {CHUNKS_FIELD: packed}, maxlen=REPLY_MAXLEN, approximate=True)
+                    fields = pack_chunks(merge_chunks(chunks))
+                    pipe.xadd(key, fields, maxlen=REPLY_MAXLEN, approximate=True)
                     pipe.expire(key, self._ttl_s)
                     pipe.xlen(key)
                 replies = await pipe.execute()

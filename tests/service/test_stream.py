@@ -293,6 +293,50 @@ def test_a_worker_killed_mid_stream_is_rerun_and_no_token_shows_twice_or_never(
         assert result["token_ids"][: len(before)] == before
 
 
+async def test_chunks_of_an_entry_forged_under_a_streamed_id_never_reach_its_stream(
+    start_worker: Callable[..., WorkerThread],
+    redis_url: str,
+    queue: str,
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    gate: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Another producer adds an entry under a streamed request's id and reply stream, asking
+    for chunks, with its own prompt: it runs beside the real one, and its chunks reach the
+    victim's producer, which refuses them by their input hash (as it refuses such a
+    result): the stream shows the victim's generation alone, whole."""
+    worker = start_worker("generate", model_path=GATED, batch_size=2).worker
+    value = {"prompt": "Once upon a time", "max_new_tokens": 30}
+    async with AsyncProducer(redis_url=redis_url, queue=queue) as victim:
+        stream = collect(victim, value, request_id="order-2")
+        chunks = asyncio.ensure_future(stream)
+        # The victim's entry is queued (its prefill held by the gate); then the forged one.
+        await asyncio.to_thread(
+            wait_until, lambda: worker._batcher.queue_size == 1, "the victim's request"
+        )
+        prio = victim.settings.default_priority
+        forged = encode_request(
+            "order-2",
+            {"prompt": "zzzz forged text", "max_new_tokens": 40},
+            priority=prio,
+            enqueued_unix_ms=time.time() * 1e3,
+            reply=victim.producer_id,
+            stream=True,
+        )
+        rclient.xadd(keys.stream(prio), forged)  # type: ignore[arg-type]
+        await asyncio.to_thread(
+            wait_until, lambda: worker._batcher.queue_size == 2, "the forged request"
+        )
+        gate.open()
+        got = await chunks
+        assert len(got) > 1  # chunks came before the result
+        result, answer = check_whole(got), await victim.infer(value, timeout_s=T)
+        assert [result[k] for k in SAME] == [answer[k] for k in SAME]
+    refused = [r.getMessage() for r in caplog.records if "another input" in r.getMessage()]
+    assert any("a chunk of request order-2" in m for m in refused), refused
+
+
 def test_a_stream_under_the_producer_and_worker_acl_users(
     start_worker: Callable[..., WorkerThread],
     redis_url: str,
