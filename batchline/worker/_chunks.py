@@ -10,7 +10,10 @@ A producer reads and deletes its reply entries as they come (its reader does not
 its callers), so a reply stream holding more than ``max_unread`` entries after a write
 belongs to a producer that is gone (or stalled that long): its streamed requests are
 cancelled (``cancel``), and end at the next step instead of running to their end. A failed
-write is logged and dropped: the chunks' text reaches the producer with the result.
+write is logged and its chunks go again with the next write (the one the next step's chunks
+start), not at once: dropped, they would leave a gap that makes the producer drop every
+later chunk of their requests (the token-index rule), so a stream would go silent until
+its result. What a producer received already is dropped there by index.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class ChunkWriter:
         self._max_unread = max_unread
         self._cancel = cancel
         self._outbox: Outbox[tuple[str, Chunk]] = Outbox(self._flush, name="batchline-chunks")
+        self._unwritten: list[tuple[str, Chunk]] = []  # of a failed write, for the next one
 
     def to(
         self, reply: str, request_id: str, input_hash: str
@@ -76,6 +80,7 @@ class ChunkWriter:
         await self._outbox.drain()
 
     async def _flush(self, items: list[tuple[str, Chunk]]) -> None:
+        items, self._unwritten = self._unwritten + items, []
         by_reply: dict[str, list[Chunk]] = {}
         for reply, chunk in items:
             by_reply.setdefault(reply, []).append(chunk)
@@ -89,7 +94,13 @@ class ChunkWriter:
                     pipe.xlen(key)
                 replies = await pipe.execute()
         except (RedisError, OSError) as exc:
-            logger.warning("chunks for %d producers not written: %s", len(by_reply), exc)
+            logger.warning(
+                "chunks for %d producers not written (they go with the next write): %s",
+                len(by_reply),
+                exc,
+            )
+            # Merged: one chunk per request however long the failures last.
+            self._unwritten = [(r, c) for r, cs in by_reply.items() for c in merge_chunks(cs)]
             return
         for (reply, chunks), unread in zip(by_reply.items(), replies[2::3], strict=True):
             if int(unread) > self._max_unread:

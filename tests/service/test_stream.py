@@ -293,6 +293,53 @@ def test_a_worker_killed_mid_stream_is_rerun_and_no_token_shows_twice_or_never(
         assert result["token_ids"][: len(before)] == before
 
 
+async def holding(worker: Any, n: int, what: str) -> None:
+    """Wait (off the event loop) until a generation worker holds ``n`` requests."""
+    await asyncio.to_thread(wait_until, lambda: worker._batcher.queue_size == n, what)
+
+
+async def check_as_infer(producer: AsyncProducer, value: Any, chunks: list[StreamChunk]) -> None:
+    """The chunks add up to their result, which is what ``infer`` returns for ``value``."""
+    result, answer = check_whole(chunks), await producer.infer(value, timeout_s=T)
+    assert [result[k] for k in SAME] == [answer[k] for k in SAME]
+
+
+async def test_a_stream_goes_on_after_a_failed_chunk_write(
+    acl_user: Callable[[list[str]], str],
+    start_worker: Callable[..., WorkerThread],
+    redis_url: str,
+    queue: str,
+    rclient: redis.Redis,
+    gate: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The chunks of a write that fails (XADD refused to the worker's user) go with the
+    next write: the producer gets its chunks on, not only the result."""
+    url = acl_user(["on", ">PASSWORD", "~*", "&*", "+@all"])
+    user = url.split("//", 1)[1].split(":", 1)[0]
+    worker = start_worker("generate", model_path=GATED, redis_url=url).worker
+    value = {"prompt": "Once upon a time", "max_new_tokens": 30}
+    async with AsyncProducer(redis_url=redis_url, queue=queue) as producer:
+        chunks = producer.stream(value, timeout_s=T)
+        first = asyncio.ensure_future(anext(chunks))
+        await holding(worker, 1, "the request to be read")
+        rclient.execute_command("ACL", "SETUSER", user, "-xadd")
+        gate.allow(1)  # the prefill: its chunk is not written
+
+        def refused() -> bool:
+            failed = any("not written" in r.getMessage() for r in caplog.records)
+            return failed and not worker._chunks._outbox.busy
+
+        await asyncio.to_thread(wait_until, refused, "a chunk write to fail")
+        rclient.execute_command("ACL", "SETUSER", user, "+xadd")
+        gate.allow(1)  # a decode step: its chunk goes with the one not written
+        got = [await asyncio.wait_for(first, T)]
+        assert (got[0].index, len(got[0].token_ids), got[0].finish_reason) == (0, 2, None)
+        gate.open()
+        got += [chunk async for chunk in chunks]
+        await check_as_infer(producer, value, got)
+
+
 async def test_chunks_of_an_entry_forged_under_a_streamed_id_never_reach_its_stream(
     start_worker: Callable[..., WorkerThread],
     redis_url: str,
@@ -312,9 +359,7 @@ async def test_chunks_of_an_entry_forged_under_a_streamed_id_never_reach_its_str
         stream = collect(victim, value, request_id="order-2")
         chunks = asyncio.ensure_future(stream)
         # The victim's entry is queued (its prefill held by the gate); then the forged one.
-        await asyncio.to_thread(
-            wait_until, lambda: worker._batcher.queue_size == 1, "the victim's request"
-        )
+        await holding(worker, 1, "the victim's request")
         prio = victim.settings.default_priority
         forged = encode_request(
             "order-2",
@@ -325,14 +370,11 @@ async def test_chunks_of_an_entry_forged_under_a_streamed_id_never_reach_its_str
             stream=True,
         )
         rclient.xadd(keys.stream(prio), forged)  # type: ignore[arg-type]
-        await asyncio.to_thread(
-            wait_until, lambda: worker._batcher.queue_size == 2, "the forged request"
-        )
+        await holding(worker, 2, "the forged request")
         gate.open()
         got = await chunks
         assert len(got) > 1  # chunks came before the result
-        result, answer = check_whole(got), await victim.infer(value, timeout_s=T)
-        assert [result[k] for k in SAME] == [answer[k] for k in SAME]
+        await check_as_infer(victim, value, got)
     refused = [r.getMessage() for r in caplog.records if "another input" in r.getMessage()]
     assert any("a chunk of request order-2" in m for m in refused), refused
 
