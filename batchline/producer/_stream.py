@@ -71,8 +71,8 @@ def _new(seen: S, start: int, items: S, request_id: str) -> S | None:
     overlap = seen[start : start + len(items)]
     if items[: len(overlap)] != overlap:
         raise StreamDiverged(
-            f"request {request_id} was re-run after its worker died and the re-run "
-            f"produced other output from position {start} on than the one streamed"
+            f"request {request_id}: a chunk differs from the output streamed, from position "
+            f"{start} on (a re-run after its worker died that generated other output?)"
         )
     return items[len(overlap) :]
 
@@ -148,8 +148,8 @@ class StreamState:
         tokens: Sequence[int] = output["token_ids"]
         if list(tokens[: len(self.tokens)]) != self.tokens or not text.startswith(self.text):
             raise StreamDiverged(
-                f"request {self.request_id} was re-run after its worker died and its result "
-                "differs from the output streamed"
+                f"request {self.request_id}: its result differs from the output streamed (a "
+                "re-run after its worker died that generated other output?)"
             )
         return StreamChunk(
             text[self.yielded_chars :],
