@@ -164,7 +164,7 @@ class Worker:
             self._redis,
             self.keys,
             ttl_s=s.result_ttl_s,
-            max_unread=s.stream_max_unread,
+            max_unread_s=s.stream_max_unread_s,
             cancel=self._cancels.add,  # on this worker alone: its producer is gone
         )
         self._reader = Reader(

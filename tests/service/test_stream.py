@@ -220,31 +220,51 @@ def test_a_slow_consumer_leaves_nothing_in_redis_and_gets_what_came_at_once(
     assert check_whole(got)["tokens"] == 30
 
 
+def ghost_request(rclient: redis.Redis, keys: QueueKeys, rid: str, max_new_tokens: int) -> Any:
+    """Submit a streamed request for the producer ``ghost``, which never reads its reply
+    stream, as a raw XADD; return its result (polled)."""
+    fields = encode_request(
+        rid,
+        {"prompt": "abc", "max_new_tokens": max_new_tokens},
+        enqueued_unix_ms=time.time() * 1e3,
+        reply="ghost",
+        stream=True,
+    )
+    rclient.xadd(keys.stream(0), fields)  # type: ignore[arg-type]
+    raw = wait_until(lambda: rclient.get(keys.result(rid)), "the result", timeout_s=T)
+    return unpack_result(raw, Limits()).output
+
+
 async def test_a_vanished_producer_stops_costing_the_worker(
     start_worker: Callable[..., WorkerThread],
     rclient: redis.Redis,
     keys: QueueKeys,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A producer that submitted a streamed request and went away without a word: its
-    reply stream fills up to ``stream_max_unread``, then the worker ends the request."""
-    monkeypatch.setenv("BLTEST_STEP_S", "0.01")  # a step per chunk entry, at least
-    start_worker("generate", model_path=TINY, stream_max_unread=5)
-    fields = encode_request(
-        "ghost-1",
-        {"prompt": "abc", "max_new_tokens": 400},
-        enqueued_unix_ms=time.time() * 1e3,
-        reply="ghost",
-        stream=True,
-    )
-    rclient.xadd(keys.stream(0), fields)  # type: ignore[arg-type]
-    raw = wait_until(lambda: rclient.get(keys.result("ghost-1")), "the result", timeout_s=T)
-    result = unpack_result(raw, Limits())
-    assert result.output["finish_reason"] == "cancelled"
-    assert result.output["tokens"] < 400  # ended early
+    """A producer that submitted a streamed request and went away without a word: once an
+    entry of its reply stream is ``stream_max_unread_s`` old, the worker ends the request."""
+    monkeypatch.setenv("BLTEST_STEP_S", "0.01")  # 400 tokens: 4 s at least
+    start_worker("generate", model_path=TINY, stream_max_unread_s=0.2)
+    output = ghost_request(rclient, keys, "ghost-1", 400)
+    assert output["finish_reason"] == "cancelled"
+    assert output["tokens"] < 400  # ended early
     reply = keys.reply("ghost")
-    assert 6 <= rclient.xlen(reply) <= 12  # capped: the unread chunks and the result
+    assert rclient.xlen(reply) < 400  # capped: the unread chunks and the result
     assert 0 < rclient.ttl(reply) <= 3600  # and it expires
+
+
+def test_a_reply_stream_full_of_fresh_entries_is_a_live_producers(
+    start_worker: Callable[..., WorkerThread], rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    """Entries unread for less than ``stream_max_unread_s``, however many (the results and
+    chunks of many workers, during a pause of the producer's reader), cancel nothing."""
+    start_worker("generate", model_path=TINY)
+    with rclient.pipeline(transaction=False) as pipe:
+        for i in range(1500):
+            pipe.xadd(keys.reply("ghost"), {"r": b"\x90", "n": str(i)})
+        pipe.execute()
+    output = ghost_request(rclient, keys, "paused-1", 30)
+    assert (output["finish_reason"], output["tokens"]) == ("length", 30)
 
 
 def test_a_worker_killed_mid_stream_is_rerun_and_no_token_shows_twice_or_never(
