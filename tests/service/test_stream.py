@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -194,6 +195,42 @@ def test_leaving_the_loop_cancels_the_request_within_a_step(
     assert r.status == "ok"
     assert r.output["finish_reason"] == "cancelled"
     assert 1 <= r.output["tokens"] <= passes + 1  # the step under way, then no more
+
+
+class Interrupted(Exception):
+    """What the test's SIGINT handler raises in the main thread (as Ctrl-C would)."""
+
+
+def test_an_exception_while_the_next_chunk_is_pending_cancels_the_request(
+    start_worker: Callable[..., WorkerThread], redis_url: str, queue: str, gate: Any
+) -> None:
+    """Ctrl-C (here a signal whose handler raises) while ``Producer.stream`` waits for a
+    chunk: the exception reaches the caller, and the request is cancelled."""
+    worker = start_worker("generate", model_path=GATED).worker
+    rid = "interrupted"
+
+    def interrupt(_signum: int, _frame: Any) -> None:
+        raise Interrupted
+
+    def send_once_held() -> None:
+        wait_until(lambda: worker._batcher.queue_size == 1, "the request to be held")
+        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, interrupt)
+    try:
+        with Producer(redis_url=redis_url, queue=queue) as producer:
+            sender = threading.Thread(target=send_once_held)
+            sender.start()
+            with pytest.raises(Interrupted):
+                for _chunk in producer.stream("abc", request_id=rid, timeout_s=T):
+                    pass  # the gate holds the prefill: no chunk comes
+            sender.join()
+            wait_until(lambda: rid in worker._cancels, "the worker to see the cancel")
+            gate.open()
+            r = poll(producer, rid)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert (r.status, r.output["finish_reason"]) == ("ok", "cancelled")
 
 
 def test_a_slow_consumer_leaves_nothing_in_redis_and_gets_what_came_at_once(
