@@ -235,9 +235,9 @@ class WorkerSettings(ServiceSettings):
             none.
         max_new_tokens_limit: ``generate`` only: the largest max_new_tokens a request may
             ask for (more: BadGenerationParams).
-        stream_max_unread: ``generate`` only: a producer whose reply stream holds more
-            entries than this unread is taken as gone, and its streamed requests are
-            cancelled.
+        stream_max_unread_s: ``generate`` only: a producer whose reply stream holds an
+            entry unread for longer than this is taken as gone, and its streamed requests
+            are cancelled.
     """
 
     model: str = "sentence-transformers"
@@ -269,7 +269,7 @@ class WorkerSettings(ServiceSettings):
     max_batch_tokens: int = Field(default=16384, ge=1)
     default_max_new_tokens: int = Field(default=128, ge=1)
     max_new_tokens_limit: int = Field(default=1024, ge=1)
-    stream_max_unread: int = Field(default=1000, ge=1)
+    stream_max_unread_s: float = Field(default=30.0, gt=0)
 
     def limits(self) -> Limits:
         """What the worker accepts in a request."""

@@ -214,8 +214,9 @@ def show_value(value: Any, *, max_chars: int = 80) -> str:
 
 
 class StreamDiverged(GenerationError):
-    """A streamed generation was re-run (its worker died mid-stream, another took it over)
-    and the re-run produced tokens or text other than those already streamed: a sampled
-    request without a seed, or numerics that differ between the two runs. The stream ends
-    here rather than show a text that is neither run's; the re-run's complete result is in
-    the request's result key (``get_result``)."""
+    """A chunk or the result of a streamed generation contradicts tokens or text already
+    streamed. Most often the request was re-run (its worker died mid-stream, another took it
+    over) and the re-run produced other output: a sampled request without a seed, or
+    numerics that differ between the two runs; it may also be a worker that sent as final
+    text it changed later. The stream ends here rather than show a text that is neither
+    run's; the complete result is in the request's result key (``get_result``)."""

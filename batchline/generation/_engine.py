@@ -253,13 +253,12 @@ class Engine:
     @staticmethod
     def _stable(seq: Sequence_, reason: FinishReason | None) -> int:
         """How much of the text is final: all at the end; else hold back a possible stop
-        string's start and an incomplete character."""
+        string's start and an incomplete character: every trailing U+FFFD, since
+        byte-fallback tokenizers decode one per byte of it (a real U+FFFD waits a while)."""
         if reason is not None:
             return len(seq.text)
         hold = max((len(s) - 1 for s in seq.params.stop), default=0)
-        end = len(seq.text) - hold
-        if seq.text.endswith("\ufffd"):
-            end = min(end, len(seq.text) - 1)
+        end = min(len(seq.text) - hold, len(seq.text.rstrip("\ufffd")))
         return max(end, seq.emitted_chars)
 
     def _sample(self, logits: torch.Tensor, seq: Sequence_) -> int:

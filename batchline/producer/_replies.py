@@ -155,7 +155,7 @@ class ReplyReader:
         """
         try:
             if isinstance(raw, dict) and CHUNKS_FIELD in raw:
-                problems = self._streams.deliver(raw[CHUNKS_FIELD])
+                problems = self._streams.deliver(raw)
             else:
                 problems = self._deliver_checked(raw)
         except Exception as exc:  # a bug, not bad input: the reader must still live on

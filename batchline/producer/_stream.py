@@ -7,7 +7,9 @@ usual. :class:`StreamState` keeps what one request has received: a chunk is plac
 token index and character offset, so a chunk whose tokens were received already (another
 worker re-running the request after the first died) adds only what is new, and one that
 contradicts them ends the stream with :class:`~batchline.errors.StreamDiverged`. A chunk
-past a gap (an entry lost) is dropped: the result fills it in. The last chunk is made from
+past a gap (an entry lost) is dropped: the result fills it in. A chunk generated from
+another input than the one sent (its input hash: another producer added an entry under this
+request's id) is dropped, as such a result is. The last chunk is made from
 the result (its text and tokens past what was yielded), so a worker that sends no chunks
 (an older one) yields the whole text as one last chunk.
 """
@@ -69,17 +71,23 @@ def _new(seen: S, start: int, items: S, request_id: str) -> S | None:
     overlap = seen[start : start + len(items)]
     if items[: len(overlap)] != overlap:
         raise StreamDiverged(
-            f"request {request_id} was re-run after its worker died and the re-run "
-            f"produced other output from position {start} on than the one streamed"
+            f"request {request_id}: a chunk differs from the output streamed, from position "
+            f"{start} on (a re-run after its worker died that generated other output?)"
         )
     return items[len(overlap) :]
 
 
 class StreamState:
-    """What one streamed request has received (deduplicated) and yielded so far."""
+    """What one streamed request has received (deduplicated) and yielded so far.
 
-    def __init__(self, request_id: str) -> None:
+    Args:
+        request_id: the request's id.
+        sent: the input hash of the request as sent (a chunk of another input is dropped).
+    """
+
+    def __init__(self, request_id: str, sent: str = "") -> None:
         self.request_id = request_id
+        self.sent = sent
         self.tokens: list[int] = []
         self.text = ""
         self.yielded_tokens = 0
@@ -88,7 +96,15 @@ class StreamState:
         self.event = asyncio.Event()  # set when there is something new (or an end)
 
     def take(self, chunk: Chunk) -> None:
-        """Add what ``chunk`` brings that was not received yet (on the reader's side)."""
+        """Add what ``chunk`` brings that was not received yet (on the reader's side).
+        Raises DecodeError for a chunk generated from another input than the one sent."""
+        if chunk.input_hash and self.sent and chunk.input_hash != self.sent:
+            # Work streams are written with producer rights: another producer may add an
+            # entry under this request's id and reply stream (docs/protocol.md, Streaming).
+            raise DecodeError(
+                f"a chunk of request {self.request_id} was generated from another input "
+                f"(input hash {chunk.input_hash}, sent {self.sent}): not taken"
+            )
         if self.error is not None:
             return
         try:
@@ -132,8 +148,8 @@ class StreamState:
         tokens: Sequence[int] = output["token_ids"]
         if list(tokens[: len(self.tokens)]) != self.tokens or not text.startswith(self.text):
             raise StreamDiverged(
-                f"request {self.request_id} was re-run after its worker died and its result "
-                "differs from the output streamed"
+                f"request {self.request_id}: its result differs from the output streamed (a "
+                "re-run after its worker died that generated other output?)"
             )
         return StreamChunk(
             text[self.yielded_chars :],
@@ -172,9 +188,10 @@ class Streams:
         self._states: dict[str, list[StreamState]] = {}
         self._cancelling: set[asyncio.Task[None]] = set()
 
-    def open(self, rid: str, fut: asyncio.Future[Result]) -> StreamState:
-        """Register a stream of request ``rid``, whose result lands in ``fut``."""
-        state = StreamState(rid)
+    def open(self, rid: str, fut: asyncio.Future[Result], sent: str) -> StreamState:
+        """Register a stream of request ``rid`` (whose input hash as sent is ``sent``),
+        whose result lands in ``fut``."""
+        state = StreamState(rid, sent)
         self._states.setdefault(rid, []).append(state)
         fut.add_done_callback(lambda _: state.event.set())
         return state
@@ -204,22 +221,24 @@ class Streams:
         if self._cancelling:
             await asyncio.wait(self._cancelling)
 
-    def deliver(self, packed: Any) -> tuple[int, str] | None:
-        """Hand a chunk entry's chunks to their streams (a chunk for no stream open here is
-        dropped: its stream ended); returns (how many were malformed, the first reason) if
-        any was."""
+    def deliver(self, fields: Any) -> tuple[int, str] | None:
+        """Hand a chunk entry's chunks (its fields by name) to their streams (a chunk for no
+        stream open here is dropped: its stream ended); returns (how many were malformed or
+        refused, the first reason) if any was."""
         try:
-            chunks = unpack_chunks(packed)
+            chunks = unpack_chunks(fields)
         except DecodeError as exc:
             return 1, str(exc)
         dropped, first = 0, ""
         for chunk in chunks:
-            if isinstance(chunk, DecodeError):
+            try:
+                if isinstance(chunk, DecodeError):
+                    raise chunk
+                for state in self._states.get(chunk.request_id, ()):
+                    state.take(chunk)
+            except DecodeError as exc:
                 dropped += 1
-                first = first or str(chunk)
-                continue
-            for state in self._states.get(chunk.request_id, ()):
-                state.take(chunk)
+                first = first or str(exc)
         return (dropped, first) if dropped else None
 
 
@@ -237,7 +256,7 @@ async def stream_request(
     )
     fut = cast("asyncio.Future[Result]", waiter)  # reply=True: there is one
     # Registered before the write goes (with the next flush, after _send returns).
-    state = producer._streams.open(rid, fut)
+    state = producer._streams.open(rid, fut, producer._waiting.inputs.get(rid, ""))
     loop = asyncio.get_running_loop()
     deadline = None if timeout_s is None else loop.time() + timeout_s
     try:

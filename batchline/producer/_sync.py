@@ -90,16 +90,21 @@ class Producer:
         """See :meth:`AsyncProducer.stream`; leaving the loop early (or closing the iterator)
         cancels the request."""
         chunks = self._async.stream(value, timeout_s=timeout_s, **options)
+        # Each next chunk is a task on the loop, kept: the caller may leave while one is
+        # pending (Ctrl-C while it waits), and the stream cannot be closed while it runs.
+        step: asyncio.Task[StreamChunk] | None = None
         try:
             while True:
+                step = self._run(_spawn(chunks))
                 try:
-                    chunk = self._run(_next(chunks))
+                    chunk = self._run(_result(step))
                 except StopAsyncIteration:
                     return
+                step = None
                 yield chunk
         finally:
             if not self._loop.is_closed():
-                self._run(chunks.aclose())
+                self._run(_close(chunks, step))
 
     def get_result(self, request_id: str) -> Result | None:
         """See :meth:`AsyncProducer.get_result`."""
@@ -134,3 +139,22 @@ class Producer:
 
 async def _next(chunks: AsyncGenerator[StreamChunk, None]) -> StreamChunk:
     return await anext(chunks)
+
+
+async def _spawn(chunks: AsyncGenerator[StreamChunk, None]) -> asyncio.Task[StreamChunk]:
+    return asyncio.get_running_loop().create_task(_next(chunks))
+
+
+async def _result(step: asyncio.Task[StreamChunk]) -> StreamChunk:
+    return await step
+
+
+async def _close(
+    chunks: AsyncGenerator[StreamChunk, None], step: asyncio.Task[StreamChunk] | None
+) -> None:
+    """End a stream its caller left: cancel the pending next chunk (which ends the stream
+    and cancels its request) and wait for it, then close the stream."""
+    if step is not None and not step.done():
+        step.cancel()
+        await asyncio.wait({step})
+    await chunks.aclose()

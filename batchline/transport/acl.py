@@ -112,6 +112,8 @@ def _worker(keys: QueueKeys) -> list[str]:
         "+xinfo|groups",
         "+xinfo|consumers",
         "+xlen",
+        # The age of a reply stream's oldest entry (a streaming producer gone).
+        "+xrange",
         # Heartbeat and `batchline status`.
         "+zadd",
         "+zrem",

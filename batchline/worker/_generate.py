@@ -253,6 +253,7 @@ class GenerationExecutor:
         self._cancelled = cancelled
         self._gen: GenerationLoop | None = None
         self._calls: dict[Sequence_, Call] = {}
+        self._seqs: dict[Call, Sequence_] = {}  # the other way round
         self._finals: list[tuple[Sequence_, GenerationResult | BaseException]] = []
         self._progressed: list[Sequence_] = []  # the sequences a step added to
         self._streams: dict[Sequence_, _Streamed] = {}
@@ -302,6 +303,7 @@ class GenerationExecutor:
         gen.scheduler.check(seq)
         call = Call(1, deadline, wake, self._recorder)
         self._calls[seq] = call
+        self._seqs[call] = seq
         if alone:
             self._solo.append(seq)
         elif self._solo or self._solo_running is not None:
@@ -316,10 +318,9 @@ class GenerationExecutor:
         last, call ``emit(index, chars, text, token_ids)`` with what it added: the new
         tokens from token ``index`` on, the text that became final from character
         ``chars`` on (on the event loop)."""
-        for seq, held in self._calls.items():
-            if held is call:
-                self._streams[seq] = _Streamed(emit)
-                return
+        seq = self._seqs.get(call)
+        if seq is not None:
+            self._streams[seq] = _Streamed(emit)
 
     @property
     def queue_size(self) -> int:
@@ -358,6 +359,7 @@ class GenerationExecutor:
         """Refuse new requests and reject those held (on the worker's loop)."""
         self._closing = True
         calls, self._calls = self._calls, {}
+        self._seqs.clear()
         self._streams.clear()
         for seq, call in calls.items():
             seq.cancel_requested = True
@@ -448,6 +450,7 @@ class GenerationExecutor:
         self._solo.clear()
         self._solo_running = None
         calls, self._calls = self._calls, {}
+        self._seqs.clear()
         for call in calls.values():
             call.reject(GenerationError(f"{type(exc).__name__}: {exc}"))
         self._gen = None
@@ -497,6 +500,7 @@ class GenerationExecutor:
             call = self._calls.pop(seq, None)
             if call is None:
                 continue
+            self._seqs.pop(call, None)
             if seq.admitted_at is not None:
                 self._waits_s.append(seq.admitted_at - seq.arrival)
             if isinstance(event, BaseException):

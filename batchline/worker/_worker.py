@@ -48,6 +48,7 @@ from batchline.config import WorkerSettings, redact_url
 from batchline.drivers._base import Call, Item
 from batchline.errors import BatcherClosed, BatchlineError, RequestCancelled, WorkerHung
 from batchline.transport._cancels import CancelLog
+from batchline.transport._once import input_hash
 from batchline.transport._redis import RedisClient, connect, dedicated, wait_for_redis
 from batchline.transport.keys import check_name, host_id
 from batchline.worker._answers import Meta, Record, answer, dead_letter, finished
@@ -163,7 +164,7 @@ class Worker:
             self._redis,
             self.keys,
             ttl_s=s.result_ttl_s,
-            max_unread=s.stream_max_unread,
+            max_unread_s=s.stream_max_unread_s,
             cancel=self._cancels.add,  # on this worker alone: its producer is gone
         )
         self._reader = Reader(
@@ -405,7 +406,9 @@ class Worker:
         self._meta[call] = meta
         reply = request.get("reply")
         if request.get("stream") and reply and self._generation is not None:
-            self._generation.stream(call, self._chunks.to(reply, request["id"]))
+            # Chunks carry the input hash, as results do: producers check it.
+            ih = input_hash(request["meta"], request.get("blob", b""))
+            self._generation.stream(call, self._chunks.to(reply, request["id"], ih))
 
     # -- running -------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from batchline.errors import PromptTooLong, RequestCancelled, RequestExpired
 from batchline.generation import Engine, GenerationLoop, GenerationParams, GenerationResult
 from batchline.generation._types import Sequence_
 
-from .tiny import VOCAB, CharTokenizer, alone, tiny_model, torch
+from .tiny import VOCAB, ByteFallbackTokenizer, CharTokenizer, alone, tiny_model, torch
 
 
 class Clock:
@@ -181,6 +181,20 @@ def test_stop_string_cuts_the_text_and_deltas_never_show_it() -> None:
     assert reason == "stop"
     assert seq.text == text[: text.find(stop)]
     assert "".join(d.text for _, d in deltas) == seq.text
+
+
+def test_deltas_hold_back_every_replacement_character_of_an_incomplete_character() -> None:
+    tokenizer = ByteFallbackTokenizer()
+    assert tokenizer.decode([9, 9]) == "\ufffd\ufffd"  # one per byte, not one per character
+    engine = Engine(tiny_model("llama"), tokenizer)
+    seq = request([5, 6, 7], [], max_new_tokens=10)
+    deltas = engine.step([seq]).deltas
+    while engine.running:
+        deltas += engine.step([]).deltas
+    texts = [d.text for _, d in deltas]
+    assert "".join(texts) == seq.text
+    assert seq.text == "日本語\ufffd"  # 10 bytes: it ended inside the 4th character
+    assert not any("\ufffd" in t for t in texts[:-1]), texts  # shown only at the end
 
 
 def test_a_waiting_request_past_its_deadline_expires_and_cancelled_ones_leave() -> None:

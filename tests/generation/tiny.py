@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -60,3 +61,17 @@ class CharTokenizer:
         return "".join(
             chr(ord("a") + i % 26) for i in ids if not (skip_special_tokens and i == EOS)
         )
+
+
+class ByteFallbackTokenizer:
+    """Decodes the n-th generated token as the n-th byte of a text of 3-byte characters,
+    whatever its id, and an incomplete character as one U+FFFD per byte (as byte-fallback
+    tokenizers, one token per byte, do)."""
+
+    eos_token_id = EOS
+    pad_token_id = 0
+    TEXT = "日本語" * 20
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        data = self.TEXT.encode()[: len(ids)]
+        return re.sub("[\udc80-\udcff]", "\ufffd", data.decode("utf-8", "surrogateescape"))

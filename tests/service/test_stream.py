@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -196,6 +197,42 @@ def test_leaving_the_loop_cancels_the_request_within_a_step(
     assert 1 <= r.output["tokens"] <= passes + 1  # the step under way, then no more
 
 
+class Interrupted(Exception):
+    """What the test's SIGINT handler raises in the main thread (as Ctrl-C would)."""
+
+
+def test_an_exception_while_the_next_chunk_is_pending_cancels_the_request(
+    start_worker: Callable[..., WorkerThread], redis_url: str, queue: str, gate: Any
+) -> None:
+    """Ctrl-C (here a signal whose handler raises) while ``Producer.stream`` waits for a
+    chunk: the exception reaches the caller, and the request is cancelled."""
+    worker = start_worker("generate", model_path=GATED).worker
+    rid = "interrupted"
+
+    def interrupt(_signum: int, _frame: Any) -> None:
+        raise Interrupted
+
+    def send_once_held() -> None:
+        wait_until(lambda: worker._batcher.queue_size == 1, "the request to be held")
+        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, interrupt)
+    try:
+        with Producer(redis_url=redis_url, queue=queue) as producer:
+            sender = threading.Thread(target=send_once_held)
+            sender.start()
+            with pytest.raises(Interrupted):
+                for _chunk in producer.stream("abc", request_id=rid, timeout_s=T):
+                    pass  # the gate holds the prefill: no chunk comes
+            sender.join()
+            wait_until(lambda: rid in worker._cancels, "the worker to see the cancel")
+            gate.open()
+            r = poll(producer, rid)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert (r.status, r.output["finish_reason"]) == ("ok", "cancelled")
+
+
 def test_a_slow_consumer_leaves_nothing_in_redis_and_gets_what_came_at_once(
     start_worker: Callable[..., WorkerThread],
     redis_url: str,
@@ -220,31 +257,51 @@ def test_a_slow_consumer_leaves_nothing_in_redis_and_gets_what_came_at_once(
     assert check_whole(got)["tokens"] == 30
 
 
+def ghost_request(rclient: redis.Redis, keys: QueueKeys, rid: str, max_new_tokens: int) -> Any:
+    """Submit a streamed request for the producer ``ghost``, which never reads its reply
+    stream, as a raw XADD; return its result (polled)."""
+    fields = encode_request(
+        rid,
+        {"prompt": "abc", "max_new_tokens": max_new_tokens},
+        enqueued_unix_ms=time.time() * 1e3,
+        reply="ghost",
+        stream=True,
+    )
+    rclient.xadd(keys.stream(0), fields)  # type: ignore[arg-type]
+    raw = wait_until(lambda: rclient.get(keys.result(rid)), "the result", timeout_s=T)
+    return unpack_result(raw, Limits()).output
+
+
 async def test_a_vanished_producer_stops_costing_the_worker(
     start_worker: Callable[..., WorkerThread],
     rclient: redis.Redis,
     keys: QueueKeys,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A producer that submitted a streamed request and went away without a word: its
-    reply stream fills up to ``stream_max_unread``, then the worker ends the request."""
-    monkeypatch.setenv("BLTEST_STEP_S", "0.01")  # a step per chunk entry, at least
-    start_worker("generate", model_path=TINY, stream_max_unread=5)
-    fields = encode_request(
-        "ghost-1",
-        {"prompt": "abc", "max_new_tokens": 400},
-        enqueued_unix_ms=time.time() * 1e3,
-        reply="ghost",
-        stream=True,
-    )
-    rclient.xadd(keys.stream(0), fields)  # type: ignore[arg-type]
-    raw = wait_until(lambda: rclient.get(keys.result("ghost-1")), "the result", timeout_s=T)
-    result = unpack_result(raw, Limits())
-    assert result.output["finish_reason"] == "cancelled"
-    assert result.output["tokens"] < 400  # ended early
+    """A producer that submitted a streamed request and went away without a word: once an
+    entry of its reply stream is ``stream_max_unread_s`` old, the worker ends the request."""
+    monkeypatch.setenv("BLTEST_STEP_S", "0.01")  # 400 tokens: 4 s at least
+    start_worker("generate", model_path=TINY, stream_max_unread_s=0.2)
+    output = ghost_request(rclient, keys, "ghost-1", 400)
+    assert output["finish_reason"] == "cancelled"
+    assert output["tokens"] < 400  # ended early
     reply = keys.reply("ghost")
-    assert 6 <= rclient.xlen(reply) <= 12  # capped: the unread chunks and the result
+    assert rclient.xlen(reply) < 400  # capped: the unread chunks and the result
     assert 0 < rclient.ttl(reply) <= 3600  # and it expires
+
+
+def test_a_reply_stream_full_of_fresh_entries_is_a_live_producers(
+    start_worker: Callable[..., WorkerThread], rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    """Entries unread for less than ``stream_max_unread_s``, however many (the results and
+    chunks of many workers, during a pause of the producer's reader), cancel nothing."""
+    start_worker("generate", model_path=TINY)
+    with rclient.pipeline(transaction=False) as pipe:
+        for i in range(1500):
+            pipe.xadd(keys.reply("ghost"), {"r": b"\x90", "n": str(i)})
+        pipe.execute()
+    output = ghost_request(rclient, keys, "paused-1", 30)
+    assert (output["finish_reason"], output["tokens"]) == ("length", 30)
 
 
 def test_a_worker_killed_mid_stream_is_rerun_and_no_token_shows_twice_or_never(
@@ -291,6 +348,92 @@ def test_a_worker_killed_mid_stream_is_rerun_and_no_token_shows_twice_or_never(
         assert result == answer.output
         assert result["tokens"] == 40
         assert result["token_ids"][: len(before)] == before
+
+
+async def holding(worker: Any, n: int, what: str) -> None:
+    """Wait (off the event loop) until a generation worker holds ``n`` requests."""
+    await asyncio.to_thread(wait_until, lambda: worker._batcher.queue_size == n, what)
+
+
+async def check_as_infer(producer: AsyncProducer, value: Any, chunks: list[StreamChunk]) -> None:
+    """The chunks add up to their result, which is what ``infer`` returns for ``value``."""
+    result, answer = check_whole(chunks), await producer.infer(value, timeout_s=T)
+    assert [result[k] for k in SAME] == [answer[k] for k in SAME]
+
+
+async def test_a_stream_goes_on_after_a_failed_chunk_write(
+    acl_user: Callable[[list[str]], str],
+    start_worker: Callable[..., WorkerThread],
+    redis_url: str,
+    queue: str,
+    rclient: redis.Redis,
+    gate: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The chunks of a write that fails (XADD refused to the worker's user) go with the
+    next write: the producer gets its chunks on, not only the result."""
+    url = acl_user(["on", ">PASSWORD", "~*", "&*", "+@all"])
+    user = url.split("//", 1)[1].split(":", 1)[0]
+    worker = start_worker("generate", model_path=GATED, redis_url=url).worker
+    value = {"prompt": "Once upon a time", "max_new_tokens": 30}
+    async with AsyncProducer(redis_url=redis_url, queue=queue) as producer:
+        chunks = producer.stream(value, timeout_s=T)
+        first = asyncio.ensure_future(anext(chunks))
+        await holding(worker, 1, "the request to be read")
+        rclient.execute_command("ACL", "SETUSER", user, "-xadd")
+        gate.allow(1)  # the prefill: its chunk is not written
+
+        def refused() -> bool:
+            failed = any("not written" in r.getMessage() for r in caplog.records)
+            return failed and not worker._chunks._outbox.busy
+
+        await asyncio.to_thread(wait_until, refused, "a chunk write to fail")
+        rclient.execute_command("ACL", "SETUSER", user, "+xadd")
+        gate.allow(1)  # a decode step: its chunk goes with the one not written
+        got = [await asyncio.wait_for(first, T)]
+        assert (got[0].index, len(got[0].token_ids), got[0].finish_reason) == (0, 2, None)
+        gate.open()
+        got += [chunk async for chunk in chunks]
+        await check_as_infer(producer, value, got)
+
+
+async def test_chunks_of_an_entry_forged_under_a_streamed_id_never_reach_its_stream(
+    start_worker: Callable[..., WorkerThread],
+    redis_url: str,
+    queue: str,
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    gate: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Another producer adds an entry under a streamed request's id and reply stream, asking
+    for chunks, with its own prompt: it runs beside the real one, and its chunks reach the
+    victim's producer, which refuses them by their input hash (as it refuses such a
+    result): the stream shows the victim's generation alone, whole."""
+    worker = start_worker("generate", model_path=GATED, batch_size=2).worker
+    value = {"prompt": "Once upon a time", "max_new_tokens": 30}
+    async with AsyncProducer(redis_url=redis_url, queue=queue) as victim:
+        stream = collect(victim, value, request_id="order-2")
+        chunks = asyncio.ensure_future(stream)
+        # The victim's entry is queued (its prefill held by the gate); then the forged one.
+        await holding(worker, 1, "the victim's request")
+        prio = victim.settings.default_priority
+        forged = encode_request(
+            "order-2",
+            {"prompt": "zzzz forged text", "max_new_tokens": 40},
+            priority=prio,
+            enqueued_unix_ms=time.time() * 1e3,
+            reply=victim.producer_id,
+            stream=True,
+        )
+        rclient.xadd(keys.stream(prio), forged)  # type: ignore[arg-type]
+        await holding(worker, 2, "the forged request")
+        gate.open()
+        got = await chunks
+        assert len(got) > 1  # chunks came before the result
+        await check_as_infer(victim, value, got)
+    refused = [r.getMessage() for r in caplog.records if "another input" in r.getMessage()]
+    assert any("a chunk of request order-2" in m for m in refused), refused
 
 
 def test_a_stream_under_the_producer_and_worker_acl_users(

@@ -11,10 +11,19 @@ from batchline.producer import StreamChunk
 from batchline.producer._stream import StreamState
 from batchline.transport.codec._chunks import Chunk, merge_chunks, pack_chunks, unpack_chunks
 
+H1, H2 = "1" * 40, "2" * 40
+
 
 def test_chunks_travel_and_malformed_ones_are_refused_one_by_one() -> None:
-    chunks = [Chunk("a", 0, 0, "hé", [1, 2]), Chunk("b", 3, 2, "", [7])]
+    chunks = [Chunk("a", 0, 0, "hé", [1, 2], H1), Chunk("b", 3, 2, "", [7])]
     assert unpack_chunks(pack_chunks(chunks)) == chunks
+    older = {b"c": pack_chunks(chunks)[b"c"]}  # an older worker: no h
+    assert [c.input_hash for c in unpack_chunks(older)] == ["", ""]  # type: ignore[union-attr]
+    with pytest.raises(DecodeError, match="2 chunks and 1 hashes"):
+        unpack_chunks({**older, b"h": msgpack.packb([H1])})
+    out = unpack_chunks({**older, b"h": msgpack.packb(["ABC", H1])})
+    assert isinstance(out[0], DecodeError)
+    assert out[1] == Chunk("b", 3, 2, "", [7], H1)
     bad = msgpack.packb(
         [
             ["a", 0, 0, "x", [1]],
@@ -26,13 +35,13 @@ def test_chunks_travel_and_malformed_ones_are_refused_one_by_one() -> None:
             ["a", 0, 0, "x"],
         ]
     )
-    out = unpack_chunks(bad)
+    out = unpack_chunks({b"c": bad})
     assert out[0] == Chunk("a", 0, 0, "x", [1])
     assert all(isinstance(c, DecodeError) for c in out[1:])
     not_utf8 = msgpack.packb([b"\xff"], use_bin_type=False)
     for field in ("not bytes", b"\xc1", msgpack.packb({"a": 1}), not_utf8):
         with pytest.raises(DecodeError):
-            unpack_chunks(field)
+            unpack_chunks({b"c": field})
 
 
 def test_chunks_of_one_request_that_follow_each_other_merge() -> None:
@@ -42,11 +51,13 @@ def test_chunks_of_one_request_that_follow_each_other_merge() -> None:
         Chunk("a", 1, 1, "", [2]),
         Chunk("a", 2, 1, "ey", [3]),
         Chunk("a", 9, 9, "?", [4]),  # not next to the others
+        Chunk("a", 1, 1, "!", [5], H1),  # another entry under the same id
     ]
     assert merge_chunks(chunks) == [
         Chunk("a", 0, 0, "hey", [1, 2, 3]),
         Chunk("b", 5, 5, "x", [9]),
         Chunk("a", 9, 9, "?", [4]),
+        Chunk("a", 1, 1, "!", [5], H1),
     ]
     assert chunks[0] == Chunk("a", 0, 0, "h", [1])  # the chunks given are left as they were
 
@@ -56,10 +67,21 @@ def test_a_reader_of_results_alone_drops_a_chunk_entry_and_goes_on() -> None:
     from batchline.producer import AsyncProducer
 
     producer = AsyncProducer(redis_url="redis://127.0.0.1:9/0")  # never connects here
-    dropped = producer._replies._deliver_checked({b"c": pack_chunks([Chunk("a", 0, 0, "x", [1])])})
+    dropped = producer._replies._deliver_checked(pack_chunks([Chunk("a", 0, 0, "x", [1])]))
     assert dropped is not None
     assert dropped[0] == 1
     assert "KeyError" in dropped[1]
+
+
+def test_a_chunk_of_another_input_is_refused_and_one_of_an_older_worker_taken() -> None:
+    state = StreamState("r", H1)
+    with pytest.raises(DecodeError, match="another input"):
+        state.take(Chunk("r", 0, 0, "forged", [6, 6], H2))
+    assert state.pending() is None
+    state.take(Chunk("r", 0, 0, "a", [1], H1))
+    state.take(Chunk("r", 1, 1, "b", [2]))  # an older worker's: no input hash
+    assert state.pending() == StreamChunk("ab", [1, 2], 0)
+    assert state.error is None
 
 
 def output(text: str, tokens: list[int], reason: str = "length") -> dict[str, object]:

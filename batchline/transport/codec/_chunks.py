@@ -3,8 +3,12 @@
 A chunk entry of a reply stream has one field, ``c``: a msgpack array of chunks, each
 ``[request id, index, chars, text, [token id, ...]]``: the new tokens starting at token
 ``index`` of the generated sequence, and the new text starting at character ``chars`` of
-its text. No ``r`` field: a reader of results alone (an older producer) tells it from a
-result entry by that. Validated by hand, as results are (a producer's hot path).
+its text. A second field, ``h`` (optional: workers older than it write none), is a msgpack
+array with one string per chunk of ``c``: the input hash of the entry the chunk was generated
+for, which a producer compares with what it sent (``docs/protocol.md``, Streaming); a field
+apart, so that readers of ``c`` alone read an entry as before. No ``r`` field: a reader of
+results alone (an older producer) tells it from a result entry by that. Validated by hand, as
+results are (a producer's hot path).
 """
 
 from __future__ import annotations
@@ -15,12 +19,15 @@ from typing import Any
 import msgpack
 
 from batchline.errors import DecodeError
+from batchline.transport.codec._results import _is_hash as is_hash
 from batchline.transport.keys import is_name
 
 __all__ = ["Chunk", "merge_chunks", "pack_chunks", "unpack_chunks"]
 
 #: The field of a reply entry that holds chunks (a result entry has ``r`` instead).
 CHUNKS_FIELD = b"c"
+#: The field of a chunk entry that holds its chunks' input hashes, one per chunk.
+HASHES_FIELD = b"h"
 
 _MAX_TOKEN_ID = 1 << 31
 
@@ -35,6 +42,7 @@ class Chunk:
         chars: index of the first character of ``text`` in the generated text.
         text: the text that became final with these tokens (may be empty: held back).
         token_ids: the new tokens.
+        input_hash: the input hash of the entry generating it; empty from an older worker.
     """
 
     request_id: str
@@ -42,15 +50,16 @@ class Chunk:
     chars: int
     text: str
     token_ids: list[int]
+    input_hash: str = ""
 
 
 def merge_chunks(chunks: list[Chunk]) -> list[Chunk]:
-    """Chunks of one request that follow each other become one (the others stay apart),
-    in the order given."""
+    """Chunks of one request (one id and input hash) that follow each other become one (the
+    others stay apart), in the order given."""
     out: list[Chunk] = []
-    last: dict[str, Chunk] = {}
+    last: dict[tuple[str, str], Chunk] = {}
     for c in chunks:
-        prev = last.get(c.request_id)
+        prev = last.get((c.request_id, c.input_hash))
         if (
             prev is not None
             and prev.index + len(prev.token_ids) == c.index
@@ -59,34 +68,53 @@ def merge_chunks(chunks: list[Chunk]) -> list[Chunk]:
             prev.text += c.text
             prev.token_ids += c.token_ids
             continue
-        fresh = Chunk(c.request_id, c.index, c.chars, c.text, list(c.token_ids))
-        last[c.request_id] = fresh
+        fresh = Chunk(c.request_id, c.index, c.chars, c.text, list(c.token_ids), c.input_hash)
+        last[c.request_id, c.input_hash] = fresh
         out.append(fresh)
     return out
 
 
-def pack_chunks(chunks: list[Chunk]) -> bytes:
-    """The ``c`` field of a chunk entry."""
-    packed: bytes = msgpack.packb(
-        [[c.request_id, c.index, c.chars, c.text, c.token_ids] for c in chunks],
-        use_bin_type=True,
-    )
-    return packed
+def pack_chunks(chunks: list[Chunk]) -> dict[bytes, bytes]:
+    """The fields of a chunk entry (``c``, and ``h``)."""
+    rows = [[c.request_id, c.index, c.chars, c.text, c.token_ids] for c in chunks]
+    hashes = [c.input_hash for c in chunks]
+    return {
+        CHUNKS_FIELD: msgpack.packb(rows, use_bin_type=True),
+        HASHES_FIELD: msgpack.packb(hashes, use_bin_type=True),
+    }
 
 
-def unpack_chunks(data: Any) -> list[Chunk | DecodeError]:
-    """The chunks of a ``c`` field; each malformed one is a DecodeError in its place.
-    Raises DecodeError when the field itself is not an array of chunks."""
+def unpack_chunks(fields: Any) -> list[Chunk | DecodeError]:
+    """The chunks of a chunk entry (its fields by name); each malformed one is a DecodeError
+    in its place. Raises DecodeError when ``c`` is not an array of chunks, or ``h`` (where
+    present) not an array of as many strings."""
+    items = _array(fields.get(CHUNKS_FIELD), "c")
+    packed_hashes = fields.get(HASHES_FIELD)
+    if packed_hashes is None:  # an older worker
+        return [_chunk(item) for item in items]
+    hashes = _array(packed_hashes, "h")
+    if len(hashes) != len(items):
+        raise DecodeError(f"a chunk entry has {len(items)} chunks and {len(hashes)} hashes")
+    out = [_chunk(item) for item in items]
+    for i, (chunk, ih) in enumerate(zip(out, hashes, strict=True)):
+        if not (isinstance(ih, str) and (ih == "" or is_hash(ih))):
+            out[i] = DecodeError("a chunk's input hash is not 40 lower-case hex digits")
+        elif isinstance(chunk, Chunk):
+            chunk.input_hash = ih
+    return out
+
+
+def _array(data: Any, name: str) -> list[Any]:
     if not isinstance(data, bytes):
-        raise DecodeError(f"a chunk entry's c is a {type(data).__name__}, not msgpack bytes")
+        raise DecodeError(f"a chunk entry's {name} is a {type(data).__name__}, not msgpack bytes")
     try:
         # Plain msgpack (no extension types); no length in it can exceed the bytes received.
         items = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True)
     except (ValueError, TypeError, OverflowError) as exc:  # UnicodeDecodeError included
-        raise DecodeError(f"a chunk entry's c is not msgpack: {exc}") from None
+        raise DecodeError(f"a chunk entry's {name} is not msgpack: {exc}") from None
     if not isinstance(items, list):
-        raise DecodeError("a chunk entry's c is not an array")
-    return [_chunk(item) for item in items]
+        raise DecodeError(f"a chunk entry's {name} is not an array")
+    return items
 
 
 def _chunk(item: Any) -> Chunk | DecodeError:
