@@ -13,7 +13,7 @@ from typing import Any, Self, TypedDict, Unpack
 from batchline.core.scheduler import SchedulerConfig
 from batchline.generation._engine import Engine
 from batchline.generation._loop import GenerationLoop
-from batchline.generation._model import DEFAULT_MODEL, load_causal_lm
+from batchline.generation._model import DEFAULT_MODEL, load_causal_lm, place
 from batchline.generation._types import (
     GenerationDelta,
     GenerationParams,
@@ -66,6 +66,8 @@ class _Base:
     ) -> None:
         if isinstance(model, str | os.PathLike):
             model, tokenizer = load_causal_lm(model, device=device, dtype=dtype)
+        else:
+            model = place(model, device=device, dtype=dtype)
         config = SchedulerConfig(
             max_batch_size=max_batch_size,
             max_batch_tokens=max_batch_tokens,
@@ -110,7 +112,10 @@ class Generator(_Base):
 
     ``model`` is ``"smollm2"`` (the default, from the ``generate`` extra), a Hugging Face
     causal-LM directory, a ``.gguf`` file, or a loaded model (then pass ``tokenizer``, or
-    ``prompt_ids`` on every call). Loading blocks: build it before the event loop, or with
+    ``prompt_ids`` on every call). ``device`` and ``dtype`` (``auto``, ``float32``,
+    ``float16``, ``bfloat16``) place a loaded model only where named (``auto`` keeps it where
+    and as it is); a loaded one by name gets ``auto``: cuda in float16, else cpu in float32.
+    Loading blocks: build it before the event loop, or with
     ``await asyncio.to_thread(Generator, ...)``. The model runs on a thread of its own.
 
     Per call: ``max_new_tokens``, ``temperature`` (0: greedy), ``top_p``, ``top_k``, ``seed``,
