@@ -1,18 +1,21 @@
 """Generation throughput in process: one at a time, static batching, transformers'
-continuous batching (generate_batch, tuned) and batchline, on SmolLM2-135M-Instruct; and
-batchline through Redis (a private redis-server and one ``--model generate`` worker process).
+continuous batching (generate_batch's manager, tuned) and batchline, on SmolLM2-135M-Instruct;
+and batchline through Redis (a private redis-server and one ``--model generate`` worker).
 
-    python3 scripts/bench_generate.py            # the full workloads (several minutes on 2 cores)
-    python3 scripts/bench_generate.py --quick    # a short check of every path
+    python3 scripts/bench_generate.py --repeats 3  # the full workloads (long on 2 cores)
+    python3 scripts/bench_generate.py --quick      # a short check of every path
 
 (a) uniform: N chat prompts, greedy, 32 new tokens each, all submitted at once.
-(b) mixed: M prompts, max_new_tokens drawn from 8..256, arriving open-loop (Poisson).
+(b) mixed: M prompts, max_new_tokens drawn from 8..256, arriving open-loop (Poisson) to
+batchline; static batching and transformers' manager get them all at once.
 Tokens counted are the useful ones: each request's own tokens up to its EOS or limit.
-The through-Redis row runs the same workload with producer.infer and is reported as a ratio
-to batchline in process (``--skip-redis`` leaves it out). On a shared machine whose load
-swings, two runs minutes apart differ by more than the two paths do: ``--redis-ab`` runs
-only the uniform workload, in process and through Redis alternately, ``--rounds`` times
-each, and reports the ratio of their total rates.
+
+Every row is warmed up (a short untimed run) before anything is timed, and the worker
+process has loaded its model and answered before then. ``--repeats N`` runs every row of
+both workloads once per repeat, the rows of a repeat in a rotated order, so that a shared
+machine's load swings reach all rows alike; the summary gives each figure's median over the
+repeats and ratios of median rates. ``--redis-ab`` runs only the uniform workload, in process
+and through Redis alternately, ``--rounds`` times each, and reports the ratio of the totals.
 
     python3 scripts/bench_generate.py --quick --redis-ab
 """
@@ -21,13 +24,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
+import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
-import torch
+from batchline.worker._threads import apply_threads, available_cpus, prepare_environment
 
-from batchline.generation import Generator, load_causal_lm
+# The worker's CPU threading (batchline.worker._threads), for the in-process rows too, set
+# before torch loads: the cores this process may use, and OpenMP threads that wait passively
+# (spinning ones take the cores from the other threads and processes of a shared machine).
+prepare_environment(available_cpus())
+
+import torch  # noqa: E402
+
+from batchline.generation import Generator, load_causal_lm  # noqa: E402
 
 TOPICS = [
     "the capital of France",
@@ -47,6 +60,9 @@ TOPICS = [
     "the Roman empire",
     "gravity",
 ]
+HEARTBEAT_S = 0.5  # the bench worker's; its statistics (the running batch) come with it
+
+Result = dict[str, Any]
 
 
 def prompts(n: int) -> list[list[dict[str, str]]]:
@@ -71,7 +87,19 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def static(model: Any, tok: Any, chats: list[Any], limits: list[int], size: int) -> dict[str, Any]:
+def latencies(ttft: list[float], itl: list[float]) -> Result:
+    return {
+        "ttft_p50": pct(ttft, 0.5),
+        "ttft_p99": pct(ttft, 0.99),
+        "itl_p50": pct(itl, 0.5),
+        "itl_p99": pct(itl, 0.99),
+    }
+
+
+# -- the anchors -------------------------------------------------------------------------------
+
+
+def static(model: Any, tok: Any, chats: list[Any], limits: list[int], size: int) -> Result:
     """Left-padded model.generate over batches of ``size`` in order; each runs to its max."""
     tok.padding_side = "left"
     eos = {int(tok.eos_token_id)}
@@ -92,11 +120,21 @@ def static(model: Any, tok: Any, chats: list[Any], limits: list[int], size: int)
     return {"tokens": total, "wall_s": time.perf_counter() - start}
 
 
-def tf_batch(path: str, tok: Any, chats: list[Any], limits: list[int]) -> dict[str, Any]:
-    """transformers' generate_batch, tuned as the issue says; one max_new_tokens for all."""
-    from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
+def paged_model(path: str) -> Any:
+    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged|sdpa").eval()
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged|sdpa").eval()
+
+
+def tf_batch(model: Any, tok: Any, chats: list[Any], limits: list[int]) -> Result:
+    """transformers' continuous batching, tuned as the issue says
+    (``ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=512)``), through the manager
+    that ``generate_batch`` drives, with each request's own ``max_new_tokens`` (which
+    ``generate_batch`` cannot give: it has one for all). Timed from the manager's start (its
+    cache allocation, as in ``generate_batch``) to the last result."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
     ids = [
         tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)
         for c in chats
@@ -107,21 +145,37 @@ def tf_batch(path: str, tok: Any, chats: list[Any], limits: list[int]) -> dict[s
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
+    hints = WorkloadHints(  # as generate_batch computes them
+        max_prompt_length=max(len(i) for i in ids),
+        max_generated_length=max(limits),
+        num_requests=len(ids),
+    )
     cb = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=512)
+    outs: dict[str, Any] = {}
     start = time.perf_counter()
-    outs = model.generate_batch(ids, generation_config=config, continuous_batching_config=cb)
+    with model.continuous_batching_context_manager(
+        generation_config=config, continuous_batching_config=cb, timeout=5, workload_hints=hints
+    ) as manager:
+        for k, (prompt, limit) in enumerate(zip(ids, limits, strict=True)):
+            manager.add_request(prompt, request_id=f"r{k}", max_new_tokens=limit)
+        while len(outs) < len(ids):
+            out = manager.get_result(timeout=1)
+            if out is not None and out.is_finished():
+                outs[out.request_id] = out
+            elif out is None and not manager.is_running():
+                raise RuntimeError("transformers' generation thread ended early")
     wall = time.perf_counter() - start
     eos = {int(tok.eos_token_id)}
-    ordered = sorted(outs.values(), key=lambda o: int(str(o.request_id).split("_")[-1]))
     total = sum(
-        useful(list(o.generated_tokens), lim, eos) for o, lim in zip(ordered, limits, strict=True)
+        useful(list(outs[f"r{k}"].generated_tokens), limit, eos) for k, limit in enumerate(limits)
     )
     return {"tokens": total, "wall_s": wall}
 
 
-async def ours(
-    gen: Generator, chats: list[Any], limits: list[int], gaps: list[float]
-) -> dict[str, Any]:
+# -- batchline ---------------------------------------------------------------------------------
+
+
+async def ours(gen: Generator, chats: list[Any], limits: list[int], gaps: list[float]) -> Result:
     ttft: list[float] = []
     itl: list[float] = []
     steps0, rows0 = gen.loop.steps, gen.loop.batch_rows
@@ -146,28 +200,29 @@ async def ours(
     return {
         "tokens": sum(counts),
         "wall_s": wall,
-        "ttft_p50": pct(ttft, 0.5),
-        "ttft_p99": pct(ttft, 0.99),
-        "itl_p50": pct(itl, 0.5),
-        "itl_p99": pct(itl, 0.99),
+        **latencies(ttft, itl),
         "mean_batch": (gen.loop.batch_rows - rows0) / steps if steps else 0.0,
     }
 
 
 async def through_redis(
     url: str, queue: str, chats: list[Any], limits: list[int], gaps: list[float]
-) -> dict[str, Any]:
-    """The same requests through Redis: one producer, the worker started by main()."""
+) -> Result:
+    """The same requests through Redis: one producer, the worker started by RedisWorker.
+
+    The result carries the worker's timings, not each token's: time to first token is the
+    client's latency less the worker's time from first token to end (it includes Redis both
+    ways); inter-token latency is per request, its mean ((total - ttft) / (tokens - 1))."""
     from batchline.producer import AsyncProducer
 
     async with AsyncProducer(redis_url=url, queue=queue, max_queue_depth=0) as producer:
-        await producer.infer({"prompt": "Hello", "max_new_tokens": 2}, timeout_s=600)  # loaded
 
-        async def one(chat: Any, limit: int, delay: float) -> dict[str, Any]:
+        async def one(chat: Any, limit: int, delay: float) -> tuple[dict[str, Any], float]:
             await asyncio.sleep(delay)
+            sent = time.perf_counter()
             value = {"messages": chat, "max_new_tokens": limit}
             out: dict[str, Any] = await producer.infer(value, timeout_s=3600)
-            return out
+            return out, time.perf_counter() - sent
 
         arrivals = [sum(gaps[: i + 1]) for i in range(len(gaps))]
         start = time.perf_counter()
@@ -175,11 +230,18 @@ async def through_redis(
             *(one(c, m, a) for c, m, a in zip(chats, limits, arrivals, strict=True))
         )
         wall = time.perf_counter() - start
-    return {"tokens": sum(o["tokens"] for o in outs), "wall_s": wall}
+    ttft = [took - (o["total_ms"] - o["ttft_ms"]) / 1e3 for o, took in outs]
+    itl = [
+        (o["total_ms"] - o["ttft_ms"]) / 1e3 / (o["tokens"] - 1) for o, _ in outs if o["tokens"] > 1
+    ]
+    return {"tokens": sum(o["tokens"] for o, _ in outs), "wall_s": wall, **latencies(ttft, itl)}
 
 
 class RedisWorker:
-    """A private redis-server and one generation worker process, for the through-Redis rows."""
+    """A private redis-server and one generation worker process, for the through-Redis rows.
+
+    Built before anything is timed: it returns once the worker has loaded its model and
+    answered a request, so its loading never overlaps a timed row."""
 
     def __init__(self, batch_size: int) -> None:
         import contextlib
@@ -190,17 +252,49 @@ class RedisWorker:
         self.stack = contextlib.ExitStack()
         self.url = redis_for_demo(self.stack, self.queue)
         flags = ["--model", "generate", "--batch-size", str(batch_size)]
-        worker = start_worker(self.url, self.queue, [*flags, "--max-restarts-per-min", "0"])
+        flags += ["--heartbeat-s", str(HEARTBEAT_S), "--max-restarts-per-min", "0"]
+        worker = start_worker(self.url, self.queue, flags)
         self.stack.callback(stop_worker, worker)
+        asyncio.run(through_redis(self.url, self.queue, prompts(1), [2], [0.0]))  # loaded
 
-    def run(self, chats: list[Any], limits: list[int], gaps: list[float]) -> dict[str, Any]:
-        return asyncio.run(through_redis(self.url, self.queue, chats, limits, gaps))
+    def _steps(self) -> tuple[int, int, float]:
+        """(steps, rows) the worker has run, and when its heartbeat said so."""
+        import redis
+
+        from batchline.transport.keys import QueueKeys
+
+        keys = QueueKeys(self.queue)
+        client = redis.Redis.from_url(self.url)
+        try:
+            workers = client.zrange(keys.workers, 0, -1)
+            raw = client.get(keys.worker_stats(workers[0].decode())) if workers else None
+        finally:
+            client.close()
+        stats = json.loads(raw) if raw else {}
+        histogram = {int(k): v for k, v in stats.get("batch_size_histogram", {}).items()}
+        rows = sum(size * n for size, n in histogram.items())
+        return sum(histogram.values()), rows, float(stats.get("time", 0.0))
+
+    def run(self, chats: list[Any], limits: list[int], gaps: list[float]) -> Result:
+        """One workload through Redis; its mean running batch from the worker's heartbeats
+        (read after one more heartbeat period: nan if none came)."""
+        steps0, rows0, _ = self._steps()
+        out = asyncio.run(through_redis(self.url, self.queue, chats, limits, gaps))
+        ended = time.time()
+        time.sleep(2 * HEARTBEAT_S)  # one heartbeat after the last result
+        steps, rows, at = self._steps()
+        fresh = at >= ended and steps > steps0
+        out["mean_batch"] = (rows - rows0) / (steps - steps0) if fresh else float("nan")
+        return out
 
     def close(self) -> None:
         self.stack.close()
 
 
-def show(name: str, r: dict[str, Any], base: dict[str, float]) -> None:
+# -- the rows and their summary ----------------------------------------------------------------
+
+
+def show(name: str, r: Result, base: dict[str, float]) -> None:
     rate = r["tokens"] / r["wall_s"]
     ratios = " ".join(f"{rate / v:.2f}x {k}" for k, v in base.items() if v)
     extra = ""
@@ -211,15 +305,51 @@ def show(name: str, r: dict[str, Any], base: dict[str, float]) -> None:
             f" mean batch {r['mean_batch']:.1f}"
         )
     print(
-        f"{name:<28} {r['tokens']:>6} tok {r['wall_s']:7.1f} s {rate:7.1f} tok/s{extra}  {ratios}"
+        f"{name:<28} {r['tokens']:>6.0f} tok {r['wall_s']:7.1f} s {rate:7.1f} tok/s{extra}  {ratios}",
+        flush=True,
     )
+
+
+def median_row(runs: list[Result]) -> Result:
+    """Each figure's median over the repeats (the rate's too, as tokens / wall_s)."""
+    out = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    out["wall_s"] = out["tokens"] / statistics.median(r["tokens"] / r["wall_s"] for r in runs)
+    return out
+
+
+class Workload:
+    """One workload's rows (name -> run), run once per repeat; the baselines of each row."""
+
+    def __init__(self, title: str) -> None:
+        self.title = title
+        self.rows: dict[str, Callable[[], Result]] = {}
+        self.bases: dict[str, list[str]] = {}
+        self.runs: dict[str, list[Result]] = {}
+
+    def add(self, name: str, run: Callable[[], Result], *bases: str) -> None:
+        self.rows[name] = run
+        self.bases[name] = list(bases)
+        self.runs[name] = []
+
+    def repeat(self, index: int) -> None:
+        names = list(self.rows)
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            self.runs[name].append(result := self.rows[name]())
+            show(f"  {name}", result, {})
+
+    def summary(self, repeats: int) -> None:
+        print(f"{self.title}: median of {repeats} repeat(s)", flush=True)
+        medians = {name: median_row(runs) for name, runs in self.runs.items()}
+        rates = {n: m["tokens"] / m["wall_s"] for n, m in medians.items()}
+        for name, m in medians.items():
+            show(name, m, {b: rates[b] for b in self.bases[name]})
 
 
 def redis_ab(gen: Generator, redis: RedisWorker, n: int, new: int, rounds: int) -> None:
     """In process and through Redis alternately on one workload; the ratio of the totals."""
     chats, limits = prompts(n), [new] * n
-    redis.run(chats[:1], [2], [0.0])  # warm both paths
-    asyncio.run(ours(gen, chats[:1], [2], [0.0]))
+    asyncio.run(ours(gen, chats[:1], [2], [0.0]))  # the worker answered one already
     print(f"uniform: {n} chat prompts, greedy, {new} new tokens; alternating, {rounds} rounds")
     totals = {"in process": [0, 0.0], "through Redis": [0, 0.0]}
     for _ in range(rounds):
@@ -239,6 +369,59 @@ def redis_ab(gen: Generator, redis: RedisWorker, n: int, new: int, rounds: int) 
     )
 
 
+def workloads(
+    args: argparse.Namespace, model: Any, tok: Any, gen: Generator, redis: RedisWorker | None
+) -> list[Workload]:
+    n_uniform, n_alone, n_mixed, hi = (8, 2, 12, 48) if args.quick else (32, 8, 64, 256)
+    paged = None if args.skip_tf else paged_model(model.name_or_path)
+    eos_note = "tokens counted up to each request's EOS or limit"
+
+    def rows(
+        w: Workload, chats: list[Any], limits: list[int], gaps: list[float], stat: str
+    ) -> None:
+        bases = [stat]
+        if paged is not None:
+            w.add("generate_batch (tuned)", lambda: tf_batch(paged, tok, chats, limits), stat)
+            bases.append("generate_batch (tuned)")
+        w.add("batchline", lambda: asyncio.run(ours(gen, chats, limits, gaps)), *bases)
+        if redis is not None:
+            w.add("batchline through Redis", lambda: redis.run(chats, limits, gaps), "batchline")
+
+    a = Workload(f"(a) uniform: {n_uniform} chat prompts, greedy, 32 new tokens ({eos_note})")
+    chats, limits = prompts(n_uniform), [32] * n_uniform
+    a.add(
+        f"one at a time ({n_alone} prompts)",
+        lambda: static(model, tok, chats[:n_alone], limits[:n_alone], 1),
+    )
+    a.add(
+        "static (one generate)",
+        lambda: static(model, tok, chats, limits, n_uniform),
+        f"one at a time ({n_alone} prompts)",
+    )
+    rows(a, chats, limits, [0.0] * n_uniform, "static (one generate)")
+
+    rnd = random.Random(1)
+    mixed, mixed_limits = prompts(n_mixed), [rnd.randint(8, hi) for _ in range(n_mixed)]
+    rate_per_s = 8.0
+    gaps = [rnd.expovariate(rate_per_s) for _ in range(n_mixed)]
+    b = Workload(
+        f"(b) mixed: {n_mixed} prompts, max_new_tokens 8..{hi}, Poisson arrivals "
+        f"{rate_per_s:.0f}/s (static and generate_batch get them all at once)"
+    )
+    b.add("static (batches of 32)", lambda: static(model, tok, mixed, mixed_limits, 32))
+    rows(b, mixed, mixed_limits, gaps, "static (batches of 32)")
+
+    # Warm-up: every path once, briefly, before anything is timed.
+    few, short = prompts(2), [4, 4]
+    static(model, tok, few, short, 2)
+    if paged is not None:
+        tf_batch(paged, tok, few, short)
+    asyncio.run(ours(gen, few, short, [0.0, 0.0]))
+    if redis is not None:
+        redis.run(few, short, [0.0, 0.0])
+    return [a, b]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small workloads: a check, not figures")
@@ -248,58 +431,30 @@ def main() -> None:
         "--redis-ab", action="store_true", help="only: in process vs through Redis, alternating"
     )
     ap.add_argument("--rounds", type=int, default=2, help="with --redis-ab [default 2]")
+    ap.add_argument(
+        "--repeats", type=int, default=1, help="runs of every row, interleaved [default 1]"
+    )
     args = ap.parse_args()
+    apply_threads(available_cpus())
     torch.manual_seed(0)
-    n_uniform, n_alone, n_mixed, hi = (8, 2, 12, 48) if args.quick else (32, 8, 64, 256)
+    redis = None if args.skip_redis else RedisWorker(batch_size=32)  # loaded before any timing
     model, tok = load_causal_lm()
     gen = Generator(model, tokenizer=tok, max_batch_size=32)
-    redis = None if args.skip_redis else RedisWorker(batch_size=32)
-    if args.redis_ab and redis is not None:
-        redis_ab(gen, redis, n_uniform, 16 if args.quick else 32, args.rounds)
-        redis.close()
+    try:
+        if args.redis_ab and redis is not None:
+            redis_ab(gen, redis, 8 if args.quick else 32, 16 if args.quick else 32, args.rounds)
+            return
+        plan = workloads(args, model, tok, gen, redis)
+        for index in range(args.repeats):
+            for w in plan:
+                print(f"repeat {index + 1}/{args.repeats} {w.title}", flush=True)
+                w.repeat(index)
+            for w in plan:  # so far: a run stopped early still has its medians
+                w.summary(index + 1)
+    finally:
+        if redis is not None:
+            redis.close()
         gen.loop.close()
-        return
-    eos_note = "tokens counted up to each request's EOS or limit"
-
-    print(f"(a) uniform: {n_uniform} chat prompts, greedy, 32 new tokens ({eos_note})")
-    chats, limits = prompts(n_uniform), [32] * n_uniform
-    alone = static(model, tok, chats[:n_alone], limits[:n_alone], 1)
-    show(f"one at a time ({n_alone} prompts)", alone, {})
-    stat = static(model, tok, chats, limits, n_uniform)
-    show("static (one generate)", stat, {"one at a time": alone["tokens"] / alone["wall_s"]})
-    base = {"static": stat["tokens"] / stat["wall_s"]}
-    if not args.skip_tf:
-        tf = tf_batch(model.name_or_path, tok, chats, limits)
-        show("generate_batch (tuned)", tf, base)
-        base["generate_batch"] = tf["tokens"] / tf["wall_s"]
-    inproc = asyncio.run(ours(gen, chats, limits, [0.0] * n_uniform))
-    show("batchline", inproc, base)
-    if redis is not None:
-        own = {"in process": inproc["tokens"] / inproc["wall_s"]}
-        show("batchline through Redis", redis.run(chats, limits, [0.0] * n_uniform), own)
-
-    rnd = random.Random(1)
-    chats, limits = prompts(n_mixed), [rnd.randint(8, hi) for _ in range(n_mixed)]
-    rate_per_s = 8.0
-    gaps = [rnd.expovariate(rate_per_s) for _ in range(n_mixed)]
-    print(
-        f"(b) mixed: {n_mixed} prompts, max_new_tokens 8..{hi}, Poisson arrivals "
-        f"{rate_per_s:.0f}/s (static and generate_batch get them all at once)"
-    )
-    stat = static(model, tok, chats, limits, 32)
-    show("static (batches of 32)", stat, {})
-    base = {"static": stat["tokens"] / stat["wall_s"]}
-    if not args.skip_tf:
-        tf = tf_batch(model.name_or_path, tok, chats, limits)
-        show("generate_batch (tuned)", tf, base)
-        base["generate_batch"] = tf["tokens"] / tf["wall_s"]
-    inproc = asyncio.run(ours(gen, chats, limits, gaps))
-    show("batchline", inproc, base)
-    if redis is not None:
-        own = {"in process": inproc["tokens"] / inproc["wall_s"]}
-        show("batchline through Redis", redis.run(chats, limits, gaps), own)
-        redis.close()
-    gen.loop.close()
 
 
 if __name__ == "__main__":
