@@ -27,11 +27,20 @@ import asyncio
 import json
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from batchline.worker._threads import apply_threads, available_cpus, prepare_environment
+# This checkout's batchline, not whichever one is installed (the worker it starts runs here).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from batchline.worker._threads import (
+    apply_threads,
+    available_cpus,
+    prepare_environment,
+)
 
 # The worker's CPU threading (batchline.worker._threads), for the in-process rows too, set
 # before torch loads: the cores this process may use, and OpenMP threads that wait passively
