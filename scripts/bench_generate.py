@@ -1,18 +1,21 @@
 """Generation throughput in process: one at a time, static batching, transformers'
-continuous batching (generate_batch, tuned) and batchline, on SmolLM2-135M-Instruct; and
-batchline through Redis (a private redis-server and one ``--model generate`` worker process).
+continuous batching (generate_batch's manager, tuned) and batchline, on SmolLM2-135M-Instruct;
+and batchline through Redis (a private redis-server and one ``--model generate`` worker).
 
-    python3 scripts/bench_generate.py            # the full workloads (several minutes on 2 cores)
-    python3 scripts/bench_generate.py --quick    # a short check of every path
+    python3 scripts/bench_generate.py --repeats 3  # the full workloads (long on 2 cores)
+    python3 scripts/bench_generate.py --quick      # a short check of every path
 
 (a) uniform: N chat prompts, greedy, 32 new tokens each, all submitted at once.
-(b) mixed: M prompts, max_new_tokens drawn from 8..256, arriving open-loop (Poisson).
+(b) mixed: M prompts, max_new_tokens drawn from 8..256, arriving open-loop (Poisson) to
+batchline; static batching and transformers' manager get them all at once.
 Tokens counted are the useful ones: each request's own tokens up to its EOS or limit.
-The through-Redis row runs the same workload with producer.infer and is reported as a ratio
-to batchline in process (``--skip-redis`` leaves it out). On a shared machine whose load
-swings, two runs minutes apart differ by more than the two paths do: ``--redis-ab`` runs
-only the uniform workload, in process and through Redis alternately, ``--rounds`` times
-each, and reports the ratio of their total rates.
+
+Every row is warmed up (a short untimed run) before anything is timed, and the worker
+process has loaded its model and answered before then. ``--repeats N`` runs every row of
+both workloads once per repeat, the rows of a repeat in a rotated order, so that a shared
+machine's load swings reach all rows alike; the summary gives each figure's median over the
+repeats and ratios of median rates. ``--redis-ab`` runs only the uniform workload, in process
+and through Redis alternately, ``--rounds`` times each, and reports the ratio of the totals.
 
     python3 scripts/bench_generate.py --quick --redis-ab
 
@@ -29,20 +32,41 @@ tokens/s and the time until the caller has its first text (with ``infer``, its w
 ``--model-path`` serves another model there (a ``module:callable`` spec, say):
 
     python3 scripts/bench_generate.py --quick --stream-ab
+
+``--device`` and ``--dtype`` place every row's model (in process, transformers' and the
+worker's).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
+import statistics
+import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-import torch
+# This checkout's batchline, not whichever one is installed (the worker it starts runs here).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from batchline.generation import Generator, load_causal_lm
+from batchline.worker._threads import (
+    apply_threads,
+    available_cpus,
+    prepare_environment,
+)
+
+# The worker's CPU threading (batchline.worker._threads), for the in-process rows too, set
+# before torch loads: the cores this process may use, and OpenMP threads that wait passively
+# (spinning ones take the cores from the other threads and processes of a shared machine).
+prepare_environment(available_cpus())
+
+import torch  # noqa: E402
+from _bench_generate_redis import RedisWorker, Result, latencies, pct  # noqa: E402
+
+from batchline.generation import Generator, load_causal_lm  # noqa: E402
 
 TOPICS = [
     "the capital of France",
@@ -79,14 +103,10 @@ def useful(tokens: list[int], limit: int, eos: set[int]) -> int:
     return min(len(tokens), limit)
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+# -- the anchors -------------------------------------------------------------------------------
 
 
-def static(model: Any, tok: Any, chats: list[Any], limits: list[int], size: int) -> dict[str, Any]:
+def static(model: Any, tok: Any, chats: list[Any], limits: list[int], size: int) -> Result:
     """Left-padded model.generate over batches of ``size`` in order; each runs to its max."""
     tok.padding_side = "left"
     eos = {int(tok.eos_token_id)}
@@ -108,16 +128,25 @@ def static(model: Any, tok: Any, chats: list[Any], limits: list[int], size: int)
     return {"tokens": total, "wall_s": time.perf_counter() - start}
 
 
-def tf_batch(
-    path: str, tok: Any, chats: list[Any], limits: list[int], device: Any, dtype: Any
-) -> dict[str, Any]:
-    """transformers' generate_batch, tuned as the issue says; one max_new_tokens for all."""
-    from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
+def paged_model(path: str, device: Any, dtype: Any) -> Any:
+    """The model for transformers' rows, on the device and in the dtype of batchline's."""
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         path, attn_implementation="paged|sdpa", dtype=dtype
     )
-    model = model.to(device).eval()
+    return model.to(device).eval()
+
+
+def tf_batch(model: Any, tok: Any, chats: list[Any], limits: list[int]) -> Result:
+    """transformers' continuous batching, tuned as the issue says
+    (``ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=512)``), through the manager
+    that ``generate_batch`` drives, with each request's own ``max_new_tokens`` (which
+    ``generate_batch`` cannot give: it has one for all). Timed from the manager's start (its
+    cache allocation, as in ``generate_batch``) to the last result."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
     ids = [
         tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)
         for c in chats
@@ -128,21 +157,37 @@ def tf_batch(
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
+    hints = WorkloadHints(  # as generate_batch computes them
+        max_prompt_length=max(len(i) for i in ids),
+        max_generated_length=max(limits),
+        num_requests=len(ids),
+    )
     cb = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=512)
+    outs: dict[str, Any] = {}
     start = time.perf_counter()
-    outs = model.generate_batch(ids, generation_config=config, continuous_batching_config=cb)
+    with model.continuous_batching_context_manager(
+        generation_config=config, continuous_batching_config=cb, timeout=5, workload_hints=hints
+    ) as manager:
+        for k, (prompt, limit) in enumerate(zip(ids, limits, strict=True)):
+            manager.add_request(prompt, request_id=f"r{k}", max_new_tokens=limit)
+        while len(outs) < len(ids):
+            out = manager.get_result(timeout=1)
+            if out is not None and out.is_finished():
+                outs[out.request_id] = out
+            elif out is None and not manager.is_running():
+                raise RuntimeError("transformers' generation thread ended early")
     wall = time.perf_counter() - start
     eos = {int(tok.eos_token_id)}
-    ordered = sorted(outs.values(), key=lambda o: int(str(o.request_id).split("_")[-1]))
     total = sum(
-        useful(list(o.generated_tokens), lim, eos) for o, lim in zip(ordered, limits, strict=True)
+        useful(list(outs[f"r{k}"].generated_tokens), limit, eos) for k, limit in enumerate(limits)
     )
     return {"tokens": total, "wall_s": wall}
 
 
-async def ours(
-    gen: Generator, chats: list[Any], limits: list[int], gaps: list[float]
-) -> dict[str, Any]:
+# -- batchline ---------------------------------------------------------------------------------
+
+
+async def ours(gen: Generator, chats: list[Any], limits: list[int], gaps: list[float]) -> Result:
     ttft: list[float] = []
     itl: list[float] = []
     steps0, rows0 = gen.loop.steps, gen.loop.batch_rows
@@ -167,184 +212,83 @@ async def ours(
     return {
         "tokens": sum(counts),
         "wall_s": wall,
-        "ttft_p50": pct(ttft, 0.5),
-        "ttft_p99": pct(ttft, 0.99),
-        "itl_p50": pct(itl, 0.5),
-        "itl_p99": pct(itl, 0.99),
+        **latencies(ttft, itl),
         "mean_batch": (gen.loop.batch_rows - rows0) / steps if steps else 0.0,
     }
 
 
-async def through_redis(
-    url: str,
-    queue: str,
-    chats: list[Any],
-    limits: list[int],
-    gaps: list[float],
-    *,
-    stream: bool = False,
-) -> dict[str, Any]:
-    """The same requests through Redis: one producer, the worker started by main();
-    ``stream``: with ``producer.stream`` instead of ``producer.infer``. ``first_s``: until
-    each caller had text (with infer, its answer)."""
-    from batchline.producer import AsyncProducer
-
-    async with AsyncProducer(redis_url=url, queue=queue, max_queue_depth=0) as producer:
-        await producer.infer({"prompt": "Hello", "max_new_tokens": 2}, timeout_s=600)  # loaded
-
-        async def one(chat: Any, limit: int, delay: float) -> tuple[int, float]:
-            await asyncio.sleep(delay)
-            value = {"messages": chat, "max_new_tokens": limit}
-            sent = time.perf_counter()
-            if not stream:
-                out: dict[str, Any] = await producer.infer(value, timeout_s=3600)
-                return out["tokens"], time.perf_counter() - sent
-            first = None
-            async for chunk in producer.stream(value, timeout_s=3600):
-                if first is None and chunk.token_ids:
-                    first = time.perf_counter() - sent
-                if chunk.result is not None:
-                    return chunk.result["tokens"], first or 0.0
-            raise AssertionError("a stream ended without its last chunk")
-
-        arrivals = [sum(gaps[: i + 1]) for i in range(len(gaps))]
-        start = time.perf_counter()
-        outs = await asyncio.gather(
-            *(one(c, m, a) for c, m, a in zip(chats, limits, arrivals, strict=True))
-        )
-        wall = time.perf_counter() - start
-    return {"tokens": sum(n for n, _ in outs), "wall_s": wall, "first_s": [f for _, f in outs]}
+# -- the rows and their summary ----------------------------------------------------------------
 
 
-async def via_http(
-    base_url: str, model: str, chats: list[Any], limits: list[int], gaps: list[float]
-) -> dict[str, Any]:
-    """The same requests streamed through the OpenAI route of the FastAPI backend."""
-    import httpx
-
-    ttft: list[float] = []
-
-    async with httpx.AsyncClient(base_url=base_url, timeout=3600) as client:
-
-        async def one(chat: Any, limit: int, delay: float) -> int:
-            await asyncio.sleep(delay)
-            body = {"model": model, "messages": chat, "max_tokens": limit, "stream": True}
-            body["stream_options"] = {"include_usage": True}
-            sent, first, tokens = time.perf_counter(), True, 0
-            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                response.raise_for_status()
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    if first:  # sent once the first chunk, the first token, has come
-                        ttft.append(time.perf_counter() - sent)
-                        first = False
-                    usage = json.loads(line[len("data: ") :]).get("usage")
-                    tokens = usage["completion_tokens"] if usage else tokens
-            return tokens
-
-        arrivals = [sum(gaps[: i + 1]) for i in range(len(gaps))]
-        start = time.perf_counter()
-        counts = await asyncio.gather(
-            *(one(c, m, a) for c, m, a in zip(chats, limits, arrivals, strict=True))
-        )
-        wall = time.perf_counter() - start
-    return {
-        "tokens": sum(counts),
-        "wall_s": wall,
-        "ttft_p50": pct(ttft, 0.5),
-        "ttft_p99": pct(ttft, 0.99),
-    }
-
-
-class RedisWorker:
-    """A private redis-server and one generation worker process, for the through-Redis rows."""
-
-    def __init__(
-        self,
-        batch_size: int,
-        device: str = "auto",
-        dtype: str = "auto",
-        model_path: str | None = None,
-    ) -> None:
-        import contextlib
-
-        from batchline.demo.service import redis_for_demo, start_worker, stop_worker
-
-        self.queue = "bench-generate"
-        self.stack = contextlib.ExitStack()
-        self.url = redis_for_demo(self.stack, self.queue)
-        flags = ["--model", "generate", "--batch-size", str(batch_size)]
-        flags += ["--device", device, "--dtype", dtype]
-        flags += ["--model-path", model_path] if model_path else []
-        worker = start_worker(self.url, self.queue, [*flags, "--max-restarts-per-min", "0"])
-        self.stack.callback(stop_worker, worker)
-        self.base_url: str | None = None
-
-    def run(
-        self, chats: list[Any], limits: list[int], gaps: list[float], *, stream: bool = False
-    ) -> dict[str, Any]:
-        return asyncio.run(through_redis(self.url, self.queue, chats, limits, gaps, stream=stream))
-
-    def http(self, chats: list[Any], limits: list[int], gaps: list[float]) -> dict[str, Any]:
-        """The requests through the FastAPI backend (started on first use) and Redis."""
-        if self.base_url is None:
-            self.base_url = self._serve()
-        return asyncio.run(via_http(self.base_url, self.queue, chats, limits, gaps))
-
-    def _serve(self) -> str:
-        """uvicorn on a thread of this process, serving the app for this worker's queue."""
-        import socket
-        import threading
-
-        import uvicorn
-
-        from batchline.contrib.fastapi import create_app
-
-        app = create_app(
-            redis_url=self.url, generation_queue=self.queue, max_queue_depth=0, timeout_s=3600
-        )
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        while not server.started:  # start-up only: a bounded wait on the thread
-            thread.join(0.05)
-            if not thread.is_alive():
-                raise RuntimeError("the FastAPI backend did not start")
-
-        def stop() -> None:
-            server.should_exit = True
-            thread.join(30)
-
-        self.stack.callback(stop)
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
-
-    def close(self) -> None:
-        self.stack.close()
-
-
-def show(name: str, r: dict[str, Any], base: dict[str, float]) -> None:
+def show(name: str, r: Result, base: dict[str, float], ttft_vs: float | None = None) -> None:
+    """One row: its rate, the latencies it has, its rate over each of ``base`` and, given
+    ``ttft_vs`` (the in-process p50), its time to first token over that."""
     rate = r["tokens"] / r["wall_s"]
-    ratios = " ".join(f"{rate / v:.2f}x {k}" for k, v in base.items() if v)
+    ratios = [f"{rate / v:.2f}x {k}" for k, v in base.items() if v]
+    if ttft_vs:
+        ratios.append(f"ttft p50 {r['ttft_p50'] / ttft_vs:.2f}x in process")
     extra = ""
     if "ttft_p50" in r:
-        extra = (
-            f" ttft p50/p99 {r['ttft_p50'] * 1e3:.0f}/{r['ttft_p99'] * 1e3:.0f} ms"
-            f" itl p50/p99 {r['itl_p50'] * 1e3:.0f}/{r['itl_p99'] * 1e3:.0f} ms"
-            f" mean batch {r['mean_batch']:.1f}"
-        )
+        extra += f" ttft p50/p99 {r['ttft_p50'] * 1e3:.0f}/{r['ttft_p99'] * 1e3:.0f} ms"
+    if "itl_p50" in r:
+        extra += f" itl p50/p99 {r['itl_p50'] * 1e3:.0f}/{r['itl_p99'] * 1e3:.0f} ms"
+    if "mean_batch" in r:
+        extra += f" mean batch {r['mean_batch']:.1f}"
     print(
-        f"{name:<28} {r['tokens']:>6} tok {r['wall_s']:7.1f} s {rate:7.1f} tok/s{extra}  {ratios}"
+        f"{name:<28} {r['tokens']:>6.0f} tok {r['wall_s']:7.1f} s {rate:7.1f} tok/s{extra}  "
+        + " ".join(ratios),
+        flush=True,
     )
+
+
+def median_row(runs: list[Result]) -> Result:
+    """Each figure's median over the repeats (the rate's too, as tokens / wall_s)."""
+    figures = [k for k, v in runs[0].items() if isinstance(v, int | float)]
+    out = {k: statistics.median(r[k] for r in runs) for k in figures}
+    out["wall_s"] = out["tokens"] / statistics.median(r["tokens"] / r["wall_s"] for r in runs)
+    return out
+
+
+class Workload:
+    """One workload's rows (name -> run), run once per repeat; the baselines of each row."""
+
+    def __init__(self, title: str) -> None:
+        self.title = title
+        self.rows: dict[str, Callable[[], Result]] = {}
+        self.bases: dict[str, list[str]] = {}
+        self.runs: dict[str, list[Result]] = {}
+        self.ttft_vs: dict[str, str] = {}
+
+    def add(
+        self, name: str, run: Callable[[], Result], *bases: str, ttft_vs: str | None = None
+    ) -> None:
+        """``ttft_vs``: the row whose median time to first token this row's is shown over."""
+        self.rows[name] = run
+        self.bases[name] = list(bases)
+        self.runs[name] = []
+        if ttft_vs is not None:
+            self.ttft_vs[name] = ttft_vs
+
+    def repeat(self, index: int) -> None:
+        names = list(self.rows)
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            self.runs[name].append(result := self.rows[name]())
+            show(f"  {name}", result, {})
+
+    def summary(self, repeats: int) -> None:
+        print(f"{self.title}: median of {repeats} repeat(s)", flush=True)
+        medians = {name: median_row(runs) for name, runs in self.runs.items()}
+        rates = {n: m["tokens"] / m["wall_s"] for n, m in medians.items()}
+        for name, m in medians.items():
+            vs = medians[self.ttft_vs[name]]["ttft_p50"] if name in self.ttft_vs else None
+            show(name, m, {b: rates[b] for b in self.bases[name]}, vs)
 
 
 def redis_ab(gen: Generator, redis: RedisWorker, n: int, new: int, rounds: int) -> None:
     """In process and through Redis alternately on one workload; the ratio of the totals."""
     chats, limits = prompts(n), [new] * n
-    redis.run(chats[:1], [2], [0.0])  # warm both paths
-    asyncio.run(ours(gen, chats[:1], [2], [0.0]))
+    asyncio.run(ours(gen, chats[:1], [2], [0.0]))  # the worker answered one already
     print(f"uniform: {n} chat prompts, greedy, {new} new tokens; alternating, {rounds} rounds")
     totals = {"in process": [0, 0.0], "through Redis": [0, 0.0]}
     for _ in range(rounds):
@@ -364,20 +308,10 @@ def redis_ab(gen: Generator, redis: RedisWorker, n: int, new: int, rounds: int) 
     )
 
 
-def show_http(r: dict[str, Any], inproc: dict[str, Any]) -> None:
-    """The via-HTTP row: its rate, and its time to first token over the in-process one."""
-    rate = r["tokens"] / r["wall_s"]
-    print(
-        f"{'batchline via HTTP + Redis':<28} {r['tokens']:>6} tok {r['wall_s']:7.1f} s "
-        f"{rate:7.1f} tok/s ttft p50/p99 {r['ttft_p50'] * 1e3:.0f}/{r['ttft_p99'] * 1e3:.0f} ms"
-        f"  ttft p50 {r['ttft_p50'] / inproc['ttft_p50']:.2f}x in process"
-    )
-
-
 def http_ab(gen: Generator, redis: RedisWorker, n: int, new: int, rounds: int) -> None:
     """Time to first token in process and via HTTP + Redis, alternately, on one workload."""
     chats, limits = prompts(n), [new] * n
-    redis.http(chats[:1], [2], [0.0])  # warm both paths
+    redis.http(chats[:1], [2], [0.0])  # warm both paths (the worker answered one already)
     asyncio.run(ours(gen, chats[:1], [2], [0.0]))
     print(f"uniform: {n} chat prompts, greedy, {new} new tokens; alternating, {rounds} rounds")
     ttfts: dict[str, list[float]] = {"in process": [], "via HTTP": []}
@@ -385,7 +319,7 @@ def http_ab(gen: Generator, redis: RedisWorker, n: int, new: int, rounds: int) -
         inproc = asyncio.run(ours(gen, chats, limits, [0.0] * n))
         show("batchline", inproc, {})
         http = redis.http(chats, limits, [0.0] * n)
-        show_http(http, inproc)
+        show("batchline via HTTP + Redis", http, {}, inproc["ttft_p50"])
         ttfts["in process"].append(inproc["ttft_p50"])
         ttfts["via HTTP"].append(http["ttft_p50"])
     means = {k: sum(v) / len(v) for k, v in ttfts.items()}
@@ -400,7 +334,7 @@ def stream_ab(redis: RedisWorker, n: int, new: int, rounds: int) -> None:
     """Through Redis with and without streaming, alternately: tokens/s of the totals and
     the time to the first text (p50 over every request of every round)."""
     chats, limits = prompts(n), [new] * n
-    redis.run(chats[:1], [2], [0.0], stream=True)  # warm both paths
+    redis.run(chats[:1], [2], [0.0], stream=True)  # warm the streaming path too
     print(f"uniform: {n} chat prompts, greedy, {new} new tokens, through Redis; {rounds} rounds")
     names = {"without streaming (infer)": False, "streaming (stream)": True}
     totals: dict[str, list[Any]] = {name: [0, 0.0, []] for name in names}
@@ -409,7 +343,7 @@ def stream_ab(redis: RedisWorker, n: int, new: int, rounds: int) -> None:
             r = redis.run(chats, limits, [0.0] * n, stream=stream)
             rate, first = r["tokens"] / r["wall_s"], pct(r["first_s"], 0.5) * 1e3
             print(f"{name:<28} {r['tokens']:>6} tok {r['wall_s']:7.1f} s {rate:7.1f} tok/s"
-                  f" first text p50 {first:.0f} ms")  # fmt: skip
+                  f" first text p50 {first:.0f} ms", flush=True)  # fmt: skip
             totals[name][0] += r["tokens"]
             totals[name][1] += r["wall_s"]
             totals[name][2] += r["first_s"]
@@ -422,7 +356,64 @@ def stream_ab(redis: RedisWorker, n: int, new: int, rounds: int) -> None:
     )
 
 
-def main() -> None:
+def workloads(
+    args: argparse.Namespace, model: Any, tok: Any, gen: Generator, redis: RedisWorker | None
+) -> list[Workload]:
+    n_uniform, n_alone, n_mixed, hi = (8, 2, 12, 48) if args.quick else (32, 8, 64, 256)
+    paged = None if args.skip_tf else paged_model(model.name_or_path, model.device, model.dtype)
+    eos_note = "tokens counted up to each request's EOS or limit"
+
+    def rows(
+        w: Workload, chats: list[Any], limits: list[int], gaps: list[float], stat: str
+    ) -> None:
+        bases = [stat]
+        if paged is not None:
+            w.add("generate_batch (tuned)", lambda: tf_batch(paged, tok, chats, limits), stat)
+            bases.append("generate_batch (tuned)")
+        w.add("batchline", lambda: asyncio.run(ours(gen, chats, limits, gaps)), *bases)
+        if redis is not None:
+            w.add("batchline through Redis", lambda: redis.run(chats, limits, gaps), "batchline")
+
+    a = Workload(f"(a) uniform: {n_uniform} chat prompts, greedy, 32 new tokens ({eos_note})")
+    chats, limits = prompts(n_uniform), [32] * n_uniform
+    a.add(
+        f"one at a time ({n_alone} prompts)",
+        lambda: static(model, tok, chats[:n_alone], limits[:n_alone], 1),
+    )
+    a.add(
+        "static (one generate)",
+        lambda: static(model, tok, chats, limits, n_uniform),
+        f"one at a time ({n_alone} prompts)",
+    )
+    rows(a, chats, limits, [0.0] * n_uniform, "static (one generate)")
+    if redis is not None:
+        http = "batchline via HTTP + Redis"
+        a.add(http, lambda: redis.http(chats, limits, [0.0] * n_uniform), ttft_vs="batchline")
+
+    rnd = random.Random(1)
+    mixed, mixed_limits = prompts(n_mixed), [rnd.randint(8, hi) for _ in range(n_mixed)]
+    rate_per_s = 8.0
+    gaps = [rnd.expovariate(rate_per_s) for _ in range(n_mixed)]
+    b = Workload(
+        f"(b) mixed: {n_mixed} prompts, max_new_tokens 8..{hi}, Poisson arrivals "
+        f"{rate_per_s:.0f}/s (static and generate_batch get them all at once)"
+    )
+    b.add("static (batches of 32)", lambda: static(model, tok, mixed, mixed_limits, 32))
+    rows(b, mixed, mixed_limits, gaps, "static (batches of 32)")
+
+    # Warm-up: every path once, briefly, before anything is timed.
+    few, short = prompts(2), [4, 4]
+    static(model, tok, few, short, 2)
+    if paged is not None:
+        tf_batch(paged, tok, few, short)
+    asyncio.run(ours(gen, few, short, [0.0, 0.0]))
+    if redis is not None:
+        redis.run(few, short, [0.0, 0.0])
+        redis.http(few, short, [0.0, 0.0])  # the backend started, its client warm
+    return [a, b]
+
+
+def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small workloads: a check, not figures")
     ap.add_argument("--skip-tf", action="store_true", help="skip transformers' generate_batch")
@@ -438,6 +429,9 @@ def main() -> None:
     )
     ap.add_argument("--rounds", type=int, default=2, help="with --*-ab [default 2]")
     ap.add_argument(
+        "--repeats", type=int, default=1, help="runs of every row, interleaved [default 1]"
+    )
+    ap.add_argument(
         "--model-path", help="with --stream-ab, --http-ab: the model (both sides) [smollm2]"
     )
     ap.add_argument("--device", default="auto", help="every row's device: auto, cpu, cuda")
@@ -448,76 +442,59 @@ def main() -> None:
         help="every row's dtype (auto: float16 on cuda, float32 on cpu)",
     )
     args = ap.parse_args()
-    torch.manual_seed(0)
-    n_uniform, n_alone, n_mixed, hi = (8, 2, 12, 48) if args.quick else (32, 8, 64, 256)
-    on = {"device": args.device, "dtype": args.dtype}
-    if args.stream_ab:
-        redis = RedisWorker(32, **on, model_path=args.model_path)
-        try:
-            stream_ab(redis, n_uniform, 16 if args.quick else 32, args.rounds)
-        finally:
-            redis.close()
-        return
-    if args.model_path and not args.http_ab:
+    if args.model_path and not (args.stream_ab or args.http_ab):
         ap.error("--model-path goes with --stream-ab or --http-ab")
-    if args.model_path and ":" in args.model_path:  # module:callable, as the worker takes it
+    return args
+
+
+def load(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The in-process model: ``--model-path`` (a ``module:callable`` spec, as the worker
+    takes it, or a path) or SmolLM2, on ``--device`` in ``--dtype``."""
+    on = {"device": args.device, "dtype": args.dtype}
+    if args.model_path and ":" in args.model_path:
         from batchline.worker.models import resolve_callable
 
         model, tok = resolve_callable(args.model_path)()
-    else:
-        model, tok = load_causal_lm(*([args.model_path] if args.model_path else []), **on)
-    where = (model.device, model.dtype)  # as picked for the model: the other rows' too
-    print(f"device {model.device}, dtype {model.dtype}")
+        return model, tok
+    return load_causal_lm(*([args.model_path] if args.model_path else []), **on)
+
+
+def measure(args: argparse.Namespace, redis: RedisWorker | None) -> None:
+    """The in-process rows beside ``redis``'s: an A/B comparison or the workloads."""
+    model, tok = load(args)
+    print(f"device {model.device}, dtype {model.dtype}", flush=True)
     gen = Generator(model, tokenizer=tok, max_batch_size=32)
-    redis = None if args.skip_redis else RedisWorker(32, **on, model_path=args.model_path)
-    if (args.redis_ab or args.http_ab) and redis is not None:
-        ab = redis_ab if args.redis_ab else http_ab
-        ab(gen, redis, n_uniform, 16 if args.quick else 32, args.rounds)
-        redis.close()
+    try:
+        if (args.redis_ab or args.http_ab) and redis is not None:
+            ab = redis_ab if args.redis_ab else http_ab
+            ab(gen, redis, 8 if args.quick else 32, 16 if args.quick else 32, args.rounds)
+            return
+        plan = workloads(args, model, tok, gen, redis)
+        for index in range(args.repeats):
+            for w in plan:
+                print(f"repeat {index + 1}/{args.repeats} {w.title}", flush=True)
+                w.repeat(index)
+            for w in plan:  # so far: a run stopped early still has its medians
+                w.summary(index + 1)
+    finally:
         gen.loop.close()
-        return
-    eos_note = "tokens counted up to each request's EOS or limit"
 
-    print(f"(a) uniform: {n_uniform} chat prompts, greedy, 32 new tokens ({eos_note})")
-    chats, limits = prompts(n_uniform), [32] * n_uniform
-    alone = static(model, tok, chats[:n_alone], limits[:n_alone], 1)
-    show(f"one at a time ({n_alone} prompts)", alone, {})
-    stat = static(model, tok, chats, limits, n_uniform)
-    show("static (one generate)", stat, {"one at a time": alone["tokens"] / alone["wall_s"]})
-    base = {"static": stat["tokens"] / stat["wall_s"]}
-    if not args.skip_tf:
-        tf = tf_batch(model.name_or_path, tok, chats, limits, *where)
-        show("generate_batch (tuned)", tf, base)
-        base["generate_batch"] = tf["tokens"] / tf["wall_s"]
-    inproc = asyncio.run(ours(gen, chats, limits, [0.0] * n_uniform))
-    show("batchline", inproc, base)
-    if redis is not None:
-        own = {"in process": inproc["tokens"] / inproc["wall_s"]}
-        show("batchline through Redis", redis.run(chats, limits, [0.0] * n_uniform), own)
-        show_http(redis.http(chats, limits, [0.0] * n_uniform), inproc)
 
-    rnd = random.Random(1)
-    chats, limits = prompts(n_mixed), [rnd.randint(8, hi) for _ in range(n_mixed)]
-    rate_per_s = 8.0
-    gaps = [rnd.expovariate(rate_per_s) for _ in range(n_mixed)]
-    print(
-        f"(b) mixed: {n_mixed} prompts, max_new_tokens 8..{hi}, Poisson arrivals "
-        f"{rate_per_s:.0f}/s (static and generate_batch get them all at once)"
-    )
-    stat = static(model, tok, chats, limits, 32)
-    show("static (batches of 32)", stat, {})
-    base = {"static": stat["tokens"] / stat["wall_s"]}
-    if not args.skip_tf:
-        tf = tf_batch(model.name_or_path, tok, chats, limits, *where)
-        show("generate_batch (tuned)", tf, base)
-        base["generate_batch"] = tf["tokens"] / tf["wall_s"]
-    inproc = asyncio.run(ours(gen, chats, limits, gaps))
-    show("batchline", inproc, base)
-    if redis is not None:
-        own = {"in process": inproc["tokens"] / inproc["wall_s"]}
-        show("batchline through Redis", redis.run(chats, limits, gaps), own)
-        redis.close()
-    gen.loop.close()
+def main() -> None:
+    args = parse()
+    apply_threads(available_cpus())
+    torch.manual_seed(0)
+    redis = None
+    if args.stream_ab or not args.skip_redis:  # loaded before any timing
+        redis = RedisWorker(32, args.device, args.dtype, args.model_path)
+    try:
+        if redis is not None and args.stream_ab:
+            stream_ab(redis, 8 if args.quick else 32, 16 if args.quick else 32, args.rounds)
+        else:
+            measure(args, redis)
+    finally:
+        if redis is not None:
+            redis.close()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from typing import Any, Self, TypedDict, Unpack
 from batchline.core.scheduler import SchedulerConfig
 from batchline.generation._engine import Engine
 from batchline.generation._loop import GenerationLoop
-from batchline.generation._model import DEFAULT_MODEL, load_causal_lm
+from batchline.generation._model import DEFAULT_MODEL, load_causal_lm, place
 from batchline.generation._types import (
     GenerationDelta,
     GenerationParams,
@@ -41,6 +41,11 @@ class RequestOptions(TypedDict, total=False):
     stop: str | Sequence[str]
 
 
+def _put_all(items: list[tuple[asyncio.Queue[Event], Event]]) -> None:
+    for events, event in items:
+        events.put_nowait(event)
+
+
 def _checked(event: Event) -> GenerationDelta | GenerationResult:
     """The event, or its exception raised."""
     if isinstance(event, BaseException):
@@ -66,6 +71,8 @@ class _Base:
     ) -> None:
         if isinstance(model, str | os.PathLike):
             model, tokenizer = load_causal_lm(model, device=device, dtype=dtype)
+        else:
+            model = place(model, device=device, dtype=dtype)
         config = SchedulerConfig(
             max_batch_size=max_batch_size,
             max_batch_tokens=max_batch_tokens,
@@ -73,8 +80,15 @@ class _Base:
             max_backfill_s=max_backfill_s,
         )
         self.engine = Engine(model, tokenizer)
-        self.loop = GenerationLoop(self.engine, config, clock=clock)
+        # Events gathered on the model thread for asyncio callers (see Generator).
+        self._gathered: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event], Event]] = []
+        self.loop = GenerationLoop(
+            self.engine, config, clock=clock, on_iteration_end=self._deliver_gathered
+        )
         self.loop.start()
+
+    def _deliver_gathered(self) -> None:
+        """After each iteration of the loop, on its thread: hand over what it gathered."""
 
     @property
     def mean_batch(self) -> float:
@@ -110,7 +124,10 @@ class Generator(_Base):
 
     ``model`` is ``"smollm2"`` (the default, from the ``generate`` extra), a Hugging Face
     causal-LM directory, a ``.gguf`` file, or a loaded model (then pass ``tokenizer``, or
-    ``prompt_ids`` on every call). Loading blocks: build it before the event loop, or with
+    ``prompt_ids`` on every call). ``device`` and ``dtype`` (``auto``, ``float32``,
+    ``float16``, ``bfloat16``) place a loaded model only where named (``auto`` keeps it where
+    and as it is); a loaded one by name gets ``auto``: cuda in float16, else cpu in float32.
+    Loading blocks: build it before the event loop, or with
     ``await asyncio.to_thread(Generator, ...)``. The model runs on a thread of its own.
 
     Per call: ``max_new_tokens``, ``temperature`` (0: greedy), ``top_p``, ``top_k``, ``seed``,
@@ -136,12 +153,22 @@ class Generator(_Base):
             if isinstance(event, GenerationDelta):
                 yield event
 
+    # One step's events reach the event loop in one call (one wake-up of the loop, not one
+    # per running request): the model thread gathers them, the iteration's end sends them.
+    def _deliver_gathered(self) -> None:
+        gathered, self._gathered = self._gathered, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Event], Event]]] = {}
+        for loop, events, event in gathered:
+            by_loop.setdefault(loop, []).append((events, event))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     async def _events(self, prompt: str | None, options: RequestOptions) -> AsyncIterator[Event]:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
 
-        def on_event(event: Event) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, event)
+        def on_event(event: Event) -> None:  # on the model thread
+            self._gathered.append((loop, events, event))
 
         seq = self._request(on_event, prompt, options)
         try:

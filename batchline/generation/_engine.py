@@ -8,6 +8,10 @@ last token, with position ids counted from its own mask, so a row never sees ano
 padding. Sequences that leave are filtered out of the cache, and columns that no remaining row
 uses (leading padding) are cut off, so the cache stays as long as the longest live row.
 
+Every step and eviction runs under ``torch.inference_mode()``. The engine runs where the
+model is, in its dtype: the cache and logits follow it; token ids go to its device; sampling
+works on float32 copies of the logits, with a ``torch.Generator`` on that device.
+
 No asyncio, threads or I/O here: drivers (in process, or a worker) call :meth:`Engine.step`.
 """
 
@@ -125,11 +129,15 @@ class Engine:
                 self._advance(joining, logits, out, offset=offset)
             gone = [s for s, _ in out.finished] + [s for s, _ in out.failed]
             if gone:
-                self.evict(gone)
+                self._evict(gone)
         return out
 
     def evict(self, seqs: list[Sequence_]) -> None:
         """Remove sequences from the batch (finished, cancelled, past their deadline)."""
+        with torch.inference_mode():  # the cache stays inference tensors when a driver evicts
+            self._evict(seqs)
+
+    def _evict(self, seqs: list[Sequence_]) -> None:
         drop = {id(s) for s in seqs}
         keep = [i for i, s in enumerate(self.running) if id(s) not in drop]
         if len(keep) == len(self.running):

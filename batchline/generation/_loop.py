@@ -3,7 +3,8 @@
 :meth:`GenerationLoop.run_once` is one iteration (end cancelled and overdue sequences, admit,
 step, report); a driver either calls :meth:`GenerationLoop.start` for a model thread of its
 own (the in-process API) or calls ``run_once`` itself. Every event reaches its request through
-``Sequence_.on_event``, called on the model thread: deltas, then one result or one exception.
+``Sequence_.on_event``, called on the model thread: deltas, then one result or one exception;
+``on_iteration_end`` then runs once per iteration (a driver delivers what it gathered there).
 """
 
 from __future__ import annotations
@@ -33,11 +34,14 @@ class GenerationLoop:
         *,
         clock: Callable[[], float] = time.monotonic,
         on_admit: Callable[[list[Sequence_], int], None] | None = None,
+        on_iteration_end: Callable[[], None] | None = None,
     ) -> None:
         self.engine = engine
         #: Called on the model thread with the requests joining and the batch they make, just
         #: before the step that prefills them (a worker marks them started there).
         self.on_admit = on_admit
+        #: Called on the model thread at the end of each iteration, after its events.
+        self.on_iteration_end = on_iteration_end
         self.scheduler: GenerationScheduler[Sequence_] = GenerationScheduler(config)
         self.clock = clock
         self.steps = 0
@@ -91,6 +95,13 @@ class GenerationLoop:
 
     def run_once(self) -> None:
         """One iteration: end, admit, step, report."""
+        try:
+            self._iterate()
+        finally:
+            if self.on_iteration_end is not None:
+                self.on_iteration_end()
+
+    def _iterate(self) -> None:
         with self._cond:
             incoming, self._inbox = self._inbox, []
         for seq in incoming:

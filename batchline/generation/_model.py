@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_MODEL", "cache_dir", "default_gguf", "load_causal_lm"]
+__all__ = ["DEFAULT_MODEL", "cache_dir", "default_gguf", "load_causal_lm", "place"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,3 +90,15 @@ def load_causal_lm(
     lm = AutoModelForCausalLM.from_pretrained(str(path), dtype=pick_dtype(dtype, where))
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     return lm.to(where).eval(), tokenizer  # type: ignore[arg-type]
+
+
+def place(model: Any, *, device: str = "auto", dtype: str = "auto") -> Any:
+    """A loaded model moved to ``device`` and cast to ``dtype`` where they are named;
+    ``auto`` leaves it where it is, in its own dtype."""
+    from batchline.worker.models import pick_dtype
+
+    if device != "auto":
+        model = model.to(device)
+    if dtype != "auto":
+        model = model.to(pick_dtype(dtype, device))
+    return model.eval()

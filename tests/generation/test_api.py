@@ -11,7 +11,7 @@ import pytest
 from batchline.errors import BadGenerationParams, BatcherClosed, PromptTooLong
 from batchline.generation import GenerationResult, Generator, SyncGenerator
 
-from .tiny import alone, tiny_model
+from .tiny import alone, tiny_model, torch
 
 PROMPTS = [[5, 6, 7], [8] * 12, [9, 10], [11] * 30, [12, 13, 14, 15]]
 
@@ -93,3 +93,14 @@ def test_sync_generator_from_threads(model: Any) -> None:
         streamed = [t for d in gen.stream(prompt_ids=[5, 6], max_new_tokens=3) for t in d.token_ids]
     assert out == {i: alone(model, p, 6) for i, p in enumerate(PROMPTS)}
     assert streamed == alone(model, [5, 6], 3)
+
+
+def test_device_and_dtype_place_a_loaded_model_only_where_named() -> None:
+    kept = tiny_model("llama", torch.float64)
+    with SyncGenerator(kept) as gen:  # auto: where and as it is
+        assert gen.engine.model.dtype == torch.float64
+    cast = tiny_model("llama", torch.float64)
+    with SyncGenerator(cast, device="cpu", dtype="bfloat16") as gen:
+        assert gen.engine.model.dtype == torch.bfloat16
+        result = gen.generate(prompt_ids=[5, 6, 7], max_new_tokens=5)
+    assert list(result.token_ids) == alone(cast, [5, 6, 7], 5)  # cast in place: bfloat16

@@ -40,7 +40,7 @@ def tiny_model(kind: str, dtype: Any = None, *, seed: int = 0) -> Any:
 
 def alone(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
     """The reference: this prompt generated greedily on its own with model.generate."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
