@@ -42,6 +42,7 @@ class Outcome:
     served_per_s: float
     batch_sizes: list[int]
     controller: SloController | None
+    worst_ms: list[tuple[float, float]]  # per batch: when it started, its worst latency
 
 
 def simulate(
@@ -52,7 +53,11 @@ def simulate(
     timeout_ms: float = 10.0,
     seconds: float = 20.0,
     seed: int = 1,
+    stalls: tuple[tuple[float, float], ...] = (),
 ) -> Outcome:
+    """``stalls``: (when, how long) the whole process pauses, as a busy machine pauses it:
+    nothing runs, arrivals keep coming; one that falls while the function runs makes it
+    take that much longer (the controller sees it in the function's time, as a driver does)."""
     rng = random.Random(seed)
     config = PolicyConfig(batch_size=batch_size, timeout_s=timeout_ms / 1e3)
     policy: BatchPolicy[Item] = BatchPolicy(config)
@@ -75,15 +80,22 @@ def simulate(
     now, i, done_items = 0.0, 0, 0
     latencies: list[float] = []
     sizes: list[int] = []
+    worst: list[tuple[float, float]] = []
     warm = seconds / 4
+    pending_stalls = sorted(stalls)
     while i < len(arrivals) or len(policy):
+        if pending_stalls and now >= pending_stalls[0][0]:
+            now += pending_stalls.pop(0)[1]
         while i < len(arrivals) and arrivals[i] <= now:
             policy.add(Item(arrivals[i]))
             i += 1
         decision = policy.poll(now)
         if decision.batch:
             took = model_s(len(decision.batch))
+            if pending_stalls and now + took >= pending_stalls[0][0]:
+                took += pending_stalls.pop(0)[1]
             waits = [now - it.arrival for it in decision.batch]
+            worst.append((now, (max(waits) + took) * 1e3))
             if now >= warm:
                 latencies += [w + took for w in waits]
                 sizes.append(len(decision.batch))
@@ -106,6 +118,7 @@ def simulate(
         served_per_s=done_items / span,
         batch_sizes=sizes,
         controller=slo,
+        worst_ms=worst,
     )
 
 
@@ -118,6 +131,72 @@ def best_fixed(rate_per_s: float, target_ms: float) -> float:
             if out.p99_ms <= target_ms:
                 best = max(best, out.served_per_s)
     return best
+
+
+def random_stalls(mean_s: float, every_s: float, until_s: float) -> tuple[tuple[float, float], ...]:
+    """Pauses at Poisson times, ``every_s`` apart on average, of exponential length."""
+    rng = random.Random(5)
+    stalls: list[tuple[float, float]] = []
+    t = 1.0
+    while t < until_s:
+        t += rng.expovariate(1 / every_s)
+        stalls.append((t, rng.expovariate(1 / mean_s)))
+    return tuple(stalls)
+
+
+def best_fixed_under(
+    rate_per_s: float, stalls: tuple[tuple[float, float], ...], seconds: float
+) -> tuple[float, int]:
+    """The lowest p99 (ms) of the fixed settings that keep up (no wait), under the same
+    stalls, and the smallest batch size within 5 % of it."""
+    p99 = {
+        b: simulate(rate_per_s, batch_size=b, timeout_ms=0.0, seconds=seconds, stalls=stalls).p99_ms
+        for b in (8, 16, 32, 64)
+    }
+    best = min(p99.values())
+    return best, min(b for b, ms in p99.items() if ms <= 1.05 * best)
+
+
+def test_a_stall_is_recovered_from() -> None:
+    # A 30 ms pause at 800/s leaves 24 items queued and breaks the target for them; the
+    # controller shrinks its margin (its observed p99 is above the target). The backlog is
+    # still served at once (a backlog counts as load: the limit is lifted), latencies are
+    # back under the target within a few batches, and the margin and the batch limit grow
+    # back once the pause has left the window.
+    stall_at, target = 3.0, 20.0
+    out = simulate(
+        800.0, target_ms=target, timeout_ms=20.0, seconds=8.0, stalls=((stall_at, 0.03),)
+    )
+    slo = out.controller
+    assert slo is not None
+    after = [(start, ms) for start, ms in out.worst_ms if start >= stall_at]
+    over = [i for i, (_, ms) in enumerate(after) if ms > target]
+    assert over, "the pause must break the target for the items it held"
+    assert max(over) < 5, after[: max(over) + 1]
+    best_p99, best_size = best_fixed_under(800.0, ((stall_at, 0.03),), 8.0)
+    assert out.p99_ms <= 1.05 * best_p99
+    assert slo.margin >= SloController(slo.config).margin  # past where it started
+    assert slo.settings.batch_size >= best_size
+
+
+@pytest.mark.parametrize(
+    ("rate", "mean_ms", "every_s"),
+    [(800.0, 3.0, 0.1), (800.0, 10.0, 0.5), (1400.0, 2.0, 0.1), (1400.0, 8.0, 0.5)],
+)
+def test_under_repeated_stalls_the_p99_is_near_the_best_fixed_settings(
+    rate: float, mean_ms: float, every_s: float
+) -> None:
+    # Stalls shrink the margin, so the controller runs with smaller batch limits than it
+    # would on a quiet machine; that costs little: under the very same stalls its p99 is
+    # within 10 % of the best fixed setting's (which it meets wherever that one meets it).
+    seconds, target = 10.0, 20.0
+    stalls = random_stalls(mean_ms / 1e3, every_s, seconds)
+    out = simulate(rate, target_ms=target, timeout_ms=20.0, seconds=seconds, stalls=stalls)
+    best_p99, _ = best_fixed_under(rate, stalls, seconds)
+    assert out.p99_ms <= 1.1 * best_p99, (out.p99_ms, best_p99)
+    if best_p99 <= target:
+        assert out.p99_ms <= target
+    assert out.served_per_s == pytest.approx(rate, rel=0.05)
 
 
 @pytest.mark.parametrize("rate", [200.0, 800.0, 1500.0])
