@@ -63,6 +63,14 @@ class Meta:
     read_unix: float
     started_unix: float = 0.0
     batch_size: int = 0
+    _ih: str = field(default="", repr=False)
+
+    def input_hash(self) -> str:
+        """The input hash of this request (``ih``, docs/protocol.md), computed once: its
+        result and any chunks streamed to its producer carry it."""
+        if not self._ih:
+            self._ih = input_hash(self.request["meta"], self.request.get("blob", b""))
+        return self._ih
 
 
 @dataclass(slots=True)
@@ -111,7 +119,7 @@ def answer(
     # its own request (docs/protocol.md, Access control). An entry with a cache hash (ck)
     # may answer requests coalesced onto it: the completion script checks them against it.
     cache_hash = request.get("ck") or ""
-    ih = input_hash(request["meta"], request.get("blob", b""))
+    ih = meta.input_hash()
     try:
         fields = result_fields(
             request_id,

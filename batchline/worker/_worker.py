@@ -48,7 +48,6 @@ from batchline.config import WorkerSettings, redact_url
 from batchline.drivers._base import Call, Item
 from batchline.errors import BatcherClosed, BatchlineError, RequestCancelled, WorkerHung
 from batchline.transport._cancels import CancelLog
-from batchline.transport._once import input_hash
 from batchline.transport._redis import RedisClient, connect, dedicated, wait_for_redis
 from batchline.transport.keys import check_name, host_id
 from batchline.worker._answers import Meta, Record, answer, dead_letter, finished
@@ -407,8 +406,7 @@ class Worker:
         reply = request.get("reply")
         if request.get("stream") and reply and self._generation is not None:
             # Chunks carry the input hash, as results do: producers check it.
-            ih = input_hash(request["meta"], request.get("blob", b""))
-            self._generation.stream(call, self._chunks.to(reply, request["id"], ih))
+            self._generation.stream(call, self._chunks.to(reply, request["id"], meta.input_hash()))
 
     # -- running -------------------------------------------------------------------------------
 
