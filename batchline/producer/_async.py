@@ -31,12 +31,14 @@ from batchline.config import ProducerSettings
 from batchline.errors import BatcherClosed, BatchlineError, RequestCancelled, RequestTimeout
 from batchline.producer._enqueue import Enqueuer
 from batchline.producer._failures import translate
-from batchline.producer._once import Answered, cached_result, sent_input
+from batchline.producer._once import Answered, cached_result
 from batchline.producer._replies import ReplyReader, Waiters
 from batchline.producer._stream import StreamChunk, Streams, quiet_cancel, stream_request
 from batchline.transport._cancels import cancel_request
+from batchline.transport._once import input_hash
 from batchline.transport._redis import RedisClient, connect
-from batchline.transport.codec import DecodeError, Result, encode_request, unpack_result
+from batchline.transport.codec import DecodeError, Result, unpack_result
+from batchline.transport.codec._requests import request_fields
 from batchline.transport.keys import check_name, host_id
 
 __all__ = ["AsyncProducer", "Handle", "RequestOptions", "SubmitOptions"]
@@ -239,7 +241,7 @@ class AsyncProducer:
             raise ValueError(f"priority must be in 0..{self.keys.priorities - 1}, got {prio!r}")
         rid = check_name("request_id", request_id) if request_id is not None else _new_id()
         now_ms = time.time() * 1e3
-        fields = encode_request(
+        flat, meta, blob = request_fields(
             rid,
             value,
             priority=prio,
@@ -249,8 +251,7 @@ class AsyncProducer:
             stream=stream,
         )
         # Registered before the write, so that even the fastest reply finds its waiter.
-        flat: list[Any] = [x for kv in fields.items() for x in kv]
-        fut = self._waiting.add(rid, sent_input(flat)) if reply else None
+        fut = self._waiting.add(rid, input_hash(meta, blob)) if reply else None
         entry = [prio, flat]
         self._enqueue.put(entry, ack if ack is not None else (rid, fut), rid)
         return rid, fut

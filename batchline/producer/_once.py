@@ -18,7 +18,14 @@ from batchline.transport._redis import RedisClient
 from batchline.transport.codec import DecodeError, Limits, Result, unpack_result
 from batchline.transport.keys import QueueKeys
 
-__all__ = ["OUTCOMES", "Answered", "cached_result", "check_input", "outcome_of", "sent_input"]
+__all__ = [
+    "OUTCOMES",
+    "Answered",
+    "cached_result",
+    "check_input",
+    "outcome_of",
+    "sent_input",
+]
 
 #: The names a producer counts its submits by (``AsyncProducer.counts``).
 OUTCOMES = ("queued", "full", "result", "cached", "attached", "coalesced", "conflict")
@@ -31,6 +38,9 @@ class Answered:
 
     kind: str
     now: Result | BaseException | None = None
+
+
+_QUEUED = Answered("queued")
 
 
 def sent_input(fields: list[Any]) -> str:
@@ -58,7 +68,7 @@ def outcome_of(request_id: str, reply: Any, limits: Limits, sent: list[Any]) -> 
     if reply is None:
         return Answered("full")
     if not isinstance(reply, list) or not reply:
-        return Answered("queued")  # an entry id
+        return _QUEUED  # an entry id
     kind = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
     if kind == "conflict":
         return Answered(kind, RequestIdConflict(request_id))

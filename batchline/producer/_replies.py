@@ -132,6 +132,8 @@ class ReplyReader:
             try:
                 response = await client.xread({self._reply_key: last}, count=1000, block=1000)
             except (RedisError, OSError) as exc:
+                if self._closed():
+                    break  # stop() cut the connection: nothing to report
                 await backoff.wait(exc)
                 continue
             backoff.reset()

@@ -24,6 +24,7 @@ __all__ = [
     "decode_request",
     "decode_requests",
     "encode_request",
+    "request_fields",
     "request_value",
     "salvage_id",
 ]
@@ -78,23 +79,47 @@ def encode_request(
 ) -> dict[str, bytes | str]:
     """The stream fields of one request (all strings or bytes, as they travel); ``stream``
     asks a generation worker to push its tokens to ``reply`` as they come."""
+    flat, _meta, _blob = request_fields(
+        request_id,
+        value,
+        priority=priority,
+        deadline_unix_ms=deadline_unix_ms,
+        enqueued_unix_ms=enqueued_unix_ms,
+        reply=reply,
+        stream=stream,
+    )
+    return {str(name): value for name, value in zip(flat[::2], flat[1::2], strict=True)}
+
+
+def request_fields(
+    request_id: str,
+    value: Any,
+    *,
+    priority: int,
+    deadline_unix_ms: float | None,
+    enqueued_unix_ms: float,
+    reply: str | None,
+    stream: bool,
+) -> tuple[list[bytes | str], bytes, bytes]:
+    """:func:`encode_request` as a flat ``[field, value, ...]`` list (a producer's hot path),
+    with the value's encoded ``meta`` and ``blob``."""
     meta, blob = pack_value(value)
-    fields: dict[str, bytes | str] = {
-        "v": str(SCHEMA_VERSION),
-        "id": request_id,
-        "meta": meta,
-        "prio": str(priority),
-        "ts": f"{enqueued_unix_ms:.3f}",
-    }
+    flat: list[bytes | str] = [
+        "v", _VERSION, "id", request_id, "meta", meta, "prio", str(priority),
+        "ts", f"{enqueued_unix_ms:.3f}",
+    ]  # fmt: skip
     if blob:
-        fields["blob"] = blob
+        flat += ("blob", blob)
     if deadline_unix_ms is not None:
-        fields["dl"] = f"{deadline_unix_ms:.3f}"
+        flat += ("dl", f"{deadline_unix_ms:.3f}")
     if reply is not None:
-        fields["reply"] = reply
+        flat += ("reply", reply)
     if stream:
-        fields["stream"] = "1"
-    return fields
+        flat += ("stream", "1")
+    return flat, meta, blob
+
+
+_VERSION = str(SCHEMA_VERSION)
 
 
 def decode_request(raw: Mapping[bytes, bytes]) -> Request:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -162,35 +161,62 @@ def result_map(data: Any) -> dict[Any, Any]:
         raise DecodeError("a result's field names must be strings") from None
 
 
-def _text(raw: Mapping[Any, Any], name: bytes, default: bytes = b"") -> str:
-    value = raw.get(name, default)
-    if not isinstance(value, bytes):
-        raise DecodeError(f"malformed result: {name.decode()} is a {type(value).__name__}")
-    try:
-        return value.decode()
-    except UnicodeDecodeError:
-        raise DecodeError(f"malformed result: {name.decode()} is not UTF-8") from None
+def _text(value: Any, name: str) -> str:
+    if type(value) is bytes:
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            raise DecodeError(f"malformed result: {name} is not UTF-8") from None
+    raise DecodeError(f"malformed result: {name} is a {type(value).__name__}")
 
 
-def _number(raw: Mapping[Any, Any], name: bytes, kind: type[int] | type[float]) -> Any:
-    """An int or float field, as msgpack text (what workers write) or a msgpack number."""
-    value = raw.get(name, b"0")
-    if isinstance(value, bool) or not isinstance(value, bytes | int | float):
-        raise DecodeError(f"malformed result: {name.decode()} is a {type(value).__name__}")
-    if isinstance(value, bytes) and len(value) > 64:
-        raise DecodeError(f"malformed result: {name.decode()} is {len(value)} bytes long")
+def _number(value: Any, name: str, kind: type[int] | type[float]) -> Any:
+    """An int or float field, as msgpack text (what workers write) or a msgpack number;
+    in ``[0, 2**63)``, so neither NaN nor an infinity."""
+    if type(value) is bytes:
+        if len(value) > 64:
+            raise DecodeError(f"malformed result: {name} is {len(value)} bytes long")
+    elif isinstance(value, bool) or not isinstance(value, int | float):
+        raise DecodeError(f"malformed result: {name} is a {type(value).__name__}")
     try:
         number = kind(value)
     except (ValueError, TypeError, OverflowError):
-        raise DecodeError(f"malformed result: {name.decode()} is not a number: {value!r}") from None
-    if kind is float and not math.isfinite(number):
-        raise DecodeError(f"malformed result: {name.decode()} must be finite")
-    if not 0 <= number < _MAX_NUMBER:
-        raise DecodeError(f"malformed result: {name.decode()} {number!r} is out of range")
+        raise DecodeError(f"malformed result: {name} is not a number: {value!r}") from None
+    if not 0 <= number < _MAX_NUMBER:  # NaN compares false: refused here too
+        raise DecodeError(f"malformed result: {name} {number!r} is out of range")
     return number
 
 
 _MAX_NUMBER = 1 << 63  # timings in ms and batch sizes: anything larger is not one
+_TEXTS = (b"id", b"status", b"etype", b"emsg", b"worker", b"ih")
+
+
+def _numbers(queue_ms: Any, batch: Any, model_ms: Any) -> tuple[float, int, float]:
+    """The three numbers of a result: as workers write them (short text) in one step,
+    anything else through :func:`_number`, which names what is off."""
+    if (
+        type(queue_ms) is bytes
+        and type(batch) is bytes
+        and type(model_ms) is bytes
+        and len(queue_ms) <= 64
+        and len(batch) <= 64
+        and len(model_ms) <= 64
+    ):
+        try:
+            q, b, m = float(queue_ms), int(batch), float(model_ms)
+        except ValueError:
+            pass
+        else:
+            if 0 <= q < _MAX_NUMBER and 0 <= b < _MAX_NUMBER and 0 <= m < _MAX_NUMBER:
+                return q, b, m
+    return (
+        _number(queue_ms, "queue_ms", float),
+        _number(batch, "batch", int),
+        _number(model_ms, "model_ms", float),
+    )
+
+
+_BYTES = frozenset((bytes,))
 
 
 def decode_result(raw: Mapping[Any, Any], limits: Limits) -> Result:
@@ -200,31 +226,35 @@ def decode_result(raw: Mapping[Any, Any], limits: Limits) -> Result:
     Checked by hand rather than by a pydantic model: a producer decodes one per request,
     and this is several times faster for the same checks.
     """
-    if not isinstance(raw, Mapping):
+    if type(raw) is not dict and not isinstance(raw, Mapping):
         raise DecodeError(f"a result is a map of fields, not a {type(raw).__name__}")
-    if raw and not all(isinstance(k, bytes) for k in raw):
+    if not _BYTES.issuperset(map(type, raw)):
         raw = {
             (k.encode() if isinstance(k, str) else k): (v.encode() if isinstance(v, str) else v)
             for k, v in raw.items()
         }
-    version = _number(raw, b"v", int) if b"v" in raw else -1
+    get = raw.get
+    version = _number(get(b"v"), "v", int) if b"v" in raw else -1
     if version != SCHEMA_VERSION:
         raise DecodeError(f"result schema version {version} is not {SCHEMA_VERSION}")
-    rid = _text(raw, b"id")
+    texts = [get(name, b"") for name in _TEXTS]
+    try:  # the common case in one step; what is off is named below
+        rid, status, etype, emsg, worker, ih = [value.decode() for value in texts]
+    except (AttributeError, UnicodeDecodeError):
+        rid, status, etype, emsg, worker, ih = [
+            _text(value, name.decode()) for value, name in zip(texts, _TEXTS, strict=True)
+        ]
     if not is_name(rid):
         raise DecodeError(f"malformed result: invalid request id {rid[:200]!r}")
-    status = _text(raw, b"status")
     if status not in _STATUSES:
         raise DecodeError(f"malformed result: unknown status {status[:200]!r}")
-    etype, emsg, worker = (_text(raw, name) for name in (b"etype", b"emsg", b"worker"))
-    queue_ms = _number(raw, b"queue_ms", float)
-    batch = _number(raw, b"batch", int)
-    model_ms = _number(raw, b"model_ms", float)
-    ih = _text(raw, b"ih")
+    queue_ms, batch, model_ms = _numbers(
+        get(b"queue_ms", b"0"), get(b"batch", b"0"), get(b"model_ms", b"0")
+    )
     if ih and not _is_hash(ih):
         raise DecodeError("malformed result: ih is not 40 lower-case hex digits")
-    meta, blob = raw.get(b"meta", b"null"), raw.get(b"blob", b"")
-    if not (isinstance(meta, bytes) and isinstance(blob, bytes)):
+    meta, blob = get(b"meta", b"null"), get(b"blob", b"")
+    if not (type(meta) is bytes and type(blob) is bytes):
         raise DecodeError("malformed result: meta and blob must be bytes")
     output = None
     if status == "ok":
@@ -234,7 +264,7 @@ def decode_result(raw: Mapping[Any, Any], limits: Limits) -> Result:
             raise
         except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # belt and braces
             raise DecodeError(f"malformed result: its output: {exc}") from None
-    return Result(rid, status, output, etype, emsg, queue_ms, batch, model_ms, worker, ih)  # type: ignore[arg-type]
+    return Result(rid, status, output, etype, emsg, queue_ms, batch, model_ms, worker, ih)
 
 
 _HEX = frozenset("0123456789abcdef")
