@@ -115,10 +115,11 @@ return out
 # KEYS: the work streams (priority 0 first), then the dead-letter stream. ARGV: group,
 # ttl_s, reply_maxlen, dead_maxlen, the result-key prefix, the reply-stream prefix, a
 # msgpack array of records, each [stream index (0-based), entry id, request id or '',
-# reply producer id or '', [dead-letter field, value, ...], packed result or '', status,
-# input hash or '', cache key to fill or '', in-flight mark to clear or ''] (a packed
-# result is itself msgpack: the flat [field, value, ...] array), then the prefixes of
-# request inputs and of waiters, and cache_ttl_s.
+# reply producer id or '', packed result or '', input hash or '', cache key to fill or '',
+# in-flight mark to clear or '', status, [dead-letter field, value, ...]] (a packed result
+# is itself msgpack: the flat [field, value, ...] array; trailing fields that would be
+# empty are left out, so a plain answer is 5 long), then the prefixes of request inputs and
+# of waiters, and cache_ttl_s.
 # Each result (a dead letter's error result too) also reaches the request's further
 # waiters (its waiters' set): the same id
 # from other producers, and requests of other ids coalesced onto it (for those the result
@@ -193,15 +194,12 @@ local function answer_waiters(request_id, reply, result, h)
   end
 end
 for _, record in ipairs(records) do
-  local stream = KEYS[tonumber(record[1]) + 1]
-  local entry = record[2]
-  local request_id = record[3]
-  local reply = record[4]
-  local dead_fields = record[5]
-  local result = record[6]
+  local stream = KEYS[record[1] + 1]
+  local entry, request_id, reply, result = record[2], record[3], record[4], record[5]
   if redis.call('XACK', stream, group, entry) == 1 then
     answered = answered + 1
-    if #dead_fields > 0 then
+    local dead_fields = record[10]
+    if dead_fields and #dead_fields > 0 then
       dead_fields[#dead_fields + 1] = 'entry'
       dead_fields[#dead_fields + 1] = entry
       redis.call('XADD', dead, 'MAXLEN', '~', dead_maxlen, '*', unpack(dead_fields))
@@ -210,9 +208,9 @@ for _, record in ipairs(records) do
       redis.call('SET', result_prefix .. request_id, result, 'EX', ttl)
       redis.call('EXPIRE', rid_prefix .. request_id, ttl)
       if reply ~= '' then push(reply, result) end
-      answer_waiters(request_id, reply, result, record[8] or '')
-      local cache_key, mark = record[9] or '', record[10] or ''
-      if record[7] == 'ok' and cache_key ~= '' then
+      answer_waiters(request_id, reply, result, record[6] or '')
+      local cache_key, mark = record[7] or '', record[8] or ''
+      if record[9] == 'ok' and cache_key ~= '' then
         redis.call('SET', cache_key, result, 'EX', cache_ttl)
       end
       if mark ~= '' and redis.call('GET', mark) == request_id then redis.call('DEL', mark) end

@@ -31,7 +31,7 @@ ENTRY_SLACK_BYTES = 64 << 10
 
 def entry_bytes(raw: dict[bytes, bytes] | None) -> int:
     """The size of one stream entry's fields and values."""
-    return sum(len(k) + len(v) for k, v in raw.items()) if raw else 0
+    return sum(map(len, raw)) + sum(map(len, raw.values())) if raw else 0
 
 
 class ReadCap:

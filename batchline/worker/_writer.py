@@ -11,6 +11,7 @@ are reclaimed and answered later, so nothing is lost either way.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import msgpack
 from redis.exceptions import RedisError
@@ -78,23 +79,24 @@ class AnswerWriter:
             logger.error("writer: %d answers not written: %s", len(records), exc)
         self._claims.settle(records)
 
+    def _record(self, r: Record) -> list[Any]:
+        """One record as the completion script takes it (see ``COMPLETE``): trailing fields
+        that would be empty are left out, so a plain answer is five long."""
+        if r.result is None or r.request_id is None:
+            out: list[Any] = [r.sidx, r.entry, "", "", ""]
+        else:
+            out = [r.sidx, r.entry, r.request_id, r.reply or "", r.result]
+        cache, mark = self._cache.keys_for(r) if self._cache is not None else ("", "")
+        if r.dead:
+            out += (r.input_hash, cache, mark, r.status, r.dead)
+        elif cache or mark:
+            out += (r.input_hash, cache, mark, r.status)
+        elif r.input_hash:
+            out.append(r.input_hash)
+        return out
+
     async def _write(self, records: list[Record]) -> None:
-        packed = []
-        for r in records:
-            has_result = r.result is not None and r.request_id is not None
-            packed.append(
-                [
-                    r.sidx,
-                    r.entry,
-                    r.request_id or "" if has_result else "",
-                    r.reply or "" if has_result else "",
-                    r.dead or [],
-                    r.result if has_result else "",
-                    r.status,
-                    r.input_hash,
-                    *(self._cache.keys_for(r) if self._cache is not None else ("", "")),
-                ]
-            )
+        packed = [self._record(r) for r in records]
         keys = [*self._keys.streams_low_first, self._keys.dead]
         args = [
             GROUP,

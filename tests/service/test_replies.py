@@ -253,11 +253,11 @@ async def test_the_completion_script_answers_each_entry_once(
     rclient.xreadgroup(GROUP, "c1", {s: ">" for s in streams})
     assert pending_count(rclient, keys) == 5
     records = [
-        [1, entry["a1"], "a1", "pa", [], packed(Result("a1", "ok", "A1"))],
-        [1, entry["b1"], "b1", "pb", [], packed(Result("b1", "ok", [1, 2]))],
-        [1, entry["a2"], "a2", "pa", [], packed(Result("a2", "error", None, "E", "it failed"))],
-        [1, entry["q"], "q", "", [], packed(Result("q", "ok", "Q"))],  # no reply address
-        [0, junk, "", "", [], ""],  # acknowledged only
+        [1, entry["a1"], "a1", "pa", packed(Result("a1", "ok", "A1"))],
+        [1, entry["b1"], "b1", "pb", packed(Result("b1", "ok", [1, 2]))],
+        [1, entry["a2"], "a2", "pa", packed(Result("a2", "error", None, "E", "it failed"))],
+        [1, entry["q"], "q", "", packed(Result("q", "ok", "Q"))],  # no reply address
+        [0, junk, "", "", ""],  # acknowledged only
     ]
     args = complete_args(keys, records)
     script = Script(COMPLETE)
@@ -301,7 +301,7 @@ async def test_the_completion_script_takes_a_write_of_ten_thousand_records(
         entries = pipe.execute()
     rclient.xreadgroup(GROUP, "c1", {keys.stream(0): ">"}, count=n)
     records = [
-        [0, entry, f"r{i}", "pa", [], packed(Result(f"r{i}", "ok", i))]
+        [0, entry, f"r{i}", "pa", packed(Result(f"r{i}", "ok", i))]
         for i, entry in enumerate(entries)
     ]
     args = complete_args(keys, records)

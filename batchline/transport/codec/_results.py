@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -130,10 +131,16 @@ _VERSION = str(SCHEMA_VERSION)
 _STATUSES = frozenset(("ok", "error", "expired", "cancelled"))
 
 
+_PACKERS = threading.local()
+
+
 def pack_result(fields: list[bytes | str]) -> bytes:
     """The bytes of a result key (and of one result in a reply entry): msgpack of the flat
     ``[field, value, ...]`` list, every string as msgpack raw (str) bytes."""
-    packed: bytes = msgpack.packb(fields, use_bin_type=False)
+    packer = getattr(_PACKERS, "packer", None)
+    if packer is None:  # one per thread: a Packer is not shared, and making one costs
+        packer = _PACKERS.packer = msgpack.Packer(use_bin_type=False)
+    packed: bytes = packer.pack(fields)
     return packed
 
 
