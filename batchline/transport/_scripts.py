@@ -114,12 +114,13 @@ return out
 
 # KEYS: the work streams (priority 0 first), then the dead-letter stream. ARGV: group,
 # ttl_s, reply_maxlen, dead_maxlen, the result-key prefix, the reply-stream prefix, a
-# msgpack array of records, each [stream index (0-based), entry id, request id or '',
-# reply producer id or '', packed result or '', input hash or '', cache key to fill or '',
-# in-flight mark to clear or '', status, [dead-letter field, value, ...]] (a packed result
-# is itself msgpack: the flat [field, value, ...] array; trailing fields that would be
-# empty are left out, so a plain answer is 5 long), then the prefixes of request inputs and
-# of waiters, and cache_ttl_s.
+# msgpack array of records one after another (no array per record), each: stream index
+# (0-based), entry id, request id or '', reply producer id or '', packed result or '' (a
+# packed result is itself msgpack: the flat [field, value, ...] array), then how many
+# further fields follow (0, 1, 4 or 5) and those: input hash, cache key to fill, in-flight
+# mark to clear, status, [dead-letter field, value, ...] (a plain answer has none, an
+# answer that may have coalesced requests its input hash); then the prefixes of request
+# inputs and of waiters, and cache_ttl_s.
 # Each result (a dead letter's error result too) also reaches the request's further
 # waiters (its waiters' set): the same id
 # from other producers, and requests of other ids coalesced onto it (for those the result
@@ -193,12 +194,19 @@ local function answer_waiters(request_id, reply, result, h)
     end
   end
 end
-for _, record in ipairs(records) do
-  local stream = KEYS[record[1] + 1]
-  local entry, request_id, reply, result = record[2], record[3], record[4], record[5]
+local at, size = 1, #records
+while at <= size do
+  local stream = KEYS[records[at] + 1]
+  local entry, request_id, reply, result = records[at + 1], records[at + 2], records[at + 3],
+    records[at + 4]
+  local more = records[at + 5]
+  local h, cache_key, mark, status, dead_fields = '', '', '', '', nil
+  if more >= 1 then h = records[at + 6] end
+  if more >= 4 then cache_key, mark, status = records[at + 7], records[at + 8], records[at + 9] end
+  if more >= 5 then dead_fields = records[at + 10] end
+  at = at + 6 + more
   if redis.call('XACK', stream, group, entry) == 1 then
     answered = answered + 1
-    local dead_fields = record[10]
     if dead_fields and #dead_fields > 0 then
       dead_fields[#dead_fields + 1] = 'entry'
       dead_fields[#dead_fields + 1] = entry
@@ -208,9 +216,8 @@ for _, record in ipairs(records) do
       redis.call('SET', result_prefix .. request_id, result, 'EX', ttl)
       redis.call('EXPIRE', rid_prefix .. request_id, ttl)
       if reply ~= '' then push(reply, result) end
-      answer_waiters(request_id, reply, result, record[6] or '')
-      local cache_key, mark = record[7] or '', record[8] or ''
-      if record[9] == 'ok' and cache_key ~= '' then
+      answer_waiters(request_id, reply, result, h)
+      if status == 'ok' and cache_key ~= '' then
         redis.call('SET', cache_key, result, 'EX', cache_ttl)
       end
       if mark ~= '' and redis.call('GET', mark) == request_id then redis.call('DEL', mark) end

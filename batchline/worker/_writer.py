@@ -80,23 +80,25 @@ class AnswerWriter:
         self._claims.settle(records)
 
     def _record(self, r: Record) -> list[Any]:
-        """One record as the completion script takes it (see ``COMPLETE``): trailing fields
-        that would be empty are left out, so a plain answer is five long."""
+        """One record as the completion script takes it (see ``COMPLETE``): five fields,
+        then how many more follow (a plain answer: none) and those."""
         if r.result is None or r.request_id is None:
             out: list[Any] = [r.sidx, r.entry, "", "", ""]
         else:
             out = [r.sidx, r.entry, r.request_id, r.reply or "", r.result]
         cache, mark = self._cache.keys_for(r) if self._cache is not None else ("", "")
         if r.dead:
-            out += (r.input_hash, cache, mark, r.status, r.dead)
+            out += (5, r.input_hash, cache, mark, r.status, r.dead)
         elif cache or mark:
-            out += (r.input_hash, cache, mark, r.status)
+            out += (4, r.input_hash, cache, mark, r.status)
         elif r.input_hash:
-            out.append(r.input_hash)
+            out += (1, r.input_hash)
+        else:
+            out.append(0)
         return out
 
     async def _write(self, records: list[Record]) -> None:
-        packed = [self._record(r) for r in records]
+        packed = [field for r in records for field in self._record(r)]
         keys = [*self._keys.streams_low_first, self._keys.dead]
         args = [
             GROUP,

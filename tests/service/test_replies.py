@@ -102,8 +102,9 @@ def packed_with(result: Result, **changed: Any) -> bytes:
 
 
 def complete_args(keys: QueueKeys, records: list[Any]) -> list[Any]:
-    """The completion script's ARGV for these records (TTL 60 s, caps of 1000)."""
-    packed_records = msgpack.packb(records, use_bin_type=False)
+    """The completion script's ARGV for these records (TTL 60 s, caps of 1000); the script
+    takes them one after another in one array."""
+    packed_records = msgpack.packb([f for record in records for f in record], use_bin_type=False)
     prefixes = [keys.result_prefix, keys.reply_prefix, packed_records]
     return [GROUP, 60, 1000, 1000, *prefixes, keys.request_input(""), keys.waiters(""), 0]
 
@@ -253,11 +254,11 @@ async def test_the_completion_script_answers_each_entry_once(
     rclient.xreadgroup(GROUP, "c1", {s: ">" for s in streams})
     assert pending_count(rclient, keys) == 5
     records = [
-        [1, entry["a1"], "a1", "pa", packed(Result("a1", "ok", "A1"))],
-        [1, entry["b1"], "b1", "pb", packed(Result("b1", "ok", [1, 2]))],
-        [1, entry["a2"], "a2", "pa", packed(Result("a2", "error", None, "E", "it failed"))],
-        [1, entry["q"], "q", "", packed(Result("q", "ok", "Q"))],  # no reply address
-        [0, junk, "", "", ""],  # acknowledged only
+        [1, entry["a1"], "a1", "pa", packed(Result("a1", "ok", "A1")), 0],
+        [1, entry["b1"], "b1", "pb", packed(Result("b1", "ok", [1, 2])), 0],
+        [1, entry["a2"], "a2", "pa", packed(Result("a2", "error", None, "E", "it failed")), 0],
+        [1, entry["q"], "q", "", packed(Result("q", "ok", "Q")), 0],  # no reply address
+        [0, junk, "", "", "", 0],  # acknowledged only
     ]
     args = complete_args(keys, records)
     script = Script(COMPLETE)
@@ -301,7 +302,7 @@ async def test_the_completion_script_takes_a_write_of_ten_thousand_records(
         entries = pipe.execute()
     rclient.xreadgroup(GROUP, "c1", {keys.stream(0): ">"}, count=n)
     records = [
-        [0, entry, f"r{i}", "pa", packed(Result(f"r{i}", "ok", i))]
+        [0, entry, f"r{i}", "pa", packed(Result(f"r{i}", "ok", i)), 0]
         for i, entry in enumerate(entries)
     ]
     args = complete_args(keys, records)
