@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -274,9 +275,9 @@ def decode_result(raw: Mapping[Any, Any], limits: Limits) -> Result:
     return Result(rid, status, output, etype, emsg, queue_ms, batch, model_ms, worker, ih)
 
 
-_HEX = frozenset("0123456789abcdef")
+_HASH = re.compile(r"[0-9a-f]{40}")
 
 
 def _is_hash(text: str) -> bool:
     """Whether ``text`` is a SHA-1 in hex, lower case (an input hash)."""
-    return len(text) == 40 and _HEX.issuperset(text)
+    return _HASH.fullmatch(text) is not None
