@@ -35,6 +35,7 @@ from batchline.demo.embedded import EmbeddedRedis
 from batchline.demo.load import open_loop
 from batchline.demo.sentences import labelled_sentences
 from batchline.drivers._options import DEFAULTS
+from batchline.worker._supervisor import die_with_parent
 
 __all__ = ["run_service_demo"]
 
@@ -63,8 +64,10 @@ def start_worker(url: str, queue: str, settings: list[str]) -> subprocess.Popen[
         [sys.executable, "-m", "batchline", "--log-level", "WARNING", "worker", *settings],
         env=env,
         # Its own session: a Ctrl-C at the terminal reaches only the demo, which stops the
-        # worker itself, before the Redis it talks to.
+        # worker itself, before the Redis it talks to. Killed outright, the demo (or a
+        # benchmark using this) takes the worker with it rather than leaving it serving.
         start_new_session=True,
+        preexec_fn=die_with_parent,  # noqa: PLW1509 - only prctl, before exec
     )
 
 

@@ -40,7 +40,7 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
-__all__ = ["CHILD_FLAG", "report_ready", "supervise"]
+__all__ = ["CHILD_FLAG", "die_with_parent", "report_ready", "supervise"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,9 @@ _FIRST_DELAY_S = 0.1
 _MAX_DELAY_S = 10.0
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+def die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """A ``preexec_fn``: on Linux the child gets SIGKILL when the thread that started it
+    ends (``PR_SET_PDEATHSIG``); start it from a thread that lives as long as it should."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -93,7 +95,7 @@ def supervise(argv: Sequence[str], *, max_restarts_per_min: int) -> int:
             child = subprocess.Popen(
                 [*command, str(ready_w)],
                 pass_fds=(ready_w,),
-                preexec_fn=_die_with_parent,  # noqa: PLW1509
+                preexec_fn=die_with_parent,  # noqa: PLW1509
             )
         finally:
             os.close(ready_w)

@@ -23,6 +23,7 @@ from batchline.errors import InferenceError, RequestTimeout
 from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer, Producer, StreamChunk
 from batchline.producer._stream import StreamState
+from batchline.transport.codec._requests import request_fields
 
 from .conftest import (
     RESULT_TIMEOUT_S,
@@ -117,14 +118,15 @@ def test_a_worker_that_sends_no_chunks_streams_the_whole_text_at_the_end(
     start_worker("generate", model_path=TINY)
     import batchline.producer._async as producer_module
 
-    def without_stream(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        fields = encode_request(*args, **kwargs)
-        popped.append(fields.pop("stream", None))
-        return fields
+    def without_stream(*args: Any, **kwargs: Any) -> tuple[list[Any], bytes, bytes]:
+        flat, meta, blob = request_fields(*args, **kwargs)
+        pairs = list(zip(flat[::2], flat[1::2], strict=True))
+        popped.append(dict(pairs).get("stream"))
+        return [x for name, value in pairs if name != "stream" for x in (name, value)], meta, blob
 
     popped: list[str | bytes | None] = []
 
-    monkeypatch.setattr(producer_module, "encode_request", without_stream)
+    monkeypatch.setattr(producer_module, "request_fields", without_stream)
     with Producer(redis_url=redis_url, queue=queue) as producer:
         chunks = list(producer.stream(VALUES[0], timeout_s=T))
         answer = producer.infer(VALUES[0], timeout_s=T)
