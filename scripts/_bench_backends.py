@@ -40,7 +40,7 @@ async def serve(url: str, queue: str, texts: list[str]) -> tuple[float, list[Any
     finally:
         task = asyncio.ensure_future(producer.aclose())
         done, _ = await asyncio.wait({task}, timeout=5.0)
-        if not done:  # see bench_queue.safe_close
+        if not done:  # see _bench_roles.safe_close
             task.cancel()
 
 
@@ -53,7 +53,7 @@ def min_cosine(got: Any, want: Any) -> float:
 
 
 def part_d(bench: Any, backends: list[str]) -> None:
-    """Measure each backend served through Redis (``bench`` is bench_queue's Bench)."""
+    """Measure each backend served through Redis (``bench`` is _bench_service's Bench)."""
     from batchline.demo.sentences import sentences
 
     cfg, res, procs = bench.cfg, bench.res, bench.procs

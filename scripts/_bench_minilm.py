@@ -152,7 +152,7 @@ async def _producer(url: str, queue: str) -> Any:
 async def _close(producer: Any) -> None:
     task = asyncio.ensure_future(producer.aclose())
     done, _ = await asyncio.wait({task}, timeout=5.0)
-    if not done:  # see bench_queue.safe_close
+    if not done:  # see _bench_roles.safe_close
         task.cancel()
 
 
