@@ -32,7 +32,7 @@ NEEDS = {
     "onnx": ("onnxruntime",),
     "onnx-int8": ("onnxruntime", "onnx"),
     "openvino": ("openvino",),
-    "openvino-int8": ("openvino", "onnxruntime", "onnx"),
+    "openvino-int8": ("openvino",),
 }
 
 
