@@ -218,7 +218,7 @@ def prepare(batch: list[Entry], model: Model, limits: Limits, worker_id: str) ->
     prepared items, or the record that answers it at once (malformed: dead-lettered;
     expired; refused by the model's ``preprocess``; deleted while pending: acknowledged)."""
     now = time.time()
-    out: list[Outcome] = []
+    out: list[Outcome | None] = []  # None: a request being preprocessed, filled in below
     waiting: list[tuple[int, Meta]] = []  # (its place in out, request) to preprocess
     requests = iter(decode_requests([raw for _sidx, _entry, raw in batch if raw]))
     for sidx, entry, raw in batch:
@@ -242,7 +242,7 @@ def prepare(batch: list[Entry], model: Model, limits: Limits, worker_id: str) ->
             out.append(answer(meta, "expired", worker_id))
             continue
         waiting.append((len(out), meta))
-        out.append(Record(sidx, entry))  # a placeholder, replaced below
+        out.append(None)
     for (index, meta), prepared in zip(
         waiting, _preprocess(model, [m.value for _, m in waiting]), strict=True
     ):
@@ -250,7 +250,10 @@ def prepare(batch: list[Entry], model: Model, limits: Limits, worker_id: str) ->
             out[index] = answer(meta, "error", worker_id, error=prepared)
         else:
             out[index] = (meta, prepared)
-    return out
+    filled = [outcome for outcome in out if outcome is not None]
+    if len(filled) != len(out):  # pragma: no cover - every place is filled above
+        raise RuntimeError("an entry read was left without an outcome")
+    return filled
 
 
 def warm_up(model: Model) -> None:
