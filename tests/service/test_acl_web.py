@@ -14,8 +14,8 @@ from batchline.contrib.fastapi import create_app
 from batchline.keys import QueueKeys
 
 from .conftest import RESULT_TIMEOUT_S, WorkerThread, stop_all
+from .scale_security import _acl_users
 from .test_fastapi import MODEL, Serve, poll_job, serve, submit_job
-from .test_scale_security import _acl_users
 from .web_models import vector
 
 __all__ = ["serve"]  # the fixture, used here

