@@ -167,7 +167,10 @@ class RedisWorker:
         client = redis.Redis.from_url(self.url)
         try:
             workers = client.zrange(keys.workers, 0, -1)
-            raw = client.get(keys.worker_stats(workers[0].decode())) if workers else None
+            first = workers[0] if workers else None  # a member's name, bytes (no scores asked)
+            raw = (
+                client.get(keys.worker_stats(first.decode())) if isinstance(first, bytes) else None
+            )
         finally:
             client.close()
         stats = json.loads(raw) if raw else {}

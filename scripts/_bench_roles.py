@@ -163,7 +163,7 @@ def arq_worker_role(args: argparse.Namespace) -> None:
     from arq.worker import Worker
 
     worker = Worker(
-        functions=[noop],  # type: ignore[list-item]
+        functions=[noop],
         redis_pool=ArqRedis(host="127.0.0.1", port=args.port, max_connections=4 * args.inflight),
         max_jobs=args.inflight,
         poll_delay=args.arq_poll_s,

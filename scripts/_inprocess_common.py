@@ -49,14 +49,15 @@ FUNCTIONS: dict[str, Callable[[list[Any]], list[Any]]] = {"noop": noop, "model":
 
 # fast-dynamic-batcher runs ``infer`` in its own process: there is no stats object there, so
 # every output carries the size of its batch; a batch of n gives n outputs worth 1/n each,
-# whence batches = sum(1/n) over all items.
-class NoopModel(InferenceModel):
+# whence batches = sum(1/n) over all items. fast-dynamic-batcher ships no type information, so
+# InferenceModel is Any to mypy: hence the two ignores.
+class NoopModel(InferenceModel):  # type: ignore[misc]
     def infer(self, inputs: list[Any]) -> list[Any]:
         n = len(inputs)
         return [(x, n) for x in noop(inputs)]
 
 
-class SleepModel(InferenceModel):
+class SleepModel(InferenceModel):  # type: ignore[misc]
     def infer(self, inputs: list[Any]) -> list[Any]:
         n = len(inputs)
         return [(x, n) for x in model(inputs)]
@@ -128,7 +129,7 @@ async def stop_batched_aio(proc: Any) -> None:
 
 
 def thread_batcher(
-    impl: str, fn: Callable[..., Any], timeout_ms: float | None
+    impl: str, fn: Callable[..., Any], timeout_ms: float
 ) -> tuple[Any, Callable[[], Any]]:
     """batchline's or batched's (``impl``) thread-API batcher around ``fn``, and its closer."""
     if impl == "batchline":
@@ -139,7 +140,7 @@ def thread_batcher(
 
 
 def aio_batcher(
-    impl: str, fn: Callable[..., Any], timeout_ms: float | None
+    impl: str, fn: Callable[..., Any], timeout_ms: float
 ) -> tuple[Any, Callable[[], Awaitable[None]]]:
     """batchline's or batched's (``impl``) aio-API batcher around ``fn``, and its closer."""
     if impl == "batchline":

@@ -11,7 +11,7 @@ import functools
 import gc
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -96,6 +96,8 @@ def cpu_pct_over(seconds: float, idle: Callable[[float], Any]) -> float:
 def idle_cpu_thread(impl: str, timeout_ms: float | None, seconds: float) -> float:
     if impl == "baseline":
         return cpu_pct_over(seconds, time.sleep)
+    if timeout_ms is None:
+        raise ValueError(f"{impl}: timeout_ms is None (only the baseline runs without one)")
     f, close = thread_batcher(impl, noop, timeout_ms)
     with closing_all([close]):
         f(0)
@@ -112,6 +114,8 @@ async def idle_cpu_aio(impl: str, timeout_ms: float | None, seconds: float) -> f
 
     if impl == "baseline":
         return await idle()
+    if timeout_ms is None:
+        raise ValueError(f"{impl}: timeout_ms is None (only the baseline runs without one)")
     f, aclose = aio_batcher(impl, noop, timeout_ms)
     try:
         await f(0)
@@ -121,7 +125,7 @@ async def idle_cpu_aio(impl: str, timeout_ms: float | None, seconds: float) -> f
         await aclose()
 
 
-def run_aio(fn: Callable[..., Awaitable[list[float]]], *args: Any) -> list[float]:
+def run_aio(fn: Callable[..., Coroutine[Any, Any, list[float]]], *args: Any) -> list[float]:
     return asyncio.run(fn(*args))
 
 

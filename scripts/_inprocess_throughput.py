@@ -130,7 +130,7 @@ async def drive_tasks(
         base = tid * per
         try:
             for i in range(base, base + per):
-                r = (await acall(i)) if awaited else acall(i)  # type: ignore[misc]
+                r = (await acall(i)) if awaited else acall(i)
                 if not check(i, r):
                     bad += 1
         except BaseException as exc:
@@ -148,11 +148,11 @@ async def drive_tasks(
 
 
 def same(i: int, r: Any) -> bool:
-    return r == i
+    return bool(r == i)
 
 
 def same_list(i: int, r: Any) -> bool:
-    return r == [i]
+    return bool(r == [i])
 
 
 # -- throughput cells ---------------------------------------------------------------------------------

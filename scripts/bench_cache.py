@@ -111,6 +111,7 @@ def enqueue_cost(url: str, calls: int) -> dict[str, float]:
     per request, the median of the calls; the work streams are emptied between calls."""
     import msgpack
     import redis
+    from redis.typing import EncodableT
 
     from batchline.transport._scripts import ENQUEUE
     from batchline.transport.codec import encode_request
@@ -134,7 +135,7 @@ def enqueue_cost(url: str, calls: int) -> dict[str, float]:
                     rid, f"text {rid}", priority=1, enqueued_unix_ms=0, reply="p"
                 )
                 batch.append([1, [x for kv in fields.items() for x in kv]])
-            args: list[object] = [0, msgpack.packb(batch, use_bin_type=False)]
+            args: list[EncodableT] = [0, msgpack.packb(batch, use_bin_type=False)]
             if mode != "short":
                 args += [3600, 600 if mode.endswith("on") else 0, *full]
             start = time.perf_counter()

@@ -291,11 +291,12 @@ def redis_ab(gen: Generator, redis: RedisWorker, n: int, new: int, rounds: int) 
     asyncio.run(ours(gen, chats[:1], [2], [0.0]))  # the worker answered one already
     print(f"uniform: {n} chat prompts, greedy, {new} new tokens; alternating, {rounds} rounds")
     totals = {"in process": [0, 0.0], "through Redis": [0, 0.0]}
+    runs: tuple[tuple[str, Callable[[], Result]], ...] = (
+        ("in process", lambda: asyncio.run(ours(gen, chats, limits, [0.0] * n))),
+        ("through Redis", lambda: redis.run(chats, limits, [0.0] * n)),
+    )
     for _ in range(rounds):
-        for name, run in (
-            ("in process", lambda: asyncio.run(ours(gen, chats, limits, [0.0] * n))),
-            ("through Redis", lambda: redis.run(chats, limits, [0.0] * n)),
-        ):
+        for name, run in runs:
             r = run()
             show(f"batchline {name}", r, {})
             totals[name][0] += r["tokens"]

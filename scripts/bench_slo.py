@@ -29,9 +29,11 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Unpack
 
 from _harness import fmt, log, machine, percentile, provenance, ratio, versions
 
+import batchline
 import batchline.aio
 
 FIXED_COST_S = 0.002
@@ -53,8 +55,10 @@ class Run:
     timeout_ms: float
 
 
-async def measure(rate: float, seconds: float, seed: int, **options: float | None) -> Run:
-    f = batchline.aio.dynamically(model, **options)  # type: ignore[call-overload]
+async def measure(
+    rate: float, seconds: float, seed: int, **options: Unpack[batchline.AioOptions]
+) -> Run:
+    f = batchline.aio.dynamically(**options)(model)
     rng = random.Random(seed)
     latencies: list[float] = []
     late: list[float] = []

@@ -242,13 +242,15 @@ async def _produce(
         # drops a second reply for it silently.
         deliver = producer._replies.deliver
 
-        def counting(raw: dict[bytes, bytes]) -> None:
-            rid = raw.get(b"id", b"?").decode(errors="replace")
+        def counting(raw: dict[Any, Any]) -> None:
+            rid: str = raw.get(b"id", b"?").decode(errors="replace")
             replies[rid] += 1
             first_reply_at.setdefault(rid, time.time())
             deliver(raw)
 
-        producer._replies.deliver = counting  # type: ignore[method-assign]
+        # A patched method: mypy refuses assigning to one (method-assign) and compares the
+        # function with the unbound method, self included (assignment).
+        producer._replies.deliver = counting  # type: ignore[method-assign, assignment]
         await producer.start()
         producers.append(producer)
         return producer
@@ -335,8 +337,9 @@ async def _produce(
 def _in_streams(client: redis.Redis, keys: QueueKeys) -> set[str]:
     ids: set[str] = set()
     for stream in keys.streams:
-        for _entry, fields in client.xrange(stream):
-            ids.add(fields.get(b"id", b"").decode(errors="replace"))
+        for _entry, fields in client.xrange(stream) or []:
+            rid = (fields or {}).get(b"id", b"")
+            ids.add(rid.decode(errors="replace") if isinstance(rid, bytes) else rid)
     return ids
 
 

@@ -58,11 +58,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import docker
 import httpx
 import numpy as np
 import yaml
-
-import docker
+from docker.models.containers import Container
 
 ROOT = Path(__file__).resolve().parent.parent
 LABEL = "batchline.containers"
@@ -287,6 +287,14 @@ def build_images(client: docker.DockerClient) -> dict[str, dict[str, float]]:
     return figures
 
 
+def exec_output(container: Container, cmd: list[str]) -> bytes:
+    """What ``cmd`` printed in ``container`` (``exec_run`` gives bytes unless streaming)."""
+    output = container.exec_run(cmd).output
+    if not isinstance(output, bytes):
+        raise TypeError(f"exec_run {cmd}: {type(output).__name__}, not bytes")
+    return output
+
+
 def check_kubernetes_redis(client: docker.DockerClient) -> None:
     """deploy/kubernetes/redis.yaml's Redis command and probe, as its pod runs them (uid 999,
     read-only root filesystem): AOF on, the default user off, the ACL user held to batchline:*."""
@@ -323,10 +331,10 @@ def check_kubernetes_redis(client: docker.DockerClient) -> None:
             "--no-auth-warning",
         ]
         answers = {
-            "own key": container.exec_run([*cli, "set", "batchline:probe", "1"])[1],
-            "other key": container.exec_run([*cli, "set", "other", "1"])[1],
-            "default user": container.exec_run(["redis-cli", "ping"])[1],
-            "aof": container.exec_run(["ls", "/data/appendonlydir"])[1],
+            "own key": exec_output(container, [*cli, "set", "batchline:probe", "1"]),
+            "other key": exec_output(container, [*cli, "set", "other", "1"]),
+            "default user": exec_output(container, ["redis-cli", "ping"]),
+            "aof": exec_output(container, ["ls", "/data/appendonlydir"]),
         }
     finally:
         container.remove(force=True)
@@ -345,7 +353,7 @@ def check_cpu_only(client: docker.DockerClient) -> str:
         "names = sorted(d.metadata['Name'] for d in m.distributions()); "
         "print(torch.__version__, ' '.join(n for n in names if n.lower().startswith('nvidia')))"
     )
-    out = (
+    out: str = (
         client.containers.run(
             WORKER_IMAGE,
             ["-c", script],

@@ -38,10 +38,12 @@ from typing import Any
 
 import redis
 import yaml
+from pydantic import SecretStr
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's batchline, not another installed one
 
+from batchline.config import WorkerSettings  # noqa: E402
 from batchline.keys import GROUP, QueueKeys  # noqa: E402
 from batchline.producer import Producer  # noqa: E402
 from batchline.worker import Worker  # noqa: E402
@@ -100,20 +102,20 @@ class Pool:
     """In-process workers on threads, started and drained like pods."""
 
     def __init__(self, redis_url: str, queue: str, batch_size: int) -> None:
-        self.settings = {
-            "redis_url": redis_url,
-            "queue": queue,
-            "batch_size": batch_size,
-            "timeout_ms": 5,
-            "heartbeat_s": 0.5,
-            "model": "keda_sim:slow",
-        }
+        self.settings = WorkerSettings(
+            redis_url=SecretStr(redis_url),
+            queue=queue,
+            batch_size=batch_size,
+            timeout_ms=5,
+            heartbeat_s=0.5,
+            model="keda_sim:slow",
+        )
         self.running: list[tuple[Worker, threading.Thread]] = []
         self.stopping: list[threading.Thread] = []
 
     def scale(self, replicas: int) -> None:
         while len(self.running) < replicas:
-            worker = Worker(**self.settings)
+            worker = Worker(self.settings)
             thread = threading.Thread(target=asyncio.run, args=(worker.run(),), daemon=True)
             thread.start()
             self.running.append((worker, thread))
