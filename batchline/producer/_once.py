@@ -18,14 +18,7 @@ from batchline.transport._redis import RedisClient
 from batchline.transport.codec import DecodeError, Limits, Result, unpack_result
 from batchline.transport.keys import QueueKeys
 
-__all__ = [
-    "OUTCOMES",
-    "Answered",
-    "cached_result",
-    "check_input",
-    "outcome_of",
-    "sent_input",
-]
+__all__ = ["OUTCOMES", "Answered", "cached_result", "check_input", "outcome_of", "sent_input"]
 
 #: The names a producer counts its submits by (``AsyncProducer.counts``).
 OUTCOMES = ("queued", "full", "result", "cached", "attached", "coalesced", "conflict")

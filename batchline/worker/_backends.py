@@ -240,8 +240,7 @@ def load_runner(
 ) -> Runner:
     """Export (once) and compile ``st_model`` for ``backend`` (not ``torch``)."""
     check_backend(backend)  # before exporting: a missing package fails at once
-    onnx_int8 = backend == "onnx-int8"
-    file = ensure_export(st_model, model_dir, names, int8=onnx_int8)
+    file = ensure_export(st_model, model_dir, names, int8=backend == "onnx-int8")
     if backend == "openvino-int8":
         file = ensure_int8_weights(file)
     return Runner(backend, file, threads=threads)

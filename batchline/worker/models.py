@@ -408,9 +408,7 @@ class CallableModel:
         self.fn = resolve_callable(self.spec)
 
     def preprocess(self, value: Any) -> list[Prepared]:
-        kind = type(value)
-        sized = kind is str or kind is list or isinstance(value, str | list)
-        return [Prepared(value, len(value) if sized else 1)]
+        return [Prepared(value, len(value) if isinstance(value, str | list) else 1)]
 
     def infer(self, batch: list[Any]) -> Sequence[Any]:
         if self.fn is None:

@@ -12,6 +12,7 @@ from typing_extensions import TypedDict
 from batchline.errors import DecodeError, show_value
 from batchline.transport.codec._values import (
     SCHEMA_VERSION,
+    VERSION_FIELD,
     Limits,
     pack_value,
     unpack_value,
@@ -105,7 +106,7 @@ def request_fields(
     with the value's encoded ``meta`` and ``blob``."""
     meta, blob = pack_value(value)
     flat: list[bytes | str] = [
-        "v", _VERSION, "id", request_id, "meta", meta, "prio", str(priority),
+        "v", VERSION_FIELD, "id", request_id, "meta", meta, "prio", str(priority),
         "ts", f"{enqueued_unix_ms:.3f}",
     ]  # fmt: skip
     if blob:
@@ -117,9 +118,6 @@ def request_fields(
     if stream:
         flat += ("stream", "1")
     return flat, meta, blob
-
-
-_VERSION = str(SCHEMA_VERSION)
 
 
 def decode_request(raw: Mapping[bytes, bytes]) -> Request:

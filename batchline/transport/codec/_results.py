@@ -11,7 +11,13 @@ from typing import Any, Literal
 import msgpack
 
 from batchline.errors import DecodeError, InferenceError, RequestCancelled, RequestExpired
-from batchline.transport.codec._values import SCHEMA_VERSION, Limits, pack_value, unpack_value
+from batchline.transport.codec._values import (
+    SCHEMA_VERSION,
+    VERSION_FIELD,
+    Limits,
+    pack_value,
+    unpack_value,
+)
 from batchline.transport.keys import is_name
 
 __all__ = [
@@ -99,7 +105,7 @@ def result_fields(  # noqa: PLR0917 - the fields of a Result, without building o
     meta, blob = pack_value(output) if status == "ok" else (b"null", b"")
     fields: list[bytes | str] = [
         "v",
-        _VERSION,
+        VERSION_FIELD,
         "id",
         request_id,
         "status",
@@ -124,9 +130,6 @@ def result_fields(  # noqa: PLR0917 - the fields of a Result, without building o
     if input_hash:
         fields += ("ih", input_hash)
     return fields
-
-
-_VERSION = str(SCHEMA_VERSION)
 
 
 _STATUSES = frozenset(("ok", "error", "expired", "cancelled"))

@@ -14,9 +14,10 @@ import numpy as np
 
 from batchline.errors import DecodeError, show_value
 
-__all__ = ["SCHEMA_VERSION", "Limits", "pack_value", "unpack_value"]
+__all__ = ["SCHEMA_VERSION", "VERSION_FIELD", "Limits", "pack_value", "unpack_value"]
 
 SCHEMA_VERSION = 2  # 2: results as msgpack strings, one reply entry per batch
+VERSION_FIELD = str(SCHEMA_VERSION)  # as the v field of requests and results travels
 _DTYPES = frozenset(
     ["|b1", "|i1", "|u1", "<i2", "<i4", "<i8", "<u2", "<u4", "<u8", "<f2", "<f4", "<f8"]
 )
