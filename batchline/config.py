@@ -190,7 +190,11 @@ class WorkerSettings(ServiceSettings):
         dtype: ``auto``, ``float32``, ``float16`` or ``bfloat16``.
         backend: how ``sentence-transformers`` runs on a CPU: ``torch``, ``onnx``
             (onnxruntime), ``onnx-int8`` (its weights quantized to int8), ``openvino`` or
-            ``openvino-int8``; the ONNX export is made once and cached (extra ``cpu-fast``).
+            ``openvino-int8`` (weights and activations in int8, calibrated); the ONNX export
+            and the int8 model are made once and cached (extra ``cpu-fast``).
+        calibration: ``openvino-int8``: a text file, one text per line (at least 32), that
+            the activations' int8 ranges are measured on once (default: texts shipped with
+            batchline, mostly English); use texts like those the queue will serve.
         threads: the model's CPU threads (default: the cores this process may use); idle
             OpenMP threads wait passively unless ``OMP_WAIT_POLICY`` says otherwise.
         batch_size: most requests (texts) per batch; for ``generate``, most sequences
@@ -245,6 +249,7 @@ class WorkerSettings(ServiceSettings):
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     backend: Literal["torch", "onnx", "onnx-int8", "openvino", "openvino-int8"] = "torch"
+    calibration: str | None = None
     threads: int | None = Field(default=None, ge=1)
     batch_size: int = Field(default=DEFAULTS.batch_size, ge=1)
     timeout_ms: float = Field(default=DEFAULTS.timeout_ms, ge=0)

@@ -11,7 +11,7 @@
 # torch from, or "default" for pip's configured index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# cpu-fast (onnxruntime, onnx, openvino: the worker's CPU backends) is wheels only, about
+# cpu-fast (onnxruntime, onnx, openvino, nncf: the worker's CPU backends) is wheels only, about
 # 80 MB, and changes nothing already installed (torch, transformers, sentence-transformers).
 # fast: uvloop, the event loop of `batchline worker` and the blocking Producer.
 extras="${BATCHLINE_EXTRAS:-dev,redis,embed,service,web,demo,generate,cpu-fast,fast}"

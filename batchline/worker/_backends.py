@@ -15,12 +15,15 @@ rename), so concurrent workers starting at once at worst export twice.
   ``onnxruntime.quantization.quantize_dynamic`` (activations quantized per batch at run
   time, no calibration data).
 - ``openvino``: OpenVINO reads the same ONNX file and compiles it for the CPU (in bf16 on a
-  CPU with bf16: OpenVINO's default there); ``openvino-int8``: the same file with every
-  weight matrix of a product stored as int8, per output channel (symmetric, scale =
-  largest magnitude / 127), dequantized inside the graph; OpenVINO compiles that into
-  products on int8 weights (weight compression: the activations keep the compute
-  precision). It is not onnxruntime's dynamically quantized file: OpenVINO runs that one
-  slower than its own fp32, and less accurately.
+  CPU with bf16: OpenVINO's default there); ``openvino-int8``: the same file quantized by
+  NNCF's post-training quantization for transformers: the weights and the activations
+  entering each product in int8 (smooth-quant and bias correction applied; layer norms,
+  softmax and GELU stay in float), the activations' ranges measured once on calibration
+  texts: ``calibration.txt`` beside this module (a few hundred varied texts of the kinds an
+  embedding service receives, a few in other languages), or the worker's ``calibration``
+  file. Products then run as int8 (VNNI on x86). The quantized model is cached per
+  calibration set (``model-int8-<hash of the texts>.xml``). onnxruntime's dynamically
+  quantized file is not used there: OpenVINO runs it slower than its own fp32.
 
 Why not sentence-transformers' own ``backend="onnx"``: it needs ``optimum``, and every
 release of optimum available today pins transformers below the version this project uses
@@ -30,8 +33,10 @@ exporter and onnxruntime or OpenVINO need nothing of the kind.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
+import io
 import logging
 import os
 import warnings
@@ -42,9 +47,13 @@ import numpy as np
 
 __all__ = [
     "BACKENDS",
+    "CALIBRATION",
     "Runner",
+    "calibration_texts",
     "check_backend",
+    "cpu_has_vnni",
     "ensure_export",
+    "ensure_int8_static",
     "export_path",
     "load_runner",
     "model_hash",
@@ -58,11 +67,14 @@ _NEEDS = {
     "onnx": ("onnxruntime",),
     "onnx-int8": ("onnxruntime", "onnx"),
     "openvino": ("openvino",),
-    "openvino-int8": ("openvino",),
+    "openvino-int8": ("openvino", "nncf"),
 }
 _OUTPUT = "sentence_embedding"
 _FORMAT = 2  # of the export and its quantization: a change makes a new cache entry
 _SKIPPED = {"README.md", ".gitattributes"}
+CALIBRATION = Path(__file__).with_name("calibration.txt")  # openvino-int8's default texts
+_MIN_CALIBRATION = 32  # texts: fewer measure too little of the activations' ranges
+_CALIBRATION_BATCH = 8
 
 
 def check_backend(backend: str) -> None:
@@ -236,56 +248,100 @@ class Runner:
 
 
 def load_runner(
-    backend: str, st_model: Any, model_dir: str, names: list[str], *, threads: int
+    backend: str,
+    st_model: Any,
+    model_dir: str,
+    names: list[str],
+    *,
+    threads: int,
+    calibration: str | os.PathLike[str] | None = None,
 ) -> Runner:
-    """Export (once) and compile ``st_model`` for ``backend`` (not ``torch``)."""
+    """Export (once) and compile ``st_model`` for ``backend`` (not ``torch``);
+    ``openvino-int8`` is calibrated on the texts of the file ``calibration`` (default
+    :data:`CALIBRATION`)."""
     check_backend(backend)  # before exporting: a missing package fails at once
+    texts = calibration_texts(calibration) if backend == "openvino-int8" else []
+    if backend == "openvino-int8" and cpu_has_vnni() is False:
+        logger.warning(
+            "openvino-int8 on a CPU without VNNI: its int8 products may run slower than "
+            "--backend openvino (measured 0.74-0.84x there); compare with bench_queue --parts d"
+        )
     file = ensure_export(st_model, model_dir, names, int8=backend == "onnx-int8")
     if backend == "openvino-int8":
-        file = ensure_int8_weights(file)
+        file = ensure_int8_static(
+            file, st_model.tokenizer, names, texts, max_length=int(st_model.max_seq_length)
+        )
     return Runner(backend, file, threads=threads)
 
 
-def ensure_int8_weights(fp32: Path) -> Path:
-    """The OpenVINO model (IR) of the export ``fp32`` with int8 weights, made once beside it
-    (``model-int8w.xml`` and ``.bin``; the ``.xml`` is renamed into place last)."""
-    target = fp32.with_name("model-int8w.xml")
+def cpu_has_vnni(cpuinfo: str | os.PathLike[str] = "/proc/cpuinfo") -> bool | None:
+    """Whether the CPU has int8 dot products (AVX512_VNNI, AVX_VNNI or AMX), as Linux lists
+    its flags; None where that cannot be read (another system)."""
+    try:
+        text = Path(cpuinfo).read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.partition(":")[2].split())
+            return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
+    return None
+
+
+def calibration_texts(path: str | os.PathLike[str] | None = None) -> list[str]:
+    """The calibration texts of ``path`` (one per line, blank lines skipped; default
+    :data:`CALIBRATION`); ValueError for a file that cannot be read or holds too few."""
+    file = Path(path) if path is not None else CALIBRATION
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"calibration file {str(file)!r} cannot be read: {exc}") from exc
+    texts = [line.strip() for line in lines if line.strip()]
+    if len(texts) < _MIN_CALIBRATION:
+        raise ValueError(
+            f"calibration file {str(file)!r} holds {len(texts)} texts; int8 calibration "
+            f"needs at least {_MIN_CALIBRATION}, one per line"
+        )
+    return texts
+
+
+def ensure_int8_static(
+    fp32: Path, tokenizer: Any, names: list[str], texts: list[str], *, max_length: int
+) -> Path:
+    """The OpenVINO model (IR) of the export ``fp32`` quantized to int8 by NNCF, calibrated
+    on ``texts`` (tokenized by ``tokenizer`` up to ``max_length`` tokens, in batches of
+    similar lengths as a worker groups them), made once beside it, renamed into place last."""
+    digest = hashlib.sha256("\n".join(texts).encode()).hexdigest()[:12]
+    target = fp32.with_name(f"model-int8-{digest}.xml")
     if target.exists():
         return target
+    import nncf
     import openvino
 
-    logger.info("compressing the export's weights to int8 once, into %s", target)
+    logger.info(
+        "quantizing the export to int8 once (%d calibration texts), into %s", len(texts), target
+    )
+    ordered = sorted(texts, key=len)
+    batches = []
+    for start in range(0, len(ordered), _CALIBRATION_BATCH):
+        features = tokenizer(
+            ordered[start : start + _CALIBRATION_BATCH],
+            padding=True,
+            truncation=True,
+            max_length=max_length,
+            return_tensors="np",
+        )
+        batches.append({n: np.asarray(features[n], dtype=np.int64) for n in names})
     model = openvino.Core().read_model(str(fp32))
-    compress_weights(model)
+    with contextlib.redirect_stdout(io.StringIO()):  # NNCF's progress bars
+        quantized = nncf.quantize(
+            model,
+            nncf.Dataset(batches),
+            model_type=nncf.ModelType.TRANSFORMER,
+            subset_size=len(batches),
+        )
     partial = target.with_name(f"{target.stem}.part{os.getpid()}.xml")
-    openvino.save_model(model, str(partial), compress_to_fp16=False)
+    openvino.save_model(quantized, str(partial), compress_to_fp16=False)
     partial.with_suffix(".bin").replace(target.with_suffix(".bin"))
     partial.replace(target)
     return target
-
-
-def compress_weights(model: Any) -> int:
-    """Store each constant weight of a MatMul in ``model`` as int8 with one fp32 scale per
-    output channel, dequantized in the graph (Convert, Multiply); returns how many. Min
-    cosine to torch fp32 on mixed sentences 0.998-0.999 (every product compressed)."""
-    import openvino
-    from openvino import opset13 as ops
-
-    count = 0
-    for op in model.get_ordered_ops():
-        source = op.input_value(1).get_node() if op.get_type_name() == "MatMul" else None
-        if source is None or source.get_type_name() != "Constant":
-            continue
-        weight = np.asarray(source.get_data(), dtype=np.float32)
-        if weight.ndim != 2:
-            continue
-        # B is [K, N], or [N, K] with transpose_b: the output channels are N.
-        axis = 1 if op.get_attributes().get("transpose_b", False) else 0
-        scale = np.abs(weight).max(axis=axis, keepdims=True) / 127.0
-        scale[scale == 0] = 1.0
-        quantized = np.clip(np.round(weight / scale), -127, 127).astype(np.int8)
-        weights = ops.convert(ops.constant(quantized), openvino.Type.f32)
-        dequantized = ops.multiply(weights, ops.constant(scale.astype(np.float32)))
-        op.input(1).replace_source_output(dequantized.output(0))
-        count += 1
-    return count

@@ -108,6 +108,7 @@ class Worker:
             dtype=s.dtype,
             backend=s.backend,
             threads=self.threads,
+            calibration=s.calibration,
         )
         self._cache = AnswerCache(s, model)
         self._own_client = redis is None

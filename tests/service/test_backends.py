@@ -4,6 +4,7 @@ process; the ONNX export is made once and cached; a missing package is a clear e
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import sys
@@ -32,7 +33,7 @@ NEEDS = {
     "onnx": ("onnxruntime",),
     "onnx-int8": ("onnxruntime", "onnx"),
     "openvino": ("openvino",),
-    "openvino-int8": ("openvino",),
+    "openvino-int8": ("openvino", "nncf"),
 }
 
 
@@ -185,3 +186,81 @@ def test_onnxruntime_gets_the_threads_and_the_wait_policy(
     except RuntimeError:  # not set
         entry = ""
     assert entry == spinning
+
+
+def runtime_precisions(model: SentenceTransformerModel, layer: str) -> set[str]:
+    """The precisions OpenVINO runs the compiled model's ``layer`` nodes in."""
+    found = set()
+    for op in model.runner._compiled.get_runtime_model().get_ordered_ops():
+        info = op.get_rt_info()
+        if info["layerType"].astype(str) == layer:
+            found.add(info["runtimePrecision"].astype(str))
+    return found
+
+
+def test_openvino_int8_runs_its_products_in_int8_and_is_cached_per_calibration(
+    cache_dir: Path, reference: np.ndarray, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    needs("openvino-int8")
+    with caplog.at_level(logging.INFO, logger=_backends.__name__):
+        default = SentenceTransformerModel(backend="openvino-int8", threads=1)
+        default.load()  # quantized once here, or by the embeddings test before it
+        assert runtime_precisions(default, "FullyConnected") <= {"u8", "i8"}  # weights and inputs
+        caplog.clear()
+        again = SentenceTransformerModel(backend="openvino-int8", threads=1)
+        again.load()
+        assert "quantizing" not in caplog.text  # cached: the default texts' file
+        # Another calibration set makes (and caches) another int8 model beside the first.
+        own = tmp_path / "texts.txt"
+        own.write_text("\n".join(sentences(40, seed=99)) + "\n\n", encoding="utf-8")
+        custom = SentenceTransformerModel(backend="openvino-int8", threads=1, calibration=str(own))
+        custom.load()
+        assert "quantizing the export to int8 once (40 calibration texts)" in caplog.text
+    assert custom.runner.file != default.runner.file
+    assert sorted(p.name for p in default.runner.file.parent.glob("model-int8-*.xml")) == sorted(
+        [default.runner.file.name, custom.runner.file.name]
+    )  # nothing half-written beside them
+    assert min_cosine(embed(custom, TEXTS), reference) >= MIN_COSINE
+
+
+def test_a_bad_calibration_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="for backend openvino-int8 only"):
+        SentenceTransformerModel(backend="onnx-int8", calibration="texts.txt")
+    with pytest.raises(ValueError, match="sentence-transformers model only"):
+        load_model("transformers", calibration="texts.txt")
+    few = tmp_path / "few.txt"
+    few.write_text("one text\n\nanother text\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="holds 2 texts; int8 calibration needs at least 32"):
+        _backends.calibration_texts(few)
+    with pytest.raises(ValueError, match="cannot be read"):
+        _backends.calibration_texts(tmp_path / "missing.txt")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1") * 40)
+    with pytest.raises(ValueError, match="cannot be read"):
+        _backends.calibration_texts(tmp_path / "latin1.txt")
+    if all(importlib.util.find_spec(p) for p in NEEDS["openvino-int8"]):
+        model = SentenceTransformerModel(backend="openvino-int8", calibration=str(few))
+        with pytest.raises(ValueError, match="holds 2 texts"):
+            model.load()  # before anything is loaded, exported or quantized
+        assert model.model is None
+    assert WorkerSettings(backend="openvino-int8", calibration="t.txt").calibration == "t.txt"
+
+
+def test_vnni_is_read_from_the_cpu_flags(tmp_path: Path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_vnni\n")
+    assert _backends.cpu_has_vnni(info) is True
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 fma\n")
+    assert _backends.cpu_has_vnni(info) is False
+    info.write_text("processor\t: 0\n")
+    assert _backends.cpu_has_vnni(info) is None
+    assert _backends.cpu_has_vnni(tmp_path / "absent") is None
+
+
+def test_openvino_int8_warns_on_a_cpu_without_vnni(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    needs("openvino-int8")
+    monkeypatch.setattr(_backends, "cpu_has_vnni", lambda: False)
+    with caplog.at_level(logging.WARNING, logger=_backends.__name__):
+        SentenceTransformerModel(backend="openvino-int8", threads=1).load()
+    assert "openvino-int8 on a CPU without VNNI" in caplog.text
