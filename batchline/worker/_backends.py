@@ -51,6 +51,7 @@ __all__ = [
     "Runner",
     "calibration_texts",
     "check_backend",
+    "check_options",
     "cpu_has_vnni",
     "ensure_export",
     "ensure_int8_static",
@@ -77,8 +78,24 @@ _MIN_CALIBRATION = 32  # texts: fewer measure too little of the activations' ran
 _CALIBRATION_BATCH = 8
 
 
-def check_backend(backend: str) -> None:
-    """Raise ImportError, saying what to install, if a package ``backend`` needs is missing."""
+def check_options(backend: str, *, device: str, dtype: str, calibration: str | None) -> None:
+    """Raise ValueError for settings the sentence-transformers ``backend`` cannot take."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    if backend != "torch" and (device not in ("auto", "cpu") or dtype not in ("auto", "float32")):
+        raise ValueError(
+            f"backend {backend!r} runs on the CPU in float32 (or int8): "
+            f"device must be auto or cpu and dtype auto or float32, got {device}/{dtype}"
+        )
+    if calibration is not None and backend != "openvino-int8":
+        raise ValueError(
+            f"a calibration file is for backend openvino-int8 only; backend is {backend!r}"
+        )
+
+
+def check_backend(backend: str, *, calibration: str | os.PathLike[str] | None = None) -> None:
+    """Raise ImportError, saying what to install, if a package ``backend`` needs is missing;
+    for ``openvino-int8``, ValueError if its ``calibration`` file is unusable."""
     if backend not in BACKENDS[1:]:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     for package in _NEEDS[backend]:
@@ -89,6 +106,8 @@ def check_backend(backend: str) -> None:
                 f"backend {backend!r} needs the package {package}: pip install "
                 f"'batchline[cpu-fast]' (or pip install {package})"
             ) from exc
+    if backend == "openvino-int8":
+        calibration_texts(calibration)
 
 
 def model_hash(path: str | os.PathLike[str]) -> str:
@@ -259,7 +278,7 @@ def load_runner(
     """Export (once) and compile ``st_model`` for ``backend`` (not ``torch``);
     ``openvino-int8`` is calibrated on the texts of the file ``calibration`` (default
     :data:`CALIBRATION`)."""
-    check_backend(backend)  # before exporting: a missing package fails at once
+    check_backend(backend, calibration=calibration)  # before exporting: fails at once
     texts = calibration_texts(calibration) if backend == "openvino-int8" else []
     if backend == "openvino-int8" and cpu_has_vnni() is False:
         logger.warning(

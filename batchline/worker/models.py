@@ -234,24 +234,12 @@ class SentenceTransformerModel(_Tokenized):
         threads: int | None = None,
         calibration: str | None = None,
     ) -> None:
-        from batchline.worker._backends import BACKENDS
+        from batchline.worker._backends import check_options
 
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
-        if backend != "torch" and (
-            device not in ("auto", "cpu") or dtype not in ("auto", "float32")
-        ):
-            raise ValueError(
-                f"backend {backend!r} runs on the CPU in float32 (or int8): "
-                f"device must be auto or cpu and dtype auto or float32, got {device}/{dtype}"
-            )
+        check_options(backend, device=device, dtype=dtype, calibration=calibration)
         self.path = path
         self.device_name = device
         self.dtype_name = dtype
-        if calibration is not None and backend != "openvino-int8":
-            raise ValueError(
-                f"a calibration file is for backend openvino-int8 only; backend is {backend!r}"
-            )
         self.backend = backend
         self.threads = threads
         self.calibration = calibration
@@ -268,11 +256,8 @@ class SentenceTransformerModel(_Tokenized):
         if self.backend != "torch":
             from batchline.worker._backends import check_backend
 
-            check_backend(self.backend)  # a missing package fails before anything loads
-            if self.backend == "openvino-int8":
-                from batchline.worker._backends import calibration_texts
-
-                calibration_texts(self.calibration)  # and so does a bad calibration file
+            # A missing package or a bad calibration file fails before anything loads.
+            check_backend(self.backend, calibration=self.calibration)
         from sentence_transformers import SentenceTransformer
 
         self.device = "cpu" if self.backend != "torch" else pick_device(self.device_name)
@@ -288,12 +273,7 @@ class SentenceTransformerModel(_Tokenized):
             names = list(self.tokenizer("an example").keys())
             threads = self.threads or available_cpus()
             self.runner = load_runner(
-                self.backend,
-                self.model,
-                path,
-                names,
-                threads=threads,
-                calibration=self.calibration,
+                self.backend, self.model, path, names, threads=threads, calibration=self.calibration
             )
             self.model = None  # the torch copy was needed for the export only
 
