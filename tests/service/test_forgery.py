@@ -24,7 +24,7 @@ from batchline.transport._once import cache_hash, input_hash
 
 from .conftest import RESULT_TIMEOUT_S, WorkerThread, wait_until
 from .models_for_tests import GatedModel
-from .test_protocol import doc_block
+from .test_protocol_doc import doc_block
 
 T = RESULT_TIMEOUT_S
 MODEL_ID = "m1"
