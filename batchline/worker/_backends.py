@@ -34,12 +34,15 @@ exporter and onnxruntime or OpenVINO need nothing of the kind.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import importlib
-import io
 import logging
 import os
+import subprocess
+import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +59,10 @@ __all__ = [
     "ensure_export",
     "ensure_int8_static",
     "export_path",
+    "keeping_signal_stack",
     "load_runner",
     "model_hash",
+    "signal_stack",
 ]
 
 logger = logging.getLogger(__name__)
@@ -249,8 +254,9 @@ class Runner:
 
             core = openvino.Core()
             config = {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY"}
-            self._compiled = core.compile_model(core.read_model(str(file)), "CPU", config)
-            self._request = self._compiled.create_infer_request()
+            with keeping_signal_stack():
+                self._compiled = core.compile_model(core.read_model(str(file)), "CPU", config)
+                self._request = self._compiled.create_infer_request()
             self.input_names = [i.get_any_name() for i in self._compiled.inputs]
             # On CPUs with bf16 (AVX512_BF16, AMX) OpenVINO computes in bf16 by default,
             # whatever the file's precision: said once, as it is most of its speed there.
@@ -264,6 +270,43 @@ class Runner:
         else:
             out = self._request.infer(feeds)[self._compiled.output(0)]
         return np.asarray(out, dtype=np.float32)
+
+
+class _SignalStack(ctypes.Structure):
+    _fields_ = [("sp", ctypes.c_void_p), ("flags", ctypes.c_int), ("size", ctypes.c_size_t)]
+
+
+def _libc() -> Any:
+    """The C library, where the alternate signal stack is Linux's (else None)."""
+    return ctypes.CDLL(None) if sys.platform.startswith("linux") else None
+
+
+def signal_stack() -> tuple[int, int, int] | None:
+    """This thread's alternate signal stack (address, flags, size); None off Linux."""
+    libc, current = _libc(), _SignalStack()
+    if libc is None or libc.sigaltstack(None, ctypes.byref(current)) != 0:
+        return None
+    return (current.sp or 0, current.flags, current.size)
+
+
+@contextlib.contextmanager
+def keeping_signal_stack() -> Iterator[None]:
+    """Give this thread back its alternate signal stack after the block.
+
+    Compiling an OpenVINO model on this CPU replaces the calling thread's alternate signal
+    stack with one of its own, freed when the model is. Python runs its signal handlers on
+    that stack (``SA_ONSTACK``), so once such a model was gone the next signal to the thread
+    (SIGINT, SIGTERM) crashed the process with SIGSEGV, even faulthandler's report (a test
+    session that had compiled and dropped three int8 models did).
+    """
+    libc, saved = _libc(), _SignalStack()
+    if libc is None or libc.sigaltstack(None, ctypes.byref(saved)) != 0:
+        yield
+        return
+    try:
+        yield
+    finally:
+        libc.sigaltstack(ctypes.byref(saved), None)
 
 
 def load_runner(
@@ -329,20 +372,18 @@ def ensure_int8_static(
 ) -> Path:
     """The OpenVINO model (IR) of the export ``fp32`` quantized to int8 by NNCF, calibrated
     on ``texts`` (tokenized by ``tokenizer`` up to ``max_length`` tokens, in batches of
-    similar lengths as a worker groups them), made once beside it, renamed into place last."""
+    similar lengths as a worker groups them), made once beside it, renamed into place last.
+    NNCF runs in a child process (:mod:`batchline.worker._quantize`)."""
     digest = hashlib.sha256("\n".join(texts).encode()).hexdigest()[:12]
     target = fp32.with_name(f"model-int8-{digest}.xml")
     if target.exists():
         return target
-    import nncf
-    import openvino
-
     logger.info(
         "quantizing the export to int8 once (%d calibration texts), into %s", len(texts), target
     )
     ordered = sorted(texts, key=len)
-    batches = []
-    for start in range(0, len(ordered), _CALIBRATION_BATCH):
+    arrays = {}
+    for index, start in enumerate(range(0, len(ordered), _CALIBRATION_BATCH)):
         features = tokenizer(
             ordered[start : start + _CALIBRATION_BATCH],
             padding=True,
@@ -350,17 +391,31 @@ def ensure_int8_static(
             max_length=max_length,
             return_tensors="np",
         )
-        batches.append({n: np.asarray(features[n], dtype=np.int64) for n in names})
-    model = openvino.Core().read_model(str(fp32))
-    with contextlib.redirect_stdout(io.StringIO()):  # NNCF's progress bars
-        quantized = nncf.quantize(
-            model,
-            nncf.Dataset(batches),
-            model_type=nncf.ModelType.TRANSFORMER,
-            subset_size=len(batches),
-        )
+        arrays.update({f"{index}/{n}": np.asarray(features[n], dtype=np.int64) for n in names})
     partial = target.with_name(f"{target.stem}.part{os.getpid()}.xml")
-    openvino.save_model(quantized, str(partial), compress_to_fp16=False)
+    batches = target.with_name(f"calibration.part{os.getpid()}.npz")
+    np.savez(batches, **arrays)  # type: ignore[arg-type]  # numpy types **kwds as bool
+    try:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "batchline.worker._quantize",
+                str(fp32),
+                str(batches),
+                str(partial),
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    finally:
+        batches.unlink(missing_ok=True)
+    if done.returncode != 0:
+        for part in (partial, partial.with_suffix(".bin")):
+            part.unlink(missing_ok=True)
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        raise RuntimeError(f"int8 quantization failed (exit {done.returncode}): {tail}")
     partial.with_suffix(".bin").replace(target.with_suffix(".bin"))
     partial.replace(target)
     return target

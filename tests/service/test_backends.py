@@ -4,10 +4,13 @@ process; the ONNX export is made once and cached; a missing package is a clear e
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -264,3 +267,36 @@ def test_openvino_int8_warns_on_a_cpu_without_vnni(
     with caplog.at_level(logging.WARNING, logger=_backends.__name__):
         SentenceTransformerModel(backend="openvino-int8", threads=1).load()
     assert "openvino-int8 on a CPU without VNNI" in caplog.text
+
+
+def test_compiling_an_openvino_model_keeps_the_threads_signal_stack(cache_dir: Path) -> None:
+    """OpenVINO's compile replaces the thread's alternate signal stack with its own, which
+    dangles once the model is freed: the next signal crashed the process (SIGSEGV)."""
+    needs("openvino-int8")
+    before = _backends.signal_stack()
+    model = SentenceTransformerModel(backend="openvino-int8", threads=1)
+    model.load()
+    assert _backends.signal_stack() == before
+    del model
+    gc.collect()
+    caught = []
+    previous = signal.signal(signal.SIGUSR1, lambda *_: caught.append(True))
+    try:
+        signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)  # handled on that stack
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert caught == [True]
+
+
+def test_a_failed_quantization_is_a_clear_error_and_leaves_nothing(tmp_path: Path) -> None:
+    needs("openvino-int8")
+    broken = tmp_path / "model.onnx"
+    broken.write_bytes(b"not a model")
+    texts = sentences(32, seed=5)
+
+    def tokenizer(batch: list[str], **_: Any) -> dict[str, np.ndarray]:
+        return {"input_ids": np.ones((len(batch), 4), dtype=np.int64)}
+
+    with pytest.raises(RuntimeError, match=r"int8 quantization failed \(exit 1\)"):
+        _backends.ensure_int8_static(broken, tokenizer, ["input_ids"], texts, max_length=8)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]

@@ -1,0 +1,57 @@
+"""NNCF's int8 quantization of an OpenVINO-readable model, run as its own process.
+
+``python -m batchline.worker._quantize SOURCE BATCHES TARGET`` reads the fp32 model
+``SOURCE`` (ONNX), the calibration batches ``BATCHES`` (a ``.npz`` file of int64 arrays
+named ``<batch>/<input>``, written by :func:`batchline.worker._backends.ensure_int8_static`),
+and writes the quantized model (IR) to ``TARGET`` (``.xml`` and ``.bin``). A worker runs it
+in a child process: NNCF, all it imports (scipy, scikit-learn, networkx) and the memory
+quantizing takes (a copy of the model and its statistics) are given back when the child
+exits, so the serving process holds only the compiled model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+
+def read_batches(path: str) -> list[dict[str, np.ndarray]]:
+    """The calibration batches of a ``.npz`` file, in their order."""
+    batches: dict[int, dict[str, np.ndarray]] = defaultdict(dict)
+    with np.load(path, allow_pickle=False) as data:
+        for key in data.files:
+            index, _, name = key.partition("/")
+            batches[int(index)][name] = data[key]
+    return [batches[i] for i in sorted(batches)]
+
+
+def quantize(source: str, batches: list[dict[str, np.ndarray]], target: str) -> None:
+    import nncf
+    import openvino
+
+    model: Any = openvino.Core().read_model(source)
+    with contextlib.redirect_stdout(sys.stderr):  # NNCF's progress bars
+        quantized = nncf.quantize(
+            model,
+            nncf.Dataset(batches),
+            model_type=nncf.ModelType.TRANSFORMER,
+            subset_size=len(batches),
+        )
+    openvino.save_model(quantized, target, compress_to_fp16=False)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3:
+        print("usage: python -m batchline.worker._quantize SOURCE BATCHES TARGET", file=sys.stderr)
+        return 2
+    source, batches, target = argv
+    quantize(source, read_batches(batches), target)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
