@@ -37,6 +37,7 @@ import contextlib
 import ctypes
 import hashlib
 import importlib
+import json
 import logging
 import os
 import subprocess
@@ -382,8 +383,8 @@ def ensure_int8_static(
         "quantizing the export to int8 once (%d calibration texts), into %s", len(texts), target
     )
     ordered = sorted(texts, key=len)
-    arrays = {}
-    for index, start in enumerate(range(0, len(ordered), _CALIBRATION_BATCH)):
+    token_batches = []
+    for start in range(0, len(ordered), _CALIBRATION_BATCH):
         features = tokenizer(
             ordered[start : start + _CALIBRATION_BATCH],
             padding=True,
@@ -391,10 +392,10 @@ def ensure_int8_static(
             max_length=max_length,
             return_tensors="np",
         )
-        arrays.update({f"{index}/{n}": np.asarray(features[n], dtype=np.int64) for n in names})
+        token_batches.append({n: np.asarray(features[n], dtype=np.int64).tolist() for n in names})
     partial = target.with_name(f"{target.stem}.part{os.getpid()}.xml")
-    batches = target.with_name(f"calibration.part{os.getpid()}.npz")
-    np.savez(batches, **arrays)  # type: ignore[arg-type]  # numpy types **kwds as bool
+    batches_file = target.with_name(f"calibration.part{os.getpid()}.json")
+    batches_file.write_text(json.dumps(token_batches), encoding="utf-8")
     try:
         done = subprocess.run(
             [
@@ -402,7 +403,7 @@ def ensure_int8_static(
                 "-m",
                 "batchline.worker._quantize",
                 str(fp32),
-                str(batches),
+                str(batches_file),
                 str(partial),
             ],
             capture_output=True,
@@ -410,7 +411,7 @@ def ensure_int8_static(
             check=False,
         )
     finally:
-        batches.unlink(missing_ok=True)
+        batches_file.unlink(missing_ok=True)
     if done.returncode != 0:
         for part in (partial, partial.with_suffix(".bin")):
             part.unlink(missing_ok=True)

@@ -1,8 +1,9 @@
 """NNCF's int8 quantization of an OpenVINO-readable model, run as its own process.
 
 ``python -m batchline.worker._quantize SOURCE BATCHES TARGET`` reads the fp32 model
-``SOURCE`` (ONNX), the calibration batches ``BATCHES`` (a ``.npz`` file of int64 arrays
-named ``<batch>/<input>``, written by :func:`batchline.worker._backends.ensure_int8_static`),
+``SOURCE`` (ONNX), the calibration batches ``BATCHES`` (a JSON list of batches, each a map
+of input name to token ids, rows padded to one length, written by
+:func:`batchline.worker._backends.ensure_int8_static`),
 and writes the quantized model (IR) to ``TARGET`` (``.xml`` and ``.bin``). A worker runs it
 in a child process: NNCF, all it imports (scipy, scikit-learn, networkx) and the memory
 quantizing takes (a copy of the model and its statistics) are given back when the child
@@ -12,21 +13,18 @@ exits, so the serving process holds only the compiled model.
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
-from collections import defaultdict
 from typing import Any
 
 import numpy as np
 
 
 def read_batches(path: str) -> list[dict[str, np.ndarray]]:
-    """The calibration batches of a ``.npz`` file, in their order."""
-    batches: dict[int, dict[str, np.ndarray]] = defaultdict(dict)
-    with np.load(path, allow_pickle=False) as data:
-        for key in data.files:
-            index, _, name = key.partition("/")
-            batches[int(index)][name] = data[key]
-    return [batches[i] for i in sorted(batches)]
+    """The calibration batches of a JSON file, as int64 arrays."""
+    with open(path, encoding="utf-8") as file:
+        batches = json.load(file)
+    return [{name: np.asarray(ids, dtype=np.int64) for name, ids in b.items()} for b in batches]
 
 
 def quantize(source: str, batches: list[dict[str, np.ndarray]], target: str) -> None:
