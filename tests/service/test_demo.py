@@ -102,6 +102,10 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_mid_load_stops_everything_quickly_and_quietly() -> None:
     # Ctrl-C at a terminal sends SIGINT to the whole foreground process group.
     proc = subprocess.Popen(
@@ -111,6 +115,9 @@ def test_ctrl_c_mid_load_stops_everything_quickly_and_quietly() -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        # A terminal's SIGINT disposition, whatever this run inherited: a suite started in
+        # the background by a non-interactive shell ignores SIGINT, and so would the demo.
+        preexec_fn=_default_sigint,  # noqa: PLW1509 - one signal() call, before exec
     )
     lines: list[str] = []
     reader = threading.Thread(
