@@ -99,9 +99,8 @@ def check_options(backend: str, *, device: str, dtype: str, calibration: str | N
         )
 
 
-def check_backend(backend: str, *, calibration: str | os.PathLike[str] | None = None) -> None:
-    """Raise ImportError, saying what to install, if a package ``backend`` needs is missing;
-    for ``openvino-int8``, ValueError if its ``calibration`` file is unusable."""
+def check_backend(backend: str) -> None:
+    """Raise ImportError, saying what to install, if a package ``backend`` needs is missing."""
     if backend not in BACKENDS[1:]:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     for package in _NEEDS[backend]:
@@ -112,8 +111,6 @@ def check_backend(backend: str, *, calibration: str | os.PathLike[str] | None = 
                 f"backend {backend!r} needs the package {package}: pip install "
                 f"'batchline[cpu-fast]' (or pip install {package})"
             ) from exc
-    if backend == "openvino-int8":
-        calibration_texts(calibration)
 
 
 def model_hash(path: str | os.PathLike[str]) -> str:
@@ -317,13 +314,14 @@ def load_runner(
     names: list[str],
     *,
     threads: int,
-    calibration: str | os.PathLike[str] | None = None,
+    texts: list[str] | None = None,
 ) -> Runner:
     """Export (once) and compile ``st_model`` for ``backend`` (not ``torch``);
-    ``openvino-int8`` is calibrated on the texts of the file ``calibration`` (default
+    ``openvino-int8`` is calibrated on ``texts`` (default: :func:`calibration_texts` of
     :data:`CALIBRATION`)."""
-    check_backend(backend, calibration=calibration)  # before exporting: fails at once
-    texts = calibration_texts(calibration) if backend == "openvino-int8" else []
+    check_backend(backend)  # before exporting: a missing package fails at once
+    if backend == "openvino-int8" and texts is None:
+        texts = calibration_texts()
     if backend == "openvino-int8" and cpu_has_vnni() is False:
         logger.warning(
             "openvino-int8 on a CPU without VNNI: its int8 products may run slower than "
@@ -332,7 +330,7 @@ def load_runner(
     file = ensure_export(st_model, model_dir, names, int8=backend == "onnx-int8")
     if backend == "openvino-int8":
         file = ensure_int8_static(
-            file, st_model.tokenizer, names, texts, max_length=int(st_model.max_seq_length)
+            file, st_model.tokenizer, names, texts or [], max_length=int(st_model.max_seq_length)
         )
     return Runner(backend, file, threads=threads)
 

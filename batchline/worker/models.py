@@ -253,11 +253,14 @@ class SentenceTransformerModel(_Tokenized):
 
             path = str(get_model_path())
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        texts = None
         if self.backend != "torch":
-            from batchline.worker._backends import check_backend
+            from batchline.worker._backends import calibration_texts, check_backend
 
             # A missing package or a bad calibration file fails before anything loads.
-            check_backend(self.backend, calibration=self.calibration)
+            check_backend(self.backend)
+            if self.backend == "openvino-int8":
+                texts = calibration_texts(self.calibration)
         from sentence_transformers import SentenceTransformer
 
         self.device = "cpu" if self.backend != "torch" else pick_device(self.device_name)
@@ -273,7 +276,7 @@ class SentenceTransformerModel(_Tokenized):
             names = list(self.tokenizer("an example").keys())
             threads = self.threads or available_cpus()
             self.runner = load_runner(
-                self.backend, self.model, path, names, threads=threads, calibration=self.calibration
+                self.backend, self.model, path, names, threads=threads, texts=texts
             )
             self.model = None  # the torch copy was needed for the export only
 
