@@ -14,9 +14,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
+
+if TYPE_CHECKING:
+    from batchline.codec import Result
 
 from batchline.keys import QueueKeys
 
@@ -61,7 +64,7 @@ class _Load:
     submit_failed: dict[str, str] = field(default_factory=dict)  # rid -> exception type
     # rid -> [status, output, etype, how]
     results: dict[str, list[Any]] = field(default_factory=dict)
-    replies: Counter[str] = field(default_factory=Counter)  # raw replies seen by the readers
+    replies: Counter[str] = field(default_factory=Counter)  # replies seen by the readers
     first_reply_at: dict[str, float] = field(default_factory=dict)
     producers: list[Any] = field(default_factory=list)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -71,19 +74,16 @@ class _Load:
         from batchline.producer import AsyncProducer
 
         producer = AsyncProducer(redis_url=self.url, queue=self.queue)
-        # Count raw replies where they arrive: the public API settles each request once and
+        # Count decoded replies where they arrive: the public API settles each request once and
         # drops a second reply for it silently.
         deliver = producer._replies.deliver
 
-        def counting(raw: dict[Any, Any]) -> None:
-            rid: str = raw.get(b"id", b"?").decode(errors="replace")
-            self.replies[rid] += 1
-            self.first_reply_at.setdefault(rid, time.time())
-            deliver(raw)
+        def counting(result: Result) -> None:
+            self.replies[result.id] += 1
+            self.first_reply_at.setdefault(result.id, time.time())
+            deliver(result)
 
-        # A patched method: mypy refuses assigning to one (method-assign) and compares the
-        # function with the unbound method, self included (assignment).
-        producer._replies.deliver = counting  # type: ignore[method-assign, assignment]
+        producer._replies.deliver = counting  # type: ignore[method-assign]
         await producer.start()
         self.producers.append(producer)
         return producer

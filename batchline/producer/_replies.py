@@ -20,9 +20,9 @@ from redis.exceptions import RedisError
 from batchline.producer._once import check_input
 from batchline.producer._stream import Streams
 from batchline.transport._redis import Backoff, RedisClient, own_connection
-from batchline.transport.codec import DecodeError, Limits, Result, decode_result
+from batchline.transport.codec import DecodeError, Limits, Result
 from batchline.transport.codec._chunks import CHUNKS_FIELD
-from batchline.transport.codec._results import result_map
+from batchline.transport.codec._results import decode_flat
 
 __all__ = ["ReplyReader", "Waiters"]
 
@@ -193,7 +193,7 @@ class ReplyReader:
         for flat in results:
             try:
                 # Each result in a reply is an unpacked array (bytes would be another shape).
-                self.deliver(result_map(flat if isinstance(flat, list) else None))
+                self.deliver(decode_flat(flat if isinstance(flat, list) else None, self._limits))
             except Exception as exc:  # DecodeError (or a bug): this result alone is lost
                 dropped += 1
                 first = first or str(exc)
@@ -203,10 +203,9 @@ class ReplyReader:
             return 0, f"its n ({count!r}) does not match its {len(results)} results"
         return (dropped, first) if dropped else None
 
-    def deliver(self, fields: dict[Any, Any]) -> None:
-        """Resolve the waiter of one result (its fields by name); raises DecodeError for a
-        malformed one."""
-        result = decode_result(fields, self._limits)
+    def deliver(self, result: Result) -> None:
+        """Resolve the waiters of one result; raises DecodeError for one computed from
+        another input than the one sent."""
         for fut in self._waiting.take(result):
             if not fut.done():
                 fut.set_result(result)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from batchline.codec import Result
 from batchline.producer import AsyncProducer, Producer
 
 
@@ -18,9 +19,9 @@ def count_replies(producer: Producer | AsyncProducer) -> Counter[str]:
     inner = producer._async if isinstance(producer, Producer) else producer
     deliver = inner._replies.deliver
 
-    def counting(raw: dict[bytes, bytes]) -> None:
-        replies[raw.get(b"id", b"?").decode(errors="replace")] += 1
-        deliver(raw)
+    def counting(result: Result) -> None:
+        replies[result.id] += 1
+        deliver(result)
 
     inner._replies.deliver = counting  # type: ignore[method-assign]
     return replies

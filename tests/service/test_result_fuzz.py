@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -29,6 +31,8 @@ from batchline.codec import (
     unpack_result,
 )
 from batchline.producer import AsyncProducer
+from batchline.transport.codec import _results
+from batchline.transport.codec._results import decode_flat, result_map
 
 LIMITS = Limits()
 FIELDS = ["v", "id", "status", "meta", "blob", "etype", "emsg", "queue_ms", "batch", "model_ms"]
@@ -92,6 +96,23 @@ def decodes_or_refuses(data: Any) -> Result | None:
     return result
 
 
+def same_either_way(flat: Any) -> None:
+    """A reply's result decodes alike by the producer's short path (:func:`decode_flat`)
+    and by the general one: the same Result, or DecodeError from both."""
+    outcomes = []
+    for decode in (
+        lambda: decode_flat(flat, LIMITS),
+        lambda: decode_result(result_map(flat), LIMITS),
+    ):
+        try:
+            outcomes.append(decode())
+        except DecodeError:
+            outcomes.append(None)
+    if outcomes[0] is not None and math.isnan(outcomes[0].queue_ms):
+        return  # unreachable (refused as out of range), but NaN never equals itself
+    assert outcomes[0] == outcomes[1]
+
+
 BASE = Result(
     "r1", "ok", "out", queue_ms=1.5, batch_size=3, model_ms=2.0, worker="w", input_hash="0" * 40
 )
@@ -133,6 +154,7 @@ def test_any_value_in_any_field_decodes_or_raises_decode_error(
     data = msgpack.packb(flat, use_bin_type=bin_)
     decodes_or_refuses(data)
     decodes_or_refuses(msgpack.unpackb(data, raw=True, use_list=True))  # as a reply holds it
+    same_either_way(msgpack.unpackb(data, raw=True, use_list=True))
 
 
 @settings(max_examples=200, deadline=None)
@@ -149,6 +171,34 @@ def test_missing_and_unknown_fields_decode_or_raise_decode_error(
         flat += [k, v]
     decodes_or_refuses(msgpack.packb(flat, use_bin_type=False))
     decodes_or_refuses(flat)
+    same_either_way(msgpack.unpackb(msgpack.packb(flat, use_bin_type=False), raw=True))
+
+
+@pytest.mark.parametrize("output", ["out", "array"])
+@pytest.mark.parametrize("status", ["ok", "error"])
+@pytest.mark.parametrize("ih", ["", "0" * 40])
+def test_results_as_workers_write_them_take_the_short_path_to_the_same_result(
+    output: str, status: str, ih: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every combination of the optional fields a worker writes (blob, etype, emsg, ih)
+    decodes without the general path, to what the general path gives."""
+    value = np.arange(3, dtype=np.float32) if output == "array" else "out"
+    result = Result(
+        "r1", status, value if status == "ok" else None, "Boom" if status == "error" else "",
+        "it broke" if status == "error" else "", 1.5, 3, 2.0, "w", ih,
+    )  # fmt: skip
+    flat = msgpack.unpackb(msgpack.packb(encode_result(result), use_bin_type=False), raw=True)
+    assert (b"blob" in flat) == (output == "array" and status == "ok")
+    general = decode_result(result_map(flat), LIMITS)
+
+    def no_general_path(data: Any) -> Any:
+        raise AssertionError("the general path was taken")
+
+    monkeypatch.setattr(_results, "result_map", no_general_path)
+    short = decode_flat(flat, LIMITS)
+    for got in (short, general):
+        assert dataclasses.replace(got, output=None) == dataclasses.replace(result, output=None)
+        assert np.array_equal(np.asarray(got.output), np.asarray(result.output))
 
 
 @settings(max_examples=300, deadline=None)

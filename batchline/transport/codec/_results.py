@@ -23,6 +23,7 @@ from batchline.transport.keys import is_name
 __all__ = [
     "Result",
     "Status",
+    "decode_flat",
     "decode_result",
     "encode_result",
     "pack_result",
@@ -245,10 +246,72 @@ def decode_result(raw: Mapping[Any, Any], limits: Limits) -> Result:
             for k, v in raw.items()
         }
     get = raw.get
-    version = _number(get(b"v"), "v", int) if b"v" in raw else -1
+    return _checked(
+        get(b"v"),
+        [get(name, b"") for name in _TEXTS],
+        get(b"queue_ms", b"0"),
+        get(b"batch", b"0"),
+        get(b"model_ms", b"0"),
+        get(b"meta", b"null"),
+        get(b"blob", b""),
+        limits,
+    )
+
+
+def decode_flat(flat: Any, limits: Limits) -> Result:
+    """``decode_result(result_map(flat))`` for one result of a reply entry (its unpacked
+    flat array), with the same checks; in fewer steps where its fields come in the order
+    workers write them (:func:`result_fields`), which is the common case."""
+    if type(flat) is list and len(flat) >= 16 and not len(flat) % 2 and flat[0:16:2] == _HEAD:
+        tail = tuple(flat[16::2])
+        if all(type(name) is bytes for name in tail) and tail in _TAILS:
+            more = dict(zip(tail, flat[17::2], strict=False))
+            get = more.get
+            return _checked(
+                flat[1],
+                [
+                    flat[3],
+                    flat[5],
+                    get(b"etype", b""),
+                    get(b"emsg", b""),
+                    flat[15],
+                    get(b"ih", b""),
+                ],
+                flat[9],
+                flat[11],
+                flat[13],
+                flat[7],
+                get(b"blob", b""),
+                limits,
+            )
+    return decode_result(result_map(flat), limits)
+
+
+# The fields as result_fields writes them: always these, then any of the optional ones, in
+# this order.
+_HEAD = [b"v", b"id", b"status", b"meta", b"queue_ms", b"batch", b"model_ms", b"worker"]
+_OPTIONAL = (b"blob", b"etype", b"emsg", b"ih")
+_TAILS = frozenset(
+    tuple(name for i, name in enumerate(_OPTIONAL) if mask >> i & 1)
+    for mask in range(1 << len(_OPTIONAL))
+)
+
+
+def _checked(  # noqa: PLR0917 - a result's fields, by name
+    version_field: Any,
+    texts: list[Any],
+    queue_ms_field: Any,
+    batch_field: Any,
+    model_ms_field: Any,
+    meta: Any,
+    blob: Any,
+    limits: Limits,
+) -> Result:
+    """The Result of these fields (``texts``: the values of ``_TEXTS``, in that order),
+    checked; raises DecodeError for anything off."""
+    version = _number(version_field, "v", int) if version_field is not None else -1
     if version != SCHEMA_VERSION:
         raise DecodeError(f"result schema version {version} is not {SCHEMA_VERSION}")
-    texts = [get(name, b"") for name in _TEXTS]
     try:  # the common case in one step; what is off is named below
         rid, status, etype, emsg, worker, ih = [value.decode() for value in texts]
     except (AttributeError, UnicodeDecodeError):
@@ -259,12 +322,9 @@ def decode_result(raw: Mapping[Any, Any], limits: Limits) -> Result:
         raise DecodeError(f"malformed result: invalid request id {rid[:200]!r}")
     if status not in _STATUSES:
         raise DecodeError(f"malformed result: unknown status {status[:200]!r}")
-    queue_ms, batch, model_ms = _numbers(
-        get(b"queue_ms", b"0"), get(b"batch", b"0"), get(b"model_ms", b"0")
-    )
+    queue_ms, batch, model_ms = _numbers(queue_ms_field, batch_field, model_ms_field)
     if ih and not _is_hash(ih):
         raise DecodeError("malformed result: ih is not 40 lower-case hex digits")
-    meta, blob = get(b"meta", b"null"), get(b"blob", b"")
     if not (type(meta) is bytes and type(blob) is bytes):
         raise DecodeError("malformed result: meta and blob must be bytes")
     output = None
