@@ -148,7 +148,12 @@ class Enqueuer:
 
     async def _write(self, batch: list[list[Any]], ids: list[str]) -> list[Any]:
         """One call of the enqueue script; raises Failed with a typed error per request."""
-        payload = msgpack.packb(batch, use_bin_type=False)
+        flat: list[Any] = []  # one after another: the script makes no table per request
+        for priority, fields in batch:
+            flat.append(priority)
+            flat.append(len(fields))
+            flat += fields
+        payload = msgpack.packb(flat, use_bin_type=False)
         s = self.settings
         args = [s.max_queue_depth, payload, s.result_ttl_s, s.cache_ttl_s, *self._keys]
         try:

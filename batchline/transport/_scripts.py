@@ -12,7 +12,9 @@ from __future__ import annotations
 __all__ = ["COMPLETE", "ENQUEUE"]
 
 # KEYS: the work streams, priority 0 first. ARGV: max_depth (0: unbounded); a msgpack array
-# of requests, each [priority, [field, value, field, value, ...]]; result_ttl_s;
+# of requests one after another, each: priority, how many field names and values follow,
+# then those (field, value, field, value, ...); or, as producers before wrote it, an array
+# per request, [priority, [field, value, ...]] (the first element tells which); result_ttl_s;
 # cache_ttl_s (0: no cache); the key prefixes of results, request inputs, waiters, the
 # cache and the in-flight marks; the model key; the counters' key. (Not KEYS: an ACL
 # checks every declared key against one rule, and the producer's may not write those.)
@@ -43,12 +45,30 @@ local function attach(leader, id, reply, h)
   end
 end
 local out = {}
-for i, request in ipairs(requests) do
-  local fields = request[2]
-  local f = {}
-  for j = 1, #fields, 2 do f[fields[j]] = fields[j + 1] end
-  local id, reply = f['id'], f['reply'] or ''
-  local meta, blob = f['meta'] or '', f['blob'] or ''
+local nested = type(requests[1]) == 'table'
+local at, size, i = 1, #requests, 0
+while at <= size do
+  -- This request's fields are src[first..last]: no table of its own (the common case).
+  local src, prio, first, last
+  if nested then
+    src, prio = requests[at][2], requests[at][1]
+    first, last, at = 1, #src, at + 1
+  else
+    src, prio, first, last = requests, requests[at], at + 2, at + 1 + requests[at + 1]
+    at = last + 1
+  end
+  i = i + 1
+  local id, reply, meta, blob, dl
+  for j = first, last, 2 do  -- a field named twice: the last one counts, as in XADD
+    local name = src[j]
+    if name == 'id' then id = src[j + 1]
+    elseif name == 'reply' then reply = src[j + 1]
+    elseif name == 'meta' then meta = src[j + 1]
+    elseif name == 'blob' then blob = src[j + 1]
+    elseif name == 'dl' then dl = src[j + 1]
+    end
+  end
+  reply, meta, blob = reply or '', meta or '', blob or ''
   local h = once and redis.sha1hex(#meta .. ':' .. meta .. blob)
   -- A new id (the common case) is claimed in one command; a known one is read.
   local claimed = once and redis.call('SET', rid .. id, h, 'NX', 'EX', ttl)
@@ -81,7 +101,7 @@ for i, request in ipairs(requests) do
   if not known then
     local key = model and redis.sha1hex(model .. '\\n' .. h)
     local cached = key and redis.call('GET', cache .. key)
-    local leader = key and not cached and not f['dl'] and redis.call('GET', flight .. key)
+    local leader = key and not cached and not dl and redis.call('GET', flight .. key)
     if cached then
       redis.call('SET', rid .. id, h .. ' =' .. key, 'EX', math.min(ttl, cache_ttl))
       out[i] = {'cached', cached}
@@ -95,13 +115,17 @@ for i, request in ipairs(requests) do
       out[i] = false
       if claimed then redis.call('DEL', rid .. id) end
     else
+      local stream = KEYS[tonumber(prio) + 1]
       if key then
+        local fields = {unpack(src, first, last)}
         fields[#fields + 1] = 'ck'
         fields[#fields + 1] = key
-        if not f['dl'] then redis.call('SET', flight .. key, id, 'EX', ttl) end
+        if not dl then redis.call('SET', flight .. key, id, 'EX', ttl) end
         count('miss')
+        out[i] = redis.call('XADD', stream, '*', unpack(fields))
+      else
+        out[i] = redis.call('XADD', stream, '*', unpack(src, first, last))
       end
-      out[i] = redis.call('XADD', KEYS[tonumber(request[1]) + 1], '*', unpack(fields))
       if once and not claimed then redis.call('SET', rid .. id, h, 'EX', ttl) end
       depth = depth + 1
     end

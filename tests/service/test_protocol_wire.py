@@ -139,6 +139,56 @@ def test_the_enqueue_script_refuses_msgpack_bin(rclient: redis.Redis, keys: Queu
     assert stream_lengths(rclient, keys) == [1, 0, 0]
 
 
+def test_the_enqueue_script_reads_requests_flat_or_one_array_each_alike(
+    rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    """The same requests, written one after another (as producers of this version write
+    them) or one array each (as earlier ones did), give the same answers and the same
+    entries: priorities, a blob, a deadline, a field named twice (the last counts), the
+    cache's key added, the resubmit checks, and a refusal once the queue is full."""
+    enqueue = rclient.register_script(ENQUEUE)
+    streams = list(keys.streams)
+    rclient.set(keys.model, "model-1")
+    base = keys.result("")[: -len(":res:")]
+
+    def call(requests: list[list[object]], flat: bool) -> list[object]:
+        arg = (
+            [x for prio, fields in requests for x in (prio, len(fields), *fields)]  # type: ignore[arg-type]
+            if flat
+            else requests
+        )
+        prefixes = [f"{base}:{kind}:" for kind in ("res", "rid", "wait", "cache", "flight")]
+        args = [4, msgpack.packb(arg, use_bin_type=False), 60, 60, *prefixes]
+        return list(enqueue(keys=streams, args=[*args, keys.model, keys.once_stats]))
+
+    def written() -> list[list[object]]:
+        return [[fields for _id, fields in rclient.xrange(stream)] for stream in streams]
+
+    requests: list[list[object]] = [
+        [0, ["v", V, "id", "a", "meta", '"x"', "reply", "p1"]],
+        [2, ["v", V, "id", "b", "meta", '{"$nd": 0}', "blob", b"\x00\xff", "dl", "9e15"]],
+        [1, ["v", V, "id", "wrong", "meta", '"y"', "id", "c"]],  # named twice: c
+        [0, ["v", V, "id", "a", "meta", '"x"', "reply", "p2"]],  # a resubmit: attached
+        [0, ["v", V, "id", "d", "meta", '"z"']],
+        [0, ["v", V, "id", "e", "meta", '"w"']],  # the fifth to add: refused (max 4)
+    ]
+    outcomes, entries = [], []
+    for flat in (False, True):
+        rclient.delete(*streams, *rclient.keys(f"{base}:*:*"))
+        out = call(requests, flat)
+        outcomes.append([x if isinstance(x, list) else x is not None for x in out])
+        entries.append(written())
+    assert outcomes[0] == outcomes[1] == [True, True, True, [b"attached"], True, False]
+    assert entries[0] == entries[1]
+    by_priority = entries[1]
+    assert [f[b"id"] for f in by_priority[0]] == [b"a", b"d"]
+    assert [f[b"id"] for f in by_priority[1]] == [b"c"]  # the entry holds the last id too
+    assert by_priority[2][0][b"blob"] == b"\x00\xff"
+    assert all(len(f[b"ck"]) == 40 for p in by_priority for f in p)  # the cache's key
+    assert rclient.exists(keys.request_input("c"))
+    assert not rclient.exists(keys.request_input("wrong"))
+
+
 # -- the unit of reply entries -------------------------------------------------------------------
 
 
