@@ -152,6 +152,10 @@ _FIELD_NAMES = {name.encode(): name for name in Request.__annotations__}
 
 def _str_keys(raw: Mapping[Any, Any]) -> dict[str, Any]:
     names = _FIELD_NAMES
+    try:  # every field known (the common case): one look-up each
+        return {names[k]: v for k, v in raw.items()}
+    except (KeyError, TypeError):  # an unknown field, or a name that is not bytes
+        pass
     return {
         (names.get(k) or k.decode("utf-8", "replace") if type(k) is bytes else k): v
         for k, v in raw.items()
