@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from _bench_backends import BACKENDS
-from _harness import Procs, Samples, free_port
+from _harness import Procs, Samples, start_redis
 
 BATCH_SIZE = 32
 
@@ -77,36 +77,11 @@ class Bench:
     def start_redis(self) -> None:
         import redis
 
-        for _attempt in range(5):
-            port = free_port()
-            proc = self.procs.spawn(
-                "redis-server",
-                [
-                    self.cfg.redis_server,
-                    "--port", str(port),
-                    "--bind", "127.0.0.1",
-                    "--save", "",
-                    "--appendonly", "no",
-                    "--daemonize", "no",
-                    "--maxclients", "10000",
-                    "--dir", str(self.procs.logdir),
-                ],
-                env=self.env,
-            )  # fmt: skip
-            client = redis.Redis(host="127.0.0.1", port=port)
-            for _ in range(100):
-                if proc.poll() is not None:
-                    break
-                try:
-                    client.ping()
-                    self.port, self.url, self.admin = port, f"redis://127.0.0.1:{port}/0", client
-                    version = client.info("server")["redis_version"]
-                    self.res.info["redis"] = f"redis-server {version} ({self.cfg.redis_server})"
-                    return
-                except redis.ConnectionError:
-                    time.sleep(0.05)
-            self.procs.stop("redis-server")
-        raise RuntimeError("could not start redis-server:\n" + self.procs.log_tail("redis-server"))
+        binary = self.cfg.redis_server
+        self.url, version = start_redis(self.procs, self.env, binary, ("--maxclients", "10000"))
+        self.port = int(self.url.rsplit(":", 1)[1].split("/")[0])
+        self.admin = redis.Redis(host="127.0.0.1", port=self.port)
+        self.res.info["redis"] = f"{version} ({binary})"
 
     def python(self, name: str, args: list[str], *, module: bool = False) -> list[str]:
         """argv of a Python child, under cProfile when --profile is given for it."""

@@ -276,15 +276,17 @@ class CpuMeter:
         return {**used, "_wall": wall, "_other_cores": max(0.0, busy - ours) / max(wall, 1e-9)}
 
 
-def start_redis(procs: Procs, env: dict[str, str], binary: str = "redis-server") -> tuple[str, str]:
+def start_redis(
+    procs: Procs, env: dict[str, str], binary: str = "redis-server", extra: tuple[str, ...] = ()
+) -> tuple[str, str]:
     """Start a redis-server without persistence on a free loopback port, as ``redis-server``
-    of ``procs``; its URL, and its version line."""
+    of ``procs`` (``extra``: more of its options); its URL, and its version line."""
     import redis
 
     for _attempt in range(5):
         port = free_port()
         argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-        argv += ["--appendonly", "no", "--daemonize", "no", "--dir", str(procs.logdir)]
+        argv += ["--appendonly", "no", "--daemonize", "no", "--dir", str(procs.logdir), *extra]
         proc = procs.spawn("redis-server", argv, env=env)
         client = redis.Redis(host="127.0.0.1", port=port)
         for _ in range(100):
