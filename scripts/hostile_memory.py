@@ -1,5 +1,6 @@
 """A worker's memory under hostile writers: a flood of junk on the cancel stream, and
-entries far larger than any valid request. Not run in CI.
+entries far larger than any valid request. A short run is in the suite
+(tests/test_scripts.py).
 
 One invocation starts its own redis-server and one ``python -m batchline worker`` subprocess
 (the no-op ``echo`` model; the helpers of ``scripts/soak.py``), answers ``--warmup``

@@ -1,5 +1,5 @@
 """Soak test: a steady moderate load for a long time; the worker's and Redis's memory must
-not keep growing. Not run in CI.
+not keep growing. A short run is in the suite (tests/test_scripts.py).
 
 One invocation starts its own redis-server (free loopback port, ``--save "" --appendonly no``)
 and one ``python -m batchline worker`` subprocess (the no-op ``echo`` model unless
@@ -46,7 +46,8 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 import redis  # noqa: E402
-from _harness import free_port  # noqa: E402
+from _harness import Procs  # noqa: E402
+from _harness import start_redis as harness_start_redis  # noqa: E402
 
 from batchline.keys import QueueKeys  # noqa: E402
 from batchline.producer import AsyncProducer  # noqa: E402
@@ -87,25 +88,11 @@ def stop(proc: subprocess.Popen[bytes] | None) -> None:
 
 
 def start_redis(binary: str, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    log = open(workdir / "redis.log", "ab")  # noqa: SIM115 (kept open for the process)
-    for _attempt in range(3):
-        port = free_port()
-        cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-        proc = subprocess.Popen(
-            [*cmd, "--appendonly", "no", "--dir", str(workdir)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        url = f"redis://127.0.0.1:{port}/0"
-        deadline = time.monotonic() + 20
-        while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                if redis.Redis.from_url(url).ping():
-                    return proc, url
-            except redis.RedisError:
-                time.sleep(0.05)
-        stop(proc)
-    raise RuntimeError(f"redis-server did not start; see {workdir / 'redis.log'}")
+    """A redis-server without persistence on a free loopback port (its log in ``workdir``);
+    the process and its URL."""
+    procs = Procs(workdir)
+    url, _version = harness_start_redis(procs, dict(os.environ), binary)
+    return procs.procs["redis-server"], url
 
 
 def start_worker(

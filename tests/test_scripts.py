@@ -1,7 +1,8 @@
 """Smoke runs of the benchmarks in scripts/: they start, measure and report (no figures checked).
 
 The figures are the benchmarks' business (run them by hand, see README.md); these runs only
-keep the scripts and their shared harness (scripts/_harness.py) working.
+keep the scripts and their shared harness (scripts/_harness.py) working. The soak and the
+hostile-writers check judge themselves (exit status): their short runs here must pass.
 """
 
 from __future__ import annotations
@@ -176,3 +177,37 @@ def test_bench_generate_http_ab_quick() -> None:
     assert out.stdout.count(" 128 tok ") == 2, out.stdout
     assert "batchline via HTTP + Redis" in out.stdout
     assert "x in process" in out.stdout
+
+
+def _judged_run(argv: list[str], timeout: int) -> str:
+    """Run a script that judges itself (exit status 0: passed); its output. It passed."""
+    done = subprocess.run(
+        [sys.executable, *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,  # the output goes with the failure
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    return out
+
+
+def test_soak_short_run_holds_memory_and_answers_everything() -> None:
+    """The soak's short variant: 8 s of 150 requests/s, mixed inputs, result keys living
+    5 s (so their number is steady after the warm-up); neither the worker's RSS nor Redis's
+    memory grows past the limit, and every request is answered correctly."""
+    argv = ["scripts/soak.py", "--duration", "8", "--interval", "2", "--rate", "150"]
+    out = _judged_run([*argv, "--result-ttl-s", "5"], timeout=240)
+    assert out.count("-> ok") == 2, out
+    assert re.search(r"requests: \d+ in 8 s \(\d+/s\); \d+ ok, 0 wrong output, 0 failed", out)
+
+
+def test_hostile_memory_short_run_keeps_answering() -> None:
+    """hostile_memory's short variant: 5,000 junk ids of 4 KiB on the cancel stream, then two
+    work-stream entries of 50 MiB, which are dead-lettered while requests are answered."""
+    out = _judged_run(["scripts/hostile_memory.py", "--junk", "5000", "--settle-s", "2"], 240)
+    assert "cancel stream: 5,000 x 4096 B junk ids + 5,000 valid" in out
+    assert "work stream: 2 x 50 MiB entries" in out
+    assert "answered throughout: True" in out
