@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from _bench_backends import BACKENDS
 from _harness import Procs, Samples, start_redis
@@ -79,7 +80,7 @@ class Bench:
 
         binary = self.cfg.redis_server
         self.url, version = start_redis(self.procs, self.env, binary, ("--maxclients", "10000"))
-        self.port = int(self.url.rsplit(":", 1)[1].split("/")[0])
+        self.port = urlsplit(self.url).port or 6379
         self.admin = redis.Redis(host="127.0.0.1", port=self.port)
         self.res.info["redis"] = f"{version} ({binary})"
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -149,22 +150,25 @@ def test_the_enqueue_script_reads_requests_flat_or_one_array_each_alike(
     enqueue = rclient.register_script(ENQUEUE)
     streams = list(keys.streams)
     rclient.set(keys.model, "model-1")
-    base = keys.result("")[: -len(":res:")]
+    prefixes = [
+        keys.result(""),
+        keys.request_input(""),
+        keys.waiters(""),
+        keys.cache(""),
+        keys.in_flight(""),
+    ]
 
-    def call(requests: list[list[object]], flat: bool) -> list[object]:
-        arg = (
-            [x for prio, fields in requests for x in (prio, len(fields), *fields)]  # type: ignore[arg-type]
-            if flat
-            else requests
-        )
-        prefixes = [f"{base}:{kind}:" for kind in ("res", "rid", "wait", "cache", "flight")]
+    def call(requests: list[list[Any]], flat: bool) -> list[object]:
+        arg = requests
+        if flat:
+            arg = [x for prio, fields in requests for x in (prio, len(fields), *fields)]
         args = [4, msgpack.packb(arg, use_bin_type=False), 60, 60, *prefixes]
         return list(enqueue(keys=streams, args=[*args, keys.model, keys.once_stats]))
 
     def written() -> list[list[object]]:
         return [[fields for _id, fields in rclient.xrange(stream)] for stream in streams]
 
-    requests: list[list[object]] = [
+    requests: list[list[Any]] = [
         [0, ["v", V, "id", "a", "meta", '"x"', "reply", "p1"]],
         [2, ["v", V, "id", "b", "meta", '{"$nd": 0}', "blob", b"\x00\xff", "dl", "9e15"]],
         [1, ["v", V, "id", "wrong", "meta", '"y"', "id", "c"]],  # named twice: c
@@ -174,7 +178,7 @@ def test_the_enqueue_script_reads_requests_flat_or_one_array_each_alike(
     ]
     outcomes, entries = [], []
     for flat in (False, True):
-        rclient.delete(*streams, *rclient.keys(f"{base}:*:*"))
+        rclient.delete(*streams, *(k for p in prefixes for k in rclient.keys(p + "*")))
         out = call(requests, flat)
         outcomes.append([x if isinstance(x, list) else x is not None for x in out])
         entries.append(written())
