@@ -1,8 +1,11 @@
 """Cancellation: producers append request ids to the queue's cancel stream; every worker
 follows that stream and keeps the ids it read, so that checking a batch costs no round trip.
 
-A worker starting up first reads the ids of the last ``ttl_s`` seconds (a request older than
-its result TTL is not worth cancelling), then blocks on the stream for new ones. Cancelling
+A worker starting up first reads the newest ids, at most as many entries as it may hold and
+none older than ``ttl_s`` seconds (a request older than its result TTL is not worth
+cancelling): its start-up does not grow with the stream. Then it blocks on the stream for new
+ones. A cancel covers the entries of its id added before it (the time part of a work-stream
+entry id at most the cancel entry's), so an id resubmitted after its cancel runs. Cancelling
 is best effort: a request whose batch starts before its cancellation reaches the worker
 (a fraction of a millisecond on a local network) is answered normally.
 
@@ -15,11 +18,12 @@ first: a flood of junk or of valid ids bounds a worker's memory instead of growi
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import NoPermissionError, RedisError
 
 from batchline.transport._redis import Backoff, RedisClient
 from batchline.transport.keys import MAX_ID_CHARS, QueueKeys, is_name
@@ -32,8 +36,18 @@ logger = logging.getLogger(__name__)
 CANCELS_MAXLEN = 100_000
 
 #: What one id held costs beyond its characters: on CPython 3.11, tracemalloc over 100,000
-#: ids shows 49 bytes of str header and 62 of dict slot and float (111; rounded up).
-ID_OVERHEAD_BYTES = 120
+#: ids shows 49 bytes of str header and 62 of dict slot and float (111), and the tuple of the
+#: forget time and the cancel's time (72); rounded up.
+ID_OVERHEAD_BYTES = 200
+
+#: Entries read per call at start-up (newest first) and while following.
+_PAGE = 1000
+
+
+def entry_ms(entry_id: bytes | str) -> int:
+    """The time part of a stream entry id (milliseconds of the server's clock)."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(text.split("-", 1)[0])
 
 
 async def cancel_request(redis: RedisClient, keys: QueueKeys, request_id: str, ttl_s: int) -> None:
@@ -74,28 +88,36 @@ class CancelLog:
         self.evicted = 0
         self.held_bytes = 0
         self._clock = clock
-        self._ids: dict[str, float] = {}  # id -> when it is forgotten, in insertion order
-        self._last = f"{max(0, int((time.time() - ttl_s) * 1e3))}-0"
+        # id -> (when it is forgotten, the cancel's time in server ms), in insertion order
+        self._ids: dict[str, tuple[float, float]] = {}
+        self._last = "0-0"
 
     def __contains__(self, request_id: object) -> bool:
-        until = self._ids.get(request_id)  # type: ignore[call-overload]
-        return until is not None and until > self._clock()
+        held = self._ids.get(request_id)  # type: ignore[call-overload]
+        return held is not None and held[0] > self._clock()
+
+    def covers(self, request_id: str, entry_id: bytes | str) -> bool:
+        """Whether a cancel of ``request_id`` covers the work-stream entry ``entry_id``:
+        one read, and that entry was added no later than it."""
+        held = self._ids.get(request_id)
+        return held is not None and held[0] > self._clock() and entry_ms(entry_id) <= held[1]
 
     def __len__(self) -> int:
         """How many ids are held (none past their TTL)."""
         self._forget(self._clock())
         return len(self._ids)
 
-    def add(self, request_id: str) -> None:
-        """Remember one cancelled id (and forget those past their TTL, then the oldest while
-        over a cap); an invalid id is ignored."""
+    def add(self, request_id: str, at_ms: float = math.inf) -> None:
+        """Remember one cancelled id, cancelled at ``at_ms`` (server ms: the cancel entry's
+        time; by default it covers every entry of the id), and forget those past their TTL,
+        then the oldest while over a cap; an invalid id is ignored."""
         if not is_name(request_id):
             self.ignored += 1
             return
         now = self._clock()
         if self._ids.pop(request_id, None) is None:
             self.held_bytes += len(request_id) + ID_OVERHEAD_BYTES
-        self._ids[request_id] = now + self.ttl_s
+        self._ids[request_id] = (now + self.ttl_s, at_ms)
         self._forget(now)
         ids = self._ids
         while len(ids) > self.max_ids or self.held_bytes > self.max_bytes:
@@ -111,28 +133,55 @@ class CancelLog:
         (each id is dropped once: constant time per id, over its life)."""
         ids = self._ids
         while ids:
-            rid, until = next(iter(ids.items()))
+            rid, (until, _at) = next(iter(ids.items()))
             if until > now:
                 return
             self._drop(rid)
 
-    def _take(self, response: Any) -> None:
-        for _stream, entries in response or ():
-            for entry_id, fields in entries:
-                self._last = entry_id
-                rid = fields.get(b"id") if isinstance(fields, dict) else None
-                if isinstance(rid, bytes) and len(rid) <= MAX_ID_CHARS:
-                    self.add(rid.decode("ascii", "replace"))
-                else:
-                    self.ignored += 1
+    def _take(self, entries: Any) -> None:
+        for entry_id, fields in entries:
+            self._last = entry_id
+            rid = fields.get(b"id") if isinstance(fields, dict) else None
+            if isinstance(rid, bytes) and len(rid) <= MAX_ID_CHARS:
+                self.add(rid.decode("ascii", "replace"), entry_ms(entry_id))
+            else:
+                self.ignored += 1
 
     async def catch_up(self, redis: RedisClient, keys: QueueKeys) -> None:
-        """Read every id still in the stream from the last TTL (before serving starts)."""
-        while True:
-            response = await redis.xread({keys.cancels: self._last}, count=1000)
-            self._take(response)
-            if not response or len(response[0][1]) < 1000:
-                return
+        """Read the newest entries of the stream (before serving starts): at most
+        ``max_ids`` of them, none older than the TTL, whatever the stream holds."""
+        oldest = f"{max(0, int((time.time() - self.ttl_s) * 1e3))}-0"
+        try:
+            await self._newest(redis, keys, oldest)
+        except NoPermissionError as exc:  # an ACL from before XREVRANGE: read them all
+            logger.warning(
+                "catching up on cancels by reading all of the last TTL (add +xrevrange to the "
+                "worker's ACL, as `batchline acl` prints it): %s",
+                exc,
+            )
+            self._last = oldest
+            while True:
+                response = await redis.xread({keys.cancels: self._last}, count=_PAGE)
+                for _stream, entries in response or ():
+                    self._take(entries)
+                if not response or len(response[0][1]) < _PAGE:
+                    return
+
+    async def _newest(self, redis: RedisClient, keys: QueueKeys, oldest: str) -> None:
+        newest: list[Any] = []
+        end = "+"
+        while len(newest) < self.max_ids:
+            page = await redis.xrevrange(
+                keys.cancels, end, oldest, count=min(_PAGE, self.max_ids - len(newest))
+            )
+            newest += page
+            if len(page) < _PAGE:
+                break
+            end = "(" + (page[-1][0].decode() if isinstance(page[-1][0], bytes) else page[-1][0])
+        self._take(reversed(newest))
+        if not newest:  # follow from the stream's end: what comes next
+            info = await redis.xrevrange(keys.cancels, "+", "-", count=1)
+            self._last = info[0][0] if info else "0-0"
 
     async def follow(
         self, redis: RedisClient, keys: QueueKeys, running: Callable[[], bool]
@@ -141,9 +190,10 @@ class CancelLog:
         backoff = Backoff(logger, "cancel reader")
         while running():
             try:
-                response = await redis.xread({keys.cancels: self._last}, count=1000, block=1000)
+                response = await redis.xread({keys.cancels: self._last}, count=_PAGE, block=1000)
             except (RedisError, OSError) as exc:
                 await backoff.wait(exc)
                 continue
             backoff.reset()
-            self._take(response)
+            for _stream, entries in response or ():
+                self._take(entries)

@@ -78,7 +78,7 @@ while at <= size do
     count('conflict')
   elseif known then
     local mark, ref = string.sub(known, 42, 42), string.sub(known, 43)
-    local result = redis.call('GET', res .. id)
+    local result = mark ~= '!' and redis.call('GET', res .. id)
     if not result and mark == '=' then
       -- rid keys are written with producer rights: follow one only to this input's answer
       -- under the model serving now.
@@ -90,8 +90,8 @@ while at <= size do
     if result then
       out[i] = {'result', result}
       count('existing')
-    elseif mark == '=' then
-      known = false  -- its cached answer is gone (expired, or not this input's): run again
+    elseif mark == '=' or mark == '!' then
+      known = false  -- its cached answer is gone, or its answer was cut short: run again
     else
       attach(mark == '>' and ref or id, id, reply, h)
       out[i] = {'attached'}
@@ -144,14 +144,18 @@ return out
 # further fields follow (0, 1, 4 or 5) and those: input hash, cache key to fill, in-flight
 # mark to clear, status, [dead-letter field, value, ...] (a plain answer has none, an
 # answer that may have coalesced requests its input hash); then the prefixes of request
-# inputs and of waiters, and cache_ttl_s.
+# inputs and of waiters, cache_ttl_s, and the time now (unix ms: the ts of entries added
+# again).
 # Each result (a dead letter's error result too) also reaches the request's further
 # waiters (its waiters' set): the same id
 # from other producers, and requests of other ids coalesced onto it (for those the result
 # is written again under their own id, its id field replaced; one whose input hash differs
 # from the one the worker computed gets an error result instead; either only if that
 # request has no result stored yet, and only for an entry with a cache hash). An ok result
-# fills the cache key the worker names.
+# fills the cache key the worker names. A result of status 'cut' (cut short: cancelled,
+# expired, a generation ended by a cancel or its deadline) fills no cache, settles its id
+# only while the id belongs to this attempt (then marked '<hash> !': a resubmit runs again),
+# and the requests of other ids coalesced onto it run again (entries of their own).
 # For each record the entry is acknowledged; only if that acknowledgement took (no other
 # worker answered it first) are the dead letter added and the result written to its key
 # (prefix .. request id) with its TTL, and the result queued for its producer. Then the
@@ -167,7 +171,7 @@ local dead_maxlen = ARGV[4]
 local result_prefix = ARGV[5]
 local reply_prefix = ARGV[6]
 local records = cmsgpack.unpack(ARGV[7])
-local rid_prefix, wait_prefix, cache_ttl = ARGV[8], ARGV[9], ARGV[10]
+local rid_prefix, wait_prefix, cache_ttl, now_ms = ARGV[8], ARGV[9], ARGV[10], ARGV[11]
 local dead = KEYS[#KEYS]
 local answered = 0
 local replies = {}
@@ -197,15 +201,55 @@ local function mismatch(id, hash)
   end
   return cmsgpack.pack(flat)
 end
-local function answer_waiters(request_id, reply, result, h)
+-- The requests coalesced onto a cut-short answer run again: the first as a new entry of the
+-- leader's input in its stream (the new leader), the others waiting on it.
+local function rerun(stream, entry, again, h, mark)
+  local found = redis.call('XRANGE', stream, entry, entry)[1]
+  if not found then return false end
+  local fields, keep = found[2], {}
+  for j = 1, #fields, 2 do
+    local name = fields[j]
+    if name == 'v' or name == 'meta' or name == 'blob' or name == 'prio' or name == 'ck' then
+      keep[#keep + 1] = name
+      keep[#keep + 1] = fields[j + 1]
+    end
+  end
+  local leader = again[1][1]
+  for i, waiter in ipairs(again) do
+    local id, to = waiter[1], waiter[2]
+    if i == 1 then
+      local add = {unpack(keep)}
+      add[#add + 1] = 'id'
+      add[#add + 1] = id
+      add[#add + 1] = 'ts'
+      add[#add + 1] = now_ms
+      if to ~= '' then
+        add[#add + 1] = 'reply'
+        add[#add + 1] = to
+      end
+      local added = redis.call('XADD', stream, '*', unpack(add))
+      redis.call('SET', rid_prefix .. id, h .. ' @' .. added, 'EX', ttl)
+      if mark ~= '' then redis.call('SET', mark, id, 'EX', ttl) end
+    else
+      redis.call('SADD', wait_prefix .. leader, waiter[3])
+      redis.call('EXPIRE', wait_prefix .. leader, ttl)
+      redis.call('SET', rid_prefix .. id, h .. ' >' .. leader, 'EX', ttl)
+    end
+  end
+  return true
+end
+local function answer_waiters(request_id, reply, result, h, cut, stream, entry, mark)
   local key = wait_prefix .. request_id
   local waiters = redis.call('SMEMBERS', key)
   if #waiters == 0 then return end
   redis.call('DEL', key)
+  local again = {}
   for _, waiter in ipairs(waiters) do
     local id, to, hash = string.match(waiter, '^(%S+) (%S*) (%S*)$')
     if id == request_id then
       if to ~= '' and to ~= reply then push(to, result) end
+    elseif id and h ~= '' and cut and hash == h then
+      again[#again + 1] = {id, to, waiter}
     elseif id and h ~= '' then
       -- Coalesced (only entries with a cache hash have those). Waiters' sets are written
       -- with producer rights: a result already stored is never replaced, and the result
@@ -217,6 +261,20 @@ local function answer_waiters(request_id, reply, result, h)
       end
     end
   end
+  if #again > 0 and not rerun(stream, entry, again, h, mark) then
+    for _, waiter in ipairs(again) do  -- the entry is gone: they share its answer
+      local own = restamp(result, waiter[1])
+      if redis.call('SET', result_prefix .. waiter[1], own, 'NX', 'EX', ttl) then
+        if waiter[2] ~= '' then push(waiter[2], own) end
+      end
+    end
+  end
+end
+-- Whether a cut-short answer may settle its id: only while the id belongs to this attempt
+-- (a newer attempt, added meanwhile, answers it).
+local function owns(request_id, h, entry)
+  local own = redis.call('GET', rid_prefix .. request_id)
+  return not own or own == h or own == h .. ' !' or own == h .. ' @' .. entry
 end
 local at, size = 1, #records
 while at <= size do
@@ -237,10 +295,16 @@ while at <= size do
       redis.call('XADD', dead, 'MAXLEN', '~', dead_maxlen, '*', unpack(dead_fields))
     end
     if result ~= '' and request_id ~= '' then
-      redis.call('SET', result_prefix .. request_id, result, 'EX', ttl)
-      redis.call('EXPIRE', rid_prefix .. request_id, ttl)
+      local cut = status == 'cut'
+      if not cut then
+        redis.call('SET', result_prefix .. request_id, result, 'EX', ttl)
+        redis.call('EXPIRE', rid_prefix .. request_id, ttl)
+      elseif owns(request_id, h, entry) then
+        redis.call('SET', result_prefix .. request_id, result, 'EX', ttl)
+        redis.call('SET', rid_prefix .. request_id, h .. ' !', 'EX', ttl)
+      end
       if reply ~= '' then push(reply, result) end
-      answer_waiters(request_id, reply, result, h)
+      answer_waiters(request_id, reply, result, h, cut, stream, entry, mark)
       if status == 'ok' and cache_key ~= '' then
         redis.call('SET', cache_key, result, 'EX', cache_ttl)
       end

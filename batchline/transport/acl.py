@@ -90,6 +90,7 @@ def _worker(keys: QueueKeys) -> list[str]:
         f"~{keys.model}",
         f"~{keys.once_stats}",
         "+smembers",
+        "+sadd",
         "+del",
         "+hgetall",
         # The complete script: XACK, XADD (dead letters, replies), SET, EXPIRE, XDEL.
@@ -112,8 +113,10 @@ def _worker(keys: QueueKeys) -> list[str]:
         "+xinfo|groups",
         "+xinfo|consumers",
         "+xlen",
-        # The age of a reply stream's oldest entry (a streaming producer gone).
+        # The age of a reply stream's oldest entry (a streaming producer gone); the newest
+        # cancels at start-up.
         "+xrange",
+        "+xrevrange",
         # Heartbeat and `batchline status`.
         "+zadd",
         "+zrem",

@@ -91,6 +91,9 @@ class Record:
     # hash (its ck), that hash and the input hash computed here; empty otherwise.
     cache_hash: str = ""
     input_hash: str = ""
+    # Cut short (cancelled, expired, a generation ended by a cancel or its deadline): never
+    # cached nor given to requests coalesced onto it, and a resubmit of its id runs again.
+    cut: bool = False
 
 
 #: What :func:`prepare` makes of one entry: the record answering it at once, or its request
@@ -105,9 +108,11 @@ def answer(
     *,
     output: Any = None,
     error: BaseException | None = None,
+    cut: bool = False,
 ) -> Record:
     """The record answering one request, with its timings; an output that cannot travel
-    becomes an error result for that request alone."""
+    becomes an error result for that request alone. ``cut``: an ok answer cut short (a
+    generation ended by a cancel or its deadline); cancelled and expired ones are."""
     request = meta.request
     request_id = request["id"]
     enqueued_ms = request.get("ts", 0.0)
@@ -140,7 +145,8 @@ def answer(
         fields = encode_result(failed)
     packed = pack_result(fields)
     record = Record(meta.sidx, meta.entry, status, packed, request_id, request.get("reply"))
-    if cache_hash:
+    record.cut = cut or status in ("cancelled", "expired")
+    if cache_hash or record.cut:
         record.cache_hash, record.input_hash = cache_hash, ih
     return record
 
@@ -153,7 +159,9 @@ def finished(meta: Meta, call: Call, model: Model, worker_id: str) -> Record:
             output = model.postprocess(call.results, meta.value)
         except Exception as exc:
             return answer(meta, "error", worker_id, error=exc)
-        return answer(meta, "ok", worker_id, output=output)
+        cut_short = getattr(model, "cut_short", None)
+        cut = bool(cut_short(call.results)) if cut_short is not None else False
+        return answer(meta, "ok", worker_id, output=output, cut=cut)
     if isinstance(call.error, RequestCancelled):
         return answer(meta, "cancelled", worker_id)
     if isinstance(call.error, RequestTimeout):

@@ -46,7 +46,8 @@ class ChunkWriter:
         ttl_s: a reply stream expires this long after its last write (``result_ttl_s``).
         max_unread_s: a reply stream whose oldest entry is older than this (in seconds)
             after a write is unread.
-        cancel: called with the id of each request written to an unread reply stream.
+        cancel: called with the id of each request written to an unread reply stream, and
+            the time (server ms) of the entry that found it unread.
     """
 
     def __init__(
@@ -56,7 +57,7 @@ class ChunkWriter:
         *,
         ttl_s: int,
         max_unread_s: float,
-        cancel: Callable[[str], None],
+        cancel: Callable[[str, int], None],
     ) -> None:
         self._client = client
         self._keys = keys
@@ -126,7 +127,7 @@ class ChunkWriter:
                     ids,
                 )
                 for rid in ids:
-                    self._cancel(rid)  # as if read from the cancel stream
+                    self._cancel(rid, _ms(added))  # as if read from the cancel stream
 
     def _log_unchecked(self, exc: Exception) -> None:
         if not self._unchecked:

@@ -145,6 +145,13 @@ class GenerationModel:
     def infer(self, batch: list[Any]) -> list[Any]:
         raise TypeError("a generation model runs through its GenerationExecutor, not infer()")
 
+    @staticmethod
+    def cut_short(outputs: list[Any]) -> bool:
+        """Whether a result was cut short (ended by a cancel or its deadline): such an
+        answer is never cached nor given to requests coalesced onto it."""
+        r: GenerationResult = outputs[0]
+        return r.finish_reason in ("cancelled", "deadline")
+
     def postprocess(self, outputs: list[Any], value: Any) -> dict[str, Any]:
         r: GenerationResult = outputs[0]
         return {

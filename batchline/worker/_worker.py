@@ -446,7 +446,7 @@ class Worker:
 
     def _is_cancelled(self, call: Call) -> bool:
         meta = self._meta.get(call) if self._cancels else None
-        return meta is not None and meta.request["id"] in self._cancels
+        return meta is not None and self._cancels.covers(meta.request["id"], meta.entry)
 
     def _done(self, call: Call) -> None:
         meta = self._meta.pop(call, None)

@@ -11,6 +11,7 @@ are reclaimed and answered later, so nothing is lost either way.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import msgpack
@@ -87,10 +88,11 @@ class AnswerWriter:
         else:
             out = [r.sidx, r.entry, r.request_id, r.reply or "", r.result]
         cache, mark = self._cache.keys_for(r) if self._cache is not None else ("", "")
+        status = "cut" if r.cut else r.status
         if r.dead:
-            out += (5, r.input_hash, cache, mark, r.status, r.dead)
-        elif cache or mark:
-            out += (4, r.input_hash, cache, mark, r.status)
+            out += (5, r.input_hash, cache, mark, status, r.dead)
+        elif cache or mark or r.cut:
+            out += (4, r.input_hash, cache, mark, status)
         elif r.input_hash:
             out += (1, r.input_hash)
         else:
@@ -111,6 +113,7 @@ class AnswerWriter:
             self._keys.request_input(""),
             self._keys.waiters(""),
             self._cache.ttl_s if self._cache is not None else 0,
+            int(time.time() * 1e3),
         ]
         await self._retry.retry(
             lambda: self._script(self._client, keys, args), budget_s=_RETRY_BUDGET_S

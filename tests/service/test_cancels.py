@@ -1,6 +1,7 @@
-"""Cancellation: producers append ids to the queue's cancel stream; each worker reads what
-the stream holds from the last TTL as it starts, then follows it, and skips a cancelled
-request as its batch starts.
+"""Cancellation: producers append ids to the queue's cancel stream; each worker reads the
+newest of what the stream holds from the last TTL as it starts (at most as many entries as it
+may hold), then follows it, and skips a cancelled request as its batch starts, if the request
+was added before the cancel.
 
 CancelLog's expiry runs on a fake clock; catching up and following run on the session's
 redis-server. End to end, the request is cancelled while the worker already holds it,
@@ -48,15 +49,23 @@ async def producer(redis_url: str, queue: str) -> AsyncIterator[AsyncProducer]:
 
 
 class CountingClient:
-    """An asyncio client that counts its XREAD calls (how many pages a catch-up took)."""
+    """An asyncio client that counts its stream reads (how many pages a catch-up took) and
+    the entries they brought."""
 
     def __init__(self, client: AsyncRedis) -> None:
         self._client = client
         self.xreads = 0
+        self.entries = 0
 
     async def xread(self, *args: Any, **kwargs: Any) -> Any:
         self.xreads += 1
         return await self._client.xread(*args, **kwargs)
+
+    async def xrevrange(self, *args: Any, **kwargs: Any) -> Any:
+        self.xreads += 1
+        page = await self._client.xrevrange(*args, **kwargs)
+        self.entries += len(page)
+        return page
 
 
 # -- CancelLog on its own ----------------------------------------------------------------------
@@ -230,7 +239,16 @@ async def test_a_flood_of_junk_and_of_ids_stays_within_the_caps(
     aclient: AsyncRedis, keys: QueueKeys
 ) -> None:
     """Junk (4 KiB ids, no id, binary) is ignored; valid ids past max_ids evict the oldest.
-    The worker holds at most max_ids ids, whatever the stream holds."""
+    The worker holds at most max_ids ids, whatever the stream holds: at start-up it reads
+    the newest max_ids entries only; following, it takes each new one."""
+    async with aclient.pipeline(transaction=False) as pipe:
+        for i in range(3000):
+            pipe.xadd(keys.cancels, {"id": f"old-{i}"})
+        await pipe.execute()
+    log = CancelLog(3600, max_ids=1000)
+    await log.catch_up(aclient, keys)
+    assert (len(log), log.ignored, log.evicted) == (1000, 0, 0)
+    assert ("old-1999" in log, "old-2000" in log) == (False, True)
     async with aclient.pipeline(transaction=False) as pipe:
         for i in range(500):
             pipe.xadd(keys.cancels, {"id": b"j" * 4096})
@@ -239,13 +257,48 @@ async def test_a_flood_of_junk_and_of_ids_stays_within_the_caps(
         for i in range(3000):
             pipe.xadd(keys.cancels, {"id": f"r-{i}"})
         await pipe.execute()
-    log = CancelLog(3600, max_ids=1000)
-    await log.catch_up(aclient, keys)
-    assert (len(log), log.ignored, log.evicted) == (1000, 1500, 2000)
+    reads = 0
+
+    def running() -> bool:
+        nonlocal reads
+        reads += 1
+        return reads <= 5  # 4,500 entries: five pages of 1000
+
+    await asyncio.wait_for(log.follow(aclient, keys, running), T)
+    assert (len(log), log.ignored, log.evicted) == (1000, 1500, 3000)
     assert "r-1999" not in log
     assert "r-2000" in log
     assert "r-2999" in log
     assert log.held_bytes <= 1000 * (6 + ID_OVERHEAD_BYTES)
+
+
+async def test_start_up_reads_at_most_max_ids_entries_whatever_the_stream_holds(
+    aclient: AsyncRedis, keys: QueueKeys
+) -> None:
+    """A worker's start-up does not grow with the cancel stream: 30,000 entries written
+    around any cap, of which it reads the newest 2,000 (two pages)."""
+    async with aclient.pipeline(transaction=False) as pipe:
+        for i in range(30_000):
+            pipe.xadd(keys.cancels, {"id": f"c{i}"} if i % 2 else {"junk": b"x"})
+        await pipe.execute()
+    log = CancelLog(3600, max_ids=2000)
+    counting = CountingClient(aclient)
+    await log.catch_up(counting, keys)
+    assert (counting.xreads, counting.entries) == (2, 2000)
+    assert (len(log), log.ignored) == (1000, 1000)
+    assert "c29999" in log
+    assert "c27999" not in log
+
+
+def test_a_cancel_covers_only_the_entries_added_before_it() -> None:
+    log = CancelLog(10, clock=FakeClock())
+    log.add("r1", 5_000)
+    assert log.covers("r1", b"4999-7")
+    assert log.covers("r1", "5000-0")
+    assert not log.covers("r1", b"5001-0")  # added after the cancel: a resubmit runs
+    assert not log.covers("other", b"1-0")
+    log.add("r2")  # a cancel of no particular time: every entry of the id
+    assert log.covers("r2", b"99999999999999-0")
 
 
 async def test_catch_up_on_a_queue_without_cancels(aclient: AsyncRedis, keys: QueueKeys) -> None:
