@@ -18,6 +18,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from batchline.drivers._options import DEFAULTS
+from batchline.transport._lua import MAX_PER_CALL as _MAX_PER_CALL
 from batchline.transport.codec import Limits
 from batchline.transport.keys import QueueKeys, check_name
 
@@ -109,12 +110,18 @@ class ProducerSettings(ServiceSettings):
         default_priority: priority of a request that names none.
         submit_batch: most requests coalesced into one write.
         max_result_bytes: largest result accepted from Redis.
+        admission: how requests and cancels reach the queue: ``functions``, through the
+            queue's functions and its inbox (Redis >= 7; producer rights need no write to a
+            work stream); ``scripts``, with the enqueue script and direct writes (Redis 6.2,
+            or trusted producers); ``auto``, the functions where workers have loaded them,
+            else the script (docs/protocol.md, Admission).
     """
 
     max_queue_depth: int = Field(default=100_000, ge=0)
     default_priority: int = Field(default=1, ge=0)
-    submit_batch: int = Field(default=512, ge=1)
+    submit_batch: int = Field(default=512, ge=1, le=_MAX_PER_CALL)
     max_result_bytes: int = Field(default=64 << 20, ge=1)
+    admission: Literal["auto", "functions", "scripts"] = "auto"
 
     def limits(self) -> Limits:
         """What the producer accepts in a result."""

@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import os
 import time
-import uuid
 from collections import Counter
 from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
@@ -28,13 +27,19 @@ from typing import Any, TypedDict, Unpack, cast
 from redis.exceptions import RedisError
 
 from batchline.config import ProducerSettings
-from batchline.errors import BatcherClosed, BatchlineError, RequestCancelled, RequestTimeout
+from batchline.errors import (
+    BatcherClosed,
+    BatchlineError,
+    RequestCancelled,
+    RequestIdConflict,
+    RequestTimeout,
+)
 from batchline.producer._enqueue import Enqueuer
 from batchline.producer._failures import translate
 from batchline.producer._once import Answered, cached_result
 from batchline.producer._replies import ReplyReader, Waiters
 from batchline.producer._stream import StreamChunk, Streams, quiet_cancel, stream_request
-from batchline.transport._cancels import cancel_request
+from batchline.transport._admission import Admission
 from batchline.transport._once import input_hash
 from batchline.transport._redis import RedisClient, connect
 from batchline.transport.codec import DecodeError, Result, unpack_result
@@ -96,15 +101,18 @@ class AsyncProducer:
         self.keys = self.settings.keys
         self._own_client = redis is None
         self._redis = redis if redis is not None else connect(self.settings)
-        self.producer_id = check_name(
-            "producer id", f"{host_id()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        )
+        # 128 random bits: a reply stream's name is all that keeps another producer from
+        # reading it, and producer rights may probe names (docs/protocol.md, Access control).
+        self.producer_id = check_name("producer id", f"{host_id()}-{os.getpid()}-{_new_id()}")
+        self._admission = Admission(self.keys, self.settings.admission)
         self._reply_key = self.keys.reply(self.producer_id)
         self._limits = self.settings.limits()
         # Every waiter of a request id here (a resubmit of a waiting id adds one).
         self._waiting = Waiters()
         # The streamed requests waiting here; one left before its end is cancelled.
-        self._streams = Streams(quiet_cancel(self._redis, self.keys, self.settings.result_ttl_s))
+        self._streams = Streams(
+            quiet_cancel(self._redis, self._admission, self.settings.result_ttl_s)
+        )
         #: Submits by what the enqueue script did with them (queued, result, cached, ...).
         self.counts: Counter[str] = Counter()
         self._reader: asyncio.Task[None] | None = None
@@ -125,6 +133,7 @@ class AsyncProducer:
             self.settings,
             self._waiting,
             self.counts,
+            admission=self._admission,
             name=f"batchline-submits:{self.producer_id}",
         )
 
@@ -250,8 +259,13 @@ class AsyncProducer:
             reply=self.producer_id if reply else None,
             stream=stream,
         )
+        sent = input_hash(meta, blob)
+        if self._waiting.inputs.get(rid, sent) != sent:
+            # This producer waits for that id with another input: refused here and now (the
+            # enqueue function may not see it yet, while it waits in the queue's inbox).
+            raise RequestIdConflict(rid)
         # Registered before the write, so that even the fastest reply finds its waiter.
-        fut = self._waiting.add(rid, input_hash(meta, blob)) if reply else None
+        fut = self._waiting.add(rid, sent) if reply else None
         entry = [prio, flat]
         self._enqueue.put(entry, ack if ack is not None else (rid, fut), rid)
         return rid, fut
@@ -381,7 +395,7 @@ class AsyncProducer:
         a generation worker also ends one it is running, at its next step."""
         rid = handle if isinstance(handle, str) else handle.id
         try:
-            await cancel_request(self._redis, self.keys, rid, self.settings.result_ttl_s)
+            await self._admission.cancel(self._redis, rid, ttl_s=self.settings.result_ttl_s)
         except (RedisError, OSError) as exc:
             raise translate(exc) from exc
         for fut in self._waiting.forget(rid):
@@ -391,11 +405,9 @@ class AsyncProducer:
                 fut.exception()  # retrieved: nobody may be waiting on it
 
     async def queue_depth(self) -> int:
-        """Requests waiting or in progress in this queue, all priorities together."""
+        """Requests waiting or in progress in this queue, all priorities together (those
+        in its inbox, not admitted yet, included)."""
         try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for stream in self._streams_low_first:
-                    pipe.xlen(stream)
-                return int(sum(await pipe.execute()))
+            return await self._admission.depth(self._redis)
         except (RedisError, OSError) as exc:
             raise translate(exc) from exc

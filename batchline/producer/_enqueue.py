@@ -19,9 +19,10 @@ from batchline.errors import BatcherClosed, QueueFull
 from batchline.producer._failures import Failed, connected, translate, uncertain, writer_for
 from batchline.producer._once import Answered, outcome_of
 from batchline.producer._replies import Waiters
+from batchline.transport._admission import Admission
+from batchline.transport._once import once_keys
 from batchline.transport._outbox import Outbox
-from batchline.transport._redis import RedisClient, Script
-from batchline.transport._scripts import ENQUEUE
+from batchline.transport._redis import RedisClient
 from batchline.transport.codec import Result
 
 __all__ = ["Enqueuer", "Target"]
@@ -42,6 +43,7 @@ class Enqueuer:
         waiting: the producer's waiters (a failed write, or one answered at once, settles
             an ``infer``'s waiter).
         counts: submits by what the enqueue script did with them (queued, result, ...).
+        admission: how the writes reach the queue (the functions or the script).
         name: the writing task's name.
     """
 
@@ -52,6 +54,7 @@ class Enqueuer:
         waiting: Waiters,
         counts: Counter[str],
         *,
+        admission: Admission,
         name: str,
     ) -> None:
         self.settings = settings
@@ -61,17 +64,8 @@ class Enqueuer:
         self._waiting = waiting
         self._counts = counts
         self._limits = settings.limits()
-        self._script = Script(ENQUEUE)
-        self._streams_low_first = keys.streams_low_first
-        self._keys = [
-            keys.result(""),
-            keys.request_input(""),
-            keys.waiters(""),
-            keys.cache(""),
-            keys.in_flight(""),
-            keys.model,
-            keys.once_stats,
-        ]
+        self._admission = admission
+        self._keys = once_keys(keys)
         self._outbox: Outbox[_Pending] = Outbox(
             self._flush, max_batch=settings.submit_batch, abandon=self._abandon, name=name
         )
@@ -163,6 +157,8 @@ class Enqueuer:
         except (RedisError, OSError) as exc:
             raise Failed([translate(exc) for _ in ids], exc) from exc
         try:
-            return list(await self._script(self._writer, self._streams_low_first, args))
+            # Sizes are the workers' to check (their limits): the admission refuses an entry
+            # larger than their largest request.
+            return await self._admission.enqueue(self._writer, args, max_bytes=0)
         except (RedisError, OSError) as exc:
             raise Failed([uncertain(exc, rid) for rid in ids], exc) from exc

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,9 @@ from batchline.transport.codec._chunks import CHUNKS_FIELD
 from batchline.transport.codec._results import decode_flat
 
 __all__ = ["ReplyReader", "Waiters"]
+
+#: After a warning of a dropped reply entry, the next one waits this long (seconds).
+_QUIET_S = 10.0
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +105,10 @@ class ReplyReader:
         self._closed = closed
         self._streams = streams
         self._client: RedisClient = None  # the reader's own client, while it runs
+        # Warnings of dropped entries: one at once, then at most one per _QUIET_S with how
+        # many more were dropped (a flood of forged entries must not flood the log).
+        self._quiet_until = 0.0
+        self._unreported = 0
 
     async def run(self) -> None:
         async with own_connection(self._redis) as client:  # for the blocking reads
@@ -165,15 +173,29 @@ class ReplyReader:
                 "reply stream %s: dropped a reply entry: %s", self._reply_key, exc, exc_info=True
             )
             return
-        if problems:
+        if problems and self._loud():
             dropped, first = problems
             logger.warning(
-                "reply stream %s: dropped a malformed reply (%d malformed result%s): %s",
+                "reply stream %s: dropped a malformed reply (%d malformed result%s): %s%s",
                 self._reply_key,
                 dropped,
                 "" if dropped == 1 else "s",
                 first,
+                self._since(),
             )
+
+    def _loud(self) -> bool:
+        """Whether to log a dropped entry now (else it is counted for the next line)."""
+        now = time.monotonic()
+        if now < self._quiet_until:
+            self._unreported += 1
+            return False
+        self._quiet_until = now + _QUIET_S
+        return True
+
+    def _since(self) -> str:
+        unreported, self._unreported = self._unreported, 0
+        return f" (and {unreported} more entries dropped before it)" if unreported else ""
 
     def _deliver_checked(self, raw: Any) -> tuple[int, str] | None:
         """Deliver an entry's valid results; returns (how many were dropped, the first reason)

@@ -25,11 +25,10 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from redis.exceptions import RedisError
 
 from batchline.errors import DecodeError, InferenceError, RequestTimeout, StreamDiverged
-from batchline.transport._cancels import cancel_request
+from batchline.transport._admission import Admission
 from batchline.transport._redis import RedisClient
 from batchline.transport.codec import Result
 from batchline.transport.codec._chunks import Chunk, unpack_chunks
-from batchline.transport.keys import QueueKeys
 
 if TYPE_CHECKING:
     from batchline.producer._async import AsyncProducer, RequestOptions
@@ -164,12 +163,12 @@ class StreamState:
 Cancel = Callable[[str], Coroutine[Any, Any, None]]
 
 
-def quiet_cancel(redis: RedisClient, keys: QueueKeys, ttl_s: int) -> Cancel:
+def quiet_cancel(redis: RedisClient, admission: Admission, ttl_s: int) -> Cancel:
     """A :data:`Cancel` that logs a failure rather than raising it (nobody awaits it)."""
 
     async def cancel(rid: str) -> None:
         try:
-            await cancel_request(redis, keys, rid, ttl_s)
+            await admission.cancel(redis, rid, ttl_s=ttl_s)
         except (RedisError, OSError) as exc:
             logger.warning("could not cancel request %s, whose stream ended: %s", rid, exc)
 

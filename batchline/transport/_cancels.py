@@ -1,5 +1,6 @@
-"""Cancellation: producers append request ids to the queue's cancel stream; every worker
-follows that stream and keeps the ids it read, so that checking a batch costs no round trip.
+"""Cancellation: request ids reach the queue's cancel stream (admitted from the inbox, or
+added by producers with the script: :mod:`._admission`); every worker follows that stream
+and keeps the ids it read, so that checking a batch costs no round trip.
 
 A worker starting up first reads the newest ids, at most as many entries as it may hold and
 none older than ``ttl_s`` seconds (a request older than its result TTL is not worth
@@ -28,7 +29,7 @@ from redis.exceptions import NoPermissionError, RedisError
 from batchline.transport._redis import Backoff, RedisClient
 from batchline.transport.keys import MAX_ID_CHARS, QueueKeys, is_name
 
-__all__ = ["CancelLog", "cancel_request"]
+__all__ = ["CANCELS_MAXLEN", "CancelLog", "CancelTrim"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +49,6 @@ def entry_ms(entry_id: bytes | str) -> int:
     """The time part of a stream entry id (milliseconds of the server's clock)."""
     text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     return int(text.split("-", 1)[0])
-
-
-async def cancel_request(redis: RedisClient, keys: QueueKeys, request_id: str, ttl_s: int) -> None:
-    """Ask every worker of the queue to skip this request if it has not started it."""
-    async with redis.pipeline(transaction=False) as pipe:
-        pipe.xadd(keys.cancels, {"id": request_id}, maxlen=CANCELS_MAXLEN, approximate=True)
-        pipe.expire(keys.cancels, ttl_s)
-        await pipe.execute()
 
 
 class CancelLog:
@@ -96,11 +89,15 @@ class CancelLog:
         held = self._ids.get(request_id)  # type: ignore[call-overload]
         return held is not None and held[0] > self._clock()
 
-    def covers(self, request_id: str, entry_id: bytes | str) -> bool:
+    def covers(self, request_id: str, entry_id: bytes | str, enqueued_ms: float = math.inf) -> bool:
         """Whether a cancel of ``request_id`` covers the work-stream entry ``entry_id``:
-        one read, and that entry was added no later than it."""
+        one read, and that entry added no later than it, or enqueued (its ``ts``, the
+        producer's clock) no later: a request waiting in the inbox when it was cancelled is
+        added to its stream after the cancel (a cancel written straight to the stream)."""
         held = self._ids.get(request_id)
-        return held is not None and held[0] > self._clock() and entry_ms(entry_id) <= held[1]
+        if held is None or held[0] <= self._clock():
+            return False
+        return min(entry_ms(entry_id), enqueued_ms) <= held[1]
 
     def __len__(self) -> int:
         """How many ids are held (none past their TTL)."""
@@ -197,3 +194,32 @@ class CancelLog:
             backoff.reset()
             for _stream, entries in response or ():
                 self._take(entries)
+
+
+class CancelTrim:
+    """Trims the cancel stream to about ``CANCELS_MAXLEN`` entries and to the last ``ttl_s``
+    seconds, however it was written (a producer's direct ``XADD``s included); a worker whose
+    ACL may not (from before the functions: read-only on the stream) says so once."""
+
+    def __init__(self, redis: RedisClient, keys: QueueKeys, ttl_s: float) -> None:
+        self._redis, self._keys, self._ttl_s = redis, keys, ttl_s
+        self.refused = False
+
+    async def step(self) -> None:
+        if self.refused:
+            return
+        oldest = f"{max(0, int((time.time() - self._ttl_s) * 1e3))}-0"
+        try:
+            # LIMIT 0: all at once (whole nodes of the stream go, which is cheap), not the
+            # 10,000 entries an approximate trim takes by default.
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.xtrim(self._keys.cancels, maxlen=CANCELS_MAXLEN, approximate=True, limit=0)
+                pipe.xtrim(self._keys.cancels, minid=oldest, approximate=True, limit=0)
+                await pipe.execute()
+        except NoPermissionError as exc:
+            self.refused = True
+            logger.warning(
+                "the cancel stream is not trimmed by this worker (add +xtrim and write access "
+                "to the stream, as `batchline acl` prints them): %s",
+                exc,
+            )

@@ -14,7 +14,24 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-__all__ = ["ONCE_COUNTERS", "cache_hash", "input_hash", "once_figures"]
+from batchline.transport.keys import QueueKeys
+
+__all__ = ["ONCE_COUNTERS", "cache_hash", "input_hash", "once_figures", "once_keys"]
+
+
+def once_keys(keys: QueueKeys) -> list[str]:
+    """What the enqueue script and the queue's functions take after the TTLs (arguments 5
+    to 11): the key prefixes of results, request inputs, waiters, the cache and in-flight
+    marks, the model key and the counters' key."""
+    return [
+        keys.result(""),
+        keys.request_input(""),
+        keys.waiters(""),
+        keys.cache(""),
+        keys.in_flight(""),
+        keys.model,
+        keys.once_stats,
+    ]
 
 
 def input_hash(meta: bytes, blob: bytes) -> str:

@@ -9,6 +9,8 @@ client a fraction of packing a dozen per request.
 
 from __future__ import annotations
 
+from batchline.transport._lua import EACH, ONCE, REPLIES
+
 __all__ = ["COMPLETE", "ENQUEUE"]
 
 # KEYS: the work streams, priority 0 first. ARGV: max_depth (0: unbounded); a msgpack array
@@ -24,117 +26,59 @@ __all__ = ["COMPLETE", "ENQUEUE"]
 # {'cached', bytes} (the input's cached result), {'attached'} (the id is queued or running:
 # the result will come), {'coalesced'} (the same input is being computed for another id:
 # its result will come, with this id), {'conflict'} (the id was used for another input).
-ENQUEUE = """
+ENQUEUE = (
+    ONCE
+    + EACH
+    + r"""
 local max_depth = tonumber(ARGV[1])
 local requests = cmsgpack.unpack(ARGV[2])
 local once = #ARGV >= 11  -- else the short call: no resubmit checks, no cache
-local ttl, cache_ttl = tonumber(ARGV[3]), tonumber(ARGV[4])
-local res, rid, wait, cache, flight = ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]
-local model = false
-if once and cache_ttl > 0 then model = redis.call('GET', ARGV[10]) end
+if once then begin_once(ARGV) end
 local depth = 0
 if max_depth > 0 then
   for i = 1, #KEYS do depth = depth + redis.call('XLEN', KEYS[i]) end
 end
-local counts = {}
-local function count(name) counts[name] = (counts[name] or 0) + 1 end
-local function attach(leader, id, reply, h)
-  if leader ~= id or reply ~= '' then
-    redis.call('SADD', wait .. leader, id .. ' ' .. reply .. ' ' .. h)
-    redis.call('EXPIRE', wait .. leader, ttl)
-  end
-end
 local out = {}
-local nested = type(requests[1]) == 'table'
-local at, size, i = 1, #requests, 0
-while at <= size do
-  -- This request's fields are src[first..last]: no table of its own (the common case).
-  local src, prio, first, last
-  if nested then
-    src, prio = requests[at][2], requests[at][1]
-    first, last, at = 1, #src, at + 1
-  else
-    src, prio, first, last = requests, requests[at], at + 2, at + 1 + requests[at + 1]
-    at = last + 1
-  end
-  i = i + 1
-  local id, reply, meta, blob, dl
-  for j = first, last, 2 do  -- a field named twice: the last one counts, as in XADD
-    local name = src[j]
-    if name == 'id' then id = src[j + 1]
-    elseif name == 'reply' then reply = src[j + 1]
-    elseif name == 'meta' then meta = src[j + 1]
-    elseif name == 'blob' then blob = src[j + 1]
-    elseif name == 'dl' then dl = src[j + 1]
-    end
-  end
-  reply, meta, blob = reply or '', meta or '', blob or ''
-  local h = once and redis.sha1hex(#meta .. ':' .. meta .. blob)
-  -- A new id (the common case) is claimed in one command; a known one is read.
-  local claimed = once and redis.call('SET', rid .. id, h, 'NX', 'EX', ttl)
-  local known = once and not claimed and redis.call('GET', rid .. id)
-  if known and string.sub(known, 1, 40) ~= h then
-    out[i] = {'conflict'}
-    count('conflict')
-  elseif known then
-    local mark, ref = string.sub(known, 42, 42), string.sub(known, 43)
-    local result = mark ~= '!' and redis.call('GET', res .. id)
-    if not result and mark == '=' then
-      -- rid keys are written with producer rights: follow one only to this input's answer
-      -- under the model serving now.
-      local m = model or redis.call('GET', ARGV[10])
-      if m and ref == redis.sha1hex(m .. '\\n' .. h) then
-        result = redis.call('GET', cache .. ref)
-      end
-    end
-    if result then
-      out[i] = {'result', result}
-      count('existing')
-    elseif mark == '=' or mark == '!' then
-      known = false  -- its cached answer is gone, or its answer was cut short: run again
-    else
-      attach(mark == '>' and ref or id, id, reply, h)
-      out[i] = {'attached'}
-      count('attached')
-    end
-  end
-  if not known then
-    local key = model and redis.sha1hex(model .. '\\n' .. h)
-    local cached = key and redis.call('GET', cache .. key)
-    local leader = key and not cached and not dl and redis.call('GET', flight .. key)
-    if cached then
-      redis.call('SET', rid .. id, h .. ' =' .. key, 'EX', math.min(ttl, cache_ttl))
-      out[i] = {'cached', cached}
-      count('hit')
-    elseif leader then
-      attach(leader, id, reply, h)
-      redis.call('SET', rid .. id, h .. ' >' .. leader, 'EX', ttl)
-      out[i] = {'coalesced'}
-      count('coalesced')
-    elseif max_depth > 0 and depth >= max_depth then
+each_request(requests, function(i, prio, src, first, last)
+  local stream = KEYS[tonumber(prio) + 1]
+  local full = max_depth > 0 and depth >= max_depth
+  if not once then
+    if full then
       out[i] = false
-      if claimed then redis.call('DEL', rid .. id) end
     else
-      local stream = KEYS[tonumber(prio) + 1]
-      if key then
-        local fields = {unpack(src, first, last)}
-        fields[#fields + 1] = 'ck'
-        fields[#fields + 1] = key
-        if not dl then redis.call('SET', flight .. key, id, 'EX', ttl) end
-        count('miss')
-        out[i] = redis.call('XADD', stream, '*', unpack(fields))
-      else
-        out[i] = redis.call('XADD', stream, '*', unpack(src, first, last))
-      end
-      if once and not claimed then redis.call('SET', rid .. id, h, 'EX', ttl) end
+      out[i] = redis.call('XADD', stream, '*', unpack(src, first, last))
       depth = depth + 1
     end
+    return
   end
-end
-for name, n in pairs(counts) do redis.call('HINCRBY', ARGV[11], name, n) end
-if next(counts) then redis.call('EXPIRE', ARGV[11], ttl) end
+  local id, reply, meta, blob, dl = fields_of(src, first, last)
+  local h = input_hash(meta, blob)
+  local kind, a, b = decide(id, h, dl, true)
+  if kind ~= 'new' then
+    settle(kind, id, reply, h, a, b)
+    out[i] = (kind == 'result' or kind == 'cached') and {kind, a} or {kind}
+  elseif full then
+    out[i] = false
+    if b then redis.call('DEL', rid .. id) end  -- refused: its id stays free
+  else
+    if a then
+      local fields = {unpack(src, first, last)}
+      fields[#fields + 1] = 'ck'
+      fields[#fields + 1] = a
+      if not dl then redis.call('SET', flight .. a, id, 'EX', ttl) end
+      count('miss')
+      out[i] = redis.call('XADD', stream, '*', unpack(fields))
+    else
+      out[i] = redis.call('XADD', stream, '*', unpack(src, first, last))
+    end
+    if not b then redis.call('SET', rid .. id, h, 'EX', ttl) end
+    depth = depth + 1
+  end
+end)
+if once then end_once() end
 return out
 """
+)
 
 # KEYS: the work streams (priority 0 first), then the dead-letter stream. ARGV: group,
 # ttl_s, reply_maxlen, dead_maxlen, the result-key prefix, the reply-stream prefix, a
@@ -163,7 +107,9 @@ return out
 # (prefix .. producer id) carrying all its results of this call: fields n (how many) and r,
 # a msgpack array of the packed results (an array header, then the results one after
 # another). Returns the number of records answered.
-COMPLETE = """
+COMPLETE = (
+    REPLIES
+    + r"""
 local group = ARGV[1]
 local ttl = tonumber(ARGV[2])
 local reply_maxlen = ARGV[3]
@@ -174,32 +120,10 @@ local records = cmsgpack.unpack(ARGV[7])
 local rid_prefix, wait_prefix, cache_ttl, now_ms = ARGV[8], ARGV[9], ARGV[10], ARGV[11]
 local dead = KEYS[#KEYS]
 local answered = 0
-local replies = {}
 local finished = {}
-local function push(reply, result)
-  local pending = replies[reply]
-  if pending == nil then
-    pending = {}
-    replies[reply] = pending
-  end
-  pending[#pending + 1] = result
-end
-local function restamp(result, id)
-  local flat = cmsgpack.unpack(result)
-  for j = 1, #flat, 2 do
-    if flat[j] == 'id' then flat[j + 1] = id end
-  end
-  return cmsgpack.pack(flat)
-end
 local function mismatch(id, hash)
-  local flat = {'v', '2', 'id', id, 'status', 'error', 'meta', 'null',
-    'queue_ms', '0', 'batch', '0', 'model_ms', '0', 'worker', '', 'etype', 'CoalesceMismatch',
-    'emsg', 'the request it was coalesced onto had another input'}
-  if hash ~= '' then
-    flat[#flat + 1] = 'ih'
-    flat[#flat + 1] = hash
-  end
-  return cmsgpack.pack(flat)
+  return error_result(id, 'CoalesceMismatch', 'the request it was coalesced onto had another input',
+    hash)
 end
 -- The requests coalesced onto a cut-short answer run again: the first as a new entry of the
 -- leader's input in its stream (the new leader), the others waiting on it.
@@ -323,21 +247,7 @@ for stream, entries in pairs(finished) do
     redis.call('XDEL', stream, unpack(entries, i, math.min(i + 999, #entries)))
   end
 end
-for reply, results in pairs(replies) do
-  local n = #results
-  local header
-  if n < 16 then
-    header = string.char(0x90 + n)
-  elseif n < 65536 then
-    header = string.char(0xdc, math.floor(n / 256), n % 256)
-  else
-    header = string.char(0xdd, math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256,
-      math.floor(n / 256) % 256, n % 256)
-  end
-  local key = reply_prefix .. reply
-  redis.call('XADD', key, 'MAXLEN', '~', reply_maxlen, '*',
-    'n', n, 'r', header .. table.concat(results))
-  redis.call('EXPIRE', key, ttl)
-end
+send_replies(reply_prefix, reply_maxlen, ttl)
 return answered
 """
+)

@@ -1,28 +1,27 @@
 """The two Redis ACL rule sets of a queue: one for producers, one for workers (Redis >= 7).
 
 Threat model: anyone holding the producer credentials (a web backend, a batch job) is not
-trusted with the results of other producers. With the producer rules such a client can add
-requests, read a result whose request id it knows, read reply streams and cancel requests;
-it cannot write a result key, a cache key or a reply stream, read the work streams (where
-every request's id and reply address are), read or write the dead-letter stream or the
-workers set. What it must be able to write (work-stream entries; through the enqueue
-script ``rid:`` keys, in-flight marks, waiters) is checked where it is used: every result
-carries the input hash of what it answers (``ih``), which the victim's producer checks
-(docs/protocol.md, Access control). So no producer can make another producer accept a
-result that no worker computed for its input; a poller that knows only an id relies on the
-id being unguessable. What a
-producer can still do is deny service: fill the queue up to ``max_queue_depth``, and, by a
-name it cannot list but might guess, read or delete the entries of another producer's reply
-stream (it must delete those it read: ``XDEL`` cannot be limited to one's own stream), or
-read, cancel or mark as pending a request by its id. The worker credentials are trusted: a
-worker writes results.
+trusted with the requests and results of other producers. With the producer rules such a
+client may call the queue's functions (``FCALL``) and nothing that runs code of its own
+(``EVAL``, ``SCRIPT``, ``FUNCTION``); inside them it may append to the queue's inbox
+(``RPUSH``, which removes nothing), count the backlog and read what the enqueue function
+decides from; it may read a result whose request id it knows and its own reply stream. It
+cannot write a work stream, the cancel stream, a result, a reply stream, a ``rid:``,
+``wait:``, ``flight:`` or cache key, nor read the work streams (where every request's id and
+reply address are), the dead-letter stream, the workers set or the cancel stream. Workers
+admit the inbox under their own rules, deciding each element as the enqueue script would
+(docs/protocol.md, Admission): a request appended under another's id with another input is
+refused, never run. What a producer can still do is deny service: fill the queue, and,
+given a name it cannot list, cancel or attach to a request by its id, or read or delete
+another producer's reply stream (a producer id ends in 128 random bits). The worker
+credentials are trusted: a worker writes results.
 
-Redis checks the keys a Lua script touches (``redis.call``) against the rules of the user
-running it, so running the enqueue script grants nothing beyond the commands listed here.
-Each set is a list of ``ACL SETUSER`` arguments (without ``on``, ``reset`` or a password):
-a key pattern prefixed ``%R~`` is read-only, ``%W~`` write-only, and a parenthesised group
-is a selector, checked on its own (a command passes if the root rules or one selector
-allow it with all its keys).
+Redis checks the keys a script or a function touches (``redis.call``) against the rules of
+the user running it, so a function grants nothing beyond the commands listed here: which is
+why producers write only the inbox. Each set is a list of ``ACL SETUSER`` arguments (without
+``on``, ``reset`` or a password): a key pattern prefixed ``%R~`` is read-only, ``%W~``
+write-only, and a parenthesised group is a selector, checked on its own (a command passes if
+the root rules or one selector allow it with all its keys).
 """
 
 from __future__ import annotations
@@ -44,31 +43,27 @@ _COMMON = ["+ping", "+cluster|slots", "+cluster|shards", "+command"]
 
 def _producer(keys: QueueKeys) -> list[str]:
     return [
-        # The work streams: the enqueue script (XLEN for the depth check, XADD) and
-        # queue_depth(); no command that reads entries (XRANGE, XREAD, XREADGROUP, XINFO).
+        # The functions and nothing else: the keys FCALL declares (the inbox, the admission
+        # list, the work streams); inside, each command is checked against these rules.
+        f"~{keys.inbox}",
+        f"~{keys.admitting}",
         f"~{keys.stream_prefix}*",
-        "+evalsha",
-        "+eval",
-        "+script|load",
-        "+xlen",
-        "+xadd",
-        # Results and reply streams: read only.
-        f"(%R~{keys.result_prefix}* %R~{keys.reply_prefix}* +get +xread)",
-        # The cache and the model identity: read only (by the enqueue script; only workers
-        # fill the cache).
-        f"(%R~{keys.cache('*')} %R~{keys.model} +get)",
-        # Deleting what it read from its reply stream, and the stream when it closes.
+        "+fcall",
+        # Inside the enqueue and cancel functions: append to the inbox (RPUSH cannot remove
+        # anything), and the backlog for the depth check and queue_depth().
+        f"(~{keys.inbox} +rpush)",
+        f"(%R~{keys.inbox} %R~{keys.admitting} %R~{keys.stream_prefix}* +llen +xlen)",
+        # Read only: results (polling), and what the enqueue function decides from (input
+        # hashes of ids, the cache, in-flight marks, the model identity).
+        f"(%R~{keys.result_prefix}* %R~{keys.request_input('*')} %R~{keys.cache('*')} "
+        f"%R~{keys.in_flight('*')} %R~{keys.model} +get)",
+        # Its reply stream: read it, delete what it read, and the stream when it closes.
+        f"(%R~{keys.reply_prefix}* +xread)",
         f"(%W~{keys.reply_prefix}* +xdel +del)",
-        # Cancelling: add to the cancel stream (and renew its TTL), never read it.
-        f"(%W~{keys.cancels} +xadd +expire)",
+        # The enqueue function's counters of the answers it gives at once.
+        f"(~{keys.once_stats} +hincrby +expire)",
         # The web backend's markers of polled jobs.
         f"(~{keys.job('*')} +set +get +del)",
-        # The enqueue script's resubmits and coalescing: input hashes and in-flight marks
-        # (read, set; a refused request's input hash deleted), waiters (added, never
-        # read), and its counters.
-        f"(~{keys.request_input('*')} ~{keys.in_flight('*')} +get +set +del)",
-        f"(%W~{keys.waiters('*')} +sadd +expire)",
-        f"(~{keys.once_stats} +hincrby +expire)",
     ]
 
 
@@ -77,7 +72,9 @@ def _worker(keys: QueueKeys) -> list[str]:
         f"~{keys.stream_prefix}*",
         f"~{keys.result_prefix}*",
         f"~{keys.reply_prefix}*",
-        f"%R~{keys.cancels}",
+        f"~{keys.cancels}",
+        f"~{keys.inbox}",
+        f"~{keys.admitting}",
         f"~{keys.dead}",
         f"~{keys.workers}",
         f"~{keys.worker_stats('*')}",
@@ -92,7 +89,18 @@ def _worker(keys: QueueKeys) -> list[str]:
         "+smembers",
         "+sadd",
         "+del",
+        "+exists",
         "+hgetall",
+        "+hincrby",
+        # The queue's functions: loading them, and admitting the inbox (LPOP, BLMOVE into
+        # the admission list, XADD to the work and cancel streams).
+        "+function|load",
+        "+fcall",
+        "+lpop",
+        "+blmove",
+        "+llen",
+        # Trimming the cancel stream, however it was written.
+        "+xtrim",
         # The complete script: XACK, XADD (dead letters, replies), SET, EXPIRE, XDEL.
         "+evalsha",
         "+eval",

@@ -180,3 +180,15 @@ class QueueKeys:
     def once_stats(self) -> str:
         """Counters of resubmits and of the cache (a hash)."""
         return f"{self.base}:once"
+
+    # -- admission (Redis >= 7: the functions; see docs/protocol.md) ---------------------------
+
+    @property
+    def inbox(self) -> str:
+        """The list producers append requests, cancels and cache-hit notes to."""
+        return f"{self.base}:in"
+
+    @property
+    def admitting(self) -> str:
+        """The list of inbox elements a worker took to admit next."""
+        return f"{self.base}:admitting"

@@ -29,12 +29,16 @@ __all__ = ["collect", "render"]
 async def collect(
     settings: ServiceSettings, client: RedisClient, *, live_within_s: float = 10.0
 ) -> dict[str, Any]:
-    """Queue depth, pending, lag and dead letters, with the live workers and their figures."""
+    """Queue depth, pending, lag, the inbox (requests not admitted yet) and dead letters,
+    with the live workers and their figures."""
     keys = settings.keys
     streams = []
+    inbox: int = int(await client.llen(keys.inbox)) + int(await client.llen(keys.admitting))
+    depth = inbox
     for priority in reversed(range(keys.priorities)):
         name = keys.stream(priority)
         length = int(await client.xlen(name))
+        depth += length
         pending = lag = None
         consumers = 0
         try:
@@ -65,7 +69,8 @@ async def collect(
     return {
         "queue": keys.queue,
         "redis": redact_url(settings.redis_url.get_secret_value()),
-        "depth": sum(s["length"] for s in streams),
+        "depth": depth,
+        "inbox": inbox,
         "streams": streams,
         "dead_letters": int(await client.xlen(keys.dead)),
         "once": once_figures(await client.hgetall(keys.once_stats)),
@@ -82,6 +87,7 @@ def render(status: dict[str, Any]) -> str:
     lines = [
         f"queue {status['queue']!r} on {status['redis']}",
         f"  depth {status['depth']} (waiting + in progress), dead letters {status['dead_letters']}",
+        f"  inbox {status.get('inbox', 0)} (enqueued, not admitted by a worker yet)",
     ]
     for s in status["streams"]:
         lines.append(

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import threading
@@ -47,9 +48,11 @@ from redis.exceptions import RedisError
 from batchline.config import WorkerSettings, redact_url
 from batchline.drivers._base import Call, Item
 from batchline.errors import BatcherClosed, BatchlineError, RequestCancelled, WorkerHung
-from batchline.transport._cancels import CancelLog
+from batchline.transport._cancels import CancelLog, CancelTrim
+from batchline.transport._functions import load_library
 from batchline.transport._redis import RedisClient, connect, dedicated, wait_for_redis
 from batchline.transport.keys import check_name, host_id
+from batchline.worker._admitter import Admitter
 from batchline.worker._answers import Meta, Record, answer, dead_letter, finished
 from batchline.worker._cache import AnswerCache
 from batchline.worker._chunks import ChunkWriter
@@ -151,7 +154,15 @@ class Worker:
         self._cancels = CancelLog(
             s.result_ttl_s, max_ids=s.cancel_max_ids, max_bytes=s.cancel_max_bytes
         )
+        self._cancel_trim = CancelTrim(self._redis, self.keys, s.result_ttl_s)
         self._readcap = ReadCap.within(self._limits, max_read_bytes=s.max_read_bytes)
+        self._admit_client = dedicated(self._redis)  # it blocks on the inbox
+        self._admitter = Admitter(
+            self._admit_client,
+            s,
+            worker_id=self.worker_id,
+        )
+        self._admits = False  # whether the queue's functions are loaded (Redis >= 7)
         self._claims = Claims(self._redis, self._streams_low_first, self.worker_id)
         self._answers = AnswerWriter(
             self._writer,
@@ -273,7 +284,10 @@ class Worker:
         apply_threads(self.threads)
         self._prep.start()
         await ensure_groups(self._redis, self._streams_low_first)
+        self._admits = await load_library(self._redis)
         await self._cache.publish(self._redis)
+        if self._admits:  # what waits, before the first read: highest priority read first
+            await self._admitter.admit_all()
         await self._cancels.catch_up(self._redis, self.keys)
         self._install_signals(loop)
         self.metrics.start()
@@ -284,6 +298,12 @@ class Worker:
             "reader": self._read(),
             **self._upkeep.jobs(lambda: self._closing),
             "cancels": self._cancels.follow(self._redis, self.keys, lambda: not self._closing),
+            "cancel-trim": every(
+                self.settings.claim_idle_ms / 3e3,
+                "cancel trim",
+                self._cancel_trim.step,
+                lambda: self._closing,
+            ),
             "cache": every(
                 self.settings.heartbeat_s,
                 "cache",
@@ -291,6 +311,8 @@ class Worker:
                 lambda: self._closing,
             ),
         }
+        if self._admits:
+            jobs["admitter"] = self._admitter.run(lambda: not self._closing)
         return [loop.create_task(job, name=f"batchline-{name}") for name, job in jobs.items()]
 
     async def _close(self, tasks: list[asyncio.Task[None]]) -> None:
@@ -304,8 +326,9 @@ class Worker:
             await self._redis.zrem(self.keys.workers, self.worker_id)
         self._prep.close()
         self.metrics.stop()
-        if self._writer is not self._redis:
-            await self._writer.aclose()
+        for own in (self._writer, self._admit_client):
+            if own is not self._redis:
+                await own.aclose()
         if self._own_client:
             await self._redis.aclose()
         logger.info("worker %s: stopped (%s)", self.worker_id, dict(self.counts))
@@ -446,7 +469,10 @@ class Worker:
 
     def _is_cancelled(self, call: Call) -> bool:
         meta = self._meta.get(call) if self._cancels else None
-        return meta is not None and self._cancels.covers(meta.request["id"], meta.entry)
+        if meta is None:
+            return False
+        request = meta.request
+        return self._cancels.covers(request["id"], meta.entry, request.get("ts") or math.inf)
 
     def _done(self, call: Call) -> None:
         meta = self._meta.pop(call, None)

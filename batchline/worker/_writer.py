@@ -30,7 +30,7 @@ __all__ = ["AnswerWriter"]
 logger = logging.getLogger(__name__)
 
 REPLY_MAXLEN = 100_000
-_DEAD_MAXLEN = 100_000
+DEAD_MAXLEN = 100_000
 #: How long one write is retried through a Redis restart before its entries are left pending.
 _RETRY_BUDGET_S = 30.0
 
@@ -106,7 +106,7 @@ class AnswerWriter:
             GROUP,
             self._result_ttl_s,
             REPLY_MAXLEN,
-            _DEAD_MAXLEN,
+            DEAD_MAXLEN,
             self._keys.result_prefix,
             self._keys.reply_prefix,
             msgpack.packb(packed, use_bin_type=False),

@@ -34,15 +34,19 @@ from pathlib import Path
 from subprocess import Popen
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 import redis
 from redis.asyncio import Redis as AsyncRedis
 
 from batchline.codec import Result
+from batchline.config import WorkerSettings
 from batchline.keys import GROUP, QueueKeys
 from batchline.producer import AsyncProducer
+from batchline.transport._functions import LIBRARY
 from batchline.worker import Worker
+from batchline.worker._admitter import Admitter
 
 from . import models_for_tests
 
@@ -177,11 +181,28 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         _stop_process(proc)
     else:
         raise RuntimeError(f"{binary} did not start; its log:\n{log_path.read_text()}")
+    # As the first worker would (Redis >= 7): producers use the functions from the start, in
+    # whatever order tests run (a test of the script asks for it: admission="scripts").
+    load_functions(port)
     try:
         yield f"redis://127.0.0.1:{port}/0"
     finally:
         if proc is not None:
             _stop_process(proc)  # SIGTERM: redis-server exits without saving (no persistence)
+
+
+def load_functions(port: int) -> bool:
+    """Load the queue functions' library into the server on ``port`` (False: Redis < 7)."""
+    client = redis.Redis(port=port)
+    try:
+        client.function_load(LIBRARY, replace=True)
+    except redis.ResponseError as exc:
+        if "unknown command" not in str(exc).lower():
+            raise
+        return False
+    finally:
+        client.close()
+    return True
 
 
 @pytest.fixture(scope="session")
@@ -237,6 +258,35 @@ def pending_count(client: redis.Redis, keys: QueueKeys) -> int:
 
 def stream_lengths(client: redis.Redis, keys: QueueKeys) -> list[int]:
     return [int(client.xlen(stream)) for stream in keys.streams]
+
+
+def cancelled_ids(client: redis.Redis, keys: QueueKeys) -> list[str]:
+    """The ids cancelled in the queue: on its cancel stream, and in its inbox not admitted
+    yet (a producer's cancel through the functions)."""
+    ids = [fields[b"id"].decode() for _entry, fields in client.xrange(keys.cancels)]
+    for element in client.lrange(keys.inbox, 0, -1):
+        found = msgpack.unpackb(element)
+        if found[0] == "c":
+            ids.append(found[1])
+    return ids
+
+
+def admit_inbox(client: redis.Redis, keys: QueueKeys, **settings: Any) -> None:
+    """Admit what the queue's inbox holds, as a worker with ``settings`` would (its queue's
+    state decided without a worker running)."""
+    admitter = Admitter(None, WorkerSettings(queue=keys.queue, **settings), worker_id="test")
+    while client.execute_command("FCALL", *admitter.call())[1]:
+        pass
+
+
+def admitted(client: redis.Redis, keys: QueueKeys) -> bool:
+    """Whether the queue's inbox and admission list are empty (all admitted)."""
+    return client.llen(keys.inbox) + client.llen(keys.admitting) == 0
+
+
+def queued(client: redis.Redis, keys: QueueKeys) -> int:
+    """Requests the queue holds: in its work streams, and in its inbox not admitted yet."""
+    return sum(stream_lengths(client, keys)) + client.llen(keys.inbox) + client.llen(keys.admitting)
 
 
 @pytest.fixture

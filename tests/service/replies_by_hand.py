@@ -25,7 +25,9 @@ T = RESULT_TIMEOUT_S
 
 @pytest.fixture
 async def producer(redis_url: str, queue: str) -> AsyncIterator[AsyncProducer]:
-    async with AsyncProducer(redis_url=redis_url, queue=queue) as p:
+    """A producer that adds its entries to the work streams itself (the script's mode): the
+    tests that use it play the worker by hand, reading those streams."""
+    async with AsyncProducer(redis_url=redis_url, queue=queue, admission="scripts") as p:
         yield p
 
 

@@ -148,6 +148,13 @@ def _forging_is_refused(client: redis.Redis, keys: QueueKeys, victim: str, rid: 
     """Every way a producer could make another producer or a poller accept a result no
     worker wrote, or learn the ids and reply addresses to aim at, gets NOPERM."""
     refused = [
+        lambda: client.xadd(keys.stream(0), {"x": "y"}, maxlen=0),
+        lambda: client.xadd(keys.cancels, {"id": rid}, maxlen=0),
+        lambda: client.lpop(keys.inbox),
+        lambda: client.ltrim(keys.inbox, 0, 0),
+        lambda: client.delete(keys.inbox),
+        lambda: client.eval("while true do end", 0),
+        lambda: client.get(keys.reply(victim)),
         lambda: client.xadd(keys.reply(victim), {"n": 1, "r": b"forged"}),
         lambda: client.set(keys.result(rid), b"forged"),
         lambda: client.delete(keys.result(rid)),

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgpack
 import pytest
 import redis
 from redis.asyncio import Redis as AsyncRedis
@@ -23,7 +24,13 @@ from redis.asyncio import Redis as AsyncRedis
 from batchline.errors import RequestCancelled
 from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer
-from batchline.transport._cancels import ID_OVERHEAD_BYTES, CancelLog, cancel_request
+from batchline.transport._admission import Admission
+from batchline.transport._cancels import (
+    CANCELS_MAXLEN,
+    ID_OVERHEAD_BYTES,
+    CancelLog,
+    CancelTrim,
+)
 
 from .conftest import RESULT_TIMEOUT_S, WorkerThread, pending_count, poll_result, wait_until
 from .models_for_tests import GatedModel
@@ -159,15 +166,33 @@ def test_the_oldest_ids_go_first_past_max_bytes() -> None:
 # -- the cancel stream -------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("admission", ["functions", "scripts"])
 async def test_cancel_appends_the_id_to_the_cancel_stream_with_a_ttl(
-    producer: AsyncProducer, rclient: redis.Redis, keys: QueueKeys
+    redis_url: str, queue: str, rclient: redis.Redis, keys: QueueKeys, admission: str
+) -> None:
+    """With the functions the cancel goes to the inbox behind its request (a worker adds it
+    to the cancel stream as it admits the inbox); with the script, to the stream."""
+    async with AsyncProducer(
+        redis_url=redis_url, queue=queue, result_ttl_s=300, admission=admission
+    ) as producer:
+        await check_a_cancel(producer, rclient, keys, admission)
+
+
+async def check_a_cancel(
+    producer: AsyncProducer, rclient: redis.Redis, keys: QueueKeys, admission: str
 ) -> None:
     handle = await producer.submit("nobody serves this queue")
     await producer.cancel(handle)
     await producer.cancel("someone-elses")
-    ids = [fields[b"id"] for _entry, fields in rclient.xrange(keys.cancels)]
-    assert ids == [handle.id.encode(), b"someone-elses"]
-    assert 0 < rclient.ttl(keys.cancels) <= 300
+    if admission == "functions":
+        elements = [msgpack.unpackb(e) for e in rclient.lrange(keys.inbox, 0, -1)]
+        assert [e[0] for e in elements] == ["r", "c", "c"]
+        assert [e[1] for e in elements[1:]] == [handle.id, "someone-elses"]
+        assert rclient.xlen(keys.cancels) == 0
+    else:
+        ids = [fields[b"id"] for _entry, fields in rclient.xrange(keys.cancels)]
+        assert ids == [handle.id.encode(), b"someone-elses"]
+        assert 0 < rclient.ttl(keys.cancels) <= 300
     # This producer's own waiter learns at once, with a typed error.
     assert handle.id not in producer._waiting
     assert handle.id not in producer._waiting.inputs
@@ -190,7 +215,7 @@ async def test_catch_up_pages_through_more_than_a_thousand_ids(
     assert all(f"c{i}" in log for i in range(n))
     assert counting.xreads == 3  # 1000 + 1000 + 345
     # Following resumes after the last id read: a new one is all it reads.
-    await cancel_request(aclient, keys, "new", 3600)
+    await Admission(keys, "scripts").cancel(aclient, "new", ttl_s=3600)
     calls = 0
 
     def running() -> bool:
@@ -367,3 +392,24 @@ async def test_a_request_cancelled_while_a_worker_holds_it_never_reaches_the_mod
         wait_until, lambda: pending_count(rclient, keys) == 0, "every entry acknowledged"
     )
     assert sum(int(rclient.xlen(s)) for s in keys.streams) == 0
+
+
+async def test_workers_trim_the_cancel_stream_however_it_was_written(
+    aclient: AsyncRedis, rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    """Written straight to the stream (the script's mode: producers add cancels themselves),
+    150,000 entries, some older than the TTL: a worker's trim keeps about CANCELS_MAXLEN of
+    them, none older than the TTL."""
+    now_ms = int(time.time() * 1e3)
+    with rclient.pipeline(transaction=False) as pipe:
+        for i in range(1000):
+            pipe.xadd(keys.cancels, {"id": f"old-{i}"}, id=f"{now_ms - 7_200_000 + i}-0")
+        for i in range(150_000):
+            pipe.xadd(keys.cancels, {"id": f"c{i}"})
+        pipe.execute()
+    trim = CancelTrim(aclient, keys, 3600)
+    await trim.step()
+    assert CANCELS_MAXLEN <= rclient.xlen(keys.cancels) <= CANCELS_MAXLEN + 1000
+    oldest = rclient.xrange(keys.cancels, count=1)[0][1][b"id"]
+    assert not oldest.startswith(b"old-")
+    assert not trim.refused

@@ -36,7 +36,14 @@ from batchline.contrib.fastapi import MAX_TEXT_CHARS, MAX_TEXTS, create_app
 from batchline.keys import QueueKeys
 
 from . import web_models
-from .conftest import RESULT_TIMEOUT_S, START_TIMEOUT_S, WorkerThread, wait_until
+from .conftest import (
+    RESULT_TIMEOUT_S,
+    START_TIMEOUT_S,
+    WorkerThread,
+    cancelled_ids,
+    queued,
+    wait_until,
+)
 from .web_models import BAD_INPUT, MODEL_FAILURE, vector
 
 REPO = Path(__file__).resolve().parents[2]
@@ -270,9 +277,9 @@ def test_expired_embed_is_504(
     client = serve(make_app())
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(client.post, "/embed", json={"text": "late", "deadline_ms": 1})
-        wait_until(lambda: sum(rclient.xlen(s) for s in keys.streams) == 1, "the request")
-        queued = time.time()
-        wait_until(lambda: time.time() > queued + 0.002, "the deadline to pass")
+        wait_until(lambda: queued(rclient, keys) == 1, "the request")
+        enqueued_at = time.time()
+        wait_until(lambda: time.time() > enqueued_at + 0.002, "the deadline to pass")
         start_worker(MODEL)
         response = waiting.result(RESULT_TIMEOUT_S)
     assert response.status_code == 504, response.text
@@ -286,8 +293,7 @@ def test_no_result_in_time_is_504_and_cancels(
     client = serve(make_app(timeout_s=0.2))  # no worker: nothing can answer in time
     response = client.post("/embed", json={"text": "nobody answers"})
     assert response.status_code == 504, response.text
-    cancelled = [f[b"id"].decode() for _, f in rclient.xrange(keys.cancels)]
-    assert response.json()["id"] in cancelled  # a worker would skip it now
+    assert response.json()["id"] in cancelled_ids(rclient, keys)  # a worker would skip it now
 
 
 def test_cancelled_job_is_409(
@@ -299,7 +305,7 @@ def test_cancelled_job_is_409(
 ) -> None:
     client = serve(make_app())
     url = submit_job(client, {"text": "never mind"})
-    rclient.xadd(keys.cancels, {"id": url.rsplit("/", 1)[1]})  # as the protocol says
+    rclient.xadd(keys.cancels, {"id": url.rsplit("/", 1)[1]})  # as the script's mode does
     start_worker(MODEL)
     response = poll_job(client, url)
     assert response.status_code == 409, response.text

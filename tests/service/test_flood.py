@@ -24,7 +24,14 @@ from batchline.errors import QueueFull
 from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer, Handle
 
-from .conftest import RESULT_TIMEOUT_S, WorkerThread, pending_count, stream_lengths, wait_until
+from .conftest import (
+    RESULT_TIMEOUT_S,
+    WorkerThread,
+    pending_count,
+    queued,
+    stream_lengths,
+    wait_until,
+)
 
 FLOOD = 100_000
 DEPTH = 10_000
@@ -79,7 +86,7 @@ async def test_a_flood_fills_the_queue_to_its_bound_and_refuses_the_rest_at_once
         # Concurrent submits are checked in arrival order: the first DEPTH are the ones taken.
         assert sorted(accepted) == list(range(DEPTH))
         assert refusing_s < REFUSALS_BOUND_S, f"90k refusals took {refusing_s:.1f} s"
-        assert sum(stream_lengths(rclient, keys)) == DEPTH
+        assert queued(rclient, keys) == DEPTH
         assert await producer.queue_depth() == DEPTH
         assert memory_growth < MEMORY_BOUND, f"used_memory grew {memory_growth} bytes"
         print(

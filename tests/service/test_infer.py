@@ -34,7 +34,7 @@ from batchline.producer import AsyncProducer
 from batchline.producer._replies import Waiters
 from batchline.transport._redis import Backoff
 
-from .conftest import RESULT_TIMEOUT_S, WorkerThread, pending_count, stream_lengths
+from .conftest import RESULT_TIMEOUT_S, WorkerThread, pending_count, queued
 from .models_for_tests import GatedModel
 from .replies_by_hand import eventually, flat, producer, push_reply
 
@@ -135,7 +135,7 @@ async def test_a_writer_connection_that_died_idle_is_replaced_before_the_write(
     url = f"{redis_url}?health_check_interval=1"
     async with AsyncProducer(redis_url=url, queue=queue) as producer:
         await producer.submit("a")
-        writers = [int(c["id"]) for c in rclient.client_list() if c["cmd"] == "evalsha"]
+        writers = [int(c["id"]) for c in rclient.client_list() if c["cmd"] == "fcall"]
         assert len(writers) == 1, writers
         rclient.client_kill_filter(_id=writers[0])
         await asyncio.sleep(1.2)  # past the interval: the next write is preceded by a PING
@@ -185,7 +185,7 @@ async def test_infer_raises_queue_full_when_the_queue_is_full(
                 await producer.map(["m1", "m2"])
         assert all(isinstance(x, QueueFull) for x in outcomes), outcomes
         assert set(producer._waiting) == {h.id for h in held}
-        assert sum(stream_lengths(rclient, keys)) == 2
+        assert queued(rclient, keys) == 2
 
 
 async def test_a_failed_write_raises_to_the_infer_caller(queue: str) -> None:
@@ -254,7 +254,7 @@ async def test_redis_out_of_memory_is_service_unavailable_and_nothing_is_lost(
     assert thread.alive
     assert await producer.infer("after", timeout_s=T) == "after"
     assert await producer.get_result("refused") is None
-    assert sum(stream_lengths(rclient, keys)) == 0
+    assert queued(rclient, keys) == 0
     assert pending_count(rclient, keys) == 0
 
 

@@ -28,7 +28,7 @@ from batchline.contrib.fastapi import create_app
 from batchline.keys import QueueKeys
 from batchline.producer import Producer
 
-from .conftest import RESULT_TIMEOUT_S, WorkerThread, spec, wait_until
+from .conftest import RESULT_TIMEOUT_S, WorkerThread, cancelled_ids, spec, wait_until
 from .test_fastapi import MODEL, Serve, serve
 from .test_generate import CHAT, TINY, in_process, poll, reference
 from .web_models import BAD_INPUT, MODEL_FAILURE, vector
@@ -240,8 +240,7 @@ def test_a_full_queue_is_429_and_no_answer_in_time_is_504_and_cancelled(
     response = http.post("/v1/completions", json=body)
     assert_error(response, 504, type="timeout_error")
     keys = QueueKeys(gen_queue)
-    cancelled = rclient.xrange(keys.cancels)
-    assert len(cancelled) == 1  # nobody waits for it any more
+    assert len(cancelled_ids(rclient, keys)) == 1  # nobody waits for it any more
     with Producer(redis_url=redis_url, queue=gen_queue) as producer:
         producer.submit("fills the queue", reply=False)
     response = http.post("/v1/completions", json=body)
@@ -385,7 +384,7 @@ def test_a_stream_with_no_answer_in_time_is_504_and_cancelled(
     http = serve(make_app(timeout_s=0.5))  # and no worker
     body = {"model": gen_queue, "messages": CHAT, "stream": True}
     assert_error(http.post("/v1/chat/completions", json=body), 504, type="timeout_error")
-    cancels = wait_until(lambda: rclient.xrange(QueueKeys(gen_queue).cancels), "the cancel")
+    cancels = wait_until(lambda: cancelled_ids(rclient, QueueKeys(gen_queue)), "the cancel")
     assert len(cancels) == 1
 
 

@@ -40,6 +40,7 @@ from .conftest import (
     assert_same,
     pending_count,
     poll_result,
+    queued,
     run_cli,
     spec,
     stream_lengths,
@@ -224,14 +225,14 @@ async def test_a_full_queue_refuses_at_once_and_stores_nothing(
         handles = [await producer.submit(i, priority=i % 3) for i in range(5)]
         with pytest.raises(QueueFull, match="max_queue_depth=5"):
             await producer.submit(5)
-        assert sum(stream_lengths(rclient, keys)) == 5
+        assert queued(rclient, keys) == 5
         assert await producer.queue_depth() == 5
         # Concurrent submits are coalesced into one script call: each is checked alone.
         late = await asyncio.gather(
             *(producer.submit(i) for i in range(10)), return_exceptions=True
         )
         assert all(isinstance(x, QueueFull) for x in late), late
-        assert sum(stream_lengths(rclient, keys)) == 5
+        assert queued(rclient, keys) == 5
         start_worker()
         assert [await producer.result(h, timeout_s=T) for h in handles] == list(range(5))
         assert await producer.infer("room again", timeout_s=T) == "room again"
@@ -249,7 +250,7 @@ async def test_concurrent_submits_fill_the_queue_exactly(
     assert len(accepted) == 7
     assert len(refused) == 13
     assert all(isinstance(x, QueueFull) for x in refused)
-    assert sum(stream_lengths(rclient, keys)) == 7
+    assert queued(rclient, keys) == 7
 
 
 # -- deadlines ---------------------------------------------------------------------------------

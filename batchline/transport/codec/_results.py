@@ -10,7 +10,13 @@ from typing import Any, Literal
 
 import msgpack
 
-from batchline.errors import DecodeError, InferenceError, RequestCancelled, RequestExpired
+from batchline.errors import (
+    DecodeError,
+    InferenceError,
+    RequestCancelled,
+    RequestExpired,
+    RequestIdConflict,
+)
 from batchline.transport.codec._values import (
     SCHEMA_VERSION,
     VERSION_FIELD,
@@ -73,6 +79,8 @@ class Result:
             raise RequestExpired(f"request {self.id} expired before a worker started it")
         if self.status == "cancelled":
             raise RequestCancelled(f"request {self.id} was cancelled before a worker started it")
+        if self.error_type == "RequestIdConflict":  # refused as it was admitted from the inbox
+            raise RequestIdConflict(self.id)
         raise InferenceError(self.error_type or "Error", self.error_message)
 
 

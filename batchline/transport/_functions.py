@@ -1,0 +1,274 @@
+"""The queue's functions (Redis >= 7): producers append to the inbox, workers admit.
+
+A stream a client may write is a stream it may empty (``XADD ... MAXLEN 0``) or fill with
+entries of its own, and Redis runs a function with its caller's rights. So on Redis 7
+producers write nothing but the inbox, a list they may only append to, through the enqueue
+and cancel functions; workers admit what it holds with the admit function, under their own
+rights: they check each element, decide it as the enqueue script would (answers computed
+once) and add the work-stream entries, the cancels and the ``rid:``, ``wait:`` and
+``flight:`` keys. docs/protocol.md, Admission, is the contract; the library's Lua shares the
+decision, the checks and the replies with the scripts (:mod:`._lua`).
+
+Every worker loads the library at start (``FUNCTION LOAD REPLACE``, on every primary of a
+cluster) and again when a call finds it missing. Its name and its functions' names end in a
+tag, the first 12 hex digits of the SHA-1 of its code: workers of one release load the same
+library, two releases load two, side by side.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+from redis.exceptions import NoPermissionError, ResponseError
+
+from batchline.transport._lua import EACH, MAX_PER_CALL, ONCE, REPLIES, VALIDATE
+from batchline.transport._redis import RedisClient
+
+__all__ = [
+    "ADMIT",
+    "CANCEL",
+    "ENQUEUE",
+    "LIBRARY",
+    "TAG",
+    "function_missing",
+    "load_library",
+]
+
+logger = logging.getLogger(__name__)
+
+_BODY = (
+    REPLIES
+    + ONCE
+    + EACH
+    + VALIDATE
+    + f"local MAX_PER_CALL = {MAX_PER_CALL}\n"
+    + r"""
+-- Producers. KEYS: the inbox, the admission list, the work streams (priority 0 first).
+-- ARGV: as the enqueue script's full call, then the largest request in bytes (0: any).
+local function enqueue(keys, args)
+  local inbox, admitting = keys[1], keys[2]
+  local priorities = #keys - 2
+  local max_depth = tonumber(args[1])
+  local max_bytes = tonumber(args[12] or '0')
+  local requests = cmsgpack.unpack(args[2])
+  begin_once(args)
+  local depth = 0
+  if max_depth > 0 then
+    depth = redis.call('LLEN', inbox) + redis.call('LLEN', admitting)
+    for i = 3, #keys do depth = depth + redis.call('XLEN', keys[i]) end
+  end
+  local out, elements = {}, {}
+  each_request(requests, function(i, prio, src, first, last)
+    if i > MAX_PER_CALL then
+      out[i] = {'invalid', 'more than ' .. MAX_PER_CALL .. ' requests in one call'}
+      return
+    end
+    local id, reply, meta, blob, dl = check(src, first, last, prio, priorities, max_bytes)
+    if not id then
+      out[i] = {'invalid', reply}
+      return
+    end
+    local h = input_hash(meta, blob)
+    local kind, a, b = decide(id, h, dl, false)
+    if kind == 'conflict' or kind == 'result' or kind == 'cached' then
+      count(COUNTER[kind])
+      out[i] = kind == 'conflict' and {kind} or {kind, a}
+      if kind == 'cached' then elements[#elements + 1] = cmsgpack.pack({'h', id, h, b}) end
+      return
+    end
+    if kind == 'new' and max_depth > 0 and depth >= max_depth then
+      out[i] = false
+      return
+    end
+    local element = {'r', prio}
+    for j = first, last do element[#element + 1] = src[j] end
+    elements[#elements + 1] = cmsgpack.pack(element)
+    if kind == 'new' then
+      out[i] = 'queued'
+      depth = depth + 1
+    else
+      out[i] = {kind}  -- attached or coalesced, as the admission will most likely decide
+    end
+  end)
+  for i = 1, #elements, 1000 do  -- unpack() takes a few thousand values at most
+    redis.call('RPUSH', inbox, unpack(elements, i, math.min(i + 999, #elements)))
+  end
+  end_once()
+  return out
+end
+
+-- Producers. KEYS: the inbox. ARGV: request ids.
+local function cancel(keys, args)
+  if #args > MAX_PER_CALL then
+    return redis.error_reply('at most ' .. MAX_PER_CALL .. ' ids in one call')
+  end
+  local elements = {}
+  for i = 1, #args do
+    if is_name(args[i]) then elements[#elements + 1] = cmsgpack.pack({'c', args[i]}) end
+  end
+  if #elements > 0 then redis.call('RPUSH', keys[1], unpack(elements)) end
+  return #elements
+end
+
+-- Workers. KEYS: the admission list, the inbox, the dead-letter stream, the cancel stream,
+-- the work streams (priority 0 first). ARGV: most inbox elements to take; the worker's id;
+-- arguments 3 to 11 as the enqueue script's; the reply-stream prefix; the caps of reply
+-- streams, of the dead-letter stream and of the cancel stream (MAXLEN ~); the largest
+-- request in bytes. Returns {elements admitted, elements left in the inbox}.
+local function admit(keys, args)
+  local admitting, inbox, dead, cancels = keys[1], keys[2], keys[3], keys[4]
+  local priorities = #keys - 4
+  local most, worker = tonumber(args[1]), args[2]
+  local reply_prefix, reply_maxlen = args[12], args[13]
+  local dead_maxlen, cancels_maxlen, max_bytes = args[14], args[15], tonumber(args[16])
+  begin_once(args)
+  local function refuse(why, size, id, reply, meta, blob)
+    local fields = {'reason', 'MalformedRequest: inbox element refused: ' .. why,
+      'size', size, 'inbox', '1', 'worker', worker}
+    if id then
+      fields[#fields + 1] = 'id'
+      fields[#fields + 1] = id
+    end
+    if reply then
+      fields[#fields + 1] = 'reply'
+      fields[#fields + 1] = reply
+    end
+    redis.call('XADD', dead, 'MAXLEN', '~', dead_maxlen, '*', unpack(fields))
+    if id and reply and reply ~= '' then
+      local h = meta and input_hash(meta, blob or '') or ''
+      push(reply, error_result(id, 'MalformedRequest', 'malformed request: ' .. why, h))
+    end
+  end
+  local function request(e, size)
+    local prio = e[2]
+    local id, reply, meta, blob, dl = check(e, 3, #e, prio, priorities, max_bytes)
+    if not id then  -- check() said why, and its id and reply where valid
+      local why, bad_id, bad_reply = reply, meta, blob
+      local found_meta, found_blob
+      for j = 3, #e - 1, 2 do
+        if e[j] == 'meta' and type(e[j + 1]) == 'string' then found_meta = e[j + 1] end
+        if e[j] == 'blob' and type(e[j + 1]) == 'string' then found_blob = e[j + 1] end
+      end
+      refuse(why, size, bad_id, bad_reply, found_meta, found_blob)
+      return
+    end
+    local h = input_hash(meta, blob)
+    local kind, a, b, c = decide(id, h, dl, true)
+    if kind ~= 'new' then
+      settle(kind, id, reply, h, a, b)
+      if reply == '' then return end
+      if kind == 'conflict' then
+        push(reply, error_result(id, 'RequestIdConflict',
+          'request id ' .. id .. ' was submitted before with another input', h))
+      elseif kind == 'result' then
+        push(reply, a)
+      elseif kind == 'cached' then
+        push(reply, restamp(a, id))
+      end
+      return
+    end
+    if c then redis.call('DEL', res .. id) end  -- its answer was cut short: it runs again
+    local fields = {unpack(e, 3, #e)}
+    if a then
+      fields[#fields + 1] = 'ck'
+      fields[#fields + 1] = a
+      if not dl then redis.call('SET', flight .. a, id, 'EX', ttl) end
+      count('miss')
+    end
+    local entry = redis.call('XADD', keys[5 + prio], '*', unpack(fields))
+    redis.call('SET', rid .. id, h .. ' @' .. entry, 'EX', ttl)
+  end
+  local function cancelled(id)
+    redis.call('XADD', cancels, 'MAXLEN', '~', cancels_maxlen, '*', 'id', id)
+    redis.call('EXPIRE', cancels, ttl)
+    -- Not answered yet: a resubmit after this cancel runs again.
+    local known = redis.call('GET', rid .. id)
+    if known and (#known == 40 or string.sub(known, 41, 42) == ' @')
+        and redis.call('EXISTS', res .. id) == 0 then
+      redis.call('SET', rid .. id, string.sub(known, 1, 40) .. ' !', 'KEEPTTL')
+    end
+  end
+  local function noted(id, h, key)  -- a cache hit answered by the enqueue function
+    local m = redis.call('GET', model_key)
+    if m and key == redis.sha1hex(m .. '\n' .. h) and redis.call('EXISTS', cache .. key) == 1
+        and not redis.call('GET', rid .. id) then
+      redis.call('SET', rid .. id, h .. ' =' .. key, 'EX', math.min(ttl, cache_ttl))
+    end
+  end
+  local function one(element)
+    if #element > max_bytes + 65536 then
+      refuse('an element of ' .. #element .. ' bytes', #element)
+      return
+    end
+    local ok, e = pcall(cmsgpack.unpack, element)
+    if not ok or type(e) ~= 'table' then
+      refuse('not a msgpack array', #element)
+    elseif e[1] == 'r' then
+      request(e, #element)
+    elseif e[1] == 'c' and is_name(e[2]) and #e == 2 then
+      cancelled(e[2])
+    elseif e[1] == 'h' and is_name(e[2]) and type(e[3]) == 'string' and #e[3] == 40
+        and type(e[4]) == 'string' and #e == 4 then
+      noted(e[2], e[3], e[4])
+    else
+      refuse('not a request, a cancel or a note', #element)
+    end
+  end
+  local admitted = 0
+  for _, from in ipairs({{admitting, 1000}, {inbox, most}}) do
+    local taken = redis.call('LPOP', from[1], from[2])
+    if taken then
+      for _, element in ipairs(taken) do one(element) end
+      admitted = admitted + #taken
+    end
+  end
+  end_once()
+  send_replies(reply_prefix, reply_maxlen, ttl)
+  return {admitted, redis.call('LLEN', inbox)}
+end
+"""
+)
+
+#: The library's tag: the first 12 hex digits of the SHA-1 of its code.
+TAG = hashlib.sha1(_BODY.encode(), usedforsecurity=False).hexdigest()[:12]
+ENQUEUE = f"batchline_enqueue_{TAG}"
+CANCEL = f"batchline_cancel_{TAG}"
+ADMIT = f"batchline_admit_{TAG}"
+LIBRARY = (
+    f"#!lua name=batchline_{TAG}\n"
+    + _BODY
+    + f"redis.register_function('{ENQUEUE}', enqueue)\n"
+    + f"redis.register_function('{CANCEL}', cancel)\n"
+    + f"redis.register_function('{ADMIT}', admit)\n"
+)
+
+
+def function_missing(exc: BaseException) -> bool:
+    """Whether a call failed because the server has no such function: the library is not
+    loaded there, or the server has no functions at all (Redis < 7)."""
+    text = str(exc).lower()
+    return isinstance(exc, ResponseError) and (
+        "function not found" in text or "unknown command" in text
+    )
+
+
+async def load_library(client: RedisClient) -> bool:
+    """Load the library (``FUNCTION LOAD REPLACE``): True once loaded; False where the
+    server has no functions (Redis < 7) or this user may not load them (logged)."""
+    try:
+        await client.function_load(LIBRARY, replace=True)
+    except NoPermissionError as exc:
+        logger.warning(
+            "this worker may not load the queue's functions (add +function|load and +fcall "
+            "to its ACL, as `batchline acl` prints it): producers must enqueue with the "
+            "script: %s",
+            exc,
+        )
+        return False
+    except ResponseError as exc:
+        if "unknown command" in str(exc).lower():
+            logger.info("Redis has no functions (< 7): producers enqueue with the script")
+            return False
+        raise
+    return True

@@ -1,0 +1,220 @@
+"""Lua shared by the scripts (:mod:`._scripts`) and the functions (:mod:`._functions`).
+
+Each piece is text that defines ``local`` functions (and the locals they share); a script or
+the library puts the pieces it needs before its own code, so the decision of answers
+computed once, the pushing of replies and the checks of a request exist once however a
+request comes in (docs/protocol.md: Answers computed once; Admission).
+"""
+
+from __future__ import annotations
+
+__all__ = ["EACH", "MAX_PER_CALL", "ONCE", "REPLIES", "VALIDATE"]
+
+#: Most requests (or cancels) one call of the enqueue (or cancel) function takes.
+MAX_PER_CALL = 4096
+
+# Replies: results queued per producer during a call, then one reply entry per producer
+# (fields n and r: a msgpack array header, then the packed results one after another).
+REPLIES = r"""
+local replies = {}
+local function push(reply, result)
+  local pending = replies[reply]
+  if pending == nil then
+    pending = {}
+    replies[reply] = pending
+  end
+  pending[#pending + 1] = result
+end
+local function restamp(result, id)
+  local flat = cmsgpack.unpack(result)
+  for j = 1, #flat, 2 do
+    if flat[j] == 'id' then flat[j + 1] = id end
+  end
+  return cmsgpack.pack(flat)
+end
+local function error_result(id, etype, emsg, hash)
+  local flat = {'v', '2', 'id', id, 'status', 'error', 'meta', 'null',
+    'queue_ms', '0', 'batch', '0', 'model_ms', '0', 'worker', '', 'etype', etype,
+    'emsg', emsg}
+  if hash ~= '' then
+    flat[#flat + 1] = 'ih'
+    flat[#flat + 1] = hash
+  end
+  return cmsgpack.pack(flat)
+end
+local function send_replies(prefix, maxlen, ttl)
+  for reply, results in pairs(replies) do
+    local n = #results
+    local header
+    if n < 16 then
+      header = string.char(0x90 + n)
+    elseif n < 65536 then
+      header = string.char(0xdc, math.floor(n / 256), n % 256)
+    else
+      header = string.char(0xdd, math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256,
+        math.floor(n / 256) % 256, n % 256)
+    end
+    local key = prefix .. reply
+    redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', 'n', n, 'r',
+      header .. table.concat(results))
+    redis.call('EXPIRE', key, ttl)
+  end
+  replies = {}
+end
+"""
+
+# Answers computed once. begin_once(argv) takes a call's arguments 3 to 11: result_ttl_s,
+# cache_ttl_s, the prefixes of results, request inputs, waiters, the cache and the
+# in-flight marks, the model key and the counters' key. decide() says what to do with one
+# request: 'conflict'; 'result', bytes (its stored answer, or the cached one its id links
+# to); 'attached', the id it waits on; 'cached', bytes, cache hash; 'coalesced', the id it
+# waits on, cache hash; or 'new', its cache hash or false, whether it claimed its id (claim:
+# SET NX first: a new id, the common case, costs one command), whether its id's answer was
+# cut short (a rerun). settle() makes the writes of any decision but 'new' (which its caller
+# adds) and counts it.
+ONCE = r"""
+local ttl, cache_ttl, res, rid, wait, cache, flight, model_key, once_key, model
+local counts = {}
+local COUNTER = {conflict = 'conflict', result = 'existing', attached = 'attached',
+  cached = 'hit', coalesced = 'coalesced'}
+local function begin_once(argv)
+  ttl, cache_ttl = tonumber(argv[3]), tonumber(argv[4])
+  res, rid, wait, cache, flight = argv[5], argv[6], argv[7], argv[8], argv[9]
+  model_key, once_key = argv[10], argv[11]
+  model = cache_ttl > 0 and redis.call('GET', model_key)
+  counts = {}
+end
+local function count(name) counts[name] = (counts[name] or 0) + 1 end
+local function end_once()
+  for name, n in pairs(counts) do redis.call('HINCRBY', once_key, name, n) end
+  if next(counts) then redis.call('EXPIRE', once_key, ttl) end
+end
+local function input_hash(meta, blob) return redis.sha1hex(#meta .. ':' .. meta .. blob) end
+local function attach(leader, id, reply, h)
+  if leader ~= id or reply ~= '' then
+    redis.call('SADD', wait .. leader, id .. ' ' .. reply .. ' ' .. h)
+    redis.call('EXPIRE', wait .. leader, ttl)
+  end
+end
+local function decide(id, h, dl, claim)
+  local claimed = claim and redis.call('SET', rid .. id, h, 'NX', 'EX', ttl)
+  local known = not claimed and redis.call('GET', rid .. id)
+  if known and string.sub(known, 1, 40) ~= h then return 'conflict' end
+  local mark = known and string.sub(known, 42, 42)
+  if known and mark ~= '!' then
+    local ref = string.sub(known, 43)
+    local result = redis.call('GET', res .. id)
+    if not result and mark == '=' then
+      -- rid keys written by the enqueue script carry producer rights: follow one only to
+      -- this input's answer under the model serving now.
+      local m = model or redis.call('GET', model_key)
+      if m and ref == redis.sha1hex(m .. '\n' .. h) then
+        result = redis.call('GET', cache .. ref)
+      end
+    end
+    if result then return 'result', result end
+    if mark ~= '=' then return 'attached', mark == '>' and ref or id end
+  end
+  local key = model and redis.sha1hex(model .. '\n' .. h)
+  local cached = key and redis.call('GET', cache .. key)
+  if cached then return 'cached', cached, key end
+  local leader = key and not dl and redis.call('GET', flight .. key)
+  if leader then return 'coalesced', leader, key end
+  return 'new', key, claimed, mark == '!'
+end
+local function settle(kind, id, reply, h, a, b)
+  if kind == 'attached' then
+    attach(a, id, reply, h)
+  elseif kind == 'cached' then
+    redis.call('SET', rid .. id, h .. ' =' .. b, 'EX', math.min(ttl, cache_ttl))
+  elseif kind == 'coalesced' then
+    attach(a, id, reply, h)
+    redis.call('SET', rid .. id, h .. ' >' .. a, 'EX', ttl)
+  end
+  count(COUNTER[kind])
+end
+"""
+
+# The requests of a call: one msgpack array of them one after another, each: priority, how
+# many field names and values follow, then those; or, as producers before wrote it, one
+# array per request, [priority, [field, value, ...]] (the first element tells which).
+# each_request(requests, fn) calls fn(i, priority, src, first, last) for each: its fields
+# are src[first..last], with no table of its own in the common (flat) case.
+EACH = r"""
+local function each_request(requests, fn)
+  local nested = type(requests[1]) == 'table'
+  local at, size, i = 1, #requests, 0
+  while at <= size do
+    local src, prio, first, last
+    if nested then
+      src, prio = requests[at][2], requests[at][1]
+      first, last, at = 1, #src, at + 1
+    else
+      src, prio, first, last = requests, requests[at], at + 2, at + 1 + requests[at + 1]
+      at = last + 1
+    end
+    i = i + 1
+    fn(i, prio, src, first, last)
+  end
+end
+local function fields_of(src, first, last)  -- a field named twice: the last one counts
+  local id, reply, meta, blob, dl
+  for j = first, last, 2 do
+    local name = src[j]
+    if name == 'id' then id = src[j + 1]
+    elseif name == 'reply' then reply = src[j + 1]
+    elseif name == 'meta' then meta = src[j + 1]
+    elseif name == 'blob' then blob = src[j + 1]
+    elseif name == 'dl' then dl = src[j + 1]
+    end
+  end
+  return id, reply or '', meta or '', blob or '', dl
+end
+"""
+
+# What the admission checks of a request (docs/protocol.md, Admission): check() returns its
+# id, reply, meta, blob and dl, or nil, the reason, and its id and reply where they are valid.
+VALIDATE = r"""
+local MAX_FIELDS = 256
+local function is_name(s)
+  return type(s) == 'string' and #s >= 1 and #s <= 128 and not string.find(s, '[^%w_.%-]')
+end
+local function check(src, first, last, prio, priorities, max_bytes)
+  local n = last - first + 1
+  local id, reply, meta, blob, dl
+  local size, has_meta, why = 0, false, nil
+  if n < 0 or n % 2 ~= 0 then
+    why = 'its fields and values do not pair up'
+  elseif n > 2 * MAX_FIELDS then
+    why = 'it has more than ' .. MAX_FIELDS .. ' fields'
+  else
+    for j = first, last, 2 do
+      local name, value = src[j], src[j + 1]
+      if type(name) ~= 'string' or type(value) ~= 'string' then
+        why = 'a field name or value is not a string'
+        break
+      end
+      size = size + #name + #value
+      if name == 'ck' then why = 'it has a ck field (the admission adds it)' end
+      if name == 'meta' then has_meta = true end
+    end
+    if not why then id, reply, meta, blob, dl = fields_of(src, first, last) end
+  end
+  if why then  -- said already
+  elseif type(prio) ~= 'number' or prio % 1 ~= 0 or prio < 0 or prio >= priorities then
+    why = 'its priority is not an integer in 0..' .. (priorities - 1)
+  elseif max_bytes > 0 and size > max_bytes then
+    why = 'it has ' .. size .. ' bytes, over the largest request (' .. max_bytes .. ' bytes)'
+  elseif not is_name(id) then
+    why = 'its id is not 1-128 characters of letters, digits, _, . or -'
+  elseif reply ~= '' and not is_name(reply) then
+    why = 'its reply is not 1-128 characters of letters, digits, _, . or -'
+  elseif not has_meta then
+    why = 'it has no meta field'
+  end
+  if why then
+    return nil, why, is_name(id) and id or nil, is_name(reply) and reply or nil
+  end
+  return id, reply, meta, blob, dl
+end
+"""
