@@ -2,7 +2,8 @@
 
 400 a request batchline cannot serve (validation, a parameter it lacks, the worker's
 ``BadGenerationParams`` or ``PromptTooLong``: ``context_length_exceeded``); 404 an unknown
-model or route; 409 a request cancelled by someone else; 429 with ``Retry-After`` a full
+model or route; 409 a request cancelled by someone else; 413 a body over ``max_body_bytes``
+(answered by :mod:`batchline.contrib._body_limit`); 429 with ``Retry-After`` a full
 queue; 503 with ``Retry-After`` Redis unavailable, the app shutting down, or a write whose
 fate is unknown (``enqueue_uncertain``); 504 no answer in time; 500 the model failed.
 """
