@@ -88,7 +88,8 @@ _Text = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TEXT_CHARS
 
 
 class EmbedRequest(BaseModel):
-    """The body of ``POST /embed`` and ``POST /jobs``: exactly one of ``text`` and ``texts``.
+    """The body of ``POST /embed`` and ``POST /jobs``: exactly one of ``text`` and ``texts``,
+    strict (a value of another JSON type is refused, never converted: ``"3"`` is no priority).
 
     Attributes:
         text: one text (the answer carries ``embedding``).
@@ -97,7 +98,7 @@ class EmbedRequest(BaseModel):
         priority: 0 (lowest) to the queue's ``priorities - 1``; default ``default_priority``.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     text: _Text | None = None
     texts: Annotated[list[_Text], Field(min_length=1, max_length=MAX_TEXTS)] | None = None
