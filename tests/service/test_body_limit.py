@@ -54,14 +54,15 @@ def padded(path: str, size: int, queue: str, gen: str) -> bytes:
 
 
 def head_only(base_url: httpx.URL, path: str, declared: int) -> httpx.Response:
-    """POST headers declaring ``declared`` bytes of body, send none, and read the answer
-    until the server closes the connection."""
+    """POST headers declaring ``declared`` bytes of body and asking for ``100 Continue``
+    before it, send none, and read the answer until the server closes the connection (its
+    first status line: a ``100 Continue`` would be the answer read)."""
     host, port = base_url.host, base_url.port
     assert port is not None
     with socket.create_connection((host, port), timeout=START_TIMEOUT_S) as sock:
         sock.sendall(
             f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {declared}\r\n\r\n".encode()
+            f"Content-Length: {declared}\r\nExpect: 100-continue\r\n\r\n".encode()
         )
         received = b""
         while data := sock.recv(65536):  # the server closes after its answer
