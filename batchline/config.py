@@ -33,6 +33,8 @@ __all__ = [
 ]
 
 ENV_PREFIX = "BATCHLINE_"
+#: The largest JSON a worker accepts as a request's value (the protocol's ``meta`` limit).
+_REQUEST_JSON_BYTES = Limits().max_meta_bytes
 
 
 def redact_url(url: str) -> str:
@@ -148,6 +150,11 @@ class WebSettings(ProducerSettings):
             ``generation_queue``).
         request_timeout_s: longest a request waits for its result before the app answers
             504 and cancels it (a ``/v1`` stream: for each new chunk).
+        max_body_bytes: largest request body, on every route; a larger one is answered 413
+            before it is read whole. Default: twice the largest JSON a worker accepts as a
+            request's value (1 MiB), room for the body's other fields and a client's
+            whitespace: a larger body holds more text than a worker takes, unless padded or
+            needlessly escaped.
     """
 
     embedding_queue: str | None = None
@@ -155,6 +162,7 @@ class WebSettings(ProducerSettings):
     embedding_model_name: str | None = Field(default=None, min_length=1, max_length=256)
     generation_model_name: str | None = Field(default=None, min_length=1, max_length=256)
     request_timeout_s: float = Field(default=30.0, gt=0)
+    max_body_bytes: int = Field(default=2 * _REQUEST_JSON_BYTES, ge=1)
 
     @field_validator("embedding_queue", "generation_queue")
     @classmethod

@@ -10,10 +10,11 @@
 A route whose queue is not set answers 404 naming the setting; a ``model`` that is not the
 route's served name answers 404 (``model_not_found``). Every error is OpenAI's error
 object: 400 for a request batchline cannot serve (validation, a parameter it lacks, the
-worker's ``BadGenerationParams`` or ``PromptTooLong``), 429 with ``Retry-After`` when the
-queue is full, 503 with ``Retry-After`` when Redis is unavailable, 504 (and the request
-cancelled) when no answer comes within the app's ``timeout_s`` (for a stream: no chunk for
-that long), 500 when the model failed. A client that disconnects cancels its request.
+worker's ``BadGenerationParams`` or ``PromptTooLong``), 413 for a body over the app's
+``max_body_bytes``, 429 with ``Retry-After`` when the queue is full, 503 with
+``Retry-After`` when Redis is unavailable, 504 (and the request cancelled) when no answer
+comes within the app's ``timeout_s`` (for a stream: no chunk for that long), 500 when the
+model failed. A client that disconnects cancels its request.
 """
 
 from __future__ import annotations

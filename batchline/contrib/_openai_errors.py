@@ -2,7 +2,8 @@
 
 400 a request batchline cannot serve (validation, a parameter it lacks, the worker's
 ``BadGenerationParams`` or ``PromptTooLong``: ``context_length_exceeded``); 404 an unknown
-model or route; 409 a request cancelled by someone else; 429 with ``Retry-After`` a full
+model or route; 409 a request cancelled by someone else; 413 a body over ``max_body_bytes``
+(answered by :mod:`batchline.contrib._body_limit`); 429 with ``Retry-After`` a full
 queue; 503 with ``Retry-After`` Redis unavailable, the app shutting down, or a write whose
 fate is unknown (``enqueue_uncertain``); 504 no answer in time; 500 the model failed.
 """
@@ -10,6 +11,8 @@ fate is unknown (``enqueue_uncertain``); 504 no answer in time; 500 the model fa
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -18,7 +21,7 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchline.contrib._common import INPUT_ERRORS, RETRY_AFTER_S
-from batchline.contrib._openai_schema import error_body, sse
+from batchline.contrib._openai_schema import PARAMS, error_body, sse
 from batchline.errors import (
     BatcherClosed,
     BatchlineError,
@@ -109,14 +112,39 @@ async def answer_batchline(request: Request, exc: Exception) -> Response:
     return error.response()
 
 
+def _param(error: dict[str, Any]) -> str | None:
+    """The parameter a validation error is about, as OpenAI names it (``temperature``,
+    ``messages.[0].content``), or None (the body as a whole, or not JSON)."""
+    if error.get("type") == "json_invalid":
+        return None  # its location is a character's offset
+    loc = error.get("loc", ())
+    parts = []
+    for i, x in enumerate(loc):
+        if isinstance(x, int):
+            parts.append(f"[{x}]")
+        elif x in PARAMS or (error.get("type") == "extra_forbidden" and i == len(loc) - 1):
+            parts.append(str(x))
+        # else: "body", or a union's member pydantic tried (``str``, ``list[...]``)
+    return ".".join(parts) or None
+
+
+def _chosen(errors: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The error to answer: the first bad parameter's; of the errors it has (a union has one
+    for each type pydantic tried), the deepest of those not saying that the value has
+    another type (``input: ["ok", 5]`` is about ``input.[1]``, not about not being a text)."""
+    top = tuple(errors[0].get("loc", ()))[:2]
+    same = [e for e in errors if tuple(e.get("loc", ()))[:2] == top]
+    fitting = [e for e in same if not str(e.get("type", "")).endswith("_type")] or same
+    return max(fitting, key=lambda e: len(e.get("loc", ())))
+
+
 async def answer_invalid(_request: Request, exc: Exception) -> Response:
     """A body that fails validation: 400, naming the first bad parameter."""
     errors = exc.errors() if isinstance(exc, RequestValidationError) else []
     if not errors:
         return OpenAIError(400, str(exc)).response()
-    first = errors[0]
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    param = ".".join(loc) or None
+    first = _chosen(errors)
+    param = _param(first)
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     return OpenAIError(400, message, param=param).response()
 

@@ -3,6 +3,9 @@
 Requests are pydantic models that refuse what batchline does not do rather than ignore it:
 an unknown field, ``n`` other than 1, or a feature it lacks (log probabilities, penalties,
 tools, token-array prompts) set to anything but its default is a 400 naming the parameter.
+They are strict: a value of the wrong JSON type is refused, never converted (``"10"`` is not
+10, ``"yes"`` not true; an integer is a number where a number is expected), and every number
+has its range (integers: OpenAI's signed 64 bits at most).
 Answers are plain dicts in OpenAI's shapes (``text_completion``, ``chat.completion``, their
 ``.chunk`` stream events, ``list`` of ``embedding``), built from a worker's output.
 """
@@ -21,14 +24,15 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
+    ValidationInfo,
     field_validator,
-    model_validator,
 )
 
 from batchline.contrib._common import MAX_TEXT_CHARS
 
 __all__ = [
     "MAX_EMBEDDING_INPUTS",
+    "PARAMS",
     "ChatRequest",
     "CompletionRequest",
     "EmbeddingRequest",
@@ -46,6 +50,8 @@ __all__ = [
 
 #: Most texts in one ``POST /v1/embeddings`` (OpenAI's own limit).
 MAX_EMBEDDING_INPUTS = 2048
+#: The range of an integer parameter (OpenAI's API: signed 64 bits, as ``seed`` is given).
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 #: batchline's finish reasons in OpenAI's terms: a natural end is ``stop``; ``length`` is
 #: the token limit. ``cancelled`` and ``deadline`` (the request was cut short; the app sets
@@ -72,7 +78,7 @@ _Unsupported = Annotated[Any, AfterValidator(_only_default)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: Annotated[str, StringConstraints(min_length=1)]
     user: str | None = None  # accepted, not used
@@ -91,7 +97,7 @@ class EmbeddingRequest(_Body):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
 
@@ -99,11 +105,11 @@ class StreamOptions(BaseModel):
 class _Generation(_Body):
     """What completions and chat completions share: sampling, limits, streaming."""
 
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=_INT64_MAX)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None  # 1e-300 too: passed on
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None  # an extension, as vLLM's
-    seed: int | None = None
+    top_k: Annotated[int, Field(ge=0, le=_INT64_MAX)] | None = None  # an extension, as vLLM's
+    seed: Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)] | None = None
     stop: _Stop | Annotated[list[_Stop], Field(max_length=16)] | None = None
     n: int = 1
     stream: bool = False
@@ -160,7 +166,7 @@ class CompletionRequest(_Generation):
 
 
 class _TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["text"]
     text: str
@@ -171,7 +177,7 @@ class ChatMessage(BaseModel):
     fields a client echoes back from an answer (``refusal``, ``tool_calls`` ...) may be
     present only while empty; ``name`` is accepted and not used."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[_TextPart]
@@ -197,7 +203,7 @@ class ChatRequest(_Generation):
     model's chat template."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=_INT64_MAX)] | None = None
     top_logprobs: _Unsupported = None
     tools: _Unsupported = None
     tool_choice: Literal["none"] | None = None
@@ -218,17 +224,33 @@ class ChatRequest(_Generation):
             m.wire()  # refuses fields batchline would drop
         return value
 
-    @model_validator(mode="after")
-    def _one_limit(self) -> ChatRequest:
-        both = (self.max_tokens, self.max_completion_tokens)
-        if None not in both and both[0] != both[1]:
-            raise ValueError("give max_tokens or max_completion_tokens, not two different limits")
-        return self
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
+        other = info.data.get("max_tokens")  # (validated before: a field of the base class)
+        if None not in (value, other) and value != other:
+            raise ValueError(f"max_tokens is {other}: give one limit, or the same in both")
+        return value
 
     def value(self) -> dict[str, Any]:
         """The generation request a worker reads (docs/protocol.md, Generation)."""
         limit = self.max_completion_tokens or self.max_tokens
         return {"messages": [m.wire() for m in self.messages], **self._parameters(limit)}
+
+
+#: The request models' field names: what an error's ``param`` may name.
+PARAMS = frozenset(
+    name
+    for model in (
+        EmbeddingRequest,
+        CompletionRequest,
+        ChatRequest,
+        ChatMessage,
+        _TextPart,
+        StreamOptions,
+    )
+    for name in model.model_fields
+)
 
 
 # -- answers -----------------------------------------------------------------------------------

@@ -15,7 +15,9 @@ shutdown; workers (``batchline worker``) do the inference. Routes:
 - ``/v1/...``: OpenAI-compatible embeddings, completions and chat completions on the queues
   ``embedding_queue`` and ``generation_queue`` (:mod:`batchline.contrib._openai`).
 
-Errors: a full queue, Redis out of memory (``maxmemory``) or unreachable is 503 with
+Errors: a body over ``max_body_bytes`` (2 MiB) is 413, answered before the body is read
+whole and closing the connection, on every route (:mod:`batchline.contrib._body_limit`); a
+full queue, Redis out of memory (``maxmemory``) or unreachable is 503 with
 ``Retry-After`` (nothing was queued); a connection lost while the request was written is
 503 with ``Retry-After`` and the request's ``id`` (it may be queued); no result within
 ``timeout_s`` is 504 (and the request is cancelled); a request whose deadline passed before
@@ -47,6 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 from redis.exceptions import RedisError
 
 from batchline.config import ProducerSettings, WebSettings, check_environment
+from batchline.contrib._body_limit import BodyLimit
 from batchline.contrib._common import INPUT_ERRORS, MAX_TEXT_CHARS, RETRY_AFTER_S
 from batchline.contrib._openai import OpenAIRoutes
 from batchline.errors import (
@@ -85,7 +88,8 @@ _Text = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TEXT_CHARS
 
 
 class EmbedRequest(BaseModel):
-    """The body of ``POST /embed`` and ``POST /jobs``: exactly one of ``text`` and ``texts``.
+    """The body of ``POST /embed`` and ``POST /jobs``: exactly one of ``text`` and ``texts``,
+    strict (a value of another JSON type is refused, never converted: ``"3"`` is no priority).
 
     Attributes:
         text: one text (the answer carries ``embedding``).
@@ -94,7 +98,7 @@ class EmbedRequest(BaseModel):
         priority: 0 (lowest) to the queue's ``priorities - 1``; default ``default_priority``.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     text: _Text | None = None
     texts: Annotated[list[_Text], Field(min_length=1, max_length=MAX_TEXTS)] | None = None
@@ -354,6 +358,7 @@ class _Backend:
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": what}
     for code, what in [
+        (413, "the body is over max_body_bytes (the connection is closed)"),
         (422, "invalid body, or the worker rejected the input"),
         (500, "the model failed"),
         (
@@ -443,4 +448,10 @@ def create_app(
     app.add_exception_handler(ServiceUnavailable, _service_unavailable)
     app.add_exception_handler(EnqueueUncertain, _enqueue_uncertain)  # EnqueueTimeout too
     app.add_exception_handler(DecodeError, _malformed_result)
+    max_body_bytes = (
+        settings.max_body_bytes
+        if isinstance(settings, WebSettings)
+        else int(WebSettings.model_fields["max_body_bytes"].default)
+    )
+    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes, openai_prefix="/v1")
     return app

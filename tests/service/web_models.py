@@ -1,12 +1,16 @@
-"""A batch function returning arrays, for the FastAPI backend's tests (``embed``).
+"""Batch functions for the FastAPI backend's tests: ``embed`` and ``generation_echo``.
 
-Each input is a text (its output a vector of 3 float32) or a list of texts (a matrix, one
-row each). Two texts fail on purpose: ``BAD_INPUT`` with a ValueError (the input's fault),
-``MODEL_FAILURE`` with a RuntimeError (the model's).
+``embed``: each input is a text (its output a vector of 3 float32) or a list of texts (a
+matrix, one row each). Two texts fail on purpose: ``BAD_INPUT`` with a ValueError (the
+input's fault), ``MODEL_FAILURE`` with a RuntimeError (the model's).
+
+``generation_echo``: answers a generation request (docs/protocol.md, Generation) with the
+request itself, as JSON, for its text: what the worker received, parameters and all.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -32,3 +36,10 @@ def embed(items: list[Any]) -> list[Any]:
         else:
             out.append(np.asarray([vector(t) for t in item], dtype=np.float32))
     return out
+
+
+def generation_echo(items: list[Any]) -> list[Any]:
+    return [
+        {"text": json.dumps(item), "finish_reason": "length", "prompt_tokens": 1, "tokens": 1}
+        for item in items
+    ]

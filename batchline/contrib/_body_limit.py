@@ -1,0 +1,125 @@
+"""A request body over ``max_body_bytes`` is answered 413 before it is read whole.
+
+:class:`BodyLimit` wraps the whole app (``/embed``, ``/jobs`` and ``/v1``). A request that
+declares a larger ``Content-Length`` is answered before any of its body is read (a client
+waiting for ``100 Continue`` sends none); one without (chunked) is counted as it arrives and
+answered as soon as it passes the limit: the app never holds more than the limit of it, and
+sees the rest of the request as a client that went away. The answer carries ``Connection:
+close``, so the server closes the connection rather than read on. Its body is OpenAI's error
+object under ``/v1`` (``code`` ``request_too_large``) and the native ``{"detail"}`` elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from batchline.contrib._openai_schema import error_body
+
+__all__ = ["BodyLimit"]
+
+
+def _content_length(scope: Scope) -> int | None:
+    """The declared body size, or None (chunked, or a header the server let through that
+    is not a number: the count still applies)."""
+    for name, value in scope["headers"]:
+        if name.lower() == b"content-length":
+            return int(value) if value.isdigit() else None
+    return None
+
+
+class BodyLimit:
+    """ASGI middleware: refuse (413) a request body over ``max_body_bytes``.
+
+    Args:
+        app: the app to guard.
+        max_body_bytes: the largest body accepted.
+        openai_prefix: where OpenAI's API is mounted (its errors take OpenAI's shape).
+    """
+
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, openai_prefix: str = "/v1") -> None:
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.openai_prefix = openai_prefix
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refusal = _Refusal(self.max_body_bytes, openai=self._openai(scope))
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_body_bytes:
+            await refusal.send(scope, receive, send, f"of {declared} bytes (Content-Length)")
+            return
+        await _Counted(self.app, refusal, scope, receive, send).run()
+
+    def _openai(self, scope: Scope) -> bool:
+        """Whether the request is for OpenAI's API (read before the app routes it: routing
+        into a mount changes the scope's ``root_path``)."""
+        path = str(scope["path"])
+        root = str(scope.get("root_path", ""))
+        if root and path.startswith(root):
+            path = path[len(root) :]
+        return path == self.openai_prefix or path.startswith(self.openai_prefix + "/")
+
+
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    """The 413 answer of one request."""
+
+    max_body_bytes: int
+    openai: bool
+
+    async def send(self, scope: Scope, receive: Receive, send: Send, size: str) -> None:
+        """Answer 413 (the body's ``size`` in words)."""
+        message = f"the request body {size} exceeds max_body_bytes={self.max_body_bytes}"
+        body = (
+            error_body(message, "invalid_request_error", code="request_too_large")
+            if self.openai
+            else {"detail": message}
+        )
+        response = JSONResponse(body, status_code=413, headers={"Connection": "close"})
+        await response(scope, receive, send)
+
+
+class _Counted:
+    """One request whose body is counted as the app receives it."""
+
+    def __init__(
+        self, app: ASGIApp, refusal: _Refusal, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        self.app, self.refusal, self.scope = app, refusal, scope
+        self._receive, self._send = receive, send
+        self.received = 0
+        self.over = False  # the body passed the limit: the app gets only disconnects
+        self.answered = False  # the 413 went out: whatever the app sends is dropped
+        self.started = False
+
+    async def run(self) -> None:
+        await self.app(self.scope, self.receive, self.send)
+
+    async def receive(self) -> Message:
+        if self.over:
+            return {"type": "http.disconnect"}
+        message = await self._receive()
+        if message["type"] == "http.request":
+            self.received += len(message.get("body", b""))
+            if self.received > self.refusal.max_body_bytes:
+                self.over = True
+                if not self.started:  # (an app that answers while reading cannot get one)
+                    self.answered = True
+                    size = f"({self.received} bytes received so far)"
+                    await self.refusal.send(self.scope, self._receive, self._send, size)
+                return {"type": "http.disconnect"}
+        return message
+
+    async def send(self, message: Message) -> None:
+        if self.answered:
+            return
+        if message["type"] == "http.response.start":
+            self.started = True
+        await self._send(message)
