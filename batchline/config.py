@@ -233,8 +233,10 @@ class WorkerSettings(ServiceSettings):
         model_id: the model's identity in cache hashes, which workers publish (default: the
             model spec and path, backend and dtype); change it when the model's outputs
             change.
-        max_batch_tokens: ``generate`` only: the KV budget, prompt + max_new_tokens summed
-            over the sequences running; a request that alone exceeds it gets PromptTooLong.
+        max_batch_tokens: ``generate`` only: the KV budget in tokens, counted as the
+            engine's left-padded cache lays it out: sequences running x the longest
+            prompt + max_new_tokens among them (a request that does not fit waits); a
+            request that alone exceeds it gets PromptTooLong.
         default_max_new_tokens: ``generate`` only: max_new_tokens of a request that names
             none.
         max_new_tokens_limit: ``generate`` only: the largest max_new_tokens a request may
