@@ -130,9 +130,10 @@ class Generator(_Base):
     Loading blocks: build it before the event loop, or with
     ``await asyncio.to_thread(Generator, ...)``. The model runs on a thread of its own.
 
-    Per call: ``max_new_tokens``, ``temperature`` (0: greedy), ``top_p``, ``top_k``, ``seed``,
-    ``stop`` (strings), ``priority``, ``timeout_s`` (a deadline: a request still waiting
-    then raises RequestExpired; a running one ends with finish_reason ``"deadline"``).
+    Per call: ``max_new_tokens``, ``temperature`` (below 1e-5: greedy), ``top_p``,
+    ``top_k``, ``seed`` (0 to 2**64 - 1), ``stop`` (strings), ``priority``, ``timeout_s`` (a
+    deadline: a request still waiting then raises RequestExpired; a running one ends with
+    finish_reason ``"deadline"``).
     Bad values raise BadGenerationParams; a prompt that cannot fit raises PromptTooLong.
     """
 

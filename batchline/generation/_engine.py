@@ -226,7 +226,7 @@ class Engine:
         for row, seq in enumerate(seqs):
             try:
                 p = seq.params
-                token = greedy[row] if p.temperature == 0 else self._sample(logits[row], seq)
+                token = greedy[row] if p.greedy else self._sample(logits[row], seq)
                 picked.append(token)
                 seq.generated.append(token)
                 reason = self._text(seq, token)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from batchline.core.scheduler import SchedulerConfig
-from batchline.errors import PromptTooLong, RequestCancelled, RequestExpired
+from batchline.errors import BadGenerationParams, PromptTooLong, RequestCancelled, RequestExpired
 from batchline.generation import Engine, GenerationLoop, GenerationParams, GenerationResult
 from batchline.generation._types import Sequence_
 
@@ -283,3 +283,33 @@ def test_a_waiting_request_past_its_deadline_expires_and_cancelled_ones_leave() 
     assert isinstance(events[1][-1], RequestExpired)
     assert isinstance(events[2][-1], RequestCancelled)
     assert late.generated == gone.generated == []
+
+
+def test_a_tiny_temperature_decodes_greedily_instead_of_failing() -> None:
+    """logits / 1e-300 overflow to inf and the softmax to NaN: below 1e-5 is greedy."""
+    model = tiny_model("llama")
+    engine = Engine(model)
+    seqs = [request([5, 6, 7], [], max_new_tokens=8, temperature=t) for t in (1e-300, 9e-6)]
+    outputs = [engine.step(seqs)]
+    while engine.running:
+        outputs.append(engine.step([]))
+    assert not any(out.failed for out in outputs)
+    for seq in seqs:
+        assert seq.generated == alone(model, [5, 6, 7], 8)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, -(2**63) - 1, 2**70])
+def test_a_seed_torch_cannot_hold_is_refused_naming_seed(seed: int) -> None:
+    with pytest.raises(
+        BadGenerationParams, match=r"seed must be an integer in 0\.\.18446744073709551615"
+    ):
+        GenerationParams(seed=seed)
+
+
+def test_the_largest_seed_samples() -> None:
+    engine = Engine(tiny_model("llama"))
+    seq = request([5, 6], [], max_new_tokens=4, temperature=1.0, seed=2**64 - 1)
+    engine.step([seq])
+    while engine.running:
+        engine.step([])
+    assert len(seq.generated) == 4

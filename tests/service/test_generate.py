@@ -119,6 +119,9 @@ def test_bad_parameters_fail_only_their_own_request(
         ({"prompt": "x", "max_new_tokens": 0}, "BadGenerationParams"),
         ({"prompt": "x", "max_new_tokens": 101}, "BadGenerationParams"),  # over the limit
         ({"prompt": "x", "top_p": 2}, "BadGenerationParams"),
+        ({"prompt": "x", "seed": 2**64}, "BadGenerationParams"),  # more than torch holds
+        ({"prompt": "x", "seed": -1}, "BadGenerationParams"),
+        ({"prompt": "x", "temperature": 1e-300, "max_new_tokens": 3}, None),  # greedy
         ({"prompt": "x", "stop": [""]}, "BadGenerationParams"),
         ({"prompt": "x", "colour": "red"}, "BadGenerationParams"),
         ({"prompt": "x", "messages": CHAT}, "BadGenerationParams"),
@@ -137,6 +140,8 @@ def test_bad_parameters_fail_only_their_own_request(
             assert r.output["tokens"] >= 1
         else:
             assert (r.status, r.error_type) == ("error", etype), (value, r)
+            if isinstance(value, dict) and "seed" in value:
+                assert "seed must be an integer in 0..18446744073709551615" in r.error_message
     assert rclient.xlen(keys.dead) == 0  # refused, not dead-lettered
     assert_all_done(rclient, keys)
 
