@@ -237,6 +237,10 @@ class WorkerSettings(ServiceSettings):
             engine's left-padded cache lays it out: sequences running x the longest
             prompt + max_new_tokens among them (a request that does not fit waits); a
             request that alone exceeds it gets PromptTooLong.
+        max_prefill_tokens: ``generate`` only: the most tokens of a prompt fed to the model
+            in one step; a longer prompt is prefilled in chunks of this many while the
+            running sequences go on decoding (bounds the wait between two tokens of a
+            stream, and the memory one prefill takes).
         default_max_new_tokens: ``generate`` only: max_new_tokens of a request that names
             none.
         max_new_tokens_limit: ``generate`` only: the largest max_new_tokens a request may
@@ -274,6 +278,7 @@ class WorkerSettings(ServiceSettings):
     consumer_idle_ms: int = Field(default=3_600_000, ge=1000)
     model_id: str | None = Field(default=None, min_length=1, max_length=1024)
     max_batch_tokens: int = Field(default=16384, ge=1)
+    max_prefill_tokens: int = Field(default=512, ge=1)
     default_max_new_tokens: int = Field(default=128, ge=1)
     max_new_tokens_limit: int = Field(default=1024, ge=1)
     stream_max_unread_s: float = Field(default=30.0, gt=0)

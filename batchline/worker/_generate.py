@@ -86,7 +86,8 @@ class GenerationExecutor:
     Args:
         model: the (loaded by the time requests come) generation model.
         settings: the worker's settings: ``batch_size`` (sequences running at once),
-            ``max_batch_tokens``, ``default_max_new_tokens``, ``max_new_tokens_limit``.
+            ``max_batch_tokens``, ``max_prefill_tokens``, ``default_max_new_tokens``,
+            ``max_new_tokens_limit`` (the model's, set here, before it loads).
         guard: runs one step, stamped for the watchdog (``guard(fn)`` returns ``fn()``).
         on_start: told, on the model thread, which calls join the batch and its size.
         cancelled: whether a call's producer cancelled it (asked between steps).
@@ -104,6 +105,8 @@ class GenerationExecutor:
         self.model = model
         model.default_max_new_tokens = settings.default_max_new_tokens
         model.max_new_tokens_limit = settings.max_new_tokens_limit
+        model.max_batch_tokens = settings.max_batch_tokens
+        model.max_prefill_tokens = settings.max_prefill_tokens
         self.config = SchedulerConfig(
             max_batch_size=settings.batch_size, max_batch_tokens=settings.max_batch_tokens
         )
