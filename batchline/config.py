@@ -237,10 +237,10 @@ class WorkerSettings(ServiceSettings):
             engine's left-padded cache lays it out: sequences running x the longest
             prompt + max_new_tokens among them (a request that does not fit waits); a
             request that alone exceeds it gets PromptTooLong.
-        max_prefill_tokens: ``generate`` only: the most tokens of a prompt fed to the model
-            in one step; a longer prompt is prefilled in chunks of this many while the
-            running sequences go on decoding (bounds the wait between two tokens of a
-            stream, and the memory one prefill takes).
+        max_prefill_tokens: ``generate`` only: prompts longer than this are prefilled in
+            chunks, at most this many tokens a step, while the running sequences go on
+            decoding (bounds the wait between two tokens of a stream, and the memory a
+            prefill takes); shorter ones joining together are prefilled in one step.
         default_max_new_tokens: ``generate`` only: max_new_tokens of a request that names
             none.
         max_new_tokens_limit: ``generate`` only: the largest max_new_tokens a request may

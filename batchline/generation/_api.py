@@ -134,9 +134,9 @@ class Generator(_Base):
 
     Scheduling: ``max_batch_size`` sequences run at once; ``max_batch_tokens`` is the KV
     budget, counted as the cache lays it out (sequences x the longest prompt +
-    ``max_new_tokens`` among them: a request that does not fit waits); ``max_prefill_tokens``
-    is the most tokens of a prompt fed to the model in one step (a longer prompt is prefilled
-    in chunks while the running sequences go on decoding); ``max_overtake_s`` and
+    ``max_new_tokens`` among them: a request that does not fit waits); prompts longer than
+    ``max_prefill_tokens`` are prefilled in chunks, at most that many tokens a step, while
+    the running sequences go on decoding (shorter ones in one step); ``max_overtake_s`` and
     ``max_backfill_s`` as in :mod:`batchline.core.scheduler`.
 
     Per call: ``max_new_tokens``, ``temperature`` (below 1e-5: greedy), ``top_p``,

@@ -8,14 +8,16 @@ last token, with position ids counted from its own mask, so a row never sees ano
 padding. Sequences that leave are filtered out of the cache, and columns that no remaining row
 uses (leading padding) are cut off, so the cache stays as long as the longest live row.
 
-Prefill in chunks. A step feeds each joining sequence at most ``max_prefill_tokens`` of its
-prompt: a group whose prompts are longer is prefilled into a cache of its own, one chunk of
-columns per step, while the running batch goes on decoding one token per step; after its last
-chunk its first tokens are sampled and its cache joins the running one. That bounds the time
-between two decode steps and what one forward holds (attention over a chunk x the prompt, not
-the prompt x itself). Prompts no longer than a chunk that join in one step are prefilled
-together in one forward, as they always were (longer ones joining beside them form a group
-of their own).
+Prefill in chunks. Prompts of at most ``max_prefill_tokens`` tokens that join in one step are
+prefilled together in one forward, as they always were. Longer ones joining in that step form
+a group prefilled into a cache of its own, a chunk of at most ``max_prefill_tokens`` tokens
+per step (its rows x the columns fed), while the running batch goes on decoding one token per
+step; after the last chunk the group's first tokens are sampled and its cache joins the
+running one. One long group is fed at a time, the oldest first (the others wait their turn:
+the same work, and the oldest is done sooner). So one step's work is bounded: a decode token
+per running row, the short prompts joining, and at most ``max_prefill_tokens`` tokens of long
+ones; and what one forward holds is attention over a chunk x the prompt, not the prompt x
+itself.
 
 Failures. A forward that raises is retried without the sequence that raised
 (:func:`~batchline.generation._rows.run_rows`: a decode step's culprit is found among the
@@ -101,7 +103,8 @@ class Engine:
     Args:
         model: a transformers causal LM (its KV cache a ``DynamicCache``).
         tokenizer: its tokenizer, for text prompts and text output (None: token ids only).
-        max_prefill_tokens: most tokens of each joining prompt fed to the model in one step.
+        max_prefill_tokens: prompts longer than this are prefilled in chunks of at most this
+            many tokens a step (see the module docstring).
     """
 
     def __init__(
@@ -126,7 +129,7 @@ class Engine:
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
         self.pad_id = int(pad) if pad is not None else min(self.eos, default=0)
         self._decoding: list[Sequence_] = []  # the rows of the running cache, in order
-        self._groups: list[_Prefill] = []  # still prefilling, oldest first
+        self._groups: list[_Prefill] = []  # long prompts still prefilling, oldest first
         self._cache: Any = None
         self._mask: torch.Tensor | None = None  # [batch, cache length], 1 for real tokens
         self._next: torch.Tensor | None = None  # [batch], the last token, not yet fed
@@ -175,9 +178,10 @@ class Engine:
         return params
 
     def step(self, joining: list[Sequence_]) -> StepOutput:
-        """Decode one token for every running sequence, then feed each prefilling sequence
-        (those of ``joining`` first among them) a chunk of its prompt; those whose prompt is
-        all in get their first token and join the running batch.
+        """Decode one token for every running sequence, prefill the short prompts of
+        ``joining``, and feed the oldest group of long prompts a chunk (``joining``'s long
+        ones start a group). Sequences whose prompt is all in get their first token and join
+        the running batch.
 
         Sequences that end in this step leave the batch before it returns. A forward that
         raises fails only the sequence that made it raise (in ``failed``).
@@ -187,9 +191,9 @@ class Engine:
             if self._decoding:
                 self._decode(out)
             if joining:
-                self._start(joining)
-            for group in list(self._groups):
-                self._feed(group, out)
+                self._start(joining, out)
+            if self._groups:
+                self._feed(self._groups[0], out)
             gone = [s for s, _ in out.finished] + [s for s, _ in out.failed]
             if gone:
                 self._evict(gone)
@@ -277,14 +281,15 @@ class Engine:
         if ran.logits is not None:
             self._advance(self._decoding, ran.logits, out, offset=0)
 
-    def _start(self, joining: list[Sequence_]) -> None:
-        """Group the joining sequences: prompts that fit one chunk together (one forward, as
-        they always were), longer ones together (chunked)."""
+    def _start(self, joining: list[Sequence_], out: StepOutput) -> None:
+        """Prefill the prompts that fit a chunk now, together in one forward (as they always
+        were); queue the longer ones as a group, to be fed a chunk a step."""
         short = [s for s in joining if s.prompt_tokens <= self.max_prefill_tokens]
         long = [s for s in joining if s.prompt_tokens > self.max_prefill_tokens]
-        for seqs in (short, long):
-            if seqs:
-                self._groups.append(self._group(seqs))
+        if short:
+            self._feed(self._group(short), out)
+        if long:
+            self._groups.append(self._group(long))
 
     def _group(self, seqs: list[Sequence_]) -> _Prefill:
         from transformers import DynamicCache
@@ -300,9 +305,13 @@ class Engine:
         return _Prefill(list(seqs), ids, mask, pos, DynamicCache())
 
     def _feed(self, group: _Prefill, out: StepOutput) -> None:
-        """Feed ``group`` its next chunk; after the last, sample and join the running batch."""
+        """Feed ``group`` its next chunk (all of it if its prompts fit one); after the last,
+        sample its first tokens and join the running batch."""
         start, width = group.fed, group.ids.shape[1]
-        end = min(start + self.max_prefill_tokens, width)
+        if width <= self.max_prefill_tokens:
+            end = width
+        else:  # at most max_prefill_tokens tokens in all, at least a column
+            end = min(start + max(1, self.max_prefill_tokens // len(group.seqs)), width)
         ran = run_rows(
             self._forward,
             group.cache,
@@ -312,14 +321,15 @@ class Engine:
         )
         if ran.failed:
             self._fail(group.seqs, ran, out)
-            if not ran.kept:
-                self._groups.remove(group)
-                return
-            group.select(ran.kept)
+            if ran.kept:
+                group.select(ran.kept)
         group.cache, group.fed = ran.cache, end
-        if end < width or ran.logits is None:
+        if ran.kept and end < width:
             return
-        self._groups.remove(group)
+        if group in self._groups:
+            self._groups.remove(group)
+        if ran.logits is None:  # every row failed
+            return
         offset = len(self._decoding)
         self._join(group.seqs, group.cache, group.mask)
         self._advance(group.seqs, ran.logits, out, offset=offset)

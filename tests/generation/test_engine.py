@@ -350,6 +350,32 @@ def test_a_long_prompt_is_fed_in_chunks_while_the_running_batch_decodes_every_st
     assert long.generated == alone(model, long.prompt_ids, 5)
 
 
+def test_long_groups_are_fed_one_at_a_time_at_most_max_prefill_tokens_a_step() -> None:
+    model = tiny_model("llama")
+    widths = forward_widths(model)
+    engine = Engine(model, max_prefill_tokens=16)
+    bystander = request([5, 6, 7], [], max_new_tokens=40)
+    first = [request([9 + i] * 40, [], max_new_tokens=4) for i in range(2)]  # 2 rows, 8 each
+    later = request([20] * 30, [], max_new_tokens=4)  # waits for the first group
+    engine.step([bystander])
+    del widths[:]
+    engine.step(first)
+    engine.step([later])
+    steps = 2
+    while not later.generated:
+        engine.step([])
+        steps += 1
+    # Each step: the bystander's decode, one chunk of one long group.
+    prefills = [w for w in widths if w[1] > 1 or w[0] == len(first)]
+    assert all(rows * tokens <= 16 for rows, tokens in prefills)
+    assert len(widths) == 2 * steps  # never two prefill forwards in one step
+    assert prefills == [(2, 8)] * 5 + [(1, 16), (1, 14)]  # 40 columns, 8 a step; then 30
+    while engine.running:
+        engine.step([])
+    for seq in [bystander, *first, later]:
+        assert seq.generated == alone(model, seq.prompt_ids, len(seq.generated))
+
+
 def test_prompts_that_fit_a_chunk_are_prefilled_in_one_forward_beside_a_long_one() -> None:
     model = tiny_model("llama")
     widths = forward_widths(model)
