@@ -356,6 +356,9 @@ class Engine:
         for old, new in zip(self._cache.layers, cache.layers, strict=True):
             old.keys = torch.cat([_pad_left(old.keys, width), _pad_left(new.keys, width)])
             old.values = torch.cat([_pad_left(old.values, width), _pad_left(new.values, width)])
+            # The joiners' cache is spent: free each layer once copied, so that joining holds
+            # one layer twice at most, not the joiners' whole cache besides the new one.
+            new.keys = new.values = None
         self._mask = torch.cat([_pad_left_2d(self._mask, width), _pad_left_2d(mask, width)])
         self._next = torch.cat([self._next, nxt])
         self._decoding += seqs
