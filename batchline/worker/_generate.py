@@ -10,10 +10,11 @@ run while the model computes, and finished requests leave (and are answered) at 
 A request that asked for chunks (:meth:`GenerationExecutor.stream`) has what each step added
 handed over after the step, all but its last, which its result carries.
 
-Containment as for the batcher: a request delivered more than once (``alone``) waits until
-the running batch has drained, then runs with no other request beside it; requests read
-meanwhile wait for it. A step past ``max_batch_ms`` trips the worker's watchdog like any model
-call (``guard`` stamps each step).
+Containment as for the batcher: a step that raises because of one request fails that request
+alone (the engine retries the step without it); a request delivered more than once
+(``alone``) waits until the running batch has drained, then runs with no other request beside
+it; requests read meanwhile wait for it. A step past ``max_batch_ms`` trips the worker's
+watchdog like any model call (``guard`` stamps each step).
 
 What a request may carry, and its result, are in ``docs/protocol.md`` (Generation).
 """
