@@ -248,8 +248,14 @@ class WorkerSettings(ServiceSettings):
         model_id: the model's identity in cache hashes, which workers publish (default: the
             model spec and path, backend and dtype); change it when the model's outputs
             change.
-        max_batch_tokens: ``generate`` only: the KV budget, prompt + max_new_tokens summed
-            over the sequences running; a request that alone exceeds it gets PromptTooLong.
+        max_batch_tokens: ``generate`` only: the KV budget in tokens, counted as the
+            engine's left-padded cache lays it out: sequences running x the longest
+            prompt + max_new_tokens among them (a request that does not fit waits); a
+            request that alone exceeds it gets PromptTooLong.
+        max_prefill_tokens: ``generate`` only: prompts longer than this are prefilled in
+            chunks, at most this many tokens a step, while the running sequences go on
+            decoding (bounds the wait between two tokens of a stream, and the memory a
+            prefill takes); shorter ones joining together are prefilled in one step.
         default_max_new_tokens: ``generate`` only: max_new_tokens of a request that names
             none.
         max_new_tokens_limit: ``generate`` only: the largest max_new_tokens a request may
@@ -287,6 +293,7 @@ class WorkerSettings(ServiceSettings):
     consumer_idle_ms: int = Field(default=3_600_000, ge=1000)
     model_id: str | None = Field(default=None, min_length=1, max_length=1024)
     max_batch_tokens: int = Field(default=16384, ge=1)
+    max_prefill_tokens: int = Field(default=512, ge=1)
     default_max_new_tokens: int = Field(default=128, ge=1)
     max_new_tokens_limit: int = Field(default=1024, ge=1)
     stream_max_unread_s: float = Field(default=30.0, gt=0)

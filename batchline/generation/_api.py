@@ -11,9 +11,9 @@ from types import TracebackType
 from typing import Any, Self, TypedDict, Unpack
 
 from batchline.core.scheduler import SchedulerConfig
-from batchline.generation._engine import Engine
+from batchline.generation._engine import DEFAULT_MAX_PREFILL_TOKENS, Engine
 from batchline.generation._loop import GenerationLoop
-from batchline.generation._model import DEFAULT_MODEL, load_causal_lm, place
+from batchline.generation._model import DEFAULT_MODEL, load_causal_lm, log_kv_budget, place
 from batchline.generation._types import (
     GenerationDelta,
     GenerationParams,
@@ -65,6 +65,7 @@ class _Base:
         dtype: str = "auto",
         max_batch_size: int = 32,
         max_batch_tokens: int = 16384,
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
         max_overtake_s: float = 0.1,
         max_backfill_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
@@ -79,7 +80,8 @@ class _Base:
             max_overtake_s=max_overtake_s,
             max_backfill_s=max_backfill_s,
         )
-        self.engine = Engine(model, tokenizer)
+        self.engine = Engine(model, tokenizer, max_prefill_tokens=max_prefill_tokens)
+        log_kv_budget(model, max_batch_tokens)
         # Events gathered on the model thread for asyncio callers (see Generator).
         self._gathered: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event], Event]] = []
         self.loop = GenerationLoop(
@@ -130,9 +132,17 @@ class Generator(_Base):
     Loading blocks: build it before the event loop, or with
     ``await asyncio.to_thread(Generator, ...)``. The model runs on a thread of its own.
 
-    Per call: ``max_new_tokens``, ``temperature`` (0: greedy), ``top_p``, ``top_k``, ``seed``,
-    ``stop`` (strings), ``priority``, ``timeout_s`` (a deadline: a request still waiting
-    then raises RequestExpired; a running one ends with finish_reason ``"deadline"``).
+    Scheduling: ``max_batch_size`` sequences run at once; ``max_batch_tokens`` is the KV
+    budget, counted as the cache lays it out (sequences x the longest prompt +
+    ``max_new_tokens`` among them: a request that does not fit waits); prompts longer than
+    ``max_prefill_tokens`` are prefilled in chunks, at most that many tokens a step, while
+    the running sequences go on decoding (shorter ones in one step); ``max_overtake_s`` and
+    ``max_backfill_s`` as in :mod:`batchline.core.scheduler`.
+
+    Per call: ``max_new_tokens``, ``temperature`` (below 1e-5: greedy), ``top_p``,
+    ``top_k``, ``seed`` (0 to 2**64 - 1), ``stop`` (strings), ``priority``, ``timeout_s`` (a
+    deadline: a request still waiting then raises RequestExpired; a running one ends with
+    finish_reason ``"deadline"``).
     Bad values raise BadGenerationParams; a prompt that cannot fit raises PromptTooLong.
     """
 

@@ -8,6 +8,24 @@ last token, with position ids counted from its own mask, so a row never sees ano
 padding. Sequences that leave are filtered out of the cache, and columns that no remaining row
 uses (leading padding) are cut off, so the cache stays as long as the longest live row.
 
+Prefill in chunks. Prompts of at most ``max_prefill_tokens`` tokens that join in one step are
+prefilled together in one forward, as they always were. Longer ones joining in that step form
+a group prefilled into a cache of its own, a chunk of at most ``max_prefill_tokens`` tokens
+per step (its rows x the columns fed), while the running batch goes on decoding one token per
+step; after the last chunk the group's first tokens are sampled and its cache joins the
+running one. One long group is fed at a time, the oldest first (the others wait their turn:
+the same work, and the oldest is done sooner). So one step's work is bounded: a decode token
+per running row, the short prompts joining, and at most ``max_prefill_tokens`` tokens of long
+ones; and what one forward holds is attention over a chunk x the prompt, not the prompt x
+itself.
+
+Failures. A forward that raises is retried without the sequence that raised
+(:func:`~batchline.generation._rows.run_rows`: a decode step's culprit is found among the
+running rows, a prefill's among its group), the cache first rewound to its state before the
+failed pass; only the culprit fails, with the exception, and the others go on as if it had
+never joined. A failure outside the model (this module's own code) propagates: the driver
+fails what the engine held and calls :meth:`Engine.reset`.
+
 Every step and eviction runs under ``torch.inference_mode()``. The engine runs where the
 model is, in its dtype: the cache and logits follow it; token ids go to its device; sampling
 works on float32 copies of the logits, with a ``torch.Generator`` on that device.
@@ -24,6 +42,7 @@ from typing import Any
 import torch
 
 from batchline.errors import PromptTooLong
+from batchline.generation._rows import Ran, run_rows
 from batchline.generation._types import (
     FinishReason,
     GenerationDelta,
@@ -32,9 +51,11 @@ from batchline.generation._types import (
     stop_cut,
 )
 
-__all__ = ["Engine", "StepOutput"]
+__all__ = ["DEFAULT_MAX_PREFILL_TOKENS", "Engine", "StepOutput"]
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_PREFILL_TOKENS = 512
 
 
 @dataclass(slots=True)
@@ -44,6 +65,24 @@ class StepOutput:
     deltas: list[tuple[Sequence_, GenerationDelta]] = field(default_factory=list)
     finished: list[tuple[Sequence_, FinishReason]] = field(default_factory=list)
     failed: list[tuple[Sequence_, Exception]] = field(default_factory=list)
+
+
+@dataclass(slots=True, eq=False)
+class _Prefill:
+    """A group of joining sequences whose prompts are fed to the model a chunk at a time."""
+
+    seqs: list[Sequence_]
+    ids: torch.Tensor  # [rows, width]: the prompts, left-padded
+    mask: torch.Tensor  # [rows, width]: 1 for real tokens
+    pos: torch.Tensor  # [rows, width]: each row's position ids
+    cache: Any  # a DynamicCache of the columns fed so far
+    fed: int = 0  # columns fed so far
+
+    def select(self, keep: list[int]) -> None:
+        """Keep these rows only (the cache, if it has them, is filtered by the caller)."""
+        index = torch.tensor(keep, device=self.ids.device)
+        self.seqs = [self.seqs[i] for i in keep]
+        self.ids, self.mask, self.pos = self.ids[index], self.mask[index], self.pos[index]
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -59,20 +98,46 @@ def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
 
 
 class Engine:
-    """Runs a causal LM over a continuously changing batch; see the module docstring."""
+    """Runs a causal LM over a continuously changing batch; see the module docstring.
 
-    def __init__(self, model: Any, tokenizer: Any = None) -> None:
+    Args:
+        model: a transformers causal LM (its KV cache a ``DynamicCache``).
+        tokenizer: its tokenizer, for text prompts and text output (None: token ids only).
+        max_prefill_tokens: prompts longer than this are prefilled in chunks of at most this
+            many tokens a step (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        *,
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+    ) -> None:
+        if (
+            isinstance(max_prefill_tokens, bool)
+            or not isinstance(max_prefill_tokens, int)
+            or max_prefill_tokens < 1
+        ):
+            raise ValueError(f"max_prefill_tokens must be an int >= 1, got {max_prefill_tokens!r}")
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self.max_prefill_tokens = max_prefill_tokens
         self.device = next(model.parameters()).device
         self.context = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
         self.eos = _eos_ids(model, tokenizer)
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
         self.pad_id = int(pad) if pad is not None else min(self.eos, default=0)
-        self.running: list[Sequence_] = []
+        self._decoding: list[Sequence_] = []  # the rows of the running cache, in order
+        self._groups: list[_Prefill] = []  # long prompts still prefilling, oldest first
         self._cache: Any = None
         self._mask: torch.Tensor | None = None  # [batch, cache length], 1 for real tokens
         self._next: torch.Tensor | None = None  # [batch], the last token, not yet fed
+
+    @property
+    def running(self) -> list[Sequence_]:
+        """Every sequence the engine holds: decoding, then still prefilling."""
+        return self._decoding + [seq for group in self._groups for seq in group.seqs]
 
     def encode(
         self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None
@@ -113,20 +178,22 @@ class Engine:
         return params
 
     def step(self, joining: list[Sequence_]) -> StepOutput:
-        """Decode one token for every running sequence, then prefill ``joining``.
+        """Decode one token for every running sequence, prefill the short prompts of
+        ``joining``, and feed the oldest group of long prompts a chunk (``joining``'s long
+        ones start a group). Sequences whose prompt is all in get their first token and join
+        the running batch.
 
-        Sequences that end in this step leave the batch before it returns.
+        Sequences that end in this step leave the batch before it returns. A forward that
+        raises fails only the sequence that made it raise (in ``failed``).
         """
         out = StepOutput()
         with torch.inference_mode():
-            if self.running:
-                logits = self._decode()
-                self._advance(self.running, logits, out, offset=0)
+            if self._decoding:
+                self._decode(out)
             if joining:
-                logits, cache, mask = self._prefill(joining)
-                offset = len(self.running)
-                self._join(joining, cache, mask)
-                self._advance(joining, logits, out, offset=offset)
+                self._start(joining, out)
+            if self._groups:
+                self._feed(self._groups[0], out)
             gone = [s for s, _ in out.finished] + [s for s, _ in out.failed]
             if gone:
                 self._evict(gone)
@@ -137,28 +204,46 @@ class Engine:
         with torch.inference_mode():  # the cache stays inference tensors when a driver evicts
             self._evict(seqs)
 
+    def reset(self) -> list[Sequence_]:
+        """Drop every sequence and the cache (after a failure outside the model, which may
+        have left them inconsistent); return the sequences that were held."""
+        held = self.running
+        self._decoding, self._groups = [], []
+        self._cache = self._mask = self._next = None
+        return held
+
     def _evict(self, seqs: list[Sequence_]) -> None:
         drop = {id(s) for s in seqs}
-        keep = [i for i, s in enumerate(self.running) if id(s) not in drop]
-        if len(keep) == len(self.running):
+        for group in list(self._groups):
+            keep = [i for i, s in enumerate(group.seqs) if id(s) not in drop]
+            if not keep:
+                self._groups.remove(group)
+            elif len(keep) < len(group.seqs):
+                group.select(keep)
+                group.cache.batch_select_indices(torch.tensor(keep, device=self.device))
+        keep = [i for i, s in enumerate(self._decoding) if id(s) not in drop]
+        if len(keep) == len(self._decoding):
             return
-        self.running = [self.running[i] for i in keep]
+        self._decoding = [self._decoding[i] for i in keep]
         if not keep:
             self._cache = self._mask = self._next = None
             return
         mask, nxt = self._live()
         index = torch.tensor(keep, device=self.device)
         self._cache.batch_select_indices(index)
-        mask = mask[index]
+        self._mask, self._next = mask[index], nxt[index]
+        self._trim()
+
+    def _trim(self) -> None:
+        """Cut the leading columns no running row uses."""
+        mask, _ = self._live()
         used = mask.any(dim=0).nonzero()
         lead = int(used[0]) if len(used) else 0
         if lead:
             for layer in self._cache.layers:
                 layer.keys = layer.keys[:, :, lead:]
                 layer.values = layer.values[:, :, lead:]
-            mask = mask[:, lead:]
-        self._mask = mask
-        self._next = nxt[index]
+            self._mask = mask[:, lead:]
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any) -> Any:
         out: torch.Tensor = self.model(
@@ -177,14 +262,36 @@ class Engine:
             raise RuntimeError("no running batch")
         return self._mask, self._next
 
-    def _decode(self) -> torch.Tensor:
+    def _decode(self, out: StepOutput) -> None:
         mask, nxt = self._live()
         pos = mask.sum(dim=1, keepdim=True)
-        self._mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        logits: torch.Tensor = self._forward(nxt[:, None], self._mask, pos, self._cache)
-        return logits
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        ran = run_rows(self._forward, self._cache, nxt[:, None], mask, pos)
+        if ran.failed:
+            self._fail(self._decoding, ran, out)
+            self._decoding = [self._decoding[i] for i in ran.kept]
+            if not self._decoding:
+                self._cache = self._mask = self._next = None
+                return
+            index = torch.tensor(ran.kept, device=self.device)
+            mask, nxt = mask[index], nxt[index]
+        self._cache, self._mask, self._next = ran.cache, mask, nxt
+        if ran.failed:
+            self._trim()  # the row that left may have been the longest
+        if ran.logits is not None:
+            self._advance(self._decoding, ran.logits, out, offset=0)
 
-    def _prefill(self, seqs: list[Sequence_]) -> tuple[torch.Tensor, Any, torch.Tensor]:
+    def _start(self, joining: list[Sequence_], out: StepOutput) -> None:
+        """Prefill the prompts that fit a chunk now, together in one forward (as they always
+        were); queue the longer ones as a group, to be fed a chunk a step."""
+        short = [s for s in joining if s.prompt_tokens <= self.max_prefill_tokens]
+        long = [s for s in joining if s.prompt_tokens > self.max_prefill_tokens]
+        if short:
+            self._feed(self._group(short), out)
+        if long:
+            self._groups.append(self._group(long))
+
+    def _group(self, seqs: list[Sequence_]) -> _Prefill:
         from transformers import DynamicCache
 
         width = max(s.prompt_tokens for s in seqs)
@@ -195,22 +302,67 @@ class Engine:
             mask[row, width - seq.prompt_tokens :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        return self._forward(ids, mask, pos, cache), cache, mask
+        return _Prefill(list(seqs), ids, mask, pos, DynamicCache())
+
+    def _feed(self, group: _Prefill, out: StepOutput) -> None:
+        """Feed ``group`` its next chunk (all of it if its prompts fit one); after the last,
+        sample its first tokens and join the running batch."""
+        start, width = group.fed, group.ids.shape[1]
+        if width <= self.max_prefill_tokens:
+            end = width
+        else:  # at most max_prefill_tokens tokens in all, at least a column
+            end = min(start + max(1, self.max_prefill_tokens // len(group.seqs)), width)
+        ran = run_rows(
+            self._forward,
+            group.cache,
+            group.ids[:, start:end],
+            group.mask[:, :end],
+            group.pos[:, start:end],
+        )
+        if ran.failed:
+            self._fail(group.seqs, ran, out)
+            if ran.kept:
+                group.select(ran.kept)
+        group.cache, group.fed = ran.cache, end
+        if ran.kept and end < width:
+            return
+        if group in self._groups:
+            self._groups.remove(group)
+        if ran.logits is None:  # every row failed
+            return
+        offset = len(self._decoding)
+        self._join(group.seqs, group.cache, group.mask)
+        self._advance(group.seqs, ran.logits, out, offset=offset)
+
+    @staticmethod
+    def _fail(seqs: list[Sequence_], ran: Ran, out: StepOutput) -> None:
+        for row, exc in ran.failed:
+            logger.error(
+                "a generation step raised %s: %s for one request alone; it fails, the others go on",
+                type(exc).__name__,
+                exc,
+                exc_info=exc,
+            )
+            out.failed.append((seqs[row], exc))
 
     def _join(self, seqs: list[Sequence_], cache: Any, mask: torch.Tensor) -> None:
         nxt = torch.full((len(seqs),), self.pad_id, dtype=torch.long, device=self.device)
         if self._mask is None or self._next is None:
             self._cache, self._mask, self._next = cache, mask, nxt
-            self.running = list(seqs)
+            self._decoding = list(seqs)
+            self._trim()  # a group that lost its longest row starts with padding
             return
         width = max(self._mask.shape[1], mask.shape[1])
         for old, new in zip(self._cache.layers, cache.layers, strict=True):
             old.keys = torch.cat([_pad_left(old.keys, width), _pad_left(new.keys, width)])
             old.values = torch.cat([_pad_left(old.values, width), _pad_left(new.values, width)])
+            # The joiners' cache is spent: free each layer once copied, so that joining holds
+            # one layer twice at most, not the joiners' whole cache besides the new one.
+            new.keys = new.values = None
         self._mask = torch.cat([_pad_left_2d(self._mask, width), _pad_left_2d(mask, width)])
         self._next = torch.cat([self._next, nxt])
-        self.running += seqs
+        self._decoding += seqs
+        self._trim()
 
     def _advance(
         self,
@@ -226,7 +378,7 @@ class Engine:
         for row, seq in enumerate(seqs):
             try:
                 p = seq.params
-                token = greedy[row] if p.temperature == 0 else self._sample(logits[row], seq)
+                token = greedy[row] if p.greedy else self._sample(logits[row], seq)
                 picked.append(token)
                 seq.generated.append(token)
                 reason = self._text(seq, token)

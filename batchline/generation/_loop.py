@@ -137,10 +137,13 @@ class GenerationLoop:
         batch = self.engine.running + joining
         try:
             out = self.engine.step(joining)
-        except Exception as exc:  # the forward pass itself failed: this batch fails
-            logger.exception("a generation step failed for %d requests", len(batch))
-            self.engine.evict(batch)
-            for seq in batch:
+        except Exception as exc:  # not the model's (the engine isolates those): a bug
+            held = list(dict.fromkeys([*self.engine.reset(), *joining]))
+            logger.exception(
+                "a generation step failed outside the model; failing the %d requests it held",
+                len(held),
+            )
+            for seq in held:
                 seq.on_event(GenerationError(f"{type(exc).__name__}: {exc}"))
             return
         self.steps += 1

@@ -15,7 +15,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_MODEL", "cache_dir", "default_gguf", "load_causal_lm", "place"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "cache_dir",
+    "default_gguf",
+    "kv_bytes_per_token",
+    "load_causal_lm",
+    "log_kv_budget",
+    "place",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -102,3 +110,37 @@ def place(model: Any, *, device: str = "auto", dtype: str = "auto") -> Any:
     if dtype != "auto":
         model = model.to(pick_dtype(dtype, device))
     return model.eval()
+
+
+def kv_bytes_per_token(model: Any) -> tuple[int, str] | None:
+    """Bytes of KV cache one token takes in ``model`` (layers x 2 x KV heads x head dim x
+    dtype size), and that product spelled out; None where its config does not say."""
+    config = model.config
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_attention_heads", None)
+    hidden = getattr(config, "hidden_size", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if hidden and heads else None)
+    size = getattr(getattr(model, "dtype", None), "itemsize", None)
+    if not (layers and kv_heads and head_dim and size):
+        return None
+    spelled = f"{layers} layers x 2 x {kv_heads} KV heads x {head_dim} x {size} bytes"
+    return int(layers * 2 * kv_heads * head_dim * size), spelled
+
+
+def log_kv_budget(model: Any, max_batch_tokens: int) -> None:
+    """Log once what ``max_batch_tokens`` of KV budget means in bytes for ``model``."""
+    per_token = kv_bytes_per_token(model)
+    if per_token is None:
+        logger.info(
+            "KV budget: max_batch_tokens %d (bytes unknown for this model)", max_batch_tokens
+        )
+        return
+    size, spelled = per_token
+    logger.info(
+        "KV budget: max_batch_tokens %d = %.1f MiB of KV cache at most (%d bytes a token: %s)",
+        max_batch_tokens,
+        max_batch_tokens * size / 2**20,
+        size,
+        spelled,
+    )

@@ -9,7 +9,22 @@ from typing import Any, Literal
 
 from batchline.errors import BadGenerationParams, show_value
 
-__all__ = ["FinishReason", "GenerationDelta", "GenerationParams", "GenerationResult", "Sequence_"]
+__all__ = [
+    "GREEDY_BELOW",
+    "MAX_SEED",
+    "FinishReason",
+    "GenerationDelta",
+    "GenerationParams",
+    "GenerationResult",
+    "Sequence_",
+]
+
+#: Temperatures below this decode greedily: logits / a tiny temperature overflow to inf and
+#: the softmax to NaN (1e-300 does), and sampling that sharp is greedy anyway (vLLM's rule).
+GREEDY_BELOW = 1e-5
+#: The largest seed: torch's generators keep a 64-bit unsigned seed. Negative seeds are
+#: refused (torch would take -1 as 2**64 - 1: two spellings of one seed).
+MAX_SEED = 2**64 - 1
 
 FinishReason = Literal["eos", "length", "stop", "cancelled", "deadline", "error"]
 
@@ -20,10 +35,12 @@ class GenerationParams:
 
     Attributes:
         max_new_tokens: most tokens to generate.
-        temperature: 0 decodes greedily; above 0 samples from softmax(logits / temperature).
+        temperature: 0 (or anything below :data:`GREEDY_BELOW`, 1e-5) decodes greedily;
+            above, samples from softmax(logits / temperature).
         top_p: nucleus sampling mass, in (0, 1].
         top_k: sample among the k likeliest tokens; 0 for all.
-        seed: seeds this request's own random generator (reproducible sampling), or None.
+        seed: seeds this request's own random generator (reproducible sampling), an integer
+            in 0..2**64 - 1 (:data:`MAX_SEED`), or None.
         stop: strings that end the generation; the text ends before the first one found.
     """
 
@@ -50,14 +67,23 @@ class GenerationParams:
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise BadGenerationParams(f"top_k must be an int >= 0, got {show_value(self.top_k)}")
         if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not 0 <= self.seed <= MAX_SEED
         ):
             shown = show_value(self.seed)
-            raise BadGenerationParams(f"seed must be an integer or null, got {shown}")
+            raise BadGenerationParams(
+                f"seed must be an integer in 0..{MAX_SEED} or null, got {shown}"
+            )
         if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
             raise BadGenerationParams(
                 f"stop must be a sequence of non-empty strings: {show_value(self.stop)}"
             )
+
+    @property
+    def greedy(self) -> bool:
+        """Whether this request decodes greedily (temperature below :data:`GREEDY_BELOW`)."""
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True, slots=True)

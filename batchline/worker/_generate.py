@@ -10,10 +10,11 @@ run while the model computes, and finished requests leave (and are answered) at 
 A request that asked for chunks (:meth:`GenerationExecutor.stream`) has what each step added
 handed over after the step, all but its last, which its result carries.
 
-Containment as for the batcher: a request delivered more than once (``alone``) waits until
-the running batch has drained, then runs with no other request beside it; requests read
-meanwhile wait for it. A step past ``max_batch_ms`` trips the worker's watchdog like any model
-call (``guard`` stamps each step).
+Containment as for the batcher: a step that raises because of one request fails that request
+alone (the engine retries the step without it); a request delivered more than once
+(``alone``) waits until the running batch has drained, then runs with no other request beside
+it; requests read meanwhile wait for it. A step past ``max_batch_ms`` trips the worker's
+watchdog like any model call (``guard`` stamps each step).
 
 What a request may carry, and its result, are in ``docs/protocol.md`` (Generation).
 """
@@ -86,7 +87,8 @@ class GenerationExecutor:
     Args:
         model: the (loaded by the time requests come) generation model.
         settings: the worker's settings: ``batch_size`` (sequences running at once),
-            ``max_batch_tokens``, ``default_max_new_tokens``, ``max_new_tokens_limit``.
+            ``max_batch_tokens``, ``max_prefill_tokens``, ``default_max_new_tokens``,
+            ``max_new_tokens_limit`` (the model's, set here, before it loads).
         guard: runs one step, stamped for the watchdog (``guard(fn)`` returns ``fn()``).
         on_start: told, on the model thread, which calls join the batch and its size.
         cancelled: whether a call's producer cancelled it (asked between steps).
@@ -104,6 +106,8 @@ class GenerationExecutor:
         self.model = model
         model.default_max_new_tokens = settings.default_max_new_tokens
         model.max_new_tokens_limit = settings.max_new_tokens_limit
+        model.max_batch_tokens = settings.max_batch_tokens
+        model.max_prefill_tokens = settings.max_prefill_tokens
         self.config = SchedulerConfig(
             max_batch_size=settings.batch_size, max_batch_tokens=settings.max_batch_tokens
         )

@@ -112,12 +112,16 @@ class GenerationModel:
         self.path = path or "smollm2"
         self.device_name = device
         self.dtype_name = dtype
+        # The worker's settings, set by its executor before load().
         self.default_max_new_tokens = 128
         self.max_new_tokens_limit = 1024
+        self.max_batch_tokens = 16384
+        self.max_prefill_tokens = 512
         self.engine: Any = None
 
     def load(self) -> None:
         from batchline.generation import Engine, load_causal_lm
+        from batchline.generation._model import log_kv_budget
 
         if ":" in self.path and not Path(self.path).exists():
             lm, tokenizer = resolve_callable(self.path)()
@@ -129,7 +133,8 @@ class GenerationModel:
             lm, tokenizer = load_causal_lm(
                 self.path, device=self.device_name, dtype=self.dtype_name
             )
-        self.engine = Engine(lm, tokenizer)
+        self.engine = Engine(lm, tokenizer, max_prefill_tokens=self.max_prefill_tokens)
+        log_kv_budget(lm, self.max_batch_tokens)
 
     def preprocess(self, value: Any) -> list[Prepared]:
         prompt, messages, params = parse_request(

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchline.core.scheduler import GenerationScheduler, SchedulerConfig, reservation
+from batchline.core.scheduler import GenerationScheduler, SchedulerConfig, footprint, reservation
 from batchline.errors import PromptTooLong
 
 
@@ -45,8 +45,35 @@ def test_token_budget_counts_prompt_plus_max_new_tokens() -> None:
     a, b = Req(0.0, 20, 10), Req(1.0, 15, 10)
     s.add(a)
     s.add(b)
-    assert s.admit(2.0, []).admit == [a]  # 30 + 25 > 50
-    assert s.admit(2.0, [Req(0.0, 5, 5)]).admit == [b]
+    assert s.admit(2.0, []).admit == [a]  # 2 rows x 30 > 50
+    assert s.admit(2.0, [Req(0.0, 5, 5)]).admit == [b]  # 2 rows x 25 = 50
+
+
+def test_the_budget_counts_rows_times_the_longest_reservation() -> None:
+    """The engine's cache is left-padded: a long row widens every row beside it."""
+    s = sched(max_batch_size=8, max_batch_tokens=1000)
+    running = [Req(0.0, 10, 40) for _ in range(3)]  # 3 x 50: the sum would be 150
+    long = Req(1.0, 290, 10)  # 300: the sum would be 450, but 4 rows x 300 = 1200
+    s.add(long)
+    assert s.admit(1.5, running).admit == []  # it waits: not every row 300 wide
+    assert footprint(running) == 150
+    assert s.admit(1.5, running[:2]).admit == [long]  # 3 x 300 = 900 fits
+    assert footprint([*running[:2], long]) == 900
+
+
+def test_a_long_prompt_waits_for_room_and_backfill_stops_after_max_backfill_s() -> None:
+    s = sched(max_batch_size=8, max_batch_tokens=1000, max_backfill_s=1.0)
+    running = [Req(0.0, 10, 40) for _ in range(3)]
+    long = Req(1.0, 290, 10)
+    s.add(long)
+    s.add(small := Req(1.1, 10, 10))
+    assert s.admit(1.5, running).admit == [small]  # backfill while it is young
+    running.append(small)
+    s.add(later := Req(1.6, 10, 10))
+    assert s.admit(2.0, running).admit == []  # it has waited 1 s: nobody jumps it
+    assert s.admit(2.5, running[:2]).admit == [long]  # 3 x 300 fits once two have left
+    assert s.admit(2.5, [*running[:2], long]).admit == []  # a 4th row would make 1200
+    assert s.admit(3.0, [long]).admit == [later]
 
 
 def test_a_prompt_that_can_never_fit_is_refused_at_once() -> None:
@@ -92,7 +119,8 @@ def test_backfill_stops_once_the_long_prompt_has_waited() -> None:
     running.append(small)
     s.add(later := Req(0.6, 5, 5))
     assert s.admit(1.5, running).admit == []  # the long one has waited 1 s: nobody jumps it
-    assert s.admit(1.6, []).admit == [long, later]
+    assert s.admit(1.6, []).admit == [long]  # beside it a 2nd row would make 2 x 90 > 100
+    assert s.admit(1.7, []).admit == [later]
 
 
 @settings(max_examples=60, deadline=None)
@@ -138,7 +166,7 @@ def test_budgets_hold_and_everything_is_admitted_or_refused(
             r.left_at += now
         running += out.admit
         assert len(running) <= batch_size
-        assert sum(reservation(r) for r in running) <= budget
+        assert footprint(running) <= budget
         if not pending and not len(s) and not running:
             break
         now += 0.25

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import Any
 
@@ -31,6 +32,21 @@ async def test_concurrent_generate_equals_each_alone(model: Any) -> None:
         assert list(result.token_ids) == alone(model, prompt, 5 + i)
         assert result.finish_reason in ("length", "eos")
         assert 0 <= result.queue_s <= result.ttft_s <= result.total_s
+
+
+async def test_prompts_longer_than_max_prefill_tokens_give_the_same_tokens(
+    model: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, "batchline.generation._model"):
+        gen = Generator(model, max_prefill_tokens=4, max_batch_tokens=1000)
+    async with gen:
+        assert gen.engine.max_prefill_tokens == 4
+        results = await asyncio.gather(
+            *(gen.generate(prompt_ids=p, max_new_tokens=6) for p in PROMPTS)
+        )
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        assert list(result.token_ids) == alone(model, prompt, 6)
+    assert "KV budget: max_batch_tokens 1000 = 0.5 MiB of KV cache at most" in caplog.text
 
 
 async def test_stream_yields_every_token_in_order(model: Any) -> None:

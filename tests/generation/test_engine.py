@@ -8,54 +8,39 @@ from typing import Any
 import pytest
 
 from batchline.core.scheduler import SchedulerConfig
-from batchline.errors import PromptTooLong, RequestCancelled, RequestExpired
+from batchline.errors import BadGenerationParams, PromptTooLong, RequestCancelled, RequestExpired
 from batchline.generation import Engine, GenerationLoop, GenerationParams, GenerationResult
 from batchline.generation._types import Sequence_
 
+from .stepping import Clock, Plan, final, run_plan
 from .tiny import VOCAB, ByteFallbackTokenizer, CharTokenizer, alone, tiny_model, torch
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def request(prompt: list[int], events: list[Any], **params: Any) -> Sequence_:
     return Sequence_(prompt, GenerationParams(**params), 0.0, events.append)
 
 
-def run_mixed(model: Any, seed: int, n: int = 20) -> tuple[list[list[int]], list[list[int]]]:
-    """Requests arriving at random steps, mixed prompt lengths and max_new_tokens; returns
-    (what the loop generated, what each generates alone)."""
+def mixed_plan(seed: int, n: int = 20, *, longest: int = 40) -> Plan:
+    """Requests arriving at random steps, mixed prompt lengths and max_new_tokens."""
     rnd = random.Random(seed)
-    clock = Clock()
-    loop = GenerationLoop(
-        Engine(model), SchedulerConfig(max_batch_size=6, max_batch_tokens=400), clock=clock
-    )
     plan = []
     for _ in range(n):
-        prompt = [rnd.randrange(4, VOCAB) for _ in range(rnd.randint(1, 40))]
+        prompt = [rnd.randrange(4, VOCAB) for _ in range(rnd.randint(1, longest))]
         plan.append((rnd.randint(0, 25), prompt, rnd.randint(1, 24)))
-    results: list[list[Any]] = [[] for _ in plan]
-    for step in range(1000):
-        clock.now = float(step)
-        for (at, prompt, new), events in zip(plan, results, strict=True):
-            if at == step:
-                seq = Sequence_(
-                    prompt, GenerationParams(max_new_tokens=new), clock.now, events.append
-                )
-                loop.submit(seq)
-        loop.run_once()
-        if step > 25 and loop.idle:
-            break
-    assert loop.idle
+    return plan
+
+
+def run_mixed(
+    model: Any, seed: int, n: int = 20, **engine: Any
+) -> tuple[list[list[int]], list[list[int]]]:
+    """A mixed plan through the loop; returns (what the loop generated, what each generates
+    alone)."""
+    plan = mixed_plan(seed, n)
+    config = SchedulerConfig(max_batch_size=6, max_batch_tokens=400)
     got = []
-    for events in results:
-        assert isinstance(events[-1], GenerationResult), events[-1]
-        got.append(list(events[-1].token_ids))
+    for events in run_plan(Engine(model, **engine), plan, config):
+        assert isinstance(final(events), GenerationResult), final(events)
+        got.append(list(final(events).token_ids))
     want = [alone(model, prompt, new) for _, prompt, new in plan]
     return got, want
 
@@ -283,3 +268,150 @@ def test_a_waiting_request_past_its_deadline_expires_and_cancelled_ones_leave() 
     assert isinstance(events[1][-1], RequestExpired)
     assert isinstance(events[2][-1], RequestCancelled)
     assert late.generated == gone.generated == []
+
+
+def test_a_tiny_temperature_decodes_greedily_instead_of_failing() -> None:
+    """logits / 1e-300 overflow to inf and the softmax to NaN: below 1e-5 is greedy."""
+    model = tiny_model("llama")
+    engine = Engine(model)
+    seqs = [request([5, 6, 7], [], max_new_tokens=8, temperature=t) for t in (1e-300, 9e-6)]
+    outputs = [engine.step(seqs)]
+    while engine.running:
+        outputs.append(engine.step([]))
+    assert not any(out.failed for out in outputs)
+    for seq in seqs:
+        assert seq.generated == alone(model, [5, 6, 7], 8)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, -(2**63) - 1, 2**70])
+def test_a_seed_torch_cannot_hold_is_refused_naming_seed(seed: int) -> None:
+    with pytest.raises(
+        BadGenerationParams, match=r"seed must be an integer in 0\.\.18446744073709551615"
+    ):
+        GenerationParams(seed=seed)
+
+
+def test_the_largest_seed_samples() -> None:
+    engine = Engine(tiny_model("llama"))
+    seq = request([5, 6], [], max_new_tokens=4, temperature=1.0, seed=2**64 - 1)
+    engine.step([seq])
+    while engine.running:
+        engine.step([])
+    assert len(seq.generated) == 4
+
+
+# -- chunked prefill ---------------------------------------------------------------------------
+
+
+def forward_widths(model: Any) -> list[tuple[int, int]]:
+    """(rows, tokens) of every forward pass the model makes from now on."""
+    seen: list[tuple[int, int]] = []
+    model.register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    return seen
+
+
+@pytest.mark.parametrize("chunk", [1, 7])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_chunked_prefill_gives_the_same_greedy_tokens_float64(kind: str, chunk: int) -> None:
+    model = tiny_model(kind, torch.float64)
+    widths = forward_widths(model)
+    plan = mixed_plan(3)
+    config = SchedulerConfig(max_batch_size=6, max_batch_tokens=400)
+    ran = run_plan(Engine(model, max_prefill_tokens=chunk), plan, config)
+    assert max(tokens for _, tokens in widths) == chunk  # prompts of up to 40 went in chunks
+    for (_, prompt, new), events in zip(plan, ran, strict=True):
+        assert list(final(events).token_ids) == alone(model, prompt, new)
+
+
+def test_a_long_prompt_is_fed_in_chunks_while_the_running_batch_decodes_every_step() -> None:
+    model = tiny_model("llama")
+    widths = forward_widths(model)
+    engine = Engine(model, max_prefill_tokens=16)
+    bystander = request([5, 6, 7], [], max_new_tokens=30)
+    long = request([9 + i % 50 for i in range(100)], [], max_new_tokens=5)
+    engine.step([bystander])
+    steps = 0
+    joining = [long]
+    while not long.generated:
+        before = len(bystander.generated)
+        engine.step(joining)
+        joining = []
+        steps += 1
+        assert len(bystander.generated) == before + 1  # one token every step, throughout
+        assert engine.running == [bystander, long]
+    assert steps == 7  # 100 tokens, 16 a step
+    assert max(tokens for _, tokens in widths) == 16
+    assert widths.count((1, 16)) == 6  # six whole chunks of the long prompt, then 4 tokens
+    while engine.running:
+        engine.step([])
+    assert bystander.generated == alone(model, [5, 6, 7], 30)
+    assert long.generated == alone(model, long.prompt_ids, 5)
+
+
+def test_long_groups_are_fed_one_at_a_time_at_most_max_prefill_tokens_a_step() -> None:
+    model = tiny_model("llama")
+    widths = forward_widths(model)
+    engine = Engine(model, max_prefill_tokens=16)
+    bystander = request([5, 6, 7], [], max_new_tokens=40)
+    first = [request([9 + i] * 40, [], max_new_tokens=4) for i in range(2)]  # 2 rows, 8 each
+    later = request([20] * 30, [], max_new_tokens=4)  # waits for the first group
+    engine.step([bystander])
+    del widths[:]
+    engine.step(first)
+    engine.step([later])
+    steps = 2
+    while not later.generated:
+        engine.step([])
+        steps += 1
+    # Each step: the bystander's decode, one chunk of one long group.
+    prefills = [w for w in widths if w[1] > 1 or w[0] == len(first)]
+    assert all(rows * tokens <= 16 for rows, tokens in prefills)
+    assert len(widths) == 2 * steps  # never two prefill forwards in one step
+    assert prefills == [(2, 8)] * 5 + [(1, 16), (1, 14)]  # 40 columns, 8 a step; then 30
+    while engine.running:
+        engine.step([])
+    for seq in [bystander, *first, later]:
+        assert seq.generated == alone(model, seq.prompt_ids, len(seq.generated))
+
+
+def test_prompts_that_fit_a_chunk_are_prefilled_in_one_forward_beside_a_long_one() -> None:
+    model = tiny_model("llama")
+    widths = forward_widths(model)
+    engine = Engine(model, max_prefill_tokens=8)
+    short = [request([5, 6, 7], [], max_new_tokens=3), request([8] * 8, [], max_new_tokens=3)]
+    long = request([9] * 20, [], max_new_tokens=3)
+    out = engine.step([*short, long])
+    assert [s for s, _ in out.deltas] == short  # they have a token, the long one does not
+    assert widths == [(2, 8), (1, 8)]  # the short ones together, whole; the long one's chunk
+    while engine.running:
+        engine.step([])
+    for seq in [*short, long]:
+        assert seq.generated == alone(model, seq.prompt_ids, 3)
+
+
+def test_a_sequence_cancelled_while_its_prompt_is_prefilled_leaves_its_group() -> None:
+    model = tiny_model("llama")
+    clock = Clock()
+    loop = GenerationLoop(Engine(model, max_prefill_tokens=4), SchedulerConfig(), clock=clock)
+    events: list[list[Any]] = [[], []]
+    gone = Sequence_([9] * 30, GenerationParams(max_new_tokens=4), 0.0, events[0].append)
+    kept = Sequence_([7] * 20, GenerationParams(max_new_tokens=4), 0.0, events[1].append)
+    loop.submit(gone)
+    loop.submit(kept)
+    loop.run_once()
+    loop.run_once()
+    assert not gone.generated
+    assert loop.engine.running == [gone, kept]
+    loop.cancel(gone)
+    while not loop.idle:
+        loop.run_once()
+    assert final(events[0]).finish_reason == "cancelled"
+    assert final(events[0]).token_ids == ()
+    assert list(final(events[1]).token_ids) == alone(model, [7] * 20, 4)
+
+
+def test_max_prefill_tokens_must_be_a_positive_int() -> None:
+    with pytest.raises(ValueError, match="max_prefill_tokens must be an int >= 1, got 0"):
+        Engine(tiny_model("gpt2"), max_prefill_tokens=0)

@@ -225,6 +225,20 @@ def tiny_llama(dtype: str = "float64") -> tuple[Any, ByteTokenizer]:
     return model, tok
 
 
+def tiny_llama_poisoned() -> tuple[Any, ByteTokenizer]:
+    """:func:`tiny_llama` whose forward raises ValueError when it is fed a ``~`` (a hostile
+    request: its prefill raises, whatever runs beside it)."""
+    model, tok = tiny_llama()
+    poison = tok("~", add_special_tokens=False)["input_ids"][0]
+
+    def check(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
+        if bool((kwargs["input_ids"] == poison).any()):
+            raise ValueError("poison token")
+
+    model.register_forward_pre_hook(check, with_kwargs=True)
+    return model, tok
+
+
 class StepGate:
     """Lets forward passes of a model through one permit at a time (for in-process workers).
 

@@ -8,6 +8,7 @@ installed.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import re
 import signal
 import time
@@ -119,6 +120,9 @@ def test_bad_parameters_fail_only_their_own_request(
         ({"prompt": "x", "max_new_tokens": 0}, "BadGenerationParams"),
         ({"prompt": "x", "max_new_tokens": 101}, "BadGenerationParams"),  # over the limit
         ({"prompt": "x", "top_p": 2}, "BadGenerationParams"),
+        ({"prompt": "x", "seed": 2**64}, "BadGenerationParams"),  # more than torch holds
+        ({"prompt": "x", "seed": -1}, "BadGenerationParams"),
+        ({"prompt": "x", "temperature": 1e-300, "max_new_tokens": 3}, None),  # greedy
         ({"prompt": "x", "stop": [""]}, "BadGenerationParams"),
         ({"prompt": "x", "colour": "red"}, "BadGenerationParams"),
         ({"prompt": "x", "messages": CHAT}, "BadGenerationParams"),
@@ -137,6 +141,8 @@ def test_bad_parameters_fail_only_their_own_request(
             assert r.output["tokens"] >= 1
         else:
             assert (r.status, r.error_type) == ("error", etype), (value, r)
+            if isinstance(value, dict) and "seed" in value:
+                assert "seed must be an integer in 0..18446744073709551615" in r.error_message
     assert rclient.xlen(keys.dead) == 0  # refused, not dead-lettered
     assert_all_done(rclient, keys)
 
@@ -147,6 +153,54 @@ def poll(producer: Producer, request_id: str) -> Result:
     )
     assert found is not None
     return found
+
+
+def test_a_request_whose_step_raises_fails_alone_and_the_others_are_exact(
+    start_worker: Callable[..., WorkerThread],
+    redis_url: str,
+    queue: str,
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    reference: Any,
+) -> None:
+    start_worker(
+        "generate",
+        model_path=spec("tiny_llama_poisoned"),
+        batch_size=8,
+        max_prefill_tokens=8,
+        default_max_new_tokens=16,
+    )
+    values: list[Any] = [*REQUESTS[:6], {"prompt": "a hostile ~ prompt", "max_new_tokens": 9}]
+    with Producer(redis_url=redis_url, queue=queue) as producer:
+        handles = [producer.submit(v) for v in values]
+        results = [producer.wait(h, timeout_s=T) for h in handles]
+    assert_all_done(rclient, keys)
+    *innocent, hostile = results
+    assert (hostile.status, hostile.error_type) == ("error", "GenerationError")
+    assert hostile.error_message == "ValueError: poison token"
+    for value, r in zip(values[:-1], innocent, strict=True):
+        assert r.status == "ok", (value, r)
+        assert r.output["token_ids"] == list(in_process(reference, value).token_ids), value
+    assert max(r.batch_size for r in innocent) > 1  # they shared steps
+    assert rclient.xlen(keys.dead) == 0
+
+
+def test_the_model_logs_its_kv_budget_and_takes_the_workers_prefill_chunk(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from batchline.config import WorkerSettings
+    from batchline.worker._generate import GenerationExecutor, GenerationModel
+
+    model = GenerationModel(TINY)
+    settings = WorkerSettings(model="generate", max_batch_tokens=1000, max_prefill_tokens=8)
+    GenerationExecutor(model, settings, guard=print, on_start=print, cancelled=bool)
+    with caplog.at_level(logging.INFO, "batchline.generation._model"):
+        model.load()
+    assert model.engine.max_prefill_tokens == 8
+    assert (
+        "KV budget: max_batch_tokens 1000 = 0.5 MiB of KV cache at most (512 bytes a token: "
+        "2 layers x 2 x 2 KV heads x 8 x 8 bytes)"
+    ) in caplog.text
 
 
 def test_a_request_read_while_the_model_steps_joins_the_running_batch(
