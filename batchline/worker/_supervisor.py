@@ -76,9 +76,11 @@ def supervise(argv: Sequence[str], *, max_restarts_per_min: int) -> int:
     stop; restart it when it dies. Returns the exit status for the command."""
     command = [sys.executable, "-m", "batchline", *argv, CHILD_FLAG]
     stopping = threading.Event()
+    received: list[int] = []
     child: subprocess.Popen[bytes] | None = None
 
     def forward(sig: int, _frame: FrameType | None) -> None:
+        received.append(sig)
         stopping.set()
         if child is not None and child.poll() is None:
             child.send_signal(sig)
@@ -99,13 +101,17 @@ def supervise(argv: Sequence[str], *, max_restarts_per_min: int) -> int:
             )
         finally:
             os.close(ready_w)
+        if received:  # it came while this child started (forwarded to the one before)
+            child.send_signal(received[-1])
         logger.info("supervisor: worker process %d started", child.pid)
         status = child.wait()
         with os.fdopen(ready_r, "rb") as ready:
             was_ready = bool(ready.read(1))
         ever_ready = ever_ready or was_ready
         if status == 0 or stopping.is_set() or not ever_ready:
-            return 0 if status == 0 else 1
+            # A child told to stop before it could handle the signal died of it: stopped.
+            told = stopping.is_set() and -status in received
+            return 0 if status == 0 or told else 1
         how = f"signal {-status}" if status < 0 else f"status {status}"
         now = time.monotonic()
         while restarts and now - restarts[0] > 60.0:
