@@ -62,6 +62,9 @@ HUNG_EXIT_CODE = 70
 #: How long the watchdog gives the event loop to answer before it ends the process (when
 #: the hung call runs on the loop itself, nothing else could).
 _LOOP_GRACE_S = 10.0
+#: How often the reclaimer looks for entries to take over (at most: a third of
+#: ``claim_idle_ms`` where that is shorter); a look is one ``XPENDING ... IDLE`` per stream.
+RECLAIM_EVERY_S = 1.0
 
 
 async def every(
@@ -140,7 +143,7 @@ class Reclaimer:
         self._counts = counts
 
     async def step(self) -> None:
-        if not self._serving():
+        if not self._serving() or not await self._anything_idle():
             return
         taken = 0
         for sidx in reversed(range(len(self._streams))):  # highest priority first
@@ -160,6 +163,17 @@ class Reclaimer:
         if taken:
             self._counts["reclaimed"] += taken
             logger.info("reclaimed %d entries", taken)
+
+    async def _anything_idle(self) -> bool:
+        """Whether any stream holds an entry pending longer than ``claim_idle_ms``: one
+        cheap look, so that the reclaimer may look every second (XAUTOCLAIM's walk of the
+        pending entries, COUNT 1 at a time, is only for when there is something to take)."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for stream in self._streams:
+                pipe.xpending_range(stream, GROUP, "-", "+", 1, idle=self._claim_idle_ms)
+            found = await pipe.execute(raise_on_error=False)
+        # An error (a stream or group not there yet) is no entry to take.
+        return any(isinstance(f, list) and f for f in found)
 
     async def _take_over(
         self, sidx: int, stream: str, entry: bytes, raw: dict[bytes, bytes] | None
@@ -376,6 +390,7 @@ class Upkeep:
         s = settings
         self._hung = hung
         self._period_s = s.claim_idle_ms / 3e3
+        self._reclaim_s = min(self._period_s, RECLAIM_EVERY_S)
         self.janitor = Janitor(
             claims, consumer_idle_ms=s.consumer_idle_ms, hung=hung, serving=serving
         )
@@ -410,6 +425,6 @@ class Upkeep:
         (the heartbeat stops at once when the model hangs: the worker is not healthy)."""
         return {
             "janitor": every(self._period_s, "janitor", self.janitor.step, closing),
-            "reclaimer": every(self._period_s, "reclaimer", self.reclaimer.step, closing),
+            "reclaimer": every(self._reclaim_s, "reclaimer", self.reclaimer.step, closing),
             "heartbeat": self.heartbeat.run(lambda: not closing() and not self._hung.is_set()),
         }
