@@ -12,6 +12,7 @@ import re
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -124,12 +125,14 @@ def _worker(args: argparse.Namespace) -> int:
     from batchline.errors import WorkerHung
     from batchline.transport._loop import run
     from batchline.worker import Worker
-    from batchline.worker._upkeep import HUNG_EXIT_CODE
+    from batchline.worker._watchdog import HUNG_EXIT_CODE
 
     worker = Worker(settings)
     worker.exit_if_loop_blocked = True
     if args.supervised_child is not None:
         report_ready(args.supervised_child, worker.ready)
+    if args.bound_file is not None:
+        worker.bound_file = Path(args.bound_file)
     try:
         run(worker.run(), event_loop=settings.event_loop)
     except WorkerHung:
@@ -246,6 +249,7 @@ def _parser() -> argparse.ArgumentParser:
         help="with --check: the oldest heartbeat that counts [default 10]",
     )
     worker.add_argument("--supervised-child", type=int, help=argparse.SUPPRESS)
+    worker.add_argument("--bound-file", help=argparse.SUPPRESS)
     worker.set_defaults(run=_worker)
 
     status = commands.add_parser(

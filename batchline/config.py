@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -226,9 +226,11 @@ class WorkerSettings(ServiceSettings):
         claim_idle_ms: a request pending this long on a silent worker is reclaimed.
         max_deliveries: deliveries before a request goes to the dead-letter stream (a
             request delivered more than once runs alone, so it fails only itself).
-        max_batch_ms: longest one model call may run; past it the worker counts as hung:
-            it hands back what it holds, stops, and ``batchline worker`` starts a fresh
-            process (0: no limit).
+        max_batch_ms: longest one model call (a generation step) may run; past it the
+            worker is hung: it hands back what it holds, stops, and ``batchline worker``
+            starts a fresh process. ``auto``: 10 x the slowest recent call (scaled up to a
+            call's work), at least 5000, 60000 before a call is timed; a number: fixed (0:
+            none).
         max_restarts_per_min: most restarts of a crashed or hung worker process within a
             minute by ``batchline worker``; past them it exits non-zero (0: no supervisor,
             the worker runs in the command's own process and a crash ends it, for an
@@ -280,7 +282,7 @@ class WorkerSettings(ServiceSettings):
     prep_threads: int = Field(default=1, ge=1, le=64)
     claim_idle_ms: int = Field(default=30_000, ge=100)
     max_deliveries: int = Field(default=3, ge=1)
-    max_batch_ms: int = Field(default=60_000, ge=0)
+    max_batch_ms: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"
     max_restarts_per_min: int = Field(default=10, ge=0)
     max_chars: int = Field(default=20_000, ge=1)
     max_elements: int = Field(default=1 << 20, ge=1)

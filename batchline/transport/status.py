@@ -111,8 +111,8 @@ def render(status: dict[str, Any]) -> str:
             f"    {w.get('worker')}: {w.get('model', '?')}, answered {requests}, "
             f"mean batch {w.get('mean_batch_size', 0)} (limit {w.get('batch_size', '?')}, "
             f"wait {w.get('timeout_ms', '?')} ms{_slo(w)}), "
-            f"queue wait p50/p95/p99 {_ms(wait)} ms, model p50/p95/p99 {_ms(model)} ms, "
-            f"held {w.get('held', 0)}"
+            f"queue wait p50/p95/p99 {_ms(wait)} ms, model p50/p95/p99 {_ms(model)} ms"
+            f"{_bound(w)}, held {w.get('held', 0)}"
         )
     return "\n".join(lines)
 
@@ -120,6 +120,12 @@ def render(status: dict[str, Any]) -> str:
 def _slo(worker: dict[str, Any]) -> str:
     target = worker.get("target_p99_ms")
     return "" if target is None else f", chosen for p99 <= {target:g} ms"
+
+
+def _bound(worker: dict[str, Any]) -> str:
+    """A model call's bound in force (``max_batch_ms``; 0: none), where the worker says."""
+    bound = worker.get("max_batch_ms")
+    return "" if bound is None else f" (bound {bound:g} ms)" if bound else " (no bound)"
 
 
 def _ms(figures: dict[str, float]) -> str:

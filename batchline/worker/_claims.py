@@ -1,23 +1,31 @@
 """The entries a worker holds: read from a work stream (so pending, its claim) and not yet
-answered. The janitor keeps them alive, a hung worker hands them back."""
+answered, and the calls made of them. The janitor keeps them alive; a hung worker hands them
+back, and one whose model call runs long hands back those it has not started."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import threading
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 from redis.exceptions import RedisError
 
+from batchline.drivers._base import Call
 from batchline.transport._redis import RedisClient
 from batchline.transport.keys import GROUP
 from batchline.worker._answers import Meta, Record
 
-__all__ = ["Claims"]
+__all__ = ["Claims", "Taken"]
 
 logger = logging.getLogger(__name__)
+
+#: Entries taken back from a worker, by (stream index, the delivery count to give them: None
+#: keeps it).
+Taken = defaultdict[tuple[int, int | None], list[bytes]]
 
 
 class Claims:
@@ -38,6 +46,9 @@ class Claims:
         self.deliveries: dict[bytes, int] = {}
         #: Set whenever an answer is written (or given up), so that a waiter re-checks.
         self.settled = asyncio.Event()
+        #: The calls made of the entries held, until they are answered.
+        self.calls: dict[Call, Meta] = {}
+        self._forgetting = threading.Lock()  # the loop and the watchdog's thread both forget
 
     def hold(self, sidx: int, entry: bytes) -> None:
         self.held[sidx].add(entry)
@@ -64,19 +75,76 @@ class Claims:
                     self.streams[sidx], GROUP, self.worker_id, 0, list(entries), justid=True
                 )
 
+    def forget(self, *, started: bool) -> list[Meta]:
+        """Forget the calls held that wait for the model (``started``: and those it runs),
+        so that none of them is answered any more, and withdraw them from their batcher
+        (cancelled: its policy drops them unrun); their entries' metadata. From the loop or,
+        while it is blocked, from the watchdog's thread."""
+        with self._forgetting:
+            gone = [
+                (call, meta)
+                for call, meta in self.calls.copy().items()  # one step: no Python code runs
+                if started or not meta.started_unix
+            ]
+            for call, _meta in gone:
+                self.calls.pop(call, None)
+                call.cancelled = True
+        return [meta for _call, meta in gone]
+
+    def hand_back_blocked(
+        self,
+        client: RedisClient,
+        *,
+        idle_ms: int,
+        sign_off: Callable[[RedisClient], Awaitable[Any]],
+    ) -> None:
+        """Hand back every entry held (answers not yet written too: nothing will write them)
+        from a thread while the worker's event loop is blocked, over ``client`` (of its own,
+        closed here), after ``sign_off(client)``."""
+        taken = self.take(self.forget(started=True), rest=True)
+
+        async def run() -> None:
+            try:
+                with contextlib.suppress(RedisError, OSError):
+                    await sign_off(client)
+                await self.give_back(taken, idle_ms=idle_ms, redis=client)
+            finally:
+                await client.aclose()
+
+        asyncio.run(run())
+
     async def hand_back(self, metas: Iterable[Meta], *, idle_ms: int) -> None:
         """Give these entries back with an idle time of ``idle_ms`` (past ``claim_idle_ms``),
         so that another worker's XAUTOCLAIM takes them at once: the started ones (a hung
         batch) with their delivery count (XAUTOCLAIM adds one), the others as they were
         before this worker."""
-        groups: defaultdict[tuple[int, int | None], list[bytes]] = defaultdict(list)
+        await self.give_back(self.take(metas), idle_ms=idle_ms)
+        self.settled.set()  # whoever waits for one of them to be answered: it is not ours
+
+    def take(self, metas: Iterable[Meta], *, rest: bool = False) -> Taken:
+        """Stop holding these entries (``rest``: and every other entry held, counted as
+        started: a hung worker's answers not yet written); what :meth:`give_back` takes.
+        Plain set and dict operations: safe from another thread while the loop is blocked."""
+        groups: Taken = defaultdict(list)
         for meta in metas:
-            retry = None if meta.started_unix else self.deliveries.get(meta.entry, 1) - 1
+            delivered = self.deliveries.pop(meta.entry, 1)
+            retry = None if meta.started_unix else delivered - 1
             groups[(meta.sidx, retry)].append(meta.entry)
             self.held[meta.sidx].discard(meta.entry)
-        for (sidx, retry), entries in groups.items():
+        if rest:
+            for sidx, held in enumerate(self.held):
+                for entry in list(held):
+                    groups[(sidx, None)].append(entry)
+                    held.discard(entry)
+        return groups
+
+    async def give_back(self, taken: Taken, *, idle_ms: int, redis: RedisClient = None) -> None:
+        """Give back what :meth:`take` took (see :meth:`hand_back`); ``redis``: a client
+        other than the worker's (the watchdog's, while the worker's loop is blocked)."""
+        client = self.redis if redis is None else redis
+        for (sidx, retry), entries in taken.items():
             with contextlib.suppress(RedisError, OSError):
-                await self.redis.xclaim(
+                await client.xclaim(
                     self.streams[sidx],
                     GROUP,
                     self.worker_id,
@@ -86,4 +154,5 @@ class Claims:
                     retrycount=retry,
                     justid=True,
                 )
-        logger.warning("handed back %d entries", sum(len(e) for e in groups.values()))
+        if taken:
+            logger.warning("handed back %d entries", sum(len(e) for e in taken.values()))

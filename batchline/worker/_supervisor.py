@@ -7,7 +7,7 @@ process. Putting just the model in a child would contain it too, but every batch
 cross a process boundary (pickling inputs and outputs, a round trip per batch), a cost paid
 on every request of the no-op path for the rare bad one. Here the worker runs exactly as
 before, in one process, and the parent only waits: when the child dies (a signal, or a
-non-zero exit status, such as a hung model's :data:`~._upkeep.HUNG_EXIT_CODE`), it starts a
+non-zero exit status, such as a hung model's :data:`~._watchdog.HUNG_EXIT_CODE`), it starts a
 fresh one after a back-off. What the dead child held is reclaimed by the survivors (or by
 the fresh child), and entries delivered more than once run alone, so a poison input takes
 only itself down and is dead-lettered after ``max_deliveries``.
@@ -24,6 +24,9 @@ only itself down and is dead-lettered after ``max_deliveries``.
   restarted when it is the first: the command fails at once, as a configuration error
   should. The child says it is ready by writing a byte on a pipe.
 - ``batchline worker --check`` and the metrics port are the child's, unchanged.
+- The children remember the slowest model call they timed in a file of the supervisor's
+  (``--bound-file``), so that a fresh child's ``max_batch_ms`` auto starts from what its
+  predecessor measured instead of from nothing (:mod:`._watchdog`).
 """
 
 from __future__ import annotations
@@ -35,18 +38,21 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from types import FrameType
 
-__all__ = ["CHILD_FLAG", "die_with_parent", "report_ready", "supervise"]
+__all__ = ["BOUND_FLAG", "CHILD_FLAG", "die_with_parent", "report_ready", "supervise"]
 
 logger = logging.getLogger(__name__)
 
 #: The (hidden) command-line flag that makes ``batchline worker`` the child itself; its
 #: value is the file descriptor on which the child reports that it is ready.
 CHILD_FLAG = "--supervised-child"
+#: The (hidden) flag naming the file in which the children remember their slowest call.
+BOUND_FLAG = "--bound-file"
 _YOUNG_S = 10.0
 _FIRST_DELAY_S = 0.1
 _MAX_DELAY_S = 10.0
@@ -74,11 +80,19 @@ def report_ready(fd: int, ready: threading.Event) -> None:
 def supervise(argv: Sequence[str], *, max_restarts_per_min: int) -> int:
     """Run ``python -m batchline <argv> --supervised-child`` until it exits 0 or is told to
     stop; restart it when it dies. Returns the exit status for the command."""
-    command = [sys.executable, "-m", "batchline", *argv, CHILD_FLAG]
+    with tempfile.TemporaryDirectory(prefix="batchline-worker-") as kept:
+        bound_file = os.path.join(kept, "slowest-call.json")
+        command = [sys.executable, "-m", "batchline", *argv, BOUND_FLAG, bound_file, CHILD_FLAG]
+        return _supervise(command, max_restarts_per_min=max_restarts_per_min)
+
+
+def _supervise(command: list[str], *, max_restarts_per_min: int) -> int:
     stopping = threading.Event()
+    received: list[int] = []
     child: subprocess.Popen[bytes] | None = None
 
     def forward(sig: int, _frame: FrameType | None) -> None:
+        received.append(sig)
         stopping.set()
         if child is not None and child.poll() is None:
             child.send_signal(sig)
@@ -99,13 +113,17 @@ def supervise(argv: Sequence[str], *, max_restarts_per_min: int) -> int:
             )
         finally:
             os.close(ready_w)
+        if received:  # it came while this child started (forwarded to the one before)
+            child.send_signal(received[-1])
         logger.info("supervisor: worker process %d started", child.pid)
         status = child.wait()
         with os.fdopen(ready_r, "rb") as ready:
             was_ready = bool(ready.read(1))
         ever_ready = ever_ready or was_ready
         if status == 0 or stopping.is_set() or not ever_ready:
-            return 0 if status == 0 else 1
+            # A child told to stop before it could handle the signal died of it: stopped.
+            told = stopping.is_set() and -status in received
+            return 0 if status == 0 or told else 1
         how = f"signal {-status}" if status < 0 else f"status {status}"
         now = time.monotonic()
         while restarts and now - restarts[0] > 60.0:

@@ -1,7 +1,8 @@
 """A worker's upkeep, as parts the worker owns: the janitor (keeping its claims alive,
-removing the consumers of dead workers), the reclaimer (taking over what dead workers left
-pending, one entry at a time, each run alone; dead-lettering the poisonous), the watchdog (a
-model call past ``max_batch_ms``) and the heartbeat (liveness and statistics).
+removing the consumers of dead workers), the reclaimer (taking over what dead or hung workers
+left pending, one entry at a time, each run alone; dead-lettering the poisonous), the watchdog
+(a model call past its ``max_batch_ms`` bound: :mod:`._watchdog`) and the heartbeat (liveness
+and statistics).
 
 Each is given exactly what it needs (the client, the streams, the worker's
 :class:`~batchline.worker._claims.Claims`, a few callbacks), so that the serving path
@@ -11,13 +12,16 @@ Containment. An entry delivered more than once may be what killed its last worke
 never shares a model call again: the reclaimer takes such entries one at a time and runs
 each alone (on a second batcher of batch size 1 that shares the model's lock), so a poison
 input crashes only itself, and its batch-mates, already redelivered, are answered.
-``max_batch_ms`` bounds one model call: a watchdog thread marks the worker hung, and then it
-stops reading and renewing, signs off (no heartbeat), hands back what it holds with
-``XCLAIM ... IDLE <claim_idle_ms>`` so another worker's XAUTOCLAIM takes it at once (entries
-not started keep their delivery count, ``RETRYCOUNT``), writes the answers already computed,
-and ``Worker.run`` raises :class:`~batchline.errors.WorkerHung`. A Python thread cannot be
-killed, so the process must end: ``batchline worker`` runs the worker in a child process and
-starts a fresh one (:mod:`._supervisor`).
+``max_batch_ms`` bounds one model call (derived from the model's own call times by default,
+:mod:`._watchdog`): past it a watchdog thread marks the worker hung, and at once it stops
+reading and renewing, signs off (no heartbeat; ``--check`` fails), hands back what it holds
+with ``XCLAIM ... IDLE <claim_idle_ms>`` (entries not started keep their delivery count,
+``RETRYCOUNT``), writes the answers already computed, and ``Worker.run`` raises
+:class:`~batchline.errors.WorkerHung`. A Python thread cannot be killed, so the process must
+end: ``batchline worker`` runs the worker in a child process and starts a fresh one
+(:mod:`._supervisor`). Handed-back entries are idle past ``claim_idle_ms`` at once, and every
+worker's reclaimer looks for such entries every second (``XPENDING ... IDLE``, one cheap call
+per priority), so they are served again within about a second.
 """
 
 from __future__ import annotations
@@ -42,26 +46,23 @@ from batchline.transport._redis import RedisClient
 from batchline.transport.keys import GROUP, QueueKeys
 from batchline.worker._claims import Claims
 from batchline.worker._consumers import prune_consumers
+from batchline.worker._watchdog import CallBound, Stamp, Timing, Watchdog
 from batchline.worker.metrics import Metrics
 
 __all__ = [
-    "HUNG_EXIT_CODE",
     "Heartbeat",
     "Janitor",
     "Reclaimer",
     "Upkeep",
-    "Watchdog",
     "every",
     "snapshot",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: Exit status of a worker process that ended itself because its model hung.
-HUNG_EXIT_CODE = 70
-#: How long the watchdog gives the event loop to answer before it ends the process (when
-#: the hung call runs on the loop itself, nothing else could).
-_LOOP_GRACE_S = 10.0
+#: How often the reclaimer looks for entries to take over (at most: a third of
+#: ``claim_idle_ms`` where that is shorter); a look is one ``XPENDING ... IDLE`` per stream.
+RECLAIM_EVERY_S = 1.0
 
 
 async def every(
@@ -140,7 +141,7 @@ class Reclaimer:
         self._counts = counts
 
     async def step(self) -> None:
-        if not self._serving():
+        if not self._serving() or not await self._anything_idle():
             return
         taken = 0
         for sidx in reversed(range(len(self._streams))):  # highest priority first
@@ -160,6 +161,17 @@ class Reclaimer:
         if taken:
             self._counts["reclaimed"] += taken
             logger.info("reclaimed %d entries", taken)
+
+    async def _anything_idle(self) -> bool:
+        """Whether any stream holds an entry pending longer than ``claim_idle_ms``: one
+        cheap look, so that the reclaimer may look every second (XAUTOCLAIM's walk of the
+        pending entries, COUNT 1 at a time, is only for when there is something to take)."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for stream in self._streams:
+                pipe.xpending_range(stream, GROUP, "-", "+", 1, idle=self._claim_idle_ms)
+            found = await pipe.execute(raise_on_error=False)
+        # An error (a stream or group not there yet) is no entry to take.
+        return any(isinstance(f, list) and f for f in found)
 
     async def _take_over(
         self, sidx: int, stream: str, entry: bytes, raw: dict[bytes, bytes] | None
@@ -187,73 +199,6 @@ class Reclaimer:
                 await asyncio.wait_for(settled.wait(), self._claim_idle_ms / 1e3)
 
 
-class Watchdog:
-    """Watches model calls from a thread of its own (a hung call may block the event loop):
-    ``model_since()`` is the monotonic start of the call running (None between calls); one
-    running past ``max_batch_ms`` sets ``hung``, marks the metrics unhealthy and calls
-    ``on_hung`` on the loop; if the loop does not answer within a grace period and
-    ``exit_if_loop_blocked``, it ends the process with :data:`HUNG_EXIT_CODE`.
-    """
-
-    def __init__(
-        self,
-        *,
-        max_batch_ms: int,
-        worker_id: str,
-        hung: threading.Event,
-        metrics: Metrics,
-        model_since: Callable[[], float | None],
-    ) -> None:
-        self._max_batch_ms = max_batch_ms
-        self._worker_id = worker_id
-        self._hung = hung
-        self._metrics = metrics
-        self._model_since = model_since
-
-    def start(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        on_hung: Callable[[], None],
-        *,
-        exit_if_loop_blocked: bool,
-    ) -> threading.Event:
-        """Start watching; returns the event that ends the watch."""
-        done = threading.Event()
-        limit_s = self._max_batch_ms / 1e3
-        if limit_s <= 0:
-            return done
-        seen = threading.Event()
-
-        def on_loop() -> None:
-            seen.set()
-            on_hung()
-
-        def watch() -> None:
-            while not done.wait(min(limit_s / 4, 1.0)):  # a watchdog timer
-                since = self._model_since()
-                if since is None or time.monotonic() - since <= limit_s:
-                    continue
-                logger.error(
-                    "worker %s: a model call has run %.1f s, past max_batch_ms=%d: handing "
-                    "back what it holds and stopping",
-                    self._worker_id,
-                    time.monotonic() - since,
-                    self._max_batch_ms,
-                )
-                self._hung.set()
-                self._metrics.unhealthy()
-                with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to do
-                    loop.call_soon_threadsafe(on_loop)
-                if not seen.wait(_LOOP_GRACE_S) and exit_if_loop_blocked:
-                    logger.critical("the hung model call blocks the event loop: exiting")
-                    logging.shutdown()
-                    os._exit(HUNG_EXIT_CODE)
-                return
-
-        threading.Thread(target=watch, name="batchline-watchdog", daemon=True).start()
-        return done
-
-
 def snapshot(
     *,
     worker_id: str,
@@ -261,6 +206,7 @@ def snapshot(
     counts: Counter[str],
     stats: BatchStats,
     prepare: dict[str, Any] | None = None,
+    max_batch_ms: float | None = None,
 ) -> dict[str, Any]:
     """A worker's statistics as its heartbeat publishes them (``batchline status``)."""
     return {
@@ -285,6 +231,8 @@ def snapshot(
             "p99": stats.function_ms.p99,
         },
         "held": stats.queue_size,
+        # the bound of a model call like the recent ones (derived with max_batch_ms auto)
+        "max_batch_ms": None if max_batch_ms is None else round(max_batch_ms),
         "padding_efficiency": (
             None if stats.padding_efficiency is None else round(stats.padding_efficiency, 4)
         ),
@@ -347,9 +295,12 @@ class Upkeep:
         settings: the worker's settings.
         keys: the queue's keys.
         metrics: the worker's metrics.
-        hung: set once a model call ran past ``max_batch_ms``.
-        model_since: the monotonic start of the model call running (None between calls).
-        serving: whether the worker still serves (neither stopping nor hung).
+        hung: set once a model call ran past its bound.
+        bound: the model calls' bound (``max_batch_ms``).
+        running: the stamp of the model call running (None between calls).
+        remember: told the slowest recent model call as it changes (for the next process).
+        serving: whether the worker reads and reclaims (neither stopping nor hung, and no
+            model call running long).
         accept: takes reclaimed entries in (see :class:`Reclaimer`).
         refuse: dead-letters one entry.
         stats: the worker's statistics, as the heartbeat publishes them.
@@ -365,7 +316,9 @@ class Upkeep:
         metrics: Metrics,
         *,
         hung: threading.Event,
-        model_since: Callable[[], float | None],
+        bound: CallBound,
+        running: Callable[[], Stamp | None],
+        remember: Callable[[Timing], None] | None,
         serving: Callable[[], bool],
         accept: Accept,
         refuse: Refuse,
@@ -376,6 +329,7 @@ class Upkeep:
         s = settings
         self._hung = hung
         self._period_s = s.claim_idle_ms / 3e3
+        self._reclaim_s = min(self._period_s, RECLAIM_EVERY_S)
         self.janitor = Janitor(
             claims, consumer_idle_ms=s.consumer_idle_ms, hung=hung, serving=serving
         )
@@ -389,11 +343,12 @@ class Upkeep:
             counts=counts,
         )
         self.watchdog = Watchdog(
-            max_batch_ms=s.max_batch_ms,
+            bound,
             worker_id=claims.worker_id,
             hung=hung,
             metrics=metrics,
-            model_since=model_since,
+            running=running,
+            remember=remember,
         )
         self.heartbeat = Heartbeat(
             claims.redis,
@@ -410,6 +365,6 @@ class Upkeep:
         (the heartbeat stops at once when the model hangs: the worker is not healthy)."""
         return {
             "janitor": every(self._period_s, "janitor", self.janitor.step, closing),
-            "reclaimer": every(self._period_s, "reclaimer", self.reclaimer.step, closing),
+            "reclaimer": every(self._reclaim_s, "reclaimer", self.reclaimer.step, closing),
             "heartbeat": self.heartbeat.run(lambda: not closing() and not self._hung.is_set()),
         }

@@ -40,8 +40,8 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -60,11 +60,13 @@ from batchline.worker._claims import Claims
 from batchline.worker._consumers import ensure_groups
 from batchline.worker._executors import Hooks, build
 from batchline.worker._generate import GenerationExecutor
+from batchline.worker._guard import Guard
 from batchline.worker._prep import Preparer
 from batchline.worker._readcap import ReadCap
 from batchline.worker._reader import Entries, Reader
 from batchline.worker._threads import apply_threads, available_cpus, prepare_environment
 from batchline.worker._upkeep import Upkeep, every, snapshot
+from batchline.worker._watchdog import Stamp, work_of
 from batchline.worker._writer import AnswerWriter
 from batchline.worker.metrics import Metrics
 from batchline.worker.models import Model, Prepared, load_model
@@ -72,8 +74,6 @@ from batchline.worker.models import Model, Prepared, load_model
 __all__ = ["Worker"]
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 class Worker:
@@ -119,13 +119,24 @@ class Worker:
         self._writer = dedicated(self._redis)  # the writer task's own connection
         self._limits = s.limits()
         self._streams_low_first = self.keys.streams_low_first
+        # What it holds, and its model calls as the watchdog sees them.
+        self._claims = Claims(self._redis, self._streams_low_first, self.worker_id)
+        self._meta = self._claims.calls
+        self._guard = Guard(
+            s,
+            self._claims,
+            workers_key=self.keys.workers,
+            redis=self._redis,
+            own=self._own_client,
+            bound_file=lambda: self.bound_file,
+        )
         executors = build(
             self.model,
             s,
             Hooks(
                 infer=self._infer,
                 before_batch=self._before_batch,
-                guard=self._guarded,
+                guard=self._guard.call,
                 mark_started=self._mark_started,
                 cancelled=self._is_cancelled,
             ),
@@ -135,9 +146,9 @@ class Worker:
         self._generation = (
             executors.main if isinstance(executors.main, GenerationExecutor) else None
         )
-        self._model_since: float | None = None  # monotonic start of the model call running
+        self._pads = bool(getattr(self.model, "pads", True))
         self._hung = threading.Event()
-        self._meta: dict[Call, Meta] = {}
+        self._handing_back: set[asyncio.Future[None]] = set()
         self._prep = Preparer(self.model, self._limits, self.worker_id, threads=s.prep_threads)
         self.counts: Counter[str] = Counter()
         self.metrics = Metrics(s.metrics_port)
@@ -149,8 +160,8 @@ class Worker:
         self._parts(s)
 
     def _parts(self, s: WorkerSettings) -> None:
-        """The parts the worker owns around its batchers: the entries it holds, the reader,
-        the writer, the cancel log and the upkeep."""
+        """The parts the worker owns around its batchers: the reader, the writer, the cancel
+        log and the upkeep."""
         self._cancels = CancelLog(
             s.result_ttl_s, max_ids=s.cancel_max_ids, max_bytes=s.cancel_max_bytes
         )
@@ -163,7 +174,6 @@ class Worker:
             worker_id=self.worker_id,
         )
         self._admits = False  # whether the queue's functions are loaded (Redis >= 7)
-        self._claims = Claims(self._redis, self._streams_low_first, self.worker_id)
         self._answers = AnswerWriter(
             self._writer,
             self.keys,
@@ -192,7 +202,9 @@ class Worker:
             self.keys,
             self.metrics,
             hung=self._hung,
-            model_since=lambda: self._model_since,
+            bound=self._guard.bound,
+            running=lambda: self._guard.running,
+            remember=self._guard.remember,
             serving=self._serving,
             accept=self._accept,
             refuse=lambda *entry: self._answer(self._dead_letter(*entry)),
@@ -203,6 +215,9 @@ class Worker:
 
     #: End the process if a hung model call blocks the event loop (``batchline worker``).
     exit_if_loop_blocked = False
+    #: Where the slowest recent model call is remembered for the next worker process
+    #: (``batchline worker``'s supervisor): ``max_batch_ms`` auto starts from it.
+    bound_file: Path | None = None
 
     def __repr__(self) -> str:
         return f"<Worker {self.worker_id} queue={self.keys.queue!r}>"
@@ -215,10 +230,14 @@ class Worker:
             counts=self.counts,
             stats=self._batcher.stats,
             prepare=self._prep.stats(),
+            max_batch_ms=self._guard.bound.limit_s() * 1e3,
         )
 
     def _serving(self) -> bool:
-        return self._stop is not None and not self._stop.is_set() and not self._hung.is_set()
+        """Reading, reclaiming: not stopping, not hung, no call running long (slow)."""
+        if self._stop is None or self._stop.is_set() or self._hung.is_set():
+            return False
+        return not self._guard.slow
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -237,7 +256,11 @@ class Worker:
             self.stop()
 
         watchdog = self._upkeep.watchdog.start(
-            loop, on_hung, exit_if_loop_blocked=self.exit_if_loop_blocked
+            loop,
+            on_slow=self._on_slow,
+            on_hung=on_hung,
+            abandon=self._guard.abandon_blocked,
+            exit_if_loop_blocked=self.exit_if_loop_blocked,
         )
         self.ready.set()
         stopped = loop.create_task(self._stop.wait())
@@ -261,8 +284,8 @@ class Worker:
             await self._close(tasks)
         if self._hung.is_set():
             raise WorkerHung(
-                f"worker {self.worker_id}: a model call ran past "
-                f"max_batch_ms={self.settings.max_batch_ms}"
+                f"worker {self.worker_id}: a model call ran past its bound "
+                f"(max_batch_ms={self.settings.max_batch_ms})"
             )
         if crashed:
             # Exit non-zero so that a supervisor restarts the worker.
@@ -282,6 +305,14 @@ class Worker:
         prepare_environment(self.threads)  # before the model loads torch (or anything)
         await loop.run_in_executor(None, self.model.load)
         apply_threads(self.threads)
+        await loop.run_in_executor(
+            None,
+            lambda: self._guard.measure(
+                self.model if self._generation is None else None,
+                pads=self._pads,
+                padding=getattr(self._batcher, "record_padding", None),
+            ),
+        )
         self._prep.start()
         await ensure_groups(self._redis, self._streams_low_first)
         self._admits = await load_library(self._redis)
@@ -321,7 +352,7 @@ class Worker:
         self._closing = True
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, *self._handing_back, return_exceptions=True)
         with contextlib.suppress(RedisError, OSError):
             await self._redis.zrem(self.keys.workers, self.worker_id)
         self._prep.close()
@@ -343,22 +374,32 @@ class Worker:
         if drain.done():
             drain.result()
             return
+        await self._guard.abandon()  # at once: not after the drain, nor after the next read
         drain.cancel()
         await asyncio.gather(drain, return_exceptions=True)
         if not reader.done():
             await reader  # returns after its current read (at most one block interval)
-        with contextlib.suppress(RedisError, OSError):
-            await self._redis.zrem(self.keys.workers, self.worker_id)  # unhealthy at once
-        await self._claims.hand_back(self._meta.values(), idle_ms=self.settings.claim_idle_ms)
-        self._meta.clear()
+        await self._guard.abandon()  # what that read brought in
         await self._answers.drain()  # the answers already computed
-        # Nothing is answered from here on: hand_back forgot every call still held.
+        # Nothing is answered from here on: abandon() forgot every call held.
         self._batcher.close()
         self._alone.close()
 
+    def _on_slow(self, call: Stamp) -> None:
+        """A model call runs long (on the loop, from the watchdog): its read-ahead goes back
+        (:meth:`Guard.release`; a generation worker keeps its few)."""
+        if not self._serving() or self._generation is not None:
+            return
+        task = self._guard.release(call)
+        if task is not None:
+            self._handing_back.add(task)
+            task.add_done_callback(self._handing_back.discard)
+
     async def _drain(self, reader: asyncio.Task[None]) -> None:
         if not reader.done():
-            await reader  # returns after its current read (at most one block interval)
+            # Shielded: cancelling the drain (the model hung) must not cut a read short,
+            # whose entries would then be this worker's without its knowing.
+            await asyncio.shield(reader)  # returns after its current read (one block interval)
         await self._alone.aclose(drain=True)
         await self._batcher.aclose(drain=True)
         await self._chunks.drain()
@@ -390,7 +431,9 @@ class Worker:
         await self._reader.run(self._space, self._stop)
 
     def _room(self) -> int:
-        """How many more entries the reader may bring in."""
+        """How many more entries the reader may bring in (none while a call runs long)."""
+        if not self._serving():
+            return 0
         return self._window - self._batcher.queue_size - self._prep.preparing
 
     async def _accept(self, entries: Entries, *, alone: bool = False) -> None:
@@ -434,16 +477,9 @@ class Worker:
 
     # -- running -------------------------------------------------------------------------------
 
-    def _guarded(self, fn: Callable[[], T]) -> T:
-        # Model calls are serialised (the batchers' lock): one stamp tells the watchdog.
-        self._model_since = time.monotonic()
-        try:
-            return fn()
-        finally:
-            self._model_since = None
-
     def _infer(self, batch: list[Prepared]) -> Any:
-        return self._guarded(lambda: self.model.infer([p.payload for p in batch]))
+        work = work_of(batch, pads=self._pads)
+        return self._guard.call(lambda: self.model.infer([p.payload for p in batch]), work)
 
     async def _before_batch(self, batch: list[Item]) -> None:
         if self._space is not None:

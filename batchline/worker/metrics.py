@@ -45,7 +45,8 @@ class Metrics:
             ("held", "Requests read and not yet answered"),
             ("batch_size_limit", "Batch size limit in force (chosen online with target_p99_ms)"),
             ("timeout_ms", "Wait for a batch to fill in force (ms)"),
-            ("healthy", "1 while serving, 0 once a model call ran past max_batch_ms"),
+            ("healthy", "1 while serving, 0 once a model call ran past its max_batch_ms bound"),
+            ("max_batch_ms", "Longest a model call like the recent ones may run (ms, 0: no bound)"),
         ):
             self._gauges[name] = Gauge(f"batchline_{name}", doc, registry=registry)
         for name in ONCE_COUNTERS:
@@ -91,6 +92,12 @@ class Metrics:
             gauge = self._gauges.get("cache_hit_rate" if name == "hit_rate" else f"once_{name}")
             if gauge is not None:
                 gauge.set(value)
+
+    def max_batch_ms(self, value: float) -> None:
+        """The bound of a model call in force (derived with ``max_batch_ms`` auto)."""
+        gauge = self._gauges.get("max_batch_ms")
+        if gauge is not None:
+            gauge.set(value)
 
     def unhealthy(self) -> None:
         if "healthy" in self._gauges:

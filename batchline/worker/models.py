@@ -67,6 +67,10 @@ class Model(Protocol):
     # requests of similar length is wasted work (a model without it is taken to pad).
     # Optional: ``preprocess_many(values)`` preprocesses one read's values at once, returning
     # per value its items or the exception that refuses it (the tokenizer models have it).
+    # Optional: ``example``, an input (not None) of which the worker times one full batch at
+    # start, before it reads anything: ``max_batch_ms`` auto then bounds even the first
+    # batch by the model's own speed (the text models have one; a module:callable model
+    # takes its function's ``example`` attribute).
 
     def load(self) -> None: ...
 
@@ -136,6 +140,12 @@ class _Tokenized:
 
     heavy_preprocess = True
     pads = True
+    #: The warm-up batch's text: a sentence of a common length (longer inputs scale the
+    #: bound up by their padded tokens).
+    example = (
+        "The worker times one full batch of this sentence when it starts, so that it knows "
+        "how long a batch of its model takes on this machine before the first request."
+    )
     _padding_sink: Callable[[int, int], None] | None = None
     tokenizer: Any
     max_length: int
@@ -409,6 +419,12 @@ class CallableModel:
 
     def preprocess(self, value: Any) -> list[Prepared]:
         return [Prepared(value, len(value) if isinstance(value, str | list) else 1)]
+
+    @property
+    def example(self) -> Any:
+        """The function's ``example`` attribute, if it has one: an input of which the worker
+        times a full batch at start (None: no warm-up batch)."""
+        return getattr(self.fn, "example", None)
 
     def infer(self, batch: list[Any]) -> Sequence[Any]:
         if self.fn is None:

@@ -134,6 +134,39 @@ class HeavyEcho(GatedModel):
         self.release.set()
 
 
+class HangsOn:
+    """A Model that echoes, except that a batch holding ``bad`` waits for ``release``
+    (bounded, so a failing test cannot hang it): a hang on one input, for workers in the test
+    process. It has an ``example``, so the worker times a warm-up batch when it starts;
+    ``threads`` names the thread each hanging batch ran on."""
+
+    heavy_preprocess = False
+    example = "warm-up"
+
+    def __init__(self, bad: str = "hang") -> None:
+        self.bad = bad
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.threads: list[str] = []
+
+    def load(self) -> None:
+        return None
+
+    def preprocess(self, value: Any) -> list[Prepared]:
+        return [Prepared(value)]
+
+    def infer(self, batch: list[Any]) -> Sequence[Any]:
+        if self.bad in batch:
+            self.threads.append(threading.current_thread().name)
+            self.entered.set()
+            if not self.release.wait(120):
+                raise TimeoutError("the test never opened the gate")
+        return list(batch)
+
+    def postprocess(self, outputs: list[Any], value: Any) -> Any:
+        return outputs[0]
+
+
 def abort(items: list[Any]) -> list[Any]:
     """Aborts its whole process (SIGABRT, as a crash in native code would) when a batch holds
     "abort"; echoes the rest."""
@@ -145,11 +178,14 @@ def abort(items: list[Any]) -> list[Any]:
 
 def hang(items: list[Any]) -> list[Any]:
     """Never returns (well, after ``BLTEST_HANG_S``, default 600 s) when a batch holds
-    "hang"; echoes the rest."""
+    "hang"; echoes the rest. Its ``example`` gives the worker a warm-up batch to time."""
     _record(items)
     if "hang" in items:
         time.sleep(float(os.environ.get("BLTEST_HANG_S", "600")))
     return items
+
+
+hang.example = "warm-up"  # type: ignore[attr-defined]
 
 
 def double_or_die(items: list[Any]) -> list[Any]:

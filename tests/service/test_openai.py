@@ -396,7 +396,11 @@ def test_a_stream_that_stalls_ends_with_an_error_event_and_is_cancelled(
     rclient: redis.Redis,
     gate: Any,
 ) -> None:
-    start_worker("generate", model_path=spec("tiny_llama_gated"), queue=gen_queue)
+    # A stall longer than the app's timeout and shorter than the worker's bound (the derived
+    # bound would take the stalled step for a hang after 5 s).
+    start_worker(
+        "generate", model_path=spec("tiny_llama_gated"), queue=gen_queue, max_batch_ms=60_000
+    )
     http = serve(make_app(timeout_s=8))  # ample for the first steps, then the model stalls
     gate.allow(3)  # the prefill and two decode steps, then no more
     body = {"model": gen_queue, "prompt": "abc", "max_tokens": 200, "stream": True}
