@@ -22,8 +22,10 @@ __all__ = [
 #: Temperatures below this decode greedily: logits / a tiny temperature overflow to inf and
 #: the softmax to NaN (1e-300 does), and sampling that sharp is greedy anyway (vLLM's rule).
 GREEDY_BELOW = 1e-5
-#: The largest seed: torch's generators keep a 64-bit unsigned seed. Negative seeds are
-#: refused (torch would take -1 as 2**64 - 1: two spellings of one seed).
+#: The seeds taken: torch's generators keep a 64-bit unsigned seed, and take a negative one
+#: modulo 2**64 (-1 as 2**64 - 1), so both a signed 64-bit seed (OpenAI's API) and an
+#: unsigned one are accepted.
+MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
 
 FinishReason = Literal["eos", "length", "stop", "cancelled", "deadline", "error"]
@@ -40,7 +42,7 @@ class GenerationParams:
         top_p: nucleus sampling mass, in (0, 1].
         top_k: sample among the k likeliest tokens; 0 for all.
         seed: seeds this request's own random generator (reproducible sampling), an integer
-            in 0..2**64 - 1 (:data:`MAX_SEED`), or None.
+            in -2**63..2**64 - 1 (a negative one taken modulo 2**64, as torch does), or None.
         stop: strings that end the generation; the text ends before the first one found.
     """
 
@@ -69,11 +71,11 @@ class GenerationParams:
         if self.seed is not None and (
             isinstance(self.seed, bool)
             or not isinstance(self.seed, int)
-            or not 0 <= self.seed <= MAX_SEED
+            or not MIN_SEED <= self.seed <= MAX_SEED
         ):
             shown = show_value(self.seed)
             raise BadGenerationParams(
-                f"seed must be an integer in 0..{MAX_SEED} or null, got {shown}"
+                f"seed must be an integer in {MIN_SEED}..{MAX_SEED} or null, got {shown}"
             )
         if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
             raise BadGenerationParams(

@@ -283,12 +283,26 @@ def test_a_tiny_temperature_decodes_greedily_instead_of_failing() -> None:
         assert seq.generated == alone(model, [5, 6, 7], 8)
 
 
-@pytest.mark.parametrize("seed", [-1, 2**64, -(2**63) - 1, 2**70])
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 2**70])
 def test_a_seed_torch_cannot_hold_is_refused_naming_seed(seed: int) -> None:
     with pytest.raises(
-        BadGenerationParams, match=r"seed must be an integer in 0\.\.18446744073709551615"
+        BadGenerationParams,
+        match=r"seed must be an integer in -9223372036854775808\.\.18446744073709551615",
     ):
         GenerationParams(seed=seed)
+
+
+def test_a_negative_seed_samples_as_torch_takes_it() -> None:
+    """Modulo 2**64: -1 and 2**64 - 1 are one seed to torch (OpenAI's seeds are signed)."""
+    engine = Engine(tiny_model("llama"))
+    seqs = [
+        request([5, 6], [], max_new_tokens=6, temperature=1.0, seed=seed)
+        for seed in (-1, 2**64 - 1)
+    ]
+    engine.step(seqs)
+    while engine.running:
+        engine.step([])
+    assert seqs[0].generated == seqs[1].generated
 
 
 def test_the_largest_seed_samples() -> None:

@@ -28,7 +28,7 @@ from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer, Handle, Producer
 from batchline.transport._once import cache_hash, input_hash
 
-from .conftest import RESULT_TIMEOUT_S, WorkerThread, wait_until
+from .conftest import RESULT_TIMEOUT_S, WorkerThread, admitted, wait_until
 from .models_for_tests import GatedModel
 from .test_protocol_doc import doc_block
 
@@ -273,6 +273,9 @@ async def test_a_forged_in_flight_mark_gets_the_coalesced_an_error_not_another_a
         assert victim.counts["coalesced"] == 1
         with_deadline = await victim.submit("the attacker's input", deadline_ms=600_000)
         assert victim.counts["queued"] == 1  # a request with a deadline is never coalesced
+        # Admitted (coalesced onto the running request) before that one ends: a mark that
+        # outlives its request's end is the forger's, which the strict rules forbid.
+        wait_until(lambda: admitted(thief, keys), "their admission")
         model.release.set()
         result = await victim.wait(mine, timeout_s=T)
         assert (result.status, result.error_type) == ("error", "CoalesceMismatch")

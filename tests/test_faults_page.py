@@ -1,0 +1,34 @@
+"""docs/faults.md states each guarantee with the test that proves it: every test it names
+exists, and every test module of the containment guarantees is named there."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PAGE = (REPO / "docs" / "faults.md").read_text(encoding="utf-8")
+
+
+def test_every_test_the_faults_page_names_exists() -> None:
+    named = set(re.findall(r"`(tests/[\w/]+\.py)(?:::(\w+))?`", PAGE))
+    assert named
+    for path, test in named:
+        source = (REPO / path).read_text(encoding="utf-8")
+        if test:
+            assert re.search(rf"^(async )?def {test}\(", source, re.M), f"{path}::{test}"
+
+
+def test_the_faults_page_names_the_tests_of_each_containment_guarantee() -> None:
+    for module in (
+        "tests/service/test_cut_short.py",
+        "tests/service/test_forgery.py",
+        "tests/service/test_containment.py",
+        "tests/service/test_watchdog.py",
+        "tests/generation/test_rows.py",
+        "tests/generation/test_engine.py",
+        "tests/service/test_body_limit.py",
+        "tests/service/test_openai_params.py",
+        "tests/service/test_flood.py",
+    ):
+        assert module in PAGE, module
