@@ -4,20 +4,29 @@
     python3 scripts/keda_sim.py                       # a private redis-server, ~1 minute
     python3 scripts/keda_sim.py --backlog 6000 --max-replicas 8
 
-A backlog is submitted to a fresh queue before any worker exists. Every poll (KEDA's
-pollingInterval, compressed to --poll-s), the script reads per work stream what KEDA's
-redis-streams triggers read (XINFO GROUPS ``lag`` for lagCount, XPENDING's count for
-pendingEntriesCount, consumer group ``batchline``), computes what KEDA + the HPA would ask
-for, and starts or stops (SIGTERM-like drain) in-process batchline workers to match:
+The queue's functions are loaded first, as a worker that ran before (and was scaled away)
+left them, so that producers append to the inbox (docs/protocol.md, Admission): a backlog is
+then submitted to a fresh queue while no worker runs, and waits in the inbox. Every poll
+(KEDA's pollingInterval, compressed to --poll-s), the script reads what KEDA's triggers
+read: the inbox's length for the redis trigger (LLEN; KEDA's script calls TYPE, then LLEN,
+and an absent key counts 0), and per work stream what the redis-streams triggers read
+(XINFO GROUPS ``lag`` for lagCount, XPENDING's count for pendingEntriesCount, consumer
+group ``batchline``). It computes what KEDA + the HPA would ask for, and starts or stops
+(SIGTERM-like drain) in-process batchline workers to match:
 
-- a trigger that cannot read its metric (no consumer group yet: no worker ever ran) fails,
-  and KEDA's ``fallback`` (failureThreshold polls) asks for ``fallback.replicas``;
-- active (any lag > activationLagCount, or any pending > 0): the HPA's
-  ``max over triggers of ceil(metric / target)``, within [1, maxReplicaCount], a scale-down
-  held back by the stabilization window (the highest recommendation within it);
+- a stream trigger cannot read its metric while the stream has no consumer group (no worker
+  ever ran): it fails. After failureThreshold polls KEDA gives it ``fallback.replicas`` as
+  its metric; before that the HPA scales up on the other metrics but not down. With no
+  trigger active, KEDA's ``fallback`` asks for ``fallback.replicas``;
+- active (inbox > activationListLength, any lag > activationLagCount, or any pending > 0):
+  KEDA scales from zero, and the HPA asks ``max over triggers of ceil(metric / target)``,
+  within [1, maxReplicaCount], a scale-down held back by the stabilization window (the
+  highest recommendation within it); both at once here (KEDA's step to 1 is skipped);
 - inactive for cooldownPeriod (compressed to --cooldown-s): 0 replicas.
 
-The targets are read from keda.yaml. The model is a stand-in with a fixed cost per item
+So the backlog in the inbox must scale the workers up from zero on the list trigger alone:
+the stream triggers cannot read anything before the first worker creates the group. The
+targets are read from keda.yaml. The model is a stand-in with a fixed cost per item
 (--item-ms), so that the drain takes a readable number of polls. It prints the table.
 """
 
@@ -37,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+import redis.asyncio
 import yaml
 from _harness import free_port
 from pydantic import SecretStr
@@ -47,6 +57,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's batchline, not another installe
 from batchline.config import WorkerSettings  # noqa: E402
 from batchline.keys import GROUP, QueueKeys  # noqa: E402
 from batchline.producer import Producer  # noqa: E402
+from batchline.transport._functions import load_library  # noqa: E402
 from batchline.worker import Worker  # noqa: E402
 
 COST_S = {"item": 0.01}  # the stand-in model's cost per item (--item-ms)
@@ -73,7 +84,10 @@ def policy() -> dict[str, Any]:
         for t in spec["triggers"]
         if "pendingEntriesCount" in t["metadata"]
     }
+    (inbox,) = [t["metadata"] for t in spec["triggers"] if "listName" in t["metadata"]]
     return {
+        "list_target": int(inbox["listLength"]),
+        "list_activation": int(inbox.get("activationListLength", 0)),
         "lag_target": {s: int(m["lagCount"]) for s, m in lag.items()},
         "activation": {s: int(m.get("activationLagCount", 0)) for s, m in lag.items()},
         "pending_target": {s: int(m["pendingEntriesCount"]) for s, m in pending.items()},
@@ -83,7 +97,12 @@ def policy() -> dict[str, Any]:
     }
 
 
-def read_metrics(client: redis.Redis, streams: list[str]) -> dict[str, tuple[Any, int]] | None:
+def read_inbox(client: redis.Redis, inbox: str) -> int:
+    """The inbox's length as KEDA's redis trigger reads it (0 while the key is absent)."""
+    return int(client.llen(inbox))
+
+
+def read_streams(client: redis.Redis, streams: list[str]) -> dict[str, tuple[Any, int]] | None:
     """Per stream (lag, pending) as KEDA reads them; None where a read fails (no group)."""
     out = {}
     for stream in streams:
@@ -169,9 +188,11 @@ def main() -> int:
             if time.monotonic() > deadline:
                 raise TimeoutError("redis-server did not start")
             time.sleep(0.1)
+        if not asyncio.run(_load_functions(redis_url)):
+            raise SystemExit("the queue's functions could not be loaded: Redis >= 7 needed")
         with Producer(redis_url=redis_url, queue=queue) as producer:
             handles = [producer.submit(i) for i in range(args.backlog)]
-            simulate(client, pool, rules, names, args)
+            simulate(client, pool, rules, keys.inbox, names, args)
             results = [producer.result(h, timeout_s=60) for h in handles]
         if results != list(range(args.backlog)):
             raise AssertionError("a request was lost or answered wrong")
@@ -200,6 +221,15 @@ def _private_redis(directory: str) -> tuple[subprocess.Popen[bytes], str]:
     return server, f"redis://127.0.0.1:{port}/0"
 
 
+async def _load_functions(redis_url: str) -> bool:
+    """Load the queue's functions as a worker does at start (False on Redis < 7)."""
+    client = redis.asyncio.Redis.from_url(redis_url)
+    try:
+        return await load_library(client)
+    finally:
+        await client.aclose()
+
+
 def _ping(client: redis.Redis) -> bool:
     try:
         return bool(client.ping())
@@ -226,56 +256,73 @@ class _Scaler:
     def __post_init__(self) -> None:
         self.last_active = self.started
 
-    def on_error(self, running: int) -> tuple[int, str]:
-        """A trigger could not read its metric: KEDA's fallback after failureThreshold polls."""
-        self.failures += 1
-        desired = self.fallback if self.failures >= self.threshold else running
-        note = f"no consumer group: scaler error {self.failures}" + (
-            f", fallback {self.fallback}" if self.failures >= self.threshold else ""
-        )
-        return desired, note
-
-    def on_metrics(
-        self, now: float, metrics: dict[str, tuple[Any, int]], running: int
+    def decide(
+        self, now: float, inbox: int, streams: dict[str, tuple[Any, int]] | None, running: int
     ) -> tuple[int, str]:
-        """The replicas asked for, and a note, given each stream's (lag, pending)."""
+        """The replicas asked for, and a note, given the inbox's length and each stream's
+        (lag, pending), or None where the stream triggers failed (no consumer group)."""
         rules, names = self.rules, self.names
-        self.failures = 0
-        note = ""
-        if any(lag is None for lag, _ in metrics.values()):
-            note = "lag null (Redis cannot count it)"
-        active = any(
-            int(lag or 0) > rules["activation"][names[s]] or pending > 0
-            for s, (lag, pending) in metrics.items()
-        )
+        notes = []
+        on_inbox = inbox > rules["list_activation"]
+        active = on_inbox
+        asks = [math.ceil(inbox / rules["list_target"])]
+        if streams is None:
+            self.failures += 1
+            notes.append(f"no consumer group: scaler error {self.failures}")
+            if self.failures >= self.threshold:
+                notes[-1] += f", fallback {self.fallback}"
+                asks.append(self.fallback)  # KEDA's metric for the failing triggers
+        else:
+            self.failures = 0
+            if any(lag is None for lag, _ in streams.values()):
+                notes.append("lag null (Redis cannot count it)")
+            active = active or any(
+                int(lag or 0) > rules["activation"][names[s]] or pending > 0
+                for s, (lag, pending) in streams.items()
+            )
+            asks += [
+                math.ceil(int(lag or 0) / rules["lag_target"][names[s]])
+                for s, (lag, _) in streams.items()
+            ]
+            asks += [
+                math.ceil(p / rules["pending_target"][names[s]]) for s, (_, p) in streams.items()
+            ]
         # The HPA (min 1 while KEDA keeps the target scaled) computes all along; KEDA
         # itself takes the target to 0 once no trigger was active for cooldownPeriod.
-        asks = [
-            math.ceil(int(lag or 0) / rules["lag_target"][names[s]])
-            for s, (lag, _) in metrics.items()
-        ]
-        asks += [math.ceil(p / rules["pending_target"][names[s]]) for s, (_, p) in metrics.items()]
         recommendation = min(max(*asks, 1), rules["max"])
         self.recent.append((now, recommendation))
         while self.recent and self.recent[0][0] < now - self.stabilization_s:
             self.recent.popleft()
         # Scale up at once; scale down to the highest recommendation in the window.
         desired = max(recommendation, min(max(r for _, r in self.recent), running))
+        if streams is None and self.failures < self.threshold:
+            desired = max(desired, running)  # a metric missing: the HPA does not scale down
         if active:
+            if running == 0:
+                trigger = (
+                    f"inbox {inbox} > activationListLength {rules['list_activation']}"
+                    if on_inbox
+                    else "the work streams"
+                )
+                notes.insert(0, f"scale from zero on {trigger}")
             self.last_active = now
+        elif streams is None:
+            # No trigger active, one failing: KEDA's fallback, after failureThreshold polls.
+            desired = self.fallback if self.failures >= self.threshold else running
         elif now - self.last_active >= self.cooldown_s or not (self.was_active or running):
             desired = 0
-            note = note or "idle past cooldownPeriod: scale to zero"
+            notes.append("idle past cooldownPeriod: scale to zero")
         else:
-            note = note or "idle, within cooldownPeriod"
+            notes.append("idle, within cooldownPeriod")
         self.was_active = self.was_active or active
-        return desired, note
+        return desired, "; ".join(notes)
 
 
 def simulate(
     client: redis.Redis,
     pool: Pool,
     rules: dict[str, Any],
+    inbox: str,
     names: dict[str, str],
     args: argparse.Namespace,
 ) -> None:
@@ -283,12 +330,12 @@ def simulate(
     fallback = int(rules["fallback"].get("replicas", 0))
     threshold = int(rules["fallback"].get("failureThreshold", 3))
     print(
-        f"backlog of {args.backlog} requests; targets lagCount "
-        f"{sorted(set(rules['lag_target'].values()))}, pendingEntriesCount "
+        f"backlog of {args.backlog} requests; targets listLength [{rules['list_target']}], "
+        f"lagCount {sorted(set(rules['lag_target'].values()))}, pendingEntriesCount "
         f"{sorted(set(rules['pending_target'].values()))}, max {rules['max']} replicas, "
         f"fallback {fallback}; {args.item_ms} ms per item, batch {args.batch_size}"
     )
-    print(f"{'t_s':>5} {'lag':>6} {'pending':>7} {'desired':>7} {'running':>7}  note")
+    print(f"{'t_s':>5} {'inbox':>6} {'lag':>6} {'pending':>7} {'desired':>7} {'running':>7}  note")
     started = time.monotonic()
     scaler = _Scaler(
         rules, names, fallback, threshold, args.stabilization_s, args.cooldown_s, started
@@ -297,22 +344,21 @@ def simulate(
         now = time.monotonic()
         if now - started > args.timeout_s:
             raise TimeoutError("the queue did not drain and scale to zero in time")
-        metrics = read_metrics(client, list(names))
+        waiting = read_inbox(client, inbox)
+        streams = read_streams(client, list(names))
         lag_total: Any = "-"
         pending_total: Any = "-"
-        if metrics is None:
-            desired, note = scaler.on_error(len(pool))
-        else:
-            lag_total = sum(int(lag or 0) for lag, _ in metrics.values())
-            pending_total = sum(p for _, p in metrics.values())
-            desired, note = scaler.on_metrics(now, metrics, len(pool))
+        if streams is not None:
+            lag_total = sum(int(lag or 0) for lag, _ in streams.values())
+            pending_total = sum(p for _, p in streams.values())
+        desired, note = scaler.decide(now, waiting, streams, len(pool))
         pool.scale(desired)
         print(
-            f"{now - started:5.1f} {lag_total!s:>6} {pending_total!s:>7} {desired:>7} "
-            f"{len(pool):>7}  {note}".rstrip(),
+            f"{now - started:5.1f} {waiting:>6} {lag_total!s:>6} {pending_total!s:>7} "
+            f"{desired:>7} {len(pool):>7}  {note}".rstrip(),
             flush=True,
         )
-        if scaler.was_active and desired == 0 and metrics is not None:
+        if scaler.was_active and desired == 0 and streams is not None:
             return
         time.sleep(args.poll_s)
 

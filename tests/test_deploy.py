@@ -1,6 +1,6 @@
 """deploy/kubernetes: the core objects validate against Kubernetes' schemas (kubernetes-validate),
 KEDA's objects against the documented fields (deploy/kubernetes/keda-schema.json), and the
-manifests agree with batchline: probes, grace period, streams, consumer group, targets.
+manifests agree with batchline: probes, grace period, inbox, streams, consumer group, targets.
 """
 
 from __future__ import annotations
@@ -56,63 +56,98 @@ def test_a_wrong_field_fails_validation() -> None:
 
 
 # One ScaledObject per Redis topology (apply one of them): keda.yaml for one Redis server,
-# keda-cluster.yaml for a Redis Cluster; each with its TriggerAuthentication.
-SCALED = {"redis-streams": "batchline-worker", "redis-cluster-streams": "batchline-worker-cluster"}
-CONNECTION = {"address", "addresses"}  # where the two differ, besides the trigger's type
+# keda-cluster.yaml for a Redis Cluster; each with its TriggerAuthentication. Each has KEDA's
+# list trigger on the inbox and its streams triggers on the work streams, of its topology.
+SINGLE, CLUSTER = "batchline-worker", "batchline-worker-cluster"
+TYPES = {SINGLE: ("redis", "redis-streams"), CLUSTER: ("redis-cluster", "redis-cluster-streams")}
+CONNECTION = {"address", "addresses"}  # where the two differ, besides the triggers' types
+
+
+def schema() -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads((DEPLOY / "keda-schema.json").read_text())
+    return loaded
+
+
+def copy(obj: dict[str, Any]) -> dict[str, Any]:
+    copied: dict[str, Any] = json.loads(json.dumps(obj))
+    return copied
+
+
+def refused(obj: dict[str, Any]) -> bool:
+    try:
+        jsonschema.validate(obj, schema())
+    except jsonschema.ValidationError:
+        return True
+    return False
 
 
 def test_keda_objects_match_the_documented_schema() -> None:
-    schema = json.loads((DEPLOY / "keda-schema.json").read_text())
     keda = [o for o in objects() if o["apiVersion"].startswith("keda.sh/")]
     assert sorted(o["kind"] for o in keda) == ["ScaledObject"] * 2 + ["TriggerAuthentication"] * 2
     for obj in keda:
-        jsonschema.validate(obj, schema)
-    for kind, name in SCALED.items():
+        jsonschema.validate(obj, schema())
+    for name, (list_type, streams_type) in TYPES.items():
         scaled = one("ScaledObject", name)
-        assert {t["type"] for t in scaled["spec"]["triggers"]} == {kind}
-        bad = json.loads(json.dumps(scaled))
-        bad["spec"]["triggers"][0]["metadata"]["lagCount"] = 256  # KEDA wants strings
-        with pytest.raises(jsonschema.ValidationError):
-            jsonschema.validate(bad, schema)
+        types = [t["type"] for t in scaled["spec"]["triggers"]]
+        assert types.count(list_type) == 1, types  # one trigger on the inbox
+        assert set(types) == {list_type, streams_type}, types
+        for field in ("listLength", "lagCount", "pendingEntriesCount"):
+            bad = copy(scaled)
+            (meta, *_) = [t["metadata"] for t in bad["spec"]["triggers"] if field in t["metadata"]]
+            meta[field] = int(meta[field])  # KEDA wants strings
+            assert refused(bad), (name, field)
 
 
-def test_each_stream_trigger_takes_only_its_own_connection_fields() -> None:
-    """redis-streams names one server (``address``); redis-cluster-streams the cluster's nodes
-    (``addresses``, host:port, comma-separated): the schema refuses one in the other's place."""
-    schema = json.loads((DEPLOY / "keda-schema.json").read_text())
-    single = one("ScaledObject", SCALED["redis-streams"])
-    cluster = one("ScaledObject", SCALED["redis-cluster-streams"])
-    assert all("addresses" in t["metadata"] for t in cluster["spec"]["triggers"])
-    for obj, field, value in [
-        (single, "addresses", "redis:6379"),
-        (cluster, "address", "redis:6379"),
-        (cluster, "addresses", "node-0 node-1"),  # not host:port
-    ]:
-        bad = json.loads(json.dumps(obj))
-        meta = bad["spec"]["triggers"][0]["metadata"]
-        meta.pop("address", None)
-        meta.pop("addresses", None)
-        meta[field] = value
-        with pytest.raises(jsonschema.ValidationError):
-            jsonschema.validate(bad, schema)
+@pytest.mark.parametrize("name", [SINGLE, CLUSTER])
+def test_each_trigger_takes_only_its_own_fields(name: str) -> None:
+    """redis and redis-streams name one server (``address``); redis-cluster and
+    redis-cluster-streams the cluster's nodes (``addresses``, host:port, comma-separated): the
+    schema refuses one in the other's place, and a list trigger's field on a stream trigger or
+    the reverse."""
+    scaled = one("ScaledObject", name)
+    triggers = scaled["spec"]["triggers"]
+    wanted, other = ("address", "addresses") if name == SINGLE else ("addresses", "address")
+    assert all(wanted in t["metadata"] and other not in t["metadata"] for t in triggers)
+    for index, trigger in enumerate(triggers):
+        listing = "listName" in trigger["metadata"]
+        changes: list[dict[str, str | None]] = [
+            {wanted: None, other: "redis:6379"},  # the other topology's connection field
+            {"lagCount": "256"} if listing else {"listLength": "256"},  # the other scaler's
+            {"listName": None} if listing else {"stream": None},  # what it must name
+        ]
+        if name == CLUSTER:
+            changes.append({"addresses": "node-0 node-1"})  # not host:port
+        for change in changes:
+            bad = copy(scaled)
+            meta = bad["spec"]["triggers"][index]["metadata"]
+            for field, value in change.items():
+                if value is None:
+                    del meta[field]
+                else:
+                    meta[field] = value
+            assert refused(bad), (trigger["type"], change)
 
 
 def test_the_cluster_scaled_object_scales_as_the_single_server_one() -> None:
-    """The same targets, limits and behaviour; only the trigger type and its connection differ."""
+    """The same targets, limits and behaviour; only the triggers' types and their connection
+    differ."""
 
     def policy(name: str) -> dict[str, Any]:
-        spec = json.loads(json.dumps(one("ScaledObject", name)["spec"]))
+        spec = copy(one("ScaledObject", name)["spec"])
         for trigger in spec["triggers"]:
-            del trigger["type"], trigger["authenticationRef"]
+            trigger["type"] = TYPES[name].index(trigger["type"])  # list 0, streams 1
+            del trigger["authenticationRef"]
             for field in CONNECTION:
                 trigger["metadata"].pop(field, None)
         return spec
 
-    assert policy(SCALED["redis-cluster-streams"]) == policy(SCALED["redis-streams"])
+    assert policy(CLUSTER) == policy(SINGLE)
 
 
-@pytest.mark.parametrize("name", sorted(SCALED.values()))
-def test_the_scaled_object_watches_every_work_stream_of_the_queue(name: str) -> None:
+@pytest.mark.parametrize("name", [SINGLE, CLUSTER])
+def test_the_scaled_object_watches_the_inbox_and_every_work_stream_of_the_queue(
+    name: str,
+) -> None:
     worker = one("Deployment", "batchline-worker")
     env = {e["name"]: e for e in worker["spec"]["template"]["spec"]["containers"][0]["env"]}
     keys = QueueKeys(env["BATCHLINE_QUEUE"]["value"])
@@ -120,7 +155,7 @@ def test_the_scaled_object_watches_every_work_stream_of_the_queue(name: str) -> 
     assert scaled["scaleTargetRef"]["name"] == worker["metadata"]["name"]
     assert scaled["minReplicaCount"] == 0  # an idle queue scales to zero
     auths = {o["metadata"]["name"]: o for o in objects() if o["kind"] == "TriggerAuthentication"}
-    lag, pending = {}, {}
+    lists, lag, pending = {}, {}, {}
     for trigger in scaled["triggers"]:
         meta = trigger["metadata"]
         auth = auths[trigger["authenticationRef"]["name"]]
@@ -128,13 +163,21 @@ def test_the_scaled_object_watches_every_work_stream_of_the_queue(name: str) -> 
         for parameter in ("username", "password"):  # the ACL user of secret.yaml
             assert (parameter, "batchline-redis", parameter) in secrets
             assert parameter in one("Secret", "batchline-redis")["stringData"]
+        if "listName" in meta:
+            # Requests wait in the inbox while no worker runs: one starts a worker from zero.
+            assert meta["activationListLength"] == "0"
+            lists[meta["listName"]] = int(meta["listLength"])
+            continue
         assert meta["consumerGroup"] == GROUP
         if "lagCount" in meta:
             assert meta["activationLagCount"] == "0"  # one unread entry starts a worker
             lag[meta["stream"]] = int(meta["lagCount"])
         else:
             pending[meta["stream"]] = int(meta["pendingEntriesCount"])
+    assert list(lists) == [keys.inbox]
     assert sorted(lag) == sorted(pending) == sorted(keys.streams)
+    # A backlog asks for as many workers in the inbox as once admitted, in the lag.
+    assert set(lists.values()) == set(lag.values()), (lists, lag)
     # Work a worker holds (read ahead + the batch in the model) must not ask for another
     # worker by itself, or pending alone would scale up without end.
     settings = WorkerSettings()

@@ -7,7 +7,9 @@ read yet, ``pending`` those read and not acknowledged (a worker reads ahead up t
 ``read_ahead`` x ``batch_size`` entries, so work a worker holds is pending, not lag).
 ``backlog`` is their sum, the work left. Redis (>= 7) reports ``lag`` as null when it cannot
 tell (entries deleted between the group's last delivered id and the stream's end, e.g. by
-XDEL or XTRIM); ``backlog`` is null then too.
+XDEL or XTRIM); ``backlog`` is null then too. ``inbox`` counts what producers enqueued
+through the functions and no worker has admitted yet (the inbox and the admission list);
+KEDA's ``redis`` trigger reads the inbox's length, which scales the workers from zero.
 """
 
 from __future__ import annotations

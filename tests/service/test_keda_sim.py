@@ -1,5 +1,6 @@
 """scripts/keda_sim.py: deploy/kubernetes/keda.yaml's policy, replayed against a real Redis and
-real workers, scales a backlog up and an idle queue back to zero, losing nothing."""
+real workers, scales a backlog waiting in the inbox up from zero, and an idle queue back to
+zero, losing nothing."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ import redis
 from .conftest import REPO, subprocess_env
 
 
-def test_a_backlog_scales_workers_up_and_the_idle_queue_back_to_zero(
+def test_a_backlog_in_the_inbox_scales_workers_up_from_zero_and_back_to_zero(
     redis_url: str, rclient: redis.Redis
 ) -> None:
     version = str(rclient.info("server")["redis_version"])
     if int(version.split(".", maxsplit=1)[0]) < 7:
-        pytest.skip(f"consumer-group lag needs Redis >= 7 (this is {version})")
+        pytest.skip(f"the lag and the queue's functions need Redis >= 7 (this is {version})")
     args = ["--redis-url", redis_url, "--backlog", "1500", "--item-ms", "4"]
     args += ["--poll-s", "0.5", "--cooldown-s", "2", "--stabilization-s", "1"]
     done = subprocess.run(
@@ -30,9 +31,16 @@ def test_a_backlog_scales_workers_up_and_the_idle_queue_back_to_zero(
     )
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [line.split() for line in done.stdout.splitlines() if line[:5].strip()[:1].isdigit()]
-    running = [int(row[4]) for row in rows]
-    assert "no consumer group" in done.stdout  # before the first worker: KEDA's fallback
-    assert max(running) > 1, done.stdout  # the backlog scaled up
+    # t_s inbox lag pending desired running [note]
+    running = [int(row[5]) for row in rows]
+    # The functions loaded, the backlog waits in the inbox, where no stream trigger sees it:
+    # the list trigger alone scales from zero (the stream triggers fail: no consumer group).
+    first = rows[0]
+    assert first[1:4] == ["1500", "-", "-"], done.stdout
+    assert int(first[5]) > 1, done.stdout  # straight to the backlog's workers
+    assert " ".join(first[6:]).startswith("scale from zero on inbox 1500"), done.stdout
+    assert "no consumer group: scaler error 1" in " ".join(first[6:]), done.stdout
+    assert not any("fallback" in " ".join(row[6:]) for row in rows), done.stdout  # not needed
     assert running[-1] == 0, done.stdout  # the idle queue scaled to zero
-    assert rows[-1][1:3] == ["0", "0"], done.stdout  # with no lag and nothing pending
+    assert rows[-1][1:4] == ["0", "0", "0"], done.stdout  # inbox empty, no lag, none pending
     assert "all 1500 requests answered" in done.stdout
