@@ -234,3 +234,22 @@ def test_hostile_memory_short_run_keeps_answering() -> None:
     assert "cancel stream: 5,000 x 4096 B junk ids + 5,000 valid" in out
     assert "work stream: 2 x 50 MiB entries" in out
     assert "answered throughout: True" in out
+
+
+def test_bench_admission_smoke() -> None:
+    """A few requests each way: it runs, alternates the two ways and prints their ratios."""
+    if not Path("/usr/bin/redis-server").exists():
+        pytest.skip("needs Debian's redis-server (7): the functions")
+    argv = ["--requests", "300", "--inflight", "100", "--idle", "20", "--repeats", "2"]
+    out = subprocess.run(
+        [sys.executable, "scripts/bench_admission.py", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env=os.environ | {"PYTHONPATH": str(REPO)},
+    ).stdout
+    assert "2 interleaved repeats" in out, out
+    for figure in ("requests/s", "idle p50 ms", "redis CPU µs/request"):
+        assert re.search(rf"^{re.escape(figure)} .* ([0-9.]+|-)$", out, re.M), out

@@ -154,7 +154,9 @@ local function admit(keys, args)
       return
     end
     local h = input_hash(meta, blob)
-    local kind, a, b, c = decide(id, h, dl, true)
+    -- No claim (SET NX) first: the call is atomic, and a new id's rid: key is written once,
+    -- naming its entry, below.
+    local kind, a, b, _, c = decide(id, h, dl, false)
     if kind ~= 'new' then
       settle(kind, id, reply, h, a, b)
       if reply == '' then return end
