@@ -11,7 +11,8 @@ admitter calls it again at once while the inbox holds more. The entries it adds 
 readers of every worker (``XREADGROUP BLOCK``) like any entry.
 
 A failover to a node without the library (or a ``FUNCTION FLUSH``) shows as a missing
-function: the admitter loads it again. Redis failures are ridden out with a back-off;
+function: the admitter loads it again (it calls the admit function at least once a second,
+so it finds out even while producers, refused, add nothing). Redis failures are ridden out with a back-off;
 nothing leaves the inbox but inside the admit function, so nothing is lost meanwhile.
 """
 
@@ -100,11 +101,12 @@ class Admitter:
         while running():
             try:
                 if not left:
-                    moved = await self._client.blmove(
+                    # Nothing moved within _BLOCK_S: admit all the same (nothing, at the
+                    # cost of one call a second), which finds a library gone (a failover to
+                    # a node without it, a FUNCTION FLUSH) while producers cannot enqueue.
+                    await self._client.blmove(
                         self.keys.inbox, self.keys.admitting, _BLOCK_S, "LEFT", "RIGHT"
                     )
-                    if moved is None:
-                        continue
                 left = await self.admit()
             except ResponseError as exc:
                 if function_missing(exc):
