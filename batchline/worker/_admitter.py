@@ -12,8 +12,9 @@ readers of every worker (``XREADGROUP BLOCK``) like any entry.
 
 A failover to a node without the library (or a ``FUNCTION FLUSH``) shows as a missing
 function: the admitter loads it again (it calls the admit function at least once a second,
-so it finds out even while producers, refused, add nothing). Redis failures are ridden out with a back-off;
-nothing leaves the inbox but inside the admit function, so nothing is lost meanwhile.
+so it finds out even while producers, refused, add nothing). Redis failures are ridden out
+with a back-off; nothing leaves the inbox but inside the admit function, so nothing is lost
+meanwhile.
 """
 
 from __future__ import annotations
