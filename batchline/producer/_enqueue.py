@@ -72,18 +72,23 @@ class Enqueuer:
         self.settings = settings
         keys = settings.keys
         self._redis = redis
-        self._writer = writer_for(redis)  # the writes' own connection
+        # The writes' own connection (on a cluster with durability replicated, to the node
+        # that holds the queue: WAIT counts the writes of its own connection).
+        replicated = settings.durability == "replicated"
+        self._writer = writer_for(redis, pin=keys.inbox if replicated else None)
         self._waiting = waiting
         self._counts = counts
         self._limits = settings.limits()
         self._admission = admission
         self._replication = Replication.of(settings)
-        # Through Sentinel a lost connection is most likely a failover: a write it cut (or
-        # refused, no primary named yet) goes again, for up to redis_wait_s; the same ids
-        # make that safe (a request queued by the first try is attached, not queued twice).
-        self._failover_s = (
-            settings.redis_wait_s if is_sentinel_url(settings.redis_url.get_secret_value()) else 0
+        # Through Sentinel or on a cluster a lost connection is most likely a failover: a
+        # write it cut (or refused, no primary yet) goes again, for up to redis_wait_s; the
+        # same ids make that safe (a request queued by the first try is attached, not queued
+        # twice).
+        fails_over = settings.redis_cluster or is_sentinel_url(
+            settings.redis_url.get_secret_value()
         )
+        self._failover_s = settings.redis_wait_s if fails_over else 0
         self._keys = once_keys(keys)
         self._outbox: Outbox[_Pending] = Outbox(
             self._flush, max_batch=settings.submit_batch, abandon=self._abandon, name=name

@@ -16,8 +16,6 @@ reaches the caller as it is.
 
 from __future__ import annotations
 
-import re
-
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import SentinelConnectionPool
@@ -38,15 +36,9 @@ from batchline.errors import (
     RequestTimeout,
     ServiceUnavailable,
 )
-from batchline.transport._redis import RedisClient, dedicated
+from batchline.transport._redis import PASSING, RedisClient, dedicated, pinned
 
 __all__ = ["Failed", "connected", "refused", "translate", "uncertain", "writer_for"]
-
-# Error codes of a state Redis leaves by itself (or after an operator's fix); inside a
-# script's error they follow a '-' ("... @user_script: 13: -OOM command not allowed ...").
-_PASSING = re.compile(
-    r"(?:^|-)(OOM|LOADING|READONLY|MASTERDOWN|MISCONF|BUSY|NOREPLICAS|TRYAGAIN|CLUSTERDOWN)\b"
-)
 
 
 def refused(exc: BaseException) -> ServiceUnavailable | None:
@@ -56,7 +48,7 @@ def refused(exc: BaseException) -> ServiceUnavailable | None:
     if isinstance(exc, BusyLoadingError | ReadOnlyError):
         return ServiceUnavailable(f"Redis cannot take writes now: {exc}; nothing was queued")
     if isinstance(exc, ResponseError):
-        match = _PASSING.search(str(exc))
+        match = PASSING.search(str(exc))
         if match is None:
             return None
         what = "out of memory (maxmemory)" if match[1] == "OOM" else f"refusing writes ({match[1]})"
@@ -101,12 +93,12 @@ class Failed(Exception):
         self.errors = errors
 
 
-def writer_for(client: RedisClient) -> RedisClient:
+def writer_for(client: RedisClient, *, pin: str | None = None) -> RedisClient:
     """The writer's own client: one connection, in a pool of its own, on which redis-py never
     sends a command again by itself after a lost connection (it would queue a request twice,
     unknown to anyone). A cluster client (or anything else) is used as it is."""
-    if type(client) is not Redis:
-        return dedicated(client)
+    if type(client) is not Redis:  # a cluster: pinned to the node of ``pin`` if given
+        return pinned(client, pin) if pin is not None else dedicated(client)
     pool = client.connection_pool
     kwargs = {**pool.connection_kwargs, "retry": Retry(NoBackoff(), 0)}
     own: ConnectionPool

@@ -5,14 +5,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeAlias, TypeVar
 
-from redis.asyncio import Redis, RedisCluster
+from redis.asyncio import ConnectionPool, Redis, RedisCluster
 from redis.asyncio.sentinel import MasterNotFoundError, SentinelConnectionPool
+from redis.exceptions import (
+    AskError,
+    MovedError,
+    NoScriptError,
+    OutOfMemoryError,
+    RedisError,
+    ResponseError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, OutOfMemoryError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from batchline.config import ServiceSettings, redact_url
@@ -27,6 +35,8 @@ __all__ = [
     "connect",
     "dedicated",
     "own_connection",
+    "passing",
+    "pinned",
     "wait_for_redis",
 ]
 
@@ -38,6 +48,20 @@ T = TypeVar("T")
 #: mypy: redis-py types each command as returning ``Awaitable[T] | T`` for its sync and
 #: async clients at once, which no ``await`` type-checks.
 RedisClient: TypeAlias = Any
+
+
+# Error codes of a state Redis leaves by itself (or after an operator's fix, or a failover);
+# inside a script's error they follow a '-' ("... @user_script: 13: -OOM command not ...").
+PASSING = re.compile(
+    r"(?:^|-)(OOM|LOADING|READONLY|MASTERDOWN|MISCONF|BUSY|NOREPLICAS|TRYAGAIN|CLUSTERDOWN)\b"
+)
+
+
+def passing(exc: BaseException) -> bool:
+    """Whether ``exc`` is a state Redis leaves by itself: a loop waits and tries again."""
+    return isinstance(exc, OutOfMemoryError) or (
+        isinstance(exc, ResponseError) and PASSING.search(str(exc)) is not None
+    )
 
 
 class RedisUnreachable(BatchlineError, ConnectionError):
@@ -103,13 +127,87 @@ def dedicated(client: RedisClient) -> RedisClient:
 
     A cluster client (or anything else) is returned as it is: it routes per key.
     """
-    if isinstance(client.connection_pool, SentinelConnectionPool):
+    if isinstance(getattr(client, "connection_pool", None), SentinelConnectionPool):
         return _SentinelDedicated(
             connection_pool=client.connection_pool, single_connection_client=True
         )
     if type(client) is Redis:
         return Redis(connection_pool=client.connection_pool, single_connection_client=True)
     return client
+
+
+def pinned(client: RedisClient, key: str) -> RedisClient:
+    """One connection for a loop of writes whose last command is ``WAIT`` (durability
+    ``replicated``: WAIT counts the writes made on its own connection): ``client``'s
+    :func:`dedicated` connection, or, on a Redis Cluster, one connection to the node that
+    holds ``key``'s slot, found again after a failover or a move."""
+    if isinstance(client, RedisCluster):
+        return _Pinned(client, key)
+    return dedicated(client)
+
+
+class _Pinned:
+    """A single-connection client of the cluster node holding one key (see :func:`pinned`):
+    it stands for a ``Redis`` client; a call that fails for a lost connection or a moved
+    slot raises as usual, and the next finds the node again."""
+
+    def __init__(self, cluster: RedisCluster, key: str) -> None:
+        self._cluster = cluster
+        self._key = key
+        self._client: Redis | None = None
+
+    async def _node_client(self) -> Redis:
+        if self._client is None:
+            await self._cluster.initialize()
+            node = self._cluster.get_node_from_key(self._key)
+            if node is None:
+                raise RedisConnectionError(f"no node of the cluster holds {self._key!r}")
+            # Two: the single connection of the writes and WAIT, and one for a pipeline.
+            pool = ConnectionPool(
+                connection_class=node.connection_class, max_connections=2, **node.connection_kwargs
+            )
+            self._client = Redis(connection_pool=pool, single_connection_client=True)
+        return self._client
+
+    async def aclose(self) -> None:
+        """Close the connection (the cluster client is the caller's)."""
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+            await client.connection_pool.disconnect()
+
+    @property
+    def connection_pool(self) -> Any:
+        """The connection's pool (closed with :meth:`aclose`; a stand-in before the first
+        call and after closing)."""
+        return self._client.connection_pool if self._client is not None else _NoPool()
+
+    async def _stale(self) -> None:
+        await self.aclose()
+        await self._cluster.nodes_manager.initialize()
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "pipeline":  # after a call: on the node that call found
+            if self._client is None:
+                raise RedisConnectionError(f"no connection to the node of {self._key!r} yet")
+            return self._client.pipeline
+        if not callable(getattr(Redis, name, None)):
+            raise AttributeError(name)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            client = await self._node_client()
+            try:
+                return await getattr(client, name)(*args, **kwargs)
+            except (RedisConnectionError, RedisTimeoutError, MovedError, AskError):
+                await self._stale()
+                raise
+
+        return call
+
+
+class _NoPool:
+    async def disconnect(self) -> None:
+        return None
 
 
 class _SentinelDedicated(Redis):
@@ -178,9 +276,7 @@ class Backoff:
                     raise
                 error: BaseException = exc
             except ResponseError as exc:
-                text = str(exc)
-                passing = isinstance(exc, OutOfMemoryError) or "LOADING" in text or "OOM" in text
-                if not passing or waited_s >= budget_s:
+                if not passing(exc) or waited_s >= budget_s:
                     raise
                 error = exc
             else:

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from redis.exceptions import RedisError, ResponseError
 
-from batchline.transport._redis import Backoff, RedisClient, own_connection
+from batchline.transport._redis import Backoff, RedisClient, own_connection, passing
 from batchline.transport.keys import GROUP
 from batchline.worker._consumers import ensure_groups
 from batchline.worker._readcap import Entry, ReadCap
@@ -77,6 +77,9 @@ class Reader:
                     GROUP, self._worker_id, streams, count=per_stream, block=1000
                 )
             except ResponseError as exc:
+                if passing(exc):  # a failover, a restart under way: wait and try again
+                    await backoff.wait(exc)
+                    continue
                 if "NOGROUP" not in str(exc):
                     raise
                 logger.warning("consumer group missing (Redis lost its data?); creating it again")

