@@ -64,6 +64,7 @@ from batchline.worker._guard import Guard
 from batchline.worker._prep import Preparer
 from batchline.worker._readcap import ReadCap
 from batchline.worker._reader import Entries, Reader
+from batchline.worker._ready import ready_line
 from batchline.worker._threads import apply_threads, available_cpus, prepare_environment
 from batchline.worker._upkeep import Upkeep, every, snapshot
 from batchline.worker._watchdog import Stamp, work_of
@@ -263,6 +264,12 @@ class Worker:
             exit_if_loop_blocked=self.exit_if_loop_blocked,
         )
         self.ready.set()
+        logger.info(
+            "%s",
+            ready_line(
+                self.model, self._model_name, self.settings, generation=self._generation is not None
+            ),
+        )
         stopped = loop.create_task(self._stop.wait())
         crashed: list[BaseException] = []
         try:
@@ -362,7 +369,8 @@ class Worker:
                 await own.aclose()
         if self._own_client:
             await self._redis.aclose()
-        logger.info("worker %s: stopped (%s)", self.worker_id, dict(self.counts))
+        answered = ", ".join(f"{n} {status}" for status, n in sorted(self.counts.items()) if n)
+        logger.info("worker %s: stopped (answered %s)", self.worker_id, answered or "nothing")
 
     async def _drain_or_abandon(self, reader: asyncio.Task[None], hung: asyncio.Event) -> None:
         """Drain (run what was read, write its answers); if the model hangs, before or
