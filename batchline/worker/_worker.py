@@ -25,7 +25,8 @@ runs on the batcher's own thread, or on the loop for a model quick enough, see
 
 Containment (a poison input, a hung model call): see :mod:`._upkeep`.
 
-SIGTERM (or :meth:`Worker.stop`) drains: stop reading, run what was read, write, exit.
+SIGTERM or SIGINT (or :meth:`Worker.stop`) drains: stop reading, run what was read, write,
+exit; :attr:`Worker.stop_signal` says which signal it was.
 """
 
 from __future__ import annotations
@@ -158,6 +159,8 @@ class Worker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
         self.ready = threading.Event()
+        #: The signal (SIGTERM, SIGINT) that stopped the worker, if one did.
+        self.stop_signal: int | None = None
         self._parts(s)
 
     def _parts(self, s: WorkerSettings) -> None:
@@ -429,7 +432,17 @@ class Worker:
             return
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self.stop)
+                loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: int) -> None:
+        if self.stop_signal is None:
+            logger.info(
+                "worker %s: %s: draining (no more reads; what was read is answered)",
+                self.worker_id,
+                signal.Signals(sig).name,
+            )
+        self.stop_signal = sig
+        self.stop()
 
     # -- reading -------------------------------------------------------------------------------
 
