@@ -26,7 +26,7 @@ from typing import Any, TypedDict, Unpack, cast
 
 from redis.exceptions import RedisError
 
-from batchline.config import ProducerSettings
+from batchline.config import ProducerSettings, redact_url
 from batchline.errors import (
     BatcherClosed,
     BatchlineError,
@@ -124,6 +124,7 @@ class AsyncProducer:
             self._limits,
             lambda: self._closed,
             streams=self._streams,
+            url=redact_url(self.settings.redis_url.get_secret_value()),
         )
         self._streams_low_first = self.keys.streams_low_first
         # Submits wait there while a write is in flight; the next write takes them all, so
