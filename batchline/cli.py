@@ -140,8 +140,9 @@ async def _check(settings: Any, max_age_s: float | None) -> int:
     """Health check: a worker of this host (or ``worker_id``) sent a heartbeat lately."""
     from batchline.transport._redis import connect
     from batchline.transport.keys import host_id
+    from batchline.transport.status import LIVE_WITHIN_S
 
-    max_age_s = _CHECK_MAX_AGE_S if max_age_s is None else max_age_s
+    max_age_s = LIVE_WITHIN_S if max_age_s is None else max_age_s
     client = connect(settings)
     try:
         beats = await client.zrangebyscore(settings.keys.workers, time.time() - max_age_s, "+inf")
@@ -159,9 +160,6 @@ async def _check(settings: Any, max_age_s: float | None) -> int:
         return 1
     print(f"healthy: {', '.join(alive)}")
     return 0
-
-
-_CHECK_MAX_AGE_S = 10.0
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -238,6 +236,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     """The parser, and each command's."""
     from batchline.config import ServiceSettings, WorkerSettings
     from batchline.demo.service import RATES
+    from batchline.transport.status import LIVE_WITHIN_S
 
     parser = argparse.ArgumentParser(
         prog="batchline",
@@ -281,7 +280,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         metavar="SECONDS",
         default=None,
         text="with --check: the oldest heartbeat that counts, in seconds",
-        shown=f"{_CHECK_MAX_AGE_S:g}",
+        shown=f"{LIVE_WITHIN_S:g}",
     )
     worker.add_argument("--supervised-child", type=int, help=argparse.SUPPRESS)
     worker.add_argument("--bound-file", help=argparse.SUPPRESS)

@@ -35,7 +35,7 @@ from batchline.errors import (
     RequestTimeout,
 )
 from batchline.producer._enqueue import Enqueuer
-from batchline.producer._failures import translate
+from batchline.producer._failures import timed_out, translate
 from batchline.producer._once import Answered, cached_result
 from batchline.producer._replies import ReplyReader, Waiters
 from batchline.producer._stream import StreamChunk, Streams, quiet_cancel, stream_request
@@ -296,7 +296,9 @@ class AsyncProducer:
             async with asyncio.timeout(timeout_s):
                 return await asyncio.shield(fut)
         except TimeoutError:
-            raise RequestTimeout(f"no result for request {rid} within {timeout_s} s") from None
+            raise await self._timed_out(
+                f"no result for request {rid} within {timeout_s:g} s"
+            ) from None
 
     async def result(self, handle: Handle | str, timeout_s: float | None = None) -> Any:
         """The request's output; raises RequestExpired or InferenceError for what failed."""
@@ -330,7 +332,9 @@ class AsyncProducer:
         except TimeoutError as exc:
             if isinstance(exc, BatchlineError):  # the write's own error (EnqueueTimeout)
                 raise
-            raise RequestTimeout(f"no result for request {rid} within {timeout_s} s") from None
+            raise await self._timed_out(
+                f"no result for request {rid} within {timeout_s:g} s"
+            ) from None
         finally:
             if not fut.done() or fut.cancelled():
                 self._waiting.drop(rid, fut)  # this caller gave up: it waits no more
@@ -370,6 +374,10 @@ class AsyncProducer:
             **options: ``deadline_ms``, ``priority``, ``request_id``, as for :meth:`submit`.
         """
         return stream_request(self, value, timeout_s, options)
+
+    async def _timed_out(self, what: str) -> RequestTimeout:
+        """RequestTimeout for ``what``, naming the queue and whether a live worker serves it."""
+        return await timed_out(self._redis, self.keys, what)
 
     async def get_result(self, request_id: str) -> Result | None:
         """Read a request's result key: its Result, or None while there is none; raises

@@ -23,13 +23,24 @@ from redis.exceptions import ResponseError
 from batchline.config import ServiceSettings, redact_url
 from batchline.transport._once import once_figures
 from batchline.transport._redis import RedisClient
-from batchline.transport.keys import GROUP
+from batchline.transport.keys import GROUP, QueueKeys
 
-__all__ = ["collect", "render"]
+__all__ = ["LIVE_WITHIN_S", "collect", "live_worker_count", "render"]
+
+#: A worker is live if its last heartbeat (2 s apart by default) is at most this old.
+LIVE_WITHIN_S = 10.0
+
+
+async def live_worker_count(
+    client: RedisClient, keys: QueueKeys, *, within_s: float = LIVE_WITHIN_S
+) -> int:
+    """How many workers of the queue sent a heartbeat within ``within_s`` seconds (ZCOUNT:
+    a count, which producer rights may read, not who they are)."""
+    return int(await client.zcount(keys.workers, time.time() - within_s, "+inf"))
 
 
 async def collect(
-    settings: ServiceSettings, client: RedisClient, *, live_within_s: float = 10.0
+    settings: ServiceSettings, client: RedisClient, *, live_within_s: float = LIVE_WITHIN_S
 ) -> dict[str, Any]:
     """Queue depth, pending, lag, the inbox (requests not admitted yet) and dead letters,
     with the live workers and their figures."""
