@@ -251,7 +251,11 @@ class Worker:
         self._stop = asyncio.Event()
         self._space = asyncio.Event()
         hung = asyncio.Event()
-        await self._start(loop)
+        # From the start: a signal while it waits for Redis or loads its model stops it too
+        # (and a second one, Ctrl-C reaching it twice, changes nothing).
+        self._install_signals(loop)
+        if not await self._started(loop):
+            return
         tasks = self._start_tasks(loop)
         reader = tasks[0]
 
@@ -301,6 +305,31 @@ class Worker:
             # Exit non-zero so that a supervisor restarts the worker.
             raise RuntimeError(f"worker {self.worker_id} stopped: a task failed") from crashed[0]
 
+    async def _started(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """:meth:`_start`, unless :meth:`stop` comes first (False: it closed what it opened;
+        a model still loading on its thread finishes there)."""
+        if self._stop is None:  # pragma: no cover - run() sets it
+            raise RuntimeError("the worker is not running")
+        starting = loop.create_task(self._start(loop), name="batchline-start")
+        stopped = loop.create_task(self._stop.wait())
+        try:
+            await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        if starting.done():
+            starting.result()  # what it raised (Redis unreachable, a model that fails)
+            return True
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        self._prep.close()
+        self.metrics.stop()
+        for own in (self._writer, self._admit_client):
+            if own is not self._redis:
+                await own.aclose()
+        if self._own_client:
+            await self._redis.aclose()
+        return False
+
     async def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Reach Redis, load the model, create the groups, catch up on cancels."""
         logger.info(
@@ -330,7 +359,6 @@ class Worker:
         if self._admits:  # what waits, before the first read: highest priority read first
             await self._admitter.admit_all()
         await self._cancels.catch_up(self._redis, self.keys)
-        self._install_signals(loop)
         self.metrics.start()
 
     def _start_tasks(self, loop: asyncio.AbstractEventLoop) -> list[asyncio.Task[None]]:
@@ -437,9 +465,12 @@ class Worker:
     def _on_signal(self, sig: int) -> None:
         if self.stop_signal is None:
             logger.info(
-                "worker %s: %s: draining (no more reads; what was read is answered)",
+                "worker %s: %s: %s",
                 self.worker_id,
                 signal.Signals(sig).name,
+                "draining (no more reads; what was read is answered)"
+                if self.ready.is_set()
+                else "stopping before it served",
             )
         self.stop_signal = sig
         self.stop()
