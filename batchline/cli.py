@@ -262,7 +262,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         "answer; it logs one line starting with 'ready:' once it serves. Each setting is a "
         "flag or a BATCHLINE_<NAME> environment variable (the flag wins). SIGTERM drains "
         "(stop reading, answer what was read) and exits 0; Ctrl-C drains the same way and "
-        "exits 130, as it does while the worker still waits for Redis.",
+        "exits 130, also while the worker still waits for Redis or loads its model.",
     )
     add_settings(worker, WorkerSettings, tuple(WorkerSettings.model_fields))
     add_option(
