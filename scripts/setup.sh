@@ -35,31 +35,38 @@ fi
 # Debian starts a system redis-server on 6379; batchline never uses it (tests start their own).
 
 torch_args=()
+torch_from=""  # where torch comes from, said once, in the line that installs it
 if "$py" -c 'import importlib.metadata as m, sys; sys.exit(m.version("torch").split("+")[0] != "2.13.0")' 2>/dev/null; then
     say "torch 2.13.0 is installed already"
     torch_args=(skip)
 elif [ -n "${BATCHLINE_TORCH_INDEX:-}" ]; then
-    [ "$BATCHLINE_TORCH_INDEX" = default ] || torch_args=(--index-url "$BATCHLINE_TORCH_INDEX")
+    if [ "$BATCHLINE_TORCH_INDEX" = default ]; then
+        torch_from="from pip's configured index (BATCHLINE_TORCH_INDEX=default)"
+    else
+        torch_args=(--index-url "$BATCHLINE_TORCH_INDEX")
+        torch_from="from $BATCHLINE_TORCH_INDEX (BATCHLINE_TORCH_INDEX)"
+    fi
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    say "an NVIDIA GPU is present: the CUDA build of torch from the default index"
+    torch_from="the CUDA build, from the default index (an NVIDIA GPU is present; several GB)"
 else
     probe="$(mktemp -d)"
     if "$py" -m pip download -q --no-index --no-deps -d "$probe" "torch==2.13.0" >/dev/null 2>&1; then
-        say "torch 2.13.0 found without an index ($(ls "$probe")): using it"
+        torch_from="from $(ls "$probe"), which pip finds without an index (no download)"
     elif "$py" -c "import urllib.request as u; u.urlopen('$cpu_index/torch/', timeout=5)" 2>/dev/null; then
         # The CPU index for torch, the configured index for its dependencies.
         main_index="$("$py" -m pip config get global.index-url 2>/dev/null || echo https://pypi.org/simple)"
         torch_args=(--index-url "$cpu_index" --extra-index-url "$main_index" --timeout 15)
+        torch_from="the CPU build, from $cpu_index (about 200 MB, 1-2 min)"
     else
-        say "no GPU, but $cpu_index does not answer: torch from the default index" >&2
+        torch_from="from the default index (no GPU, but $cpu_index does not answer: the build there may be CUDA's, several GB)"
     fi
     rm -rf "$probe"
 fi
 if [ "${torch_args[0]:-}" != skip ]; then
-    say "installing torch==2.13.0 ${torch_args[*]:-} (CPU build about 200 MB download, 1-2 min) ..."
+    say "installing torch==2.13.0 ${torch_from} ..."
     if ! "$py" -m pip install -q "${torch_args[@]}" "torch==2.13.0"; then
         [ ${#torch_args[@]} -gt 0 ] || exit 1
-        say "that failed; trying the default index" >&2
+        say "that failed; installing torch==2.13.0 from the default index instead" >&2
         "$py" -m pip install -q "torch==2.13.0"
     fi
 fi

@@ -223,6 +223,7 @@ class OpenAIRoutes:
                 head=head(chat, rid, served.name, chunk=True),
                 include_usage=body.include_usage,
                 timeout_s=self.timeout_s,
+                timed_out=served.producer._timed_out,
             )
             chunks = served.producer.stream(body.value(), request_id=rid)
             return await self._stream(chunks, info, request)
@@ -264,7 +265,7 @@ class OpenAIRoutes:
         the chunks as server-sent events. Closing the producer's stream, however it
         happens (the client gone, no chunk in time), cancels the request."""
         try:
-            first = await unless_disconnected(request.receive, next_chunk(chunks, info.timeout_s))
+            first = await unless_disconnected(request.receive, next_chunk(chunks, info))
         except BaseException:
             await chunks.aclose()
             raise

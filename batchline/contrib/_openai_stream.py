@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -53,16 +53,17 @@ async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T | None:
     return None if task.cancelled() else task.result()
 
 
-async def next_chunk(chunks: AsyncGenerator[StreamChunk, None], timeout_s: float) -> StreamChunk:
-    """The stream's next chunk; RequestTimeout if none comes within ``timeout_s`` (the
-    producer's stream is then closed, and the request cancelled)."""
+async def next_chunk(chunks: AsyncGenerator[StreamChunk, None], info: StreamInfo) -> StreamChunk:
+    """The stream's next chunk; RequestTimeout if none comes within ``info.timeout_s`` (the
+    producer's stream is then closed, and the request cancelled), naming the queue and
+    whether a live worker serves it."""
     try:
-        async with asyncio.timeout(timeout_s):
+        async with asyncio.timeout(info.timeout_s):
             return await anext(chunks)
     except TimeoutError as exc:
         if isinstance(exc, BatchlineError):  # the stream's own
             raise
-        raise RequestTimeout(f"no new text within {timeout_s} s") from None
+        raise await info.timed_out(f"no new text within {info.timeout_s:g} s") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,8 @@ class StreamInfo:
     head: dict[str, Any]  # id, object, created, model
     include_usage: bool
     timeout_s: float
+    #: The RequestTimeout for what did not come in time (the producer's: queue, workers).
+    timed_out: Callable[[str], Awaitable[RequestTimeout]]
 
 
 class EventStream(Response):
@@ -126,7 +129,7 @@ class EventStream(Response):
                     await emit(event(chunk.text))
                 if chunk.result is not None:
                     break
-                chunk = await next_chunk(self._chunks, info.timeout_s)
+                chunk = await next_chunk(self._chunks, info)
             await emit(event(None, reason=chunk.finish_reason))
             if info.include_usage:
                 await emit(sse(usage_chunk(info.head, chunk.result)))

@@ -296,11 +296,10 @@ class _Backend:
         except BatcherClosed:  # the app is shutting down
             detail = f"shutting down before request {handle.id} was answered"
             return JSONResponse({"detail": detail, "id": handle.id}, status_code=503)
-        except RequestTimeout:
+        except RequestTimeout as exc:  # it names the queue, and whether a worker serves it
             with contextlib.suppress(RedisError, OSError, BatchlineError):
                 await self.producer.cancel(handle)  # nobody waits for it any more
-            detail = f"no result for request {handle.id} within {self.timeout_s} s"
-            return JSONResponse({"detail": detail, "id": handle.id}, status_code=504)
+            return JSONResponse({"detail": str(exc), "id": handle.id}, status_code=504)
         return _answer(result, body.kind, expired_status=504)
 
     async def submit_job(self, body: EmbedRequest, request: Request) -> JSONResponse:

@@ -2,19 +2,20 @@
 ``--model generate`` worker (SmolLM2-135M-Instruct by default), with tokens/s.
 
 As ``batchline demo``: a private redis-server unless ``BATCHLINE_REDIS_URL`` is set, one worker
-process, everything stopped on the way out (Ctrl-C included). The prompts are sent at once, so
-the worker answers them in one continuous batch; each answer is printed as it comes.
+process, everything stopped on the way out (Ctrl-C, in any phase: one line, exit 130). The
+prompts are sent at once, so the worker answers them in one continuous batch; each answer is
+printed as it comes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from typing import Any
 
-from batchline.demo.service import drive_then_stop, redis_for_demo, start_worker, stop_worker
+from batchline.demo.service import serve_and_drive
+from batchline.transport._loop import EXIT_INTERRUPTED
 
 __all__ = ["PROMPTS", "run_generate_demo"]
 
@@ -59,18 +60,15 @@ def run_generate_demo(*, model_path: str | None = None, max_new_tokens: int = 48
     settings = ["--model", "generate", "--batch-size", "8", "--heartbeat-s", "0.5"]
     if model_path:
         settings += ["--model-path", model_path]
-    with contextlib.ExitStack() as stack:
-        url = redis_for_demo(stack, queue)
-        worker = start_worker(url, queue, settings)
-        stack.callback(stop_worker, worker)
-        print(
-            f"started a worker process (--model generate, {model_path or 'SmolLM2-135M'}); "
-            "waiting for its model ...",
-            flush=True,
-        )
-        done = drive_then_stop(url, queue, worker, lambda: _ask(url, queue, max_new_tokens))
+    done = serve_and_drive(
+        queue,
+        settings,
+        f"started a worker process (--model generate, {model_path or 'SmolLM2-135M'}); "
+        "waiting for its model ...",
+        lambda url: _ask(url, queue, max_new_tokens),
+    )
     if done is None:
-        return 130
+        return EXIT_INTERRUPTED
     answers, wall_s = done
     tokens = sum(a["tokens"] for a in answers)
     print(

@@ -59,8 +59,14 @@ def run_demo(*, items: int = 2000, threads: int = 64, out: Any = None) -> int:
         return list(model.encode(batch, batch_size=len(batch), show_progress_bar=False))
 
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
+    pool = ThreadPoolExecutor(threads)
+    try:
         vectors = list(pool.map(embed, texts))
+    except BaseException:  # Ctrl-C: the callers not started yet are dropped, not waited for
+        pool.shutdown(wait=False, cancel_futures=True)
+        embed.close(drain=False)
+        raise
+    pool.shutdown()
     rate = items / (time.perf_counter() - t0)
     stats = embed.stats
     embed.close()

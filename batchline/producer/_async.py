@@ -26,7 +26,7 @@ from typing import Any, TypedDict, Unpack, cast
 
 from redis.exceptions import RedisError
 
-from batchline.config import ProducerSettings
+from batchline.config import ProducerSettings, redact_url
 from batchline.errors import (
     BatcherClosed,
     BatchlineError,
@@ -35,7 +35,7 @@ from batchline.errors import (
     RequestTimeout,
 )
 from batchline.producer._enqueue import Enqueuer
-from batchline.producer._failures import translate
+from batchline.producer._failures import timed_out, translate
 from batchline.producer._once import Answered, cached_result
 from batchline.producer._replies import ReplyReader, Waiters
 from batchline.producer._stream import StreamChunk, Streams, quiet_cancel, stream_request
@@ -125,6 +125,7 @@ class AsyncProducer:
             lambda: self._closed,
             streams=self._streams,
             recovered=self._recover,
+            url=redact_url(self.settings.redis_url.get_secret_value()),
         )
         self._streams_low_first = self.keys.streams_low_first
         # Submits wait there while a write is in flight; the next write takes them all, so
@@ -301,7 +302,9 @@ class AsyncProducer:
             stored = await self._stored(rid)
             if stored is not None:
                 return stored
-            raise RequestTimeout(f"no result for request {rid} within {timeout_s} s") from None
+            raise await self._timed_out(
+                f"no result for request {rid} within {timeout_s:g} s"
+            ) from None
 
     async def _recover(self) -> None:
         """After the reply reader was cut off: settle every waiting request whose answer is
@@ -360,7 +363,9 @@ class AsyncProducer:
         except TimeoutError as exc:
             if isinstance(exc, BatchlineError):  # the write's own error (EnqueueTimeout)
                 raise
-            raise RequestTimeout(f"no result for request {rid} within {timeout_s} s") from None
+            raise await self._timed_out(
+                f"no result for request {rid} within {timeout_s:g} s"
+            ) from None
         finally:
             if not fut.done() or fut.cancelled():
                 self._waiting.drop(rid, fut)  # this caller gave up: it waits no more
@@ -400,6 +405,10 @@ class AsyncProducer:
             **options: ``deadline_ms``, ``priority``, ``request_id``, as for :meth:`submit`.
         """
         return stream_request(self, value, timeout_s, options)
+
+    async def _timed_out(self, what: str) -> RequestTimeout:
+        """RequestTimeout for ``what``, naming the queue and whether a live worker serves it."""
+        return await timed_out(self._redis, self.keys, what)
 
     async def get_result(self, request_id: str) -> Result | None:
         """Read a request's result key: its Result, or None while there is none; raises

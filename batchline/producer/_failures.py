@@ -9,12 +9,16 @@ Redis failures: as typed batchline errors, never raw redis ones.
   :class:`~batchline.errors.EnqueueUncertain` (:class:`~batchline.errors.EnqueueTimeout`
   for the timeout), one per request, since only the caller can decide how to find out.
 - A read (``get_result``, ``queue_depth``) timing out: :class:`~batchline.errors.RequestTimeout`.
+- A result that does not come in time: :class:`~batchline.errors.RequestTimeout` naming the
+  queue and whether any live worker serves it (:func:`timed_out`).
 
 Any other ``ResponseError`` (NOPERM, WRONGTYPE: a deployment fault, not a passing state)
 reaches the caller as it is.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.retry import Retry
@@ -37,8 +41,21 @@ from batchline.errors import (
     ServiceUnavailable,
 )
 from batchline.transport._redis import PASSING, RedisClient, dedicated, pinned
+from batchline.transport.keys import QueueKeys
+from batchline.transport.status import LIVE_WITHIN_S, live_worker_count
 
-__all__ = ["Failed", "connected", "refused", "translate", "uncertain", "writer_for"]
+__all__ = [
+    "Failed",
+    "connected",
+    "refused",
+    "timed_out",
+    "translate",
+    "uncertain",
+    "writer_for",
+]
+
+#: The longest a timed-out call waits more to say whether a worker serves its queue.
+_LOOK_S = 1.0
 
 
 def refused(exc: BaseException) -> ServiceUnavailable | None:
@@ -67,6 +84,33 @@ def translate(exc: RedisError | OSError) -> BaseException:
     if isinstance(exc, RedisConnectionError | OSError):
         return ServiceUnavailable(f"Redis is unreachable: {type(exc).__name__}: {exc}")
     return exc
+
+
+async def timed_out(client: RedisClient, keys: QueueKeys, what: str) -> RequestTimeout:
+    """The RequestTimeout for ``what`` (``"no result for request X within 30 s"``): it names
+    the queue and says whether any live worker serves it (one heartbeat within
+    :data:`~batchline.transport.status.LIVE_WITHIN_S`), the first thing to check."""
+    queue = keys.queue
+    try:
+        async with asyncio.timeout(_LOOK_S):
+            live = await live_worker_count(client, keys)
+    except (RedisError, OSError, TimeoutError) as exc:
+        return RequestTimeout(
+            f"{what} on queue {queue!r}; whether a live worker serves that queue is unknown "
+            f"(Redis: {type(exc).__name__})"
+        )
+    if not live:
+        prefix = "" if keys.prefix == "batchline" else f"BATCHLINE_PREFIX={keys.prefix} "
+        return RequestTimeout(
+            f"{what} on queue {queue!r}: no live worker serves that queue (none sent a "
+            f"heartbeat within {LIVE_WITHIN_S:g} s); start one for it, e.g. "
+            f"{prefix}BATCHLINE_QUEUE={queue} batchline worker"
+        )
+    return RequestTimeout(
+        f"{what} on queue {queue!r}, which {live} live worker{'s' if live > 1 else ''} "
+        f"serve{'' if live > 1 else 's'}: busy or slow (batchline status shows the queue's "
+        "backlog and the workers' figures)"
+    )
 
 
 def uncertain(exc: RedisError | OSError, request_id: str) -> BaseException:

@@ -27,7 +27,8 @@ from batchline.transport.codec._results import decode_flat
 
 __all__ = ["ReplyReader", "Waiters"]
 
-#: After a warning of a dropped reply entry, the next one waits this long (seconds).
+#: After a warning (a dropped reply entry, a failed read), the next one waits this long
+#: (seconds); what happened meanwhile is counted in it.
 _QUIET_S = 10.0
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class ReplyReader:
     Args:
         redis: the producer's client (the reader takes a connection of its own from it).
         reply_key: the producer's reply stream.
+        url: where Redis is, as the reader's log lines name it (its password redacted).
         waiting: the producer's waiters, resolved by the results that arrive.
         limits: what a valid result may hold.
         closed: whether the producer is closing (the loop's end; see :meth:`run`).
@@ -98,8 +100,10 @@ class ReplyReader:
         *,
         streams: Streams,
         recovered: Callable[[], Awaitable[None]] | None = None,
+        url: str,
     ) -> None:
         self._redis = redis
+        self._url = url
         self._reply_key = reply_key
         self._waiting = waiting
         self._limits = limits
@@ -135,7 +139,9 @@ class ReplyReader:
 
     async def _read_with(self, client: RedisClient) -> None:
         last = b"0-0"
-        backoff = Backoff(logger, "reply reader")
+        # Redis down for minutes (an API started before it): a line at once, then one per
+        # _QUIET_S with the count, not one per retry.
+        backoff = Backoff(logger, f"reply reader (Redis at {self._url})", quiet_s=_QUIET_S)
         failed = False
         # stop() cancels this task, but on Python 3.11 a cancellation that lands just as
         # redis-py's internal wait_for completes is swallowed; closed() ends the loop anyway.

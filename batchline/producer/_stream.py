@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from redis.exceptions import RedisError
 
-from batchline.errors import DecodeError, InferenceError, RequestTimeout, StreamDiverged
+from batchline.errors import DecodeError, InferenceError, StreamDiverged
 from batchline.transport._admission import Admission
 from batchline.transport._redis import RedisClient
 from batchline.transport.codec import Result
@@ -274,7 +274,8 @@ async def stream_request(
                 async with asyncio.timeout_at(deadline):
                     await state.event.wait()
             except TimeoutError:
-                raise RequestTimeout(f"request {rid} did not finish within {timeout_s} s") from None
+                what = f"request {rid} did not finish within {timeout_s:g} s"
+                raise await producer._timed_out(what) from None
     finally:
         if producer._streams.end(state, fut):  # left before its end: it waits no more
             producer._waiting.drop(rid, fut)

@@ -9,12 +9,17 @@ imports), ``uvloop`` (an error without it) or ``asyncio``.
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["loop_factory", "run"]
+__all__ = ["EXIT_INTERRUPTED", "loop_factory", "run"]
 
 T = TypeVar("T")
+
+#: The exit status of every ``batchline`` command stopped by Ctrl-C (SIGINT): the shell's
+#: 128 + 2, after the command has cleaned up (a worker drained, the demo's processes stopped).
+EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 
 def loop_factory(name: str = "auto") -> Callable[[], asyncio.AbstractEventLoop]:

@@ -242,22 +242,53 @@ class Backoff:
         logger: where each failure is logged (a warning).
         what: the loop's name in that line, e.g. ``"reader"``.
         max_delay_s: the longest wait.
+        quiet_s: 0 logs every failure; more logs the first at once, then at most one line
+            per ``quiet_s`` seconds, with how many failed since the last line, and one line
+            when a call works again (a loop that fails while Redis is down for minutes).
     """
 
-    def __init__(self, logger: logging.Logger, what: str, *, max_delay_s: float = 2.0) -> None:
+    def __init__(
+        self, logger: logging.Logger, what: str, *, max_delay_s: float = 2.0, quiet_s: float = 0.0
+    ) -> None:
         self._logger = logger
         self._what = what
         self._max_delay_s = max_delay_s
         self.delay_s = 0.05
+        self._quiet_s = quiet_s
+        self._quiet_until = 0.0
+        self._unreported = 0  # failures not logged since the last line
+        self._failed = 0  # failures since the last call that worked
 
     def reset(self) -> None:
         """A call worked."""
         self.delay_s = 0.05
+        if self._failed:
+            if self._quiet_s:
+                self._logger.warning(
+                    "%s: works again, after %d failed tries", self._what, self._failed
+                )
+            self._failed = self._unreported = 0
+            self._quiet_until = 0.0
 
     async def wait(self, exc: BaseException) -> None:
-        """Log the failure and wait before the next try."""
-        shown = str(exc) if isinstance(exc, ResponseError) else type(exc).__name__
-        self._logger.warning("%s: %s; retrying in %.2f s", self._what, shown, self.delay_s)
+        """Log the failure (or count it, within ``quiet_s`` of the last line) and wait
+        before the next try."""
+        self._failed += 1
+        now = time.monotonic()
+        if now >= self._quiet_until:
+            shown = str(exc) if isinstance(exc, ResponseError) else type(exc).__name__
+            since = f" ({self._unreported} more failed tries since the last line)"
+            self._logger.warning(
+                "%s: %s; retrying in %.2f s%s",
+                self._what,
+                shown,
+                self.delay_s,
+                since if self._unreported else "",
+            )
+            self._unreported = 0
+            self._quiet_until = now + self._quiet_s
+        else:
+            self._unreported += 1
         await asyncio.sleep(self.delay_s)  # back-off after a failed call, not a poll
         self.delay_s = min(self.delay_s * 2, self._max_delay_s)
 

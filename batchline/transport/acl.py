@@ -8,7 +8,8 @@ client may call the queue's functions (``FCALL``) and nothing that runs code of 
 decides from; it may read a result whose request id it knows and its own reply stream. It
 cannot write a work stream, the cancel stream, a result, a reply stream, a ``rid:``,
 ``wait:``, ``flight:`` or cache key, nor read the work streams (where every request's id and
-reply address are), the dead-letter stream, the workers set or the cancel stream. Workers
+reply address are), the dead-letter stream, the workers set (it may count its members
+within a score range, which a timed-out request's error reports) or the cancel stream. Workers
 admit the inbox under their own rules, deciding each element as the enqueue script would
 (docs/protocol.md, Admission): a request appended under another's id with another input is
 refused, never run. What a producer can still do is deny service: fill the queue, and,
@@ -64,6 +65,9 @@ def _producer(keys: QueueKeys) -> list[str]:
         f"(~{keys.once_stats} +hincrby +expire)",
         # The web backend's markers of polled jobs.
         f"(~{keys.job('*')} +set +get +del)",
+        # How many workers are live, which a timed-out request's error says (a count: not
+        # who they are).
+        f"(%R~{keys.workers} +zcount)",
     ]
 
 

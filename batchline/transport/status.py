@@ -23,13 +23,24 @@ from redis.exceptions import ResponseError
 from batchline.config import ServiceSettings, redact_url
 from batchline.transport._once import once_figures
 from batchline.transport._redis import RedisClient
-from batchline.transport.keys import GROUP
+from batchline.transport.keys import GROUP, QueueKeys
 
-__all__ = ["collect", "render"]
+__all__ = ["LIVE_WITHIN_S", "collect", "live_worker_count", "render"]
+
+#: A worker is live if its last heartbeat (2 s apart by default) is at most this old.
+LIVE_WITHIN_S = 10.0
+
+
+async def live_worker_count(
+    client: RedisClient, keys: QueueKeys, *, within_s: float = LIVE_WITHIN_S
+) -> int:
+    """How many workers of the queue sent a heartbeat within ``within_s`` seconds (ZCOUNT:
+    a count, which producer rights may read, not who they are)."""
+    return int(await client.zcount(keys.workers, time.time() - within_s, "+inf"))
 
 
 async def collect(
-    settings: ServiceSettings, client: RedisClient, *, live_within_s: float = 10.0
+    settings: ServiceSettings, client: RedisClient, *, live_within_s: float = LIVE_WITHIN_S
 ) -> dict[str, Any]:
     """Queue depth, pending, lag, the inbox (requests not admitted yet) and dead letters,
     with the live workers and their figures."""
@@ -85,17 +96,15 @@ def _text(value: Any) -> str:
 
 
 def render(status: dict[str, Any]) -> str:
-    """The status as a few readable lines."""
+    """The status as a few readable lines (plain words and numbers: what ``--json`` shows
+    as null reads as what it means)."""
     lines = [
-        f"queue {status['queue']!r} on {status['redis']}",
+        f"queue {status['queue']} on {status['redis']}",
         f"  depth {status['depth']} (waiting + in progress), dead letters {status['dead_letters']}",
         f"  inbox {status.get('inbox', 0)} (enqueued, not admitted by a worker yet)",
     ]
     for s in status["streams"]:
-        lines.append(
-            f"  priority {s['priority']}: length {s['length']}, pending {s['pending']}, "
-            f"lag {s['lag']}, consumers {s['consumers']}"
-        )
+        lines.append(f"  priority {s['priority']}: length {s['length']}, {_group(s)}")
     once = status.get("once") or {}
     if any(once.values()):
         lines.append(
@@ -106,17 +115,44 @@ def render(status: dict[str, Any]) -> str:
         )
     lines.append(f"  live workers: {len(status['workers'])}")
     for w in status["workers"]:
-        requests = w.get("requests", {})
-        wait = w.get("queue_wait_ms", {})
-        model = w.get("model_ms", {})
-        lines.append(
-            f"    {w.get('worker')}: {w.get('model', '?')}, answered {requests}, "
-            f"mean batch {w.get('mean_batch_size', 0)} (limit {w.get('batch_size', '?')}, "
-            f"wait {w.get('timeout_ms', '?')} ms{_slo(w)}), "
-            f"queue wait p50/p95/p99 {_ms(wait)} ms, model p50/p95/p99 {_ms(model)} ms"
-            f"{_bound(w)}, held {w.get('held', 0)}"
-        )
+        lines.append(f"    {w.get('worker') or 'unnamed'}: {_worker(w)}")
     return "\n".join(lines)
+
+
+def _group(stream: dict[str, Any]) -> str:
+    """A work stream's consumer group figures, in words where Redis gives none."""
+    if stream["pending"] is None:
+        return "no consumer group yet (no worker has served this queue)"
+    lag = stream["lag"]
+    # Redis (>= 7) cannot count the lag after entries past the group's last read were deleted.
+    shown = "unknown (entries were deleted after the last read)" if lag is None else lag
+    return f"pending {stream['pending']}, lag {shown}, consumers {stream['consumers']}"
+
+
+def _worker(w: dict[str, Any]) -> str:
+    """One live worker's figures, from its heartbeat (a worker that published none yet:
+    that it is alive)."""
+    if set(w) <= {"worker"}:
+        return "alive, no statistics published yet"
+    wait = w.get("queue_wait_ms") or {}
+    model = w.get("model_ms") or {}
+    limit = w.get("batch_size")
+    timeout = w.get("timeout_ms")
+    return (
+        f"{w.get('model') or 'unknown model'}, answered {_counts(w.get('requests') or {})}, "
+        f"mean batch {w.get('mean_batch_size', 0)} "
+        f"(limit {'unknown' if limit is None else limit}, "
+        f"wait {'unknown' if timeout is None else f'{timeout:g} ms'}{_slo(w)}), "
+        f"queue wait p50/p95/p99 {_ms(wait)} ms, model p50/p95/p99 {_ms(model)} ms"
+        f"{_bound(w)}, held {w.get('held', 0)}"
+    )
+
+
+def _counts(counts: dict[str, Any]) -> str:
+    """``{"ok": 3, "error": 1}`` as ``3 ok, 1 error``; nothing yet as ``none yet``."""
+    order = sorted(counts, key=lambda status: (status != "ok", status))
+    shown = [f"{counts[status]} {status}" for status in order if counts[status]]
+    return ", ".join(shown) or "none yet"
 
 
 def _slo(worker: dict[str, Any]) -> str:
@@ -130,5 +166,6 @@ def _bound(worker: dict[str, Any]) -> str:
     return "" if bound is None else f" (bound {bound:g} ms)" if bound else " (no bound)"
 
 
-def _ms(figures: dict[str, float]) -> str:
-    return "/".join(f"{figures.get(k, 0.0):.1f}" for k in ("p50", "p95", "p99"))
+def _ms(figures: dict[str, float | None]) -> str:
+    shown = (figures.get(k) for k in ("p50", "p95", "p99"))
+    return "/".join("-" if v is None else f"{v:.1f}" for v in shown)

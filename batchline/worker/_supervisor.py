@@ -13,7 +13,8 @@ the fresh child), and entries delivered more than once run alone, so a poison in
 only itself down and is dead-lettered after ``max_deliveries``.
 
 - SIGTERM and SIGINT are forwarded to the child, which drains as before; the supervisor
-  then exits with the child's status and starts nothing more.
+  then starts nothing more and exits 0 after SIGTERM, 130 after SIGINT (Ctrl-C, as every
+  ``batchline`` command), 1 if the child failed otherwise.
 - A child that was ready (serving) when it died is replaced after 0.1 s; back-off between
   restarts doubles from there to 10 s while children die before they are ready; past
   ``max_restarts_per_min`` restarts within a minute the supervisor gives up and exits 1 (a
@@ -43,6 +44,8 @@ import threading
 import time
 from collections.abc import Sequence
 from types import FrameType
+
+from batchline.transport._loop import EXIT_INTERRUPTED
 
 __all__ = ["BOUND_FLAG", "CHILD_FLAG", "die_with_parent", "report_ready", "supervise"]
 
@@ -120,10 +123,9 @@ def _supervise(command: list[str], *, max_restarts_per_min: int) -> int:
         with os.fdopen(ready_r, "rb") as ready:
             was_ready = bool(ready.read(1))
         ever_ready = ever_ready or was_ready
-        if status == 0 or stopping.is_set() or not ever_ready:
-            # A child told to stop before it could handle the signal died of it: stopped.
-            told = stopping.is_set() and -status in received
-            return 0 if status == 0 or told else 1
+        if status in (0, EXIT_INTERRUPTED) or stopping.is_set() or not ever_ready:
+            # (A child that exits 130 was interrupted itself: Ctrl-C, not a crash.)
+            return _stopped(status, received)
         how = f"signal {-status}" if status < 0 else f"status {status}"
         now = time.monotonic()
         while restarts and now - restarts[0] > 60.0:
@@ -146,4 +148,13 @@ def _supervise(command: list[str], *, max_restarts_per_min: int) -> int:
         )
         restarts.append(now)
         if stopping.wait(delay):  # a signal during the back-off: stop here
-            return 1
+            return EXIT_INTERRUPTED if signal.SIGINT in received else 1
+
+
+def _stopped(status: int, received: list[int]) -> int:
+    """The command's exit status once its last child exited with ``status`` (negative: the
+    signal it died of), after the signals ``received`` (forwarded to it)."""
+    # A child told to stop before it could handle the signal died of it: stopped.
+    if signal.SIGINT in received or status == EXIT_INTERRUPTED:  # Ctrl-C
+        return EXIT_INTERRUPTED if status in (0, EXIT_INTERRUPTED, -signal.SIGINT) else 1
+    return 0 if status == 0 or (received and -status in received) else 1

@@ -25,7 +25,8 @@ runs on the batcher's own thread, or on the loop for a model quick enough, see
 
 Containment (a poison input, a hung model call): see :mod:`._upkeep`.
 
-SIGTERM (or :meth:`Worker.stop`) drains: stop reading, run what was read, write, exit.
+SIGTERM or SIGINT (or :meth:`Worker.stop`) drains: stop reading, run what was read, write,
+exit; :attr:`Worker.stop_signal` says which signal it was.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from batchline.worker._guard import Guard
 from batchline.worker._prep import Preparer
 from batchline.worker._readcap import ReadCap
 from batchline.worker._reader import Entries, Reader
+from batchline.worker._ready import ready_line
 from batchline.worker._threads import apply_threads, available_cpus, prepare_environment
 from batchline.worker._upkeep import Upkeep, every, snapshot
 from batchline.worker._watchdog import Stamp, work_of
@@ -164,6 +166,8 @@ class Worker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
         self.ready = threading.Event()
+        #: The signal (SIGTERM, SIGINT) that stopped the worker, if one did.
+        self.stop_signal: int | None = None
         self._parts(s)
 
     def _parts(self, s: WorkerSettings) -> None:
@@ -255,7 +259,11 @@ class Worker:
         self._stop = asyncio.Event()
         self._space = asyncio.Event()
         hung = asyncio.Event()
-        await self._start(loop)
+        # From the start: a signal while it waits for Redis or loads its model stops it too
+        # (and a second one, Ctrl-C reaching it twice, changes nothing).
+        self._install_signals(loop)
+        if not await self._started(loop):
+            return
         tasks = self._start_tasks(loop)
         reader = tasks[0]
 
@@ -271,6 +279,12 @@ class Worker:
             exit_if_loop_blocked=self.exit_if_loop_blocked,
         )
         self.ready.set()
+        logger.info(
+            "%s",
+            ready_line(
+                self.model, self._model_name, self.settings, generation=self._generation is not None
+            ),
+        )
         stopped = loop.create_task(self._stop.wait())
         crashed: list[BaseException] = []
         try:
@@ -298,6 +312,31 @@ class Worker:
         if crashed:
             # Exit non-zero so that a supervisor restarts the worker.
             raise RuntimeError(f"worker {self.worker_id} stopped: a task failed") from crashed[0]
+
+    async def _started(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """:meth:`_start`, unless :meth:`stop` comes first (False: it closed what it opened;
+        a model still loading on its thread finishes there)."""
+        if self._stop is None:  # pragma: no cover - run() sets it
+            raise RuntimeError("the worker is not running")
+        starting = loop.create_task(self._start(loop), name="batchline-start")
+        stopped = loop.create_task(self._stop.wait())
+        try:
+            await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        if starting.done():
+            starting.result()  # what it raised (Redis unreachable, a model that fails)
+            return True
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        self._prep.close()
+        self.metrics.stop()
+        for own in (self._writer, self._admit_client):
+            if own is not self._redis:
+                await own.aclose()
+        if self._own_client:
+            await self._redis.aclose()
+        return False
 
     async def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Reach Redis, load the model, create the groups, catch up on cancels."""
@@ -328,7 +367,6 @@ class Worker:
         if self._admits:  # what waits, before the first read: highest priority read first
             await self._admitter.admit_all()
         await self._cancels.catch_up(self._redis, self.keys)
-        self._install_signals(loop)
         self.metrics.start()
 
     def _start_tasks(self, loop: asyncio.AbstractEventLoop) -> list[asyncio.Task[None]]:
@@ -370,7 +408,8 @@ class Worker:
                 await own.aclose()
         if self._own_client:
             await self._redis.aclose()
-        logger.info("worker %s: stopped (%s)", self.worker_id, dict(self.counts))
+        answered = ", ".join(f"{n} {status}" for status, n in sorted(self.counts.items()) if n)
+        logger.info("worker %s: stopped (answered %s)", self.worker_id, answered or "nothing")
 
     async def _drain_or_abandon(self, reader: asyncio.Task[None], hung: asyncio.Event) -> None:
         """Drain (run what was read, write its answers); if the model hangs, before or
@@ -429,7 +468,20 @@ class Worker:
             return
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self.stop)
+                loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: int) -> None:
+        if self.stop_signal is None:
+            logger.info(
+                "worker %s: %s: %s",
+                self.worker_id,
+                signal.Signals(sig).name,
+                "draining (no more reads; what was read is answered)"
+                if self.ready.is_set()
+                else "stopping before it served",
+            )
+        self.stop_signal = sig
+        self.stop()
 
     # -- reading -------------------------------------------------------------------------------
 

@@ -479,6 +479,69 @@ def run_cli(
     )
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+class AtTerminal:
+    """``python -m batchline ARGS`` as started at a terminal: a process group of its own (the
+    foreground group, which Ctrl-C signals whole) and SIGINT's default disposition, its
+    output (stdout and stderr) read line by line as it comes. Killed at the end of a
+    ``with`` block if it still runs."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "batchline", *args],
+            env=subprocess_env(env),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            # A terminal's SIGINT disposition, whatever this run inherited: a suite started
+            # in the background by a non-interactive shell ignores SIGINT, and so would this.
+            preexec_fn=_default_sigint,  # noqa: PLW1509 - one signal() call, before exec
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for raw in self.proc.stdout or []:
+            self.lines.append(raw.decode(errors="replace"))
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, text: str, *, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Until a line holds ``text``; fails if the process exits first."""
+        wait_until(
+            lambda: any(text in line for line in self.lines) or self.proc.poll() is not None,
+            f"{text!r} in the output",
+            timeout_s=timeout_s,
+        )
+        assert any(text in line for line in self.lines), self.output
+
+    def ctrl_c(self, *, timeout_s: float = 30.0) -> tuple[int, float, list[str]]:
+        """SIGINT to the whole group, as Ctrl-C; (exit status, seconds to exit, the lines
+        printed after it)."""
+        before = len(self.lines)
+        sent_at = time.monotonic()
+        os.killpg(self.proc.pid, signal.SIGINT)
+        status = self.proc.wait(timeout_s)
+        took_s = time.monotonic() - sent_at
+        self._reader.join(10)
+        return status, took_s, self.lines[before:]
+
+    def __enter__(self) -> AtTerminal:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
 class WorkerProcess:
     """One ``python -m batchline worker`` subprocess; its output goes to a log file."""
 

@@ -175,6 +175,8 @@ def _forging_is_refused(client: redis.Redis, keys: QueueKeys, victim: str, rid: 
         lambda: client.xrange(keys.dead),
         lambda: client.zadd(keys.workers, {"fake": time.time()}),
         lambda: client.zrem(keys.workers, "any"),
+        lambda: client.zrange(keys.workers, 0, -1),  # who the workers are: only how many
+        lambda: client.zrangebyscore(keys.workers, 0, "+inf"),
         lambda: client.set(keys.worker_stats("fake"), b"{}"),
         lambda: client.xread({keys.cancels: "0"}),
         lambda: client.eval(

@@ -294,6 +294,9 @@ def test_no_result_in_time_is_504_and_cancels(
     response = client.post("/embed", json={"text": "nobody answers"})
     assert response.status_code == 504, response.text
     assert response.json()["id"] in cancelled_ids(rclient, keys)  # a worker would skip it now
+    # What to look at first: the queue, and that no worker serves it.
+    detail = response.json()["detail"]
+    assert f"on queue {keys.queue!r}: no live worker serves that queue" in detail, detail
 
 
 def test_cancelled_job_is_409(

@@ -238,7 +238,8 @@ def test_a_full_queue_is_429_and_no_answer_in_time_is_504_and_cancelled(
     http = serve(make_app(timeout_s=None, request_timeout_s=0.5, max_queue_depth=2))
     body = {"model": gen_queue, "prompt": "x"}
     response = http.post("/v1/completions", json=body)
-    assert_error(response, 504, type="timeout_error")
+    error = assert_error(response, 504, type="timeout_error")
+    assert f"on queue {gen_queue!r}: no live worker serves that queue" in error["message"]
     keys = QueueKeys(gen_queue)
     assert len(cancelled_ids(rclient, keys)) == 1  # nobody waits for it any more
     with Producer(redis_url=redis_url, queue=gen_queue) as producer:
@@ -383,7 +384,9 @@ def test_a_stream_with_no_answer_in_time_is_504_and_cancelled(
 ) -> None:
     http = serve(make_app(timeout_s=0.5))  # and no worker
     body = {"model": gen_queue, "messages": CHAT, "stream": True}
-    assert_error(http.post("/v1/chat/completions", json=body), 504, type="timeout_error")
+    error = assert_error(http.post("/v1/chat/completions", json=body), 504, type="timeout_error")
+    assert error["message"].startswith("no new text within 0.5 s on queue"), error
+    assert "no live worker serves that queue" in error["message"], error
     cancels = wait_until(lambda: cancelled_ids(rclient, QueueKeys(gen_queue)), "the cancel")
     assert len(cancels) == 1
 

@@ -74,6 +74,7 @@ def test_acl_rules_of_each_role() -> None:
         assert refused not in words, refused
     assert "(~p:{q}:in +rpush)" in producer
     assert "(%R~p:{q}:reply:* +xread)" in producer
+    assert "(%R~p:{q}:workers +zcount)" in producer  # a timed-out request says how many
     assert "~p:{q}:cancels" in worker  # the admission adds cancels, the janitor trims
     with pytest.raises(ValueError, match="role must be one of producer, worker"):
         acl_rules(keys, "admin")  # type: ignore[arg-type]
@@ -119,7 +120,10 @@ async def test_producer_and_worker_acl_users(
             found = await other.get_result(handle.id)  # what a poller sees: the worker's
             assert found is not None
             assert (found.output, found.worker) == ("mine", thread.worker.worker_id)
-            # Cancelling, inference and an idle connection's health check under these rules.
+            # Cancelling, inference and an idle connection's health check under these rules;
+            # a timeout says how many workers serve the queue (ZCOUNT, not who they are).
+            error = await other._timed_out("no result for request r within 1 s")
+            assert "which 1 live worker serves" in str(error), error
             assert await other._redis.ping()
             await other.cancel("some-request")
             assert await other.infer(["x", "y"], timeout_s=T) == ["x", "y"]

@@ -8,6 +8,7 @@ from Redis directly here, including the cases where they differ from the work le
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -97,3 +98,45 @@ def test_a_worker_holding_read_ahead_work_shows_it_as_pending_not_lag(
     lag, pending = raw_group(rclient, stream)
     got = status(redis_url, queue)[1]
     assert (got["lag"], got["pending"], got["backlog"]) == (lag, pending, 0) == (0, 0, 0)
+
+
+def test_the_text_status_reads_as_words_not_python_literals(
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    redis_url: str,
+    queue: str,
+) -> None:
+    """No ``None``, no dict like ``{'ok': 3}``: a lag Redis cannot count, a priority no worker
+    has read and a worker's answers per status, in words; ``--json`` keeps the nulls."""
+    thread = start_worker(heartbeat_s=3.0)  # its statistics live 3 heartbeats: 9 s
+    worker_id = thread.worker.worker_id
+    with Producer(redis_url=redis_url, queue=queue) as producer:
+        assert producer.map(["a", "b", "c"], timeout_s=30) == ["a", "b", "c"]
+    wait_until(
+        lambda: (
+            "ok"
+            in json.loads(rclient.get(keys.worker_stats(worker_id)) or "{}").get("requests", {})
+        ),
+        "the worker to publish its answers",
+    )
+    thread.stop()  # so that it reads none of what follows; then alive again, for status
+    rclient.zadd(keys.workers, {worker_id: time.time()})
+    # Priority 2: a lag Redis cannot count (an entry deleted after the last delivered one).
+    stream = keys.stream(2)
+    ids = [rclient.xadd(stream, {"n": str(i)}) for i in range(4)]
+    rclient.xreadgroup(GROUP, "reader", {stream: ">"}, count=1)
+    rclient.xdel(stream, ids[2])
+    rclient.xgroup_destroy(keys.stream(0), GROUP)  # priority 0: no group
+    env = {"BATCHLINE_REDIS_URL": redis_url, "BATCHLINE_QUEUE": queue}
+    done = run_cli("status", env=env)
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    for literal in ("None", "{", "}", "'", "null"):
+        assert literal not in text, (literal, text)
+    assert "answered 3 ok" in text, text
+    assert "lag unknown (entries were deleted after the last read)" in text, text
+    assert "priority 0: length 0, no consumer group yet" in text, text
+    by_priority = status(redis_url, queue)
+    assert by_priority[2]["lag"] is None
+    assert by_priority[0]["pending"] is None
