@@ -73,6 +73,7 @@ class Command:
     about: str
     usage: str
     options: tuple[Option, ...]
+    epilog: str = ""
 
 
 def commands() -> list[Command]:
@@ -102,7 +103,7 @@ def _command(name: str, about: str, parser: argparse.ArgumentParser) -> Command:
         help_text = (action.help or "") % {"default": action.default, "prog": parser.prog}
         options.append(Option(tuple(action.option_strings), value, help_text, action.dest))
     usage = parser.format_usage().removeprefix("usage: ").strip()
-    return Command(name, about, usage, tuple(options))
+    return Command(name, about, usage, tuple(options), (parser.epilog or "").strip())
 
 
 # -- the configuration tables -------------------------------------------------------------------
@@ -183,14 +184,13 @@ def _cell(text: str) -> str:
 
 def settings_markdown(class_name: str) -> str:
     cls = getattr(batchline.config, class_name)
-    lines = ["| setting | type | default | environment, flag | meaning |", "|---|---|---|---|---|"]
+    lines = ['<div class="settings" markdown>', ""]
+    lines += ["| setting | default, type | meaning |", "|---|---|---|"]
     for s in settings(cls):
-        where = f"`{s.env}`" + (f"<br>`{s.flag}`" if s.flag else "")
-        lines.append(
-            f'| <span id="{s.name}">`{s.name}`</span> | {s.type} | `{s.default}` | {where} '
-            f"| {_cell(s.doc)} |"
-        )
-    return "\n".join(lines)
+        where = f'<span id="{s.name}">`{s.name}`</span><br>`{s.env}`'
+        where += f"<br>`{s.flag}`" if s.flag else ""
+        lines.append(f"| {where} | `{s.default}`<br>{s.type} | {_cell(s.doc)} |")
+    return "\n".join([*lines, "", "</div>"])
 
 
 def cli_markdown() -> str:
@@ -198,12 +198,15 @@ def cli_markdown() -> str:
     for command in commands():
         parts += [f"## `{command.name}`", "", _cell(command.about), ""]
         parts += ["```text", command.usage, "```", ""]
+        if command.epilog:
+            parts += ["```text", command.epilog, "```", ""]
+        parts += ['<div class="options" markdown>', ""]
         parts += ["| option | value | what it does |", "|---|---|---|"]
         for o in command.options:
             flags = ", ".join(f"`{f}`" for f in o.flags)
             value = f"`{o.value}`" if o.value else ""
             parts.append(f"| {flags} | {value} | {_cell(o.help)} |")
-        parts.append("")
+        parts += ["", "</div>", ""]
     return "\n".join(parts)
 
 

@@ -34,11 +34,11 @@ CLI = HOOK.expand((REPO / "docs" / "cli.md").read_text(encoding="utf-8"))
 def _table() -> dict[str, tuple[str, str]]:
     """Each setting of the configuration page: its default and its variable, as shown."""
     found = re.findall(
-        r'^\| <span id="(\w+)">`\1`</span> \| [^|]*(?:\\\|[^|]*)* \| `([^`]*)` \| `(\w+)`',
+        r'^\| <span id="(\w+)">`\1`</span><br>`(\w+)`(?:<br>`[\w-]+`)? \| `([^`]*)`<br>',
         CONFIGURATION,
         re.M,
     )
-    return {name: (default, env) for name, default, env in found}
+    return {name: (default, env) for name, env, default in found}
 
 
 def test_the_pages_keep_no_marker_unfilled() -> None:
