@@ -19,6 +19,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from batchline.drivers._options import DEFAULTS
 from batchline.transport._lua import MAX_PER_CALL as _MAX_PER_CALL
+from batchline.transport._sentinel import is_sentinel_url, parse_sentinel_url
 from batchline.transport.codec import Limits
 from batchline.transport.keys import QueueKeys, check_name
 
@@ -37,8 +38,12 @@ ENV_PREFIX = "BATCHLINE_"
 _REQUEST_JSON_BYTES = Limits().max_meta_bytes
 
 
+_SECRET_OPTIONS = ("password", "sentinel_password")
+
+
 def redact_url(url: str) -> str:
-    """The URL with any password (``user:password@``, or ``?password=``) replaced by ``***``."""
+    """The URL with any password (``user:password@``, ``?password=``, a Sentinel URL's
+    ``?sentinel_password=``) replaced by ``***``."""
     parts = urlsplit(url)
     if parts.password is not None:
         user = parts.username or ""
@@ -47,8 +52,8 @@ def redact_url(url: str) -> str:
     base, mark, rest = url.partition("?")
     query, hash_mark, fragment = rest.partition("#")
     pairs = parse_qsl(query, keep_blank_values=True)
-    if any(k.lower() == "password" for k, _ in pairs):
-        redacted = [(k, "***" if k.lower() == "password" else v) for k, v in pairs]
+    if any(k.lower() in _SECRET_OPTIONS for k, _ in pairs):
+        redacted = [(k, "***" if k.lower() in _SECRET_OPTIONS else v) for k, v in pairs]
         url = base + mark + urlencode(redacted, safe="*") + hash_mark + fragment
     return url
 
@@ -57,9 +62,15 @@ class ServiceSettings(BaseSettings):
     """What every component of the service shares.
 
     Attributes:
-        redis_url: where Redis is (``redis://``, ``rediss://`` for TLS, ``unix://``); a
-            password in it is kept secret.
+        redis_url: where Redis is (``redis://``, ``rediss://`` for TLS, ``unix://``, or
+            ``redis+sentinel://host:26379,host2:26379/<service>[/<db>]``: the primary its
+            sentinels name, followed across failovers); a password in it is kept secret.
         redis_cluster: talk to a Redis Cluster (``true`` or ``false``).
+        durability: when a write counts as done: ``async`` (once the primary has it) or
+            ``replicated`` (once ``min_replicas`` replicas confirm it; an enqueue they do
+            not confirm in time raises NotReplicated).
+        min_replicas: with ``replicated``, how many replicas must hold a write.
+        replication_timeout_ms: with ``replicated``, how long to wait for them.
         queue: the queue's name; producers and workers of one queue share it.
         prefix: namespace of every key (an ACL user can be limited to ``<prefix>:*``).
         priorities: number of priority levels (one work stream each), 0 the lowest.
@@ -74,10 +85,16 @@ class ServiceSettings(BaseSettings):
             ``uvloop`` or ``asyncio``.
     """
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
+    # hide_input_in_errors: a model-level error would show the input, the URL's password in it.
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, extra="forbid", frozen=True, hide_input_in_errors=True
+    )
 
     redis_url: SecretStr = SecretStr("redis://localhost:6379/0")
     redis_cluster: bool = False
+    durability: Literal["async", "replicated"] = "async"
+    min_replicas: int = Field(default=1, ge=1)
+    replication_timeout_ms: int = Field(default=1000, ge=1)
     queue: str = "default"
     prefix: str = "batchline"
     priorities: int = Field(default=3, ge=1, le=16)
@@ -90,6 +107,18 @@ class ServiceSettings(BaseSettings):
     @classmethod
     def _name(cls, value: str) -> str:
         return check_name("name", value)
+
+    @model_validator(mode="after")
+    def _sentinel_url(self) -> ServiceSettings:
+        url = self.redis_url.get_secret_value()
+        if is_sentinel_url(url):
+            if self.redis_cluster:
+                raise ValueError(
+                    "redis_url names sentinels and redis_cluster is true: a Redis Cluster "
+                    "fails over by itself; give one of its nodes (redis://) instead"
+                )
+            parse_sentinel_url(url)  # a ValueError naming what is wrong
+        return self
 
     @property
     def keys(self) -> QueueKeys:

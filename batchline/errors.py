@@ -20,7 +20,9 @@ error subclasses that builtin too::
     ├── ServiceUnavailable           Redis refused or could not be reached (out of memory,
     │                                loading, read-only, down): NOT queued; retryable
     ├── EnqueueUncertain             the connection was lost with the write in flight: the
-    │                                request MAY be queued (carries request_id)
+    │   │                            request MAY be queued (carries request_id)
+    │   └── NotReplicated            durability "replicated": fewer than min_replicas
+    │                                replicas confirmed the write in time: not accepted
     ├── RequestIdConflict (ValueError) a request id submitted again with another input
     │                                (the same id means the same request); nothing queued
     ├── WorkerHung                   a worker's model call ran past max_batch_ms; the
@@ -60,6 +62,7 @@ __all__ = [
     "GenerationError",
     "InferenceError",
     "ItemTooLarge",
+    "NotReplicated",
     "PromptTooLong",
     "QueueFull",
     "RequestCancelled",
@@ -155,6 +158,32 @@ class EnqueueUncertain(BatchlineError):
             f"request_id={request_id!r} (it is not queued twice)"
         )
         self.request_id = request_id
+
+
+class NotReplicated(EnqueueUncertain):
+    """With ``durability="replicated"``: the primary holds the write of this request, but
+    fewer replicas than ``min_replicas`` confirmed it within ``replication_timeout_ms``, so it
+    was not accepted: a failover now could lose it. It may still run (the primary has it);
+    resubmit it with the same ``request_id`` to wait for its answer: it is not queued twice.
+
+    Attributes:
+        request_id: the request's id.
+        confirmed: how many replicas confirmed it.
+        needed: how many must (``min_replicas``).
+    """
+
+    def __init__(self, request_id: str, confirmed: int, needed: int, timeout_ms: int) -> None:
+        BatchlineError.__init__(
+            self,
+            f"request {request_id} was not accepted: {confirmed} of the {needed} replicas "
+            f"needed (min_replicas) confirmed it within {timeout_ms} ms "
+            "(replication_timeout_ms); the primary holds it, so it may still run: resubmit "
+            f"it with request_id={request_id!r} to wait for its answer (it is not queued "
+            "twice), or check the replicas (INFO replication)",
+        )
+        self.request_id = request_id
+        self.confirmed = confirmed
+        self.needed = needed
 
 
 class EnqueueTimeout(EnqueueUncertain, RequestTimeout):

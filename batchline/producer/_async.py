@@ -124,6 +124,7 @@ class AsyncProducer:
             self._limits,
             lambda: self._closed,
             streams=self._streams,
+            recovered=self._recover,
         )
         self._streams_low_first = self.keys.streams_low_first
         # Submits wait there while a write is in flight; the next write takes them all, so
@@ -295,7 +296,37 @@ class AsyncProducer:
             async with asyncio.timeout(timeout_s):
                 return await asyncio.shield(fut)
         except TimeoutError:
+            # Answered, but not pushed here (its push lost with a worker that died between
+            # writing it and pushing it, or with a failover): its result key has it.
+            stored = await self._stored(rid)
+            if stored is not None:
+                return stored
             raise RequestTimeout(f"no result for request {rid} within {timeout_s} s") from None
+
+    async def _recover(self) -> None:
+        """After the reply reader was cut off: settle every waiting request whose answer is
+        in its result key already (its push may be lost)."""
+        for rid in list(self._waiting.inputs):
+            await self._stored(rid)
+
+    async def _stored(self, rid: str) -> Result | None:
+        """The result key of a request this producer waits for, if its answer is there and
+        is one of the input sent (its waiters are then settled with it)."""
+        sent = self._waiting.inputs.get(rid)
+        if sent is None:
+            return None
+        try:
+            found = await self.get_result(rid)
+        except (BatchlineError, DecodeError, RedisError, OSError):
+            return None
+        if found is None or (found.input_hash and found.input_hash != sent):
+            return None
+        if found.status in ("cancelled", "expired"):  # maybe an earlier attempt's, cut short
+            return None
+        for waiter in self._waiting.forget(rid):
+            if not waiter.done():
+                waiter.set_result(found)
+        return found
 
     async def result(self, handle: Handle | str, timeout_s: float | None = None) -> Any:
         """The request's output; raises RequestExpired or InferenceError for what failed."""

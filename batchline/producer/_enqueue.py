@@ -8,6 +8,8 @@ and says of each request what it did with it (see :mod:`._once`).
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections import Counter
 from typing import Any
 
@@ -15,7 +17,13 @@ import msgpack
 from redis.exceptions import RedisError
 
 from batchline.config import ProducerSettings
-from batchline.errors import BatcherClosed, QueueFull
+from batchline.errors import (
+    BatcherClosed,
+    EnqueueUncertain,
+    NotReplicated,
+    QueueFull,
+    ServiceUnavailable,
+)
 from batchline.producer._failures import Failed, connected, translate, uncertain, writer_for
 from batchline.producer._once import Answered, outcome_of
 from batchline.producer._replies import Waiters
@@ -23,9 +31,13 @@ from batchline.transport._admission import Admission
 from batchline.transport._once import once_keys
 from batchline.transport._outbox import Outbox
 from batchline.transport._redis import RedisClient
+from batchline.transport._replication import Replication
+from batchline.transport._sentinel import is_sentinel_url
 from batchline.transport.codec import Result
 
 __all__ = ["Enqueuer", "Target"]
+
+logger = logging.getLogger(__name__)
 
 #: Who learns how a write went: a submit's ack future, or an infer's (request id, future).
 Target = asyncio.Future[Any] | tuple[str, "asyncio.Future[Result] | None"]
@@ -65,6 +77,13 @@ class Enqueuer:
         self._counts = counts
         self._limits = settings.limits()
         self._admission = admission
+        self._replication = Replication.of(settings)
+        # Through Sentinel a lost connection is most likely a failover: a write it cut (or
+        # refused, no primary named yet) goes again, for up to redis_wait_s; the same ids
+        # make that safe (a request queued by the first try is attached, not queued twice).
+        self._failover_s = (
+            settings.redis_wait_s if is_sentinel_url(settings.redis_url.get_secret_value()) else 0
+        )
         self._keys = once_keys(keys)
         self._outbox: Outbox[_Pending] = Outbox(
             self._flush, max_batch=settings.submit_batch, abandon=self._abandon, name=name
@@ -94,7 +113,9 @@ class Enqueuer:
         """Write one batch of the outbox; tell each submit how its write went."""
         targets = [target for _, target, _ in pending]
         try:
-            entries = await self._write([e for e, _, _ in pending], [rid for _, _, rid in pending])
+            entries = await self._write_through_failover(
+                [e for e, _, _ in pending], [rid for _, _, rid in pending]
+            )
         except Failed as failed:  # each submit of this write gets its error
             for target, error in zip(targets, failed.errors, strict=True):
                 self._settle(target, error)
@@ -103,6 +124,10 @@ class Enqueuer:
                 self._settle(target, exc)
         else:
             for (sent, target, rid), entry in zip(pending, entries, strict=True):
+                if isinstance(entry, NotReplicated):
+                    self._counts["not_replicated"] += 1
+                    self._settle(target, entry)
+                    continue
                 outcome = outcome_of(rid, entry, self._limits, sent[1])
                 self._counts[outcome.kind] += 1
                 self._settle(target, outcome)
@@ -140,6 +165,31 @@ class Enqueuer:
                     fut.set_exception(outcome)
                     fut.exception()  # retrieved: its caller may have gone
 
+    async def _write_through_failover(self, batch: list[list[Any]], ids: list[str]) -> list[Any]:
+        """:meth:`_write`, again after a lost connection or no primary, for up to
+        ``_failover_s`` (0: once)."""
+        deadline = time.monotonic() + self._failover_s
+        delay_s = 0.1
+        while True:
+            try:
+                return await self._write(batch, ids)
+            except Failed as failed:
+                again = all(
+                    isinstance(e, EnqueueUncertain | ServiceUnavailable)
+                    and not isinstance(e, NotReplicated)
+                    for e in failed.errors
+                )
+                if not again or time.monotonic() + delay_s > deadline:
+                    raise
+                logger.warning(
+                    "a write of %d requests failed (%s): again in %.1f s, the same ids",
+                    len(ids),
+                    failed.errors[0],
+                    delay_s,
+                )
+            await asyncio.sleep(delay_s)  # a back-off while a failover completes
+            delay_s = min(delay_s * 2, 2.0)
+
     async def _write(self, batch: list[list[Any]], ids: list[str]) -> list[Any]:
         """One call of the enqueue script; raises Failed with a typed error per request."""
         flat: list[Any] = []  # one after another: the script makes no table per request
@@ -159,6 +209,28 @@ class Enqueuer:
         try:
             # Sizes are the workers' to check (their limits): the admission refuses an entry
             # larger than their largest request.
-            return await self._admission.enqueue(self._writer, args, max_bytes=0)
+            replies = await self._admission.enqueue(self._writer, args, max_bytes=0)
+            if not self._replication.replicated:
+                return replies
+            confirmed = await self._replication.confirmed(self._writer)
         except (RedisError, OSError) as exc:
             raise Failed([uncertain(exc, rid) for rid in ids], exc) from exc
+        if self._replication.short(confirmed):
+            r = self._replication
+            # What was written is not accepted; what was answered at once stands.
+            replies = [
+                NotReplicated(rid, confirmed, r.needed, r.timeout_ms) if _written(reply) else reply
+                for rid, reply in zip(ids, replies, strict=True)
+            ]
+        return replies
+
+
+def _written(reply: Any) -> bool:
+    """Whether the enqueue function (or script) wrote this request: queued (an entry id or
+    ``"queued"``), attached or coalesced; not answered at once, refused or full."""
+    if reply is None or reply is False:
+        return False
+    if not isinstance(reply, list):
+        return True
+    kind = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
+    return kind in ("attached", "coalesced")

@@ -20,6 +20,7 @@ import re
 
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.exceptions import (
     BusyLoadingError,
@@ -108,7 +109,18 @@ def writer_for(client: RedisClient) -> RedisClient:
         return dedicated(client)
     pool = client.connection_pool
     kwargs = {**pool.connection_kwargs, "retry": Retry(NoBackoff(), 0)}
-    own = ConnectionPool(connection_class=pool.connection_class, max_connections=1, **kwargs)
+    own: ConnectionPool
+    if isinstance(pool, SentinelConnectionPool):  # the primary its sentinels name
+        kwargs.pop("connection_pool", None)  # its own, set by the new pool
+        own = SentinelConnectionPool(  # type: ignore[no-untyped-call]
+            pool.service_name,
+            pool.sentinel_manager,
+            connection_class=pool.connection_class,
+            max_connections=1,
+            **kwargs,
+        )
+    else:
+        own = ConnectionPool(connection_class=pool.connection_class, max_connections=1, **kwargs)
     return Redis(connection_pool=own, single_connection_client=True)
 
 

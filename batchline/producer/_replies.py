@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgpack
@@ -97,6 +97,7 @@ class ReplyReader:
         closed: Callable[[], bool],
         *,
         streams: Streams,
+        recovered: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._redis = redis
         self._reply_key = reply_key
@@ -104,6 +105,7 @@ class ReplyReader:
         self._limits = limits
         self._closed = closed
         self._streams = streams
+        self._recovered = recovered
         self._client: RedisClient = None  # the reader's own client, while it runs
         # Warnings of dropped entries: one at once, then at most one per _QUIET_S with how
         # many more were dropped (a flood of forged entries must not flood the log).
@@ -134,6 +136,7 @@ class ReplyReader:
     async def _read_with(self, client: RedisClient) -> None:
         last = b"0-0"
         backoff = Backoff(logger, "reply reader")
+        failed = False
         # stop() cancels this task, but on Python 3.11 a cancellation that lands just as
         # redis-py's internal wait_for completes is swallowed; closed() ends the loop anyway.
         while not self._closed():
@@ -142,9 +145,15 @@ class ReplyReader:
             except (RedisError, OSError) as exc:
                 if self._closed():
                     break  # stop() cut the connection: nothing to report
+                failed = True
                 await backoff.wait(exc)
                 continue
             backoff.reset()
+            if failed and self._recovered is not None:
+                # Back after a failure (a restart, a failover): replies written meanwhile may
+                # be gone with the old primary; the results they carried are in result keys.
+                failed = False
+                await self._recovered()
             if not response:
                 continue
             seen: list[bytes] = []

@@ -42,24 +42,38 @@ local function error_result(id, etype, emsg, hash)
   end
   return cmsgpack.pack(flat)
 end
+local function reply_entry(results)  -- the fields n and r of one reply entry
+  local n = #results
+  local header
+  if n < 16 then
+    header = string.char(0x90 + n)
+  elseif n < 65536 then
+    header = string.char(0xdc, math.floor(n / 256), n % 256)
+  else
+    header = string.char(0xdd, math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256,
+      math.floor(n / 256) % 256, n % 256)
+  end
+  return n, header .. table.concat(results)
+end
 local function send_replies(prefix, maxlen, ttl)
   for reply, results in pairs(replies) do
-    local n = #results
-    local header
-    if n < 16 then
-      header = string.char(0x90 + n)
-    elseif n < 65536 then
-      header = string.char(0xdc, math.floor(n / 256), n % 256)
-    else
-      header = string.char(0xdd, math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256,
-        math.floor(n / 256) % 256, n % 256)
-    end
+    local n, r = reply_entry(results)
     local key = prefix .. reply
-    redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', 'n', n, 'r',
-      header .. table.concat(results))
+    redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', 'n', n, 'r', r)
     redis.call('EXPIRE', key, ttl)
   end
   replies = {}
+end
+local function take_replies(prefix)  -- for the caller to push: {key, n, r, key, n, r, ...}
+  local out = {}
+  for reply, results in pairs(replies) do
+    local n, r = reply_entry(results)
+    out[#out + 1] = prefix .. reply
+    out[#out + 1] = n
+    out[#out + 1] = r
+  end
+  replies = {}
+  return out
 end
 """
 

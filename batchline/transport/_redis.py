@@ -10,12 +10,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeAlias, TypeVar
 
 from redis.asyncio import Redis, RedisCluster
+from redis.asyncio.sentinel import MasterNotFoundError, SentinelConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, OutOfMemoryError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from batchline.config import ServiceSettings, redact_url
 from batchline.errors import BatchlineError
+from batchline.transport._sentinel import is_sentinel_url, parse_sentinel_url, sentinel_client
 
 __all__ = [
     "Backoff",
@@ -44,10 +46,13 @@ class RedisUnreachable(BatchlineError, ConnectionError):
 
 
 def connect(settings: ServiceSettings) -> RedisClient:
-    """An asyncio Redis (or Redis Cluster) client for ``settings.redis_url``; bytes replies."""
+    """An asyncio Redis (or Redis Cluster) client for ``settings.redis_url``, or one of the
+    primary its sentinels name (a ``redis+sentinel://`` URL); bytes replies."""
     url = settings.redis_url.get_secret_value()
     if settings.redis_cluster:
         return RedisCluster.from_url(url)
+    if is_sentinel_url(url):
+        return sentinel_client(url, health_check_interval=30)
     return Redis.from_url(url, health_check_interval=30)
 
 
@@ -67,6 +72,13 @@ async def wait_for_redis(client: RedisClient, settings: ServiceSettings, *, wait
             left_s = deadline - time.monotonic()
             reason = f"{type(exc).__name__}: {exc}".strip().rstrip(":")
             if left_s <= 0:
+                if isinstance(exc, MasterNotFoundError):
+                    spec = parse_sentinel_url(settings.redis_url.get_secret_value())
+                    raise RedisUnreachable(
+                        f"no primary for {spec.where()} ({reason}): check that the sentinels "
+                        "run and monitor a primary under that name (SENTINEL MASTERS), or "
+                        "point BATCHLINE_REDIS_URL (or --redis-url) at them"
+                    ) from None
                 raise RedisUnreachable(
                     f"Redis at {url} does not answer ({reason}); start it, or point "
                     "BATCHLINE_REDIS_URL (or --redis-url) at a Redis that runs"
@@ -91,9 +103,26 @@ def dedicated(client: RedisClient) -> RedisClient:
 
     A cluster client (or anything else) is returned as it is: it routes per key.
     """
+    if isinstance(client.connection_pool, SentinelConnectionPool):
+        return _SentinelDedicated(
+            connection_pool=client.connection_pool, single_connection_client=True
+        )
     if type(client) is Redis:
         return Redis(connection_pool=client.connection_pool, single_connection_client=True)
     return client
+
+
+class _SentinelDedicated(Redis):
+    """:func:`dedicated` over a Sentinel pool: a connection that was cut (a failover) asks
+    the sentinels for the primary before its next command. (redis-py's single connection
+    reconnects to the address it had, the old primary, for ever.)"""
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        await self.initialize()
+        connection = self.connection
+        if connection is not None and not connection.is_connected:
+            await connection.connect()  # type: ignore[no-untyped-call]  # asks the sentinels
+        return await super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
 
 
 @contextlib.asynccontextmanager

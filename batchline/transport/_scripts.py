@@ -88,8 +88,11 @@ return out
 # further fields follow (0, 1, 4 or 5) and those: input hash, cache key to fill, in-flight
 # mark to clear, status, [dead-letter field, value, ...] (a plain answer has none, an
 # answer that may have coalesced requests its input hash); then the prefixes of request
-# inputs and of waiters, cache_ttl_s, and the time now (unix ms: the ts of entries added
-# again).
+# inputs and of waiters, cache_ttl_s, the time now (unix ms: the ts of entries added
+# again), '1' to have the replies returned rather than pushed (durability replicated: the
+# worker pushes them once WAIT confirms the rest): {answered, {reply key, n, r, ...}}, and '1'
+# for a call made again after a failure (a failover): a record whose entry is acknowledged
+# already is pushed its answer anyway (producers drop what they have).
 # Each result (a dead letter's error result too) also reaches the request's further
 # waiters (its waiters' set): the same id
 # from other producers, and requests of other ids coalesced onto it (for those the result
@@ -118,6 +121,7 @@ local result_prefix = ARGV[5]
 local reply_prefix = ARGV[6]
 local records = cmsgpack.unpack(ARGV[7])
 local rid_prefix, wait_prefix, cache_ttl, now_ms = ARGV[8], ARGV[9], ARGV[10], ARGV[11]
+local again = ARGV[13] == '1'
 local dead = KEYS[#KEYS]
 local answered = 0
 local finished = {}
@@ -234,6 +238,8 @@ while at <= size do
       end
       if mark ~= '' and redis.call('GET', mark) == request_id then redis.call('DEL', mark) end
     end
+  elseif again and result ~= '' and reply ~= '' then
+    push(reply, result)  -- a try of this call whose answer may not have reached its producer
   end
   local done = finished[stream]
   if done == nil then
@@ -246,6 +252,9 @@ for stream, entries in pairs(finished) do
   for i = 1, #entries, 1000 do  -- unpack() takes a few thousand values at most
     redis.call('XDEL', stream, unpack(entries, i, math.min(i + 999, #entries)))
   end
+end
+if ARGV[12] == '1' then  -- replicated: the caller pushes them once replicas hold this
+  return {answered, take_replies(reply_prefix)}
 end
 send_replies(reply_prefix, reply_maxlen, ttl)
 return answered

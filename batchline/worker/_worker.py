@@ -51,6 +51,7 @@ from batchline.errors import BatcherClosed, BatchlineError, RequestCancelled, Wo
 from batchline.transport._cancels import CancelLog, CancelTrim
 from batchline.transport._functions import load_library
 from batchline.transport._redis import RedisClient, connect, dedicated, wait_for_redis
+from batchline.transport._replication import Replication
 from batchline.transport.keys import check_name, host_id
 from batchline.worker._admitter import Admitter
 from batchline.worker._answers import Meta, Record, answer, dead_letter, finished
@@ -180,6 +181,7 @@ class Worker:
             result_ttl_s=s.result_ttl_s,
             claims=self._claims,
             cache=self._cache,
+            replication=Replication.of(s),
         )
         self._chunks = ChunkWriter(
             self._redis,

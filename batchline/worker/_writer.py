@@ -19,6 +19,7 @@ from redis.exceptions import RedisError
 
 from batchline.transport._outbox import Outbox
 from batchline.transport._redis import Backoff, RedisClient, Script
+from batchline.transport._replication import Replication
 from batchline.transport._scripts import COMPLETE
 from batchline.transport.keys import GROUP, QueueKeys
 from batchline.worker._answers import Record
@@ -30,6 +31,7 @@ __all__ = ["AnswerWriter"]
 logger = logging.getLogger(__name__)
 
 REPLY_MAXLEN = 100_000
+_ASYNC = Replication()
 DEAD_MAXLEN = 100_000
 #: How long one write is retried through a Redis restart before its entries are left pending.
 _RETRY_BUDGET_S = 30.0
@@ -53,6 +55,7 @@ class AnswerWriter:
         result_ttl_s: int,
         claims: Claims,
         cache: AnswerCache | None = None,
+        replication: Replication = _ASYNC,
     ) -> None:
         self._client = client
         self._cache = cache
@@ -60,6 +63,9 @@ class AnswerWriter:
         self._result_ttl_s = result_ttl_s
         self._claims = claims
         self._script = Script(COMPLETE)
+        self._replication = replication
+        #: Answers pushed without the replicas' confirmation (durability replicated).
+        self.unconfirmed = 0
         self._retry = Backoff(logger, "writer", max_delay_s=1.0)
         self._outbox: Outbox[Record] = Outbox(self._flush, name="batchline-writer")
 
@@ -114,7 +120,38 @@ class AnswerWriter:
             self._keys.waiters(""),
             self._cache.ttl_s if self._cache is not None else 0,
             int(time.time() * 1e3),
+            "1" if self._replication.replicated else "0",
         ]
-        await self._retry.retry(
-            lambda: self._script(self._client, keys, args), budget_s=_RETRY_BUDGET_S
-        )
+        tries = 0
+
+        async def attempt() -> None:
+            # Again after a failure: the first try may have written on a primary that died
+            # before its push reached the producers.
+            nonlocal tries
+            tries += 1
+            done = await self._script(self._client, keys, [*args, "1" if tries > 1 else "0"])
+            if self._replication.replicated:
+                await self._confirm_then_push(len(records), done[1])
+
+        await self._retry.retry(attempt, budget_s=_RETRY_BUDGET_S)
+
+    async def _confirm_then_push(self, n: int, replies: list[Any]) -> None:
+        """Durability replicated: push the answers once the replicas hold them (WAIT on this
+        connection, which wrote them); pushed all the same if they do not in time (the
+        answer is computed; the primary holds it), with a warning."""
+        confirmed = await self._replication.confirmed(self._client)
+        if self._replication.short(confirmed):
+            self.unconfirmed += n
+            logger.warning(
+                "writer: the answers of %d requests are held by the primary and %d replicas, "
+                "not the %d required (min_replicas), after %d ms: pushed all the same",
+                n,
+                confirmed,
+                self._replication.needed,
+                self._replication.timeout_ms,
+            )
+        async with self._client.pipeline(transaction=False) as pipe:
+            for key, count, packed in zip(replies[::3], replies[1::3], replies[2::3], strict=True):
+                pipe.xadd(key, {"n": count, "r": packed}, maxlen=REPLY_MAXLEN, approximate=True)
+                pipe.expire(key, self._result_ttl_s)
+            await pipe.execute()
