@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import html
+import importlib
 import re
 import types
 import typing
@@ -32,27 +33,36 @@ import batchline.config
 _MARKER = re.compile(r"^<!-- generated: (\w+)(?: (\w+))? -->$", re.M)
 
 
-# -- what the command line shows: the one place that reads batchline.cli ------------------------
+# -- what the command line shows: the one place that reads batchline.cli -----------------------
+#
+# The command's own record of its options (``batchline.cli.cli_reference()``, with the
+# helpers of ``batchline._cli_options``) is what this page should be made from; where the
+# installed batchline has no such record yet, the same facts are read from the argument
+# parser itself (``batchline.cli._parser()``) by argparse introspection. Once every branch has
+# the record, the introspection goes.
 
 
-def _cli_parser() -> argparse.ArgumentParser:
-    from batchline import cli
-
-    return cli._parser()
+def _cli_module(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
 
 def shown_default(name: str, info: FieldInfo) -> str:
     """A setting's default as ``batchline worker --help`` shows it."""
-    from batchline import cli
-
-    return cli._shown_default(name, info)
+    options = _cli_module("batchline._cli_options")
+    if options is not None:
+        return str(options.shown_default(name, info.default))
+    return str(_cli_module("batchline.cli")._shown_default(name, info))
 
 
 def field_docs(cls: type) -> dict[str, str]:
     """Each setting's description, as ``--help`` shows it (without its ``[env ...]`` part)."""
-    from batchline import cli
-
-    return cli._field_docs(cls)
+    options = _cli_module("batchline._cli_options")
+    source = options if options is not None else _cli_module("batchline.cli")
+    found = (source.field_docs if options is not None else source._field_docs)(cls)
+    return {str(k): str(v) for k, v in found.items()}
 
 
 @dataclass(frozen=True)
@@ -77,8 +87,12 @@ class Command:
 
 
 def commands() -> list[Command]:
-    """``batchline`` and each of its commands, read from the argument parser."""
-    parser = _cli_parser()
+    """``batchline`` and each of its commands, with their options."""
+    cli = _cli_module("batchline.cli")
+    reference = getattr(cli, "cli_reference", None)
+    if reference is not None:
+        return [_from_record(command) for command in reference()]
+    parser = cli._parser()
     found = [_command("batchline", parser.description or "", parser)]
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -87,6 +101,25 @@ def commands() -> list[Command]:
                 about = sub.description or helps.get(name, "")
                 found.append(_command(f"batchline {name}", about, sub))
     return found
+
+
+def _from_record(command: Any) -> Command:
+    """A command as ``batchline.cli.cli_reference()`` records it."""
+    options = []
+    for o in command.options:
+        suffix = "; ".join(
+            part
+            for part in (
+                f"env {o.env}" if o.env else "",
+                f"default {o.default}" if o.default is not None else "",
+            )
+            if part
+        )
+        text = f"{o.help} [{suffix}]" if suffix else o.help
+        dest = o.name.lstrip("-").replace("-", "_")
+        options.append(Option((o.name,), o.metavar or "", text, dest))
+    name = str(command.name)
+    return Command(name, str(command.description), "", tuple(options))
 
 
 def _command(name: str, about: str, parser: argparse.ArgumentParser) -> Command:
@@ -197,7 +230,8 @@ def cli_markdown() -> str:
     parts = []
     for command in commands():
         parts += [f"## `{command.name}`", "", _cell(command.about), ""]
-        parts += ["```text", command.usage, "```", ""]
+        if command.usage:
+            parts += ["```text", command.usage, "```", ""]
         if command.epilog:
             parts += ["```text", command.epilog, "```", ""]
         parts += ['<div class="options" markdown>', ""]
