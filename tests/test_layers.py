@@ -1,4 +1,4 @@
-"""The package's layers, as the README's architecture map draws them: core -> drivers ->
+"""The package's layers, as docs/architecture.md draws them: core -> drivers ->
 transport -> producer and worker. Each layer imports only itself, the layers before it, and
 the shared ``errors`` and ``config`` modules."""
 

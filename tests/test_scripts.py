@@ -1,8 +1,9 @@
 """Smoke runs of the benchmarks in scripts/: they start, measure and report (no figures checked).
 
-The figures are the benchmarks' business (run them by hand, see README.md); these runs only
-keep the scripts and their shared harness (scripts/_harness.py) working. The soak and the
-hostile-writers check judge themselves (exit status): their short runs here must pass.
+The figures are the benchmarks' business (run them by hand; docs/benchmarks.md holds them);
+these runs only keep the scripts and their shared harness (scripts/_harness.py) working. The
+soak and the hostile-writers check judge themselves (exit status): their short runs here must
+pass.
 """
 
 from __future__ import annotations

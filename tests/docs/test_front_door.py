@@ -1,0 +1,52 @@
+"""README.md is the front door, not the manual (STYLE.md 29-31): short, with the commands,
+the examples and links into docs/; no page speaks of the project's history as "this round"."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from service.conftest import REPO
+
+from .pages import pages
+
+README = (REPO / "README.md").read_text(encoding="utf-8")
+
+
+def test_the_readme_is_at_most_150_lines() -> None:
+    assert len(README.splitlines()) <= 150
+
+
+def test_the_readme_keeps_the_test_command_ci_runs() -> None:
+    assert "bash scripts/test.sh" in README
+    assert "scripts/test.sh" in (REPO / ".ci" / "run").read_text(encoding="utf-8")
+
+
+def test_every_readme_link_into_docs_leads_to_a_page() -> None:
+    links = re.findall(r"\]\((docs/[^)#]+)(?:#[^)]*)?\)", README)
+    assert links
+    for link in links:
+        assert (REPO / link).is_file(), link
+
+
+def test_each_figure_of_the_readme_has_its_date_and_command() -> None:
+    table = re.search(
+        r"^\| what \| figure \| date \| command \|\n\|.*\n((?:\|.*\n)+)", README, re.M
+    )
+    assert table is not None
+    for row in table.group(1).splitlines():
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", cells[2]), row
+        assert cells[3].startswith("`python"), row
+
+
+HISTORY = re.compile(
+    r"this round|an? (?:earlier|later|previous) round|not run yet|not yet run|since this round",
+    re.I,
+)
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(REPO)))
+def test_no_page_speaks_of_rounds(page: object) -> None:
+    text = page.read_text(encoding="utf-8")  # type: ignore[attr-defined]
+    assert not HISTORY.findall(text), HISTORY.findall(text)
