@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from batchline.drivers._options import DEFAULTS
@@ -108,17 +108,24 @@ class ServiceSettings(BaseSettings):
     def _name(cls, value: str) -> str:
         return check_name("name", value)
 
-    @model_validator(mode="after")
-    def _sentinel_url(self) -> ServiceSettings:
-        url = self.redis_url.get_secret_value()
+    @field_validator("redis_url")
+    @classmethod
+    def _sentinel_url(cls, value: SecretStr) -> SecretStr:
+        url = value.get_secret_value()
         if is_sentinel_url(url):
-            if self.redis_cluster:
-                raise ValueError(
-                    "redis_url names sentinels and redis_cluster is true: a Redis Cluster "
-                    "fails over by itself; give one of its nodes (redis://) instead"
-                )
             parse_sentinel_url(url)  # a ValueError naming what is wrong
-        return self
+        return value
+
+    @field_validator("redis_cluster")
+    @classmethod
+    def _cluster_or_sentinels(cls, value: bool, info: ValidationInfo) -> bool:
+        url = info.data.get("redis_url")
+        if value and url is not None and is_sentinel_url(url.get_secret_value()):
+            raise ValueError(
+                "redis_url names sentinels and redis_cluster is true: a Redis Cluster fails "
+                "over by itself; give one of its nodes (redis://) instead"
+            )
+        return value
 
     @property
     def keys(self) -> QueueKeys:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -300,3 +301,26 @@ def start_redis(
         client.close()
         procs.stop("redis-server")
     raise RuntimeError("could not start redis-server:\n" + procs.log_tail("redis-server"))
+
+
+async def served_rate(producer: Any, values: list[Any], inflight: int, *, echo: bool) -> float:
+    """Requests/s end to end: ``values`` through an AsyncProducer, ``inflight`` at a time;
+    with ``echo``, every answer must be its input."""
+    started = time.perf_counter()
+    for first in range(0, len(values), inflight):
+        chunk = values[first : first + inflight]
+        answers = await producer.map(chunk, timeout_s=300)
+        if len(answers) != len(chunk) or (echo and answers != chunk):
+            raise AssertionError("a request was answered wrong")
+    return len(values) / (time.perf_counter() - started)
+
+
+async def idle_latencies(producer: Any, n: int) -> list[float]:
+    """Milliseconds of ``n`` requests sent one at a time, sorted; checks every answer."""
+    took = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        if await producer.infer(i, timeout_s=30) != i:
+            raise AssertionError("a request was answered wrong")
+        took.append((time.perf_counter() - t0) * 1e3)
+    return sorted(took)

@@ -35,31 +35,21 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import redis  # noqa: E402
-from _harness import CpuMeter, Procs, log, machine, percentile, start_redis  # noqa: E402
+from _harness import (  # noqa: E402
+    CpuMeter,
+    Procs,
+    idle_latencies,
+    log,
+    machine,
+    percentile,
+    served_rate,
+    start_redis,
+)
 
 from batchline.keys import QueueKeys  # noqa: E402
 from batchline.producer import AsyncProducer  # noqa: E402
 
 MODES = ("functions", "scripts")
-
-
-async def _throughput(producer: AsyncProducer, n: int, inflight: int) -> float:
-    started = time.perf_counter()
-    for first in range(0, n, inflight):
-        chunk = list(range(first, min(n, first + inflight)))
-        if await producer.map(chunk, timeout_s=120) != chunk:
-            raise AssertionError("a request was answered wrong")
-    return n / (time.perf_counter() - started)
-
-
-async def _idle(producer: AsyncProducer, n: int) -> list[float]:
-    took = []
-    for i in range(n):
-        t0 = time.perf_counter()
-        if await producer.infer(i, timeout_s=30) != i:
-            raise AssertionError("a request was answered wrong")
-        took.append((time.perf_counter() - t0) * 1e3)
-    return sorted(took)
 
 
 async def _run(url: str, queue: str, redis_pid: int, args: argparse.Namespace) -> None:
@@ -72,14 +62,18 @@ async def _run(url: str, queue: str, redis_pid: int, args: argparse.Namespace) -
     }
     try:
         for producer in producers.values():  # warm up both ways
-            await _throughput(producer, min(2000, args.requests), args.inflight)
+            await served_rate(
+                producer, list(range(min(2000, args.requests))), args.inflight, echo=True
+            )
         for rep in range(args.repeats):
             for mode in MODES if rep % 2 == 0 else MODES[::-1]:
                 producer = producers[mode]
                 meter = CpuMeter({"redis": redis_pid})
-                rps = await _throughput(producer, args.requests, args.inflight)
+                rps = await served_rate(
+                    producer, list(range(args.requests)), args.inflight, echo=True
+                )
                 redis_us = meter.done()["redis"] / args.requests * 1e6
-                idle = await _idle(producer, args.idle)
+                idle = await idle_latencies(producer, args.idle)
                 got = figures[mode]
                 for name, value in (
                     ("requests/s", rps),

@@ -6,6 +6,7 @@ manifests agree with batchline: probes, grace period, inbox, streams, consumer g
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -201,3 +202,40 @@ def test_worker_pods_are_probed_by_the_worker_check_and_drain_in_their_grace_per
     url = [e for e in container["env"] if e["name"] == "BATCHLINE_REDIS_URL"][0]
     secret = one("Secret", url["valueFrom"]["secretKeyRef"]["name"])
     assert url["valueFrom"]["secretKeyRef"]["key"] in secret["stringData"]
+
+
+def test_the_replicated_compose_variant_hangs_together() -> None:
+    """docker/compose.ha.yaml: workers and the API name the three sentinels by the service
+    the sentinels monitor, with durability replicated; a quorum of 2 of 3; the primary
+    refuses writes without a replica in sync; every Redis keeps an AOF. (The failover itself
+    is proved with local processes: tests/service/test_failover.py.)"""
+    from batchline.transport._sentinel import parse_sentinel_url
+
+    root = DEPLOY.parent.parent / "docker"
+    base = yaml.safe_load((root / "compose.yaml").read_text())
+    ha = yaml.safe_load((root / "compose.ha.yaml").read_text())
+    services = ha["services"]
+    sentinels = sorted(name for name in services if name.startswith("sentinel-"))
+    assert sentinels == ["sentinel-1", "sentinel-2", "sentinel-3"]
+    script = services["sentinel-1"]["entrypoint"][2]
+    monitor = re.search(r"sentinel monitor (\S+) (\S+) 6379 (\d+)", script)
+    assert monitor is not None
+    service, primary, quorum = monitor.groups()
+    assert (primary, int(quorum)) == ("redis", 2)
+    assert primary in base["services"]
+    for role in ("worker", "api"):
+        env = services[role]["environment"]
+        url = env["BATCHLINE_REDIS_URL"].replace(
+            "${REDIS_PASSWORD:?set REDIS_PASSWORD in docker/.env}", "pw"
+        )
+        spec = parse_sentinel_url(url)
+        assert spec.service == service
+        assert sorted(h for h, _ in spec.sentinels) == sentinels
+        assert spec.sentinel_kwargs["password"] == "pw"
+        assert (env["BATCHLINE_DURABILITY"], env["BATCHLINE_MIN_REPLICAS"]) == ("replicated", "1")
+        assert set(services[role]["depends_on"]) >= {"sentinel-1", "redis-replica-1"}
+    command = services["redis"]["command"]
+    assert command[command.index("--min-replicas-to-write") + 1] == "1"
+    for name in ("redis", "redis-replica-1", "redis-replica-2"):
+        args = services[name]["command"]
+        assert args[args.index("--appendonly") + 1] == "yes", name

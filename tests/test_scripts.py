@@ -242,15 +242,31 @@ def test_bench_admission_smoke() -> None:
     if not Path("/usr/bin/redis-server").exists():
         pytest.skip("needs Debian's redis-server (7): the functions")
     argv = ["--requests", "300", "--inflight", "100", "--idle", "20", "--repeats", "2"]
-    out = subprocess.run(
-        [sys.executable, "scripts/bench_admission.py", *argv],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-        env=os.environ | {"PYTHONPATH": str(REPO)},
-    ).stdout
+    out = _judged_run(["scripts/bench_admission.py", *argv], 300)
     assert "2 interleaved repeats" in out, out
     for figure in ("requests/s", "idle p50 ms", "redis CPU µs/request"):
         assert re.search(rf"^{re.escape(figure)} .* ([0-9.]+|-)$", out, re.M), out
+
+
+def _sentinel_redis() -> None:
+    if not Path("/usr/bin/redis-server").exists():
+        pytest.skip("needs Debian's redis-server (7, with Sentinel)")
+
+
+@pytest.mark.timeout(300)
+def test_failover_smoke() -> None:
+    """One failover of a short load: the table, every accepted request answered."""
+    _sentinel_redis()
+    argv = ["--duration", "3", "--rate", "30", "--failovers", "1", "--durability", "replicated"]
+    out = _judged_run(["scripts/failover.py", *argv], 280)
+    row = re.search(r"^replicated\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)", out, re.M)
+    assert row is not None, out
+    sent, accepted, answered, lost, wrong = map(int, row.groups())
+    assert (sent, accepted, answered, lost, wrong) == (90, 90, 90, 0, 0), out
+
+
+def test_bench_durability_smoke() -> None:
+    _sentinel_redis()
+    argv = ["--requests", "300", "--inflight", "100", "--repeats", "1", "--models", "echo"]
+    out = _judged_run(["scripts/bench_durability.py", *argv], 280)
+    assert re.search(r"^echo\s+[\d,]+ \(.*\)\s+[\d,]+ \(.*\)\s+[\d.]+$", out, re.M), out

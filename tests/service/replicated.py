@@ -13,6 +13,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -58,7 +59,7 @@ class ReplicatedRedis:
         self.primary_port = self._server()
         self.replica_ports = [self._server(replicaof=self.primary_port) for _ in range(replicas)]
         self.sentinel_ports = [self._sentinel(down_after_ms) for _ in range(3)]
-        _wait(self._replicas_online, "the replicas to sync")
+        _wait(lambda: self._replicas_online(self.primary_port), "the replicas to sync")
         _wait(self._sentinels_agree, "the sentinels to see the primary and its replicas")
 
     @property
@@ -74,7 +75,8 @@ class ReplicatedRedis:
         """The port the sentinels name as the primary now."""
         client = self.client(self.sentinel_ports[0])
         try:
-            _host, port = client.sentinel_get_master_addr_by_name(SERVICE)
+            address: Any = client.sentinel_get_master_addr_by_name(SERVICE)
+            _host, port = address
         finally:
             client.close()
         return int(port)
@@ -91,6 +93,15 @@ class ReplicatedRedis:
         port = self.primary()
         self.procs[port].send_signal(signal.SIGSTOP)
         return port
+
+    def restart(self, port: int) -> None:
+        """Start the server of ``port`` again (after a kill), a replica of the primary now."""
+        primary = self.primary()
+        argv = [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+        argv += ["--appendonly", "no", "--dir", str(self.workdir)]
+        argv += ["--dbfilename", f"dump-{port}.rdb", "--replicaof", "127.0.0.1", str(primary)]
+        self._spawn(port, argv)
+        _wait(lambda: self._replicas_online(primary), "the restarted server to sync")
 
     def resume(self, port: int) -> None:
         self.procs[port].send_signal(signal.SIGCONT)
@@ -141,15 +152,15 @@ class ReplicatedRedis:
         self._spawn(port, [self.binary, str(conf), "--sentinel"])
         return port
 
-    def _replicas_online(self) -> bool:
-        info = self.client(self.primary_port).info("replication")
+    def _replicas_online(self, primary: int) -> bool:
+        info: dict[str, Any] = self.client(primary).info("replication")
         online = [k for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
         online = [k for k in online if info[k].get("state") == "online"]
         return len(online) == len(self.replica_ports)
 
     def _sentinels_agree(self) -> bool:
         for port in self.sentinel_ports:
-            state = self.client(port).sentinel_master(SERVICE)
+            state: Any = self.client(port).sentinel_master(SERVICE)
             if int(state["num-slaves"]) < len(self.replica_ports):
                 return False
             if int(state["num-other-sentinels"]) < len(self.sentinel_ports) - 1:
