@@ -69,12 +69,45 @@ class RedisUnreachable(BatchlineError, ConnectionError):
     redacted) and the setting to change."""
 
 
+def _stream_keys(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """The keys of ``XREAD``/``XREADGROUP`` arguments (after ``STREAMS``: half keys, half
+    ids), or None where there is no ``STREAMS``."""
+    for i, arg in enumerate(args):
+        word = arg.decode() if isinstance(arg, bytes) else str(arg)
+        if word.upper() == "STREAMS":
+            rest = args[i + 1 :]
+            return tuple(rest[: len(rest) // 2])
+    return None
+
+
+class _Cluster(RedisCluster):
+    """redis-py's asyncio cluster client, routing the commands batchline sends with keys in
+    movable places (``FCALL``, ``XREADGROUP``, ``XREAD``) from their arguments, as redis-py
+    does for ``EVAL``. redis-py asks a node (``COMMAND GETKEYS``) on every such call
+    instead: a round trip more, and one that fails outside redis-py's retries while that
+    node goes down in a failover."""
+
+    async def _determine_slot(self, command: str, *args: Any) -> int:
+        name = command.upper() if isinstance(command, str) else str(command).upper()
+        keys: tuple[Any, ...] | None = None
+        if name in ("FCALL", "FCALL_RO") and len(args) >= 2:
+            keys = args[2 : 2 + int(args[1])]
+        elif name in ("XREADGROUP", "XREAD"):
+            keys = _stream_keys(args)
+        if keys:
+            slots = {self.keyslot(key) for key in keys}
+            if len(slots) == 1:
+                return slots.pop()
+        slot: int = await super()._determine_slot(command, *args)
+        return slot
+
+
 def connect(settings: ServiceSettings) -> RedisClient:
     """An asyncio Redis (or Redis Cluster) client for ``settings.redis_url``, or one of the
     primary its sentinels name (a ``redis+sentinel://`` URL); bytes replies."""
     url = settings.redis_url.get_secret_value()
     if settings.redis_cluster:
-        return RedisCluster.from_url(url)
+        return _Cluster.from_url(url)
     if is_sentinel_url(url):
         return sentinel_client(url, health_check_interval=30)
     return Redis.from_url(url, health_check_interval=30)

@@ -225,6 +225,47 @@ async def test_acl_users_on_a_redis_cluster(
         client.close()
 
 
+async def test_the_cluster_client_routes_fcall_and_xreadgroup_from_their_arguments(
+    cluster_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """batchline's cluster client finds the slot of FCALL and XREADGROUP from their keys
+    (redis-py asks a node with COMMAND GETKEYS on every call, a round trip more, and one
+    that fails outside its retries while that node goes down)."""
+    from redis.asyncio.cluster import RedisCluster as AsyncCluster
+
+    from batchline.config import ServiceSettings
+    from batchline.transport._redis import connect
+
+    client = connect(ServiceSettings(redis_url=cluster_url, redis_cluster=True))
+    asked: list[tuple[object, ...]] = []
+
+    async def get_keys(*args: object) -> None:
+        asked.append(args)
+        raise AssertionError("asked a node for the keys")
+
+    try:
+        await client.initialize()
+        assert isinstance(client, AsyncCluster)
+        monkeypatch.setattr(client.commands_parser, "_get_moveable_keys", get_keys)
+        keys = QueueKeys("routed")
+        await client.xgroup_create(keys.stream(0), "g", id="0", mkstream=True)
+        await client.xadd(keys.stream(0), {"a": "1"})
+        read = await client.xreadgroup("g", "c", {keys.stream(0): ">"}, count=1)
+        assert [fields for _, entries in read for _, fields in entries] == [{b"a": b"1"}]
+        lib = "#!lua name=routed_test\nredis.register_function('first', "
+        lib += "function(keys, args) return redis.call('XLEN', keys[1]) end)"
+        for node in client.get_primaries():
+            await client.execute_command("FUNCTION", "LOAD", "REPLACE", lib, target_nodes=node)
+        assert await client.fcall("first", 1, keys.stream(0)) == 1
+        assert asked == []
+    finally:
+        for node in client.get_primaries():
+            with contextlib.suppress(redis.ResponseError):  # where the test stopped early
+                await client.execute_command("FUNCTION", "DELETE", "routed_test", target_nodes=node)
+        await client.delete(keys.stream(0))
+        await client.aclose()
+
+
 @pytest.mark.timeout(240)
 async def test_durability_replicated_on_a_cluster_through_a_primary_killed_under_load(
     tmp_path: Path, workers: Callable[..., WorkerThread], queue: str
