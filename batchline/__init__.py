@@ -8,7 +8,7 @@ gather calls that arrive close together into batches for one call of the functio
 from batchline import aio, inference
 from batchline.core.stats import BatchStats, Percentiles
 from batchline.drivers._aio import AioBatcher
-from batchline.drivers._api import dynamically
+from batchline.drivers._dynamically import dynamically
 from batchline.drivers._inference import AioInferenceBatcher, InferenceBatcher
 from batchline.drivers._options import (
     AioInferenceOptions,

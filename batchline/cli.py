@@ -118,9 +118,9 @@ def _worker(args: argparse.Namespace) -> int:
     import signal
 
     from batchline.errors import WorkerHung
-    from batchline.transport._loop import EXIT_INTERRUPTED, run
+    from batchline.transport._event_loop import EXIT_INTERRUPTED, run
     from batchline.worker import Worker
-    from batchline.worker._watchdog import HUNG_EXIT_CODE
+    from batchline.worker.upkeep._watchdog import HUNG_EXIT_CODE
 
     worker = Worker(settings)
     worker.exit_if_loop_blocked = True
@@ -138,8 +138,8 @@ def _worker(args: argparse.Namespace) -> int:
 
 async def _check(settings: Any, max_age_s: float | None) -> int:
     """Health check: a worker of this host (or ``worker_id``) sent a heartbeat lately."""
+    from batchline.keys import host_id
     from batchline.transport._redis import connect
-    from batchline.transport.keys import host_id
     from batchline.transport.status import LIVE_WITHIN_S
 
     max_age_s = LIVE_WITHIN_S if max_age_s is None else max_age_s
@@ -184,8 +184,8 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _acl(args: argparse.Namespace) -> int:
-    from batchline.transport.acl import ROLES, acl_setuser
-    from batchline.transport.keys import QueueKeys
+    from batchline.acl import ROLES, acl_setuser
+    from batchline.keys import QueueKeys
 
     settings = command_settings("acl", args)
     keys = QueueKeys(settings.queue, settings.prefix)  # the rules cover every priority's stream
@@ -392,7 +392,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``batchline`` command and ``python -m batchline``."""
-    from batchline.transport._loop import EXIT_INTERRUPTED
+    from batchline.transport._event_loop import EXIT_INTERRUPTED
     from batchline.transport._redis import RedisUnreachable
 
     try:

@@ -17,14 +17,14 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from batchline.codec import Limits
 from batchline.drivers._options import DEFAULTS
-from batchline.transport._lua import MAX_PER_CALL as _MAX_PER_CALL
-from batchline.transport._sentinel import is_sentinel_url, parse_sentinel_url
-from batchline.transport.codec import Limits
-from batchline.transport.keys import QueueKeys, check_name
+from batchline.keys import QueueKeys, check_name
+from batchline.redis_url import is_sentinel_url, parse_sentinel_url
 
 __all__ = [
     "ENV_PREFIX",
+    "MAX_PER_CALL",
     "ProducerSettings",
     "ServiceSettings",
     "WebSettings",
@@ -34,6 +34,9 @@ __all__ = [
 ]
 
 ENV_PREFIX = "BATCHLINE_"
+#: The most requests one call of the enqueue function or script takes (``submit_batch``'s
+#: bound; the Lua checks it too).
+MAX_PER_CALL = 4096
 #: The largest JSON a worker accepts as a request's value (the protocol's ``meta`` limit).
 _REQUEST_JSON_BYTES = Limits().max_meta_bytes
 
@@ -157,7 +160,7 @@ class ProducerSettings(ServiceSettings):
 
     max_queue_depth: int = Field(default=100_000, ge=0)
     default_priority: int = Field(default=1, ge=0)
-    submit_batch: int = Field(default=512, ge=1, le=_MAX_PER_CALL)
+    submit_batch: int = Field(default=512, ge=1, le=MAX_PER_CALL)
     max_result_bytes: int = Field(default=64 << 20, ge=1)
     admission: Literal["auto", "functions", "scripts"] = "auto"
 

@@ -161,7 +161,7 @@ class RedisWorker:
         """(steps, rows) the worker has run, and when its heartbeat said so."""
         import redis
 
-        from batchline.transport.keys import QueueKeys
+        from batchline.keys import QueueKeys
 
         keys = QueueKeys(self.queue)
         client = redis.Redis.from_url(self.url)

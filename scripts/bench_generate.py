@@ -52,13 +52,13 @@ from typing import Any
 # This checkout's batchline, not whichever one is installed (the worker it starts runs here).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from batchline.worker._threads import (
+from batchline.worker._cpu_threads import (
     apply_threads,
     available_cpus,
     prepare_environment,
 )
 
-# The worker's CPU threading (batchline.worker._threads), for the in-process rows too, set
+# The worker's CPU threading (batchline.worker._cpu_threads), for the in-process rows too, set
 # before torch loads: the cores this process may use, and OpenMP threads that wait passively
 # (spinning ones take the cores from the other threads and processes of a shared machine).
 prepare_environment(available_cpus())

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from batchline.worker._threads import apply_threads, available_cpus, prepare_environment
+from batchline.worker._cpu_threads import apply_threads, available_cpus, prepare_environment
 
 prepare_environment(available_cpus())
 

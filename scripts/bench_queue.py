@@ -218,8 +218,8 @@ def config(args: argparse.Namespace) -> Config:
 
 
 def loop_in_use() -> str:
-    """The event loop the children pick (BATCHLINE_EVENT_LOOP, batchline.transport._loop)."""
-    from batchline.transport._loop import loop_factory
+    """The event loop the children pick (BATCHLINE_EVENT_LOOP, batchline.transport._event_loop)."""
+    from batchline.transport._event_loop import loop_factory
 
     name = os.environ.get("BATCHLINE_EVENT_LOOP", "auto")
     factory = loop_factory(name)

@@ -1,46 +1,163 @@
-"""The package's layers, as docs/architecture.md draws them: core -> drivers ->
-transport -> producer and worker. Each layer imports only itself, the layers before it, and
-the shared ``errors`` and ``config`` modules."""
+"""The package's layers, as docs/architecture.md draws them, and no import circle.
+
+Every part of ``batchline`` (a subpackage or a top-level module) has a row below: the parts
+it may import. Every import counts, wherever it stands (a function's lazy import and an
+``if TYPE_CHECKING:`` one included), relative ones resolved. Then the whole graph of modules,
+and the graph of parts, must have no cycle."""
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "batchline"
 
-ALLOWED = {
-    "core": {"core", "errors"},
-    "drivers": {"core", "drivers", "errors"},
-    "transport": {"transport", "errors", "config"},
-    "producer": {"producer", "transport", "errors", "config"},
-    # and generation/, whose loop a --model generate worker drives
-    "worker": {"worker", "transport", "drivers", "core", "errors", "config", "generation"},
+# The wire format (no I/O) -> settings -> the Redis transport -> producer and worker -> what
+# is built on them. core/ (pure) -> drivers/ (in process) and generation/ beside them.
+WIRE = {"errors", "keys", "codec"}
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "core": {"errors"},
+    "drivers": {"core", "errors"},
+    "aio": {"drivers"},
+    "inference": {"drivers"},
+    "__init__": {"aio", "core", "drivers", "errors", "inference"},
+    "devices": set(),
+    "generation": {"core", "devices", "errors"},
+    "keys": set(),
+    "codec": {"errors", "keys"},
+    "acl": {"keys"},
+    "redis_url": set(),
+    "config": WIRE | {"drivers", "redis_url"},
+    "transport": WIRE | {"config", "redis_url"},
+    "producer": WIRE | {"config", "redis_url", "transport"},
+    "worker": WIRE
+    | {"config", "core", "devices", "drivers", "generation", "redis_url", "transport"},
+    "contrib": WIRE | {"config", "producer", "transport"},
+    "demo": WIRE | {"config", "drivers", "producer", "transport", "worker"},
+    "_cli_options": set(),
+    "cli": WIRE | {"_cli_options", "acl", "config", "demo", "transport", "worker"},
+    "__main__": {"cli"},
 }
 
 
-def _imported_parts(path: Path) -> set[str]:
-    """The first part under ``batchline`` of every batchline module ``path`` imports."""
-    parts = set()
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its own name)."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> Iterator[str]:
+    """The batchline modules ``name`` imports: ``from m import x`` counts as ``m.x`` where
+    that is a module, else as ``m``; relative imports resolved."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        names = []
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
-        elif isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        for name in names:
-            split = name.split(".")
-            if split[0] == "batchline" and len(split) > 1:
-                parts.add(split[1])
-    return parts
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            for alias in node.names:
+                sub = f"{module}.{alias.name}"
+                yield sub if sub in MODULES else module
 
 
-@pytest.mark.parametrize("layer", sorted(ALLOWED))
-def test_a_layer_imports_only_the_layers_before_it(layer: str) -> None:
-    files = sorted((PACKAGE / layer).rglob("*.py"))
-    assert files, f"no modules under batchline/{layer}/"
-    for path in files:
-        stray = _imported_parts(path) - ALLOWED[layer]
-        assert not stray, f"{path.relative_to(PACKAGE)} imports batchline.{sorted(stray)}"
+def _graph() -> dict[str, set[str]]:
+    return {
+        name: {m for m in _imports(name, path) if m in MODULES and m != name}
+        for name, path in MODULES.items()
+    }
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph.get(node, ())):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_every_part_has_a_row() -> None:
+    parts = {_part(m) for m in MODULES}
+    assert parts == set(ALLOWED), (
+        f"parts without a row: {sorted(parts - set(ALLOWED))}; "
+        f"rows without a part: {sorted(set(ALLOWED) - parts)}"
+    )
+
+
+@pytest.mark.parametrize("part", sorted(ALLOWED))
+def test_a_part_imports_only_the_parts_below_it(part: str) -> None:
+    graph = _graph()
+    for module in sorted(m for m in MODULES if _part(m) == part):
+        stray = {_part(m) for m in graph[module]} - ALLOWED[part] - {part}
+        assert not stray, f"{module} imports batchline.{sorted(stray)}"
+
+
+def test_no_import_circle_between_modules() -> None:
+    assert _cycles(_graph()) == []
+
+
+def test_no_import_circle_between_parts() -> None:
+    parts: dict[str, set[str]] = {}
+    for module, imported in _graph().items():
+        parts.setdefault(_part(module), set()).update(
+            _part(m) for m in imported if _part(m) != _part(module)
+        )
+    assert _cycles(parts) == []
+
+
+def test_the_cycle_check_finds_a_circle() -> None:
+    # The check itself, on a graph with one: a -> b -> c -> a, and d alone.
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def test_the_wire_modules_do_no_redis_io() -> None:
+    for module in sorted(m for m in MODULES if _part(m) in ("keys", "codec", "acl")):
+        assert not any(m.startswith("redis") for m in _imports(module, MODULES[module])), module

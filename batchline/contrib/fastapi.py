@@ -48,6 +48,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from redis.exceptions import RedisError
 
+from batchline.codec import DecodeError, Result, unpack_result
 from batchline.config import ProducerSettings, WebSettings, check_environment
 from batchline.contrib._body_limit import BodyLimit
 from batchline.contrib._common import INPUT_ERRORS, MAX_TEXT_CHARS, RETRY_AFTER_S
@@ -60,12 +61,11 @@ from batchline.errors import (
     RequestTimeout,
     ServiceUnavailable,
 )
+from batchline.keys import ID_PATTERN, MAX_ID_CHARS
 from batchline.producer import AsyncProducer, Handle
 from batchline.producer._failures import translate
-from batchline.producer._once import cached_result
+from batchline.producer._outcomes import cached_result
 from batchline.transport._redis import RedisClient, connect
-from batchline.transport.codec import DecodeError, Result, unpack_result
-from batchline.transport.keys import ID_PATTERN, MAX_ID_CHARS
 
 __all__ = [
     "INPUT_ERRORS",

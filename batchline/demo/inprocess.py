@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from batchline.demo.sentences import labelled_sentences
-from batchline.drivers._api import dynamically
+from batchline.drivers._dynamically import dynamically
 
 __all__ = ["run_demo"]
 

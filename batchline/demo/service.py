@@ -38,7 +38,7 @@ from batchline.demo.embedded import EmbeddedRedis
 from batchline.demo.load import open_loop
 from batchline.demo.sentences import labelled_sentences
 from batchline.drivers._options import DEFAULTS
-from batchline.transport._loop import EXIT_INTERRUPTED
+from batchline.transport._event_loop import EXIT_INTERRUPTED
 from batchline.worker._supervisor import die_with_parent
 
 __all__ = ["run_service_demo"]

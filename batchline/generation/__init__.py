@@ -10,8 +10,8 @@ the default model is SmolLM2-135M-Instruct from the ``generate`` extra::
             print(delta.text, end="")
 """
 
-from batchline.generation._api import Generator, RequestOptions, SyncGenerator
 from batchline.generation._engine import Engine, StepOutput
+from batchline.generation._generators import GenerationOptions, Generator, SyncGenerator
 from batchline.generation._loop import GenerationLoop
 from batchline.generation._model import DEFAULT_MODEL, load_causal_lm
 from batchline.generation._types import (
@@ -27,10 +27,10 @@ __all__ = [
     "FinishReason",
     "GenerationDelta",
     "GenerationLoop",
+    "GenerationOptions",
     "GenerationParams",
     "GenerationResult",
     "Generator",
-    "RequestOptions",
     "StepOutput",
     "SyncGenerator",
     "load_causal_lm",

@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from batchline.devices import pick_device, pick_dtype
+
 __all__ = [
     "DEFAULT_MODEL",
     "cache_dir",
@@ -22,7 +24,6 @@ __all__ = [
     "kv_bytes_per_token",
     "load_causal_lm",
     "log_kv_budget",
-    "place",
 ]
 
 logger = logging.getLogger(__name__)
@@ -89,8 +90,6 @@ def load_causal_lm(
     float16, bfloat16) as the worker picks them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from batchline.worker.models import pick_device, pick_dtype
-
     path = default_gguf() if str(model) == DEFAULT_MODEL else Path(model)
     if path.suffix == ".gguf":
         path = _converted(path)
@@ -98,18 +97,6 @@ def load_causal_lm(
     lm = AutoModelForCausalLM.from_pretrained(str(path), dtype=pick_dtype(dtype, where))
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     return lm.to(where).eval(), tokenizer  # type: ignore[arg-type]
-
-
-def place(model: Any, *, device: str = "auto", dtype: str = "auto") -> Any:
-    """A loaded model moved to ``device`` and cast to ``dtype`` where they are named;
-    ``auto`` leaves it where it is, in its own dtype."""
-    from batchline.worker.models import pick_dtype
-
-    if device != "auto":
-        model = model.to(device)
-    if dtype != "auto":
-        model = model.to(pick_dtype(dtype, device))
-    return model.eval()
 
 
 def kv_bytes_per_token(model: Any) -> tuple[int, str] | None:

@@ -1,15 +1,15 @@
 """What web backends import: enqueue requests and receive results over Redis."""
 
-from batchline.producer._async import AsyncProducer, Handle, RequestOptions, SubmitOptions
+from batchline.codec import Result
+from batchline.producer._async import AsyncProducer, EnqueueOptions, Handle, SubmitOptions
 from batchline.producer._stream import StreamChunk
 from batchline.producer._sync import Producer
-from batchline.transport.codec import Result
 
 __all__ = [
     "AsyncProducer",
+    "EnqueueOptions",
     "Handle",
     "Producer",
-    "RequestOptions",
     "Result",
     "StreamChunk",
     "SubmitOptions",

@@ -26,6 +26,8 @@ from typing import Any, TypedDict, Unpack, cast
 
 from redis.exceptions import RedisError
 
+from batchline.codec import DecodeError, Result, unpack_result
+from batchline.codec._requests import request_fields
 from batchline.config import ProducerSettings, redact_url
 from batchline.errors import (
     BatcherClosed,
@@ -34,19 +36,17 @@ from batchline.errors import (
     RequestIdConflict,
     RequestTimeout,
 )
+from batchline.keys import check_name, host_id
 from batchline.producer._enqueue import Enqueuer
 from batchline.producer._failures import timed_out, translate
-from batchline.producer._once import Answered, cached_result
+from batchline.producer._outcomes import Answered, cached_result
 from batchline.producer._replies import ReplyReader, Waiters
-from batchline.producer._stream import StreamChunk, Streams, quiet_cancel, stream_request
+from batchline.producer._stream import StreamChunk, Streams, quiet_cancel
 from batchline.transport._admission import Admission
 from batchline.transport._once import input_hash
 from batchline.transport._redis import RedisClient, connect
-from batchline.transport.codec import DecodeError, Result, unpack_result
-from batchline.transport.codec._requests import request_fields
-from batchline.transport.keys import check_name, host_id
 
-__all__ = ["AsyncProducer", "Handle", "RequestOptions", "SubmitOptions"]
+__all__ = ["AsyncProducer", "EnqueueOptions", "Handle", "SubmitOptions"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +56,16 @@ def _new_id() -> str:
     return os.urandom(16).hex()
 
 
-class RequestOptions(TypedDict, total=False):
-    """Options of one request, taken by ``infer`` and ``map`` (see :meth:`AsyncProducer.submit`)."""
+class EnqueueOptions(TypedDict, total=False):
+    """What one enqueued request may set, taken by ``infer``, ``map`` and ``stream`` (see
+    :meth:`AsyncProducer.submit`)."""
 
     deadline_ms: float | None
     priority: int | None
     request_id: str | None
 
 
-class SubmitOptions(RequestOptions, total=False):
+class SubmitOptions(EnqueueOptions, total=False):
     """``submit``'s options: a request's, and whether its result is pushed to this producer."""
 
     reply: bool
@@ -376,15 +377,15 @@ class AsyncProducer:
         values: Iterable[Any],
         *,
         timeout_s: float | None = None,
-        **options: Unpack[RequestOptions],
+        **options: Unpack[EnqueueOptions],
     ) -> list[Any]:
         """Submit many requests (coalesced writes) and return their outputs, in order."""
         return list(
             await asyncio.gather(*(self.infer(v, timeout_s=timeout_s, **options) for v in values))
         )
 
-    def stream(
-        self, value: Any, *, timeout_s: float | None = None, **options: Unpack[RequestOptions]
+    async def stream(
+        self, value: Any, *, timeout_s: float | None = None, **options: Unpack[EnqueueOptions]
     ) -> AsyncGenerator[StreamChunk, None]:
         """Submit one generation request and yield its text as it is generated.
 
@@ -404,7 +405,41 @@ class AsyncProducer:
                 after the call (default: no limit).
             **options: ``deadline_ms``, ``priority``, ``request_id``, as for :meth:`submit`.
         """
-        return stream_request(self, value, timeout_s, options)
+        rid, waiter = await self._send(
+            value,
+            deadline_ms=options.get("deadline_ms"),
+            priority=options.get("priority"),
+            request_id=options.get("request_id"),
+            reply=True,
+            stream=True,
+        )
+        fut = cast("asyncio.Future[Result]", waiter)  # reply=True: there is one
+        # Registered before the write goes (with the next flush, after _send returns).
+        state = self._streams.open(rid, fut, self._waiting.inputs.get(rid, ""))
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        try:
+            while True:
+                if state.error is not None:
+                    raise state.error
+                if fut.done():
+                    yield state.last(fut.result().unwrap())
+                    return
+                chunk = state.pending()
+                if chunk is not None:
+                    yield chunk
+                    continue
+                state.event.clear()
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await state.event.wait()
+                except TimeoutError:
+                    what = f"request {rid} did not finish within {timeout_s:g} s"
+                    raise await self._timed_out(what) from None
+        finally:
+            if self._streams.end(state, fut):  # left before its end: it waits no more
+                self._waiting.drop(rid, fut)
+                fut.cancel()
 
     async def _timed_out(self, what: str) -> RequestTimeout:
         """RequestTimeout for ``what``, naming the queue and whether a live worker serves it."""

@@ -16,6 +16,7 @@ from typing import Any
 import msgpack
 from redis.exceptions import RedisError
 
+from batchline.codec import Result
 from batchline.config import ProducerSettings
 from batchline.errors import (
     BatcherClosed,
@@ -25,15 +26,14 @@ from batchline.errors import (
     ServiceUnavailable,
 )
 from batchline.producer._failures import Failed, connected, translate, uncertain, writer_for
-from batchline.producer._once import Answered, outcome_of
+from batchline.producer._outcomes import Answered, outcome_of
 from batchline.producer._replies import Waiters
+from batchline.redis_url import is_sentinel_url
 from batchline.transport._admission import Admission
 from batchline.transport._once import once_keys
 from batchline.transport._outbox import Outbox
 from batchline.transport._redis import RedisClient
 from batchline.transport._replication import Replication
-from batchline.transport._sentinel import is_sentinel_url
-from batchline.transport.codec import Result
 
 __all__ = ["Enqueuer", "Target"]
 

@@ -40,8 +40,8 @@ from batchline.errors import (
     RequestTimeout,
     ServiceUnavailable,
 )
+from batchline.keys import QueueKeys
 from batchline.transport._redis import PASSING, RedisClient, dedicated, pinned
-from batchline.transport.keys import QueueKeys
 from batchline.transport.status import LIVE_WITHIN_S, live_worker_count
 
 __all__ = [

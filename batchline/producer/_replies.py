@@ -18,12 +18,12 @@ from typing import Any
 import msgpack
 from redis.exceptions import RedisError
 
-from batchline.producer._once import check_input
+from batchline.codec import DecodeError, Limits, Result
+from batchline.codec._chunks import CHUNKS_FIELD
+from batchline.codec._results import decode_flat
+from batchline.producer._outcomes import check_input
 from batchline.producer._stream import Streams
 from batchline.transport._redis import Backoff, RedisClient, own_connection
-from batchline.transport.codec import DecodeError, Limits, Result
-from batchline.transport.codec._chunks import CHUNKS_FIELD
-from batchline.transport.codec._results import decode_flat
 
 __all__ = ["ReplyReader", "Waiters"]
 
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 class Waiters(dict[str, list["asyncio.Future[Result]"]]):
     """Every waiter of a request id in one producer (a resubmit of a waiting id adds one),
     and the input hash of each waited-for request as sent: a pushed result computed from
-    another input (its ``ih``) is not taken (:func:`~batchline.producer._once.check_input`)."""
+    another input (its ``ih``) is not taken (:func:`~batchline.producer._outcomes.check_input`)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -18,22 +18,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from redis.exceptions import RedisError
 
+from batchline.codec import Result
+from batchline.codec._chunks import Chunk, unpack_chunks
 from batchline.errors import DecodeError, InferenceError, StreamDiverged
 from batchline.transport._admission import Admission
 from batchline.transport._redis import RedisClient
-from batchline.transport.codec import Result
-from batchline.transport.codec._chunks import Chunk, unpack_chunks
 
-if TYPE_CHECKING:
-    from batchline.producer._async import AsyncProducer, RequestOptions
-
-__all__ = ["StreamChunk", "StreamState", "Streams", "quiet_cancel", "stream_request"]
+__all__ = ["StreamChunk", "StreamState", "Streams", "quiet_cancel"]
 
 logger = logging.getLogger(__name__)
 
@@ -239,44 +236,3 @@ class Streams:
                 dropped += 1
                 first = first or str(exc)
         return (dropped, first) if dropped else None
-
-
-async def stream_request(
-    producer: AsyncProducer, value: Any, timeout_s: float | None, options: RequestOptions
-) -> AsyncGenerator[StreamChunk, None]:
-    """:meth:`AsyncProducer.stream`: submit with ``stream``, yield chunks, then the last."""
-    rid, waiter = await producer._send(
-        value,
-        deadline_ms=options.get("deadline_ms"),
-        priority=options.get("priority"),
-        request_id=options.get("request_id"),
-        reply=True,
-        stream=True,
-    )
-    fut = cast("asyncio.Future[Result]", waiter)  # reply=True: there is one
-    # Registered before the write goes (with the next flush, after _send returns).
-    state = producer._streams.open(rid, fut, producer._waiting.inputs.get(rid, ""))
-    loop = asyncio.get_running_loop()
-    deadline = None if timeout_s is None else loop.time() + timeout_s
-    try:
-        while True:
-            if state.error is not None:
-                raise state.error
-            if fut.done():
-                yield state.last(fut.result().unwrap())
-                return
-            chunk = state.pending()
-            if chunk is not None:
-                yield chunk
-                continue
-            state.event.clear()
-            try:
-                async with asyncio.timeout_at(deadline):
-                    await state.event.wait()
-            except TimeoutError:
-                what = f"request {rid} did not finish within {timeout_s:g} s"
-                raise await producer._timed_out(what) from None
-    finally:
-        if producer._streams.end(state, fut):  # left before its end: it waits no more
-            producer._waiting.drop(rid, fut)
-            fut.cancel()

@@ -11,11 +11,11 @@ import threading
 from collections.abc import AsyncGenerator, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar, Unpack
 
+from batchline.codec import Result
 from batchline.config import ProducerSettings
-from batchline.producer._async import AsyncProducer, Handle, RequestOptions, SubmitOptions
+from batchline.producer._async import AsyncProducer, EnqueueOptions, Handle, SubmitOptions
 from batchline.producer._stream import StreamChunk
-from batchline.transport._loop import loop_factory
-from batchline.transport.codec import Result
+from batchline.transport._event_loop import loop_factory
 
 __all__ = ["Producer"]
 
@@ -69,7 +69,7 @@ class Producer:
         return self._run(self._async.result(handle, timeout_s))
 
     def infer(
-        self, value: Any, *, timeout_s: float | None = None, **options: Unpack[RequestOptions]
+        self, value: Any, *, timeout_s: float | None = None, **options: Unpack[EnqueueOptions]
     ) -> Any:
         """See :meth:`AsyncProducer.infer`."""
         return self._run(self._async.infer(value, timeout_s=timeout_s, **options))
@@ -79,13 +79,13 @@ class Producer:
         values: Iterable[Any],
         *,
         timeout_s: float | None = None,
-        **options: Unpack[RequestOptions],
+        **options: Unpack[EnqueueOptions],
     ) -> list[Any]:
         """See :meth:`AsyncProducer.map`."""
         return self._run(self._async.map(list(values), timeout_s=timeout_s, **options))
 
     def stream(
-        self, value: Any, *, timeout_s: float | None = None, **options: Unpack[RequestOptions]
+        self, value: Any, *, timeout_s: float | None = None, **options: Unpack[EnqueueOptions]
     ) -> Iterator[StreamChunk]:
         """See :meth:`AsyncProducer.stream`; leaving the loop early (or closing the iterator)
         cancels the request."""

@@ -17,11 +17,11 @@ from typing import Any, Literal
 from redis.exceptions import NoPermissionError, ResponseError
 
 from batchline.errors import ServiceUnavailable
+from batchline.keys import QueueKeys
 from batchline.transport._cancels import CANCELS_MAXLEN
 from batchline.transport._functions import CANCEL, ENQUEUE, function_missing
 from batchline.transport._redis import RedisClient, Script
 from batchline.transport._scripts import ENQUEUE as ENQUEUE_SCRIPT
-from batchline.transport.keys import QueueKeys
 
 __all__ = ["Admission", "AdmissionMode"]
 

@@ -26,8 +26,8 @@ from typing import Any
 
 from redis.exceptions import NoPermissionError, RedisError
 
+from batchline.keys import MAX_ID_CHARS, QueueKeys, is_name
 from batchline.transport._redis import Backoff, RedisClient
-from batchline.transport.keys import MAX_ID_CHARS, QueueKeys, is_name
 
 __all__ = ["CANCELS_MAXLEN", "CancelLog", "CancelTrim"]
 

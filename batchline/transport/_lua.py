@@ -8,10 +8,9 @@ request comes in (docs/protocol.md: Answers computed once; Admission).
 
 from __future__ import annotations
 
-__all__ = ["EACH", "MAX_PER_CALL", "ONCE", "REPLIES", "VALIDATE"]
+from batchline.config import MAX_PER_CALL
 
-#: Most requests (or cancels) one call of the enqueue (or cancel) function takes.
-MAX_PER_CALL = 4096
+__all__ = ["EACH", "MAX_PER_CALL", "ONCE", "REPLIES", "VALIDATE"]
 
 # Replies: results queued per producer during a call, then one reply entry per producer
 # (fields n and r: a msgpack array header, then the packed results one after another).

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from batchline.transport.keys import QueueKeys
+from batchline.keys import QueueKeys
 
 __all__ = ["ONCE_COUNTERS", "cache_hash", "input_hash", "once_figures", "once_keys"]
 

@@ -25,7 +25,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from batchline.config import ServiceSettings, redact_url
 from batchline.errors import BatchlineError
-from batchline.transport._sentinel import is_sentinel_url, parse_sentinel_url, sentinel_client
+from batchline.redis_url import is_sentinel_url, parse_sentinel_url
+from batchline.transport._sentinel import sentinel_client
 
 __all__ = [
     "Backoff",

@@ -21,9 +21,9 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from batchline.config import ServiceSettings, redact_url
+from batchline.keys import GROUP, QueueKeys
 from batchline.transport._once import once_figures
 from batchline.transport._redis import RedisClient
-from batchline.transport.keys import GROUP, QueueKeys
 
 __all__ = ["LIVE_WITHIN_S", "collect", "live_worker_count", "render"]
 

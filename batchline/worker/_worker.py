@@ -49,30 +49,30 @@ from redis.exceptions import RedisError
 from batchline.config import WorkerSettings, redact_url
 from batchline.drivers._base import Call, Item
 from batchline.errors import BatcherClosed, BatchlineError, RequestCancelled, WorkerHung
+from batchline.keys import check_name, host_id
 from batchline.transport._cancels import CancelLog, CancelTrim
 from batchline.transport._functions import load_library
 from batchline.transport._redis import RedisClient, connect, dedicated, pinned, wait_for_redis
 from batchline.transport._replication import Replication
-from batchline.transport.keys import check_name, host_id
-from batchline.worker._admitter import Admitter
-from batchline.worker._answers import Meta, Record, answer, dead_letter, finished
-from batchline.worker._cache import AnswerCache
-from batchline.worker._chunks import ChunkWriter
-from batchline.worker._claims import Claims
-from batchline.worker._consumers import ensure_groups
-from batchline.worker._executors import Hooks, build
-from batchline.worker._generate import GenerationExecutor
-from batchline.worker._guard import Guard
-from batchline.worker._prep import Preparer
-from batchline.worker._readcap import ReadCap
-from batchline.worker._reader import Entries, Reader
+from batchline.worker._cpu_threads import apply_threads, available_cpus, prepare_environment
 from batchline.worker._ready import ready_line
-from batchline.worker._threads import apply_threads, available_cpus, prepare_environment
-from batchline.worker._upkeep import Upkeep, every, snapshot
-from batchline.worker._watchdog import Stamp, work_of
-from batchline.worker._writer import AnswerWriter
 from batchline.worker.metrics import Metrics
 from batchline.worker.models import Model, Prepared, load_model
+from batchline.worker.serving._admitter import Admitter
+from batchline.worker.serving._answers import Meta, Record, answer, dead_letter, finished
+from batchline.worker.serving._cache import AnswerCache
+from batchline.worker.serving._chunk_writer import ChunkWriter
+from batchline.worker.serving._claims import Claims
+from batchline.worker.serving._executors import Hooks, build
+from batchline.worker.serving._generation_executor import GenerationExecutor
+from batchline.worker.serving._intake import Preparer
+from batchline.worker.serving._readcap import ReadCap
+from batchline.worker.serving._reader import Entries, Reader
+from batchline.worker.serving._writer import AnswerWriter
+from batchline.worker.upkeep._consumers import ensure_groups
+from batchline.worker.upkeep._guard import Guard
+from batchline.worker.upkeep._upkeep import Upkeep, every, snapshot
+from batchline.worker.upkeep._watchdog import Stamp, work_of
 
 __all__ = ["Worker"]
 

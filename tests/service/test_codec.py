@@ -25,8 +25,8 @@ from batchline.codec import (
     request_value,
     unpack_value,
 )
+from batchline.codec._requests import decode_requests
 from batchline.errors import InferenceError, RequestCancelled, RequestExpired
-from batchline.transport.codec._requests import decode_requests
 
 from .codec_fields import LIMITS, as_redis, json_values
 from .conftest import assert_same

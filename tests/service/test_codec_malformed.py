@@ -28,7 +28,7 @@ from batchline.codec import (
     request_value,
     unpack_value,
 )
-from batchline.transport.codec._requests import check_priority, salvage_id
+from batchline.codec._requests import check_priority, salvage_id
 
 from .codec_fields import LIMITS, as_redis, json_values
 from .conftest import assert_same

@@ -12,7 +12,7 @@ from redis.asyncio import Redis as AsyncRedis
 
 from batchline.keys import GROUP, QueueKeys
 from batchline.producer import AsyncProducer
-from batchline.worker._consumers import prune_consumers
+from batchline.worker.upkeep._consumers import prune_consumers
 
 from .conftest import RESULT_TIMEOUT_S, WorkerThread, wait_until
 

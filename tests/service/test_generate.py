@@ -189,7 +189,7 @@ def test_the_model_logs_its_kv_budget_and_takes_the_workers_prefill_chunk(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     from batchline.config import WorkerSettings
-    from batchline.worker._generate import GenerationExecutor, GenerationModel
+    from batchline.worker.serving._generation_executor import GenerationExecutor, GenerationModel
 
     model = GenerationModel(TINY)
     settings = WorkerSettings(model="generate", max_batch_tokens=1000, max_prefill_tokens=8)

@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from batchline.devices import pick_dtype
 from batchline.errors import InferenceError
 from batchline.producer import Producer
 from batchline.worker import TransformersModel, Worker, load_model
-from batchline.worker.models import pick_dtype
 
 from .conftest import RESULT_TIMEOUT_S, WorkerThread, run_cli
 

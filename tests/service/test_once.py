@@ -20,8 +20,8 @@ from batchline.keys import GROUP, QueueKeys
 from batchline.producer import AsyncProducer
 from batchline.transport._once import cache_hash, input_hash
 from batchline.transport.status import collect, render
-from batchline.worker._answers import Meta, Record, answer
-from batchline.worker._cache import AnswerCache
+from batchline.worker.serving._answers import Meta, Record, answer
+from batchline.worker.serving._cache import AnswerCache
 
 from .conftest import (
     RESULT_TIMEOUT_S,

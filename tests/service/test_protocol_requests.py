@@ -22,9 +22,9 @@ import redis
 from batchline.codec import pack_value
 from batchline.errors import BadGenerationParams
 from batchline.generation import GenerationParams
+from batchline.generation._request import parse_request
 from batchline.keys import QueueKeys
-from batchline.worker._answers import dead_letter
-from batchline.worker._generate import parse_request
+from batchline.worker.serving._answers import dead_letter
 
 from .conftest import WorkerThread, pending_count, spec, stream_lengths, wait_until
 from .models_for_tests import GatedModel

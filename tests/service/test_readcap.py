@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import redis
 
-import batchline.worker._answers as answers_module
+import batchline.worker.serving._answers as answers_module
 from batchline.codec import SCHEMA_VERSION, encode_request
 from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer
-from batchline.worker._readcap import Entry, ReadCap, entry_bytes
+from batchline.worker.serving._readcap import Entry, ReadCap, entry_bytes
 
 from .conftest import RESULT_TIMEOUT_S, WorkerThread, pending_count, poll_result, wait_until
 from .models_for_tests import HeavyEcho

@@ -26,13 +26,13 @@ from batchline.codec import (
     DecodeError,
     Limits,
     Result,
+    _results,
     decode_result,
     encode_result,
     unpack_result,
 )
+from batchline.codec._results import decode_flat, result_map
 from batchline.producer import AsyncProducer
-from batchline.transport.codec import _results
-from batchline.transport.codec._results import decode_flat, result_map
 
 LIMITS = Limits()
 FIELDS = ["v", "id", "status", "meta", "blob", "etype", "emsg", "queue_ms", "batch", "model_ms"]

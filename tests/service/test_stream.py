@@ -19,11 +19,11 @@ import pytest
 import redis
 
 from batchline.codec import Limits, encode_request, unpack_result
+from batchline.codec._requests import request_fields
 from batchline.errors import InferenceError, RequestTimeout
 from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer, Producer, StreamChunk
 from batchline.producer._stream import StreamState
-from batchline.transport.codec._requests import request_fields
 
 from .conftest import (
     RESULT_TIMEOUT_S,

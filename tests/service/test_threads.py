@@ -12,7 +12,7 @@ import pytest
 
 from batchline.producer import Producer
 from batchline.worker import _threads
-from batchline.worker._threads import available_cpus
+from batchline.worker._cpu_threads import available_cpus
 
 from .conftest import MODELS, RESULT_TIMEOUT_S, WorkerProcess
 

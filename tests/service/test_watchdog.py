@@ -9,7 +9,7 @@ import pytest
 
 from batchline.config import WorkerSettings
 from batchline.worker import Prepared
-from batchline.worker._watchdog import (
+from batchline.worker.upkeep._watchdog import (
     COLD_S,
     FACTOR,
     FLOOR_S,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from batchline.codec._chunks import Chunk, merge_chunks, pack_chunks, unpack_chunks
 from batchline.errors import DecodeError, InferenceError, StreamDiverged
 from batchline.producer import StreamChunk
 from batchline.producer._stream import StreamState
-from batchline.transport.codec._chunks import Chunk, merge_chunks, pack_chunks, unpack_chunks
 
 H1, H2 = "1" * 40, "2" * 40
 

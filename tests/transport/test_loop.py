@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from batchline.transport._loop import loop_factory, run
+from batchline.transport._event_loop import loop_factory, run
 
 
 async def _loop_module() -> str:

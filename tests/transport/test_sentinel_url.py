@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from batchline.config import ProducerSettings, WorkerSettings, redact_url
-from batchline.transport._sentinel import is_sentinel_url, parse_sentinel_url
+from batchline.redis_url import is_sentinel_url, parse_sentinel_url
 
 
 def test_a_url_names_the_sentinels_the_service_and_the_database() -> None:

@@ -1,0 +1,153 @@
+"""The two Redis ACL rule sets of a queue: one for producers, one for workers (Redis >= 7).
+
+Threat model: anyone holding the producer credentials (a web backend, a batch job) is not
+trusted with the requests and results of other producers. With the producer rules such a
+client may call the queue's functions (``FCALL``) and nothing that runs code of its own
+(``EVAL``, ``SCRIPT``, ``FUNCTION``); inside them it may append to the queue's inbox
+(``RPUSH``, which removes nothing), count the backlog and read what the enqueue function
+decides from; it may read a result whose request id it knows and its own reply stream. It
+cannot write a work stream, the cancel stream, a result, a reply stream, a ``rid:``,
+``wait:``, ``flight:`` or cache key, nor read the work streams (where every request's id and
+reply address are), the dead-letter stream, the workers set (it may count its members
+within a score range, which a timed-out request's error reports) or the cancel stream. Workers
+admit the inbox under their own rules, deciding each element as the enqueue script would
+(docs/protocol.md, Admission): a request appended under another's id with another input is
+refused, never run. What a producer can still do is deny service: fill the queue, and,
+given a name it cannot list, cancel or attach to a request by its id, or read or delete
+another producer's reply stream (a producer id ends in 128 random bits). The worker
+credentials are trusted: a worker writes results.
+
+Redis checks the keys a script or a function touches (``redis.call``) against the rules of
+the user running it, so a function grants nothing beyond the commands listed here: which is
+why producers write only the inbox. Each set is a list of ``ACL SETUSER`` arguments (without
+``on``, ``reset`` or a password): a key pattern prefixed ``%R~`` is read-only, ``%W~``
+write-only, and a parenthesised group is a selector, checked on its own (a command passes if
+the root rules or one selector allow it with all its keys).
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Literal
+
+from batchline.keys import QueueKeys
+
+__all__ = ["ROLES", "Role", "acl_rules", "acl_setuser"]
+
+Role = Literal["producer", "worker"]
+ROLES: tuple[Role, ...] = ("producer", "worker")
+
+#: Commands every client may need outside any key: the health check, and what redis-py's
+#: cluster client asks a node when it starts (the slot map, the command table).
+_COMMON = ["+ping", "+cluster|slots", "+cluster|shards", "+command"]
+
+
+def _producer(keys: QueueKeys) -> list[str]:
+    return [
+        # The functions and nothing else: the keys FCALL declares (the inbox, the admission
+        # list, the work streams); inside, each command is checked against these rules.
+        f"~{keys.inbox}",
+        f"~{keys.admitting}",
+        f"~{keys.stream_prefix}*",
+        "+fcall",
+        # Inside the enqueue and cancel functions: append to the inbox (RPUSH cannot remove
+        # anything), and the backlog for the depth check and queue_depth().
+        f"(~{keys.inbox} +rpush)",
+        f"(%R~{keys.inbox} %R~{keys.admitting} %R~{keys.stream_prefix}* +llen +xlen)",
+        # Read only: results (polling), and what the enqueue function decides from (input
+        # hashes of ids, the cache, in-flight marks, the model identity).
+        f"(%R~{keys.result_prefix}* %R~{keys.request_input('*')} %R~{keys.cache('*')} "
+        f"%R~{keys.in_flight('*')} %R~{keys.model} +get)",
+        # Its reply stream: read it, delete what it read, and the stream when it closes.
+        f"(%R~{keys.reply_prefix}* +xread)",
+        f"(%W~{keys.reply_prefix}* +xdel +del)",
+        # The enqueue function's counters of the answers it gives at once.
+        f"(~{keys.once_stats} +hincrby +expire)",
+        # The web backend's markers of polled jobs.
+        f"(~{keys.job('*')} +set +get +del)",
+        # How many workers are live, which a timed-out request's error says (a count: not
+        # who they are).
+        f"(%R~{keys.workers} +zcount)",
+    ]
+
+
+def _worker(keys: QueueKeys) -> list[str]:
+    return [
+        f"~{keys.stream_prefix}*",
+        f"~{keys.result_prefix}*",
+        f"~{keys.reply_prefix}*",
+        f"~{keys.cancels}",
+        f"~{keys.inbox}",
+        f"~{keys.admitting}",
+        f"~{keys.dead}",
+        f"~{keys.workers}",
+        f"~{keys.worker_stats('*')}",
+        # Answers computed once: the complete script reads and clears waiters and in-flight
+        # marks, renews input hashes, fills the cache; the model identity; the counters.
+        f"~{keys.request_input('*')}",
+        f"~{keys.waiters('*')}",
+        f"~{keys.cache('*')}",
+        f"~{keys.in_flight('*')}",
+        f"~{keys.model}",
+        f"~{keys.once_stats}",
+        "+smembers",
+        "+sadd",
+        "+del",
+        "+exists",
+        "+hgetall",
+        "+hincrby",
+        # The queue's functions: loading them, and admitting the inbox (LPOP, BLMOVE into
+        # the admission list, XADD to the work and cancel streams).
+        "+function|load",
+        "+fcall",
+        "+lpop",
+        "+blmove",
+        "+llen",
+        # Trimming the cancel stream, however it was written.
+        "+xtrim",
+        # The complete script: XACK, XADD (dead letters, replies), SET, EXPIRE, XDEL.
+        "+evalsha",
+        "+eval",
+        "+script|load",
+        "+xack",
+        "+xadd",
+        "+xdel",
+        "+set",
+        "+expire",
+        # Reading and claiming work, and the consumer group's upkeep.
+        "+xgroup|create",
+        "+xgroup|delconsumer",
+        "+xreadgroup",
+        "+xread",
+        "+xclaim",
+        "+xautoclaim",
+        "+xpending",
+        "+xinfo|groups",
+        "+xinfo|consumers",
+        "+xlen",
+        # The age of a reply stream's oldest entry (a streaming producer gone); the newest
+        # cancels at start-up.
+        "+xrange",
+        "+xrevrange",
+        # Heartbeat and `batchline status`.
+        "+zadd",
+        "+zrem",
+        "+zremrangebyscore",
+        "+zrangebyscore",
+        "+get",
+    ]
+
+
+def acl_rules(keys: QueueKeys, role: Role) -> list[str]:
+    """The ``ACL SETUSER`` rules of ``role`` for the queue of ``keys``, starting from
+    nothing (``resetkeys resetchannels -@all``); add ``on`` and a password to use them."""
+    build = {"producer": _producer, "worker": _worker}.get(role)
+    if build is None:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    return ["resetkeys", "resetchannels", "-@all", *_COMMON, *build(keys)]
+
+
+def acl_setuser(keys: QueueKeys, role: Role, *, user: str) -> str:
+    """One ``ACL SETUSER`` command, quoted for a shell (``redis-cli ...``); the password
+    (``'>secret'``) is left to add."""
+    return shlex.join(["ACL", "SETUSER", user, "reset", "on", *acl_rules(keys, role)])

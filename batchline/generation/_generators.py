@@ -1,0 +1,242 @@
+"""The in-process API: :class:`Generator` (asyncio) and :class:`SyncGenerator` (threads)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from types import TracebackType
+from typing import Any, Self, TypedDict, Unpack
+
+from batchline.core.scheduler import SchedulerConfig
+from batchline.devices import place
+from batchline.generation._engine import DEFAULT_MAX_PREFILL_TOKENS, Engine
+from batchline.generation._loop import GenerationLoop
+from batchline.generation._model import DEFAULT_MODEL, load_causal_lm, log_kv_budget
+from batchline.generation._request import parse_request
+from batchline.generation._types import (
+    GenerationDelta,
+    GenerationResult,
+    Sequence_,
+)
+
+__all__ = ["GenerationOptions", "Generator", "SyncGenerator"]
+
+Event = GenerationDelta | GenerationResult | BaseException
+
+
+class GenerationOptions(TypedDict, total=False):
+    """Keyword options of one generation call (see :class:`Generator`)."""
+
+    messages: list[dict[str, str]]
+    prompt_ids: Sequence[int]
+    priority: int
+    timeout_s: float | None
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: str | Sequence[str]
+
+
+def _put_all(items: list[tuple[asyncio.Queue[Event], Event]]) -> None:
+    for events, event in items:
+        events.put_nowait(event)
+
+
+def _checked(event: Event) -> GenerationDelta | GenerationResult:
+    """The event, or its exception raised."""
+    if isinstance(event, BaseException):
+        raise event
+    return event
+
+
+class _Base:
+    """Model loading, request building and the loop, shared by both facades."""
+
+    def __init__(
+        self,
+        model: Any = DEFAULT_MODEL,
+        *,
+        tokenizer: Any = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        max_batch_size: int = 32,
+        max_batch_tokens: int = 16384,
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+        max_overtake_s: float = 0.1,
+        max_backfill_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if isinstance(model, str | os.PathLike):
+            model, tokenizer = load_causal_lm(model, device=device, dtype=dtype)
+        else:
+            model = place(model, device=device, dtype=dtype)
+        config = SchedulerConfig(
+            max_batch_size=max_batch_size,
+            max_batch_tokens=max_batch_tokens,
+            max_overtake_s=max_overtake_s,
+            max_backfill_s=max_backfill_s,
+        )
+        self.engine = Engine(model, tokenizer, max_prefill_tokens=max_prefill_tokens)
+        log_kv_budget(model, max_batch_tokens)
+        # Events gathered on the model thread for asyncio callers (see Generator).
+        self._gathered: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event], Event]] = []
+        self.loop = GenerationLoop(
+            self.engine, config, clock=clock, on_iteration_end=self._deliver_gathered
+        )
+        self.loop.start()
+
+    def _deliver_gathered(self) -> None:
+        """After each iteration of the loop, on its thread: hand over what it gathered."""
+
+    @property
+    def mean_batch(self) -> float:
+        """Mean running batch per model step so far."""
+        return self.loop.batch_rows / self.loop.steps if self.loop.steps else 0.0
+
+    def _request(
+        self, on_event: Callable[[Event], None], prompt: str | None, options: GenerationOptions
+    ) -> Sequence_:
+        opts: dict[str, Any] = dict(options)
+        priority = opts.pop("priority", 0)
+        timeout_s = opts.pop("timeout_s", None)
+        if prompt is not None:
+            opts["prompt"] = prompt
+        parsed = parse_request(opts, with_ids=True)
+        if parsed.prompt_ids is not None:
+            ids = parsed.prompt_ids
+        else:
+            ids = self.engine.encode(parsed.prompt, messages=parsed.messages)
+        params = self.engine.check(ids, parsed.params)
+        arrival = self.loop.clock()
+        deadline = None if timeout_s is None else arrival + timeout_s
+        seq = Sequence_(ids, params, arrival, on_event, deadline=deadline, priority=priority)
+        self.loop.submit(seq)
+        return seq
+
+
+class Generator(_Base):
+    """Continuous-batching text generation for asyncio code.
+
+    ``model`` is ``"smollm2"`` (the default, from the ``generate`` extra), a Hugging Face
+    causal-LM directory, a ``.gguf`` file, or a loaded model (then pass ``tokenizer``, or
+    ``prompt_ids`` on every call). ``device`` and ``dtype`` (``auto``, ``float32``,
+    ``float16``, ``bfloat16``) place a loaded model only where named (``auto`` keeps it where
+    and as it is); a loaded one by name gets ``auto``: cuda in float16, else cpu in float32.
+    Loading blocks: build it before the event loop, or with
+    ``await asyncio.to_thread(Generator, ...)``. The model runs on a thread of its own.
+
+    Scheduling: ``max_batch_size`` sequences run at once; ``max_batch_tokens`` is the KV
+    budget, counted as the cache lays it out (sequences x the longest prompt +
+    ``max_new_tokens`` among them: a request that does not fit waits); prompts longer than
+    ``max_prefill_tokens`` are prefilled in chunks, at most that many tokens a step, while
+    the running sequences go on decoding (shorter ones in one step); ``max_overtake_s`` and
+    ``max_backfill_s`` as in :mod:`batchline.core.scheduler`.
+
+    Per call: ``max_new_tokens``, ``temperature`` (below 1e-5: greedy), ``top_p``,
+    ``top_k``, ``seed`` (0 to 2**64 - 1), ``stop`` (strings), ``priority``, ``timeout_s`` (a
+    deadline: a request still waiting then raises RequestExpired; a running one ends with
+    finish_reason ``"deadline"``).
+    Bad values raise BadGenerationParams; a prompt that cannot fit raises PromptTooLong.
+    """
+
+    async def generate(
+        self, prompt: str | None = None, **options: Unpack[GenerationOptions]
+    ) -> GenerationResult:
+        """Generate to the end; the text, token ids, finish reason and timings."""
+        async for event in self._events(prompt, options):
+            if isinstance(event, GenerationResult):
+                return event
+        raise AssertionError("unreachable: every request ends with a result or an error")
+
+    async def stream(
+        self, prompt: str | None = None, **options: Unpack[GenerationOptions]
+    ) -> AsyncIterator[GenerationDelta]:
+        """Yield each step's delta (new tokens, the text that became final) as it comes."""
+        async for event in self._events(prompt, options):
+            if isinstance(event, GenerationDelta):
+                yield event
+
+    # One step's events reach the event loop in one call (one wake-up of the loop, not one
+    # per running request): the model thread gathers them, the iteration's end sends them.
+    def _deliver_gathered(self) -> None:
+        gathered, self._gathered = self._gathered, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Event], Event]]] = {}
+        for loop, events, event in gathered:
+            by_loop.setdefault(loop, []).append((events, event))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+    async def _events(self, prompt: str | None, options: GenerationOptions) -> AsyncIterator[Event]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def on_event(event: Event) -> None:  # on the model thread
+            self._gathered.append((loop, events, event))
+
+        seq = self._request(on_event, prompt, options)
+        try:
+            item: Event | None = None
+            while not isinstance(item, GenerationResult):
+                yield (item := _checked(await events.get()))
+        finally:
+            self.loop.cancel(seq)  # a no-op once it ended
+
+    async def aclose(self) -> None:
+        """Refuse new requests, finish the ones already in, stop the model thread."""
+        await asyncio.to_thread(self.loop.close)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+
+class SyncGenerator(_Base):
+    """The same as :class:`Generator`, callable from any number of threads."""
+
+    def generate(
+        self, prompt: str | None = None, **options: Unpack[GenerationOptions]
+    ) -> GenerationResult:
+        """Generate to the end (blocks this thread)."""
+        for event in self._events(prompt, options):
+            if isinstance(event, GenerationResult):
+                return event
+        raise AssertionError("unreachable: every request ends with a result or an error")
+
+    def stream(
+        self, prompt: str | None = None, **options: Unpack[GenerationOptions]
+    ) -> Iterator[GenerationDelta]:
+        """Yield each step's delta as it comes (blocks this thread between them)."""
+        for event in self._events(prompt, options):
+            if isinstance(event, GenerationDelta):
+                yield event
+
+    def _events(self, prompt: str | None, options: GenerationOptions) -> Iterator[Event]:
+        events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        seq = self._request(events.put, prompt, options)
+        try:
+            item: Event | None = None
+            while not isinstance(item, GenerationResult):
+                yield (item := _checked(events.get()))
+        finally:
+            self.loop.cancel(seq)  # a no-op once it ended
+
+    def close(self) -> None:
+        """Refuse new requests, finish the ones already in, stop the model thread."""
+        self.loop.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

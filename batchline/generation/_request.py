@@ -1,0 +1,126 @@
+"""A generation request read and checked: the one parser of what a request may carry, used by
+the in-process generators (keyword options) and by the worker (a request's input from the
+queue; docs/protocol.md, Generation). torch is not imported here: the worker parses on its
+reading side."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from batchline.errors import BadGenerationParams, show_value
+from batchline.generation._types import GenerationParams
+
+__all__ = ["GenerationRequest", "ParsedRequest", "parse_request"]
+
+_PARAMS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+_KEYS = frozenset(("prompt", "messages", *_PARAMS))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """A request ready for the loop: its prompt's token ids and its parameters."""
+
+    prompt_ids: tuple[int, ...]
+    params: GenerationParams
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """What a request asks for: exactly one of a prompt, chat messages or prompt token ids,
+    and its parameters."""
+
+    prompt: str | None
+    messages: list[dict[str, str]] | None
+    prompt_ids: list[int] | None
+    params: GenerationParams
+
+
+def parse_request(
+    value: Any,
+    *,
+    default_max_new_tokens: int | None = None,
+    max_new_tokens_limit: int | None = None,
+    with_ids: bool = False,
+) -> ParsedRequest:
+    """Read a request: a prompt text, or an object with ``prompt`` or ``messages`` (or, where
+    ``with_ids``, ``prompt_ids``: the in-process API) and optional parameters. A missing
+    ``max_new_tokens`` is ``default_max_new_tokens`` (capped by the limit; else
+    :class:`GenerationParams`' default); one over ``max_new_tokens_limit`` is refused.
+    Raises BadGenerationParams naming what is wrong."""
+    if isinstance(value, str):
+        value = {"prompt": value}
+    if not isinstance(value, Mapping):
+        raise BadGenerationParams(
+            "a generation request is a prompt text or an object with prompt or messages, "
+            f"got {type(value).__name__}"
+        )
+    known = _KEYS | {"prompt_ids"} if with_ids else _KEYS
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise BadGenerationParams(
+            f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
+    prompt, messages = value.get("prompt"), value.get("messages")
+    prompt_ids = value.get("prompt_ids")
+    given = [name for name, v in (("prompt", prompt), ("messages", messages)) if v is not None]
+    if with_ids and prompt_ids is not None:
+        given.append("prompt_ids")
+    if len(given) != 1:
+        one_of = "prompt, messages or prompt_ids" if with_ids else "prompt or messages"
+        raise BadGenerationParams(f"give exactly one of {one_of}")
+    if prompt is not None and not isinstance(prompt, str):
+        raise BadGenerationParams(f"prompt must be a text, got {type(prompt).__name__}")
+    if messages is not None and not _are_messages(messages):
+        raise BadGenerationParams(
+            'messages must be a non-empty list of {"role": text, "content": text}'
+        )
+    ids = None if prompt_ids is None else _ids(prompt_ids)
+    options = {k: value[k] for k in _PARAMS[:-1] if k in value}
+    if default_max_new_tokens is not None:
+        limit = max_new_tokens_limit or default_max_new_tokens
+        options.setdefault("max_new_tokens", min(default_max_new_tokens, limit))
+    params = GenerationParams(**options, stop=_stop(value.get("stop")))  # checks each value
+    if max_new_tokens_limit is not None and params.max_new_tokens > max_new_tokens_limit:
+        raise BadGenerationParams(
+            f"max_new_tokens {params.max_new_tokens} exceeds this worker's "
+            f"max_new_tokens_limit {max_new_tokens_limit}"
+        )
+    return ParsedRequest(prompt, [dict(m) for m in messages] if messages else None, ids, params)
+
+
+def _are_messages(messages: Any) -> bool:
+    return (
+        isinstance(messages, list)
+        and bool(messages)
+        and all(
+            isinstance(m, Mapping)
+            and set(m) == {"role", "content"}
+            and all(isinstance(v, str) for v in m.values())
+            for m in messages
+        )
+    )
+
+
+def _ids(prompt_ids: Any) -> list[int]:
+    if isinstance(prompt_ids, str | bytes) or not isinstance(prompt_ids, Sequence):
+        raise BadGenerationParams(
+            f"prompt_ids must be a list of ints, got {show_value(prompt_ids)}"
+        )
+    try:
+        return [int(i) for i in prompt_ids]
+    except (TypeError, ValueError):
+        raise BadGenerationParams(
+            f"prompt_ids must be a list of ints, got {show_value(prompt_ids)}"
+        ) from None
+
+
+def _stop(stop: Any) -> tuple[str, ...]:
+    if not stop:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list | tuple):
+        return tuple(stop)
+    raise BadGenerationParams(f"stop must be a text or a list of texts, got {show_value(stop)}")

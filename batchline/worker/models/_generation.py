@@ -1,0 +1,100 @@
+"""The ``generate`` model kind of a worker: the causal LM that parses, tokenizes and checks a
+request's input on the reading side (:class:`GenerationModel`; the parser is
+:func:`batchline.generation._request.parse_request`, the in-process generators' too).
+:mod:`._generate` runs the requests.
+
+What a request may carry, and its result, are in ``docs/protocol.md`` (Generation).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from batchline.devices import pick_device, place
+from batchline.worker.models._protocol import Prepared, resolve_callable
+
+if TYPE_CHECKING:  # batchline.generation imports torch: only once a model is served
+    from batchline.generation._types import GenerationResult
+
+__all__ = ["GenerationModel"]
+
+
+# -- the model ---------------------------------------------------------------------------------
+
+
+class GenerationModel:
+    """A causal LM served by continuous batching (``--model generate``).
+
+    ``path``: ``smollm2`` (the default: SmolLM2-135M-Instruct from the ``generate`` extra), a
+    Hugging Face causal-LM directory, a ``.gguf`` file, or ``module:callable``, a function
+    returning a ``(model, tokenizer)`` pair (kept in its own dtype unless ``dtype`` names one).
+    A request's input is parsed, tokenized and checked in :meth:`preprocess`, on the
+    worker's reading side; the steps run in :class:`GenerationExecutor`.
+    """
+
+    heavy_preprocess = True
+    pads = False
+
+    def __init__(
+        self, path: str | None = None, *, device: str = "auto", dtype: str = "auto"
+    ) -> None:
+        self.path = path or "smollm2"
+        self.device_name = device
+        self.dtype_name = dtype
+        # The worker's settings, set by its executor before load().
+        self.default_max_new_tokens = 128
+        self.max_new_tokens_limit = 1024
+        self.max_batch_tokens = 16384
+        self.max_prefill_tokens = 512
+        self.engine: Any = None
+
+    def load(self) -> None:
+        from batchline.generation import Engine, load_causal_lm
+        from batchline.generation._model import log_kv_budget
+
+        if ":" in self.path and not Path(self.path).exists():
+            lm, tokenizer = resolve_callable(self.path)()
+            lm = place(lm, device=pick_device(self.device_name), dtype=self.dtype_name)
+        else:
+            lm, tokenizer = load_causal_lm(
+                self.path, device=self.device_name, dtype=self.dtype_name
+            )
+        self.engine = Engine(lm, tokenizer, max_prefill_tokens=self.max_prefill_tokens)
+        log_kv_budget(lm, self.max_batch_tokens)
+
+    def preprocess(self, value: Any) -> list[Prepared]:
+        from batchline.generation._request import GenerationRequest, parse_request
+
+        parsed = parse_request(
+            value,
+            default_max_new_tokens=self.default_max_new_tokens,
+            max_new_tokens_limit=self.max_new_tokens_limit,
+        )
+        ids = self.engine.encode(parsed.prompt, messages=parsed.messages)
+        params = self.engine.check(ids, parsed.params)  # PromptTooLong past the context
+        request = GenerationRequest(tuple(ids), params)
+        return [Prepared(request, len(ids) + params.max_new_tokens)]
+
+    def infer(self, batch: list[Any]) -> list[Any]:
+        raise TypeError("a generation model runs through its GenerationExecutor, not infer()")
+
+    @staticmethod
+    def cut_short(outputs: list[Any]) -> bool:
+        """Whether a result was cut short (ended by a cancel or its deadline): such an
+        answer is never cached nor given to requests coalesced onto it."""
+        r: GenerationResult = outputs[0]
+        return r.finish_reason in ("cancelled", "deadline")
+
+    def postprocess(self, outputs: list[Any], value: Any) -> dict[str, Any]:
+        r: GenerationResult = outputs[0]
+        return {
+            "text": r.text,
+            "tokens": r.tokens,
+            "token_ids": list(r.token_ids),
+            "finish_reason": r.finish_reason,
+            "prompt_tokens": r.prompt_tokens,
+            "queue_ms": round(r.queue_s * 1e3, 3),
+            "ttft_ms": round(r.ttft_s * 1e3, 3),
+            "total_ms": round(r.total_s * 1e3, 3),
+        }

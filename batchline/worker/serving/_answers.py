@@ -1,0 +1,214 @@
+"""The way out of a worker: what it writes back (result records, dead letters) and what it
+keeps per request meanwhile (:class:`Meta`). The way in is :mod:`._intake`."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchline.codec import (
+    Request,
+    Result,
+    encode_result,
+    pack_result,
+)
+from batchline.codec._requests import salvage_id
+from batchline.codec._results import result_fields
+from batchline.drivers._base import Call
+from batchline.errors import RequestCancelled, RequestTimeout
+from batchline.transport._once import input_hash
+from batchline.worker.models import Model, Prepared
+
+__all__ = [
+    "Meta",
+    "Outcome",
+    "Record",
+    "answer",
+    "dead_letter",
+    "finished",
+]
+
+logger = logging.getLogger(__name__)
+
+_MAX_DEAD_RAW = 1 << 20  # a dead letter keeps the original fields up to this size in all
+_MAX_DEAD_FIELDS = 256  # and this many of them (Lua's unpack() takes a few thousand values)
+_MAX_DEAD_FIELD = 64 << 10  # of a larger entry, it keeps each field up to this size
+_MAX_OMITTED = 64  # and names this many of the fields it left out
+# The fields an oversize entry's dead letter keeps first (a stable sort keeps the rest's order).
+_CACHE_HASH = re.compile(rb"[0-9a-f]{40}")  # a ck field as the enqueue script writes it
+_FIRST = {
+    name: i
+    for i, name in enumerate([b"id", b"reply", b"v", b"prio", b"dl", b"ts", b"meta", b"blob"])
+}
+
+
+@dataclass(slots=True)
+class Meta:
+    """What the worker keeps of one request while the core batches its items."""
+
+    sidx: int
+    entry: bytes
+    request: Request
+    value: Any
+    read_unix: float
+    started_unix: float = 0.0
+    batch_size: int = 0
+    _ih: str = field(default="", repr=False)
+
+    def input_hash(self) -> str:
+        """The input hash of this request (``ih``, docs/protocol.md), computed once: its
+        result and any chunks streamed to its producer carry it."""
+        if not self._ih:
+            self._ih = input_hash(self.request["meta"], self.request.get("blob", b""))
+        return self._ih
+
+
+@dataclass(slots=True)
+class Record:
+    """One stream entry to answer: its result (flat fields), reply address and dead letter.
+
+    ``status`` is the result's status, ``dead`` for a dead letter without a result, or
+    ``acknowledged`` for an entry answered with neither."""
+
+    sidx: int
+    entry: bytes
+    status: str = "acknowledged"
+    result: bytes | None = None  # the packed result (codec.pack_result)
+    request_id: str | None = None
+    reply: str | None = None
+    dead: list[Any] | None = field(default=None)
+    # Answers computed once (worker/_cache.py): for an entry the enqueue script gave a cache
+    # hash (its ck), that hash and the input hash computed here; empty otherwise.
+    cache_hash: str = ""
+    input_hash: str = ""
+    # Cut short (cancelled, expired, a generation ended by a cancel or its deadline): never
+    # cached nor given to requests coalesced onto it, and a resubmit of its id runs again.
+    cut: bool = False
+
+
+#: What :func:`prepare` makes of one entry: the record answering it at once, or its request
+#: and prepared items for the executor.
+Outcome = Record | tuple[Meta, list[Prepared]]
+
+
+def answer(
+    meta: Meta,
+    status: str,
+    worker_id: str,
+    *,
+    output: Any = None,
+    error: BaseException | None = None,
+    cut: bool = False,
+) -> Record:
+    """The record answering one request, with its timings; an output that cannot travel
+    becomes an error result for that request alone. ``cut``: an ok answer cut short (a
+    generation ended by a cancel or its deadline); cancelled and expired ones are."""
+    request = meta.request
+    request_id = request["id"]
+    enqueued_ms = request.get("ts", 0.0)
+    now = time.time()
+    started = meta.started_unix or now
+    # Every result carries the input hash of what it answers (ih), which producers check:
+    # work streams, waiters' sets and in-flight marks are written with producer rights, so
+    # another producer may add an entry under a victim's id, or name the victim a waiter of
+    # its own request (docs/protocol.md, Access control). An entry with a cache hash (ck)
+    # may answer requests coalesced onto it: the completion script checks them against it.
+    cache_hash = request.get("ck") or ""
+    ih = meta.input_hash()
+    try:
+        fields = result_fields(
+            request_id,
+            status,
+            output,
+            type(error).__name__ if error is not None else "",
+            str(error)[:2000] if error is not None else "",
+            max(0.0, started * 1e3 - enqueued_ms) if enqueued_ms else 0.0,
+            meta.batch_size,
+            (now - meta.started_unix) * 1e3 if meta.started_unix else 0.0,
+            worker_id,
+            input_hash=ih,
+        )
+    except (TypeError, ValueError, RecursionError) as exc:  # the output cannot travel
+        status = "error"
+        kind, message = type(exc).__name__, str(exc)[:2000]
+        failed = Result(request_id, "error", None, kind, message, worker=worker_id, input_hash=ih)
+        fields = encode_result(failed)
+    packed = pack_result(fields)
+    record = Record(meta.sidx, meta.entry, status, packed, request_id, request.get("reply"))
+    record.cut = cut or status in ("cancelled", "expired")
+    if cache_hash or record.cut:
+        record.cache_hash, record.input_hash = cache_hash, ih
+    return record
+
+
+def finished(meta: Meta, call: Call, model: Model, worker_id: str) -> Record:
+    """The record answering a call that left its executor: the model's postprocessed
+    output, or what became of it (cancelled, expired, an error)."""
+    if call.error is None:
+        try:
+            output = model.postprocess(call.results, meta.value)
+        except Exception as exc:
+            return answer(meta, "error", worker_id, error=exc)
+        cut_short = getattr(model, "cut_short", None)
+        cut = bool(cut_short(call.results)) if cut_short is not None else False
+        return answer(meta, "ok", worker_id, output=output, cut=cut)
+    if isinstance(call.error, RequestCancelled):
+        return answer(meta, "cancelled", worker_id)
+    if isinstance(call.error, RequestTimeout):
+        return answer(meta, "expired", worker_id)
+    return answer(meta, "error", worker_id, error=call.error)
+
+
+def dead_letter(
+    sidx: int, entry: bytes, raw: dict[bytes, bytes], kind: str, reason: str, *, worker_id: str
+) -> Record:
+    """The record moving an entry to the dead-letter stream, with an error result for its
+    producer when the entry carries a valid id.
+
+    Where the entry has ``meta``, the result carries its input hash (``ih``), as every result
+    does: a producer takes it only for the input it sent. Where it also has a cache hash
+    (``ck``), requests may have been coalesced onto it: the record names both hashes, so that
+    the completion script answers them too (this error, or CoalesceMismatch) and clears the
+    in-flight mark, which would otherwise coalesce every later request of this input onto
+    an entry that is gone."""
+    request_id, reply = salvage_id(raw)
+    dead = _original_fields(raw)
+    dead += ["reason", f"{kind}: {reason}", "worker", worker_id]
+    record = Record(sidx, entry, "dead", dead=dead)
+    if request_id is None:
+        return record
+    meta, ck = raw.get(b"meta"), raw.get(b"ck", b"")
+    ih = input_hash(meta, raw.get(b"blob", b"")) if isinstance(meta, bytes) else ""
+    result = Result(request_id, "error", None, kind, reason, worker=worker_id, input_hash=ih)
+    record.result = pack_result(encode_result(result))
+    record.request_id, record.reply = request_id, reply
+    if ih and _CACHE_HASH.fullmatch(ck):
+        record.cache_hash, record.input_hash = ck.decode(), ih
+    return record
+
+
+def _original_fields(raw: dict[bytes, bytes]) -> list[Any]:
+    """The entry's fields a dead letter keeps: all of them, up to ``_MAX_DEAD_RAW`` bytes
+    and ``_MAX_DEAD_FIELDS`` fields. Of a larger entry, the protocol's fields first (``id``,
+    ``reply``, ``v``, ``prio``, ``dl``, ``ts``, ``meta``, ``blob``), then the rest in order,
+    each field (name and value) of at most ``_MAX_DEAD_FIELD`` bytes while those limits
+    last; then ``size`` (bytes of all fields, names included), ``fields`` (how many) and
+    ``omitted`` (the names of the fields left out, comma-separated, the first 64)."""
+    size = sum(len(k) + len(v) for k, v in raw.items())
+    if size <= _MAX_DEAD_RAW and len(raw) <= _MAX_DEAD_FIELDS:
+        return [x for kv in raw.items() for x in kv]
+    kept: list[Any] = []
+    omitted: list[bytes] = []
+    budget = _MAX_DEAD_RAW
+    for name, value in sorted(raw.items(), key=lambda kv: _FIRST.get(kv[0], len(_FIRST))):
+        n = len(name) + len(value)
+        if n <= _MAX_DEAD_FIELD and n <= budget and len(kept) < 2 * _MAX_DEAD_FIELDS:
+            kept += (name, value)
+            budget -= n
+        else:
+            omitted.append(name)
+    names = ",".join(n[:128].decode("utf-8", "backslashreplace") for n in omitted[:_MAX_OMITTED])
+    return [*kept, "size", str(size), "fields", str(len(raw)), "omitted", names]

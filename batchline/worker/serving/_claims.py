@@ -1,0 +1,158 @@
+"""The entries a worker holds: read from a work stream (so pending, its claim) and not yet
+answered, and the calls made of them. The janitor keeps them alive; a hung worker hands them
+back, and one whose model call runs long hands back those it has not started."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from batchline.drivers._base import Call
+from batchline.keys import GROUP
+from batchline.transport._redis import RedisClient
+from batchline.worker.serving._answers import Meta, Record
+
+__all__ = ["Claims", "Taken"]
+
+logger = logging.getLogger(__name__)
+
+#: Entries taken back from a worker, by (stream index, the delivery count to give them: None
+#: keeps it).
+Taken = defaultdict[tuple[int, int | None], list[bytes]]
+
+
+class Claims:
+    """What one worker holds, per priority stream (``sidx``: the index in ``streams``).
+
+    Args:
+        redis: the worker's client.
+        streams: the work streams, lowest priority first.
+        worker_id: the worker's consumer name.
+    """
+
+    def __init__(self, redis: RedisClient, streams: list[str], worker_id: str) -> None:
+        self.redis = redis
+        self.streams = streams
+        self.worker_id = worker_id
+        self.held: list[set[bytes]] = [set() for _ in streams]
+        #: Delivery counts of the reclaimed entries held (a redelivered entry runs alone).
+        self.deliveries: dict[bytes, int] = {}
+        #: Set whenever an answer is written (or given up), so that a waiter re-checks.
+        self.settled = asyncio.Event()
+        #: The calls made of the entries held, until they are answered.
+        self.calls: dict[Call, Meta] = {}
+        self._forgetting = threading.Lock()  # the loop and the watchdog's thread both forget
+
+    def hold(self, sidx: int, entry: bytes) -> None:
+        self.held[sidx].add(entry)
+
+    def drop(self, sidx: int, entry: bytes) -> None:
+        """No longer this worker's: left pending for another to take."""
+        self.held[sidx].discard(entry)
+
+    def holds(self, sidx: int, entry: bytes) -> bool:
+        return entry in self.held[sidx]
+
+    def settle(self, records: Iterable[Record]) -> None:
+        """These entries are answered (or given up): no longer this worker's to keep alive."""
+        for r in records:
+            self.held[r.sidx].discard(r.entry)
+            self.deliveries.pop(r.entry, None)
+        self.settled.set()
+
+    async def keep_alive(self) -> None:
+        """Reset the idle time of every entry held, so that nobody reclaims them."""
+        for sidx, entries in enumerate(self.held):
+            if entries:
+                await self.redis.xclaim(
+                    self.streams[sidx], GROUP, self.worker_id, 0, list(entries), justid=True
+                )
+
+    def forget(self, *, started: bool) -> list[Meta]:
+        """Forget the calls held that wait for the model (``started``: and those it runs),
+        so that none of them is answered any more, and withdraw them from their batcher
+        (cancelled: its policy drops them unrun); their entries' metadata. From the loop or,
+        while it is blocked, from the watchdog's thread."""
+        with self._forgetting:
+            gone = [
+                (call, meta)
+                for call, meta in self.calls.copy().items()  # one step: no Python code runs
+                if started or not meta.started_unix
+            ]
+            for call, _meta in gone:
+                self.calls.pop(call, None)
+                call.cancelled = True
+        return [meta for _call, meta in gone]
+
+    def hand_back_blocked(
+        self,
+        client: RedisClient,
+        *,
+        idle_ms: int,
+        sign_off: Callable[[RedisClient], Awaitable[Any]],
+    ) -> None:
+        """Hand back every entry held (answers not yet written too: nothing will write them)
+        from a thread while the worker's event loop is blocked, over ``client`` (of its own,
+        closed here), after ``sign_off(client)``."""
+        taken = self.take(self.forget(started=True), rest=True)
+
+        async def run() -> None:
+            try:
+                with contextlib.suppress(RedisError, OSError):
+                    await sign_off(client)
+                await self.give_back(taken, idle_ms=idle_ms, redis=client)
+            finally:
+                await client.aclose()
+
+        asyncio.run(run())
+
+    async def hand_back(self, metas: Iterable[Meta], *, idle_ms: int) -> None:
+        """Give these entries back with an idle time of ``idle_ms`` (past ``claim_idle_ms``),
+        so that another worker's XAUTOCLAIM takes them at once: the started ones (a hung
+        batch) with their delivery count (XAUTOCLAIM adds one), the others as they were
+        before this worker."""
+        await self.give_back(self.take(metas), idle_ms=idle_ms)
+        self.settled.set()  # whoever waits for one of them to be answered: it is not ours
+
+    def take(self, metas: Iterable[Meta], *, rest: bool = False) -> Taken:
+        """Stop holding these entries (``rest``: and every other entry held, counted as
+        started: a hung worker's answers not yet written); what :meth:`give_back` takes.
+        Plain set and dict operations: safe from another thread while the loop is blocked."""
+        groups: Taken = defaultdict(list)
+        for meta in metas:
+            delivered = self.deliveries.pop(meta.entry, 1)
+            retry = None if meta.started_unix else delivered - 1
+            groups[(meta.sidx, retry)].append(meta.entry)
+            self.held[meta.sidx].discard(meta.entry)
+        if rest:
+            for sidx, held in enumerate(self.held):
+                for entry in list(held):
+                    groups[(sidx, None)].append(entry)
+                    held.discard(entry)
+        return groups
+
+    async def give_back(self, taken: Taken, *, idle_ms: int, redis: RedisClient = None) -> None:
+        """Give back what :meth:`take` took (see :meth:`hand_back`); ``redis``: a client
+        other than the worker's (the watchdog's, while the worker's loop is blocked)."""
+        client = self.redis if redis is None else redis
+        for (sidx, retry), entries in taken.items():
+            with contextlib.suppress(RedisError, OSError):
+                await client.xclaim(
+                    self.streams[sidx],
+                    GROUP,
+                    self.worker_id,
+                    0,
+                    entries,
+                    idle=idle_ms,
+                    retrycount=retry,
+                    justid=True,
+                )
+        if taken:
+            logger.warning("handed back %d entries", sum(len(e) for e in taken.values()))

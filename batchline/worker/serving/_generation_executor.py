@@ -1,0 +1,412 @@
+"""Text generation in a worker: the ``generate`` model kind and the executor that runs it.
+
+A worker hands each request to an *executor* (:class:`Executor`): for single-pass models the
+asyncio batcher of the in-process core; for a causal LM, :class:`GenerationExecutor`, which
+feeds :class:`~batchline.generation.GenerationLoop` (the continuous-batching scheduler and
+engine) and steps it on one model thread, one step at a time, from a driver task on the
+worker's event loop. Between two steps the driver marks the requests whose producers
+cancelled them (they end at the next step), so the reader, the writer and the cancel follower
+run while the model computes, and finished requests leave (and are answered) at every step.
+A request that asked for chunks (:meth:`GenerationExecutor.stream`) has what each step added
+handed over after the step, all but its last, which its result carries.
+
+Containment as for the batcher: a step that raises because of one request fails that request
+alone (the engine retries the step without it); a request delivered more than once
+(``alone``) waits until the running batch has drained, then runs with no other request beside
+it; requests read meanwhile wait for it. A step past ``max_batch_ms`` trips the worker's
+watchdog like any model call (``guard`` stamps each step).
+
+What a request may carry, and its result, are in ``docs/protocol.md`` (Generation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Protocol
+
+from batchline.core.scheduler import SchedulerConfig
+from batchline.core.stats import BatchStats, Percentiles, StatsRecorder
+from batchline.drivers._aio import _FunctionThread
+from batchline.drivers._base import Call, Item
+from batchline.errors import BatcherClosed, GenerationError
+from batchline.worker.models._generation import GenerationModel
+
+if TYPE_CHECKING:  # batchline.generation imports torch: only once a model is served
+    from batchline.config import WorkerSettings
+    from batchline.generation import GenerationLoop
+    from batchline.generation._request import GenerationRequest
+    from batchline.generation._types import (
+        GenerationDelta,
+        GenerationResult,
+        Sequence_,
+    )
+
+__all__ = ["Executor", "GenerationExecutor", "GenerationModel"]
+
+logger = logging.getLogger(__name__)
+
+_WINDOW = 10_000  # samples kept for the step and queue-wait percentiles
+
+
+class Executor(Protocol):
+    """What a worker needs of whatever runs its requests (a batcher, or generation)."""
+
+    def enqueue(
+        self,
+        payloads: list[Any],
+        wake: Callable[[Call], None],
+        *,
+        deadline: float | None = None,
+        priority: int = 0,
+    ) -> Call: ...
+
+    @property
+    def queue_size(self) -> int: ...
+
+    @property
+    def stats(self) -> BatchStats: ...
+
+    async def aclose(self, *, drain: bool = True) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# -- the executor ------------------------------------------------------------------------------
+
+
+class GenerationExecutor:
+    """Runs a :class:`GenerationModel`'s requests by continuous batching; see the module
+    docstring.
+
+    Args:
+        model: the (loaded by the time requests come) generation model.
+        settings: the worker's settings: ``batch_size`` (sequences running at once),
+            ``max_batch_tokens``, ``max_prefill_tokens``, ``default_max_new_tokens``,
+            ``max_new_tokens_limit`` (the model's, set here, before it loads).
+        guard: runs one step, stamped for the watchdog (``guard(fn)`` returns ``fn()``).
+        on_start: told, on the model thread, which calls join the batch and its size.
+        cancelled: whether a call's producer cancelled it (asked between steps).
+    """
+
+    def __init__(
+        self,
+        model: GenerationModel,
+        settings: WorkerSettings,
+        *,
+        guard: Callable[[Callable[[], None]], None],
+        on_start: Callable[[list[Call], int], None],
+        cancelled: Callable[[Call], bool],
+    ) -> None:
+        self.model = model
+        model.default_max_new_tokens = settings.default_max_new_tokens
+        model.max_new_tokens_limit = settings.max_new_tokens_limit
+        model.max_batch_tokens = settings.max_batch_tokens
+        model.max_prefill_tokens = settings.max_prefill_tokens
+        self.config = SchedulerConfig(
+            max_batch_size=settings.batch_size, max_batch_tokens=settings.max_batch_tokens
+        )
+        #: Requests held at most (running and waiting): a full batch more than runs.
+        self.window = 2 * settings.batch_size
+        self._guard = guard
+        self._on_start = on_start
+        self._cancelled = cancelled
+        self._gen: GenerationLoop | None = None
+        self._calls: dict[Sequence_, Call] = {}
+        self._seqs: dict[Call, Sequence_] = {}  # the other way round
+        self._finals: list[tuple[Sequence_, GenerationResult | BaseException]] = []
+        self._progressed: list[Sequence_] = []  # the sequences a step added to
+        self._streams: dict[Sequence_, _Streamed] = {}
+        self._held: list[Sequence_] = []  # read while a request runs alone
+        self._solo: deque[Sequence_] = deque()  # to run alone, in turn
+        self._solo_running: Sequence_ | None = None
+        self._thread: _FunctionThread | None = None  # the model thread (a daemon)
+        self._recorder = StatsRecorder()
+        self._histogram: Counter[int] = Counter()
+        self._waits_s: deque[float] = deque(maxlen=_WINDOW)
+        self._steps_s: deque[float] = deque(maxlen=_WINDOW)
+        self._step_total_s = 0.0
+        self._closing = False
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.alone = _Alone(self)
+
+    # -- the executor interface ----------------------------------------------------------------
+
+    def enqueue(
+        self,
+        payloads: list[Any],
+        wake: Callable[[Call], None],
+        *,
+        deadline: float | None = None,
+        priority: int = 0,
+        alone: bool = False,
+    ) -> Call:
+        """Queue one request (one Prepared); ``wake(call)`` runs on this loop once it ends.
+        Raises BatcherClosed, or PromptTooLong when it can never fit ``max_batch_tokens``."""
+        from batchline.generation._types import Sequence_
+
+        if self._closing:
+            raise BatcherClosed("the generation executor is closed")
+        gen = self._loop()
+        (prepared,) = payloads
+        request: GenerationRequest = prepared.payload
+        seq = Sequence_(
+            list(request.prompt_ids),
+            request.params,
+            gen.clock(),
+            _ignore,
+            deadline=deadline,
+            priority=priority,
+        )
+        seq.on_event = functools.partial(self._on_event, seq)
+        gen.scheduler.check(seq)
+        call = Call(1, deadline, wake, self._recorder)
+        self._calls[seq] = call
+        self._seqs[call] = seq
+        if alone:
+            self._solo.append(seq)
+        elif self._solo or self._solo_running is not None:
+            self._held.append(seq)
+        else:
+            gen.submit(seq)
+        self._poke()
+        return call
+
+    def stream(self, call: Call, emit: Callable[[int, int, str, list[int]], None]) -> None:
+        """After each step that adds to the request of ``call`` (queued here), but its
+        last, call ``emit(index, chars, text, token_ids)`` with what it added: the new
+        tokens from token ``index`` on, the text that became final from character
+        ``chars`` on (on the event loop)."""
+        seq = self._seqs.get(call)
+        if seq is not None:
+            self._streams[seq] = _Streamed(emit)
+
+    @property
+    def queue_size(self) -> int:
+        """Requests held: waiting and running."""
+        return len(self._calls)
+
+    @property
+    def stats(self) -> BatchStats:
+        """A snapshot: a *batch* is one step, its size the running batch."""
+        snap = self._recorder.snapshot(queue_size=len(self._calls))
+        steps = sum(self._histogram.values())
+        rows = sum(size * n for size, n in self._histogram.items())
+        return dataclasses.replace(
+            snap,
+            items=rows,
+            batches=steps,
+            mean_batch_size=rows / steps if steps else 0.0,
+            batch_size_histogram=MappingProxyType(dict(sorted(self._histogram.items()))),
+            queue_wait_ms=Percentiles.of(self._waits_s),
+            function_ms=Percentiles.of(self._steps_s),
+            function_time_s=self._step_total_s,
+        )
+
+    async def aclose(self, *, drain: bool = True) -> None:
+        """Refuse new requests; run (``drain``) those held to their end, or reject them."""
+        if not drain:
+            self.close()
+            return
+        self._closing = True
+        self._poke()
+        if self._task is not None:
+            await asyncio.shield(self._task)
+        self._stop_thread()
+
+    def close(self) -> None:
+        """Refuse new requests and reject those held (on the worker's loop)."""
+        self._closing = True
+        calls, self._calls = self._calls, {}
+        self._seqs.clear()
+        self._streams.clear()
+        for seq, call in calls.items():
+            seq.cancel_requested = True
+            call.reject(BatcherClosed("the generation executor was closed"))
+        if self._task is not None:
+            self._task.cancel()
+        self._stop_thread()  # ends after the step under way, if it ever ends
+
+    def _stop_thread(self) -> None:
+        if self._thread is not None:
+            self._thread.stop()
+            self._thread = None
+
+    # -- the driver ----------------------------------------------------------------------------
+
+    def _loop(self) -> GenerationLoop:
+        if self._gen is None:
+            from batchline.generation import GenerationLoop
+
+            if self.model.engine is None:
+                raise RuntimeError("the generation model is not loaded")
+            self._gen = GenerationLoop(self.model.engine, self.config, on_admit=self._admitted)
+        return self._gen
+
+    def _poke(self) -> None:
+        if self._task is None:
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(
+                self._drive(), name="batchline-generate"
+            )
+        if self._wake is not None:
+            self._wake.set()
+
+    def _on_event(
+        self, seq: Sequence_, event: GenerationDelta | GenerationResult | BaseException
+    ) -> None:
+        from batchline.generation._types import GenerationDelta
+
+        # On the model thread; read after the step.
+        if isinstance(event, GenerationDelta):
+            self._progressed.append(seq)
+        else:
+            self._finals.append((seq, event))
+
+    def _admitted(self, seqs: list[Sequence_], batch_size: int) -> None:
+        calls = [c for c in (self._calls.get(s) for s in seqs) if c is not None]
+        self._on_start(calls, batch_size)
+
+    async def _drive(self) -> None:
+        gen = self._loop()
+        wake = self._wake
+        if wake is None:  # pragma: no cover - _poke sets it first
+            raise RuntimeError("the driver started without its event")
+        aio = asyncio.get_running_loop()
+        self._thread = thread = _FunctionThread("batchline-generate")
+        while True:
+            self._next_solo(gen)
+            if gen.idle:
+                if self._closing and not self._calls:
+                    return
+                wake.clear()
+                await wake.wait()
+                continue
+            self._mark_cancelled()
+            rows, started = gen.batch_rows, time.perf_counter()
+            try:
+                await thread.submit(aio, self._guard, gen.run_once)
+            except Exception as exc:  # not a step's failure (the loop answers those): a bug
+                logger.exception("the generation loop failed; failing what it held")
+                gen = self._reset(exc)
+                continue
+            if gen.batch_rows != rows:
+                took = time.perf_counter() - started
+                self._histogram[gen.batch_rows - rows] += 1
+                self._steps_s.append(took)
+                self._step_total_s += took
+            self._emit()
+            self._settle()
+
+    def _reset(self, exc: Exception) -> GenerationLoop:
+        """Fail every request held and start from an empty batch."""
+        engine = self.model.engine
+        engine.evict(list(engine.running))
+        self._finals.clear()
+        self._progressed.clear()
+        self._streams.clear()
+        self._held.clear()
+        self._solo.clear()
+        self._solo_running = None
+        calls, self._calls = self._calls, {}
+        self._seqs.clear()
+        for call in calls.values():
+            call.reject(GenerationError(f"{type(exc).__name__}: {exc}"))
+        self._gen = None
+        return self._loop()
+
+    def _next_solo(self, gen: GenerationLoop) -> None:
+        """Start the next request to run alone once the batch has drained; when none is
+        left, let in the requests that waited for them."""
+        if self._solo_running is not None or not gen.idle:
+            return
+        if self._solo:
+            self._solo_running = self._solo.popleft()
+            gen.submit(self._solo_running)
+            return
+        held, self._held = self._held, []
+        for seq in held:
+            gen.submit(seq)
+
+    def _mark_cancelled(self) -> None:
+        for seq, call in self._calls.items():
+            if not seq.cancel_requested and self._cancelled(call):
+                seq.cancel_requested = True  # ends at the next step (or is never admitted)
+
+    def _emit(self) -> None:
+        """Hand over what the step added to each streamed request still running."""
+        progressed, self._progressed = self._progressed, []
+        if not self._streams:
+            return
+        ended = {seq for seq, _ in self._finals}
+        for seq in dict.fromkeys(progressed):
+            streamed = self._streams.get(seq)
+            if streamed is None or seq in ended:
+                continue
+            tokens, chars = streamed.tokens, streamed.chars
+            if len(seq.generated) > tokens:
+                streamed.tokens, streamed.chars = len(seq.generated), seq.emitted_chars
+                streamed.emit(
+                    tokens, chars, seq.text[chars : seq.emitted_chars], seq.generated[tokens:]
+                )
+
+    def _settle(self) -> None:
+        finals, self._finals = self._finals, []
+        for seq, event in finals:
+            self._streams.pop(seq, None)
+            if seq is self._solo_running:
+                self._solo_running = None
+            call = self._calls.pop(seq, None)
+            if call is None:
+                continue
+            self._seqs.pop(call, None)
+            if seq.admitted_at is not None:
+                self._waits_s.append(seq.admitted_at - seq.arrival)
+            if isinstance(event, BaseException):
+                call.reject(event)
+            else:
+                Item(call, 0, None, 1, False).resolve(event)
+
+
+@dataclasses.dataclass(slots=True)
+class _Streamed:
+    """A streamed request: where its chunks go, and how far they have gone."""
+
+    emit: Callable[[int, int, str, list[int]], None]
+    tokens: int = 0
+    chars: int = 0
+
+
+class _Alone:
+    """The executor's entry for requests that must run alone (the worker's ``_alone``)."""
+
+    def __init__(self, executor: GenerationExecutor) -> None:
+        self._executor = executor
+
+    def enqueue(self, payloads: list[Any], wake: Callable[[Call], None], **options: Any) -> Call:
+        return self._executor.enqueue(payloads, wake, alone=True, **options)
+
+    @property
+    def queue_size(self) -> int:
+        return len(self._executor._solo) + (self._executor._solo_running is not None)
+
+    @property
+    def stats(self) -> BatchStats:
+        return self._executor.stats
+
+    async def aclose(self, *, drain: bool = True) -> None:
+        return None  # the executor drains them with the rest
+
+    def close(self) -> None:
+        return None  # the executor rejects them with the rest
+
+
+def _ignore(event: Any) -> None:  # replaced as soon as the sequence exists
+    return None

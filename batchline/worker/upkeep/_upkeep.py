@@ -1,0 +1,370 @@
+"""A worker's upkeep, as parts the worker owns: the janitor (keeping its claims alive,
+removing the consumers of dead workers), the reclaimer (taking over what dead or hung workers
+left pending, one entry at a time, each run alone; dead-lettering the poisonous), the watchdog
+(a model call past its ``max_batch_ms`` bound: :mod:`._watchdog`) and the heartbeat (liveness
+and statistics).
+
+Each is given exactly what it needs (the client, the streams, the worker's
+:class:`~batchline.worker.serving._claims.Claims`, a few callbacks), so that the serving path
+(reading, batching, writing) reads on its own in :mod:`._worker`.
+
+Containment. An entry delivered more than once may be what killed its last worker, so it
+never shares a model call again: the reclaimer takes such entries one at a time and runs
+each alone (on a second batcher of batch size 1 that shares the model's lock), so a poison
+input crashes only itself, and its batch-mates, already redelivered, are answered.
+``max_batch_ms`` bounds one model call (derived from the model's own call times by default,
+:mod:`._watchdog`): past it a watchdog thread marks the worker hung, and at once it stops
+reading and renewing, signs off (no heartbeat; ``--check`` fails), hands back what it holds
+with ``XCLAIM ... IDLE <claim_idle_ms>`` (entries not started keep their delivery count,
+``RETRYCOUNT``), writes the answers already computed, and ``Worker.run`` raises
+:class:`~batchline.errors.WorkerHung`. A Python thread cannot be killed, so the process must
+end: ``batchline worker`` runs the worker in a child process and starts a fresh one
+(:mod:`._supervisor`). Handed-back entries are idle past ``claim_idle_ms`` at once, and every
+worker's reclaimer looks for such entries every second (``XPENDING ... IDLE``, one cheap call
+per priority), so they are served again within about a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from batchline.config import WorkerSettings
+from batchline.core.stats import BatchStats
+from batchline.keys import GROUP, QueueKeys
+from batchline.transport._redis import RedisClient
+from batchline.worker.metrics import Metrics
+from batchline.worker.serving._claims import Claims
+from batchline.worker.upkeep._consumers import prune_consumers
+from batchline.worker.upkeep._watchdog import CallBound, Stamp, Timing, Watchdog
+
+__all__ = [
+    "Heartbeat",
+    "Janitor",
+    "Reclaimer",
+    "Upkeep",
+    "every",
+    "snapshot",
+]
+
+logger = logging.getLogger(__name__)
+
+#: How often the reclaimer looks for entries to take over (at most: a third of
+#: ``claim_idle_ms`` where that is shorter); a look is one ``XPENDING ... IDLE`` per stream.
+RECLAIM_EVERY_S = 1.0
+
+
+async def every(
+    period_s: float, what: str, step: Callable[[], Awaitable[None]], closing: Callable[[], bool]
+) -> None:
+    """Run ``step`` every ``period_s`` seconds until ``closing()``; a Redis failure is logged
+    and the next period tries again."""
+    while not closing():
+        await asyncio.sleep(period_s)  # a maintenance timer, not a poll for work
+        try:
+            await step()
+        except (RedisError, OSError) as exc:
+            logger.warning("%s: %s: %s", what, type(exc).__name__, exc)
+
+
+class Janitor:
+    """Keeps the worker's claims alive (while its model is not hung: a hung batch's claims
+    lapse) and, while it serves, removes consumers idle past ``consumer_idle_ms``."""
+
+    def __init__(
+        self,
+        claims: Claims,
+        *,
+        consumer_idle_ms: int,
+        hung: threading.Event,
+        serving: Callable[[], bool],
+    ) -> None:
+        self._claims = claims
+        self._consumer_idle_ms = consumer_idle_ms
+        self._hung = hung
+        self._serving = serving
+
+    async def step(self) -> None:
+        if not self._hung.is_set():
+            await self._claims.keep_alive()
+        if self._serving():
+            c = self._claims
+            await prune_consumers(
+                c.redis, c.streams, idle_ms=self._consumer_idle_ms, keep=c.worker_id
+            )
+
+
+#: Takes entries into the worker: (sidx, entry id, fields) each; ``alone``: run each alone.
+Accept = Callable[..., Awaitable[None]]
+#: Dead-letters one entry: sidx, entry id, fields, error type, reason.
+Refuse = Callable[[int, bytes, dict[bytes, bytes], str, str], None]
+
+
+class Reclaimer:
+    """Takes over entries left pending by dead (or hung) workers, one at a time.
+
+    An entry delivered before may be what killed its worker: it runs alone, and the next is
+    claimed only once it is answered, so that a crash takes no other reclaimed entry down
+    with it. Entries handed back unstarted (delivered once) join the batches; entries
+    delivered more than ``max_deliveries`` times are dead-lettered.
+    """
+
+    def __init__(
+        self,
+        claims: Claims,
+        *,
+        claim_idle_ms: int,
+        max_deliveries: int,
+        serving: Callable[[], bool],
+        accept: Accept,
+        refuse: Refuse,
+        counts: Counter[str],
+    ) -> None:
+        self._redis, self._streams, self._worker_id = claims.redis, claims.streams, claims.worker_id
+        self._claims = claims
+        self._claim_idle_ms = claim_idle_ms
+        self._max_deliveries = max_deliveries
+        self._serving = serving
+        self._accept = accept
+        self._refuse = refuse
+        self._counts = counts
+
+    async def step(self) -> None:
+        if not self._serving() or not await self._anything_idle():
+            return
+        taken = 0
+        for sidx in reversed(range(len(self._streams))):  # highest priority first
+            stream = self._streams[sidx]
+            cursor: Any = "0-0"
+            while self._serving():
+                response = await self._redis.xautoclaim(
+                    stream, GROUP, self._worker_id, self._claim_idle_ms, cursor, count=1
+                )
+                cursor = response[0]
+                for entry, raw in response[1]:
+                    if entry is not None:
+                        taken += 1
+                        await self._take_over(sidx, stream, entry, raw)
+                if cursor in (b"0-0", "0-0"):
+                    break
+        if taken:
+            self._counts["reclaimed"] += taken
+            logger.info("reclaimed %d entries", taken)
+
+    async def _anything_idle(self) -> bool:
+        """Whether any stream holds an entry pending longer than ``claim_idle_ms``: one
+        cheap look, so that the reclaimer may look every second (XAUTOCLAIM's walk of the
+        pending entries, COUNT 1 at a time, is only for when there is something to take)."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for stream in self._streams:
+                pipe.xpending_range(stream, GROUP, "-", "+", 1, idle=self._claim_idle_ms)
+            found = await pipe.execute(raise_on_error=False)
+        # An error (a stream or group not there yet) is no entry to take.
+        return any(isinstance(f, list) and f for f in found)
+
+    async def _take_over(
+        self, sidx: int, stream: str, entry: bytes, raw: dict[bytes, bytes] | None
+    ) -> None:
+        pending = await self._redis.xpending_range(stream, GROUP, entry, entry, 1)
+        times = int(pending[0]["times_delivered"]) if pending else 1
+        if times > self._max_deliveries and raw:
+            self._claims.hold(sidx, entry)
+            reason = (
+                f"delivered {times} times without an answer (max_deliveries={self._max_deliveries})"
+            )
+            self._refuse(sidx, entry, raw, "MaxDeliveries", reason)
+            return
+        if times <= 1:
+            await self._accept([(sidx, entry, raw)])
+            return
+        self._claims.deliveries[entry] = times
+        await self._accept([(sidx, entry, raw)], alone=True)
+        settled = self._claims.settled
+        while True:
+            settled.clear()
+            if not self._claims.holds(sidx, entry) or not self._serving():
+                break
+            with contextlib.suppress(asyncio.TimeoutError):  # re-check serving now and then
+                await asyncio.wait_for(settled.wait(), self._claim_idle_ms / 1e3)
+
+
+def snapshot(
+    *,
+    worker_id: str,
+    model_name: str,
+    counts: Counter[str],
+    stats: BatchStats,
+    prepare: dict[str, Any] | None = None,
+    max_batch_ms: float | None = None,
+) -> dict[str, Any]:
+    """A worker's statistics as its heartbeat publishes them (``batchline status``)."""
+    return {
+        "worker": worker_id,
+        "pid": os.getpid(),
+        "model": model_name,
+        "batch_size": stats.batch_size,  # in force: chosen online in latency-SLO mode
+        "timeout_ms": round(stats.timeout_ms, 3),
+        "target_p99_ms": stats.target_p99_ms,
+        "requests": dict(counts),
+        "batches": stats.batches,
+        "mean_batch_size": round(stats.mean_batch_size, 2),
+        "batch_size_histogram": dict(stats.batch_size_histogram),
+        "queue_wait_ms": {
+            "p50": stats.queue_wait_ms.p50,
+            "p95": stats.queue_wait_ms.p95,
+            "p99": stats.queue_wait_ms.p99,
+        },
+        "model_ms": {
+            "p50": stats.function_ms.p50,
+            "p95": stats.function_ms.p95,
+            "p99": stats.function_ms.p99,
+        },
+        "held": stats.queue_size,
+        # the bound of a model call like the recent ones (derived with max_batch_ms auto)
+        "max_batch_ms": None if max_batch_ms is None else round(max_batch_ms),
+        "padding_efficiency": (
+            None if stats.padding_efficiency is None else round(stats.padding_efficiency, 4)
+        ),
+        # decoding and tokenizing: seconds (summed over the threads), requests, threads
+        "prepare": prepare,
+        "time": time.time(),
+    }
+
+
+class Heartbeat:
+    """Every ``period_s``: the worker's liveness (its score in the workers set, where
+    entries older than an hour are dropped) and its statistics (a key expiring after three
+    periods), and its batch figures to the metrics."""
+
+    def __init__(
+        self,
+        redis: RedisClient,
+        keys: QueueKeys,
+        worker_id: str,
+        *,
+        period_s: float,
+        stats: Callable[[], dict[str, Any]],
+        batch_stats: Callable[[], BatchStats],
+        metrics: Metrics,
+    ) -> None:
+        self._redis, self._keys, self._worker_id = redis, keys, worker_id
+        self._period_s = period_s
+        self._stats = stats
+        self._batch_stats = batch_stats
+        self._metrics = metrics
+
+    async def run(self, beating: Callable[[], bool]) -> None:
+        """Beat while ``beating()``."""
+        while beating():
+            try:
+                await self.beat()
+            except (RedisError, OSError) as exc:
+                logger.warning("heartbeat: %s", type(exc).__name__)
+            await asyncio.sleep(self._period_s)  # a report timer, not a poll for work
+
+    async def beat(self) -> None:
+        now = time.time()
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.zadd(self._keys.workers, {self._worker_id: now})
+            pipe.zremrangebyscore(self._keys.workers, "-inf", now - 3600)
+            pipe.set(
+                self._keys.worker_stats(self._worker_id),
+                json.dumps(self._stats()),
+                ex=max(1, math.ceil(3 * self._period_s)),
+            )
+            await pipe.execute()
+        self._metrics.batches(self._batch_stats())
+
+
+class Upkeep:
+    """A worker's upkeep parts, built from its settings, and the tasks that run them.
+
+    Args:
+        claims: the entries the worker holds (and its client, streams and consumer name).
+        settings: the worker's settings.
+        keys: the queue's keys.
+        metrics: the worker's metrics.
+        hung: set once a model call ran past its bound.
+        bound: the model calls' bound (``max_batch_ms``).
+        running: the stamp of the model call running (None between calls).
+        remember: told the slowest recent model call as it changes (for the next process).
+        serving: whether the worker reads and reclaims (neither stopping nor hung, and no
+            model call running long).
+        accept: takes reclaimed entries in (see :class:`Reclaimer`).
+        refuse: dead-letters one entry.
+        stats: the worker's statistics, as the heartbeat publishes them.
+        batch_stats: the model batcher's statistics.
+        counts: the worker's answers by status (the reclaimer adds ``reclaimed``).
+    """
+
+    def __init__(
+        self,
+        claims: Claims,
+        settings: WorkerSettings,
+        keys: QueueKeys,
+        metrics: Metrics,
+        *,
+        hung: threading.Event,
+        bound: CallBound,
+        running: Callable[[], Stamp | None],
+        remember: Callable[[Timing], None] | None,
+        serving: Callable[[], bool],
+        accept: Accept,
+        refuse: Refuse,
+        stats: Callable[[], dict[str, Any]],
+        batch_stats: Callable[[], BatchStats],
+        counts: Counter[str],
+    ) -> None:
+        s = settings
+        self._hung = hung
+        self._period_s = s.claim_idle_ms / 3e3
+        self._reclaim_s = min(self._period_s, RECLAIM_EVERY_S)
+        self.janitor = Janitor(
+            claims, consumer_idle_ms=s.consumer_idle_ms, hung=hung, serving=serving
+        )
+        self.reclaimer = Reclaimer(
+            claims,
+            claim_idle_ms=s.claim_idle_ms,
+            max_deliveries=s.max_deliveries,
+            serving=serving,
+            accept=accept,
+            refuse=refuse,
+            counts=counts,
+        )
+        self.watchdog = Watchdog(
+            bound,
+            worker_id=claims.worker_id,
+            hung=hung,
+            metrics=metrics,
+            running=running,
+            remember=remember,
+        )
+        self.heartbeat = Heartbeat(
+            claims.redis,
+            keys,
+            claims.worker_id,
+            period_s=s.heartbeat_s,
+            stats=stats,
+            batch_stats=batch_stats,
+            metrics=metrics,
+        )
+
+    def jobs(self, closing: Callable[[], bool]) -> dict[str, Coroutine[Any, Any, None]]:
+        """The janitor, reclaimer and heartbeat loops, by name, to run until ``closing()``
+        (the heartbeat stops at once when the model hangs: the worker is not healthy)."""
+        return {
+            "janitor": every(self._period_s, "janitor", self.janitor.step, closing),
+            "reclaimer": every(self._reclaim_s, "reclaimer", self.reclaimer.step, closing),
+            "heartbeat": self.heartbeat.run(lambda: not closing() and not self._hung.is_set()),
+        }
