@@ -238,6 +238,7 @@ async def test_identical_inputs_are_coalesced_then_answered_from_the_cache(
     joined = [await p.submit("same text") for p in (a, b, b)]
     poller = await a.submit("same text", reply=False)
     other = await b.submit("other text")  # another input: a miss of its own
+    wait_until(lambda: admitted(rclient, keys), "their admission")
     assert entries_added(rclient, keys) == [0, 2, 0]
     assert len(queue_keys(rclient, keys, "flight")) == 2
     model.release.set()
