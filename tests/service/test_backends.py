@@ -21,7 +21,8 @@ import pytest
 from batchline.config import WorkerSettings
 from batchline.demo.sentences import sentences
 from batchline.producer import Producer
-from batchline.worker import SentenceTransformerModel, _backends, load_model
+from batchline.worker import SentenceTransformerModel, load_model
+from batchline.worker.models import _backends
 
 from .conftest import RESULT_TIMEOUT_S, WorkerProcess
 

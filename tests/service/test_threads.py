@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from batchline.producer import Producer
-from batchline.worker import _threads
+from batchline.worker import _cpu_threads
 from batchline.worker._cpu_threads import available_cpus
 
 from .conftest import MODELS, RESULT_TIMEOUT_S, WorkerProcess
@@ -81,7 +81,7 @@ def test_available_cpus_follows_affinity_and_a_cgroup_quota(
 ) -> None:
     affinity = len(os.sched_getaffinity(0))
     (tmp_path / "cpu.max").write_text(cpu_max)
-    monkeypatch.setattr(_threads, "_CGROUP_CPU_MAX", tmp_path / "cpu.max")
-    assert _threads.available_cpus() == expected(affinity)
-    monkeypatch.setattr(_threads, "_CGROUP_CPU_MAX", tmp_path / "absent")
-    assert _threads.available_cpus() == affinity
+    monkeypatch.setattr(_cpu_threads, "_CGROUP_CPU_MAX", tmp_path / "cpu.max")
+    assert _cpu_threads.available_cpus() == expected(affinity)
+    monkeypatch.setattr(_cpu_threads, "_CGROUP_CPU_MAX", tmp_path / "absent")
+    assert _cpu_threads.available_cpus() == affinity
