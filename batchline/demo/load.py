@@ -1,7 +1,7 @@
 """Open-loop load at a fixed rate: requests leave on a schedule, whether or not earlier ones
 have been answered (as a web backend's users arrive), unlike a closed loop that waits.
 
-The demo's load steps and ``scripts/bench_queue.py``'s fixed-rate part both send with it.
+The demo's load steps and ``benchmarks.queue``'s fixed-rate part both send with it.
 """
 
 from __future__ import annotations

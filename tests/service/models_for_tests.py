@@ -190,7 +190,7 @@ hang.example = "warm-up"  # type: ignore[attr-defined]
 
 def double_or_die(items: list[Any]) -> list[Any]:
     """``double``, except that a batch holding "crash" aborts the process and one holding
-    "hang" never returns (scripts/chaos.py's hostile inputs)."""
+    "hang" never returns (checks.chaos's hostile inputs)."""
     if "crash" in items:
         os.abort()
     if "hang" in items:

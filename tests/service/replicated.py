@@ -1,7 +1,7 @@
 """A replicated Redis on this machine: a primary, replicas and three sentinels, as local
 processes of Debian's redis-server (the sentinels too: ``redis-server <conf> --sentinel``,
 which is what the redis-sentinel package runs). For the failover tests and
-``scripts/failover.py``."""
+``python -m checks.failover``."""
 
 from __future__ import annotations
 

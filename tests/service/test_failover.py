@@ -6,7 +6,7 @@ primary frozen long enough to be failed over and then resumed. Bad days: a servi
 sentinels do not know, no sentinel up, a replica count that can never be met: each a clear,
 typed error, nothing accepted that is not held as promised.
 
-The long variant, with figures for ``async`` too: ``python scripts/failover.py``."""
+The long variant, with figures for ``async`` too: ``python -m checks.failover``."""
 
 from __future__ import annotations
 

@@ -1,0 +1,27 @@
+"""batchline's benchmarks: one entry per benchmark, run from a checkout's root.
+
+Not part of the wheel; nothing to install beyond batchline's own dependencies (and the
+``bench`` extra for the in-process comparison). Each prints a markdown report; the figures
+recorded, with date, machine and command, are on the documentation's Benchmarks page.
+
+- ``python -m benchmarks.inprocess``: the in-process batchers against batched,
+  fast-dynamic-batcher and no batching (``inprocess/``: its batch functions and batchers,
+  throughput, latency and idle CPU, report).
+- ``python -m benchmarks.queue``: the Redis service end to end, beside arq, and MiniLM served
+  through Redis against the offline ceiling; CPU backends, a fixed offered rate, the GPU mode
+  (``queue/``: one module per part, their load generators, the redis-server and workers they
+  share, report).
+- ``python -m benchmarks.generate``: generation in process against static batching and
+  transformers' continuous batching, and through Redis and HTTP (``generate/``).
+- ``python -m benchmarks.long_prompt``: what long prompts do to a stream beside them.
+- ``python -m benchmarks.cache``: the result cache on half-repeated texts.
+- ``python -m benchmarks.slo``: the latency-SLO mode against fixed settings.
+- ``python -m benchmarks.admission``: admission through the queue's functions against the
+  enqueue script.
+- ``python -m benchmarks.durability``: durability ``replicated`` against ``async``.
+- ``python -m benchmarks.grouping``: padding efficiency of the length grouping per read-ahead
+  window (no model, no Redis).
+
+``harness`` is what they share (processes, redis-server, CPU accounting, repeats, report
+lines); the operational checks in ``checks/`` start their processes with it too.
+"""

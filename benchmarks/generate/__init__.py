@@ -1,0 +1,1 @@
+"""The generation benchmark: ``python -m benchmarks.generate`` (``__main__.py``)."""

@@ -1,0 +1,498 @@
+"""Generation throughput in process: one at a time, static batching, transformers'
+continuous batching (generate_batch's manager, tuned) and batchline, on SmolLM2-135M-Instruct;
+and batchline through Redis (a private redis-server and one ``--model generate`` worker).
+
+    python3 -m benchmarks.generate --repeats 3  # the full workloads (long on 2 cores)
+    python3 -m benchmarks.generate --quick      # a short check of every path
+
+(a) uniform: N chat prompts, greedy, 32 new tokens each, all submitted at once.
+(b) mixed: M prompts, max_new_tokens drawn from 8..256, arriving open-loop (Poisson) to
+batchline; static batching and transformers' manager get them all at once.
+Tokens counted are the useful ones: each request's own tokens up to its EOS or limit.
+
+Every row is warmed up (a short untimed run) before anything is timed, and the worker
+process has loaded its model and answered before then. ``--repeats N`` runs every row of
+both workloads once per repeat, the rows of a repeat in a rotated order, so that a shared
+machine's load swings reach all rows alike; the summary gives each figure's median over the
+repeats and ratios of median rates. ``--redis-ab`` runs only the uniform workload, in process
+and through Redis alternately, ``--rounds`` times each, and reports the ratio of the totals.
+
+    python3 -m benchmarks.generate --quick --redis-ab
+
+The via-HTTP row streams the uniform workload through the FastAPI backend's OpenAI route
+(``POST /v1/chat/completions``, ``stream: true``, uvicorn in this process, the same worker):
+its time to first token (request sent to first event) over the in-process one (call to
+first delta). ``--http-ab`` runs only that comparison, alternating, ``--rounds`` times.
+
+    python3 -m benchmarks.generate --quick --http-ab
+
+``--stream-ab`` measures streaming through Redis (``AsyncProducer.stream``) against the
+result alone (``infer``) on the uniform workload, alternately, ``--rounds`` times each:
+tokens/s and the time until the caller has its first text (with ``infer``, its whole answer).
+``--model-path`` serves another model there (a ``module:callable`` spec, say):
+
+    python3 -m benchmarks.generate --quick --stream-ab
+
+``--device`` and ``--dtype`` place every row's model (in process, transformers' and the
+worker's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from batchline.worker._cpu_threads import (
+    apply_threads,
+    available_cpus,
+    prepare_environment,
+)
+
+# The worker's CPU threading (batchline.worker._cpu_threads), for the in-process rows too, set
+# before torch loads: the cores this process may use, and OpenMP threads that wait passively
+# (spinning ones take the cores from the other threads and processes of a shared machine).
+prepare_environment(available_cpus())
+
+import torch  # noqa: E402
+
+from batchline.generation import Generator, load_causal_lm  # noqa: E402
+from benchmarks.generate._redis import RedisWorker, Result, latencies  # noqa: E402
+from benchmarks.harness import percentile  # noqa: E402
+
+TOPICS = [
+    "the capital of France",
+    "photosynthesis",
+    "a haiku about rain",
+    "why the sky is blue",
+    "black holes",
+    "how to boil an egg",
+    "the French revolution",
+    "prime numbers",
+    "the water cycle",
+    "machine learning",
+    "a good breakfast",
+    "the moon landing",
+    "volcanoes",
+    "how bees make honey",
+    "the Roman empire",
+    "gravity",
+]
+
+
+def prompts(n: int) -> list[list[dict[str, str]]]:
+    verbs = ["Tell me about", "Explain", "Write two sentences on"]
+    return [
+        [{"role": "user", "content": f"{verbs[i % 3]} {TOPICS[i % len(TOPICS)]}."}]
+        for i in range(n)
+    ]
+
+
+def useful(tokens: list[int], limit: int, eos: set[int]) -> int:
+    for i, t in enumerate(tokens[:limit]):
+        if t in eos:
+            return i + 1
+    return min(len(tokens), limit)
+
+
+# -- the anchors -------------------------------------------------------------------------------
+
+
+def static(model: Any, tok: Any, chats: list[Any], limits: list[int], size: int) -> Result:
+    """Left-padded model.generate over batches of ``size`` in order; each runs to its max."""
+    tok.padding_side = "left"
+    eos = {int(tok.eos_token_id)}
+    total, start = 0, time.perf_counter()
+    for i in range(0, len(chats), size):
+        texts = [
+            tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
+            for c in chats[i : i + size]
+        ]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = enc.to(model.device)
+        lim = limits[i : i + size]
+        with torch.inference_mode():
+            out = model.generate(
+                **enc, max_new_tokens=max(lim), do_sample=False, pad_token_id=tok.pad_token_id
+            )
+        for row, limit in zip(out[:, enc["input_ids"].shape[1] :].tolist(), lim, strict=True):
+            total += useful(row, limit, eos)
+    return {"tokens": total, "wall_s": time.perf_counter() - start}
+
+
+def paged_model(path: str, device: Any, dtype: Any) -> Any:
+    """The model for transformers' rows, on the device and in the dtype of batchline's."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="paged|sdpa", dtype=dtype
+    )
+    return model.to(device).eval()
+
+
+def tf_batch(model: Any, tok: Any, chats: list[Any], limits: list[int]) -> Result:
+    """transformers' continuous batching, tuned as the issue says
+    (``ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=512)``), through the manager
+    that ``generate_batch`` drives, with each request's own ``max_new_tokens`` (which
+    ``generate_batch`` cannot give: it has one for all). Timed from the manager's start (its
+    cache allocation, as in ``generate_batch``) to the last result."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    ids = [
+        tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)
+        for c in chats
+    ]
+    config = GenerationConfig(
+        max_new_tokens=max(limits),
+        do_sample=False,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    hints = WorkloadHints(  # as generate_batch computes them
+        max_prompt_length=max(len(i) for i in ids),
+        max_generated_length=max(limits),
+        num_requests=len(ids),
+    )
+    cb = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=512)
+    outs: dict[str, Any] = {}
+    start = time.perf_counter()
+    with model.continuous_batching_context_manager(
+        generation_config=config, continuous_batching_config=cb, timeout=5, workload_hints=hints
+    ) as manager:
+        for k, (prompt, limit) in enumerate(zip(ids, limits, strict=True)):
+            manager.add_request(prompt, request_id=f"r{k}", max_new_tokens=limit)
+        while len(outs) < len(ids):
+            out = manager.get_result(timeout=1)
+            if out is not None and out.is_finished():
+                outs[out.request_id] = out
+            elif out is None and not manager.is_running():
+                raise RuntimeError("transformers' generation thread ended early")
+    wall = time.perf_counter() - start
+    eos = {int(tok.eos_token_id)}
+    total = sum(
+        useful(list(outs[f"r{k}"].generated_tokens), limit, eos) for k, limit in enumerate(limits)
+    )
+    return {"tokens": total, "wall_s": wall}
+
+
+# -- batchline ---------------------------------------------------------------------------------
+
+
+async def ours(gen: Generator, chats: list[Any], limits: list[int], gaps: list[float]) -> Result:
+    ttft: list[float] = []
+    itl: list[float] = []
+    steps0, rows0 = gen.loop.steps, gen.loop.batch_rows
+
+    async def one(chat: Any, limit: int, delay: float) -> int:
+        await asyncio.sleep(delay)
+        sent = last = time.perf_counter()
+        n = 0
+        async for delta in gen.stream(messages=chat, max_new_tokens=limit):
+            now = time.perf_counter()
+            (ttft if n == 0 else itl).append(now - (sent if n == 0 else last))
+            last, n = now, n + len(delta.token_ids)
+        return n
+
+    arrivals = [sum(gaps[: i + 1]) for i in range(len(gaps))]
+    start = time.perf_counter()
+    counts = await asyncio.gather(
+        *(one(c, m, a) for c, m, a in zip(chats, limits, arrivals, strict=True))
+    )
+    wall = time.perf_counter() - start
+    steps = gen.loop.steps - steps0
+    return {
+        "tokens": sum(counts),
+        "wall_s": wall,
+        **latencies(ttft, itl),
+        "mean_batch": (gen.loop.batch_rows - rows0) / steps if steps else 0.0,
+    }
+
+
+# -- the rows and their summary ----------------------------------------------------------------
+
+
+def show(name: str, r: Result, base: dict[str, float], ttft_vs: float | None = None) -> None:
+    """One row: its rate, the latencies it has, its rate over each of ``base`` and, given
+    ``ttft_vs`` (the in-process p50), its time to first token over that."""
+    rate = r["tokens"] / r["wall_s"]
+    ratios = [f"{rate / v:.2f}x {k}" for k, v in base.items() if v]
+    if ttft_vs:
+        ratios.append(f"ttft p50 {r['ttft_p50'] / ttft_vs:.2f}x in process")
+    extra = ""
+    if "ttft_p50" in r:
+        extra += f" ttft p50/p99 {r['ttft_p50'] * 1e3:.0f}/{r['ttft_p99'] * 1e3:.0f} ms"
+    if "itl_p50" in r:
+        extra += f" itl p50/p99 {r['itl_p50'] * 1e3:.0f}/{r['itl_p99'] * 1e3:.0f} ms"
+    if "mean_batch" in r:
+        extra += f" mean batch {r['mean_batch']:.1f}"
+    print(
+        f"{name:<28} {r['tokens']:>6.0f} tok {r['wall_s']:7.1f} s {rate:7.1f} tok/s{extra}  "
+        + " ".join(ratios),
+        flush=True,
+    )
+
+
+def median_row(runs: list[Result]) -> Result:
+    """Each figure's median over the repeats (the rate's too, as tokens / wall_s)."""
+    figures = [k for k, v in runs[0].items() if isinstance(v, int | float)]
+    out = {k: statistics.median(r[k] for r in runs) for k in figures}
+    out["wall_s"] = out["tokens"] / statistics.median(r["tokens"] / r["wall_s"] for r in runs)
+    return out
+
+
+class Workload:
+    """One workload's rows (name -> run), run once per repeat; the baselines of each row."""
+
+    def __init__(self, title: str) -> None:
+        self.title = title
+        self.rows: dict[str, Callable[[], Result]] = {}
+        self.bases: dict[str, list[str]] = {}
+        self.runs: dict[str, list[Result]] = {}
+        self.ttft_vs: dict[str, str] = {}
+
+    def add(
+        self, name: str, run: Callable[[], Result], *bases: str, ttft_vs: str | None = None
+    ) -> None:
+        """``ttft_vs``: the row whose median time to first token this row's is shown over."""
+        self.rows[name] = run
+        self.bases[name] = list(bases)
+        self.runs[name] = []
+        if ttft_vs is not None:
+            self.ttft_vs[name] = ttft_vs
+
+    def repeat(self, index: int) -> None:
+        names = list(self.rows)
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            self.runs[name].append(result := self.rows[name]())
+            show(f"  {name}", result, {})
+
+    def summary(self, repeats: int) -> None:
+        print(f"{self.title}: median of {repeats} repeat(s)", flush=True)
+        medians = {name: median_row(runs) for name, runs in self.runs.items()}
+        rates = {n: m["tokens"] / m["wall_s"] for n, m in medians.items()}
+        for name, m in medians.items():
+            vs = medians[self.ttft_vs[name]]["ttft_p50"] if name in self.ttft_vs else None
+            show(name, m, {b: rates[b] for b in self.bases[name]}, vs)
+
+
+def redis_ab(gen: Generator, redis: RedisWorker, n: int, new: int, rounds: int) -> None:
+    """In process and through Redis alternately on one workload; the ratio of the totals."""
+    chats, limits = prompts(n), [new] * n
+    asyncio.run(ours(gen, chats[:1], [2], [0.0]))  # the worker answered one already
+    print(f"uniform: {n} chat prompts, greedy, {new} new tokens; alternating, {rounds} rounds")
+    totals = {"in process": [0, 0.0], "through Redis": [0, 0.0]}
+    runs: tuple[tuple[str, Callable[[], Result]], ...] = (
+        ("in process", lambda: asyncio.run(ours(gen, chats, limits, [0.0] * n))),
+        ("through Redis", lambda: redis.run(chats, limits, [0.0] * n)),
+    )
+    for _ in range(rounds):
+        for name, run in runs:
+            r = run()
+            show(f"batchline {name}", r, {})
+            totals[name][0] += r["tokens"]
+            totals[name][1] += r["wall_s"]
+    rates = {k: t / s for k, (t, s) in totals.items()}
+    print(
+        f"total: in process {rates['in process']:.1f} tok/s, through Redis "
+        f"{rates['through Redis']:.1f} tok/s: "
+        f"{rates['through Redis'] / rates['in process']:.2f}x in process"
+    )
+
+
+def http_ab(gen: Generator, redis: RedisWorker, n: int, new: int, rounds: int) -> None:
+    """Time to first token in process and via HTTP + Redis, alternately, on one workload."""
+    chats, limits = prompts(n), [new] * n
+    redis.http(chats[:1], [2], [0.0])  # warm both paths (the worker answered one already)
+    asyncio.run(ours(gen, chats[:1], [2], [0.0]))
+    print(f"uniform: {n} chat prompts, greedy, {new} new tokens; alternating, {rounds} rounds")
+    ttfts: dict[str, list[float]] = {"in process": [], "via HTTP": []}
+    for _ in range(rounds):
+        inproc = asyncio.run(ours(gen, chats, limits, [0.0] * n))
+        show("batchline", inproc, {})
+        http = redis.http(chats, limits, [0.0] * n)
+        show("batchline via HTTP + Redis", http, {}, inproc["ttft_p50"])
+        ttfts["in process"].append(inproc["ttft_p50"])
+        ttfts["via HTTP"].append(http["ttft_p50"])
+    means = {k: sum(v) / len(v) for k, v in ttfts.items()}
+    print(
+        f"ttft p50, mean of rounds: in process {means['in process'] * 1e3:.0f} ms, via HTTP + "
+        f"Redis {means['via HTTP'] * 1e3:.0f} ms: "
+        f"{means['via HTTP'] / means['in process']:.2f}x in process"
+    )
+
+
+def stream_ab(redis: RedisWorker, n: int, new: int, rounds: int) -> None:
+    """Through Redis with and without streaming, alternately: tokens/s of the totals and
+    the time to the first text (p50 over every request of every round)."""
+    chats, limits = prompts(n), [new] * n
+    redis.run(chats[:1], [2], [0.0], stream=True)  # warm the streaming path too
+    print(f"uniform: {n} chat prompts, greedy, {new} new tokens, through Redis; {rounds} rounds")
+    names = {"without streaming (infer)": False, "streaming (stream)": True}
+    totals: dict[str, list[Any]] = {name: [0, 0.0, []] for name in names}
+    for _ in range(rounds):
+        for name, stream in names.items():
+            r = redis.run(chats, limits, [0.0] * n, stream=stream)
+            rate, first = r["tokens"] / r["wall_s"], percentile(r["first_s"], 50) * 1e3
+            print(f"{name:<28} {r['tokens']:>6} tok {r['wall_s']:7.1f} s {rate:7.1f} tok/s"
+                  f" first text p50 {first:.0f} ms", flush=True)  # fmt: skip
+            totals[name][0] += r["tokens"]
+            totals[name][1] += r["wall_s"]
+            totals[name][2] += r["first_s"]
+    (plain, plain_s, plain_first), (streamed, streamed_s, streamed_first) = totals.values()
+    ratio = (streamed / streamed_s) / (plain / plain_s)
+    print(
+        f"streaming: {streamed / streamed_s:.1f} tok/s, {ratio:.2f}x without "
+        f"({plain / plain_s:.1f} tok/s); first text p50 {percentile(streamed_first, 50) * 1e3:.0f} ms "
+        f"against {percentile(plain_first, 50) * 1e3:.0f} ms"
+    )
+
+
+def workloads(
+    args: argparse.Namespace, model: Any, tok: Any, gen: Generator, redis: RedisWorker | None
+) -> list[Workload]:
+    n_uniform, n_alone, n_mixed, hi = (8, 2, 12, 48) if args.quick else (32, 8, 64, 256)
+    paged = None if args.skip_tf else paged_model(model.name_or_path, model.device, model.dtype)
+    eos_note = "tokens counted up to each request's EOS or limit"
+
+    def rows(
+        w: Workload, chats: list[Any], limits: list[int], gaps: list[float], stat: str
+    ) -> None:
+        bases = [stat]
+        if paged is not None:
+            w.add("generate_batch (tuned)", lambda: tf_batch(paged, tok, chats, limits), stat)
+            bases.append("generate_batch (tuned)")
+        w.add("batchline", lambda: asyncio.run(ours(gen, chats, limits, gaps)), *bases)
+        if redis is not None:
+            w.add("batchline through Redis", lambda: redis.run(chats, limits, gaps), "batchline")
+
+    a = Workload(f"(a) uniform: {n_uniform} chat prompts, greedy, 32 new tokens ({eos_note})")
+    chats, limits = prompts(n_uniform), [32] * n_uniform
+    a.add(
+        f"one at a time ({n_alone} prompts)",
+        lambda: static(model, tok, chats[:n_alone], limits[:n_alone], 1),
+    )
+    a.add(
+        "static (one generate)",
+        lambda: static(model, tok, chats, limits, n_uniform),
+        f"one at a time ({n_alone} prompts)",
+    )
+    rows(a, chats, limits, [0.0] * n_uniform, "static (one generate)")
+    if redis is not None:
+        http = "batchline via HTTP + Redis"
+        a.add(http, lambda: redis.http(chats, limits, [0.0] * n_uniform), ttft_vs="batchline")
+
+    rnd = random.Random(1)
+    mixed, mixed_limits = prompts(n_mixed), [rnd.randint(8, hi) for _ in range(n_mixed)]
+    rate_per_s = 8.0
+    gaps = [rnd.expovariate(rate_per_s) for _ in range(n_mixed)]
+    b = Workload(
+        f"(b) mixed: {n_mixed} prompts, max_new_tokens 8..{hi}, Poisson arrivals "
+        f"{rate_per_s:.0f}/s (static and generate_batch get them all at once)"
+    )
+    b.add("static (batches of 32)", lambda: static(model, tok, mixed, mixed_limits, 32))
+    rows(b, mixed, mixed_limits, gaps, "static (batches of 32)")
+
+    # Warm-up: every path once, briefly, before anything is timed.
+    few, short = prompts(2), [4, 4]
+    static(model, tok, few, short, 2)
+    if paged is not None:
+        tf_batch(paged, tok, few, short)
+    asyncio.run(ours(gen, few, short, [0.0, 0.0]))
+    if redis is not None:
+        redis.run(few, short, [0.0, 0.0])
+        redis.http(few, short, [0.0, 0.0])  # the backend started, its client warm
+    return [a, b]
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small workloads: a check, not figures")
+    ap.add_argument("--skip-tf", action="store_true", help="skip transformers' generate_batch")
+    ap.add_argument("--skip-redis", action="store_true", help="skip the through-Redis rows")
+    ap.add_argument(
+        "--redis-ab", action="store_true", help="only: in process vs through Redis, alternating"
+    )
+    ap.add_argument(
+        "--http-ab", action="store_true", help="only: ttft in process vs via HTTP, alternating"
+    )
+    ap.add_argument(
+        "--stream-ab", action="store_true", help="only: through Redis, streaming vs infer"
+    )
+    ap.add_argument("--rounds", type=int, default=2, help="with --*-ab [default 2]")
+    ap.add_argument(
+        "--repeats", type=int, default=1, help="runs of every row, interleaved [default 1]"
+    )
+    ap.add_argument(
+        "--model-path", help="with --stream-ab, --http-ab: the model (both sides) [smollm2]"
+    )
+    ap.add_argument("--device", default="auto", help="every row's device: auto, cpu, cuda")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="every row's dtype (auto: float16 on cuda, float32 on cpu)",
+    )
+    args = ap.parse_args()
+    if args.model_path and not (args.stream_ab or args.http_ab):
+        ap.error("--model-path goes with --stream-ab or --http-ab")
+    return args
+
+
+def load(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The in-process model: ``--model-path`` (a ``module:callable`` spec, as the worker
+    takes it, or a path) or SmolLM2, on ``--device`` in ``--dtype``."""
+    on = {"device": args.device, "dtype": args.dtype}
+    if args.model_path and ":" in args.model_path:
+        from batchline.worker.models import resolve_callable
+
+        model, tok = resolve_callable(args.model_path)()
+        return model, tok
+    return load_causal_lm(*([args.model_path] if args.model_path else []), **on)
+
+
+def measure(args: argparse.Namespace, redis: RedisWorker | None) -> None:
+    """The in-process rows beside ``redis``'s: an A/B comparison or the workloads."""
+    model, tok = load(args)
+    print(f"device {model.device}, dtype {model.dtype}", flush=True)
+    gen = Generator(model, tokenizer=tok, max_batch_size=32)
+    try:
+        if (args.redis_ab or args.http_ab) and redis is not None:
+            ab = redis_ab if args.redis_ab else http_ab
+            ab(gen, redis, 8 if args.quick else 32, 16 if args.quick else 32, args.rounds)
+            return
+        plan = workloads(args, model, tok, gen, redis)
+        for index in range(args.repeats):
+            for w in plan:
+                print(f"repeat {index + 1}/{args.repeats} {w.title}", flush=True)
+                w.repeat(index)
+            for w in plan:  # so far: a run stopped early still has its medians
+                w.summary(index + 1)
+    finally:
+        gen.loop.close()
+
+
+def main() -> None:
+    args = parse()
+    apply_threads(available_cpus())
+    torch.manual_seed(0)
+    redis = None
+    if args.stream_ab or not args.skip_redis:  # loaded before any timing
+        redis = RedisWorker(32, args.device, args.dtype, args.model_path)
+    try:
+        if redis is not None and args.stream_ab:
+            stream_ab(redis, 8 if args.quick else 32, 16 if args.quick else 32, args.rounds)
+        else:
+            measure(args, redis)
+    finally:
+        if redis is not None:
+            redis.close()
+
+
+if __name__ == "__main__":
+    main()

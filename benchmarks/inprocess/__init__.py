@@ -1,0 +1,1 @@
+"""The in-process benchmark: ``python -m benchmarks.inprocess`` (``__main__.py``)."""

@@ -1,0 +1,1 @@
+"""The queue benchmark: ``python -m benchmarks.queue`` (``__main__.py``)."""

