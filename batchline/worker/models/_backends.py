@@ -325,7 +325,8 @@ def load_runner(
     if backend == "openvino-int8" and cpu_has_vnni() is False:
         logger.warning(
             "openvino-int8 on a CPU without VNNI: its int8 products may run slower than "
-            "--backend openvino (measured 0.74-0.84x there); compare with python -m benchmarks.queue --parts d"
+            "--backend openvino (measured 0.74-0.84x there); compare with "
+            "python -m benchmarks.queue --parts d"
         )
     file = ensure_export(st_model, model_dir, names, int8=backend == "onnx-int8")
     if backend == "openvino-int8":
