@@ -41,6 +41,7 @@ from _harness import Procs, log, machine  # noqa: E402
 from batchline.keys import QueueKeys  # noqa: E402
 from batchline.producer import AsyncProducer  # noqa: E402
 from batchline.producer._replies import ReplyReader  # noqa: E402
+
 from tests.service.replicated import ReplicatedRedis  # noqa: E402
 
 

@@ -208,7 +208,7 @@ def test_the_replicated_compose_variant_hangs_together() -> None:
     """docker/compose.ha.yaml: workers and the API name the three sentinels by the service
     the sentinels monitor, with durability replicated; a quorum of 2 of 3; the primary
     refuses writes without a replica in sync; every Redis keeps an AOF. (The failover itself
-    is proved with local processes: tests/service/test_failover.py.)"""
+    is proved with local processes: tests/e2e/test_failover.py.)"""
     from batchline.transport._sentinel import parse_sentinel_url
 
     root = DEPLOY.parent.parent / "docker"

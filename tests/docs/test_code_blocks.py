@@ -8,9 +8,9 @@ import re
 from pathlib import Path
 
 import pytest
-from service.conftest import REPO
 
 from .pages import PYTHON, SHELL, SHOWN, needs, pages, parse, run_page
+from tests.support.service import REPO
 
 PAGES = pages()
 

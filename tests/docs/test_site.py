@@ -19,7 +19,8 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from service.conftest import REPO
+
+from tests.support.service import REPO
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 

@@ -12,7 +12,7 @@ import pytest
 from batchline.errors import BadGenerationParams, BatcherClosed, PromptTooLong
 from batchline.generation import GenerationResult, Generator, SyncGenerator
 
-from .tiny import alone, tiny_model, torch
+from tests.support.tiny import alone, tiny_model, torch
 
 PROMPTS = [[5, 6, 7], [8] * 12, [9, 10], [11] * 30, [12, 13, 14, 15]]
 

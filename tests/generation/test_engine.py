@@ -12,8 +12,8 @@ from batchline.errors import BadGenerationParams, PromptTooLong, RequestCancelle
 from batchline.generation import Engine, GenerationLoop, GenerationParams, GenerationResult
 from batchline.generation._types import Sequence_
 
-from .stepping import Clock, Plan, final, run_plan
-from .tiny import VOCAB, ByteFallbackTokenizer, CharTokenizer, alone, tiny_model, torch
+from tests.support.stepping import Clock, Plan, final, run_plan
+from tests.support.tiny import VOCAB, ByteFallbackTokenizer, CharTokenizer, alone, tiny_model, torch
 
 
 def request(prompt: list[int], events: list[Any], **params: Any) -> Sequence_:

@@ -18,8 +18,8 @@ from batchline.errors import GenerationError
 from batchline.generation import Engine, GenerationLoop, GenerationParams, GenerationResult
 from batchline.generation._types import Sequence_
 
-from .stepping import Clock, Plan, final, run_plan
-from .tiny import alone, tiny_model
+from tests.support.stepping import Clock, Plan, final, run_plan
+from tests.support.tiny import alone, tiny_model
 
 POISON = 96
 CONFIG = SchedulerConfig(max_batch_size=8, max_batch_tokens=4096)
