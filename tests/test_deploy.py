@@ -100,6 +100,7 @@ def test_keda_objects_match_the_documented_schema() -> None:
 
 
 @pytest.mark.parametrize("name", [SINGLE, CLUSTER])
+@pytest.mark.slow
 def test_each_trigger_takes_only_its_own_fields(name: str) -> None:
     """redis and redis-streams name one server (``address``); redis-cluster and
     redis-cluster-streams the cluster's nodes (``addresses``, host:port, comma-separated): the

@@ -83,6 +83,7 @@ def _help_options(command: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("command", ["", "worker", "status", "acl", "demo"])
+@pytest.mark.slow
 def test_each_help_shows_exactly_the_reference(command: str) -> None:
     """What ``--help`` prints and what the docs are generated from are the same, option by
     option: flag, value, text, variable and default."""
@@ -199,6 +200,7 @@ def test_a_command_reads_exactly_the_settings_its_help_lists(
     assert read == set(_settings_options(command)), args
 
 
+@pytest.mark.slow
 def test_a_worker_reads_every_setting_its_help_lists(
     redis_url: str, queue: str, rclient: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -253,6 +255,7 @@ def test_an_option_a_mode_would_ignore_is_refused(
     assert says in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_top_level_help_is_for_users() -> None:
     done = run_cli("--help")
     assert done.returncode == 0, done.stderr
@@ -280,6 +283,7 @@ def test_status_without_redis_is_one_line_naming_the_url_and_setting() -> None:
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
+@pytest.mark.slow
 def test_worker_gives_up_after_redis_wait_s_without_loading_its_model() -> None:
     port = _free_port()
     url = f"redis://:s3cret-pw@127.0.0.1:{port}/0"
@@ -299,6 +303,7 @@ def test_worker_gives_up_after_redis_wait_s_without_loading_its_model() -> None:
     assert "ModuleNotFoundError" not in done.stderr
 
 
+@pytest.mark.slow
 def test_worker_started_before_redis_waits_for_it_then_serves(tmp_path: Path) -> None:
     server = EmbeddedRedis()
     log_path = tmp_path / "worker.log"
@@ -350,6 +355,7 @@ def test_worker_started_before_redis_waits_for_it_then_serves(tmp_path: Path) ->
     ],
     ids=["worker", "worker-unsupervised", "status"],
 )
+@pytest.mark.slow
 def test_ctrl_c_while_waiting_for_redis_exits_130_with_one_line(args: list[str]) -> None:
     env = {
         "BATCHLINE_REDIS_URL": f"redis://127.0.0.1:{_free_port()}/0",
@@ -371,6 +377,7 @@ def test_ctrl_c_while_waiting_for_redis_exits_130_with_one_line(args: list[str])
 
 
 @pytest.mark.parametrize("supervised", [True, False])
+@pytest.mark.slow
 def test_ctrl_c_while_serving_drains_then_exits_130(
     supervised: bool, redis_url: str, queue: str, rclient: redis.Redis
 ) -> None:
@@ -392,6 +399,7 @@ def test_ctrl_c_while_serving_drains_then_exits_130(
     assert rclient.zscore(keys.workers, worker_id) is None  # it took itself off the list
 
 
+@pytest.mark.slow
 def test_sigterm_drains_a_worker_with_exit_status_0(redis_url: str, queue: str) -> None:
     args = ["worker", "--redis-url", redis_url, "--queue", queue, "--model", spec("echo")]
     with AtTerminal(*args) as worker:
@@ -423,6 +431,7 @@ def test_sigterm_drains_a_worker_with_exit_status_0(redis_url: str, queue: str) 
     ],
     ids=["embeddings", "generation", "function"],
 )
+@pytest.mark.slow
 def test_a_worker_says_once_it_serves_with_what(
     model: list[str], ready: str, redis_url: str, queue: str
 ) -> None:

@@ -124,6 +124,7 @@ def test_a_chunked_body_is_refused_once_it_passes_the_limit(
     assert chunks.given < 32 * MIB, chunks.given
 
 
+@pytest.mark.slow
 def test_a_body_of_the_limit_is_served_and_one_byte_more_is_not(
     make_app: MakeApp,
     serve: Serve,
@@ -206,6 +207,7 @@ def peak_rss(pid: int) -> int:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.slow
 def test_eight_50_mb_bodies_at_once_leave_the_apis_memory_and_redis_alone(
     redis_url: str, gen_queue: str, rclient: redis.Redis
 ) -> None:

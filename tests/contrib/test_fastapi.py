@@ -136,6 +136,7 @@ def load_example(name: str) -> ModuleType:
 # -- POST /embed --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_embed_one_text_and_several(
     make_app: MakeApp, serve: Serve, start_worker: Callable[..., WorkerThread]
 ) -> None:
@@ -159,6 +160,7 @@ def test_embed_one_text_and_several(
     assert response.json()["embeddings"] == [vector(t) for t in texts]
 
 
+@pytest.mark.slow
 def test_concurrent_embeds_each_get_their_own_answer(
     make_app: MakeApp, serve: Serve, start_worker: Callable[..., WorkerThread]
 ) -> None:
@@ -197,6 +199,7 @@ def test_invalid_bodies_are_422(make_app: MakeApp, serve: Serve) -> None:
 # -- POST /jobs, GET /jobs/{id} -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_job_is_pending_then_done(
     make_app: MakeApp,
     serve: Serve,
@@ -225,6 +228,7 @@ def test_job_is_pending_then_done(
     assert client.get(one).json()["embedding"] == vector("a job")  # until the result expires
 
 
+@pytest.mark.slow
 def test_a_job_answered_from_the_cache_is_served_by_its_own_id(
     make_app: MakeApp,
     serve: Serve,
@@ -254,6 +258,7 @@ def test_unknown_job_is_404_and_invalid_id_422(make_app: MakeApp, serve: Serve) 
         assert client.get(f"/jobs/{bad}").status_code == 422, bad
 
 
+@pytest.mark.slow
 def test_expired_job_is_410(
     make_app: MakeApp, serve: Serve, start_worker: Callable[..., WorkerThread]
 ) -> None:
@@ -267,6 +272,7 @@ def test_expired_job_is_410(
     assert response.json()["status"] == "expired"
 
 
+@pytest.mark.slow
 def test_expired_embed_is_504(
     make_app: MakeApp,
     serve: Serve,
@@ -299,6 +305,7 @@ def test_no_result_in_time_is_504_and_cancels(
     assert f"on queue {keys.queue!r}: no live worker serves that queue" in detail, detail
 
 
+@pytest.mark.slow
 def test_cancelled_job_is_409(
     make_app: MakeApp,
     serve: Serve,
@@ -332,6 +339,7 @@ def test_full_queue_is_503_with_retry_after(
     assert len(rclient.keys(keys.job("*"))) == 2  # the refused job left no marker
 
 
+@pytest.mark.slow
 def test_redis_out_of_memory_is_503_with_retry_after(
     make_app: MakeApp,
     serve: Serve,
@@ -369,6 +377,7 @@ def test_a_malformed_stored_result_is_500(
     assert response.json()["error_type"] == "MalformedResult"
 
 
+@pytest.mark.slow
 def test_worker_errors_carry_their_type(
     make_app: MakeApp, serve: Serve, start_worker: Callable[..., WorkerThread]
 ) -> None:
@@ -420,6 +429,7 @@ def test_healthz(make_app: MakeApp, serve: Serve, queue: str) -> None:
 # -- the examples -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_service_example_takes_its_settings_from_the_environment(
     redis_url: str,
     queue: str,

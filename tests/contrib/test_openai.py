@@ -91,6 +91,7 @@ def assert_error(response: httpx.Response, status: int, **fields: Any) -> dict[s
     return dict(error)
 
 
+@pytest.mark.slow
 def test_the_openai_client_embeds_completes_and_chats(
     make_app: MakeApp,
     serve: Serve,  # noqa: F811 (the fixture imported above)
@@ -151,6 +152,7 @@ def test_the_openai_client_embeds_completes_and_chats(
     assert cut.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_bad_requests_get_openai_errors(
     make_app: MakeApp,
     serve: Serve,  # noqa: F811
@@ -275,6 +277,7 @@ def read_events(sock: socket.socket, n: int) -> bytes:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.slow
 def test_a_client_that_hangs_up_cancels_its_request(
     make_app: MakeApp,
     serve: Serve,  # noqa: F811
@@ -317,6 +320,7 @@ def sse_events(response: httpx.Response) -> list[str]:
     return [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
 
 
+@pytest.mark.slow
 def test_streamed_chat_with_the_openai_client(
     make_app: MakeApp,
     serve: Serve,  # noqa: F811
@@ -352,6 +356,7 @@ def test_streamed_chat_with_the_openai_client(
     assert last.usage.completion_tokens == len(want.token_ids)
 
 
+@pytest.mark.slow
 def test_a_streamed_completion_read_as_raw_events(
     make_app: MakeApp,
     serve: Serve,  # noqa: F811
@@ -391,6 +396,7 @@ def test_a_stream_with_no_answer_in_time_is_504_and_cancelled(
     assert len(cancels) == 1
 
 
+@pytest.mark.slow
 def test_a_stream_that_stalls_ends_with_an_error_event_and_is_cancelled(
     make_app: MakeApp,
     serve: Serve,  # noqa: F811

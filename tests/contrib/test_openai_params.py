@@ -162,6 +162,7 @@ def test_the_official_client_gets_the_400s_of_strict_parameters(
     assert refused.value.param == "dimensions"
 
 
+@pytest.mark.slow
 def test_values_at_the_edges_reach_the_worker_as_sent(
     make_app: MakeApp,
     serve: Serve,  # noqa: F811
@@ -200,6 +201,7 @@ def test_values_at_the_edges_reach_the_worker_as_sent(
 
 
 @pytest.mark.parametrize("seed", [INT64_MIN, INT64_MAX])
+@pytest.mark.slow
 def test_the_extreme_seeds_sample_as_in_process(
     make_app: MakeApp,
     serve: Serve,  # noqa: F811
@@ -229,6 +231,7 @@ NATIVE: list[tuple[dict[str, Any], str]] = [
 ]
 
 
+@pytest.mark.slow
 def test_each_bad_native_parameter_is_a_422_locating_it(
     make_app: MakeApp,
     serve: Serve,  # noqa: F811

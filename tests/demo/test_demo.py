@@ -65,6 +65,7 @@ def check_figures(out: str) -> None:
     assert share <= 101, found.group(0)
 
 
+@pytest.mark.slow
 def test_the_demo_over_redis(tmp_path: Path) -> None:
     plot = tmp_path / "load.png"
     done = run_cli(
@@ -87,6 +88,7 @@ def test_the_demo_over_redis(tmp_path: Path) -> None:
     assert re.search(r"padding efficiency \(real / padded tokens\): [0-9.]+%", done.stdout)
 
 
+@pytest.mark.slow
 def test_the_demo_in_process() -> None:
     done = run_cli("demo", "--in-process", "--requests", "64", timeout_s=DEMO_TIMEOUT_S)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -121,6 +123,7 @@ def _processes_mentioning(text: str) -> list[int]:
         ("load", "sending sentences", 1.0),
     ],
 )
+@pytest.mark.slow
 def test_ctrl_c_stops_everything_quickly_with_one_line(
     phase: str, after: str, pause_s: float
 ) -> None:
@@ -147,6 +150,7 @@ def test_ctrl_c_stops_everything_quickly_with_one_line(
     assert _processes_mentioning(socket_dir) == [], "a redis-server or worker is left behind"
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_in_process_demo_with_one_line() -> None:
     with AtTerminal("demo", "--in-process", "--requests", "20000") as demo:
         demo.wait_for("one request at a time", timeout_s=DEMO_TIMEOUT_S)

@@ -25,6 +25,7 @@ from tests.support.service import REPO
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 pytestmark = [
+    pytest.mark.slow,  # builds the site and renders it in headless Chromium
     pytest.mark.skipif(
         importlib.util.find_spec("mkdocs") is None,
         reason="mkdocs is not installed (the dev extra: pip install -e '.[dev]')",

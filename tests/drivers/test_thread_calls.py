@@ -215,6 +215,7 @@ async def test_stats_count_items_batches_sizes_and_errors(closing: list[Any]) ->
 # -- the latency SLO mode --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_latency_slo_mode_chooses_its_settings_within_the_limits() -> None:
     @batchline.dynamically(batch_size=64, timeout_ms=20.0, target_p99_ms=10.0)
     def double(xs: list[int]) -> list[int]:

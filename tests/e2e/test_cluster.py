@@ -44,6 +44,8 @@ from tests.support.service import (
 
 __all__ = ["workers"]  # the fixture, used here
 
+pytestmark = pytest.mark.slow  # a 3-node Redis Cluster, started for this module
+
 
 def _cluster_port(taken: list[int]) -> int:
     """A free port P <= 55535 whose cluster bus port P + 10000 is free too."""

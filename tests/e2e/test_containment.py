@@ -63,6 +63,7 @@ def serve_with_one_bad_input(
 
 
 @pytest.mark.parametrize("n_workers", [1, 2])
+@pytest.mark.slow
 def test_a_process_crash_on_one_input_spares_its_batch_mates(
     spawn_worker: Callable[..., WorkerProcess],
     redis_url: str,
@@ -103,6 +104,7 @@ def test_a_process_crash_on_one_input_spares_its_batch_mates(
     assert logs.count("died (signal 6); restarting") == 3
 
 
+@pytest.mark.slow
 def test_a_hang_on_one_input_is_handed_back_and_dead_lettered(
     spawn_worker: Callable[..., WorkerProcess],
     redis_url: str,
@@ -141,6 +143,7 @@ def test_a_hang_on_one_input_is_handed_back_and_dead_lettered(
 
 
 @pytest.mark.parametrize("draining", [False, True], ids=["serving", "draining"])
+@pytest.mark.slow
 def test_a_hung_worker_reports_unhealthy_and_hands_back_what_it_read(
     start_worker: Callable[..., WorkerThread],
     redis_url: str,
@@ -184,6 +187,7 @@ def test_a_hung_worker_reports_unhealthy_and_hands_back_what_it_read(
         model.release.set()
 
 
+@pytest.mark.slow
 def test_the_supervisor_gives_up_past_max_restarts_per_min(
     spawn_worker: Callable[..., WorkerProcess],
     redis_url: str,
@@ -222,6 +226,7 @@ def _held(client: redis.Redis, keys: QueueKeys) -> list[dict[str, Any]]:
     return [e for p in keys.streams for e in client.xpending_range(p, GROUP, "-", "+", 1000)]
 
 
+@pytest.mark.slow
 def test_a_hang_under_default_settings_is_bounded_by_the_models_own_speed(
     spawn_worker: Callable[..., WorkerProcess],
     redis_url: str,
@@ -256,6 +261,7 @@ def test_a_hang_under_default_settings_is_bounded_by_the_models_own_speed(
     assert_all_done(rclient, keys)
 
 
+@pytest.mark.slow
 def test_a_hung_call_hands_back_the_read_ahead_early_and_the_worker_reports_unhealthy(
     start_worker: Callable[..., WorkerThread],
     redis_url: str,
@@ -319,6 +325,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow
 def test_a_hang_that_blocks_the_event_loop_is_handed_back_from_the_watchdogs_thread(
     start_worker: Callable[..., WorkerThread],
     redis_url: str,

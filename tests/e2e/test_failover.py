@@ -25,7 +25,10 @@ from batchline.transport._redis import RedisUnreachable, connect, wait_for_redis
 from tests.service.replicated import ReplicatedRedis, available
 from tests.support.service import WorkerThread
 
-pytestmark = pytest.mark.skipif(not available(), reason="needs Debian's redis-server (Sentinel)")
+pytestmark = [
+    pytest.mark.slow,  # several redis-server processes, failed over
+    pytest.mark.skipif(not available(), reason="needs Debian's redis-server (Sentinel)"),
+]
 
 T = 60.0
 

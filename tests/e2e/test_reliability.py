@@ -30,6 +30,8 @@ from tests.support.service import (
     wait_until,
 )
 
+pytestmark = pytest.mark.slow  # real worker and producer processes, several at once
+
 T = RESULT_TIMEOUT_S
 HUGE_MS = 600_000
 

@@ -76,6 +76,7 @@ async def test_a_cancelled_request_gets_its_coalesced_requests_run_for_themselve
 
 
 @pytest.mark.parametrize("how", ["cancelled", "expired"])
+@pytest.mark.slow
 async def test_a_resubmit_after_a_cancel_or_an_expiry_runs_again(
     cached: list[AsyncProducer],
     start_worker: Callable[..., WorkerThread],
@@ -114,6 +115,7 @@ async def test_a_resubmit_after_a_cancel_or_an_expiry_runs_again(
     assert await a.get_result(rid) == result
 
 
+@pytest.mark.slow
 async def test_a_generation_cut_short_is_never_cached_nor_given_to_coalesced_requests(
     cached: list[AsyncProducer],
     start_worker: Callable[..., WorkerThread],

@@ -33,6 +33,8 @@ from tests.support.service import (
     wait_until,
 )
 
+pytestmark = pytest.mark.slow  # 100,000 submits, and a worker's limits on large inputs
+
 FLOOD = 100_000
 DEPTH = 10_000
 CHUNK = 1_000

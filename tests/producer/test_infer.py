@@ -98,6 +98,7 @@ def paused_writes(client: redis.Redis, *, limit_ms: int = 30_000) -> Iterator[No
         client.execute_command("CLIENT", "UNPAUSE")
 
 
+@pytest.mark.slow
 async def test_a_write_cut_by_a_lost_connection_is_enqueue_uncertain(
     producer: AsyncProducer,
     start_worker: Callable[..., WorkerThread],
@@ -126,6 +127,7 @@ async def test_a_write_cut_by_a_lost_connection_is_enqueue_uncertain(
     assert await producer.infer("later", timeout_s=T) == "later"
 
 
+@pytest.mark.slow
 async def test_a_writer_connection_that_died_idle_is_replaced_before_the_write(
     redis_url: str, queue: str, rclient: redis.Redis
 ) -> None:
@@ -143,6 +145,7 @@ async def test_a_writer_connection_that_died_idle_is_replaced_before_the_write(
         assert await producer.queue_depth() == 2
 
 
+@pytest.mark.slow
 async def test_a_write_paused_past_the_socket_timeout_is_enqueue_timeout(
     redis_url: str, queue: str, start_worker: Callable[..., WorkerThread], rclient: redis.Redis
 ) -> None:
@@ -225,6 +228,7 @@ def out_of_memory(client: redis.Redis) -> Iterator[None]:
         client.config_set("maxmemory-policy", policy)
 
 
+@pytest.mark.slow
 async def test_redis_out_of_memory_is_service_unavailable_and_nothing_is_lost(
     producer: AsyncProducer,
     start_worker: Callable[..., WorkerThread],

@@ -62,6 +62,7 @@ def computed(model: GatedModel) -> list[object]:
     return [x for batch in model.batches for x in batch]
 
 
+@pytest.mark.slow
 async def test_a_resubmitted_answered_id_gets_its_result_without_enqueueing(
     producers: list[AsyncProducer],
     start_worker: Callable[..., WorkerThread],
@@ -89,6 +90,7 @@ async def test_a_resubmitted_answered_id_gets_its_result_without_enqueueing(
     assert rclient.hget(keys.once_stats, "existing") == b"4"
 
 
+@pytest.mark.slow
 async def test_resubmits_while_queued_or_running_wait_for_the_one_answer(
     producers: list[AsyncProducer],
     start_worker: Callable[..., WorkerThread],
@@ -129,6 +131,7 @@ async def test_resubmits_while_queued_or_running_wait_for_the_one_answer(
     assert 0 < rclient.ttl(keys.request_input("one")) <= 3600
 
 
+@pytest.mark.slow
 async def test_an_id_reused_for_another_input_is_refused(
     producers: list[AsyncProducer],
     start_worker: Callable[..., WorkerThread],
@@ -159,6 +162,7 @@ async def test_an_id_reused_for_another_input_is_refused(
     assert rclient.hget(keys.once_stats, "conflict") == b"4"
 
 
+@pytest.mark.slow
 def test_producer_processes_resubmitting_the_same_ids_while_a_worker_dies(
     spawn_worker: Callable[..., WorkerProcess],
     redis_url: str,
@@ -222,6 +226,7 @@ def queue_keys(client: redis.Redis, keys: QueueKeys, kind: str) -> list[bytes]:
     return sorted(client.scan_iter(match=f"{keys.base}:{kind}:*"))
 
 
+@pytest.mark.slow
 async def test_identical_inputs_are_coalesced_then_answered_from_the_cache(
     cached: list[AsyncProducer],
     start_worker: Callable[..., WorkerThread],
@@ -277,6 +282,7 @@ async def test_identical_inputs_are_coalesced_then_answered_from_the_cache(
     assert (a.counts["cached"], b.counts["cached"], b.counts["coalesced"]) == (1, 1, 2)
 
 
+@pytest.mark.slow
 async def test_only_ok_results_are_cached_and_every_new_key_expires(
     cached: list[AsyncProducer],
     start_worker: Callable[..., WorkerThread],
@@ -305,6 +311,7 @@ async def test_only_ok_results_are_cached_and_every_new_key_expires(
     assert 0 < rclient.ttl(keys.once_stats) <= 3600
 
 
+@pytest.mark.slow
 async def test_a_worker_without_the_cache_does_not_fill_it(
     cached: list[AsyncProducer],
     start_worker: Callable[..., WorkerThread],
@@ -324,6 +331,7 @@ async def test_a_worker_without_the_cache_does_not_fill_it(
 
 
 @pytest.mark.parametrize("how", ["refused", "max_deliveries"])
+@pytest.mark.slow
 async def test_requests_coalesced_onto_a_dead_lettered_one_get_its_error(
     cached: list[AsyncProducer],
     start_worker: Callable[..., WorkerThread],

@@ -107,6 +107,7 @@ def _trip() -> None:
 # -- one reply entry per producer per completion ------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_batch_from_one_producer_is_answered_with_one_reply_entry(
     start_worker: Callable[..., WorkerThread], rclient: redis.Redis, keys: QueueKeys
 ) -> None:
@@ -126,6 +127,7 @@ def test_a_batch_from_one_producer_is_answered_with_one_reply_entry(
     assert pending_count(rclient, keys) == 0
 
 
+@pytest.mark.slow
 def test_two_producers_in_one_batch_get_one_reply_entry_each(
     start_worker: Callable[..., WorkerThread], rclient: redis.Redis, keys: QueueKeys
 ) -> None:
@@ -150,6 +152,7 @@ def test_two_producers_in_one_batch_get_one_reply_entry_each(
     assert unpack_result(rclient.get(keys.result("nobody")), Limits()).status == "ok"
 
 
+@pytest.mark.slow
 async def test_a_producer_reads_a_whole_batch_from_one_reply_entry(
     producer: AsyncProducer,
     start_worker: Callable[..., WorkerThread],
@@ -250,6 +253,7 @@ async def test_the_completion_script_takes_a_write_of_ten_thousand_records(
 # -- malformed reply entries -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_malformed_replies_are_dropped_and_the_reader_carries_on(
     producer: AsyncProducer,
     start_worker: Callable[..., WorkerThread],
@@ -316,6 +320,7 @@ async def test_malformed_replies_are_dropped_and_the_reader_carries_on(
     await eventually(lambda: rclient.xlen(reply_key) == 0, "the reader to delete what it read")
 
 
+@pytest.mark.slow
 async def test_a_poisoned_reply_between_two_batches_leaves_the_producer_answering(
     producer: AsyncProducer,
     start_worker: Callable[..., WorkerThread],

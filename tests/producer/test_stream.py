@@ -83,6 +83,7 @@ async def collect(producer: AsyncProducer, value: Any, **options: Any) -> list[S
     return [chunk async for chunk in producer.stream(value, timeout_s=T, **options)]
 
 
+@pytest.mark.slow
 async def test_deltas_add_up_to_the_result_and_equal_infer(
     start_worker: Callable[..., WorkerThread],
     redis_url: str,
@@ -107,6 +108,7 @@ async def test_deltas_add_up_to_the_result_and_equal_infer(
     assert_all_done(rclient, keys)
 
 
+@pytest.mark.slow
 def test_a_worker_that_sends_no_chunks_streams_the_whole_text_at_the_end(
     start_worker: Callable[..., WorkerThread],
     redis_url: str,
@@ -137,6 +139,7 @@ def test_a_worker_that_sends_no_chunks_streams_the_whole_text_at_the_end(
     assert [result[k] for k in SAME] == [answer[k] for k in SAME]
 
 
+@pytest.mark.slow
 async def test_breaking_out_or_cancelling_the_task_cancels_the_request(
     start_worker: Callable[..., WorkerThread],
     redis_url: str,
@@ -166,6 +169,7 @@ async def test_breaking_out_or_cancelling_the_task_cancels_the_request(
         assert r.output["tokens"] < 400
 
 
+@pytest.mark.slow
 def test_a_stream_past_its_timeout_raises_and_cancels_the_request(
     start_worker: Callable[..., WorkerThread], redis_url: str, queue: str, gate: Any
 ) -> None:
@@ -203,6 +207,7 @@ class Interrupted(Exception):
     """What the test's SIGINT handler raises in the main thread (as Ctrl-C would)."""
 
 
+@pytest.mark.slow
 def test_an_exception_while_the_next_chunk_is_pending_cancels_the_request(
     start_worker: Callable[..., WorkerThread], redis_url: str, queue: str, gate: Any
 ) -> None:
@@ -235,6 +240,7 @@ def test_an_exception_while_the_next_chunk_is_pending_cancels_the_request(
     assert (r.status, r.output["finish_reason"]) == ("ok", "cancelled")
 
 
+@pytest.mark.slow
 def test_a_slow_consumer_leaves_nothing_in_redis_and_gets_what_came_at_once(
     start_worker: Callable[..., WorkerThread],
     redis_url: str,
@@ -274,6 +280,7 @@ def ghost_request(rclient: redis.Redis, keys: QueueKeys, rid: str, max_new_token
     return unpack_result(raw, Limits()).output
 
 
+@pytest.mark.slow
 async def test_a_vanished_producer_stops_costing_the_worker(
     start_worker: Callable[..., WorkerThread],
     rclient: redis.Redis,
@@ -292,6 +299,7 @@ async def test_a_vanished_producer_stops_costing_the_worker(
     assert 0 < rclient.ttl(reply) <= 3600  # and it expires
 
 
+@pytest.mark.slow
 def test_a_reply_stream_full_of_fresh_entries_is_a_live_producers(
     start_worker: Callable[..., WorkerThread], rclient: redis.Redis, keys: QueueKeys
 ) -> None:
@@ -306,6 +314,7 @@ def test_a_reply_stream_full_of_fresh_entries_is_a_live_producers(
     assert (output["finish_reason"], output["tokens"]) == ("length", 30)
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_stream_is_rerun_and_no_token_shows_twice_or_never(
     spawn_worker: Callable[..., WorkerProcess],
     redis_url: str,
@@ -363,6 +372,7 @@ async def check_as_infer(producer: AsyncProducer, value: Any, chunks: list[Strea
     assert [result[k] for k in SAME] == [answer[k] for k in SAME]
 
 
+@pytest.mark.slow
 async def test_a_stream_goes_on_after_a_failed_chunk_write(
     acl_user: Callable[[list[str]], str],
     start_worker: Callable[..., WorkerThread],
@@ -399,6 +409,7 @@ async def test_a_stream_goes_on_after_a_failed_chunk_write(
         await check_as_infer(producer, value, got)
 
 
+@pytest.mark.slow
 async def test_chunks_of_an_entry_forged_under_a_streamed_id_never_reach_its_stream(
     start_worker: Callable[..., WorkerThread],
     redis_url: str,
@@ -438,6 +449,7 @@ async def test_chunks_of_an_entry_forged_under_a_streamed_id_never_reach_its_str
     assert any("a chunk of request order-2" in m for m in refused), refused
 
 
+@pytest.mark.slow
 def test_a_stream_under_the_producer_and_worker_acl_users(
     start_worker: Callable[..., WorkerThread],
     redis_url: str,

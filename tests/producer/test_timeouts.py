@@ -43,6 +43,7 @@ async def test_a_timeout_without_a_worker_names_the_queue_and_says_none_serves_i
     assert str(stream.value).startswith("request ")
 
 
+@pytest.mark.slow
 async def test_a_timeout_with_a_busy_worker_says_which_serve_the_queue(
     redis_url: str, queue: str, start_worker: Callable[..., WorkerThread]
 ) -> None:
@@ -72,6 +73,7 @@ async def _until(predicate: Callable[[], bool], what: str, timeout_s: float = 30
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.slow
 async def test_the_reply_reader_without_redis_names_the_url_and_keeps_quiet(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

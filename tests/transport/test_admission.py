@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import Callable
 
 import msgpack
+import pytest
 import redis
 
 from batchline.errors import ServiceUnavailable
@@ -58,6 +59,7 @@ def test_cancels_are_admitted_in_order_with_their_requests(
     assert rclient.get(keys.request_input(rid)).endswith(b" !")  # a resubmit runs again
 
 
+@pytest.mark.slow
 async def test_a_library_gone_is_loaded_again_by_the_workers(
     redis_url: str,
     queue: str,

@@ -338,6 +338,7 @@ async def test_catch_up_on_a_queue_without_cancels(aclient: AsyncRedis, keys: Qu
     assert len(log) == 0
 
 
+@pytest.mark.slow
 async def test_follow_reads_new_ids_until_told_to_stop(
     aclient: AsyncRedis, rclient: redis.Redis, keys: QueueKeys
 ) -> None:
@@ -362,6 +363,7 @@ async def test_follow_reads_new_ids_until_told_to_stop(
 # -- end to end --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_a_request_cancelled_while_a_worker_holds_it_never_reaches_the_model(
     producer: AsyncProducer,
     start_worker: Callable[..., WorkerThread],
@@ -400,6 +402,7 @@ async def test_a_request_cancelled_while_a_worker_holds_it_never_reaches_the_mod
     assert sum(int(rclient.xlen(s)) for s in keys.streams) == 0
 
 
+@pytest.mark.slow
 async def test_workers_trim_the_cancel_stream_however_it_was_written(
     aclient: AsyncRedis, rclient: redis.Redis, keys: QueueKeys
 ) -> None:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import redis
 
 from batchline.keys import GROUP, QueueKeys
@@ -36,6 +37,7 @@ def status(redis_url: str, queue: str) -> dict[int, dict[str, Any]]:
     return {s["priority"]: s for s in json.loads(done.stdout)["streams"]}
 
 
+@pytest.mark.slow
 def test_lag_and_pending_match_xinfo_and_xpending(
     rclient: redis.Redis, keys: QueueKeys, redis_url: str, queue: str
 ) -> None:
@@ -72,6 +74,7 @@ def test_lag_is_null_after_a_delete_past_the_last_delivered_entry(
     assert (got["lag"], got["pending"], got["backlog"]) == (None, 2, None)
 
 
+@pytest.mark.slow
 def test_a_worker_holding_read_ahead_work_shows_it_as_pending_not_lag(
     start_worker: Callable[..., WorkerThread],
     rclient: redis.Redis,
@@ -100,6 +103,7 @@ def test_a_worker_holding_read_ahead_work_shows_it_as_pending_not_lag(
     assert (got["lag"], got["pending"], got["backlog"]) == (lag, pending, 0) == (0, 0, 0)
 
 
+@pytest.mark.slow
 def test_the_text_status_reads_as_words_not_python_literals(
     start_worker: Callable[..., WorkerThread],
     rclient: redis.Redis,

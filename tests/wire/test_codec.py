@@ -118,6 +118,7 @@ def test_torch_tensors_travel_as_arrays() -> None:
 
 @settings(deadline=None)
 @given(json_values)
+@pytest.mark.slow
 def test_any_json_value_round_trips(value: Any) -> None:
     assert_same(round_trip(value), value)
 

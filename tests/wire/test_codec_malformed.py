@@ -171,6 +171,7 @@ field_values = (
 
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(field_names | st.binary(max_size=4), field_values))
+@pytest.mark.slow
 def test_random_entries_only_ever_raise_decode_error(raw: dict[bytes, bytes]) -> None:
     try:
         request = decode_request(raw)
@@ -210,6 +211,7 @@ hostile = st.recursive(
 
 @settings(max_examples=300, deadline=None)
 @given(hostile, st.binary(max_size=64))
+@pytest.mark.slow
 def test_hostile_headers_only_ever_raise_decode_error(tree: Any, blob: bytes) -> None:
     meta = json.dumps(tree).encode()  # NaN and Infinity included: json.loads reads them
     with contextlib.suppress(DecodeError):
@@ -225,6 +227,7 @@ def test_random_bytes_only_ever_raise_decode_error(meta: bytes, blob: bytes) -> 
 
 @settings(max_examples=100, deadline=None)
 @given(json_values, st.data())
+@pytest.mark.slow
 def test_cut_or_flipped_requests_only_ever_raise_decode_error(value: Any, data: Any) -> None:
     fields = as_redis(encode_request("r", value, enqueued_unix_ms=1.0, reply=None))
     name = data.draw(st.sampled_from(sorted(fields)))
@@ -238,6 +241,7 @@ def test_cut_or_flipped_requests_only_ever_raise_decode_error(value: Any, data: 
 # -- nothing is ever unpickled or evaluated ----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_package_never_unpickles_or_evaluates() -> None:
     package = Path(batchline.__file__).parent
     banned_modules = {"pickle", "cPickle", "_pickle", "marshal", "dill", "shelve", "cloudpickle"}

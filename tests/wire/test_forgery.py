@@ -115,6 +115,7 @@ async def running(attacker: AsyncProducer, model: GatedModel) -> Handle:
 
 
 @pytest.mark.parametrize("cache_ttl_s", [0, 60], ids=["cache-off", "cache-on"])
+@pytest.mark.slow
 async def test_a_forged_waiter_gets_another_request_no_answer(
     redis_url: str,
     urls: dict[str, str],
@@ -168,6 +169,7 @@ def element(request_id: str, value: str, *, reply: str = "", prio: int = 1) -> b
 
 
 @pytest.mark.parametrize("when", ["answered", "pending"])
+@pytest.mark.slow
 async def test_a_forged_request_under_a_known_id_never_runs_nor_overwrites_its_result(
     urls: dict[str, str],
     serve: Callable[..., dict[str, Any]],
@@ -209,6 +211,7 @@ async def test_a_forged_request_under_a_known_id_never_runs_nor_overwrites_its_r
     assert rclient.xlen(keys.dead) == 0
 
 
+@pytest.mark.slow
 async def test_producer_rights_cannot_remove_other_producers_requests(
     urls: dict[str, str],
     start_worker: Callable[..., WorkerThread],
@@ -258,6 +261,7 @@ async def test_producer_rights_cannot_remove_other_producers_requests(
     assert all(d[1][b"reason"].startswith(b"MalformedRequest: inbox element") for d in dead)
 
 
+@pytest.mark.slow
 async def test_a_forged_in_flight_mark_gets_the_coalesced_an_error_not_another_answer(
     redis_url: str, urls: dict[str, str], serve: Callable[..., dict[str, Any]], keys: QueueKeys
 ) -> None:
@@ -284,6 +288,7 @@ async def test_a_forged_in_flight_mark_gets_the_coalesced_an_error_not_another_a
     assert [x for batch in model.batches for x in batch] == ["the attacker's input"] * 2
 
 
+@pytest.mark.slow
 async def test_a_forged_cache_link_does_not_answer_a_guessable_id(
     redis_url: str,
     urls: dict[str, str],

@@ -188,6 +188,7 @@ def test_redact_url_keeps_the_rest() -> None:
     assert redact_url("unix:///s.sock?password=pw&db=1") == "unix:///s.sock?password=***&db=1"
 
 
+@pytest.mark.slow
 def test_worker_logs_and_status_never_show_the_password(
     secret_redis: tuple[str, str],
     queue: str,

@@ -71,6 +71,7 @@ def test_the_documented_rules_are_the_needed_ones(
             less.close()
 
 
+@pytest.mark.slow
 async def test_a_producer_and_a_worker_under_the_documented_rules(
     acl_user: Callable[[list[str]], str],
     start_worker: Callable[..., WorkerThread],

@@ -81,6 +81,7 @@ def test_the_doc_states_the_readers_default_limits() -> None:
         assert _documented_number(for_producer) == getattr(producer, name), (name, for_producer)
 
 
+@pytest.mark.slow
 def test_the_doc_example_producer_runs_against_a_worker(
     start_worker: Callable[..., WorkerThread], redis_url: str, queue: str
 ) -> None:
@@ -92,6 +93,7 @@ def test_the_doc_example_producer_runs_against_a_worker(
     assert (namespace["status"], namespace["output"]) == ("ok", "a sentence")
 
 
+@pytest.mark.slow
 def test_a_producer_written_from_the_doc_alone_against_a_worker_process(
     spawn_worker: Callable[..., WorkerProcess],
     redis_url: str,
@@ -136,6 +138,7 @@ async def async_double(items: list[Any]) -> list[Any]:
     return [x * 2 for x in items]
 
 
+@pytest.mark.slow
 def test_a_callable_model_may_be_async_def(
     start_worker: Callable[..., WorkerThread], rclient: redis.Redis, keys: QueueKeys
 ) -> None:

@@ -50,6 +50,7 @@ def hold_the_model(
     return gate, thread
 
 
+@pytest.mark.slow
 def test_a_prio_that_differs_from_its_stream_is_malformed_and_never_overtakes(
     start_worker: Callable[..., WorkerThread], rclient: redis.Redis, keys: QueueKeys
 ) -> None:
@@ -77,6 +78,7 @@ def test_a_prio_that_differs_from_its_stream_is_malformed_and_never_overtakes(
     assert rclient.xlen(keys.reply("p1")) == 1  # the liar's producer got its error
 
 
+@pytest.mark.slow
 def test_an_entry_without_prio_runs_at_the_priority_of_its_stream(
     start_worker: Callable[..., WorkerThread], rclient: redis.Redis, keys: QueueKeys
 ) -> None:
@@ -103,6 +105,7 @@ def test_an_entry_without_prio_runs_at_the_priority_of_its_stream(
     assert result_of(rclient, keys, "silent").output == "silent"
 
 
+@pytest.mark.slow
 def test_arrival_is_when_the_worker_reads_an_entry_not_its_id_or_ts(
     start_worker: Callable[..., WorkerThread], rclient: redis.Redis, keys: QueueKeys
 ) -> None:
@@ -134,6 +137,7 @@ def test_arrival_is_when_the_worker_reads_an_entry_not_its_id_or_ts(
     ],
     ids=["dollar-key", "nesting-17", "1e999", "nan"],
 )
+@pytest.mark.slow
 def test_malformed_values_are_dead_lettered_with_malformed_request(
     start_worker: Callable[..., WorkerThread],
     rclient: redis.Redis,
@@ -154,6 +158,7 @@ def test_malformed_values_are_dead_lettered_with_malformed_request(
     assert result_of(rclient, keys, "deep16").status == "ok"
 
 
+@pytest.mark.slow
 def test_a_request_of_the_previous_schema_version_is_dead_lettered(
     start_worker: Callable[..., WorkerThread], rclient: redis.Redis, keys: QueueKeys
 ) -> None:
@@ -167,6 +172,7 @@ def test_a_request_of_the_previous_schema_version_is_dead_lettered(
     assert dead_letters(rclient, keys)["old"][b"v"] == b"1"
 
 
+@pytest.mark.slow
 def test_an_input_the_model_refuses_is_an_error_result_without_a_dead_letter(
     start_worker: Callable[..., WorkerThread], rclient: redis.Redis, keys: QueueKeys
 ) -> None:
@@ -180,6 +186,7 @@ def test_an_input_the_model_refuses_is_an_error_result_without_a_dead_letter(
     assert rclient.xlen(keys.dead) == 0
 
 
+@pytest.mark.slow
 def test_oversize_entries_keep_their_id_and_the_fields_that_fit(
     start_worker: Callable[..., WorkerThread], rclient: redis.Redis, keys: QueueKeys
 ) -> None:

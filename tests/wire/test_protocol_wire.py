@@ -38,6 +38,7 @@ def result_fields(client: redis.Redis, keys: QueueKeys, request_id: str) -> dict
 # -- result fields -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_result_fields_of_requests_that_never_ran(
     start_worker: Callable[..., WorkerThread], rclient: redis.Redis, keys: QueueKeys
 ) -> None:
@@ -70,6 +71,7 @@ def test_result_fields_of_requests_that_never_ran(
     assert set(broken) >= {b"v", b"id", b"status", b"meta", b"etype", b"emsg", b"worker"}
 
 
+@pytest.mark.slow
 def test_results_are_str_typed_but_blob_is_not_utf8(
     start_worker: Callable[..., WorkerThread], rclient: redis.Redis, keys: QueueKeys
 ) -> None:
@@ -196,6 +198,7 @@ def test_the_enqueue_script_reads_requests_flat_or_one_array_each_alike(
 # -- the unit of reply entries -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_one_reply_entry_per_producer_per_completion_call_not_per_batch(
     start_worker: Callable[..., WorkerThread], rclient: redis.Redis, keys: QueueKeys
 ) -> None:

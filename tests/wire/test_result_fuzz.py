@@ -162,6 +162,7 @@ def test_any_value_in_any_field_decodes_or_raises_decode_error(
     drop=st.sets(st.sampled_from(FIELDS)),
     extra=st.lists(st.tuples(msgpack_values, msgpack_values), max_size=3),
 )
+@pytest.mark.slow
 def test_missing_and_unknown_fields_decode_or_raise_decode_error(
     drop: set[str], extra: list[tuple[Any, Any]]
 ) -> None:
@@ -203,6 +204,7 @@ def test_results_as_workers_write_them_take_the_short_path_to_the_same_result(
 
 @settings(max_examples=300, deadline=None)
 @given(value=msgpack_values)
+@pytest.mark.slow
 def test_any_msgpack_value_as_a_whole_result_decodes_or_raises_decode_error(value: Any) -> None:
     decodes_or_refuses(msgpack.packb(value, use_bin_type=True))
     decodes_or_refuses(value)
@@ -230,6 +232,7 @@ def test_cut_or_flipped_results_decode_or_raise_decode_error(data: st.DataObject
 
 @settings(max_examples=200, deadline=None)
 @given(raw=st.dictionaries(scalars, msgpack_values, max_size=6))
+@pytest.mark.slow
 def test_decode_result_on_any_mapping_returns_or_raises_decode_error(raw: dict[Any, Any]) -> None:
     with contextlib.suppress(DecodeError):
         assert isinstance(decode_result(raw, LIMITS), Result)
@@ -263,6 +266,7 @@ reply_values = st.one_of(
     r=st.one_of(reply_values, st.none()),
     n=st.one_of(st.none(), st.binary(max_size=8)),
 )
+@pytest.mark.slow
 def test_the_reply_reader_survives_any_entry(
     r: bytes | None, n: bytes | None, caplog: pytest.LogCaptureFixture
 ) -> None:

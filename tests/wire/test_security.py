@@ -80,6 +80,7 @@ def test_acl_rules_of_each_role() -> None:
         acl_rules(keys, "admin")  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 async def test_producer_and_worker_acl_users(
     redis_url: str,
     queue: str,
@@ -235,6 +236,7 @@ def tls_url(tmp_path: Path) -> Iterator[str]:
         _stop_process(proc)
 
 
+@pytest.mark.slow
 async def test_producer_and_worker_over_tls(
     tls_url: str, queue: str, workers: Callable[..., WorkerThread]
 ) -> None:

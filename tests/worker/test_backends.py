@@ -79,6 +79,7 @@ def embed(model: SentenceTransformerModel, texts: list[str], batch: int = 16) ->
 
 
 @pytest.mark.parametrize("backend", ["onnx", "onnx-int8", "openvino", "openvino-int8"])
+@pytest.mark.slow
 def test_backend_embeddings_match_torch(
     backend: str, cache_dir: Path, reference: np.ndarray, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -96,6 +97,7 @@ def test_backend_embeddings_match_torch(
     assert worst >= MIN_COSINE
 
 
+@pytest.mark.slow
 def test_onnx_backend_serves_through_a_worker_process(
     redis_url: str,
     queue: str,
@@ -119,6 +121,7 @@ def test_onnx_backend_serves_through_a_worker_process(
     assert min_cosine(stacked, reference[:3]) >= MIN_COSINE
 
 
+@pytest.mark.slow
 def test_the_export_is_made_once_and_cached(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -201,6 +204,7 @@ def runtime_precisions(model: SentenceTransformerModel, layer: str) -> set[str]:
     return found
 
 
+@pytest.mark.slow
 def test_openvino_int8_runs_its_products_in_int8_and_is_cached_per_calibration(
     cache_dir: Path, reference: np.ndarray, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -259,6 +263,7 @@ def test_vnni_is_read_from_the_cpu_flags(tmp_path: Path) -> None:
     assert _backends.cpu_has_vnni(tmp_path / "absent") is None
 
 
+@pytest.mark.slow
 def test_openvino_int8_warns_on_a_cpu_without_vnni(
     cache_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -269,6 +274,7 @@ def test_openvino_int8_warns_on_a_cpu_without_vnni(
     assert "openvino-int8 on a CPU without VNNI" in caplog.text
 
 
+@pytest.mark.slow
 def test_compiling_an_openvino_model_keeps_the_threads_signal_stack(cache_dir: Path) -> None:
     """OpenVINO's compile replaces the thread's alternate signal stack with its own, which
     dangles once the model is freed: the next signal crashed the process (SIGSEGV)."""
@@ -288,6 +294,7 @@ def test_compiling_an_openvino_model_keeps_the_threads_signal_stack(cache_dir: P
     assert caught == [True]
 
 
+@pytest.mark.slow
 def test_a_failed_quantization_is_a_clear_error_and_leaves_nothing(tmp_path: Path) -> None:
     needs("openvino-int8")
     broken = tmp_path / "model.onnx"

@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import pytest
 import redis
 from redis.asyncio import Redis as AsyncRedis
 
@@ -59,6 +60,7 @@ async def test_only_idle_consumers_without_pending_entries_are_removed(
     assert await prune_consumers(aclient, empty.streams, idle_ms=0, keep="x") == []
 
 
+@pytest.mark.slow
 async def test_the_janitor_removes_the_consumers_of_dead_workers(
     redis_url: str,
     rclient: redis.Redis,

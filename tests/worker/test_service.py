@@ -75,6 +75,7 @@ def assert_queue_empty(client: redis.Redis, keys: QueueKeys) -> None:
 # -- round trips -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_infer_and_map_round_trip(
     producer: AsyncProducer, start_worker: Callable[..., WorkerThread]
 ) -> None:
@@ -99,6 +100,7 @@ async def test_infer_and_map_round_trip(
     assert result.batch_size >= 1
 
 
+@pytest.mark.slow
 def test_sync_producer_from_plain_threads(
     redis_url: str, queue: str, start_worker: Callable[..., WorkerThread]
 ) -> None:
@@ -120,6 +122,7 @@ def test_sync_producer_from_plain_threads(
 
 
 @pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+@pytest.mark.slow
 def test_worker_and_producer_on_each_event_loop(
     redis_url: str, queue: str, spawn_worker: Callable[..., Any], event_loop: str
 ) -> None:
@@ -132,6 +135,7 @@ def test_worker_and_producer_on_each_event_loop(
     assert f"event loop {event_loop}" in worker.log()
 
 
+@pytest.mark.slow
 async def test_many_concurrent_submits_get_their_own_results_in_order(
     producer: AsyncProducer, start_worker: Callable[..., WorkerThread]
 ) -> None:
@@ -143,6 +147,7 @@ async def test_many_concurrent_submits_get_their_own_results_in_order(
     assert results == double(values)
 
 
+@pytest.mark.slow
 async def test_results_are_stored_with_a_ttl_and_can_be_polled(
     producer: AsyncProducer,
     start_worker: Callable[..., WorkerThread],
@@ -167,6 +172,7 @@ async def test_results_are_stored_with_a_ttl_and_can_be_polled(
         await producer.wait("never-submitted")
 
 
+@pytest.mark.slow
 async def test_work_streams_are_empty_and_nothing_pending_after_the_work(
     producer: AsyncProducer,
     start_worker: Callable[..., WorkerThread],
@@ -214,6 +220,7 @@ async def test_producer_argument_checks(producer: AsyncProducer) -> None:
 # -- admission control -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_a_full_queue_refuses_at_once_and_stores_nothing(
     redis_url: str,
     queue: str,
@@ -256,6 +263,7 @@ async def test_concurrent_submits_fill_the_queue_exactly(
 # -- deadlines ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_a_request_past_its_deadline_is_expired_not_run(
     producer: AsyncProducer, start_worker: Callable[..., WorkerThread], record_file: Path
 ) -> None:
@@ -273,6 +281,7 @@ async def test_a_request_past_its_deadline_is_expired_not_run(
     assert "late" not in [x for batch in read_batches(record_file) for x in batch]
 
 
+@pytest.mark.slow
 async def test_a_deadline_that_passes_while_queued_in_the_worker(
     producer: AsyncProducer, start_worker: Callable[..., WorkerThread]
 ) -> None:
@@ -294,6 +303,7 @@ async def test_a_deadline_that_passes_while_queued_in_the_worker(
 # -- priorities --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_higher_priority_requests_run_first(
     producer: AsyncProducer, start_worker: Callable[..., WorkerThread], record_file: Path
 ) -> None:
@@ -311,6 +321,7 @@ async def test_higher_priority_requests_run_first(
 # -- failures ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_a_poisonous_input_fails_only_its_own_request(
     producer: AsyncProducer, start_worker: Callable[..., WorkerThread]
 ) -> None:
@@ -330,6 +341,7 @@ async def test_a_poisonous_input_fails_only_its_own_request(
     assert info.value.error_type == "ValueError"
 
 
+@pytest.mark.slow
 async def test_a_model_output_of_the_wrong_length_fails_its_batch(
     producer: AsyncProducer, start_worker: Callable[..., WorkerThread]
 ) -> None:
@@ -341,6 +353,7 @@ async def test_a_model_output_of_the_wrong_length_fails_its_batch(
         assert info.value.error_type == "BatchFunctionError"
 
 
+@pytest.mark.slow
 async def test_an_output_that_cannot_travel_is_an_error_result(
     producer: AsyncProducer, start_worker: Callable[..., WorkerThread]
 ) -> None:
@@ -376,6 +389,7 @@ def garbage_entries(reply: str) -> dict[str, dict[str, Any]]:
     }
 
 
+@pytest.mark.slow
 async def test_malformed_entries_are_dead_lettered_and_the_worker_carries_on(
     producer: AsyncProducer,
     start_worker: Callable[..., WorkerThread],
@@ -409,6 +423,7 @@ async def test_malformed_entries_are_dead_lettered_and_the_worker_carries_on(
 # -- cancellation ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_a_cancelled_request_never_reaches_the_model(
     producer: AsyncProducer,
     start_worker: Callable[..., WorkerThread],
@@ -438,6 +453,7 @@ async def test_a_cancelled_request_never_reaches_the_model(
 # -- the command line --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_status_shows_depth_dead_letters_and_live_workers(
     producer: AsyncProducer,
     start_worker: Callable[..., WorkerThread],
@@ -476,6 +492,7 @@ async def test_status_shows_depth_dead_letters_and_live_workers(
     assert json.loads(done.stdout)["depth"] == 0
 
 
+@pytest.mark.slow
 def test_worker_check_is_healthy_only_while_that_worker_runs(
     redis_url: str, queue: str, start_worker: Callable[..., WorkerThread], rclient: redis.Redis
 ) -> None:
@@ -496,6 +513,7 @@ def test_worker_check_is_healthy_only_while_that_worker_runs(
     assert "unhealthy" in unhealthy.stderr
 
 
+@pytest.mark.slow
 def test_worker_check_without_an_id_looks_for_this_host(
     redis_url: str, queue: str, start_worker: Callable[..., WorkerThread], rclient: redis.Redis
 ) -> None:

@@ -29,6 +29,7 @@ def _threading(redis_url: str, queue: str) -> dict[str, Any]:
     return state
 
 
+@pytest.mark.slow
 def test_threads_setting_reaches_torch_in_the_worker_process(
     redis_url: str,
     queue: str,
@@ -49,6 +50,7 @@ def test_threads_setting_reaches_torch_in_the_worker_process(
     }
 
 
+@pytest.mark.slow
 def test_default_threads_are_the_cores_available_and_a_given_wait_policy_stays(
     redis_url: str,
     queue: str,
