@@ -4,7 +4,7 @@
 [--durability async,replicated]``
 
 It starts a replicated Redis of local redis-server processes (a primary, two replicas, three
-sentinels: tests/service/replicated.py) and two ``batchline worker`` processes that know
+sentinels: tests/support/replicated.py) and two ``batchline worker`` processes that know
 only its ``redis+sentinel://`` URL. For each durability in turn (on a fresh Redis), one
 producer submits ``--rate`` requests a second for ``--duration`` seconds while the primary
 is SIGKILLed (``--freeze``: SIGSTOPped until the sentinels fail it over, then resumed: it
@@ -35,7 +35,7 @@ from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer
 from batchline.producer._replies import ReplyReader
 from benchmarks.harness import Procs, child_env, log, machine
-from tests.service.replicated import ReplicatedRedis
+from tests.support.replicated import ReplicatedRedis
 
 
 async def _run(

@@ -4,9 +4,9 @@
 
 It starts its own redis-server (free loopback port, no persistence) and ``--workers``
 ``batchline worker`` processes serving ``--model`` (default
-``tests.service.models_for_tests:hang``: it echoes its inputs, never returns from a batch
+``tests.support.models_for_tests:hang``: it echoes its inputs, never returns from a batch
 holding ``"hang"``, and has an ``example`` for the warm-up batch;
-``tests.service.models_for_tests:double_or_die`` hangs the same way and has none) with every
+``tests.support.models_for_tests:double_or_die`` hangs the same way and has none) with every
 setting at its default (``--worker-arg`` adds flags, e.g.
 ``--worker-arg=--max-batch-ms=60000``). Once the workers
 beat, one producer submits ``--requests`` requests at once, the ``--hang-at``-th of them
@@ -38,7 +38,7 @@ from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer
 from benchmarks.harness import Procs, child_env, log, redis_binary, start_redis
 
-MODEL = "tests.service.models_for_tests:hang"
+MODEL = "tests.support.models_for_tests:hang"
 
 
 def _start_workers(procs: Procs, url: str, queue: str, args: argparse.Namespace) -> list[str]:

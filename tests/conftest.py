@@ -1,27 +1,4 @@
-"""Fixtures of the thread driver's tests (test_thread_*.py): a gate that holds a batch
-function inside its call, and batchers closed after the test. The service tests have their
-own ``gate`` in service/conftest.py, which takes this one's place there."""
+"""The fixtures every test folder sees: the service's (a real redis-server, per-test queues,
+workers), from tests/support/service.py. The driver tests' own are in drivers/conftest.py."""
 
-from __future__ import annotations
-
-from collections.abc import Iterator
-from typing import Any
-
-import pytest
-from driver_helpers import WAIT_S, Gate
-
-
-@pytest.fixture
-def gate() -> Iterator[Gate]:
-    g = Gate()
-    yield g
-    g.release.set()  # never leave a worker blocked behind a failed test
-
-
-@pytest.fixture
-def closing() -> Iterator[list[Any]]:
-    """Batchers appended here are closed (rejecting what is queued) after the test."""
-    made: list[Any] = []
-    yield made
-    for batcher in made:
-        batcher.close(drain=False, timeout_s=WAIT_S)
+pytest_plugins = ["tests.support.service"]

@@ -100,6 +100,7 @@ def test_keda_objects_match_the_documented_schema() -> None:
 
 
 @pytest.mark.parametrize("name", [SINGLE, CLUSTER])
+@pytest.mark.slow
 def test_each_trigger_takes_only_its_own_fields(name: str) -> None:
     """redis and redis-streams name one server (``address``); redis-cluster and
     redis-cluster-streams the cluster's nodes (``addresses``, host:port, comma-separated): the
@@ -208,7 +209,7 @@ def test_the_replicated_compose_variant_hangs_together() -> None:
     """docker/compose.ha.yaml: workers and the API name the three sentinels by the service
     the sentinels monitor, with durability replicated; a quorum of 2 of 3; the primary
     refuses writes without a replica in sync; every Redis keeps an AOF. (The failover itself
-    is proved with local processes: tests/service/test_failover.py.)"""
+    is proved with local processes: tests/e2e/test_failover.py.)"""
     from batchline.redis_url import parse_sentinel_url
 
     root = DEPLOY.parent.parent / "docker"

@@ -21,14 +21,14 @@ def test_every_test_the_faults_page_names_exists() -> None:
 
 def test_the_faults_page_names_the_tests_of_each_containment_guarantee() -> None:
     for module in (
-        "tests/service/test_cut_short.py",
-        "tests/service/test_forgery.py",
-        "tests/service/test_containment.py",
-        "tests/service/test_watchdog.py",
+        "tests/producer/test_cut_short.py",
+        "tests/wire/test_forgery.py",
+        "tests/e2e/test_containment.py",
+        "tests/worker/test_watchdog.py",
         "tests/generation/test_rows.py",
         "tests/generation/test_engine.py",
-        "tests/service/test_body_limit.py",
-        "tests/service/test_openai_params.py",
-        "tests/service/test_flood.py",
+        "tests/contrib/test_body_limit.py",
+        "tests/contrib/test_openai_params.py",
+        "tests/producer/test_flood.py",
     ):
         assert module in PAGE, module

@@ -21,8 +21,8 @@ import redis
 
 from benchmarks.harness import REPO, child_env, free_port
 
-MODEL = "tests.service.models_for_tests:double"
-HOSTILE_MODEL = "tests.service.models_for_tests:double_or_die"
+MODEL = "tests.support.models_for_tests:double"
+HOSTILE_MODEL = "tests.support.models_for_tests:double_or_die"
 REDIS_BINARY = os.environ.get("BLTEST_REDIS_SERVER", "/usr/bin/redis-server")
 
 

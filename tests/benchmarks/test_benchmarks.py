@@ -153,9 +153,9 @@ def test_bench_cache_smoke() -> None:
     assert "full, cache on" in out
 
 
-# The tiny random Llama of the service tests (no download), importable from tests/.
-TINY_LLAMA = ["--model-path", "service.models_for_tests:tiny_llama"]
-WITH_TESTS = os.environ | {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+# The tiny random Llama of the tests (no download), importable from the repository root.
+TINY_LLAMA = ["--model-path", "tests.support.models_for_tests:tiny_llama"]
+WITH_TESTS = os.environ | {"PYTHONPATH": str(REPO)}
 
 
 @pytest.mark.slow

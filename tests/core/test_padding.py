@@ -282,6 +282,7 @@ _shapes = st.integers(1, 3).flatmap(
     dtype=st.sampled_from(["int32", "int64", "float32"]),
     data=st.data(),
 )
+@pytest.mark.slow
 def test_collate_then_split_round_trips_every_row(
     shapes: list[tuple[int, ...]], side: str, use_torch: bool, dtype: str, data: st.DataObject
 ) -> None:

@@ -219,6 +219,7 @@ def test_fixed_settings_break_the_target_or_lose_throughput_the_controller_does_
     assert tuned.p99_ms <= 25.0
 
 
+@pytest.mark.slow
 def test_throughput_at_the_target_is_near_the_best_fixed_setting() -> None:
     rate = 1500.0
     tuned = simulate(rate, target_ms=20.0, seconds=8.0)

@@ -35,9 +35,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from service.conftest import REPO, _free_port, _redis_server_binary, subprocess_env
 from sybil import Document, Example, Region
 from sybil.parsers.markdown.lexers import RawFencedCodeBlockLexer
+
+from tests.support.service import REPO, _free_port, _redis_server_binary, subprocess_env
 
 PYTHON = {"python", "py", "python3"}
 SHELL = {"bash", "sh", "shell", "console"}

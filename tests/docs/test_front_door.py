@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 
 import pytest
-from service.conftest import REPO
 
 from .pages import pages
+from tests.support.service import REPO
 
 README = (REPO / "README.md").read_text(encoding="utf-8")
 

@@ -10,9 +10,10 @@ import sys
 from types import ModuleType
 
 import pytest
-from service.conftest import REPO, run_cli
 
 from batchline.config import ProducerSettings, WebSettings, WorkerSettings
+
+from tests.support.service import REPO, run_cli
 
 
 def _hook() -> ModuleType:

@@ -19,11 +19,13 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from service.conftest import REPO
+
+from tests.support.service import REPO
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 pytestmark = [
+    pytest.mark.slow,  # builds the site and renders it in headless Chromium
     pytest.mark.skipif(
         importlib.util.find_spec("mkdocs") is None,
         reason="mkdocs is not installed (the dev extra: pip install -e '.[dev]')",

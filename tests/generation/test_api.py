@@ -12,7 +12,7 @@ import pytest
 from batchline.errors import BadGenerationParams, BatcherClosed, PromptTooLong
 from batchline.generation import GenerationResult, Generator, SyncGenerator
 
-from .tiny import alone, tiny_model, torch
+from tests.support.tiny import alone, tiny_model, torch
 
 PROMPTS = [[5, 6, 7], [8] * 12, [9, 10], [11] * 30, [12, 13, 14, 15]]
 
@@ -22,6 +22,7 @@ def model() -> Any:
     return tiny_model("llama")
 
 
+@pytest.mark.slow
 async def test_concurrent_generate_equals_each_alone(model: Any) -> None:
     async with Generator(model, max_batch_size=3) as gen:
         results = await asyncio.gather(
@@ -34,6 +35,7 @@ async def test_concurrent_generate_equals_each_alone(model: Any) -> None:
         assert 0 <= result.queue_s <= result.ttft_s <= result.total_s
 
 
+@pytest.mark.slow
 async def test_prompts_longer_than_max_prefill_tokens_give_the_same_tokens(
     model: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -94,6 +96,7 @@ async def test_aclose_drains_what_is_in(model: Any) -> None:
     assert all(isinstance(r, GenerationResult) and r.tokens for r in results)
 
 
+@pytest.mark.slow
 def test_sync_generator_from_threads(model: Any) -> None:
     out: dict[int, list[int]] = {}
     with SyncGenerator(model) as gen:

@@ -12,8 +12,8 @@ from batchline.errors import BadGenerationParams, PromptTooLong, RequestCancelle
 from batchline.generation import Engine, GenerationLoop, GenerationParams, GenerationResult
 from batchline.generation._types import Sequence_
 
-from .stepping import Clock, Plan, final, run_plan
-from .tiny import VOCAB, ByteFallbackTokenizer, CharTokenizer, alone, tiny_model, torch
+from tests.support.stepping import Clock, Plan, final, run_plan
+from tests.support.tiny import VOCAB, ByteFallbackTokenizer, CharTokenizer, alone, tiny_model, torch
 
 
 def request(prompt: list[int], events: list[Any], **params: Any) -> Sequence_:
@@ -46,6 +46,7 @@ def run_mixed(
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.slow
 def test_greedy_under_continuous_batching_equals_each_alone_float64(kind: str) -> None:
     model = tiny_model(kind, torch.float64)
     for seed in range(2):
@@ -54,6 +55,7 @@ def test_greedy_under_continuous_batching_equals_each_alone_float64(kind: str) -
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.slow
 def test_greedy_exact_match_rate_float32(kind: str) -> None:
     model = tiny_model(kind, torch.float32)
     got, want = run_mixed(model, 7, n=30)
@@ -73,6 +75,7 @@ def _cpu_computes_in(dtype: Any) -> bool:
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_greedy_exact_match_rate_half_precision_cpu(kind: str, dtype: str) -> None:
@@ -328,6 +331,7 @@ def forward_widths(model: Any) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("chunk", [1, 7])
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.slow
 def test_chunked_prefill_gives_the_same_greedy_tokens_float64(kind: str, chunk: int) -> None:
     model = tiny_model(kind, torch.float64)
     widths = forward_widths(model)

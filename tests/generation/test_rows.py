@@ -18,8 +18,8 @@ from batchline.errors import GenerationError
 from batchline.generation import Engine, GenerationLoop, GenerationParams, GenerationResult
 from batchline.generation._types import Sequence_
 
-from .stepping import Clock, Plan, final, run_plan
-from .tiny import alone, tiny_model
+from tests.support.stepping import Clock, Plan, final, run_plan
+from tests.support.tiny import alone, tiny_model
 
 POISON = 96
 CONFIG = SchedulerConfig(max_batch_size=8, max_batch_tokens=4096)
@@ -85,6 +85,7 @@ def check_run(model: Any, culprit: tuple[int, list[int], int], **engine: Any) ->
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.slow
 def test_a_prefill_culprit_fails_alone_and_the_others_run_as_if_it_never_joined(
     kind: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -103,6 +104,7 @@ def test_a_prefill_culprit_fails_alone_and_the_others_run_as_if_it_never_joined(
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.slow
 def test_a_decode_time_culprit_fails_alone_and_keeps_the_tokens_it_had(kind: str) -> None:
     """Only the culprit's long prompt reaches position 63: its 4th decode step raises."""
     model = tiny_model(kind)
@@ -123,6 +125,7 @@ def test_a_culprit_in_a_chunked_prefill_fails_alone() -> None:
     assert [type(e) for e in events] == [GenerationError]
 
 
+@pytest.mark.slow
 def test_a_failure_that_needs_the_whole_batch_fails_nobody() -> None:
     """More than 3 rows at once raises: the step is split, nobody is to blame."""
     model = tiny_model("llama")

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.skipif(
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)  # the first run converts the GGUF file once (about a minute here)
 async def test_the_default_model_knows_the_capital_of_france() -> None:
     async with Generator() as gen:

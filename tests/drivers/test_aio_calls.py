@@ -1,0 +1,229 @@
+"""``batchline.aio.dynamically``, the asyncio driver: decorating and calling (a coroutine
+function on the loop, a plain one off it), use across event loops (none kept alive),
+the lifecycle (``aclose``, ``close``, ``async with``), statistics and methods; end to end
+through the public API."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import weakref
+from typing import Any
+
+import pytest
+
+import batchline
+from batchline import AioBatcher, BatcherClosed
+
+from tests.support.driver_helpers import HUGE_MS, adouble, double
+
+# -- decorating and calling ------------------------------------------------------------------
+
+
+async def test_coroutine_function_runs_on_the_loop() -> None:
+    threads: list[threading.Thread] = []
+
+    @batchline.aio.dynamically
+    async def f(xs: list[int]) -> list[int]:
+        threads.append(threading.current_thread())
+        return await adouble(xs)
+
+    assert isinstance(f, AioBatcher)
+    assert f.__name__ == "f"
+    assert await f(3) == 6
+    assert await f([1, 2]) == [2, 4]
+    assert await f([]) == []
+    assert threads[0] is threading.current_thread()
+    await f.aclose()
+
+
+async def test_plain_function_runs_off_the_loop() -> None:
+    threads: list[threading.Thread] = []
+
+    @batchline.aio.dynamically(batch_size=4, timeout_ms=0)
+    def f(xs: list[int]) -> list[int]:
+        threads.append(threading.current_thread())
+        return double(xs)
+
+    assert await f(3) == 6
+    assert await f([1, 2, 3, 4, 5]) == [2, 4, 6, 8, 10]
+    assert threads[0] is not threading.current_thread(), "the loop stays free"
+    await f.aclose()
+
+
+@pytest.mark.parametrize("fn", [adouble, double])
+async def test_a_thousand_tasks(fn: Any) -> None:
+    sizes: list[int] = []
+
+    async def recorded(xs: list[int]) -> list[int]:
+        sizes.append(len(xs))
+        return await adouble(xs)
+
+    def recorded_sync(xs: list[int]) -> list[int]:
+        sizes.append(len(xs))
+        return double(xs)
+
+    f = batchline.aio.dynamically(batch_size=32)(recorded if fn is adouble else recorded_sync)
+    results = await asyncio.gather(*(f(i) for i in range(1000)))
+    assert results == [i * 2 for i in range(1000)]
+    assert max(sizes) <= 32
+    assert sum(sizes) == 1000
+    assert f.stats.mean_batch_size > 1
+    assert f.stats.items == 1000
+    await f.aclose()
+
+
+# -- across event loops ----------------------------------------------------------------------
+
+
+@batchline.aio.dynamically(batch_size=8, timeout_ms=1)
+async def module_level(xs: list[int]) -> list[int]:
+    return await adouble(xs)
+
+
+@batchline.aio.dynamically(batch_size=8, timeout_ms=1)
+def module_level_sync(xs: list[int]) -> list[int]:
+    return double(xs)
+
+
+@pytest.mark.parametrize("batcher", [module_level, module_level_sync])
+def test_works_across_two_asyncio_runs(batcher: Any) -> None:
+    async def use(offset: int) -> list[int]:
+        return list(await asyncio.gather(*(batcher(offset + i) for i in range(20))))
+
+    assert asyncio.run(use(0)) == [i * 2 for i in range(20)]
+    assert asyncio.run(use(100)) == [(100 + i) * 2 for i in range(20)]
+
+
+def test_a_loop_that_ends_with_a_call_pending_does_not_break_the_next_loop() -> None:
+    f = batchline.aio.dynamically(batch_size=8, timeout_ms=HUGE_MS)(adouble)
+    leftovers: list[asyncio.Task[Any]] = []
+
+    async def leave_one_behind() -> None:
+        leftovers.append(asyncio.create_task(f(1)))
+        await asyncio.sleep(0)  # queued, never flushed: asyncio.run cancels it at the end
+
+    asyncio.run(leave_one_behind())
+    assert leftovers[0].cancelled()
+
+    async def fill_a_batch() -> list[int]:
+        return list(await asyncio.gather(*(f(i) for i in range(8))))
+
+    assert asyncio.run(fill_a_batch()) == [i * 2 for i in range(8)]
+    assert f.stats.items == 8, "the abandoned item never ran"
+
+
+def test_event_loops_are_not_kept_alive_by_the_batcher():
+    import gc
+    import weakref
+
+    @batchline.aio.dynamically(batch_size=4, timeout_ms=0)
+    def echo(items):
+        return items
+
+    loops = []
+
+    async def use():
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        return await echo([1, 2, 3])
+
+    assert asyncio.run(use()) == [1, 2, 3]
+    assert asyncio.run(use()) == [1, 2, 3]
+    gc.collect()
+    assert loops[0]() is None, "the first event loop is still referenced after asyncio.run"
+    assert len(echo._states) <= 1
+
+
+# -- lifecycle -------------------------------------------------------------------------------
+
+
+async def _queue_three(f: Any) -> list[asyncio.Task[Any]]:
+    tasks = [asyncio.create_task(f(i)) for i in range(3)]
+    await asyncio.sleep(0)
+    assert f.stats.queue_size == 3
+    return tasks
+
+
+async def test_aclose_with_drain_runs_what_is_queued() -> None:
+    f = batchline.aio.dynamically(batch_size=8, timeout_ms=HUGE_MS)(adouble)
+    tasks = await _queue_three(f)
+    async with asyncio.timeout(30):
+        await f.aclose()
+    assert all(t.done() for t in tasks), "aclose() waits for the drained batch"
+    assert [t.result() for t in tasks] == [0, 2, 4]
+    with pytest.raises(BatcherClosed):
+        await f(1)
+    assert f.stats.rejected == 1
+
+
+@pytest.mark.parametrize("how", ["aclose", "close", "close_from_a_thread"])
+async def test_closing_without_drain_rejects_what_is_queued(how: str) -> None:
+    seen: list[int] = []
+
+    @batchline.aio.dynamically(batch_size=8, timeout_ms=HUGE_MS)
+    def f(xs: list[int]) -> list[int]:
+        seen.extend(xs)
+        return xs
+
+    tasks = await _queue_three(f)
+    if how == "aclose":
+        await f.aclose(drain=False)
+    elif how == "close":
+        f.close()
+    else:
+        await asyncio.to_thread(f.close)
+    outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(isinstance(o, BatcherClosed) for o in outcomes)
+    assert seen == []
+    assert f.closed
+
+
+async def test_async_with_closes() -> None:
+    async with batchline.aio.dynamically(timeout_ms=0)(adouble) as f:
+        assert await f(2) == 4
+    assert f.closed
+    with pytest.raises(BatcherClosed):
+        await f(2)
+
+
+async def test_stats() -> None:
+    f = batchline.aio.dynamically(batch_size=4, timeout_ms=HUGE_MS)(adouble)
+    assert await asyncio.gather(*(f(i) for i in range(8))) == [i * 2 for i in range(8)]
+    stats = f.stats
+    assert (stats.items, stats.batches, stats.calls) == (8, 2, 8)
+    assert dict(stats.batch_size_histogram) == {4: 2}
+    assert stats.mean_batch_size == 4.0
+    assert stats.errors == 0
+    await f.aclose()
+
+
+# -- methods ---------------------------------------------------------------------------------
+
+
+class Model:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @batchline.aio.dynamically(timeout_ms=0)
+    async def predict(self, xs: list[int]) -> list[tuple[str, int]]:
+        return [(self.name, x) for x in xs]
+
+
+async def test_methods_get_one_batcher_per_instance() -> None:
+    a, b = Model("a"), Model("b")
+    assert a.predict is a.predict
+    assert a.predict is not b.predict
+    assert await a.predict(1) == ("a", 1)
+    assert await b.predict([1, 2]) == [("b", 1), ("b", 2)]
+    assert a.predict.stats.items == 1
+    bound = a.predict
+    ref = weakref.ref(a)
+    del a
+    gc.collect()
+    assert ref() is None, "the batcher must not keep its instance alive"
+    assert bound.closed
+    with pytest.raises(BatcherClosed):
+        await bound(1)
+    assert await b.predict(3) == ("b", 3)
+    await b.predict.aclose()

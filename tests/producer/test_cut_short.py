@@ -1,0 +1,168 @@
+"""Answers cut short (cancelled, expired, a generation ended by a cancel or its deadline) are
+never cached nor given to requests coalesced onto them, and do not settle their id: a
+resubmit runs again, and a cancel covers only the attempts added before it.
+
+Real Redis, real workers in this process: a gated echo model, whose batches the test sees,
+and the tiny random Llama whose forward passes the test lets through one at a time."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+
+from batchline.keys import QueueKeys
+from batchline.producer import AsyncProducer
+
+from .test_once import cached, computed, entries_added, queue_keys
+from tests.support.models_for_tests import GatedModel
+from tests.support.service import (
+    RESULT_TIMEOUT_S,
+    WorkerThread,
+    pending_count,
+    poll_result,
+    spec,
+    wait_until,
+)
+
+T = RESULT_TIMEOUT_S
+HUGE_MS = 600_000.0  # a batch timeout that never fires: batches flush by size
+GATED = spec("tiny_llama_gated")
+
+
+async def until(what: str, check: Callable[[], Any]) -> None:
+    await asyncio.to_thread(wait_until, check, what)
+
+
+async def test_a_cancelled_request_gets_its_coalesced_requests_run_for_themselves(
+    cached: list[AsyncProducer],
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+) -> None:
+    a, b = cached
+    model = GatedModel()
+    worker = start_worker(model, batch_size=1, timeout_ms=HUGE_MS, cache_ttl_s=60).worker
+    await until("the model identity", lambda: rclient.exists(keys.model))
+    blocker = await a.submit("blocker")  # holds the model: what follows waits in the worker
+    assert await asyncio.to_thread(model.entered.wait, T)
+    leader = await a.submit("same text")  # a miss: queued, marked in flight
+    joined = await b.submit("same text")  # coalesced onto it
+    poller = await b.submit("same text", reply=False)  # coalesced, without a reply stream
+    assert (b.counts["coalesced"], entries_added(rclient, keys)) == (2, [0, 2, 0])
+    await until("the worker to hold both", lambda: pending_count(rclient, keys) == 2)
+    await a.cancel(leader)
+    await until("the cancel to reach the worker", lambda: leader.id in worker._cancels)
+    model.release.set()
+    assert await a.result(blocker, timeout_s=T) == "blocker"
+    first = await poll_result(a, leader.id)
+    assert first.status == "cancelled"
+    # The coalesced requests ran for themselves: one new entry, computed once for both.
+    result = await b.wait(joined, timeout_s=T)
+    assert (result.id, result.status, result.output) == (joined.id, "ok", "same text")
+    polled = await poll_result(b, poller.id)
+    assert (polled.id, polled.status, polled.output) == (poller.id, "ok", "same text")
+    assert computed(model) == ["blocker", "same text"]
+    assert entries_added(rclient, keys) == [0, 3, 0]
+    # That complete answer, not the cancelled one, is what the cache holds now.
+    hit = await a.submit("same text")
+    assert a.counts["cached"] == 1
+    assert (await a.wait(hit, timeout_s=T)).output == "same text"
+    assert len(queue_keys(rclient, keys, "cache")) == 2  # "blocker" and "same text"
+    assert queue_keys(rclient, keys, "flight") == queue_keys(rclient, keys, "wait") == []
+
+
+@pytest.mark.parametrize("how", ["cancelled", "expired"])
+@pytest.mark.slow
+async def test_a_resubmit_after_a_cancel_or_an_expiry_runs_again(
+    cached: list[AsyncProducer],
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    how: str,
+) -> None:
+    """Time out, cancel, retry with the same id: the retry runs and answers (before, it got
+    the cancelled outcome back for result_ttl_s); the old cancel does not cover it."""
+    a, _b = cached
+    model = GatedModel()
+    worker = start_worker(model, batch_size=1, timeout_ms=HUGE_MS).worker
+    blocker = await a.submit("blocker")
+    assert await asyncio.to_thread(model.entered.wait, T)
+    rid = "order-42"
+    if how == "cancelled":
+        first = await a.submit("the order", request_id=rid)
+        await until("the worker to hold it", lambda: pending_count(rclient, keys) == 2)
+        await a.cancel(first)
+        await until("the cancel to reach the worker", lambda: rid in worker._cancels)
+    else:
+        first = await a.submit("the order", request_id=rid, deadline_ms=200)
+        await asyncio.sleep(0.3)  # its deadline passes while the model is held
+    model.release.set()
+    assert await a.result(blocker, timeout_s=T) == "blocker"
+    assert (await poll_result(a, rid)).status == how
+    assert rclient.get(keys.request_input(rid)).endswith(b" !")  # cut short: not settled
+    again = await a.submit("the order", request_id=rid)
+    assert a.counts["result"] == 0  # not the stored outcome: queued again
+    result = await a.wait(again, timeout_s=T)
+    assert (result.id, result.status, result.output) == (rid, "ok", "the order")
+    assert computed(model) == ["blocker", "the order"]
+    # Now settled: a further resubmit gets that answer without running.
+    third = await a.wait(await a.submit("the order", request_id=rid), timeout_s=T)
+    assert (third.status, a.counts["result"]) == ("ok", 1)
+    assert await a.get_result(rid) == result
+
+
+@pytest.mark.slow
+async def test_a_generation_cut_short_is_never_cached_nor_given_to_coalesced_requests(
+    cached: list[AsyncProducer],
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    gate: Any,
+) -> None:
+    """A streamed chat whose client hangs up after two chunks ends "cancelled": the next
+    identical request gets a whole generation, not those few tokens; nor does a request
+    coalesced onto it, nor one after a generation ended by its deadline."""
+    a, b = cached
+    worker = start_worker("generate", model_path=GATED, cache_ttl_s=60).worker
+    await until("the model identity", lambda: rclient.exists(keys.model))
+    value = {"prompt": "Once upon a time", "max_new_tokens": 40}
+    gate.allow(3)  # the prefill and two decode steps
+    chunks = a.stream(value, request_id="hung-up", timeout_s=T)
+    got = [await anext(chunks), await anext(chunks)]
+    joined = await b.submit(value)  # coalesced onto the running one
+    assert b.counts["coalesced"] == 1
+    await chunks.aclose()  # the client hangs up: the request is cancelled
+    await until("the worker to see the cancel", lambda: "hung-up" in worker._cancels)
+    gate.open()
+    cut = await poll_result(a, "hung-up")
+    assert (cut.status, cut.output["finish_reason"]) == ("ok", "cancelled")
+    assert cut.output["tokens"] < 40
+    assert [c.index for c in got] == [0, 1]
+    whole = await b.wait(joined, timeout_s=T)
+    assert (whole.output["finish_reason"], whole.output["tokens"]) == ("length", 40)
+    assert whole.output["token_ids"][: cut.output["tokens"]] == cut.output["token_ids"]
+    again = await a.infer(value, timeout_s=T)  # from the cache: the whole one
+    assert a.counts["cached"] == 1
+    assert again["token_ids"] == whole.output["token_ids"]
+    # A generation ended by its deadline: never cached either.
+    other = {"prompt": "Another one", "max_new_tokens": 40}
+    gate.close()
+    start = gate.passes
+    gate.allow(2)
+    late = await a.submit(other, deadline_ms=1000)
+    await until("two steps", lambda: gate.passes == start + 2)
+    await asyncio.sleep(1.1)  # its deadline passes while the next step is held
+    gate.open()
+    ended = await a.wait(late, timeout_s=T)
+    assert (ended.status, ended.output["finish_reason"]) == ("ok", "deadline")
+    fresh = await a.infer(other, timeout_s=T)
+    assert (fresh["finish_reason"], fresh["tokens"]) == ("length", 40)
+    assert a.counts["cached"] == 1  # ran again, not served the cut-short one
+    assert len(queue_keys(rclient, keys, "cache")) == 2
+
+
+__all__ = ["cached"]  # the fixture, shared with test_once
