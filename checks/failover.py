@@ -35,6 +35,7 @@ from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer
 from batchline.producer._replies import ReplyReader
 from benchmarks.harness import Procs, child_env, log, machine
+
 from tests.support.replicated import ReplicatedRedis
 
 

@@ -24,6 +24,7 @@ from tests.support.service import (
     RESULT_TIMEOUT_S,
     WorkerProcess,
     WorkerThread,
+    admit_inbox,
     pending_count,
     run_cli,
     spec,
@@ -271,17 +272,19 @@ def test_a_hung_call_hands_back_the_read_ahead_early_and_the_worker_reports_unhe
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     model = HangsOn()
-    thread = start_worker(model=model)  # default settings
-    worker = thread.worker
-    assert worker.stats()["max_batch_ms"] == 5000  # the floor: its warm-up took microseconds
-    check = ["worker", "--check", "--redis-url", redis_url, "--queue", queue]
-    check += ["--worker-id", worker.worker_id]
-    assert run_cli(*check).returncode == 0
     inputs: list[object] = list(range(100))
     inputs[3] = "hang"
     try:
         with Producer(redis_url=redis_url, queue=queue) as producer:
             handles = [producer.submit(x) for x in inputs]
+            # All in the work streams before the worker reads: its first reads take them all
+            # (admitted while it read, some would come after its model call hung, unread).
+            admit_inbox(rclient, keys)
+            thread = start_worker(model=model)  # default settings
+            worker = thread.worker
+            assert worker.stats()["max_batch_ms"] == 5000  # the floor: a warm-up of microseconds
+            check = ["worker", "--check", "--redis-url", redis_url, "--queue", queue]
+            check += ["--worker-id", worker.worker_id]
             assert model.entered.wait(T)
             entered = time.monotonic()
             wait_until(lambda: not thread.alive, "the hung worker to give up")

@@ -46,7 +46,7 @@ from batchline.keys import GROUP, QueueKeys
 from batchline.producer import AsyncProducer
 from batchline.transport._functions import LIBRARY
 from batchline.worker import Worker
-from batchline.worker._admitter import Admitter
+from batchline.worker.serving._admitter import Admitter
 
 from tests.support import models_for_tests
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import redis
 
-import batchline.worker.serving._answers as answers_module
+import batchline.worker.serving._intake as intake_module
 from batchline.codec import SCHEMA_VERSION, encode_request
 from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer
@@ -69,13 +69,13 @@ async def test_an_oversized_entry_is_dead_lettered_unread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     decoded_sizes: list[int] = []
-    real_decode = answers_module.decode_requests
+    real_decode = intake_module.decode_requests
 
     def spy(raws: list[Any]) -> Any:
         decoded_sizes.extend(entry_bytes(raw) for raw in raws)
         return real_decode(raws)
 
-    monkeypatch.setattr(answers_module, "decode_requests", spy)
+    monkeypatch.setattr(intake_module, "decode_requests", spy)
     async with AsyncProducer(redis_url=redis_url, queue=keys.queue) as producer:
         before = await producer.submit("before")
         # 3 MiB of value data: more than max_elements=1000 allows (8,000 bytes of data plus
