@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import signal
 import threading
@@ -47,8 +46,8 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from batchline.config import WorkerSettings, redact_url
-from batchline.drivers._base import Call, Item
-from batchline.errors import BatcherClosed, BatchlineError, RequestCancelled, WorkerHung
+from batchline.drivers._base import Call
+from batchline.errors import BatcherClosed, BatchlineError, WorkerHung
 from batchline.keys import check_name, host_id
 from batchline.transport._cancels import CancelLog, CancelTrim
 from batchline.transport._functions import load_library
@@ -63,16 +62,17 @@ from batchline.worker.serving._answers import Meta, Record, answer, dead_letter,
 from batchline.worker.serving._cache import AnswerCache
 from batchline.worker.serving._chunk_writer import ChunkWriter
 from batchline.worker.serving._claims import Claims
-from batchline.worker.serving._executors import Hooks, build
+from batchline.worker.serving._executors import build, pads
 from batchline.worker.serving._generation_executor import GenerationExecutor
 from batchline.worker.serving._intake import Preparer
 from batchline.worker.serving._readcap import ReadCap
 from batchline.worker.serving._reader import Entries, Reader
+from batchline.worker.serving._starts import Starts
 from batchline.worker.serving._writer import AnswerWriter
 from batchline.worker.upkeep._consumers import ensure_groups
 from batchline.worker.upkeep._guard import Guard
 from batchline.worker.upkeep._upkeep import Upkeep, every, snapshot
-from batchline.worker.upkeep._watchdog import Stamp, work_of
+from batchline.worker.upkeep._watchdog import Stamp
 
 __all__ = ["Worker"]
 
@@ -139,30 +139,22 @@ class Worker:
             own=self._own_client,
             bound_file=lambda: self.bound_file,
         )
-        executors = build(
-            self.model,
-            s,
-            Hooks(
-                infer=self._infer,
-                before_batch=self._before_batch,
-                guard=self._guard.call,
-                mark_started=self._mark_started,
-                cancelled=self._is_cancelled,
-            ),
+        self._cancels = CancelLog(
+            s.result_ttl_s, max_ids=s.cancel_max_ids, max_bytes=s.cancel_max_bytes
         )
+        self._space = asyncio.Event()  # set when the reader may have room again
+        starts = Starts(self._claims, self._cancels, self._space)
+        executors = build(self.model, s, guard=self._guard, starts=starts)
         self._batcher, self._alone = executors.main, executors.alone
         self._window = executors.window
         self._generation = (
             executors.main if isinstance(executors.main, GenerationExecutor) else None
         )
-        self._pads = bool(getattr(self.model, "pads", True))
-        self._hung = threading.Event()
         self._handing_back: set[asyncio.Future[None]] = set()
         self._prep = Preparer(self.model, self._limits, self.worker_id, threads=s.prep_threads)
         self.counts: Counter[str] = Counter()
         self.metrics = Metrics(s.metrics_port)
         self._stop: asyncio.Event | None = None
-        self._space: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
         self.ready = threading.Event()
@@ -172,10 +164,7 @@ class Worker:
 
     def _parts(self, s: WorkerSettings) -> None:
         """The parts the worker owns around its batchers: the reader, the writer, the cancel
-        log and the upkeep."""
-        self._cancels = CancelLog(
-            s.result_ttl_s, max_ids=s.cancel_max_ids, max_bytes=s.cancel_max_bytes
-        )
+        trim and the upkeep."""
         self._cancel_trim = CancelTrim(self._redis, self.keys, s.result_ttl_s)
         self._readcap = ReadCap.within(self._limits, max_read_bytes=s.max_read_bytes)
         self._admit_client = dedicated(self._redis)  # it blocks on the inbox
@@ -210,19 +199,15 @@ class Worker:
         )
         self._upkeep = Upkeep(
             self._claims,
+            self._guard,
             s,
-            self.keys,
             self.metrics,
-            hung=self._hung,
-            bound=self._guard.bound,
-            running=lambda: self._guard.running,
-            remember=self._guard.remember,
+            batcher=self._batcher,
+            counts=self.counts,
             serving=self._serving,
             accept=self._accept,
-            refuse=lambda *entry: self._answer(self._dead_letter(*entry)),
+            refuse=self._refuse,
             stats=self.stats,
-            batch_stats=lambda: self._batcher.stats,
-            counts=self.counts,
         )
 
     #: End the process if a hung model call blocks the event loop (``batchline worker``).
@@ -247,7 +232,7 @@ class Worker:
 
     def _serving(self) -> bool:
         """Reading, reclaiming: not stopping, not hung, no call running long (slow)."""
-        if self._stop is None or self._stop.is_set() or self._hung.is_set():
+        if self._stop is None or self._stop.is_set() or self._guard.hung.is_set():
             return False
         return not self._guard.slow
 
@@ -257,7 +242,6 @@ class Worker:
         """Load the model, serve until stopped, then drain and return."""
         loop = self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        self._space = asyncio.Event()
         hung = asyncio.Event()
         # From the start: a signal while it waits for Redis or loads its model stops it too
         # (and a second one, Ctrl-C reaching it twice, changes nothing).
@@ -275,7 +259,6 @@ class Worker:
             loop,
             on_slow=self._on_slow,
             on_hung=on_hung,
-            abandon=self._guard.abandon_blocked,
             exit_if_loop_blocked=self.exit_if_loop_blocked,
         )
         self.ready.set()
@@ -304,7 +287,7 @@ class Worker:
             stopped.cancel()
             watchdog.set()
             await self._close(tasks)
-        if self._hung.is_set():
+        if self._guard.hung.is_set():
             raise WorkerHung(
                 f"worker {self.worker_id}: a model call ran past its bound "
                 f"(max_batch_ms={self.settings.max_batch_ms})"
@@ -356,7 +339,7 @@ class Worker:
             None,
             lambda: self._guard.measure(
                 self.model if self._generation is None else None,
-                pads=self._pads,
+                pads=pads(self.model),
                 padding=getattr(self._batcher, "record_padding", None),
             ),
         )
@@ -454,12 +437,12 @@ class Worker:
 
     def stop(self) -> None:
         """Drain and stop; callable from any thread and from signal handlers."""
-        loop, stop, space = self._loop, self._stop, self._space
-        if loop is None or stop is None or space is None or loop.is_closed():
+        loop, stop = self._loop, self._stop
+        if loop is None or stop is None or loop.is_closed():
             return
         if _running_loop() is loop:
             stop.set()
-            space.set()
+            self._space.set()
         else:
             loop.call_soon_threadsafe(self.stop)
 
@@ -486,7 +469,7 @@ class Worker:
     # -- reading -------------------------------------------------------------------------------
 
     async def _read(self) -> None:
-        if self._space is None or self._stop is None:  # pragma: no cover - run() sets both
+        if self._stop is None:  # pragma: no cover - run() sets it
             raise RuntimeError("the worker is not running")
         await self._reader.run(self._space, self._stop)
 
@@ -504,7 +487,7 @@ class Worker:
             self._claims.hold(sidx, entry)
             limit = self._readcap.max_entry_bytes
             reason = f"entry of {size} bytes exceeds the largest request ({limit} bytes)"
-            self._answer(self._dead_letter(sidx, entry, raw or {}, "MalformedRequest", reason))
+            self._refuse(sidx, entry, raw or {}, "MalformedRequest", reason)
         for outcome in await self._prep(batch):
             if isinstance(outcome, Record):
                 self._answer(outcome)
@@ -535,53 +518,20 @@ class Worker:
             # Chunks carry the input hash, as results do: producers check it.
             self._generation.stream(call, self._chunks.to(reply, request["id"], meta.input_hash()))
 
-    # -- running -------------------------------------------------------------------------------
-
-    def _infer(self, batch: list[Prepared]) -> Any:
-        work = work_of(batch, pads=self._pads)
-        return self._guard.call(lambda: self.model.infer([p.payload for p in batch]), work)
-
-    async def _before_batch(self, batch: list[Item]) -> None:
-        if self._space is not None:
-            self._space.set()
-        calls = list(dict.fromkeys(item.call for item in batch))
-        self._mark_started(calls, len(batch))
-        if not self._cancels:
-            return
-        for call in calls:
-            if self._is_cancelled(call):
-                call.reject(
-                    RequestCancelled("cancelled by its producer before a worker started it")
-                )
-
-    def _mark_started(self, calls: list[Call], batch_size: int) -> None:
-        """These calls start, in a batch of ``batch_size`` (any thread: plain writes)."""
-        now = time.time()
-        for call in calls:
-            meta = self._meta.get(call)
-            if meta is not None:
-                meta.started_unix = now
-                meta.batch_size = batch_size
-
-    def _is_cancelled(self, call: Call) -> bool:
-        meta = self._meta.get(call) if self._cancels else None
-        if meta is None:
-            return False
-        request = meta.request
-        return self._cancels.covers(request["id"], meta.entry, request.get("ts") or math.inf)
+    # -- answering -----------------------------------------------------------------------------
 
     def _done(self, call: Call) -> None:
         meta = self._meta.pop(call, None)
         if meta is None:
             return
-        if self._space is not None:
-            self._space.set()  # it left the queue (answered, expired or cancelled): read more
+        self._space.set()  # it left the queue (answered, expired or cancelled): read more
         self._answer(finished(meta, call, self.model, self.worker_id))
 
-    def _dead_letter(
+    def _refuse(
         self, sidx: int, entry: bytes, raw: dict[bytes, bytes], kind: str, reason: str
-    ) -> Record:
-        return dead_letter(sidx, entry, raw, kind, reason, worker_id=self.worker_id)
+    ) -> None:
+        """Dead-letter one entry (unread: too large; or delivered too often)."""
+        self._answer(dead_letter(sidx, entry, raw, kind, reason, worker_id=self.worker_id))
 
     def _answer(self, record: Record) -> None:
         self.counts[record.status] += 1

@@ -7,6 +7,7 @@ installed.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import logging
 import re
@@ -199,11 +200,18 @@ def test_the_model_logs_its_kv_budget_and_takes_the_workers_prefill_chunk(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     from batchline.config import WorkerSettings
+    from batchline.transport._cancels import CancelLog
+    from batchline.worker.serving._claims import Claims
     from batchline.worker.serving._generation_executor import GenerationExecutor, GenerationModel
+    from batchline.worker.serving._starts import Starts
+    from batchline.worker.upkeep._guard import Guard
 
     model = GenerationModel(TINY)
     settings = WorkerSettings(model="generate", max_batch_tokens=1000, max_prefill_tokens=8)
-    GenerationExecutor(model, settings, guard=print, on_start=print, cancelled=bool)
+    claims = Claims(None, [], "w")
+    guard = Guard(settings, claims, workers_key="w", redis=None, own=False, bound_file=lambda: None)
+    starts = Starts(claims, CancelLog(settings.result_ttl_s), asyncio.Event())
+    GenerationExecutor(model, settings, guard=guard, starts=starts)
     with caplog.at_level(logging.INFO, "batchline.generation._model"):
         model.load()
     assert model.engine.max_prefill_tokens == 8

@@ -14,7 +14,7 @@ Containment as for the batcher: a step that raises because of one request fails 
 alone (the engine retries the step without it); a request delivered more than once
 (``alone``) waits until the running batch has drained, then runs with no other request beside
 it; requests read meanwhile wait for it. A step past ``max_batch_ms`` trips the worker's
-watchdog like any model call (``guard`` stamps each step).
+watchdog like any model call (the worker's guard stamps each step).
 
 What a request may carry, and its result, are in ``docs/protocol.md`` (Generation).
 """
@@ -37,6 +37,8 @@ from batchline.drivers._aio import _FunctionThread
 from batchline.drivers._base import Call, Item
 from batchline.errors import BatcherClosed, GenerationError
 from batchline.worker.models._generation import GenerationModel
+from batchline.worker.serving._starts import Starts
+from batchline.worker.upkeep._guard import Guard
 
 if TYPE_CHECKING:  # batchline.generation imports torch: only once a model is served
     from batchline.config import WorkerSettings
@@ -90,9 +92,9 @@ class GenerationExecutor:
         settings: the worker's settings: ``batch_size`` (sequences running at once),
             ``max_batch_tokens``, ``max_prefill_tokens``, ``default_max_new_tokens``,
             ``max_new_tokens_limit`` (the model's, set here, before it loads).
-        guard: runs one step, stamped for the watchdog (``guard(fn)`` returns ``fn()``).
-        on_start: told, on the model thread, which calls join the batch and its size.
-        cancelled: whether a call's producer cancelled it (asked between steps).
+        guard: runs each step, stamped for the watchdog.
+        starts: told, on the model thread, which calls join the batch and its size; asked,
+            between steps, whether a call's producer cancelled it.
     """
 
     def __init__(
@@ -100,9 +102,8 @@ class GenerationExecutor:
         model: GenerationModel,
         settings: WorkerSettings,
         *,
-        guard: Callable[[Callable[[], None]], None],
-        on_start: Callable[[list[Call], int], None],
-        cancelled: Callable[[Call], bool],
+        guard: Guard,
+        starts: Starts,
     ) -> None:
         self.model = model
         model.default_max_new_tokens = settings.default_max_new_tokens
@@ -115,8 +116,7 @@ class GenerationExecutor:
         #: Requests held at most (running and waiting): a full batch more than runs.
         self.window = 2 * settings.batch_size
         self._guard = guard
-        self._on_start = on_start
-        self._cancelled = cancelled
+        self._starts = starts
         self._gen: GenerationLoop | None = None
         self._calls: dict[Sequence_, Call] = {}
         self._seqs: dict[Call, Sequence_] = {}  # the other way round
@@ -272,7 +272,7 @@ class GenerationExecutor:
 
     def _admitted(self, seqs: list[Sequence_], batch_size: int) -> None:
         calls = [c for c in (self._calls.get(s) for s in seqs) if c is not None]
-        self._on_start(calls, batch_size)
+        self._starts.started(calls, batch_size)
 
     async def _drive(self) -> None:
         gen = self._loop()
@@ -292,7 +292,7 @@ class GenerationExecutor:
             self._mark_cancelled()
             rows, started = gen.batch_rows, time.perf_counter()
             try:
-                await thread.submit(aio, self._guard, gen.run_once)
+                await thread.submit(aio, self._guard.call, gen.run_once)
             except Exception as exc:  # not a step's failure (the loop answers those): a bug
                 logger.exception("the generation loop failed; failing what it held")
                 gen = self._reset(exc)
@@ -337,7 +337,7 @@ class GenerationExecutor:
 
     def _mark_cancelled(self) -> None:
         for seq, call in self._calls.items():
-            if not seq.cancel_requested and self._cancelled(call):
+            if not seq.cancel_requested and self._starts.cancelled(call):
                 seq.cancel_requested = True  # ends at the next step (or is never admitted)
 
     def _emit(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -69,6 +70,8 @@ class Guard:
     ) -> None:
         self.bound = CallBound(settings.max_batch_ms)
         self.running: Stamp | None = None  # the model call running
+        #: Set (by the watchdog) once a model call ran past its bound.
+        self.hung = threading.Event()
         self._slow: Stamp | None = None  # the call whose read-ahead was handed back
         self._settings = settings
         self._claims = claims

@@ -4,8 +4,10 @@ left pending, one entry at a time, each run alone; dead-lettering the poisonous)
 (a model call past its ``max_batch_ms`` bound: :mod:`._watchdog`) and the heartbeat (liveness
 and statistics).
 
-Each is given exactly what it needs (the client, the streams, the worker's
-:class:`~batchline.worker.serving._claims.Claims`, a few callbacks), so that the serving path
+Each is given the objects it works with (the worker's
+:class:`~batchline.worker.serving._claims.Claims`, its :class:`~._guard.Guard`, its batcher,
+its metrics and counts) and, where it needs the worker's say, one function (whether it
+serves; how an entry is taken in or dead-lettered; its statistics), so that the serving path
 (reading, batching, writing) reads on its own in :mod:`._worker`.
 
 Containment. An entry delivered more than once may be what killed its last worker, so it
@@ -32,7 +34,6 @@ import json
 import logging
 import math
 import os
-import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
@@ -46,8 +47,10 @@ from batchline.keys import GROUP, QueueKeys
 from batchline.transport._redis import RedisClient
 from batchline.worker.metrics import Metrics
 from batchline.worker.serving._claims import Claims
+from batchline.worker.serving._generation_executor import Executor
 from batchline.worker.upkeep._consumers import prune_consumers
-from batchline.worker.upkeep._watchdog import CallBound, Stamp, Timing, Watchdog
+from batchline.worker.upkeep._guard import Guard
+from batchline.worker.upkeep._watchdog import Watchdog
 
 __all__ = [
     "Heartbeat",
@@ -85,14 +88,14 @@ class Janitor:
     def __init__(
         self,
         claims: Claims,
+        guard: Guard,
         *,
         consumer_idle_ms: int,
-        hung: threading.Event,
         serving: Callable[[], bool],
     ) -> None:
         self._claims = claims
         self._consumer_idle_ms = consumer_idle_ms
-        self._hung = hung
+        self._hung = guard.hung
         self._serving = serving
 
     async def step(self) -> None:
@@ -255,13 +258,13 @@ class Heartbeat:
         *,
         period_s: float,
         stats: Callable[[], dict[str, Any]],
-        batch_stats: Callable[[], BatchStats],
+        batcher: Executor,
         metrics: Metrics,
     ) -> None:
         self._redis, self._keys, self._worker_id = redis, keys, worker_id
         self._period_s = period_s
         self._stats = stats
-        self._batch_stats = batch_stats
+        self._batcher = batcher
         self._metrics = metrics
 
     async def run(self, beating: Callable[[], bool]) -> None:
@@ -284,7 +287,7 @@ class Heartbeat:
                 ex=max(1, math.ceil(3 * self._period_s)),
             )
             await pipe.execute()
-        self._metrics.batches(self._batch_stats())
+        self._metrics.batches(self._batcher.stats)
 
 
 class Upkeep:
@@ -292,47 +295,37 @@ class Upkeep:
 
     Args:
         claims: the entries the worker holds (and its client, streams and consumer name).
-        settings: the worker's settings.
-        keys: the queue's keys.
+        guard: the worker's model calls (their bound, whether one hung).
+        settings: the worker's settings (and the queue's keys).
         metrics: the worker's metrics.
-        hung: set once a model call ran past its bound.
-        bound: the model calls' bound (``max_batch_ms``).
-        running: the stamp of the model call running (None between calls).
-        remember: told the slowest recent model call as it changes (for the next process).
+        batcher: the worker's model batcher (its statistics to the metrics).
+        counts: the worker's answers by status (the reclaimer adds ``reclaimed``).
         serving: whether the worker reads and reclaims (neither stopping nor hung, and no
             model call running long).
         accept: takes reclaimed entries in (see :class:`Reclaimer`).
         refuse: dead-letters one entry.
         stats: the worker's statistics, as the heartbeat publishes them.
-        batch_stats: the model batcher's statistics.
-        counts: the worker's answers by status (the reclaimer adds ``reclaimed``).
     """
 
     def __init__(
         self,
         claims: Claims,
+        guard: Guard,
         settings: WorkerSettings,
-        keys: QueueKeys,
         metrics: Metrics,
         *,
-        hung: threading.Event,
-        bound: CallBound,
-        running: Callable[[], Stamp | None],
-        remember: Callable[[Timing], None] | None,
+        batcher: Executor,
+        counts: Counter[str],
         serving: Callable[[], bool],
         accept: Accept,
         refuse: Refuse,
         stats: Callable[[], dict[str, Any]],
-        batch_stats: Callable[[], BatchStats],
-        counts: Counter[str],
     ) -> None:
         s = settings
-        self._hung = hung
+        self._hung = guard.hung
         self._period_s = s.claim_idle_ms / 3e3
         self._reclaim_s = min(self._period_s, RECLAIM_EVERY_S)
-        self.janitor = Janitor(
-            claims, consumer_idle_ms=s.consumer_idle_ms, hung=hung, serving=serving
-        )
+        self.janitor = Janitor(claims, guard, consumer_idle_ms=s.consumer_idle_ms, serving=serving)
         self.reclaimer = Reclaimer(
             claims,
             claim_idle_ms=s.claim_idle_ms,
@@ -342,21 +335,14 @@ class Upkeep:
             refuse=refuse,
             counts=counts,
         )
-        self.watchdog = Watchdog(
-            bound,
-            worker_id=claims.worker_id,
-            hung=hung,
-            metrics=metrics,
-            running=running,
-            remember=remember,
-        )
+        self.watchdog = Watchdog(guard, worker_id=claims.worker_id, metrics=metrics)
         self.heartbeat = Heartbeat(
             claims.redis,
-            keys,
+            s.keys,
             claims.worker_id,
             period_s=s.heartbeat_s,
             stats=stats,
-            batch_stats=batch_stats,
+            batcher=batcher,
             metrics=metrics,
         )
 

@@ -50,7 +50,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 from batchline.worker.metrics import Metrics
 from batchline.worker.models import CountsPadding, Model, Prepared
@@ -66,6 +66,7 @@ __all__ = [
     "Stamp",
     "Timing",
     "Watchdog",
+    "Watched",
     "prime",
     "read_timing",
     "warm_up",
@@ -212,35 +213,43 @@ class CallWatch:
         return "running"
 
 
+class Watched(Protocol):
+    """What the watchdog watches: the worker's model calls (its
+    :class:`~batchline.worker.upkeep._guard.Guard`)."""
+
+    #: The calls' bound (the worker times its calls into it).
+    bound: CallBound
+    #: Set once a call runs past its bound.
+    hung: threading.Event
+
+    @property
+    def running(self) -> Stamp | None:
+        """The stamp of the model call running (None between calls)."""
+
+    def remember(self, timing: Timing) -> None:
+        """Told the slowest recent call as it changes (at most once a second), for the
+        next worker process."""
+
+    def abandon_blocked(self) -> None:
+        """Hand back what the worker holds from this thread, while a hung call blocks the
+        event loop."""
+
+
 class Watchdog:
     """Watches model calls from a thread of its own (a hung call may block the event loop).
 
     Args:
-        bound: the calls' bound (the worker times its calls into it).
+        calls: the model calls watched (the worker's guard).
         worker_id: for the log lines.
-        hung: set once a call runs past its bound.
-        metrics: marked unhealthy then; told the bound as it changes.
-        running: the stamp of the model call running (None between calls).
-        remember: told the slowest recent call as it changes (at most once a second), for
-            the next worker process.
+        metrics: marked unhealthy when a call hangs; told the bound as it changes.
     """
 
-    def __init__(
-        self,
-        bound: CallBound,
-        *,
-        worker_id: str,
-        hung: threading.Event,
-        metrics: Metrics,
-        running: Callable[[], Stamp | None],
-        remember: Callable[[Timing], None] | None = None,
-    ) -> None:
-        self.bound = bound
+    def __init__(self, calls: Watched, *, worker_id: str, metrics: Metrics) -> None:
+        self.bound = calls.bound
+        self._calls = calls
         self._worker_id = worker_id
-        self._hung = hung
+        self._hung = calls.hung
         self._metrics = metrics
-        self._running = running
-        self._remember = remember
 
     def start(
         self,
@@ -248,12 +257,12 @@ class Watchdog:
         *,
         on_slow: Callable[[Stamp], None],
         on_hung: Callable[[], None],
-        abandon: Callable[[], None],
         exit_if_loop_blocked: bool,
     ) -> threading.Event:
         """Start watching; returns the event that ends the watch. ``on_slow`` (with the
-        slow call's stamp) and ``on_hung`` run on ``loop``; ``abandon`` runs on this thread
-        when the loop does not take a hung call over."""
+        slow call's stamp) and ``on_hung`` run on ``loop``; when the loop does not take a
+        hung call over, this thread hands back what the worker holds
+        (:meth:`Watched.abandon_blocked`)."""
         done = threading.Event()
         bound = self.bound
         if not bound.auto and bound.fixed_s <= 0:
@@ -266,15 +275,15 @@ class Watchdog:
 
         def watch() -> None:
             calls = CallWatch(bound, tick_s=tick_s)
-            follow = _Follow(bound, self._worker_id, self._metrics, self._remember)
+            follow = _Follow(bound, self._worker_id, self._metrics, self._calls.remember)
             while not done.wait(tick_s):  # a watchdog timer
-                call = self._running()
+                call = self._calls.running
                 state = calls.tick(time.monotonic(), call)
                 follow.step()
                 if state == "slow" and call is not None:
                     post(functools.partial(on_slow, call))
                 elif state == "hung":
-                    self._trip(calls, post, on_hung, abandon, exit_if_loop_blocked)
+                    self._trip(calls, post, on_hung, exit_if_loop_blocked)
                     return
 
         threading.Thread(target=watch, name="batchline-watchdog", daemon=True).start()
@@ -285,7 +294,6 @@ class Watchdog:
         calls: CallWatch,
         post: Callable[[Callable[[], None]], None],
         on_hung: Callable[[], None],
-        abandon: Callable[[], None],
         exit_if_loop_blocked: bool,
     ) -> None:
         logger.error(
@@ -308,7 +316,7 @@ class Watchdog:
             return
         logger.error("the hung model call blocks the event loop: handing back from the watchdog")
         try:
-            abandon()
+            self._calls.abandon_blocked()
         except Exception:  # the loop's own hand-back, or claim_idle_ms, still covers it
             logger.exception("the watchdog could not hand back what the worker holds")
         if exit_if_loop_blocked:

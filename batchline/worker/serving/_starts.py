@@ -1,0 +1,62 @@
+"""The calls a worker holds as they start to run: their metadata stamped with when they start
+and in what batch, and those whose producers cancelled them rejected before they run. The
+executors (:mod:`._executors`) tell it which calls start."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+from batchline.drivers._base import Call, Item
+from batchline.errors import RequestCancelled
+from batchline.transport._cancels import CancelLog
+from batchline.worker.serving._claims import Claims
+
+__all__ = ["Starts"]
+
+
+class Starts:
+    """The starts of one worker's calls.
+
+    Args:
+        claims: what the worker holds (the metadata of its calls).
+        cancels: the queue's cancellations, as the worker follows them.
+        space: set as a batch starts: room in the read-ahead window for the reader.
+    """
+
+    def __init__(self, claims: Claims, cancels: CancelLog, space: asyncio.Event) -> None:
+        self._meta = claims.calls
+        self._cancels = cancels
+        self._space = space
+
+    async def before_batch(self, batch: list[Item]) -> None:
+        """A batch of the asyncio batcher starts (on the loop): its calls are marked, and
+        those cancelled are rejected."""
+        self._space.set()
+        calls = list(dict.fromkeys(item.call for item in batch))
+        self.started(calls, len(batch))
+        if not self._cancels:
+            return
+        for call in calls:
+            if self.cancelled(call):
+                call.reject(
+                    RequestCancelled("cancelled by its producer before a worker started it")
+                )
+
+    def started(self, calls: list[Call], batch_size: int) -> None:
+        """These calls start, in a batch of ``batch_size`` (any thread: plain writes)."""
+        now = time.time()
+        for call in calls:
+            meta = self._meta.get(call)
+            if meta is not None:
+                meta.started_unix = now
+                meta.batch_size = batch_size
+
+    def cancelled(self, call: Call) -> bool:
+        """Whether the producer of ``call`` cancelled it."""
+        meta = self._meta.get(call) if self._cancels else None
+        if meta is None:
+            return False
+        request = meta.request
+        return self._cancels.covers(request["id"], meta.entry, request.get("ts") or math.inf)
