@@ -242,7 +242,8 @@ class WorkerSettings(ServiceSettings):
             unless told), a causal-LM directory, a .gguf file, or ``module:callable``
             returning (model, tokenizer).
         device: ``auto`` (cuda when present, else cpu), or a torch device.
-        dtype: ``auto``, ``float32``, ``float16`` or ``bfloat16``.
+        dtype: ``auto`` (float16 on cuda; bfloat16 on a CPU that computes it natively, AMX
+            or AVX512_BF16; else float32), ``float32``, ``float16`` or ``bfloat16``.
         backend: how ``sentence-transformers`` runs on a CPU: ``torch``, ``onnx``
             (onnxruntime), ``onnx-int8`` (its weights quantized to int8), ``openvino`` or
             ``openvino-int8`` (weights and activations in int8, calibrated); the ONNX export

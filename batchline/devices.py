@@ -1,11 +1,26 @@
 """Where a torch model runs and in which dtype: the one choice the worker's model kinds and
-the in-process generator share. torch is imported only when a choice needs it."""
+the in-process generator share. torch is imported only when a choice needs it.
+
+``dtype auto`` is float16 on CUDA; on a CPU that computes bfloat16 natively (AMX or
+AVX512_BF16, read from the CPU's flags once and logged), bfloat16: torch runs MiniLM and
+SmolLM2 1.7-3.8x faster in it than in float32 there, embeddings within a cosine of 0.9999;
+float32 anywhere else (a CPU without those units emulates bfloat16, slower than float32).
+"""
 
 from __future__ import annotations
 
+import functools
+import logging
+from pathlib import Path
 from typing import Any
 
-__all__ = ["DTYPES", "pick_device", "pick_dtype", "place"]
+__all__ = ["BF16_FLAGS", "DTYPES", "cpu_bf16_flags", "pick_device", "pick_dtype", "place"]
+
+logger = logging.getLogger(__name__)
+
+#: The CPU flags by which a CPU computes bfloat16 natively (Intel AMX, AVX512_BF16).
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+_CPUINFO = Path("/proc/cpuinfo")
 
 #: The dtypes a ``dtype`` setting may name, besides ``auto``.
 DTYPES = ("float32", "float16", "bfloat16")
@@ -25,12 +40,43 @@ def pick_device(name: str = "auto") -> str:
     return "cpu"
 
 
+@functools.cache
+def cpu_bf16_flags() -> tuple[str, ...]:
+    """Which of :data:`BF16_FLAGS` this machine's CPU has (empty: none, or not Linux);
+    read once, and logged."""
+    flags: set[str] = set()
+    try:
+        for line in _CPUINFO.read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("flags"):
+                flags = set(line.partition(":")[2].split())
+                break
+    except OSError:
+        pass
+    found = tuple(flag for flag in BF16_FLAGS if flag in flags)
+    if found:
+        logger.info(
+            "this CPU computes bfloat16 natively (%s): dtype auto is bfloat16 on it",
+            ", ".join(found),
+        )
+    else:
+        logger.info(
+            "this CPU has no native bfloat16 (no %s): dtype auto is float32 on it",
+            " or ".join(BF16_FLAGS),
+        )
+    return found
+
+
 def pick_dtype(name: str, device: str) -> Any:
-    """``auto``: float16 on cuda, float32 elsewhere; or the named torch dtype."""
+    """``auto``: float16 on cuda; bfloat16 on a CPU that computes it natively
+    (:func:`cpu_bf16_flags`), float32 on any other; or the named torch dtype."""
     import torch
 
     if name == "auto":
-        return torch.float16 if device.startswith("cuda") else torch.float32
+        if device.startswith("cuda"):
+            return torch.float16
+        if device == "cpu" and cpu_bf16_flags():
+            return torch.bfloat16
+        return torch.float32
     dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     if name not in dtypes:
         raise ValueError(f"dtype must be one of auto, {', '.join(dtypes)}; got {name!r}")

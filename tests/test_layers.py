@@ -37,7 +37,7 @@ ALLOWED: dict[str, set[str]] = {
     "worker": WIRE
     | {"config", "core", "devices", "drivers", "generation", "redis_url", "transport"},
     "contrib": WIRE | {"config", "producer", "transport"},
-    "demo": WIRE | {"config", "drivers", "producer", "transport", "worker"},
+    "demo": WIRE | {"config", "devices", "drivers", "producer", "transport", "worker"},
     "_cli_options": set(),
     "cli": WIRE | {"_cli_options", "acl", "config", "demo", "transport", "worker"},
     "__main__": {"cli"},

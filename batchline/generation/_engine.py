@@ -35,6 +35,7 @@ No asyncio, threads or I/O here: drivers (in process, or a worker) call :meth:`E
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,6 +122,10 @@ class Engine:
         ):
             raise ValueError(f"max_prefill_tokens must be an int >= 1, got {max_prefill_tokens!r}")
         self.model = model.eval()
+        # The KV cache's keyword: ``cache`` in transformers' current forward signature,
+        # ``past_key_values`` in the releases before it (deprecated since).
+        forward = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in forward else "past_key_values"
         self.tokenizer = tokenizer
         self.max_prefill_tokens = max_prefill_tokens
         self.device = next(model.parameters()).device
@@ -250,8 +255,8 @@ class Engine:
             input_ids=ids,
             attention_mask=mask,
             position_ids=pos,
-            past_key_values=cache,
             use_cache=True,
+            **{self._cache_kw: cache},
             logits_to_keep=1,
         ).logits[:, -1, :]
         return out

