@@ -5,12 +5,21 @@ declares a larger ``Content-Length`` is answered before any of its body is read 
 waiting for ``100 Continue`` sends none); one without (chunked) is counted as it arrives and
 answered as soon as it passes the limit: the app never holds more than the limit of it, and
 sees the rest of the request as a client that went away. The answer carries ``Connection:
-close``, so the server closes the connection rather than read on. Its body is OpenAI's error
-object under ``/v1`` (``code`` ``request_too_large``) and the native ``{"detail"}`` elsewhere.
+close``. Its body is OpenAI's error object under ``/v1`` (``code`` ``request_too_large``) and
+the native ``{"detail"}`` elsewhere.
+
+Before the connection closes, what the client still sends of its body is read and dropped
+(up to :data:`LINGER_BYTES` more, for up to :data:`LINGER_S` seconds, as a web server's
+lingering close does, and until nothing came for :data:`LINGER_IDLE_S`): a socket closed with
+unread data resets the connection, and a client still sending would then lose the 413 it had
+been sent, seeing a broken connection instead. Nothing of it is kept. A client that waits for
+``100 Continue`` sends no body: its connection closes at once.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass
 
 from starlette.responses import JSONResponse
@@ -18,7 +27,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from batchline.contrib._openai_schema import error_body
 
-__all__ = ["BodyLimit"]
+__all__ = ["LINGER_BYTES", "LINGER_IDLE_S", "LINGER_S", "BodyLimit"]
+
+#: How long, and how much more of it, a refused request's remaining body is read and dropped
+#: before the connection closes (nginx's ``lingering_time`` is 30 s).
+LINGER_S = 30.0
+LINGER_BYTES = 64 << 20
+#: A client that sends nothing for this long is sending no more (nginx's
+#: ``lingering_timeout``, 5 s, is for slower networks than a server's own front).
+LINGER_IDLE_S = 2.0
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -83,7 +100,34 @@ class _Refusal:
             else {"detail": message}
         )
         response = JSONResponse(body, status_code=413, headers={"Connection": "close"})
-        await response(scope, receive, send)
+        await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body, "more_body": True})
+        if not _expects_continue(scope):
+            await _drain(receive)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _expects_continue(scope: Scope) -> bool:
+    """Whether the client waits for ``100 Continue`` before it sends its body."""
+    return any(
+        name.lower() == b"expect" and value.lower() == b"100-continue"
+        for name, value in scope["headers"]
+    )
+
+
+async def _drain(receive: Receive) -> None:
+    """Read and drop the rest of a request's body: until its end, the client's going away,
+    :data:`LINGER_BYTES`, :data:`LINGER_S` seconds, or :data:`LINGER_IDLE_S` with nothing."""
+    deadline = time.monotonic() + LINGER_S
+    dropped = 0
+    while (left := deadline - time.monotonic()) > 0 and dropped <= LINGER_BYTES:
+        try:
+            message = await asyncio.wait_for(receive(), min(left, LINGER_IDLE_S))
+        except TimeoutError:
+            return
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        dropped += len(message.get("body", b""))
 
 
 class _Counted:

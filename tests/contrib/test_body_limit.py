@@ -22,6 +22,7 @@ import pytest
 import redis
 
 from batchline.config import WebSettings
+from batchline.contrib._body_limit import LINGER_BYTES
 from batchline.keys import QueueKeys
 
 from .test_fastapi import MODEL, Serve, serve
@@ -120,8 +121,9 @@ def test_a_chunked_body_is_refused_once_it_passes_the_limit(
     assert response.request.headers["transfer-encoding"] == "chunked"
     assert_refused(path, response)
     assert "received so far" in response.text
-    # The server stopped reading: the client sent what the sockets' buffers held, no more.
-    assert chunks.given < 32 * MIB, chunks.given
+    # The server read (and dropped) at most LINGER_BYTES more before it closed: the client
+    # sent that and what the sockets' buffers held, no more.
+    assert chunks.given < LINGER_BYTES + 32 * MIB, chunks.given
 
 
 @pytest.mark.slow
@@ -231,3 +233,61 @@ def test_eight_50_mb_bodies_at_once_leave_the_apis_memory_and_redis_alone(
     # Each chunked body is held up to the limit before its 413; 400 MB were sent at it.
     assert grown < 8 * limit + 16 * MIB, f"the API's peak memory grew {grown / MIB:.1f} MiB"
     assert not any(rclient.exists(s) for s in QueueKeys(gen_queue).streams)  # nothing queued
+
+
+async def test_a_refused_body_is_read_and_dropped_until_its_end_or_the_linger_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The 413 goes out first; then what the client still sends is read (and dropped) so
+    that closing does not reset a connection the client is still sending on; a client that
+    stalls is let go after LINGER_S."""
+    import asyncio
+
+    from batchline.contrib import _body_limit
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("the app never sees a refused request")
+
+    limit = _body_limit.BodyLimit(app, max_body_bytes=10)
+    scope = {"type": "http", "path": "/embed", "headers": [(b"content-length", b"100")]}
+
+    async def refuse(chunks: list[bytes], then_stall: bool) -> tuple[list[Any], int]:
+        sent: list[Any] = []
+        fed = iter(chunks)
+        read = 0
+
+        async def receive() -> dict[str, Any]:
+            nonlocal read
+            chunk = next(fed, None)
+            if chunk is None:
+                await asyncio.sleep(3600)  # a client that sends no more
+            read += 1
+            return {
+                "type": "http.request",
+                "body": chunk,
+                "more_body": read < len(chunks) or then_stall,
+            }
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        await asyncio.wait_for(limit(scope, receive, send), 5)
+        return sent, read
+
+    sent, read = await refuse([b"x" * 25] * 4, then_stall=False)
+    assert read == 4  # to the body's end
+    assert sent[0]["status"] == 413
+    assert b"max_body_bytes=10" in sent[1]["body"]
+    assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+    for bound in ("LINGER_S", "LINGER_IDLE_S"):  # either lets a stalled client go
+        with monkeypatch.context() as patch:
+            patch.setattr(_body_limit, bound, 0.2)
+            started = asyncio.get_running_loop().time()
+            sent, read = await refuse([b"x" * 25] * 2, then_stall=True)
+            assert read == 2
+            assert 0.15 < asyncio.get_running_loop().time() - started < 2
+            assert sent[-1]["more_body"] is False
+    # A client waiting for 100 Continue has sent none of its body, and is not invited to.
+    scope["headers"] = [*scope["headers"], (b"expect", b"100-continue")]
+    sent, read = await refuse([b"x" * 25] * 4, then_stall=False)
+    assert (read, sent[0]["status"], sent[-1]["more_body"]) == (0, 413, False)
