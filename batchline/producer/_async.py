@@ -44,7 +44,7 @@ from batchline.producer._replies import ReplyReader, Waiters
 from batchline.producer._stream import StreamChunk, Streams, quiet_cancel
 from batchline.transport._admission import Admission
 from batchline.transport._once import input_hash
-from batchline.transport._redis import RedisClient, connect
+from batchline.transport._redis import REDIS_FAILURES, RedisClient, connect
 
 __all__ = ["AsyncProducer", "EnqueueOptions", "Handle", "SubmitOptions"]
 
@@ -453,7 +453,7 @@ class AsyncProducer:
             raw = await self._redis.get(key)
             if raw is None and self.settings.cache_ttl_s > 0:
                 raw = await cached_result(self._redis, self.keys, request_id)
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             raise translate(exc) from exc
         if raw is None:
             return None
@@ -471,7 +471,7 @@ class AsyncProducer:
         rid = handle if isinstance(handle, str) else handle.id
         try:
             await self._admission.cancel(self._redis, rid, ttl_s=self.settings.result_ttl_s)
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             raise translate(exc) from exc
         for fut in self._waiting.forget(rid):
             if not fut.done():
@@ -484,5 +484,5 @@ class AsyncProducer:
         in its inbox, not admitted yet, included)."""
         try:
             return await self._admission.depth(self._redis)
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             raise translate(exc) from exc

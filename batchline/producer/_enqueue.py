@@ -14,7 +14,6 @@ from collections import Counter
 from typing import Any
 
 import msgpack
-from redis.exceptions import RedisError
 
 from batchline.codec import Result
 from batchline.config import ProducerSettings
@@ -32,7 +31,7 @@ from batchline.redis_url import is_sentinel_url
 from batchline.transport._admission import Admission
 from batchline.transport._once import once_keys
 from batchline.transport._outbox import Outbox
-from batchline.transport._redis import RedisClient
+from batchline.transport._redis import REDIS_FAILURES, RedisClient
 from batchline.transport._replication import Replication
 
 __all__ = ["Enqueuer", "Target"]
@@ -209,7 +208,7 @@ class Enqueuer:
             # Connected first, so that a failure to connect (nothing sent) is told apart
             # from one with the write in flight.
             await connected(self._writer)
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             raise Failed([translate(exc) for _ in ids], exc) from exc
         try:
             # Sizes are the workers' to check (their limits): the admission refuses an entry
@@ -218,7 +217,7 @@ class Enqueuer:
             if not self._replication.replicated:
                 return replies
             confirmed = await self._replication.confirmed(self._writer)
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             raise Failed([uncertain(exc, rid) for rid in ids], exc) from exc
         if self._replication.short(confirmed):
             r = self._replication

@@ -28,6 +28,7 @@ from redis.exceptions import (
     BusyLoadingError,
     OutOfMemoryError,
     ReadOnlyError,
+    RedisClusterException,
     RedisError,
     ResponseError,
 )
@@ -62,6 +63,8 @@ def refused(exc: BaseException) -> ServiceUnavailable | None:
     """The ServiceUnavailable for a failure that certainly queued nothing, else None."""
     if isinstance(exc, OutOfMemoryError):
         return ServiceUnavailable(f"Redis is out of memory (maxmemory): {exc}; nothing was queued")
+    if isinstance(exc, RedisClusterException):  # no node it knows answered: nothing went
+        return ServiceUnavailable(f"Redis Cluster: {exc}; nothing was queued")
     if isinstance(exc, BusyLoadingError | ReadOnlyError):
         return ServiceUnavailable(f"Redis cannot take writes now: {exc}; nothing was queued")
     if isinstance(exc, ResponseError):
@@ -73,7 +76,7 @@ def refused(exc: BaseException) -> ServiceUnavailable | None:
     return None
 
 
-def translate(exc: RedisError | OSError) -> BaseException:
+def translate(exc: BaseException) -> BaseException:
     """The error to raise for a failed call that wrote nothing a caller must account for
     (a read, a connection never made, a cancel)."""
     found = refused(exc)
@@ -113,7 +116,7 @@ async def timed_out(client: RedisClient, keys: QueueKeys, what: str) -> RequestT
     )
 
 
-def uncertain(exc: RedisError | OSError, request_id: str) -> BaseException:
+def uncertain(exc: BaseException, request_id: str) -> BaseException:
     """The error to raise, for one request, when the write carrying it failed after it was
     sent (the connection was open when it went)."""
     found = refused(exc)

@@ -23,7 +23,7 @@ from batchline.codec._chunks import CHUNKS_FIELD
 from batchline.codec._results import decode_flat
 from batchline.producer._outcomes import check_input
 from batchline.producer._stream import Streams
-from batchline.transport._redis import Backoff, RedisClient, own_connection
+from batchline.transport._redis import REDIS_FAILURES, Backoff, RedisClient, own_connection
 
 __all__ = ["ReplyReader", "Waiters"]
 
@@ -148,7 +148,7 @@ class ReplyReader:
         while not self._closed():
             try:
                 response = await client.xread({self._reply_key: last}, count=1000, block=1000)
-            except (RedisError, OSError) as exc:
+            except REDIS_FAILURES as exc:
                 if self._closed():
                     break  # stop() cut the connection: nothing to report
                 failed = True

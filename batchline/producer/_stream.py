@@ -22,13 +22,11 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from redis.exceptions import RedisError
-
 from batchline.codec import Result
 from batchline.codec._chunks import Chunk, unpack_chunks
 from batchline.errors import DecodeError, InferenceError, StreamDiverged
 from batchline.transport._admission import Admission
-from batchline.transport._redis import RedisClient
+from batchline.transport._redis import REDIS_FAILURES, RedisClient
 
 __all__ = ["StreamChunk", "StreamState", "Streams", "quiet_cancel"]
 
@@ -166,7 +164,7 @@ def quiet_cancel(redis: RedisClient, admission: Admission, ttl_s: int) -> Cancel
     async def cancel(rid: str) -> None:
         try:
             await admission.cancel(redis, rid, ttl_s=ttl_s)
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             logger.warning("could not cancel request %s, whose stream ended: %s", rid, exc)
 
     return cancel

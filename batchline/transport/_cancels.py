@@ -24,10 +24,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from redis.exceptions import NoPermissionError, RedisError
+from redis.exceptions import NoPermissionError
 
 from batchline.keys import MAX_ID_CHARS, QueueKeys, is_name
-from batchline.transport._redis import Backoff, RedisClient
+from batchline.transport._redis import REDIS_FAILURES, Backoff, RedisClient
 
 __all__ = ["CANCELS_MAXLEN", "CancelLog", "CancelTrim"]
 
@@ -188,7 +188,7 @@ class CancelLog:
         while running():
             try:
                 response = await redis.xread({keys.cancels: self._last}, count=_PAGE, block=1000)
-            except (RedisError, OSError) as exc:
+            except REDIS_FAILURES as exc:
                 await backoff.wait(exc)
                 continue
             backoff.reset()

@@ -17,6 +17,7 @@ from redis.exceptions import (
     MovedError,
     NoScriptError,
     OutOfMemoryError,
+    RedisClusterException,
     RedisError,
     ResponseError,
 )
@@ -29,6 +30,7 @@ from batchline.redis_url import is_sentinel_url, parse_sentinel_url
 from batchline.transport._sentinel import sentinel_client
 
 __all__ = [
+    "REDIS_FAILURES",
     "Backoff",
     "RedisClient",
     "RedisUnreachable",
@@ -44,6 +46,11 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: What a call to Redis raises when Redis cannot be reached or refuses it: redis-py's errors,
+#: the socket's, and a cluster client's own (``RedisClusterException``, not a RedisError:
+#: "cannot be connected" when no node it knows answers, during a failover say).
+REDIS_FAILURES = (RedisError, OSError, RedisClusterException)
 
 #: An asyncio ``redis.asyncio.Redis`` or ``RedisCluster`` client (bytes replies). Any to
 #: mypy: redis-py types each command as returning ``Awaitable[T] | T`` for its sync and
@@ -126,7 +133,7 @@ async def wait_for_redis(client: RedisClient, settings: ServiceSettings, *, wait
         try:
             await client.ping()
             return
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             left_s = deadline - time.monotonic()
             reason = f"{type(exc).__name__}: {exc}".strip().rstrip(":")
             if left_s <= 0:

@@ -23,13 +23,13 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from batchline.config import WorkerSettings
 from batchline.transport._cancels import CANCELS_MAXLEN
 from batchline.transport._functions import ADMIT, function_missing, load_library
 from batchline.transport._once import once_keys
-from batchline.transport._redis import Backoff, RedisClient
+from batchline.transport._redis import REDIS_FAILURES, Backoff, RedisClient
 from batchline.worker.serving._readcap import ReadCap
 from batchline.worker.serving._writer import DEAD_MAXLEN, REPLY_MAXLEN
 
@@ -117,7 +117,7 @@ class Admitter:
                     await backoff.wait(exc)
                 left = 1
                 continue
-            except (RedisError, OSError) as exc:
+            except REDIS_FAILURES as exc:
                 await backoff.wait(exc)
                 left = 1
                 continue
@@ -127,5 +127,5 @@ class Admitter:
         try:
             if not await load_library(self._client):
                 await backoff.wait(RuntimeError("the queue's functions cannot be loaded"))
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             await backoff.wait(exc)

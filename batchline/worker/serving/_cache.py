@@ -17,11 +17,9 @@ from __future__ import annotations
 import logging
 import math
 
-from redis.exceptions import RedisError
-
 from batchline.config import WorkerSettings
 from batchline.transport._once import cache_hash, once_figures
-from batchline.transport._redis import RedisClient
+from batchline.transport._redis import REDIS_FAILURES, RedisClient
 from batchline.worker.metrics import Metrics
 from batchline.worker.serving._answers import Record
 
@@ -58,7 +56,7 @@ class AnswerCache:
             return
         try:
             await client.set(self.keys.model, self.model_id, ex=self._model_ttl_s)
-        except (RedisError, OSError) as exc:  # the cache stays off until the next worker
+        except REDIS_FAILURES as exc:  # the cache stays off until the next worker
             logger.warning("could not publish the model identity: %s", exc)
 
     async def beat(self, client: RedisClient, metrics: Metrics) -> None:
@@ -67,7 +65,7 @@ class AnswerCache:
         if metrics.port:
             try:
                 metrics.once(once_figures(await client.hgetall(self.keys.once_stats)))
-            except (RedisError, OSError) as exc:
+            except REDIS_FAILURES as exc:
                 logger.warning("could not read the queue's counters: %s", exc)
 
     def keys_for(self, record: Record) -> tuple[str, str]:

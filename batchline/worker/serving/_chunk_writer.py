@@ -24,12 +24,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from redis.exceptions import RedisError
-
 from batchline.codec._chunks import Chunk, merge_chunks, pack_chunks
 from batchline.keys import QueueKeys
 from batchline.transport._outbox import Outbox
-from batchline.transport._redis import RedisClient
+from batchline.transport._redis import REDIS_FAILURES, RedisClient
 from batchline.worker.serving._writer import REPLY_MAXLEN
 
 __all__ = ["ChunkWriter"]
@@ -102,7 +100,7 @@ class ChunkWriter:
             failed = next((r for r in replies[0::3] if isinstance(r, Exception)), None)
             if failed is not None:
                 raise failed
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             logger.warning(
                 "chunks for %d producers not written (they go with the next write): %s",
                 len(by_reply),

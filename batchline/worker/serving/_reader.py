@@ -7,10 +7,10 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from batchline.keys import GROUP
-from batchline.transport._redis import Backoff, RedisClient, own_connection, passing
+from batchline.transport._redis import REDIS_FAILURES, Backoff, RedisClient, own_connection, passing
 from batchline.worker.serving._readcap import Entry, ReadCap
 from batchline.worker.upkeep._consumers import ensure_groups
 
@@ -85,7 +85,7 @@ class Reader:
                 logger.warning("consumer group missing (Redis lost its data?); creating it again")
                 await ensure_groups(self._redis, self._streams)
                 continue
-            except (RedisError, OSError) as exc:
+            except REDIS_FAILURES as exc:
                 await backoff.wait(exc)
                 continue
             backoff.reset()

@@ -15,11 +15,10 @@ import time
 from typing import Any
 
 import msgpack
-from redis.exceptions import RedisError
 
 from batchline.keys import GROUP, QueueKeys
 from batchline.transport._outbox import Outbox
-from batchline.transport._redis import Backoff, RedisClient, Script
+from batchline.transport._redis import REDIS_FAILURES, Backoff, RedisClient, Script
 from batchline.transport._replication import Replication
 from batchline.transport._scripts import COMPLETE
 from batchline.worker.serving._answers import Record
@@ -80,7 +79,7 @@ class AnswerWriter:
     async def _flush(self, records: list[Record]) -> None:
         try:
             await self._write(records)
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             # Unanswered entries stay pending; no longer kept alive by this worker, they go
             # idle and are reclaimed and answered later.
             logger.error("writer: %d answers not written: %s", len(records), exc)

@@ -39,12 +39,10 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from batchline.config import WorkerSettings
 from batchline.core.stats import BatchStats
 from batchline.keys import GROUP, QueueKeys
-from batchline.transport._redis import RedisClient
+from batchline.transport._redis import REDIS_FAILURES, RedisClient
 from batchline.worker.metrics import Metrics
 from batchline.worker.serving._claims import Claims
 from batchline.worker.serving._generation_executor import Executor
@@ -77,7 +75,7 @@ async def every(
         await asyncio.sleep(period_s)  # a maintenance timer, not a poll for work
         try:
             await step()
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             logger.warning("%s: %s: %s", what, type(exc).__name__, exc)
 
 
@@ -272,7 +270,7 @@ class Heartbeat:
         while beating():
             try:
                 await self.beat()
-            except (RedisError, OSError) as exc:
+            except REDIS_FAILURES as exc:
                 logger.warning("heartbeat: %s", type(exc).__name__)
             await asyncio.sleep(self._period_s)  # a report timer, not a poll for work
 
