@@ -2,8 +2,8 @@
 the in-process generator share. torch is imported only when a choice needs it.
 
 ``dtype auto`` is float16 on CUDA; on a CPU that computes bfloat16 natively (AMX or
-AVX512_BF16, read from the CPU's flags once and logged), bfloat16: torch runs MiniLM and
-SmolLM2 1.7-3.8x faster in it than in float32 there, embeddings within a cosine of 0.9999;
+AVX512_BF16, read from the CPU's flags once and logged), bfloat16: torch ran MiniLM 1.8x and
+SmolLM2 2.0x faster in it than in float32 there, embeddings within a cosine of 0.9999;
 float32 anywhere else (a CPU without those units emulates bfloat16, slower than float32).
 """
 
