@@ -2,7 +2,7 @@
 
 A write goes as soon as the previous one is back, carrying everything that arrived meanwhile
 (up to ``submit_batch``); the script checks the queue depth and adds the entries atomically,
-and says of each request what it did with it (see :mod:`._once`).
+and says of each request what it did with it (see :mod:`._outcomes`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ process may use, no more (threads beyond them only take turns) and no fewer:
 - ``threads`` (the setting; default :func:`available_cpus`) sizes the model's intra-op
   pool: ``OMP_NUM_THREADS`` and ``MKL_NUM_THREADS`` in the environment, read when torch
   loads its OpenMP runtime, then :func:`torch.set_num_threads` (onnxruntime and OpenVINO
-  get the same number, see :mod:`._onnx`).
+  get the same number, see :mod:`.models._backends`).
 - torch's inter-op pool gets one thread: it only runs independent graph branches in
   parallel (TorchScript ``fork``), which these models do not have, and the worker never
   runs two model calls at once.

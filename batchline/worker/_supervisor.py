@@ -27,7 +27,7 @@ only itself down and is dead-lettered after ``max_deliveries``.
 - ``batchline worker --check`` and the metrics port are the child's, unchanged.
 - The children remember the slowest model call they timed in a file of the supervisor's
   (``--bound-file``), so that a fresh child's ``max_batch_ms`` auto starts from what its
-  predecessor measured instead of from nothing (:mod:`._watchdog`).
+  predecessor measured instead of from nothing (:mod:`.upkeep._watchdog`).
 """
 
 from __future__ import annotations

@@ -4,26 +4,28 @@ Tasks on one event loop, so that Redis I/O and decoding overlap the model's comp
 runs on the batcher's own thread, or on the loop for a model quick enough, see
 :class:`~batchline.core.pace.Pace`):
 
-- the *reader* (:mod:`._reader`) fills the batch policy from ``XREADGROUP`` (all priority
+- the *reader* (:mod:`.serving._reader`) fills the batch policy from ``XREADGROUP`` (all priority
   streams, highest first), keeping at most ``read_ahead`` batches ahead of the model;
-  decoding and tokenizing (:class:`._prep.Preparer`) run on ``prep_threads`` threads of
+  decoding and tokenizing (:class:`.serving._intake.Preparer`) run on ``prep_threads`` threads of
   their own for tokenizer-backed models;
 - the *model batcher* is the asyncio driver of the in-process core (same policy, same
   isolation, same padding): batch size, timeout, token budget, priorities, deadlines and
   length grouping all come from there;
   for ``--model generate`` an executor with the same small interface runs continuous
-  batching instead (:mod:`._generate`); :mod:`._executors` builds the one the model needs;
-- the *writer* (:mod:`._writer`) coalesces finished requests into one call of the
+  batching instead (:mod:`.serving._generation_executor`); :mod:`.serving._executors`
+  builds the one the model needs;
+- the *writer* (:mod:`.serving._writer`) coalesces finished requests into one call of the
   completion script per write, which acknowledges each entry and, only if the
   acknowledgement took, writes its result (with its TTL) and pushes the replies, then
   deletes the entries;
 - the *cancel follower* reads the queue's cancel stream (:mod:`batchline.transport._cancels`);
-- the *janitor* keeps this worker's claims (:mod:`._claims`) alive during long batches, the
+- the *janitor* keeps this worker's claims (:mod:`.serving._claims`) alive during long batches, the
   *reclaimer* takes over entries that dead workers left pending (XAUTOCLAIM),
   dead-lettering those delivered too often, the *watchdog* bounds one model call, and the
-  *heartbeat* publishes liveness and statistics: parts the worker owns (:mod:`._upkeep`).
+  *heartbeat* publishes liveness and statistics: parts the worker owns (:mod:`.upkeep`).
 
-Containment (a poison input, a hung model call): see :mod:`._upkeep`.
+Containment (a poison input, a hung model call): see :mod:`.upkeep._upkeep` and
+:mod:`.upkeep._watchdog`.
 
 SIGTERM or SIGINT (or :meth:`Worker.stop`) drains: stop reading, run what was read, write,
 exit; :attr:`Worker.stop_signal` says which signal it was.

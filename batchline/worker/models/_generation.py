@@ -1,7 +1,7 @@
 """The ``generate`` model kind of a worker: the causal LM that parses, tokenizes and checks a
 request's input on the reading side (:class:`GenerationModel`; the parser is
 :func:`batchline.generation._request.parse_request`, the in-process generators' too).
-:mod:`._generate` runs the requests.
+:mod:`batchline.worker.serving._generation_executor` runs the requests.
 
 What a request may carry, and its result, are in ``docs/protocol.md`` (Generation).
 """

@@ -8,7 +8,7 @@ Each is given the objects it works with (the worker's
 :class:`~batchline.worker.serving._claims.Claims`, its :class:`~._guard.Guard`, its batcher,
 its metrics and counts) and, where it needs the worker's say, one function (whether it
 serves; how an entry is taken in or dead-lettered; its statistics), so that the serving path
-(reading, batching, writing) reads on its own in :mod:`._worker`.
+(reading, batching, writing) reads on its own in :mod:`batchline.worker._worker`.
 
 Containment. An entry delivered more than once may be what killed its last worker, so it
 never shares a model call again: the reclaimer takes such entries one at a time and runs
@@ -21,9 +21,9 @@ with ``XCLAIM ... IDLE <claim_idle_ms>`` (entries not started keep their deliver
 ``RETRYCOUNT``), writes the answers already computed, and ``Worker.run`` raises
 :class:`~batchline.errors.WorkerHung`. A Python thread cannot be killed, so the process must
 end: ``batchline worker`` runs the worker in a child process and starts a fresh one
-(:mod:`._supervisor`). Handed-back entries are idle past ``claim_idle_ms`` at once, and every
-worker's reclaimer looks for such entries every second (``XPENDING ... IDLE``, one cheap call
-per priority), so they are served again within about a second.
+(:mod:`batchline.worker._supervisor`). Handed-back entries are idle past ``claim_idle_ms`` at
+once, and every worker's reclaimer looks for such entries every second (``XPENDING ...
+IDLE``, one cheap call per priority), so they are served again within about a second.
 """
 
 from __future__ import annotations
