@@ -25,6 +25,7 @@ from batchline._cli_options import CliCommand, CliOption
 from batchline.cli import _parsers, cli_reference, command_settings, main
 from batchline.config import ServiceSettings, WorkerSettings
 from batchline.demo.embedded import EmbeddedRedis
+from batchline.devices import cpu_bf16_flags
 from batchline.keys import QueueKeys
 from batchline.producer import Producer
 
@@ -417,7 +418,8 @@ def test_sigterm_drains_a_worker_with_exit_status_0(redis_url: str, queue: str) 
     [
         (
             ["--model", "sentence-transformers"],
-            "model sentence-transformers all-MiniLM-L6-v2, device cpu, dtype float32, batch 32",
+            "model sentence-transformers all-MiniLM-L6-v2, device cpu, "
+            f"dtype {'bfloat16' if cpu_bf16_flags() else 'float32'}, batch 32",  # dtype auto
         ),
         (
             ["--model", "generate", "--model-path", spec("tiny_llama"), "--batch-size", "4"],
