@@ -65,7 +65,7 @@ from batchline.keys import ID_PATTERN, MAX_ID_CHARS
 from batchline.producer import AsyncProducer, Handle
 from batchline.producer._failures import translate
 from batchline.producer._outcomes import cached_result
-from batchline.transport._redis import RedisClient, connect
+from batchline.transport._redis import REDIS_FAILURES, RedisClient, connect
 
 __all__ = [
     "INPUT_ERRORS",
@@ -348,7 +348,7 @@ class _Backend:
         try:
             async with asyncio.timeout(5.0):
                 await self.redis.ping()
-        except (RedisError, OSError, TimeoutError) as exc:
+        except (*REDIS_FAILURES, TimeoutError) as exc:
             detail = f"Redis unavailable ({type(exc).__name__})"
             return JSONResponse({"status": "unavailable", "detail": detail}, status_code=503)
         return JSONResponse({"status": "ok"})

@@ -29,7 +29,6 @@ from redis.exceptions import (
     OutOfMemoryError,
     ReadOnlyError,
     RedisClusterException,
-    RedisError,
     ResponseError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -42,7 +41,7 @@ from batchline.errors import (
     ServiceUnavailable,
 )
 from batchline.keys import QueueKeys
-from batchline.transport._redis import PASSING, RedisClient, dedicated, pinned
+from batchline.transport._redis import PASSING, REDIS_FAILURES, RedisClient, dedicated, pinned
 from batchline.transport.status import LIVE_WITHIN_S, live_worker_count
 
 __all__ = [
@@ -97,7 +96,7 @@ async def timed_out(client: RedisClient, keys: QueueKeys, what: str) -> RequestT
     try:
         async with asyncio.timeout(_LOOK_S):
             live = await live_worker_count(client, keys)
-    except (RedisError, OSError, TimeoutError) as exc:
+    except (*REDIS_FAILURES, TimeoutError) as exc:
         return RequestTimeout(
             f"{what} on queue {queue!r}; whether a live worker serves that queue is unknown "
             f"(Redis: {type(exc).__name__})"
