@@ -305,6 +305,10 @@ class WorkerSettings(ServiceSettings):
             none.
         max_new_tokens_limit: ``generate`` only: the largest max_new_tokens a request may
             ask for (more: BadGenerationParams).
+        matryoshka: embedding models: the model was trained for truncated embeddings
+            (Matryoshka), so a request may ask for fewer ``dimensions`` (``/v1/embeddings``);
+            a model whose config says so (``is_matryoshka``, ``matryoshka_dimensions``) is
+            taken at its word without it. Published with the model's facts.
         stream_max_unread_s: ``generate`` only: a producer whose reply stream holds an
             entry unread for longer than this is taken as gone, and its streamed requests
             are cancelled.
@@ -342,6 +346,7 @@ class WorkerSettings(ServiceSettings):
     default_max_new_tokens: int = Field(default=128, ge=1)
     max_new_tokens_limit: int = Field(default=1024, ge=1)
     stream_max_unread_s: float = Field(default=30.0, gt=0)
+    matryoshka: bool = False
 
     def limits(self) -> Limits:
         """What the worker accepts in a request."""

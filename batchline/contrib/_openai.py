@@ -5,7 +5,9 @@
   ``--model generate`` worker's), whole or, with ``stream: true``, as server-sent events
   ending in ``data: [DONE]``;
 - ``GET /v1/models`` (and ``/v1/models/{id}``) lists the served model names:
-  ``embedding_model_name`` and ``generation_model_name``, by default the queues' names.
+  ``embedding_model_name`` and ``generation_model_name``, by default the queues' names, with
+  the facts their workers publish (:mod:`batchline.contrib._facts`), against which an
+  embedding's ``dimensions`` is checked before anything is queued.
 
 A route whose queue is not set answers 404 naming the setting; a ``model`` that is not the
 route's served name answers 404 (``model_not_found``). Every error is OpenAI's error
@@ -33,6 +35,7 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchline.config import ProducerSettings, WebSettings
+from batchline.contrib._facts import card, check_dimensions, read_facts, truncated
 from batchline.contrib._openai_errors import (
     OpenAIError,
     answer_batchline,
@@ -46,6 +49,7 @@ from batchline.contrib._openai_schema import (
     chat_body,
     completion_body,
     embedding_body,
+    embedding_matrix,
     head,
 )
 from batchline.contrib._openai_stream import (
@@ -56,6 +60,7 @@ from batchline.contrib._openai_stream import (
 )
 from batchline.errors import BatchlineError, RequestTimeout
 from batchline.producer import AsyncProducer, Handle, Result, StreamChunk
+from batchline.transport._redis import RedisClient, connect
 
 __all__ = ["OpenAIRoutes"]
 
@@ -72,12 +77,31 @@ class _Served:
     name: str
     settings: ProducerSettings
     opened: AsyncProducer | None = field(default=None, repr=False)
+    client: RedisClient = field(default=None, repr=False)
 
     @property
     def producer(self) -> AsyncProducer:
         if self.opened is None:
             raise RuntimeError("the app's lifespan has not run: serve it with an ASGI server")
         return self.opened
+
+    async def open(self) -> None:
+        self.client = connect(self.settings)
+        self.opened = AsyncProducer(self.settings, redis=self.client)
+        await self.opened.start()
+
+    async def aclose(self) -> None:
+        if self.opened is not None:
+            await self.opened.aclose()  # waiting requests get BatcherClosed
+        if self.client is not None:
+            await self.client.aclose()
+        self.opened = self.client = None
+
+    async def facts(self) -> dict[str, Any] | None:
+        """The facts its workers publish (docs/protocol.md, Model facts), or None."""
+        if self.client is None:
+            raise RuntimeError("the app's lifespan has not run: serve it with an ASGI server")
+        return await read_facts(self.client, self.settings.keys)
 
 
 class OpenAIRoutes:
@@ -113,14 +137,11 @@ class OpenAIRoutes:
         """Open a producer per served queue for the app's lifetime."""
         try:
             for served in self.served.values():
-                served.opened = AsyncProducer(served.settings)
-                await served.opened.start()
+                await served.open()
             yield
         finally:
             for served in self.served.values():
-                if served.opened is not None:
-                    await served.opened.aclose()  # waiting requests get BatcherClosed
-                    served.opened = None
+                await served.aclose()
 
     def _make_app(self) -> FastAPI:
         app = FastAPI(
@@ -142,23 +163,25 @@ class OpenAIRoutes:
 
     # -- routes --------------------------------------------------------------------------------
 
-    def _model_object(self, served: _Served) -> dict[str, Any]:
+    async def _model_object(self, served: _Served) -> dict[str, Any]:
         return {
             "id": served.name,
             "object": "model",
             "created": self.created,
             "owned_by": "batchline",
+            **card(await served.facts()),
         }
 
     async def models(self) -> dict[str, Any]:
-        """The served model names."""
-        return {"object": "list", "data": [self._model_object(s) for s in self.served.values()]}
+        """The served models, with the facts their workers publish."""
+        data = [await self._model_object(s) for s in self.served.values()]
+        return {"object": "list", "data": data}
 
     async def model(self, model_id: str) -> dict[str, Any]:
         """One served model."""
         for served in self.served.values():
             if served.name == model_id:
-                return self._model_object(served)
+                return await self._model_object(served)
         raise self._not_found(model_id)
 
     def _not_found(self, model: str) -> OpenAIError:
@@ -192,14 +215,19 @@ class OpenAIRoutes:
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
         """Embed a text or a list of texts."""
         served = self._queue("embedding", body.model)
+        if body.dimensions is not None:  # refused before anything is queued
+            check_dimensions(await served.facts(), body.dimensions, served.name)
         texts = body.texts
         result = await self._run(served, texts, request)
         if result is None:
             return Response(status_code=499)
         try:
-            answer = embedding_body(served.name, texts, result.output, body.encoding_format)
+            matrix = embedding_matrix(result.output, texts)
         except ValueError as exc:
             raise OpenAIError(500, str(exc), "server_error") from None
+        if body.dimensions is not None:
+            matrix = truncated(matrix, body.dimensions)
+        answer = embedding_body(served.name, matrix, body.encoding_format, result.tokens)
         return JSONResponse(answer)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
