@@ -62,16 +62,24 @@ from batchline.errors import BatchlineError, RequestTimeout
 from batchline.producer import AsyncProducer, Handle, Result, StreamChunk
 from batchline.transport._redis import RedisClient, connect
 
-__all__ = ["OpenAIRoutes"]
+__all__ = ["OpenAIRoutes", "Served"]
 
 
-Kind = Literal["embedding", "generation"]
-_SETTING = {"embedding": "embedding_queue", "generation": "generation_queue"}
-_ROUTES = {"embedding": "embeddings", "generation": "completions and chat completions"}
+Kind = Literal["embedding", "generation", "rerank"]
+_SETTING = {
+    "embedding": "embedding_queue",
+    "generation": "generation_queue",
+    "rerank": "rerank_queue",
+}
+_ROUTES = {
+    "embedding": "embeddings",
+    "generation": "completions and chat completions",
+    "rerank": "rerank",
+}
 
 
 @dataclass
-class _Served:
+class Served:
     """A queue the routes submit to: its model name and the producer opened for it."""
 
     name: str
@@ -117,9 +125,9 @@ class OpenAIRoutes:
         self.timeout_s = timeout_s
         self.created = int(time.time())
         names = settings.served_models() if isinstance(settings, WebSettings) else {}
-        self.served: dict[str, _Served] = {}
+        self.served: dict[str, Served] = {}
         for kind, queue in self._queues(settings).items():
-            self.served[kind] = _Served(names[kind], settings.model_copy(update={"queue": queue}))
+            self.served[kind] = Served(names[kind], settings.model_copy(update={"queue": queue}))
         self.app = self._make_app()
 
     @staticmethod
@@ -129,6 +137,7 @@ class OpenAIRoutes:
         queues: dict[Kind, str | None] = {
             "embedding": settings.embedding_queue,
             "generation": settings.generation_queue,
+            "rerank": settings.rerank_queue,
         }
         return {kind: q for kind, q in queues.items() if q is not None}
 
@@ -163,7 +172,7 @@ class OpenAIRoutes:
 
     # -- routes --------------------------------------------------------------------------------
 
-    async def _model_object(self, served: _Served) -> dict[str, Any]:
+    async def _model_object(self, served: Served) -> dict[str, Any]:
         return {
             "id": served.name,
             "object": "model",
@@ -193,7 +202,14 @@ class OpenAIRoutes:
             code="model_not_found",
         )
 
-    def _queue(self, kind: Kind, model: str) -> _Served:
+    def named(self, model: str) -> Served:
+        """The served queue whose model is ``model``, of any kind; 404 otherwise."""
+        for served in self.served.values():
+            if served.name == model:
+                return served
+        raise self._not_found(model)
+
+    def queue(self, kind: Kind, model: str) -> Served:
         """The served queue of ``kind`` if ``model`` names it; 404 otherwise."""
         served = self.served.get(kind)
         if served is None:
@@ -214,11 +230,11 @@ class OpenAIRoutes:
 
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
         """Embed a text or a list of texts."""
-        served = self._queue("embedding", body.model)
+        served = self.queue("embedding", body.model)
         if body.dimensions is not None:  # refused before anything is queued
             check_dimensions(await served.facts(), body.dimensions, served.name)
         texts = body.texts
-        result = await self._run(served, texts, request)
+        result = await self.run(served, texts, request)
         if result is None:
             return Response(status_code=499)
         try:
@@ -243,7 +259,7 @@ class OpenAIRoutes:
     async def _generate(
         self, body: CompletionRequest | ChatRequest, request: Request, *, chat: bool
     ) -> Response:
-        served = self._queue("generation", body.model)
+        served = self.queue("generation", body.model)
         if body.stream:
             rid = uuid.uuid4().hex  # the request's id, and the chunks'
             info = StreamInfo(
@@ -255,18 +271,20 @@ class OpenAIRoutes:
             )
             chunks = served.producer.stream(body.value(), request_id=rid)
             return await self._stream(chunks, info, request)
-        result = await self._run(served, body.value(), request)
+        result = await self.run(served, body.value(), request)
         if result is None:
             return Response(status_code=499)
         build = chat_body if chat else completion_body
         return JSONResponse(build(result.id, served.name, result.output))
 
-    async def _run(self, served: _Served, value: Any, request: Request) -> Result | None:
+    async def run(
+        self, served: Served, value: Any, request: Request, *, priority: int | None = None
+    ) -> Result | None:
         """Submit, and wait for an ``ok`` result (any other raises its typed error); None
         if the client went away first. Either way, a request nobody waits for any more is
         cancelled."""
         producer = served.producer
-        handle = await producer.submit(value)
+        handle = await producer.submit(value, priority=priority)
         try:
             result = await unless_disconnected(
                 request.receive, producer.wait(handle, self.timeout_s)

@@ -11,17 +11,19 @@ fate is unknown (``enqueue_uncertain``); 504 no answer in time; 500 the model fa
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchline.contrib._common import INPUT_ERRORS, RETRY_AFTER_S
-from batchline.contrib._openai_schema import PARAMS, error_body, sse
+from batchline.contrib._extra_schema import ALL_PARAMS
+from batchline.contrib._openai_schema import error_body, sse
 from batchline.errors import (
     BatcherClosed,
     BatchlineError,
@@ -34,9 +36,20 @@ from batchline.errors import (
 )
 from batchline.producer._failures import translate
 
-__all__ = ["OpenAIError", "answer_batchline", "answer_http", "answer_invalid", "typed"]
+__all__ = [
+    "OpenAIError",
+    "answer_batchline",
+    "answer_http",
+    "answer_invalid",
+    "body_of",
+    "guarded",
+    "invalid",
+    "typed",
+]
 
 logger = logging.getLogger(__name__)
+
+_Model = TypeVar("_Model", bound=BaseModel)
 
 
 class OpenAIError(Exception):
@@ -122,7 +135,7 @@ def _param(error: dict[str, Any]) -> str | None:
     for i, x in enumerate(loc):
         if isinstance(x, int):
             parts.append(f"[{x}]")
-        elif x in PARAMS or (error.get("type") == "extra_forbidden" and i == len(loc) - 1):
+        elif x in ALL_PARAMS or (error.get("type") == "extra_forbidden" and i == len(loc) - 1):
             parts.append(str(x))
         # else: "body", or a union's member pydantic tried (``str``, ``list[...]``)
     return ".".join(parts) or None
@@ -138,15 +151,40 @@ def _chosen(errors: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return max(fitting, key=lambda e: len(e.get("loc", ())))
 
 
-async def answer_invalid(_request: Request, exc: Exception) -> Response:
-    """A body that fails validation: 400, naming the first bad parameter."""
-    errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+def invalid(errors: Sequence[dict[str, Any]], fallback: str = "invalid body") -> OpenAIError:
+    """The 400 for a body that fails validation (pydantic's errors), naming the first bad
+    parameter."""
     if not errors:
-        return OpenAIError(400, str(exc)).response()
+        return OpenAIError(400, fallback)
     first = _chosen(errors)
     param = _param(first)
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-    return OpenAIError(400, message, param=param).response()
+    return OpenAIError(400, message, param=param)
+
+
+async def answer_invalid(_request: Request, exc: Exception) -> Response:
+    """A body that fails validation: 400, naming the first bad parameter."""
+    errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+    return invalid(errors, str(exc)).response()
+
+
+async def body_of(request: Request, model: type[_Model]) -> _Model:
+    """The request's JSON body validated as ``model``; OpenAIError (400) naming the first
+    bad parameter. For routes outside the ``/v1`` app, whose validation errors are FastAPI's
+    own (``/tokenize``, ``/rerank``)."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise invalid([dict(e) for e in exc.errors()], str(exc)) from None
+
+
+async def guarded(request: Request, answer: Awaitable[Response]) -> Response:
+    """``answer``, or what it raised as OpenAI's error object (the ``/v1`` app's handlers,
+    for routes outside it)."""
+    try:
+        return await answer
+    except Exception as exc:
+        return await answer_batchline(request, exc)
 
 
 async def answer_http(_request: Request, exc: Exception) -> Response:

@@ -13,7 +13,9 @@ shutdown; workers (``batchline worker``) do the inference. Routes:
   404 unknown (or its result has expired), 422 or 500 for a failed request;
 - ``GET /healthz``: 200 while Redis answers PING, else 503;
 - ``/v1/...``: OpenAI-compatible embeddings, completions and chat completions on the queues
-  ``embedding_queue`` and ``generation_queue`` (:mod:`batchline.contrib._openai`).
+  ``embedding_queue`` and ``generation_queue`` (:mod:`batchline.contrib._openai`);
+- ``POST /tokenize`` and ``/detokenize`` (vLLM's) for every model served under ``/v1``
+  (:mod:`batchline.contrib._tokenize`), errors in OpenAI's shape.
 
 Errors: a body over ``max_body_bytes`` (2 MiB) is 413, answered before the body is read
 whole and closing the connection, on every route (:mod:`batchline.contrib._body_limit`); a
@@ -53,6 +55,7 @@ from batchline.config import ProducerSettings, WebSettings, check_environment
 from batchline.contrib._body_limit import BodyLimit
 from batchline.contrib._common import INPUT_ERRORS, MAX_TEXT_CHARS, RETRY_AFTER_S
 from batchline.contrib._openai import OpenAIRoutes
+from batchline.contrib._tokenize import TOKENIZE_PATHS, TokenizeRoutes
 from batchline.errors import (
     BatcherClosed,
     BatchlineError,
@@ -443,6 +446,9 @@ def create_app(
         },
     )
     app.add_api_route("/healthz", backend.healthz, methods=["GET"], response_model=None)
+    tokens = TokenizeRoutes(openai)
+    app.add_api_route("/tokenize", tokens.tokenize, methods=["POST"], response_model=None)
+    app.add_api_route("/detokenize", tokens.detokenize, methods=["POST"], response_model=None)
     app.add_exception_handler(RedisError, _redis_unavailable)
     app.add_exception_handler(ServiceUnavailable, _service_unavailable)
     app.add_exception_handler(EnqueueUncertain, _enqueue_uncertain)  # EnqueueTimeout too
@@ -452,5 +458,7 @@ def create_app(
         if isinstance(settings, WebSettings)
         else int(WebSettings.model_fields["max_body_bytes"].default)
     )
-    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes, openai_prefix="/v1")
+    app.add_middleware(
+        BodyLimit, max_body_bytes=max_body_bytes, openai_prefix="/v1", openai_paths=TOKENIZE_PATHS
+    )
     return app

@@ -48,14 +48,17 @@ def embed(http: httpx.Client, model: str, **params: Any) -> httpx.Response:
     return http.post("/v1/embeddings", json={"model": model, "input": "x", **params})
 
 
+@pytest.fixture
+def idle_app(make_app: MakeApp, serve: Serve) -> httpx.Client:  # noqa: F811 (imported above)
+    """The app under uvicorn, timing out after 2 s: with no worker, a request let through
+    would be a 504."""
+    return serve(make_app(timeout_s=2))
+
+
 def test_dimensions_the_model_cannot_give_are_refused_before_anything_is_queued(
-    make_app: MakeApp,
-    serve: Serve,  # noqa: F811 (the fixture imported above)
-    rclient: redis.Redis,
-    keys: QueueKeys,
-    queue: str,
+    idle_app: httpx.Client, rclient: redis.Redis, keys: QueueKeys, queue: str
 ) -> None:
-    http = serve(make_app(timeout_s=2))  # no worker: a request let through would be a 504
+    http = idle_app
     # No worker has published its facts: nothing to check dimensions against, retry later.
     error = assert_error(embed(http, queue, dimensions=4), 503, code="service_unavailable")
     assert "facts" in error["message"]
