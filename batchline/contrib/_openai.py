@@ -1,6 +1,8 @@
 """OpenAI-compatible routes, mounted at ``/v1`` by :func:`batchline.contrib.fastapi.create_app`.
 
 - ``POST /v1/embeddings`` submits to ``embedding_queue`` (an embedding worker's);
+- ``POST /v1/rerank`` to ``rerank_queue`` (registered by the app:
+  :mod:`batchline.contrib._openai_rerank`);
 - ``POST /v1/completions`` and ``POST /v1/chat/completions`` to ``generation_queue`` (a
   ``--model generate`` worker's), whole or, with ``stream: true``, as server-sent events
   ending in ``data: [DONE]``;

@@ -14,6 +14,8 @@ shutdown; workers (``batchline worker``) do the inference. Routes:
 - ``GET /healthz``: 200 while Redis answers PING, else 503;
 - ``/v1/...``: OpenAI-compatible embeddings, completions and chat completions on the queues
   ``embedding_queue`` and ``generation_queue`` (:mod:`batchline.contrib._openai`);
+- ``POST /rerank`` (and ``/v1/rerank``, Cohere's and Jina's shape) on ``rerank_queue``
+  (:mod:`batchline.contrib._openai_rerank`);
 - ``POST /tokenize`` and ``/detokenize`` (vLLM's) for every model served under ``/v1``
   (:mod:`batchline.contrib._tokenize`), errors in OpenAI's shape.
 
@@ -55,6 +57,7 @@ from batchline.config import ProducerSettings, WebSettings, check_environment
 from batchline.contrib._body_limit import BodyLimit
 from batchline.contrib._common import INPUT_ERRORS, MAX_TEXT_CHARS, RETRY_AFTER_S
 from batchline.contrib._openai import OpenAIRoutes
+from batchline.contrib._openai_rerank import RERANK_PATHS, RerankRoutes
 from batchline.contrib._tokenize import TOKENIZE_PATHS, TokenizeRoutes
 from batchline.errors import (
     BatcherClosed,
@@ -446,6 +449,9 @@ def create_app(
         },
     )
     app.add_api_route("/healthz", backend.healthz, methods=["GET"], response_model=None)
+    rerank = RerankRoutes(openai)
+    for router in (app, openai.app):  # /rerank and /v1/rerank
+        router.add_api_route("/rerank", rerank.rerank, methods=["POST"], response_model=None)
     tokens = TokenizeRoutes(openai)
     app.add_api_route("/tokenize", tokens.tokenize, methods=["POST"], response_model=None)
     app.add_api_route("/detokenize", tokens.detokenize, methods=["POST"], response_model=None)
@@ -458,7 +464,8 @@ def create_app(
         if isinstance(settings, WebSettings)
         else int(WebSettings.model_fields["max_body_bytes"].default)
     )
+    openai_paths = RERANK_PATHS + TOKENIZE_PATHS  # outside /v1, in OpenAI's shape
     app.add_middleware(
-        BodyLimit, max_body_bytes=max_body_bytes, openai_prefix="/v1", openai_paths=TOKENIZE_PATHS
+        BodyLimit, max_body_bytes=max_body_bytes, openai_prefix="/v1", openai_paths=openai_paths
     )
     return app

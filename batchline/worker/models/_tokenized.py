@@ -47,7 +47,7 @@ class Tokenized:
     counts_tokens = True
     #: The warm-up batch's text: a sentence of a common length (longer inputs scale the
     #: bound up by their padded tokens).
-    example = (
+    example: Any = (
         "The worker times one full batch of this sentence when it starts, so that it knows "
         "how long a batch of its model takes on this machine before the first request."
     )
@@ -81,10 +81,14 @@ class Tokenized:
         """Each text's token features (int64 arrays), from one tokenizer call for all: its
         Python overhead is paid once, and the fast (Rust) tokenizers encode a list without
         holding the GIL, so several preprocessing threads run in parallel."""
-        encoded = self.tokenizer(texts, truncation=True, max_length=self.max_length)
+        return self._rows(self.tokenizer(texts, truncation=True, max_length=self.max_length))
+
+    @staticmethod
+    def _rows(encoded: Mapping[str, Any]) -> list[Prepared]:
+        """Each row of a tokenizer's output as an item: int64 arrays, its length in tokens."""
         names = list(encoded.keys())
         out = []
-        for i in range(len(texts)):
+        for i in range(len(encoded["input_ids"])):
             row = {k: np.asarray(encoded[k][i], dtype=np.int64) for k in names}
             out.append(Prepared(row, int(row["input_ids"].shape[0])))
         return out
