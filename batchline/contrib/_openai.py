@@ -190,10 +190,7 @@ class OpenAIRoutes:
 
     async def model(self, model_id: str) -> dict[str, Any]:
         """One served model."""
-        for served in self.served.values():
-            if served.name == model_id:
-                return await self._model_object(served)
-        raise self._not_found(model_id)
+        return await self._model_object(self.named(model_id))
 
     def _not_found(self, model: str) -> OpenAIError:
         names = sorted(s.name for s in self.served.values())
