@@ -34,7 +34,14 @@ from batchline.errors import (
 )
 from batchline.producer._failures import translate
 
-__all__ = ["OpenAIError", "answer_batchline", "answer_http", "answer_invalid", "typed"]
+__all__ = [
+    "OpenAIError",
+    "answer_batchline",
+    "answer_http",
+    "answer_invalid",
+    "described",
+    "typed",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +119,7 @@ async def answer_batchline(request: Request, exc: Exception) -> Response:
     return error.response()
 
 
-def _param(error: dict[str, Any]) -> str | None:
+def _param(error: dict[str, Any], params: frozenset[str]) -> str | None:
     """The parameter a validation error is about, as OpenAI names it (``temperature``,
     ``messages.[0].content``), or None (the body as a whole, or not JSON)."""
     if error.get("type") == "json_invalid":
@@ -122,7 +129,7 @@ def _param(error: dict[str, Any]) -> str | None:
     for i, x in enumerate(loc):
         if isinstance(x, int):
             parts.append(f"[{x}]")
-        elif x in PARAMS or (error.get("type") == "extra_forbidden" and i == len(loc) - 1):
+        elif x in params or (error.get("type") == "extra_forbidden" and i == len(loc) - 1):
             parts.append(str(x))
         # else: "body", or a union's member pydantic tried (``str``, ``list[...]``)
     return ".".join(parts) or None
@@ -138,14 +145,22 @@ def _chosen(errors: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return max(fitting, key=lambda e: len(e.get("loc", ())))
 
 
+def described(
+    errors: Sequence[dict[str, Any]], params: frozenset[str] = PARAMS
+) -> tuple[str | None, str]:
+    """The first bad parameter of a validation's errors (one of ``params``, the request
+    models' field names) and the message that names it."""
+    first = _chosen(errors)
+    param = _param(first, params)
+    return param, f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+
+
 async def answer_invalid(_request: Request, exc: Exception) -> Response:
     """A body that fails validation: 400, naming the first bad parameter."""
     errors = exc.errors() if isinstance(exc, RequestValidationError) else []
     if not errors:
         return OpenAIError(400, str(exc)).response()
-    first = _chosen(errors)
-    param = _param(first)
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    param, message = described(errors)
     return OpenAIError(400, message, param=param).response()
 
 
