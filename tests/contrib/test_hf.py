@@ -274,6 +274,9 @@ def test_bad_requests_get_tgi_errors(
         )
         assert response.status_code == 200, response.text
     assert_tgi_error(http.post(url, json={"inputs": ""}), 422, "validation")
+    huge = http.post("/generate", json={"inputs": "x" * (3 << 20)})  # over max_body_bytes
+    assert huge.status_code == 413
+    assert huge.json()["error_type"] == "validation"
     assert_tgi_error(http.post(url, content=b"{"), 422, "validation")
     assert "stream" in assert_tgi_error(
         http.post("/generate", json={**body, "stream": True}), 422, "validation"
