@@ -21,7 +21,6 @@ cancels its request.
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -48,7 +47,6 @@ from batchline.contrib._openai_stream import unless_disconnected
 
 __all__ = ["HFRoutes"]
 
-logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 Endpoint = Callable[[Request], Awaitable[Response]]
