@@ -189,7 +189,8 @@ class HFRoutes:
         tgi_body = _validated(TGIRequest, body, "generation")
         if stream is not None and tgi_body.stream not in (None, stream):
             route = "/generate_stream" if stream else "/generate"
-            raise tgi(422, f"stream: {tgi_body.stream} is not what {route} answers")
+            given = json.dumps(tgi_body.stream)
+            raise tgi(422, f"stream: {given} is not what {route} answers (use /)")
         served = self._served("generation")
         if stream or (stream is None and tgi_body.stream):
             return await self._stream(served, tgi_body, request)
