@@ -311,6 +311,11 @@ class WorkerSettings(ServiceSettings):
             chunks, at most this many tokens a step, while the running sequences go on
             decoding (bounds the wait between two tokens of a stream, and the memory a
             prefill takes); shorter ones joining together are prefilled in one step.
+        prefix_cache_tokens: ``generate`` only: most tokens of prompt prefixes whose KV the
+            worker keeps (besides ``max_batch_tokens``), so that a prompt that starts the
+            same way as one before it (a chat template's system prompt) reuses it instead of
+            prefilling it again, with the same tokens out; the least recently used go
+            first; 0: off.
         default_max_new_tokens: ``generate`` only: max_new_tokens of a request that names
             none.
         max_new_tokens_limit: ``generate`` only: the largest max_new_tokens a request may
@@ -353,6 +358,7 @@ class WorkerSettings(ServiceSettings):
     model_id: str | None = Field(default=None, min_length=1, max_length=1024)
     max_batch_tokens: int = Field(default=16384, ge=1)
     max_prefill_tokens: int = Field(default=512, ge=1)
+    prefix_cache_tokens: int = Field(default=2048, ge=0)
     default_max_new_tokens: int = Field(default=128, ge=1)
     max_new_tokens_limit: int = Field(default=1024, ge=1)
     stream_max_unread_s: float = Field(default=30.0, gt=0)

@@ -6,7 +6,8 @@ waiting for ``100 Continue`` sends none); one without (chunked) is counted as it
 answered as soon as it passes the limit: the app never holds more than the limit of it, and
 sees the rest of the request as a client that went away. The answer carries ``Connection:
 close``. Its body is OpenAI's error object under ``/v1`` (``code`` ``request_too_large``) and
-the native ``{"detail"}`` elsewhere.
+the native ``{"detail"}`` elsewhere, with TGI's ``error`` and ``error_type`` beside it (the
+Hugging Face routes' shape).
 
 Before the connection closes, what the client still sends of its body is read and dropped
 (up to :data:`LINGER_BYTES` more, for up to :data:`LINGER_S` seconds, as a web server's
@@ -108,7 +109,7 @@ class _Refusal:
         body = (
             error_body(message, "invalid_request_error", code="request_too_large")
             if self.openai
-            else {"detail": message}
+            else {"detail": message, "error": message, "error_type": "validation"}  # + TGI's
         )
         response = JSONResponse(body, status_code=413, headers={"Connection": "close"})
         await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})

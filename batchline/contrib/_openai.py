@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -57,6 +57,7 @@ from batchline.contrib._openai_schema import (
 from batchline.contrib._openai_stream import (
     EventStream,
     StreamInfo,
+    Timing,
     next_chunk,
     unless_disconnected,
 )
@@ -269,7 +270,9 @@ class OpenAIRoutes:
                 timed_out=served.producer._timed_out,
             )
             chunks = served.producer.stream(body.value(), request_id=rid)
-            return await self._stream(chunks, info, request)
+            return await self._stream(
+                chunks, info, request, lambda first: EventStream(first, chunks, info)
+            )
         result = await self.run(served, body.value(), request)
         if result is None:
             return Response(status_code=499)
@@ -304,11 +307,14 @@ class OpenAIRoutes:
 
     @staticmethod
     async def _stream(
-        chunks: AsyncGenerator[StreamChunk, None], info: StreamInfo, request: Request
+        chunks: AsyncGenerator[StreamChunk, None],
+        info: Timing,
+        request: Request,
+        answer: Callable[[StreamChunk], Response],
     ) -> Response:
-        """Wait for the first chunk (what fails before it is an HTTP error), then answer
-        the chunks as server-sent events. Closing the producer's stream, however it
-        happens (the client gone, no chunk in time), cancels the request."""
+        """Wait for the first chunk (what fails before it is an HTTP error), then
+        ``answer`` it and the rest (as server-sent events). Closing the producer's stream,
+        however it happens (the client gone, no chunk in time), cancels the request."""
         try:
             first = await unless_disconnected(request.receive, next_chunk(chunks, info))
         except BaseException:
@@ -317,4 +323,4 @@ class OpenAIRoutes:
         if first is None:  # the client went away
             await chunks.aclose()
             return Response(status_code=499)
-        return EventStream(first, chunks, info)
+        return answer(first)

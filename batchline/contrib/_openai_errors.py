@@ -42,6 +42,7 @@ __all__ = [
     "answer_http",
     "answer_invalid",
     "body_of",
+    "described",
     "guarded",
     "invalid",
     "typed",
@@ -125,7 +126,7 @@ async def answer_batchline(request: Request, exc: Exception) -> Response:
     return error.response()
 
 
-def _param(error: dict[str, Any]) -> str | None:
+def _param(error: dict[str, Any], params: frozenset[str]) -> str | None:
     """The parameter a validation error is about, as OpenAI names it (``temperature``,
     ``messages.[0].content``), or None (the body as a whole, or not JSON)."""
     if error.get("type") == "json_invalid":
@@ -135,7 +136,7 @@ def _param(error: dict[str, Any]) -> str | None:
     for i, x in enumerate(loc):
         if isinstance(x, int):
             parts.append(f"[{x}]")
-        elif x in ALL_PARAMS or (error.get("type") == "extra_forbidden" and i == len(loc) - 1):
+        elif x in params or (error.get("type") == "extra_forbidden" and i == len(loc) - 1):
             parts.append(str(x))
         # else: "body", or a union's member pydantic tried (``str``, ``list[...]``)
     return ".".join(parts) or None
@@ -151,14 +152,22 @@ def _chosen(errors: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return max(fitting, key=lambda e: len(e.get("loc", ())))
 
 
+def described(
+    errors: Sequence[dict[str, Any]], params: frozenset[str] = ALL_PARAMS
+) -> tuple[str | None, str]:
+    """The first bad parameter of a validation's errors (one of ``params``, the request
+    models' field names) and the message that names it."""
+    first = _chosen(errors)
+    param = _param(first, params)
+    return param, f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+
+
 def invalid(errors: Sequence[dict[str, Any]], fallback: str = "invalid body") -> OpenAIError:
     """The 400 for a body that fails validation (pydantic's errors), naming the first bad
     parameter."""
     if not errors:
         return OpenAIError(400, fallback)
-    first = _chosen(errors)
-    param = _param(first)
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    param, message = described(errors)
     return OpenAIError(400, message, param=param)
 
 

@@ -15,19 +15,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from batchline.contrib._openai_errors import log_error, typed
+from batchline.contrib._openai_errors import OpenAIError, log_error, typed
 from batchline.contrib._openai_schema import chunk_body, sse, usage_chunk
 from batchline.errors import BatchlineError, RequestTimeout
 from batchline.producer import StreamChunk
 
-__all__ = ["EventStream", "StreamInfo", "next_chunk", "unless_disconnected"]
+__all__ = [
+    "ChunkStream",
+    "EventStream",
+    "StreamInfo",
+    "Timing",
+    "next_chunk",
+    "unless_disconnected",
+]
 
 T = TypeVar("T")
 
@@ -53,7 +60,17 @@ async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T | None:
     return None if task.cancelled() else task.result()
 
 
-async def next_chunk(chunks: AsyncGenerator[StreamChunk, None], info: StreamInfo) -> StreamChunk:
+class Timing(Protocol):
+    """How long a stream waits for each chunk, and the error for one that did not come."""
+
+    @property
+    def timeout_s(self) -> float: ...
+
+    @property
+    def timed_out(self) -> Callable[[str], Awaitable[RequestTimeout]]: ...
+
+
+async def next_chunk(chunks: AsyncGenerator[StreamChunk, None], info: Timing) -> StreamChunk:
     """The stream's next chunk; RequestTimeout if none comes within ``info.timeout_s`` (the
     producer's stream is then closed, and the request cancelled), naming the queue and
     whether a live worker serves it."""
@@ -78,24 +95,28 @@ class StreamInfo:
     timed_out: Callable[[str], Awaitable[RequestTimeout]]
 
 
-class EventStream(Response):
-    """The answer of a streamed completion or chat: its chunks as server-sent events.
+class ChunkStream(Response):
+    """An answer of server-sent events from a producer's stream whose first chunk has come
+    (what fails before it is an HTTP error): the events are the subclass's
+    (:meth:`_events`); an error once they have started is one last event
+    (:meth:`_error_event`). The producer's stream is closed when the answer ends, however
+    it ends; a client that hangs up stops it, and its request is cancelled.
 
     Args:
-        first: the first chunk, already received (errors before it are HTTP errors).
-        chunks: the producer's stream; it is closed when the answer ends, however it ends.
-        info: the stream's fixed fields and options.
+        first: the first chunk, already received.
+        chunks: the producer's stream.
+        name: the stream's name in the log (``stream <name>: ...``).
     """
 
     media_type = "text/event-stream"
 
     def __init__(
-        self, first: StreamChunk, chunks: AsyncGenerator[StreamChunk, None], info: StreamInfo
+        self, first: StreamChunk, chunks: AsyncGenerator[StreamChunk, None], name: str
     ) -> None:
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._first, self._chunks, self._info = first, chunks, info
+        self._first, self._chunks, self._name = first, chunks, name
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send(
@@ -109,11 +130,48 @@ class EventStream(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _pump(self, send: Send) -> bool:
-        """Send every chunk as an event, then ``[DONE]``, or an error event."""
-        info, chunk = self._info, self._first
+        """Send every event, or, once one fails, the error as an event."""
 
         async def emit(data: bytes) -> None:
             await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        try:
+            async for data in self._events():
+                await emit(data)
+        except Exception as exc:  # the answer has started: the error goes as an event
+            error = typed(exc)
+            log_error(f"stream {self._name}", error, exc)
+            with contextlib.suppress(OSError):  # how some servers report a gone client
+                await emit(self._error_event(error))
+        return True
+
+    def _events(self) -> AsyncIterator[bytes]:
+        """The events, from ``self._first`` on (``next_chunk`` for the next ones)."""
+        raise NotImplementedError
+
+    def _error_event(self, error: OpenAIError) -> bytes:
+        """The event that ends a stream that failed."""
+        return error.event()
+
+
+class EventStream(ChunkStream):
+    """The answer of a streamed completion or chat: its chunks as OpenAI's events.
+
+    Args:
+        first: the first chunk, already received (errors before it are HTTP errors).
+        chunks: the producer's stream; it is closed when the answer ends, however it ends.
+        info: the stream's fixed fields and options.
+    """
+
+    def __init__(
+        self, first: StreamChunk, chunks: AsyncGenerator[StreamChunk, None], info: StreamInfo
+    ) -> None:
+        super().__init__(first, chunks, str(info.head["id"]))
+        self._info = info
+
+    async def _events(self) -> AsyncIterator[bytes]:
+        """Every chunk as an event, then ``[DONE]``."""
+        info, chunk = self._info, self._first
 
         def event(text: str | None, *, reason: str | None = None, role: bool = False) -> bytes:
             body = chunk_body(info.chat, info.head, text, reason=reason, role=role)
@@ -121,22 +179,15 @@ class EventStream(Response):
                 body["usage"] = None
             return sse(body)
 
-        try:
-            if info.chat:
-                await emit(event("", role=True))
-            while True:
-                if chunk.text:
-                    await emit(event(chunk.text))
-                if chunk.result is not None:
-                    break
-                chunk = await next_chunk(self._chunks, info)
-            await emit(event(None, reason=chunk.finish_reason))
-            if info.include_usage:
-                await emit(sse(usage_chunk(info.head, chunk.result)))
-            await emit(b"data: [DONE]\n\n")
-        except Exception as exc:  # the answer has started: the error goes as an event
-            error = typed(exc)
-            log_error(f"stream {info.head['id']}", error, exc)
-            with contextlib.suppress(OSError):  # how some servers report a gone client
-                await emit(error.event())
-        return True
+        if info.chat:
+            yield event("", role=True)
+        while True:
+            if chunk.text:
+                yield event(chunk.text)
+            if chunk.result is not None:
+                break
+            chunk = await next_chunk(self._chunks, info)
+        yield event(None, reason=chunk.finish_reason)
+        if info.include_usage:
+            yield sse(usage_chunk(info.head, chunk.result))
+        yield b"data: [DONE]\n\n"

@@ -8,12 +8,18 @@ shutdown; workers (``batchline worker``) do the inference. Routes:
 - ``POST /embed`` with ``{"text": "..."}`` or ``{"texts": ["...", ...]}`` (and optionally
   ``deadline_ms``, ``priority``): submit, wait for the result (pushed, not polled), answer
   ``{"id", "status", "embedding" | "embeddings", "batch_size", "queue_ms", "model_ms"}``;
+  with TEI's ``{"inputs": ...}`` instead: TEI's ``/embed`` on ``embedding_queue``, below;
 - ``POST /jobs`` (same body): submit without waiting, answer 202 ``{"id", "status_url"}``;
 - ``GET /jobs/{id}``: 202 while pending, 200 with the result, 410 expired, 409 cancelled,
   404 unknown (or its result has expired), 422 or 500 for a failed request;
 - ``GET /healthz``: 200 while Redis answers PING, else 503;
 - ``/v1/...``: OpenAI-compatible embeddings, completions and chat completions on the queues
   ``embedding_queue`` and ``generation_queue`` (:mod:`batchline.contrib._openai`);
+- ``POST /generate``, ``POST /generate_stream`` (TGI's), ``POST /models/{name}`` (a base URL
+  per served model: TGI's ``/`` or TEI's ``/embed``) and ``POST /`` (the generation model's,
+  else the embedding model's): Hugging Face's native API on the same two queues, what
+  ``huggingface_hub.InferenceClient`` speaks, errors in TGI's shape
+  (:mod:`batchline.contrib._hf`).
 - ``POST /rerank`` (and ``/v1/rerank``, Cohere's and Jina's shape) on ``rerank_queue``
   (:mod:`batchline.contrib._openai_rerank`);
 - ``POST /tokenize`` and ``/detokenize`` (vLLM's) for every model served under ``/v1``
@@ -56,6 +62,7 @@ from batchline.codec import DecodeError, Result, unpack_result
 from batchline.config import ProducerSettings, WebSettings, check_environment
 from batchline.contrib._body_limit import BodyLimit
 from batchline.contrib._common import INPUT_ERRORS, MAX_TEXT_CHARS, RETRY_AFTER_S
+from batchline.contrib._hf import HFRoutes
 from batchline.contrib._openai import OpenAIRoutes
 from batchline.contrib._openai_rerank import RERANK_PATHS, RerankRoutes
 from batchline.contrib._tokenize import TOKENIZE_PATHS, TokenizeRoutes
@@ -402,6 +409,7 @@ def create_app(
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
     backend = _Backend(settings, timeout_s=timeout_s)
     openai = OpenAIRoutes(settings, timeout_s=timeout_s)
+    hf = HFRoutes(openai)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -416,9 +424,10 @@ def create_app(
     app.mount("/v1", openai.app)
     app.add_api_route(
         "/embed",
-        backend.embed,
+        hf.embed_or(EmbedRequest, backend.embed),  # and TEI's body (``inputs``)
         methods=["POST"],
         response_model=None,
+        openapi_extra=hf.embed_openapi(EmbedRequest),
         responses={
             200: {"model": EmbedResponse},
             **_ERRORS,
@@ -449,6 +458,7 @@ def create_app(
         },
     )
     app.add_api_route("/healthz", backend.healthz, methods=["GET"], response_model=None)
+    hf.add_routes(app)  # /generate, /generate_stream, /models/{name}, /
     rerank = RerankRoutes(openai)
     for router in (app, openai.app):  # /rerank and /v1/rerank
         router.add_api_route("/rerank", rerank.rerank, methods=["POST"], response_model=None)

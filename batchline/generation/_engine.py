@@ -19,6 +19,16 @@ per running row, the short prompts joining, and at most ``max_prefill_tokens`` t
 ones; and what one forward holds is attention over a chunk x the prompt, not the prompt x
 itself.
 
+Shared prefixes (:class:`~batchline.generation._prefix.PrefixCache`, at most
+``prefix_cache_tokens`` tokens; 0: none). Every prompt prefilled is cached; a joining prompt
+that starts with a cached one (a chat template's system prompt) takes that prefix's KV,
+computed at the same positions, and only the rest is fed (and counted against
+``max_prefill_tokens``). A group's cache starts with the rows' cached prefixes, right-aligned
+in ``past`` columns; the rest of each prompt is left-padded after them, so a row whose rest is
+shorter than the longest has a gap of padding between its prefix and its rest. The mask
+covers the gap as it covers leading padding, and position ids count real tokens, so a row
+reads what it would have read prefilled alone.
+
 Failures. A forward that raises is retried without the sequence that raised
 (:func:`~batchline.generation._rows.run_rows`: a decode step's culprit is found among the
 running rows, a prefill's among its group), the cache first rewound to its state before the
@@ -43,7 +53,8 @@ from typing import Any
 import torch
 
 from batchline.errors import PromptTooLong
-from batchline.generation._rows import Ran, run_rows
+from batchline.generation._prefix import KV, PrefixCache, right_aligned
+from batchline.generation._rows import Ran, cache_of, run_rows
 from batchline.generation._types import (
     FinishReason,
     GenerationDelta,
@@ -52,11 +63,12 @@ from batchline.generation._types import (
     stop_cut,
 )
 
-__all__ = ["DEFAULT_MAX_PREFILL_TOKENS", "Engine", "StepOutput"]
+__all__ = ["DEFAULT_MAX_PREFILL_TOKENS", "DEFAULT_PREFIX_CACHE_TOKENS", "Engine", "StepOutput"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_PREFILL_TOKENS = 512
+DEFAULT_PREFIX_CACHE_TOKENS = 2048
 
 
 @dataclass(slots=True)
@@ -73,11 +85,12 @@ class _Prefill:
     """A group of joining sequences whose prompts are fed to the model a chunk at a time."""
 
     seqs: list[Sequence_]
-    ids: torch.Tensor  # [rows, width]: the prompts, left-padded
-    mask: torch.Tensor  # [rows, width]: 1 for real tokens
+    ids: torch.Tensor  # [rows, width]: what is left of the prompts to feed, left-padded
+    mask: torch.Tensor  # [rows, past + width]: 1 for real tokens
     pos: torch.Tensor  # [rows, width]: each row's position ids
-    cache: Any  # a DynamicCache of the columns fed so far
-    fed: int = 0  # columns fed so far
+    cache: Any  # a DynamicCache of the columns fed so far (the cached prefixes first)
+    past: int = 0  # columns of cached prefixes the cache starts with
+    fed: int = 0  # columns of ids fed so far
 
     def select(self, keep: list[int]) -> None:
         """Keep these rows only (the cache, if it has them, is filtered by the caller)."""
@@ -106,6 +119,8 @@ class Engine:
         tokenizer: its tokenizer, for text prompts and text output (None: token ids only).
         max_prefill_tokens: prompts longer than this are prefilled in chunks of at most this
             many tokens a step (see the module docstring).
+        prefix_cache_tokens: most tokens of prompt prefixes whose KV is kept for prompts
+            that start the same way (0: none; see the module docstring).
     """
 
     def __init__(
@@ -114,6 +129,7 @@ class Engine:
         tokenizer: Any = None,
         *,
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+        prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
     ) -> None:
         if (
             isinstance(max_prefill_tokens, bool)
@@ -121,6 +137,14 @@ class Engine:
             or max_prefill_tokens < 1
         ):
             raise ValueError(f"max_prefill_tokens must be an int >= 1, got {max_prefill_tokens!r}")
+        if (
+            isinstance(prefix_cache_tokens, bool)
+            or not isinstance(prefix_cache_tokens, int)
+            or prefix_cache_tokens < 0
+        ):
+            raise ValueError(
+                f"prefix_cache_tokens must be an int >= 0, got {prefix_cache_tokens!r}"
+            )
         self.model = model.eval()
         # The KV cache's keyword: ``cache`` in transformers' current forward signature,
         # ``past_key_values`` in the releases before it (deprecated since).
@@ -128,6 +152,8 @@ class Engine:
         self._cache_kw = "cache" if "cache" in forward else "past_key_values"
         self.tokenizer = tokenizer
         self.max_prefill_tokens = max_prefill_tokens
+        #: The shared-prefix cache (None when prefix_cache_tokens is 0).
+        self.prefixes = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         self.device = next(model.parameters()).device
         self.context = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
         self.eos = _eos_ids(model, tokenizer)
@@ -215,6 +241,8 @@ class Engine:
         held = self.running
         self._decoding, self._groups = [], []
         self._cache = self._mask = self._next = None
+        if self.prefixes is not None:
+            self.prefixes.clear()
         return held
 
     def _evict(self, seqs: list[Sequence_]) -> None:
@@ -287,27 +315,58 @@ class Engine:
             self._advance(self._decoding, ran.logits, out, offset=0)
 
     def _start(self, joining: list[Sequence_], out: StepOutput) -> None:
-        """Prefill the prompts that fit a chunk now, together in one forward (as they always
-        were); queue the longer ones as a group, to be fed a chunk a step."""
-        short = [s for s in joining if s.prompt_tokens <= self.max_prefill_tokens]
-        long = [s for s in joining if s.prompt_tokens > self.max_prefill_tokens]
+        """Prefill the prompts whose uncached rest fits a chunk now, together in one forward
+        (as they always were); queue the longer ones as a group, to be fed a chunk a step."""
+        hits: list[tuple[int, KV | None]] = [
+            self.prefixes.match(s.prompt_ids) if self.prefixes is not None else (0, None)
+            for s in joining
+        ]
+        short: list[tuple[Sequence_, tuple[int, KV | None]]] = []
+        long: list[tuple[Sequence_, tuple[int, KV | None]]] = []
+        for seq, hit in zip(joining, hits, strict=True):
+            rest = seq.prompt_tokens - hit[0]
+            (short if rest <= self.max_prefill_tokens else long).append((seq, hit))
         if short:
             self._feed(self._group(short), out)
         if long:
             self._groups.append(self._group(long))
 
-    def _group(self, seqs: list[Sequence_]) -> _Prefill:
+    def _group(self, joining: list[tuple[Sequence_, tuple[int, KV | None]]]) -> _Prefill:
+        """The group of these sequences, each with its cached prefix (length, KV)."""
         from transformers import DynamicCache
 
-        width = max(s.prompt_tokens for s in seqs)
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for row, seq in enumerate(seqs):
-            ids[row, width - seq.prompt_tokens :] = torch.tensor(seq.prompt_ids)
-            mask[row, width - seq.prompt_tokens :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        return _Prefill(list(seqs), ids, mask, pos, DynamicCache())
+        rows = len(joining)
+        past = max(n for _, (n, _) in joining)
+        width = max(seq.prompt_tokens - n for seq, (n, _) in joining)
+        ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((rows, past + width), dtype=torch.long)
+        pos = torch.zeros((rows, width), dtype=torch.long)
+        for row, (seq, (n, _)) in enumerate(joining):
+            rest = seq.prompt_tokens - n
+            ids[row, width - rest :] = torch.tensor(seq.prompt_ids[n:])
+            mask[row, past - n : past] = 1
+            mask[row, past + width - rest :] = 1
+            pos[row, width - rest :] = torch.arange(n, seq.prompt_tokens)
+        ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
+        seqs = [seq for seq, _ in joining]
+        if not past:
+            return _Prefill(seqs, ids, mask, pos, DynamicCache())
+        cache = cache_of(right_aligned([kv for _, (_, kv) in joining], past))
+        return _Prefill(seqs, ids, mask, pos, cache, past)
+
+    def _remember(self, group: _Prefill) -> None:
+        """Cache the prompts of a group whose prefill is done (before its cache joins)."""
+        if self.prefixes is None:
+            return
+        for row, seq in enumerate(group.seqs):
+            columns = group.mask[row].nonzero().squeeze(1)
+            layers = [(layer.keys[row], layer.values[row]) for layer in group.cache.layers]
+
+            def kv_of(start: int, end: int, cols: Any = columns, kv: KV = layers) -> KV:
+                index = cols[start:end]
+                return [(k.index_select(1, index), v.index_select(1, index)) for k, v in kv]
+
+            self.prefixes.insert(seq.prompt_ids, kv_of)
 
     def _feed(self, group: _Prefill, out: StepOutput) -> None:
         """Feed ``group`` its next chunk (all of it if its prompts fit one); after the last,
@@ -321,7 +380,7 @@ class Engine:
             self._forward,
             group.cache,
             group.ids[:, start:end],
-            group.mask[:, :end],
+            group.mask[:, : group.past + end],
             group.pos[:, start:end],
         )
         if ran.failed:
@@ -335,6 +394,7 @@ class Engine:
             self._groups.remove(group)
         if ran.logits is None:  # every row failed
             return
+        self._remember(group)
         offset = len(self._decoding)
         self._join(group.seqs, group.cache, group.mask)
         self._advance(group.seqs, ran.logits, out, offset=offset)

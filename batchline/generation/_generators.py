@@ -12,7 +12,11 @@ from typing import Any, Self, TypedDict, Unpack
 
 from batchline.core.scheduler import SchedulerConfig
 from batchline.devices import place
-from batchline.generation._engine import DEFAULT_MAX_PREFILL_TOKENS, Engine
+from batchline.generation._engine import (
+    DEFAULT_MAX_PREFILL_TOKENS,
+    DEFAULT_PREFIX_CACHE_TOKENS,
+    Engine,
+)
 from batchline.generation._loop import GenerationLoop
 from batchline.generation._model import DEFAULT_MODEL, load_causal_lm, log_kv_budget
 from batchline.generation._request import parse_request
@@ -67,6 +71,7 @@ class _Base:
         max_batch_size: int = 32,
         max_batch_tokens: int = 16384,
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+        prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
         max_overtake_s: float = 0.1,
         max_backfill_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
@@ -81,8 +86,13 @@ class _Base:
             max_overtake_s=max_overtake_s,
             max_backfill_s=max_backfill_s,
         )
-        self.engine = Engine(model, tokenizer, max_prefill_tokens=max_prefill_tokens)
-        log_kv_budget(model, max_batch_tokens)
+        self.engine = Engine(
+            model,
+            tokenizer,
+            max_prefill_tokens=max_prefill_tokens,
+            prefix_cache_tokens=prefix_cache_tokens,
+        )
+        log_kv_budget(model, max_batch_tokens, prefix_cache_tokens=prefix_cache_tokens)
         # Events gathered on the model thread for asyncio callers (see Generator).
         self._gathered: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event], Event]] = []
         self.loop = GenerationLoop(
@@ -136,7 +146,10 @@ class Generator(_Base):
     ``max_new_tokens`` among them: a request that does not fit waits); prompts longer than
     ``max_prefill_tokens`` are prefilled in chunks, at most that many tokens a step, while
     the running sequences go on decoding (shorter ones in one step); ``max_overtake_s`` and
-    ``max_backfill_s`` as in :mod:`batchline.core.scheduler`.
+    ``max_backfill_s`` as in :mod:`batchline.core.scheduler`. ``prefix_cache_tokens`` (2048;
+    0: off) bounds the shared-prefix cache: the KV of prompts prefilled, which a later prompt
+    that starts the same way (a chat template's system prompt) reuses instead of prefilling
+    it again, with the same tokens out.
 
     Per call: ``max_new_tokens``, ``temperature`` (below 1e-5: greedy), ``top_p``,
     ``top_k``, ``seed`` (0 to 2**64 - 1), ``stop`` (strings), ``priority``, ``timeout_s`` (a

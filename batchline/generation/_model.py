@@ -115,12 +115,15 @@ def kv_bytes_per_token(model: Any) -> tuple[int, str] | None:
     return int(layers * 2 * kv_heads * head_dim * size), spelled
 
 
-def log_kv_budget(model: Any, max_batch_tokens: int) -> None:
-    """Log once what ``max_batch_tokens`` of KV budget means in bytes for ``model``."""
+def log_kv_budget(model: Any, max_batch_tokens: int, *, prefix_cache_tokens: int = 0) -> None:
+    """Log once what ``max_batch_tokens`` of KV budget, and ``prefix_cache_tokens`` of
+    shared-prefix cache besides, mean in bytes for ``model``."""
     per_token = kv_bytes_per_token(model)
     if per_token is None:
         logger.info(
-            "KV budget: max_batch_tokens %d (bytes unknown for this model)", max_batch_tokens
+            "KV budget: max_batch_tokens %d, prefix_cache_tokens %d (bytes unknown)",
+            max_batch_tokens,
+            prefix_cache_tokens,
         )
         return
     size, spelled = per_token
@@ -131,3 +134,9 @@ def log_kv_budget(model: Any, max_batch_tokens: int) -> None:
         size,
         spelled,
     )
+    if prefix_cache_tokens:
+        logger.info(
+            "shared-prefix cache: prefix_cache_tokens %d = %.1f MiB at most, besides",
+            prefix_cache_tokens,
+            prefix_cache_tokens * size / 2**20,
+        )

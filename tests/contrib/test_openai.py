@@ -276,9 +276,11 @@ def read_events(sock: socket.socket, n: int) -> bytes:
     return received
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-@pytest.mark.slow
-def test_a_client_that_hangs_up_cancels_its_request(
+HangUp = Callable[[str, dict[str, Any], int], tuple[str, bytes]]
+
+
+@pytest.fixture
+def hang_up(
     make_app: MakeApp,
     serve: Serve,  # noqa: F811
     start_worker: Callable[..., WorkerThread],
@@ -286,28 +288,45 @@ def test_a_client_that_hangs_up_cancels_its_request(
     gen_queue: str,
     rclient: redis.Redis,
     gate: Any,
-    stream: bool,
+) -> HangUp:
+    """``hang_up(path, body, events)``: POST a generation of 200 tokens to a gated worker,
+    hang up once ``events`` events came (0: once it runs), check that the app cancelled it
+    and that its worker ended it early; the request's id, and what the client received."""
+
+    def run(path: str, body: dict[str, Any], events: int) -> tuple[str, bytes]:
+        start_worker("generate", model_path=spec("tiny_llama_gated"), queue=gen_queue)
+        http = serve(make_app())
+        received = b""
+        with posted(http, path, json.dumps(body).encode()) as sock:
+            gate.allow(4)  # the prefill and three decode steps
+            if events:
+                received = read_events(sock, events)
+            else:
+                gate.wait_passes(4)  # it runs
+        cancels = wait_until(
+            lambda: rclient.xrange(QueueKeys(gen_queue).cancels), "the app to cancel the request"
+        )
+        request_id = cancels[0][1][b"id"].decode()
+        gate.open()
+        with Producer(redis_url=redis_url, queue=gen_queue) as producer:
+            result = poll(producer, request_id)
+        assert result.status == "ok"
+        assert result.output["finish_reason"] == "cancelled"
+        assert result.output["tokens"] < 200
+        return request_id, received
+
+    return run
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.slow
+def test_a_client_that_hangs_up_cancels_its_request(
+    hang_up: HangUp, gen_queue: str, stream: bool
 ) -> None:
-    start_worker("generate", model_path=spec("tiny_llama_gated"), queue=gen_queue)
-    http = serve(make_app())
-    keys = QueueKeys(gen_queue)
     body = {"model": gen_queue, "messages": CHAT, "max_tokens": 200, "stream": stream}
-    with posted(http, "/v1/chat/completions", json.dumps(body).encode()) as sock:
-        gate.allow(3)  # the prefill and two decode steps
-        if stream:
-            received = read_events(sock, 2)  # the role chunk, and text
-        else:
-            gate.wait_passes(3)  # it runs
-    cancels = wait_until(lambda: rclient.xrange(keys.cancels), "the app to cancel the request")
-    request_id = cancels[0][1][b"id"].decode()
+    request_id, received = hang_up("/v1/chat/completions", body, 2 if stream else 0)
     if stream:
         assert request_id.encode() in received  # the chunks' id is the request's
-    gate.open()
-    with Producer(redis_url=redis_url, queue=gen_queue) as producer:
-        result = poll(producer, request_id)
-    assert result.status == "ok"
-    assert result.output["finish_reason"] == "cancelled"
-    assert result.output["tokens"] < 200
 
 
 # -- streaming ------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ class GenerationModel:
         self.max_new_tokens_limit = 1024
         self.max_batch_tokens = 16384
         self.max_prefill_tokens = 512
+        self.prefix_cache_tokens = 2048
         self.engine: Any = None
         self._ops: TokenOps | None = None
 
@@ -62,8 +63,13 @@ class GenerationModel:
             lm, tokenizer = load_causal_lm(
                 self.path, device=self.device_name, dtype=self.dtype_name
             )
-        self.engine = Engine(lm, tokenizer, max_prefill_tokens=self.max_prefill_tokens)
-        log_kv_budget(lm, self.max_batch_tokens)
+        self.engine = Engine(
+            lm,
+            tokenizer,
+            max_prefill_tokens=self.max_prefill_tokens,
+            prefix_cache_tokens=self.prefix_cache_tokens,
+        )
+        log_kv_budget(lm, self.max_batch_tokens, prefix_cache_tokens=self.prefix_cache_tokens)
 
     def preprocess(self, value: Any) -> list[Prepared]:
         from batchline.generation._request import GenerationRequest, parse_request

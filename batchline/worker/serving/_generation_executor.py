@@ -90,8 +90,9 @@ class GenerationExecutor:
     Args:
         model: the (loaded by the time requests come) generation model.
         settings: the worker's settings: ``batch_size`` (sequences running at once),
-            ``max_batch_tokens``, ``max_prefill_tokens``, ``default_max_new_tokens``,
-            ``max_new_tokens_limit`` (the model's, set here, before it loads).
+            ``max_batch_tokens``, ``max_prefill_tokens``, ``prefix_cache_tokens``,
+            ``default_max_new_tokens``, ``max_new_tokens_limit`` (the model's, set here,
+            before it loads).
         guard: runs each step, stamped for the watchdog.
         starts: told, on the model thread, which calls join the batch and its size; asked,
             between steps, whether a call's producer cancelled it.
@@ -110,6 +111,7 @@ class GenerationExecutor:
         model.max_new_tokens_limit = settings.max_new_tokens_limit
         model.max_batch_tokens = settings.max_batch_tokens
         model.max_prefill_tokens = settings.max_prefill_tokens
+        model.prefix_cache_tokens = settings.prefix_cache_tokens
         self.config = SchedulerConfig(
             max_batch_size=settings.batch_size, max_batch_tokens=settings.max_batch_tokens
         )
