@@ -21,7 +21,7 @@ shutdown; workers (``batchline worker``) do the inference. Routes:
   ``huggingface_hub.InferenceClient`` speaks, errors in TGI's shape
   (:mod:`batchline.contrib._hf`).
 - ``POST /rerank`` (and ``/v1/rerank``, Cohere's and Jina's shape) on ``rerank_queue``
-  (:mod:`batchline.contrib._openai_rerank`);
+  (:mod:`batchline.contrib._openai_rerank`), and TEI's (``texts``) at ``/rerank``;
 - ``POST /tokenize`` and ``/detokenize`` (vLLM's) for every model served under ``/v1``
   (:mod:`batchline.contrib._tokenize`), errors in OpenAI's shape.
 
@@ -460,8 +460,9 @@ def create_app(
     app.add_api_route("/healthz", backend.healthz, methods=["GET"], response_model=None)
     hf.add_routes(app)  # /generate, /generate_stream, /models/{name}, /
     rerank = RerankRoutes(openai)
-    for router in (app, openai.app):  # /rerank and /v1/rerank
-        router.add_api_route("/rerank", rerank.rerank, methods=["POST"], response_model=None)
+    openai.app.add_api_route("/rerank", rerank.rerank, methods=["POST"], response_model=None)
+    # /rerank: Cohere's and Jina's body, or TEI's (``texts``)
+    app.add_api_route("/rerank", hf.rerank_or(rerank.rerank), methods=["POST"], response_model=None)
     tokens = TokenizeRoutes(openai)
     app.add_api_route("/tokenize", tokens.tokenize, methods=["POST"], response_model=None)
     app.add_api_route("/detokenize", tokens.detokenize, methods=["POST"], response_model=None)

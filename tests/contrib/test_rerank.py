@@ -21,6 +21,7 @@ from batchline.keys import QueueKeys
 from batchline.worker import Worker
 
 from .test_fastapi import Serve, serve
+from .test_hf import assert_tgi_error
 from .test_openai import MakeApp, assert_error, gen_queue, make_app
 from tests.support.service import WorkerThread, queued
 
@@ -179,3 +180,59 @@ def test_the_token_budget_bounds_each_batch_of_pairs(
     assert answer.status_code == 200, answer.text
     shortest = min(len(worker.model.tokenizer(QUERY, d)["input_ids"]) for d in DOCUMENTS)
     assert max(worker.stats()["batch_size_histogram"]) <= budget // shortest < len(DOCUMENTS)
+
+
+# -- TEI's /rerank (``texts``), on the same route and at the rerank model's base URL ----------
+
+
+def tei_rerank(http: httpx.Client, path: str = "/rerank", **body: Any) -> httpx.Response:
+    return http.post(path, json={"query": QUERY, "texts": DOCUMENTS, **body})
+
+
+def test_tei_bodies_batchline_cannot_serve_are_422s_in_tgis_shape_and_nothing_is_queued(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    rclient: redis.Redis,
+    rerank_queue: str,
+) -> None:
+    http = serve(make_app(rerank_queue=rerank_queue, timeout_s=2))  # no worker
+    for change, param in [
+        ({"raw_scores": True}, "raw_scores"),
+        ({"truncate": False}, "truncate"),
+        ({"truncation_direction": "Left"}, "truncation_direction"),
+        ({"texts": []}, "texts"),
+        ({"texts": ["ok", ""]}, "texts"),
+        ({"return_text": "yes"}, "return_text"),
+        ({"top_n": 2}, "top_n"),  # Cohere's parameter in TEI's body
+    ]:
+        message = assert_tgi_error(tei_rerank(http, **change), 422, "validation")
+        assert message.startswith(param), (change, message)
+    assert queued(rclient, QueueKeys(rerank_queue)) == 0
+    # Without a rerank queue: TEI's body is TGI's 404, Cohere's stays OpenAI's.
+    bare = serve(make_app(timeout_s=2))
+    assert "rerank_queue" in assert_tgi_error(tei_rerank(bare), 404, "not_found")
+    assert_error(rerank(bare, "/rerank", model="any"), 404, param="model")
+
+
+@pytest.mark.slow
+def test_teis_rerank_ranks_the_texts_like_the_cohere_route(
+    reranker: Callable[..., tuple[httpx.Client, Worker]], cross_encoder: str, rerank_queue: str
+) -> None:
+    http, _worker = reranker(dtype="float32", batch_size=2)
+    want = predicted(cross_encoder, DOCUMENTS)
+    order = sorted(range(len(DOCUMENTS)), key=lambda i: -want[i])
+
+    answer = tei_rerank(http).json()
+    assert [r["index"] for r in answer] == order
+    assert all(set(r) == {"index", "score"} for r in answer)
+    for r in answer:
+        assert r["score"] == pytest.approx(want[r["index"]], abs=1e-5)
+    # return_text; the rerank model's base URL is TEI's /rerank.
+    for path in ("/rerank", f"/models/{rerank_queue}"):
+        response = tei_rerank(http, path, return_text=True)
+        assert response.status_code == 200, (path, response.text)
+        texts = response.json()
+        assert [(r["index"], r["text"]) for r in texts] == [(i, DOCUMENTS[i]) for i in order]
+    # Cohere's body on /rerank is still Cohere's route.
+    cohere = rerank(http, "/rerank", model=rerank_queue).json()
+    assert [r["index"] for r in cohere["results"]] == order
