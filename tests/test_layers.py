@@ -26,7 +26,8 @@ ALLOWED: dict[str, set[str]] = {
     "inference": {"drivers"},
     "__init__": {"aio", "core", "drivers", "errors", "inference"},
     "devices": set(),
-    "generation": {"core", "devices", "errors"},
+    "_response_format": {"errors"},
+    "generation": {"_response_format", "core", "devices", "errors"},
     "keys": set(),
     "codec": {"errors", "keys"},
     "acl": {"keys"},
@@ -36,7 +37,7 @@ ALLOWED: dict[str, set[str]] = {
     "producer": WIRE | {"config", "redis_url", "transport"},
     "worker": WIRE
     | {"config", "core", "devices", "drivers", "generation", "redis_url", "transport"},
-    "contrib": WIRE | {"config", "producer", "transport"},
+    "contrib": WIRE | {"_response_format", "config", "producer", "transport"},
     "demo": WIRE | {"config", "devices", "drivers", "producer", "transport", "worker"},
     "_cli_options": set(),
     "cli": WIRE | {"_cli_options", "acl", "config", "demo", "transport", "worker"},

@@ -45,6 +45,7 @@ No asyncio, threads or I/O here: drivers (in process, or a worker) call :meth:`E
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ from typing import Any
 import torch
 
 from batchline.errors import PromptTooLong
+from batchline.generation._grammar import Grammars
 from batchline.generation._prefix import KV, PrefixCache, right_aligned
 from batchline.generation._rows import Ran, cache_of, run_rows
 from batchline.generation._types import (
@@ -159,6 +161,8 @@ class Engine:
         self.eos = _eos_ids(model, tokenizer)
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
         self.pad_id = int(pad) if pad is not None else min(self.eos, default=0)
+        #: Grammars of requests with a response_format, compiled against the tokenizer.
+        self.grammars = Grammars(tokenizer, getattr(model.config, "vocab_size", None))
         self._decoding: list[Sequence_] = []  # the rows of the running cache, in order
         self._groups: list[_Prefill] = []  # long prompts still prefilling, oldest first
         self._cache: Any = None
@@ -189,6 +193,8 @@ class Engine:
         """Refuse a prompt the context cannot hold; clamp max_new_tokens to what is left."""
         if not prompt_ids:
             raise PromptTooLong("the prompt is empty: nothing to continue")
+        if params.grammar is not None:
+            self.grammars.compile(params.grammar)  # BadGenerationParams before it is queued
         if self.context is None:
             return params
         room = self.context - len(prompt_ids)
@@ -198,14 +204,7 @@ class Engine:
                 f"context of {self.context} tokens"
             )
         if params.max_new_tokens > room:
-            return GenerationParams(
-                max_new_tokens=room,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                top_k=params.top_k,
-                seed=params.seed,
-                stop=params.stop,
-            )
+            return dataclasses.replace(params, max_new_tokens=room)
         return params
 
     def step(self, joining: list[Sequence_]) -> StepOutput:
@@ -438,6 +437,7 @@ class Engine:
         offset: int,
     ) -> None:
         _, nxt = self._live()
+        logits = self.grammars.mask(seqs, logits)  # rows with a response_format
         greedy = logits.argmax(dim=-1).tolist()
         picked: list[int] = []
         for row, seq in enumerate(seqs):
@@ -446,7 +446,10 @@ class Engine:
                 token = greedy[row] if p.greedy else self._sample(logits[row], seq)
                 picked.append(token)
                 seq.generated.append(token)
+                done = self.grammars.accept(seq, token)
                 reason = self._text(seq, token)
+                if done and reason in (None, "length"):
+                    reason = "stop"  # the grammar is complete
             except Exception as exc:  # this request's decoding failed: it alone fails
                 logger.exception("generation failed for one request")
                 picked.append(self.pad_id)

@@ -44,6 +44,7 @@ class GenerationOptions(TypedDict, total=False):
     top_k: int
     seed: int | None
     stop: str | Sequence[str]
+    response_format: dict[str, Any] | None
 
 
 def _put_all(items: list[tuple[asyncio.Queue[Event], Event]]) -> None:

@@ -9,13 +9,14 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from batchline._response_format import grammar_of
 from batchline.errors import BadGenerationParams, show_value
 from batchline.generation._types import GenerationParams
 
 __all__ = ["GenerationRequest", "ParsedRequest", "parse_request"]
 
 _PARAMS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
-_KEYS = frozenset(("prompt", "messages", *_PARAMS))
+_KEYS = frozenset(("prompt", "messages", *_PARAMS, "response_format"))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -82,6 +83,8 @@ def parse_request(
         limit = max_new_tokens_limit or default_max_new_tokens
         options.setdefault("max_new_tokens", min(default_max_new_tokens, limit))
     params = GenerationParams(**options, stop=_stop(value.get("stop")))  # checks each value
+    if value.get("response_format") is not None:
+        params = dataclasses.replace(params, grammar=grammar_of(value["response_format"]))
     if max_new_tokens_limit is not None and params.max_new_tokens > max_new_tokens_limit:
         raise BadGenerationParams(
             f"max_new_tokens {params.max_new_tokens} exceeds this worker's "

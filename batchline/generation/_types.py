@@ -44,6 +44,8 @@ class GenerationParams:
         seed: seeds this request's own random generator (reproducible sampling), an integer
             in -2**63..2**64 - 1 (a negative one taken modulo 2**64, as torch does), or None.
         stop: strings that end the generation; the text ends before the first one found.
+        grammar: the llguidance grammar (a JSON text) decoding is constrained to, from the
+            request's ``response_format``; None: unconstrained.
     """
 
     max_new_tokens: int = 128
@@ -52,6 +54,7 @@ class GenerationParams:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
@@ -81,6 +84,8 @@ class GenerationParams:
             raise BadGenerationParams(
                 f"stop must be a sequence of non-empty strings: {show_value(self.stop)}"
             )
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise BadGenerationParams(f"grammar must be a text or None: {show_value(self.grammar)}")
 
     @property
     def greedy(self) -> bool:
@@ -145,6 +150,7 @@ class Sequence_:  # a sequence in the batch; typing's Sequence has the plain nam
     admitted_at: float | None = None
     first_token_at: float | None = None
     rng: Any = None  # torch.Generator when seeded
+    matcher: Any = None  # the grammar's matcher (llguidance) when params.grammar is set
 
     @property
     def cancelled(self) -> bool:
