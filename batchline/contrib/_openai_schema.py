@@ -1,8 +1,9 @@
 """The bodies of the OpenAI-compatible routes: requests (validated) and answers (built).
 
 Requests are pydantic models that refuse what batchline does not do rather than ignore it:
-an unknown field, ``n`` other than 1, or a feature it lacks (log probabilities, penalties,
-tools, token-array prompts) set to anything but its default is a 400 naming the parameter.
+an unknown field, ``n`` other than 1, a ``response_format`` that is not one or whose schema
+llguidance rejects, or a feature it lacks (log probabilities, penalties, tools, token-array
+prompts) set to anything but its default is a 400 naming the parameter.
 They are strict: a value of the wrong JSON type is refused, never converted (``"10"`` is not
 10, ``"yes"`` not true; an integer is a number where a number is expected), and every number
 has its range (integers: OpenAI's signed 64 bits at most).
@@ -28,6 +29,7 @@ from pydantic import (
     field_validator,
 )
 
+from batchline._response_format import grammar_of
 from batchline.contrib._common import MAX_TEXT_CHARS
 
 __all__ = [
@@ -121,6 +123,15 @@ class _Generation(_Body):
     presence_penalty: _Unsupported = None
     frequency_penalty: _Unsupported = None
     logit_bias: _Unsupported = None
+    #: Structured output: text, json_object or json_schema; the schema is checked here
+    #: (llguidance), before anything is queued, and passed on to the worker as given.
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _usable_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        grammar_of(value)  # BadGenerationParams is a ValueError: a 400 naming it
+        return value
 
     @field_validator("n")
     @classmethod
@@ -144,6 +155,8 @@ class _Generation(_Body):
                 out[name] = value
         if self.stop:
             out["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            out["response_format"] = self.response_format
         return out
 
 
@@ -211,14 +224,6 @@ class ChatRequest(_Generation):
     tools: _Unsupported = None
     tool_choice: Literal["none"] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value != {"type": "text"}:
-            raise ValueError(f'only {{"type": "text"}} is supported, got {value!r}')
-        return value
 
     @field_validator("messages")
     @classmethod

@@ -87,7 +87,12 @@ CHAT_ONLY: list[tuple[dict[str, Any], str]] = [
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_object", "schema": {}}}, "response_format"),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}},
+        "response_format",
+    ),
 ]
 EMBEDDINGS: list[tuple[dict[str, Any], str]] = [
     *[({"input": v}, "input") for v in ("", [], ["x"] * 2049, 5, "x" * 20_001)],

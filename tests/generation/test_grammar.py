@@ -17,7 +17,8 @@ from batchline.generation._grammar import Grammars
 from batchline.generation._request import parse_request
 from batchline.generation._types import Sequence_
 
-from tests.support.tiny import EOS, alone, char_tokenizer, tiny_model, torch
+from tests.support.models_for_tests import char_tokenizer
+from tests.support.tiny import EOS, alone, tiny_model, torch
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")

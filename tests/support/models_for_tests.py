@@ -267,6 +267,49 @@ def tiny_llama(dtype: str = "float64") -> tuple[Any, ByteTokenizer]:
     return model, tok
 
 
+def char_tokenizer() -> Any:
+    """A fast Hugging Face tokenizer of 97 tokens, one character each (ids 0-3: pad, bos, unk,
+    EOS; then space and printable ASCII but for ` and ~): enough to write any JSON, so a tiny
+    random model's constrained output (response_format) is all the mask's work."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<s>": 1, "<unk>": 2, "</s>": 3}
+    for c in ["Ġ"] + [chr(i) for i in range(33, 127) if chr(i) not in "`~"]:  # Ġ: the space
+        vocab[c] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    return tokenizer
+
+
+def tiny_llama_chars() -> tuple[Any, Any]:
+    """A 2-layer Llama with random weights (seed 0, float64) and :func:`char_tokenizer`:
+    a fast tokenizer, as constrained decoding needs."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=97,
+        **TINY_LAYERS,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=3,
+        bos_token_id=1,
+        pad_token_id=0,
+    )
+    return transformers.LlamaForCausalLM(config).to(torch.float64).eval(), char_tokenizer()
+
+
 def tiny_llama_poisoned() -> tuple[Any, ByteTokenizer]:
     """:func:`tiny_llama` whose forward raises ValueError when it is fed a ``~`` (a hostile
     request: its prefill raises, whatever runs beside it)."""

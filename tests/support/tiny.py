@@ -97,24 +97,3 @@ def tiny_cross_encoder(directory: Any, *, seed: int = 0) -> str:
     model.save_pretrained(str(directory))
     tokenizer.save_pretrained(str(directory))
     return str(directory)
-
-
-def char_tokenizer() -> Any:
-    """A fast Hugging Face tokenizer of the tiny models' 97 tokens, one character each (ids
-    0-3: pad, bos, unk, EOS; then space and printable ASCII but for ` and ~): enough to
-    write any JSON, so a tiny random model's constrained output is all the mask's work."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {"<pad>": 0, "<s>": 1, "<unk>": 2, "</s>": EOS}
-    for c in ["Ġ"] + [chr(i) for i in range(33, 127) if chr(i) not in "`~"]:  # Ġ: the space
-        vocab[c] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-    )

@@ -1,0 +1,86 @@
+"""Structured output over the service: the official client's ``response_format`` through
+uvicorn, Redis and a real generation worker whose tiny model has random weights (so the
+JSON that comes back, valid against its schema, is the mask's work)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from .test_fastapi import Serve, serve
+from .test_openai import MakeApp, client_for, make_app
+from tests.support.service import WorkerThread, spec
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+
+__all__ = ["make_app", "serve"]  # fixtures, used here
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Rome", "Oslo"]},
+        "population": {"type": "integer", "minimum": 1, "maximum": 100},
+        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+    },
+    "required": ["city", "population", "tags"],
+    "additionalProperties": False,
+}
+CHAT = [{"role": "user", "content": "A city as JSON."}]
+
+
+@pytest.fixture
+def gen_queue(queue: str) -> str:
+    return f"{queue}-gen"
+
+
+@pytest.mark.slow
+def test_response_format_through_redis_and_a_worker(
+    make_app: MakeApp,  # noqa: F811
+    serve: Serve,  # noqa: F811
+    start_worker: Callable[..., WorkerThread],
+    gen_queue: str,
+) -> None:
+    start_worker("generate", model_path=spec("tiny_llama_chars"), queue=gen_queue)
+    client = client_for(serve(make_app()))
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
+    answer = client.chat.completions.create(
+        model=gen_queue, messages=CHAT, max_tokens=120, response_format=fmt
+    )
+    assert answer.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(answer.choices[0].message.content or ""), SCHEMA)
+
+    sampled = client.chat.completions.create(
+        model=gen_queue,
+        messages=CHAT,
+        max_tokens=120,
+        temperature=1.0,
+        seed=3,
+        response_format=fmt,
+    )
+    jsonschema.validate(json.loads(sampled.choices[0].message.content or ""), SCHEMA)
+
+    plain = client.chat.completions.create(model=gen_queue, messages=CHAT, max_tokens=5)
+    assert plain.usage is not None
+    assert plain.usage.completion_tokens <= 5  # unconstrained, beside
+
+    completion = client.completions.create(
+        model=gen_queue, prompt="{", max_tokens=120, extra_body={"response_format": fmt}
+    )
+    jsonschema.validate(json.loads(completion.choices[0].text), SCHEMA)
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=gen_queue,
+            messages=CHAT,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object", "required": 5}},
+            },
+        )
+    assert refused.value.param == "response_format"
+    assert "response_format" in str(refused.value)
