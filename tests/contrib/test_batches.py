@@ -5,11 +5,17 @@ Llama). Each test has its own key prefix, so that no other test's batches are in
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import signal
+import socket
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
 import pytest
 from fastapi import FastAPI
 from pydantic import SecretStr
@@ -20,8 +26,15 @@ from batchline.contrib.fastapi import create_app
 from .test_fastapi import Serve, serve
 from .test_openai import client_for
 from tests.support import batch_models
-from tests.support.service import RESULT_TIMEOUT_S, WorkerThread, wait_until
+from tests.support.service import (
+    RESULT_TIMEOUT_S,
+    START_TIMEOUT_S,
+    WorkerThread,
+    subprocess_env,
+    wait_until,
+)
 from tests.support.web_models import vector
+from tests.worker.test_generate import CHAT, TINY
 
 openai = pytest.importorskip("openai")
 
@@ -150,3 +163,224 @@ def test_an_embeddings_batch_answers_every_line_once(
     assert client.files.delete(file.id).deleted
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(file.id)
+
+
+def test_bad_files_and_unknown_ids_fail_as_openai_does(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    queue: str,
+) -> None:
+    client = client_for(serve(make_app(max_file_bytes=4096)))
+
+    def create(file_id: str) -> Any:
+        return client.batches.create(
+            input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h"
+        )
+
+    empty = create(upload(client, b"\n").id)
+    assert (empty.status, empty.errors.data[0].code) == ("failed", "empty_file")
+    assert empty.failed_at is not None
+    twice = jsonl([embedding_line("same", "a", queue), embedding_line("same", "b", queue)])
+    dup = create(upload(client, twice).id)
+    assert (dup.status, dup.errors.data[0].code) == ("failed", "duplicate_custom_id")
+    assert client.batches.retrieve(dup.id).status == "failed"
+
+    with pytest.raises(openai.BadRequestError) as caught:  # not a purpose kept here
+        client.files.create(file=("x.jsonl", io.BytesIO(twice)), purpose="fine-tune")
+    assert caught.value.body["param"] == "purpose"
+    with pytest.raises(openai.APIStatusError) as too_big:
+        upload(client, b"x" * 5000)
+    assert too_big.value.status_code == 413
+    with pytest.raises(openai.BadRequestError):  # an endpoint OpenAI's batches do not run
+        client.batches.create(
+            input_file_id=dup.input_file_id,
+            endpoint="/v1/moderations",  # type: ignore[arg-type]
+            completion_window="24h",
+        )
+
+    for call in (
+        lambda: client.batches.retrieve("batch_unknown"),
+        lambda: client.batches.cancel("batch_unknown"),
+        lambda: client.files.retrieve("file-unknown"),
+        lambda: client.files.content("file-unknown"),
+        lambda: client.files.delete("file-unknown"),
+        lambda: create("file-unknown"),
+    ):
+        with pytest.raises(openai.NotFoundError) as missing:
+            call()
+        assert set(missing.value.response.json()["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.ConflictError):  # a finished batch is not cancelled
+        client.batches.cancel(dup.id)
+    page = client.batches.list(limit=1)
+    assert [b.id for b in page.data] == [dup.id]
+    assert page.has_more
+    assert [b.id for b in client.batches.list(after=dup.id).data] == [empty.id]
+
+
+@pytest.mark.slow
+def test_a_batch_created_twice_computes_nothing_twice(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    embedder: None,
+    queue: str,
+) -> None:
+    client = client_for(serve(make_app(batch_window=8)))
+    texts = [f"again {i}" for i in range(24)]
+    file = upload(client, jsonl([embedding_line(f"r{i}", t, queue) for i, t in enumerate(texts)]))
+    ids = [
+        client.batches.create(
+            input_file_id=file.id, endpoint="/v1/embeddings", completion_window="24h"
+        ).id
+        for _ in range(2)  # a client retrying its create
+    ]
+    outputs = [file_lines(client, finished(client, i).output_file_id) for i in ids]
+    assert outputs[0].keys() == outputs[1].keys() == {f"r{i}" for i in range(24)}
+    assert {t: 1 for t in texts} == batch_models.CALLS
+
+
+@pytest.mark.slow
+def test_cancel_stops_the_queued_lines_and_keeps_the_answered_ones(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    start_worker: Callable[..., WorkerThread],
+    queue: str,
+) -> None:
+    batch_models.reset(hold_after=5)
+    start_worker(COUNTING, prefix=queue, batch_size=1, max_batch_ms=60_000)
+    try:
+        client = client_for(serve(make_app(batch_window=4)))
+        lines = [embedding_line(f"c{i}", f"cancel me {i}", queue) for i in range(20)]
+        file = upload(client, jsonl(lines))
+        batch = client.batches.create(
+            input_file_id=file.id, endpoint="/v1/embeddings", completion_window="24h"
+        )
+        wait_until(
+            lambda: client.batches.retrieve(batch.id).request_counts.completed == 5,
+            "five lines answered",
+        )
+        assert client.batches.cancel(batch.id).status == "cancelling"
+    finally:
+        batch_models.GATE.set()
+    done = finished(client, batch.id)
+    assert done.status == "cancelled"
+    assert done.cancelled_at is not None
+    counts = done.request_counts
+    assert counts.completed >= 5
+    assert counts.completed + counts.failed == 20
+    out = file_lines(client, done.output_file_id)
+    errors = file_lines(client, done.error_file_id)
+    assert len(out) == counts.completed
+    assert len(errors) == counts.failed
+    assert not out.keys() & errors.keys()
+    assert {e["error"]["code"] for e in errors.values()} == {"cancelled"}
+    assert set(batch_models.CALLS.values()) == {1}
+    # Only the lines in the queue (the window) when the cancel came ran after it.
+    assert len(batch_models.CALLS) <= counts.completed + 4
+
+
+@pytest.mark.slow
+def test_an_api_killed_mid_batch_resumes_it_once_restarted(
+    redis_url: str, start_worker: Callable[..., WorkerThread], queue: str
+) -> None:
+    batch_models.reset(hold_after=10)
+    start_worker(COUNTING, prefix=queue, batch_size=1, max_batch_ms=60_000)
+    env = {
+        "BATCHLINE_REDIS_URL": redis_url,
+        "BATCHLINE_QUEUE": queue,
+        "BATCHLINE_PREFIX": queue,
+        "BATCHLINE_EMBEDDING_QUEUE": queue,
+        "BATCHLINE_BATCH_LEASE_S": "1",
+        "BATCHLINE_BATCH_WINDOW": "4",
+    }
+    try:
+        with api_process(env) as http:
+            client = client_for(http)
+            texts = [f"survive {i}" for i in range(30)]
+            lines = [embedding_line(f"k{i}", t, queue) for i, t in enumerate(texts)]
+            batch = client.batches.create(
+                input_file_id=upload(client, jsonl(lines)).id,
+                endpoint="/v1/embeddings",
+                completion_window="24h",
+            )
+            wait_until(
+                lambda: client.batches.retrieve(batch.id).request_counts.completed == 10,
+                "ten lines answered",
+            )
+    finally:
+        batch_models.GATE.set()  # the lines in the queue are answered while no API runs
+    with api_process(env) as http:
+        done = finished(client_for(http), batch.id)
+        assert (done.status, done.request_counts.completed) == ("completed", 30)
+        out = file_lines(client_for(http), done.output_file_id)
+    assert out.keys() == {f"k{i}" for i in range(30)}
+    assert {t: 1 for t in texts} == batch_models.CALLS
+
+
+@contextlib.contextmanager
+def api_process(env: dict[str, str]) -> Iterator[httpx.Client]:
+    """The app under uvicorn in a process of its own; SIGKILLed on leaving."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "uvicorn", "batchline.contrib.fastapi:create_app"]
+    command += ["--factory", "--port", str(port), "--log-level", "warning"]
+    proc = subprocess.Popen(command, env=subprocess_env(env))
+    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=RESULT_TIMEOUT_S)
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"the API exited with {proc.returncode}")
+        try:
+            return http.get("/healthz").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(up, "the API to start", timeout_s=START_TIMEOUT_S)
+        yield http
+    finally:
+        http.close()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(START_TIMEOUT_S)
+
+
+@pytest.mark.slow
+def test_chat_and_completion_batches_answer_as_the_routes_do(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    start_worker: Callable[..., WorkerThread],
+    queue: str,
+) -> None:
+    gen_queue = f"{queue}-gen"
+    start_worker(
+        "generate", model_path=TINY, queue=gen_queue, prefix=queue, default_max_new_tokens=8
+    )
+    client = client_for(serve(make_app(embedding_queue=None, generation_queue=gen_queue)))
+    chat = {"model": gen_queue, "messages": CHAT, "max_tokens": 6}
+    completion = {"model": gen_queue, "prompt": "Once upon a time", "max_tokens": 5}
+    for endpoint, body, streamed in (
+        ("/v1/chat/completions", chat, {**chat, "stream": True}),
+        ("/v1/completions", completion, {**completion, "stream": True}),
+    ):
+        lines = [
+            {"custom_id": "one", "method": "POST", "url": endpoint, "body": body},
+            {"custom_id": "streamed", "method": "POST", "url": endpoint, "body": streamed},
+        ]
+        batch = client.batches.create(
+            input_file_id=upload(client, jsonl(lines)).id,
+            endpoint=endpoint,  # type: ignore[arg-type]
+            completion_window="24h",
+        )
+        done = finished(client, batch.id)
+        assert (done.status, done.request_counts.completed, done.request_counts.failed) == (
+            "completed",
+            1,
+            1,
+        )
+        got = file_lines(client, done.output_file_id)["one"]["response"]["body"]
+        direct = client.post(endpoint.removeprefix("/v1"), body=body, cast_to=httpx.Response).json()
+        for answer in (got, direct):  # the ids and times differ
+            del answer["id"], answer["created"]
+        assert got == direct
+        refused = file_lines(client, done.error_file_id)["streamed"]["response"]
+        assert (refused["status_code"], refused["body"]["error"]["param"]) == (400, "stream")
