@@ -211,7 +211,7 @@ class WebSettings(ProducerSettings):
     request_timeout_s: float = Field(default=30.0, gt=0)
     max_body_bytes: int = Field(default=2 * _REQUEST_JSON_BYTES, ge=1)
     batch_priority: int = Field(default=0, ge=0, le=15)
-    batch_window: int = Field(default=1024, ge=1, le=100_000)
+    batch_window: int = Field(default=256, ge=1, le=100_000)
     batch_lease_s: float = Field(default=10.0, gt=0)
     max_file_bytes: int = Field(default=200_000_000, ge=1, le=200_000_000)
 

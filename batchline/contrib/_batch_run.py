@@ -77,7 +77,7 @@ class DriverOptions:
     """
 
     priority: int = 0
-    window: int = 1024
+    window: int = 256
     lease_s: float = 10.0
 
 

@@ -153,6 +153,13 @@ def test_bench_cache_smoke() -> None:
     assert "full, cache on" in out
 
 
+@pytest.mark.slow
+def test_bench_batch_api_smoke() -> None:
+    out = _bench(["benchmarks.batch_api", "--lines", "200", "--repeats", "1"], 300)
+    assert re.search(r"^\| \*\*batch / producer\*\* .* \| [\d.]+ \|", out, re.M), out
+    assert re.search(r"^\| \*\*p99 with / without a batch\*\* .* \| [\d.]+ \|", out, re.M), out
+
+
 # The tiny random Llama of the tests (no download), importable from the repository root.
 TINY_LLAMA = ["--model-path", "tests.support.models_for_tests:tiny_llama"]
 WITH_TESTS = os.environ | {"PYTHONPATH": str(REPO)}
