@@ -187,6 +187,8 @@ def start(procs: Procs, args: argparse.Namespace) -> tuple[str, str]:
     )
     if args.window is not None:
         api_env["BATCHLINE_BATCH_WINDOW"] = str(args.window)
+    if args.interactive_priority is not None:
+        api_env["BATCHLINE_DEFAULT_PRIORITY"] = str(args.interactive_priority)
     api = [sys.executable, "-m", "uvicorn", "batchline.contrib.fastapi:create_app", "--factory"]
     procs.spawn("api", [*api, "--port", str(port), "--log-level", "warning"], env=api_env)
     base = f"http://127.0.0.1:{port}"
@@ -259,6 +261,9 @@ def main() -> None:
     parser.add_argument("--lanes", type=int, default=4, help="interactive clients")
     parser.add_argument("--think-ms", type=float, default=20.0)
     parser.add_argument("--window", type=int, default=None, help="the API's batch_window")
+    parser.add_argument(
+        "--interactive-priority", type=int, default=None, help="the API's default_priority"
+    )
     parser.add_argument("--redis-server", default=None)
     args = parser.parse_args()
     before = load()
