@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from batchline._batch_cli import batch_parser
 from batchline._cli_options import CliCommand, add_option, add_settings, reference, settings_from
 
 __all__ = ["cli_reference", "main"]
@@ -35,6 +36,8 @@ commands:
   batchline worker --check         exit 0 if a worker on this host is alive
   batchline status [--json]        queue depth, pending, lag, dead letters, workers
   batchline acl [--role worker]    the ACL SETUSER lines of the queue's Redis users
+  batchline batch FILE.jsonl [--url http://localhost:8000]
+                                   run a file of requests through the web API's /v1/batches
 
 Redis: BATCHLINE_REDIS_URL (default redis://localhost:6379/0). `batchline COMMAND --help`
 lists each command's options with their defaults and environment variables.
@@ -387,7 +390,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         shown="smollm2",
     )
     demo.set_defaults(run=_demo)
-    return parser, {"worker": worker, "status": status, "acl": acl, "demo": demo}
+    batch = batch_parser(sub)
+    return parser, {"worker": worker, "status": status, "acl": acl, "demo": demo, "batch": batch}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

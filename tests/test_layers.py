@@ -39,7 +39,8 @@ ALLOWED: dict[str, set[str]] = {
     "contrib": WIRE | {"config", "producer", "transport"},
     "demo": WIRE | {"config", "devices", "drivers", "producer", "transport", "worker"},
     "_cli_options": set(),
-    "cli": WIRE | {"_cli_options", "acl", "config", "demo", "transport", "worker"},
+    "_batch_cli": {"_cli_options"},
+    "cli": WIRE | {"_batch_cli", "_cli_options", "acl", "config", "demo", "transport", "worker"},
     "__main__": {"cli"},
 }
 

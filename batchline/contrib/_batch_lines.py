@@ -47,7 +47,7 @@ MAX_CUSTOM_ID_CHARS: Final = 512
 #: The statuses a batch may move to from each (OpenAI's; the last four are final).
 NEXT: Final[dict[str, frozenset[str]]] = {
     "validating": frozenset({"in_progress", "failed", "cancelling"}),
-    "in_progress": frozenset({"finalizing", "cancelling", "expired"}),
+    "in_progress": frozenset({"finalizing", "cancelling", "expired", "failed"}),
     "finalizing": frozenset({"completed"}),
     "cancelling": frozenset({"cancelled"}),
     "failed": frozenset(),

@@ -94,6 +94,10 @@ class RunContext:
     owner: str
 
 
+class _InputGone(Exception):
+    """The input file of a batch is gone (deleted while the batch ran)."""
+
+
 class LeaseLost(BatchlineError):
     """This replica holds a batch's lease no more: another one drives it."""
 
@@ -212,29 +216,36 @@ class BatchRun:
         self.cancelled = status == "cancelling"
         writer = asyncio.create_task(self._write())
         try:
-            await self._submit_all()
+            await self._submit_all(writer)
             while self._tasks:
                 await asyncio.gather(*self._tasks)
+        except _InputGone as exc:
+            await self._stop(writer)
+            await self._give_up(exc)
+            return
         except BaseException:
-            for task in [*self._tasks, writer]:
-                task.cancel()
-            await asyncio.gather(*self._tasks, writer, return_exceptions=True)
+            await self._stop(writer)
             raise
         await self._answers.put(None)
         await writer
         await self._finish()
 
-    async def _submit_all(self) -> None:
+    async def _submit_all(self, writer: asyncio.Task[None]) -> None:
         total = int(self._fields["total"])
         answered = self.keys.answered(self.batch_id)
         for start in range(0, total, CHUNK_LINES):
             lines = await self.driver.files.lines(self._fields["input_file_id"], start, CHUNK_LINES)
+            if not lines:
+                raise _InputGone(self._fields["input_file_id"])
             indexes = list(range(start, start + len(lines)))
             done = await self.redis.smismember(answered, indexes) if indexes else []
             for index, line, was in zip(indexes, lines, done, strict=True):
                 if was:
                     continue
                 await self._slots.acquire()
+                if writer.done():
+                    writer.result()  # it failed (the lease lost): submit nothing more
+                    raise RuntimeError("the batch's writer stopped early")
                 task = asyncio.create_task(self._line(index, line))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -308,6 +319,33 @@ class BatchRun:
             self._inflight.pop(rid, None)
         result.unwrap()
         return result
+
+    async def _stop(self, writer: asyncio.Task[None]) -> None:
+        """Stop the lines under way, then the writer (it writes what it was given: a
+        writer cancelled between a chunk's transaction and its end would leave no trace of
+        it, which is as good, but its own end is then the surest sign it is done)."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._answers.put_nowait(None)
+        await asyncio.gather(writer, return_exceptions=True)
+
+    async def _give_up(self, exc: _InputGone) -> None:
+        """The input file was deleted under the batch: it fails."""
+        error = {"code": "input_file_deleted", "message": f"the input file {exc} was deleted"}
+
+        def fail(pipe: Any) -> None:
+            fields = {
+                "status": "failed",
+                "failed_at": int(time.time()),
+                "errors": json.dumps([error]),
+            }
+            pipe.hset(self.key, mapping=fields)
+            pipe.srem(self.keys.active, self.batch_id)
+            pipe.delete(self.keys.answered(self.batch_id))
+
+        await self.guarded(fail)
 
     async def _write(self) -> None:
         """Write the answers as they come, a chunk per transaction, until None."""

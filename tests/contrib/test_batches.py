@@ -21,6 +21,7 @@ from fastapi import FastAPI
 from pydantic import SecretStr
 
 from batchline.config import WebSettings
+from batchline.contrib import _batch_run
 from batchline.contrib.fastapi import create_app
 
 from .test_fastapi import Serve, serve
@@ -276,6 +277,35 @@ def test_cancel_stops_the_queued_lines_and_keeps_the_answered_ones(
     assert set(batch_models.CALLS.values()) == {1}
     # Only the lines in the queue (the window) when the cancel came ran after it.
     assert len(batch_models.CALLS) <= counts.completed + 4
+
+
+@pytest.mark.slow
+def test_a_batch_whose_input_file_is_deleted_fails(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    start_worker: Callable[..., WorkerThread],
+    queue: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_batch_run, "CHUNK_LINES", 4)  # the file is read 4 lines at a time
+    batch_models.reset(hold_after=2)
+    start_worker(COUNTING, prefix=queue, batch_size=1, max_batch_ms=60_000)
+    try:
+        client = client_for(serve(make_app(batch_window=2)))
+        lines = [embedding_line(f"d{i}", f"deleted {i}", queue) for i in range(12)]
+        file = upload(client, jsonl(lines))
+        batch = client.batches.create(
+            input_file_id=file.id, endpoint="/v1/embeddings", completion_window="24h"
+        )
+        wait_until(
+            lambda: client.batches.retrieve(batch.id).request_counts.completed == 2,
+            "two lines answered",
+        )
+        client.files.delete(file.id)
+    finally:
+        batch_models.GATE.set()
+    done = finished(client, batch.id)
+    assert (done.status, done.errors.data[0].code) == ("failed", "input_file_deleted")
 
 
 @pytest.mark.slow
