@@ -95,6 +95,20 @@ def finished(client: Any, batch_id: str) -> Any:
     return found[0]
 
 
+def answered_part(client: Any, lines: list[Any], answered: int) -> Any:
+    """A batch of ``lines`` created, once ``answered`` of them are answered (the model held)."""
+    batch = client.batches.create(
+        input_file_id=upload(client, jsonl(lines)).id,
+        endpoint="/v1/embeddings",
+        completion_window="24h",
+    )
+    wait_until(
+        lambda: client.batches.retrieve(batch.id).request_counts.completed == answered,
+        f"{answered} lines answered",
+    )
+    return batch
+
+
 def file_lines(client: Any, file_id: str | None) -> dict[str, dict[str, Any]]:
     """A file's lines by custom_id (every custom_id once)."""
     if file_id is None:
@@ -251,14 +265,7 @@ def test_cancel_stops_the_queued_lines_and_keeps_the_answered_ones(
     try:
         client = client_for(serve(make_app(batch_window=4)))
         lines = [embedding_line(f"c{i}", f"cancel me {i}", queue) for i in range(20)]
-        file = upload(client, jsonl(lines))
-        batch = client.batches.create(
-            input_file_id=file.id, endpoint="/v1/embeddings", completion_window="24h"
-        )
-        wait_until(
-            lambda: client.batches.retrieve(batch.id).request_counts.completed == 5,
-            "five lines answered",
-        )
+        batch = answered_part(client, lines, 5)
         assert client.batches.cancel(batch.id).status == "cancelling"
     finally:
         batch_models.GATE.set()
@@ -293,15 +300,8 @@ def test_a_batch_whose_input_file_is_deleted_fails(
     try:
         client = client_for(serve(make_app(batch_window=2)))
         lines = [embedding_line(f"d{i}", f"deleted {i}", queue) for i in range(12)]
-        file = upload(client, jsonl(lines))
-        batch = client.batches.create(
-            input_file_id=file.id, endpoint="/v1/embeddings", completion_window="24h"
-        )
-        wait_until(
-            lambda: client.batches.retrieve(batch.id).request_counts.completed == 2,
-            "two lines answered",
-        )
-        client.files.delete(file.id)
+        batch = answered_part(client, lines, 2)
+        client.files.delete(batch.input_file_id)
     finally:
         batch_models.GATE.set()
     done = finished(client, batch.id)
@@ -327,15 +327,7 @@ def test_an_api_killed_mid_batch_resumes_it_once_restarted(
             client = client_for(http)
             texts = [f"survive {i}" for i in range(30)]
             lines = [embedding_line(f"k{i}", t, queue) for i, t in enumerate(texts)]
-            batch = client.batches.create(
-                input_file_id=upload(client, jsonl(lines)).id,
-                endpoint="/v1/embeddings",
-                completion_window="24h",
-            )
-            wait_until(
-                lambda: client.batches.retrieve(batch.id).request_counts.completed == 10,
-                "ten lines answered",
-            )
+            batch = answered_part(client, lines, 10)
     finally:
         batch_models.GATE.set()  # the lines in the queue are answered while no API runs
     with api_process(env) as http:
