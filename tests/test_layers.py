@@ -33,9 +33,10 @@ ALLOWED: dict[str, set[str]] = {
     "redis_url": set(),
     "config": WIRE | {"drivers", "redis_url"},
     "transport": WIRE | {"config", "redis_url"},
-    "producer": WIRE | {"config", "redis_url", "transport"},
+    "tracing": set(),
+    "producer": WIRE | {"config", "redis_url", "tracing", "transport"},
     "worker": WIRE
-    | {"config", "core", "devices", "drivers", "generation", "redis_url", "transport"},
+    | {"config", "core", "devices", "drivers", "generation", "redis_url", "tracing", "transport"},
     "contrib": WIRE | {"config", "producer", "transport"},
     "demo": WIRE | {"config", "devices", "drivers", "producer", "transport", "worker"},
     "_cli_options": set(),

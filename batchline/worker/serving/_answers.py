@@ -57,6 +57,7 @@ class Meta:
     started_unix: float = 0.0
     batch_size: int = 0
     _ih: str = field(default="", repr=False)
+    span: Any = field(default=None, repr=False)  # its process span, tracing on (.tracing)
 
     def input_hash(self) -> str:
         """The input hash of this request (``ih``, docs/protocol.md), computed once: its
