@@ -34,13 +34,14 @@ ALLOWED: dict[str, set[str]] = {
     "config": WIRE | {"drivers", "redis_url"},
     "transport": WIRE | {"config", "redis_url"},
     "tracing": set(),
+    "logs": set(),
     "producer": WIRE | {"config", "redis_url", "tracing", "transport"},
     "worker": WIRE
     | {"config", "core", "devices", "drivers", "generation", "redis_url", "tracing", "transport"},
     "contrib": WIRE | {"config", "producer", "transport"},
     "demo": WIRE | {"config", "devices", "drivers", "producer", "transport", "worker"},
     "_cli_options": set(),
-    "cli": WIRE | {"_cli_options", "acl", "config", "demo", "transport", "worker"},
+    "cli": WIRE | {"_cli_options", "acl", "config", "demo", "logs", "transport", "worker"},
     "__main__": {"cli"},
 }
 
