@@ -4,7 +4,7 @@ worker reach it.
 Off (the default), nothing here imports OpenTelemetry: :func:`producer` and :func:`worker`
 return None, and their callers keep None and test it (one attribute test per request, the
 whole cost of tracing off). On, they return the per-producer and per-worker halves of
-:mod:`._otel`, which start the spans (docs/tracing.md).
+:mod:`._otel`, which start the spans (their names and attributes are listed there).
 
 It is on where :func:`enable` was called, or else, decided once per process as the first
 producer or worker is made, where the environment asks (:func:`wanted`): ``BATCHLINE_OTEL=1``,
