@@ -32,6 +32,7 @@ __all__ = [
     "enable",
     "enabled",
     "flush",
+    "handed_back",
     "parse_traceparent",
     "producer",
     "wanted",
@@ -101,6 +102,17 @@ def flush(timeout_s: float = 5.0) -> None:
     """Export the spans ended so far (a worker's last act; a no-op when off)."""
     if _state.otel is not None:
         _state.otel.flush(timeout_s)
+
+
+def handed_back(meta: Any) -> None:
+    """The worker hands the entry of ``meta`` (its Meta) back unanswered: its process span, if
+    it has one (tracing on), ends with the event ``batchline.handed_back``."""
+    span = meta.span
+    if span is not None:
+        meta.span = None
+        from batchline.tracing._otel import handed_back as end
+
+        end(span)
 
 
 def producer(queue: str) -> ProducerTrace | None:

@@ -7,10 +7,16 @@ back; the send span's context travels in the entry (``traceparent``, ``tracestat
 Worker (:class:`WorkerTrace`): ``process {queue}`` (kind CONSUMER), child of the send span,
 for each request from its read to its answer, with its queue wait; ``batch {queue}`` for
 each batch, linked to the process span of every request in it, and ``infer {model}``, the
-model call, its child; ``generate {model}`` per generated sequence, child of its process
-span. A reclaimed entry's span has the event ``batchline.reclaimed``; a dead letter's the
-event ``batchline.dead_letter``. Attribute names are OpenTelemetry's messaging and gen-ai
-conventions' where they have one, else ``batchline.*``.
+model call, its child. A generation worker's batch never ends (continuous batching: sequences
+join and leave it step by step), so its ``batch {queue}`` spans are one per engine step that
+admits sequences, linked to their process spans, from the admission to the step's end (the
+prefill of those it admits, one decode step of the others); ``generate {model}`` per generated
+sequence, child of its process span. A request handed back unanswered (the worker stops with
+its model hung, or a long model call hands back its read-ahead) ends its process span with
+the event ``batchline.handed_back``. A reclaimed entry's span has the event
+``batchline.reclaimed``; a dead letter's the event ``batchline.dead_letter``. Attribute
+names are OpenTelemetry's messaging and gen-ai conventions' where they have one, else
+``batchline.*``.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from opentelemetry.trace import (
 
 from batchline.tracing._context import Parent, parse_traceparent
 
-__all__ = ["Otel", "ProducerTrace", "WorkerTrace"]
+__all__ = ["Otel", "ProducerTrace", "WorkerTrace", "handed_back"]
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +195,7 @@ class WorkerTrace:
         self._model = model
         self._counts = counts
         self._batches: dict[int, Span] = {}  # id() of a prepared item -> its batch's span
+        self._steps: list[Span] = []  # a generation step's batch span (model thread)
         self._common = {
             "messaging.system": _SYSTEM,
             "messaging.destination.name": queue,
@@ -247,8 +254,21 @@ class WorkerTrace:
     def batch_started(self, items: Sequence[Any], metas: Sequence[Any]) -> None:
         """A batch of ``items`` (the batcher's, their payloads the prepared items) starts,
         serving the requests of ``metas``: its span, linked to theirs."""
+        span = self._batch(metas, {"batchline.batch.items": len(items)})
+        for item in items:
+            self._batches[id(item.payload)] = span
+
+    def admitted(self, metas: Sequence[Any], rows: int) -> None:
+        """A generation step admits the requests of ``metas`` (on the model thread), its batch
+        now ``rows`` sequences: the step's batch span, linked to theirs, until
+        :meth:`step_ended`."""
+        more = {"batchline.batch.rows": rows, "gen_ai.request.model": self._model}
+        self._steps.append(self._batch(metas, more))
+
+    def _batch(self, metas: Sequence[Any], attributes: dict[str, Any]) -> Span:
+        """A batch span (a trace of its own) serving ``metas``, linked to their spans."""
         links = [Link(m.span.get_span_context()) for m in metas if m is not None and m.span]
-        span = self._tracer.start_span(
+        return self._tracer.start_span(
             f"batch {self._queue}",
             context=_EMPTY,
             attributes={
@@ -256,12 +276,16 @@ class WorkerTrace:
                 "messaging.operation.type": "process",
                 "messaging.operation.name": "batch",
                 "messaging.batch.message_count": len(metas),
-                "batchline.batch.items": len(items),
+                **attributes,
             },
             links=links,
         )
-        for item in items:
-            self._batches[id(item.payload)] = span
+
+    def step_ended(self) -> None:
+        """The generation step under way ended: its batch spans end."""
+        steps, self._steps = self._steps, []
+        for span in steps:
+            span.end()
 
     def model_call(self, batch: Sequence[Any], call: Callable[[], T]) -> T:
         """Run ``call``, the model call on ``batch`` (prepared items), in its span, child of
@@ -352,3 +376,10 @@ class WorkerTrace:
         span.add_event("batchline.dead_letter", {"batchline.reason": str(reason)})
         span.set_status(StatusCode.ERROR, str(reason)[:200])
         span.end()
+
+
+def handed_back(span: Span) -> None:
+    """A request's process span ends unanswered: the worker handed its entry back."""
+    span.add_event("batchline.handed_back")
+    span.set_attribute("batchline.status", "handed_back")
+    span.end()

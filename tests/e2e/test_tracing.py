@@ -4,6 +4,7 @@ exporter there) over a real Redis, checked as one trace: parents, links, attribu
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -28,6 +29,7 @@ from tests.support.service import (
     RESULT_TIMEOUT_S,
     WorkerProcess,
     admit_inbox,
+    spec,
     subprocess_env,
 )
 
@@ -156,6 +158,38 @@ async def test_a_batch_of_32_links_32_requests(
     assert _link_ids(batch) == {p["context"]["span_id"] for p in processes}
     assert batch["attributes"]["messaging.batch.message_count"] == 32
     assert {p["attributes"]["batchline.batch_size"] for p in processes} == {32}
+
+
+async def test_a_generation_step_links_the_sequences_it_admits(
+    producer: AsyncProducer, traced_worker: Any, queue: str
+) -> None:
+    """A continuous batch: one batch span per engine step that admits sequences, linked to
+    their process spans; a ``generate`` span per sequence, child of its process span."""
+    pytest.importorskip("transformers")
+    worker = traced_worker(model="generate", model_path=spec("tiny_llama"), batch_size=4)
+    values = [{"prompt": f"say {i}", "max_new_tokens": 3 + i} for i in range(3)]
+    answers = await asyncio.gather(*(producer.infer(v, timeout_s=T) for v in values))
+    assert [len(a["token_ids"]) for a in answers] == [3, 4, 5]
+    spans = worker.spans()
+    processes = {p["context"]["span_id"]: p for p in _named(spans, f"process {queue}")}
+    assert len(processes) == 3
+    batches = _named(spans, f"batch {queue}")
+    assert batches
+    linked = [link for batch in batches for link in _link_ids(batch)]
+    assert sorted(linked) == sorted(processes)  # each sequence admitted once
+    for batch in batches:
+        assert batch["parent_id"] is None
+        assert batch["attributes"]["messaging.batch.message_count"] == len(batch["links"])
+        assert 1 <= batch["attributes"]["batchline.batch.rows"] <= 4
+    generated = _named(spans, "generate ")
+    assert len(generated) == 3
+    for span in generated:
+        process = processes[span["parent_id"]]
+        assert span["context"]["trace_id"] == process["context"]["trace_id"]
+        attributes = span["attributes"]
+        assert attributes["gen_ai.usage.output_tokens"] in (3, 4, 5)
+        assert attributes["gen_ai.response.finish_reasons"] == ["length"]
+        assert attributes["batchline.ttft_ms"] >= 0
 
 
 async def _left_by_a_dead_consumer(

@@ -68,6 +68,18 @@ class Starts:
                 meta.started_unix = now
                 meta.batch_size = batch_size
 
+    def admitted(self, calls: list[Call], rows: int) -> None:
+        """A generation step admits these calls, its batch now ``rows`` sequences (on the
+        model thread): they are marked, and the step's batch span starts (tracing on)."""
+        self.started(calls, rows)
+        if self.trace is not None:
+            self.trace.admitted([self._meta.get(call) for call in calls], rows)
+
+    def step_ended(self) -> None:
+        """The generation step under way ended (its batch span too)."""
+        if self.trace is not None:
+            self.trace.step_ended()
+
     def cancelled(self, call: Call) -> bool:
         """Whether the producer of ``call`` cancelled it."""
         meta = self._meta.get(call) if self._cancels else None
