@@ -367,6 +367,7 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
         for name in cls.model_fields
     }
     known.add(ENV_PREFIX + "CACHE_DIR")  # where converted and exported models are kept
+    known.add(ENV_PREFIX + "OTEL")  # tracing on or off (batchline.tracing reads it)
     unknown = sorted(k for k in env if k.upper().startswith(ENV_PREFIX) and k.upper() not in known)
     if unknown:
         raise ValueError(
