@@ -33,6 +33,7 @@ __all__ = [
     "enabled",
     "flush",
     "handed_back",
+    "log_extra",
     "parse_traceparent",
     "producer",
     "wanted",
@@ -113,6 +114,17 @@ def handed_back(meta: Any) -> None:
         from batchline.tracing._otel import handed_back as end
 
         end(span)
+
+
+def log_extra(request_id: str | None, traceparent: Any = None) -> dict[str, str]:
+    """``extra=`` for a log call about one request: its ``request_id``, and the ``trace_id``
+    of its entry's ``traceparent`` where that is valid (``--log-format json`` prints both;
+    tracing on or off: nothing here imports OpenTelemetry)."""
+    extra = {"request_id": request_id} if request_id else {}
+    parent = parse_traceparent(traceparent) if traceparent is not None else None
+    if parent is not None:
+        extra["trace_id"] = f"{parent.trace_id:032x}"
+    return extra
 
 
 def producer(queue: str) -> ProducerTrace | None:

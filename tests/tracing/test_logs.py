@@ -1,10 +1,13 @@
-"""``--log-format json``: one object per line (pure: formatting only)."""
+"""``--log-format json``: one object per line (pure: formatting only), and the worker's
+lines about one request, which name it and its trace."""
 
 from __future__ import annotations
 
 import json
 import logging
 import sys
+
+import pytest
 
 from batchline import logs
 
@@ -41,3 +44,27 @@ def test_unknown_context_is_left_out_and_a_traceback_kept() -> None:
     assert "worker_id" not in out
     assert "request_id" not in out
     assert "ValueError: boom" in out["exception"]
+
+
+def test_a_dead_letter_s_line_names_its_request_and_trace(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from batchline.worker.serving._answers import dead_letter
+
+    traceparent = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    raw = {b"id": b"r7", b"reply": b"rep", b"v": b"1", b"traceparent": traceparent}
+    with caplog.at_level(logging.WARNING, logger="batchline.worker.serving._answers"):
+        record = dead_letter(0, b"1-0", raw, "Poison", "delivered 5 times", worker_id="w")
+    assert record.status == "dead"
+    (line,) = caplog.records
+    assert line.getMessage() == ("entry 1-0 dead-lettered (request r7): Poison: delivered 5 times")
+    out = json.loads(logs.JsonFormatter().format(line))
+    assert out["request_id"] == "r7"
+    assert out["trace_id"] == "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+def test_a_request_without_a_valid_trace_context_has_its_id_alone() -> None:
+    from batchline.tracing import log_extra
+
+    assert log_extra("r1", b"00-nonsense") == {"request_id": "r1"}
+    assert log_extra(None) == {}
