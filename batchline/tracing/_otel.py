@@ -87,10 +87,18 @@ class Otel:
 
 def _from_environment() -> TracerProvider:
     """A provider exporting as ``OTEL_TRACES_EXPORTER`` says: ``otlp`` (the default; OTLP over
-    HTTP, to ``OTEL_EXPORTER_OTLP_*``), ``console``, or ``none``."""
+    HTTP, to ``OTEL_EXPORTER_OTLP_*``), ``console``, or ``none``; its service named as
+    ``OTEL_SERVICE_NAME`` says, else ``batchline``."""
     import os
 
-    provider = TracerProvider(resource=Resource.create({"service.name": "batchline"}))
+    # service.name "batchline" unless OTEL_SERVICE_NAME or OTEL_RESOURCE_ATTRIBUTES name one
+    # (Resource.create lets its argument win over them).
+    named = os.environ.get("OTEL_SERVICE_NAME") or "service.name=" in os.environ.get(
+        "OTEL_RESOURCE_ATTRIBUTES", ""
+    )
+    provider = TracerProvider(
+        resource=Resource.create({} if named else {"service.name": "batchline"})
+    )
     names = os.environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() or "otlp"
     for name in names.split(","):
         exporter: SpanExporter | None = None

@@ -75,3 +75,26 @@ def test_a_generation_step_that_admits_has_a_batch_span_linked_to_them(
     assert batch.attributes["batchline.batch.rows"] == 5
     trace.step_ended()  # a step that admitted none: no span
     assert len(exporter.get_finished_spans()) == 1
+
+
+@pytest.mark.parametrize(
+    ("environ", "name"),
+    [
+        ({}, "batchline"),
+        ({"OTEL_SERVICE_NAME": "batchline-worker"}, "batchline-worker"),
+        ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=api,team=x"}, "api"),
+    ],
+)
+def test_the_service_is_named_as_the_environment_says(
+    monkeypatch: pytest.MonkeyPatch, environ: dict[str, str], name: str
+) -> None:
+    from batchline.tracing._otel import _from_environment
+
+    for variable in ("OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    for variable, value in environ.items():
+        monkeypatch.setenv(variable, value)
+    provider = _from_environment()
+    assert provider.resource.attributes["service.name"] == name
+    provider.shutdown()
