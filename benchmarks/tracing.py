@@ -186,7 +186,8 @@ def _run(args: argparse.Namespace) -> None:
         try:
             commit = _previous(args.previous, Path(tmp) / "previous")
             url, version = harness.start_redis(procs, harness.child_env(), harness.redis_binary())
-            print(f"{harness.machine()}; {version}; previous: {commit}")
+            print(f"{harness.machine()}; {version}")
+            print(f"measured: {harness.provenance()}; previous: {commit}")
             ways = {way: _start(procs, url, way, Path(tmp) / "previous") for way in WAYS}
             samples, otel = Samples(), dict.fromkeys(WAYS, False)
             for way in WAYS:  # warm-up, not counted
