@@ -55,14 +55,23 @@ class BodyLimit:
         app: the app to guard.
         max_body_bytes: the largest body accepted.
         openai_prefix: where OpenAI's API is mounted (its errors take OpenAI's shape).
+        openai_paths: routes outside it whose errors take OpenAI's shape too.
     """
 
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int, openai_prefix: str = "/v1") -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        max_body_bytes: int,
+        openai_prefix: str = "/v1",
+        openai_paths: tuple[str, ...] = (),
+    ) -> None:
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.openai_prefix = openai_prefix
+        self.openai_paths = frozenset(openai_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -82,6 +91,8 @@ class BodyLimit:
         root = str(scope.get("root_path", ""))
         if root and path.startswith(root):
             path = path[len(root) :]
+        if path in self.openai_paths:
+            return True
         return path == self.openai_prefix or path.startswith(self.openai_prefix + "/")
 
 

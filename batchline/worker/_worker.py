@@ -67,6 +67,7 @@ from batchline.worker.serving._cache import AnswerCache
 from batchline.worker.serving._chunk_writer import ChunkWriter
 from batchline.worker.serving._claims import Claims
 from batchline.worker.serving._executors import build, pads
+from batchline.worker.serving._facts import ModelFacts
 from batchline.worker.serving._generation_executor import GenerationExecutor
 from batchline.worker.serving._intake import Preparer
 from batchline.worker.serving._readcap import ReadCap
@@ -121,6 +122,7 @@ class Worker:
             calibration=s.calibration,
         )
         self._cache = AnswerCache(s, model)
+        self._facts = ModelFacts(s)
         self._own_client = redis is None
         self._redis = redis if redis is not None else connect(s)
         # The writer task's own connection (durability replicated on a cluster: to the node
@@ -353,6 +355,8 @@ class Worker:
         await ensure_groups(self._redis, self._streams_low_first)
         self._admits = await load_library(self._redis)
         await self._cache.publish(self._redis)
+        self._facts.load(self.model)
+        await self._facts.publish(self._redis)
         if self._admits:  # what waits, before the first read: highest priority read first
             await self._admitter.admit_all()
         await self._cancels.catch_up(self._redis, self.keys)
@@ -374,6 +378,12 @@ class Worker:
                 self.settings.heartbeat_s,
                 "cache",
                 lambda: self._cache.beat(self._redis, self.metrics),
+                lambda: self._closing,
+            ),
+            "facts": every(
+                self.settings.heartbeat_s,
+                "facts",
+                lambda: self._facts.publish(self._redis),
                 lambda: self._closing,
             ),
         }

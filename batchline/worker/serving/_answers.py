@@ -57,6 +57,8 @@ class Meta:
     read_unix: float
     started_unix: float = 0.0
     batch_size: int = 0
+    #: Tokens of its input, where the model counts them (``counts_tokens``): the result's tok.
+    tokens: int = 0
     _ih: str = field(default="", repr=False)
     span: Any = field(default=None, repr=False)  # its process span, tracing on (.tracing)
 
@@ -133,6 +135,7 @@ def answer(
             (now - meta.started_unix) * 1e3 if meta.started_unix else 0.0,
             worker_id,
             input_hash=ih,
+            tokens=meta.tokens if status == "ok" else 0,
         )
     except (TypeError, ValueError, RecursionError) as exc:  # the output cannot travel
         status = "error"
