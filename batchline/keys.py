@@ -17,6 +17,7 @@ layout (``docs/protocol.md`` has the full protocol)::
     <prefix>:{<queue>}:cache:<hash>       cached result of an input (opt-in; expires)
     <prefix>:{<queue>}:flight:<hash>      request id computing an input now (opt-in; expires)
     <prefix>:{<queue>}:model              the model identity workers publish (cache keys)
+    <prefix>:{<queue>}:facts              the served model's facts workers publish (JSON)
     <prefix>:{<queue>}:once               hash: resubmit and cache counters
 
 The consumer group on every work stream is :data:`GROUP`.
@@ -196,6 +197,11 @@ class QueueKeys:
     def model(self) -> str:
         """The model identity the workers publish (part of every cache hash)."""
         return f"{self.base}:model"
+
+    @property
+    def facts(self) -> str:
+        """The served model's facts the workers publish (JSON: its kind, size, context)."""
+        return f"{self.base}:facts"
 
     @property
     def once_stats(self) -> str:

@@ -21,6 +21,8 @@ recorded, with date, machine and command, are on the documentation's Benchmarks 
 - ``python -m benchmarks.admission``: admission through the queue's functions against the
   enqueue script.
 - ``python -m benchmarks.durability``: durability ``replicated`` against ``async``.
+- ``python -m benchmarks.tracing``: tracing off, on, and the version before it, on the no-op
+  model's path through Redis.
 - ``python -m benchmarks.grouping``: padding efficiency of the length grouping per read-ahead
   window (no model, no Redis).
 

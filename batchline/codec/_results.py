@@ -58,6 +58,8 @@ class Result:
         input_hash: the input hash (docs/protocol.md) of the input this answer is for (field
             ``ih``); empty where the worker wrote none (a malformed entry, an older worker).
             A producer that knows its request's input checks it.
+        tokens: how many tokens the model's tokenizer made of the input (field ``tok``);
+            0 where the worker wrote none (a model without a tokenizer, an older worker).
     """
 
     id: str
@@ -70,6 +72,7 @@ class Result:
     model_ms: float = 0.0
     worker: str = ""
     input_hash: str = ""
+    tokens: int = 0
 
     def unwrap(self) -> Any:
         """The output, or the typed error this result stands for."""
@@ -94,6 +97,7 @@ def encode_result(result: Result) -> list[bytes | str]:
     return result_fields(
         r.id, r.status, r.output, r.error_type, r.error_message,
         r.queue_ms, r.batch_size, r.model_ms, r.worker, input_hash=r.input_hash,
+        tokens=r.tokens,
     )  # fmt: skip
 
 
@@ -109,6 +113,7 @@ def result_fields(  # noqa: PLR0917 - the fields of a Result, without building o
     worker: str,
     *,
     input_hash: str = "",
+    tokens: int = 0,
 ) -> list[bytes | str]:
     """:func:`encode_result` of the Result these would make (a worker's hot path)."""
     meta, blob = pack_value(output) if status == "ok" else (b"null", b"")
@@ -138,6 +143,8 @@ def result_fields(  # noqa: PLR0917 - the fields of a Result, without building o
         fields += ("emsg", error_message)
     if input_hash:
         fields += ("ih", input_hash)
+    if tokens:
+        fields += ("tok", str(tokens))
     return fields
 
 
@@ -263,6 +270,7 @@ def decode_result(raw: Mapping[Any, Any], limits: Limits) -> Result:
         get(b"meta", b"null"),
         get(b"blob", b""),
         limits,
+        get(b"tok"),
     )
 
 
@@ -291,6 +299,7 @@ def decode_flat(flat: Any, limits: Limits) -> Result:
                 flat[7],
                 get(b"blob", b""),
                 limits,
+                get(b"tok"),
             )
     return decode_result(result_map(flat), limits)
 
@@ -298,7 +307,7 @@ def decode_flat(flat: Any, limits: Limits) -> Result:
 # The fields as result_fields writes them: always these, then any of the optional ones, in
 # this order.
 _HEAD = [b"v", b"id", b"status", b"meta", b"queue_ms", b"batch", b"model_ms", b"worker"]
-_OPTIONAL = (b"blob", b"etype", b"emsg", b"ih")
+_OPTIONAL = (b"blob", b"etype", b"emsg", b"ih", b"tok")
 _TAILS = frozenset(
     tuple(name for i, name in enumerate(_OPTIONAL) if mask >> i & 1)
     for mask in range(1 << len(_OPTIONAL))
@@ -314,6 +323,7 @@ def _checked(  # noqa: PLR0917 - a result's fields, by name
     meta: Any,
     blob: Any,
     limits: Limits,
+    tokens_field: Any = None,
 ) -> Result:
     """The Result of these fields (``texts``: the values of ``_TEXTS``, in that order),
     checked; raises DecodeError for anything off."""
@@ -331,6 +341,7 @@ def _checked(  # noqa: PLR0917 - a result's fields, by name
     if status not in _STATUSES:
         raise DecodeError(f"malformed result: unknown status {status[:200]!r}")
     queue_ms, batch, model_ms = _numbers(queue_ms_field, batch_field, model_ms_field)
+    tokens = 0 if tokens_field is None else _number(tokens_field, "tok", int)
     if ih and not _is_hash(ih):
         raise DecodeError("malformed result: ih is not 40 lower-case hex digits")
     if not (type(meta) is bytes and type(blob) is bytes):
@@ -343,7 +354,7 @@ def _checked(  # noqa: PLR0917 - a result's fields, by name
             raise
         except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # belt and braces
             raise DecodeError(f"malformed result: its output: {exc}") from None
-    return Result(rid, status, output, etype, emsg, queue_ms, batch, model_ms, worker, ih)
+    return Result(rid, status, output, etype, emsg, queue_ms, batch, model_ms, worker, ih, tokens)
 
 
 _HASH = re.compile(r"[0-9a-f]{40}")

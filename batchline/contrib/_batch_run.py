@@ -34,6 +34,7 @@ from batchline.contrib._batch_lines import (
     parse_line,
     request_id,
 )
+from batchline.contrib._facts import check_dimensions
 from batchline.contrib._files import CHUNK_LINES, FileStore
 from batchline.contrib._openai import OpenAIRoutes
 from batchline.contrib._openai_errors import OpenAIError, described, typed
@@ -43,7 +44,6 @@ from batchline.contrib._openai_schema import (
     EmbeddingRequest,
     chat_body,
     completion_body,
-    embedding_body,
     error_body,
 )
 from batchline.errors import (
@@ -111,17 +111,17 @@ class Prepared:
     answer: Callable[[Result], dict[str, Any]]
 
 
-def prepare(routes: OpenAIRoutes, url: str, body: dict[str, Any]) -> Prepared:
+async def prepare(routes: OpenAIRoutes, url: str, body: dict[str, Any]) -> Prepared:
     """A line's body as its route reads it (OpenAIError as the route would answer)."""
     raw = json.dumps(body)
     try:
         if url == "/v1/embeddings":
             emb = EmbeddingRequest.model_validate_json(raw)
-            served = routes._queue("embedding", emb.model)
+            served = routes.queue("embedding", emb.model)
+            if emb.dimensions is not None:  # refused before it is queued, as the route does
+                check_dimensions(await served.facts(), emb.dimensions, served.name)
             return Prepared(
-                served.producer,
-                emb.texts,
-                lambda r: embedding_body(served.name, emb.texts, r.output, emb.encoding_format),
+                served.producer, emb.texts, lambda r: routes.embedding_answer(served, emb, r)
             )
         chat = url == "/v1/chat/completions"
         gen = (ChatRequest if chat else CompletionRequest).model_validate_json(raw)
@@ -130,7 +130,7 @@ def prepare(routes: OpenAIRoutes, url: str, body: dict[str, Any]) -> Prepared:
         raise OpenAIError(400, message, param=param) from None
     if gen.stream:
         raise OpenAIError(400, "a batch's requests cannot stream", param="stream")
-    served = routes._queue("generation", gen.model)
+    served = routes.queue("generation", gen.model)
     build = chat_body if chat else completion_body
     return Prepared(served.producer, gen.value(), lambda r: build(r.id, served.name, r.output))
 
@@ -268,7 +268,7 @@ class BatchRun:
         try:
             if self.cancelled:
                 raise RequestCancelled(f"the batch {self.batch_id} was cancelled")
-            prepared = prepare(self.driver.routes, endpoint, line.body)
+            prepared = await prepare(self.driver.routes, endpoint, line.body)
             result = await self._run(prepared, rid)
             return _Answer(
                 index, True, output_line(line.custom_id, rid, 200, prepared.answer(result))

@@ -58,6 +58,7 @@ class BodyLimit:
         openai_prefix: where OpenAI's API is mounted (its errors take OpenAI's shape).
         paths: paths with a limit of their own (an upload: ``/v1/files``), instead of
             ``max_body_bytes``.
+        openai_paths: routes outside it whose errors take OpenAI's shape too.
     """
 
     def __init__(
@@ -67,6 +68,7 @@ class BodyLimit:
         max_body_bytes: int,
         openai_prefix: str = "/v1",
         paths: Mapping[str, int] | None = None,
+        openai_paths: tuple[str, ...] = (),
     ) -> None:
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
@@ -74,6 +76,7 @@ class BodyLimit:
         self.max_body_bytes = max_body_bytes
         self.openai_prefix = openai_prefix
         self.paths = dict(paths or {})
+        self.openai_paths = frozenset(openai_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -98,6 +101,8 @@ class BodyLimit:
     def _openai(self, scope: Scope) -> bool:
         """Whether the request is for OpenAI's API."""
         path = self._path(scope)
+        if path in self.openai_paths:
+            return True
         return path == self.openai_prefix or path.startswith(self.openai_prefix + "/")
 
 

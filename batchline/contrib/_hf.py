@@ -8,10 +8,14 @@ generation API and TEI's ``/embed``, on the OpenAI routes' queues and producers
 - ``POST /embed`` with TEI's ``{"inputs", "normalize", "truncate"}`` (told apart from the
   app's own ``{"text"}`` / ``{"texts"}`` by ``inputs``) on ``embedding_queue``: a list of
   vectors;
+- ``POST /rerank`` with TEI's ``{"query", "texts", "return_text"}`` (told apart from
+  Cohere's ``documents`` by ``texts``) on ``rerank_queue``: ``[{"index", "score"}]``, the
+  most relevant first;
 - ``POST /models/{name}``: a base URL per served model (``InferenceClient(base_url=...)``):
   the generation model's answers TGI's ``/`` (whole as a list of one, or streamed by
-  ``stream``), the embedding model's TEI's ``/embed``; ``POST /`` is the generation model's
-  where there is one, else the embedding model's.
+  ``stream``), the embedding model's TEI's ``/embed``, the rerank model's TEI's
+  ``/rerank``; ``POST /`` is the generation model's where there is one, else the
+  embedding model's, else the rerank model's.
 
 Errors are TGI's ``{"error", "error_type"}`` (:mod:`batchline.contrib._hf_errors`), with the
 OpenAI routes' statuses (422 for a request batchline cannot serve). A client that hangs up
@@ -35,14 +39,17 @@ from batchline.contrib._hf_schema import (
     PARAMS,
     SeedRequest,
     TEIEmbedRequest,
+    TEIRerankRequest,
     TGIRequest,
     details,
     generated,
+    tei_ranked,
     vectors,
 )
 from batchline.contrib._hf_stream import TGIStream, TGITiming, collected
-from batchline.contrib._openai import OpenAIRoutes, _Served
+from batchline.contrib._openai import OpenAIRoutes, Served
 from batchline.contrib._openai_errors import OpenAIError, described, log_error, typed
+from batchline.contrib._openai_rerank import ranked
 from batchline.contrib._openai_stream import unless_disconnected
 
 __all__ = ["HFRoutes"]
@@ -51,7 +58,11 @@ __all__ = ["HFRoutes"]
 M = TypeVar("M", bound=BaseModel)
 Endpoint = Callable[[Request], Awaitable[Response]]
 
-_SETTING = {"embedding": "embedding_queue", "generation": "generation_queue"}
+_SETTING = {
+    "embedding": "embedding_queue",
+    "generation": "generation_queue",
+    "rerank": "rerank_queue",
+}
 _GONE = 499  # the client went away: nobody reads this answer
 
 
@@ -121,6 +132,23 @@ class HFRoutes:
 
         return embed
 
+    def rerank_or(self, other: Endpoint) -> Endpoint:
+        """The ``/rerank`` endpoint: TEI's request (``texts``, no ``documents``) here, any
+        other body handed to ``other`` (Cohere's and Jina's shape)."""
+
+        async def rerank(request: Request) -> Response:
+            """Rank texts by their relevance to a query: TEI's ``{"query", "texts"}``, or
+            Cohere's and Jina's ``{"query", "documents"}``."""
+            try:
+                body = json.loads(await request.body())
+            except ValueError:
+                body = None  # ``other`` answers it
+            if isinstance(body, dict) and "texts" in body and "documents" not in body:
+                return await self._answer("rerank", request, self._rerank(body, request))
+            return await other(request)
+
+        return rerank
+
     @staticmethod
     def embed_openapi(model: type[BaseModel]) -> dict[str, Any]:
         """The ``/embed`` request body in the OpenAPI document: ``model`` or TEI's."""
@@ -140,7 +168,7 @@ class HFRoutes:
 
     async def model(self, name: str, request: Request) -> Response:
         """A served model's base URL: TGI's ``/`` for the generation model, TEI's
-        ``/embed`` for the embedding model."""
+        ``/embed`` for the embedding model, TEI's ``/rerank`` for the rerank model."""
         for kind, served in self._openai.served.items():
             if served.name == name:
                 return await self._compat(kind, request)
@@ -149,11 +177,11 @@ class HFRoutes:
 
     async def default(self, request: Request) -> Response:
         """TGI's ``/`` for the generation model, or TEI's for the embedding model if
-        there is no generation model."""
-        for kind in ("generation", "embedding"):
+        there is no generation model, or for the rerank model if there is neither."""
+        for kind in ("generation", "embedding", "rerank"):
             if kind in self._openai.served:
                 return await self._compat(kind, request)
-        message = "no model is served: set generation_queue or embedding_queue"
+        message = "no model is served: set generation_queue, embedding_queue or rerank_queue"
         return tgi(404, message).response()
 
     # -- running a request ---------------------------------------------------------------------
@@ -161,6 +189,8 @@ class HFRoutes:
     async def _compat(self, kind: str, request: Request) -> Response:
         if kind == "generation":
             return await self._answer("generation", request, self._generate(request, stream=None))
+        if kind == "rerank":
+            return await self._answer("rerank", request, self._rerank(None, request))
         return await self._answer("embedding", request, self._embed(None, request))
 
     @staticmethod
@@ -175,7 +205,7 @@ class HFRoutes:
             log_error(f"{request.method} {request.url.path}", error, exc)
             return TGIError(error, kind).response()
 
-    def _served(self, kind: Kind) -> _Served:
+    def _served(self, kind: Kind) -> Served:
         served = self._openai.served.get(kind)
         if served is None:
             raise tgi(404, f"no {kind} queue: set {_SETTING[kind]} to serve this route", kind)
@@ -201,7 +231,7 @@ class HFRoutes:
             output, tokens = found
             info = details(output, tgi_body.seed, tokens)
         else:
-            result = await self._openai._run(served, tgi_body.wire(), request)
+            result = await self._openai.run(served, tgi_body.wire(), request)
             if result is None:
                 return Response(status_code=_GONE)
             output, info = result.output, None
@@ -210,15 +240,15 @@ class HFRoutes:
 
     async def _seed(self, body: SeedRequest, request: Request) -> Response:
         served = self._served("generation")
-        result = await self._openai._run(served, body.wire(), request)
+        result = await self._openai.run(served, body.wire(), request)
         if result is None:
             return Response(status_code=_GONE)
         return JSONResponse({"generated": result.output["text"]})
 
-    def _timing(self, served: _Served) -> TGITiming:
+    def _timing(self, served: Served) -> TGITiming:
         return TGITiming(self._openai.timeout_s, served.producer._timed_out)
 
-    async def _stream(self, served: _Served, body: TGIRequest, request: Request) -> Response:
+    async def _stream(self, served: Served, body: TGIRequest, request: Request) -> Response:
         rid = uuid.uuid4().hex
         timing = self._timing(served)
         chunks = served.producer.stream(body.wire(), request_id=rid)
@@ -227,7 +257,7 @@ class HFRoutes:
         )
 
     async def _collected(
-        self, served: _Served, body: TGIRequest, request: Request
+        self, served: Served, body: TGIRequest, request: Request
     ) -> tuple[dict[str, Any], list[tuple[int, str]]] | None:
         """The output and its tokens' texts, from the request's stream (each token's text
         is known only there); None if the client went away."""
@@ -245,10 +275,25 @@ class HFRoutes:
             body = await _json(request, "embedding")
         tei = _validated(TEIEmbedRequest, body, "embedding")
         served = self._served("embedding")
-        result = await self._openai._run(served, tei.texts, request)
+        result = await self._openai.run(served, tei.texts, request)
         if result is None:
             return Response(status_code=_GONE)
         try:
             return JSONResponse(vectors(result.output, len(tei.texts), normalize=tei.normalize))
         except ValueError as exc:
             raise TGIError(OpenAIError(500, str(exc), "server_error"), "embedding") from None
+
+    async def _rerank(self, body: Any, request: Request) -> Response:
+        """TEI's ``/rerank``: the texts ranked by their scores (``body`` None: read it)."""
+        if body is None:
+            body = await _json(request, "rerank")
+        tei = _validated(TEIRerankRequest, body, "rerank")
+        served = self._served("rerank")
+        result = await self._openai.run(served, tei.value(), request)
+        if result is None:
+            return Response(status_code=_GONE)
+        try:
+            results = ranked(result.output, tei.texts, top_n=None, documents=False)
+        except ValueError as exc:
+            raise TGIError(OpenAIError(500, str(exc), "server_error"), "rerank") from None
+        return JSONResponse(tei_ranked(results, tei.texts, text=tei.return_text))

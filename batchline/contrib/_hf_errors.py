@@ -3,8 +3,8 @@
 The status is the OpenAI routes' for the same failure
 (:func:`~batchline.contrib._openai_errors.typed`), except that a request batchline cannot
 serve is 422, as TGI answers it; ``error_type`` is TGI's word where it has one
-(``validation``, ``overloaded``, ``generation``), TEI's ``backend`` for an embedding model's
-failure, else batchline's own (``not_found``, ``cancelled``, ``unavailable``, ``timeout``,
+(``validation``, ``overloaded``, ``generation``), TEI's ``backend`` for an embedding or rerank
+model's failure, else batchline's own (``not_found``, ``cancelled``, ``unavailable``, ``timeout``,
 ``server_error``).
 """
 
@@ -21,7 +21,7 @@ from batchline.contrib._openai_schema import sse
 
 __all__ = ["Kind", "TGIError", "tgi"]
 
-Kind = Literal["embedding", "generation"]
+Kind = Literal["embedding", "generation", "rerank"]
 
 _TYPES = {
     400: "validation",

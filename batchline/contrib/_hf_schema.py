@@ -20,12 +20,14 @@ import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from batchline.contrib._common import MAX_TEXT_CHARS
+from batchline.contrib._extra_schema import MAX_RERANK_DOCUMENTS
 from batchline.contrib._openai_schema import MAX_EMBEDDING_INPUTS
 
 __all__ = [
     "PARAMS",
     "SeedRequest",
     "TEIEmbedRequest",
+    "TEIRerankRequest",
     "TGIParameters",
     "TGIRequest",
     "TokenTexts",
@@ -34,6 +36,7 @@ __all__ = [
     "finish_reason",
     "generated",
     "stream_event",
+    "tei_ranked",
     "vectors",
 ]
 
@@ -169,10 +172,29 @@ class TEIEmbedRequest(_Strict):
         return [self.inputs] if isinstance(self.inputs, str) else self.inputs
 
 
+class TEIRerankRequest(_Strict):
+    """TEI's ``/rerank``: ``texts`` ranked by their relevance to ``query``, each answer
+    ``{"index", "score"}`` (and ``text`` where ``return_text``), the most relevant first.
+    Scores are the cross-encoder's as its worker answers them (its activation applied: a
+    sigmoid for a one-label model), so ``raw_scores: true`` is refused; ``truncate`` as for
+    ``/embed`` (the workers always cut a pair to their model's length)."""
+
+    query: _Text
+    texts: Annotated[list[_Text], Field(min_length=1, max_length=MAX_RERANK_DOCUMENTS)]
+    return_text: bool = False
+    raw_scores: Annotated[bool, _no_op(False)] = False
+    truncate: Annotated[bool | None, _no_op(None, True)] = None
+    truncation_direction: Annotated[str | None, _no_op(None)] = None
+
+    def value(self) -> dict[str, Any]:
+        """The rerank value a cross-encoder worker reads (docs/protocol.md, Rerank)."""
+        return {"query": self.query, "documents": self.texts}
+
+
 #: The request models' field names: what a validation error may name.
 PARAMS = frozenset(
     name
-    for model in (TGIParameters, TGIRequest, SeedRequest, TEIEmbedRequest)
+    for model in (TGIParameters, TGIRequest, SeedRequest, TEIEmbedRequest, TEIRerankRequest)
     for name in model.model_fields
 )
 
@@ -297,3 +319,15 @@ def vectors(output: Any, count: int, *, normalize: bool) -> list[list[float]]:
         norms = np.linalg.norm(matrix, axis=1, keepdims=True)
         matrix = np.divide(matrix, norms, out=np.zeros_like(matrix), where=norms > 0)
     return [row.astype(float).tolist() for row in matrix]
+
+
+def tei_ranked(results: list[dict[str, Any]], texts: list[str], *, text: bool) -> list[Any]:
+    """TEI's rerank answer from the ranked results (``index``, ``relevance_score``) of
+    :func:`batchline.contrib._openai_rerank.ranked`."""
+    out = []
+    for row in results:
+        answer: dict[str, Any] = {"index": row["index"], "score": row["relevance_score"]}
+        if text:
+            answer["text"] = texts[row["index"]]
+        out.append(answer)
+    return out

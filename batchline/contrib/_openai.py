@@ -1,11 +1,15 @@
 """OpenAI-compatible routes, mounted at ``/v1`` by :func:`batchline.contrib.fastapi.create_app`.
 
 - ``POST /v1/embeddings`` submits to ``embedding_queue`` (an embedding worker's);
+- ``POST /v1/rerank`` to ``rerank_queue`` (registered by the app:
+  :mod:`batchline.contrib._openai_rerank`);
 - ``POST /v1/completions`` and ``POST /v1/chat/completions`` to ``generation_queue`` (a
   ``--model generate`` worker's), whole or, with ``stream: true``, as server-sent events
   ending in ``data: [DONE]``;
 - ``GET /v1/models`` (and ``/v1/models/{id}``) lists the served model names:
-  ``embedding_model_name`` and ``generation_model_name``, by default the queues' names.
+  ``embedding_model_name`` and ``generation_model_name``, by default the queues' names, with
+  the facts their workers publish (:mod:`batchline.contrib._facts`), against which an
+  embedding's ``dimensions`` is checked before anything is queued.
 
 A route whose queue is not set answers 404 naming the setting; a ``model`` that is not the
 route's served name answers 404 (``model_not_found``). Every error is OpenAI's error
@@ -33,6 +37,7 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchline.config import ProducerSettings, WebSettings
+from batchline.contrib._facts import card, check_dimensions, read_facts, truncated
 from batchline.contrib._openai_errors import (
     OpenAIError,
     answer_batchline,
@@ -46,6 +51,7 @@ from batchline.contrib._openai_schema import (
     chat_body,
     completion_body,
     embedding_body,
+    embedding_matrix,
     head,
 )
 from batchline.contrib._openai_stream import (
@@ -57,28 +63,56 @@ from batchline.contrib._openai_stream import (
 )
 from batchline.errors import BatchlineError, RequestTimeout
 from batchline.producer import AsyncProducer, Handle, Result, StreamChunk
+from batchline.transport._redis import RedisClient, connect
 
-__all__ = ["OpenAIRoutes"]
+__all__ = ["OpenAIRoutes", "Served"]
 
 
-Kind = Literal["embedding", "generation"]
-_SETTING = {"embedding": "embedding_queue", "generation": "generation_queue"}
-_ROUTES = {"embedding": "embeddings", "generation": "completions and chat completions"}
+Kind = Literal["embedding", "generation", "rerank"]
+_SETTING = {
+    "embedding": "embedding_queue",
+    "generation": "generation_queue",
+    "rerank": "rerank_queue",
+}
+_ROUTES = {
+    "embedding": "embeddings",
+    "generation": "completions and chat completions",
+    "rerank": "rerank",
+}
 
 
 @dataclass
-class _Served:
+class Served:
     """A queue the routes submit to: its model name and the producer opened for it."""
 
     name: str
     settings: ProducerSettings
     opened: AsyncProducer | None = field(default=None, repr=False)
+    client: RedisClient = field(default=None, repr=False)
 
     @property
     def producer(self) -> AsyncProducer:
         if self.opened is None:
             raise RuntimeError("the app's lifespan has not run: serve it with an ASGI server")
         return self.opened
+
+    async def open(self) -> None:
+        self.client = connect(self.settings)
+        self.opened = AsyncProducer(self.settings, redis=self.client)
+        await self.opened.start()
+
+    async def aclose(self) -> None:
+        if self.opened is not None:
+            await self.opened.aclose()  # waiting requests get BatcherClosed
+        if self.client is not None:
+            await self.client.aclose()
+        self.opened = self.client = None
+
+    async def facts(self) -> dict[str, Any] | None:
+        """The facts its workers publish (docs/protocol.md, Model facts), or None."""
+        if self.client is None:
+            raise RuntimeError("the app's lifespan has not run: serve it with an ASGI server")
+        return await read_facts(self.client, self.settings.keys)
 
 
 class OpenAIRoutes:
@@ -94,9 +128,9 @@ class OpenAIRoutes:
         self.timeout_s = timeout_s
         self.created = int(time.time())
         names = settings.served_models() if isinstance(settings, WebSettings) else {}
-        self.served: dict[str, _Served] = {}
+        self.served: dict[str, Served] = {}
         for kind, queue in self._queues(settings).items():
-            self.served[kind] = _Served(names[kind], settings.model_copy(update={"queue": queue}))
+            self.served[kind] = Served(names[kind], settings.model_copy(update={"queue": queue}))
         self.app = self._make_app()
 
     @staticmethod
@@ -106,6 +140,7 @@ class OpenAIRoutes:
         queues: dict[Kind, str | None] = {
             "embedding": settings.embedding_queue,
             "generation": settings.generation_queue,
+            "rerank": settings.rerank_queue,
         }
         return {kind: q for kind, q in queues.items() if q is not None}
 
@@ -114,14 +149,11 @@ class OpenAIRoutes:
         """Open a producer per served queue for the app's lifetime."""
         try:
             for served in self.served.values():
-                served.opened = AsyncProducer(served.settings)
-                await served.opened.start()
+                await served.open()
             yield
         finally:
             for served in self.served.values():
-                if served.opened is not None:
-                    await served.opened.aclose()  # waiting requests get BatcherClosed
-                    served.opened = None
+                await served.aclose()
 
     def _make_app(self) -> FastAPI:
         app = FastAPI(
@@ -143,24 +175,23 @@ class OpenAIRoutes:
 
     # -- routes --------------------------------------------------------------------------------
 
-    def _model_object(self, served: _Served) -> dict[str, Any]:
+    async def _model_object(self, served: Served) -> dict[str, Any]:
         return {
             "id": served.name,
             "object": "model",
             "created": self.created,
             "owned_by": "batchline",
+            **card(await served.facts()),
         }
 
     async def models(self) -> dict[str, Any]:
-        """The served model names."""
-        return {"object": "list", "data": [self._model_object(s) for s in self.served.values()]}
+        """The served models, with the facts their workers publish."""
+        data = [await self._model_object(s) for s in self.served.values()]
+        return {"object": "list", "data": data}
 
     async def model(self, model_id: str) -> dict[str, Any]:
         """One served model."""
-        for served in self.served.values():
-            if served.name == model_id:
-                return self._model_object(served)
-        raise self._not_found(model_id)
+        return await self._model_object(self.named(model_id))
 
     def _not_found(self, model: str) -> OpenAIError:
         names = sorted(s.name for s in self.served.values())
@@ -171,7 +202,14 @@ class OpenAIRoutes:
             code="model_not_found",
         )
 
-    def _queue(self, kind: Kind, model: str) -> _Served:
+    def named(self, model: str) -> Served:
+        """The served queue whose model is ``model``, of any kind; 404 otherwise."""
+        for served in self.served.values():
+            if served.name == model:
+                return served
+        raise self._not_found(model)
+
+    def queue(self, kind: Kind, model: str) -> Served:
         """The served queue of ``kind`` if ``model`` names it; 404 otherwise."""
         served = self.served.get(kind)
         if served is None:
@@ -192,16 +230,25 @@ class OpenAIRoutes:
 
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
         """Embed a text or a list of texts."""
-        served = self._queue("embedding", body.model)
-        texts = body.texts
-        result = await self._run(served, texts, request)
+        served = self.queue("embedding", body.model)
+        if body.dimensions is not None:  # refused before anything is queued
+            check_dimensions(await served.facts(), body.dimensions, served.name)
+        result = await self.run(served, body.texts, request)
         if result is None:
             return Response(status_code=499)
+        return JSONResponse(self.embedding_answer(served, body, result))
+
+    @staticmethod
+    def embedding_answer(served: Served, body: EmbeddingRequest, result: Result) -> dict[str, Any]:
+        """The answer of an embeddings request from its ``ok`` result (the route's, and a
+        batch line's)."""
         try:
-            answer = embedding_body(served.name, texts, result.output, body.encoding_format)
+            matrix = embedding_matrix(result.output, body.texts)
         except ValueError as exc:
             raise OpenAIError(500, str(exc), "server_error") from None
-        return JSONResponse(answer)
+        if body.dimensions is not None:
+            matrix = truncated(matrix, body.dimensions)
+        return embedding_body(served.name, matrix, body.encoding_format, result.tokens)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         """Complete a prompt."""
@@ -216,7 +263,7 @@ class OpenAIRoutes:
     async def _generate(
         self, body: CompletionRequest | ChatRequest, request: Request, *, chat: bool
     ) -> Response:
-        served = self._queue("generation", body.model)
+        served = self.queue("generation", body.model)
         if body.stream:
             rid = uuid.uuid4().hex  # the request's id, and the chunks'
             info = StreamInfo(
@@ -230,18 +277,20 @@ class OpenAIRoutes:
             return await self._stream(
                 chunks, info, request, lambda first: EventStream(first, chunks, info)
             )
-        result = await self._run(served, body.value(), request)
+        result = await self.run(served, body.value(), request)
         if result is None:
             return Response(status_code=499)
         build = chat_body if chat else completion_body
         return JSONResponse(build(result.id, served.name, result.output))
 
-    async def _run(self, served: _Served, value: Any, request: Request) -> Result | None:
+    async def run(
+        self, served: Served, value: Any, request: Request, *, priority: int | None = None
+    ) -> Result | None:
         """Submit, and wait for an ``ok`` result (any other raises its typed error); None
         if the client went away first. Either way, a request nobody waits for any more is
         cancelled."""
         producer = served.producer
-        handle = await producer.submit(value)
+        handle = await producer.submit(value, priority=priority)
         try:
             result = await unless_disconnected(
                 request.receive, producer.wait(handle, self.timeout_s)

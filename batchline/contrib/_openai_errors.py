@@ -11,17 +11,19 @@ fate is unknown (``enqueue_uncertain``); 504 no answer in time; 500 the model fa
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchline.contrib._common import INPUT_ERRORS, RETRY_AFTER_S
-from batchline.contrib._openai_schema import PARAMS, error_body, sse
+from batchline.contrib._extra_schema import ALL_PARAMS
+from batchline.contrib._openai_schema import error_body, sse
 from batchline.errors import (
     BatcherClosed,
     BatchlineError,
@@ -39,11 +41,16 @@ __all__ = [
     "answer_batchline",
     "answer_http",
     "answer_invalid",
+    "body_of",
     "described",
+    "guarded",
+    "invalid",
     "typed",
 ]
 
 logger = logging.getLogger(__name__)
+
+_Model = TypeVar("_Model", bound=BaseModel)
 
 
 class OpenAIError(Exception):
@@ -146,7 +153,7 @@ def _chosen(errors: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def described(
-    errors: Sequence[dict[str, Any]], params: frozenset[str] = PARAMS
+    errors: Sequence[dict[str, Any]], params: frozenset[str] = ALL_PARAMS
 ) -> tuple[str | None, str]:
     """The first bad parameter of a validation's errors (one of ``params``, the request
     models' field names) and the message that names it."""
@@ -155,13 +162,38 @@ def described(
     return param, f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
 
 
+def invalid(errors: Sequence[dict[str, Any]], fallback: str = "invalid body") -> OpenAIError:
+    """The 400 for a body that fails validation (pydantic's errors), naming the first bad
+    parameter."""
+    if not errors:
+        return OpenAIError(400, fallback)
+    param, message = described(errors)
+    return OpenAIError(400, message, param=param)
+
+
 async def answer_invalid(_request: Request, exc: Exception) -> Response:
     """A body that fails validation: 400, naming the first bad parameter."""
     errors = exc.errors() if isinstance(exc, RequestValidationError) else []
-    if not errors:
-        return OpenAIError(400, str(exc)).response()
-    param, message = described(errors)
-    return OpenAIError(400, message, param=param).response()
+    return invalid(errors, str(exc)).response()
+
+
+async def body_of(request: Request, model: type[_Model]) -> _Model:
+    """The request's JSON body validated as ``model``; OpenAIError (400) naming the first
+    bad parameter. For routes outside the ``/v1`` app, whose validation errors are FastAPI's
+    own (``/tokenize``, ``/rerank``)."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise invalid([dict(e) for e in exc.errors()], str(exc)) from None
+
+
+async def guarded(request: Request, answer: Awaitable[Response]) -> Response:
+    """``answer``, or what it raised as OpenAI's error object (the ``/v1`` app's handlers,
+    for routes outside it)."""
+    try:
+        return await answer
+    except Exception as exc:
+        return await answer_batchline(request, exc)
 
 
 async def answer_http(_request: Request, exc: Exception) -> Response:

@@ -40,6 +40,7 @@ __all__ = [
     "chunk_body",
     "completion_body",
     "embedding_body",
+    "embedding_matrix",
     "error_body",
     "finish_reason",
     "head",
@@ -89,7 +90,9 @@ class EmbeddingRequest(_Body):
 
     input: _Text | Annotated[list[_Text], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: _Unsupported = None  # the model's own size is what it returns
+    #: Fewer dimensions: each vector cut to its first ``dimensions``, then renormalized
+    #: (the model must allow it: its facts' ``matryoshka``).
+    dimensions: Annotated[int, Field(ge=1, le=_INT64_MAX)] | None = None
 
     @property
     def texts(self) -> list[str]:
@@ -333,17 +336,23 @@ def sse(body: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
 
-def embedding_body(
-    model: str, texts: list[str], output: Any, encoding: Literal["float", "base64"]
-) -> dict[str, Any]:
-    """A ``list`` of ``embedding`` objects from a worker's output for a list of texts (one
-    row each). ``base64``: each vector's little-endian float32 bytes. ``usage`` is 0: an
-    embedding result carries no token count."""
+def embedding_matrix(output: Any, texts: list[str]) -> np.ndarray[Any, Any]:
+    """A worker's output for a list of texts as a matrix, one row each; ValueError for
+    any other shape."""
     matrix = np.asarray(output)
     if matrix.ndim != 2 or matrix.shape[0] != len(texts):
         raise ValueError(
             f"the embedding worker answered shape {matrix.shape} for {len(texts)} texts"
         )
+    return matrix
+
+
+def embedding_body(
+    model: str, matrix: np.ndarray[Any, Any], encoding: Literal["float", "base64"], tokens: int
+) -> dict[str, Any]:
+    """A ``list`` of ``embedding`` objects, one per row of ``matrix``. ``base64``: each
+    vector's little-endian float32 bytes. ``tokens``: the input's, as the model's tokenizer
+    counted them (0: the worker did not say)."""
     data = []
     for i, row in enumerate(matrix):
         vector: Any = (
@@ -356,5 +365,5 @@ def embedding_body(
         "object": "list",
         "data": data,
         "model": model,
-        "usage": {"prompt_tokens": 0, "total_tokens": 0},
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }

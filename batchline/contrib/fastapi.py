@@ -20,6 +20,10 @@ shutdown; workers (``batchline worker``) do the inference. Routes:
   else the embedding model's): Hugging Face's native API on the same two queues, what
   ``huggingface_hub.InferenceClient`` speaks, errors in TGI's shape
   (:mod:`batchline.contrib._hf`).
+- ``POST /rerank`` (and ``/v1/rerank``, Cohere's and Jina's shape) on ``rerank_queue``
+  (:mod:`batchline.contrib._openai_rerank`), and TEI's (``texts``) at ``/rerank``;
+- ``POST /tokenize`` and ``/detokenize`` (vLLM's) for every model served under ``/v1``
+  (:mod:`batchline.contrib._tokenize`), errors in OpenAI's shape.
 
 Errors: a body over ``max_body_bytes`` (2 MiB) is 413, answered before the body is read
 whole and closing the connection, on every route (:mod:`batchline.contrib._body_limit`); a
@@ -61,6 +65,8 @@ from batchline.contrib._body_limit import BodyLimit
 from batchline.contrib._common import INPUT_ERRORS, MAX_TEXT_CHARS, RETRY_AFTER_S
 from batchline.contrib._hf import HFRoutes
 from batchline.contrib._openai import OpenAIRoutes
+from batchline.contrib._openai_rerank import RERANK_PATHS, RerankRoutes
+from batchline.contrib._tokenize import TOKENIZE_PATHS, TokenizeRoutes
 from batchline.errors import (
     BatcherClosed,
     BatchlineError,
@@ -456,6 +462,13 @@ def create_app(
     )
     app.add_api_route("/healthz", backend.healthz, methods=["GET"], response_model=None)
     hf.add_routes(app)  # /generate, /generate_stream, /models/{name}, /
+    rerank = RerankRoutes(openai)
+    openai.app.add_api_route("/rerank", rerank.rerank, methods=["POST"], response_model=None)
+    # /rerank: Cohere's and Jina's body, or TEI's (``texts``)
+    app.add_api_route("/rerank", hf.rerank_or(rerank.rerank), methods=["POST"], response_model=None)
+    tokens = TokenizeRoutes(openai)
+    app.add_api_route("/tokenize", tokens.tokenize, methods=["POST"], response_model=None)
+    app.add_api_route("/detokenize", tokens.detokenize, methods=["POST"], response_model=None)
     app.add_exception_handler(RedisError, _redis_unavailable)
     app.add_exception_handler(ServiceUnavailable, _service_unavailable)
     app.add_exception_handler(EnqueueUncertain, _enqueue_uncertain)  # EnqueueTimeout too
@@ -465,10 +478,12 @@ def create_app(
         if isinstance(settings, WebSettings)
         else int(WebSettings.model_fields["max_body_bytes"].default)
     )
+    openai_paths = RERANK_PATHS + TOKENIZE_PATHS  # outside /v1, in OpenAI's shape
     app.add_middleware(
         BodyLimit,
         max_body_bytes=max_body_bytes,
         openai_prefix="/v1",
+        openai_paths=openai_paths,
         paths={"/v1/files": batches.max_upload_bytes},  # an upload is read as it arrives
     )
     return app

@@ -7,7 +7,9 @@ and batchline through Redis (a private redis-server and one ``--model generate``
 
 (a) uniform: N chat prompts, greedy, 32 new tokens each, all submitted at once.
 (b) mixed: M prompts, max_new_tokens drawn from 8..256, arriving open-loop (Poisson) to
-batchline; static batching and transformers' manager get them all at once.
+batchline; static batching and transformers' manager get them all at once, and in a second
+transformers row (arrivals) the manager gets them at the same times as batchline, streamed,
+its time to first token measured. batchline runs ``--max-running`` sequences at most (64).
 Tokens counted are the useful ones: each request's own tokens up to its EOS or limit.
 
 Every row is warmed up (a short untimed run) before anything is timed, and the worker
@@ -43,6 +45,7 @@ import argparse
 import asyncio
 import random
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -134,12 +137,18 @@ def paged_model(path: str, device: Any, dtype: Any) -> Any:
     return model.to(device).eval()
 
 
-def tf_batch(model: Any, tok: Any, chats: list[Any], limits: list[int]) -> Result:
+def tf_batch(
+    model: Any, tok: Any, chats: list[Any], limits: list[int], gaps: list[float] | None = None
+) -> Result:
     """transformers' continuous batching, tuned as the issue says
     (``ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=512)``), through the manager
     that ``generate_batch`` drives, with each request's own ``max_new_tokens`` (which
     ``generate_batch`` cannot give: it has one for all). Timed from the manager's start (its
-    cache allocation, as in ``generate_batch``) to the last result."""
+    cache allocation, as in ``generate_batch``) to the last result.
+
+    ``gaps`` None: every request added at once, as ``generate_batch`` does. Else each is
+    added at its arrival (a thread sleeping out the gaps, as batchline's callers do), streamed,
+    and its time to first token measured from its arrival to its first token's output."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
@@ -160,24 +169,56 @@ def tf_batch(model: Any, tok: Any, chats: list[Any], limits: list[int]) -> Resul
     )
     cb = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=512)
     outs: dict[str, Any] = {}
+    sent: dict[str, float] = {}
+    first: dict[str, float] = {}
     start = time.perf_counter()
     with model.continuous_batching_context_manager(
         generation_config=config, continuous_batching_config=cb, timeout=5, workload_hints=hints
     ) as manager:
-        for k, (prompt, limit) in enumerate(zip(ids, limits, strict=True)):
-            manager.add_request(prompt, request_id=f"r{k}", max_new_tokens=limit)
+
+        def add(k: int) -> None:
+            sent[f"r{k}"] = time.perf_counter()
+            streaming = gaps is not None
+            manager.add_request(
+                ids[k], request_id=f"r{k}", max_new_tokens=limits[k], streaming=streaming
+            )
+
+        feeder = None
+        if gaps is None:
+            for k in range(len(ids)):
+                add(k)
+        else:
+            arrivals = [sum(gaps[: i + 1]) for i in range(len(gaps))]
+
+            def feed() -> None:
+                for k, at in enumerate(arrivals):
+                    time.sleep(max(0.0, start + at - time.perf_counter()))
+                    add(k)
+
+            feeder = threading.Thread(target=feed, daemon=True)
+            feeder.start()
         while len(outs) < len(ids):
             out = manager.get_result(timeout=1)
-            if out is not None and out.is_finished():
+            if out is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' generation thread ended early")
+                continue
+            if out.request_id not in first and len(out.generated_tokens):
+                first[out.request_id] = time.perf_counter()
+            if out.is_finished():
                 outs[out.request_id] = out
-            elif out is None and not manager.is_running():
-                raise RuntimeError("transformers' generation thread ended early")
+        if feeder is not None:
+            feeder.join()
     wall = time.perf_counter() - start
     eos = {int(tok.eos_token_id)}
     total = sum(
         useful(list(outs[f"r{k}"].generated_tokens), limit, eos) for k, limit in enumerate(limits)
     )
-    return {"tokens": total, "wall_s": wall}
+    result: Result = {"tokens": total, "wall_s": wall}
+    if gaps is not None:
+        ttft = [first[r] - sent[r] for r in first]
+        result.update({"ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99)})
+    return result
 
 
 # -- batchline ---------------------------------------------------------------------------------
@@ -216,11 +257,20 @@ async def ours(gen: Generator, chats: list[Any], limits: list[int], gaps: list[f
 # -- the rows and their summary ----------------------------------------------------------------
 
 
-def show(name: str, r: Result, base: dict[str, float], ttft_vs: float | None = None) -> None:
+def show(
+    name: str,
+    r: Result,
+    base: dict[str, float],
+    ttft_vs: float | None = None,
+    p99s: dict[str, float] | None = None,
+) -> None:
     """One row: its rate, the latencies it has, its rate over each of ``base`` and, given
-    ``ttft_vs`` (the in-process p50), its time to first token over that."""
+    ``ttft_vs`` (the in-process p50), its time to first token over that; given ``p99s`` (the
+    bases' TTFT p99s, where they have one), its TTFT p99 over each."""
     rate = r["tokens"] / r["wall_s"]
     ratios = [f"{rate / v:.2f}x {k}" for k, v in base.items() if v]
+    if "ttft_p99" in r:
+        ratios += [f"ttft p99 {r['ttft_p99'] / v:.2f}x {k}'s" for k, v in (p99s or {}).items() if v]
     if ttft_vs:
         ratios.append(f"ttft p50 {r['ttft_p50'] / ttft_vs:.2f}x in process")
     extra = ""
@@ -231,7 +281,7 @@ def show(name: str, r: Result, base: dict[str, float], ttft_vs: float | None = N
     if "mean_batch" in r:
         extra += f" mean batch {r['mean_batch']:.1f}"
     print(
-        f"{name:<28} {r['tokens']:>6.0f} tok {r['wall_s']:7.1f} s {rate:7.1f} tok/s{extra}  "
+        f"{name:<34} {r['tokens']:>6.0f} tok {r['wall_s']:7.1f} s {rate:7.1f} tok/s{extra}  "
         + " ".join(ratios),
         flush=True,
     )
@@ -278,7 +328,8 @@ class Workload:
         rates = {n: m["tokens"] / m["wall_s"] for n, m in medians.items()}
         for name, m in medians.items():
             vs = medians[self.ttft_vs[name]]["ttft_p50"] if name in self.ttft_vs else None
-            show(name, m, {b: rates[b] for b in self.bases[name]}, vs)
+            p99s = {b: medians[b]["ttft_p99"] for b in self.bases[name] if "ttft_p99" in medians[b]}
+            show(name, m, {b: rates[b] for b in self.bases[name]}, vs, p99s)
 
 
 def redis_ab(gen: Generator, redis: RedisWorker, n: int, new: int, rounds: int) -> None:
@@ -367,6 +418,10 @@ def workloads(
         if paged is not None:
             w.add("generate_batch (tuned)", lambda: tf_batch(paged, tok, chats, limits), stat)
             bases.append("generate_batch (tuned)")
+            if any(gaps):  # the same arrivals as batchline's, streamed: its TTFT too
+                arriving = "generate_batch (tuned, arrivals)"
+                w.add(arriving, lambda: tf_batch(paged, tok, chats, limits, gaps), stat)
+                bases.append(arriving)
         w.add("batchline", lambda: asyncio.run(ours(gen, chats, limits, gaps)), *bases)
         if redis is not None:
             w.add("batchline through Redis", lambda: redis.run(chats, limits, gaps), "batchline")
@@ -393,7 +448,8 @@ def workloads(
     gaps = [rnd.expovariate(rate_per_s) for _ in range(n_mixed)]
     b = Workload(
         f"(b) mixed: {n_mixed} prompts, max_new_tokens 8..{hi}, Poisson arrivals "
-        f"{rate_per_s:.0f}/s (static and generate_batch get them all at once)"
+        f"{rate_per_s:.0f}/s (static and generate_batch get them all at once; generate_batch"
+        " (arrivals) as batchline does)"
     )
     b.add("static (batches of 32)", lambda: static(model, tok, mixed, mixed_limits, 32))
     rows(b, mixed, mixed_limits, gaps, "static (batches of 32)")
@@ -425,6 +481,13 @@ def parse() -> argparse.Namespace:
         "--stream-ab", action="store_true", help="only: through Redis, streaming vs infer"
     )
     ap.add_argument("--rounds", type=int, default=2, help="with --*-ab [default 2]")
+    ap.add_argument(
+        "--max-running",
+        type=int,
+        default=64,
+        help="batchline's sequences running at once, in process and the worker's --batch-size"
+        " [default 64]",
+    )
     ap.add_argument(
         "--repeats", type=int, default=1, help="runs of every row, interleaved [default 1]"
     )
@@ -461,7 +524,7 @@ def measure(args: argparse.Namespace, redis: RedisWorker | None) -> None:
     """The in-process rows beside ``redis``'s: an A/B comparison or the workloads."""
     model, tok = load(args)
     print(f"device {model.device}, dtype {model.dtype}", flush=True)
-    gen = Generator(model, tokenizer=tok, max_batch_size=32)
+    gen = Generator(model, tokenizer=tok, max_batch_size=args.max_running)
     try:
         if (args.redis_ab or args.http_ab) and redis is not None:
             ab = redis_ab if args.redis_ab else http_ab
@@ -484,7 +547,7 @@ def main() -> None:
     torch.manual_seed(0)
     redis = None
     if args.stream_ab or not args.skip_redis:  # loaded before any timing
-        redis = RedisWorker(32, args.device, args.dtype, args.model_path)
+        redis = RedisWorker(args.max_running, args.device, args.dtype, args.model_path)
     try:
         if redis is not None and args.stream_ab:
             stream_ab(redis, 8 if args.quick else 32, 16 if args.quick else 32, args.rounds)

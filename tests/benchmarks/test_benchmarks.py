@@ -296,3 +296,19 @@ def test_bench_dtype_smoke() -> None:
     assert "minimum cosine to float32 0.99" in out
     assert "greedy match, batchline in bfloat16 against model.generate in bfloat16: 2/2" in out
     assert "native bfloat16 flags:" in out
+
+
+@pytest.mark.slow
+def test_bench_tracing_smoke() -> None:
+    """A few requests each of the three ways (off, on, the version before tracing): it runs,
+    goes round them and prints their ratios; off imports none of batchline's tracing."""
+    pytest.importorskip("opentelemetry.sdk.trace")
+    if subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], check=False).returncode:
+        pytest.skip("needs the git checkout (the previous version comes from it)")
+    argv = ["--requests", "300", "--inflight", "100", "--idle", "20", "--repeats", "2"]
+    out = _bench(["benchmarks.tracing", *argv, "--previous", "HEAD"], 300)
+    assert "2 interleaved repeats" in out, out
+    for figure in ("requests/s", "idle p50 ms", "worker CPU µs/request"):
+        assert re.search(rf"^{re.escape(figure)} .* ([0-9.]+|-) +([0-9.]+|-)$", out, re.M), out
+    assert "off: the producer imported batchline.tracing._otel: no" in out, out
+    assert "on: the producer imported batchline.tracing._otel: yes" in out, out

@@ -110,7 +110,7 @@ def test_the_openai_client_embeds_completes_and_chats(
     # Embeddings: the client asks for base64 unless told; both decode to the same floats.
     one = client.embeddings.create(model=queue, input="hello")
     assert one.data[0].embedding == vector("hello")
-    assert one.usage.prompt_tokens == 0  # an embedding result carries no token count
+    assert one.usage.prompt_tokens == 0  # a batch function's result carries no token count
     several = client.embeddings.create(model=queue, input=["a", "bb"], encoding_format="float")
     assert [d.embedding for d in several.data] == [vector("a"), vector("bb")]
     assert [d.index for d in several.data] == [0, 1]

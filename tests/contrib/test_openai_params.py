@@ -94,7 +94,7 @@ EMBEDDINGS: list[tuple[dict[str, Any], str]] = [
     *[({"input": v}, "input.[1]") for v in (["ok", ""], ["ok", 5], ["ok", "x" * 20_001])],
     ({"input": [1, 2]}, "input.[0]"),  # (token arrays are not taken)
     ({"encoding_format": "int8"}, "encoding_format"),
-    ({"dimensions": 256}, "dimensions"),
+    *[({"dimensions": v}, "dimensions") for v in (0, -1, "8", 8.0, True, 2**63)],
     ({"user": 5}, "user"),
     ({"model": 5}, "model"),
     ({"foo": 1}, "foo"),
@@ -158,7 +158,7 @@ def test_the_official_client_gets_the_400s_of_strict_parameters(
         client.completions.create(model=gen_queue, prompt="x", max_tokens=0)
     assert refused.value.param == "max_tokens"
     with pytest.raises(openai.BadRequestError) as refused:
-        client.embeddings.create(model=queue, input="x", dimensions=256)
+        client.embeddings.create(model=queue, input="x", dimensions=0)
     assert refused.value.param == "dimensions"
 
 

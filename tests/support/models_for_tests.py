@@ -226,6 +226,15 @@ class ByteTokenizer:
         return data.decode("utf-8", "replace")
 
 
+#: The layers of the tiny random models (this module's Llama, tests/support/tiny.py's).
+TINY_LAYERS = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+}
+
+
 def tiny_llama(dtype: str = "float64") -> tuple[Any, ByteTokenizer]:
     """A 2-layer Llama with random weights (seed 0) and a byte tokenizer; float64 by default
     so that padding numerics never flip a greedy choice.
@@ -239,10 +248,7 @@ def tiny_llama(dtype: str = "float64") -> tuple[Any, ByteTokenizer]:
     tok = ByteTokenizer()
     config = transformers.LlamaConfig(
         vocab_size=tok.vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **TINY_LAYERS,
         num_key_value_heads=2,
         max_position_embeddings=512,
         eos_token_id=tok.eos_token_id,

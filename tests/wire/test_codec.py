@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -21,11 +22,13 @@ from batchline.codec import (
     decode_result,
     encode_request,
     encode_result,
+    pack_result,
     pack_value,
     request_value,
     unpack_value,
 )
 from batchline.codec._requests import decode_requests
+from batchline.codec._results import decode_flat
 from batchline.errors import InferenceError, RequestCancelled, RequestExpired
 
 from tests.support.codec_fields import LIMITS, as_redis, json_values
@@ -239,6 +242,21 @@ def test_result_round_trip(result: Result) -> None:
     assert got.queue_ms == pytest.approx(result.queue_ms)
     assert got.model_ms == pytest.approx(result.model_ms)
     assert_same(got.output, result.output)
+
+
+def test_a_results_token_count_travels_last_and_is_optional() -> None:
+    flat = encode_result(Result("a", "ok", [1.0], input_hash="0" * 40, tokens=17))
+    assert flat[-2:] == ["tok", "17"]  # after every field that readers before it know
+    packed = msgpack.unpackb(pack_result(flat), raw=True)
+    fields = dict(zip(packed[::2], packed[1::2], strict=True))
+    assert decode_flat(packed, LIMITS).tokens == 17  # the fast path
+    assert decode_result(fields, LIMITS).tokens == 17
+    # A result without it (an older worker's, a model without a tokenizer): 0, unknown.
+    older = msgpack.unpackb(pack_result(encode_result(Result("b", "ok", [1]))), raw=True)
+    assert decode_flat(older, LIMITS).tokens == 0
+    for bad in (b"-1", b"x", b"1" * 70):
+        with pytest.raises(DecodeError, match="tok"):
+            decode_result({**fields, b"tok": bad}, LIMITS)
 
 
 def test_result_unwrap_raises_the_typed_error() -> None:

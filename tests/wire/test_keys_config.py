@@ -41,6 +41,8 @@ def test_every_key_of_a_queue_has_its_hash_tag(queue: str, prefix: str, prioriti
         k.dead,
         k.workers,
         k.worker_stats("host-1-abc"),
+        k.model,
+        k.facts,
     ]
     assert len(k.streams) == priorities
     assert len(set(names)) == len(names)

@@ -13,6 +13,8 @@ in-process batchers use) and turns one request's item outputs into its result
   ``task="classify"``, class probabilities;
 - ``generate``: a causal LM run by continuous batching (:mod:`._generation`), SmolLM2 by
   default;
+- ``cross-encoder``: a sentence-transformers ``CrossEncoder`` scoring query-document pairs
+  (rerank, :mod:`._cross_encoder`);
 - ``module:callable``: any batch function taking a list of inputs and returning as many
   outputs (``batchline.worker.models:echo`` returns its inputs, for tests and benchmarks).
 """
@@ -53,7 +55,8 @@ def load_model(
 
     Args:
         spec: ``sentence-transformers``, ``transformers``, ``transformers-classify``,
-            ``generate`` (a causal LM, continuous batching), or ``module:callable``.
+            ``generate`` (a causal LM, continuous batching), ``cross-encoder`` (rerank), or
+            ``module:callable``.
         path: the model's directory or hub name (tensor models); for ``generate``,
             ``smollm2`` (default), a directory, a ``.gguf`` file or ``module:callable``
             returning ``(model, tokenizer)``.
@@ -90,9 +93,13 @@ def load_model(
         from batchline.worker.models._generation import GenerationModel
 
         return GenerationModel(path, device=device, dtype=dtype)
+    if spec == "cross-encoder":
+        from batchline.worker.models._cross_encoder import CrossEncoderModel
+
+        return CrossEncoderModel(path, device=device, dtype=dtype)
     if ":" in spec:
         return CallableModel(spec)
     raise ValueError(
-        f"model must be sentence-transformers, transformers, transformers-classify, generate "
-        f"or module:callable; got {spec!r}"
+        f"model must be sentence-transformers, transformers, transformers-classify, generate, "
+        f"cross-encoder or module:callable; got {spec!r}"
     )

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from batchline.devices import pick_device, place
 from batchline.worker.models._protocol import Prepared, resolve_callable
+from batchline.worker.models._tokenize import TokenOps
 
 if TYPE_CHECKING:  # batchline.generation imports torch: only once a model is served
     from batchline.generation._types import GenerationResult
@@ -49,6 +50,7 @@ class GenerationModel:
         self.max_prefill_tokens = 512
         self.prefix_cache_tokens = 2048
         self.engine: Any = None
+        self._ops: TokenOps | None = None
 
     def load(self) -> None:
         from batchline.generation import Engine, load_causal_lm
@@ -81,6 +83,16 @@ class GenerationModel:
         params = self.engine.check(ids, parsed.params)  # PromptTooLong past the context
         request = GenerationRequest(tuple(ids), params)
         return [Prepared(request, len(ids) + params.max_new_tokens)]
+
+    def facts(self) -> dict[str, Any]:
+        """What the worker publishes of the model (docs/protocol.md, Model facts)."""
+        return {"kind": "generation", "max_model_len": self.engine.context}
+
+    def token_ops(self) -> TokenOps | None:
+        """Tokenizing for clients, with the engine's tokenizer (none: None)."""
+        if self._ops is None and self.engine.tokenizer is not None:
+            self._ops = TokenOps(self.engine.tokenizer, self.engine.context)
+        return self._ops
 
     def infer(self, batch: list[Any]) -> list[Any]:
         raise TypeError("a generation model runs through its GenerationExecutor, not infer()")

@@ -35,6 +35,10 @@ class Model(Protocol):
     # requests of similar length is wasted work (a model without it is taken to pad).
     # Optional: ``preprocess_many(values)`` preprocesses one read's values at once, returning
     # per value its items or the exception that refuses it (the tokenizer models have it).
+    # Optional: ``counts_tokens = True`` tells the worker that each item's ``length`` is its
+    # tokenizer's count of tokens: their sum travels with the result (``tok``).
+    # Optional: ``facts()``, what the worker publishes of the model (docs/protocol.md,
+    # Model facts): ``kind``, ``dimensions``, ``max_model_len``, ``matryoshka``...
     # Optional: ``example``, an input (not None) of which the worker times one full batch at
     # start, before it reads anything: ``max_batch_ms`` auto then bounds even the first
     # batch by the model's own speed (the text models have one; a module:callable model

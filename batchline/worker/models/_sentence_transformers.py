@@ -10,7 +10,7 @@ from typing import Any
 
 from batchline.core.padding import split_outputs
 from batchline.devices import pick_device, pick_dtype
-from batchline.worker.models._tokenized import Tokenized, gather
+from batchline.worker.models._tokenized import Tokenized, gather, matryoshka
 
 __all__ = ["SentenceTransformerModel"]
 
@@ -71,6 +71,12 @@ class SentenceTransformerModel(Tokenized):
         self.model.eval()
         self.tokenizer = self.model.tokenizer
         self.max_length = int(self.model.max_seq_length)
+        size = getattr(self.model, "get_embedding_dimension", None) or (
+            self.model.get_sentence_embedding_dimension  # its name before sentence-transformers 6
+        )
+        self.dimensions = int(size() or 0) or None
+        config = getattr(getattr(self.model[0], "auto_model", None), "config", None)
+        self._matryoshka = matryoshka(config)
         if self.backend != "torch":
             from batchline.worker._cpu_threads import available_cpus
             from batchline.worker.models._backends import load_runner
@@ -95,3 +101,12 @@ class SentenceTransformerModel(Tokenized):
 
     def postprocess(self, outputs: list[Any], value: Any) -> Any:
         return gather(outputs, value)
+
+    def facts(self) -> dict[str, Any]:
+        """What the worker publishes of the model (docs/protocol.md, Model facts)."""
+        return {
+            "kind": "embedding",
+            "dimensions": self.dimensions,
+            "max_model_len": self.max_length,
+            **self._matryoshka,
+        }

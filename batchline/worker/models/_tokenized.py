@@ -10,8 +10,18 @@ import numpy as np
 
 from batchline.core.padding import collate
 from batchline.worker.models._protocol import Prepared
+from batchline.worker.models._tokenize import TokenOps
 
-__all__ = ["Tokenized", "gather", "text_list"]
+__all__ = ["Tokenized", "gather", "matryoshka", "text_list"]
+
+
+def matryoshka(config: Any) -> dict[str, Any]:
+    """What a model's config says of truncated embeddings (the keys vLLM reads):
+    ``matryoshka_dimensions`` (the sizes it was trained for) or ``is_matryoshka``."""
+    sizes = getattr(config, "matryoshka_dimensions", None)
+    sizes = [int(s) for s in sizes] if isinstance(sizes, list | tuple) and sizes else None
+    trained = bool(sizes) or getattr(config, "is_matryoshka", False) is True
+    return {"matryoshka": trained, "matryoshka_dimensions": sizes}
 
 
 def text_list(value: Any) -> list[str]:
@@ -34,16 +44,24 @@ class Tokenized:
 
     heavy_preprocess = True
     pads = True
+    counts_tokens = True
     #: The warm-up batch's text: a sentence of a common length (longer inputs scale the
     #: bound up by their padded tokens).
-    example = (
+    example: Any = (
         "The worker times one full batch of this sentence when it starts, so that it knows "
         "how long a batch of its model takes on this machine before the first request."
     )
     _padding_sink: Callable[[int, int], None] | None = None
+    _ops: TokenOps | None = None
     tokenizer: Any
     max_length: int
     device: str
+
+    def token_ops(self) -> TokenOps:
+        """Tokenizing for clients (docs/protocol.md, Tokenize and detokenize)."""
+        if self._ops is None:
+            self._ops = TokenOps(self.tokenizer, self.max_length)
+        return self._ops
 
     def count_padding(self, sink: Callable[[int, int], None]) -> None:
         """Report each batch's real and padded tokens to ``sink``."""
@@ -63,10 +81,14 @@ class Tokenized:
         """Each text's token features (int64 arrays), from one tokenizer call for all: its
         Python overhead is paid once, and the fast (Rust) tokenizers encode a list without
         holding the GIL, so several preprocessing threads run in parallel."""
-        encoded = self.tokenizer(texts, truncation=True, max_length=self.max_length)
+        return self._rows(self.tokenizer(texts, truncation=True, max_length=self.max_length))
+
+    @staticmethod
+    def _rows(encoded: Mapping[str, Any]) -> list[Prepared]:
+        """Each row of a tokenizer's output as an item: int64 arrays, its length in tokens."""
         names = list(encoded.keys())
         out = []
-        for i in range(len(texts)):
+        for i in range(len(encoded["input_ids"])):
             row = {k: np.asarray(encoded[k][i], dtype=np.int64) for k in names}
             out.append(Prepared(row, int(row["input_ids"].shape[0])))
         return out

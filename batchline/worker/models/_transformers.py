@@ -11,7 +11,7 @@ import numpy as np
 from batchline.core.padding import split_outputs
 from batchline.devices import pick_device, pick_dtype
 from batchline.worker.models._protocol import Prepared
-from batchline.worker.models._tokenized import Tokenized, gather, text_list
+from batchline.worker.models._tokenized import Tokenized, gather, matryoshka, text_list
 
 __all__ = ["TransformersModel"]
 
@@ -95,6 +95,18 @@ class TransformersModel(Tokenized):
                 mask = tensors["attention_mask"].unsqueeze(-1).to(hidden.dtype)
                 result = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
         return split_outputs(result.cpu().numpy(), info)
+
+    def facts(self) -> dict[str, Any]:
+        """What the worker publishes of the model (docs/protocol.md, Model facts)."""
+        if self.task == "classify":
+            return {"kind": "other", "max_model_len": self.max_length}
+        config = self.model.config
+        return {
+            "kind": "embedding",
+            "dimensions": int(config.hidden_size),
+            "max_model_len": self.max_length,
+            **matryoshka(config),
+        }
 
     def postprocess(self, outputs: list[Any], value: Any) -> Any:
         if self.task == "classify":

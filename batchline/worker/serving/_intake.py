@@ -25,6 +25,7 @@ from typing import Any, cast
 from batchline.codec import DecodeError, Limits, request_value
 from batchline.codec._requests import check_priority, decode_requests
 from batchline.worker.models import Model, Prepared
+from batchline.worker.models._tokenize import TokenOps, op_of, token_ops
 from batchline.worker.serving._answers import Meta, Outcome, Record, answer, dead_letter
 from batchline.worker.serving._readcap import Entry
 
@@ -42,6 +43,7 @@ class Preparer:
         self._worker_id = worker_id
         self._threads = threads
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._ops: TokenOps | None = None  # once the model is loaded (start)
         self.seconds = 0.0  # preparing (wall), summed over the threads
         self.requests = 0
         self.preparing = 0  # entries being prepared now (they hold room in the window)
@@ -49,6 +51,7 @@ class Preparer:
     def start(self) -> None:
         """Start the threads, if the model's preprocessing is heavy (once it is loaded),
         after one preprocess here (:func:`~._answers.warm_up`)."""
+        self._ops = token_ops(self._model)
         if self._model.heavy_preprocess and self._pool is None:
             warm_up(self._model)
             self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -92,7 +95,7 @@ class Preparer:
 
     def _prepare(self, batch: list[Entry]) -> tuple[list[Outcome], float]:
         started = time.perf_counter()
-        outcomes = prepare(batch, self._model, self._limits, self._worker_id)
+        outcomes = prepare(batch, self._model, self._limits, self._worker_id, ops=self._ops)
         return outcomes, time.perf_counter() - started
 
     def _count(self, seconds: float, requests: int) -> None:
@@ -100,10 +103,18 @@ class Preparer:
         self.requests += requests
 
 
-def prepare(batch: list[Entry], model: Model, limits: Limits, worker_id: str) -> list[Outcome]:
+def prepare(
+    batch: list[Entry],
+    model: Model,
+    limits: Limits,
+    worker_id: str,
+    *,
+    ops: TokenOps | None = None,
+) -> list[Outcome]:
     """Decode, validate and preprocess the entries of one read: each becomes its request's
     prepared items, or the record that answers it at once (malformed: dead-lettered;
-    expired; refused by the model's ``preprocess``; deleted while pending: acknowledged)."""
+    expired; refused by the model's ``preprocess``; deleted while pending: acknowledged; a
+    tokenize or detokenize value, where the model has ``ops``: answered here)."""
     now = time.time()
     out: list[Outcome | None] = []  # None: a request being preprocessed, filled in below
     waiting: list[tuple[int, Meta]] = []  # (its place in out, request) to preprocess
@@ -128,16 +139,31 @@ def prepare(batch: list[Entry], model: Model, limits: Limits, worker_id: str) ->
         if deadline_ms is not None and deadline_ms <= now * 1e3:
             out.append(answer(meta, "expired", worker_id))
             continue
+        if ops is not None and op_of(value) is not None:
+            out.append(_token_answer(meta, ops, worker_id))
+            continue
         waiting.append((len(out), meta))
         out.append(None)
+    counts = bool(getattr(model, "counts_tokens", False))
     for (index, meta), prepared in zip(
         waiting, _preprocess(model, [m.value for _, m in waiting]), strict=True
     ):
         if isinstance(prepared, Exception):  # the input's fault: this request alone fails
             out[index] = answer(meta, "error", worker_id, error=prepared)
         else:
+            if counts:  # its items' lengths are the tokenizer's counts
+                meta.tokens = sum(p.length for p in prepared)
             out[index] = (meta, prepared)
     return cast("list[Outcome]", out)  # the strict zip above filled every None
+
+
+def _token_answer(meta: Meta, ops: TokenOps, worker_id: str) -> Record:
+    """The answer to a tokenize or detokenize value, computed here (never batched)."""
+    try:
+        output = ops.answer(meta.value)
+    except Exception as exc:  # this request alone fails
+        return answer(meta, "error", worker_id, error=exc)
+    return answer(meta, "ok", worker_id, output=output)
 
 
 def warm_up(model: Model) -> None:
