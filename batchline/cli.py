@@ -20,7 +20,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from batchline._batch_cli import batch_parser
 from batchline._cli_options import CliCommand, add_option, add_settings, reference, settings_from
+from batchline.logs import bind as bind_logs
+from batchline.logs import configure as configure_logs
 
 __all__ = ["cli_reference", "main"]
 
@@ -35,6 +38,8 @@ commands:
   batchline worker --check         exit 0 if a worker on this host is alive
   batchline status [--json]        queue depth, pending, lag, dead letters, workers
   batchline acl [--role worker]    the ACL SETUSER lines of the queue's Redis users
+  batchline batch FILE.jsonl [--url http://localhost:8000]
+                                   run a file of requests through the web API's /v1/batches
 
 Redis: BATCHLINE_REDIS_URL (default redis://localhost:6379/0). `batchline COMMAND --help`
 lists each command's options with their defaults and environment variables.
@@ -123,6 +128,7 @@ def _worker(args: argparse.Namespace) -> int:
     from batchline.worker.upkeep._watchdog import HUNG_EXIT_CODE
 
     worker = Worker(settings)
+    bind_logs(worker_id=worker.worker_id, queue=worker.keys.queue)
     worker.exit_if_loop_blocked = True
     if args.supervised_child is not None:
         report_ready(args.supervised_child, worker.ready)
@@ -252,6 +258,16 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         metavar="LEVEL",
         text="logging level: DEBUG, INFO, WARNING or ERROR",
         shown="INFO",
+    )
+    add_option(
+        parser,
+        "--log-format",
+        default="text",
+        choices=("text", "json"),
+        metavar="FORMAT",
+        text="log lines as text, or json: one object per line (time, level, logger, message, "
+        "and the worker id, queue, request id and trace id where known)",
+        shown="text",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -387,7 +403,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         shown="smollm2",
     )
     demo.set_defaults(run=_demo)
-    return parser, {"worker": worker, "status": status, "acl": acl, "demo": demo}
+    batch = batch_parser(sub)
+    return parser, {"worker": worker, "status": status, "acl": acl, "demo": demo, "batch": batch}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -398,10 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parsers()[0].parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)
-        logging.basicConfig(
-            level=args.log_level.upper(),
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )
+        configure_logs(args.log_level, args.log_format)
         return int(args.run(args))
     except UsageError as exc:
         print(f"batchline: {exc}", file=sys.stderr)

@@ -197,6 +197,14 @@ class WebSettings(ProducerSettings):
             request's value (1 MiB), room for the body's other fields and a client's
             whitespace: a larger body holds more text than a worker takes, unless padded or
             needlessly escaped.
+        batch_priority: the queue priority of the requests of ``/v1/batches`` (default 0,
+            the lowest: interactive requests go first).
+        batch_window: most requests of one batch in the queue at once (the rest of its
+            file waits in Redis).
+        batch_lease_s: how long an API replica's hold on a batch it drives lasts without
+            renewal: a replica gone (even killed), another resumes its batches after this.
+        max_file_bytes: largest file ``POST /v1/files`` takes (OpenAI's limit, 200 MB);
+            a larger one is answered 413.
     """
 
     embedding_queue: str | None = None
@@ -207,6 +215,10 @@ class WebSettings(ProducerSettings):
     rerank_model_name: str | None = Field(default=None, min_length=1, max_length=256)
     request_timeout_s: float = Field(default=30.0, gt=0)
     max_body_bytes: int = Field(default=2 * _REQUEST_JSON_BYTES, ge=1)
+    batch_priority: int = Field(default=0, ge=0, le=15)
+    batch_window: int = Field(default=256, ge=1, le=100_000)
+    batch_lease_s: float = Field(default=10.0, gt=0)
+    max_file_bytes: int = Field(default=200_000_000, ge=1, le=200_000_000)
 
     @field_validator("embedding_queue", "generation_queue", "rerank_queue")
     @classmethod
@@ -382,6 +394,7 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
         for name in cls.model_fields
     }
     known.add(ENV_PREFIX + "CACHE_DIR")  # where converted and exported models are kept
+    known.add(ENV_PREFIX + "OTEL")  # tracing on or off (batchline.tracing reads it)
     unknown = sorted(k for k in env if k.upper().startswith(ENV_PREFIX) and k.upper() not in known)
     if unknown:
         raise ValueError(

@@ -21,6 +21,18 @@ layout (``docs/protocol.md`` has the full protocol)::
     <prefix>:{<queue>}:once               hash: resubmit and cache counters
 
 The consumer group on every work stream is :data:`GROUP`.
+
+The OpenAI Batch API of the web backend keeps its files and batches under one hash tag of
+their own, ``{batchapi}`` (:class:`BatchApiKeys`)::
+
+    <prefix>:{batchapi}:file:<file id>        hash: a file's object (bytes, purpose, ...)
+    <prefix>:{batchapi}:lines:<file id>       list: the file's lines, in order
+    <prefix>:{batchapi}:files                 sorted set: file id -> created_at
+    <prefix>:{batchapi}:batch:<batch id>      hash: a batch's object and its progress
+    <prefix>:{batchapi}:batches               sorted set: batch id -> created_at
+    <prefix>:{batchapi}:active                set: the batches not finished yet
+    <prefix>:{batchapi}:lease:<batch id>      the API replica driving a batch (expires)
+    <prefix>:{batchapi}:answered:<batch id>   set: the lines of a batch answered
 """
 
 from __future__ import annotations
@@ -29,7 +41,16 @@ import re
 import socket
 from dataclasses import dataclass
 
-__all__ = ["GROUP", "ID_PATTERN", "MAX_ID_CHARS", "QueueKeys", "check_name", "host_id", "is_name"]
+__all__ = [
+    "GROUP",
+    "ID_PATTERN",
+    "MAX_ID_CHARS",
+    "BatchApiKeys",
+    "QueueKeys",
+    "check_name",
+    "host_id",
+    "is_name",
+]
 
 GROUP = "batchline"
 
@@ -198,3 +219,57 @@ class QueueKeys:
     def admitting(self) -> str:
         """The list of inbox elements a worker took to admit next."""
         return f"{self.base}:admitting"
+
+
+@dataclass(frozen=True, slots=True)
+class BatchApiKeys:
+    """The keys of the OpenAI Batch API (files and batches), one hash tag for all.
+
+    Attributes:
+        prefix: the namespace of every key, as :class:`QueueKeys`'s.
+    """
+
+    prefix: str = "batchline"
+
+    def __post_init__(self) -> None:
+        check_name("prefix", self.prefix)
+
+    @property
+    def base(self) -> str:
+        """The part every key starts with."""
+        return f"{self.prefix}:{{batchapi}}"
+
+    def file(self, file_id: str) -> str:
+        """A file's object (a hash)."""
+        return f"{self.base}:file:{file_id}"
+
+    def lines(self, file_id: str) -> str:
+        """A file's lines (a list)."""
+        return f"{self.base}:lines:{file_id}"
+
+    @property
+    def files(self) -> str:
+        """Every file id, scored by its creation time."""
+        return f"{self.base}:files"
+
+    def batch(self, batch_id: str) -> str:
+        """A batch's object and progress (a hash)."""
+        return f"{self.base}:batch:{batch_id}"
+
+    @property
+    def batches(self) -> str:
+        """Every batch id, scored by its creation time."""
+        return f"{self.base}:batches"
+
+    @property
+    def active(self) -> str:
+        """The ids of the batches not finished yet (what a driver resumes)."""
+        return f"{self.base}:active"
+
+    def lease(self, batch_id: str) -> str:
+        """Which API replica drives a batch now (expires unless renewed)."""
+        return f"{self.base}:lease:{batch_id}"
+
+    def answered(self, batch_id: str) -> str:
+        """The line numbers of a batch whose answer is written (a set)."""
+        return f"{self.base}:answered:{batch_id}"

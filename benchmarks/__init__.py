@@ -15,10 +15,14 @@ recorded, with date, machine and command, are on the documentation's Benchmarks 
   transformers' continuous batching, and through Redis and HTTP (``generate/``).
 - ``python -m benchmarks.long_prompt``: what long prompts do to a stream beside them.
 - ``python -m benchmarks.cache``: the result cache on half-repeated texts.
+- ``python -m benchmarks.batch_api``: a batch through ``/v1/batches`` against the same requests
+  through the producer, and interactive latency while a batch runs.
 - ``python -m benchmarks.slo``: the latency-SLO mode against fixed settings.
 - ``python -m benchmarks.admission``: admission through the queue's functions against the
   enqueue script.
 - ``python -m benchmarks.durability``: durability ``replicated`` against ``async``.
+- ``python -m benchmarks.tracing``: tracing off, on, and the version before it, on the no-op
+  model's path through Redis.
 - ``python -m benchmarks.grouping``: padding efficiency of the length grouping per read-ahead
   window (no model, no Redis).
 

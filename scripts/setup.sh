@@ -14,7 +14,8 @@ cd "$(dirname "$0")/.."
 # cpu-fast (onnxruntime, onnx, openvino, nncf: the worker's CPU backends) is wheels only, about
 # 80 MB, and changes nothing already installed (torch, transformers, sentence-transformers).
 # fast: uvloop, the event loop of `batchline worker` and the blocking Producer.
-extras="${BATCHLINE_EXTRAS:-dev,redis,embed,service,web,demo,generate,cpu-fast,fast}"
+# otel: OpenTelemetry's SDK and OTLP exporter (tests/e2e/test_tracing.py traces with them).
+extras="${BATCHLINE_EXTRAS:-dev,redis,embed,service,web,demo,generate,cpu-fast,fast,otel}"
 py="${PYTHON:-python3}"
 cpu_index="https://download.pytorch.org/whl/cpu"
 export PIP_DISABLE_PIP_VERSION_CHECK=1

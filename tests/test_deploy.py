@@ -240,3 +240,25 @@ def test_the_replicated_compose_variant_hangs_together() -> None:
     for name in ("redis", "redis-replica-1", "redis-replica-2"):
         args = services[name]["command"]
         assert args[args.index("--appendonly") + 1] == "yes", name
+
+
+def test_the_compose_tracing_collector_is_optional_and_off_by_default() -> None:
+    """docker/compose.yaml: Jaeger only under the ``tracing`` profile (``up`` without
+    ``--profile tracing`` starts none of it), nothing depends on it, tracing off unless
+    BATCHLINE_OTEL=1, and the spans' endpoint is Jaeger's OTLP/HTTP port."""
+    compose = yaml.safe_load((DEPLOY.parent.parent / "docker" / "compose.yaml").read_text())
+    services = compose["services"]
+    assert services["jaeger"]["profiles"] == ["tracing"]
+    assert services["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    for name in ("redis", "worker", "api"):
+        assert "profiles" not in services[name]
+        assert "jaeger" not in services[name].get("depends_on", {})
+    for name in ("worker", "api"):
+        env = services[name]["environment"]
+        assert env["BATCHLINE_OTEL"] == "${BATCHLINE_OTEL:-0}"
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"].endswith("-http://jaeger:4318}")
+        assert env["OTEL_SERVICE_NAME"] == f"batchline-{name}"
+        assert services[name]["build"]["args"]["EXTRAS"].endswith("${TRACING_EXTRA:-}")
+    from batchline.tracing import wanted
+
+    assert not wanted({"BATCHLINE_OTEL": "0", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://jaeger:4318"})

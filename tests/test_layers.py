@@ -34,13 +34,17 @@ ALLOWED: dict[str, set[str]] = {
     "redis_url": set(),
     "config": WIRE | {"drivers", "redis_url"},
     "transport": WIRE | {"config", "redis_url"},
-    "producer": WIRE | {"config", "redis_url", "transport"},
+    "tracing": set(),
+    "logs": set(),
+    "producer": WIRE | {"config", "redis_url", "tracing", "transport"},
     "worker": WIRE
-    | {"config", "core", "devices", "drivers", "generation", "redis_url", "transport"},
+    | {"config", "core", "devices", "drivers", "generation", "redis_url", "tracing", "transport"},
     "contrib": WIRE | {"_response_format", "config", "producer", "transport"},
     "demo": WIRE | {"config", "devices", "drivers", "producer", "transport", "worker"},
     "_cli_options": set(),
-    "cli": WIRE | {"_cli_options", "acl", "config", "demo", "transport", "worker"},
+    "_batch_cli": {"_cli_options"},
+    "cli": WIRE
+    | {"_batch_cli", "_cli_options", "acl", "config", "demo", "logs", "transport", "worker"},
     "__main__": {"cli"},
 }
 

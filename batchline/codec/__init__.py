@@ -11,7 +11,8 @@ present and ``max_elements``, so a hostile header can never make the reader allo
 
 Request fields: ``v`` (schema version), ``id``, ``meta``, ``blob``, ``prio``, ``dl`` (deadline,
 unix ms), ``ts`` (enqueued, unix ms), ``reply`` (producer id), ``stream`` (1: push generated
-tokens as chunks, ``_chunks``). Result fields: ``v``, ``id``,
+tokens as chunks, ``_chunks``), ``traceparent`` and ``tracestate`` (optional W3C trace
+context). Result fields: ``v``, ``id``,
 ``status`` (ok | error | expired | cancelled), ``meta``/``blob`` (the output), ``etype``,
 ``emsg``, ``queue_ms``, ``batch``, ``model_ms``, ``worker``, as one msgpack array of field,
 value, field, value, ... (the result key's value; a reply entry carries an array of them).

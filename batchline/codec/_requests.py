@@ -28,6 +28,7 @@ __all__ = [
     "request_fields",
     "request_value",
     "salvage_id",
+    "trace_fields",
 ]
 
 
@@ -57,6 +58,10 @@ class Request(TypedDict):
     reply: NotRequired[Annotated[str | None, Field(pattern=ID_PATTERN)]]
     ck: NotRequired[Annotated[str, Field(pattern=r"^[0-9a-f]{40}$")]]  # cache hash (enqueue)
     stream: NotRequired[Annotated[int, Field(ge=0, le=1)]]  # 1: push generated tokens as chunks
+    # W3C trace context (optional): taken as it comes, checked by the worker's tracing only
+    # (a malformed one starts a new trace there, never refuses the request).
+    traceparent: NotRequired[bytes]
+    tracestate: NotRequired[bytes]
 
 
 _REQUEST: TypeAdapter[Request] = TypeAdapter(Request)  # its own config: keys only
@@ -118,6 +123,14 @@ def request_fields(
     if stream:
         flat += ("stream", "1")
     return flat, meta, blob
+
+
+def trace_fields(traceparent: str, tracestate: str = "") -> list[str]:
+    """The optional trace context fields of a request entry (W3C ``traceparent`` and, where
+    not empty, ``tracestate``), flat, to add to :func:`request_fields`' list."""
+    if tracestate:
+        return ["traceparent", traceparent, "tracestate", tracestate]
+    return ["traceparent", traceparent]
 
 
 def decode_request(raw: Mapping[bytes, bytes]) -> Request:

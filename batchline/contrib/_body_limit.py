@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from starlette.responses import JSONResponse
@@ -55,6 +56,8 @@ class BodyLimit:
         app: the app to guard.
         max_body_bytes: the largest body accepted.
         openai_prefix: where OpenAI's API is mounted (its errors take OpenAI's shape).
+        paths: paths with a limit of their own (an upload: ``/v1/files``), instead of
+            ``max_body_bytes``.
         openai_paths: routes outside it whose errors take OpenAI's shape too.
     """
 
@@ -64,6 +67,7 @@ class BodyLimit:
         *,
         max_body_bytes: int,
         openai_prefix: str = "/v1",
+        paths: Mapping[str, int] | None = None,
         openai_paths: tuple[str, ...] = (),
     ) -> None:
         if max_body_bytes < 1:
@@ -71,26 +75,32 @@ class BodyLimit:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.openai_prefix = openai_prefix
+        self.paths = dict(paths or {})
         self.openai_paths = frozenset(openai_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        refusal = _Refusal(self.max_body_bytes, openai=self._openai(scope))
+        limit = self.paths.get(self._path(scope), self.max_body_bytes)
+        refusal = _Refusal(limit, openai=self._openai(scope))
         declared = _content_length(scope)
         if declared is not None and declared > self.max_body_bytes:
             await refusal.send(scope, receive, send, f"of {declared} bytes (Content-Length)")
             return
         await _Counted(self.app, refusal, scope, receive, send).run()
 
-    def _openai(self, scope: Scope) -> bool:
-        """Whether the request is for OpenAI's API (read before the app routes it: routing
-        into a mount changes the scope's ``root_path``)."""
+    @staticmethod
+    def _path(scope: Scope) -> str:
+        """The request's path under the app (read before the app routes it: routing into a
+        mount changes the scope's ``root_path``)."""
         path = str(scope["path"])
         root = str(scope.get("root_path", ""))
-        if root and path.startswith(root):
-            path = path[len(root) :]
+        return path[len(root) :] if root and path.startswith(root) else path
+
+    def _openai(self, scope: Scope) -> bool:
+        """Whether the request is for OpenAI's API."""
+        path = self._path(scope)
         if path in self.openai_paths:
             return True
         return path == self.openai_prefix or path.startswith(self.openai_prefix + "/")

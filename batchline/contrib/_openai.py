@@ -233,18 +233,22 @@ class OpenAIRoutes:
         served = self.queue("embedding", body.model)
         if body.dimensions is not None:  # refused before anything is queued
             check_dimensions(await served.facts(), body.dimensions, served.name)
-        texts = body.texts
-        result = await self.run(served, texts, request)
+        result = await self.run(served, body.texts, request)
         if result is None:
             return Response(status_code=499)
+        return JSONResponse(self.embedding_answer(served, body, result))
+
+    @staticmethod
+    def embedding_answer(served: Served, body: EmbeddingRequest, result: Result) -> dict[str, Any]:
+        """The answer of an embeddings request from its ``ok`` result (the route's, and a
+        batch line's)."""
         try:
-            matrix = embedding_matrix(result.output, texts)
+            matrix = embedding_matrix(result.output, body.texts)
         except ValueError as exc:
             raise OpenAIError(500, str(exc), "server_error") from None
         if body.dimensions is not None:
             matrix = truncated(matrix, body.dimensions)
-        answer = embedding_body(served.name, matrix, body.encoding_format, result.tokens)
-        return JSONResponse(answer)
+        return embedding_body(served.name, matrix, body.encoding_format, result.tokens)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         """Complete a prompt."""

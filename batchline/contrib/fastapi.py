@@ -60,6 +60,7 @@ from redis.exceptions import RedisError
 
 from batchline.codec import DecodeError, Result, unpack_result
 from batchline.config import ProducerSettings, WebSettings, check_environment
+from batchline.contrib._batches import BatchApi
 from batchline.contrib._body_limit import BodyLimit
 from batchline.contrib._common import INPUT_ERRORS, MAX_TEXT_CHARS, RETRY_AFTER_S
 from batchline.contrib._hf import HFRoutes
@@ -410,10 +411,12 @@ def create_app(
     backend = _Backend(settings, timeout_s=timeout_s)
     openai = OpenAIRoutes(settings, timeout_s=timeout_s)
     hf = HFRoutes(openai)
+    batches = BatchApi(settings, openai)
+    batches.add_routes(openai.app)  # /v1/files, /v1/batches
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with backend.lifespan(app), openai.lifespan():
+        async with backend.lifespan(app), openai.lifespan(), batches.lifespan():
             yield
 
     app = FastAPI(
@@ -477,6 +480,10 @@ def create_app(
     )
     openai_paths = RERANK_PATHS + TOKENIZE_PATHS  # outside /v1, in OpenAI's shape
     app.add_middleware(
-        BodyLimit, max_body_bytes=max_body_bytes, openai_prefix="/v1", openai_paths=openai_paths
+        BodyLimit,
+        max_body_bytes=max_body_bytes,
+        openai_prefix="/v1",
+        openai_paths=openai_paths,
+        paths={"/v1/files": batches.max_upload_bytes},  # an upload is read as it arrives
     )
     return app

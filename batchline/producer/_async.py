@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -27,7 +28,7 @@ from typing import Any, TypedDict, Unpack, cast
 from redis.exceptions import RedisError
 
 from batchline.codec import DecodeError, Result, unpack_result
-from batchline.codec._requests import request_fields
+from batchline.codec._requests import request_fields, trace_fields
 from batchline.config import ProducerSettings, redact_url
 from batchline.errors import (
     BatcherClosed,
@@ -42,6 +43,7 @@ from batchline.producer._failures import timed_out, translate
 from batchline.producer._outcomes import Answered, cached_result
 from batchline.producer._replies import ReplyReader, Waiters
 from batchline.producer._stream import StreamChunk, Streams, quiet_cancel
+from batchline.tracing import producer as producer_trace
 from batchline.transport._admission import Admission
 from batchline.transport._once import input_hash
 from batchline.transport._redis import REDIS_FAILURES, RedisClient, connect
@@ -129,6 +131,8 @@ class AsyncProducer:
             url=redact_url(self.settings.redis_url.get_secret_value()),
         )
         self._streams_low_first = self.keys.streams_low_first
+        # Its spans (batchline.tracing), None when tracing is off.
+        self._trace = producer_trace(self.keys.queue)
         # Submits wait there while a write is in flight; the next write takes them all, so
         # concurrent submits are coalesced into one script call.
         self._enqueue = Enqueuer(
@@ -138,6 +142,7 @@ class AsyncProducer:
             self.counts,
             admission=self._admission,
             name=f"batchline-submits:{self.producer_id}",
+            trace=self._trace,
         )
 
     def __repr__(self) -> str:
@@ -269,6 +274,11 @@ class AsyncProducer:
             raise RequestIdConflict(rid)
         # Registered before the write, so that even the fastest reply finds its waiter.
         fut = self._waiting.add(rid, sent) if reply else None
+        if self._trace is not None:
+            (traceparent, tracestate), wait = self._trace.sending(rid, waits=fut is not None)
+            flat += trace_fields(traceparent, tracestate)
+            if fut is not None and wait is not None:
+                fut.add_done_callback(functools.partial(self._trace.answered, wait))
         entry = [prio, flat]
         self._enqueue.put(entry, ack if ack is not None else (rid, fut), rid)
         return rid, fut

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
@@ -33,6 +33,9 @@ from batchline.transport._once import once_keys
 from batchline.transport._outbox import Outbox
 from batchline.transport._redis import REDIS_FAILURES, RedisClient
 from batchline.transport._replication import Replication
+
+if TYPE_CHECKING:
+    from batchline.tracing._otel import ProducerTrace
 
 __all__ = ["Enqueuer", "Target"]
 
@@ -56,6 +59,7 @@ class Enqueuer:
         counts: submits by what the enqueue script did with them (queued, result, ...).
         admission: how the writes reach the queue (the functions or the script).
         name: the writing task's name.
+        trace: the producer's spans (None: tracing off): each write's end ends its send spans.
     """
 
     def __init__(
@@ -67,8 +71,10 @@ class Enqueuer:
         *,
         admission: Admission,
         name: str,
+        trace: ProducerTrace | None = None,
     ) -> None:
         self.settings = settings
+        self._trace = trace
         keys = settings.keys
         self._redis = redis
         # The writes' own connection (on a cluster with durability replicated, to the node
@@ -115,31 +121,36 @@ class Enqueuer:
 
     async def _flush(self, pending: list[_Pending]) -> None:
         """Write one batch of the outbox; tell each submit how its write went."""
-        targets = [target for _, target, _ in pending]
         try:
             entries = await self._write_through_failover(
                 [e for e, _, _ in pending], [rid for _, _, rid in pending]
             )
         except Failed as failed:  # each submit of this write gets its error
-            for target, error in zip(targets, failed.errors, strict=True):
-                self._settle(target, error)
+            for (_, target, rid), error in zip(pending, failed.errors, strict=True):
+                self._told(rid, target, error)
         except Exception as exc:
-            for target in targets:
-                self._settle(target, exc)
+            for _, target, rid in pending:
+                self._told(rid, target, exc)
         else:
             for (sent, target, rid), entry in zip(pending, entries, strict=True):
                 if isinstance(entry, NotReplicated):
                     self._counts["not_replicated"] += 1
-                    self._settle(target, entry)
+                    self._told(rid, target, entry)
                     continue
                 outcome = outcome_of(rid, entry, self._limits, sent[1])
                 self._counts[outcome.kind] += 1
-                self._settle(target, outcome)
+                self._told(rid, target, outcome)
 
     def _abandon(self, pending: list[_Pending]) -> None:
         """The writes that will never go (the loop is closing)."""
-        for _, target, _ in pending:
-            self._settle(target, BatcherClosed("the producer stopped writing"))
+        for _, target, rid in pending:
+            self._told(rid, target, BatcherClosed("the producer stopped writing"))
+
+    def _told(self, rid: str, target: Target, outcome: Any) -> None:
+        """:meth:`_settle`, after the request's send span (tracing on) learns the outcome."""
+        if self._trace is not None:
+            self._trace.written(rid, outcome)
+        self._settle(target, outcome)
 
     def _settle(self, target: Target, outcome: Any) -> None:
         """Tell a submit how its write went: ``submit`` awaits the script's answer (an ack

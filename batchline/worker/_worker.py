@@ -51,6 +51,8 @@ from batchline.config import WorkerSettings, redact_url
 from batchline.drivers._base import Call
 from batchline.errors import BatcherClosed, BatchlineError, WorkerHung
 from batchline.keys import check_name, host_id
+from batchline.tracing import flush as flush_spans
+from batchline.tracing import worker as worker_trace
 from batchline.transport._cancels import CancelLog, CancelTrim
 from batchline.transport._functions import load_library
 from batchline.transport._redis import RedisClient, connect, dedicated, pinned, wait_for_redis
@@ -147,7 +149,10 @@ class Worker:
             s.result_ttl_s, max_ids=s.cancel_max_ids, max_bytes=s.cancel_max_bytes
         )
         self._space = asyncio.Event()  # set when the reader may have room again
-        starts = Starts(self._claims, self._cancels, self._space)
+        self.counts: Counter[str] = Counter()
+        # Its spans (batchline.tracing), None when tracing is off.
+        self._trace = worker_trace(self.keys.queue, self.worker_id, self._model_name, self.counts)
+        starts = Starts(self._claims, self._cancels, self._space, trace=self._trace)
         executors = build(self.model, s, guard=self._guard, starts=starts)
         self._batcher, self._alone = executors.main, executors.alone
         self._window = executors.window
@@ -156,7 +161,6 @@ class Worker:
         )
         self._handing_back: set[asyncio.Future[None]] = set()
         self._prep = Preparer(self.model, self._limits, self.worker_id, threads=s.prep_threads)
-        self.counts: Counter[str] = Counter()
         self.metrics = Metrics(s.metrics_port)
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -405,6 +409,8 @@ class Worker:
             await self._redis.aclose()
         answered = ", ".join(f"{n} {status}" for status, n in sorted(self.counts.items()) if n)
         logger.info("worker %s: stopped (answered %s)", self.worker_id, answered or "nothing")
+        if self._trace is not None:
+            await asyncio.get_running_loop().run_in_executor(None, flush_spans)
 
     async def _drain_or_abandon(self, reader: asyncio.Task[None], hung: asyncio.Event) -> None:
         """Drain (run what was read, write its answers); if the model hangs, before or
@@ -500,10 +506,14 @@ class Worker:
             limit = self._readcap.max_entry_bytes
             reason = f"entry of {size} bytes exceeds the largest request ({limit} bytes)"
             self._refuse(sidx, entry, raw or {}, "MalformedRequest", reason)
+        trace = self._trace
         for outcome in await self._prep(batch):
             if isinstance(outcome, Record):
                 self._answer(outcome)
             else:
+                if trace is not None:
+                    delivered = self._claims.deliveries.get(outcome[0].entry, 1) if alone else 1
+                    trace.received(outcome[0], delivered)
                 self._submit(*outcome, alone=alone)
 
     def _submit(self, meta: Meta, prepared: list[Prepared], *, alone: bool = False) -> None:
@@ -522,7 +532,7 @@ class Worker:
             self._claims.drop(meta.sidx, meta.entry)
             return
         except BatchlineError as exc:  # ItemTooLarge: this request alone fails
-            self._answer(answer(meta, "error", self.worker_id, error=exc))
+            self._answer(answer(meta, "error", self.worker_id, error=exc), meta)
             return
         self._meta[call] = meta
         reply = request.get("reply")
@@ -537,7 +547,11 @@ class Worker:
         if meta is None:
             return
         self._space.set()  # it left the queue (answered, expired or cancelled): read more
-        self._answer(finished(meta, call, self.model, self.worker_id))
+        record = finished(meta, call, self.model, self.worker_id)
+        if self._trace is not None:
+            generation = self._generation is not None and call.error is None
+            self._trace.answered(record, meta, call.results if generation else None)
+        self._answer(record)
 
     def _refuse(
         self, sidx: int, entry: bytes, raw: dict[bytes, bytes], kind: str, reason: str
@@ -545,7 +559,9 @@ class Worker:
         """Dead-letter one entry (unread: too large; or delivered too often)."""
         self._answer(dead_letter(sidx, entry, raw, kind, reason, worker_id=self.worker_id))
 
-    def _answer(self, record: Record) -> None:
+    def _answer(self, record: Record, meta: Meta | None = None) -> None:
+        if self._trace is not None and (meta is not None or record.dead is not None):
+            self._trace.answered(record, meta)
         self.counts[record.status] += 1
         self.metrics.result(record.status)
         self._answers.put(record)

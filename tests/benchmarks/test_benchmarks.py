@@ -153,6 +153,13 @@ def test_bench_cache_smoke() -> None:
     assert "full, cache on" in out
 
 
+@pytest.mark.slow
+def test_bench_batch_api_smoke() -> None:
+    out = _bench(["benchmarks.batch_api", "--lines", "200", "--repeats", "1"], 300)
+    assert re.search(r"^\| \*\*batch / producer\*\* .* \| [\d.]+ \|", out, re.M), out
+    assert re.search(r"^\| \*\*p99 with / without a batch\*\* .* \| [\d.]+ \|", out, re.M), out
+
+
 # The tiny random Llama of the tests (no download), importable from the repository root.
 TINY_LLAMA = ["--model-path", "tests.support.models_for_tests:tiny_llama"]
 WITH_TESTS = os.environ | {"PYTHONPATH": str(REPO)}
@@ -305,3 +312,18 @@ def test_bench_structured_smoke() -> None:
     out = _bench(["benchmarks.structured", *argv], 300, os.environ | {"HF_HUB_OFFLINE": "1"})
     assert re.search(r"valid: [0-3]/3 answers parse", out), out
     assert re.search(r"grammar hooks \(mask \+ advance\): [0-9]+ us per token", out), out
+
+
+def test_bench_tracing_smoke() -> None:
+    """A few requests each of the three ways (off, on, the version before tracing): it runs,
+    goes round them and prints their ratios; off imports none of batchline's tracing."""
+    pytest.importorskip("opentelemetry.sdk.trace")
+    if subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], check=False).returncode:
+        pytest.skip("needs the git checkout (the previous version comes from it)")
+    argv = ["--requests", "300", "--inflight", "100", "--idle", "20", "--repeats", "2"]
+    out = _bench(["benchmarks.tracing", *argv, "--previous", "HEAD"], 300)
+    assert "2 interleaved repeats" in out, out
+    for figure in ("requests/s", "idle p50 ms", "worker CPU µs/request"):
+        assert re.search(rf"^{re.escape(figure)} .* ([0-9.]+|-) +([0-9.]+|-)$", out, re.M), out
+    assert "off: the producer imported batchline.tracing._otel: no" in out, out
+    assert "on: the producer imported batchline.tracing._otel: yes" in out, out

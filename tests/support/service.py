@@ -591,7 +591,8 @@ def spawn_worker(
     """Start ``python -m batchline worker`` processes: ``spawn_worker(model=..., **settings)``.
 
     Settings become command-line flags; ``env=`` adds environment variables; ``ready=False``
-    returns without waiting for the first heartbeat. Every process still running at the end
+    returns without waiting for the first heartbeat; ``launcher=`` runs another command
+    before ``worker ARGS`` than ``python -m batchline``. Every process still running at the end
     of the test gets SIGTERM, then SIGKILL if it does not exit.
     """
     procs: list[WorkerProcess] = []
@@ -602,6 +603,7 @@ def spawn_worker(
         *,
         env: dict[str, str] | None = None,
         ready: bool = True,
+        launcher: list[str] | None = None,
         **settings: Any,
     ) -> WorkerProcess:
         worker_id = str(settings.pop("worker_id", f"w{len(procs)}-{uuid.uuid4().hex[:6]}"))
@@ -613,7 +615,7 @@ def spawn_worker(
         log_path = tmp_path / f"worker-{worker_id}.log"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "batchline", "worker", *args],
+                [*(launcher or [sys.executable, "-m", "batchline"]), "worker", *args],
                 env=subprocess_env(env),
                 cwd=REPO,
                 stdout=log,

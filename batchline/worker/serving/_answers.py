@@ -19,6 +19,7 @@ from batchline.codec._requests import salvage_id
 from batchline.codec._results import result_fields
 from batchline.drivers._base import Call
 from batchline.errors import RequestCancelled, RequestTimeout
+from batchline.tracing import log_extra
 from batchline.transport._once import input_hash
 from batchline.worker.models import Model, Prepared
 
@@ -59,6 +60,7 @@ class Meta:
     #: Tokens of its input, where the model counts them (``counts_tokens``): the result's tok.
     tokens: int = 0
     _ih: str = field(default="", repr=False)
+    span: Any = field(default=None, repr=False)  # its process span, tracing on (.tracing)
 
     def input_hash(self) -> str:
         """The input hash of this request (``ih``, docs/protocol.md), computed once: its
@@ -120,6 +122,7 @@ def answer(
     # may answer requests coalesced onto it: the completion script checks them against it.
     cache_hash = request.get("ck") or ""
     ih = meta.input_hash()
+    why = ""  # an output that cannot travel: why
     try:
         fields = result_fields(
             request_id,
@@ -137,8 +140,16 @@ def answer(
     except (TypeError, ValueError, RecursionError) as exc:  # the output cannot travel
         status = "error"
         kind, message = type(exc).__name__, str(exc)[:2000]
+        why = f"{kind}: {message[:500]}"
         failed = Result(request_id, "error", None, kind, message, worker=worker_id, input_hash=ih)
         fields = encode_result(failed)
+    if status == "error":  # one request's error: its line names it (and its trace)
+        logger.info(
+            "request %s failed: %s",
+            request_id,
+            why or (f"{type(error).__name__}: {str(error)[:500]}" if error else "error"),
+            extra=log_extra(request_id, request.get("traceparent")),
+        )
     packed = pack_result(fields)
     record = Record(meta.sidx, meta.entry, status, packed, request_id, request.get("reply"))
     record.cut = cut or status in ("cancelled", "expired")
@@ -180,6 +191,14 @@ def dead_letter(
     request_id, reply = salvage_id(raw)
     dead = _original_fields(raw)
     dead += ["reason", f"{kind}: {reason}", "worker", worker_id]
+    logger.warning(
+        "entry %s dead-lettered (request %s): %s: %s",
+        entry.decode(errors="replace"),
+        request_id or "unknown",
+        kind,
+        reason[:500],
+        extra=log_extra(request_id, raw.get(b"traceparent")),
+    )
     record = Record(sidx, entry, "dead", dead=dead)
     if request_id is None:
         return record

@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 
 from batchline.drivers._base import Call
 from batchline.keys import GROUP
+from batchline.tracing import handed_back
 from batchline.transport._redis import RedisClient
 from batchline.worker.serving._answers import Meta, Record
 
@@ -131,6 +132,7 @@ class Claims:
             retry = None if meta.started_unix else delivered - 1
             groups[(meta.sidx, retry)].append(meta.entry)
             self.held[meta.sidx].discard(meta.entry)
+            handed_back(meta)
         if rest:
             for sidx, held in enumerate(self.held):
                 for entry in list(held):

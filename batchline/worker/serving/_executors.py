@@ -12,7 +12,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchline.config import WorkerSettings
 from batchline.drivers._aio import AioBatcher
@@ -26,6 +26,9 @@ from batchline.worker.serving._generation_executor import (
 from batchline.worker.serving._starts import Starts
 from batchline.worker.upkeep._guard import Guard
 from batchline.worker.upkeep._watchdog import work_of
+
+if TYPE_CHECKING:
+    from batchline.tracing._otel import WorkerTrace
 
 __all__ = ["Executors", "build", "pads"]
 
@@ -57,7 +60,7 @@ def build(model: Model, s: WorkerSettings, *, guard: Guard, starts: Starts) -> E
                 s.cache_ttl_s,
             )
         return Executors(gen, gen.alone, gen.window)
-    infer = _infer(model, guard)
+    infer = _infer(model, guard, starts.trace)
     # One lock for both batchers: a redelivered entry never runs beside a batch.
     model_lock = threading.Lock()
     # No batch is handed to the model's thread ahead of time: cancellations and deadlines
@@ -94,12 +97,20 @@ def build(model: Model, s: WorkerSettings, *, guard: Guard, starts: Starts) -> E
     return Executors(batcher, alone, s.batch_size * s.read_ahead)
 
 
-def _infer(model: Model, guard: Guard) -> Callable[[list[Prepared]], Any]:
-    """The batch function: one model call, stamped and timed by ``guard``."""
+def _infer(
+    model: Model, guard: Guard, trace: WorkerTrace | None
+) -> Callable[[list[Prepared]], Any]:
+    """The batch function: one model call, stamped and timed by ``guard`` (and in its span,
+    tracing on)."""
     padded = pads(model)
 
     def infer(batch: list[Prepared]) -> Any:
         work = work_of(batch, pads=padded)
+        if trace is not None:
+            return guard.call(
+                lambda: trace.model_call(batch, lambda: model.infer([p.payload for p in batch])),
+                work,
+            )
         return guard.call(lambda: model.infer([p.payload for p in batch]), work)
 
     return infer

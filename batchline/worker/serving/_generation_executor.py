@@ -274,7 +274,7 @@ class GenerationExecutor:
 
     def _admitted(self, seqs: list[Sequence_], batch_size: int) -> None:
         calls = [c for c in (self._calls.get(s) for s in seqs) if c is not None]
-        self._starts.started(calls, batch_size)
+        self._starts.admitted(calls, batch_size)
 
     async def _drive(self) -> None:
         gen = self._loop()
@@ -299,6 +299,8 @@ class GenerationExecutor:
                 logger.exception("the generation loop failed; failing what it held")
                 gen = self._reset(exc)
                 continue
+            finally:
+                self._starts.step_ended()
             if gen.batch_rows != rows:
                 took = time.perf_counter() - started
                 self._histogram[gen.batch_rows - rows] += 1

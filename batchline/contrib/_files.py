@@ -1,0 +1,284 @@
+"""OpenAI's Files API for batches, kept in Redis: ``/v1/files`` (upload, list, get, content,
+delete).
+
+A file is a hash (its object) and a list of its lines (:class:`~batchline.keys.BatchApiKeys`),
+so that every API replica, and one restarted, reads the same files, and a batch reads its
+input a window of lines at a time: no file is ever whole in one process. An upload is read
+as it arrives (:mod:`._multipart`), its lines appended in chunks; until it is complete its
+list expires on its own (an upload cut short leaves nothing behind for long). Only
+``purpose=batch`` is taken (400 otherwise); a file holds at most the app's
+``max_file_bytes`` (OpenAI's 200 MB; 413 beyond), each line at most the app's
+``max_body_bytes`` (a request's body); the output and error files of batches are written by
+the batches themselves (``purpose`` ``batch_output``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Path, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from batchline.contrib._batch_lines import FileScan
+from batchline.contrib._multipart import END, MultipartError, MultipartReader, PartStart, boundary
+from batchline.contrib._openai_errors import OpenAIError
+from batchline.keys import ID_PATTERN, BatchApiKeys
+from batchline.transport._redis import RedisClient
+
+__all__ = ["FileStore", "not_found"]
+
+#: Lines appended (and read) per Redis call.
+CHUNK_LINES = 512
+#: How long the lines of an upload under way live if it never completes.
+_UPLOAD_TTL_S = 3600
+_MAX_FIELD_BYTES = 256
+
+_Id = Annotated[str, Path(pattern=ID_PATTERN)]
+
+
+def not_found(kind: str, object_id: str) -> OpenAIError:
+    """OpenAI's 404 for an unknown file or batch."""
+    return OpenAIError(404, f"No such {kind}: {object_id!r}", param="id", code="not_found")
+
+
+def _text(raw: dict[bytes, bytes], name: str) -> str | None:
+    value = raw.get(name.encode())
+    return None if value is None else value.decode()
+
+
+def file_object(raw: dict[bytes, bytes]) -> dict[str, Any]:
+    """A file's object, as OpenAI answers it, from its stored hash."""
+    return {
+        "id": _text(raw, "id"),
+        "object": "file",
+        "bytes": int(raw.get(b"bytes", 0)),
+        "created_at": int(raw.get(b"created_at", 0)),
+        "expires_at": None,
+        "filename": _text(raw, "filename"),
+        "purpose": _text(raw, "purpose"),
+        "status": "processed",
+        "status_details": None,
+    }
+
+
+class _Upload:
+    """One upload's file part, split into lines and appended to Redis in chunks."""
+
+    def __init__(
+        self, redis: RedisClient, key: str, *, max_line_bytes: int, max_bytes: int
+    ) -> None:
+        self.redis, self.key, self.max_line_bytes = redis, key, max_line_bytes
+        self.max_bytes = max_bytes
+        self.scan = FileScan()
+        self.raw_bytes = 0
+        self._partial = b""
+        self._pending: list[bytes] = []
+
+    async def add(self, data: bytes) -> None:
+        self.raw_bytes += len(data)
+        if self.raw_bytes > self.max_bytes:
+            message = f"the file exceeds max_file_bytes={self.max_bytes}"
+            raise OpenAIError(413, message, param="file", code="file_too_large")
+        *complete, self._partial = (self._partial + data).split(b"\n")
+        if len(self._partial) > self.max_line_bytes:
+            raise self._too_long()
+        for line in complete:
+            self._line(line)
+        if len(self._pending) >= CHUNK_LINES:
+            await self.flush()
+
+    def _too_long(self) -> OpenAIError:
+        message = f"line {self.scan.lines + 1} exceeds {self.max_line_bytes} bytes"
+        return OpenAIError(400, message, param="file")
+
+    def _line(self, line: bytes) -> None:
+        line = line.rstrip(b"\r")
+        if not line.strip():
+            return  # blank lines (a last line break) hold no request
+        if len(line) > self.max_line_bytes:
+            raise self._too_long()
+        self.scan.add(line)
+        self._pending.append(line)
+
+    async def flush(self, *, last: bool = False) -> None:
+        if last and self._partial:
+            self._line(self._partial)
+            self._partial = b""
+        if self._pending:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.rpush(self.key, *self._pending)
+                pipe.expire(self.key, _UPLOAD_TTL_S)
+                await pipe.execute()
+            self._pending = []
+
+
+class FileStore:
+    """The files, in Redis, and their routes.
+
+    Args:
+        keys: where they live.
+        max_line_bytes: the longest line of an input file.
+        max_file_bytes: the largest file.
+    """
+
+    def __init__(self, keys: BatchApiKeys, *, max_line_bytes: int, max_file_bytes: int) -> None:
+        self.keys = keys
+        self.max_line_bytes, self.max_file_bytes = max_line_bytes, max_file_bytes
+        self.redis: RedisClient = None  # set by the app's lifespan
+
+    def add_routes(self, app: FastAPI) -> None:
+        """``/files`` on the ``/v1`` app."""
+        app.add_api_route("/files", self.upload, methods=["POST"], response_model=None)
+        app.add_api_route("/files", self.list, methods=["GET"], response_model=None)
+        app.add_api_route("/files/{file_id}", self.retrieve, methods=["GET"], response_model=None)
+        app.add_api_route("/files/{file_id}", self.delete, methods=["DELETE"], response_model=None)
+        app.add_api_route(
+            "/files/{file_id}/content", self.content, methods=["GET"], response_model=None
+        )
+
+    # -- storage -------------------------------------------------------------------------------
+
+    async def get(self, file_id: str) -> dict[bytes, bytes] | None:
+        """A file's stored hash, or None."""
+        raw: dict[bytes, bytes] = await self.redis.hgetall(self.keys.file(file_id))
+        return raw or None
+
+    async def lines(self, file_id: str, start: int, count: int) -> list[bytes]:
+        """Up to ``count`` lines of a file from line ``start`` (0-based)."""
+        found: list[bytes] = await self.redis.lrange(
+            self.keys.lines(file_id), start, start + count - 1
+        )
+        return found
+
+    def record(self, pipe: Any, file_id: str, fields: dict[str, str | int]) -> None:
+        """Queue on ``pipe`` the writes that make a file of the lines at ``lines(file_id)``."""
+        created = int(fields.get("created_at", time.time()))
+        pipe.hset(self.keys.file(file_id), mapping={"id": file_id, "created_at": created, **fields})
+        pipe.persist(self.keys.lines(file_id))
+        pipe.zadd(self.keys.files, {file_id: created})
+
+    # -- routes --------------------------------------------------------------------------------
+
+    async def upload(self, request: Request) -> JSONResponse:
+        """Upload a JSONL file of requests (``purpose=batch``), read as it arrives."""
+        try:
+            reader = MultipartReader(boundary(request.headers.get("content-type", "")))
+        except MultipartError as exc:
+            raise OpenAIError(400, str(exc)) from None
+        file_id = f"file-{uuid.uuid4().hex[:24]}"
+        upload = _Upload(
+            self.redis,
+            self.keys.lines(file_id),
+            max_line_bytes=self.max_line_bytes,
+            max_bytes=self.max_file_bytes,
+        )
+        try:
+            fields, filename = await self._read(request, reader, upload)
+            purpose = fields.get("purpose")
+            if purpose != "batch":
+                message = (
+                    f"purpose must be 'batch' (the only files this API keeps), got {purpose!r}"
+                )
+                raise OpenAIError(400, message, param="purpose")
+            if filename is None:
+                raise OpenAIError(400, "the form has no file part", param="file")
+            async with self.redis.pipeline(transaction=True) as pipe:
+                self.record(
+                    pipe,
+                    file_id,
+                    {
+                        "bytes": upload.raw_bytes,
+                        "filename": filename,
+                        "purpose": "batch",
+                        "lines": upload.scan.lines,
+                        "duplicate": upload.scan.duplicate or "",
+                        "created_at": int(time.time()),
+                    },
+                )
+                await pipe.execute()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.redis.delete(self.keys.lines(file_id))
+            raise
+        raw = await self.get(file_id)
+        return JSONResponse(file_object(raw or {}))
+
+    @staticmethod
+    async def _read(
+        request: Request, reader: MultipartReader, upload: _Upload
+    ) -> tuple[dict[str, str], str | None]:
+        """Read the form: its small fields, and its file part into ``upload``."""
+        fields: dict[str, str] = {}
+        part: PartStart | None = None
+        filename: str | None = None
+        try:
+            async for chunk in request.stream():
+                for found in reader.feed(chunk):
+                    if isinstance(found, PartStart):
+                        part = found
+                        if part.filename is not None:
+                            filename = part.filename or "upload.jsonl"
+                        else:
+                            fields[part.name] = ""
+                    elif found == END:
+                        part = None
+                    elif isinstance(found, bytes) and part is not None:
+                        if part.filename is not None and part.name == "file":
+                            await upload.add(found)
+                        elif part.filename is None:
+                            fields[part.name] += found.decode("utf-8", "replace")
+                            if len(fields[part.name]) > _MAX_FIELD_BYTES:
+                                raise OpenAIError(400, f"the field {part.name!r} is too long")
+            reader.close()
+        except MultipartError as exc:
+            raise OpenAIError(400, str(exc)) from None
+        await upload.flush(last=True)
+        return fields, filename
+
+    async def list(self, purpose: str | None = None, limit: int = 100) -> JSONResponse:
+        """The files, newest first (at most ``limit``, up to 10,000)."""
+        ids = await self.redis.zrevrange(self.keys.files, 0, max(1, min(limit, 10_000)) - 1)
+        data = []
+        for raw_id in ids:
+            raw = await self.get(raw_id.decode())
+            if raw is not None and (purpose is None or _text(raw, "purpose") == purpose):
+                data.append(file_object(raw))
+        return JSONResponse({"object": "list", "data": data, "has_more": False})
+
+    async def _found(self, file_id: str) -> dict[bytes, bytes]:
+        raw = await self.get(file_id)
+        if raw is None:
+            raise not_found("file", file_id)
+        return raw
+
+    async def retrieve(self, file_id: _Id) -> JSONResponse:
+        """A file's object."""
+        return JSONResponse(file_object(await self._found(file_id)))
+
+    async def content(self, file_id: _Id) -> Response:
+        """A file's content, JSONL, streamed a chunk of lines at a time."""
+        await self._found(file_id)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            start = 0
+            while True:
+                lines = await self.lines(file_id, start, CHUNK_LINES)
+                if not lines:
+                    return
+                yield b"".join(line + b"\n" for line in lines)
+                start += len(lines)
+
+        return StreamingResponse(chunks(), media_type="application/jsonl")
+
+    async def delete(self, file_id: _Id) -> JSONResponse:
+        """Delete a file (its object and its lines)."""
+        await self._found(file_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self.keys.file(file_id), self.keys.lines(file_id))
+            pipe.zrem(self.keys.files, file_id)
+            await pipe.execute()
+        return JSONResponse({"id": file_id, "object": "file", "deleted": True})

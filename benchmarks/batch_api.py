@@ -1,0 +1,286 @@
+"""OpenAI Batch API benchmark: a 10,000-line embeddings batch through ``/v1/batches``
+against the same requests submitted all at once through the producer, and the latency of
+interactive ``/v1/embeddings`` requests while such a batch runs, in one run.
+
+One invocation starts its own redis-server (free loopback port, no persistence), one
+``batchline worker`` process (batch 64, timeout_ms 0) serving :func:`model`, and the API
+(``uvicorn batchline.contrib.fastapi:create_app --factory``, its own process, defaults:
+batch priority 0, window 256). :func:`model` costs what an accelerator's batch costs: a
+fixed time per call (``FIXED_MS``) and a little per text (``PER_TEXT_MS``), sleeping (no
+CPU): the figures measure batchline's paths, not a model's arithmetic. Each repeat runs, in
+this order, on texts no other measurement sent:
+
+- ``producer``: the batch's requests (one text each, priority 0) submitted all at once with
+  one AsyncProducer in this process, until every result is in: requests/s;
+- ``batch``: the same number of lines uploaded (``POST /v1/files``, not timed) and run as a
+  batch, from ``POST /v1/batches`` until ``GET`` says ``completed``: lines/s;
+- ``interactive + batch``: a batch again, with ``--lanes`` interactive clients (each one
+  ``POST /v1/embeddings`` of one text, then ``--think-ms``, in a loop) while it runs: their
+  latency p50 / p99;
+- ``interactive``: the same clients as long again, no batch running.
+
+Targets: batch ≥ 90 % of the producer's rate; interactive p99 with a batch ≤ 2x without.
+The machine is shared: compare the figures of one run (ratios of each repeat, medians).
+
+Usage::
+
+    python -m benchmarks.batch_api                               # ~3 min on 2 busy cores
+    python -m benchmarks.batch_api --lines 500 --repeats 1       # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import (
+    Procs,
+    Samples,
+    child_env,
+    fmt,
+    free_port,
+    load,
+    log,
+    machine,
+    percentile,
+    provenance,
+    redis_binary,
+    start_redis,
+    versions,
+    watchdog,
+)
+
+QUEUE = "emb"
+FIXED_MS, PER_TEXT_MS, DIM = 25.0, 0.05, 16
+
+
+def model(items: list[Any]) -> list[Any]:
+    """One batch of embedding requests (each a list of texts): ``FIXED_MS`` plus
+    ``PER_TEXT_MS`` a text, asleep; a vector of ``DIM`` floats a text."""
+    import numpy as np
+
+    texts = sum(len(item) if isinstance(item, list) else 1 for item in items)
+    time.sleep((FIXED_MS + PER_TEXT_MS * texts) / 1000)
+    return [np.full((len(item), DIM), 0.5, dtype=np.float32) for item in items]
+
+
+def lines_of(tag: str, n: int) -> bytes:
+    """A JSONL input file of ``n`` embedding requests, texts unique to ``tag``."""
+    body = {"model": QUEUE, "encoding_format": "float"}
+    out = [
+        {
+            "custom_id": f"{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {**body, "input": f"{tag} text {i}"},
+        }
+        for i in range(n)
+    ]
+    return b"".join(json.dumps(x).encode() + b"\n" for x in out)
+
+
+async def producer_rate(url: str, tag: str, n: int) -> float:
+    """The ``n`` requests submitted at once through one producer: requests/s."""
+    from batchline.producer import AsyncProducer
+
+    async with AsyncProducer(redis_url=url, queue=QUEUE) as producer:
+        start = time.perf_counter()
+        await asyncio.gather(
+            *(producer.infer([f"{tag} text {i}"], priority=0, timeout_s=600) for i in range(n))
+        )
+        return n / (time.perf_counter() - start)
+
+
+async def run_batch(http: Any, tag: str, n: int) -> float:
+    """Upload ``n`` lines, run them as a batch: lines/s from the create to ``completed``."""
+    files = {"file": ("in.jsonl", lines_of(tag, n), "application/jsonl")}
+    upload = await http.post("/v1/files", files=files, data={"purpose": "batch"})
+    upload.raise_for_status()
+    body = {
+        "input_file_id": upload.json()["id"],
+        "endpoint": "/v1/embeddings",
+        "completion_window": "24h",
+    }
+    start = time.perf_counter()
+    created = await http.post("/v1/batches", json=body)
+    created.raise_for_status()
+    while True:
+        batch = (await http.get(f"/v1/batches/{created.json()['id']}")).json()
+        if batch["status"] in ("completed", "failed", "cancelled", "expired"):
+            break
+        await asyncio.sleep(0.05)
+    elapsed = time.perf_counter() - start
+    if (batch["status"], batch["request_counts"]["completed"]) != ("completed", n):
+        raise RuntimeError(f"the batch ended {batch['status']}: {batch['request_counts']}")
+    return n / elapsed
+
+
+async def interactive(
+    http: Any, lanes: int, think_ms: float, until: asyncio.Future[Any] | float
+) -> list[float]:
+    """Latencies (ms) of ``lanes`` interactive clients until ``until`` is done (or for
+    that many seconds)."""
+    latencies: list[float] = []
+    end = time.perf_counter() + until if isinstance(until, float) else None
+
+    def going() -> bool:
+        return not until.done() if end is None else time.perf_counter() < end  # type: ignore[union-attr]
+
+    async def lane(i: int) -> None:
+        k = 0
+        while going():
+            start = time.perf_counter()
+            r = await http.post("/v1/embeddings", json={"model": QUEUE, "input": f"hi {i} {k}"})
+            r.raise_for_status()
+            latencies.append((time.perf_counter() - start) * 1000)
+            k += 1
+            await asyncio.sleep(think_ms / 1000)
+
+    await asyncio.gather(*(lane(i) for i in range(lanes)))
+    return latencies
+
+
+async def one_repeat(url: str, base: str, rep: int, args: argparse.Namespace, s: Samples) -> None:
+    import httpx
+
+    n = args.lines
+    s.add("producer", await producer_rate(url, f"p{rep}", n))
+    async with httpx.AsyncClient(base_url=base, timeout=600) as http:
+        s.add("batch", await run_batch(http, f"b{rep}", n))
+        batch = asyncio.ensure_future(run_batch(http, f"i{rep}", n))
+        t0 = time.perf_counter()
+        with_batch = await interactive(http, args.lanes, args.think_ms, batch)
+        s.add("batch beside interactive", await batch)
+        alone = await interactive(http, args.lanes, args.think_ms, time.perf_counter() - t0)
+    for name, values in (("with", with_batch), ("alone", alone)):
+        s.add(f"p50 {name}", percentile(values, 50))
+        s.add(f"p99 {name}", percentile(values, 99))
+        s.add(f"n {name}", len(values))
+    s.add("batch / producer", s.rows["batch"][-1] / s.rows["producer"][-1])
+    s.add("p99 ratio", s.rows["p99 with"][-1] / s.rows["p99 alone"][-1])
+    log(f"repeat {rep + 1}: " + ", ".join(f"{k} {v[-1]:.3g}" for k, v in s.rows.items()))
+
+
+def start(procs: Procs, args: argparse.Namespace) -> tuple[str, str]:
+    """The redis-server, a worker and the API; their URLs once all three answer."""
+    import httpx
+    import redis
+
+    from batchline.keys import QueueKeys
+
+    env = child_env()
+    url, _ = start_redis(procs, env, redis_binary(args.redis_server))
+    argv = [sys.executable, "-m", "batchline", "--log-level", "WARNING", "worker"]
+    argv += ["--redis-url", url, "--queue", QUEUE, "--model", "benchmarks.batch_api:model"]
+    argv += ["--batch-size", "64", "--timeout-ms", "0", "--max-restarts-per-min", "0"]
+    procs.spawn("worker", argv, env=env)
+    port = free_port()
+    api_env = child_env(
+        {"BATCHLINE_REDIS_URL": url, "BATCHLINE_QUEUE": QUEUE, "BATCHLINE_EMBEDDING_QUEUE": QUEUE}
+    )
+    if args.window is not None:
+        api_env["BATCHLINE_BATCH_WINDOW"] = str(args.window)
+    if args.interactive_priority is not None:
+        api_env["BATCHLINE_DEFAULT_PRIORITY"] = str(args.interactive_priority)
+    api = [sys.executable, "-m", "uvicorn", "batchline.contrib.fastapi:create_app", "--factory"]
+    procs.spawn("api", [*api, "--port", str(port), "--log-level", "warning"], env=api_env)
+    base = f"http://127.0.0.1:{port}"
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            ready = (
+                bool(client.zcard(QueueKeys(QUEUE).workers))
+                and httpx.get(f"{base}/healthz").status_code == 200
+            )
+        except httpx.TransportError:
+            ready = False
+        if ready:
+            return url, base
+        for name in ("worker", "api"):
+            if time.monotonic() > deadline or procs.procs[name].poll() is not None:
+                raise RuntimeError(f"{name} did not start:\n{procs.log_tail(name)}")
+        time.sleep(0.2)
+
+
+def report(s: Samples, args: argparse.Namespace, before: str) -> None:
+    def row(name: str, key: str, digits: int = 0, unit: str = "") -> str:
+        spread = s.spread(key)
+        return f"| {name} | {fmt(s.med(key), digits, unit)} | {spread} |"
+
+    print(f"# Batch API benchmark ({time.strftime('%Y-%m-%d')})\n")
+    print(f"- command: `python -m benchmarks.batch_api {' '.join(sys.argv[1:])}`".rstrip())
+    print(f"- {machine(before, load())}")
+    print(f"- CPU flags: {cpu_flags()}")
+    print(f"- {versions('redis', 'fastapi', 'uvicorn')}; {provenance()}")
+    print(
+        f"- {args.lines} lines a batch, {args.repeats} interleaved repeats (medians; range in the "
+        f"last column); model {FIXED_MS:g} ms + {PER_TEXT_MS:g} ms a text, worker batch 64; "
+        f"{args.lanes} interactive clients, {args.think_ms:g} ms think time\n"
+    )
+    print("| figure | median | range |\n|---|---:|---|")
+    print(row("producer, all at once (requests/s)", "producer"))
+    print(row("batch (lines/s)", "batch"))
+    print(row("**batch / producer** (target ≥ 0.90)", "batch / producer", 3))
+    print(row("batch beside interactive clients (lines/s)", "batch beside interactive"))
+    print(row("interactive p50, batch running (ms)", "p50 with", 1))
+    print(row("interactive p50, no batch (ms)", "p50 alone", 1))
+    print(row("interactive p99, batch running (ms)", "p99 with", 1))
+    print(row("interactive p99, no batch (ms)", "p99 alone", 1))
+    print(row("**p99 with / without a batch** (target ≤ 2)", "p99 ratio", 2))
+    print(row("interactive requests measured, batch running", "n with"))
+
+
+def cpu_flags() -> str:
+    """The processor's model name and flags of note, from /proc/cpuinfo."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    fields: dict[str, str] = {}
+    for line in info.splitlines():
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip(), value.strip())
+    noted = [
+        f for f in fields.get("flags", "").split() if f.startswith(("avx", "sse4", "amx", "fma"))
+    ]
+    return f"{fields.get('model name', '?')}; {' '.join(noted)}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lines", type=int, default=10_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--lanes", type=int, default=4, help="interactive clients")
+    parser.add_argument("--think-ms", type=float, default=20.0)
+    parser.add_argument("--window", type=int, default=None, help="the API's batch_window")
+    parser.add_argument(
+        "--interactive-priority", type=int, default=None, help="the API's default_priority"
+    )
+    parser.add_argument("--redis-server", default=None)
+    args = parser.parse_args()
+    before = load()
+    logdir = Path(tempfile.mkdtemp(prefix="bench-batch-api-"))
+    procs = Procs(logdir)
+    watchdog(1800, "benchmarks.batch_api", procs.stop_all)
+    s = Samples()
+    try:
+        url, base = start(procs, args)
+        asyncio.run(producer_rate(url, "warm", 256))  # first batches of each shape
+        for rep in range(args.repeats):
+            asyncio.run(one_repeat(url, base, rep, args, s))
+    finally:
+        procs.stop_all()
+        shutil.rmtree(logdir, ignore_errors=True)
+    report(s, args, before)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,408 @@
+"""The OpenAI Batch API (``/v1/files``, ``/v1/batches``) end to end: the official ``openai``
+client over uvicorn, the session's redis-server, and real workers (threads of this process:
+``batch_models.counting_embed``, which counts each text it computes, and the tiny random
+Llama). Each test has its own key prefix, so that no other test's batches are in sight."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from pydantic import SecretStr
+
+from batchline.config import WebSettings
+from batchline.contrib import _batch_run
+from batchline.contrib.fastapi import create_app
+
+from .test_fastapi import Serve, serve
+from .test_openai import client_for
+from tests.support import batch_models
+from tests.support.service import (
+    RESULT_TIMEOUT_S,
+    START_TIMEOUT_S,
+    WorkerThread,
+    subprocess_env,
+    wait_until,
+)
+from tests.support.web_models import vector
+from tests.worker.test_generate import CHAT, TINY
+
+openai = pytest.importorskip("openai")
+
+__all__ = ["serve"]  # a fixture, used here
+
+COUNTING = f"{batch_models.__name__}:counting_embed"
+MakeApp = Callable[..., FastAPI]
+
+
+@pytest.fixture
+def make_app(redis_url: str, queue: str) -> MakeApp:
+    """``make_app(**settings)``: the app, its embedding queue ``queue``, its keys under the
+    prefix ``queue`` (this test's alone)."""
+
+    def make(**settings: Any) -> FastAPI:
+        settings.setdefault("embedding_queue", queue)
+        settings.setdefault("batch_lease_s", 2.0)
+        return create_app(
+            WebSettings(redis_url=SecretStr(redis_url), queue=queue, prefix=queue, **settings),
+            timeout_s=RESULT_TIMEOUT_S,
+        )
+
+    return make
+
+
+@pytest.fixture
+def embedder(start_worker: Callable[..., WorkerThread], queue: str) -> Iterator[None]:
+    """An embedding worker counting its calls (batch_models.CALLS, reset here)."""
+    batch_models.reset()
+    start_worker(COUNTING, prefix=queue)
+    yield
+    batch_models.GATE.set()
+
+
+def jsonl(lines: list[Any]) -> bytes:
+    return b"".join((x if isinstance(x, bytes) else json.dumps(x).encode()) + b"\n" for x in lines)
+
+
+def embedding_line(custom_id: str, text: str, model: str) -> dict[str, Any]:
+    body = {"model": model, "input": text, "encoding_format": "float"}
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings", "body": body}
+
+
+def upload(client: Any, data: bytes) -> Any:
+    return client.files.create(file=("batch.jsonl", io.BytesIO(data)), purpose="batch")
+
+
+def finished(client: Any, batch_id: str) -> Any:
+    """The batch, once in a final status."""
+    found: list[Any] = []
+
+    def done() -> bool:
+        found[:] = [client.batches.retrieve(batch_id)]
+        return found[0].status in ("completed", "failed", "cancelled", "expired")
+
+    wait_until(done, f"batch {batch_id} to finish", timeout_s=RESULT_TIMEOUT_S)
+    return found[0]
+
+
+def answered_part(client: Any, lines: list[Any], answered: int) -> Any:
+    """A batch of ``lines`` created, once ``answered`` of them are answered (the model held)."""
+    batch = client.batches.create(
+        input_file_id=upload(client, jsonl(lines)).id,
+        endpoint="/v1/embeddings",
+        completion_window="24h",
+    )
+    wait_until(
+        lambda: client.batches.retrieve(batch.id).request_counts.completed == answered,
+        f"{answered} lines answered",
+    )
+    return batch
+
+
+def file_lines(client: Any, file_id: str | None) -> dict[str, dict[str, Any]]:
+    """A file's lines by custom_id (every custom_id once)."""
+    if file_id is None:
+        return {}
+    lines = [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+    by_id = {line["custom_id"]: line for line in lines}
+    assert len(by_id) == len(lines), "a custom_id answered twice"
+    return by_id
+
+
+@pytest.mark.slow
+def test_an_embeddings_batch_answers_every_line_once(
+    make_app: MakeApp,
+    serve: Serve,
+    embedder: None,
+    queue: str,  # noqa: F811
+) -> None:
+    client = client_for(serve(make_app()))
+    texts = [f"text number {i}" for i in range(40)]
+    lines: list[Any] = [embedding_line(f"req-{i}", t, queue) for i, t in enumerate(texts)]
+    lines += [
+        b'{"custom_id": "broken", "method": "POST"',  # not JSON
+        {**embedding_line("elsewhere", "x", queue), "url": "/v1/moderations"},
+        {**embedding_line("refused", "z", queue), "body": {"model": queue, "input": "z", "n": 2}},
+        embedding_line("no-model", "y", "not-a-model"),
+    ]
+    file = upload(client, jsonl(lines))
+    assert (file.purpose, file.bytes, file.object) == ("batch", len(jsonl(lines)), "file")
+    assert client.files.retrieve(file.id).filename == "batch.jsonl"
+    assert client.files.content(file.id).content == jsonl(lines)
+
+    batch = client.batches.create(
+        input_file_id=file.id,
+        endpoint="/v1/embeddings",
+        completion_window="24h",
+        metadata={"job": "nightly"},
+    )
+    assert batch.status in ("validating", "in_progress")
+    batch = finished(client, batch.id)
+    assert batch.status == "completed", batch
+    assert batch.metadata == {"job": "nightly"}
+    assert (batch.request_counts.total, batch.request_counts.completed) == (44, 40)
+    assert batch.request_counts.failed == 4
+    assert batch.in_progress_at
+    assert batch.finalizing_at
+    assert batch.completed_at
+
+    out = file_lines(client, batch.output_file_id)
+    assert sorted(out) == sorted(f"req-{i}" for i in range(40))
+    for i, text in enumerate(texts):
+        response = out[f"req-{i}"]["response"]
+        assert response["status_code"] == 200
+        assert response["body"]["data"][0]["embedding"] == vector(text)
+        assert response["body"]["model"] == queue
+    errors = file_lines(client, batch.error_file_id)
+    assert errors[None]["error"]["code"] == "invalid_json_line"
+    assert errors["elsewhere"]["error"]["code"] == "invalid_url"
+    assert errors["refused"]["response"]["status_code"] == 400  # as the route answers it
+    assert errors["refused"]["response"]["body"]["error"]["param"] == "n"
+    assert errors["no-model"]["response"]["status_code"] == 404
+    assert errors["no-model"]["response"]["body"]["error"]["code"] == "model_not_found"
+    assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
+    assert {t: 1 for t in texts} == batch_models.CALLS  # each computed once
+
+    listed = client.batches.list(limit=10)
+    assert [b.id for b in listed.data] == [batch.id]
+    assert client.files.delete(file.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(file.id)
+
+
+def test_bad_files_and_unknown_ids_fail_as_openai_does(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    queue: str,
+) -> None:
+    client = client_for(serve(make_app(max_file_bytes=4096)))
+
+    def create(file_id: str) -> Any:
+        return client.batches.create(
+            input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h"
+        )
+
+    empty = create(upload(client, b"\n").id)
+    assert (empty.status, empty.errors.data[0].code) == ("failed", "empty_file")
+    assert empty.failed_at is not None
+    twice = jsonl([embedding_line("same", "a", queue), embedding_line("same", "b", queue)])
+    dup = create(upload(client, twice).id)
+    assert (dup.status, dup.errors.data[0].code) == ("failed", "duplicate_custom_id")
+    assert client.batches.retrieve(dup.id).status == "failed"
+
+    with pytest.raises(openai.BadRequestError) as caught:  # not a purpose kept here
+        client.files.create(file=("x.jsonl", io.BytesIO(twice)), purpose="fine-tune")
+    assert caught.value.body["param"] == "purpose"
+    with pytest.raises(openai.APIStatusError) as too_big:
+        upload(client, b"x" * 5000)
+    assert too_big.value.status_code == 413
+    with pytest.raises(openai.BadRequestError):  # an endpoint OpenAI's batches do not run
+        client.batches.create(
+            input_file_id=dup.input_file_id,
+            endpoint="/v1/moderations",  # type: ignore[arg-type]
+            completion_window="24h",
+        )
+
+    for call in (
+        lambda: client.batches.retrieve("batch_unknown"),
+        lambda: client.batches.cancel("batch_unknown"),
+        lambda: client.files.retrieve("file-unknown"),
+        lambda: client.files.content("file-unknown"),
+        lambda: client.files.delete("file-unknown"),
+        lambda: create("file-unknown"),
+    ):
+        with pytest.raises(openai.NotFoundError) as missing:
+            call()
+        assert set(missing.value.response.json()["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.ConflictError):  # a finished batch is not cancelled
+        client.batches.cancel(dup.id)
+    page = client.batches.list(limit=1)
+    assert [b.id for b in page.data] == [dup.id]
+    assert page.has_more
+    assert [b.id for b in client.batches.list(after=dup.id).data] == [empty.id]
+
+
+@pytest.mark.slow
+def test_a_batch_created_twice_computes_nothing_twice(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    embedder: None,
+    queue: str,
+) -> None:
+    client = client_for(serve(make_app(batch_window=8)))
+    texts = [f"again {i}" for i in range(24)]
+    file = upload(client, jsonl([embedding_line(f"r{i}", t, queue) for i, t in enumerate(texts)]))
+    ids = [
+        client.batches.create(
+            input_file_id=file.id, endpoint="/v1/embeddings", completion_window="24h"
+        ).id
+        for _ in range(2)  # a client retrying its create
+    ]
+    outputs = [file_lines(client, finished(client, i).output_file_id) for i in ids]
+    assert outputs[0].keys() == outputs[1].keys() == {f"r{i}" for i in range(24)}
+    assert {t: 1 for t in texts} == batch_models.CALLS
+
+
+@pytest.mark.slow
+def test_cancel_stops_the_queued_lines_and_keeps_the_answered_ones(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    start_worker: Callable[..., WorkerThread],
+    queue: str,
+) -> None:
+    batch_models.reset(hold_after=5)
+    start_worker(COUNTING, prefix=queue, batch_size=1, max_batch_ms=60_000)
+    try:
+        client = client_for(serve(make_app(batch_window=4)))
+        lines = [embedding_line(f"c{i}", f"cancel me {i}", queue) for i in range(20)]
+        batch = answered_part(client, lines, 5)
+        assert client.batches.cancel(batch.id).status == "cancelling"
+    finally:
+        batch_models.GATE.set()
+    done = finished(client, batch.id)
+    assert done.status == "cancelled"
+    assert done.cancelled_at is not None
+    counts = done.request_counts
+    assert counts.completed >= 5
+    assert counts.completed + counts.failed == 20
+    out = file_lines(client, done.output_file_id)
+    errors = file_lines(client, done.error_file_id)
+    assert len(out) == counts.completed
+    assert len(errors) == counts.failed
+    assert not out.keys() & errors.keys()
+    assert {e["error"]["code"] for e in errors.values()} == {"cancelled"}
+    assert set(batch_models.CALLS.values()) == {1}
+    # Only the lines in the queue (the window) when the cancel came ran after it.
+    assert len(batch_models.CALLS) <= counts.completed + 4
+
+
+@pytest.mark.slow
+def test_a_batch_whose_input_file_is_deleted_fails(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    start_worker: Callable[..., WorkerThread],
+    queue: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_batch_run, "CHUNK_LINES", 4)  # the file is read 4 lines at a time
+    batch_models.reset(hold_after=2)
+    start_worker(COUNTING, prefix=queue, batch_size=1, max_batch_ms=60_000)
+    try:
+        client = client_for(serve(make_app(batch_window=2)))
+        lines = [embedding_line(f"d{i}", f"deleted {i}", queue) for i in range(12)]
+        batch = answered_part(client, lines, 2)
+        client.files.delete(batch.input_file_id)
+    finally:
+        batch_models.GATE.set()
+    done = finished(client, batch.id)
+    assert (done.status, done.errors.data[0].code) == ("failed", "input_file_deleted")
+
+
+@pytest.mark.slow
+def test_an_api_killed_mid_batch_resumes_it_once_restarted(
+    redis_url: str, start_worker: Callable[..., WorkerThread], queue: str
+) -> None:
+    batch_models.reset(hold_after=10)
+    start_worker(COUNTING, prefix=queue, batch_size=1, max_batch_ms=60_000)
+    env = {
+        "BATCHLINE_REDIS_URL": redis_url,
+        "BATCHLINE_QUEUE": queue,
+        "BATCHLINE_PREFIX": queue,
+        "BATCHLINE_EMBEDDING_QUEUE": queue,
+        "BATCHLINE_BATCH_LEASE_S": "1",
+        "BATCHLINE_BATCH_WINDOW": "4",
+    }
+    try:
+        with api_process(env) as http:
+            client = client_for(http)
+            texts = [f"survive {i}" for i in range(30)]
+            lines = [embedding_line(f"k{i}", t, queue) for i, t in enumerate(texts)]
+            batch = answered_part(client, lines, 10)
+    finally:
+        batch_models.GATE.set()  # the lines in the queue are answered while no API runs
+    with api_process(env) as http:
+        done = finished(client_for(http), batch.id)
+        assert (done.status, done.request_counts.completed) == ("completed", 30)
+        out = file_lines(client_for(http), done.output_file_id)
+    assert out.keys() == {f"k{i}" for i in range(30)}
+    assert {t: 1 for t in texts} == batch_models.CALLS
+
+
+@contextlib.contextmanager
+def api_process(env: dict[str, str]) -> Iterator[httpx.Client]:
+    """The app under uvicorn in a process of its own; SIGKILLed on leaving."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "uvicorn", "batchline.contrib.fastapi:create_app"]
+    command += ["--factory", "--port", str(port), "--log-level", "warning"]
+    proc = subprocess.Popen(command, env=subprocess_env(env))
+    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=RESULT_TIMEOUT_S)
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"the API exited with {proc.returncode}")
+        try:
+            return http.get("/healthz").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(up, "the API to start", timeout_s=START_TIMEOUT_S)
+        yield http
+    finally:
+        http.close()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(START_TIMEOUT_S)
+
+
+@pytest.mark.slow
+def test_chat_and_completion_batches_answer_as_the_routes_do(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    start_worker: Callable[..., WorkerThread],
+    queue: str,
+) -> None:
+    gen_queue = f"{queue}-gen"
+    start_worker(
+        "generate", model_path=TINY, queue=gen_queue, prefix=queue, default_max_new_tokens=8
+    )
+    client = client_for(serve(make_app(embedding_queue=None, generation_queue=gen_queue)))
+    chat = {"model": gen_queue, "messages": CHAT, "max_tokens": 6}
+    completion = {"model": gen_queue, "prompt": "Once upon a time", "max_tokens": 5}
+    for endpoint, body, streamed in (
+        ("/v1/chat/completions", chat, {**chat, "stream": True}),
+        ("/v1/completions", completion, {**completion, "stream": True}),
+    ):
+        lines = [
+            {"custom_id": "one", "method": "POST", "url": endpoint, "body": body},
+            {"custom_id": "streamed", "method": "POST", "url": endpoint, "body": streamed},
+        ]
+        batch = client.batches.create(
+            input_file_id=upload(client, jsonl(lines)).id,
+            endpoint=endpoint,  # type: ignore[arg-type]
+            completion_window="24h",
+        )
+        done = finished(client, batch.id)
+        assert (done.status, done.request_counts.completed, done.request_counts.failed) == (
+            "completed",
+            1,
+            1,
+        )
+        got = file_lines(client, done.output_file_id)["one"]["response"]["body"]
+        direct = client.post(endpoint.removeprefix("/v1"), body=body, cast_to=httpx.Response).json()
+        for answer in (got, direct):  # the ids and times differ
+            del answer["id"], answer["created"]
+        assert got == direct
+        refused = file_lines(client, done.error_file_id)["streamed"]["response"]
+        assert (refused["status_code"], refused["body"]["error"]["param"]) == (400, "stream")

@@ -1,0 +1,100 @@
+"""The worker's spans that need no Redis: a request handed back unanswered ends its span, and
+a generation step that admits sequences has a batch span linked to theirs (the SDK's
+in-memory exporter)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("opentelemetry.sdk.trace")
+
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from batchline.tracing._otel import Otel, WorkerTrace
+from batchline.worker.serving._answers import Meta
+from batchline.worker.serving._claims import Claims
+
+
+@pytest.fixture
+def exporter() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
+
+
+@pytest.fixture
+def trace(exporter: InMemorySpanExporter) -> Iterator[WorkerTrace]:
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield Otel(provider).worker("q", "w1", "m", Counter())
+    provider.shutdown()
+
+
+def _meta(trace: WorkerTrace, request_id: str) -> Meta:
+    request = {"id": request_id, "ts": 0}
+    meta = Meta(0, f"1-{request_id}".encode(), request, None, 1.0)  # type: ignore[arg-type]
+    trace.received(meta, 1)
+    return meta
+
+
+def test_a_request_handed_back_ends_its_span_with_an_event(
+    trace: WorkerTrace, exporter: InMemorySpanExporter
+) -> None:
+    claims = Claims(None, ["s"], "w1")
+    metas = [_meta(trace, "r1"), _meta(trace, "r2")]
+    for meta in metas:
+        claims.hold(0, meta.entry)
+    metas[0].started_unix = 2.0
+    taken = claims.take(metas)
+    assert set(taken) == {(0, None), (0, 0)}  # started: its delivery kept; not: undone
+    spans = exporter.get_finished_spans()
+    assert [s.attributes["messaging.message.id"] for s in spans] == ["r1", "r2"]
+    for span in spans:
+        assert [e.name for e in span.events] == ["batchline.handed_back"]
+        assert span.attributes["batchline.status"] == "handed_back"
+    assert all(meta.span is None for meta in metas)  # ended once: nothing answers them now
+
+
+def test_a_generation_step_that_admits_has_a_batch_span_linked_to_them(
+    trace: WorkerTrace, exporter: InMemorySpanExporter
+) -> None:
+    metas = [_meta(trace, "r1"), _meta(trace, "r2")]
+    trace.admitted([*metas, None], 5)  # None: a call whose request is no longer held
+    assert not exporter.get_finished_spans()  # the step runs
+    trace.step_ended()
+    (batch,) = exporter.get_finished_spans()
+    assert batch.name == "batch q"
+    assert batch.parent is None
+    assert {link.context.span_id for link in batch.links} == {
+        meta.span.get_span_context().span_id for meta in metas
+    }
+    assert batch.attributes["messaging.batch.message_count"] == 3
+    assert batch.attributes["batchline.batch.rows"] == 5
+    trace.step_ended()  # a step that admitted none: no span
+    assert len(exporter.get_finished_spans()) == 1
+
+
+@pytest.mark.parametrize(
+    ("environ", "name"),
+    [
+        ({}, "batchline"),
+        ({"OTEL_SERVICE_NAME": "batchline-worker"}, "batchline-worker"),
+        ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=api,team=x"}, "api"),
+    ],
+)
+def test_the_service_is_named_as_the_environment_says(
+    monkeypatch: pytest.MonkeyPatch, environ: dict[str, str], name: str
+) -> None:
+    from batchline.tracing._otel import _from_environment
+
+    for variable in ("OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    for variable, value in environ.items():
+        monkeypatch.setenv(variable, value)
+    provider = _from_environment()
+    assert provider.resource.attributes["service.name"] == name
+    provider.shutdown()
