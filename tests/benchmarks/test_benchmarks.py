@@ -314,6 +314,7 @@ def test_bench_structured_smoke() -> None:
     assert re.search(r"grammar hooks \(mask \+ advance\): [0-9]+ us per token", out), out
 
 
+@pytest.mark.slow
 def test_bench_tracing_smoke() -> None:
     """A few requests each of the three ways (off, on, the version before tracing): it runs,
     goes round them and prints their ratios; off imports none of batchline's tracing."""
