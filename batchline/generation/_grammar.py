@@ -91,14 +91,18 @@ class Grammars:
         rows = [i for i, s in enumerate(seqs) if s.params.grammar is not None]
         if not rows:
             return logits
-        import llguidance.torch as llt
-
-        bitmask = llt.allocate_token_bitmask(len(rows), logits.shape[-1])
+        # llguidance's own torch helpers torch.compile their kernel, which on a CPU needs a
+        # C++ compiler at run time (and seconds on first use): the bits are unpacked here.
+        vocab = logits.shape[-1]
+        bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
         for j, row in enumerate(rows):
-            llt.fill_next_token_bitmask(self._matcher(seqs[row]), bitmask, j)
+            words = bitmask[j]
+            self._matcher(seqs[row]).unsafe_compute_mask_ptr(
+                words.data_ptr(), words.numel() * words.element_size()
+            )
         index = torch.tensor(rows, device=logits.device)
         picked = logits.index_select(0, index).float()
-        llt.apply_token_bitmask_inplace(picked, bitmask.to(logits.device))
+        picked.masked_fill_(~_allowed(bitmask, vocab).to(logits.device), float("-inf"))
         masked = logits.clone()
         masked[index] = picked.to(logits.dtype)
         return masked
@@ -122,3 +126,11 @@ class Grammars:
                 raise RuntimeError("a sequence without a grammar has no matcher")
             seq.matcher = self.compile(grammar).deep_copy()
         return seq.matcher
+
+
+def _allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] booleans from llguidance's bitmask (bit ``j`` of word ``w`` allows token
+    ``32 w + j``)."""
+    bits = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool()
+    return allowed.reshape(bitmask.shape[0], -1)[:, :vocab]
