@@ -17,6 +17,7 @@ __all__ = [
     "DetokenizeRequest",
     "RerankRequest",
     "TokenizeRequest",
+    "rerank_value",
 ]
 
 #: Most documents in one rerank request.
@@ -81,6 +82,12 @@ class _Document(BaseModel):
     text: _Text
 
 
+def rerank_value(query: str, texts: list[str]) -> dict[str, Any]:
+    """The rerank value a cross-encoder worker reads (docs/protocol.md, Rerank): the one
+    shape every rerank route (Cohere's, TEI's) sends."""
+    return {"query": query, "documents": texts}
+
+
 class RerankRequest(_Strict):
     """``POST /v1/rerank`` (and ``/rerank``): ``documents`` (texts, or ``{"text": ...}``)
     ranked by their relevance to ``query``; the best ``top_n`` (default all) answered, with
@@ -100,7 +107,7 @@ class RerankRequest(_Strict):
 
     def value(self) -> dict[str, Any]:
         """The rerank value a cross-encoder worker reads (docs/protocol.md, Rerank)."""
-        return {"query": self.query, "documents": self.texts}
+        return rerank_value(self.query, self.texts)
 
 
 #: Every field name an error's ``param`` may name: OpenAI's routes' and these.

@@ -20,7 +20,7 @@ import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from batchline.contrib._common import MAX_TEXT_CHARS
-from batchline.contrib._extra_schema import MAX_RERANK_DOCUMENTS
+from batchline.contrib._extra_schema import MAX_RERANK_DOCUMENTS, rerank_value
 from batchline.contrib._openai_schema import MAX_EMBEDDING_INPUTS
 
 __all__ = [
@@ -188,7 +188,7 @@ class TEIRerankRequest(_Strict):
 
     def value(self) -> dict[str, Any]:
         """The rerank value a cross-encoder worker reads (docs/protocol.md, Rerank)."""
-        return {"query": self.query, "documents": self.texts}
+        return rerank_value(self.query, self.texts)
 
 
 #: The request models' field names: what a validation error may name.
