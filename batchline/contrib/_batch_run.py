@@ -36,7 +36,7 @@ from batchline.contrib._batch_lines import (
 )
 from batchline.contrib._facts import check_dimensions
 from batchline.contrib._files import CHUNK_LINES, FileStore
-from batchline.contrib._openai import OpenAIRoutes
+from batchline.contrib._openai import OpenAIRoutes, checked
 from batchline.contrib._openai_errors import OpenAIError, described, typed
 from batchline.contrib._openai_schema import (
     ChatRequest,
@@ -130,9 +130,13 @@ async def prepare(routes: OpenAIRoutes, url: str, body: dict[str, Any]) -> Prepa
         raise OpenAIError(400, message, param=param) from None
     if gen.stream:
         raise OpenAIError(400, "a batch's requests cannot stream", param="stream")
+    if gen.n != 1:
+        raise OpenAIError(400, "a batch's requests answer one choice each: n must be 1", param="n")
     served = routes.queue("generation", gen.model)
     build = chat_body if chat else completion_body
-    return Prepared(served.producer, gen.value(), lambda r: build(r.id, served.name, r.output))
+    return Prepared(
+        served.producer, gen.value(), lambda r: build(r.id, served.name, [checked(r.output)])
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,7 +47,7 @@ async def collected(
             return chunk.result, [*done, tokens.last()]
 
 
-class TGIStream(ChunkStream):
+class TGIStream(ChunkStream[StreamChunk]):
     """The answer of a streamed TGI request: its tokens as TGI's events.
 
     Args:

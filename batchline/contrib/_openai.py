@@ -23,12 +23,13 @@ model failed. A client that disconnects cancels its request.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,6 +37,7 @@ from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from batchline.codec._chunks import check_logprobs
 from batchline.config import ProducerSettings, WebSettings
 from batchline.contrib._facts import card, check_dimensions, read_facts, truncated
 from batchline.contrib._openai_errors import (
@@ -58,16 +60,18 @@ from batchline.contrib._openai_stream import (
     EventStream,
     StreamInfo,
     Timing,
+    choices,
     next_chunk,
     unless_disconnected,
 )
-from batchline.errors import BatchlineError, RequestTimeout
-from batchline.producer import AsyncProducer, Handle, Result, StreamChunk
+from batchline.errors import BatchlineError
+from batchline.producer import AsyncProducer, Handle, Result
 from batchline.transport._redis import RedisClient, connect
 
-__all__ = ["OpenAIRoutes", "Served"]
+__all__ = ["OpenAIRoutes", "Served", "checked"]
 
 
+T = TypeVar("T")
 Kind = Literal["embedding", "generation", "rerank"]
 _SETTING = {
     "embedding": "embedding_queue",
@@ -79,6 +83,22 @@ _ROUTES = {
     "generation": "completions and chat completions",
     "rerank": "rerank",
 }
+
+
+def checked(output: Any) -> dict[str, Any]:
+    """A generation worker's output, checked before an answer is built from it (a 500 for
+    one that is not a generation's, or whose ``logprobs`` do not match its tokens)."""
+    if not (
+        isinstance(output, dict)
+        and isinstance(output.get("text"), str)
+        and isinstance(output.get("token_ids"), list)
+    ):
+        raise OpenAIError(500, "the generation worker answered another output", "server_error")
+    if "logprobs" in output:
+        problem = check_logprobs(output["logprobs"], len(output["token_ids"]))
+        if problem:
+            raise OpenAIError(500, f"the worker's logprobs: {problem}", "server_error")
+    return output
 
 
 @dataclass
@@ -264,24 +284,29 @@ class OpenAIRoutes:
         self, body: CompletionRequest | ChatRequest, request: Request, *, chat: bool
     ) -> Response:
         served = self.queue("generation", body.model)
+        values = body.values()  # one per choice
         if body.stream:
-            rid = uuid.uuid4().hex  # the request's id, and the chunks'
+            rid = uuid.uuid4().hex  # the request's id (its choices': rid-0, rid-1 ...), the chunks'
             info = StreamInfo(
                 chat=chat,
                 head=head(chat, rid, served.name, chunk=True),
                 include_usage=body.include_usage,
                 timeout_s=self.timeout_s,
                 timed_out=served.producer._timed_out,
+                n=len(values),
             )
-            chunks = served.producer.stream(body.value(), request_id=rid)
+            ids = [rid] if len(values) == 1 else [f"{rid}-{i}" for i in range(len(values))]
+            chunks = choices(
+                [served.producer.stream(v, request_id=i) for v, i in zip(values, ids, strict=True)]
+            )
             return await self._stream(
                 chunks, info, request, lambda first: EventStream(first, chunks, info)
             )
-        result = await self.run(served, body.value(), request)
-        if result is None:
+        results = await self.run_all(served, values, request)
+        if results is None:
             return Response(status_code=499)
         build = chat_body if chat else completion_body
-        return JSONResponse(build(result.id, served.name, result.output))
+        return JSONResponse(build(results[0].id, served.name, [checked(r.output) for r in results]))
 
     async def run(
         self, served: Served, value: Any, request: Request, *, priority: int | None = None
@@ -289,32 +314,57 @@ class OpenAIRoutes:
         """Submit, and wait for an ``ok`` result (any other raises its typed error); None
         if the client went away first. Either way, a request nobody waits for any more is
         cancelled."""
+        results = await self.run_all(served, [value], request, priority=priority)
+        return None if results is None else results[0]
+
+    async def run_all(
+        self, served: Served, values: list[Any], request: Request, *, priority: int | None = None
+    ) -> list[Result] | None:
+        """Submit these requests together (one write: a worker reads them together), and
+        wait for an ``ok`` result of each (the first other raises its typed error); None if
+        the client went away first. Requests nobody waits for any more are cancelled."""
         producer = served.producer
-        handle = await producer.submit(value, priority=priority)
+        submitted = await asyncio.gather(
+            *(producer.submit(v, priority=priority) for v in values), return_exceptions=True
+        )
+        handles = [h for h in submitted if isinstance(h, Handle)]
+        failed = next((h for h in submitted if not isinstance(h, Handle)), None)
+        if failed is not None:  # one was refused (a full queue): none is answered
+            await self._cancel(producer, handles)
+            raise failed
+
+        waiting = {h.id: h for h in handles}  # not answered yet
+
+        async def one(handle: Handle) -> Result:
+            result = await producer.wait(handle, self.timeout_s)
+            del waiting[handle.id]
+            result.unwrap()  # raises what a result that is not ok stands for
+            return result
+
         try:
-            result = await unless_disconnected(
-                request.receive, producer.wait(handle, self.timeout_s)
+            results = await unless_disconnected(
+                request.receive, asyncio.gather(*(one(h) for h in handles))
             )
-        except RequestTimeout:
-            await self._cancel(producer, handle)
+        except BaseException:
+            await self._cancel(producer, list(waiting.values()))
             raise
-        if result is None:  # the client went away
-            await self._cancel(producer, handle)
+        if results is None:  # the client went away
+            await self._cancel(producer, list(waiting.values()))
             return None
-        result.unwrap()  # raises what a result that is not ok stands for
-        return result
+        return list(results)
 
     @staticmethod
-    async def _cancel(producer: AsyncProducer, handle: Handle) -> None:
-        with contextlib.suppress(RedisError, OSError, BatchlineError):
-            await producer.cancel(handle)
+    async def _cancel(producer: AsyncProducer, handles: list[Handle]) -> None:
+        for handle in handles:
+            with contextlib.suppress(RedisError, OSError, BatchlineError):
+                await producer.cancel(handle)
 
     @staticmethod
     async def _stream(
-        chunks: AsyncGenerator[StreamChunk, None],
+        chunks: AsyncGenerator[T, None],
         info: Timing,
         request: Request,
-        answer: Callable[[StreamChunk], Response],
+        answer: Callable[[T], Response],
     ) -> Response:
         """Wait for the first chunk (what fails before it is an HTTP error), then
         ``answer`` it and the rest (as server-sent events). Closing the producer's stream,

@@ -1,9 +1,10 @@
 """The bodies of the OpenAI-compatible routes: requests (validated) and answers (built).
 
 Requests are pydantic models that refuse what batchline does not do rather than ignore it:
-an unknown field, ``n`` other than 1, a ``response_format`` that is not one or whose schema
-llguidance rejects, or a feature it lacks (log probabilities, penalties, tools, token-array
-prompts) set to anything but its default is a 400 naming the parameter.
+an unknown field, ``n`` above :data:`MAX_CHOICES`, more than :data:`MAX_LOGPROBS` log
+probabilities, a ``response_format`` that is not one or whose schema llguidance rejects, or
+a feature it lacks (penalties, tools, token-array prompts, ``echo``, ``best_of``) set to
+anything but its default is a 400 naming the parameter.
 They are strict: a value of the wrong JSON type is refused, never converted (``"10"`` is not
 10, ``"yes"`` not true; an integer is a number where a number is expected), and every number
 has its range (integers: OpenAI's signed 64 bits at most).
@@ -33,26 +34,36 @@ from batchline._response_format import grammar_of
 from batchline.contrib._common import MAX_TEXT_CHARS
 
 __all__ = [
+    "MAX_CHOICES",
     "MAX_EMBEDDING_INPUTS",
+    "MAX_LOGPROBS",
     "PARAMS",
     "ChatRequest",
     "CompletionRequest",
     "EmbeddingRequest",
     "chat_body",
+    "chat_logprobs",
     "chunk_body",
     "completion_body",
+    "completion_logprobs",
     "embedding_body",
     "embedding_matrix",
     "error_body",
     "finish_reason",
     "head",
     "sse",
+    "token_bytes",
     "usage",
     "usage_chunk",
 ]
 
 #: Most texts in one ``POST /v1/embeddings`` (OpenAI's own limit).
 MAX_EMBEDDING_INPUTS = 2048
+#: Most choices (``n``) of one completion or chat: each is a sequence of its own on the
+#: worker (the prompt prefilled once where they join the running batch together).
+MAX_CHOICES = 16
+#: Most likeliest tokens (``top_logprobs``, or a completion's ``logprobs``) per token.
+MAX_LOGPROBS = 20
 #: The range of an integer parameter (OpenAI's API: signed 64 bits, as ``seed`` is given).
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -116,10 +127,9 @@ class _Generation(_Body):
     top_k: Annotated[int, Field(ge=0, le=_INT64_MAX)] | None = None  # an extension, as vLLM's
     seed: Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)] | None = None
     stop: _Stop | Annotated[list[_Stop], Field(max_length=16)] | None = None
-    n: int = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: _Unsupported = None
     presence_penalty: _Unsupported = None
     frequency_penalty: _Unsupported = None
     logit_bias: _Unsupported = None
@@ -133,21 +143,39 @@ class _Generation(_Body):
         grammar_of(value)  # BadGenerationParams is a ValueError: a 400 naming it
         return value
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError(f"n must be 1 (batchline answers one choice per request), got {value}")
-        return value
-
     @property
     def include_usage(self) -> bool:
         """Whether a stream ends with a chunk carrying ``usage``."""
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def wire_logprobs(self) -> int | None:
+        """The request's ``logprobs`` on the wire: None, or how many likeliest tokens."""
+        raise NotImplementedError
+
+    def values(self) -> list[dict[str, Any]]:
+        """The generation requests a worker reads, one per choice (``n``): with a ``seed``,
+        choice ``i`` samples with ``seed + i`` (reproducible, and the choices differ)."""
+        value = self.value()
+        if self.n == 1:
+            return [value]
+        out = []
+        for i in range(self.n):
+            one = dict(value)
+            if self.seed is not None:
+                one["seed"] = self.seed + i
+            out.append(one)
+        return out
+
+    def value(self) -> dict[str, Any]:
+        """The generation request a worker reads (docs/protocol.md, Generation)."""
+        raise NotImplementedError
+
     def _parameters(self, max_tokens: int | None) -> dict[str, Any]:
         """The worker's generation parameters (those not given: the worker's defaults)."""
         out: dict[str, Any] = {}
+        if self.wire_logprobs is not None:
+            out["logprobs"] = self.wire_logprobs
         if max_tokens is not None:
             out["max_new_tokens"] = max_tokens
         for name in ("temperature", "top_p", "top_k", "seed"):
@@ -164,6 +192,8 @@ class CompletionRequest(_Generation):
     """``POST /v1/completions``: one prompt text (or a list holding one)."""
 
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
+    #: Each token's log probability and this many likeliest tokens' (0 to 20).
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: _Unsupported = False
     suffix: _Unsupported = None
     best_of: int | None = None
@@ -172,8 +202,12 @@ class CompletionRequest(_Generation):
     @classmethod
     def _best_of_one(cls, value: int | None) -> int | None:
         if value not in (None, 1):
-            raise ValueError(f"best_of must be 1, got {value}")
+            raise ValueError(f"best_of must be 1 (use n for more choices), got {value}")
         return value
+
+    @property
+    def wire_logprobs(self) -> int | None:
+        return self.logprobs
 
     def value(self) -> dict[str, Any]:
         """The generation request a worker reads (docs/protocol.md, Generation)."""
@@ -220,7 +254,10 @@ class ChatRequest(_Generation):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1, le=_INT64_MAX)] | None = None
-    top_logprobs: _Unsupported = None
+    #: Each token's log probability (in ``choices[].logprobs.content``) ...
+    logprobs: bool | None = None
+    #: ... and this many likeliest tokens' (0 to 20; needs ``logprobs``).
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: _Unsupported = None
     tool_choice: Literal["none"] | None = None
     parallel_tool_calls: bool | None = None
@@ -231,6 +268,17 @@ class ChatRequest(_Generation):
         for m in value:
             m.wire()  # refuses fields batchline would drop
         return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return value
+
+    @property
+    def wire_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -276,10 +324,11 @@ def finish_reason(reason: str | None) -> str | None:
     return None if reason is None else _FINISH.get(reason, "length")
 
 
-def usage(output: dict[str, Any]) -> dict[str, int]:
-    """Token counts of a generation output: its prompt's and the tokens it generated (with
-    the EOS token when it ended on one)."""
-    prompt, completion = int(output["prompt_tokens"]), int(output["tokens"])
+def usage(outputs: list[dict[str, Any]]) -> dict[str, int]:
+    """Token counts of a request's generation outputs (one per choice): its prompt's (once)
+    and the tokens they generated (with the EOS token where one ended on it)."""
+    prompt = int(outputs[0]["prompt_tokens"])
+    completion = sum(int(output["tokens"]) for output in outputs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -294,46 +343,120 @@ def head(chat: bool, rid: str, model: str, *, chunk: bool = False) -> dict[str, 
     return {"id": f"{prefix}-{rid}", "object": kind, "created": int(time.time()), "model": model}
 
 
-def completion_body(rid: str, model: str, output: dict[str, Any]) -> dict[str, Any]:
-    """A ``text_completion`` from a generation output."""
-    choice = {
-        "index": 0,
-        "text": output["text"],
-        "logprobs": None,
-        "finish_reason": finish_reason(output["finish_reason"]),
-    }
-    return {**head(False, rid, model), "choices": [choice], "usage": usage(output)}
+def _token(text: str | list[int]) -> tuple[str, bytes]:
+    """A token's text as the API shows it, and its bytes: a token that is a piece of a
+    character (its bytes on the wire) shows as ``bytes:`` and those bytes escaped
+    (``bytes:\\xe2\\x80``): never U+FFFD, which would make such tokens look alike."""
+    if isinstance(text, str):
+        return text, text.encode()
+    data = bytes(text)
+    return "bytes:" + "".join(f"\\x{b:02x}" for b in data), data
 
 
-def chat_body(rid: str, model: str, output: dict[str, Any]) -> dict[str, Any]:
-    """A ``chat.completion`` from a generation output."""
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": output["text"]},
-        "logprobs": None,
-        "finish_reason": finish_reason(output["finish_reason"]),
+def chat_logprobs(entries: list[Any] | None) -> dict[str, Any] | None:
+    """A chat choice's ``logprobs`` (``content``: one object per token) from the worker's
+    entries (docs/protocol.md, Generation); None where none were asked."""
+    if entries is None:
+        return None
+    content = []
+    for logprob, text, top in entries:
+        token, data = _token(text)
+        alternatives = []
+        for _, alt_logprob, alt_text in top:
+            alt, alt_data = _token(alt_text)
+            alternatives.append({"token": alt, "logprob": alt_logprob, "bytes": list(alt_data)})
+        content.append(
+            {"token": token, "logprob": logprob, "bytes": list(data), "top_logprobs": alternatives}
+        )
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(entries: list[Any] | None, before: bytes = b"") -> dict[str, Any] | None:
+    """A completion choice's ``logprobs`` in the legacy shape: ``tokens``,
+    ``token_logprobs``, ``top_logprobs`` (token -> logprob, the token's own among them) and
+    ``text_offset`` (where each token starts in the text, after ``before``, the bytes of
+    the tokens before these: a token inside a character starts where it does); None where
+    none were asked."""
+    if entries is None:
+        return None
+    tokens, logprobs, tops, offsets = [], [], [], []
+    for logprob, text, top in entries:
+        token, data = _token(text)
+        alternatives = {_token(alt_text)[0]: alt_logprob for _, alt_logprob, alt_text in top}
+        alternatives[token] = logprob
+        tokens.append(token)
+        logprobs.append(logprob)
+        tops.append(alternatives)
+        offsets.append(len(before.decode("utf-8", "ignore")))
+        before += data
+    return {
+        "tokens": tokens,
+        "token_logprobs": logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
     }
-    return {**head(True, rid, model), "choices": [choice], "usage": usage(output)}
+
+
+def token_bytes(entries: list[Any]) -> bytes:
+    """The bytes of the tokens of these entries, one after the other."""
+    return b"".join(_token(text)[1] for _, text, _ in entries)
+
+
+def completion_body(rid: str, model: str, outputs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A ``text_completion`` from a request's generation outputs, one per choice."""
+    choices = [
+        {
+            "index": i,
+            "text": output["text"],
+            "logprobs": completion_logprobs(output.get("logprobs")),
+            "finish_reason": finish_reason(output["finish_reason"]),
+        }
+        for i, output in enumerate(outputs)
+    ]
+    return {**head(False, rid, model), "choices": choices, "usage": usage(outputs)}
+
+
+def chat_body(rid: str, model: str, outputs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A ``chat.completion`` from a request's generation outputs, one per choice."""
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": output["text"]},
+            "logprobs": chat_logprobs(output.get("logprobs")),
+            "finish_reason": finish_reason(output["finish_reason"]),
+        }
+        for i, output in enumerate(outputs)
+    ]
+    return {**head(True, rid, model), "choices": choices, "usage": usage(outputs)}
 
 
 def chunk_body(
-    chat: bool, fields: dict[str, Any], text: str | None, *, reason: str | None, role: bool
+    chat: bool,
+    fields: dict[str, Any],
+    text: str | None,
+    *,
+    reason: str | None,
+    role: bool,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One chunk of a stream: new ``text``, or (None) the closing one with the ``reason``."""
-    choice: dict[str, Any] = {"index": 0}
+    """One chunk of a stream, of choice ``index``: new ``text`` (with its tokens'
+    ``logprobs``, already in the route's shape), or (None) the closing one with the
+    ``reason``."""
+    choice: dict[str, Any] = {"index": index}
     if chat:
         delta = {} if text is None else {"content": text}
         choice["delta"] = {"role": "assistant", **delta} if role else delta
     else:
         choice["text"] = text or ""
-    choice["logprobs"] = None
+    choice["logprobs"] = logprobs
     choice["finish_reason"] = finish_reason(reason)
     return {**fields, "choices": [choice]}
 
 
-def usage_chunk(fields: dict[str, Any], output: dict[str, Any] | None) -> dict[str, Any]:
+def usage_chunk(fields: dict[str, Any], outputs: list[dict[str, Any]]) -> dict[str, Any]:
     """The chunk that closes a stream asked for ``include_usage``: no choices, the usage."""
-    return {**fields, "choices": [], "usage": None if output is None else usage(output)}
+    return {**fields, "choices": [], "usage": usage(outputs) if outputs else None}
 
 
 def sse(body: dict[str, Any]) -> bytes:

@@ -55,6 +55,8 @@ import torch
 
 from batchline.errors import PromptTooLong
 from batchline.generation._grammar import Grammars
+from batchline.generation._logprobs import Scored, TokenTexts
+from batchline.generation._prefill import Prefill
 from batchline.generation._prefix import KV, PrefixCache, right_aligned
 from batchline.generation._rows import Ran, cache_of, run_rows
 from batchline.generation._types import (
@@ -80,25 +82,6 @@ class StepOutput:
     deltas: list[tuple[Sequence_, GenerationDelta]] = field(default_factory=list)
     finished: list[tuple[Sequence_, FinishReason]] = field(default_factory=list)
     failed: list[tuple[Sequence_, Exception]] = field(default_factory=list)
-
-
-@dataclass(slots=True, eq=False)
-class _Prefill:
-    """A group of joining sequences whose prompts are fed to the model a chunk at a time."""
-
-    seqs: list[Sequence_]
-    ids: torch.Tensor  # [rows, width]: what is left of the prompts to feed, left-padded
-    mask: torch.Tensor  # [rows, past + width]: 1 for real tokens
-    pos: torch.Tensor  # [rows, width]: each row's position ids
-    cache: Any  # a DynamicCache of the columns fed so far (the cached prefixes first)
-    past: int = 0  # columns of cached prefixes the cache starts with
-    fed: int = 0  # columns of ids fed so far
-
-    def select(self, keep: list[int]) -> None:
-        """Keep these rows only (the cache, if it has them, is filtered by the caller)."""
-        index = torch.tensor(keep, device=self.ids.device)
-        self.seqs = [self.seqs[i] for i in keep]
-        self.ids, self.mask, self.pos = self.ids[index], self.mask[index], self.pos[index]
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -163,8 +146,10 @@ class Engine:
         self.pad_id = int(pad) if pad is not None else min(self.eos, default=0)
         #: Grammars of requests with a response_format, compiled against the tokenizer.
         self.grammars = Grammars(tokenizer, getattr(model.config, "vocab_size", None))
+        #: Each token's text, as shown beside its log probability.
+        self.token_texts = TokenTexts(tokenizer, self.grammars)
         self._decoding: list[Sequence_] = []  # the rows of the running cache, in order
-        self._groups: list[_Prefill] = []  # long prompts still prefilling, oldest first
+        self._groups: list[Prefill] = []  # long prompts still prefilling, oldest first
         self._cache: Any = None
         self._mask: torch.Tensor | None = None  # [batch, cache length], 1 for real tokens
         self._next: torch.Tensor | None = None  # [batch], the last token, not yet fed
@@ -172,7 +157,7 @@ class Engine:
     @property
     def running(self) -> list[Sequence_]:
         """Every sequence the engine holds: decoding, then still prefilling."""
-        return self._decoding + [seq for group in self._groups for seq in group.seqs]
+        return self._decoding + [seq for group in self._groups for seq in group.all]
 
     def encode(
         self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None
@@ -247,7 +232,7 @@ class Engine:
     def _evict(self, seqs: list[Sequence_]) -> None:
         drop = {id(s) for s in seqs}
         for group in list(self._groups):
-            keep = [i for i, s in enumerate(group.seqs) if id(s) not in drop]
+            keep = group.drop(drop)
             if not keep:
                 self._groups.remove(group)
             elif len(keep) < len(group.seqs):
@@ -330,10 +315,21 @@ class Engine:
         if long:
             self._groups.append(self._group(long))
 
-    def _group(self, joining: list[tuple[Sequence_, tuple[int, KV | None]]]) -> _Prefill:
-        """The group of these sequences, each with its cached prefix (length, KV)."""
+    def _group(self, joiners: list[tuple[Sequence_, tuple[int, KV | None]]]) -> Prefill:
+        """The group of these sequences, each with its cached prefix (length, KV); sequences
+        with the same prompt share a row, forked once it is prefilled."""
         from transformers import DynamicCache
 
+        first: dict[tuple[int, ...], int] = {}
+        joining: list[tuple[Sequence_, tuple[int, KV | None]]] = []
+        twins: list[list[Sequence_]] = []
+        for seq, hit in joiners:
+            row = first.setdefault(tuple(seq.prompt_ids), len(joining))
+            if row == len(joining):
+                joining.append((seq, hit))
+                twins.append([])
+            else:
+                twins[row].append(seq)
         rows = len(joining)
         past = max(n for _, (n, _) in joining)
         width = max(seq.prompt_tokens - n for seq, (n, _) in joining)
@@ -349,11 +345,11 @@ class Engine:
         ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
         seqs = [seq for seq, _ in joining]
         if not past:
-            return _Prefill(seqs, ids, mask, pos, DynamicCache())
+            return Prefill(seqs, twins, ids, mask, pos, DynamicCache())
         cache = cache_of(right_aligned([kv for _, (_, kv) in joining], past))
-        return _Prefill(seqs, ids, mask, pos, cache, past)
+        return Prefill(seqs, twins, ids, mask, pos, cache, past)
 
-    def _remember(self, group: _Prefill) -> None:
+    def _remember(self, group: Prefill) -> None:
         """Cache the prompts of a group whose prefill is done (before its cache joins)."""
         if self.prefixes is None:
             return
@@ -367,7 +363,7 @@ class Engine:
 
             self.prefixes.insert(seq.prompt_ids, kv_of)
 
-    def _feed(self, group: _Prefill, out: StepOutput) -> None:
+    def _feed(self, group: Prefill, out: StepOutput) -> None:
         """Feed ``group`` its next chunk (all of it if its prompts fit one); after the last,
         sample its first tokens and join the running batch."""
         start, width = group.fed, group.ids.shape[1]
@@ -384,6 +380,8 @@ class Engine:
         )
         if ran.failed:
             self._fail(group.seqs, ran, out)
+            for row, exc in ran.failed:  # the same prompt fails its twins the same way
+                out.failed += [(twin, exc) for twin in group.twins[row]]
             if ran.kept:
                 group.select(ran.kept)
         group.cache, group.fed = ran.cache, end
@@ -394,9 +392,14 @@ class Engine:
         if ran.logits is None:  # every row failed
             return
         self._remember(group)
+        logits = ran.logits
+        if any(group.twins):
+            index = group.fork()
+            group.cache.batch_select_indices(index)
+            logits = logits[index]
         offset = len(self._decoding)
         self._join(group.seqs, group.cache, group.mask)
-        self._advance(group.seqs, ran.logits, out, offset=offset)
+        self._advance(group.seqs, logits, out, offset=offset)
 
     @staticmethod
     def _fail(seqs: list[Sequence_], ran: Ran, out: StepOutput) -> None:
@@ -437,6 +440,7 @@ class Engine:
         offset: int,
     ) -> None:
         _, nxt = self._live()
+        scored = Scored.of(seqs, logits)  # before the mask: the model's own distribution
         logits = self.grammars.mask(seqs, logits)  # rows with a response_format
         greedy = logits.argmax(dim=-1).tolist()
         picked: list[int] = []
@@ -460,6 +464,8 @@ class Engine:
             out.deltas.append((seq, GenerationDelta(delta, (token,))))
             if reason is not None:
                 out.finished.append((seq, reason))
+        if scored is not None:
+            scored.record(seqs, picked, out.deltas, out.failed)
         nxt[offset : offset + len(seqs)] = torch.tensor(picked, device=self.device)
 
     def _text(self, seq: Sequence_, token: int) -> FinishReason | None:

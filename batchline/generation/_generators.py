@@ -45,6 +45,7 @@ class GenerationOptions(TypedDict, total=False):
     seed: int | None
     stop: str | Sequence[str]
     response_format: dict[str, Any] | None
+    logprobs: int | None
 
 
 def _put_all(items: list[tuple[asyncio.Queue[Event], Event]]) -> None:
@@ -153,7 +154,9 @@ class Generator(_Base):
     it again, with the same tokens out.
 
     Per call: ``max_new_tokens``, ``temperature`` (below 1e-5: greedy), ``top_p``,
-    ``top_k``, ``seed`` (0 to 2**64 - 1), ``stop`` (strings), ``priority``, ``timeout_s`` (a
+    ``top_k``, ``seed`` (0 to 2**64 - 1), ``stop`` (strings), ``response_format``,
+    ``logprobs`` (0 to 20: each token's log probability and that many likeliest tokens',
+    in the result's and each delta's ``logprobs``), ``priority``, ``timeout_s`` (a
     deadline: a request still waiting then raises RequestExpired; a running one ends with
     finish_reason ``"deadline"``).
     Bad values raise BadGenerationParams; a prompt that cannot fit raises PromptTooLong.

@@ -62,7 +62,7 @@ class Grammars:
                 return found
             from llguidance import LLMatcher
 
-            matcher = LLMatcher(self._tokenizer(), grammar, log_level=0)
+            matcher = LLMatcher(self.ll_tokenizer(), grammar, log_level=0)
             if matcher.is_error():
                 raise BadGenerationParams(
                     f"response_format does not compile for this model: {matcher.get_error()}"
@@ -73,7 +73,9 @@ class Grammars:
                 self._compiled.popitem(last=False)
             return matcher
 
-    def _tokenizer(self) -> Any:
+    def ll_tokenizer(self) -> Any:
+        """llguidance's view of the tokenizer (built on first use). Raises
+        BadGenerationParams where there is none (no tokenizer, or not a fast one)."""
         if self._ll is None:
             if self.tokenizer is None:
                 raise BadGenerationParams("response_format needs the model's tokenizer")

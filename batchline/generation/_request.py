@@ -15,8 +15,8 @@ from batchline.generation._types import GenerationParams
 
 __all__ = ["GenerationRequest", "ParsedRequest", "parse_request"]
 
-_PARAMS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
-_KEYS = frozenset(("prompt", "messages", *_PARAMS, "response_format"))
+_PARAMS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "logprobs")
+_KEYS = frozenset(("prompt", "messages", *_PARAMS, "stop", "response_format"))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -78,7 +78,7 @@ def parse_request(
             'messages must be a non-empty list of {"role": text, "content": text}'
         )
     ids = None if prompt_ids is None else _ids(prompt_ids)
-    options = {k: value[k] for k in _PARAMS[:-1] if k in value}
+    options = {k: value[k] for k in _PARAMS if k in value}
     if default_max_new_tokens is not None:
         limit = max_new_tokens_limit or default_max_new_tokens
         options.setdefault("max_new_tokens", min(default_max_new_tokens, limit))

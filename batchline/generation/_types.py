@@ -11,12 +11,14 @@ from batchline.errors import BadGenerationParams, show_value
 
 __all__ = [
     "GREEDY_BELOW",
+    "MAX_LOGPROBS",
     "MAX_SEED",
     "FinishReason",
     "GenerationDelta",
     "GenerationParams",
     "GenerationResult",
     "Sequence_",
+    "TokenLogprob",
 ]
 
 #: Temperatures below this decode greedily: logits / a tiny temperature overflow to inf and
@@ -27,6 +29,8 @@ GREEDY_BELOW = 1e-5
 #: unsigned one are accepted.
 MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
+#: Most alternatives a request may ask log probabilities of, per token (OpenAI's limit).
+MAX_LOGPROBS = 20
 
 FinishReason = Literal["eos", "length", "stop", "cancelled", "deadline", "error"]
 
@@ -46,6 +50,9 @@ class GenerationParams:
         stop: strings that end the generation; the text ends before the first one found.
         grammar: the llguidance grammar (a JSON text) decoding is constrained to, from the
             request's ``response_format``; None: unconstrained.
+        logprobs: None: no log probabilities; 0 to :data:`MAX_LOGPROBS`: each generated
+            token's log probability, with this many likeliest tokens beside it
+            (:class:`TokenLogprob`).
     """
 
     max_new_tokens: int = 128
@@ -55,6 +62,7 @@ class GenerationParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     grammar: str | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
@@ -86,6 +94,15 @@ class GenerationParams:
             )
         if self.grammar is not None and not isinstance(self.grammar, str):
             raise BadGenerationParams(f"grammar must be a text or None: {show_value(self.grammar)}")
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise BadGenerationParams(
+                f"logprobs must be an integer in 0..{MAX_LOGPROBS} or null, "
+                f"got {show_value(self.logprobs)}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -94,11 +111,33 @@ class GenerationParams:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's log probability under the model, and the likeliest tokens'.
+
+    The model's own distribution at that step: log-softmax of its logits, before the
+    temperature, top-k, top-p and a ``response_format``'s mask shape the choice (so a token
+    the grammar forbade may be among ``top``, and a sampled token may be unlikely).
+
+    Attributes:
+        token_id: the token generated.
+        logprob: its log probability.
+        top: the ``logprobs`` likeliest tokens (the request's number), likeliest first, each
+            ``(token id, log probability)``.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationDelta:
-    """What one step added to one request: new tokens and the text that became final."""
+    """What one step added to one request: new tokens and the text that became final, and,
+    when the request asked for them, the new tokens' log probabilities."""
 
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +152,8 @@ class GenerationResult:
         queue_s: from submission to joining the batch.
         ttft_s: from submission to the first token.
         total_s: from submission to the end.
+        logprobs: one per token of ``token_ids`` where the request asked for them (its
+            ``logprobs``), else None.
     """
 
     text: str
@@ -122,6 +163,7 @@ class GenerationResult:
     queue_s: float
     ttft_s: float
     total_s: float
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
     @property
     def tokens(self) -> int:
@@ -145,6 +187,7 @@ class Sequence_:  # a sequence in the batch; typing's Sequence has the plain nam
     priority: int = 0
     cancel_requested: bool = False
     generated: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # where params.logprobs is set
     emitted_chars: int = 0
     text: str = ""
     admitted_at: float | None = None
@@ -179,6 +222,7 @@ class Sequence_:  # a sequence in the batch; typing's Sequence has the plain nam
             queue_s=admitted - self.arrival,
             ttft_s=first - self.arrival,
             total_s=now - self.arrival,
+            logprobs=None if self.params.logprobs is None else tuple(self.logprobs),
         )
 
 

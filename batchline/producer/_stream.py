@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from batchline.codec import Result
-from batchline.codec._chunks import Chunk, unpack_chunks
+from batchline.codec._chunks import Chunk, check_logprobs, unpack_chunks
 from batchline.errors import DecodeError, InferenceError, StreamDiverged
 from batchline.transport._admission import Admission
 from batchline.transport._redis import REDIS_FAILURES, RedisClient
@@ -47,7 +47,10 @@ class StreamChunk:
             ``cancelled`` or ``deadline``.
         result: None, except on the last chunk: the complete output, as ``infer`` returns
             it (text, tokens, token_ids, finish_reason, prompt_tokens, queue_ms, ttft_ms,
-            total_ms).
+            total_ms; logprobs where asked).
+        logprobs: where the request asked for them (its ``logprobs``), one entry per token
+            of ``token_ids``, ``[logprob, text, [[token id, logprob, text], ...]]``
+            (docs/protocol.md, Generation); else None.
     """
 
     text: str
@@ -55,6 +58,7 @@ class StreamChunk:
     index: int
     finish_reason: str | None = None
     result: dict[str, Any] | None = None
+    logprobs: list[Any] | None = None
 
 
 def _new(seen: S, start: int, items: S, request_id: str) -> S | None:
@@ -83,6 +87,7 @@ class StreamState:
         self.request_id = request_id
         self.sent = sent
         self.tokens: list[int] = []
+        self.logprobs: list[Any] = []  # one per token received, where chunks carry them
         self.text = ""
         self.yielded_tokens = 0
         self.yielded_chars = 0
@@ -111,6 +116,8 @@ class StreamState:
         if tokens is None or text is None:
             return  # past a gap: the result fills it in
         if tokens or text:
+            if len(self.logprobs) == len(self.tokens) and chunk.logprobs is not None:
+                self.logprobs += chunk.logprobs[len(chunk.logprobs) - len(tokens) :]
             self.tokens += tokens
             self.text += text
             self.event.set()
@@ -119,8 +126,14 @@ class StreamState:
         """What was received and not yielded yet, as one chunk, or None."""
         if self.yielded_tokens == len(self.tokens) and self.yielded_chars == len(self.text):
             return None
+        logprobs = None
+        if len(self.logprobs) == len(self.tokens) and self.logprobs:
+            logprobs = self.logprobs[self.yielded_tokens :]
         chunk = StreamChunk(
-            self.text[self.yielded_chars :], self.tokens[self.yielded_tokens :], self.yielded_tokens
+            self.text[self.yielded_chars :],
+            self.tokens[self.yielded_tokens :],
+            self.yielded_tokens,
+            logprobs=logprobs,
         )
         self.yielded_tokens, self.yielded_chars = len(self.tokens), len(self.text)
         return chunk
@@ -140,6 +153,11 @@ class StreamState:
             )
         text: str = output["text"]
         tokens: Sequence[int] = output["token_ids"]
+        logprobs = output.get("logprobs")
+        if logprobs is not None and (problem := check_logprobs(logprobs, len(tokens))):
+            raise InferenceError(
+                "NotAGeneration", f"request {self.request_id} was answered with {problem}"
+            )
         if list(tokens[: len(self.tokens)]) != self.tokens or not text.startswith(self.text):
             raise StreamDiverged(
                 f"request {self.request_id}: its result differs from the output streamed (a "
@@ -151,6 +169,7 @@ class StreamState:
             self.yielded_tokens,
             output["finish_reason"],
             output,
+            None if logprobs is None else logprobs[self.yielded_tokens :],
         )
 
 

@@ -164,8 +164,8 @@ def test_bad_requests_get_openai_errors(
     http = serve(make_app())
     chat = {"model": gen_queue, "messages": CHAT}
 
-    assert_error(http.post("/v1/chat/completions", json={**chat, "n": 2}), 400, param="n")
-    for name, value in [("logprobs", True), ("tools", [{"type": "function"}]), ("foo", 1)]:
+    assert_error(http.post("/v1/chat/completions", json={**chat, "n": 17}), 400, param="n")
+    for name, value in [("top_logprobs", 21), ("tools", [{"type": "function"}]), ("foo", 1)]:
         response = http.post("/v1/chat/completions", json={**chat, name: value})
         assert_error(response, 400, param=name, type="invalid_request_error")
     response = http.post("/v1/chat/completions", json={**chat, "messages": []})
@@ -199,7 +199,7 @@ def test_bad_requests_get_openai_errors(
     # The official client raises its own typed errors for these answers.
     client = client_for(http)
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=gen_queue, messages=CHAT, n=2)
+        client.chat.completions.create(model=gen_queue, messages=CHAT, n=17)
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="text-embedding-3-small", input="x")
 

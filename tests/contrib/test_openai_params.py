@@ -40,12 +40,11 @@ GENERATION: list[tuple[dict[str, Any], str]] = [
     *[({"seed": v}, "seed") for v in (2**63, 2**64, INT64_MIN - 1, "7", 7.0, True)],
     *[({"stop": v}, "stop") for v in ("", ["s"] * 17, 5)],
     *[({"stop": v}, "stop.[1]") for v in (["s", ""], ["s", 5])],
-    *[({"n": v}, "n") for v in (2, 0, "1", 1.0, True)],
+    *[({"n": v}, "n") for v in (17, 0, -1, "1", 1.0, True)],
     *[({"stream": v}, "stream") for v in ("yes", "true", 1)],
     ({"stream_options": "yes"}, "stream_options"),
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"stream_options": {"other": True}}, "stream_options.other"),
-    ({"logprobs": True}, "logprobs"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"frequency_penalty": -1}, "frequency_penalty"),
     ({"logit_bias": {"1": 5}}, "logit_bias"),
@@ -60,6 +59,7 @@ COMPLETION: list[tuple[dict[str, Any], str]] = [
     ({"echo": True}, "echo"),
     ({"suffix": "x"}, "suffix"),
     *[({"best_of": v}, "best_of") for v in (2, "1", 1.0)],
+    *[({"logprobs": v}, "logprobs") for v in (21, -1, True, "5", 1.0)],
 ]
 _USER = {"role": "user", "content": "x"}
 CHAT_ONLY: list[tuple[dict[str, Any], str]] = [
@@ -83,7 +83,9 @@ CHAT_ONLY: list[tuple[dict[str, Any], str]] = [
     ({"messages": [{**_USER, "tool_calls": [{"id": "1"}]}]}, "messages"),
     *[({"max_completion_tokens": v}, "max_completion_tokens") for v in (0, "5", 2**63, 5.0)],
     ({"max_tokens": 6, "max_completion_tokens": 5}, "max_completion_tokens"),
-    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
+    *[({"logprobs": True, "top_logprobs": v}, "top_logprobs") for v in (21, -1, "2", 2.0)],
+    *[({"logprobs": v}, "logprobs") for v in (1, "true", 5)],
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),

@@ -129,3 +129,53 @@ def test_a_rerun_that_differs_ends_the_stream() -> None:
         state.last(output("ax", [1, 3]))  # only the result says so
     with pytest.raises(InferenceError, match="NotAGeneration"):
         StreamState("r").last([1, 2, 3])
+
+
+def lp(token: int) -> list[object]:
+    """A token's log probability entry, as a worker writes it."""
+    return [-0.5 * token, chr(96 + token), [[token, -0.5 * token, chr(96 + token)]]]
+
+
+def test_logprobs_travel_beside_their_chunks_merge_and_malformed_ones_drop_their_chunk() -> None:
+    chunks = [
+        Chunk("a", 0, 0, "a", [1], H1, [lp(1)]),
+        Chunk("b", 0, 0, "x", [9], H2),  # asked for none
+        Chunk("a", 1, 1, "b", [2], H1, [lp(2)]),
+    ]
+    merged = merge_chunks(chunks)
+    assert merged[0] == Chunk("a", 0, 0, "ab", [1, 2], H1, [lp(1), lp(2)])
+    fields = pack_chunks(merged)
+    assert unpack_chunks(fields) == merged
+    assert b"l" not in pack_chunks([Chunk("b", 0, 0, "x", [9], H2)])  # none asked: no field
+    plain = {k: v for k, v in fields.items() if k != b"l"}
+    assert [c.logprobs for c in unpack_chunks(plain)] == [None, None]  # type: ignore[union-attr]
+    with pytest.raises(DecodeError, match="2 chunks and 1 logprobs"):
+        unpack_chunks({**plain, b"l": msgpack.packb([None])})
+    for wrong in (
+        [lp(1)],  # one entry for two tokens
+        [lp(1), [-0.5, "a"]],
+        [lp(1), [float("nan"), "a", []]],
+        [lp(1), [-0.5, [256], []]],
+        [lp(1), [-0.5, "a", [[-1, -0.5, "a"]]]],
+        [lp(1), [-0.5, "a", [[1, "x", "a"]]]],
+    ):
+        out = unpack_chunks({**plain, b"l": msgpack.packb([wrong, None])})
+        assert isinstance(out[0], DecodeError)
+        assert "logprobs" in str(out[0])
+        assert out[1] == Chunk("b", 0, 0, "x", [9], H2)
+
+
+def test_a_rerun_adds_only_the_new_tokens_logprobs_and_the_result_the_rest() -> None:
+    state = StreamState("a", H1)
+    state.take(Chunk("a", 0, 0, "ab", [1, 2], H1, [lp(1), lp(2)]))
+    first = state.pending()
+    assert first is not None
+    assert first.logprobs == [lp(1), lp(2)]
+    state.take(Chunk("a", 0, 0, "abc", [1, 2, 3], H1, [lp(1), lp(2), lp(3)]))  # re-run
+    second = state.pending()
+    assert second is not None
+    assert (second.token_ids, second.logprobs) == ([3], [lp(3)])
+    last = state.last({**output("abcd", [1, 2, 3, 4]), "logprobs": [lp(1), lp(2), lp(3), lp(4)]})
+    assert (last.token_ids, last.logprobs) == ([4], [lp(4)])
+    with pytest.raises(InferenceError, match="not an array of 2 entries"):
+        StreamState("b").last({**output("ab", [1, 2]), "logprobs": [lp(1)]})

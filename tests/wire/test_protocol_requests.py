@@ -241,7 +241,10 @@ def test_a_small_malformed_entry_keeps_every_field() -> None:
         (lambda: GenerationParams(seed=2**64), "integer in -9223372036854775808..1844674407370"),
         (lambda: GenerationParams(stop=("",)), 'non-empty strings: [""]'),
         (lambda: parse({"prompt": "x", "stop": 5}), "list of texts, got 5"),
-        (lambda: parse({"prompt": "x", "colour": 1}), "unknown field(s) colour; known: max_"),
+        (
+            lambda: parse({"prompt": "x", "colour": 1}),
+            "unknown field(s) colour; known: logprobs, max_",
+        ),
     ],
 )
 def test_error_messages_that_travel_show_values_as_json(

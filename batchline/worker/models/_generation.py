@@ -106,6 +106,9 @@ class GenerationModel:
 
     def postprocess(self, outputs: list[Any], value: Any) -> dict[str, Any]:
         r: GenerationResult = outputs[0]
+        logprobs = {}
+        if r.logprobs is not None:
+            logprobs["logprobs"] = self.engine.token_texts.entries(r.logprobs)
         return {
             "text": r.text,
             "tokens": r.tokens,
@@ -115,4 +118,5 @@ class GenerationModel:
             "queue_ms": round(r.queue_s * 1e3, 3),
             "ttft_ms": round(r.ttft_s * 1e3, 3),
             "total_ms": round(r.total_s * 1e3, 3),
+            **logprobs,
         }

@@ -66,15 +66,13 @@ class ChunkWriter:
         self._unwritten: list[tuple[str, Chunk]] = []  # of a failed write, for the next one
         self._unchecked = False  # whether XRANGE was refused (logged once)
 
-    def to(
-        self, reply: str, request_id: str, input_hash: str
-    ) -> Callable[[int, int, str, list[int]], None]:
-        """What takes a request's chunks, given (index, chars, text, token ids), for the
-        generation executor; each goes with the next write (on the event loop), with the
-        input hash of the entry (``input_hash``)."""
+    def to(self, reply: str, request_id: str, input_hash: str) -> Callable[[Chunk], None]:
+        """What takes a request's chunks for the generation executor; each goes with the
+        next write (on the event loop), with the request's id and the input hash of the
+        entry (``input_hash``) set."""
 
-        def put(index: int, chars: int, text: str, tokens: list[int]) -> None:
-            chunk = Chunk(request_id, index, chars, text, tokens, input_hash)
+        def put(chunk: Chunk) -> None:
+            chunk.request_id, chunk.input_hash = request_id, input_hash
             self._outbox.put((reply, chunk))
 
         return put

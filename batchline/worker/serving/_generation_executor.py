@@ -31,6 +31,7 @@ from collections.abc import Callable
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
 
+from batchline.codec._chunks import Chunk
 from batchline.core.scheduler import SchedulerConfig
 from batchline.core.stats import BatchStats, Percentiles, StatsRecorder
 from batchline.drivers._aio import _FunctionThread
@@ -181,11 +182,12 @@ class GenerationExecutor:
         self._poke()
         return call
 
-    def stream(self, call: Call, emit: Callable[[int, int, str, list[int]], None]) -> None:
+    def stream(self, call: Call, emit: Callable[[Chunk], None]) -> None:
         """After each step that adds to the request of ``call`` (queued here), but its
-        last, call ``emit(index, chars, text, token_ids)`` with what it added: the new
-        tokens from token ``index`` on, the text that became final from character
-        ``chars`` on (on the event loop)."""
+        last, call ``emit`` with a chunk of what it added (its request id and input hash
+        left for ``emit`` to set): the new tokens from token ``index`` on, the text that
+        became final from character ``chars`` on, and the new tokens' log probabilities
+        where the request asked for them (on the event loop)."""
         seq = self._seqs.get(call)
         if seq is not None:
             self._streams[seq] = _Streamed(emit)
@@ -357,9 +359,11 @@ class GenerationExecutor:
             tokens, chars = streamed.tokens, streamed.chars
             if len(seq.generated) > tokens:
                 streamed.tokens, streamed.chars = len(seq.generated), seq.emitted_chars
-                streamed.emit(
-                    tokens, chars, seq.text[chars : seq.emitted_chars], seq.generated[tokens:]
-                )
+                logprobs = None
+                if seq.params.logprobs is not None:
+                    logprobs = self.model.engine.token_texts.entries(seq.logprobs[tokens:])
+                text = seq.text[chars : seq.emitted_chars]
+                streamed.emit(Chunk("", tokens, chars, text, seq.generated[tokens:], "", logprobs))
 
     def _settle(self) -> None:
         finals, self._finals = self._finals, []
@@ -383,7 +387,7 @@ class GenerationExecutor:
 class _Streamed:
     """A streamed request: where its chunks go, and how far they have gone."""
 
-    emit: Callable[[int, int, str, list[int]], None]
+    emit: Callable[[Chunk], None]
     tokens: int = 0
     chars: int = 0
 
