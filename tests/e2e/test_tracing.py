@@ -23,7 +23,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from batchline import tracing
 from batchline.keys import GROUP, QueueKeys
 from batchline.producer import AsyncProducer
+from batchline.worker.upkeep._watchdog import HUNG_EXIT_CODE
 
+from .test_reliability import assert_all_done
 from tests.support.service import (
     REPO,
     RESULT_TIMEOUT_S,
@@ -31,6 +33,7 @@ from tests.support.service import (
     admit_inbox,
     spec,
     subprocess_env,
+    wait_until,
 )
 
 pytestmark = pytest.mark.slow  # worker processes
@@ -50,6 +53,10 @@ class TracedWorker:
         self.process.signal(signal.SIGTERM)
         code = self.process.wait()
         assert code == 0, self.process.log()
+        return self.flushed()
+
+    def flushed(self) -> list[dict[str, Any]]:
+        """The spans it had ended when it last flushed them (it flushes as it stops)."""
         return list(json.loads(self.spans_path.read_text()))
 
 
@@ -228,6 +235,58 @@ async def test_a_reclaimed_request_shows_both_deliveries(
     rclient: redis.Redis,
     keys: QueueKeys,
 ) -> None:
+    """Two traced worker processes: the first one's model hangs on the request, so past
+    ``max_batch_ms`` it hands the request back and ends its process, flushing its spans
+    first; the second, running meanwhile, reclaims the request and answers it. Both
+    deliveries show in the request's trace, children of its send span."""
+    # max_batch_ms past claim_idle_ms: the first worker keeps its claim alive while its
+    # model runs, so the request moves only when that worker gives it up.
+    settings = {"model": spec("hang"), "claim_idle_ms": 1000}
+    first = traced_worker(**settings, max_batch_ms=2000)
+    handle = await producer.submit("hang", request_id="r1")
+
+    def read_by_first() -> bool:
+        pending = rclient.xpending_range(keys.stream(1), GROUP, "-", "+", 1)
+        return bool(pending) and pending[0]["consumer"].decode() == first.process.worker_id
+
+    await asyncio.to_thread(wait_until, read_by_first, "the first worker to read r1")
+    second = traced_worker(**settings, env={"BLTEST_HANG_S": "0"})  # its model answers
+    result = await producer.wait(handle, timeout_s=T)
+    assert (result.status, result.output, result.worker) == ("ok", "hang", second.process.worker_id)
+    assert await asyncio.to_thread(first.process.wait) == HUNG_EXIT_CODE, first.process.log()
+    (send,) = _named([json.loads(s.to_json()) for s in exporter.get_finished_spans()], "send ")
+
+    (gave_up,) = _named(first.flushed(), f"process {keys.queue}")
+    (took_over,) = _named(second.spans(), f"process {keys.queue}")
+    for process, worker in ((gave_up, first), (took_over, second)):
+        assert process["context"]["trace_id"] == send["context"]["trace_id"]
+        assert process["parent_id"] == send["context"]["span_id"]
+        assert process["attributes"]["messaging.message.id"] == "r1"
+        assert process["attributes"]["messaging.client.id"] == worker.process.worker_id
+    assert gave_up["attributes"]["batchline.delivery_count"] == 1
+    assert gave_up["attributes"]["batchline.status"] == "handed_back"
+    assert [e["name"] for e in gave_up["events"]] == ["batchline.handed_back"]
+    assert took_over["attributes"]["batchline.delivery_count"] == 2
+    assert took_over["attributes"]["batchline.status"] == "ok"
+    assert [e["name"] for e in took_over["events"]] == ["batchline.reclaimed"]
+    assert took_over["events"][0]["attributes"]["batchline.delivery_count"] == 2
+    assert gave_up["end_time"] <= took_over["start_time"]  # handed back, then taken over
+    # Answered once, by the second worker; nothing left pending, nothing dead-lettered.
+    assert "stopped (answered nothing)" in first.process.log()
+    assert "stopped (answered 1 ok, 1 reclaimed)" in second.process.log()
+    assert_all_done(rclient, keys)
+    assert rclient.xlen(keys.dead) == 0
+
+
+async def test_a_request_left_by_a_dead_consumer_is_reclaimed_in_its_trace(
+    producer: AsyncProducer,
+    exporter: InMemorySpanExporter,
+    traced_worker: Any,
+    rclient: redis.Redis,
+    keys: QueueKeys,
+) -> None:
+    """A consumer that died without a word (its claim lapsed): the worker that reclaims
+    the request marks its process span so."""
     result, send, process = await _reclaimed(producer, exporter, traced_worker, rclient, keys)
     assert result.status == "ok"
     assert process["parent_id"] == send["context"]["span_id"]

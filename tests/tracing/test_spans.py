@@ -1,9 +1,14 @@
-"""The worker's spans that need no Redis: a request handed back unanswered ends its span, and
-a generation step that admits sequences has a batch span linked to theirs (the SDK's
-in-memory exporter)."""
+"""The worker's spans that need no Redis: a request handed back unanswered ends its span, a
+worker ended by its watchdog flushes those spans first, and a generation step that admits
+sequences has a batch span linked to theirs (the SDK's in-memory exporter)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
+import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 
@@ -12,12 +17,15 @@ import pytest
 pytest.importorskip("opentelemetry.sdk.trace")
 
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from batchline import tracing
 from batchline.tracing._otel import Otel, WorkerTrace
+from batchline.worker.metrics import Metrics
 from batchline.worker.serving._answers import Meta
 from batchline.worker.serving._claims import Claims
+from batchline.worker.upkeep._watchdog import HUNG_EXIT_CODE, CallBound, Timing, Watchdog
 
 
 @pytest.fixture
@@ -56,6 +64,62 @@ def test_a_request_handed_back_ends_its_span_with_an_event(
         assert [e.name for e in span.events] == ["batchline.handed_back"]
         assert span.attributes["batchline.status"] == "handed_back"
     assert all(meta.span is None for meta in metas)  # ended once: nothing answers them now
+
+
+class _BlockedLoop:
+    """The watchdog's view of a worker whose model call hangs on its event loop (a loop
+    that never runs); handing back ends the spans of what it holds."""
+
+    def __init__(self, claims: Claims, metas: list[Meta]) -> None:
+        self.bound = CallBound(100)
+        self.hung = threading.Event()
+        self.running = (time.monotonic(), None)
+        self._claims = claims
+        self._metas = metas
+
+    def remember(self, timing: Timing) -> None:
+        pass
+
+    def abandon_blocked(self) -> None:
+        self._claims.take(self._metas, rest=True)
+
+
+def test_a_watchdog_ending_a_hung_worker_flushes_the_spans_it_handed_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The spans reach an exporter that sends in batches (as batchline's own provider does)
+    before the process ends, though no batch was due."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=3_600_000))
+    tracing.enable(provider)
+    exits: list[tuple[int, list[str]]] = []
+    exited = threading.Event()
+
+    def exit_process(code: int) -> None:
+        exits.append((code, [s.name for s in exporter.get_finished_spans()]))
+        exited.set()
+
+    monkeypatch.setattr(os, "_exit", exit_process)
+    monkeypatch.setattr(logging, "shutdown", lambda: None)
+    loop = asyncio.new_event_loop()  # never runs: the hung call holds it
+    try:
+        trace = tracing.worker("q", "w1", "m", Counter())
+        assert trace is not None
+        metas = [_meta(trace, "r1")]
+        claims = Claims(None, ["s"], "w1")
+        claims.hold(0, metas[0].entry)
+        watchdog = Watchdog(_BlockedLoop(claims, metas), worker_id="w1", metrics=Metrics(0))
+        done = watchdog.start(
+            loop, on_slow=lambda _call: None, on_hung=lambda: None, exit_if_loop_blocked=True
+        )
+        assert exited.wait(30)
+        done.set()
+    finally:
+        loop.close()
+        tracing.disable()
+        provider.shutdown()
+    assert exits == [(HUNG_EXIT_CODE, ["process q"])]
 
 
 def test_a_generation_step_that_admits_has_a_batch_span_linked_to_them(

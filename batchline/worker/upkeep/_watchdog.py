@@ -35,7 +35,8 @@ once, from this thread) and the event loop is told; the worker then removes itse
 workers' set (``batchline worker --check`` fails), hands back everything it holds and stops
 (see :mod:`._guard`). If the loop does not answer within a second (the hung call runs on the
 loop itself), this thread hands back what the worker holds over a connection of its own and,
-in ``batchline worker``, ends the process with :data:`HUNG_EXIT_CODE`.
+in ``batchline worker``, ends the process with :data:`HUNG_EXIT_CODE`, once it has flushed
+the spans of the requests it handed back (tracing on).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal, Protocol
 
+from batchline.tracing import flush as flush_spans
 from batchline.worker.metrics import Metrics
 from batchline.worker.models import CountsPadding, Model, Prepared
 
@@ -321,6 +323,8 @@ class Watchdog:
             logger.exception("the watchdog could not hand back what the worker holds")
         if exit_if_loop_blocked:
             logger.critical("the hung model call blocks the event loop: exiting")
+            with contextlib.suppress(Exception):  # exit whatever the exporter does
+                flush_spans()  # the handed-back requests' spans (tracing on)
             logging.shutdown()
             os._exit(HUNG_EXIT_CODE)
 
