@@ -39,6 +39,8 @@ ENV_PREFIX = "BATCHLINE_"
 MAX_PER_CALL = 4096
 #: The largest JSON a worker accepts as a request's value (the protocol's ``meta`` limit).
 _REQUEST_JSON_BYTES = Limits().max_meta_bytes
+#: Most bytes of a result's JSON part a producer reads (at most ``max_result_bytes``).
+_RESULT_JSON_BYTES = 16 << 20
 
 
 _SECRET_OPTIONS = ("password", "sentinel_password")
@@ -167,6 +169,9 @@ class ProducerSettings(ServiceSettings):
     def limits(self) -> Limits:
         """What the producer accepts in a result."""
         return Limits(
+            # A generation's logprobs make the largest JSON results: room for 1024 tokens
+            # with 20 alternatives each, many times over.
+            max_meta_bytes=min(self.max_result_bytes, _RESULT_JSON_BYTES),
             max_blob_bytes=self.max_result_bytes,
             max_elements=self.max_result_bytes,
             max_chars=self.max_result_bytes,

@@ -29,6 +29,7 @@ class Scored:
     rows: list[int]
     logprobs: torch.Tensor  # [len(rows), vocab]: log-softmax of the raw logits
     top: list[list[tuple[int, float]]]  # per row: its request's number of likeliest tokens
+    short: bool = False  # float32 values: written in the 9 digits that hold them exactly
 
     @staticmethod
     def of(seqs: list[Sequence_], logits: torch.Tensor) -> Scored | None:
@@ -40,14 +41,15 @@ class Scored:
         picked = logits.index_select(0, index)
         wide = torch.promote_types(picked.dtype, torch.float32)  # float64 stays float64
         logprobs = picked.to(wide).log_softmax(dim=-1)
+        short = wide == torch.float32
         k = max(seqs[i].params.logprobs or 0 for i in rows)
         top: list[list[tuple[int, float]]] = [[] for _ in rows]
         if k:
             values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
             for j, (vs, ts) in enumerate(zip(values.tolist(), ids.tolist(), strict=True)):
                 n = seqs[rows[j]].params.logprobs or 0
-                top[j] = [(t, _finite(v)) for t, v in zip(ts[:n], vs[:n], strict=True)]
-        return Scored(rows, logprobs, top)
+                top[j] = [(t, _finite(v, short)) for t, v in zip(ts[:n], vs[:n], strict=True)]
+        return Scored(rows, logprobs, top, short)
 
     def record(
         self,
@@ -66,7 +68,7 @@ class Scored:
             seq = seqs[row]
             if id(seq) in gone:
                 continue
-            entry = TokenLogprob(picked[row], _finite(chosen[j]), tuple(self.top[j]))
+            entry = TokenLogprob(picked[row], _finite(chosen[j], self.short), tuple(self.top[j]))
             seq.logprobs.append(entry)
             entries[id(seq)] = entry
         for k, (seq, delta) in enumerate(deltas):
@@ -78,8 +80,12 @@ class Scored:
 NO_CHANCE = -9999.0
 
 
-def _finite(value: float) -> float:
-    return value if value > NO_CHANCE else NO_CHANCE
+def _finite(value: float, short: bool) -> float:
+    """``value``, at least :data:`NO_CHANCE`; a float32's in 9 significant digits (it reads
+    back as the same float32, and travels in about half the JSON of its float64 digits)."""
+    if value <= NO_CHANCE:
+        return NO_CHANCE
+    return float(f"{value:.9g}") if short else value
 
 
 #: A token's text as it travels: a str where its bytes are valid UTF-8, else the bytes (a
