@@ -13,7 +13,9 @@ import pytest
 
 from .test_fastapi import Serve, serve
 from .test_openai import MakeApp, client_for, gen_queue, make_app, workers
-from tests.worker.test_generate import CHAT, reference
+from tests.generation.test_engine import forward_widths
+from tests.support.service import WorkerThread
+from tests.worker.test_generate import CHAT, TINY, reference
 
 openai = pytest.importorskip("openai")
 
@@ -218,3 +220,21 @@ def test_a_piece_of_a_character_shows_its_bytes_and_offsets_count_characters() -
     assert legacy["top_logprobs"][1] == {"bytes:\\xa9": -0.25}  # the token's own, always
     assert chat_logprobs(None) is None
     assert completion_logprobs(None) is None
+
+
+@pytest.mark.slow
+def test_n_choices_reach_the_worker_together_and_share_one_prefill(
+    make_app: MakeApp,
+    serve: Serve,
+    start_worker: Callable[..., WorkerThread],
+    gen_queue: str,
+) -> None:
+    worker = start_worker("generate", model_path=TINY, queue=gen_queue, prefix_cache_tokens=0)
+    client = client_for(serve(make_app()))
+    widths = forward_widths(worker.worker.model.engine.model)  # type: ignore[attr-defined]
+    prompt = "A prompt that no other request sends"
+    answer = client.completions.create(model=gen_queue, prompt=prompt, max_tokens=4, n=4)
+    assert len({c.text for c in answer.choices}) == 1
+    prefills = [rows for rows, tokens in widths if tokens > 1]
+    assert prefills == [1]  # the four choices' prompt, fed once
+    assert (4, 1) in widths  # then four rows decode
