@@ -213,7 +213,7 @@ def finish_reason(reason: str | None) -> str:
 
 
 def _token(token_id: int, text: str, *, special: bool = False) -> dict[str, Any]:
-    # No log probabilities: batchline's workers do not compute them.
+    # No log probabilities: these routes do not ask for them (the /v1 routes do).
     return {"id": token_id, "text": text, "logprob": None, "special": special}
 
 
