@@ -14,6 +14,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ class _Item:
     deadline: float | None = None
     queued: bool = False
     cancelled: bool = False
+    overtaken: float = math.inf
 
 
 def efficiency(lengths: list[int], batch_size: int, window: int) -> float:

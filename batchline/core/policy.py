@@ -6,11 +6,19 @@ with the current time whenever the batch function is free; ``poll`` answers with
 run now, the items whose deadline passed, and the time until which the driver may sleep if
 nothing new arrives. :meth:`BatchPolicy.add` says whether a sleeping driver must wake up.
 
-Order. Items wait in FIFO lanes, one per (priority, small) pair. An item's *rank* is its
-arrival time minus a credit of ``max_overtake_s`` per priority level (a "small" call, one of at
-most ``small_batch_threshold`` items, counts one level up). Batches take items in rank order,
-so a favoured item overtakes others that arrived at most a bounded time before it, and no item
-starves: once it has waited ``max_overtake_s`` times the level gap, nothing new overtakes it.
+Order. Items wait in FIFO lanes, one per (priority, small) pair. Each batch is bound when it
+forms, from what waits then: an item's *rank* is the time it was first overtaken (left out of a
+batch that arrival order would have put it in: see below), or the current time if it never was,
+minus a credit of ``max_overtake_s`` per priority level (a "small" call, one of at most
+``small_batch_threshold`` items, counts one level up); equal ranks go by arrival. Batches take
+items in rank order, so a favoured item goes before every item that no favoured one has
+overtaken yet, however long that item has waited behind others of its own level (a backlog
+held ahead of the function does not delay it), and no item starves: once it has been
+overtaken for ``max_overtake_s`` times the level gap, nothing new overtakes it.
+
+Overtaken. When a batch forms, the items that a batch of the same size taken in arrival order
+would have held, and this one does not, have been overtaken (by favoured items, or by length
+grouping); the first time this happens is when their clock starts.
 
 Length grouping. With a length per item and more items waiting than fit one batch, the
 oldest-ranked item anchors the batch and the rest of it is filled, from a read-ahead window of
@@ -38,8 +46,10 @@ __all__ = ["BatchPolicy", "Decision", "PolicyConfig", "Waiting"]
 class Waiting(Protocol):
     """What the policy needs to know of a waiting item.
 
-    ``queued`` belongs to the policy: it is True from ``add`` until the item leaves in a
-    batch, expires or is found cancelled. ``cancelled`` is read, never written, by the policy.
+    ``queued`` and ``overtaken`` belong to the policy: ``queued`` is True from ``add`` until the
+    item leaves in a batch, expires or is found cancelled; ``overtaken`` is when a batch first
+    left the item out for items that came after it (``math.inf`` until then). ``cancelled`` is
+    read, never written, by the policy.
     """
 
     arrival: float
@@ -48,6 +58,7 @@ class Waiting(Protocol):
     priority: int
     small: bool
     queued: bool
+    overtaken: float
 
     @property
     def cancelled(self) -> bool: ...
@@ -65,8 +76,8 @@ class PolicyConfig:
         timeout_s: longest the oldest waiting item waits for its batch to fill; 0 dispatches
             whatever waits as soon as the driver polls.
         max_tokens: budget of one batch in padded tokens (rows x longest row), or None.
-        max_overtake_s: how long a favoured item (higher priority, or a small call) may jump
-            ahead of others per level: the starvation bound.
+        max_overtake_s: how long, per level, favoured items (higher priority, or small calls)
+            may keep overtaking an item after they first did: the starvation bound.
         group_by_length: fill batches with similar lengths when more items wait than fit.
         group_window: read-ahead for length grouping, in batches.
     """
@@ -184,7 +195,7 @@ class BatchPolicy(Generic[W]):
                 first = self._deadlines[0][0]
                 wake_at = first if wake_at is None else min(wake_at, first)
             return Decision([], expired, wake_at)
-        batch = self._form()
+        batch = self._form(now)
         if cfg.max_tokens is not None:
             # The running maximum only grows on add; refresh it once the batch has left.
             self._max_len = max(
@@ -210,9 +221,9 @@ class BatchPolicy(Generic[W]):
     def _live(self, item: W) -> bool:
         return item.queued and not item.cancelled
 
-    def _rank(self, item: W) -> float:
+    def _rank(self, item: W, now: float) -> float:
         level = item.priority + (1 if item.small else 0)
-        return item.arrival - level * self.config.max_overtake_s
+        return min(item.overtaken, now) - level * self.config.max_overtake_s
 
     def _prune(self, lane: deque[W]) -> None:
         """Drop items at the lane's head that expired or were cancelled."""
@@ -257,16 +268,19 @@ class BatchPolicy(Generic[W]):
         self._deadlines = [entry for entry in self._deadlines if entry[2].queued]
         heapq.heapify(self._deadlines)
 
-    def _pop_next(self) -> W | None:
-        """Remove and return the live item of lowest rank, or None."""
+    def _pop_next(self, now: float) -> W | None:
+        """Remove and return the live item of lowest rank (then earliest arrival), or None.
+
+        A lane's head ranks lowest in its lane: the items overtaken are the oldest of theirs
+        (a prefix of the lane), and those overtaken earlier come first."""
         best: deque[W] | None = None
-        best_rank = 0.0
+        best_key = (0.0, 0.0)
         for lane in self._lanes.values():
             self._prune(lane)
             if lane:
-                rank = self._rank(lane[0])
-                if best is None or rank < best_rank:
-                    best, best_rank = lane, rank
+                key = (self._rank(lane[0], now), lane[0].arrival)
+                if best is None or key < best_key:
+                    best, best_key = lane, key
         if best is None:
             return None
         item = best.popleft()
@@ -274,7 +288,7 @@ class BatchPolicy(Generic[W]):
         self._left(1)
         return item
 
-    def _take(self, limit: int) -> list[W]:
+    def _take(self, limit: int, now: float) -> list[W]:
         """Pop up to ``limit`` live items in rank order."""
         lanes = [lane for lane in self._lanes.values() if lane]
         if len(lanes) == 1:
@@ -293,7 +307,7 @@ class BatchPolicy(Generic[W]):
             return out
         out = []
         while len(out) < limit:
-            found = self._pop_next()
+            found = self._pop_next(now)
             if found is None:
                 break
             out.append(found)
@@ -307,15 +321,25 @@ class BatchPolicy(Generic[W]):
             self._count += 1
             self._max_len = max(self._max_len, item.length)
 
-    def _form(self) -> list[W]:
+    def _form(self, now: float) -> list[W]:
+        batch = self._choose(now)
+        if batch and self._count:
+            # One lane alone, taken in arrival order, overtakes nothing: no need to look.
+            lanes = {key for key, lane in self._lanes.items() if lane}
+            lanes.update((it.priority, it.small) for it in batch)
+            if len(lanes) > 1:
+                self._mark_overtaken(batch, now)
+        return batch
+
+    def _choose(self, now: float) -> list[W]:
         cfg = self.config
         size = cfg.batch_size
         if cfg.group_by_length and (self._count > size or cfg.max_tokens is not None):
-            return self._form_grouped()
+            return self._form_grouped(now)
         if cfg.max_tokens is None:
-            return self._take(size)
-        # Token budget, arrival order: stop at the first item that does not fit.
-        batch = self._take(size)
+            return self._take(size, now)
+        # Token budget, rank order: stop at the first item that does not fit.
+        batch = self._take(size, now)
         longest = 0
         for i, item in enumerate(batch):
             longest = max(longest, item.length)
@@ -324,10 +348,24 @@ class BatchPolicy(Generic[W]):
                 return batch[:i]
         return batch
 
-    def _form_grouped(self) -> list[W]:
+    def _mark_overtaken(self, batch: list[W], now: float) -> None:
+        """Start the clock of the items ``batch`` overtook: those that the same number of
+        items taken in arrival order would have included (the oldest of each lane, so a
+        prefix of it; ties go to the batch)."""
+        n = len(batch)
+        waiting = [
+            [(it.arrival, it) for it in itertools.islice(filter(self._live, lane), n)]
+            for lane in self._lanes.values()
+        ]
+        taken: list[tuple[float, W | None]] = sorted((it.arrival, None) for it in batch)
+        for _, item in itertools.islice(heapq.merge(taken, *waiting, key=_first), n):
+            if item is not None and item.overtaken > now:
+                item.overtaken = now
+
+    def _form_grouped(self, now: float) -> list[W]:
         cfg = self.config
         size = cfg.batch_size
-        window = self._take(size * cfg.group_window)
+        window = self._take(size * cfg.group_window, now)
         if not window:
             return window
         anchor = window[0]
@@ -346,3 +384,7 @@ class BatchPolicy(Generic[W]):
         picked = set(chosen)
         self._give_back(window[i] for i in range(len(window)) if i not in picked)
         return [window[i] for i in chosen]
+
+
+def _first(entry: tuple[float, object]) -> float:
+    return entry[0]

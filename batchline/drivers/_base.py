@@ -174,6 +174,7 @@ class Item:
         "deadline",
         "index",
         "length",
+        "overtaken",
         "payload",
         "priority",
         "queued",
@@ -190,6 +191,7 @@ class Item:
         self.deadline = call.deadline
         self.priority = 0
         self.queued = False
+        self.overtaken = math.inf  # the policy's: when a batch first left it out
 
     @property
     def cancelled(self) -> bool:

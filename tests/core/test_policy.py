@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import re
 
 import pytest
@@ -24,6 +25,7 @@ class FakeItem:
         "deadline",
         "id",
         "length",
+        "overtaken",
         "priority",
         "queued",
         "small",
@@ -45,6 +47,7 @@ class FakeItem:
         self.priority = priority
         self.small = small
         self.queued = False
+        self.overtaken = math.inf
         self._cancelled = False
 
     @property
@@ -201,18 +204,38 @@ def test_small_items_go_first_within_the_overtake_bound() -> None:
     assert first == [small, large[0]]
 
 
-def test_large_item_that_waited_long_is_not_overtaken() -> None:
-    policy = make(batch_size=2, timeout_s=1.0, max_overtake_s=0.1)
+def test_an_item_overtaken_longer_than_the_bound_is_not_overtaken_again() -> None:
+    policy = make(batch_size=1, timeout_s=0.0, max_overtake_s=0.1)
     large = FakeItem(0.0)
+    first_small = FakeItem(0.01, small=True)
     policy.add(large)
+    policy.add(first_small)
+    assert policy.poll(0.01).batch == [first_small]  # the large item's clock starts
     newer_small = [FakeItem(0.2 + i * 0.01, small=True) for i in range(4)]
     for it in newer_small:
         policy.add(it)
-    batches = []
-    while len(policy):
-        batches.append(policy.poll(10.0).batch)
-    assert batches[0][0] is large, "waited longer than max_overtake_s: nothing new overtakes it"
+    batches = [policy.poll(0.2).batch for _ in range(5)]
+    assert batches[0] == [large], "overtaken 190 ms ago: nothing new overtakes it"
     assert [it for b in batches for it in b] == [large, *newer_small]
+
+
+def test_a_backlog_of_its_own_level_earns_no_precedence_over_a_favoured_item() -> None:
+    # Items that waited only behind others of their level (a backlog read ahead of the
+    # function) were never overtaken: a favoured item arriving much later goes first.
+    policy = make(batch_size=4, timeout_s=0.0, max_overtake_s=0.1)
+    backlog = [FakeItem(0.0) for _ in range(40)]
+    for it in backlog:
+        policy.add(it)
+    assert policy.poll(0.0).batch == backlog[:4]
+    urgent = FakeItem(5.0, priority=1)
+    policy.add(urgent)
+    assert policy.poll(5.0).batch == [urgent, *backlog[4:7]]
+    # backlog[7] was left out for the urgent item: its clock runs from 5.0.
+    assert backlog[7].overtaken == 5.0
+    assert all(it.overtaken == math.inf for it in backlog[8:])
+    late = FakeItem(5.2, priority=1)
+    policy.add(late)
+    assert policy.poll(5.2).batch == [backlog[7], late, *backlog[8:10]]
 
 
 def test_a_stream_of_small_items_never_starves_a_large_one() -> None:
@@ -221,24 +244,27 @@ def test_a_stream_of_small_items_never_starves_a_large_one() -> None:
     policy.add(large)
     now = 0.0
     for step in range(100):
-        now = step * 0.01
+        now = (step + 1) * 0.01
         policy.add(FakeItem(now, small=True))
         if large in policy.poll(now).batch:
             break
     else:
         pytest.fail("the large item never left the queue")
-    assert now <= 0.1 + 0.01 + 1e-9, "left within one step of max_overtake_s"
+    # First overtaken at 0.01: it leaves within one step of max_overtake_s after that.
+    assert now <= 0.01 + 0.1 + 0.01 + 1e-9
 
 
 def test_priority_lane_goes_first_but_is_bounded() -> None:
     policy = make(batch_size=1, timeout_s=0.0, max_overtake_s=0.1)
     old = FakeItem(0.0)
     recent_urgent = FakeItem(0.05, priority=1)
+    policy.add(old)
+    policy.add(recent_urgent)
+    assert policy.poll(0.05).batch == [recent_urgent]  # old is overtaken from 0.05 on
     late_urgent = FakeItem(0.3, priority=1)
-    for it in (old, recent_urgent, late_urgent):
-        policy.add(it)
-    order = [policy.poll(1.0).batch[0] for _ in range(3)]
-    assert order == [recent_urgent, old, late_urgent]
+    policy.add(late_urgent)
+    order = [policy.poll(0.3).batch[0] for _ in range(2)]
+    assert order == [old, late_urgent]
 
 
 def test_two_priority_levels_overtake_twice_as_long() -> None:

@@ -318,6 +318,33 @@ async def test_higher_priority_requests_run_first(
     assert [x for x in order if x.startswith("low")] == [f"low-{i}" for i in range(6)]
 
 
+async def test_a_backlog_read_ahead_never_delays_a_higher_priority_request_past_the_next_batch(
+    producer: AsyncProducer,
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+) -> None:
+    # The worker holds a backlog of low-priority requests, read long before a higher one
+    # comes (past the overtaking bound of 100 ms a level): the higher one still joins the
+    # very next batch after the call under way, however long that call and the wait were.
+    # 39 of them and the high one: ten full batches (no batch timeout).
+    low = [await producer.submit(f"low-{i}", priority=0) for i in range(39)]
+    gate = GatedModel()
+    start_worker(gate, batch_size=4, timeout_ms=HUGE_MS)
+    assert await asyncio.to_thread(gate.entered.wait, T)  # the model holds the first batch
+    wait_until(lambda: pending_count(rclient, keys) == 39, "the backlog read ahead")
+    read = time.monotonic()
+    wait_until(lambda: time.monotonic() > read + 0.3, "the backlog to pass the bound")
+    high = await producer.submit("high", priority=1)
+    wait_until(lambda: pending_count(rclient, keys) == 40, "the high request read")
+    gate.release.set()
+    assert await producer.result(high, timeout_s=T) == "high"
+    lows = [await producer.result(handle, timeout_s=T) for handle in low]
+    assert gate.batches[0] == ["low-0", "low-1", "low-2", "low-3"]
+    assert gate.batches[1][0] == "high", gate.batches[:3]
+    assert sorted(x for b in gate.batches for x in b) == sorted(["high", *map(str, lows)])
+
+
 # -- failures ----------------------------------------------------------------------------------
 
 
