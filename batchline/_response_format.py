@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from fractions import Fraction
+from math import ceil, floor
 from typing import TYPE_CHECKING, Any
 
 from batchline.errors import BadGenerationParams, show_value
@@ -16,7 +18,17 @@ from batchline.errors import BadGenerationParams, show_value
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
-__all__ = ["grammar_of"]
+__all__ = ["MAX_FRACTION_DIGITS", "MAX_SAFE_INTEGER", "grammar_of"]
+
+#: Most digits after the decimal point of a number that a schema leaves unbounded: the
+#: grammar closes the number after them, so that a model repeating a digit cannot run the
+#: JSON to the token limit. Ten keeps float32's 7 significant digits down to 0.001, and
+#: 1e-10 is the finest ``multipleOf`` llguidance takes (it reads 1e-11 and finer, as
+#: floats, into decimals of too many digits).
+MAX_FRACTION_DIGITS = 10
+#: Largest magnitude of an integer or number whose schema leaves that side unbounded: the
+#: integers every JSON parser holds exactly (2**53 - 1, RFC 7493's I-JSON), 16 digits at most.
+MAX_SAFE_INTEGER = 2**53 - 1
 
 _TYPES = ("text", "json_object", "json_schema")
 _JSON_SCHEMA_KEYS = frozenset(("name", "description", "schema", "strict"))
@@ -80,7 +92,8 @@ def _schema(spec: Any) -> Any:
 
 
 def _checked(schema: Any) -> str:
-    """The grammar of ``schema``, validated by llguidance (no tokenizer needed)."""
+    """The grammar of ``schema``, its numbers bounded, validated by llguidance (no tokenizer
+    needed)."""
     try:
         from llguidance import LLMatcher
     except ImportError:
@@ -89,12 +102,97 @@ def _checked(schema: Any) -> str:
             "(pip install 'batchline[generate]')"
         ) from None
     try:
-        grammar = LLMatcher.grammar_from_json_schema(
-            json.loads(json.dumps(schema)), defaults=_LAYOUT
-        )
+        plain = json.loads(json.dumps(schema))
+        grammar = LLMatcher.grammar_from_json_schema(bounded_numbers(plain), defaults=_LAYOUT)
     except (TypeError, ValueError) as exc:  # not JSON, or a schema it cannot read
         raise BadGenerationParams(f"response_format schema is not usable: {exc}") from None
     error = LLMatcher.validate_grammar(grammar)
     if error:
         raise BadGenerationParams(f"response_format schema is not usable: {error}")
     return grammar
+
+
+#: Keywords whose subschemas (one, a list, or a mapping of names to them) are walked: narrowing
+#: one of them only narrows what the whole schema allows. llguidance refuses the keywords
+#: where it would not (``not``, ``if``, ``contains``...) and takes a ``oneOf`` only where its
+#: branches are disjoint, which narrowing keeps.
+_SUBSCHEMAS = ("items", "additionalItems", "additionalProperties")
+_LISTED = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_NAMED = ("properties", "patternProperties", "$defs", "definitions")
+_FRACTION_STEP = Fraction(1, 10**MAX_FRACTION_DIGITS)
+
+
+def bounded_numbers(schema: Any) -> Any:
+    """``schema`` (JSON values) with the digits of its numbers bounded: an integer or number
+    without a lower or upper bound gets -/+ ``MAX_SAFE_INTEGER`` on that side, and a number
+    without ``multipleOf`` gets ``10 ** -MAX_FRACTION_DIGITS``. Each only narrows what the
+    schema allows, so that what the grammar admits still validates against ``schema``; a
+    bound that would leave nothing allowed (a ``minimum`` past the cap, a range narrower
+    than the step) is not added, nor are bounds beside ``enum`` or ``const``. The input is
+    not changed."""
+    if not isinstance(schema, dict):
+        return schema  # true, false, or not a schema (llguidance says so)
+    out = {key: _walked(key, value) for key, value in schema.items()}
+    return _narrowed(out)
+
+
+def _walked(key: str, value: Any) -> Any:
+    if key in _SUBSCHEMAS and isinstance(value, dict):
+        return bounded_numbers(value)
+    if key in _LISTED and isinstance(value, list):
+        return [bounded_numbers(item) for item in value]
+    if key in _NAMED and isinstance(value, dict):
+        return {name: bounded_numbers(item) for name, item in value.items()}
+    return value
+
+
+def _narrowed(node: dict[str, Any]) -> dict[str, Any]:
+    named = node.get("type")
+    kinds = {named} if isinstance(named, str) else set(named) if isinstance(named, list) else set()
+    if not kinds & {"integer", "number"} or "enum" in node or "const" in node:
+        return node
+    try:
+        low, high = _bound(node, lower=True), _bound(node, lower=False)
+    except ValueError:
+        return node  # a bound that is not a finite number: llguidance says what is wrong
+    if low is None and (high is None or high[0] > -MAX_SAFE_INTEGER):
+        node["minimum"], low = -MAX_SAFE_INTEGER, (Fraction(-MAX_SAFE_INTEGER), False)
+    if high is None and (low is None or low[0] < MAX_SAFE_INTEGER):
+        node["maximum"], high = MAX_SAFE_INTEGER, (Fraction(MAX_SAFE_INTEGER), False)
+    if "number" in kinds and "multipleOf" not in node and _has_step(low, high):
+        node["multipleOf"] = float(_FRACTION_STEP)
+    return node
+
+
+_Bound = tuple[Fraction, bool]  # a value, and whether the bound excludes it
+
+
+def _bound(node: dict[str, Any], *, lower: bool) -> _Bound | None:
+    """The tightest bound on one side (``lower``: minimum, else maximum); None where there is
+    none. Raises ValueError where one is not a finite number."""
+    inclusive, exclusive = (
+        ("minimum", "exclusiveMinimum") if lower else ("maximum", "exclusiveMaximum")
+    )
+    flag = node.get(exclusive)
+    bounds: list[_Bound] = []
+    for key in (inclusive, exclusive):
+        value = node.get(key)
+        if value is None or (key == exclusive and isinstance(value, bool)):
+            continue  # draft 4's exclusiveMinimum/Maximum true: minimum/maximum excludes
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{key} is not a number")
+        bounds.append((Fraction(repr(value)), key == exclusive or flag is True))
+    if not bounds:
+        return None
+    # At one value the exclusive bound is the tighter: the greater on the lower side (True
+    # sorts after False), the lesser on the upper side (its flag negated).
+    return max(bounds) if lower else min(bounds, key=lambda bound: (bound[0], not bound[1]))
+
+
+def _has_step(low: _Bound | None, high: _Bound | None) -> bool:
+    """Whether a multiple of the fraction step lies between ``low`` and ``high``."""
+    if low is None or high is None:
+        return True
+    first = floor(low[0] / _FRACTION_STEP) + 1 if low[1] else ceil(low[0] / _FRACTION_STEP)
+    last = ceil(high[0] / _FRACTION_STEP) - 1 if high[1] else floor(high[0] / _FRACTION_STEP)
+    return first <= last

@@ -177,6 +177,20 @@ def test_random_model_constrained_output_validates_beside_unconstrained_rows(
     assert engine.grammars.compiles == len(SCHEMAS)
 
 
+def test_a_constrained_answer_cut_by_its_token_limit_ends_with_length(
+    model: Any, tokenizer: Any
+) -> None:
+    """The JSON is not complete (it does not parse): the reason says it was cut, as OpenAI's
+    ``length`` does."""
+    engine = Engine(model, tokenizer)
+    schema = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
+    grammar = grammar_of(json_schema(schema))
+    seq = Sequence_([5, 6], GenerationParams(max_new_tokens=8, grammar=grammar), 0.0, print)
+    assert drive(engine, [seq]) == {id(seq): "length"}
+    assert len(seq.generated) == 8
+    assert seq.text.startswith('{"s": "')
+
+
 def test_a_schema_that_does_not_compile_is_refused_at_check(model: Any) -> None:
     engine = Engine(model)  # no tokenizer: nothing to compile against
     params = GenerationParams(grammar=grammar_of({"type": "json_object"}))
