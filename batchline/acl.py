@@ -30,9 +30,9 @@ from __future__ import annotations
 import shlex
 from typing import Literal
 
-from batchline.keys import QueueKeys
+from batchline.keys import BatchApiKeys, QueueKeys
 
-__all__ = ["ROLES", "Role", "acl_rules", "acl_setuser"]
+__all__ = ["ROLES", "Role", "acl_rules", "acl_setuser", "batch_api_rules"]
 
 Role = Literal["producer", "worker"]
 ROLES: tuple[Role, ...] = ("producer", "worker")
@@ -139,16 +139,59 @@ def _worker(keys: QueueKeys) -> list[str]:
     ]
 
 
-def acl_rules(keys: QueueKeys, role: Role) -> list[str]:
+#: What the Batch API (``/v1/files``, ``/v1/batches``) sends on its own keys: files and
+#: batches (hashes, lists, sorted sets), the lease (SET, PEXPIRE), progress (WATCH, MULTI).
+_BATCH_API_COMMANDS = [
+    "hset",
+    "hget",
+    "hgetall",
+    "hincrby",
+    "rpush",
+    "lrange",
+    "expire",
+    "persist",
+    "del",
+    "zadd",
+    "zrem",
+    "zrevrange",
+    "zrevrank",
+    "sadd",
+    "srem",
+    "smembers",
+    "smismember",
+    "scard",
+    "set",
+    "get",
+    "pexpire",
+    "watch",
+]
+
+
+def batch_api_rules(prefix: str) -> list[str]:
+    """The rules a web backend serving the Batch API adds to its producer rules: every key
+    of ``<prefix>:{batchapi}:`` (every tenant's files and batches: give them only to the
+    backend, never to producers that must not read each other's data) and the commands
+    the Batch API sends there; MULTI, EXEC, DISCARD and UNWATCH name no key."""
+    base = BatchApiKeys(prefix).base
+    commands = " ".join(f"+{c}" for c in _BATCH_API_COMMANDS)
+    return ["+multi", "+exec", "+discard", "+unwatch", f"(~{base}:* {commands})"]
+
+
+def acl_rules(keys: QueueKeys, role: Role, *, batch_api: bool = False) -> list[str]:
     """The ``ACL SETUSER`` rules of ``role`` for the queue of ``keys``, starting from
-    nothing (``resetkeys resetchannels -@all``); add ``on`` and a password to use them."""
+    nothing (``resetkeys resetchannels -@all``); add ``on`` and a password to use them.
+    ``batch_api`` (producers only) adds :func:`batch_api_rules`."""
     build = {"producer": _producer, "worker": _worker}.get(role)
     if build is None:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-    return ["resetkeys", "resetchannels", "-@all", *_COMMON, *build(keys)]
+    if batch_api and role != "producer":
+        raise ValueError("the Batch API's rules go to the producer user (the web backend)")
+    extra = batch_api_rules(keys.prefix) if batch_api else []
+    return ["resetkeys", "resetchannels", "-@all", *_COMMON, *build(keys), *extra]
 
 
-def acl_setuser(keys: QueueKeys, role: Role, *, user: str) -> str:
+def acl_setuser(keys: QueueKeys, role: Role, *, user: str, batch_api: bool = False) -> str:
     """One ``ACL SETUSER`` command, quoted for a shell (``redis-cli ...``); the password
     (``'>secret'``) is left to add."""
-    return shlex.join(["ACL", "SETUSER", user, "reset", "on", *acl_rules(keys, role)])
+    rules = acl_rules(keys, role, batch_api=batch_api)
+    return shlex.join(["ACL", "SETUSER", user, "reset", "on", *rules])

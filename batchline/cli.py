@@ -195,8 +195,11 @@ def _acl(args: argparse.Namespace) -> int:
 
     settings = command_settings("acl", args)
     keys = QueueKeys(settings.queue, settings.prefix)  # the rules cover every priority's stream
+    if args.batch_api and args.role == "worker":
+        raise UsageError("--batch-api adds to the producer user: not with --role worker")
     for role in ROLES if args.role == "both" else (args.role,):
-        print(acl_setuser(keys, role, user=f"{keys.prefix}-{role}"))
+        batch_api = args.batch_api and role == "producer"
+        print(acl_setuser(keys, role, user=f"{keys.prefix}-{role}", batch_api=batch_api))
     return 0
 
 
@@ -336,6 +339,13 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         default="both",
         text="whose line to print: the producer's, the worker's, or both",
         shown="both",
+    )
+    add_option(
+        acl,
+        "--batch-api",
+        action="store_true",
+        text="give the producer user the Batch API's keys too (<prefix>:{batchapi}:*, every "
+        "tenant's files and batches): for the web backend serving /v1/files and /v1/batches",
     )
     acl.set_defaults(run=_acl)
 

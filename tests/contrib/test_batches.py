@@ -17,12 +17,15 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 from fastapi import FastAPI
 from pydantic import SecretStr
 
+from batchline.acl import acl_rules
 from batchline.config import WebSettings
 from batchline.contrib import _batch_run
 from batchline.contrib.fastapi import create_app
+from batchline.keys import BatchApiKeys, QueueKeys
 
 from .test_fastapi import Serve, serve
 from .test_openai import client_for
@@ -31,6 +34,7 @@ from tests.support.service import (
     RESULT_TIMEOUT_S,
     START_TIMEOUT_S,
     WorkerThread,
+    stop_all,
     subprocess_env,
     wait_until,
 )
@@ -406,3 +410,59 @@ def test_chat_and_completion_batches_answer_as_the_routes_do(
         assert got == direct
         refused = file_lines(client, done.error_file_id)["streamed"]["response"]
         assert (refused["status_code"], refused["body"]["error"]["param"]) == (400, "stream")
+
+
+@pytest.mark.slow
+def test_a_batch_runs_under_the_acl_users_batchline_acl_prints(
+    redis_url: str,
+    serve: Serve,
+    start_worker: Callable[..., WorkerThread],
+    queue: str,  # noqa: F811
+) -> None:
+    """The backend under the producer user with ``--batch-api``'s rules, the worker under the
+    worker user: a batch completes; the plain producer user may not touch a batch's keys."""
+    admin = redis.Redis.from_url(redis_url)
+    if int(str(admin.info("server")["redis_version"]).split(".")[0]) < 7:
+        pytest.skip("selectors and read-only key patterns need Redis 7")
+    keys = QueueKeys(queue, prefix=queue)
+    urls = {}
+    for name, rules in [
+        ("api", acl_rules(keys, "producer", batch_api=True)),
+        ("plain", acl_rules(keys, "producer")),
+        ("worker", acl_rules(keys, "worker")),
+    ]:
+        user = f"blq-{name}-{queue[-8:]}"
+        admin.execute_command("ACL", "SETUSER", user, "reset", "on", f">pw-{user}", *rules)
+        urls[name] = redis_url.replace("redis://", f"redis://{user}:pw-{user}@")
+    batch_models.reset()
+    worker = start_worker(COUNTING, prefix=queue, redis_url=urls["worker"])
+    try:
+        app = create_app(
+            WebSettings(
+                redis_url=SecretStr(urls["api"]),
+                queue=queue,
+                prefix=queue,
+                embedding_queue=queue,
+                batch_lease_s=2.0,
+            ),
+            timeout_s=RESULT_TIMEOUT_S,
+        )
+        client = client_for(serve(app))
+        lines = [embedding_line(f"r{i}", f"acl text {i}", queue) for i in range(5)]
+        batch = client.batches.create(
+            input_file_id=upload(client, jsonl(lines)).id,
+            endpoint="/v1/embeddings",
+            completion_window="24h",
+        )
+        done = finished(client, batch.id)
+        assert (done.status, done.request_counts.completed) == ("completed", 5)
+        plain = redis.Redis.from_url(urls["plain"])
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            plain.hgetall(BatchApiKeys(queue).batch(batch.id))
+        plain.close()
+    finally:
+        batch_models.GATE.set()
+        stop_all([worker])
+        for name in ("api", "plain", "worker"):
+            admin.execute_command("ACL", "DELUSER", f"blq-{name}-{queue[-8:]}")
+        admin.close()

@@ -80,6 +80,21 @@ def test_acl_rules_of_each_role() -> None:
         acl_rules(keys, "admin")  # type: ignore[arg-type]
 
 
+def test_the_batch_api_rules_add_its_keys_alone_and_only_to_the_producer() -> None:
+    keys = QueueKeys("q", "p")
+    plain, api = acl_rules(keys, "producer"), acl_rules(keys, "producer", batch_api=True)
+    added = api[len(plain) :]
+    assert api[: len(plain)] == plain
+    assert added[:4] == ["+multi", "+exec", "+discard", "+unwatch"]  # no key
+    (selector,) = added[4:]
+    assert selector.startswith("(~p:{batchapi}:* +hset ")
+    assert not [w for w in selector.split() if w.startswith("~") and "batchapi" not in w]
+    for refused in ("+eval", "+xadd", "+fcall", "+keys", "+scan", "+flushdb"):
+        assert refused not in selector.split(), refused
+    with pytest.raises(ValueError, match="producer user"):
+        acl_rules(keys, "worker", batch_api=True)
+
+
 @pytest.mark.slow
 async def test_producer_and_worker_acl_users(
     redis_url: str,
