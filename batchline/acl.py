@@ -155,6 +155,8 @@ _BATCH_API_COMMANDS = [
     "zrem",
     "zrevrange",
     "zrevrank",
+    "zrange",
+    "zrank",
     "sadd",
     "srem",
     "smembers",

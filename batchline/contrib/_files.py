@@ -6,10 +6,11 @@ so that every API replica, and one restarted, reads the same files, and a batch 
 input a window of lines at a time: no file is ever whole in one process. An upload is read
 as it arrives (:mod:`._multipart`), its lines appended in chunks; until it is complete its
 list expires on its own (an upload cut short leaves nothing behind for long). Only
-``purpose=batch`` is taken (400 otherwise); a file holds at most the app's
-``max_file_bytes`` (OpenAI's 200 MB; 413 beyond), each line at most the app's
-``max_body_bytes`` (a request's body); the output and error files of batches are written by
-the batches themselves (``purpose`` ``batch_output``).
+``purpose=batch`` is taken (400 otherwise); an upload may set when it expires
+(``expires_after``: an hour to 30 days after it is created), else it is kept until deleted;
+a file holds at most the app's ``max_file_bytes`` (OpenAI's 200 MB; 413 beyond), each line
+at most the app's ``max_body_bytes`` (a request's body); the output and error files of
+batches are written by the batches themselves (``purpose`` ``batch_output``).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Path, Request
+from fastapi import FastAPI, Path, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from batchline.contrib._batch_lines import FileScan
@@ -36,6 +37,11 @@ CHUNK_LINES = 512
 #: How long the lines of an upload under way live if it never completes.
 _UPLOAD_TTL_S = 3600
 _MAX_FIELD_BYTES = 256
+#: The range of an upload's ``expires_after[seconds]`` (OpenAI's: an hour to 30 days).
+MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 86400
+#: Most files one ``GET /v1/files`` lists (OpenAI's limit, and its default).
+MAX_LIST = 10_000
+_LIST_CHUNK = 256  # files read per Redis round trip while listing
 
 _Id = Annotated[str, Path(pattern=ID_PATTERN)]
 
@@ -57,12 +63,34 @@ def file_object(raw: dict[bytes, bytes]) -> dict[str, Any]:
         "object": "file",
         "bytes": int(raw.get(b"bytes", 0)),
         "created_at": int(raw.get(b"created_at", 0)),
-        "expires_at": None,
+        "expires_at": int(raw[b"expires_at"]) if raw.get(b"expires_at") else None,
         "filename": _text(raw, "filename"),
         "purpose": _text(raw, "purpose"),
         "status": "processed",
         "status_details": None,
     }
+
+
+def _expiry(fields: dict[str, str]) -> int | None:
+    """The seconds an upload lives, from its form's ``expires_after[anchor]`` and
+    ``expires_after[seconds]`` (None: kept until deleted); 400 naming what is wrong."""
+    anchor, seconds = fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]")
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at":
+        raise OpenAIError(
+            400,
+            f"expires_after[anchor] must be 'created_at', got {anchor!r}",
+            param="expires_after",
+        )
+    if seconds is None or not seconds.isdigit() or not MIN_EXPIRY_S <= int(seconds) <= MAX_EXPIRY_S:
+        raise OpenAIError(
+            400,
+            f"expires_after[seconds] must be an integer in {MIN_EXPIRY_S}..{MAX_EXPIRY_S} "
+            f"(an hour to 30 days), got {seconds!r}",
+            param="expires_after",
+        )
+    return int(seconds)
 
 
 class _Upload:
@@ -186,6 +214,9 @@ class FileStore:
                 raise OpenAIError(400, message, param="purpose")
             if filename is None:
                 raise OpenAIError(400, "the form has no file part", param="file")
+            ttl_s = _expiry(fields)
+            created = int(time.time())
+            expiry = {"expires_at": created + ttl_s} if ttl_s is not None else {}
             async with self.redis.pipeline(transaction=True) as pipe:
                 self.record(
                     pipe,
@@ -196,9 +227,13 @@ class FileStore:
                         "purpose": "batch",
                         "lines": upload.scan.lines,
                         "duplicate": upload.scan.duplicate or "",
-                        "created_at": int(time.time()),
+                        "created_at": created,
+                        **expiry,
                     },
                 )
+                if ttl_s is not None:  # the file goes on its own (its id leaves the list later)
+                    pipe.expire(self.keys.file(file_id), ttl_s)
+                    pipe.expire(self.keys.lines(file_id), ttl_s)
                 await pipe.execute()
         except BaseException:
             with contextlib.suppress(Exception):
@@ -239,15 +274,49 @@ class FileStore:
         await upload.flush(last=True)
         return fields, filename
 
-    async def list(self, purpose: str | None = None, limit: int = 100) -> JSONResponse:
-        """The files, newest first (at most ``limit``, up to 10,000)."""
-        ids = await self.redis.zrevrange(self.keys.files, 0, max(1, min(limit, 10_000)) - 1)
-        data = []
-        for raw_id in ids:
-            raw = await self.get(raw_id.decode())
-            if raw is not None and (purpose is None or _text(raw, "purpose") == purpose):
-                data.append(file_object(raw))
-        return JSONResponse({"object": "list", "data": data, "has_more": False})
+    async def list(
+        self,
+        purpose: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=MAX_LIST)] = MAX_LIST,
+        after: str | None = None,
+        order: Literal["asc", "desc"] = "desc",
+    ) -> JSONResponse:
+        """The files by creation time (``order``; newest first by default), ``limit`` of
+        them after the file ``after`` (an id the list no longer has: from the start),
+        ``purpose`` filtering them. Files that expired leave the list here."""
+        redis, newest = self.redis, order == "desc"
+        start = 0
+        if after is not None:
+            rank = await (redis.zrevrank if newest else redis.zrank)(self.keys.files, after)
+            start = 0 if rank is None else rank + 1
+        data: list[dict[str, Any]] = []
+        gone: list[bytes] = []
+        while len(data) <= limit:
+            ids = await redis.zrange(self.keys.files, start, start + _LIST_CHUNK - 1, desc=newest)
+            if not ids:
+                break
+            start += len(ids)
+            async with redis.pipeline(transaction=False) as pipe:
+                for raw_id in ids:
+                    pipe.hgetall(self.keys.file(raw_id.decode()))
+                found = await pipe.execute()
+            for raw_id, raw in zip(ids, found, strict=True):
+                if not raw:
+                    gone.append(raw_id)  # expired (or deleted meanwhile)
+                elif purpose is None or _text(raw, "purpose") == purpose:
+                    data.append(file_object(raw))
+        if gone:
+            await redis.zrem(self.keys.files, *gone)
+        more, data = len(data) > limit, data[:limit]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": data,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+                "has_more": more,
+            }
+        )
 
     async def _found(self, file_id: str) -> dict[bytes, bytes]:
         raw = await self.get(file_id)

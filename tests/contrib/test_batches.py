@@ -466,3 +466,49 @@ def test_a_batch_runs_under_the_acl_users_batchline_acl_prints(
         for name in ("api", "plain", "worker"):
             admin.execute_command("ACL", "DELUSER", f"blq-{name}-{queue[-8:]}")
         admin.close()
+
+
+@pytest.mark.slow
+def test_files_list_in_pages_in_either_order_and_expire_when_asked(
+    make_app: MakeApp,
+    serve: Serve,
+    redis_url: str,
+    queue: str,  # noqa: F811
+) -> None:
+    client = client_for(serve(make_app()))
+    line = jsonl([embedding_line("a", "x", queue)])
+    ids = [upload(client, line).id for _ in range(5)]  # created within a second or two
+    newest_first = [f.id for f in client.files.list(limit=2)]  # the client follows after
+    assert sorted(newest_first) == sorted(ids)
+    page = client.files.list(limit=2)
+    assert (len(page.data), page.has_more) == (2, True)
+    assert [f.id for f in client.files.list(order="asc")] == newest_first[::-1]
+    assert [f.id for f in client.files.list(purpose="batch_output")] == []
+
+    kept = client.files.create(
+        file=("e.jsonl", io.BytesIO(line)),
+        purpose="batch",
+        expires_after={"anchor": "created_at", "seconds": 3600},
+    )
+    assert kept.expires_at == kept.created_at + 3600
+    admin = redis.Redis.from_url(redis_url)
+    keys = BatchApiKeys(queue)
+    assert 3500 < admin.ttl(keys.file(kept.id)) <= 3600
+    assert 3500 < admin.ttl(keys.lines(kept.id)) <= 3600
+    assert client.files.retrieve(ids[0]).expires_at is None
+    admin.delete(keys.file(kept.id), keys.lines(kept.id))  # as when it expires
+    assert kept.id not in [f.id for f in client.files.list()]
+    assert admin.zscore(keys.files, kept.id) is None  # the list forgets it
+    admin.close()
+    for expires, name in [
+        ({"anchor": "created_at", "seconds": 60}, "seconds"),
+        ({"anchor": "last_used", "seconds": 3600}, "anchor"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.files.create(
+                file=("e.jsonl", io.BytesIO(line)), purpose="batch", expires_after=expires
+            )
+        assert refused.value.param == "expires_after"
+        assert name in str(refused.value)
+    with pytest.raises(openai.BadRequestError):
+        client.files.list(limit=0)
