@@ -12,6 +12,13 @@ first tokens agree. Then every request generates ``--new-tokens`` greedily both 
 token sequences are compared.
 
     HF_HUB_OFFLINE=1 python3 -m benchmarks.prefix --repeats 5
+
+``--choices N`` measures instead what a route's ``n`` choices share: each of ``--requests``
+prompts (of ``--prompt-tokens`` tokens) joins as N requests with that prompt, which the
+engine prefills once and forks, against N requests whose prompts differ in their first
+token (N prefills), the cache off both ways; alternating, ``--repeats`` times.
+
+    HF_HUB_OFFLINE=1 python3 -m benchmarks.prefix --choices 4 --repeats 5
 """
 
 from __future__ import annotations
@@ -86,6 +93,44 @@ def run(built: Engine, prompts: list[list[int]], *, join: int, new_tokens: int) 
     return prefill, fed, [s.generated for s in seqs]
 
 
+def forked(model: Any, tokenizer: Any, args: argparse.Namespace) -> None:
+    """The ``--choices`` measure: the same prompt N times, against N different ones."""
+    probe = Engine(model, tokenizer, prefix_cache_tokens=0)
+    text = " ".join(QUESTIONS) * 8
+    base = probe.encode(text)[: args.prompt_tokens]
+    print(
+        f"SmolLM2-135M-Instruct on {model.device} in {model.dtype}, {torch.get_num_threads()} "
+        f"threads; {args.requests} prompts of {len(base)} tokens, each joining as "
+        f"{args.choices} requests (a request's n choices)"
+    )
+    ways = {"same prompt (forked)": True, "distinct prompts": False}
+    seconds: dict[str, list[float]] = {way: [] for way in ways}
+    firsts: dict[str, list[list[int]]] = {}
+    for repeat in range(args.repeats):
+        order = list(ways) if repeat % 2 == 0 else list(reversed(ways))
+        for way in order:
+            prompts = [
+                [base[0] + (0 if ways[way] else c), *base[1:]]
+                for r in range(args.requests)
+                for c in range(args.choices)
+            ]
+            took, _, firsts[way] = run(
+                Engine(model, tokenizer, prefix_cache_tokens=0),
+                prompts,
+                join=args.choices,
+                new_tokens=1,
+            )
+            seconds[way].append(took)
+    for way in ways:
+        runs = " ".join(f"{s:.3f}" for s in seconds[way])
+        print(f"{way:>20}: prefill {statistics.median(seconds[way]):.3f} s median ({runs})")
+    one, apart = (statistics.median(seconds[way]) for way in ways)
+    print(f"prefill time saved: {1 - one / apart:.1%} ({apart / one:.2f}x)")
+    got, n = firsts[next(iter(ways))], args.choices
+    same = all(len({tuple(x) for x in got[r * n : (r + 1) * n]}) == 1 for r in range(len(got) // n))
+    print(f"forked choices' first tokens equal: {same}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=32)
@@ -94,9 +139,14 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--choices", type=int, default=0, help="measure n choices' forks")
+    parser.add_argument("--prompt-tokens", type=int, default=300, help="with --choices")
     args = parser.parse_args()
     apply_threads(available_cpus())
     model, tokenizer = load_causal_lm(device=args.device, dtype=args.dtype)
+    if args.choices:
+        forked(model, tokenizer, args)
+        return
     probe = Engine(model, tokenizer, prefix_cache_tokens=0)
     prompts = [probe.encode(messages=m) for m in chats(args.requests)]
     shared = min(

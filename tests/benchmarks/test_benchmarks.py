@@ -220,6 +220,11 @@ def test_bench_prefix_smoke() -> None:
     assert re.search(r"prefill time saved: -?[0-9.]+%", out), out
     assert "first tokens the same: True" in out
     assert "the same with and without: 4/4" in out
+    argv = ["--choices", "2", "--requests", "1", "--repeats", "2", "--prompt-tokens", "40"]
+    out = _bench(["benchmarks.prefix", *argv], 300, os.environ | {"HF_HUB_OFFLINE": "1"})
+    assert re.search(r"same prompt \(forked\): prefill [0-9.]+ s median", out), out
+    assert re.search(r"distinct prompts: prefill [0-9.]+ s median", out), out
+    assert "forked choices' first tokens equal: True" in out
 
 
 def _cuda() -> None:
