@@ -41,6 +41,7 @@ from batchline.contrib._hf_schema import (
     TEIEmbedRequest,
     TEIRerankRequest,
     TGIRequest,
+    Token,
     details,
     generated,
     tei_ranked,
@@ -229,7 +230,8 @@ class HFRoutes:
             if found is None:
                 return Response(status_code=_GONE)
             output, tokens = found
-            info = details(output, tgi_body.seed, tokens)
+            top = tgi_body.parameters.top_n_tokens is not None
+            info = details(output, tgi_body.seed, tokens, top=top)
         else:
             result = await self._openai.run(served, tgi_body.wire(), request)
             if result is None:
@@ -251,17 +253,17 @@ class HFRoutes:
     async def _stream(self, served: Served, body: TGIRequest, request: Request) -> Response:
         rid = uuid.uuid4().hex
         timing = self._timing(served)
-        chunks = served.producer.stream(body.wire(), request_id=rid)
+        chunks = served.producer.stream(body.wire(tokens=True), request_id=rid)
         return await self._openai._stream(
             chunks, timing, request, lambda first: TGIStream(first, chunks, body, timing, rid)
         )
 
     async def _collected(
         self, served: Served, body: TGIRequest, request: Request
-    ) -> tuple[dict[str, Any], list[tuple[int, str]]] | None:
+    ) -> tuple[dict[str, Any], list[Token]] | None:
         """The output and its tokens' texts, from the request's stream (each token's text
         is known only there); None if the client went away."""
-        chunks = served.producer.stream(body.wire())
+        chunks = served.producer.stream(body.wire(tokens=True))
         try:
             return await unless_disconnected(
                 request.receive, collected(chunks, self._timing(served))

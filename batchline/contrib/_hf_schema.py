@@ -4,7 +4,9 @@
 Requests refuse what batchline does not do rather than ignore it: an unknown field, or a
 parameter it lacks (``best_of`` above 1, ``watermark``, ``grammar``, ``truncate``, penalties,
 ``decoder_input_details`` ...) set to anything but its no-op value, is a 422 naming the
-parameter. They are strict, as the OpenAI routes' are: ``"10"`` is not 10.
+parameter. An answer that shows its tokens (streamed, or ``details``) asks the worker for
+their log probabilities (and ``top_n_tokens`` likeliest beside each). They are strict, as
+the OpenAI routes' are: ``"10"`` is not 10.
 
 Sampling follows TGI's rule: a request samples when ``do_sample`` is true or a sampling
 parameter changes the distribution (``temperature`` other than 1, ``top_k``, ``top_p`` below
@@ -14,6 +16,7 @@ parameter changes the distribution (``temperature`` other than 1, ``top_k``, ``t
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import numpy as np
@@ -21,7 +24,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 
 from batchline.contrib._common import MAX_TEXT_CHARS
 from batchline.contrib._extra_schema import MAX_RERANK_DOCUMENTS, rerank_value
-from batchline.contrib._openai_schema import MAX_EMBEDDING_INPUTS
+from batchline.contrib._openai_schema import MAX_EMBEDDING_INPUTS, MAX_LOGPROBS
 
 __all__ = [
     "PARAMS",
@@ -30,6 +33,7 @@ __all__ = [
     "TEIRerankRequest",
     "TGIParameters",
     "TGIRequest",
+    "Token",
     "TokenTexts",
     "details",
     "error_body",
@@ -85,7 +89,8 @@ class TGIParameters(_Strict):
     repetition_penalty: Annotated[float | None, _no_op(None, 1.0)] = None
     frequency_penalty: Annotated[float | None, _no_op(None, 0.0)] = None
     typical_p: Annotated[float | None, _no_op(None, 1.0)] = None
-    top_n_tokens: Annotated[int | None, _no_op(None, 0)] = None
+    #: The likeliest tokens beside each one generated (``top_tokens``), 0 to 20.
+    top_n_tokens: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     truncate: Annotated[int | None, _no_op(None)] = None
     grammar: Annotated[dict[str, Any] | None, _no_op(None)] = None
     adapter_id: Annotated[str | None, _no_op(None)] = None
@@ -124,9 +129,14 @@ class TGIRequest(_Strict):
     parameters: TGIParameters = Field(default_factory=TGIParameters)
     stream: bool | None = None
 
-    def wire(self) -> dict[str, Any]:
-        """The generation request a worker reads."""
-        return {"prompt": self.inputs, **self.parameters.wire()}
+    def wire(self, *, tokens: bool = False) -> dict[str, Any]:
+        """The generation request a worker reads; ``tokens``: an answer that shows each
+        token (streamed, or ``details``), whose ``logprob`` (and ``top_n_tokens``) the
+        worker then computes."""
+        out = {"prompt": self.inputs, **self.parameters.wire()}
+        if tokens:
+            out["logprobs"] = self.parameters.top_n_tokens or 0
+        return out
 
     @property
     def seed(self) -> int | None:
@@ -212,9 +222,33 @@ def finish_reason(reason: str | None) -> str:
     return _FINISH.get(reason or "", "length")
 
 
-def _token(token_id: int, text: str, *, special: bool = False) -> dict[str, Any]:
-    # No log probabilities: these routes do not ask for them (the /v1 routes do).
-    return {"id": token_id, "text": text, "logprob": None, "special": special}
+@dataclass(frozen=True, slots=True)
+class Token:
+    """A generated token as TGI shows it: its id, the text it completed, and, where the
+    worker computed them, its log probability entry (docs/protocol.md, Generation)."""
+
+    id: int
+    text: str
+    logprob: list[Any] | None = None
+
+    def body(self, *, special: bool = False) -> dict[str, Any]:
+        """TGI's token object."""
+        logprob = None if self.logprob is None else self.logprob[0]
+        return {"id": self.id, "text": self.text, "logprob": logprob, "special": special}
+
+    def top(self) -> list[dict[str, Any]] | None:
+        """TGI's ``top_tokens`` of this step (None where the worker computed none)."""
+        if self.logprob is None:
+            return None
+        return [
+            {"id": i, "text": _text(text), "logprob": logprob, "special": False}
+            for i, logprob, text in self.logprob[2]
+        ]
+
+
+def _text(text: str | list[int]) -> str:
+    """A token's text from the wire: a piece of a character (its bytes) shows as U+FFFD."""
+    return text if isinstance(text, str) else bytes(text).decode("utf-8", "replace")
 
 
 class TokenTexts:
@@ -227,33 +261,36 @@ class TokenTexts:
     """
 
     def __init__(self) -> None:
-        self._held: tuple[int, str] | None = None
+        self._held: Token | None = None
         self._early = ""  # text before any token (none expected)
 
-    def take(self, chunk: Any) -> list[tuple[int, str]]:
-        """The tokens that ``chunk`` completes, as (id, text)."""
-        done: list[tuple[int, str]] = []
-        for token_id in chunk.token_ids:
+    def take(self, chunk: Any) -> list[Token]:
+        """The tokens that ``chunk`` completes."""
+        done: list[Token] = []
+        entries = chunk.logprobs or [None] * len(chunk.token_ids)
+        for token_id, entry in zip(chunk.token_ids, entries, strict=True):
             if self._held is not None:
                 done.append(self._held)
-            self._held, self._early = (int(token_id), self._early), ""
+            self._held, self._early = Token(int(token_id), self._early, entry), ""
         if chunk.text:
             if self._held is None:
                 self._early += chunk.text
             else:
-                self._held = (self._held[0], self._held[1] + chunk.text)
+                held = self._held
+                self._held = Token(held.id, held.text + chunk.text, held.logprob)
         return done
 
-    def last(self) -> tuple[int, str]:
+    def last(self) -> Token:
         """The last token, once the stream has ended (id 0 if it generated none)."""
-        return self._held if self._held is not None else (0, self._early)
+        return self._held if self._held is not None else Token(0, self._early)
 
 
 def details(
-    output: dict[str, Any], seed: int | None, tokens: Iterable[tuple[int, str]]
+    output: dict[str, Any], seed: int | None, tokens: Iterable[Token], *, top: bool = False
 ) -> dict[str, Any]:
-    """TGI's ``details`` of a whole answer: the tokens with their texts (no prefill: the
-    prompt's tokens are the worker's; ``decoder_input_details`` is refused)."""
+    """TGI's ``details`` of a whole answer: the tokens with their texts and log
+    probabilities, and (``top``: ``top_n_tokens`` asked) each step's likeliest tokens (no
+    prefill: the prompt's tokens are the worker's; ``decoder_input_details`` is refused)."""
     rows = list(tokens)
     eos = output["finish_reason"] == "eos"
     return {
@@ -261,10 +298,8 @@ def details(
         "generated_tokens": int(output["tokens"]),
         "seed": seed,
         "prefill": [],
-        "tokens": [
-            _token(i, text, special=eos and n == len(rows) - 1) for n, (i, text) in enumerate(rows)
-        ],
-        "top_tokens": None,
+        "tokens": [t.body(special=eos and n == len(rows) - 1) for n, t in enumerate(rows)],
+        "top_tokens": [t.top() or [] for t in rows] if top else None,
         "best_of_sequences": None,
     }
 
@@ -279,19 +314,22 @@ def generated(prefix: str, output: dict[str, Any], info: dict[str, Any] | None) 
 
 def stream_event(
     index: int,
-    token: tuple[int, str],
+    token: Token,
     *,
+    top: bool = False,
     end: tuple[str, dict[str, Any], int | None, bool] | None = None,
 ) -> dict[str, Any]:
-    """One event of TGI's stream: a token (``index`` from 1); the last one (``end``:
-    prefix, output, seed, whether to add ``details``) also carries ``generated_text``."""
+    """One event of TGI's stream: a token (``index`` from 1), with its step's likeliest
+    tokens where ``top``; the last one (``end``: prefix, output, seed, whether to add
+    ``details``) also carries ``generated_text``."""
+    tops = (token.top() or []) if top else None
     if end is None:
         return {
             "index": index,
-            "token": _token(*token),
+            "token": token.body(),
             "generated_text": None,
             "details": None,
-            "top_tokens": None,
+            "top_tokens": tops,
         }
     prefix, output, seed, with_details = end
     info = {
@@ -302,10 +340,10 @@ def stream_event(
     }
     return {
         "index": index,
-        "token": _token(*token, special=output["finish_reason"] == "eos"),
+        "token": token.body(special=output["finish_reason"] == "eos"),
         "generated_text": prefix + output["text"],
         "details": info if with_details else None,
-        "top_tokens": None,
+        "top_tokens": tops,
     }
 
 

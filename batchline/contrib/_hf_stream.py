@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchline.contrib._hf_errors import TGIError
-from batchline.contrib._hf_schema import TGIRequest, TokenTexts, stream_event
+from batchline.contrib._hf_schema import TGIRequest, Token, TokenTexts, stream_event
 from batchline.contrib._openai_errors import OpenAIError
 from batchline.contrib._openai_schema import sse
 from batchline.contrib._openai_stream import ChunkStream, next_chunk
@@ -36,10 +36,10 @@ class TGITiming:
 
 async def collected(
     chunks: AsyncGenerator[StreamChunk, None], timing: TGITiming
-) -> tuple[dict[str, Any], list[tuple[int, str]]]:
+) -> tuple[dict[str, Any], list[Token]]:
     """A generation's output, and its tokens with their texts, from its whole stream."""
     tokens = TokenTexts()
-    done: list[tuple[int, str]] = []
+    done: list[Token] = []
     while True:
         chunk = await next_chunk(chunks, timing)
         done += tokens.take(chunk)
@@ -72,17 +72,18 @@ class TGIStream(ChunkStream[StreamChunk]):
     async def _events(self) -> AsyncIterator[bytes]:
         """One event per token; the last with the generated text."""
         tokens, chunk, index = TokenTexts(), self._first, 0
+        top = self._body.parameters.top_n_tokens is not None
         while True:
             for token in tokens.take(chunk):
                 index += 1
-                yield sse(stream_event(index, token))
+                yield sse(stream_event(index, token, top=top))
             if chunk.result is not None:
                 output = chunk.result
                 break
             chunk = await next_chunk(self._chunks, self._timing)
         body = self._body
         end = (body.prefix, output, body.seed, body.parameters.details)
-        yield sse(stream_event(index + 1, tokens.last(), end=end))
+        yield sse(stream_event(index + 1, tokens.last(), top=top, end=end))
 
     def _error_event(self, error: OpenAIError) -> bytes:
         return TGIError(error, "generation").event()

@@ -63,6 +63,11 @@ def assert_tgi_error(response: httpx.Response, status: int, error_type: str) -> 
     return str(body["error"])
 
 
+def field(token: Any, name: str) -> Any:
+    """A field of one of ``top_tokens``' tokens (the client leaves nested lists as dicts)."""
+    return token[name] if isinstance(token, dict) else getattr(token, name)
+
+
 def tgi_reason(reason: str) -> str:
     return {"eos": "eos_token", "stop": "stop_sequence"}.get(reason, reason)
 
@@ -90,8 +95,19 @@ def test_the_inference_client_generates_whole_with_details_and_streamed(
     assert info.generated_tokens == len(want.token_ids)
     assert [t.id for t in info.tokens] == list(want.token_ids)
     assert "".join(t.text for t in info.tokens) == want.text
-    assert all(t.logprob is None for t in info.tokens)  # batchline computes none
-    assert (info.seed, info.prefill) == (None, [])
+    assert (info.seed, info.prefill, info.top_tokens) == (None, [], None)
+    # Each token's log probability is the engine's (float64 here, both ways).
+    scored = in_process(reference, prompt, max_new_tokens=9, logprobs=3)
+    assert [t.logprob for t in info.tokens] == pytest.approx(
+        [e.logprob for e in scored.logprobs], abs=1e-9
+    )
+    top = client.text_generation(prompt, max_new_tokens=9, details=True, top_n_tokens=3)
+    assert top.details is not None
+    assert top.details.top_tokens is not None
+    steps = [[field(t, "id") for t in step] for step in top.details.top_tokens]
+    assert steps == [[i for i, _ in e.top] for e in scored.logprobs]
+    first = field(top.details.top_tokens[0][0], "logprob")
+    assert first == pytest.approx(scored.logprobs[0].top[0][1], abs=1e-9)
 
     # Streamed: one event per token, their texts joined are the text; the last event has
     # the whole text and (asked) the details.
@@ -100,6 +116,16 @@ def test_the_inference_client_generates_whole_with_details_and_streamed(
     assert len(texts) == len(want.token_ids)
     events = list(client.text_generation(prompt, max_new_tokens=9, stream=True, details=True))
     assert [e.token.id for e in events] == list(want.token_ids)
+    assert [e.token.logprob for e in events] == pytest.approx(
+        [e.logprob for e in scored.logprobs], abs=1e-9
+    )
+    assert all(e.top_tokens is None for e in events)  # top_n_tokens not asked
+    streamed_top = list(
+        client.text_generation(prompt, max_new_tokens=9, stream=True, top_n_tokens=2, details=True)
+    )
+    assert [[field(t, "id") for t in e.top_tokens] for e in streamed_top] == [
+        [i for i, _ in e.top[:2]] for e in scored.logprobs
+    ]
     assert [e.index for e in events] == list(range(1, len(events) + 1))
     assert [e.generated_text for e in events[:-1]] == [None] * (len(events) - 1)
     last = events[-1]
@@ -256,7 +282,7 @@ def test_bad_requests_get_tgi_errors(
         ("repetition_penalty", 1.2),
         ("frequency_penalty", 0.5),
         ("typical_p", 0.5),
-        ("top_n_tokens", 3),
+        ("top_n_tokens", 21),
         ("truncate", 10),
         ("grammar", {"type": "json", "value": {}}),
         ("adapter_id", "lora"),

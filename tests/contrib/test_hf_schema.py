@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from batchline.contrib._hf_schema import TEIEmbedRequest, TGIRequest, TokenTexts, vectors
+from batchline.contrib._hf_schema import TEIEmbedRequest, TGIRequest, Token, TokenTexts, vectors
 from batchline.producer import StreamChunk
 
 
@@ -54,14 +54,31 @@ def chunk(text: str, *ids: int, result: dict[str, Any] | None = None) -> StreamC
 
 def test_a_chunks_text_goes_with_its_last_token_and_late_text_with_the_one_before() -> None:
     tokens = TokenTexts()
-    assert tokens.take(chunk("Ü", 195, 156)) == [(195, "")]  # the last token is held
-    assert tokens.take(chunk("", 98)) == [(156, "Ü")]
+    assert tokens.take(chunk("Ü", 195, 156)) == [Token(195, "")]  # the last token is held
+    assert tokens.take(chunk("", 98)) == [Token(156, "Ü")]
     assert tokens.take(chunk("ber")) == []  # text without a token: the held one's
-    assert tokens.take(chunk("", 101, result={})) == [(98, "ber")]
-    assert tokens.last() == (101, "")
+    assert tokens.take(chunk("", 101, result={})) == [Token(98, "ber")]
+    assert tokens.last() == Token(101, "")
     empty = TokenTexts()
     empty.take(chunk("", result={}))
-    assert empty.last() == (0, "")
+    assert empty.last() == Token(0, "")
+
+
+def test_a_tokens_logprob_goes_with_it_and_a_piece_of_a_character_shows_as_u_fffd() -> None:
+    tokens = TokenTexts()
+    first = [-0.5, [0xC3], [[7, -0.5, [0xC3]], [8, -1.0, "a"]]]
+    second = [-0.25, [0xA9], []]
+    got = tokens.take(StreamChunk("", [7, 9], 0, logprobs=[first, second]))
+    assert got == [Token(7, "", first)]
+    assert got[0].body() == {"id": 7, "text": "", "logprob": -0.5, "special": False}
+    assert got[0].top() == [
+        {"id": 7, "text": "\ufffd", "logprob": -0.5, "special": False},
+        {"id": 8, "text": "a", "logprob": -1.0, "special": False},
+    ]
+    tokens.take(StreamChunk("é", [], 2))
+    assert tokens.last() == Token(9, "é", second)
+    assert Token(1, "x").body()["logprob"] is None
+    assert Token(1, "x").top() is None
 
 
 def test_tei_vectors_are_normalized_unless_told() -> None:
