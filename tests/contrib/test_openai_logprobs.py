@@ -14,6 +14,7 @@ import pytest
 from .test_fastapi import Serve, serve
 from .test_openai import MakeApp, client_for, gen_queue, make_app, workers
 from tests.generation.test_engine import forward_widths
+from tests.support import web_models
 from tests.support.service import WorkerThread
 from tests.worker.test_generate import CHAT, TINY, reference
 
@@ -238,3 +239,19 @@ def test_n_choices_reach_the_worker_together_and_share_one_prefill(
     prefills = [rows for rows, tokens in widths if tokens > 1]
     assert prefills == [1]  # the four choices' prompt, fed once
     assert (4, 1) in widths  # then four rows decode
+
+
+@pytest.mark.slow
+def test_logprobs_that_do_not_match_their_tokens_are_a_500_not_a_wrong_answer(
+    make_app: MakeApp,
+    serve: Serve,
+    start_worker: Callable[..., WorkerThread],
+    gen_queue: str,
+) -> None:
+    start_worker(f"{web_models.__name__}:generation_bad_logprobs", queue=gen_queue)
+    client = client_for(serve(make_app()))
+    with pytest.raises(openai.InternalServerError, match="not an array of 2 entries"):
+        client.chat.completions.create(model=gen_queue, messages=CHAT, logprobs=True)
+    with pytest.raises(openai.InternalServerError, match="not an array of 2 entries"):
+        # The worker streams nothing: its one answer comes first, an HTTP error.
+        client.chat.completions.create(model=gen_queue, messages=CHAT, logprobs=True, stream=True)

@@ -43,3 +43,18 @@ def generation_echo(items: list[Any]) -> list[Any]:
         {"text": json.dumps(item), "finish_reason": "length", "prompt_tokens": 1, "tokens": 1}
         for item in items
     ]
+
+
+def generation_bad_logprobs(items: list[Any]) -> list[Any]:
+    """A generation answer whose logprobs do not match its tokens (a broken worker)."""
+    return [
+        {
+            "text": "ab",
+            "token_ids": [1, 2],
+            "logprobs": [[-0.5, "a", []]],
+            "finish_reason": "length",
+            "prompt_tokens": 1,
+            "tokens": 2,
+        }
+        for _ in items
+    ]
