@@ -38,6 +38,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+from batchline.core._overtake import mark_overtaken, rank
 from batchline.errors import ItemTooLarge
 
 __all__ = ["BatchPolicy", "Decision", "PolicyConfig", "Waiting"]
@@ -223,7 +224,7 @@ class BatchPolicy(Generic[W]):
 
     def _rank(self, item: W, now: float) -> float:
         level = item.priority + (1 if item.small else 0)
-        return min(item.overtaken, now) - level * self.config.max_overtake_s
+        return rank(item, now, level, self.config.max_overtake_s)
 
     def _prune(self, lane: deque[W]) -> None:
         """Drop items at the lane's head that expired or were cancelled."""
@@ -349,18 +350,9 @@ class BatchPolicy(Generic[W]):
         return batch
 
     def _mark_overtaken(self, batch: list[W], now: float) -> None:
-        """Start the clock of the items ``batch`` overtook: those that the same number of
-        items taken in arrival order would have included (the oldest of each lane, so a
-        prefix of it; ties go to the batch)."""
-        n = len(batch)
-        waiting = [
-            [(it.arrival, it) for it in itertools.islice(filter(self._live, lane), n)]
-            for lane in self._lanes.values()
-        ]
-        taken: list[tuple[float, W | None]] = sorted((it.arrival, None) for it in batch)
-        for _, item in itertools.islice(heapq.merge(taken, *waiting, key=_first), n):
-            if item is not None and item.overtaken > now:
-                item.overtaken = now
+        """Start the clock of the items ``batch`` overtook (the oldest of each lane)."""
+        lanes = ((it for it in lane if self._live(it)) for lane in self._lanes.values())
+        mark_overtaken(batch, lanes, now)
 
     def _form_grouped(self, now: float) -> list[W]:
         cfg = self.config
@@ -384,7 +376,3 @@ class BatchPolicy(Generic[W]):
         picked = set(chosen)
         self._give_back(window[i] for i in range(len(window)) if i not in picked)
         return [window[i] for i in chosen]
-
-
-def _first(entry: tuple[float, object]) -> float:
-    return entry[0]

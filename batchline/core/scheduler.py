@@ -18,8 +18,12 @@ is some idle budget while long ``max_new_tokens`` sequences are young. A request
 reservation alone exceeds ``max_batch_tokens`` can never fit:
 :meth:`GenerationScheduler.add` refuses it at once with :class:`~batchline.errors.PromptTooLong`.
 
-Order. As in :mod:`batchline.core.policy`, a request's *rank* is its arrival time minus
-``max_overtake_s`` per priority level; admission goes in rank order. When the best-ranked
+Order. As in :mod:`batchline.core.policy` (the same rule, :mod:`batchline.core._overtake`), a
+request's *rank* is the time it was first overtaken (left out of an admission that arrival
+order would have put it in), or the current time if it never was, minus ``max_overtake_s``
+per priority level; admission goes in rank order. So a higher-priority request joins before
+every waiting one no favoured request has overtaken yet, and one overtaken for
+``max_overtake_s`` per level is overtaken no more. When the best-ranked
 request does not fit the room left, smaller requests behind it may backfill that room, but only
 while the blocked request has waited less than ``max_backfill_s``; after that nothing joins
 before it, the running sequences drain, and it is admitted. So a long prompt is delayed by
@@ -32,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+from batchline.core._overtake import mark_overtaken, rank
 from batchline.errors import PromptTooLong
 
 __all__ = [
@@ -59,6 +64,9 @@ class Sequenced(Protocol):
     def max_new_tokens(self) -> int: ...
     @property
     def cancelled(self) -> bool: ...
+
+    #: The scheduler's: when an admission first left it out (``math.inf`` until then).
+    overtaken: float
 
 
 S = TypeVar("S", bound=Sequenced)
@@ -150,9 +158,10 @@ class GenerationScheduler(Generic[S]):
         items, self._waiting = self._waiting, []
         return items
 
-    def rank(self, item: Sequenced) -> float:
-        """Arrival time less the overtaking credit of its priority: lower goes first."""
-        return item.arrival - item.priority * self.config.max_overtake_s
+    def rank(self, item: Sequenced, now: float) -> float:
+        """When it was first overtaken (else ``now``) less the overtaking credit of its
+        priority: lower goes first."""
+        return rank(item, now, item.priority, self.config.max_overtake_s)
 
     def admit(self, now: float, running: Sequence[Sequenced]) -> Admission[S]:
         """Which waiting requests join now, given the sequences still running."""
@@ -166,7 +175,7 @@ class GenerationScheduler(Generic[S]):
                 expired.append(item)
             else:
                 live.append(item)
-        live.sort(key=lambda it: (self.rank(it), it.arrival))
+        live.sort(key=lambda it: (self.rank(it, now), it.arrival))
         slots = self.config.max_batch_size - len(running)
         rows = len(running)
         widest = max((reservation(it) for it in running), default=0)
@@ -186,4 +195,6 @@ class GenerationScheduler(Generic[S]):
             if not blocked and now - item.arrival >= self.config.max_backfill_s:
                 blocked = True  # it has waited long enough: nothing more jumps it
         self._waiting = keep
+        if admit and keep:
+            mark_overtaken(admit, [sorted(keep, key=lambda it: it.arrival)], now)
         return Admission(admit, expired, cancelled)

@@ -191,6 +191,7 @@ class Sequence_:  # a sequence in the batch; typing's Sequence has the plain nam
     emitted_chars: int = 0
     text: str = ""
     admitted_at: float | None = None
+    overtaken: float = math.inf  # the scheduler's: when an admission first left it out
     first_token_at: float | None = None
     rng: Any = None  # torch.Generator when seeded
     matcher: Any = None  # the grammar's matcher (llguidance) when params.grammar is set

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -23,6 +24,7 @@ class Req:
     deadline: float | None = None
     cancelled: bool = False
     left_at: float = 0.0  # when a running sequence finishes (the fake model)
+    overtaken: float = math.inf
 
 
 def sched(**kw: float) -> GenerationScheduler[Req]:
@@ -85,17 +87,32 @@ def test_a_prompt_that_can_never_fit_is_refused_at_once() -> None:
     assert len(s) == 1
 
 
-def test_priority_overtakes_by_a_bounded_time() -> None:
+def test_priority_goes_first_until_what_it_overtook_has_waited_the_bound() -> None:
     s = sched(max_batch_size=1, max_overtake_s=0.5)
-    old, vip = Req(0.0, 1, 1), Req(0.4, 1, 1, priority=1)
+    old = Req(0.0, 1, 1)
     s.add(old)
-    s.add(vip)
+    s.add(vip := Req(0.6, 1, 1, priority=1))
+    # Nothing overtook the old one yet: however long it waited for a slot, it goes after.
     assert s.admit(1.0, []).admit == [vip]
-    s2 = sched(max_batch_size=1, max_overtake_s=0.5)
-    old2, late_vip = Req(0.0, 1, 1), Req(0.6, 1, 1, priority=1)
-    s2.add(old2)
-    s2.add(late_vip)
-    assert s2.admit(1.0, []).admit == [old2]
+    assert old.overtaken == 1.0  # its clock starts
+    s.add(vip2 := Req(1.2, 1, 1, priority=1))
+    assert s.admit(1.4, [vip]).admit == []  # no slot
+    assert s.admit(1.4, []).admit == [vip2]  # overtaken 0.4 s ago: still within the bound
+    s.add(Req(1.6, 1, 1, priority=1))
+    assert s.admit(1.6, []).admit == [old]  # overtaken 0.6 s ago: nothing jumps it now
+
+
+def test_a_backlog_of_its_own_level_earns_no_precedence_over_a_favoured_request() -> None:
+    s = sched(max_batch_size=2, max_overtake_s=0.1)
+    backlog = [Req(0.1 * i, 1, 1) for i in range(10)]
+    for r in backlog:
+        s.add(r)
+    assert s.admit(1.0, []).admit == backlog[:2]  # one level: first come, first served
+    assert all(r.overtaken == math.inf for r in backlog)
+    s.add(vip := Req(1.5, 1, 1, priority=1))
+    assert s.admit(2.0, []).admit == [vip, backlog[2]]
+    assert backlog[3].overtaken == 2.0  # the one vip displaced
+    assert backlog[4].overtaken == math.inf
 
 
 def test_expired_and_cancelled_leave_without_running() -> None:
@@ -174,4 +191,4 @@ def test_budgets_hold_and_everything_is_admitted_or_refused(
     # Order: within one admission, best rank first.
     for (t1, r1), (t2, r2) in zip(admitted, admitted[1:], strict=False):
         if t1 == t2:
-            assert s.rank(r1) <= s.rank(r2)
+            assert s.rank(r1, t1) <= s.rank(r2, t2)
