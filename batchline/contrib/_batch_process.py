@@ -84,8 +84,13 @@ class DriverProcess:
 
     async def _keep(self) -> None:
         while True:
-            code = await (await self._start()).wait()
-            logger.error("batches: the driver's process exited (%s); starting another", code)
+            try:
+                proc = await self._start()
+            except OSError as exc:
+                logger.error("batches: the driver's process did not start (%s); again soon", exc)
+            else:
+                code = await proc.wait()
+                logger.error("batches: the driver's process exited (%s); starting another", code)
             await asyncio.sleep(_RESTART_S)
 
     async def _start(self) -> asyncio.subprocess.Process:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -331,6 +332,36 @@ def test_a_replica_with_the_driver_off_leaves_its_batches_to_one_with_it_on(
     serve(make_app(batch_lease_s=0.2))  # a replica that drives batches
     done = finished(front, batch.id)
     assert (done.status, done.request_counts.completed) == ("completed", 8)
+
+
+@pytest.mark.slow
+def test_a_driver_process_that_dies_is_started_again(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    embedder: None,
+    queue: str,
+) -> None:
+    client = client_for(serve(make_app()))
+    first = wait_until(drivers, "the driver's process to start")
+    os.kill(first[0], signal.SIGKILL)
+    wait_until(lambda: bool(set(drivers()) - set(first)), "another driver process")
+    lines = [embedding_line(f"a{i}", f"again {i}", queue) for i in range(4)]
+    batch = client.batches.create(
+        input_file_id=upload(client, jsonl(lines)).id,
+        endpoint="/v1/embeddings",
+        completion_window="24h",
+    )
+    done = finished(client, batch.id)
+    assert (done.status, done.request_counts.completed) == ("completed", 4)
+
+
+def drivers() -> list[int]:
+    """The batch driver processes this process runs."""
+    return [
+        pid
+        for pid in children_of(os.getpid())
+        if alive(pid) and b"_batch_process" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
 
 
 @pytest.mark.slow
