@@ -208,6 +208,11 @@ class WebSettings(ProducerSettings):
             file waits in Redis).
         batch_lease_s: how long an API replica's hold on a batch it drives lasts without
             renewal: a replica gone (even killed), another resumes its batches after this.
+        batch_driver: where this replica drives batches: ``process`` (default), in a
+            child process of each API process, with its own Redis client and producers, so
+            that a batch's lines take no time of the loop serving the interactive routes;
+            ``loop``, on the app's event loop, beside those routes; ``off``, not at all
+            (replicas with it on run the batches created here, within ``batch_lease_s / 2``).
         max_file_bytes: largest file ``POST /v1/files`` takes (OpenAI's limit, 200 MB);
             a larger one is answered 413.
     """
@@ -223,6 +228,7 @@ class WebSettings(ProducerSettings):
     batch_priority: int = Field(default=0, ge=0, le=15)
     batch_window: int = Field(default=256, ge=1, le=100_000)
     batch_lease_s: float = Field(default=10.0, gt=0)
+    batch_driver: Literal["process", "loop", "off"] = "process"
     max_file_bytes: int = Field(default=200_000_000, ge=1, le=200_000_000)
 
     @field_validator("embedding_queue", "generation_queue", "rerank_queue")

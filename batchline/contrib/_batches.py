@@ -27,6 +27,7 @@ from redis.exceptions import WatchError
 from batchline.config import ProducerSettings, WebSettings
 from batchline.contrib._batch_driver import BatchDriver
 from batchline.contrib._batch_lines import FINAL, file_errors, moves
+from batchline.contrib._batch_process import DriverProcess
 from batchline.contrib._batch_run import DriverOptions
 from batchline.contrib._files import FileStore, not_found
 from batchline.contrib._openai import OpenAIRoutes
@@ -124,7 +125,8 @@ class BatchApi:
         self.options = DriverOptions(
             priority=web.batch_priority, window=web.batch_window, lease_s=web.batch_lease_s
         )
-        self._driver: BatchDriver | None = None
+        self.driver_mode = web.batch_driver
+        self._driver: BatchDriver | DriverProcess | None = None
 
     def add_routes(self, app: FastAPI) -> None:
         """``/files`` and ``/batches`` on the ``/v1`` app."""
@@ -140,22 +142,33 @@ class BatchApi:
 
     @contextlib.asynccontextmanager
     async def lifespan(self) -> AsyncIterator[None]:
-        """Open the Redis client, and run the driver (the OpenAI routes' producers open)."""
+        """Open the Redis client, and run the driver (the OpenAI routes' producers open):
+        in a child process, on this loop, or not at all (``batch_driver``)."""
         redis = connect(self.settings)
         self.files.redis = redis
-        self._driver = BatchDriver(redis, self.keys, self.files, self.routes, self.options)
         try:
-            async with self._driver.running():
+            if self.driver_mode == "off":
                 yield
+            elif self.driver_mode == "loop":
+                driver = self._driver = BatchDriver(
+                    redis, self.keys, self.files, self.routes, self.options
+                )
+                async with driver.running():
+                    yield
+            else:
+                child = self._driver = DriverProcess(self.settings, self.options, self.files)
+                async with child.running():
+                    yield
         finally:
             self._driver = None
             await redis.aclose()
 
-    @property
-    def driver(self) -> BatchDriver:
-        if self._driver is None:
+    def poke(self, batch_id: str | None = None) -> None:
+        """Tell this replica's driver, if it runs one, to look for batches now."""
+        if self.driver_mode != "off" and self._driver is None:
             raise RuntimeError("the app's lifespan has not run: serve it with an ASGI server")
-        return self._driver
+        if self._driver is not None:
+            self._driver.poke(batch_id)
 
     async def _found(self, batch_id: str) -> dict[bytes, bytes]:
         raw: dict[bytes, bytes] = await self.files.redis.hgetall(self.keys.batch(batch_id))
@@ -202,7 +215,7 @@ class BatchApi:
             if not errors:
                 pipe.sadd(self.keys.active, batch_id)
             await pipe.execute()
-        self.driver.poke()
+        self.poke()
         return JSONResponse(batch_object(await self._found(batch_id)))
 
     async def retrieve(self, batch_id: _Id) -> JSONResponse:
@@ -257,5 +270,5 @@ class BatchApi:
                     break
                 except WatchError:
                     continue
-        self.driver.poke(batch_id)
+        self.poke(batch_id)
         return JSONResponse(batch_object(await self._found(batch_id)))

@@ -8,11 +8,14 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -124,13 +127,15 @@ def file_lines(client: Any, file_id: str | None) -> dict[str, dict[str, Any]]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("driver", ["process", "loop"])
 def test_an_embeddings_batch_answers_every_line_once(
     make_app: MakeApp,
     serve: Serve,
     embedder: None,
     queue: str,  # noqa: F811
+    driver: str,
 ) -> None:
-    client = client_for(serve(make_app()))
+    client = client_for(serve(make_app(batch_driver=driver)))
     texts = [f"text number {i}" for i in range(40)]
     lines: list[Any] = [embedding_line(f"req-{i}", t, queue) for i, t in enumerate(texts)]
     lines += [
@@ -301,8 +306,8 @@ def test_a_batch_whose_input_file_is_deleted_fails(
     monkeypatch.setattr(_batch_run, "CHUNK_LINES", 4)  # the file is read 4 lines at a time
     batch_models.reset(hold_after=2)
     start_worker(COUNTING, prefix=queue, batch_size=1, max_batch_ms=60_000)
-    try:
-        client = client_for(serve(make_app(batch_window=2)))
+    try:  # (the driver on the app's loop: a child process would not see the patch)
+        client = client_for(serve(make_app(batch_window=2, batch_driver="loop")))
         lines = [embedding_line(f"d{i}", f"deleted {i}", queue) for i in range(12)]
         batch = answered_part(client, lines, 2)
         client.files.delete(batch.input_file_id)
@@ -310,6 +315,57 @@ def test_a_batch_whose_input_file_is_deleted_fails(
         batch_models.GATE.set()
     done = finished(client, batch.id)
     assert (done.status, done.errors.data[0].code) == ("failed", "input_file_deleted")
+
+
+@pytest.mark.slow
+def test_a_replica_with_the_driver_off_leaves_its_batches_to_one_with_it_on(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    embedder: None,
+    queue: str,
+) -> None:
+    front = client_for(serve(make_app(batch_driver="off", batch_lease_s=0.2)))
+    lines = [embedding_line(f"o{i}", f"off {i}", queue) for i in range(8)]
+    batch = front.batches.create(
+        input_file_id=upload(front, jsonl(lines)).id,
+        endpoint="/v1/embeddings",
+        completion_window="24h",
+    )
+    time.sleep(1.0)  # five looks of a driver, had this replica one
+    assert front.batches.retrieve(batch.id).status == "validating"
+    serve(make_app(batch_lease_s=0.2))  # a replica that drives batches
+    done = finished(front, batch.id)
+    assert (done.status, done.request_counts.completed) == ("completed", 8)
+
+
+@pytest.mark.slow
+def test_a_driver_process_that_dies_is_started_again(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    embedder: None,
+    queue: str,
+) -> None:
+    client = client_for(serve(make_app()))
+    first = wait_until(drivers, "the driver's process to start")
+    os.kill(first[0], signal.SIGKILL)
+    wait_until(lambda: bool(set(drivers()) - set(first)), "another driver process")
+    lines = [embedding_line(f"a{i}", f"again {i}", queue) for i in range(4)]
+    batch = client.batches.create(
+        input_file_id=upload(client, jsonl(lines)).id,
+        endpoint="/v1/embeddings",
+        completion_window="24h",
+    )
+    done = finished(client, batch.id)
+    assert (done.status, done.request_counts.completed) == ("completed", 4)
+
+
+def drivers() -> list[int]:
+    """The batch driver processes this process runs."""
+    return [
+        pid
+        for pid in children_of(os.getpid())
+        if alive(pid) and b"_batch_process" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
 
 
 @pytest.mark.slow
@@ -366,8 +422,27 @@ def api_process(env: dict[str, str]) -> Iterator[httpx.Client]:
         yield http
     finally:
         http.close()
+        children = children_of(proc.pid)  # its batch driver's process
         proc.send_signal(signal.SIGKILL)
         proc.wait(START_TIMEOUT_S)
+        wait_until(lambda: not any(map(alive, children)), "the API's children to exit")
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes ``pid`` started (Linux's /proc)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(x) for x in (task / "children").read_text().split()]
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, its parent gone and not reaped, does not)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
 
 
 @pytest.mark.slow
