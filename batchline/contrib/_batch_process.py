@@ -8,7 +8,8 @@ API process runs its driver in a child process, ``python -m batchline.contrib._b
 the same driver (:mod:`._batch_driver`), with a Redis client and producers of its own, which
 the operating system schedules beside the API instead of inside it.
 
-The child reads the API's settings (pickled) from its stdin, then a line per nudge: a batch
+The child reads the API's settings (JSON, secrets included: the pipe is theirs alone) from its
+stdin, then a line per nudge: a batch
 created here (an empty line) or cancelled here (its id). Its stdin reaching its end, the API
 has gone (it stopped, or it was killed): the child stops its runs, as an API's lifespan does,
 and exits; the batches' leases let whichever replica comes next resume them.
@@ -18,14 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import logging
 import os
-import pickle
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
-from batchline.config import ProducerSettings
+from pydantic import SecretStr
+
+from batchline.config import ProducerSettings, WebSettings
 from batchline.contrib._batch_driver import BatchDriver
 from batchline.contrib._batch_run import DriverOptions
 from batchline.contrib._files import FileStore
@@ -58,7 +63,14 @@ class DriverProcess:
         self, settings: ProducerSettings, options: DriverOptions, files: FileStore
     ) -> None:
         limits = {"max_line_bytes": files.max_line_bytes, "max_file_bytes": files.max_file_bytes}
-        self._payload = pickle.dumps((settings, options, limits))
+        self._payload = json.dumps(
+            {
+                "class": type(settings).__name__,
+                "settings": _revealed(settings),
+                "options": dataclasses.asdict(options),
+                "limits": limits,
+            }
+        ).encode()
         # The child imports the batchline this process runs, wherever it comes from.
         self._root = str(Path(__file__).resolve().parents[2])  # above batchline/
         self._proc: asyncio.subprocess.Process | None = None
@@ -119,6 +131,22 @@ class DriverProcess:
             await proc.wait()
 
 
+#: The settings an API may run with, by class name.
+_SETTINGS: dict[str, type[ProducerSettings]] = {
+    cls.__name__: cls for cls in (ProducerSettings, WebSettings)
+}
+
+
+def _revealed(settings: ProducerSettings) -> dict[str, Any]:
+    """``settings`` as JSON values, its secrets (the Redis URL, passwords) in clear."""
+    out: dict[str, Any] = settings.model_dump(mode="json")
+    for name in type(settings).model_fields:
+        value = getattr(settings, name)
+        if isinstance(value, SecretStr):
+            out[name] = value.get_secret_value()
+    return out
+
+
 async def _serve() -> None:
     """The child: the API's driver on this process's loop, until stdin ends."""
     loop = asyncio.get_running_loop()
@@ -127,10 +155,11 @@ async def _serve() -> None:
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), stdin)
     try:
         size = int(await reader.readline())
-        # Pickled by the API that started this process, through a pipe only they share.
-        settings, options, limits = pickle.loads(await reader.readexactly(size))  # noqa: S301
+        sent = json.loads(await reader.readexactly(size))
     except (ValueError, asyncio.IncompleteReadError):
         return  # the API went before it said anything
+    settings = _SETTINGS[sent["class"]].model_validate(sent["settings"])
+    options, limits = DriverOptions(**sent["options"]), sent["limits"]
     keys = BatchApiKeys(settings.prefix)
     files = FileStore(keys, **limits)
     routes = OpenAIRoutes(settings, timeout_s=60.0)  # (their producers; no route is served)
