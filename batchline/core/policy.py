@@ -7,18 +7,13 @@ run now, the items whose deadline passed, and the time until which the driver ma
 nothing new arrives. :meth:`BatchPolicy.add` says whether a sleeping driver must wake up.
 
 Order. Items wait in FIFO lanes, one per (priority, small) pair. Each batch is bound when it
-forms, from what waits then: an item's *rank* is the time it was first overtaken (left out of a
-batch that arrival order would have put it in: see below), or the current time if it never was,
-minus a credit of ``max_overtake_s`` per priority level (a "small" call, one of at most
-``small_batch_threshold`` items, counts one level up); equal ranks go by arrival. Batches take
-items in rank order, so a favoured item goes before every item that no favoured one has
-overtaken yet, however long that item has waited behind others of its own level (a backlog
-held ahead of the function does not delay it), and no item starves: once it has been
-overtaken for ``max_overtake_s`` times the level gap, nothing new overtakes it.
-
-Overtaken. When a batch forms, the items that a batch of the same size taken in arrival order
-would have held, and this one does not, have been overtaken (by favoured items, or by length
-grouping); the first time this happens is when their clock starts.
+forms, from what waits then, in rank order (:mod:`batchline.core._overtake`, the rule the
+generation scheduler shares): an item's rank is the time it was first overtaken (left out of a
+batch that arrival order would have put it in, by favoured items or by length grouping), or
+the current time if it never was, minus ``max_overtake_s`` per priority level (a "small"
+call, one of at most ``small_batch_threshold`` items, counts one level up). So a backlog held
+ahead of the function does not delay a favoured item, and no item starves: once overtaken for
+``max_overtake_s`` times the level gap, nothing new overtakes it.
 
 Length grouping. With a length per item and more items waiting than fit one batch, the
 oldest-ranked item anchors the batch and the rest of it is filled, from a read-ahead window of

@@ -130,13 +130,18 @@ class TokenTexts:
             [e.logprob, self(e.token_id), [[t, lp, self(t)] for t, lp in e.top]] for e in logprobs
         ]
 
-    def _bytes(self, token: int) -> bytes:
-        if self.tokenizer is None:
-            return b""
-        if self._decode is None:
+    def ready(self) -> None:
+        """Build the byte table now (about a second, once): a worker calls this where it
+        prepares a request that asks for log probabilities, off its event loop."""
+        if self._decode is None and self.tokenizer is not None:
             try:
                 self._decode = self.grammars.ll_tokenizer().decode_bytes
             except (ImportError, BadGenerationParams):  # none, or not a fast tokenizer
                 self._decode = lambda ids: self.tokenizer.decode(ids).encode()
+
+    def _bytes(self, token: int) -> bytes:
+        if self.tokenizer is None:
+            return b""
+        self.ready()
         data: bytes = self._decode([token])
         return data

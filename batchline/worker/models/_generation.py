@@ -81,6 +81,8 @@ class GenerationModel:
         )
         ids = self.engine.encode(parsed.prompt, messages=parsed.messages)
         params = self.engine.check(ids, parsed.params)  # PromptTooLong past the context
+        if params.logprobs is not None:
+            self.engine.token_texts.ready()  # here, not on the loop that writes the answer
         request = GenerationRequest(tuple(ids), params)
         return [Prepared(request, len(ids) + params.max_new_tokens)]
 
