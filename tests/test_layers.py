@@ -17,19 +17,20 @@ PACKAGE = Path(__file__).resolve().parent.parent / "batchline"
 
 # The wire format (no I/O) -> settings -> the Redis transport -> producer and worker -> what
 # is built on them. core/ (pure) -> drivers/ (in process) and generation/ beside them.
-WIRE = {"errors", "keys", "codec"}
+WIRE = {"errors", "_json_depth", "keys", "codec"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
+    "_json_depth": {"errors"},
     "core": {"errors"},
     "drivers": {"core", "errors"},
     "aio": {"drivers"},
     "inference": {"drivers"},
     "__init__": {"aio", "core", "drivers", "errors", "inference"},
     "devices": set(),
-    "_response_format": {"errors"},
+    "_response_format": {"_json_depth", "errors"},
     "generation": {"_response_format", "core", "devices", "errors"},
     "keys": set(),
-    "codec": {"errors", "keys"},
+    "codec": {"_json_depth", "errors", "keys"},
     "acl": {"keys"},
     "redis_url": set(),
     "config": WIRE | {"drivers", "redis_url"},

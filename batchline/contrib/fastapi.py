@@ -27,6 +27,8 @@ shutdown; workers (``batchline worker``) do the inference. Routes:
 
 Errors: a body over ``max_body_bytes`` (2 MiB) is 413, answered before the body is read
 whole and closing the connection, on every route (:mod:`batchline.contrib._body_limit`); a
+body nesting lists and objects deeper than ``MAX_JSON_DEPTH`` (64) is 422 here and on TGI's
+routes, 400 under ``/v1``, before any route parses it (:mod:`batchline.contrib._body_depth`); a
 full queue, Redis out of memory (``maxmemory``) or unreachable is 503 with
 ``Retry-After`` (nothing was queued); a connection lost while the request was written is
 503 with ``Retry-After`` and the request's ``id`` (it may be queued); no result within
@@ -50,6 +52,7 @@ import numpy as np
 
 try:
     from fastapi import FastAPI, HTTPException, Path, Request
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise ImportError(
@@ -61,8 +64,14 @@ from redis.exceptions import RedisError
 from batchline.codec import DecodeError, Result, unpack_result
 from batchline.config import ProducerSettings, WebSettings, check_environment
 from batchline.contrib._batches import BatchApi
+from batchline.contrib._body_depth import BodyDepth
 from batchline.contrib._body_limit import BodyLimit
-from batchline.contrib._common import INPUT_ERRORS, MAX_TEXT_CHARS, RETRY_AFTER_S
+from batchline.contrib._common import (
+    INPUT_ERRORS,
+    MAX_TEXT_CHARS,
+    RETRY_AFTER_S,
+    answer_invalid_native,
+)
 from batchline.contrib._hf import HFRoutes
 from batchline.contrib._openai import OpenAIRoutes
 from batchline.contrib._openai_rerank import RERANK_PATHS, RerankRoutes
@@ -116,7 +125,7 @@ class EmbedRequest(BaseModel):
 
     text: _Text | None = None
     texts: Annotated[list[_Text], Field(min_length=1, max_length=MAX_TEXTS)] | None = None
-    deadline_ms: Annotated[float, Field(gt=0, le=86_400_000)] | None = None
+    deadline_ms: Annotated[float, Field(gt=0, le=86_400_000, allow_inf_nan=False)] | None = None
     priority: Annotated[int, Field(ge=0, le=15)] | None = None
 
     @model_validator(mode="after")
@@ -473,17 +482,21 @@ def create_app(
     app.add_exception_handler(ServiceUnavailable, _service_unavailable)
     app.add_exception_handler(EnqueueUncertain, _enqueue_uncertain)  # EnqueueTimeout too
     app.add_exception_handler(DecodeError, _malformed_result)
+    app.add_exception_handler(RequestValidationError, answer_invalid_native)  # NaN shown
     max_body_bytes = (
         settings.max_body_bytes
         if isinstance(settings, WebSettings)
         else int(WebSettings.model_fields["max_body_bytes"].default)
     )
     openai_paths = RERANK_PATHS + TOKENIZE_PATHS  # outside /v1, in OpenAI's shape
+    uploads = {"/v1/files": batches.max_upload_bytes}  # read as they arrive
+    # Inside BodyLimit (added later, so outside it): a body it reads is within the limit.
+    app.add_middleware(BodyDepth, openai_prefix="/v1", openai_paths=openai_paths, skip=uploads)
     app.add_middleware(
         BodyLimit,
         max_body_bytes=max_body_bytes,
         openai_prefix="/v1",
         openai_paths=openai_paths,
-        paths={"/v1/files": batches.max_upload_bytes},  # an upload is read as it arrives
+        paths=uploads,
     )
     return app
