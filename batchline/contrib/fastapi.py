@@ -88,6 +88,7 @@ from batchline.keys import ID_PATTERN, MAX_ID_CHARS
 from batchline.producer import AsyncProducer, Handle
 from batchline.producer._failures import translate
 from batchline.producer._outcomes import cached_result
+from batchline.transport._admission import Admission
 from batchline.transport._redis import REDIS_FAILURES, RedisClient, connect
 
 __all__ = [
@@ -180,6 +181,10 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+#: What a job's key may say of its answer's shape (``EmbedRequest.kind``).
+_JOB_KINDS = ("embedding", "embeddings")
+
+
 def _kind_of(output: Any) -> str:
     """``embeddings`` for a matrix (or a list of vectors), else ``embedding``."""
     if isinstance(output, np.ndarray):
@@ -217,6 +222,8 @@ def _answer(result: Result, kind: str, *, expired_status: int) -> JSONResponse:
         "error_type": error_type,
         "error_message": result.error_message,
     }
+    if error_type == "QueueFull":  # the admission found the queue at its bound: not run
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
     return JSONResponse(body, status_code=422 if error_type in INPUT_ERRORS else 500)
 
 
@@ -265,6 +272,9 @@ class _Backend:
         self._limits = settings.limits()
         self._producer: AsyncProducer | None = None
         self._redis: RedisClient = None
+        # Job keys: written by the admission from the job function's notes (or, with the
+        # script, here), never by a raw SET under producer rights.
+        self._jobs = Admission(self.keys, settings.admission)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
@@ -329,14 +339,16 @@ class _Backend:
         """Submit without waiting; poll ``status_url`` for the result."""
         self._check_priority(body)
         request_id = uuid.uuid4().hex
-        marker = self.keys.job(request_id)
-        # The marker (written first, gone with the result's TTL) tells pending from unknown.
-        await self.redis.set(marker, body.kind, ex=self.settings.result_ttl_s)
+        handle = await self._submit(body, reply=False, request_id=request_id)
+        # Its job key (gone with the result's TTL) tells pending from unknown; until the
+        # admission writes it, the note waiting for it does (job_state).
         try:
-            await self._submit(body, reply=False, request_id=request_id)
+            await self._jobs.mark_job(
+                self.redis, request_id, body.kind, ttl_s=self.settings.result_ttl_s
+            )
         except BaseException:
             with contextlib.suppress(RedisError, OSError, BatchlineError):
-                await self.redis.delete(marker)
+                await self.producer.cancel(handle)  # nobody can poll for it
             raise
         url = request.url_for("job", request_id=request_id).path
         return JSONResponse(
@@ -347,10 +359,7 @@ class _Backend:
         self, request_id: Annotated[str, Path(pattern=ID_PATTERN, max_length=MAX_ID_CHARS)]
     ) -> JSONResponse:
         """A job's state: pending (202), its result, or unknown (404)."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.get(self.keys.result(request_id))
-            pipe.get(self.keys.job(request_id))
-            raw, marker = await pipe.execute()
+        raw, marker = await self._jobs.job_state(self.redis, request_id, _JOB_KINDS)
         if raw is None and marker is not None and self.producer.settings.cache_ttl_s > 0:
             raw = await cached_result(self.redis, self.keys, request_id)  # a cache hit's
         if raw is not None:
