@@ -123,7 +123,12 @@ class BatchApi:
         self.max_upload_bytes = web.max_file_bytes + _FORM_BYTES
         self.routes = routes
         self.options = DriverOptions(
-            priority=web.batch_priority, window=web.batch_window, lease_s=web.batch_lease_s
+            priority=web.batch_priority,
+            window=web.batch_window,
+            lease_s=web.batch_lease_s,
+            max_answer_bytes=web.batch_max_answer_bytes,
+            max_output_bytes=web.batch_max_output_bytes,
+            output_ratio=web.batch_max_output_ratio,
         )
         self.driver_mode = web.batch_driver
         self._driver: BatchDriver | DriverProcess | None = None
