@@ -228,6 +228,10 @@ class WebSettings(ProducerSettings):
             line); the lower of the two applies.
         max_file_bytes: largest file ``POST /v1/files`` takes (OpenAI's limit, 200 MB);
             a larger one is answered 413.
+        upload_budget_bytes: most bytes of uploads (``POST /v1/files``) one API process
+            receives at once, all of them together (at least ``max_file_bytes``); an upload
+            that would pass it is answered 429 with ``Retry-After`` (one that declares its
+            size, before any of it is read).
     """
 
     embedding_queue: str | None = None
@@ -246,11 +250,21 @@ class WebSettings(ProducerSettings):
     batch_max_output_bytes: int = Field(default=1 << 30, ge=1024)
     batch_max_output_ratio: float = Field(default=1000.0, gt=0)
     max_file_bytes: int = Field(default=200_000_000, ge=1, le=200_000_000)
+    upload_budget_bytes: int = Field(default=400_000_000, ge=1)
 
     @field_validator("embedding_queue", "generation_queue", "rerank_queue")
     @classmethod
     def _queue_name(cls, value: str | None) -> str | None:
         return None if value is None else check_name("name", value)
+
+    @model_validator(mode="after")
+    def _upload_budget(self) -> WebSettings:
+        if self.upload_budget_bytes < self.max_file_bytes:
+            raise ValueError(
+                f"upload_budget_bytes ({self.upload_budget_bytes}) must be at least "
+                f"max_file_bytes ({self.max_file_bytes}): a file of that size must fit"
+            )
+        return self
 
     @model_validator(mode="after")
     def _distinct_names(self) -> WebSettings:

@@ -484,6 +484,6 @@ def create_app(
         max_body_bytes=max_body_bytes,
         openai_prefix="/v1",
         openai_paths=openai_paths,
-        paths={"/v1/files": batches.max_upload_bytes},  # an upload is read as it arrives
+        paths={"/v1/files": batches.upload_limit},  # an upload is read as it arrives
     )
     return app
