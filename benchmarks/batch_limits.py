@@ -25,6 +25,8 @@ text, then ``--think-ms``, in a loop) for as long as one upload of ``--upload-mb
 Usage::
 
     python -m benchmarks.batch_limits --part outputs
+    python -m benchmarks.batch_limits --part outputs --output-ratio 100000 \
+        --sizes 150x100,300x100,600x100,1200x100,40x2048   # the output grows, unbounded
     python -m benchmarks.batch_limits --part uploads
 """
 
@@ -200,7 +202,10 @@ def one_size(
 def outputs(args: argparse.Namespace, procs: Procs) -> list[dict[str, Any]]:
     import httpx
 
-    url, base = start(procs, args, {"BATCHLINE_BATCH_LEASE_S": str(args.lease_s)})
+    settings = {"BATCHLINE_BATCH_LEASE_S": str(args.lease_s)}
+    if args.output_ratio is not None:
+        settings["BATCHLINE_BATCH_MAX_OUTPUT_RATIO"] = str(args.output_ratio)
+    url, base = start(procs, args, settings)
     rows = []
     with httpx.Client(base_url=base, timeout=600) as http:
         for size in args.sizes.split(","):
@@ -214,7 +219,9 @@ def outputs(args: argparse.Namespace, procs: Procs) -> list[dict[str, Any]]:
 def report_outputs(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(
         f"- {args.dim}-dimension float32 vectors, float encoding; `batch_lease_s` "
-        f"{args.lease_s:g}; each batch given {args.timeout_s:g} s\n"
+        f"{args.lease_s:g}; `batch_max_output_ratio` "
+        f"{'default' if args.output_ratio is None else f'{args.output_ratio:g}'}; each batch "
+        f"given {args.timeout_s:g} s\n"
     )
     print(
         "| lines x texts | input | status | answered | refused | output | errors "
@@ -344,6 +351,9 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=384, help="the model's vector size")
     parser.add_argument("--sizes", default="100x100,600x100,40x2048", help="LINESxTEXTS,...")
     parser.add_argument("--lease-s", type=float, default=10.0, help="the API's batch_lease_s")
+    parser.add_argument(
+        "--output-ratio", type=float, default=None, help="the API's batch_max_output_ratio"
+    )
     parser.add_argument("--timeout-s", type=float, default=180.0, help="most time a batch gets")
     parser.add_argument("--upload-mb", type=int, default=100)
     parser.add_argument(
