@@ -126,10 +126,16 @@ async def run_batch(http: Any, tag: str, n: int) -> float:
 
 
 async def interactive(
-    http: Any, lanes: int, think_ms: float, until: asyncio.Future[Any] | float
+    http: Any,
+    lanes: int,
+    think_ms: float,
+    until: asyncio.Future[Any] | float,
+    *,
+    healthz: bool = False,
 ) -> list[float]:
     """Latencies (ms) of ``lanes`` interactive clients until ``until`` is done (or for
-    that many seconds)."""
+    that many seconds): ``POST /v1/embeddings`` of one text each (``healthz``: ``GET
+    /healthz``, the API's loop and a Redis PING, no model)."""
     latencies: list[float] = []
     end = time.perf_counter() + until if isinstance(until, float) else None
 
@@ -140,7 +146,11 @@ async def interactive(
         k = 0
         while going():
             start = time.perf_counter()
-            r = await http.post("/v1/embeddings", json={"model": QUEUE, "input": f"hi {i} {k}"})
+            r = await (
+                http.get("/healthz")
+                if healthz
+                else http.post("/v1/embeddings", json={"model": QUEUE, "input": f"hi {i} {k}"})
+            )
             r.raise_for_status()
             latencies.append((time.perf_counter() - start) * 1000)
             k += 1

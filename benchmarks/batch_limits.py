@@ -49,6 +49,7 @@ from benchmarks.harness import (
     Procs,
     Samples,
     child_env,
+    cpu_s,
     fmt,
     load,
     log,
@@ -266,9 +267,17 @@ with httpx.Client(base_url=base, timeout=600) as http:
 """
 
 
+def thread_cpu_s(pid: int) -> tuple[float, float]:
+    """CPU seconds of a process's main thread (the API's event loop) and of its others."""
+    threads = [int(task.name) for task in Path(f"/proc/{pid}/task").iterdir()]
+    main = cpu_s(pid, pid)
+    return main, sum(cpu_s(pid, t) for t in threads if t != pid)
+
+
 async def uploads_repeat(
     base: str,
     uploader: subprocess.Popen[bytes],
+    api_pid: int,
     args: argparse.Namespace,
     s: Samples,
     pooled: Samples,
@@ -283,10 +292,17 @@ async def uploads_repeat(
         uploader.stdin.flush()
         done = loop.run_in_executor(None, uploader.stdout.readline)
         t0 = time.perf_counter()
-        during = await interactive(http, args.lanes, args.think_ms, done)
+        cpu0 = thread_cpu_s(api_pid)
+        healthz = args.bystander == "healthz"
+        during = await interactive(http, args.lanes, args.think_ms, done, healthz=healthz)
         took = float(await done)
-        idle = await interactive(http, args.lanes, args.think_ms, time.perf_counter() - t0)
+        cpu1 = thread_cpu_s(api_pid)
+        idle = await interactive(
+            http, args.lanes, args.think_ms, time.perf_counter() - t0, healthz=healthz
+        )
     s.add("upload s", took)
+    s.add("loop cpu", cpu1[0] - cpu0[0])
+    s.add("other cpu", cpu1[1] - cpu0[1])
     latencies(s, pooled, {"during": during, "idle": idle})
     log("upload repeat: " + ", ".join(f"{k} {v[-1]:.3g}" for k, v in s.rows.items()))
 
@@ -312,7 +328,7 @@ def uploads(args: argparse.Namespace, procs: Procs) -> tuple[Samples, Samples]:
     s, pooled = Samples(), Samples()
     asyncio.run(_warm(base))
     for _ in range(args.repeats):
-        asyncio.run(uploads_repeat(base, uploader, args, s, pooled))
+        asyncio.run(uploads_repeat(base, uploader, procs.procs["api"].pid, args, s, pooled))
     return s, pooled
 
 
@@ -328,12 +344,16 @@ def report_uploads(s: Samples, pooled: Samples, args: argparse.Namespace) -> Non
         return f"| {name} | {fmt(s.med(key), digits)} | {s.spread(key)} |"
 
     print(
-        f"- one {args.upload_mb} MB upload at a time ({args.repeats} repeats: medians, range "
-        f"in the last column); {args.lanes} interactive clients, {args.think_ms:g} ms think "
-        f"time; the model {FIXED_MS:g} ms a call\n"
+        f"- one {args.upload_mb} MB upload at a time ({args.body}, lines of "
+        f"{args.text_repeat * 35 + 100} bytes or so; {args.repeats} repeats: medians, range "
+        f"in the last column); {args.lanes} interactive clients "
+        f"({'GET /healthz' if args.bystander == 'healthz' else 'POST /v1/embeddings'}), "
+        f"{args.think_ms:g} ms think time; the model {FIXED_MS:g} ms a call\n"
     )
     print("| figure | median | range |\n|---|---:|---|")
     print(row("upload time (s)", "upload s", 1))
+    print(row("API CPU during the upload, its event loop's thread (s)", "loop cpu", 2))
+    print(row("API CPU during the upload, its other threads (s)", "other cpu", 2))
     print(row("interactive p50, idle (ms)", "p50 idle", 1))
     print(row("interactive p50, during the upload (ms)", "p50 during", 1))
     print(row("interactive p99, idle (ms)", "p99 idle", 1))
@@ -368,6 +388,12 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lanes", type=int, default=4, help="interactive clients")
+    parser.add_argument(
+        "--bystander",
+        choices=["embeddings", "healthz"],
+        default="embeddings",
+        help="what the interactive clients ask: an embedding, or GET /healthz (no model)",
+    )
     parser.add_argument("--think-ms", type=float, default=20.0)
     parser.add_argument("--redis-server", default=None)
     args = parser.parse_args()
