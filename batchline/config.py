@@ -206,8 +206,11 @@ class WebSettings(ProducerSettings):
             needlessly escaped.
         batch_priority: the queue priority of the requests of ``/v1/batches`` (default 0,
             the lowest: interactive requests go first).
-        batch_window: most requests of one batch in the queue at once (the rest of its
-            file waits in Redis).
+        batch_window: most inputs of one batch under way at once, each from its
+            submission to the queue until its answer is written (the rest of its file waits
+            in Redis): a line of an embeddings batch counts its texts, any other line one,
+            and a long line at least one per 64 KiB of it; a line heavier than the window
+            runs alone. It bounds what the batch driver holds whatever a line's size.
         batch_lease_s: how long an API replica's hold on a batch it drives lasts without
             renewal: a replica gone (even killed), another resumes its batches after this.
         batch_driver: where this replica drives batches: ``process`` (default), in a
@@ -215,8 +218,22 @@ class WebSettings(ProducerSettings):
             that a batch's lines take no time of the loop serving the interactive routes;
             ``loop``, on the app's event loop, beside those routes; ``off``, not at all
             (replicas with it on run the batches created here, within ``batch_lease_s / 2``).
+        batch_max_answer_bytes: largest answer of one line of a batch, as written to its
+            output file (32 MiB: 2048 texts' float vectors of 384 dimensions fit); a larger
+            one is that line's error (``answer_too_large``), and the batch goes on.
+        batch_max_output_bytes: most bytes of one batch's output and error files together
+            (1 GiB); past it, and past ``batch_max_output_ratio``, a line's answer is its
+            error (``batch_output_limit``), the lines still waiting are not run, and the batch
+            completes.
+        batch_max_output_ratio: the same bound, as a multiple of the input file's bytes
+            (1000: a short text's float vector of 3072 dimensions is about 640 times its
+            line); the lower of the two applies.
         max_file_bytes: largest file ``POST /v1/files`` takes (OpenAI's limit, 200 MB);
             a larger one is answered 413.
+        upload_budget_bytes: most bytes of uploads (``POST /v1/files``) one API process
+            receives at once, all of them together (at least ``max_file_bytes``); an upload
+            that would pass it is answered 429 with ``Retry-After`` (one that declares its
+            size, before any of it is read).
     """
 
     embedding_queue: str | None = None
@@ -231,12 +248,25 @@ class WebSettings(ProducerSettings):
     batch_window: int = Field(default=256, ge=1, le=100_000)
     batch_lease_s: float = Field(default=10.0, gt=0)
     batch_driver: Literal["process", "loop", "off"] = "process"
+    batch_max_answer_bytes: int = Field(default=32 << 20, ge=1024)
+    batch_max_output_bytes: int = Field(default=1 << 30, ge=1024)
+    batch_max_output_ratio: float = Field(default=1000.0, gt=0)
     max_file_bytes: int = Field(default=200_000_000, ge=1, le=200_000_000)
+    upload_budget_bytes: int = Field(default=400_000_000, ge=1)
 
     @field_validator("embedding_queue", "generation_queue", "rerank_queue")
     @classmethod
     def _queue_name(cls, value: str | None) -> str | None:
         return None if value is None else check_name("name", value)
+
+    @model_validator(mode="after")
+    def _upload_budget(self) -> WebSettings:
+        if self.upload_budget_bytes < self.max_file_bytes:
+            raise ValueError(
+                f"upload_budget_bytes ({self.upload_budget_bytes}) must be at least "
+                f"max_file_bytes ({self.max_file_bytes}): a file of that size must fit"
+            )
+        return self
 
     @model_validator(mode="after")
     def _distinct_names(self) -> WebSettings:

@@ -126,10 +126,16 @@ async def run_batch(http: Any, tag: str, n: int) -> float:
 
 
 async def interactive(
-    http: Any, lanes: int, think_ms: float, until: asyncio.Future[Any] | float
+    http: Any,
+    lanes: int,
+    think_ms: float,
+    until: asyncio.Future[Any] | float,
+    *,
+    healthz: bool = False,
 ) -> list[float]:
     """Latencies (ms) of ``lanes`` interactive clients until ``until`` is done (or for
-    that many seconds)."""
+    that many seconds): ``POST /v1/embeddings`` of one text each (``healthz``: ``GET
+    /healthz``, the API's loop and a Redis PING, no model)."""
     latencies: list[float] = []
     end = time.perf_counter() + until if isinstance(until, float) else None
 
@@ -140,7 +146,11 @@ async def interactive(
         k = 0
         while going():
             start = time.perf_counter()
-            r = await http.post("/v1/embeddings", json={"model": QUEUE, "input": f"hi {i} {k}"})
+            r = await (
+                http.get("/healthz")
+                if healthz
+                else http.post("/v1/embeddings", json={"model": QUEUE, "input": f"hi {i} {k}"})
+            )
             r.raise_for_status()
             latencies.append((time.perf_counter() - start) * 1000)
             k += 1
@@ -148,6 +158,19 @@ async def interactive(
 
     await asyncio.gather(*(lane(i) for i in range(lanes)))
     return latencies
+
+
+def latencies(s: Samples, pooled: Samples, measured: dict[str, list[float]]) -> None:
+    """One repeat's latencies (ms) of each side (two: loaded, then not): pooled, and their
+    p50, p99, count, and the p99 ratio of the first side to the second."""
+    for name, values in measured.items():
+        for value in values:
+            pooled.add(name, value)
+        s.add(f"p50 {name}", percentile(values, 50))
+        s.add(f"p99 {name}", percentile(values, 99))
+        s.add(f"n {name}", len(values))
+    loaded, quiet = measured
+    s.add("p99 ratio", s.rows[f"p99 {loaded}"][-1] / s.rows[f"p99 {quiet}"][-1])
 
 
 async def one_repeat(
@@ -164,40 +187,54 @@ async def one_repeat(
         with_batch = await interactive(http, args.lanes, args.think_ms, batch)
         s.add("batch beside interactive", await batch)
         alone = await interactive(http, args.lanes, args.think_ms, time.perf_counter() - t0)
-    for name, values in (("with", with_batch), ("alone", alone)):
-        for value in values:
-            pooled.add(name, value)
-        s.add(f"p50 {name}", percentile(values, 50))
-        s.add(f"p99 {name}", percentile(values, 99))
-        s.add(f"n {name}", len(values))
+    latencies(s, pooled, {"with": with_batch, "alone": alone})
     s.add("batch / producer", s.rows["batch"][-1] / s.rows["producer"][-1])
-    s.add("p99 ratio", s.rows["p99 with"][-1] / s.rows["p99 alone"][-1])
     log(f"repeat {rep + 1}: " + ", ".join(f"{k} {v[-1]:.3g}" for k, v in s.rows.items()))
 
 
 def start(procs: Procs, args: argparse.Namespace) -> tuple[str, str]:
-    """The redis-server, a worker and the API; their URLs once all three answer."""
+    """The redis-server, a worker serving :func:`model` and the API (``args``' settings);
+    their URLs once all three answer."""
+    settings = {}
+    if args.window is not None:
+        settings["BATCHLINE_BATCH_WINDOW"] = str(args.window)
+    if args.driver is not None:
+        settings["BATCHLINE_BATCH_DRIVER"] = args.driver
+    if args.interactive_priority is not None:
+        settings["BATCHLINE_DEFAULT_PRIORITY"] = str(args.interactive_priority)
+    return start_stack(procs, args.redis_server, "benchmarks.batch_api:model", settings)
+
+
+def start_stack(
+    procs: Procs,
+    redis_server: str | None,
+    model_spec: str,
+    api_settings: dict[str, str],
+    model_env: dict[str, str] | None = None,
+) -> tuple[str, str]:
+    """A redis-server, a worker (batch 64, timeout_ms 0) serving ``model_spec`` (its
+    environment and ``model_env``), and the API with ``api_settings`` (``BATCHLINE_*``);
+    their URLs once all three answer."""
     import httpx
     import redis
 
     from batchline.keys import QueueKeys
 
-    env = child_env()
-    url, _ = start_redis(procs, env, redis_binary(args.redis_server))
+    env = child_env(model_env)
+    url, _ = start_redis(procs, env, redis_binary(redis_server))
     argv = [sys.executable, "-m", "batchline", "--log-level", "WARNING", "worker"]
-    argv += ["--redis-url", url, "--queue", QUEUE, "--model", "benchmarks.batch_api:model"]
+    argv += ["--redis-url", url, "--queue", QUEUE, "--model", model_spec]
     argv += ["--batch-size", "64", "--timeout-ms", "0", "--max-restarts-per-min", "0"]
     procs.spawn("worker", argv, env=env)
     port = free_port()
     api_env = child_env(
-        {"BATCHLINE_REDIS_URL": url, "BATCHLINE_QUEUE": QUEUE, "BATCHLINE_EMBEDDING_QUEUE": QUEUE}
+        {
+            "BATCHLINE_REDIS_URL": url,
+            "BATCHLINE_QUEUE": QUEUE,
+            "BATCHLINE_EMBEDDING_QUEUE": QUEUE,
+            **api_settings,
+        }
     )
-    if args.window is not None:
-        api_env["BATCHLINE_BATCH_WINDOW"] = str(args.window)
-    if args.driver is not None:
-        api_env["BATCHLINE_BATCH_DRIVER"] = args.driver
-    if args.interactive_priority is not None:
-        api_env["BATCHLINE_DEFAULT_PRIORITY"] = str(args.interactive_priority)
     api = [sys.executable, "-m", "uvicorn", "batchline.contrib.fastapi:create_app", "--factory"]
     procs.spawn("api", [*api, "--port", str(port), "--log-level", "warning"], env=api_env)
     base = f"http://127.0.0.1:{port}"

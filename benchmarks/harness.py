@@ -284,10 +284,12 @@ class Procs:
                 self.stop(name, timeout_s=10.0)
 
 
-def cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, all threads) a process has used; 0 if it is gone."""
+def cpu_s(pid: int, thread: int | None = None) -> float:
+    """CPU seconds (user + system, all threads, or its ``thread``) a process has used; 0 if
+    it is gone."""
     try:
-        data = Path(f"/proc/{pid}/stat").read_text()
+        where = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
+        data = Path(where).read_text()
     except OSError:
         return 0.0
     rest = data[data.rindex(")") + 2 :].split()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -36,6 +37,7 @@ __all__ = [
     "file_errors",
     "moves",
     "output_line",
+    "output_pieces",
     "parse_line",
     "request_id",
 ]
@@ -173,22 +175,39 @@ def file_errors(lines: int, duplicate: str | None) -> list[dict[str, Any]]:
     return []
 
 
-def _line(obj: dict[str, Any]) -> bytes:
+def _line(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def output_pieces(
+    custom_id: str | None, rid: str, status: int, body: dict[str, Any]
+) -> Iterator[bytes]:
+    """:func:`output_line`'s bytes, in pieces: the body's list values (or iterators: a lazy
+    list) one item at a time, so that a large answer (an embedding per item) is encoded,
+    measured and bounded as it goes rather than at once."""
+    yield _line({"id": f"batch_req_{rid}", "custom_id": custom_id})[:-1]
+    yield b',"response":' + _line({"status_code": status, "request_id": rid})[:-1] + b',"body":{'
+    for i, (name, value) in enumerate(body.items()):
+        yield (b"," if i else b"") + _line(name) + b":"
+        if isinstance(value, (list, Iterator)):
+            yield b"["
+            for j, item in enumerate(value):
+                yield (b"," if j else b"") + _line(item)
+            yield b"]"
+        else:
+            yield _line(value)
+    yield b'}},"error":null}'
 
 
 def output_line(custom_id: str | None, rid: str, status: int, body: dict[str, Any]) -> bytes:
     """A line of the output file (``status`` 200) or, for a request its route refused, of the
     error file: the response the route would have given."""
-    response = {"status_code": status, "request_id": rid, "body": body}
-    return _line(
-        {"id": f"batch_req_{rid}", "custom_id": custom_id, "response": response, "error": None}
-    )
+    return b"".join(output_pieces(custom_id, rid, status, body))
 
 
 def error_line(custom_id: str | None, rid: str, code: str, message: str) -> bytes:
     """A line of the error file for a request that got no response (a malformed line, a
-    cancelled or expired batch)."""
+    cancelled or expired batch, an answer over the output limits)."""
     error = {"code": code, "message": message}
     return _line(
         {"id": f"batch_req_{rid}", "custom_id": custom_id, "response": None, "error": error}

@@ -1,15 +1,18 @@
 """One batch driven on the queue, by the replica holding its lease: :class:`BatchRun`.
 
-It reads the input file a chunk of lines at a time, skips the lines already answered (a
-run resumed after a restart), and submits each other line as a queue request at the
-batch's priority, with at most ``window`` in the queue at once: memory stays bounded
-whatever the file's size. A line's request id comes from the file, the endpoint and its
+It reads the input file a chunk of lines at a time (as many as 16 MiB of its longest line
+allow, 512 at most), skips the lines already answered (a run resumed after a restart), and
+submits each other line as a queue request at the batch's priority, with at most ``window``
+inputs under way at once, from its submission to its answer written
+(:class:`~._batch_output.Window`): memory stays bounded whatever the file's size and
+whatever a line's. A line's request id comes from the file, the endpoint and its
 ``custom_id`` (:func:`~._batch_lines.request_id`): resubmitted after a restart, the queue
 answers it from the request it already ran or is running, never computing it twice. The
 OpenAI routes' request models turn a line's body into the queue value, and their answer
-builders turn the result into the response body. Answers are written in chunks, each chunk
-in one transaction that also marks its lines answered and counts them, and only while this
-replica holds the lease.
+builders turn the result into the response body, which is encoded a piece at a time within
+the output limits (:class:`~._batch_output.Output`). Answers are written in chunks (512 lines
+or 8 MiB at most), each chunk in one transaction that also marks its lines answered and
+counts them, and only while this replica holds the lease.
 """
 
 from __future__ import annotations
@@ -27,13 +30,8 @@ from typing import Any
 from pydantic import ValidationError
 from redis.exceptions import RedisError, WatchError
 
-from batchline.contrib._batch_lines import (
-    LineError,
-    error_line,
-    output_line,
-    parse_line,
-    request_id,
-)
+from batchline.contrib._batch_lines import Line, LineError, parse_line, request_id
+from batchline.contrib._batch_output import Encoded, Output, Window, weight
 from batchline.contrib._facts import check_dimensions
 from batchline.contrib._files import CHUNK_LINES, FileStore
 from batchline.contrib._openai import OpenAIRoutes, checked
@@ -64,6 +62,10 @@ logger = logging.getLogger(__name__)
 #: How long one wait for a line's result lasts before the result key is read (a push lost).
 _WAIT_S = 30.0
 _MAX_BACKOFF_S = 1.0
+#: Most bytes of input lines read at once (their count from the file's longest line).
+_READ_BYTES = 16 << 20
+#: Most bytes of answers written in one transaction.
+_CHUNK_BYTES = 8 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,13 +74,19 @@ class DriverOptions:
 
     Attributes:
         priority: the queue priority of a batch's requests.
-        window: most requests of one batch in the queue at once.
+        window: most inputs of one batch under way at once (:mod:`._batch_output`).
         lease_s: how long a replica's hold on a batch lasts without renewal.
+        max_answer_bytes: the largest answer of one line.
+        max_output_bytes: the most bytes of one batch's output and error files together.
+        output_ratio: the same, as a multiple of the input file's bytes.
     """
 
     priority: int = 0
     window: int = 256
     lease_s: float = 10.0
+    max_answer_bytes: int = 32 << 20
+    max_output_bytes: int = 1 << 30
+    output_ratio: float = 1000.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +129,9 @@ async def prepare(routes: OpenAIRoutes, url: str, body: dict[str, Any]) -> Prepa
             if emb.dimensions is not None:  # refused before it is queued, as the route does
                 check_dimensions(await served.facts(), emb.dimensions, served.name)
             return Prepared(
-                served.producer, emb.texts, lambda r: routes.embedding_answer(served, emb, r)
+                served.producer,
+                emb.texts,
+                lambda r: routes.embedding_answer(served, emb, r, lazy=True),
             )
         chat = url == "/v1/chat/completions"
         gen = (ChatRequest if chat else CompletionRequest).model_validate_json(raw)
@@ -142,8 +152,8 @@ async def prepare(routes: OpenAIRoutes, url: str, body: dict[str, Any]) -> Prepa
 @dataclass(frozen=True, slots=True)
 class _Answer:
     index: int
-    ok: bool
-    line: bytes
+    answer: Encoded
+    share: int  # of the window, given back once it is written
 
 
 class BatchRun:
@@ -157,9 +167,11 @@ class BatchRun:
         self.expired = False
         self._inflight: dict[str, AsyncProducer] = {}
         self._answers: asyncio.Queue[_Answer | None] = asyncio.Queue()
-        self._slots = asyncio.Semaphore(driver.options.window)
+        self._window = Window(driver.options.window)
         self._tasks: set[asyncio.Task[None]] = set()
         self._fields: dict[str, str] = {}
+        self._failure: BaseException | None = None
+        self.output: Output | None = None
 
     # -- the lease and the status --------------------------------------------------------------
 
@@ -219,10 +231,16 @@ class BatchRun:
             return
         self.cancelled = status == "cancelling"
         writer = asyncio.create_task(self._write())
+        writer.add_done_callback(lambda _: self._window.stop())
         try:
-            await self._submit_all(writer)
+            meta = await self.driver.files.get(self._fields["input_file_id"])
+            if meta is None:
+                raise _InputGone(self._fields["input_file_id"])
+            self.output = self._output(meta)
+            await self._submit_all(writer, meta)
             while self._tasks:
                 await asyncio.gather(*self._tasks)
+            self._raise_failure(writer)
         except _InputGone as exc:
             await self._stop(writer)
             await self._give_up(exc)
@@ -234,11 +252,33 @@ class BatchRun:
         await writer
         await self._finish()
 
-    async def _submit_all(self, writer: asyncio.Task[None]) -> None:
+    def _output(self, meta: dict[bytes, bytes]) -> Output:
+        """The batch's output, its limits, and what it holds already (a run resumed)."""
+        options = self.driver.options
+        return Output(
+            max_answer_bytes=options.max_answer_bytes,
+            max_output_bytes=options.max_output_bytes,
+            output_ratio=options.output_ratio,
+            input_bytes=int(meta.get(b"bytes", 0)),
+            used=sum(int(self._fields.get(f"{name}_bytes", 0)) for name in ("out", "err")),
+            full=self._fields.get("output_full") == "1",
+        )
+
+    def _raise_failure(self, writer: asyncio.Task[None]) -> None:
+        """Raise what stopped the run: a line's unexpected error, or the writer's."""
+        if self._failure is not None:
+            raise self._failure
+        if writer.done():
+            writer.result()  # it failed (the lease lost): submit nothing more
+            raise RuntimeError("the batch's writer stopped early")
+
+    async def _submit_all(self, writer: asyncio.Task[None], meta: dict[bytes, bytes]) -> None:
         total = int(self._fields["total"])
         answered = self.keys.answered(self.batch_id)
-        for start in range(0, total, CHUNK_LINES):
-            lines = await self.driver.files.lines(self._fields["input_file_id"], start, CHUNK_LINES)
+        longest = int(meta.get(b"longest") or self.driver.files.max_line_bytes)
+        count = max(1, min(CHUNK_LINES, _READ_BYTES // max(1, longest)))
+        for start in range(0, total, count):
+            lines = await self.driver.files.lines(self._fields["input_file_id"], start, count)
             if not lines:
                 raise _InputGone(self._fields["input_file_id"])
             indexes = list(range(start, start + len(lines)))
@@ -246,48 +286,60 @@ class BatchRun:
             for index, line, was in zip(indexes, lines, done, strict=True):
                 if was:
                     continue
-                await self._slots.acquire()
-                if writer.done():
-                    writer.result()  # it failed (the lease lost): submit nothing more
-                    raise RuntimeError("the batch's writer stopped early")
-                task = asyncio.create_task(self._line(index, line))
+                parsed = self._parse(line)
+                share = await self._window.take(weight(parsed, line))
+                if not share:
+                    self._raise_failure(writer)
+                    raise RuntimeError("the batch's window stopped")
+                task = asyncio.create_task(self._line(index, parsed, share))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
-    async def _line(self, index: int, raw: bytes) -> None:
+    def _parse(self, raw: bytes) -> Line | LineError:
         try:
-            await self._answers.put(await self._answer(index, raw))
-        finally:
-            self._slots.release()
+            return parse_line(raw, self._fields["endpoint"])
+        except LineError as exc:
+            return exc
 
-    async def _answer(self, index: int, raw: bytes) -> _Answer:
+    async def _line(self, index: int, parsed: Line | LineError, share: int) -> None:
+        try:
+            answer = await self._answer(index, parsed)
+        except Exception as exc:  # a bug, or Redis gone: the run stops, and resumes later
+            self._failure = self._failure or exc
+            self._window.stop()
+            return
+        await self._answers.put(_Answer(index, answer, share))
+
+    async def _answer(self, index: int, parsed: Line | LineError) -> Encoded:
         """Run one line; its answer (a line of the output file, or of the error file)."""
         file_id, endpoint = self._fields["input_file_id"], self._fields["endpoint"]
-        try:
-            line = parse_line(raw, endpoint)
-        except LineError as exc:
+        output = self.output
+        if output is None:
+            raise RuntimeError("the batch's output is not set up")
+        if isinstance(parsed, LineError):
             rid = f"{file_id}.line{index}"
-            return _Answer(index, False, error_line(exc.custom_id, rid, exc.code, exc.message))
+            return output.error(parsed.custom_id, rid, parsed.code, parsed.message)
+        line = parsed
         rid = request_id(file_id, endpoint, line.custom_id)
         try:
             if self.cancelled:
                 raise RequestCancelled(f"the batch {self.batch_id} was cancelled")
+            if output.full:
+                return output.refused(line.custom_id, rid, ran=False)
             prepared = await prepare(self.driver.routes, endpoint, line.body)
             result = await self._run(prepared, rid)
-            return _Answer(
-                index, True, output_line(line.custom_id, rid, 200, prepared.answer(result))
-            )
+            return await output.answer(line.custom_id, rid, 200, prepared.answer(result))
         except RequestCancelled:
             message = "the batch was cancelled before this request ran"
-            return _Answer(index, False, error_line(line.custom_id, rid, "cancelled", message))
+            return output.error(line.custom_id, rid, "cancelled", message)
         except RequestExpired:
             self.expired = True
             message = "the batch's completion window passed before this request ran"
-            return _Answer(index, False, error_line(line.custom_id, rid, "batch_expired", message))
+            return output.error(line.custom_id, rid, "batch_expired", message)
         except (OpenAIError, BatchlineError, ValueError) as exc:
             error = typed(exc)
             body = error_body(error.message, error.kind, param=error.param, code=error.code)
-            return _Answer(index, False, output_line(line.custom_id, rid, error.status, body))
+            return await output.answer(line.custom_id, rid, error.status, body)
 
     async def _run(self, prepared: Prepared, rid: str) -> Result:
         """Submit (waiting while the queue is full), then wait for the result: an ``ok``
@@ -352,25 +404,32 @@ class BatchRun:
         await self.guarded(fail)
 
     async def _write(self) -> None:
-        """Write the answers as they come, a chunk per transaction, until None."""
+        """Write the answers as they come, a chunk per transaction, until None; each chunk
+        written gives its lines' shares of the window back."""
         ended = False
         while not ended:
             chunk = [await self._answers.get()]
-            while not self._answers.empty() and len(chunk) < CHUNK_LINES:
-                chunk.append(self._answers.get_nowait())
+            size = len(chunk[0].answer.line) if chunk[0] is not None else 0
+            while not self._answers.empty() and len(chunk) < CHUNK_LINES and size < _CHUNK_BYTES:
+                got = self._answers.get_nowait()
+                chunk.append(got)
+                size += len(got.answer.line) if got is not None else 0
             answers = [a for a in chunk if a is not None]
             ended = len(answers) < len(chunk)
             if answers:
                 await self.guarded(functools.partial(self._record, answers=answers))
+                self._window.give(sum(a.share for a in answers))
 
     def _record(self, pipe: Any, *, answers: list[_Answer]) -> None:
         for ok, name in ((True, "out"), (False, "err")):
-            lines = [a.line for a in answers if a.ok is ok]
+            lines = [a.answer.line for a in answers if a.answer.ok is ok]
             if lines:
                 pipe.rpush(self.driver.keys.lines(self._fields[f"{name}_id"]), *lines)
                 pipe.hincrby(self.key, f"{name}_bytes", sum(len(x) + 1 for x in lines))
                 pipe.hincrby(self.key, f"{name}_lines", len(lines))
                 pipe.hincrby(self.key, "completed" if ok else "failed", len(lines))
+        if any(a.answer.full for a in answers):
+            pipe.hset(self.key, "output_full", 1)  # a run resumed runs no more lines
         pipe.sadd(self.keys.answered(self.batch_id), *[a.index for a in answers])
 
     async def _finish(self) -> None:

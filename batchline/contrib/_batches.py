@@ -32,8 +32,9 @@ from batchline.contrib._batch_run import DriverOptions
 from batchline.contrib._files import FileStore, not_found
 from batchline.contrib._openai import OpenAIRoutes
 from batchline.contrib._openai_errors import OpenAIError
+from batchline.contrib._uploads import UploadLoop
 from batchline.keys import ID_PATTERN, BatchApiKeys
-from batchline.transport._redis import connect
+from batchline.transport._redis import RedisClient, connect
 
 __all__ = ["BatchApi", "batch_object"]
 
@@ -116,14 +117,28 @@ class BatchApi:
             raise ValueError(
                 f"batch_priority must be in 0..{settings.priorities - 1}, got {web.batch_priority}"
             )
-        self.files = FileStore(
-            self.keys, max_line_bytes=web.max_body_bytes, max_file_bytes=web.max_file_bytes
-        )
         #: The largest body of an upload: the file, and room for the form around it.
         self.max_upload_bytes = web.max_file_bytes + _FORM_BYTES
+        #: That limit, and what a refusal calls it.
+        self.upload_limit = (
+            self.max_upload_bytes,
+            f"max_file_bytes={web.max_file_bytes} (with {_FORM_BYTES} bytes for its form)",
+        )
+        self.files = FileStore(
+            self.keys,
+            max_line_bytes=web.max_body_bytes,
+            max_file_bytes=web.max_file_bytes,
+            max_upload_bytes=self.max_upload_bytes,
+            upload_budget_bytes=web.upload_budget_bytes,
+        )
         self.routes = routes
         self.options = DriverOptions(
-            priority=web.batch_priority, window=web.batch_window, lease_s=web.batch_lease_s
+            priority=web.batch_priority,
+            window=web.batch_window,
+            lease_s=web.batch_lease_s,
+            max_answer_bytes=web.batch_max_answer_bytes,
+            max_output_bytes=web.batch_max_output_bytes,
+            output_ratio=web.batch_max_output_ratio,
         )
         self.driver_mode = web.batch_driver
         self._driver: BatchDriver | DriverProcess | None = None
@@ -142,26 +157,35 @@ class BatchApi:
 
     @contextlib.asynccontextmanager
     async def lifespan(self) -> AsyncIterator[None]:
-        """Open the Redis client, and run the driver (the OpenAI routes' producers open):
-        in a child process, on this loop, or not at all (``batch_driver``)."""
+        """Open the Redis client and the upload loop, and run the driver (the OpenAI
+        routes' producers open): in a child process, on this loop, or not at all
+        (``batch_driver``)."""
         redis = connect(self.settings)
         self.files.redis = redis
         try:
-            if self.driver_mode == "off":
-                yield
-            elif self.driver_mode == "loop":
-                driver = self._driver = BatchDriver(
-                    redis, self.keys, self.files, self.routes, self.options
-                )
-                async with driver.running():
-                    yield
-            else:
-                child = self._driver = DriverProcess(self.settings, self.options, self.files)
-                async with child.running():
+            async with UploadLoop(self.settings).running() as uploads:
+                self.files.uploads = uploads
+                async with self._driving(redis):
                     yield
         finally:
             self._driver = None
+            self.files.uploads = None
             await redis.aclose()
+
+    @contextlib.asynccontextmanager
+    async def _driving(self, redis: RedisClient) -> AsyncIterator[None]:
+        if self.driver_mode == "off":
+            yield
+        elif self.driver_mode == "loop":
+            driver = self._driver = BatchDriver(
+                redis, self.keys, self.files, self.routes, self.options
+            )
+            async with driver.running():
+                yield
+        else:
+            child = self._driver = DriverProcess(self.settings, self.options, self.files)
+            async with child.running():
+                yield
 
     def poke(self, batch_id: str | None = None) -> None:
         """Tell this replica's driver, if it runs one, to look for batches now."""

@@ -7,7 +7,9 @@ answered as soon as it passes the limit: the app never holds more than the limit
 sees the rest of the request as a client that went away. The answer carries ``Connection:
 close``. Its body is OpenAI's error object under ``/v1`` (``code`` ``request_too_large``) and
 the native ``{"detail"}`` elsewhere, with TGI's ``error`` and ``error_type`` beside it (the
-Hugging Face routes' shape).
+Hugging Face routes' shape). A route that bounds its own body as it reads it (an upload,
+``/v1/files``, up to ``max_file_bytes``) has its own limit for a declared size, and counts
+the rest itself.
 
 Before the connection closes, what the client still sends of its body is read and dropped
 (up to :data:`LINGER_BYTES` more, for up to :data:`LINGER_S` seconds, as a web server's
@@ -15,6 +17,15 @@ lingering close does, and until nothing came for :data:`LINGER_IDLE_S`): a socke
 unread data resets the connection, and a client still sending would then lose the 413 it had
 been sent, seeing a broken connection instead. Nothing of it is kept. A client that waits for
 ``100 Continue`` sends no body: its connection closes at once.
+
+An upload's refusal (a route with a limit of its own) reads up to the size it declared, or
+its limit when it declares none, if that is more than :data:`LINGER_BYTES`: an upload a
+little over 200 MB is read out, and answered.
+
+The same holds for any answer the app gives before it has read a request's body to its end
+(an upload refused part way, 413 or 400, or 429 before any of it is read): the answer carries
+``Connection: close``, and before its end the rest of the body is read and dropped within
+the same bounds, so that the client sees it.
 """
 
 from __future__ import annotations
@@ -56,8 +67,10 @@ class BodyLimit:
         app: the app to guard.
         max_body_bytes: the largest body accepted.
         openai_prefix: where OpenAI's API is mounted (its errors take OpenAI's shape).
-        paths: paths with a limit of their own (an upload: ``/v1/files``), instead of
-            ``max_body_bytes``.
+        paths: routes that bound their own bodies as they read them (an upload:
+            ``/v1/files``), with their limit and what a refusal names it
+            (``max_file_bytes=...``): only a declared ``Content-Length`` over it is refused
+            here; the rest is the route's (its early answers linger as any other).
         openai_paths: routes outside it whose errors take OpenAI's shape too.
     """
 
@@ -67,7 +80,7 @@ class BodyLimit:
         *,
         max_body_bytes: int,
         openai_prefix: str = "/v1",
-        paths: Mapping[str, int] | None = None,
+        paths: Mapping[str, tuple[int, str]] | None = None,
         openai_paths: tuple[str, ...] = (),
     ) -> None:
         if max_body_bytes < 1:
@@ -82,13 +95,15 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.paths.get(self._path(scope), self.max_body_bytes)
-        refusal = _Refusal(limit, openai=self._openai(scope))
+        own = self.paths.get(self._path(scope))
+        limit, name = own or (self.max_body_bytes, f"max_body_bytes={self.max_body_bytes}")
         declared = _content_length(scope)
-        if declared is not None and declared > self.max_body_bytes:
+        linger = max(LINGER_BYTES, declared or limit) if own else LINGER_BYTES
+        refusal = _Refusal(limit, name, linger, openai=self._openai(scope))
+        if declared is not None and declared > limit:
             await refusal.send(scope, receive, send, f"of {declared} bytes (Content-Length)")
             return
-        await _Counted(self.app, refusal, scope, receive, send).run()
+        await _Counted(self.app, refusal, scope, receive, send, counted=own is None).run()
 
     @staticmethod
     def _path(scope: Scope) -> str:
@@ -111,11 +126,13 @@ class _Refusal:
     """The 413 answer of one request."""
 
     max_body_bytes: int
+    name: str  # the limit as a refusal names it
+    linger_bytes: int  # the most of the rest of the body read before the connection closes
     openai: bool
 
     async def send(self, scope: Scope, receive: Receive, send: Send, size: str) -> None:
         """Answer 413 (the body's ``size`` in words)."""
-        message = f"the request body {size} exceeds max_body_bytes={self.max_body_bytes}"
+        message = f"the request body {size} exceeds {self.name}"
         body = (
             error_body(message, "invalid_request_error", code="request_too_large")
             if self.openai
@@ -125,7 +142,7 @@ class _Refusal:
         await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
         await send({"type": "http.response.body", "body": response.body, "more_body": True})
         if not _expects_continue(scope):
-            await _drain(receive)
+            await _drain(receive, self.linger_bytes)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
@@ -137,12 +154,12 @@ def _expects_continue(scope: Scope) -> bool:
     )
 
 
-async def _drain(receive: Receive) -> None:
+async def _drain(receive: Receive, max_bytes: int) -> None:
     """Read and drop the rest of a request's body: until its end, the client's going away,
-    :data:`LINGER_BYTES`, :data:`LINGER_S` seconds, or :data:`LINGER_IDLE_S` with nothing."""
+    ``max_bytes``, :data:`LINGER_S` seconds, or :data:`LINGER_IDLE_S` with nothing."""
     deadline = time.monotonic() + LINGER_S
     dropped = 0
-    while (left := deadline - time.monotonic()) > 0 and dropped <= LINGER_BYTES:
+    while (left := deadline - time.monotonic()) > 0 and dropped <= max_bytes:
         try:
             message = await asyncio.wait_for(receive(), min(left, LINGER_IDLE_S))
         except TimeoutError:
@@ -152,18 +169,40 @@ async def _drain(receive: Receive) -> None:
         dropped += len(message.get("body", b""))
 
 
+def _has_body(scope: Scope) -> bool:
+    """Whether the request has a body to read (a length above 0, or chunked)."""
+    for name, value in scope["headers"]:
+        if name.lower() == b"content-length":
+            return value.strip() not in (b"0", b"")
+        if name.lower() == b"transfer-encoding":
+            return True
+    return False
+
+
 class _Counted:
-    """One request whose body is counted as the app receives it."""
+    """One request whose body is counted as the app receives it, and whose early answer
+    lingers."""
 
     def __init__(
-        self, app: ASGIApp, refusal: _Refusal, scope: Scope, receive: Receive, send: Send
+        self,
+        app: ASGIApp,
+        refusal: _Refusal,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        *,
+        counted: bool = True,
     ) -> None:
         self.app, self.refusal, self.scope = app, refusal, scope
         self._receive, self._send = receive, send
+        self.counted = counted  # (else the app bounds the body itself)
         self.received = 0
         self.over = False  # the body passed the limit: the app gets only disconnects
         self.answered = False  # the 413 went out: whatever the app sends is dropped
         self.started = False
+        self.read = False  # the app asked for the body (a 100 Continue went out)
+        self.ended = not _has_body(scope)  # the body was read to its end (or the client left)
+        self.early = False  # the app answers before the body's end
 
     async def run(self) -> None:
         await self.app(self.scope, self.receive, self.send)
@@ -171,10 +210,13 @@ class _Counted:
     async def receive(self) -> Message:
         if self.over:
             return {"type": "http.disconnect"}
+        self.read = True
         message = await self._receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            self.ended = True
         if message["type"] == "http.request":
             self.received += len(message.get("body", b""))
-            if self.received > self.refusal.max_body_bytes:
+            if self.counted and self.received > self.refusal.max_body_bytes:
                 self.over = True
                 if not self.started:  # (an app that answers while reading cannot get one)
                     self.answered = True
@@ -188,4 +230,20 @@ class _Counted:
             return
         if message["type"] == "http.response.start":
             self.started = True
+            if not self.ended and not self.over:  # answered before the body's end
+                self.early = True
+                headers = [
+                    (k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"
+                ]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+        elif (
+            message["type"] == "http.response.body"
+            and self.early
+            and not message.get("more_body", False)
+        ):
+            # Its end: first read and drop what the client still sends (see the module).
+            await self._send({**message, "more_body": True})
+            if self.read or not _expects_continue(self.scope):
+                await _drain(self._receive, self.refusal.linger_bytes)
+            message = {"type": "http.response.body", "body": b"", "more_body": False}
         await self._send(message)

@@ -4,8 +4,10 @@ delete).
 A file is a hash (its object) and a list of its lines (:class:`~batchline.keys.BatchApiKeys`),
 so that every API replica, and one restarted, reads the same files, and a batch reads its
 input a window of lines at a time: no file is ever whole in one process. An upload is read
-as it arrives (:mod:`._multipart`), its lines appended in chunks; until it is complete its
-list expires on its own (an upload cut short leaves nothing behind for long). Only
+as it arrives, off the API's event loop (:mod:`._uploads`), its lines appended in chunks;
+until it is complete its list expires on its own (an upload cut short leaves nothing behind
+for long); the uploads one API process receives at once hold at most
+``upload_budget_bytes`` together (429 beyond, with ``Retry-After``). Only
 ``purpose=batch`` is taken (400 otherwise); an upload may set when it expires
 (``expires_after``: an hour to 30 days after it is created), else it is kept until deleted;
 a file holds at most the app's ``max_file_bytes`` (OpenAI's 200 MB; 413 beyond), each line
@@ -15,6 +17,7 @@ batches are written by the batches themselves (``purpose`` ``batch_output``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -24,19 +27,14 @@ from typing import Annotated, Any, Literal
 from fastapi import FastAPI, Path, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from batchline.contrib._batch_lines import FileScan
-from batchline.contrib._multipart import END, MultipartError, MultipartReader, PartStart, boundary
+from batchline.contrib._multipart import MultipartError, boundary
 from batchline.contrib._openai_errors import OpenAIError
+from batchline.contrib._uploads import CHUNK_LINES, FormReader, UploadBudget, UploadLoop
 from batchline.keys import ID_PATTERN, BatchApiKeys
 from batchline.transport._redis import RedisClient
 
-__all__ = ["FileStore", "not_found"]
+__all__ = ["CHUNK_LINES", "FileStore", "not_found"]
 
-#: Lines appended (and read) per Redis call.
-CHUNK_LINES = 512
-#: How long the lines of an upload under way live if it never completes.
-_UPLOAD_TTL_S = 3600
-_MAX_FIELD_BYTES = 256
 #: The range of an upload's ``expires_after[seconds]`` (OpenAI's: an hour to 30 days).
 MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 86400
 #: Most files one ``GET /v1/files`` lists (OpenAI's limit, and its default).
@@ -93,57 +91,6 @@ def _expiry(fields: dict[str, str]) -> int | None:
     return int(seconds)
 
 
-class _Upload:
-    """One upload's file part, split into lines and appended to Redis in chunks."""
-
-    def __init__(
-        self, redis: RedisClient, key: str, *, max_line_bytes: int, max_bytes: int
-    ) -> None:
-        self.redis, self.key, self.max_line_bytes = redis, key, max_line_bytes
-        self.max_bytes = max_bytes
-        self.scan = FileScan()
-        self.raw_bytes = 0
-        self._partial = b""
-        self._pending: list[bytes] = []
-
-    async def add(self, data: bytes) -> None:
-        self.raw_bytes += len(data)
-        if self.raw_bytes > self.max_bytes:
-            message = f"the file exceeds max_file_bytes={self.max_bytes}"
-            raise OpenAIError(413, message, param="file", code="file_too_large")
-        *complete, self._partial = (self._partial + data).split(b"\n")
-        if len(self._partial) > self.max_line_bytes:
-            raise self._too_long()
-        for line in complete:
-            self._line(line)
-        if len(self._pending) >= CHUNK_LINES:
-            await self.flush()
-
-    def _too_long(self) -> OpenAIError:
-        message = f"line {self.scan.lines + 1} exceeds {self.max_line_bytes} bytes"
-        return OpenAIError(400, message, param="file")
-
-    def _line(self, line: bytes) -> None:
-        line = line.rstrip(b"\r")
-        if not line.strip():
-            return  # blank lines (a last line break) hold no request
-        if len(line) > self.max_line_bytes:
-            raise self._too_long()
-        self.scan.add(line)
-        self._pending.append(line)
-
-    async def flush(self, *, last: bool = False) -> None:
-        if last and self._partial:
-            self._line(self._partial)
-            self._partial = b""
-        if self._pending:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.rpush(self.key, *self._pending)
-                pipe.expire(self.key, _UPLOAD_TTL_S)
-                await pipe.execute()
-            self._pending = []
-
-
 class FileStore:
     """The files, in Redis, and their routes.
 
@@ -151,12 +98,26 @@ class FileStore:
         keys: where they live.
         max_line_bytes: the longest line of an input file.
         max_file_bytes: the largest file.
+        max_upload_bytes: the largest body of an upload (the file and its form).
+        upload_budget_bytes: the most bytes of uploads received at once (at least
+            ``max_upload_bytes`` is taken).
     """
 
-    def __init__(self, keys: BatchApiKeys, *, max_line_bytes: int, max_file_bytes: int) -> None:
+    def __init__(
+        self,
+        keys: BatchApiKeys,
+        *,
+        max_line_bytes: int,
+        max_file_bytes: int,
+        max_upload_bytes: int | None = None,
+        upload_budget_bytes: int = 0,
+    ) -> None:
         self.keys = keys
         self.max_line_bytes, self.max_file_bytes = max_line_bytes, max_file_bytes
+        self.max_upload_bytes = max_upload_bytes or max_file_bytes
+        self.budget = UploadBudget(max(upload_budget_bytes, self.max_upload_bytes))
         self.redis: RedisClient = None  # set by the app's lifespan
+        self.uploads: UploadLoop | None = None  # set by the app's lifespan
 
     def add_routes(self, app: FastAPI) -> None:
         """``/files`` on the ``/v1`` app."""
@@ -192,87 +153,98 @@ class FileStore:
     # -- routes --------------------------------------------------------------------------------
 
     async def upload(self, request: Request) -> JSONResponse:
-        """Upload a JSONL file of requests (``purpose=batch``), read as it arrives."""
+        """Upload a JSONL file of requests (``purpose=batch``), read as it arrives, off this
+        loop (:mod:`._uploads`)."""
         try:
-            reader = MultipartReader(boundary(request.headers.get("content-type", "")))
+            bound = boundary(request.headers.get("content-type", ""))
         except MultipartError as exc:
             raise OpenAIError(400, str(exc)) from None
+        uploads = self.uploads
+        if uploads is None:
+            raise RuntimeError("the app's lifespan has not run: serve it with an ASGI server")
         file_id = f"file-{uuid.uuid4().hex[:24]}"
-        upload = _Upload(
-            self.redis,
+        form = FormReader(
+            uploads.redis,
+            bound,
             self.keys.lines(file_id),
             max_line_bytes=self.max_line_bytes,
-            max_bytes=self.max_file_bytes,
+            max_file_bytes=self.max_file_bytes,
+            max_body_bytes=self.max_upload_bytes,
         )
+        declared = request.headers.get("content-length", "")
+        taken = [0]  # the bytes of the budget this upload holds
         try:
-            fields, filename = await self._read(request, reader, upload)
-            purpose = fields.get("purpose")
-            if purpose != "batch":
-                message = (
-                    f"purpose must be 'batch' (the only files this API keeps), got {purpose!r}"
-                )
-                raise OpenAIError(400, message, param="purpose")
-            if filename is None:
-                raise OpenAIError(400, "the form has no file part", param="file")
-            ttl_s = _expiry(fields)
-            created = int(time.time())
-            expiry = {"expires_at": created + ttl_s} if ttl_s is not None else {}
-            async with self.redis.pipeline(transaction=True) as pipe:
-                self.record(
-                    pipe,
-                    file_id,
-                    {
-                        "bytes": upload.raw_bytes,
-                        "filename": filename,
-                        "purpose": "batch",
-                        "lines": upload.scan.lines,
-                        "duplicate": upload.scan.duplicate or "",
-                        "created_at": created,
-                        **expiry,
-                    },
-                )
-                if ttl_s is not None:  # the file goes on its own (its id leaves the list later)
-                    pipe.expire(self.keys.file(file_id), ttl_s)
-                    pipe.expire(self.keys.lines(file_id), ttl_s)
-                await pipe.execute()
+            if declared.isdigit():
+                self.budget.take(int(declared))  # refused before any of it is read
+                taken[0] = int(declared)
+            await self._receive(request, uploads, form, None if declared.isdigit() else taken)
+            await self._record_upload(file_id, form)
         except BaseException:
             with contextlib.suppress(Exception):
                 await self.redis.delete(self.keys.lines(file_id))
             raise
+        finally:
+            self.budget.give(taken[0])
         raw = await self.get(file_id)
         return JSONResponse(file_object(raw or {}))
 
-    @staticmethod
-    async def _read(
-        request: Request, reader: MultipartReader, upload: _Upload
-    ) -> tuple[dict[str, str], str | None]:
-        """Read the form: its small fields, and its file part into ``upload``."""
-        fields: dict[str, str] = {}
-        part: PartStart | None = None
-        filename: str | None = None
+    async def _receive(
+        self, request: Request, uploads: UploadLoop, form: FormReader, taken: list[int] | None
+    ) -> None:
+        """Hand the body to ``form`` on the upload loop, a chunk at a time (the next one
+        received while one is parsed: small hand-offs, each quick to parse, leave the
+        interpreter's lock to this loop often); ``taken``: count each chunk against the
+        budget as it comes (a body of no declared size)."""
+        pending: asyncio.Future[None] | None = None
         try:
             async for chunk in request.stream():
-                for found in reader.feed(chunk):
-                    if isinstance(found, PartStart):
-                        part = found
-                        if part.filename is not None:
-                            filename = part.filename or "upload.jsonl"
-                        else:
-                            fields[part.name] = ""
-                    elif found == END:
-                        part = None
-                    elif isinstance(found, bytes) and part is not None:
-                        if part.filename is not None and part.name == "file":
-                            await upload.add(found)
-                        elif part.filename is None:
-                            fields[part.name] += found.decode("utf-8", "replace")
-                            if len(fields[part.name]) > _MAX_FIELD_BYTES:
-                                raise OpenAIError(400, f"the field {part.name!r} is too long")
-            reader.close()
-        except MultipartError as exc:
-            raise OpenAIError(400, str(exc)) from None
-        await upload.flush(last=True)
-        return fields, filename
+                if taken is not None:
+                    self.budget.take(len(chunk))
+                    taken[0] += len(chunk)
+                if pending is not None:
+                    await pending
+                pending = uploads.submit(form.feed(chunk))
+            if pending is not None:
+                await pending
+            pending = None
+            await uploads.run(form.finish())
+        finally:
+            if pending is not None:
+                if pending.done() and not pending.cancelled():
+                    pending.exception()  # (what failed first is what is raised)
+                pending.cancel()
+
+    async def _record_upload(self, file_id: str, form: FormReader) -> None:
+        """Check the form's fields; make the file of its lines."""
+        purpose = form.fields.get("purpose")
+        if purpose != "batch":
+            message = f"purpose must be 'batch' (the only files this API keeps), got {purpose!r}"
+            raise OpenAIError(400, message, param="purpose")
+        if form.filename is None:
+            raise OpenAIError(400, "the form has no file part", param="file")
+        ttl_s = _expiry(form.fields)
+        created = int(time.time())
+        expiry = {"expires_at": created + ttl_s} if ttl_s is not None else {}
+        scan = form.lines.scan
+        async with self.redis.pipeline(transaction=True) as pipe:
+            self.record(
+                pipe,
+                file_id,
+                {
+                    "bytes": form.file_bytes,
+                    "filename": form.filename,
+                    "purpose": "batch",
+                    "lines": scan.lines,
+                    "longest": form.lines.longest,
+                    "duplicate": scan.duplicate or "",
+                    "created_at": created,
+                    **expiry,
+                },
+            )
+            if ttl_s is not None:  # the file goes on its own (its id leaves the list later)
+                pipe.expire(self.keys.file(file_id), ttl_s)
+                pipe.expire(self.keys.lines(file_id), ttl_s)
+            await pipe.execute()
 
     async def list(
         self,

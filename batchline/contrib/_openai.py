@@ -260,16 +260,18 @@ class OpenAIRoutes:
         return JSONResponse(self.embedding_answer(served, body, result))
 
     @staticmethod
-    def embedding_answer(served: Served, body: EmbeddingRequest, result: Result) -> dict[str, Any]:
+    def embedding_answer(
+        served: Served, body: EmbeddingRequest, result: Result, *, lazy: bool = False
+    ) -> dict[str, Any]:
         """The answer of an embeddings request from its ``ok`` result (the route's, and a
-        batch line's)."""
+        batch line's: ``lazy``, its ``data`` made as it is encoded)."""
         try:
             matrix = embedding_matrix(result.output, body.texts)
         except ValueError as exc:
             raise OpenAIError(500, str(exc), "server_error") from None
         if body.dimensions is not None:
             matrix = truncated(matrix, body.dimensions)
-        return embedding_body(served.name, matrix, body.encoding_format, result.tokens)
+        return embedding_body(served.name, matrix, body.encoding_format, result.tokens, lazy=lazy)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         """Complete a prompt."""

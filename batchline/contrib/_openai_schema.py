@@ -476,22 +476,30 @@ def embedding_matrix(output: Any, texts: list[str]) -> np.ndarray[Any, Any]:
 
 
 def embedding_body(
-    model: str, matrix: np.ndarray[Any, Any], encoding: Literal["float", "base64"], tokens: int
+    model: str,
+    matrix: np.ndarray[Any, Any],
+    encoding: Literal["float", "base64"],
+    tokens: int,
+    *,
+    lazy: bool = False,
 ) -> dict[str, Any]:
     """A ``list`` of ``embedding`` objects, one per row of ``matrix``. ``base64``: each
     vector's little-endian float32 bytes. ``tokens``: the input's, as the model's tokenizer
-    counted them (0: the worker did not say)."""
-    data = []
-    for i, row in enumerate(matrix):
+    counted them (0: the worker did not say). ``lazy``: ``data`` an iterator that makes each
+    object as it is read (a batch line's answer, encoded a piece at a time), not a list."""
+
+    def item(i: int, row: np.ndarray[Any, Any]) -> dict[str, Any]:
         vector: Any = (
             base64.b64encode(row.astype("<f4").tobytes()).decode()
             if encoding == "base64"
             else row.astype(float).tolist()
         )
-        data.append({"object": "embedding", "index": i, "embedding": vector})
+        return {"object": "embedding", "index": i, "embedding": vector}
+
+    data = (item(i, row) for i, row in enumerate(matrix))
     return {
         "object": "list",
-        "data": data,
+        "data": data if lazy else list(data),
         "model": model,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }

@@ -498,7 +498,7 @@ def create_app(
         else int(WebSettings.model_fields["max_body_bytes"].default)
     )
     openai_paths = RERANK_PATHS + TOKENIZE_PATHS  # outside /v1, in OpenAI's shape
-    uploads = {"/v1/files": batches.max_upload_bytes}  # read as they arrive
+    uploads = ("/v1/files",)  # an upload is read as it arrives, by its route
     # Inside BodyLimit (added later, so outside it): a body it reads is within the limit.
     app.add_middleware(BodyDepth, openai_prefix="/v1", openai_paths=openai_paths, skip=uploads)
     app.add_middleware(
@@ -506,6 +506,6 @@ def create_app(
         max_body_bytes=max_body_bytes,
         openai_prefix="/v1",
         openai_paths=openai_paths,
-        paths=uploads,
+        paths={path: batches.upload_limit for path in uploads},
     )
     return app

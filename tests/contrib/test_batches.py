@@ -401,13 +401,14 @@ def test_an_api_killed_mid_batch_resumes_it_once_restarted(
 
 
 @contextlib.contextmanager
-def api_process(env: dict[str, str]) -> Iterator[httpx.Client]:
-    """The app under uvicorn in a process of its own; SIGKILLed on leaving."""
+def api_process(env: dict[str, str], *options: str) -> Iterator[httpx.Client]:
+    """The app under uvicorn (with these ``options`` of its) in a process of its own;
+    SIGKILLed on leaving."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "uvicorn", "batchline.contrib.fastapi:create_app"]
-    command += ["--factory", "--port", str(port), "--log-level", "warning"]
+    command += ["--factory", "--port", str(port), "--log-level", "warning", *options]
     proc = subprocess.Popen(command, env=subprocess_env(env))
     http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=RESULT_TIMEOUT_S)
 

@@ -291,3 +291,46 @@ async def test_a_refused_body_is_read_and_dropped_until_its_end_or_the_linger_bo
     scope["headers"] = [*scope["headers"], (b"expect", b"100-continue")]
     sent, read = await refuse([b"x" * 25] * 4, then_stall=False)
     assert (read, sent[0]["status"], sent[-1]["more_body"]) == (0, 413, False)
+
+
+async def test_an_answer_given_before_the_body_ends_closes_after_reading_the_rest() -> None:
+    """An app that answers part way through a body (an upload refused) has its answer
+    carry ``Connection: close`` and end only once the client's body was read out; a
+    request without a body keeps its connection."""
+    from starlette.responses import JSONResponse
+
+    from batchline.contrib import _body_limit
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["method"] == "POST":
+            await receive()  # one chunk of the body, then the answer
+        await JSONResponse({"refused": True}, status_code=413)(scope, receive, send)
+
+    limit = _body_limit.BodyLimit(app, max_body_bytes=10 << 20)
+
+    async def call(method: str, chunks: int) -> tuple[list[Any], int]:
+        sent: list[Any] = []
+        read = 0
+
+        async def receive() -> dict[str, Any]:
+            nonlocal read
+            read += 1
+            return {"type": "http.request", "body": b"x" * 100, "more_body": read < chunks}
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        headers = [(b"transfer-encoding", b"chunked")] if chunks else []
+        scope = {"type": "http", "method": method, "path": "/v1/files", "headers": headers}
+        await limit(scope, receive, send)
+        return sent, read
+
+    sent, read = await call("POST", 5)
+    assert read == 5  # the rest of the body was read before the answer's end
+    assert (b"connection", b"close") in sent[0]["headers"]
+    assert b"refused" in sent[1]["body"]
+    assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+    sent, read = await call("GET", 0)
+    assert read == 0
+    assert all(k != b"connection" for k, _ in sent[0]["headers"])
+    assert len(sent) == 2  # the app's answer as it gave it
