@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from fractions import Fraction
-from math import ceil, floor
+from math import ceil, floor, isfinite
 from typing import TYPE_CHECKING, Any
 
+from batchline._json_depth import walk
 from batchline._llguidance import compile_grammar, limits, plain_error, stand_in_tokenizer
-from batchline.errors import BadGenerationParams, show_value
+from batchline.errors import BadGenerationParams, NestingTooDeep, show_value
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -48,11 +49,13 @@ _LAYOUT: JsonCompileOptions = {
 def grammar_of(response_format: Any, *, validate: bool = True) -> str | None:
     """The llguidance grammar (a JSON text) that ``response_format`` asks for; None for
     ``{"type": "text"}`` or None (unconstrained). Raises BadGenerationParams naming
-    ``response_format`` and why: an unknown type or key, a schema that is not an object,
-    or (where ``validate``) one llguidance rejects under the limits every grammar compiles
-    under (its own message)."""
+    ``response_format`` and why: lists and objects nested deeper than MAX_JSON_DEPTH, a
+    number that is not finite (which no JSON holds), an unknown type or key, a schema that
+    is not an object, or (where ``validate``) one llguidance rejects under the limits every
+    grammar compiles under (its own message)."""
     if response_format is None:
         return None
+    _check_json(response_format)
     if not isinstance(response_format, Mapping):
         raise BadGenerationParams(
             f"response_format must be an object, got {show_value(response_format)}"
@@ -84,6 +87,20 @@ def check_response_format(response_format: Any) -> str | None:
     if grammar is not None:
         compile_grammar(grammar, stand_in_tokenizer()[1])
     return grammar
+
+
+def _check_json(response_format: Any) -> None:
+    """Walk ``response_format`` without recursion: BadGenerationParams for lists and objects
+    nested deeper than MAX_JSON_DEPTH (what follows then recurses safely), or for a number
+    that is not finite (NaN, Infinity: Python's parser takes them, JSON has none)."""
+    try:
+        for node in walk(response_format, "response_format"):
+            if isinstance(node, float) and not isfinite(node):
+                raise BadGenerationParams(
+                    f"response_format holds the number {show_value(node)}, which is not JSON"
+                )
+    except NestingTooDeep as exc:
+        raise BadGenerationParams(str(exc)) from None
 
 
 def _schema(spec: Any) -> Any:
@@ -143,20 +160,34 @@ def bounded_numbers(schema: Any) -> Any:
     schema allows, so that what the grammar admits still validates against ``schema``; a
     bound that would leave nothing allowed (a ``minimum`` past the cap, a range narrower
     than the step) is not added, nor are bounds beside ``enum`` or ``const``. The input is
-    not changed."""
+    not changed; the walk keeps a stack of its own (no recursion, whatever the depth)."""
     if not isinstance(schema, dict):
         return schema  # true, false, or not a schema (llguidance says so)
-    out = {key: _walked(key, value) for key, value in schema.items()}
-    return _narrowed(out)
+    root = dict(schema)
+    todo = [root]  # subschemas copied (so that narrowing them changes no input), not yet walked
+    while todo:
+        node = todo.pop()
+        for key, value in node.items():
+            node[key] = _copied(key, value, todo)  # (no key added or removed meanwhile)
+        _narrowed(node)
+    return root
 
 
-def _walked(key: str, value: Any) -> Any:
+def _copied(key: str, value: Any, todo: list[dict[str, Any]]) -> Any:
+    """``value`` (under ``key``) with each subschema in it copied and added to ``todo``."""
+
+    def copy(item: Any) -> Any:
+        if not isinstance(item, dict):
+            return item
+        todo.append(dict(item))
+        return todo[-1]
+
     if key in _SUBSCHEMAS and isinstance(value, dict):
-        return bounded_numbers(value)
+        return copy(value)
     if key in _LISTED and isinstance(value, list):
-        return [bounded_numbers(item) for item in value]
+        return [copy(item) for item in value]
     if key in _NAMED and isinstance(value, dict):
-        return {name: bounded_numbers(item) for name, item in value.items()}
+        return {name: copy(item) for name, item in value.items()}
     return value
 
 

@@ -7,7 +7,8 @@ client may call the queue's functions (``FCALL``) and nothing that runs code of 
 (``RPUSH``, which removes nothing), count the backlog and read what the enqueue function
 decides from; it may read a result whose request id it knows and its own reply stream. It
 cannot write a work stream, the cancel stream, a result, a reply stream, a ``rid:``,
-``wait:``, ``flight:`` or cache key, nor read the work streams (where every request's id and
+``wait:``, ``flight:``, cache or job key or the counters (the admission writes those), nor
+read the work streams (where every request's id and
 reply address are), the dead-letter stream, the workers set (it may count its members
 within a score range, which a timed-out request's error reports) or the cancel stream. Workers
 admit the inbox under their own rules, deciding each element as the enqueue script would
@@ -49,22 +50,24 @@ def _producer(keys: QueueKeys) -> list[str]:
         f"~{keys.inbox}",
         f"~{keys.admitting}",
         f"~{keys.stream_prefix}*",
+        f"~{keys.job_list}",
         "+fcall",
-        # Inside the enqueue and cancel functions: append to the inbox (RPUSH cannot remove
-        # anything), and the backlog for the depth check and queue_depth().
-        f"(~{keys.inbox} +rpush)",
+        # Inside the enqueue, cancel and job functions: append to the inbox and the job list
+        # (RPUSH cannot remove anything); the backlog for the depth check and queue_depth();
+        # whether a job note (its exact bytes) still waits for the admission.
+        f"(~{keys.inbox} ~{keys.job_list} +rpush)",
         f"(%R~{keys.inbox} %R~{keys.admitting} %R~{keys.stream_prefix}* +llen +xlen)",
+        f"(%R~{keys.job_list} +lpos)",
         # Read only: results (polling), and what the enqueue function decides from (input
-        # hashes of ids, the cache, in-flight marks, the model identity).
+        # hashes of ids, the cache, in-flight marks, the model identity); the model's
+        # facts, the functions' tag, job markers. The counters and the job markers are
+        # written by the admission, under the workers' rights.
         f"(%R~{keys.result_prefix}* %R~{keys.request_input('*')} %R~{keys.cache('*')} "
-        f"%R~{keys.in_flight('*')} %R~{keys.model} %R~{keys.facts} +get)",
+        f"%R~{keys.in_flight('*')} %R~{keys.model} %R~{keys.facts} %R~{keys.functions} "
+        f"%R~{keys.job('*')} +get)",
         # Its reply stream: read it, delete what it read, and the stream when it closes.
         f"(%R~{keys.reply_prefix}* +xread)",
         f"(%W~{keys.reply_prefix}* +xdel +del)",
-        # The enqueue function's counters of the answers it gives at once.
-        f"(~{keys.once_stats} +hincrby +expire)",
-        # The web backend's markers of polled jobs.
-        f"(~{keys.job('*')} +set +get +del)",
         # How many workers are live, which a timed-out request's error says (a count: not
         # who they are).
         f"(%R~{keys.workers} +zcount)",
@@ -79,6 +82,7 @@ def _worker(keys: QueueKeys) -> list[str]:
         f"~{keys.cancels}",
         f"~{keys.inbox}",
         f"~{keys.admitting}",
+        f"~{keys.job_list}",
         f"~{keys.dead}",
         f"~{keys.workers}",
         f"~{keys.worker_stats('*')}",
@@ -91,6 +95,9 @@ def _worker(keys: QueueKeys) -> list[str]:
         f"~{keys.model}",
         f"~{keys.facts}",
         f"~{keys.once_stats}",
+        # The functions' tag it publishes; the job markers its admission writes.
+        f"~{keys.functions}",
+        f"~{keys.job('*')}",
         "+smembers",
         "+sadd",
         "+del",

@@ -82,6 +82,10 @@ class ServiceSettings(BaseSettings):
         result_ttl_s: how long a result key lives.
         redis_wait_s: at start-up (a worker, ``batchline status``), how long to retry a
             Redis that does not answer, with back-off, before giving up (0: try once).
+        max_queue_depth: most requests waiting or in progress in the queue, all priorities
+            together (0: unbounded): past it a producer's ``submit`` raises QueueFull at
+            once, and a worker answers QueueFull to a request it takes from the inbox
+            (Redis >= 7), however the inbox was written.
         cache_ttl_s: how long an ok result stays in the queue's result cache, by input (0:
             no cache; set it on producers and workers alike: producers look results up and
             coalesce identical inputs, workers fill it).
@@ -106,6 +110,7 @@ class ServiceSettings(BaseSettings):
     result_ttl_s: int = Field(default=3600, ge=1)
     redis_wait_s: float = Field(default=30.0, ge=0)
     cache_ttl_s: int = Field(default=0, ge=0)
+    max_queue_depth: int = Field(default=100_000, ge=0)
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
 
     @field_validator("queue", "prefix")
@@ -148,8 +153,6 @@ class ProducerSettings(ServiceSettings):
     """Settings of a producer.
 
     Attributes:
-        max_queue_depth: most requests waiting or in progress in the queue, all priorities
-            together; past it ``submit`` raises QueueFull (0: unbounded).
         default_priority: priority of a request that names none.
         submit_batch: most requests coalesced into one write.
         max_result_bytes: largest result accepted from Redis.
@@ -160,7 +163,6 @@ class ProducerSettings(ServiceSettings):
             else the script (docs/protocol.md, Admission).
     """
 
-    max_queue_depth: int = Field(default=100_000, ge=0)
     default_priority: int = Field(default=1, ge=0)
     submit_batch: int = Field(default=512, ge=1, le=MAX_PER_CALL)
     max_result_bytes: int = Field(default=64 << 20, ge=1)

@@ -29,6 +29,8 @@ error subclasses that builtin too::
     │                                worker handed back what it held and stopped
     ├── DecodeError (ValueError)     bytes read from Redis are not a valid batchline message
     │                                (batchline.codec; a malformed result key, say)
+    ├── NestingTooDeep (ValueError)  a value to send nests lists and objects deeper than
+    │                                MAX_JSON_DEPTH (64); nothing was sent
     └── GenerationError              a text-generation request failed
         ├── BadGenerationParams (ValueError)  invalid sampling or length parameters
         ├── PromptTooLong (ValueError)        the prompt (plus max_new_tokens) can never fit
@@ -62,6 +64,7 @@ __all__ = [
     "GenerationError",
     "InferenceError",
     "ItemTooLarge",
+    "NestingTooDeep",
     "NotReplicated",
     "PromptTooLong",
     "QueueFull",
@@ -105,6 +108,22 @@ class ItemTooLarge(BatchlineError, ValueError):
 
 class DecodeError(BatchlineError, ValueError):
     """Bytes read from Redis are not a valid batchline message."""
+
+
+class NestingTooDeep(BatchlineError, ValueError):
+    """A JSON value (a request's value to send, a body, a schema) nests its lists and
+    objects deeper than ``limit`` (``MAX_JSON_DEPTH``, docs/limits.md); nothing was sent.
+
+    Attributes:
+        limit: the most levels allowed.
+    """
+
+    def __init__(self, message: str, limit: int) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+    def __reduce__(self) -> tuple[type[NestingTooDeep], tuple[str, int]]:
+        return type(self), (str(self), self.limit)  # pickled whole (a child process's error)
 
 
 class BatchFunctionError(BatchlineError):

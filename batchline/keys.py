@@ -19,6 +19,10 @@ layout (``docs/protocol.md`` has the full protocol)::
     <prefix>:{<queue>}:model              the model identity workers publish (cache keys)
     <prefix>:{<queue>}:facts              the served model's facts workers publish (JSON)
     <prefix>:{<queue>}:once               hash: resubmit and cache counters
+    <prefix>:{<queue>}:in                 list: the inbox (Redis >= 7: the functions)
+    <prefix>:{<queue>}:admitting          list: inbox elements a worker took to admit
+    <prefix>:{<queue>}:jobs               list: job notes, which the admission makes job keys
+    <prefix>:{<queue>}:functions          the tag of the queue's functions (workers write it)
 
 The consumer group on every work stream is :data:`GROUP`.
 
@@ -219,6 +223,16 @@ class QueueKeys:
     def admitting(self) -> str:
         """The list of inbox elements a worker took to admit next."""
         return f"{self.base}:admitting"
+
+    @property
+    def job_list(self) -> str:
+        """The list of job notes producers append, whose job keys the admission writes."""
+        return f"{self.base}:jobs"
+
+    @property
+    def functions(self) -> str:
+        """The tag of the queue's functions, which workers write as they load them."""
+        return f"{self.base}:functions"
 
 
 @dataclass(frozen=True, slots=True)

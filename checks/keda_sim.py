@@ -186,7 +186,7 @@ def main() -> int:
             if time.monotonic() > deadline:
                 raise TimeoutError("redis-server did not start")
             time.sleep(0.1)
-        if not asyncio.run(_load_functions(redis_url)):
+        if not asyncio.run(_load_functions(redis_url, keys)):
             raise SystemExit("the queue's functions could not be loaded: Redis >= 7 needed")
         with Producer(redis_url=redis_url, queue=queue) as producer:
             handles = [producer.submit(i) for i in range(args.backlog)]
@@ -203,11 +203,11 @@ def main() -> int:
     return 0
 
 
-async def _load_functions(redis_url: str) -> bool:
+async def _load_functions(redis_url: str, keys: QueueKeys) -> bool:
     """Load the queue's functions as a worker does at start (False on Redis < 7)."""
     client = redis.asyncio.Redis.from_url(redis_url)
     try:
-        return await load_library(client)
+        return await load_library(client, keys)
     finally:
         await client.aclose()
 

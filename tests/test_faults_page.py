@@ -23,6 +23,7 @@ def test_the_faults_page_names_the_tests_of_each_containment_guarantee() -> None
     for module in (
         "tests/producer/test_cut_short.py",
         "tests/wire/test_forgery.py",
+        "tests/wire/test_admission_rights.py",
         "tests/e2e/test_containment.py",
         "tests/worker/test_watchdog.py",
         "tests/generation/test_rows.py",

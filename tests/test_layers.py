@@ -17,9 +17,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "batchline"
 
 # The wire format (no I/O) -> settings -> the Redis transport -> producer and worker -> what
 # is built on them. core/ (pure) -> drivers/ (in process) and generation/ beside them.
-WIRE = {"errors", "keys", "codec"}
+WIRE = {"errors", "_json_depth", "keys", "codec"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
+    "_json_depth": {"errors"},
     "core": {"errors"},
     "drivers": {"core", "errors"},
     "aio": {"drivers"},
@@ -27,10 +28,10 @@ ALLOWED: dict[str, set[str]] = {
     "__init__": {"aio", "core", "drivers", "errors", "inference"},
     "devices": set(),
     "_llguidance": {"errors"},
-    "_response_format": {"_llguidance", "errors"},
+    "_response_format": {"_json_depth", "_llguidance", "errors"},
     "generation": {"_llguidance", "_response_format", "core", "devices", "errors"},
     "keys": set(),
-    "codec": {"errors", "keys"},
+    "codec": {"_json_depth", "errors", "keys"},
     "acl": {"keys"},
     "redis_url": set(),
     "config": WIRE | {"drivers", "redis_url"},

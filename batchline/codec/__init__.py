@@ -4,7 +4,9 @@ plus raw bytes.
 A *value* (a request's input, a result's output) travels as two fields: ``meta``, UTF-8 JSON
 in which every array is replaced by ``{"$nd": [dtype, shape, offset]}``, and ``blob``, the
 arrays' bytes one after the other (C order). Strings, numbers, booleans, null, lists and
-dicts with string keys travel as JSON. Nothing is ever unpickled or evaluated: decoding is
+dicts with string keys travel as JSON (a key that starts with ``$`` with one ``$`` more in
+front), nested at most ``MAX_JSON_DEPTH`` (64) deep, a depth read in the bytes before they
+are parsed. Nothing is ever unpickled or evaluated: decoding is
 ``json.loads`` plus ``numpy.frombuffer`` over bytes already received, after checking the
 dtype against a whitelist of plain numeric types and the shape against both the bytes
 present and ``max_elements``, so a hostile header can never make the reader allocate.
@@ -39,10 +41,17 @@ from batchline.codec._results import (
     pack_result,
     unpack_result,
 )
-from batchline.codec._values import SCHEMA_VERSION, Limits, pack_value, unpack_value
+from batchline.codec._values import (
+    MAX_JSON_DEPTH,
+    SCHEMA_VERSION,
+    Limits,
+    pack_value,
+    unpack_value,
+)
 from batchline.errors import DecodeError
 
 __all__ = [
+    "MAX_JSON_DEPTH",
     "SCHEMA_VERSION",
     "DecodeError",
     "Limits",

@@ -20,6 +20,7 @@ from batchline.codec._values import (
 from batchline.errors import (
     DecodeError,
     InferenceError,
+    QueueFull,
     RequestCancelled,
     RequestExpired,
     RequestIdConflict,
@@ -84,6 +85,8 @@ class Result:
             raise RequestCancelled(f"request {self.id} was cancelled before a worker started it")
         if self.error_type == "RequestIdConflict":  # refused as it was admitted from the inbox
             raise RequestIdConflict(self.id)
+        if self.error_type == "QueueFull":  # refused as it was admitted: the queue's bound
+            raise QueueFull(f"request {self.id}: {self.error_message}")
         raise InferenceError(self.error_type or "Error", self.error_message)
 
 

@@ -12,9 +12,17 @@ from typing import Any
 
 import numpy as np
 
+from batchline._json_depth import MAX_JSON_DEPTH, deeper_than, too_deep
 from batchline.errors import DecodeError, show_value
 
-__all__ = ["SCHEMA_VERSION", "VERSION_FIELD", "Limits", "pack_value", "unpack_value"]
+__all__ = [
+    "MAX_JSON_DEPTH",
+    "SCHEMA_VERSION",
+    "VERSION_FIELD",
+    "Limits",
+    "pack_value",
+    "unpack_value",
+]
 
 SCHEMA_VERSION = 2  # 2: results as msgpack strings, one reply entry per batch
 VERSION_FIELD = str(SCHEMA_VERSION)  # as the v field of requests and results travels
@@ -33,7 +41,7 @@ class Limits:
         max_elements: most array elements in one value, all arrays together.
         max_chars: longest text in one value.
         max_items: most texts (or list entries) in one value.
-        max_depth: deepest nesting of lists and dicts.
+        max_depth: deepest nesting of lists and dicts, at most ``MAX_JSON_DEPTH`` (64).
     """
 
     max_meta_bytes: int = 1 << 20
@@ -41,7 +49,11 @@ class Limits:
     max_elements: int = 16 << 20
     max_chars: int = 100_000
     max_items: int = 4096
-    max_depth: int = 16
+    max_depth: int = MAX_JSON_DEPTH
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_depth <= MAX_JSON_DEPTH:
+            raise ValueError(f"max_depth must be in 0..{MAX_JSON_DEPTH}, got {self.max_depth!r}")
 
 
 def _as_array(value: Any) -> np.ndarray[Any, Any] | None:
@@ -57,13 +69,18 @@ def _as_array(value: Any) -> np.ndarray[Any, Any] | None:
 
 
 def pack_value(value: Any) -> tuple[bytes, bytes]:
-    """Encode a value as (JSON meta, blob); raises TypeError for what cannot travel."""
+    """Encode a value as (JSON meta, blob); raises TypeError for what cannot travel, and
+    NestingTooDeep (a ValueError) for lists and dicts nested deeper than MAX_JSON_DEPTH.
+    A dict key that starts with ``$`` is written with one ``$`` more in front (the array
+    reference ``$nd`` is the codec's own; docs/protocol.md, Values)."""
     if type(value) is str or (type(value) is list and all(type(v) is str for v in value)):
         return _ENCODER.encode(value).encode(), b""  # texts: the common case, no walk
     chunks: list[bytes] = []
     offset = 0
 
-    def walk(v: Any) -> Any:
+    def walk(v: Any, depth: int) -> Any:
+        """``depth``: the lists and dicts around ``v``. Past MAX_JSON_DEPTH the walk stops,
+        so it never recurses deeper than that (whatever holds ``value``, itself included)."""
         nonlocal offset
         array = _as_array(v)
         if array is not None:
@@ -82,20 +99,20 @@ def pack_value(value: Any) -> tuple[bytes, bytes]:
             if not math.isfinite(v):
                 raise TypeError(f"non-finite float {show_value(v)} cannot travel as JSON")
             return v
+        if isinstance(v, list | tuple | Mapping) and depth >= MAX_JSON_DEPTH:
+            raise too_deep("the value")
         if isinstance(v, list | tuple):
-            return [walk(x) for x in v]
+            return [walk(x, depth + 1) for x in v]
         if isinstance(v, Mapping):
             out: dict[str, Any] = {}
             for k, x in v.items():
-                if not isinstance(k, str) or k.startswith("$"):
-                    raise TypeError(
-                        f"dict keys must be strings not starting with '$', got {show_value(k)}"
-                    )
-                out[k] = walk(x)
+                if not isinstance(k, str):
+                    raise TypeError(f"dict keys must be strings, got {show_value(k)}")
+                out["$" + k if k[:1] == "$" else k] = walk(x, depth + 1)
             return out
         raise TypeError(f"a {type(v).__name__} cannot travel; use JSON types or numeric arrays")
 
-    meta = _ENCODER.encode(walk(value)).encode()
+    meta = _ENCODER.encode(walk(value, 0)).encode()
     return meta, b"".join(chunks)
 
 
@@ -118,11 +135,15 @@ def unpack_value(meta: bytes, blob: bytes, limits: Limits) -> Any:
         else:
             if len(text) <= limits.max_chars:
                 return text
+    # The depth, found in the bytes before the parser recurses into them (an array
+    # reference takes up levels of its own: its object, its list and its shape's list).
+    if deeper_than(meta, limits.max_depth + _REFERENCE_LEVELS):
+        raise DecodeError(f"value nests deeper than max_depth={limits.max_depth}")
     try:
         tree = _JSON.decode(meta.decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise DecodeError(f"value header is not UTF-8: {exc.reason} at byte {exc.start}") from None
-    except (ValueError, RecursionError) as exc:
+    except ValueError as exc:
         raise DecodeError(f"value header is not JSON: {exc}") from None
     if type(tree) is str and len(tree) <= limits.max_chars:
         return tree  # one text: the common case, no walk
@@ -155,16 +176,24 @@ def unpack_value(meta: bytes, blob: bytes, limits: Limits) -> Any:
                 raise DecodeError(
                     f"object of {len(v)} entries exceeds max_items={limits.max_items}"
                 )
-            for k in v:
-                if k.startswith("$"):
+            out: dict[str, Any] = {}
+            for key, x in v.items():
+                if key[:1] != "$":
+                    out[key] = walk(x, depth + 1)
+                elif key[:2] == "$$":  # a key of the value's: one "$" more in front
+                    out[key[1:]] = walk(x, depth + 1)
+                else:
                     raise DecodeError(
-                        f"object key {show_value(k)} starts with '$' "
-                        "(reserved for array references)"
+                        f"object key {show_value(key)} starts with a single '$' "
+                        "(reserved for array references; a key of the value starts '$$')"
                     )
-            return {k: walk(x, depth + 1) for k, x in v.items()}
+            return out
         return v  # None, bool, int, float
 
     return walk(tree, 0)
+
+
+_REFERENCE_LEVELS = 3  # {"$nd": [dtype, [shape], offset]}
 
 
 def _no_constant(name: str) -> Any:

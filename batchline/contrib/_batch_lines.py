@@ -5,10 +5,11 @@ An input file is JSONL, one request a line: ``{"custom_id", "method": "POST", "u
 and finding a repeated ``custom_id``); :func:`file_errors` says why a batch may not run a
 file (OpenAI's validation: an empty file, too many requests, a repeated ``custom_id``).
 :func:`parse_line` reads one line for a batch: what is wrong with a line (not JSON, an
-unknown ``url``) is that line's error (:class:`LineError`), written to the error file; the
-other lines run. :func:`output_line` and :func:`error_line` build the lines of the output
-and error files, matched to the input by ``custom_id``. :data:`NEXT` holds the statuses a
-batch may move to from each.
+unknown ``url``, lists and objects nested deeper than ``MAX_JSON_DEPTH``) is that line's
+error (:class:`LineError`), written to the error file; the other lines run.
+:func:`output_line` and :func:`error_line` build the lines of the output and error files,
+matched to the input by ``custom_id``. :data:`NEXT` holds the statuses a batch may move to
+from each.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any, Final
+
+from batchline._json_depth import loads
+from batchline.errors import NestingTooDeep
 
 __all__ = [
     "ENDPOINTS",
@@ -93,9 +97,12 @@ def _custom_id(obj: Any) -> str | None:
 
 
 def parse_line(raw: str | bytes, endpoint: str) -> Line:
-    """One line of a batch's input file (LineError if it is not a request for ``endpoint``)."""
+    """One line of a batch's input file (LineError if it is not a request for ``endpoint``;
+    ``invalid_json_line`` for one nested deeper than MAX_JSON_DEPTH, found before parsing)."""
     try:
-        obj = json.loads(raw)
+        obj = loads(raw, "the line")
+    except NestingTooDeep as exc:
+        raise LineError("invalid_json_line", str(exc)) from None
     except ValueError as exc:
         raise LineError("invalid_json_line", f"the line is not JSON: {exc}") from None
     if not isinstance(obj, dict):
@@ -144,8 +151,8 @@ class FileScan:
         if self.duplicate is not None or self.lines > MAX_FILE_LINES:
             return  # the file fails validation already: no more ids are kept
         try:
-            cid = _custom_id(json.loads(line))
-        except ValueError:
+            cid = _custom_id(loads(line, "the line"))
+        except ValueError:  # (too deep included)
             return  # this line's own error, when a batch runs it
         if cid is not None:
             if cid in self._seen:

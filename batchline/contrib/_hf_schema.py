@@ -25,6 +25,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 from batchline.contrib._common import MAX_TEXT_CHARS
 from batchline.contrib._extra_schema import MAX_RERANK_DOCUMENTS, rerank_value
 from batchline.contrib._openai_schema import MAX_EMBEDDING_INPUTS, MAX_LOGPROBS
+from batchline.errors import show_value
 
 __all__ = [
     "PARAMS",
@@ -60,8 +61,8 @@ def _no_op(*values: Any) -> Any:
 
     def check(value: Any) -> Any:
         if value not in values:
-            shown = " or ".join("null" if v is None else repr(v) for v in values)
-            raise ValueError(f"not supported by batchline (only {shown}), got {value!r}")
+            shown = " or ".join(show_value(v) for v in values)
+            raise ValueError(f"not supported by batchline (only {shown}), got {show_value(value)}")
         return value
 
     return AfterValidator(check)
@@ -75,8 +76,8 @@ class TGIParameters(_Strict):
     """TGI's ``parameters``: those batchline honours, and those it takes only at a no-op."""
 
     max_new_tokens: Annotated[int, Field(ge=1, le=_INT64_MAX)] | None = None
-    temperature: Annotated[float, Field(gt=0)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    temperature: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
     top_k: Annotated[int, Field(ge=1, le=_INT64_MAX)] | None = None
     seed: Annotated[int, Field(ge=0, le=_U64_MAX)] | None = None
     stop: Annotated[list[_Stop], Field(max_length=16)] | None = None

@@ -29,6 +29,7 @@ from batchline.errors import (
     BatchlineError,
     EnqueueUncertain,
     InferenceError,
+    NestingTooDeep,
     QueueFull,
     RequestCancelled,
     RequestTimeout,
@@ -98,6 +99,8 @@ def typed(exc: BaseException) -> OpenAIError:
         exc = translate(exc)  # (a RequestTimeout is an OSError too: a TimeoutError)
     if isinstance(exc, InferenceError):
         return _worker_error(exc)
+    if isinstance(exc, NestingTooDeep):  # a value the producer refused to send
+        return OpenAIError(400, str(exc), code="json_too_deep")
     if isinstance(exc, QueueFull):
         return OpenAIError(429, str(exc), "rate_limit_error", code="queue_full", retry=True)
     if isinstance(exc, EnqueueUncertain):  # EnqueueTimeout too: it may be queued, or not

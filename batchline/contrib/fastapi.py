@@ -27,6 +27,8 @@ shutdown; workers (``batchline worker``) do the inference. Routes:
 
 Errors: a body over ``max_body_bytes`` (2 MiB) is 413, answered before the body is read
 whole and closing the connection, on every route (:mod:`batchline.contrib._body_limit`); a
+body nesting lists and objects deeper than ``MAX_JSON_DEPTH`` (64) is 422 here and on TGI's
+routes, 400 under ``/v1``, before any route parses it (:mod:`batchline.contrib._body_depth`); a
 full queue, Redis out of memory (``maxmemory``) or unreachable is 503 with
 ``Retry-After`` (nothing was queued); a connection lost while the request was written is
 503 with ``Retry-After`` and the request's ``id`` (it may be queued); no result within
@@ -50,6 +52,7 @@ import numpy as np
 
 try:
     from fastapi import FastAPI, HTTPException, Path, Request
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise ImportError(
@@ -61,8 +64,14 @@ from redis.exceptions import RedisError
 from batchline.codec import DecodeError, Result, unpack_result
 from batchline.config import ProducerSettings, WebSettings, check_environment
 from batchline.contrib._batches import BatchApi
+from batchline.contrib._body_depth import BodyDepth
 from batchline.contrib._body_limit import BodyLimit
-from batchline.contrib._common import INPUT_ERRORS, MAX_TEXT_CHARS, RETRY_AFTER_S
+from batchline.contrib._common import (
+    INPUT_ERRORS,
+    MAX_TEXT_CHARS,
+    RETRY_AFTER_S,
+    answer_invalid_native,
+)
 from batchline.contrib._hf import HFRoutes
 from batchline.contrib._openai import OpenAIRoutes
 from batchline.contrib._openai_rerank import RERANK_PATHS, RerankRoutes
@@ -79,6 +88,7 @@ from batchline.keys import ID_PATTERN, MAX_ID_CHARS
 from batchline.producer import AsyncProducer, Handle
 from batchline.producer._failures import translate
 from batchline.producer._outcomes import cached_result
+from batchline.transport._admission import Admission
 from batchline.transport._redis import REDIS_FAILURES, RedisClient, connect
 
 __all__ = [
@@ -116,7 +126,7 @@ class EmbedRequest(BaseModel):
 
     text: _Text | None = None
     texts: Annotated[list[_Text], Field(min_length=1, max_length=MAX_TEXTS)] | None = None
-    deadline_ms: Annotated[float, Field(gt=0, le=86_400_000)] | None = None
+    deadline_ms: Annotated[float, Field(gt=0, le=86_400_000, allow_inf_nan=False)] | None = None
     priority: Annotated[int, Field(ge=0, le=15)] | None = None
 
     @model_validator(mode="after")
@@ -171,6 +181,10 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+#: What a job's key may say of its answer's shape (``EmbedRequest.kind``).
+_JOB_KINDS = ("embedding", "embeddings")
+
+
 def _kind_of(output: Any) -> str:
     """``embeddings`` for a matrix (or a list of vectors), else ``embedding``."""
     if isinstance(output, np.ndarray):
@@ -208,6 +222,8 @@ def _answer(result: Result, kind: str, *, expired_status: int) -> JSONResponse:
         "error_type": error_type,
         "error_message": result.error_message,
     }
+    if error_type == "QueueFull":  # the admission found the queue at its bound: not run
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
     return JSONResponse(body, status_code=422 if error_type in INPUT_ERRORS else 500)
 
 
@@ -256,6 +272,9 @@ class _Backend:
         self._limits = settings.limits()
         self._producer: AsyncProducer | None = None
         self._redis: RedisClient = None
+        # Job keys: written by the admission from the job function's notes (or, with the
+        # script, here), never by a raw SET under producer rights.
+        self._jobs = Admission(self.keys, settings.admission)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
@@ -320,14 +339,16 @@ class _Backend:
         """Submit without waiting; poll ``status_url`` for the result."""
         self._check_priority(body)
         request_id = uuid.uuid4().hex
-        marker = self.keys.job(request_id)
-        # The marker (written first, gone with the result's TTL) tells pending from unknown.
-        await self.redis.set(marker, body.kind, ex=self.settings.result_ttl_s)
+        handle = await self._submit(body, reply=False, request_id=request_id)
+        # Its job key (gone with the result's TTL) tells pending from unknown; until the
+        # admission writes it, the note waiting for it does (job_state).
         try:
-            await self._submit(body, reply=False, request_id=request_id)
+            await self._jobs.mark_job(
+                self.redis, request_id, body.kind, ttl_s=self.settings.result_ttl_s
+            )
         except BaseException:
             with contextlib.suppress(RedisError, OSError, BatchlineError):
-                await self.redis.delete(marker)
+                await self.producer.cancel(handle)  # nobody can poll for it
             raise
         url = request.url_for("job", request_id=request_id).path
         return JSONResponse(
@@ -338,10 +359,7 @@ class _Backend:
         self, request_id: Annotated[str, Path(pattern=ID_PATTERN, max_length=MAX_ID_CHARS)]
     ) -> JSONResponse:
         """A job's state: pending (202), its result, or unknown (404)."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.get(self.keys.result(request_id))
-            pipe.get(self.keys.job(request_id))
-            raw, marker = await pipe.execute()
+        raw, marker = await self._jobs.job_state(self.redis, request_id, _JOB_KINDS)
         if raw is None and marker is not None and self.producer.settings.cache_ttl_s > 0:
             raw = await cached_result(self.redis, self.keys, request_id)  # a cache hit's
         if raw is not None:
@@ -473,17 +491,21 @@ def create_app(
     app.add_exception_handler(ServiceUnavailable, _service_unavailable)
     app.add_exception_handler(EnqueueUncertain, _enqueue_uncertain)  # EnqueueTimeout too
     app.add_exception_handler(DecodeError, _malformed_result)
+    app.add_exception_handler(RequestValidationError, answer_invalid_native)  # NaN shown
     max_body_bytes = (
         settings.max_body_bytes
         if isinstance(settings, WebSettings)
         else int(WebSettings.model_fields["max_body_bytes"].default)
     )
     openai_paths = RERANK_PATHS + TOKENIZE_PATHS  # outside /v1, in OpenAI's shape
+    uploads = {"/v1/files": batches.max_upload_bytes}  # read as they arrive
+    # Inside BodyLimit (added later, so outside it): a body it reads is within the limit.
+    app.add_middleware(BodyDepth, openai_prefix="/v1", openai_paths=openai_paths, skip=uploads)
     app.add_middleware(
         BodyLimit,
         max_body_bytes=max_body_bytes,
         openai_prefix="/v1",
         openai_paths=openai_paths,
-        paths={"/v1/files": batches.max_upload_bytes},  # an upload is read as it arrives
+        paths=uploads,
     )
     return app

@@ -199,10 +199,13 @@ class AsyncProducer:
         reply: bool = True,
     ) -> Handle:
         """Enqueue one request; returns its handle at once (QueueFull if the queue is full).
+        A value that cannot travel is refused before anything is sent: TypeError (a type
+        JSON has no place for, a number that is not finite), NestingTooDeep (a ValueError)
+        for lists and dicts nested deeper than ``MAX_JSON_DEPTH`` (64).
 
         Args:
             value: the input: a text, a list of texts, a dict of arrays, or any JSON value
-                for a ``module:callable`` model.
+                for a ``module:callable`` model (dict keys starting with ``$`` included).
             deadline_ms: drop the request (result ``expired``) if no worker starts it within
                 this many milliseconds.
             priority: 0 (lowest) to ``priorities - 1``; default ``default_priority``.

@@ -41,7 +41,14 @@ from batchline.errors import (
     ServiceUnavailable,
 )
 from batchline.keys import QueueKeys
-from batchline.transport._redis import PASSING, REDIS_FAILURES, RedisClient, dedicated, pinned
+from batchline.transport._redis import (
+    PASSING,
+    POOL_NO_CLIENT_INFO,
+    REDIS_FAILURES,
+    RedisClient,
+    dedicated,
+    pinned,
+)
 from batchline.transport.status import LIVE_WITHIN_S, live_worker_count
 
 __all__ = [
@@ -156,9 +163,15 @@ def writer_for(client: RedisClient, *, pin: str | None = None) -> RedisClient:
             connection_class=pool.connection_class,
             max_connections=1,
             **kwargs,
+            **POOL_NO_CLIENT_INFO,
         )
     else:
-        own = ConnectionPool(connection_class=pool.connection_class, max_connections=1, **kwargs)
+        own = ConnectionPool(
+            connection_class=pool.connection_class,
+            max_connections=1,
+            **kwargs,
+            **POOL_NO_CLIENT_INFO,
+        )
     return Redis(connection_pool=own, single_connection_client=True)
 
 

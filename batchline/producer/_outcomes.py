@@ -45,13 +45,22 @@ def sent_input(fields: list[Any]) -> str:
 
 def check_input(result: Result, sent: str) -> Result:
     """``result``, if it may answer the request whose input hash is ``sent``; raises
-    DecodeError for a result computed from another input (its ``ih``). A request's waiters
-    and in-flight marks are written with producer rights, so another producer may try to
-    have one request answered with another's result (docs/protocol.md, Access control)."""
+    DecodeError for a result computed from another input (its ``ih``), and for an error
+    without ``ih`` answering a request sent with one. A request's waiters and in-flight
+    marks are written with producer rights in the script's mode, so another producer may
+    try to have one request answered with another's result; and an element appended to the
+    inbox under a request's id and reply, refused by the admission, may be answered with an
+    error that has no input to hash (docs/protocol.md, Access control)."""
     if result.input_hash and result.input_hash != sent:
         raise DecodeError(
             f"the result of request {result.id} was computed from another input (input hash "
             f"{result.input_hash}, sent {sent}): not taken"
+        )
+    if sent and not result.input_hash and result.status == "error":
+        raise DecodeError(
+            f"an error for request {result.id} without the input hash it was sent with "
+            f"({result.error_type[:64]!r}): not taken (an element someone else appended "
+            "under its id and reply, or a worker older than ih)"
         )
     return result
 

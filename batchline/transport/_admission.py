@@ -6,28 +6,42 @@ stream. ``scripts``: the enqueue script adds the entries itself, and a cancel is
 ``XADD`` (Redis 6.2, or producers that are trusted). ``auto`` calls the functions and falls
 back to the script where they are missing (Redis 6.2, or no worker of this release has
 loaded them yet), trying the functions again after a while.
+
+A polled job's key (``job:<id>``, which tells *pending* from *unknown*) is written the same
+two ways: through the job function, whose note the admission turns into the key (producer
+rights write no key but the inbox), or, with the script, by the producer itself.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any, Literal
 
+import msgpack
 from redis.exceptions import NoPermissionError, ResponseError
 
 from batchline.errors import ServiceUnavailable
 from batchline.keys import QueueKeys
 from batchline.transport._cancels import CANCELS_MAXLEN
-from batchline.transport._functions import CANCEL, ENQUEUE, function_missing
+from batchline.transport._functions import CANCEL, ENQUEUE, JOB, function_missing
 from batchline.transport._redis import RedisClient, Script
 from batchline.transport._scripts import ENQUEUE as ENQUEUE_SCRIPT
 
-__all__ = ["Admission", "AdmissionMode"]
+__all__ = ["Admission", "AdmissionMode", "job_note"]
 
 logger = logging.getLogger(__name__)
 
 AdmissionMode = Literal["auto", "functions", "scripts"]
+
+
+def job_note(request_id: str, kind: str) -> bytes:
+    """A job note as the job function appends it to the job list, byte for byte (msgpack
+    str, as Redis's cmsgpack packs it), for ``LPOS``."""
+    packed: bytes = msgpack.packb(["j", request_id, kind], use_bin_type=True)
+    return packed
+
 
 #: How long ``auto`` uses the script after finding the functions missing.
 _RETRY_FUNCTIONS_S = 10.0
@@ -47,6 +61,7 @@ class Admission:
         self._script = Script(ENQUEUE_SCRIPT)
         self._enqueue_keys = [keys.inbox, keys.admitting, *keys.streams_low_first]
         self._functions_after = 0.0  # auto: when to try the functions again
+        self._told_no_lpos = False
 
     def _functions(self) -> bool:
         if self.mode == "auto":
@@ -102,6 +117,57 @@ class Admission:
             )
             pipe.expire(self.keys.cancels, ttl_s)
             await pipe.execute()
+
+    async def mark_job(
+        self, client: RedisClient, request_id: str, kind: str, *, ttl_s: int
+    ) -> None:
+        """Mark a queued request as a polled job of ``kind``: a job note the admission
+        turns into its job key, or, with the script, the key itself (``EX ttl_s``)."""
+        if self._functions():
+            try:
+                await client.fcall(JOB, 1, self.keys.job_list, request_id, kind)
+                return
+            except ResponseError as exc:
+                self._fall_back(exc, JOB)
+        await client.set(self.keys.job(request_id), kind, ex=ttl_s)
+
+    async def job_state(
+        self, client: RedisClient, request_id: str, kinds: Iterable[str]
+    ) -> tuple[bytes | None, bytes | None]:
+        """A polled job's result (its result key's bytes) and kind (its job key's, or that
+        of its job note while the note waits for the admission), each None where absent."""
+        keys = self.keys
+        async with client.pipeline(transaction=False) as pipe:
+            pipe.get(keys.result(request_id))
+            pipe.get(keys.job(request_id))
+            raw, kind = await pipe.execute()
+        if raw is not None or kind is not None:
+            return raw, kind
+        notes = {job_note(request_id, k): k for k in kinds}
+        # The job list, then the job key: a note admitted between the two looks is found
+        # by the second.
+        try:
+            async with client.pipeline(transaction=False) as pipe:
+                for note in notes:
+                    pipe.lpos(keys.job_list, note)
+                pipe.get(keys.job(request_id))
+                pipe.get(keys.result(request_id))
+                *found, kind, raw = await pipe.execute()
+        except NoPermissionError as exc:  # producer rules of an earlier release
+            if not self._told_no_lpos:
+                self._told_no_lpos = True
+                logger.warning(
+                    "queue %r: may not look for job notes in the job list (add the rules "
+                    "`batchline acl` prints): a job reads unknown until a worker admits it: %s",
+                    keys.queue,
+                    exc,
+                )
+            return None, None
+        if kind is None:
+            places = zip(notes.values(), found, strict=True)
+            waiting = [k for k, at in places if at is not None]  # LPOS: an index, or None
+            kind = waiting[0].encode() if waiting else None
+        return raw, kind
 
     async def depth(self, client: RedisClient) -> int:
         """Requests waiting or in progress: the work streams, the inbox and the admission

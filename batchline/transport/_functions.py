@@ -12,7 +12,13 @@ decision, the checks and the replies with the scripts (:mod:`._lua`).
 Every worker loads the library at start (``FUNCTION LOAD REPLACE``, on every primary of a
 cluster) and again when a call finds it missing. Its name and its functions' names end in a
 tag, the first 12 hex digits of the SHA-1 of its code: workers of one release load the same
-library, two releases load two, side by side.
+library, two releases load two, side by side. The worker writes the tag to the queue's key
+``functions``, where producers written in other languages read it.
+
+Producer rights write nothing but the inbox, so what else a producer's call leads to is
+written by the admission: the counters of the answers the enqueue function gave at once (a
+note each, counted as the admission decides it again), the job keys (a job note each, on a
+list of its own), and the queue's depth bound holds there, from the worker's settings.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import logging
 
 from redis.exceptions import NoPermissionError, ResponseError
 
+from batchline.keys import QueueKeys
 from batchline.transport._lua import EACH, MAX_PER_CALL, ONCE, REPLIES, VALIDATE
 from batchline.transport._redis import RedisClient
 
@@ -29,6 +36,7 @@ __all__ = [
     "ADMIT",
     "CANCEL",
     "ENQUEUE",
+    "JOB",
     "LIBRARY",
     "TAG",
     "function_missing",
@@ -45,7 +53,9 @@ _BODY = (
     + f"local MAX_PER_CALL = {MAX_PER_CALL}\n"
     + r"""
 -- Producers. KEYS: the inbox, the admission list, the work streams (priority 0 first).
--- ARGV: as the enqueue script's full call, then the largest request in bytes (0: any).
+-- ARGV: as the enqueue script's full call, then the largest request in bytes (0: any). It
+-- writes nothing but the inbox: an answer given at once goes there as a note, which the
+-- admission counts (the counters are not the producers' to write).
 local function enqueue(keys, args)
   local inbox, admitting = keys[1], keys[2]
   local priorities = #keys - 2
@@ -72,9 +82,8 @@ local function enqueue(keys, args)
     local h = input_hash(meta, blob)
     local kind, a, b = decide(id, h, dl, false)
     if kind == 'conflict' or kind == 'result' or kind == 'cached' then
-      count(COUNTER[kind])
       out[i] = kind == 'conflict' and {kind} or {kind, a}
-      if kind == 'cached' then elements[#elements + 1] = cmsgpack.pack({'h', id, h, b}) end
+      elements[#elements + 1] = cmsgpack.pack({'h', id, h, kind == 'cached' and b or ''})
       return
     end
     if kind == 'new' and max_depth > 0 and depth >= max_depth then
@@ -94,7 +103,6 @@ local function enqueue(keys, args)
   for i = 1, #elements, 1000 do  -- unpack() takes a few thousand values at most
     redis.call('RPUSH', inbox, unpack(elements, i, math.min(i + 999, #elements)))
   end
-  end_once()
   return out
 end
 
@@ -111,18 +119,47 @@ local function cancel(keys, args)
   return #elements
 end
 
+-- Producers. KEYS: the job list. ARGV: request id, kind, request id, kind, ...: each pair a
+-- job note, whose job key the admission writes (the job keys are not the producers' to
+-- write). Not the inbox: a note is no request, to count in the queue's depth.
+local function jobs(keys, args)
+  if #args % 2 ~= 0 or #args > 2 * MAX_PER_CALL then
+    return redis.error_reply('request ids and kinds, at most ' .. MAX_PER_CALL .. ' pairs')
+  end
+  local elements = {}
+  for i = 1, #args, 2 do
+    if is_name(args[i]) and is_name(args[i + 1]) then
+      elements[#elements + 1] = cmsgpack.pack({'j', args[i], args[i + 1]})
+    end
+  end
+  if #elements > 0 then redis.call('RPUSH', keys[1], unpack(elements)) end
+  return #elements
+end
+
 -- Workers. KEYS: the admission list, the inbox, the dead-letter stream, the cancel stream,
--- the work streams (priority 0 first). ARGV: most inbox elements to take; the worker's id;
--- arguments 3 to 11 as the enqueue script's; the reply-stream prefix; the caps of reply
--- streams, of the dead-letter stream and of the cancel stream (MAXLEN ~); the largest
--- request in bytes. Returns {elements admitted, elements left in the inbox}.
+-- the job list, the work streams (priority 0 first). ARGV: most inbox elements to take; the
+-- worker's id; arguments 3 to 11 as the enqueue script's; the reply-stream prefix; the caps
+-- of reply streams, of the dead-letter stream and of the cancel stream (MAXLEN ~); the
+-- largest request in bytes; the queue's depth bound (0: none: the worker's own setting,
+-- never a producer's argument); the job-key prefix. Returns {elements admitted, elements left in
+-- the inbox and the job list, requests refused for the depth, errors withheld}.
 local function admit(keys, args)
-  local admitting, inbox, dead, cancels = keys[1], keys[2], keys[3], keys[4]
-  local priorities = #keys - 4
+  local admitting, inbox, dead, cancels, job_list = keys[1], keys[2], keys[3], keys[4], keys[5]
+  local priorities = #keys - 5
   local most, worker = tonumber(args[1]), args[2]
   local reply_prefix, reply_maxlen = args[12], args[13]
   local dead_maxlen, cancels_maxlen, max_bytes = args[14], args[15], tonumber(args[16])
+  local max_depth, job_prefix = tonumber(args[17]), args[18]
   begin_once(args)
+  local depth, full, withheld = nil, 0, 0
+  local function room()  -- whether the work streams hold fewer than max_depth entries
+    if max_depth <= 0 then return true end
+    if not depth then
+      depth = 0
+      for i = 6, #keys do depth = depth + redis.call('XLEN', keys[i]) end
+    end
+    return depth < max_depth
+  end
   local function refuse(why, size, id, reply, meta, blob)
     local fields = {'reason', 'MalformedRequest: inbox element refused: ' .. why,
       'size', size, 'inbox', '1', 'worker', worker}
@@ -134,11 +171,28 @@ local function admit(keys, args)
       fields[#fields + 1] = 'reply'
       fields[#fields + 1] = reply
     end
+    -- Not to an id that belongs to a request already: there the error could only fail
+    -- whoever waits for that request (an element appended under its id and reply).
+    local answer = id and reply and reply ~= ''
+    if answer and redis.call('EXISTS', rid .. id) == 1 then
+      answer = false
+      withheld = withheld + 1
+      fields[#fields + 1] = 'withheld'
+      fields[#fields + 1] = '1'
+    end
     redis.call('XADD', dead, 'MAXLEN', '~', dead_maxlen, '*', unpack(fields))
-    if id and reply and reply ~= '' then
+    if answer then
       local h = meta and input_hash(meta, blob or '') or ''
       push(reply, error_result(id, 'MalformedRequest', 'malformed request: ' .. why, h))
     end
+  end
+  local function no_room(id, reply, h)  -- refused for the depth: as if cut short
+    local result = error_result(id, 'QueueFull', 'the queue holds max_queue_depth='
+      .. max_depth .. ' requests: not admitted', h)
+    redis.call('SET', res .. id, result, 'EX', ttl)
+    redis.call('SET', rid .. id, h .. ' !', 'EX', ttl)
+    if reply ~= '' then push(reply, result) end
+    full = full + 1
   end
   local function request(e, size)
     local prio = e[2]
@@ -170,6 +224,10 @@ local function admit(keys, args)
       end
       return
     end
+    if not room() then
+      no_room(id, reply, h)
+      return
+    end
     if c then redis.call('DEL', res .. id) end  -- its answer was cut short: it runs again
     local fields = {unpack(e, 3, #e)}
     if a then
@@ -178,8 +236,9 @@ local function admit(keys, args)
       if not dl then redis.call('SET', flight .. a, id, 'EX', ttl) end
       count('miss')
     end
-    local entry = redis.call('XADD', keys[5 + prio], '*', unpack(fields))
+    local entry = redis.call('XADD', keys[6 + prio], '*', unpack(fields))
     redis.call('SET', rid .. id, h .. ' @' .. entry, 'EX', ttl)
+    depth = depth and depth + 1
   end
   local function cancelled(id)
     redis.call('XADD', cancels, 'MAXLEN', '~', cancels_maxlen, '*', 'id', id)
@@ -191,11 +250,29 @@ local function admit(keys, args)
       redis.call('SET', rid .. id, string.sub(known, 1, 40) .. ' !', 'KEEPTTL')
     end
   end
-  local function noted(id, h, key)  -- a cache hit answered by the enqueue function
+  local function noted(id, h, key)  -- an answer the enqueue function gave at once
+    if key == '' then  -- a stored result or a conflict: counted as it is decided now
+      local kind = decide(id, h, nil, false)
+      if kind == 'conflict' or kind == 'result' then count(COUNTER[kind]) end
+      return
+    end
     local m = redis.call('GET', model_key)
     if m and key == redis.sha1hex(m .. '\n' .. h) and redis.call('EXISTS', cache .. key) == 1
-        and not redis.call('GET', rid .. id) then
-      redis.call('SET', rid .. id, h .. ' =' .. key, 'EX', math.min(ttl, cache_ttl))
+    then
+      count('hit')
+      if not redis.call('GET', rid .. id) then
+        local link_ttl = cache_ttl > 0 and math.min(ttl, cache_ttl) or ttl
+        redis.call('SET', rid .. id, h .. ' =' .. key, 'EX', link_ttl)
+      end
+    end
+  end
+  local function marked(element)  -- a job note: its job key, a name long, expiring
+    local ok, e = pcall(cmsgpack.unpack, element)
+    if ok and type(e) == 'table' and e[1] == 'j' and is_name(e[2]) and is_name(e[3])
+        and #e == 3 then
+      redis.call('SET', job_prefix .. e[2], e[3], 'NX', 'EX', ttl)
+    else
+      refuse('in the job list: not a job note', #element)
     end
   end
   local function one(element)
@@ -225,9 +302,11 @@ local function admit(keys, args)
       admitted = admitted + #taken
     end
   end
+  for _, element in ipairs(redis.call('LPOP', job_list, 1000) or {}) do marked(element) end
   end_once()
   send_replies(reply_prefix, reply_maxlen, ttl)
-  return {admitted, redis.call('LLEN', inbox)}
+  local left = redis.call('LLEN', inbox) + redis.call('LLEN', job_list)
+  return {admitted, left, full, withheld}
 end
 """
 )
@@ -236,12 +315,14 @@ end
 TAG = hashlib.sha1(_BODY.encode(), usedforsecurity=False).hexdigest()[:12]
 ENQUEUE = f"batchline_enqueue_{TAG}"
 CANCEL = f"batchline_cancel_{TAG}"
+JOB = f"batchline_job_{TAG}"
 ADMIT = f"batchline_admit_{TAG}"
 LIBRARY = (
     f"#!lua name=batchline_{TAG}\n"
     + _BODY
     + f"redis.register_function('{ENQUEUE}', enqueue)\n"
     + f"redis.register_function('{CANCEL}', cancel)\n"
+    + f"redis.register_function('{JOB}', jobs)\n"
     + f"redis.register_function('{ADMIT}', admit)\n"
 )
 
@@ -255,9 +336,10 @@ def function_missing(exc: BaseException) -> bool:
     )
 
 
-async def load_library(client: RedisClient) -> bool:
-    """Load the library (``FUNCTION LOAD REPLACE``): True once loaded; False where the
-    server has no functions (Redis < 7) or this user may not load them (logged)."""
+async def load_library(client: RedisClient, keys: QueueKeys) -> bool:
+    """Load the library (``FUNCTION LOAD REPLACE``) and write its tag where producers read
+    it (``keys.functions``): True once loaded; False where the server has no functions
+    (Redis < 7) or this user may not load them (logged)."""
     try:
         await client.function_load(LIBRARY, replace=True)
     except NoPermissionError as exc:
@@ -273,4 +355,14 @@ async def load_library(client: RedisClient) -> bool:
             logger.info("Redis has no functions (< 7): producers enqueue with the script")
             return False
         raise
+    try:
+        await client.set(keys.functions, TAG)
+    except NoPermissionError as exc:
+        logger.warning(
+            "this worker may not write the functions' tag to %s (an ACL from before it: "
+            "`batchline acl` prints the rules): producers other than batchline's cannot "
+            "learn it: %s",
+            keys.functions,
+            exc,
+        )
     return True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import re
 import time
@@ -30,6 +31,8 @@ from batchline.redis_url import is_sentinel_url, parse_sentinel_url
 from batchline.transport._sentinel import sentinel_client
 
 __all__ = [
+    "NO_CLIENT_INFO",
+    "POOL_NO_CLIENT_INFO",
     "REDIS_FAILURES",
     "Backoff",
     "RedisClient",
@@ -110,15 +113,41 @@ class _Cluster(RedisCluster):
         return slot
 
 
+def _no_client_info() -> dict[str, Any]:
+    """The arguments that keep a redis-py client from sending a ``CLIENT`` command as each
+    connection opens, which the ACL rules of docs/protocol.md do not allow (Redis 6.2, and
+    7.2 and later, record every refusal in ``ACL LOG``): ``CLIENT SETINFO`` (off with
+    ``driver_info=None`` from redis-py 8, ``lib_name`` and ``lib_version`` before it, which
+    redis-py 8 warns of) and redis-py 8's ``CLIENT MAINT_NOTIFICATIONS`` (with RESP3)."""
+    params = inspect.signature(Redis.__init__).parameters
+    if "driver_info" in params:
+        quiet: dict[str, Any] = {"driver_info": None}
+    else:
+        quiet = {"lib_name": None, "lib_version": None}
+    if "maint_notifications_config" in params:
+        from redis.maint_notifications import MaintNotificationsConfig  # redis-py >= 7
+
+        quiet["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
+    return quiet
+
+
+#: redis-py client arguments: no ``CLIENT`` command on connect (:func:`_no_client_info`).
+NO_CLIENT_INFO = _no_client_info()
+#: The same for a connection pool made from another's ``connection_kwargs`` (which carry the
+#: rest): the maintenance notifications are the pool's own argument.
+POOL_NO_CLIENT_INFO = {k: v for k, v in NO_CLIENT_INFO.items() if k == "maint_notifications_config"}
+
+
 def connect(settings: ServiceSettings) -> RedisClient:
     """An asyncio Redis (or Redis Cluster) client for ``settings.redis_url``, or one of the
-    primary its sentinels name (a ``redis+sentinel://`` URL); bytes replies."""
+    primary its sentinels name (a ``redis+sentinel://`` URL); bytes replies. Its
+    connections send nothing the ACL rules of docs/protocol.md refuse (:data:`NO_CLIENT_INFO`)."""
     url = settings.redis_url.get_secret_value()
     if settings.redis_cluster:
-        return _Cluster.from_url(url)
+        return _Cluster.from_url(url, **NO_CLIENT_INFO)
     if is_sentinel_url(url):
-        return sentinel_client(url, health_check_interval=30)
-    return Redis.from_url(url, health_check_interval=30)
+        return sentinel_client(url, health_check_interval=30, **NO_CLIENT_INFO)
+    return Redis.from_url(url, health_check_interval=30, **NO_CLIENT_INFO)
 
 
 async def wait_for_redis(client: RedisClient, settings: ServiceSettings, *, wait_s: float) -> None:
@@ -205,7 +234,10 @@ class _Pinned:
                 raise RedisConnectionError(f"no node of the cluster holds {self._key!r}")
             # Two: the single connection of the writes and WAIT, and one for a pipeline.
             pool = ConnectionPool(
-                connection_class=node.connection_class, max_connections=2, **node.connection_kwargs
+                connection_class=node.connection_class,
+                max_connections=2,
+                **node.connection_kwargs,
+                **POOL_NO_CLIENT_INFO,
             )
             self._client = Redis(connection_pool=pool, single_connection_client=True)
         return self._client

@@ -353,7 +353,7 @@ class Worker:
         )
         self._prep.start()
         await ensure_groups(self._redis, self._streams_low_first)
-        self._admits = await load_library(self._redis)
+        self._admits = await load_library(self._redis, self.keys)
         await self._cache.publish(self._redis)
         self._facts.load(self.model)
         await self._facts.publish(self._redis)

@@ -1,5 +1,6 @@
 """The FastAPI backend under the producer ACL user (batchline.acl), a worker under the worker
-user: embedding, a polled job (its marker key), the health check. Redis >= 7 (else skipped)."""
+user: embedding, polled jobs (pending before any worker runs, by the note the admission
+turns into its job key), the health check. Redis >= 7 (else skipped)."""
 
 from __future__ import annotations
 
@@ -32,12 +33,22 @@ def test_the_web_backend_as_the_producer_user(
     users = _acl_users(admin, redis_url, keys, tag)
     started: list[WorkerThread] = []
     try:
-        started.append(start_worker(MODEL, redis_url=users["worker"][0]))
         app = create_app(
             ProducerSettings(redis_url=SecretStr(users["producer"][0]), queue=keys.queue),
             timeout_s=RESULT_TIMEOUT_S,
         )
         client = serve(app)
+        # No worker yet (a queue scaled to zero): the job is pending by its note on the job
+        # list, which the producer user may look for but not take; a worker's admission
+        # makes its key, which expires with the results.
+        early = submit_job(client, {"text": "before any worker"})
+        response = client.get(early)
+        assert (response.status_code, response.json()["status"]) == (202, "pending")
+        assert admin.keys(keys.job("*")) == []
+        started.append(start_worker(MODEL, redis_url=users["worker"][0]))
+        response = poll_job(client, early)
+        assert response.status_code == 200, response.text
+        assert 0 < admin.ttl(keys.job(early.rsplit("/", 1)[1])) <= 3600
         response = client.post("/embed", json={"text": "hello"})
         assert response.status_code == 200, response.text
         assert response.json()["embedding"] == vector("hello")

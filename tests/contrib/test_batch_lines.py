@@ -60,6 +60,21 @@ def test_a_bad_line_is_that_lines_error(raw: str, code: str, custom_id: str | No
     assert (caught.value.code, caught.value.custom_id) == (code, custom_id)
 
 
+@pytest.mark.parametrize("depth", [65, 50_000])
+def test_a_line_nested_too_deep_is_its_own_invalid_json_line(depth: int) -> None:
+    deep = line(body={"model": "m", "input": "x"}).replace('"x"', "[" * depth + "]" * depth)
+    with pytest.raises(LineError) as caught:
+        parse_line(deep, EMB)
+    assert (caught.value.code, caught.value.custom_id) == ("invalid_json_line", None)
+    assert "MAX_JSON_DEPTH=64" in caught.value.message
+    scan = FileScan()  # uploading it counts it: its error comes when a batch runs it
+    for raw in (line(custom_id="a"), deep, line(custom_id="b")):
+        scan.add(raw.encode())
+    assert (scan.lines, scan.duplicate) == (3, None)
+    at_limit = line(body={"model": "m", "input": "x"}).replace('"x"', "[" * 62 + "]" * 62)
+    assert parse_line(at_limit, EMB).body["input"] == json.loads("[" * 62 + "]" * 62)
+
+
 def test_request_ids_are_names_and_depend_on_file_endpoint_and_custom_id() -> None:
     rid = request_id("file-abc", EMB, "line one / ü")
     assert is_name(rid)

@@ -33,11 +33,12 @@ from batchline.keys import BatchApiKeys, QueueKeys
 from .test_fastapi import Serve, serve
 from .test_openai import client_for
 from tests.support import batch_models
-from tests.support.schemas import HUGE_PATTERN, json_schema
+from tests.support.schemas import DEFS_SCHEMAS, HUGE_PATTERN, SEED, json_schema, json_schema_format
 from tests.support.service import (
     RESULT_TIMEOUT_S,
     START_TIMEOUT_S,
     WorkerThread,
+    spec,
     stop_all,
     subprocess_env,
     wait_until,
@@ -494,6 +495,56 @@ def test_chat_and_completion_batches_answer_as_the_routes_do(
             400,
             "response_format",
         )
+
+
+@pytest.mark.slow
+def test_defs_schemas_run_and_a_line_nested_too_deep_is_that_lines_error(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    start_worker: Callable[..., WorkerThread],
+    queue: str,
+) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    gen_queue = f"{queue}-gen"
+    start_worker("generate", model_path=spec("tiny_llama_chars"), queue=gen_queue, prefix=queue)
+    client = client_for(serve(make_app(embedding_queue=None, generation_queue=gen_queue)))
+    endpoint = "/v1/chat/completions"
+
+    def chat(custom_id: str, **body: Any) -> dict[str, Any]:
+        body = {"model": gen_queue, "messages": CHAT, "max_tokens": 200, **body}
+        return {"custom_id": custom_id, "method": "POST", "url": endpoint, "body": body}
+
+    sampled = {"temperature": 1.0, "seed": SEED}
+    lines: list[Any] = [
+        chat(name, response_format=json_schema_format(name), **sampled) for name in DEFS_SCHEMAS
+    ]
+    lines.append(b"[" * 50_000 + b"]" * 50_000)  # one line of the file: its own error
+    deep = chat("deep", response_format=json_schema_format("recursive"))
+    schema = deep["body"]["response_format"]["json_schema"]["schema"]
+    for _ in range(60):
+        schema = {"type": "array", "items": schema}
+    deep["body"]["response_format"]["json_schema"]["schema"] = schema
+    lines.append(deep)  # its line is too deep too, though its custom_id is readable
+    file = upload(client, jsonl(lines))  # no 500: the upload only counts the lines
+    batch = client.batches.create(
+        input_file_id=file.id,
+        endpoint=endpoint,  # type: ignore[arg-type]
+        completion_window="24h",
+    )
+    done = finished(client, batch.id)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == (
+        "completed",
+        len(DEFS_SCHEMAS),
+        2,
+    )
+    out = file_lines(client, done.output_file_id)
+    for name, want in DEFS_SCHEMAS.items():
+        choice = out[name]["response"]["body"]["choices"][0]
+        assert choice["finish_reason"] == "stop", (name, choice)
+        jsonschema.validate(json.loads(choice["message"]["content"]), want)
+    errors = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
+    assert [e["error"]["code"] for e in errors] == ["invalid_json_line"] * 2
+    assert all("MAX_JSON_DEPTH=64" in e["error"]["message"] for e in errors)
 
 
 @pytest.mark.slow

@@ -13,7 +13,14 @@ import pytest
 
 from .test_fastapi import Serve, serve
 from .test_openai import MakeApp, client_for, make_app
-from tests.support.schemas import HUGE_PATTERN, LAZY, TREE, json_schema
+from tests.support.schemas import (
+    DEFS_SCHEMAS,
+    HUGE_PATTERN,
+    LAZY,
+    SEED,
+    json_schema,
+    json_schema_format,
+)
 from tests.support.service import WorkerThread, spec
 
 openai = pytest.importorskip("openai")
@@ -89,6 +96,52 @@ def test_response_format_through_redis_and_a_worker(
 
 
 @pytest.mark.slow
+def test_schemas_with_defs_and_refs_recursive_ones_included(
+    make_app: MakeApp,  # noqa: F811
+    serve: Serve,  # noqa: F811
+    start_worker: Callable[..., WorkerThread],
+    gen_queue: str,
+) -> None:
+    """``$defs`` and ``$ref`` (keys that start with ``$``) reach the worker as sent: each
+    answer is complete and valid, on both routes."""
+    start_worker("generate", model_path=spec("tiny_llama_chars"), queue=gen_queue)
+    client = client_for(serve(make_app()))
+    for name, schema in DEFS_SCHEMAS.items():
+        fmt: Any = json_schema_format(name)
+        answer = client.chat.completions.create(
+            model=gen_queue,
+            messages=CHAT,
+            max_tokens=200,
+            temperature=1.0,
+            seed=SEED,
+            response_format=fmt,
+        )
+        assert answer.choices[0].finish_reason == "stop", (name, answer)
+        jsonschema.validate(json.loads(answer.choices[0].message.content or ""), schema)
+        completion = client.completions.create(
+            model=gen_queue,
+            prompt="{",
+            max_tokens=200,
+            temperature=1.0,
+            seed=SEED,
+            extra_body={"response_format": fmt},
+        )
+        assert completion.choices[0].finish_reason == "stop", (name, completion)
+        jsonschema.validate(json.loads(completion.choices[0].text), schema)
+    # Greedy, the list recurses through its $ref until the token limit: the grammar follows it.
+    deep = client.chat.completions.create(
+        model=gen_queue,
+        messages=CHAT,
+        max_tokens=60,
+        response_format=json_schema_format("recursive"),  # type: ignore[arg-type]
+    )
+    assert deep.choices[0].finish_reason == "length"
+    content = deep.choices[0].message.content or ""
+    assert content.count('"next": {"v": ') >= 3
+    jsonschema.validate(json.loads(content), DEFS_SCHEMAS["recursive"])  # closed as it ran out
+
+
+@pytest.mark.slow
 def test_a_bad_schema_is_a_400_and_the_requests_beside_it_are_answered(
     make_app: MakeApp,  # noqa: F811
     serve: Serve,  # noqa: F811
@@ -133,18 +186,3 @@ def test_a_bad_schema_is_a_400_and_the_requests_beside_it_are_answered(
         assert "response_format" in str(error)
     alone = client.chat.completions.create(model=gen_queue, messages=CHAT, max_tokens=30)
     assert (text, reason) == (alone.choices[0].message.content, alone.choices[0].finish_reason)
-
-
-@pytest.mark.slow
-def test_a_schema_with_defs_is_answered_over_http(
-    make_app: MakeApp,  # noqa: F811
-    serve: Serve,  # noqa: F811
-    start_worker: Callable[..., WorkerThread],
-    gen_queue: str,
-) -> None:
-    start_worker("generate", model_path=spec("tiny_llama_chars"), queue=gen_queue)
-    client = client_for(serve(make_app()))
-    answer = client.chat.completions.create(
-        model=gen_queue, messages=CHAT, max_tokens=60, response_format=json_schema(TREE)
-    )
-    jsonschema.validate(json.loads(answer.choices[0].message.content or ""), TREE)

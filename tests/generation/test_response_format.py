@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 from typing import Any
 
@@ -101,6 +102,49 @@ def test_a_bound_past_the_cap_leaves_the_other_side_open_and_a_thin_range_keeps_
     # Draft 4: a boolean exclusiveMaximum makes maximum exclusive.
     draft4 = {"type": "number", "minimum": 0, "maximum": 0.5, "exclusiveMaximum": True}
     assert bounded_numbers(draft4)["multipleOf"] == STEP
+
+
+def json_schema(schema: Any) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"schema": schema}}
+
+
+def test_bounds_are_added_at_any_depth_without_recursion() -> None:
+    schema: dict[str, Any] = {"type": "number"}
+    for _ in range(5000):  # items in items: each walk of it would recurse 5,000 deep
+        schema = {"type": "array", "items": schema}
+    out = bounded_numbers(schema)
+    for _ in range(5000):
+        out = out["items"]
+    assert out == {"type": "number", **CAP, "multipleOf": STEP}
+
+
+@pytest.mark.parametrize("levels", [62, 300, 900, 50_000])
+def test_a_response_format_nested_too_deep_is_refused_naming_the_limit(levels: int) -> None:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(BadGenerationParams, match="MAX_JSON_DEPTH=64") as info:
+        grammar_of(json_schema(schema))
+    assert str(info.value).startswith("response_format nests lists and objects deeper")
+
+
+def test_a_response_format_at_the_limit_is_taken() -> None:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(61):  # 64 levels with response_format, json_schema and the innermost
+        schema = {"type": "array", "items": schema}
+    assert grammar_of(json_schema(schema))
+
+
+@pytest.mark.parametrize("number", [math.inf, -math.inf, math.nan])
+def test_a_schema_holding_a_number_that_is_not_finite_is_refused(number: float) -> None:
+    """JSON has no such number: the schema could not travel to a worker."""
+    for schema in (
+        {"type": "number", "default": number},
+        {"type": "array", "items": {"enum": [1, number]}},
+        {"type": "number", "maximum": number},
+    ):
+        with pytest.raises(BadGenerationParams, match="response_format holds the number"):
+            grammar_of(json_schema(schema))
 
 
 def grammars() -> Grammars:

@@ -87,6 +87,8 @@ async def test_a_resubmitted_answered_id_gets_its_result_without_enqueueing(
     assert computed(model) == ["hello"]
     assert a.counts["result"] == 2
     assert b.counts["result"] == 2
+    # Counted by the admission, from the notes the enqueue function appends.
+    wait_until(lambda: admitted(rclient, keys), "the notes' admission")
     assert rclient.hget(keys.once_stats, "existing") == b"4"
 
 
@@ -158,7 +160,9 @@ async def test_an_id_reused_for_another_input_is_refused(
     # The same input in another order of keys is another encoding, hence another input.
     with pytest.raises(RequestIdConflict):
         await b.submit({"text": "one", "x": 1}, request_id="same")
-    # a's two conflicts were refused by a itself (it waits for that id): not sent.
+    # a's two conflicts were refused by a itself (it waits for that id): not sent. The
+    # others are counted by the admission, from the notes the enqueue function appends.
+    wait_until(lambda: admitted(rclient, keys), "the notes' admission")
     assert rclient.hget(keys.once_stats, "conflict") == b"4"
 
 
@@ -273,6 +277,7 @@ async def test_identical_inputs_are_coalesced_then_answered_from_the_cache(
     assert await b.get_result(hit.id) == result  # a poller finds it through rid:<id>
     assert entries_added(rclient, keys) == [0, 2, 0]
     assert sorted(computed(model)) == ["other text", "same text"]  # each input once
+    wait_until(lambda: admitted(rclient, keys), "the hits' notes")  # the admission counts
     figures = await a_status(a)
     assert {k: figures[k] for k in ("hit", "miss", "coalesced")} == {
         "hit": 2,
@@ -307,7 +312,8 @@ async def test_only_ok_results_are_cached_and_every_new_key_expires(
     # Every key this created expires; only the work streams (and the dead letters, none
     # here) live on.
     lasting = {k for k in rclient.scan_iter(match=f"{keys.base}:*") if rclient.ttl(k) == -1}
-    assert lasting <= {s.encode() for s in [*keys.streams, keys.workers]}
+    # The functions' tag lasts too: producers need it while no worker runs (scaled to zero).
+    assert lasting <= {s.encode() for s in [*keys.streams, keys.workers, keys.functions]}
     assert 0 < rclient.pttl(keys.model) <= 5000
     assert 0 < rclient.ttl(keys.once_stats) <= 3600
 

@@ -29,11 +29,13 @@ from batchline.codec import (
     Result,
     decode_result,
     encode_request,
+    pack_value,
     unpack_result,
 )
-from batchline.errors import RequestTimeout
+from batchline.errors import InferenceError, RequestTimeout
 from batchline.keys import GROUP, QueueKeys
 from batchline.producer import AsyncProducer
+from batchline.transport._once import input_hash
 from batchline.transport._redis import Script
 from batchline.transport._scripts import COMPLETE
 
@@ -318,6 +320,38 @@ async def test_malformed_replies_are_dropped_and_the_reader_carries_on(
     assert await producer.infer("later", timeout_s=T) == "later"
     assert producer._waiting == {}
     await eventually(lambda: rclient.xlen(reply_key) == 0, "the reader to delete what it read")
+
+
+async def test_an_error_without_its_input_hash_settles_no_request_sent_with_one(
+    producer: AsyncProducer,
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An error without ``ih`` (what the admission answers an element someone else appended
+    under a request's id and reply without ``meta``) is dropped and logged, and the
+    request's own answer still settles it; an error with its ``ih`` is taken, and so is an
+    answer without one that is not an error (a worker from before ``ih``)."""
+    caplog.set_level(logging.WARNING, logger=PRODUCER_LOGGER)
+    mine, failing, old = [await producer.submit(n, request_id=n) for n in ("mine", "bad", "old")]
+    forged = Result("mine", "error", None, "MalformedRequest", "malformed request: forged")
+    push_reply(rclient, keys, producer.producer_id, [flat(forged), flat(Result("old", "ok", "O"))])
+    assert await producer.result(old, timeout_s=T) == "O"  # after the forged one
+    assert "mine" in producer._waiting
+    real_error = flat(Result("bad", "error", None, "ValueError", "no"), ih=hash_of("bad"))
+    answer = flat(Result("mine", "ok", "M"), ih=hash_of("mine"))
+    push_reply(rclient, keys, producer.producer_id, [real_error, answer])
+    assert await producer.result(mine, timeout_s=T) == "M"
+    with pytest.raises(InferenceError, match="ValueError: no"):
+        await producer.result(failing, timeout_s=T)
+    dropped = [r.getMessage() for r in caplog.records if DROPPED in r.getMessage()]
+    assert len(dropped) == 1, dropped
+    assert "an error for request mine without the input hash it was sent with" in dropped[0]
+
+
+def hash_of(value: Any) -> str:
+    """The input hash of a request of ``value`` (its ``ih``)."""
+    return input_hash(*pack_value(value))
 
 
 @pytest.mark.slow

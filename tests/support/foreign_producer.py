@@ -1,12 +1,16 @@
 """A producer written from docs/protocol.md alone, with redis-py and msgpack and no batchline:
-``python foreign_producer.py URL QUEUE``.
+``python foreign_producer.py URL QUEUE [script|functions]``.
 
-It enqueues three requests with the enqueue script's full call (its text read from the doc):
-``hello`` (pushed to its reply stream), ``polled`` (no reply: it polls the result key) and
-``doomed``, which it cancels at once. It prints ``queued`` when all three are written and
-cancelled, then waits for its two replies, deleting what it read, polls the result key of the
-second, and prints one JSON line: each request's status and output, and whether any module of
-batchline was imported.
+It enqueues three requests: ``hello`` (pushed to its reply stream), ``polled`` (no reply: it
+polls the result key) and ``doomed``, which it cancels at once; with ``script`` (the
+default) through the enqueue script's full call (its text read from the doc) and a cancel
+written to the cancel stream, with ``functions`` through the queue's functions, as a
+producer under the producer rules does (the tag read from the key the workers write, the
+``KEYS`` in the order of the doc's table). It prints ``queued`` when all three are written
+and cancelled, then waits for its two replies, deleting what it read, polls the result key
+of the second, and prints one JSON line: each request's status and output, and whether any
+module of batchline was imported. Its connections send no ``CLIENT`` command (Access
+control).
 """
 
 from __future__ import annotations
@@ -35,6 +39,13 @@ def enqueue_script() -> str:
     return found.group(1)
 
 
+def quiet_client(url: str) -> redis.Redis:
+    """A client whose connections send no CLIENT command (the doc, Access control)."""
+    if int(redis.__version__.split(".")[0]) >= 8:
+        return redis.Redis.from_url(url, driver_info=None, protocol=2)
+    return redis.Redis.from_url(url, lib_name=None, lib_version=None)
+
+
 def request(rid: str, value: Any, reply: str | None) -> tuple[list[Any], bytes]:
     """A request's fields (priority 1, as the doc's example) and its input hash."""
     meta = json.dumps(value).encode()
@@ -45,25 +56,48 @@ def request(rid: str, value: Any, reply: str | None) -> tuple[list[Any], bytes]:
     return [1, fields], hashlib.sha1(b"%d:%s" % (len(meta), meta)).hexdigest().encode()
 
 
-def main(url: str, queue: str) -> None:
-    r = redis.Redis.from_url(url)
+def enqueue(r: redis.Redis, base: str, mode: str, args: list[Any], doomed: str) -> None:
+    """The three requests written and ``doomed`` cancelled, the doc's way for ``mode``."""
+    streams = [f"{base}:req:{p}" for p in range(3)]
+    if mode == "functions":
+        tag = r.get(f"{base}:functions")
+        if tag is None:
+            raise SystemExit("no functions' tag: no worker has loaded the queue's functions")
+        keys = [f"{base}:in", f"{base}:admitting", *streams]
+        out = r.fcall(f"batchline_enqueue_{tag.decode()}", len(keys), *keys, *args)
+        if out != [b"queued"] * 3:
+            raise SystemExit(f"not queued: {out}")
+        r.fcall(f"batchline_cancel_{tag.decode()}", 1, f"{base}:in", doomed)
+        return
+    out = r.register_script(enqueue_script())(keys=streams, args=args)
+    if not all(isinstance(x, bytes) for x in out):  # an entry id each: queued
+        raise SystemExit(f"not queued: {out}")
+    r.xadd(f"{base}:cancels", {"id": doomed}, maxlen=100000, approximate=True)
+    r.expire(f"{base}:cancels", TTL_S)
+
+
+def answers(fields: dict[bytes, bytes], sent: bytes) -> bool:
+    """Whether a result may answer the request sent with input hash ``sent``: its ``ih``
+    is that hash, or it has none and is not an error (the doc, A result)."""
+    if b"ih" in fields:
+        return fields[b"ih"] == sent
+    return fields.get(b"status") != b"error"
+
+
+def main(url: str, queue: str, mode: str = "script") -> None:
+    r = quiet_client(url)
     base = f"batchline:{{{queue}}}"
-    me = "foreign-" + uuid.uuid4().hex[:8]
+    me = "foreign-" + uuid.uuid4().hex
     ids = {name: name + "-" + uuid.uuid4().hex for name in ("hello", "polled", "doomed")}
     sent: dict[str, bytes] = {}
     batch = []
     for name, rid in ids.items():
         entry, sent[rid] = request(rid, name, None if name == "polled" else me)
         batch.append(entry)
-    enqueue = r.register_script(enqueue_script())
     prefixes = [f"{base}:{kind}:" for kind in ("res", "rid", "wait", "cache", "flight")]
     args = [100000, msgpack.packb(batch, use_bin_type=False), TTL_S, 0, *prefixes]
     args += [f"{base}:model", f"{base}:once"]
-    out = enqueue(keys=[f"{base}:req:{p}" for p in range(3)], args=args)
-    if not all(isinstance(x, bytes) for x in out):  # an entry id each: queued
-        raise SystemExit(f"not queued: {out}")
-    r.xadd(f"{base}:cancels", {"id": ids["doomed"]}, maxlen=100000, approximate=True)
-    r.expire(f"{base}:cancels", TTL_S)
+    enqueue(r, base, mode, args, ids["doomed"])
     print("queued", flush=True)
 
     results: dict[str, dict[bytes, bytes]] = {}
@@ -75,7 +109,7 @@ def main(url: str, queue: str) -> None:
                 for flat in msgpack.unpackb(reply[b"r"], raw=True):
                     fields = dict(zip(flat[::2], flat[1::2], strict=True))
                     rid = fields[b"id"].decode()
-                    if rid in sent and fields.get(b"ih", sent[rid]) == sent[rid]:
+                    if rid in sent and answers(fields, sent[rid]):
                         results[rid] = fields
             r.xdel(stream, *[entry_id for entry_id, _ in entries])
     raw = None
@@ -96,4 +130,4 @@ def main(url: str, queue: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

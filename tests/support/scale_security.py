@@ -188,6 +188,15 @@ def _forging_is_refused(client: redis.Redis, keys: QueueKeys, victim: str, rid: 
         lambda: client.eval("return redis.call('XRANGE', KEYS[1], '-', '+')", 1, keys.stream(0)),
         lambda: client.set("otherprefix:x", "1"),
         client.flushdb,
+        # Keys the admission writes: job keys, the counters, the functions' tag; and the
+        # inbox's elements (every request's id and reply) are not a producer's to read.
+        lambda: client.set(keys.job(rid), "x" * 1000),
+        lambda: client.delete(keys.job(rid)),
+        lambda: client.hincrby(keys.once_stats, "hit", 10**9),
+        lambda: client.expire(keys.once_stats, 1),
+        lambda: client.set(keys.functions, "forged"),
+        lambda: client.lrange(keys.inbox, 0, -1),
+        lambda: client.lindex(keys.admitting, 0),
     ]
     for call in refused:  # (pytest -l shows which one a failure is)
         # NoPermissionError, or a ResponseError when refused inside a script.

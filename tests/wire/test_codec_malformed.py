@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import batchline
 from batchline.codec import (
+    MAX_JSON_DEPTH,
     SCHEMA_VERSION,
     DecodeError,
     Limits,
@@ -308,12 +309,38 @@ def test_an_array_reference_does_not_count_as_a_level() -> None:
         unpack_value(meta, blob, Limits(max_depth=1))
 
 
-@pytest.mark.parametrize("key", ["$x", "$", "$nd2", "$ND"])
-def test_object_keys_starting_with_a_dollar_are_refused(key: str) -> None:
+@pytest.mark.parametrize("key", ["$x", "$", "$nd2", "$ND", "$defs"])
+def test_object_keys_starting_with_a_single_dollar_are_refused(key: str) -> None:
     meta = json.dumps({"ok": 1, "inner": {key: 1}}).encode()
-    with pytest.raises(DecodeError, match=r"starts with '\$'") as info:
+    with pytest.raises(DecodeError, match=r"starts with a single '\$'") as info:
         unpack_value(meta, b"", LIMITS)
     assert json.dumps(key) in str(info.value)
+    # One "$" more: a key of the value's, which starts with one "$" less.
+    meta = json.dumps({"ok": 1, "inner": {"$" + key: 1}}).encode()
+    assert unpack_value(meta, b"", LIMITS) == {"ok": 1, "inner": {key: 1}}
+
+
+def test_a_deep_value_is_refused_before_it_is_parsed() -> None:
+    # Python's parser would recurse once per level: the depth is read in the bytes first.
+    for meta in [b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 50_000 + b"1" + b"}" * 50_000]:
+        with pytest.raises(DecodeError, match="nests deeper than max_depth=64"):
+            unpack_value(meta, b"", LIMITS)
+    # Brackets inside texts are no levels; an array reference's own are not counted.
+    text = json.dumps(["[" * 1000, {"k": "{" * 1000}]).encode()
+    assert unpack_value(text, b"", LIMITS) == ["[" * 1000, {"k": "{" * 1000}]
+    deepest: Any = np.zeros((1, 1))
+    for _ in range(MAX_JSON_DEPTH):
+        deepest = [deepest]  # 64 lists, the array in the last: 67 levels of brackets
+    got = unpack_value(*pack_value(deepest), LIMITS)
+    for _ in range(MAX_JSON_DEPTH):
+        got = got[0]
+    assert got.shape == (1, 1)
+
+
+def test_a_reader_is_never_given_more_depth_than_the_limit() -> None:
+    assert Limits().max_depth == MAX_JSON_DEPTH == 64
+    with pytest.raises(ValueError, match="max_depth must be in 0..64, got 65"):
+        Limits(max_depth=65)
 
 
 def test_the_stream_decides_the_priority() -> None:

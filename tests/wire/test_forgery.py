@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shlex
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -28,20 +27,12 @@ from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer, Handle, Producer
 from batchline.transport._once import cache_hash, input_hash
 
-from .test_protocol_doc import doc_block
 from tests.support.models_for_tests import GatedModel
+from tests.support.protocol_doc import doc_block
 from tests.support.service import RESULT_TIMEOUT_S, WorkerThread, admitted, wait_until
 
 T = RESULT_TIMEOUT_S
 MODEL_ID = "m1"
-
-
-def documented_lines() -> dict[str, list[str]]:
-    """The doc's ``ACL SETUSER batchline-<role> ...`` lines, split as a shell would."""
-    block = doc_block("acl", "exactly as `batchline acl` prints them")
-    lines = {shlex.split(line)[2]: shlex.split(line) for line in block.splitlines()}
-    assert set(lines) == {f"batchline-{role}" for role in ROLES}, block
-    return {role: lines[f"batchline-{role}"] for role in ROLES}
 
 
 def test_the_documented_rule_sets_are_what_batchline_acl_prints() -> None:
@@ -55,18 +46,6 @@ def test_the_documented_rule_sets_are_what_batchline_acl_prints() -> None:
 def hash_of(value: Any) -> str:
     meta, blob = pack_value(value)
     return input_hash(meta, blob)
-
-
-@pytest.fixture
-def urls(acl_user: Callable[[list[str]], str], queue: str) -> dict[str, str]:
-    """A URL per role, logged in as a user made from the doc's line for that role, the
-    doc's queue ``default`` replaced by the test's."""
-    made = {}
-    for role, words in documented_lines().items():
-        assert words[3:5] == ["reset", "on"], words
-        rules = [w.replace("{default}", "{" + queue + "}") for w in words[5:]]
-        made[role] = acl_user(["on", ">PASSWORD", *rules])
-    return made
 
 
 @pytest.fixture
@@ -364,12 +343,3 @@ def test_a_producer_id_carries_128_random_bits(redis_url: str, queue: str) -> No
     assert [len(tail) for tail in tails] == [32, 32]
     assert tails[0] != tails[1]
     assert all(int(tail, 16) >= 0 for tail in tails)
-
-
-def test_the_worker_line_cannot_write_job_markers(urls: dict[str, str], keys: QueueKeys) -> None:
-    worker = redis.Redis.from_url(urls["worker"])
-    try:
-        with pytest.raises(redis.exceptions.NoPermissionError):
-            worker.set(keys.job("x"), "1")
-    finally:
-        worker.close()

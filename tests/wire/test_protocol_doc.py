@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -26,12 +27,13 @@ import redis
 
 from batchline.config import ProducerSettings, WorkerSettings
 from batchline.keys import QueueKeys
+from batchline.transport._functions import TAG
 from batchline.transport._scripts import COMPLETE, ENQUEUE
 from batchline.worker import load_model
 
+from tests.support.protocol_doc import DOC, acl_denials, doc_block
 from tests.support.protocol_entries import HUGE_MS, T, entry, result_of
 from tests.support.service import (
-    REPO,
     WorkerProcess,
     WorkerThread,
     stream_lengths,
@@ -39,17 +41,7 @@ from tests.support.service import (
     wait_until,
 )
 
-DOC = (REPO / "docs" / "protocol.md").read_text(encoding="utf-8")
-
-
 # -- the document itself -------------------------------------------------------------------------
-
-
-def doc_block(language: str, after: str) -> str:
-    """The first fenced block of ``language`` in docs/protocol.md after the text ``after``."""
-    found = re.search(re.escape(after) + r".*?```" + language + r"\n(.*?)```", DOC, flags=re.DOTALL)
-    assert found is not None, f"no {language} block after {after!r} in docs/protocol.md"
-    return found.group(1)
 
 
 def test_the_doc_quotes_the_enqueue_script_verbatim() -> None:
@@ -93,19 +85,13 @@ def test_the_doc_example_producer_runs_against_a_worker(
     assert (namespace["status"], namespace["output"]) == ("ok", "a sentence")
 
 
-@pytest.mark.slow
-def test_a_producer_written_from_the_doc_alone_against_a_worker_process(
-    spawn_worker: Callable[..., WorkerProcess],
-    redis_url: str,
-    queue: str,
-    rclient: redis.Redis,
-    keys: QueueKeys,
-) -> None:
-    """tests/support/foreign_producer.py imports redis-py and msgpack, never batchline: it
-    enqueues (the script's full call), reads its replies, polls a result key and cancels."""
+def run_foreign_producer(url: str, queue: str, mode: str, start_worker: Callable[[], Any]) -> Any:
+    """Run tests/support/foreign_producer.py (redis-py and msgpack, never batchline) as
+    ``mode`` against ``url``; once it has queued and cancelled, ``start_worker()`` (which
+    reads the cancel before the requests). Its report."""
     script = Path(__file__).parents[1] / "support" / "foreign_producer.py"
     proc = subprocess.Popen(
-        [sys.executable, str(script), redis_url, queue],
+        [sys.executable, str(script), url, queue, mode],
         env=subprocess_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -115,21 +101,79 @@ def test_a_producer_written_from_the_doc_alone_against_a_worker_process(
         assert proc.stdout is not None
         first = proc.stdout.readline()
         assert first == "queued\n", first + proc.communicate(timeout=T)[1]
-        spawn_worker()  # reads the cancel stream before it reads requests
+        start_worker()
         out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, err
-    assert json.loads(out) == {
-        "hello": ["ok", "hello"],
-        "polled": ["ok", "polled"],
-        "doomed": ["cancelled", None],
-        "batchline_imported": [],
-    }
+    return json.loads(out)
+
+
+FOREIGN_REPORT = {
+    "hello": ["ok", "hello"],
+    "polled": ["ok", "polled"],
+    "doomed": ["cancelled", None],
+    "batchline_imported": [],
+}
+
+
+@pytest.mark.slow
+def test_a_producer_written_from_the_doc_alone_against_a_worker_process(
+    spawn_worker: Callable[..., WorkerProcess],
+    redis_url: str,
+    queue: str,
+    rclient: redis.Redis,
+    keys: QueueKeys,
+) -> None:
+    """The script's mode: the script's full call, replies, a poller, a cancel."""
+    assert run_foreign_producer(redis_url, queue, "script", spawn_worker) == FOREIGN_REPORT
     wait_until(lambda: sum(stream_lengths(rclient, keys)) == 0, "every entry to be answered")
     assert rclient.xlen(keys.dead) == 0
+
+
+@pytest.mark.slow
+def test_a_producer_written_from_the_doc_alone_under_the_producer_rules(
+    spawn_worker: Callable[..., WorkerProcess],
+    urls: dict[str, str],
+    queue: str,
+    rclient: redis.Redis,
+    keys: QueueKeys,
+) -> None:
+    """The functions, under users made from the doc's two lines: the producer learns the
+    tag from the key a worker wrote (here one that has stopped since: the queue scaled to
+    zero), calls the functions with their KEYS in the doc's order, and no connection of
+    either role is refused a command (``ACL LOG``)."""
+    first = spawn_worker(redis_url=urls["worker"])
+    first.signal(signal.SIGTERM)
+    assert first.wait() == 0, first.log()
+    assert rclient.get(keys.functions) == TAG.encode()
+    report = run_foreign_producer(
+        urls["producer"], queue, "functions", lambda: spawn_worker(redis_url=urls["worker"])
+    )
+    assert report == FOREIGN_REPORT
+    wait_until(lambda: sum(stream_lengths(rclient, keys)) == 0, "every entry to be answered")
+    assert rclient.xlen(keys.dead) == 0
+    assert acl_denials(rclient, *urls.values()) == []
+
+
+@pytest.mark.slow
+def test_the_doc_functions_example_runs_under_the_producer_rules(
+    start_worker: Callable[..., WorkerThread],
+    urls: dict[str, str],
+    queue: str,
+    rclient: redis.Redis,
+) -> None:
+    start_worker(redis_url=urls["worker"])
+    code = doc_block("python", "A producer under the producer rules")
+    url = '"redis://batchline-producer:PASSWORD@localhost:6379/0", "default"'
+    assert url in code
+    code = code.replace(url, f"{urls['producer']!r}, {queue!r}")
+    namespace: dict[str, Any] = {}
+    exec(compile(code, "docs/protocol.md", "exec"), namespace)  # the doc's own example
+    assert namespace["output"] == "a sentence"
+    assert acl_denials(rclient, *urls.values()) == []
 
 
 async def async_double(items: list[Any]) -> list[Any]:

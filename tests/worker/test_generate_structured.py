@@ -2,7 +2,7 @@
 with a fast tokenizer (models_for_tests.tiny_llama_chars). A request whose schema cannot be
 compiled, or whose grammar fails as it decodes, fails alone with ``BadGenerationParams``
 (a 400-class error for the API), and the requests beside it are answered exactly as they
-would be without it; schemas with ``$defs`` are answered and validate."""
+would be without it."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from batchline.producer import Producer
 
 from tests.e2e.test_reliability import assert_all_done
 from tests.support.models_for_tests import tiny_llama_chars
-from tests.support.schemas import GOOD, HUGE_PATTERN, LAZY, TREE, json_schema
+from tests.support.schemas import GOOD, HUGE_PATTERN, LAZY, json_schema
 from tests.support.service import RESULT_TIMEOUT_S, WorkerThread, spec
 
 pytest.importorskip("torch")
@@ -89,14 +89,3 @@ def test_a_bad_response_format_fails_only_its_own_request(
     assert max(r.batch_size for r in results if r.status == "ok") > 1  # they shared steps
     assert rclient.xlen(keys.dead) == 0  # refused, not dead-lettered
     assert_all_done(rclient, keys)
-
-
-@pytest.mark.slow
-def test_a_schema_with_defs_is_answered_through_the_queue(
-    start_worker: Callable[..., WorkerThread], redis_url: str, queue: str
-) -> None:
-    start_worker("generate", model_path=spec("tiny_llama_chars"))
-    with Producer(redis_url=redis_url, queue=queue) as producer:
-        value = {"prompt": "{", "max_new_tokens": 60, "response_format": json_schema(TREE)}
-        r = producer.infer(value)
-    jsonschema.validate(json.loads(r["text"]), TREE)

@@ -7,7 +7,10 @@ admit function as the worker starts (what a worker that died had taken, what wai
 blocks on the inbox with ``BLMOVE`` into the admission list, so that one blocked worker
 wakes per element rather than all of them, and calls the admit function again: it admits the
 admission list, then up to ``per_call`` elements of the inbox, oldest first, and the
-admitter calls it again at once while the inbox holds more. The entries it adds wake the
+admitter calls it again at once while the inbox holds more. The queue's depth bound is the
+worker's ``max_queue_depth``, held there whoever wrote the inbox; what the admission refused
+for it, and the errors it withheld (an element refused under an id that belongs to another
+request), are logged. The entries it adds wake the
 readers of every worker (``XREADGROUP BLOCK``) like any entry.
 
 A failover to a node without the library (or a ``FUNCTION FLUSH``) shows as a missing
@@ -20,6 +23,7 @@ meanwhile.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +45,8 @@ logger = logging.getLogger(__name__)
 PER_CALL = 512
 #: How long one blocking wait on the inbox lasts (seconds), so that the loop sees a stop.
 _BLOCK_S = 1.0
+#: After a line telling what the admission refused, the next waits this long (seconds).
+_QUIET_S = 10.0
 
 
 class Admitter:
@@ -61,7 +67,14 @@ class Admitter:
     ) -> None:
         self._client = client
         keys = self.keys = settings.keys
-        self._keys = [keys.admitting, keys.inbox, keys.dead, keys.cancels, *keys.streams_low_first]
+        self._keys = [
+            keys.admitting,
+            keys.inbox,
+            keys.dead,
+            keys.cancels,
+            keys.job_list,
+            *keys.streams_low_first,
+        ]
         self._args: list[Any] = [
             PER_CALL,
             worker_id,
@@ -74,8 +87,17 @@ class Admitter:
             CANCELS_MAXLEN,
             # The largest request this worker accepts: a larger one is refused.
             ReadCap.within(settings.limits(), max_read_bytes=1).max_entry_bytes,
+            # The queue's bound, held here whoever wrote the inbox.
+            settings.max_queue_depth,
+            keys.job(""),
         ]
+        self._max_depth = settings.max_queue_depth
         self.admitted = 0
+        #: Requests refused for the queue's depth, and errors withheld (an element under an
+        #: id that belongs to another request), since the worker started.
+        self.refused = self.withheld = 0
+        self._unreported = [0, 0]  # the same, since the last line that told them
+        self._quiet_until = 0.0
 
     def call(self) -> list[Any]:
         """The arguments of ``FCALL`` for one call of the admit function."""
@@ -84,9 +106,36 @@ class Admitter:
     async def admit(self) -> int:
         """One call of the admit function; returns how many elements the inbox still
         holds."""
-        admitted, left = await self._client.fcall(*self.call())
+        admitted, left, refused, withheld = await self._client.fcall(*self.call())
         self.admitted += int(admitted)
+        if refused or withheld:
+            self._tell(int(refused), int(withheld))
         return int(left)
+
+    def _tell(self, refused: int, withheld: int) -> None:
+        """Log what the admission refused or withheld: at once, then at most one line per
+        _QUIET_S with what came meanwhile (a flood must not flood the log)."""
+        self.refused += refused
+        self.withheld += withheld
+        self._unreported[0] += refused
+        self._unreported[1] += withheld
+        now = time.monotonic()
+        if now < self._quiet_until:
+            return
+        self._quiet_until = now + _QUIET_S
+        (refused, withheld), self._unreported = self._unreported, [0, 0]
+        told = []
+        if refused:
+            told.append(
+                f"{refused} requests refused, its work streams holding max_queue_depth="
+                f"{self._max_depth} (each answered QueueFull)"
+            )
+        if withheld:
+            told.append(
+                f"{withheld} errors withheld, for elements refused under the ids of other "
+                "requests (dead-lettered with withheld 1)"
+            )
+        logger.warning("admitter: queue %r: %s", self.keys.queue, "; ".join(told))
 
     async def admit_all(self) -> None:
         """Admit what the inbox holds (as the worker starts), up to 64 calls' worth: the
@@ -125,7 +174,7 @@ class Admitter:
 
     async def _reload(self, backoff: Backoff) -> None:
         try:
-            if not await load_library(self._client):
+            if not await load_library(self._client, self.keys):
                 await backoff.wait(RuntimeError("the queue's functions cannot be loaded"))
         except REDIS_FAILURES as exc:
             await backoff.wait(exc)

@@ -26,7 +26,7 @@ from redis.asyncio import ConnectionPool, Redis
 from redis.exceptions import RedisError
 
 from batchline.config import WorkerSettings
-from batchline.transport._redis import RedisClient, connect
+from batchline.transport._redis import POOL_NO_CLIENT_INFO, RedisClient, connect
 from batchline.worker.models import Model
 from batchline.worker.serving._claims import Claims
 from batchline.worker.upkeep._watchdog import (
@@ -167,7 +167,9 @@ class Guard:
             pool = self._redis.connection_pool
             kwargs = pool.connection_kwargs
             client = Redis(
-                connection_pool=ConnectionPool(connection_class=pool.connection_class, **kwargs)
+                connection_pool=ConnectionPool(
+                    connection_class=pool.connection_class, **kwargs, **POOL_NO_CLIENT_INFO
+                )
             )
         if client is None:
             logger.warning("no client to hand back with: what it holds waits claim_idle_ms")

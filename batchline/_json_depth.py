@@ -1,0 +1,113 @@
+"""How deep JSON nests, found without recursion, and :data:`MAX_JSON_DEPTH`, the one bound of
+JSON nesting in batchline (docs/limits.md, JSON nesting depth).
+
+Python's ``json`` parser and encoder, pydantic and every walk of a parsed value recurse once
+per level of lists and objects: a value some thousands of levels deep exhausts the stack
+(``RecursionError``) wherever it meets one. So JSON that comes from outside (an HTTP body, a
+Batch API line, a value read from Redis) has its depth read in its bytes before it is parsed
+(:func:`check_text`, :func:`loads`); a Python value is walked with a stack of its own
+(:func:`walk`), or by a walk that stops at the limit (the codec's).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any, Final
+
+import numpy as np
+
+from batchline.errors import NestingTooDeep
+
+__all__ = [
+    "MAX_JSON_DEPTH",
+    "check_text",
+    "deeper_than",
+    "loads",
+    "text_depth",
+    "too_deep",
+    "walk",
+]
+
+#: The most lists and objects inside each other in any JSON batchline takes or sends
+#: (``{"a": [1]}`` is 2 deep; a text or a number, 0): request bodies, schemas, Batch API
+#: lines and values on the wire. Deep enough for any schema a model can follow, shallow
+#: enough that no parser or walk of such a value comes near Python's recursion limit.
+MAX_JSON_DEPTH: Final = 64
+
+# A JSON string (escapes included): what is inside one is no bracket.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+_OPENERS = np.frombuffer(b"[{", dtype=np.uint8)
+
+
+def _bytes(data: bytes | bytearray | str) -> bytes:
+    if isinstance(data, str):
+        return data.encode("utf-8", "surrogatepass")
+    return bytes(data)
+
+
+def text_depth(data: bytes | bytearray | str) -> int:
+    """The most lists and objects open at once in the JSON text ``data``; brackets inside
+    its strings do not count. Never raises: for text that is not JSON it is at least the
+    depth a parser reaches before it finds out."""
+    raw = _bytes(data)
+    if b"[" not in raw and b"{" not in raw:
+        return 0
+    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    codes = np.frombuffer(brackets, dtype=np.uint8)
+    steps = np.where(np.isin(codes, _OPENERS), 1, -1)
+    return max(0, int(np.cumsum(steps).max(initial=0)))
+
+
+def deeper_than(data: bytes | bytearray | str, limit: int) -> bool:
+    """Whether the JSON text ``data`` nests deeper than ``limit`` (:func:`text_depth`); text
+    with no more than ``limit`` opening brackets in all is not even scanned."""
+    raw = _bytes(data)
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    return text_depth(raw) > limit
+
+
+def too_deep(what: str) -> NestingTooDeep:
+    """The error for ``what`` (``"the request body"``) nesting deeper than the limit."""
+    return NestingTooDeep(
+        f"{what} nests lists and objects deeper than MAX_JSON_DEPTH={MAX_JSON_DEPTH}",
+        MAX_JSON_DEPTH,
+    )
+
+
+def check_text(data: bytes | bytearray | str, what: str) -> None:
+    """Raise NestingTooDeep naming ``what`` if the JSON text ``data`` nests deeper than
+    :data:`MAX_JSON_DEPTH`."""
+    if deeper_than(data, MAX_JSON_DEPTH):
+        raise too_deep(what)
+
+
+def loads(data: bytes | bytearray | str, what: str) -> Any:
+    """``json.loads(data)`` once its depth is checked: NestingTooDeep (a ValueError) naming
+    ``what`` for text deeper than :data:`MAX_JSON_DEPTH`, ValueError for text that is not
+    JSON."""
+    check_text(data, what)
+    return json.loads(data)
+
+
+def walk(value: Any, what: str) -> Iterator[Any]:
+    """``value`` and everything inside it (the values of its lists, tuples and mappings),
+    depth first, without recursion; raises NestingTooDeep naming ``what`` on reaching lists
+    and objects nested deeper than :data:`MAX_JSON_DEPTH` (so a value that contains itself
+    ends there too)."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        node, around = stack.pop()  # around: the lists and objects that hold ``node``
+        yield node
+        if isinstance(node, Mapping):
+            children: Any = node.values()
+        elif isinstance(node, list | tuple):
+            children = node
+        else:
+            continue
+        if around >= MAX_JSON_DEPTH:
+            raise too_deep(what)
+        stack.extend((child, around + 1) for child in children)
