@@ -3,24 +3,26 @@ of tokens, the tokens that close its JSON are forced (docs/generation.md, Struct
 
 The closing of a matcher's state is the shortest path the search of
 :func:`~batchline._llguidance.shortest_closing` finds to a state where the grammar may end
-(single-byte tokens, rewritten in the tokenizer's fewer tokens where the grammar takes them):
-the strings, arrays and objects still open, and the required properties not written yet.
-Its length ``L`` (tokens) is compared with the tokens the sequence has left, ``R``:
+(rewritten in the tokenizer's fewer tokens where the grammar takes them): the strings,
+arrays and objects still open, and the required properties not written yet. Its length
+``L`` (tokens) is compared with the tokens the sequence has left, ``R``:
 
-- far from the end (``R - L`` above :data:`BAND`) nothing is computed at most steps: the
-  closing is searched again only once half of the margin it left is spent, a few searches
-  a sequence in all;
-- within :data:`BAND` tokens of it, after every token: where the token just taken leaves a
-  closing that no longer fits (it opened an object with required properties, say), it is
-  taken back (the matcher rolled back one token) and the closing of the state before it,
-  which fitted, is forced instead; where the closing fills exactly what is left, it is
-  forced from the next step on.
+- far from the end (a margin ``R - L`` above ``4 L +`` :data:`WATCH`) nothing is computed
+  at most steps: the closing is searched again once half of the margin is spent, a few
+  searches a sequence in all;
+- nearer, the closing is kept up to date after every token, cheaply where it can be: the
+  closing before the token still closes after it (inside a string, a number), or the token
+  wrote its first bytes (a property's name), checked by llguidance in about a microsecond;
+  else searched again. Where the token leaves a closing that no longer fits (it opened an
+  object with required properties, say), it is taken back (the matcher rolled back one
+  token) and the closing of the state before it, which fitted, is forced instead; where the
+  closing fills exactly what is left, it is forced from the next step on.
 
 A forced sequence ends when its closing does, with ``finish_reason`` ``length`` (it was cut
-by its token limit). A closing that cannot fit (a single token opened more than the tokens
-left can close, or the search found none: a long ``pattern``) is given up: the sequence
-decodes as it would have, and is cut at its limit. A grammar whose shortest value alone
-needs more tokens than a request's ``max_new_tokens`` is refused when the request is
+by its token limit). A closing that cannot fit (one token, far from the end, opened more
+than its margin can close; or the search found none: a long ``pattern``) is given up: the
+sequence decodes as it would have, and is cut at its limit. A grammar whose shortest value
+alone needs more tokens than a request's ``max_new_tokens`` is refused when the request is
 checked (:meth:`~batchline.generation.Engine.check`). Sequences without a grammar never
 come here.
 """
@@ -35,12 +37,13 @@ from batchline.errors import BadGenerationParams
 from batchline.generation._grammar import Grammars
 from batchline.generation._types import Sequence_
 
-__all__ = ["BAND", "MAX_STEP_NODES", "Closer", "Closing"]
+__all__ = ["MAX_STEP_NODES", "WATCH", "Closer", "Closing"]
 
-#: Within this many tokens of the closing's length, it is searched after every token.
-BAND = 8
-#: Matchers one search during decoding may copy (each a few microseconds); a search that
-#: runs out gives the closing up for its sequence.
+#: The closing is kept up to date after every token once the margin is within four times
+#: its length and this many tokens.
+WATCH = 32
+#: Moves one search during decoding may take; a search that finds no closing within them
+#: gives the closing up for its sequence.
 MAX_STEP_NODES = 1000
 
 
@@ -50,8 +53,8 @@ class Closing:
 
     Attributes:
         path: the closing (tokens) of the state after ``at`` tokens; None: not known.
-        at: how many tokens the sequence had when ``path`` was found.
-        next_search: the search runs again once the sequence has this many tokens.
+        at: how many tokens the sequence had when ``path`` was its closing.
+        next_search: the closing is searched again once the sequence has this many tokens.
         forced: tokens still to force (the closing under way).
         closed: the closing was forced: the sequence ends with it, as ``length``.
         given_up: no closing fits: the sequence decodes as it would have.
@@ -67,7 +70,7 @@ class Closing:
 
 class Closer:
     """Forces the closing of the sequences with a grammar that run out of tokens; see the
-    module docstring. ``searches`` counts its searches."""
+    module docstring. ``searches`` counts its searches (not the cheap updates)."""
 
     def __init__(self, grammars: Grammars) -> None:
         self.grammars = grammars
@@ -90,25 +93,39 @@ class Closer:
             done = self.grammars.accept(seq, token)
             return token, done or not state.forced
         done = self.grammars.accept(seq, token)
-        if done or state.given_up or taken + 1 < state.next_search:
+        if done or state.given_up:
             return token, done
         left = seq.params.max_new_tokens - taken - 1
-        path = self._search(seq, token, left)
+        before = state.path if state.at == taken else None  # the state before the token's
+        watched = before is not None and left + 1 - len(before) <= 4 * len(before) + WATCH
+        if not watched and taken + 1 < state.next_search:
+            return token, False
+        path = self._updated(seq, token, before) if watched and before is not None else None
+        if path is None or len(path) >= left:
+            path = self._search(seq, [*seq.generated, token], left)
         if path is not None and len(path) < left:
             state.path, state.at = path, taken + 1
-            margin = left - len(path)
-            state.next_search = taken + 1 + (1 if margin <= BAND else margin // 2)
+            state.next_search = taken + 1 + max(1, (left - len(path)) // 2)
             return token, False
         if path is not None and len(path) == left:  # from the next step on
             state.forced, state.closed = path, True
             return token, not path
-        if state.path is not None and state.at == taken and len(state.path) <= left + 1:
-            if not self.grammars.matcher(seq).rollback(1):  # the closing before it fitted
-                raise BadGenerationParams("response_format: the matcher could not go back")
+        return self._back(seq, state, token, taken, left)
+
+    def _back(
+        self, seq: Sequence_, state: Closing, token: int, taken: int, left: int
+    ) -> tuple[int, bool]:
+        """``token`` leaves no closing that fits: take it back, and close from before it
+        (where that fits); else give the closing up."""
+        if not self.grammars.matcher(seq).rollback(1):
+            raise BadGenerationParams("response_format: its matcher could not go back a token")
+        before = state.path if state.at == taken else self._search(seq, seq.generated, left + 1)
+        if before is not None and len(before) <= left + 1:
             # (an empty closing: the state before was complete; the end token ends it there)
             ends = [self.grammars.alphabet().ll.eos_token]
-            state.forced, state.closed = list(state.path) or ends, True
+            state.forced, state.closed = list(before) or ends, True
             return self.advance(seq, token)
+        self.grammars.accept(seq, token)  # none fits: decode on as it would have
         state.given_up = True
         return token, False
 
@@ -125,18 +142,39 @@ class Closer:
             margin = seq.params.max_new_tokens - len(shortest or ())
             if shortest is not None and margin == 0:
                 state.forced, state.closed = list(shortest), True
-            elif shortest is not None and margin > BAND:
-                state.next_search = margin // 2
+            elif shortest is not None:
+                state.next_search = margin // 2  # (0: not known, searched at the first token)
         return state  # type: ignore[no-any-return]
 
-    def _search(self, seq: Sequence_, token: int, left: int) -> list[int] | None:
-        """The closing of ``seq``'s state (its matcher has taken ``token``, not in
-        ``seq.generated`` yet), in tokens, where one of at most ``left`` tokens seems within
-        reach; None where the search finds none."""
+    def _updated(self, seq: Sequence_, token: int, before: list[int]) -> list[int] | None:
+        """The closing after ``token`` from ``before``, the closing before it, where that
+        takes no search: ``before`` itself where it still closes (the token wrote inside a
+        string or a number), or what is left of it where the token wrote its first bytes;
+        None otherwise."""
+        matcher, alphabet = self.grammars.matcher(seq), self.grammars.alphabet()
+        eos = alphabet.ll.eos_token
+        if matcher.validate_tokens([*before, eos]) == len(before) + 1:  # no state changed
+            return before
+        wrote, rest = alphabet.bytes_of([token]), alphabet.bytes_of(before)
+        if not rest.startswith(wrote):
+            return None
+        tokens: list[int] = alphabet.ll.tokenize_bytes(rest[len(wrote) :])
+        return tokens if matcher.validate_tokens([*tokens, eos]) == len(tokens) + 1 else None
+
+    def _search(self, seq: Sequence_, written: list[int], left: int) -> list[int] | None:
+        """The closing of ``seq``'s matcher's state (after the tokens ``written``), in
+        tokens, where one of at most ``left`` tokens seems within reach; None where the
+        search finds none."""
         self.searches += 1
         matcher, alphabet = self.grammars.matcher(seq), self.grammars.alphabet()
-        written = alphabet.bytes_of([*seq.generated, token])
-        path = shortest_closing(
-            matcher, alphabet, 2 * left + 16, written=written, nodes=MAX_STEP_NODES
-        )
+        try:
+            path = shortest_closing(
+                matcher,
+                alphabet,
+                2 * left + 16,
+                written=alphabet.bytes_of(written),
+                nodes=MAX_STEP_NODES,
+            )
+        except BadGenerationParams as exc:  # its lexer, shared with the matcher, gave up
+            raise BadGenerationParams(f"response_format failed as it was decoded: {exc}") from None
         return None if path is None else fewer_tokens(matcher, alphabet, path)

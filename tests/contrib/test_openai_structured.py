@@ -137,7 +137,7 @@ def test_schemas_with_defs_and_refs_recursive_ones_included(
     )
     assert deep.choices[0].finish_reason == "length"
     content = deep.choices[0].message.content or ""
-    assert content.count('"next": {"v": ') >= 3
+    assert content.count('"next": {"v": ') >= 2  # (the closing took its last one back)
     jsonschema.validate(json.loads(content), DEFS_SCHEMAS["recursive"])  # closed as it ran out
 
 

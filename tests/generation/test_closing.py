@@ -18,8 +18,8 @@ from batchline.generation._grammar import Grammars
 from batchline.generation._types import Sequence_
 
 from tests.generation.test_grammar import drive
-from tests.support.models_for_tests import char_tokenizer
-from tests.support.schemas import json_schema, strict
+from tests.support.models_for_tests import char_tokenizer, tiny_llama_chars
+from tests.support.schemas import DEFS_SCHEMAS, json_schema, strict
 from tests.support.tiny import alone, tiny_model, torch
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -158,3 +158,20 @@ def test_a_token_limit_below_the_shortest_value_is_refused(tokenizer: Any) -> No
         exact = gen.generate(prompt_ids=[5, 6], max_new_tokens=26, response_format=fmt)
     assert exact.text == '{"s": "", "n": 0, "t": []}'
     assert exact.finish_reason == "length"
+
+
+def test_a_token_that_commits_to_more_than_is_left_is_taken_back() -> None:
+    """Greedy, the tiny model follows a recursive list through its ``$ref`` (each ``, ``
+    commits to one more node, whose required ``"v"`` the closing must then write): the
+    comma that would leave too little is taken back, and the list closed before it."""
+    model, tokenizer = tiny_llama_chars()
+    schema = DEFS_SCHEMAS["recursive"]
+    with SyncGenerator(model, tokenizer=tokenizer) as gen:
+        result = gen.generate(
+            messages=[{"role": "user", "content": "A city as JSON."}],
+            max_new_tokens=60,
+            response_format=json_schema(schema),
+        )
+    assert result.finish_reason == "length"
+    assert result.text.count('"next": {"v": ') >= 2
+    jsonschema.validate(json.loads(result.text), schema)
