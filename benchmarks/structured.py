@@ -6,15 +6,20 @@ Each schema's request is a chat message asking for a JSON object that follows it
 ``response_format`` json_schema, greedy, ``--max-new-tokens`` at most. Reported: how many of
 the answers parse and validate (the goal: all), then the same requests with and without
 ``response_format``, alternating ``--repeats`` times, each on a fresh engine: the step
-seconds per generated token of each way (medians), the difference, and the time inside the
-grammar hooks (masking and advancing the matchers) per constrained token.
+seconds per generated token of each way (medians), the difference, the time inside the
+grammar hooks (masking and advancing the matchers, the closing's searches included) per
+constrained token, and the closing's searches alone. ``--unbounded`` drops the strings'
+``maxLength``, so that a low ``--max-new-tokens`` cuts most answers and their closing is
+forced.
 
     HF_HUB_OFFLINE=1 python3 -m benchmarks.structured --repeats 5
+    HF_HUB_OFFLINE=1 python3 -m benchmarks.structured --unbounded --max-new-tokens 64
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -31,6 +36,7 @@ prepare_environment(available_cpus())  # before torch loads, as the worker does
 import jsonschema  # noqa: E402
 
 from batchline.generation import Engine, load_causal_lm  # noqa: E402
+from batchline.generation._closing import Closer  # noqa: E402
 from batchline.generation._request import parse_request  # noqa: E402
 from batchline.generation._types import Sequence_  # noqa: E402
 
@@ -159,6 +165,32 @@ def _value(schema: dict[str, Any], *, constrained: bool, max_new_tokens: int) ->
     return value
 
 
+def unbounded(schema: Any) -> Any:
+    """``schema`` without any ``maxLength``."""
+    if isinstance(schema, dict):
+        return {k: unbounded(v) for k, v in schema.items() if k != "maxLength"}
+    if isinstance(schema, list):
+        return [unbounded(v) for v in schema]
+    return schema
+
+
+def _timed(owner: Any, name: str, into: list[float]) -> None:
+    """Add the seconds each call of ``owner.name`` takes to ``into[0]``."""
+    inner = getattr(owner, name)
+
+    def timed(*args: Any, _inner: Any = inner) -> Any:
+        start = time.perf_counter()
+        try:
+            return _inner(*args)
+        finally:
+            into[0] += time.perf_counter() - start
+
+    setattr(owner, name, timed)
+
+
+CLOSING = [0.0]  # seconds in the closing's searches, in the last constrained run
+
+
 def run(
     model: Any,
     tokenizer: Any,
@@ -169,33 +201,36 @@ def run(
 ) -> tuple[list[Sequence_], float, int, float]:
     """The requests in one batch on a fresh engine: the sequences, the decode steps'
     seconds (the prefill step left out), the tokens they generated and the seconds inside
-    the grammar hooks then."""
+    the grammar hooks then (:data:`CLOSING`: in the closing's searches)."""
     engine = Engine(model, tokenizer)
     hooks = [0.0]
     for name in ("mask", "accept"):
-        inner = getattr(engine.grammars, name)
-
-        def timed(*args: Any, _inner: Any = inner) -> Any:
-            start = time.perf_counter()
-            try:
-                return _inner(*args)
-            finally:
-                hooks[0] += time.perf_counter() - start
-
-        setattr(engine.grammars, name, timed)
+        _timed(engine.grammars, name, hooks)
+    closer = engine.picker.closer
+    _timed(closer, "_search", CLOSING)
     seqs = []
     for schema, most in zip(schemas, max_new_tokens, strict=True):
         value = _value(schema, constrained=constrained, max_new_tokens=most)
         parsed = parse_request(value)
+        if parsed.params.grammar is not None:  # what the closing needs (an answer may be less)
+            need = len(engine.grammars.compile(parsed.params.grammar).shortest or ())
+            room = dataclasses.replace(parsed.params, max_new_tokens=max(most, need))
+            parsed = dataclasses.replace(parsed, params=room)
         ids = engine.encode(messages=parsed.messages)
         seqs.append(Sequence_(ids, engine.check(ids, parsed.params), 0.0, lambda _: None))
     engine.step(seqs)  # the prefill, and each one's first token
-    first, hooks[0] = len(seqs), 0.0
+    first, hooks[0], CLOSING[0] = len(seqs), 0.0, 0.0
+    searches = closer.searches
     start = time.perf_counter()
     while engine.running:
         engine.step([])
     seconds = time.perf_counter() - start
+    hooks[0] += CLOSING[0]  # (the searches run in the picker, beside the hooks)
+    SEARCHES[0] = closer.searches - searches
     return seqs, seconds, sum(len(s.generated) for s in seqs) - first, hooks[0]
+
+
+SEARCHES = [0]  # the closing's searches in the last run
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -203,10 +238,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--schemas", type=int, default=len(SCHEMAS), help="how many (first N)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--unbounded", action="store_true", help="strings without maxLength")
     args = parser.parse_args(argv)
     apply_threads(available_cpus())
     model, tokenizer = load_causal_lm()
     schemas = SCHEMAS[: args.schemas]
+    if args.unbounded:
+        schemas = [unbounded(s) for s in schemas]
     most = [args.max_new_tokens] * len(schemas)
     seqs, _, _, _ = run(model, tokenizer, schemas, constrained=True, max_new_tokens=most)
     lengths = [len(s.generated) for s in seqs]  # the unconstrained runs generate as many
@@ -218,8 +256,11 @@ def main(argv: list[str] | None = None) -> None:
         except (ValueError, jsonschema.ValidationError) as exc:
             print(f"schema {i}: INVALID {type(exc).__name__}: {seq.text!r}")
     print(f"valid: {valid}/{len(schemas)} answers parse and validate against their schema")
+    cut = sum(Closer.closed(s) for s in seqs)
+    print(f"closed as max_new_tokens ran out: {cut}/{len(schemas)}")
     per_token: dict[bool, list[float]] = {False: [], True: []}
     hook_us: list[float] = []
+    closing_us: list[float] = []
     for _ in range(args.repeats):
         for constrained in (False, True):
             _, seconds, tokens, hooks = run(
@@ -228,6 +269,7 @@ def main(argv: list[str] | None = None) -> None:
             per_token[constrained].append(seconds / tokens * 1e3)
             if constrained:
                 hook_us.append(hooks / tokens * 1e6)
+                closing_us.append(CLOSING[0] / tokens * 1e6)
     free, bound = statistics.median(per_token[False]), statistics.median(per_token[True])
     print(
         f"unconstrained: {free:.2f} ms of decode step time per generated token "
@@ -235,6 +277,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(f"constrained:   {bound:.2f} ms ({bound - free:+.2f} ms, {bound / free - 1:+.1%})")
     print(f"grammar hooks (mask + advance): {statistics.median(hook_us):.0f} us per token")
+    print(
+        f"of which the closing's searches: {statistics.median(closing_us):.0f} us per token "
+        f"({SEARCHES[0]} searches for {len(schemas)} requests, "
+        f"{CLOSING[0] / max(SEARCHES[0], 1) * 1e3:.2f} ms each)"
+    )
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ import logging
 import os
 import sys
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 from pydantic import SecretStr
@@ -33,6 +32,7 @@ from pydantic import SecretStr
 from batchline.config import ProducerSettings, WebSettings
 from batchline.contrib._batch_driver import BatchDriver
 from batchline.contrib._batch_run import DriverOptions
+from batchline.contrib._common import start_child, stop_child
 from batchline.contrib._files import FileStore
 from batchline.contrib._openai import OpenAIRoutes
 from batchline.keys import BatchApiKeys
@@ -71,8 +71,6 @@ class DriverProcess:
                 "limits": limits,
             }
         ).encode()
-        # The child imports the batchline this process runs, wherever it comes from.
-        self._root = str(Path(__file__).resolve().parents[2])  # above batchline/
         self._proc: asyncio.subprocess.Process | None = None
 
     def poke(self, batch_id: str | None = None) -> None:
@@ -106,11 +104,7 @@ class DriverProcess:
             await asyncio.sleep(_RESTART_S)
 
     async def _start(self) -> asyncio.subprocess.Process:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [self._root, env.get("PYTHONPATH")]))
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", __name__, stdin=asyncio.subprocess.PIPE, env=env
-        )
+        proc = await start_child(__name__)
         if proc.stdin is not None:  # (always: stdin=PIPE)
             proc.stdin.write(b"%d\n%s" % (len(self._payload), self._payload))
         self._proc = proc
@@ -118,17 +112,8 @@ class DriverProcess:
 
     async def _stop(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None or proc.returncode is not None:
-            return
-        if proc.stdin is not None:
-            proc.stdin.close()
-        try:
-            async with asyncio.timeout(_STOP_S):
-                await proc.wait()
-        except TimeoutError:
-            logger.warning("batches: the driver's process did not stop; killing it")
-            proc.kill()
-            await proc.wait()
+        if proc is not None and await stop_child(proc, _STOP_S):
+            logger.warning("batches: the driver's process did not stop; it was killed")
 
 
 #: The settings an API may run with, by class name.

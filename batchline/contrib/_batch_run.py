@@ -142,6 +142,8 @@ async def prepare(routes: OpenAIRoutes, url: str, body: dict[str, Any]) -> Prepa
         raise OpenAIError(400, "a batch's requests cannot stream", param="stream")
     if gen.n != 1:
         raise OpenAIError(400, "a batch's requests answer one choice each: n must be 1", param="n")
+    if gen.response_format is not None:
+        await routes.check_format(raw.encode())
     served = routes.queue("generation", gen.model)
     build = chat_body if chat else completion_body
     return Prepared(

@@ -1,8 +1,13 @@
-"""What the web routes (``/embed`` and the OpenAI-compatible ``/v1``) share."""
+"""What the web routes (``/embed`` and the OpenAI-compatible ``/v1``) share, and the child
+processes an API starts (the batch driver's, the schema checker's)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import sys
+from pathlib import Path
 
 from fastapi import Request
 from fastapi.encoders import jsonable_encoder
@@ -11,7 +16,14 @@ from fastapi.responses import JSONResponse
 
 from batchline.errors import show_value
 
-__all__ = ["INPUT_ERRORS", "MAX_TEXT_CHARS", "RETRY_AFTER_S", "answer_invalid_native"]
+__all__ = [
+    "INPUT_ERRORS",
+    "MAX_TEXT_CHARS",
+    "RETRY_AFTER_S",
+    "answer_invalid_native",
+    "start_child",
+    "stop_child",
+]
 
 #: Worker error types that the input caused (the client's fault: 422 on ``/embed``, 400 on
 #: ``/v1``); every other one is the server's (500).
@@ -29,6 +41,37 @@ INPUT_ERRORS = frozenset(
 RETRY_AFTER_S = 1
 #: Longest text accepted (the worker's default ``max_chars``).
 MAX_TEXT_CHARS = 20_000
+
+#: Above batchline/: a child imports the batchline its API runs, wherever it comes from.
+_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+async def start_child(module: str, *, stdout: bool = False) -> asyncio.subprocess.Process:
+    """``python -m module`` with this batchline first on its path, its stdin (and, where
+    ``stdout``, its stdout) a pipe of this process's."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, env.get("PYTHONPATH")]))
+    pipe = asyncio.subprocess.PIPE
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", module, stdin=pipe, stdout=pipe if stdout else None, env=env
+    )
+
+
+async def stop_child(proc: asyncio.subprocess.Process, timeout_s: float) -> bool:
+    """End ``proc``'s stdin and wait for it to exit, killed after ``timeout_s``; whether it
+    had to be killed."""
+    if proc.returncode is not None:
+        return False
+    if proc.stdin is not None:
+        proc.stdin.close()
+    try:
+        async with asyncio.timeout(timeout_s):
+            await proc.wait()
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return True
+    return False
 
 
 async def answer_invalid_native(_request: Request, exc: Exception) -> JSONResponse:

@@ -64,7 +64,8 @@ from batchline.contrib._openai_stream import (
     next_chunk,
     unless_disconnected,
 )
-from batchline.errors import BatchlineError
+from batchline.contrib._schema_process import SchemaChecker
+from batchline.errors import BadGenerationParams, BatchlineError
 from batchline.producer import AsyncProducer, Handle, Result
 from batchline.transport._redis import RedisClient, connect
 
@@ -152,6 +153,8 @@ class OpenAIRoutes:
         self.served: dict[str, Served] = {}
         for kind, queue in self._queues(settings).items():
             self.served[kind] = Served(names[kind], settings.model_copy(update={"queue": queue}))
+        #: Where a response_format's schema is checked: a child process, off the event loop.
+        self.schemas = SchemaChecker()
         self.app = self._make_app()
 
     @staticmethod
@@ -167,7 +170,8 @@ class OpenAIRoutes:
 
     @contextlib.asynccontextmanager
     async def lifespan(self) -> AsyncIterator[None]:
-        """Open a producer per served queue for the app's lifetime."""
+        """Open a producer per served queue for the app's lifetime (and stop the schema
+        checker's process, if one started, at its end)."""
         try:
             for served in self.served.values():
                 await served.open()
@@ -175,6 +179,7 @@ class OpenAIRoutes:
         finally:
             for served in self.served.values():
                 await served.aclose()
+            await self.schemas.aclose()
 
     def _make_app(self) -> FastAPI:
         app = FastAPI(
@@ -286,6 +291,8 @@ class OpenAIRoutes:
     async def _generate(
         self, body: CompletionRequest | ChatRequest, request: Request, *, chat: bool
     ) -> Response:
+        if body.response_format is not None:
+            await self.check_format(await request.body())
         served = self.queue("generation", body.model)
         values = body.values()  # one per choice
         if body.stream:
@@ -310,6 +317,17 @@ class OpenAIRoutes:
             return Response(status_code=499)
         build = chat_body if chat else completion_body
         return JSONResponse(build(results[0].id, served.name, [checked(r.output) for r in results]))
+
+    async def check_format(self, body: bytes) -> None:
+        """Check the ``response_format`` of ``body`` (the request's JSON) as a worker
+        compiles it (the same compiler and limits; a tokenizer of one token per byte in the
+        model's place), in :attr:`schemas`' process: a large schema takes up to about half a
+        second, which the event loop does not wait through. A 400 naming ``response_format``
+        where it fails."""
+        try:
+            await self.schemas.check(body)
+        except BadGenerationParams as exc:
+            raise OpenAIError(400, f"response_format: {exc}", param="response_format") from None
 
     async def run(
         self, served: Served, value: Any, request: Request, *, priority: int | None = None

@@ -2,9 +2,9 @@
 
 Requests are pydantic models that refuse what batchline does not do rather than ignore it:
 an unknown field, ``n`` above :data:`MAX_CHOICES`, more than :data:`MAX_LOGPROBS` log
-probabilities, a ``response_format`` that is not one or whose schema llguidance rejects, or
-a feature it lacks (penalties, tools, token-array prompts, ``echo``, ``best_of``) set to
-anything but its default is a 400 naming the parameter.
+probabilities, or a feature it lacks (penalties, tools, token-array prompts, ``echo``,
+``best_of``) set to anything but its default is a 400 naming the parameter (a
+``response_format``'s schema is checked by the route, off the event loop: ``check_format``).
 They are strict: a value of the wrong JSON type is refused, never converted (``"10"`` is not
 10, ``"yes"`` not true; an integer is a number where a number is expected), and every number
 has its range (integers: OpenAI's signed 64 bits at most).
@@ -30,7 +30,6 @@ from pydantic import (
     field_validator,
 )
 
-from batchline._response_format import grammar_of
 from batchline.contrib._common import MAX_TEXT_CHARS
 
 __all__ = [
@@ -133,15 +132,10 @@ class _Generation(_Body):
     presence_penalty: _Unsupported = None
     frequency_penalty: _Unsupported = None
     logit_bias: _Unsupported = None
-    #: Structured output: text, json_object or json_schema; the schema is checked here
-    #: (llguidance), before anything is queued, and passed on to the worker as given.
+    #: Structured output: text, json_object or json_schema; passed on to the worker as
+    #: given, once the route has checked it (``check_format``, off the event loop: a large
+    #: schema takes a while to compile).
     response_format: dict[str, Any] | None = None
-
-    @field_validator("response_format")
-    @classmethod
-    def _usable_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        grammar_of(value)  # BadGenerationParams is a ValueError: a 400 naming it
-        return value
 
     @property
     def include_usage(self) -> bool:

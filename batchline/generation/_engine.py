@@ -33,8 +33,10 @@ Failures. A forward that raises is retried without the sequence that raised
 (:func:`~batchline.generation._rows.run_rows`: a decode step's culprit is found among the
 running rows, a prefill's among its group), the cache first rewound to its state before the
 failed pass; only the culprit fails, with the exception, and the others go on as if it had
-never joined. A failure outside the model (this module's own code) propagates: the driver
-fails what the engine held and calls :meth:`Engine.reset`.
+never joined. Picking a row's token (its grammar's mask, matcher and closing, its sampling:
+:class:`~batchline.generation._pick.Picker`) fails that row alone, the others picked as if it
+had not been there. A failure elsewhere outside the model (this module's own code)
+propagates: the driver fails what the engine held and calls :meth:`Engine.reset`.
 
 Every step and eviction runs under ``torch.inference_mode()``. The engine runs where the
 model is, in its dtype: the cache and logits follow it; token ids go to its device; sampling
@@ -53,19 +55,14 @@ from typing import Any
 
 import torch
 
-from batchline.errors import PromptTooLong
+from batchline.errors import BadGenerationParams, PromptTooLong
 from batchline.generation._grammar import Grammars
-from batchline.generation._logprobs import Scored, TokenTexts
+from batchline.generation._logprobs import TokenTexts
+from batchline.generation._pick import Picker
 from batchline.generation._prefill import Prefill
 from batchline.generation._prefix import KV, PrefixCache, right_aligned
 from batchline.generation._rows import Ran, cache_of, run_rows
-from batchline.generation._types import (
-    FinishReason,
-    GenerationDelta,
-    GenerationParams,
-    Sequence_,
-    stop_cut,
-)
+from batchline.generation._types import FinishReason, GenerationDelta, GenerationParams, Sequence_
 
 __all__ = ["DEFAULT_MAX_PREFILL_TOKENS", "DEFAULT_PREFIX_CACHE_TOKENS", "Engine", "StepOutput"]
 
@@ -148,6 +145,8 @@ class Engine:
         self.grammars = Grammars(tokenizer, getattr(model.config, "vocab_size", None))
         #: Each token's text, as shown beside its log probability.
         self.token_texts = TokenTexts(tokenizer, self.grammars)
+        #: Picks each step's tokens (masks, closings, sampling, text, ends).
+        self.picker = Picker(tokenizer, self.eos, self.pad_id, self.grammars)
         self._decoding: list[Sequence_] = []  # the rows of the running cache, in order
         self._groups: list[Prefill] = []  # long prompts still prefilling, oldest first
         self._cache: Any = None
@@ -175,21 +174,27 @@ class Engine:
         return [int(i) for i in self.tokenizer(prompt, add_special_tokens=True)["input_ids"]]
 
     def check(self, prompt_ids: list[int], params: GenerationParams) -> GenerationParams:
-        """Refuse a prompt the context cannot hold; clamp max_new_tokens to what is left."""
+        """Refuse a prompt the context cannot hold; clamp max_new_tokens to what is left.
+        Compile and probe the grammar: BadGenerationParams where it fails, or where its
+        shortest value takes more tokens than max_new_tokens."""
         if not prompt_ids:
             raise PromptTooLong("the prompt is empty: nothing to continue")
+        if self.context is not None:
+            room = self.context - len(prompt_ids)
+            if room < 1:
+                raise PromptTooLong(
+                    f"prompt of {len(prompt_ids)} tokens leaves no room in the model's "
+                    f"context of {self.context} tokens"
+                )
+            if params.max_new_tokens > room:
+                params = dataclasses.replace(params, max_new_tokens=room)
         if params.grammar is not None:
-            self.grammars.compile(params.grammar)  # BadGenerationParams before it is queued
-        if self.context is None:
-            return params
-        room = self.context - len(prompt_ids)
-        if room < 1:
-            raise PromptTooLong(
-                f"prompt of {len(prompt_ids)} tokens leaves no room in the model's "
-                f"context of {self.context} tokens"
-            )
-        if params.max_new_tokens > room:
-            return dataclasses.replace(params, max_new_tokens=room)
+            shortest = self.grammars.compile(params.grammar).shortest  # before it is queued
+            if shortest is not None and len(shortest) > params.max_new_tokens:
+                raise BadGenerationParams(
+                    f"max_new_tokens {params.max_new_tokens} is fewer than the {len(shortest)} "
+                    "tokens that the shortest JSON value of response_format takes"
+                )
         return params
 
     def step(self, joining: list[Sequence_]) -> StepOutput:
@@ -440,76 +445,8 @@ class Engine:
         offset: int,
     ) -> None:
         _, nxt = self._live()
-        scored = Scored.of(seqs, logits)  # before the mask: the model's own distribution
-        logits = self.grammars.mask(seqs, logits)  # rows with a response_format
-        greedy = logits.argmax(dim=-1).tolist()
-        picked: list[int] = []
-        for row, seq in enumerate(seqs):
-            try:
-                p = seq.params
-                token = greedy[row] if p.greedy else self._sample(logits[row], seq)
-                picked.append(token)
-                seq.generated.append(token)
-                done = self.grammars.accept(seq, token)
-                reason = self._text(seq, token)
-                if done and reason in (None, "length"):
-                    reason = "stop"  # the grammar is complete
-            except Exception as exc:  # this request's decoding failed: it alone fails
-                logger.exception("generation failed for one request")
-                picked.append(self.pad_id)
-                out.failed.append((seq, exc))
-                continue
-            delta = seq.text[seq.emitted_chars : self._stable(seq, reason)]
-            seq.emitted_chars += len(delta)
-            out.deltas.append((seq, GenerationDelta(delta, (token,))))
-            if reason is not None:
-                out.finished.append((seq, reason))
-        if scored is not None:
-            scored.record(seqs, picked, out.deltas, out.failed)
+        picked = self.picker.pick(seqs, logits, out.deltas, out.finished, out.failed)
         nxt[offset : offset + len(seqs)] = torch.tensor(picked, device=self.device)
-
-    def _text(self, seq: Sequence_, token: int) -> FinishReason | None:
-        """Update the sequence's text; the reason it ends now, if it does."""
-        reason: FinishReason | None = None
-        if token in self.eos:
-            reason = "eos"
-        elif len(seq.generated) >= seq.params.max_new_tokens:
-            reason = "length"
-        if self.tokenizer is None:
-            return reason
-        seq.text = self.tokenizer.decode(seq.generated, skip_special_tokens=True)
-        cut = stop_cut(seq.text, seq.params.stop)
-        if cut is not None:
-            seq.text = seq.text[:cut]
-            return "stop"
-        return reason
-
-    @staticmethod
-    def _stable(seq: Sequence_, reason: FinishReason | None) -> int:
-        """How much of the text is final: all at the end; else hold back a possible stop
-        string's start and an incomplete character: every trailing U+FFFD, since
-        byte-fallback tokenizers decode one per byte of it (a real U+FFFD waits a while)."""
-        if reason is not None:
-            return len(seq.text)
-        hold = max((len(s) - 1 for s in seq.params.stop), default=0)
-        end = min(len(seq.text) - hold, len(seq.text.rstrip("\ufffd")))
-        return max(end, seq.emitted_chars)
-
-    def _sample(self, logits: torch.Tensor, seq: Sequence_) -> int:
-        p = seq.params
-        if p.seed is not None and seq.rng is None:
-            seq.rng = torch.Generator(device=logits.device).manual_seed(p.seed)
-        scores = logits.float() / p.temperature
-        if p.top_k:
-            kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if p.top_p < 1:
-            ordered, order = torch.sort(scores, descending=True)
-            probs = ordered.softmax(dim=-1)
-            drop = probs.cumsum(dim=-1) - probs > p.top_p
-            scores = scores.scatter(0, order[drop], float("-inf"))
-        probs = scores.softmax(dim=-1)
-        return int(torch.multinomial(probs, 1, generator=seq.rng))
 
 
 def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:

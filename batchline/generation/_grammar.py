@@ -4,10 +4,18 @@ that masks the tokens the grammar does not allow and advances on the one picked.
 
 llguidance does the work (its matcher computes a token bitmask in tens of microseconds, on
 the CPU, from a grammar compiled lazily; docs/generation.md says why this library). A
-grammar is compiled once per grammar text and tokenizer (a bounded cache of compiled
-matchers, each sequence gets a copy), and llguidance is imported only when a request
-asks for one. Rows without a grammar are untouched: sequences with and without one run in
-the same batch, each masked alone.
+grammar is compiled and probed once per grammar text and tokenizer
+(:func:`~batchline._llguidance.compile_grammar`, under the same limits as the API's check;
+a bounded cache of compiled matchers, each sequence gets a copy), and llguidance is imported
+only when a request asks for one. Rows without a grammar are untouched: sequences with and
+without one run in the same batch, each masked alone.
+
+Containment. A matcher fails lazily (a lexer limit reached on some byte of some string), and
+its copies share the compiled lexer: so every mask and every token is checked, a row whose
+matcher fails, or whose mask allows no token at all, fails alone with
+``BadGenerationParams``, and its grammar is refused from then on (:meth:`Grammars.refuse`:
+dropped from the cache, and a request that brings it again is refused before it is queued,
+with the same error).
 """
 
 from __future__ import annotations
@@ -20,12 +28,14 @@ from typing import Any
 
 import torch
 
+from batchline._llguidance import Alphabet, Compiled, compile_grammar, failure
 from batchline.errors import BadGenerationParams
 from batchline.generation._types import Sequence_
 
 __all__ = ["DEFAULT_MAX_GRAMMARS", "Grammars"]
 
-#: Compiled grammars kept per engine (the least recently used is dropped past this).
+#: Compiled grammars kept per engine (the least recently used is dropped past this); as many
+#: refused ones are remembered.
 DEFAULT_MAX_GRAMMARS = 64
 
 
@@ -47,31 +57,44 @@ class Grammars:
         self.vocab_size = vocab_size
         self.max_grammars = max_grammars
         self._ll: Any = None  # llguidance's view of the tokenizer (~1 s to build: once)
-        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._alphabet: Alphabet | None = None
+        self._compiled: OrderedDict[str, Compiled] = OrderedDict()
+        self._refused: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()  # compiled by the submitting thread, copied by the model's
         self.compiles = 0
 
-    def compile(self, grammar: str) -> Any:
-        """The compiled matcher of ``grammar`` (from the cache, or compiled now). Raises
-        BadGenerationParams naming ``response_format`` where it does not compile."""
-        key = hashlib.sha256(grammar.encode()).hexdigest()
+    def compile(self, grammar: str) -> Compiled:
+        """The compiled and probed ``grammar`` (from the cache, or compiled now). Raises
+        BadGenerationParams naming ``response_format`` where it does not compile, fails its
+        probe, or failed a sequence before."""
+        key = _key(grammar)
         with self._lock:
+            refused = self._refused.get(key)
+            if refused is not None:
+                raise BadGenerationParams(refused)
             found = self._compiled.get(key)
             if found is not None:
                 self._compiled.move_to_end(key)
                 return found
-            from llguidance import LLMatcher
-
-            matcher = LLMatcher(self.ll_tokenizer(), grammar, log_level=0)
-            if matcher.is_error():
-                raise BadGenerationParams(
-                    f"response_format does not compile for this model: {matcher.get_error()}"
-                )
+            try:
+                compiled = compile_grammar(grammar, self.alphabet())
+            except BadGenerationParams as exc:
+                raise BadGenerationParams(f"{exc} (for this model's tokenizer)") from None
             self.compiles += 1
-            self._compiled[key] = matcher
+            self._compiled[key] = compiled
             if len(self._compiled) > self.max_grammars:
                 self._compiled.popitem(last=False)
-            return matcher
+            return compiled
+
+    def refuse(self, grammar: str, error: BadGenerationParams) -> None:
+        """Drop ``grammar`` (whose matcher failed a sequence with ``error``) and refuse it
+        from now on, with the same error."""
+        key = _key(grammar)
+        with self._lock:
+            self._compiled.pop(key, None)
+            self._refused[key] = str(error)
+            if len(self._refused) > self.max_grammars:
+                self._refused.popitem(last=False)
 
     def ll_tokenizer(self) -> Any:
         """llguidance's view of the tokenizer (built on first use). Raises
@@ -87,47 +110,80 @@ class Grammars:
                 raise BadGenerationParams(f"response_format is not available: {exc}") from None
         return self._ll
 
-    def mask(self, seqs: Sequence[Sequence_], logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` ([rows, vocab], row i is ``seqs[i]``'s) with every token a row's
-        grammar does not allow next set to -inf; the same tensor where no row has one."""
-        rows = [i for i, s in enumerate(seqs) if s.params.grammar is not None]
-        if not rows:
-            return logits
-        # llguidance's own torch helpers torch.compile their kernel, which on a CPU needs a
-        # C++ compiler at run time (and seconds on first use): the bits are unpacked here.
-        vocab = logits.shape[-1]
-        bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
-        for j, row in enumerate(rows):
-            words = bitmask[j]
-            self._matcher(seqs[row]).unsafe_compute_mask_ptr(
-                words.data_ptr(), words.numel() * words.element_size()
-            )
-        index = torch.tensor(rows, device=logits.device)
-        picked = logits.index_select(0, index).float()
-        picked.masked_fill_(~_allowed(bitmask, vocab).to(logits.device), float("-inf"))
-        masked = logits.clone()
-        masked[index] = picked.to(logits.dtype)
-        return masked
+    def alphabet(self) -> Alphabet:
+        """The tokenizer's single-byte tokens, which a closing is written in (built once)."""
+        if self._alphabet is None:
+            self._alphabet = Alphabet.of(self.ll_tokenizer())
+        return self._alphabet
 
-    def accept(self, seq: Sequence_, token: int) -> bool:
-        """Advance ``seq``'s matcher on ``token``; whether its grammar is complete (the
-        sequence ends). False for a sequence without a grammar."""
-        if seq.params.grammar is None:
-            return False
-        matcher = self._matcher(seq)
-        if not matcher.consume_token(token):
-            raise RuntimeError(
-                f"token {token} is not allowed by response_format: {matcher.get_error()}"
-            )
-        return bool(matcher.is_stopped())
-
-    def _matcher(self, seq: Sequence_) -> Any:
+    def matcher(self, seq: Sequence_) -> Any:
+        """``seq``'s matcher (a copy of its grammar's, made on first use)."""
         if seq.matcher is None:
             grammar = seq.params.grammar
             if grammar is None:
                 raise RuntimeError("a sequence without a grammar has no matcher")
-            seq.matcher = self.compile(grammar).deep_copy()
+            seq.matcher = self.compile(grammar).matcher.deep_copy()
         return seq.matcher
+
+    def mask(
+        self, seqs: Sequence[Sequence_], logits: torch.Tensor, rows: list[int]
+    ) -> tuple[torch.Tensor, list[tuple[int, Exception]]]:
+        """``logits`` ([rows, vocab], row i is ``seqs[i]``'s) with every token the grammar of
+        each of ``rows`` does not allow next set to -inf (the same tensor where ``rows`` is
+        empty); and the rows that failed (their matcher's error, or no token allowed), each
+        with its error, their logits left as they were."""
+        if not rows:
+            return logits, []
+        # llguidance's own torch helpers torch.compile their kernel, which on a CPU needs a
+        # C++ compiler at run time (and seconds on first use): the bits are unpacked here.
+        vocab = logits.shape[-1]
+        bitmask = torch.zeros((len(rows), (vocab + 31) // 32), dtype=torch.int32)
+        failed: list[tuple[int, Exception]] = []
+        for j, row in enumerate(rows):
+            try:
+                matcher = self.matcher(seqs[row])
+                words = bitmask[j]
+                matcher.unsafe_compute_mask_ptr(
+                    words.data_ptr(), words.numel() * words.element_size()
+                )
+                if matcher.is_error():
+                    raise BadGenerationParams(_failed(failure(matcher)))
+            except Exception as exc:  # this row's grammar: it alone fails
+                failed.append((row, exc))
+        allowed = _allowed(bitmask, vocab)
+        gone = {row for row, _ in failed}
+        for j, ok in enumerate(allowed.any(dim=1).tolist()):
+            if not ok and rows[j] not in gone:
+                failed.append((rows[j], BadGenerationParams(_failed("it allows no token"))))
+        gone = {row for row, _ in failed}
+        keep = [j for j, row in enumerate(rows) if row not in gone]
+        if not keep:
+            return logits, failed
+        index = torch.tensor([rows[j] for j in keep], device=logits.device)
+        picked = logits.index_select(0, index).float()
+        picked.masked_fill_(~allowed[keep].to(logits.device), float("-inf"))
+        masked = logits.clone()
+        masked[index] = picked.to(logits.dtype)
+        return masked, failed
+
+    def accept(self, seq: Sequence_, token: int) -> bool:
+        """Advance ``seq``'s matcher on ``token``; whether its grammar is complete (the
+        sequence ends). False for a sequence without a grammar. Raises BadGenerationParams
+        where the matcher refuses the token or fails on it."""
+        if seq.params.grammar is None:
+            return False
+        matcher = self.matcher(seq)
+        if not matcher.consume_token(token) or matcher.is_error():
+            raise BadGenerationParams(_failed(f"token {token}: {failure(matcher)}"))
+        return bool(matcher.is_stopped())
+
+
+def _failed(why: str) -> str:
+    return f"response_format failed as it was decoded: {why}"
+
+
+def _key(grammar: str) -> str:
+    return hashlib.sha256(grammar.encode()).hexdigest()
 
 
 def _allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:

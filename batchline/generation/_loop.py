@@ -155,5 +155,6 @@ class GenerationLoop:
             seq.on_event(delta)
         for seq, reason in out.finished:
             seq.on_event(seq.result(reason, done))
-        for seq, error in out.failed:
-            seq.on_event(GenerationError(f"{type(error).__name__}: {error}"))
+        for seq, error in out.failed:  # a request's own error (BadGenerationParams) as it is
+            typed = error if isinstance(error, GenerationError) else None
+            seq.on_event(typed or GenerationError(f"{type(error).__name__}: {error}"))

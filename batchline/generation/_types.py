@@ -195,6 +195,8 @@ class Sequence_:  # a sequence in the batch; typing's Sequence has the plain nam
     first_token_at: float | None = None
     rng: Any = None  # torch.Generator when seeded
     matcher: Any = None  # the grammar's matcher (llguidance) when params.grammar is set
+    closing: Any = None  # its closing (generation/_closing.py) when params.grammar is set
+    complete: bool = False  # its grammar's value is complete (or its closing was forced)
 
     @property
     def cancelled(self) -> bool:

@@ -33,7 +33,7 @@ from batchline.keys import BatchApiKeys, QueueKeys
 from .test_fastapi import Serve, serve
 from .test_openai import client_for
 from tests.support import batch_models
-from tests.support.schemas import DEFS_SCHEMAS, SEED, json_schema_format
+from tests.support.schemas import DEFS_SCHEMAS, HUGE_PATTERN, SEED, json_schema, json_schema_format
 from tests.support.service import (
     RESULT_TIMEOUT_S,
     START_TIMEOUT_S,
@@ -466,9 +466,11 @@ def test_chat_and_completion_batches_answer_as_the_routes_do(
         ("/v1/chat/completions", chat, {**chat, "stream": True}),
         ("/v1/completions", completion, {**completion, "stream": True}),
     ):
+        unusable = {**body, "response_format": json_schema(HUGE_PATTERN)}  # as the route checks
         lines = [
             {"custom_id": "one", "method": "POST", "url": endpoint, "body": body},
             {"custom_id": "streamed", "method": "POST", "url": endpoint, "body": streamed},
+            {"custom_id": "unusable", "method": "POST", "url": endpoint, "body": unusable},
         ]
         batch = client.batches.create(
             input_file_id=upload(client, jsonl(lines)).id,
@@ -479,15 +481,21 @@ def test_chat_and_completion_batches_answer_as_the_routes_do(
         assert (done.status, done.request_counts.completed, done.request_counts.failed) == (
             "completed",
             1,
-            1,
+            2,
         )
         got = file_lines(client, done.output_file_id)["one"]["response"]["body"]
         direct = client.post(endpoint.removeprefix("/v1"), body=body, cast_to=httpx.Response).json()
         for answer in (got, direct):  # the ids and times differ
             del answer["id"], answer["created"]
         assert got == direct
-        refused = file_lines(client, done.error_file_id)["streamed"]["response"]
+        errors = file_lines(client, done.error_file_id)
+        refused = errors["streamed"]["response"]
         assert (refused["status_code"], refused["body"]["error"]["param"]) == (400, "stream")
+        refused = errors["unusable"]["response"]
+        assert (refused["status_code"], refused["body"]["error"]["param"]) == (
+            400,
+            "response_format",
+        )
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ import pytest
 from .test_fastapi import Serve, serve
 from .test_openai import MakeApp, assert_error, client_for, gen_queue, make_app
 from tests.support import web_models
+from tests.support.schemas import HUGE_PATTERN, json_schema
 from tests.support.service import WorkerThread
 from tests.worker.test_generate import CHAT, TINY, in_process, reference
 
@@ -95,6 +96,11 @@ CHAT_ONLY: list[tuple[dict[str, Any], str]] = [
         {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}},
         "response_format",
     ),
+    # Schemas the worker could not compile: the API compiles them as the worker does.
+    *[
+        ({"response_format": json_schema(schema)}, "response_format")
+        for schema in (HUGE_PATTERN, {"$ref": "#"})
+    ],
 ]
 EMBEDDINGS: list[tuple[dict[str, Any], str]] = [
     *[({"input": v}, "input") for v in ("", [], ["x"] * 2049, 5, "x" * 20_001)],
@@ -138,6 +144,32 @@ def test_each_bad_parameter_is_a_400_naming_it(
         response = http.post("/v1/completions", content=content, headers=JSON)
         assert_error(response, 400, param="temperature")
     assert_error(http.post("/v1/completions", content="{", headers=JSON), 400, param=None)
+
+
+def test_a_schema_is_checked_off_the_event_loop(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    gen_queue: str,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Compiling a schema takes up to about half a second for a megabyte's: the API has a
+    child process do it, never its own event loop (nor a thread beside it)."""
+    from batchline import _llguidance
+
+    compiled_here: list[str] = []
+
+    def spy(grammar: str, alphabet: Any) -> Any:
+        compiled_here.append(grammar)
+        raise AssertionError("a schema was compiled in the API's process")
+
+    monkeypatch.setattr(_llguidance, "compile_grammar", spy)
+    http = serve(make_app(timeout_s=2))
+    for _ in range(2):  # (the second goes to the same child)
+        body = {"model": gen_queue, "messages": CHAT, "response_format": json_schema(HUGE_PATTERN)}
+        response = http.post("/v1/chat/completions", json=body)
+        error = assert_error(response, 400, param="response_format")
+        assert "too many expressions" in error["message"]
+    assert compiled_here == []
 
 
 def test_the_official_client_gets_the_400s_of_strict_parameters(

@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
 from .test_fastapi import Serve, serve
 from .test_openai import MakeApp, client_for, make_app
-from tests.support.schemas import DEFS_SCHEMAS, SEED, json_schema_format
+from tests.support.schemas import (
+    DEFS_SCHEMAS,
+    HUGE_PATTERN,
+    LAZY,
+    SEED,
+    json_schema,
+    json_schema_format,
+)
 from tests.support.service import WorkerThread, spec
 
 openai = pytest.importorskip("openai")
@@ -128,4 +136,53 @@ def test_schemas_with_defs_and_refs_recursive_ones_included(
         response_format=json_schema_format("recursive"),  # type: ignore[arg-type]
     )
     assert deep.choices[0].finish_reason == "length"
-    assert (deep.choices[0].message.content or "").count('"next": {"v": ') >= 3
+    content = deep.choices[0].message.content or ""
+    assert content.count('"next": {"v": ') >= 2  # (the closing took its last one back)
+    jsonschema.validate(json.loads(content), DEFS_SCHEMAS["recursive"])  # closed as it ran out
+
+
+@pytest.mark.slow
+def test_a_bad_schema_is_a_400_and_the_requests_beside_it_are_answered(
+    make_app: MakeApp,  # noqa: F811
+    serve: Serve,  # noqa: F811
+    start_worker: Callable[..., WorkerThread],
+    gen_queue: str,
+) -> None:
+    """One the API's check catches (400 before anything is queued), one that fails only as
+    the worker decodes it (400 too: the worker's BadGenerationParams); a streamed chat
+    without a response_format beside them ends as it would alone."""
+    start_worker("generate", model_path=spec("tiny_llama_chars"), queue=gen_queue)
+    client = client_for(serve(make_app()))
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=gen_queue, messages=CHAT, max_tokens=20, response_format=json_schema(HUGE_PATTERN)
+        )
+    assert refused.value.param == "response_format"
+    assert "too many expressions" in str(refused.value)
+
+    def streamed() -> tuple[str, str | None]:
+        chunks = list(
+            client.chat.completions.create(
+                model=gen_queue, messages=CHAT, max_tokens=30, stream=True
+            )
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return text, next(c.choices[0].finish_reason for c in reversed(chunks) if c.choices)
+
+    def lazy() -> BaseException | None:
+        try:
+            client.chat.completions.create(
+                model=gen_queue, messages=CHAT, max_tokens=20, response_format=json_schema(LAZY)
+            )
+        except openai.APIError as exc:
+            return exc
+        return None
+
+    with ThreadPoolExecutor(3) as pool:
+        stream, bad, bad_again = pool.submit(streamed), pool.submit(lazy), pool.submit(lazy)
+        (text, reason), errors = stream.result(), [bad.result(), bad_again.result()]
+    for error in errors:
+        assert isinstance(error, openai.BadRequestError), error
+        assert "response_format" in str(error)
+    alone = client.chat.completions.create(model=gen_queue, messages=CHAT, max_tokens=30)
+    assert (text, reason) == (alone.choices[0].message.content, alone.choices[0].finish_reason)

@@ -113,7 +113,8 @@ def test_a_grammar_compiles_once_per_text_and_each_sequence_gets_its_own_matcher
     a = Sequence_([5], GenerationParams(grammar=grammar), 0.0, print)
     b = Sequence_([5], GenerationParams(grammar=grammar), 0.0, print)
     logits = torch.zeros(2, 97)
-    masked = grammars.mask([a, b], logits)
+    masked, failed = grammars.mask([a, b], logits, [0, 1])
+    assert not failed
     assert grammars.compiles == 1
     assert a.matcher is not b.matcher
     allowed = (masked[0] > float("-inf")).nonzero().flatten().tolist()
@@ -125,8 +126,8 @@ def test_a_grammar_compiles_once_per_text_and_each_sequence_gets_its_own_matcher
     assert grammars.compiles == 1
     free = Sequence_([5], GenerationParams(), 0.0, print)
     only = logits[:1]
-    assert grammars.mask([free], only) is only
-    unmasked = grammars.mask([free, b], logits)
+    assert grammars.mask([free], only, [])[0] is only
+    unmasked, _ = grammars.mask([free, b], logits, [1])
     assert torch.equal(unmasked[0], logits[0])  # a row without a grammar is untouched
 
 
