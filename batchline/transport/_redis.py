@@ -218,8 +218,10 @@ class _Pinned:
             client = await self._node_client()
             try:
                 return await getattr(client, name)(*args, **kwargs)
-            except (RedisConnectionError, RedisTimeoutError, MovedError, AskError):
-                await self._stale()
+            except Exception as exc:
+                lost = (RedisConnectionError, RedisTimeoutError, MovedError, AskError)
+                if isinstance(redis_failure(exc), lost):  # redis-py's own failures too
+                    await self._stale()
                 raise
 
         return call

@@ -29,7 +29,7 @@ from batchline.transport._errors import (
     passing_code,
     redis_failure,
 )
-from batchline.transport._redis import Backoff, _stream_keys
+from batchline.transport._redis import Backoff, _Pinned, _stream_keys
 from batchline.worker.upkeep._upkeep import every
 
 
@@ -160,3 +160,34 @@ async def test_ignoring_redis_failures_drops_the_librarys_and_not_batchlines() -
         raise RedisConnectionError("gone")
     with pytest.raises(TypeError), ignoring_redis_failures():
         batchline_bug()
+
+
+async def test_a_pinned_node_connection_is_dropped_after_the_librarys_failure() -> None:
+    # Durability replicated on a cluster: the writes' connection to the queue's node. After
+    # redis-py failed on it, the next call finds the node again (a failover may have moved it).
+    class Nodes:
+        initialized = 0
+
+        async def initialize(self) -> None:
+            self.initialized += 1
+
+    class Pool:
+        async def disconnect(self) -> None:
+            return None
+
+    class NodeClient:
+        connection_pool = Pool()
+
+        async def get(self, key: str) -> None:
+            await library_bug()
+
+        async def aclose(self) -> None:
+            return None
+
+    cluster: Any = type("Cluster", (), {"nodes_manager": Nodes()})()
+    pinned = _Pinned(cluster, "{q}:in")
+    pinned._client = NodeClient()  # type: ignore[assignment]
+    with pytest.raises(AttributeError):
+        await pinned.get("{q}:in")
+    assert pinned._client is None
+    assert cluster.nodes_manager.initialized == 1
