@@ -40,7 +40,7 @@ from batchline.errors import (
     ServiceUnavailable,
 )
 from batchline.keys import QueueKeys
-from batchline.transport._errors import REDIS_FAILURES, passing_code
+from batchline.transport._errors import passing_code, redis_failure
 from batchline.transport._redis import RedisClient, dedicated, pinned
 from batchline.transport.status import LIVE_WITHIN_S, live_worker_count
 
@@ -94,7 +94,10 @@ async def timed_out(client: RedisClient, keys: QueueKeys, what: str) -> RequestT
     try:
         async with asyncio.timeout(_LOOK_S):
             live = await live_worker_count(client, keys)
-    except (*REDIS_FAILURES, TimeoutError) as exc:
+    except Exception as caught:
+        exc = caught if isinstance(caught, TimeoutError) else redis_failure(caught)
+        if exc is None:
+            raise
         return RequestTimeout(
             f"{what} on queue {queue!r}; whether a live worker serves that queue is unknown "
             f"(Redis: {type(exc).__name__})"

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from redis.asyncio.connection import AbstractConnection
 
+from batchline.errors import ServiceUnavailable
 from batchline.keys import QueueKeys
 from batchline.producer import Producer
 from batchline.worker.upkeep._consumers import PRUNE
@@ -163,3 +164,16 @@ def test_a_bug_in_batchlines_own_code_stops_the_worker_loudly(
     assert "stopped: a task failed" in str(error)
     assert isinstance(error.__cause__, TypeError)
     assert "batchline-heartbeat failed" in caplog.text
+
+
+def test_a_producer_reports_the_librarys_failure_as_a_typed_error(
+    breakage: Breakage, redis_url: str, queue: str
+) -> None:
+    with Producer(redis_url=redis_url, queue=queue) as producer:
+        breakage.failing = True
+        for call in (producer.queue_depth, lambda: producer.get_result("r1")):
+            with pytest.raises(ServiceUnavailable, match="writelines") as caught:
+                call()
+            assert isinstance(caught.value.__cause__, AttributeError)
+        breakage.failing = False
+        assert producer.queue_depth() == 0
