@@ -22,6 +22,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from batchline.errors import ServiceUnavailable
 from batchline.producer._failures import refused
+from batchline.transport import _errors
 from batchline.transport._errors import (
     RedisLibraryError,
     ignoring_redis_failures,
@@ -54,8 +55,9 @@ async def caught(call: Any) -> BaseException:
 
 
 async def test_an_error_raised_inside_redis_py_is_a_lost_connection(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(_errors, "_LIBRARY_PLACES", set())  # as in a process just started
     bug = await caught(library_bug)
     assert isinstance(bug, AttributeError)
     with caplog.at_level(logging.WARNING, "batchline.transport._errors"):

@@ -24,6 +24,7 @@ from redis.asyncio.connection import AbstractConnection
 from batchline.errors import ServiceUnavailable
 from batchline.keys import QueueKeys
 from batchline.producer import Producer
+from batchline.transport import _errors
 from batchline.worker.upkeep._consumers import PRUNE
 
 from tests.support.service import RESULT_TIMEOUT_S, WorkerThread, wait_until
@@ -90,6 +91,8 @@ class Breakage:
 def breakage(monkeypatch: pytest.MonkeyPatch, keys: QueueKeys) -> Iterator[Breakage]:
     state = Breakage(keys)
     send = AbstractConnection.send_packed_command
+    # Each place in redis-py is logged with its traceback once per process: once per test here.
+    monkeypatch.setattr(_errors, "_LIBRARY_PLACES", set())
 
     async def flaky(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
         if state.should_fail(command):
