@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from batchline.codec._vectors import unit_rows
+from batchline.codec import unit_rows
 from batchline.contrib._openai_errors import OpenAIError
 from batchline.keys import QueueKeys
 from batchline.transport._redis import RedisClient

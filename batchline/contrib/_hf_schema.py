@@ -22,7 +22,7 @@ from typing import Annotated, Any
 import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
-from batchline.codec._vectors import unit_rows
+from batchline.codec import unit_rows
 from batchline.contrib._common import MAX_TEXT_CHARS
 from batchline.contrib._extra_schema import MAX_RERANK_DOCUMENTS, rerank_value
 from batchline.contrib._openai_schema import MAX_EMBEDDING_INPUTS, MAX_LOGPROBS

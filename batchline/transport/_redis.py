@@ -26,9 +26,7 @@ from batchline.transport._errors import (
 )
 from batchline.transport._sentinel import sentinel_client
 
-# REDIS_FAILURES and passing live in _errors, and are imported from here too.
 __all__ = [
-    "REDIS_FAILURES",
     "Backoff",
     "RedisClient",
     "RedisUnreachable",
@@ -36,7 +34,6 @@ __all__ = [
     "connect",
     "dedicated",
     "own_connection",
-    "passing",
     "pinned",
     "wait_for_redis",
 ]

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from batchline.codec._vectors import unit_rows
+from batchline.codec import unit_rows
 from batchline.demo.sentences import sentences
 from batchline.devices import float32_head
 from batchline.worker import load_model

@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from batchline.codec._vectors import unit_rows
+from batchline.codec import unit_rows
 from batchline.core.padding import split_outputs
 from batchline.devices import float32_head, pick_device, pick_dtype
 from batchline.worker.models._tokenized import Tokenized, gather, matryoshka

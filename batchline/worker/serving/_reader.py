@@ -10,8 +10,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from redis.exceptions import ResponseError
 
 from batchline.keys import GROUP
-from batchline.transport._errors import redis_failure
-from batchline.transport._redis import Backoff, RedisClient, own_connection, passing
+from batchline.transport._errors import passing, redis_failure
+from batchline.transport._redis import Backoff, RedisClient, own_connection
 from batchline.worker.serving._readcap import Entry, ReadCap
 from batchline.worker.upkeep._consumers import ensure_groups
 
