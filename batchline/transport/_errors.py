@@ -103,8 +103,10 @@ def redis_failure(exc: BaseException) -> BaseException | None:
     while a failover closes them under a command; they disconnect on any error, so the
     next call connects again. It comes back as a :class:`RedisLibraryError` (a lost
     connection: a write it carried is uncertain), its traceback logged the first time per
-    place. Bad arguments that batchline passes are refused by redis-py with its own
-    ``DataError``, a RedisError, before anything is sent.
+    place. The price: an argument of batchline's that redis-py trips on deep inside
+    (most it refuses up front with its ``DataError``, a RedisError already) would be
+    ridden out too rather than stop the worker; the warning with its traceback shows it,
+    and the test suite makes every call batchline makes.
     """
     if isinstance(exc, REDIS_FAILURES):
         return exc
@@ -124,7 +126,7 @@ def redis_failure(exc: BaseException) -> BaseException | None:
         _LIBRARY_PLACES.add(place)
         logger.warning(
             "the Redis client library raised %s from inside its own code (%s:%d): taken "
-            "for a lost connection, the call is tried again",
+            "for a lost connection",
             type(exc).__name__,
             *place,
             exc_info=exc,
