@@ -45,11 +45,14 @@ def embeddings(sentences: int, repeats: int) -> list[str]:
     from sentence_transformers import SentenceTransformer
 
     from batchline.demo.sentences import sentences as demo_sentences
+    from batchline.devices import float32_head
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     texts = demo_sentences(sentences)
-    models = {
-        name: SentenceTransformer(str(get_model_path()), device="cpu").to(getattr(torch, name))
+    models = {  # as a worker runs it: pooling and normalisation in float32 in both
+        name: float32_head(
+            SentenceTransformer(str(get_model_path()), device="cpu"), getattr(torch, name)
+        )
         for name in DTYPES
     }
     samples = Samples()

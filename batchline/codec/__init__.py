@@ -22,7 +22,8 @@ See ``docs/protocol.md``.
 
 The package's parts: ``_values`` (values and their limits), ``_requests`` (request fields,
 validated by pydantic), ``_results`` (result field lists, checked by hand), ``_chunks`` (the
-chunk entries of streamed generations, checked by hand). What this package
+chunk entries of streamed generations, checked by hand), ``_vectors`` (embeddings scaled to
+unit length). What this package
 exports is the Python form of the contract; the worker's and the producer's own helpers
 (decoding a whole read, salvaging a malformed entry's id, the hot-path result encoder) stay
 in those modules.
@@ -48,6 +49,7 @@ from batchline.codec._values import (
     pack_value,
     unpack_value,
 )
+from batchline.codec._vectors import unit_rows
 from batchline.errors import DecodeError
 
 __all__ = [
@@ -64,6 +66,7 @@ __all__ = [
     "pack_result",
     "pack_value",
     "request_value",
+    "unit_rows",
     "unpack_result",
     "unpack_value",
 ]

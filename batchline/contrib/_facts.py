@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from batchline.codec import unit_rows
 from batchline.contrib._openai_errors import OpenAIError
 from batchline.keys import QueueKeys
 from batchline.transport._redis import RedisClient
@@ -86,7 +87,4 @@ def check_dimensions(facts: dict[str, Any] | None, dimensions: int, model: str) 
 def truncated(matrix: np.ndarray[Any, Any], dimensions: int) -> np.ndarray[Any, Any]:
     """Each row cut to its first ``dimensions`` values, then scaled to unit length (a zero
     row stays zero)."""
-    cut = np.asarray(matrix, dtype=np.float32)[:, :dimensions]
-    norms = np.linalg.norm(cut, axis=1, keepdims=True)
-    out: np.ndarray[Any, Any] = np.divide(cut, norms, out=np.zeros_like(cut), where=norms > 0)
-    return out
+    return unit_rows(np.asarray(matrix)[:, :dimensions])

@@ -22,6 +22,7 @@ from typing import Annotated, Any
 import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
+from batchline.codec import unit_rows
 from batchline.contrib._common import MAX_TEXT_CHARS
 from batchline.contrib._extra_schema import MAX_RERANK_DOCUMENTS, rerank_value
 from batchline.contrib._openai_schema import MAX_EMBEDDING_INPUTS, MAX_LOGPROBS
@@ -355,8 +356,7 @@ def vectors(output: Any, count: int, *, normalize: bool) -> list[list[float]]:
     if matrix.ndim != 2 or matrix.shape[0] != count:
         raise ValueError(f"the embedding worker answered shape {matrix.shape} for {count} texts")
     if normalize:
-        norms = np.linalg.norm(matrix, axis=1, keepdims=True)
-        matrix = np.divide(matrix, norms, out=np.zeros_like(matrix), where=norms > 0)
+        matrix = unit_rows(matrix)
     return [row.astype(float).tolist() for row in matrix]
 
 

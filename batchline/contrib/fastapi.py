@@ -89,7 +89,8 @@ from batchline.producer import AsyncProducer, Handle
 from batchline.producer._failures import translate
 from batchline.producer._outcomes import cached_result
 from batchline.transport._admission import Admission
-from batchline.transport._redis import REDIS_FAILURES, RedisClient, connect
+from batchline.transport._errors import REDIS_FAILURES
+from batchline.transport._redis import RedisClient, connect
 
 __all__ = [
     "INPUT_ERRORS",

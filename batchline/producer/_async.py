@@ -14,7 +14,6 @@ only poll.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -45,8 +44,9 @@ from batchline.producer._replies import ReplyReader, Waiters
 from batchline.producer._stream import StreamChunk, Streams, quiet_cancel
 from batchline.tracing import producer as producer_trace
 from batchline.transport._admission import Admission
+from batchline.transport._errors import ignoring_redis_failures, redis_failure
 from batchline.transport._once import input_hash
-from batchline.transport._redis import REDIS_FAILURES, RedisClient, connect
+from batchline.transport._redis import RedisClient, connect
 
 __all__ = ["AsyncProducer", "EnqueueOptions", "Handle", "SubmitOptions"]
 
@@ -175,7 +175,7 @@ class AsyncProducer:
                     fut.set_exception(BatcherClosed("the producer was closed before the result"))
                     fut.exception()  # retrieved: nobody may be waiting on it any more
         self._waiting.clear()
-        with contextlib.suppress(RedisError, OSError):
+        with ignoring_redis_failures():
             await self._redis.delete(self._reply_key)
         await self._enqueue.aclose()
         if self._own_client:
@@ -466,8 +466,11 @@ class AsyncProducer:
             raw = await self._redis.get(key)
             if raw is None and self.settings.cache_ttl_s > 0:
                 raw = await cached_result(self._redis, self.keys, request_id)
-        except REDIS_FAILURES as exc:
-            raise translate(exc) from exc
+        except Exception as caught:
+            exc = redis_failure(caught)
+            if exc is None:
+                raise
+            raise translate(exc) from caught
         if raw is None:
             return None
         try:
@@ -484,8 +487,11 @@ class AsyncProducer:
         rid = handle if isinstance(handle, str) else handle.id
         try:
             await self._admission.cancel(self._redis, rid, ttl_s=self.settings.result_ttl_s)
-        except REDIS_FAILURES as exc:
-            raise translate(exc) from exc
+        except Exception as caught:
+            exc = redis_failure(caught)
+            if exc is None:
+                raise
+            raise translate(exc) from caught
         for fut in self._waiting.forget(rid):
             if not fut.done():
                 # Not fut.cancel(): a waiter would take that for its own task being cancelled.
@@ -497,5 +503,8 @@ class AsyncProducer:
         in its inbox, not admitted yet, included)."""
         try:
             return await self._admission.depth(self._redis)
-        except REDIS_FAILURES as exc:
-            raise translate(exc) from exc
+        except Exception as caught:
+            exc = redis_failure(caught)
+            if exc is None:
+                raise
+            raise translate(exc) from caught

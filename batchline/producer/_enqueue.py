@@ -29,9 +29,10 @@ from batchline.producer._outcomes import Answered, outcome_of
 from batchline.producer._replies import Waiters
 from batchline.redis_url import is_sentinel_url
 from batchline.transport._admission import Admission
+from batchline.transport._errors import redis_failure
 from batchline.transport._once import once_keys
 from batchline.transport._outbox import Outbox
-from batchline.transport._redis import REDIS_FAILURES, RedisClient
+from batchline.transport._redis import RedisClient
 from batchline.transport._replication import Replication
 
 if TYPE_CHECKING:
@@ -219,8 +220,11 @@ class Enqueuer:
             # Connected first, so that a failure to connect (nothing sent) is told apart
             # from one with the write in flight.
             await connected(self._writer)
-        except REDIS_FAILURES as exc:
-            raise Failed([translate(exc) for _ in ids], exc) from exc
+        except Exception as caught:
+            exc = redis_failure(caught)
+            if exc is None:
+                raise
+            raise Failed([translate(exc) for _ in ids], exc) from caught
         try:
             # Sizes are the workers' to check (their limits): the admission refuses an entry
             # larger than their largest request.
@@ -228,8 +232,11 @@ class Enqueuer:
             if not self._replication.replicated:
                 return replies
             confirmed = await self._replication.confirmed(self._writer)
-        except REDIS_FAILURES as exc:
-            raise Failed([uncertain(exc, rid) for rid in ids], exc) from exc
+        except Exception as caught:
+            exc = redis_failure(caught)
+            if exc is None:
+                raise
+            raise Failed([uncertain(exc, rid) for rid in ids], exc) from caught
         if self._replication.short(confirmed):
             r = self._replication
             # What was written is not accepted; what was answered at once stands.

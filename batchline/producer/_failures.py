@@ -29,7 +29,6 @@ from redis.exceptions import (
     OutOfMemoryError,
     ReadOnlyError,
     RedisClusterException,
-    ResponseError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -41,14 +40,8 @@ from batchline.errors import (
     ServiceUnavailable,
 )
 from batchline.keys import QueueKeys
-from batchline.transport._redis import (
-    PASSING,
-    POOL_NO_CLIENT_INFO,
-    REDIS_FAILURES,
-    RedisClient,
-    dedicated,
-    pinned,
-)
+from batchline.transport._errors import passing_code, redis_failure
+from batchline.transport._redis import POOL_NO_CLIENT_INFO, RedisClient, dedicated, pinned
 from batchline.transport.status import LIVE_WITHIN_S, live_worker_count
 
 __all__ = [
@@ -73,13 +66,11 @@ def refused(exc: BaseException) -> ServiceUnavailable | None:
         return ServiceUnavailable(f"Redis Cluster: {exc}; nothing was queued")
     if isinstance(exc, BusyLoadingError | ReadOnlyError):
         return ServiceUnavailable(f"Redis cannot take writes now: {exc}; nothing was queued")
-    if isinstance(exc, ResponseError):
-        match = PASSING.search(str(exc))
-        if match is None:
-            return None
-        what = "out of memory (maxmemory)" if match[1] == "OOM" else f"refusing writes ({match[1]})"
-        return ServiceUnavailable(f"Redis is {what}: {exc}; nothing was queued")
-    return None
+    code = passing_code(exc)
+    if code is None:
+        return None
+    what = "out of memory (maxmemory)" if code == "OOM" else f"refusing writes ({code})"
+    return ServiceUnavailable(f"Redis is {what}: {exc}; nothing was queued")
 
 
 def translate(exc: BaseException) -> BaseException:
@@ -103,7 +94,10 @@ async def timed_out(client: RedisClient, keys: QueueKeys, what: str) -> RequestT
     try:
         async with asyncio.timeout(_LOOK_S):
             live = await live_worker_count(client, keys)
-    except (*REDIS_FAILURES, TimeoutError) as exc:
+    except Exception as caught:
+        exc = caught if isinstance(caught, TimeoutError) else redis_failure(caught)
+        if exc is None:
+            raise
         return RequestTimeout(
             f"{what} on queue {queue!r}; whether a live worker serves that queue is unknown "
             f"(Redis: {type(exc).__name__})"

@@ -23,7 +23,8 @@ from batchline.codec._chunks import CHUNKS_FIELD
 from batchline.codec._results import decode_flat
 from batchline.producer._outcomes import check_input
 from batchline.producer._stream import Streams
-from batchline.transport._redis import REDIS_FAILURES, Backoff, RedisClient, own_connection
+from batchline.transport._errors import ignoring_redis_failures, redis_failure
+from batchline.transport._redis import Backoff, RedisClient, own_connection
 
 __all__ = ["ReplyReader", "Waiters"]
 
@@ -148,7 +149,10 @@ class ReplyReader:
         while not self._closed():
             try:
                 response = await client.xread({self._reply_key: last}, count=1000, block=1000)
-            except REDIS_FAILURES as exc:
+            except Exception as caught:
+                exc = redis_failure(caught)
+                if exc is None:
+                    raise
                 if self._closed():
                     break  # stop() cut the connection: nothing to report
                 failed = True
@@ -168,7 +172,7 @@ class ReplyReader:
                     seen.append(entry_id)
                     self.deliver_all(raw)
             last = seen[-1]
-            with contextlib.suppress(RedisError, OSError):
+            with ignoring_redis_failures():
                 await client.xdel(self._reply_key, *seen)
 
     def deliver_all(self, raw: Any) -> None:

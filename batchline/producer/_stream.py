@@ -26,7 +26,8 @@ from batchline.codec import Result
 from batchline.codec._chunks import Chunk, check_logprobs, unpack_chunks
 from batchline.errors import DecodeError, InferenceError, StreamDiverged
 from batchline.transport._admission import Admission
-from batchline.transport._redis import REDIS_FAILURES, RedisClient
+from batchline.transport._errors import redis_failure
+from batchline.transport._redis import RedisClient
 
 __all__ = ["StreamChunk", "StreamState", "Streams", "quiet_cancel"]
 
@@ -183,7 +184,10 @@ def quiet_cancel(redis: RedisClient, admission: Admission, ttl_s: int) -> Cancel
     async def cancel(rid: str) -> None:
         try:
             await admission.cancel(redis, rid, ttl_s=ttl_s)
-        except REDIS_FAILURES as exc:
+        except Exception as caught:
+            exc = redis_failure(caught)
+            if exc is None:
+                raise
             logger.warning("could not cancel request %s, whose stream ended: %s", rid, exc)
 
     return cancel

@@ -27,7 +27,8 @@ from typing import Any
 from redis.exceptions import NoPermissionError
 
 from batchline.keys import MAX_ID_CHARS, QueueKeys, is_name
-from batchline.transport._redis import REDIS_FAILURES, Backoff, RedisClient
+from batchline.transport._errors import redis_failure
+from batchline.transport._redis import Backoff, RedisClient
 
 __all__ = ["CANCELS_MAXLEN", "CancelLog", "CancelTrim"]
 
@@ -188,7 +189,10 @@ class CancelLog:
         while running():
             try:
                 response = await redis.xread({keys.cancels: self._last}, count=_PAGE, block=1000)
-            except REDIS_FAILURES as exc:
+            except Exception as caught:
+                exc = redis_failure(caught)
+                if exc is None:
+                    raise
                 await backoff.wait(exc)
                 continue
             backoff.reset()

@@ -6,34 +6,30 @@ import asyncio
 import contextlib
 import inspect
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeAlias, TypeVar
 
 from redis.asyncio import ConnectionPool, Redis, RedisCluster
 from redis.asyncio.sentinel import MasterNotFoundError, SentinelConnectionPool
-from redis.exceptions import (
-    AskError,
-    MovedError,
-    NoScriptError,
-    OutOfMemoryError,
-    RedisClusterException,
-    RedisError,
-    ResponseError,
-)
+from redis.exceptions import AskError, MovedError, NoScriptError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from batchline.config import ServiceSettings, redact_url
 from batchline.errors import BatchlineError
 from batchline.redis_url import is_sentinel_url, parse_sentinel_url
+from batchline.transport._errors import (
+    REDIS_FAILURES,
+    RedisLibraryError,
+    passing,
+    redis_failure,
+)
 from batchline.transport._sentinel import sentinel_client
 
 __all__ = [
     "NO_CLIENT_INFO",
     "POOL_NO_CLIENT_INFO",
-    "REDIS_FAILURES",
     "Backoff",
     "RedisClient",
     "RedisUnreachable",
@@ -41,7 +37,6 @@ __all__ = [
     "connect",
     "dedicated",
     "own_connection",
-    "passing",
     "pinned",
     "wait_for_redis",
 ]
@@ -50,29 +45,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: What a call to Redis raises when Redis cannot be reached or refuses it: redis-py's errors,
-#: the socket's, and a cluster client's own (``RedisClusterException``, not a RedisError:
-#: "cannot be connected" when no node it knows answers, during a failover say).
-REDIS_FAILURES = (RedisError, OSError, RedisClusterException)
-
 #: An asyncio ``redis.asyncio.Redis`` or ``RedisCluster`` client (bytes replies). Any to
 #: mypy: redis-py types each command as returning ``Awaitable[T] | T`` for its sync and
 #: async clients at once, which no ``await`` type-checks.
 RedisClient: TypeAlias = Any
-
-
-# Error codes of a state Redis leaves by itself (or after an operator's fix, or a failover);
-# inside a script's error they follow a '-' ("... @user_script: 13: -OOM command not ...").
-PASSING = re.compile(
-    r"(?:^|-)(OOM|LOADING|READONLY|MASTERDOWN|MISCONF|BUSY|NOREPLICAS|TRYAGAIN|CLUSTERDOWN)\b"
-)
-
-
-def passing(exc: BaseException) -> bool:
-    """Whether ``exc`` is a state Redis leaves by itself: a loop waits and tries again."""
-    return isinstance(exc, OutOfMemoryError) or (
-        isinstance(exc, ResponseError) and PASSING.search(str(exc)) is not None
-    )
 
 
 class RedisUnreachable(BatchlineError, ConnectionError):
@@ -271,8 +247,10 @@ class _Pinned:
             client = await self._node_client()
             try:
                 return await getattr(client, name)(*args, **kwargs)
-            except (RedisConnectionError, RedisTimeoutError, MovedError, AskError):
-                await self._stale()
+            except Exception as exc:
+                lost = (RedisConnectionError, RedisTimeoutError, MovedError, AskError)
+                if isinstance(redis_failure(exc), lost):  # redis-py's own failures too
+                    await self._stale()
                 raise
 
         return call
@@ -349,7 +327,11 @@ class Backoff:
         self._failed += 1
         now = time.monotonic()
         if now >= self._quiet_until:
-            shown = str(exc) if isinstance(exc, ResponseError) else type(exc).__name__
+            shown = (
+                str(exc)
+                if isinstance(exc, ResponseError | RedisLibraryError)
+                else type(exc).__name__
+            )
             since = f" ({self._unreported} more failed tries since the last line)"
             self._logger.warning(
                 "%s: %s; retrying in %.2f s%s",
@@ -367,27 +349,26 @@ class Backoff:
 
     async def retry(self, attempt: Callable[[], Awaitable[T]], *, budget_s: float) -> T:
         """Call ``attempt`` until it works, through a Redis restart (lost connections,
-        timeouts) and the states Redis leaves by itself (loading its data after a restart,
-        out of memory under ``noeviction``), waiting between tries; past ``budget_s``
-        seconds of waiting, or for any other error, raise it."""
+        timeouts, the client library failing in its own code: :func:`redis_failure`) and
+        the states Redis leaves by itself (loading its data after a restart, out of memory
+        under ``noeviction``, a cluster failing over), waiting between tries; past
+        ``budget_s`` seconds of waiting, or for any other error, raise it."""
         self.reset()
         waited_s = 0.0
         while True:
             try:
                 result = await attempt()
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-                if waited_s >= budget_s:
+            except Exception as exc:
+                error = redis_failure(exc)
+                lost = isinstance(error, RedisConnectionError | RedisTimeoutError | OSError)
+                if not (lost or passing(exc)) or waited_s >= budget_s:
                     raise
-                error: BaseException = exc
-            except ResponseError as exc:
-                if not passing(exc) or waited_s >= budget_s:
-                    raise
-                error = exc
+                failed: BaseException = error or exc
             else:
                 self.reset()
                 return result
             waited_s += self.delay_s
-            await self.wait(error)
+            await self.wait(failed)
 
 
 class Script:

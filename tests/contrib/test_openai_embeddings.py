@@ -180,7 +180,38 @@ def test_a_worker_that_allows_dimensions_gives_the_renormalized_prefix(
             np.testing.assert_allclose(
                 row.embedding, unit(full.data[0].embedding[:64]), rtol=1e-5, atol=1e-6
             )
-            assert np.linalg.norm(row.embedding) == pytest.approx(1.0, abs=1e-5)
+            assert np.linalg.norm(row.embedding) == pytest.approx(1.0, abs=1e-6)
     with pytest.raises(openai.BadRequestError) as refused:
         client.embeddings.create(model=queue, input=text, dimensions=385)
     assert refused.value.param == "dimensions"
+
+
+@pytest.mark.slow
+def test_vectors_over_http_are_unit_length_in_the_default_dtype(
+    minilm: Callable[..., Any], http: httpx.Client, queue: str
+) -> None:
+    """all-MiniLM-L6-v2 in the worker's default dtype (bfloat16 on a CPU that computes it
+    natively): every route's vectors have norm 1 within 1e-6, as JSON floats and as base64."""
+    from batchline.demo.sentences import sentences
+
+    minilm()
+    client = client_for(http)
+    texts = sentences(64, seed=13)
+
+    def assert_unit(vectors: Any) -> None:
+        norms = np.linalg.norm(np.asarray(vectors, dtype=np.float64), axis=1)
+        np.testing.assert_allclose(norms, 1.0, rtol=0, atol=1e-6)
+
+    floats = client.embeddings.create(model=queue, input=texts, encoding_format="float")
+    assert_unit([row.embedding for row in floats.data])
+    packed = client.embeddings.create(model=queue, input=texts)  # base64, decoded
+    assert_unit([row.embedding for row in packed.data])
+    # dimensions at the model's own size: renormalized, the same unit vectors.
+    full = client.embeddings.create(model=queue, input=texts[:4], dimensions=384)
+    assert_unit([row.embedding for row in full.data])
+    # TEI's /embed, normalized by the route or not; the app's own /embed as it is.
+    for normalize in (True, False):
+        got = http.post("/embed", json={"inputs": texts, "normalize": normalize})
+        assert got.status_code == 200, got.text
+        assert_unit(got.json())
+    assert_unit(http.post("/embed", json={"texts": texts}).json()["embeddings"])

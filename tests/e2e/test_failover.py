@@ -157,8 +157,12 @@ async def test_a_replica_count_never_met_refuses_every_request(
         "replication_timeout_ms": 200,
     }
     async with AsyncProducer(**settings) as producer:
-        with pytest.raises(NotReplicated, match="1 of the 3|2 of the 3") as caught:
+        with pytest.raises(NotReplicated) as caught:
             await producer.submit("never held as promised", request_id="r1")
+        # How many of the two replicas confirmed within the 200 ms depends on when they ran
+        # (none, on a busy machine): the message says how many did.
+        assert 0 <= caught.value.confirmed <= 2
+        assert f"{caught.value.confirmed} of the 3 replicas" in str(caught.value)
         assert caught.value.needed == 3
         with pytest.raises(NotReplicated):
             await producer.infer("nor this", timeout_s=5)

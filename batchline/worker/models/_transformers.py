@@ -22,8 +22,10 @@ class TransformersModel(Tokenized):
     Inputs: a text, a list of texts, or token features of one sequence
     (``{"input_ids": [...], "attention_mask": [...]}``, 1-D integer arrays), padded per
     feature (input_ids with the tokenizer's pad id, the rest with 0). ``task="embed"``
-    returns the attention-masked mean of the last hidden state; ``task="classify"`` a dict
-    of ``label``, ``score`` and ``probs``.
+    returns the attention-masked mean of the last hidden state, taken in float32 whatever
+    ``dtype`` the model runs in (not normalised: divided by its norm, it is the sentence
+    embedding of a mean-pooling model, within 1e-6); ``task="classify"`` a dict of
+    ``label``, ``score`` and ``probs`` (the softmax in float32 too).
     """
 
     def __init__(

@@ -31,9 +31,10 @@ from redis.exceptions import ResponseError
 
 from batchline.config import WorkerSettings
 from batchline.transport._cancels import CANCELS_MAXLEN
+from batchline.transport._errors import redis_failure
 from batchline.transport._functions import ADMIT, function_missing, load_library
 from batchline.transport._once import once_keys
-from batchline.transport._redis import REDIS_FAILURES, Backoff, RedisClient
+from batchline.transport._redis import Backoff, RedisClient
 from batchline.worker.serving._readcap import ReadCap
 from batchline.worker.serving._writer import DEAD_MAXLEN, REPLY_MAXLEN
 
@@ -166,8 +167,11 @@ class Admitter:
                     await backoff.wait(exc)
                 left = 1
                 continue
-            except REDIS_FAILURES as exc:
-                await backoff.wait(exc)
+            except Exception as caught:
+                failure = redis_failure(caught)
+                if failure is None:
+                    raise
+                await backoff.wait(failure)
                 left = 1
                 continue
             backoff.reset()
@@ -176,5 +180,8 @@ class Admitter:
         try:
             if not await load_library(self._client, self.keys):
                 await backoff.wait(RuntimeError("the queue's functions cannot be loaded"))
-        except REDIS_FAILURES as exc:
+        except Exception as caught:
+            exc = redis_failure(caught)
+            if exc is None:
+                raise
             await backoff.wait(exc)

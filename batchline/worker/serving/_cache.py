@@ -18,8 +18,9 @@ import logging
 import math
 
 from batchline.config import WorkerSettings
+from batchline.transport._errors import redis_failure
 from batchline.transport._once import cache_hash, once_figures
-from batchline.transport._redis import REDIS_FAILURES, RedisClient
+from batchline.transport._redis import RedisClient
 from batchline.worker.metrics import Metrics
 from batchline.worker.serving._answers import Record
 
@@ -56,7 +57,10 @@ class AnswerCache:
             return
         try:
             await client.set(self.keys.model, self.model_id, ex=self._model_ttl_s)
-        except REDIS_FAILURES as exc:  # the cache stays off until the next worker
+        except Exception as caught:  # the cache stays off until the next worker
+            exc = redis_failure(caught)
+            if exc is None:
+                raise
             logger.warning("could not publish the model identity: %s", exc)
 
     async def beat(self, client: RedisClient, metrics: Metrics) -> None:
@@ -65,7 +69,10 @@ class AnswerCache:
         if metrics.port:
             try:
                 metrics.once(once_figures(await client.hgetall(self.keys.once_stats)))
-            except REDIS_FAILURES as exc:
+            except Exception as caught:
+                exc = redis_failure(caught)
+                if exc is None:
+                    raise
                 logger.warning("could not read the queue's counters: %s", exc)
 
     def keys_for(self, record: Record) -> tuple[str, str]:

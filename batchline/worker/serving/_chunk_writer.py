@@ -26,8 +26,9 @@ from collections.abc import Callable
 
 from batchline.codec._chunks import Chunk, merge_chunks, pack_chunks
 from batchline.keys import QueueKeys
+from batchline.transport._errors import redis_failure
 from batchline.transport._outbox import Outbox
-from batchline.transport._redis import REDIS_FAILURES, RedisClient
+from batchline.transport._redis import RedisClient
 from batchline.worker.serving._writer import REPLY_MAXLEN
 
 __all__ = ["ChunkWriter"]
@@ -98,7 +99,10 @@ class ChunkWriter:
             failed = next((r for r in replies[0::3] if isinstance(r, Exception)), None)
             if failed is not None:
                 raise failed
-        except REDIS_FAILURES as exc:
+        except Exception as caught:
+            exc = redis_failure(caught)
+            if exc is None:
+                raise
             logger.warning(
                 "chunks for %d producers not written (they go with the next write): %s",
                 len(by_reply),

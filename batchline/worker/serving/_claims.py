@@ -5,18 +5,16 @@ back, and one whose model call runs long hands back those it has not started."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from batchline.drivers._base import Call
 from batchline.keys import GROUP
 from batchline.tracing import handed_back
+from batchline.transport._errors import ignoring_redis_failures
 from batchline.transport._redis import RedisClient
 from batchline.worker.serving._answers import Meta, Record
 
@@ -106,7 +104,7 @@ class Claims:
 
         async def run() -> None:
             try:
-                with contextlib.suppress(RedisError, OSError):
+                with ignoring_redis_failures():
                     await sign_off(client)
                 await self.give_back(taken, idle_ms=idle_ms, redis=client)
             finally:
@@ -145,7 +143,7 @@ class Claims:
         other than the worker's (the watchdog's, while the worker's loop is blocked)."""
         client = self.redis if redis is None else redis
         for (sidx, retry), entries in taken.items():
-            with contextlib.suppress(RedisError, OSError):
+            with ignoring_redis_failures():
                 await client.xclaim(
                     self.streams[sidx],
                     GROUP,

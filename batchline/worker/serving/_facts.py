@@ -14,7 +14,8 @@ import math
 from typing import Any
 
 from batchline.config import WorkerSettings
-from batchline.transport._redis import REDIS_FAILURES, RedisClient
+from batchline.transport._errors import redis_failure
+from batchline.transport._redis import RedisClient
 from batchline.worker.models._tokenize import token_ops
 
 __all__ = ["ModelFacts", "model_facts"]
@@ -59,5 +60,8 @@ class ModelFacts:
             return
         try:
             await client.set(self.key, self.text, ex=self.ttl_s)
-        except REDIS_FAILURES as exc:
+        except Exception as caught:
+            exc = redis_failure(caught)
+            if exc is None:
+                raise
             logger.warning("could not publish the model's facts: %s", exc)

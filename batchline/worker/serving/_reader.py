@@ -10,7 +10,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from redis.exceptions import ResponseError
 
 from batchline.keys import GROUP
-from batchline.transport._redis import REDIS_FAILURES, Backoff, RedisClient, own_connection, passing
+from batchline.transport._errors import passing, redis_failure
+from batchline.transport._redis import Backoff, RedisClient, own_connection
 from batchline.worker.serving._readcap import Entry, ReadCap
 from batchline.worker.upkeep._consumers import ensure_groups
 
@@ -85,8 +86,11 @@ class Reader:
                 logger.warning("consumer group missing (Redis lost its data?); creating it again")
                 await ensure_groups(self._redis, self._streams)
                 continue
-            except REDIS_FAILURES as exc:
-                await backoff.wait(exc)
+            except Exception as caught:
+                failure = redis_failure(caught)
+                if failure is None:
+                    raise
+                await backoff.wait(failure)
                 continue
             backoff.reset()
             if response:

@@ -17,8 +17,9 @@ from typing import Any
 import msgpack
 
 from batchline.keys import GROUP, QueueKeys
+from batchline.transport._errors import redis_failure
 from batchline.transport._outbox import Outbox
-from batchline.transport._redis import REDIS_FAILURES, Backoff, RedisClient, Script
+from batchline.transport._redis import Backoff, RedisClient, Script
 from batchline.transport._replication import Replication
 from batchline.transport._scripts import COMPLETE
 from batchline.worker.serving._answers import Record
@@ -79,7 +80,10 @@ class AnswerWriter:
     async def _flush(self, records: list[Record]) -> None:
         try:
             await self._write(records)
-        except REDIS_FAILURES as exc:
+        except Exception as caught:
+            exc = redis_failure(caught)
+            if exc is None:
+                raise
             # Unanswered entries stay pending; no longer kept alive by this worker, they go
             # idle and are reclaimed and answered later.
             logger.error("writer: %d answers not written: %s", len(records), exc)

@@ -14,7 +14,6 @@ hung call blocks that loop, from the watchdog's thread over a connection of its 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -23,9 +22,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from redis.asyncio import ConnectionPool, Redis
-from redis.exceptions import RedisError
 
 from batchline.config import WorkerSettings
+from batchline.transport._errors import ignoring_redis_failures
 from batchline.transport._redis import POOL_NO_CLIENT_INFO, RedisClient, connect
 from batchline.worker.models import Model
 from batchline.worker.serving._claims import Claims
@@ -154,7 +153,7 @@ class Guard:
     async def abandon(self) -> None:
         """Hung: sign off and hand back every entry held (on the loop)."""
         metas = self._claims.forget(started=True)
-        with contextlib.suppress(RedisError, OSError):
+        with ignoring_redis_failures():
             await self._sign_off(self._redis)
         await self._claims.hand_back(metas, idle_ms=self._settings.claim_idle_ms)
 

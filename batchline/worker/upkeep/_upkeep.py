@@ -42,7 +42,8 @@ from typing import Any
 from batchline.config import WorkerSettings
 from batchline.core.stats import BatchStats
 from batchline.keys import GROUP, QueueKeys
-from batchline.transport._redis import REDIS_FAILURES, RedisClient
+from batchline.transport._errors import redis_failure
+from batchline.transport._redis import RedisClient
 from batchline.worker.metrics import Metrics
 from batchline.worker.serving._claims import Claims
 from batchline.worker.serving._generation_executor import Executor
@@ -75,7 +76,10 @@ async def every(
         await asyncio.sleep(period_s)  # a maintenance timer, not a poll for work
         try:
             await step()
-        except REDIS_FAILURES as exc:
+        except Exception as caught:
+            exc = redis_failure(caught)
+            if exc is None:
+                raise
             logger.warning("%s: %s: %s", what, type(exc).__name__, exc)
 
 
@@ -270,7 +274,10 @@ class Heartbeat:
         while beating():
             try:
                 await self.beat()
-            except REDIS_FAILURES as exc:
+            except Exception as caught:
+                exc = redis_failure(caught)
+                if exc is None:
+                    raise
                 logger.warning("heartbeat: %s", type(exc).__name__)
             await asyncio.sleep(self._period_s)  # a report timer, not a poll for work
 
