@@ -158,6 +158,9 @@ class ProducerSettings(ServiceSettings):
             work stream); ``scripts``, with the enqueue script and direct writes (Redis 6.2,
             or trusted producers); ``auto``, the functions where workers have loaded them,
             else the script (docs/protocol.md, Admission).
+        no_worker_log_s: how long a request may wait for its answer, on a queue that no
+            live worker serves, before the producer logs a warning saying so (again at
+            doubling intervals while it lasts, with or without a ``timeout_s``); 0: never.
     """
 
     max_queue_depth: int = Field(default=100_000, ge=0)
@@ -165,6 +168,7 @@ class ProducerSettings(ServiceSettings):
     submit_batch: int = Field(default=512, ge=1, le=MAX_PER_CALL)
     max_result_bytes: int = Field(default=64 << 20, ge=1)
     admission: Literal["auto", "functions", "scripts"] = "auto"
+    no_worker_log_s: float = Field(default=5.0, ge=0)
 
     def limits(self) -> Limits:
         """What the producer accepts in a result."""

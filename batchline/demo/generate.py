@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Any
 
-from batchline.demo.service import serve_and_drive
+from batchline.demo.service import PRODUCER_SETTINGS, serve_and_drive
 from batchline.transport._event_loop import EXIT_INTERRUPTED
 
 __all__ = ["PROMPTS", "run_generate_demo"]
@@ -30,7 +30,7 @@ PROMPTS = (
 async def _ask(url: str, queue: str, max_new_tokens: int) -> tuple[list[dict[str, Any]], float]:
     from batchline.producer import AsyncProducer
 
-    async with AsyncProducer(redis_url=url, queue=queue, max_queue_depth=0) as producer:
+    async with AsyncProducer(redis_url=url, queue=queue, **PRODUCER_SETTINGS) as producer:
         # The first answer waits for the model to load (the first run converts SmolLM2 once).
         await producer.infer({"prompt": "Hello", "max_new_tokens": 1}, timeout_s=600)
         print(f"model loaded; asking {len(PROMPTS)} questions at once\n", flush=True)

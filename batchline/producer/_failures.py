@@ -47,6 +47,7 @@ from batchline.transport.status import LIVE_WITHIN_S, live_worker_count
 __all__ = [
     "Failed",
     "connected",
+    "no_worker_hint",
     "refused",
     "timed_out",
     "translate",
@@ -102,16 +103,20 @@ async def timed_out(client: RedisClient, keys: QueueKeys, what: str) -> RequestT
             f"(Redis: {type(exc).__name__})"
         )
     if not live:
-        prefix = "" if keys.prefix == "batchline" else f"BATCHLINE_PREFIX={keys.prefix} "
-        return RequestTimeout(
-            f"{what} on queue {queue!r}: no live worker serves that queue (none sent a "
-            f"heartbeat within {LIVE_WITHIN_S:g} s); start one for it, e.g. "
-            f"{prefix}BATCHLINE_QUEUE={queue} batchline worker"
-        )
+        return RequestTimeout(f"{what} on queue {queue!r}: {no_worker_hint(keys)}")
     return RequestTimeout(
         f"{what} on queue {queue!r}, which {live} live worker{'s' if live > 1 else ''} "
         f"serve{'' if live > 1 else 's'}: busy or slow (batchline status shows the queue's "
         "backlog and the workers' figures)"
+    )
+
+
+def no_worker_hint(keys: QueueKeys) -> str:
+    """What to say of a queue that no live worker serves, and how to start one for it."""
+    prefix = "" if keys.prefix == "batchline" else f"BATCHLINE_PREFIX={keys.prefix} "
+    return (
+        f"no live worker serves that queue (none sent a heartbeat within {LIVE_WITHIN_S:g} "
+        f"s); start one for it, e.g. {prefix}BATCHLINE_QUEUE={keys.queue} batchline worker"
     )
 
 
