@@ -11,10 +11,19 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BF16_FLAGS", "DTYPES", "cpu_bf16_flags", "pick_device", "pick_dtype", "place"]
+__all__ = [
+    "BF16_FLAGS",
+    "DTYPES",
+    "check_device",
+    "cpu_bf16_flags",
+    "pick_device",
+    "pick_dtype",
+    "place",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +33,21 @@ _CPUINFO = Path("/proc/cpuinfo")
 
 #: The dtypes a ``dtype`` setting may name, besides ``auto``.
 DTYPES = ("float32", "float16", "bfloat16")
+
+
+#: The devices a ``device`` setting may name: torch's device types, with an index or not.
+_DEVICE = re.compile(r"auto|cpu|mps|meta|(cuda|xpu|hpu|npu|mtia|privateuseone)(:\d+)?")
+
+
+def check_device(name: str) -> str:
+    """``name`` if a ``device`` setting may name it (read without torch), else ValueError
+    saying which may: a typo fails at start-up, not when the model loads."""
+    if not _DEVICE.fullmatch(name):
+        raise ValueError(
+            f"device must be auto, cpu, cuda, cuda:N, mps, xpu, xpu:N (or another torch "
+            f"device type), got {name!r}"
+        )
+    return name
 
 
 def pick_device(name: str = "auto") -> str:

@@ -32,7 +32,7 @@ ALLOWED: dict[str, set[str]] = {
     "codec": {"errors", "keys"},
     "acl": {"keys"},
     "redis_url": set(),
-    "config": WIRE | {"drivers", "redis_url"},
+    "config": WIRE | {"devices", "drivers", "redis_url"},
     "transport": WIRE | {"config", "redis_url"},
     "tracing": set(),
     "logs": set(),

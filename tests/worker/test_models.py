@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from batchline.devices import pick_dtype
-from batchline.errors import InferenceError
+from batchline.errors import InferenceError, ModelNotLoaded
 from batchline.producer import Producer
 from batchline.worker import TransformersModel, Worker, load_model
 
@@ -195,7 +195,8 @@ def test_a_worker_whose_model_cannot_load_fails_to_start(
 ) -> None:
     with pytest.raises(RuntimeError, match="died starting") as info:
         start_worker("batchline_no_such_module:fn")
-    assert isinstance(info.value.__cause__, ModuleNotFoundError)
+    assert isinstance(info.value.__cause__, ModelNotLoaded)
+    assert isinstance(info.value.__cause__.__cause__, ModuleNotFoundError)
     done = run_cli("worker", "--redis-url", "redis://127.0.0.1:1/0", "--model", "no-such-model")
     assert done.returncode != 0
     assert "model must be" in done.stderr
