@@ -9,9 +9,11 @@ float32 anywhere else (a CPU without those units emulates bfloat16, slower than 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ __all__ = [
     "pick_device",
     "pick_dtype",
     "place",
+    "quiet_weight_loading",
 ]
 
 logger = logging.getLogger(__name__)
@@ -115,3 +118,28 @@ def place(model: Any, *, device: str = "auto", dtype: str = "auto") -> Any:
     if dtype != "auto":
         model = model.to(pick_dtype(dtype, device))
     return model.eval()
+
+
+@contextlib.contextmanager
+def quiet_weight_loading() -> Iterator[None]:
+    """Without transformers' "Loading weights" progress bar while a model loads here (a bar
+    of an in-memory step that takes a second, in every worker's log and demo); its download
+    bars stay. Nothing changes where transformers has no tqdm hook (before 5.x)."""
+    from transformers.utils import logging as hf_logging
+
+    set_hook: Callable[[Any], Any] | None = getattr(hf_logging, "set_tqdm_hook", None)
+    if set_hook is None:
+        yield
+        return
+    previous: Any = None
+
+    def hook(factory: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if kwargs.get("desc") == "Loading weights":
+            kwargs = {**kwargs, "disable": True}
+        return previous(factory, args, kwargs) if previous else factory(*args, **kwargs)
+
+    previous = set_hook(hook)
+    try:
+        yield
+    finally:
+        set_hook(previous)

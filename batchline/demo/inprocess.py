@@ -28,10 +28,12 @@ def _load() -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from sentence_transformers import SentenceTransformer
 
-    from batchline.devices import pick_dtype
+    from batchline.devices import pick_dtype, quiet_weight_loading
 
+    with quiet_weight_loading():
+        model = SentenceTransformer(str(get_model_path()), device="cpu")
     # dtype auto, as a worker picks it: bfloat16 where the CPU computes it natively.
-    return SentenceTransformer(str(get_model_path()), device="cpu").to(pick_dtype("auto", "cpu"))
+    return model.to(pick_dtype("auto", "cpu"))
 
 
 def run_demo(*, items: int = 2000, threads: int = 64, out: Any = None) -> int:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from batchline.core.padding import split_outputs
-from batchline.devices import pick_device, pick_dtype
+from batchline.devices import pick_device, pick_dtype, quiet_weight_loading
 from batchline.worker.models._tokenized import Tokenized, gather, matryoshka
 
 __all__ = ["SentenceTransformerModel"]
@@ -64,7 +64,8 @@ class SentenceTransformerModel(Tokenized):
         from sentence_transformers import SentenceTransformer
 
         self.device = "cpu" if self.backend != "torch" else pick_device(self.device_name)
-        self.model = SentenceTransformer(path, device=self.device)
+        with quiet_weight_loading():
+            self.model = SentenceTransformer(path, device=self.device)
         # A CPU backend exports the float32 model (and runs it in float32 or int8).
         dtype = self.dtype_name if self.backend == "torch" else "float32"
         self.model.to(pick_dtype(dtype, self.device))
