@@ -29,6 +29,16 @@ def test_every_readme_link_into_docs_leads_to_a_page() -> None:
         assert (REPO / link).is_file(), link
 
 
+def test_the_readme_links_every_page_of_the_manual() -> None:
+    """Each page of the site's navigation but the home page and the API reference (the
+    Batch API and tracing pages were once left out)."""
+    nav = (REPO / "mkdocs.yml").read_text(encoding="utf-8").split("\nnav:\n", 1)[1]
+    listed = re.findall(r"^\s+- [^:]+: ([\w-]+\.md)$", nav, re.M)
+    assert "batches.md" in listed
+    linked = set(re.findall(r"\]\(docs/([^)#]+)(?:#[^)]*)?\)", README))
+    assert sorted(set(listed) - {"index.md"} - linked) == []
+
+
 def test_each_figure_of_the_readme_has_its_date_and_command() -> None:
     table = re.search(
         r"^\| what \| figure \| date \| command \|\n\|.*\n((?:\|.*\n)+)", README, re.M
