@@ -32,6 +32,36 @@ def check_neighbours(out: str, requests: int) -> None:
     assert float(found.group(1)) >= 90.0
 
 
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "getting-started.md"
+
+
+def shape(line: str) -> str:
+    """A printed line with what varies between runs made alike: the sentences quoted, paths,
+    numbers (a list of them as one), the bars, the ceiling's clause, the spacing."""
+    line = re.sub(r"'[^']*'", "'S'", line)
+    line = re.sub(r"unix://\S+", "unix://P", line)
+    line = re.sub(r"\((?:/[\w.-]+)+\)", "(P)", line)
+    line = re.sub(r"(plot written to) \S+", r"\1 P", line)
+    line = re.sub(r"\(its (?:full|largest) batches.*? in the worker, in this run\)", "(C)", line)
+    line = re.sub(r"\d[\d,.]*\d|\d", "N", line)
+    line = re.sub(r"N(?:, N)+", "N", line)
+    line = re.sub(r"#+", "#", re.sub(r"━+", "━", line))
+    return " ".join(line.split())
+
+
+def check_the_page_shows(out: str) -> None:
+    """Every line the demo printed has its like in a sample output of the demo's section of
+    docs/getting-started.md: the page describes the demo of today."""
+    section = PAGE.read_text(encoding="utf-8").split("\n## The demo\n", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    samples = re.findall(r"^```text\n(.*?)^```$", section, re.M | re.S)
+    shown = {shape(line) for sample in samples for line in sample.splitlines()}
+    missing = [line for line in out.splitlines() if line.strip() and shape(line) not in shown]
+    assert missing == [], f"lines the page's samples do not show: {missing}"
+    for gone in ("served at most", "offline ceiling", "Loading weights", "enqueue script"):
+        assert gone not in section.split("Before Redis 7")[0], gone
+
+
 def check_figures(out: str) -> None:
     """One saturated rate (or none), and its share of the model's ceiling measured in the
     worker during the same run: at most 100 % but by rounding."""
@@ -101,6 +131,7 @@ def test_the_demo_over_redis(tmp_path: Path) -> None:
     assert "Loading weights" not in out, out
     assert "| offered req/s |" in done.stdout
     assert "| drain, after the last step |" in done.stdout
+    check_the_page_shows(done.stdout)
     assert re.search(r"padding efficiency \(real / padded tokens\): [0-9.]+%", done.stdout)
 
 
@@ -113,6 +144,7 @@ def test_the_demo_in_process() -> None:
     assert found is not None, done.stdout
     assert re.search(r"errors 0\b", done.stdout), done.stdout
     check_neighbours(done.stdout, 64)
+    check_the_page_shows(done.stdout)
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -235,3 +267,26 @@ def test_the_table_has_the_drain_that_the_saturated_rate_includes() -> None:
     assert rows[1].startswith("| drain, after the last step | 0 | 150 | "), rows
     assert rows[1].endswith("| 32.0 |"), rows
     assert len(rows) == 2, rows
+
+
+def test_the_pages_samples_are_the_demos_lines() -> None:
+    """The figures' lines of the page, made by the demo's own code from made-up steps, have
+    the shapes the page shows (the slow tests check the demo's real output the same way)."""
+    from batchline.demo.service import _load_summary, _Step
+
+    quiet, busy = _Step(100, started=0.0, ended=2.0), _Step(300, started=2.0, ended=4.0)
+    quiet.sent_at = [k / 100 for k in range(200)]
+    quiet.answered_at = [t + 0.01 for t in quiet.sent_at]
+    quiet.latencies_ms = [10.0] * 200
+    quiet.batch_sizes, quiet.model_ms = [1] * 200, [8.0] * 200
+    busy.sent_at = [2 + k / 300 for k in range(600)]
+    busy.answered_at = [2 + (k + 1) / 150 for k in range(600)]
+    busy.latencies_ms = [1e3 * (a - s) for a, s in zip(busy.answered_at, busy.sent_at)]
+    busy.batch_sizes, busy.model_ms = [32] * 600, [200.0] * 600
+    lines = _load_summary([quiet, busy], batch_size=32) + _load_summary([quiet], batch_size=32)
+    check_the_page_shows("\n".join(lines))
+    # The demo's lines that docs/benchmarks.md quotes are lines it prints.
+    text = " ".join((PAGE.parent / "benchmarks.md").read_text(encoding="utf-8").split())
+    quoted = re.findall(r'"((?:saturated from|not saturated|served at most)[^"]*)"', text)
+    assert quoted
+    assert {shape(q) for q in quoted} <= {shape(line) for line in lines}, quoted

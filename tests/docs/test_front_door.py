@@ -60,3 +60,13 @@ HISTORY = re.compile(
 def test_no_page_speaks_of_rounds(page: object) -> None:
     text = page.read_text(encoding="utf-8")  # type: ignore[attr-defined]
     assert not HISTORY.findall(text), HISTORY.findall(text)
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(REPO)))
+def test_no_page_says_ctrl_c_exits_0(page: object) -> None:
+    """Ctrl-C ends every command with status 130 (``batchline --help``); SIGTERM drains a
+    worker with status 0. A sentence (or clause) of a page that names Ctrl-C says 130."""
+    text = " ".join(page.read_text(encoding="utf-8").split())  # type: ignore[attr-defined]
+    for clause in re.split(r"(?<=[.;])\s", text):
+        if "Ctrl-C" in clause:
+            assert not re.search(r"\bexits?(?: with (?:exit )?status)? 0\b", clause), clause
