@@ -70,3 +70,17 @@ def test_no_page_says_ctrl_c_exits_0(page: object) -> None:
     for clause in re.split(r"(?<=[.;])\s", text):
         if "Ctrl-C" in clause:
             assert not re.search(r"\bexits?(?: with (?:exit )?status)? 0\b", clause), clause
+
+
+def test_scripts_readme_names_every_benchmark_and_check() -> None:
+    """Each runnable module of benchmarks/ and checks/ (a module or a package with a
+    ``__main__``), as ``benchmarks.NAME``; five were once left out."""
+    text = (REPO / "scripts" / "README.md").read_text(encoding="utf-8")
+    for package in ("benchmarks", "checks"):
+        root = REPO / package
+        names = {
+            p.stem for p in root.glob("*.py") if not p.name.startswith("_") and p.stem != "harness"
+        } | {p.parent.name for p in root.glob("*/__main__.py")}
+        assert names
+        missing = sorted(n for n in names if f"{package}.{n}`" not in text)
+        assert missing == [], f"scripts/README.md does not name {package}: {missing}"
