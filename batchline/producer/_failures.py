@@ -47,6 +47,7 @@ from batchline.transport.status import LIVE_WITHIN_S, live_worker_count
 __all__ = [
     "Failed",
     "connected",
+    "live_workers",
     "no_worker_hint",
     "refused",
     "timed_out",
@@ -95,8 +96,7 @@ async def timed_out(client: RedisClient, keys: QueueKeys, what: str) -> RequestT
     :data:`~batchline.transport.status.LIVE_WITHIN_S`), the first thing to check."""
     queue = keys.queue
     try:
-        async with asyncio.timeout(_LOOK_S):
-            live = await live_worker_count(client, keys)
+        live = await live_workers(client, keys)
     except (*REDIS_FAILURES, TimeoutError) as exc:
         return RequestTimeout(
             f"{what} on queue {queue!r}; whether a live worker serves that queue is unknown "
@@ -109,6 +109,14 @@ async def timed_out(client: RedisClient, keys: QueueKeys, what: str) -> RequestT
         f"serve{'' if live > 1 else 's'}: busy or slow (batchline status shows the queue's "
         "backlog and the workers' figures)"
     )
+
+
+async def live_workers(client: RedisClient, keys: QueueKeys) -> int:
+    """How many live workers serve the queue (one heartbeat within
+    :data:`~batchline.transport.status.LIVE_WITHIN_S`); TimeoutError if Redis takes longer
+    than :data:`_LOOK_S` to say, or its failure."""
+    async with asyncio.timeout(_LOOK_S):
+        return await live_worker_count(client, keys)
 
 
 def no_worker_hint(keys: QueueKeys) -> str:

@@ -6,7 +6,7 @@ answer here, and fires every ``no_worker_log_s`` seconds. At each firing it comp
 request ids waiting now with those of the firing before (a set intersection, in memory): the
 requests found both times have waited at least that long. Only then does it ask Redis how
 many live workers serve the queue (the count a timed-out request's error gives,
-:func:`~batchline.producer._failures.timed_out`), and logs a warning if none does; again at
+:func:`~batchline.producer._failures.live_workers`), and logs a warning if none does; again at
 doubling intervals while it lasts (up to :data:`_MOST_GAP_S`). Requests answered within
 ``no_worker_log_s`` (the steady state with live workers) cost no Redis command at all.
 """
@@ -18,16 +18,13 @@ import logging
 from collections.abc import Collection
 
 from batchline.keys import QueueKeys
-from batchline.producer._failures import no_worker_hint
+from batchline.producer._failures import live_workers, no_worker_hint
 from batchline.transport._redis import REDIS_FAILURES, RedisClient
-from batchline.transport.status import live_worker_count
 
 __all__ = ["NoWorkerWatch"]
 
 logger = logging.getLogger(__name__)
 
-#: The longest the watch waits for Redis's count of live workers.
-_LOOK_S = 1.0
 #: The longest gap between two warnings while requests keep waiting, in seconds.
 _MOST_GAP_S = 300.0
 
@@ -98,8 +95,7 @@ class NoWorkerWatch:
     async def _look(self, stalled: int) -> None:
         """Ask Redis whether a live worker serves the queue; warn if none does."""
         try:
-            async with asyncio.timeout(_LOOK_S):
-                live = await live_worker_count(self._client, self._keys)
+            live = await live_workers(self._client, self._keys)
         except (*REDIS_FAILURES, TimeoutError):
             return  # Redis itself is the trouble: the reply reader says so
         finally:
