@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from batchline._cli_options import add_option
+from batchline._cli_options import add_option, positive
 
 __all__ = ["BatchFailed", "Submit", "batch_parser", "submit"]
 
@@ -129,6 +129,16 @@ def submit(job: Submit, out: TextIO) -> dict[str, Any]:
 
 def _batch(args: argparse.Namespace) -> int:
     path = Path(args.file)
+    # Input errors: one line and exit status 2, as the parser's own.
+    if not path.is_file():
+        print(f"batchline: {args.file}: no such file (FILE.jsonl: the requests)", file=sys.stderr)
+        return 2
+    if not args.url.startswith(("http://", "https://")):
+        print(
+            f"batchline: --url is the web backend's http:// or https:// URL, got {args.url!r}",
+            file=sys.stderr,
+        )
+        return 2
     job = Submit(
         file=path,
         url=args.url,
@@ -157,8 +167,9 @@ def batch_parser(sub: Any) -> argparse.ArgumentParser:
         description="Upload a JSONL file of requests (each line: custom_id, method, url, "
         "body) to a batchline web backend, run it as a batch, show its progress and write "
         "its output and error files. Exit status 0 once the batch completed, 1 if the API "
-        "refused it or it ended otherwise (failed, cancelled, expired); interrupted, the "
-        "batch goes on in the API.",
+        "refused it or it ended otherwise (failed, cancelled, expired), 2 for a file that "
+        "is not there or a URL that is not http(s); interrupted, the batch goes on in the "
+        "API.",
     )
     add_option(batch, "file", metavar="FILE.jsonl", text="the requests, one JSON object a line")
     add_option(
@@ -194,7 +205,7 @@ def batch_parser(sub: Any) -> argparse.ArgumentParser:
     add_option(
         batch,
         "--poll-s",
-        type=float,
+        type=positive(float),
         default=1.0,
         metavar="SECONDS",
         text="how often to read the batch's progress",

@@ -20,6 +20,7 @@ __all__ = [
     "add_option",
     "add_settings",
     "field_docs",
+    "positive",
     "reference",
     "settings_from",
     "shown_default",
@@ -236,3 +237,21 @@ def reference(
         CliCommand(name=p.prog, description=p.description or "", options=_options(p))
         for p in (parser, *commands.values())
     )
+
+
+def positive(kind: type[int] | type[float]) -> Any:
+    """An argparse ``type``: a number of ``kind`` above 0, else the one-line error."""
+
+    def read(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be a{'n integer' if kind is int else ' number'} above 0, got {text!r}"
+            ) from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text!r}")
+        return value
+
+    read.__name__ = kind.__name__
+    return read

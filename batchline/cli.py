@@ -16,12 +16,19 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
 from batchline._batch_cli import batch_parser
-from batchline._cli_options import CliCommand, add_option, add_settings, reference, settings_from
+from batchline._cli_options import (
+    CliCommand,
+    add_option,
+    add_settings,
+    positive,
+    reference,
+    settings_from,
+)
 from batchline.logs import bind as bind_logs
 from batchline.logs import configure as configure_logs
 
@@ -43,8 +50,11 @@ commands:
 
 Redis: BATCHLINE_REDIS_URL (default redis://localhost:6379/0). `batchline COMMAND --help`
 lists each command's options with their defaults and environment variables.
-Ctrl-C stops any command with exit status 130 (a worker first answers what it read, the demo
-first stops what it started); SIGTERM drains a worker the same way, with exit status 0.
+Exit status: 2 and one line saying what is accepted for a bad option, setting or file; 1
+when Redis does not answer, a worker's model does not load, a health check or a batch
+fails. Ctrl-C stops any command with exit status 130 (a worker first answers what it read,
+the demo first stops what it started); SIGTERM drains a worker the same way, with exit
+status 0.
 """
 
 #: The settings each command takes (the worker: all of WorkerSettings). ``status`` and
@@ -76,7 +86,15 @@ def cli_reference() -> tuple[CliCommand, ...]:
 
 
 class UsageError(ValueError):
-    """Options that do not go together (exit status 2, as the parser's own errors)."""
+    """A bad option, setting or file, or options that do not go together (exit status 2 and
+    one line, as the parser's own errors)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors are one line (its own print the usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def _settings(cls: Any, args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> Any:
@@ -86,13 +104,25 @@ def _settings(cls: Any, args: argparse.Namespace, defaults: dict[str, Any] | Non
         check_environment()
         return settings_from(cls, args, defaults or {})
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'BATCHLINE_' + str(e['loc'][0]).upper() if e['loc'] else 'settings'}: {e['msg']}"
-            for e in exc.errors()
-        )
-        raise SystemExit(f"batchline: invalid settings: {problems}") from None
+        problems = "; ".join(_problem(error, args) for error in exc.errors())
+        raise UsageError(f"invalid settings: {problems}") from None
     except ValueError as exc:
-        raise SystemExit(f"batchline: {exc}") from None
+        raise UsageError(str(exc)) from None
+
+
+def _problem(error: Any, args: argparse.Namespace) -> str:
+    """One invalid setting: the flag or the variable that gave it, what is wrong, and (but
+    for the URL, which may hold a password) the value."""
+    name = str(error["loc"][0]) if error["loc"] else ""
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if not name:
+        return f"settings: {message}"
+    given = getattr(args, name, None)
+    where = f"--{name.replace('_', '-')}" if given is not None else f"BATCHLINE_{name.upper()}"
+    shown = given if given is not None else os.environ.get(f"BATCHLINE_{name.upper()}")
+    if name != "redis_url" and shown is not None and "got " not in message:
+        message += f", got {shown!r}"
+    return f"{where}: {message}"
 
 
 def command_settings(command: str, args: argparse.Namespace) -> Any:
@@ -108,12 +138,25 @@ def command_settings(command: str, args: argparse.Namespace) -> Any:
     raise ValueError(f"the command {command!r} takes no settings")
 
 
+def _model(spec: str, path: str | None, **options: Any) -> None:
+    """UsageError if the model settings are wrong in a way seen without loading it (an
+    unknown kind, a local path that is not there, options of another backend)."""
+    from batchline.worker.models import load_model
+
+    try:
+        load_model(spec, path=path, **options)  # made, not loaded
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _worker(args: argparse.Namespace) -> int:
     settings = command_settings("worker", args)
     if args.check:
         return asyncio.run(_check(settings, args.max_age_s))
     if args.max_age_s is not None:
         raise UsageError("--max-age-s is for --check only")
+    s = settings
+    _model(s.model, s.model_path, backend=s.backend, device=s.device, calibration=s.calibration)
     from batchline.worker._supervisor import report_ready, supervise
 
     supervised = settings.max_restarts_per_min > 0
@@ -122,7 +165,7 @@ def _worker(args: argparse.Namespace) -> int:
         return supervise(args.argv, max_restarts_per_min=settings.max_restarts_per_min)
     import signal
 
-    from batchline.errors import WorkerHung
+    from batchline.errors import ModelNotLoaded, WorkerHung
     from batchline.transport._event_loop import EXIT_INTERRUPTED, run
     from batchline.worker import Worker
     from batchline.worker.upkeep._watchdog import HUNG_EXIT_CODE
@@ -136,6 +179,9 @@ def _worker(args: argparse.Namespace) -> int:
         worker.bound_file = Path(args.bound_file)
     try:
         run(worker.run(), event_loop=settings.event_loop)
+    except ModelNotLoaded as exc:
+        print(f"batchline: {exc}", file=sys.stderr)
+        return 1
     except WorkerHung:
         logging.shutdown()
         os._exit(HUNG_EXIT_CODE)  # the hung model's thread cannot be stopped otherwise
@@ -223,9 +269,25 @@ def demo_mode(args: argparse.Namespace) -> str:
     return mode
 
 
+#: The files ``--plot`` writes, by suffix.
+_PLOTS = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".webp")
+
+
 def _demo(args: argparse.Namespace) -> int:
     mode = demo_mode(args)
+    if mode != "in_process":
+        from batchline.config import ServiceSettings
+
+        _settings(ServiceSettings, argparse.Namespace())  # BATCHLINE_REDIS_URL, if set
+    if args.plot is not None:
+        plot = Path(args.plot)
+        if plot.suffix.lower() not in _PLOTS or not plot.parent.is_dir():
+            raise UsageError(
+                f"--plot takes a {', '.join(_PLOTS)} file in a directory that exists, got "
+                f"{args.plot!r}"
+            )
     if mode == "generate":
+        _model("generate", args.model_path)
         from batchline.demo.generate import run_generate_demo
 
         return run_generate_demo(model_path=args.model_path)
@@ -247,7 +309,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     from batchline.demo.service import RATES
     from batchline.transport.status import LIVE_WITHIN_S
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="batchline",
         description="Dynamic batching for model inference: run the demo, a worker serving a "
         "queue over Redis, look at a queue, or print its ACL users.",
@@ -258,6 +320,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         parser,
         "--log-level",
         default="INFO",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
         metavar="LEVEL",
         text="logging level: DEBUG, INFO, WARNING or ERROR",
         shown="INFO",
@@ -295,7 +359,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     add_option(
         worker,
         "--max-age-s",
-        type=float,
+        type=positive(float),
         metavar="SECONDS",
         default=None,
         text="with --check: the oldest heartbeat that counts, in seconds",
@@ -364,7 +428,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     add_option(
         demo,
         "--requests",
-        type=int,
+        type=positive(int),
         metavar="N",
         text="most sentences to send (over Redis, or with --in-process)",
         shown=f"as many as the load steps send ({rates} req/s for --step-s each); with "
@@ -379,7 +443,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     add_option(
         demo,
         "--step-s",
-        type=float,
+        type=positive(float),
         metavar="SECONDS",
         text="over Redis: seconds per load step",
         shown=f"{_DEMO_STEP_S:g}",
@@ -393,7 +457,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     add_option(
         demo,
         "--threads",
-        type=int,
+        type=positive(int),
         metavar="N",
         text="with --in-process: concurrent callers",
         shown=str(_DEMO_THREADS),

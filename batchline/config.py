@@ -16,8 +16,10 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from redis.connection import parse_url
 
 from batchline.codec import Limits
+from batchline.devices import check_device
 from batchline.drivers._options import DEFAULTS
 from batchline.keys import QueueKeys, check_name
 from batchline.redis_url import is_sentinel_url, parse_sentinel_url
@@ -120,10 +122,20 @@ class ServiceSettings(BaseSettings):
 
     @field_validator("redis_url")
     @classmethod
-    def _sentinel_url(cls, value: SecretStr) -> SecretStr:
+    def _url(cls, value: SecretStr) -> SecretStr:
         url = value.get_secret_value()
         if is_sentinel_url(url):
             parse_sentinel_url(url)  # a ValueError naming what is wrong
+            return value
+        if url.partition("://")[0].lower() not in ("redis", "rediss", "unix") or "://" not in url:
+            raise ValueError(
+                "a Redis URL starts with redis://, rediss:// (TLS), unix:// or "
+                f"redis+sentinel://, e.g. redis://localhost:6379/0; got {redact_url(url)!r}"
+            )
+        try:
+            parse_url(url)  # type: ignore[no-untyped-call]  # a bad port or option: now
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{redact_url(url)!r} is not a valid Redis URL: {exc}") from None
         return value
 
     @field_validator("redis_cluster")
@@ -161,12 +173,16 @@ class ProducerSettings(ServiceSettings):
             work stream); ``scripts``, with the enqueue script and direct writes (Redis 6.2,
             or trusted producers); ``auto``, the functions where workers have loaded them,
             else the script (docs/protocol.md, Admission).
+        no_worker_log_s: how long a request may wait for its answer, on a queue that no
+            live worker serves, before the producer logs a warning saying so (again at
+            doubling intervals while it lasts, with or without a ``timeout_s``); 0: never.
     """
 
     default_priority: int = Field(default=1, ge=0)
     submit_batch: int = Field(default=512, ge=1, le=MAX_PER_CALL)
     max_result_bytes: int = Field(default=64 << 20, ge=1)
     admission: Literal["auto", "functions", "scripts"] = "auto"
+    no_worker_log_s: float = Field(default=5.0, ge=0)
 
     def limits(self) -> Limits:
         """What the producer accepts in a result."""
@@ -418,6 +434,11 @@ class WorkerSettings(ServiceSettings):
     max_new_tokens_limit: int = Field(default=1024, ge=1)
     stream_max_unread_s: float = Field(default=30.0, gt=0)
     matryoshka: bool = False
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        return check_device(value)
 
     def limits(self) -> Limits:
         """What the worker accepts in a request."""

@@ -12,20 +12,24 @@ layers, normalisation) in float32 (:func:`float32_head`): unit vectors stay unit
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import MutableMapping
+import re
+from collections.abc import Callable, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "BF16_FLAGS",
     "DTYPES",
+    "check_device",
     "cpu_bf16_flags",
     "float32_head",
     "pick_device",
     "pick_dtype",
     "place",
+    "quiet_weight_loading",
 ]
 
 logger = logging.getLogger(__name__)
@@ -36,6 +40,21 @@ _CPUINFO = Path("/proc/cpuinfo")
 
 #: The dtypes a ``dtype`` setting may name, besides ``auto``.
 DTYPES = ("float32", "float16", "bfloat16")
+
+
+#: The devices a ``device`` setting may name: torch's device types, with an index or not.
+_DEVICE = re.compile(r"auto|cpu|mps|meta|(cuda|xpu|hpu|npu|mtia|privateuseone)(:\d+)?")
+
+
+def check_device(name: str) -> str:
+    """``name`` if a ``device`` setting may name it (read without torch), else ValueError
+    saying which may: a typo fails at start-up, not when the model loads."""
+    if not _DEVICE.fullmatch(name):
+        raise ValueError(
+            f"device must be auto, cpu, cuda, cuda:N, mps, xpu, xpu:N (or another torch "
+            f"device type), got {name!r}"
+        )
+    return name
 
 
 def pick_device(name: str = "auto") -> str:
@@ -144,3 +163,28 @@ def _outputs_in_float32(_module: Any, _inputs: Any, output: Any) -> Any:
             output[key] = cast(value)
         return output
     return cast(output)
+
+
+@contextlib.contextmanager
+def quiet_weight_loading() -> Iterator[None]:
+    """Without transformers' "Loading weights" progress bar while a model loads here (a bar
+    of an in-memory step that takes a second, in every worker's log and demo); its download
+    bars stay. Nothing changes where transformers has no tqdm hook (before 5.x)."""
+    from transformers.utils import logging as hf_logging
+
+    set_hook: Callable[[Any], Any] | None = getattr(hf_logging, "set_tqdm_hook", None)
+    if set_hook is None:
+        yield
+        return
+    previous: Any = None
+
+    def hook(factory: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if kwargs.get("desc") == "Loading weights":
+            kwargs = {**kwargs, "disable": True}
+        return previous(factory, args, kwargs) if previous else factory(*args, **kwargs)
+
+    previous = set_hook(hook)
+    try:
+        yield
+    finally:
+        set_hook(previous)

@@ -27,6 +27,8 @@ error subclasses that builtin too::
     │                                (the same id means the same request); nothing queued
     ├── WorkerHung                   a worker's model call ran past max_batch_ms; the
     │                                worker handed back what it held and stopped
+    ├── ModelNotLoaded               a worker's model failed to load (its path, its
+    │                                device, its module): the worker did not start
     ├── DecodeError (ValueError)     bytes read from Redis are not a valid batchline message
     │                                (batchline.codec; a malformed result key, say)
     ├── NestingTooDeep (ValueError)  a value to send nests lists and objects deeper than
@@ -64,6 +66,7 @@ __all__ = [
     "GenerationError",
     "InferenceError",
     "ItemTooLarge",
+    "ModelNotLoaded",
     "NestingTooDeep",
     "NotReplicated",
     "PromptTooLong",
@@ -231,6 +234,11 @@ class WorkerHung(BatchlineError):
     """A worker's model call ran past ``max_batch_ms``; the worker handed back what it held
     and stopped (its model thread cannot be stopped: end the process, as ``batchline worker``
     does)."""
+
+
+class ModelNotLoaded(BatchlineError):
+    """A worker's model failed to load: the message names the model, its path and what
+    went wrong (the error it raised is the ``__cause__``). The worker did not start."""
 
 
 class GenerationError(BatchlineError):

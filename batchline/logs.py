@@ -1,6 +1,10 @@
 """How ``batchline`` commands log: the text format (unchanged), or ``--log-format json``, one
 JSON object per line, for log collectors.
 
+Other libraries' lines below WARNING (httpx's line per request, sentence-transformers'
+"Loading ... model from") show only with ``--log-level DEBUG``: at INFO, a command's log is
+batchline's own (:class:`OwnInfo`).
+
 Each JSON line carries ``time`` (ISO 8601, UTC), ``level``, ``logger`` and ``message``, then
 what is known of the context: ``worker_id`` and ``queue`` (bound once the worker is made,
 :func:`bind`), ``request_id`` and ``trace_id`` where a log call passes them
@@ -14,7 +18,7 @@ import logging
 import time
 from typing import Any
 
-__all__ = ["TEXT_FORMAT", "JsonFormatter", "bind", "configure"]
+__all__ = ["TEXT_FORMAT", "JsonFormatter", "OwnInfo", "bind", "configure"]
 
 #: The text format of every command's log lines.
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -47,13 +51,22 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False)
 
 
+class OwnInfo(logging.Filter):
+    """Lets through batchline's records, and other libraries' from WARNING up."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or record.name.split(".", 1)[0] == "batchline"
+
+
 def configure(level: str, log_format: str) -> None:
-    """Configure the root logger: ``log_format`` ``text`` or ``json``."""
+    """Configure the root logger: ``log_format`` ``text`` or ``json``; below DEBUG, other
+    libraries' records from WARNING up only (:class:`OwnInfo`)."""
     if log_format not in ("text", "json"):
         raise ValueError(f"log_format must be text or json, got {log_format!r}")
-    if log_format == "text":
-        logging.basicConfig(level=level.upper(), format=TEXT_FORMAT)
-        return
     handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter())
+    handler.setFormatter(
+        logging.Formatter(TEXT_FORMAT) if log_format == "text" else JsonFormatter()
+    )
+    if level.upper() != "DEBUG":
+        handler.addFilter(OwnInfo())
     logging.basicConfig(level=level.upper(), handlers=[handler])

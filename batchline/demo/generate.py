@@ -27,10 +27,12 @@ PROMPTS = (
 )
 
 
-async def _ask(url: str, queue: str, max_new_tokens: int) -> tuple[list[dict[str, Any]], float]:
+async def _ask(
+    url: str, producer_settings: dict[str, Any], queue: str, max_new_tokens: int
+) -> tuple[list[dict[str, Any]], float]:
     from batchline.producer import AsyncProducer
 
-    async with AsyncProducer(redis_url=url, queue=queue, max_queue_depth=0) as producer:
+    async with AsyncProducer(redis_url=url, queue=queue, **producer_settings) as producer:
         # The first answer waits for the model to load (the first run converts SmolLM2 once).
         await producer.infer({"prompt": "Hello", "max_new_tokens": 1}, timeout_s=600)
         print(f"model loaded; asking {len(PROMPTS)} questions at once\n", flush=True)
@@ -65,7 +67,7 @@ def run_generate_demo(*, model_path: str | None = None, max_new_tokens: int = 48
         settings,
         f"started a worker process (--model generate, {model_path or 'SmolLM2-135M'}); "
         "waiting for its model ...",
-        lambda url: _ask(url, queue, max_new_tokens),
+        lambda url, producer: _ask(url, producer, queue, max_new_tokens),
     )
     if done is None:
         return EXIT_INTERRUPTED

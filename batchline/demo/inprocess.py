@@ -28,11 +28,12 @@ def _load() -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from sentence_transformers import SentenceTransformer
 
-    from batchline.devices import float32_head, pick_dtype
+    from batchline.devices import float32_head, pick_dtype, quiet_weight_loading
 
     # dtype auto, as a worker picks it: bfloat16 where the CPU computes it natively; pooling
     # and normalisation in float32 after the transformer, as a worker runs them.
-    model = SentenceTransformer(str(get_model_path()), device="cpu")
+    with quiet_weight_loading():
+        model = SentenceTransformer(str(get_model_path()), device="cpu")
     return float32_head(model, pick_dtype("auto", "cpu"))
 
 

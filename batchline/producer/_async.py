@@ -42,6 +42,7 @@ from batchline.producer._failures import timed_out, translate
 from batchline.producer._outcomes import Answered, cached_result
 from batchline.producer._replies import ReplyReader, Waiters
 from batchline.producer._stream import StreamChunk, Streams, quiet_cancel
+from batchline.producer._watch import NoWorkerWatch
 from batchline.tracing import producer as producer_trace
 from batchline.transport._admission import Admission
 from batchline.transport._errors import ignoring_redis_failures, redis_failure
@@ -120,6 +121,7 @@ class AsyncProducer:
         self.counts: Counter[str] = Counter()
         self._reader: asyncio.Task[None] | None = None
         self._closed = False
+        url = redact_url(self.settings.redis_url.get_secret_value())
         self._replies = ReplyReader(
             self._redis,
             self._reply_key,
@@ -128,7 +130,11 @@ class AsyncProducer:
             lambda: self._closed,
             streams=self._streams,
             recovered=self._recover,
-            url=redact_url(self.settings.redis_url.get_secret_value()),
+            url=url,
+        )
+        # Says so in the log while requests wait here on a queue no live worker serves.
+        self._watch = NoWorkerWatch(
+            self._redis, self.keys, self._waiting, after_s=self.settings.no_worker_log_s, url=url
         )
         self._streams_low_first = self.keys.streams_low_first
         # Its spans (batchline.tracing), None when tracing is off.
@@ -167,6 +173,7 @@ class AsyncProducer:
         self._closed = True
         await self._enqueue.drain()  # the submits already accepted are written
         await self._streams.aclose()  # nobody will read them any more: stop generating
+        await self._watch.aclose()
         if self._reader is not None:
             await self._replies.stop(self._reader)
         for futs in self._waiting.values():
@@ -277,6 +284,8 @@ class AsyncProducer:
             raise RequestIdConflict(rid)
         # Registered before the write, so that even the fastest reply finds its waiter.
         fut = self._waiting.add(rid, sent) if reply else None
+        if fut is not None:
+            self._watch.note()
         if self._trace is not None:
             (traceparent, tracestate), wait = self._trace.sending(rid, waits=fut is not None)
             flat += trace_fields(traceparent, tracestate)
@@ -362,7 +371,10 @@ class AsyncProducer:
         result's own errors as for ``submit`` and ``result``).
 
         The caller waits once, for the result: the write is not awaited on its own (a
-        refused or failed write resolves the same wait with its error).
+        refused or failed write resolves the same wait with its error). Without
+        ``timeout_s`` it waits until the answer comes; while no live worker serves the
+        queue, the producer says so in its log after ``no_worker_log_s`` seconds, and
+        again at doubling intervals.
         """
         rid, waiter = await self._send(
             value, deadline_ms=deadline_ms, priority=priority, request_id=request_id, reply=True

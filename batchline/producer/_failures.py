@@ -47,6 +47,8 @@ from batchline.transport.status import LIVE_WITHIN_S, live_worker_count
 __all__ = [
     "Failed",
     "connected",
+    "live_workers",
+    "no_worker_hint",
     "refused",
     "timed_out",
     "translate",
@@ -92,8 +94,7 @@ async def timed_out(client: RedisClient, keys: QueueKeys, what: str) -> RequestT
     :data:`~batchline.transport.status.LIVE_WITHIN_S`), the first thing to check."""
     queue = keys.queue
     try:
-        async with asyncio.timeout(_LOOK_S):
-            live = await live_worker_count(client, keys)
+        live = await live_workers(client, keys)
     except Exception as caught:
         exc = caught if isinstance(caught, TimeoutError) else redis_failure(caught)
         if exc is None:
@@ -103,16 +104,28 @@ async def timed_out(client: RedisClient, keys: QueueKeys, what: str) -> RequestT
             f"(Redis: {type(exc).__name__})"
         )
     if not live:
-        prefix = "" if keys.prefix == "batchline" else f"BATCHLINE_PREFIX={keys.prefix} "
-        return RequestTimeout(
-            f"{what} on queue {queue!r}: no live worker serves that queue (none sent a "
-            f"heartbeat within {LIVE_WITHIN_S:g} s); start one for it, e.g. "
-            f"{prefix}BATCHLINE_QUEUE={queue} batchline worker"
-        )
+        return RequestTimeout(f"{what} on queue {queue!r}: {no_worker_hint(keys)}")
     return RequestTimeout(
         f"{what} on queue {queue!r}, which {live} live worker{'s' if live > 1 else ''} "
         f"serve{'' if live > 1 else 's'}: busy or slow (batchline status shows the queue's "
         "backlog and the workers' figures)"
+    )
+
+
+async def live_workers(client: RedisClient, keys: QueueKeys) -> int:
+    """How many live workers serve the queue (one heartbeat within
+    :data:`~batchline.transport.status.LIVE_WITHIN_S`); TimeoutError if Redis takes longer
+    than :data:`_LOOK_S` to say, or its failure."""
+    async with asyncio.timeout(_LOOK_S):
+        return await live_worker_count(client, keys)
+
+
+def no_worker_hint(keys: QueueKeys) -> str:
+    """What to say of a queue that no live worker serves, and how to start one for it."""
+    prefix = "" if keys.prefix == "batchline" else f"BATCHLINE_PREFIX={keys.prefix} "
+    return (
+        f"no live worker serves that queue (none sent a heartbeat within {LIVE_WITHIN_S:g} "
+        f"s); start one for it, e.g. {prefix}BATCHLINE_QUEUE={keys.queue} batchline worker"
     )
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -59,7 +60,7 @@ from batchline.transport._replication import Replication
 from batchline.worker._cpu_threads import apply_threads, available_cpus, prepare_environment
 from batchline.worker._ready import ready_line
 from batchline.worker.metrics import Metrics
-from batchline.worker.models import Model, Prepared, load_model
+from batchline.worker.models import Model, Prepared, load, load_model
 from batchline.worker.serving._admitter import Admitter
 from batchline.worker.serving._answers import Meta, Record, answer, dead_letter, finished
 from batchline.worker.serving._cache import AnswerCache
@@ -340,7 +341,11 @@ class Worker:
         )
         await wait_for_redis(self._redis, self.settings, wait_s=self.settings.redis_wait_s)
         prepare_environment(self.threads)  # before the model loads torch (or anything)
-        await loop.run_in_executor(None, self.model.load)
+        s = self.settings
+        loading = functools.partial(
+            load, self.model, spec=self._model_name, path=s.model_path, device=s.device
+        )
+        await loop.run_in_executor(None, loading)
         apply_threads(self.threads)
         await loop.run_in_executor(
             None,

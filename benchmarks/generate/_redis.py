@@ -141,7 +141,7 @@ class RedisWorker:
 
         self.queue = "bench-generate"
         self.stack = contextlib.ExitStack()
-        self.url = redis_for_demo(self.stack, self.queue)
+        self.url, _producer = redis_for_demo(self.stack, self.queue)
         flags = ["--model", "generate", "--batch-size", str(batch_size)]
         flags += ["--device", device, "--dtype", dtype]
         flags += ["--model-path", model_path] if model_path else []

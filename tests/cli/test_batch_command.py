@@ -19,6 +19,7 @@ from tests.contrib.test_batches import (  # fixtures, used here
     serve,
 )
 from tests.contrib.test_fastapi import Serve
+from tests.support.service import run_cli
 from tests.support.web_models import vector
 
 __all__ = ["embedder", "make_app", "serve"]
@@ -56,3 +57,8 @@ def test_batch_runs_a_file_and_writes_its_output_and_errors(
     assert "the batch ended failed: empty_file" in capsys.readouterr().err
     assert main(["batch", str(file), "--url", "http://127.0.0.1:9", "--poll-s", "0.05"]) == 1
     assert "ConnectError" in capsys.readouterr().err
+    # As a command: its progress and its files, without httpx's line per request.
+    done = run_cli("batch", str(file), "--url", base, "--poll-s", "0.05", timeout_s=120)
+    assert done.returncode == 0, done.stderr
+    assert "HTTP Request" not in done.stdout + done.stderr, done.stderr
+    assert "2/2 lines (100%), 1 failed, completed" in done.stdout

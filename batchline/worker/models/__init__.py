@@ -22,7 +22,9 @@ in-process batchers use) and turns one request's item outputs into its result
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
+from batchline.errors import ModelNotLoaded
 from batchline.worker.models._callable import CallableModel, echo
 from batchline.worker.models._protocol import CountsPadding, Model, Prepared, resolve_callable
 from batchline.worker.models._sentence_transformers import SentenceTransformerModel
@@ -36,9 +38,16 @@ __all__ = [
     "SentenceTransformerModel",
     "TransformersModel",
     "echo",
+    "load",
     "load_model",
     "resolve_callable",
 ]
+
+#: What a ``model_path`` may be, as an error about one says.
+PATHS = (
+    "a local directory, a .gguf file (--model generate), or a Hugging Face hub name such as "
+    "sentence-transformers/all-MiniLM-L6-v2"
+)
 
 
 def load_model(
@@ -68,6 +77,9 @@ def load_model(
         calibration: ``openvino-int8`` only: a text file (one text per line) to calibrate
             the int8 activations on (default: the texts shipped with batchline).
     """
+    if path is not None and path.startswith(("/", "./", "../")) and not Path(path).exists():
+        # Written as a local path: a typo fails here, not as a hub lookup of that name.
+        raise ValueError(f"model_path {path!r}: no such file or directory; a model_path is {PATHS}")
     if spec == "sentence-transformers":
         return SentenceTransformerModel(
             path,
@@ -103,3 +115,16 @@ def load_model(
         f"model must be sentence-transformers, transformers, transformers-classify, generate, "
         f"cross-encoder or module:callable; got {spec!r}"
     )
+
+
+def load(model: Model, *, spec: str, path: str | None, device: str) -> None:
+    """``model.load()``; ModelNotLoaded, one line naming the model, its path and device and
+    what went wrong, if it fails (the error it raised is the cause)."""
+    try:
+        model.load()
+    except Exception as exc:
+        what = " ".join(str(exc).split()) or "no message"
+        raise ModelNotLoaded(
+            f"the model did not load (model {spec}, model_path {path or 'its default'}, "
+            f"device {device}): {type(exc).__name__}: {what}"
+        ) from exc

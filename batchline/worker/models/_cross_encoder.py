@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from batchline.core.padding import split_outputs
-from batchline.devices import pick_device, pick_dtype
+from batchline.devices import pick_device, pick_dtype, quiet_weight_loading
 from batchline.worker.models._protocol import Prepared
 from batchline.worker.models._tokenized import Tokenized
 
@@ -56,7 +56,8 @@ class CrossEncoderModel(Tokenized):
         from sentence_transformers import CrossEncoder
 
         self.device = pick_device(self.device_name)
-        self.model = CrossEncoder(self.path, device=self.device)
+        with quiet_weight_loading():
+            self.model = CrossEncoder(self.path, device=self.device)
         self.model.model.to(pick_dtype(self.dtype_name, self.device))
         self.model.model.eval()
         self.tokenizer = self.model.tokenizer

@@ -10,7 +10,7 @@ from typing import Any
 
 from batchline.codec import unit_rows
 from batchline.core.padding import split_outputs
-from batchline.devices import float32_head, pick_device, pick_dtype
+from batchline.devices import float32_head, pick_device, pick_dtype, quiet_weight_loading
 from batchline.worker.models._tokenized import Tokenized, gather, matryoshka
 
 __all__ = ["SentenceTransformerModel"]
@@ -71,7 +71,8 @@ class SentenceTransformerModel(Tokenized):
         from sentence_transformers import SentenceTransformer
 
         self.device = "cpu" if self.backend != "torch" else pick_device(self.device_name)
-        self.model = SentenceTransformer(path, device=self.device)
+        with quiet_weight_loading():
+            self.model = SentenceTransformer(path, device=self.device)
         self.normalizes = type(self.model[-1]).__name__ == "Normalize"
         # A CPU backend exports the float32 model (and runs it in float32 or int8).
         dtype = self.dtype_name if self.backend == "torch" else "float32"

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from batchline.core.padding import split_outputs
-from batchline.devices import pick_device, pick_dtype
+from batchline.devices import pick_device, pick_dtype, quiet_weight_loading
 from batchline.worker.models._protocol import Prepared
 from batchline.worker.models._tokenized import Tokenized, gather, matryoshka, text_list
 
@@ -49,7 +49,10 @@ class TransformersModel(Tokenized):
             if self.task == "classify"
             else transformers.AutoModel
         )
-        self.model = auto.from_pretrained(self.path, dtype=pick_dtype(self.dtype_name, self.device))
+        with quiet_weight_loading():
+            self.model = auto.from_pretrained(
+                self.path, dtype=pick_dtype(self.dtype_name, self.device)
+            )
         self.model.to(self.device).eval()
         self.max_length = int(min(self.tokenizer.model_max_length, 4096))
         self.input_names = list(self.tokenizer.model_input_names)

@@ -1,0 +1,155 @@
+"""No silent wait: a request waiting on a queue that no live worker serves is said in the
+producer's log within ``no_worker_log_s``, then again at doubling intervals, with or without
+a ``timeout_s``, from the blocking Producer, ``infer``, ``wait`` and ``stream`` alike; and
+the requests that live workers answer in time cost no Redis command for it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import redis
+
+from batchline.producer import AsyncProducer, Producer
+
+from tests.support.models_for_tests import GatedModel
+from tests.support.service import WorkerThread, wait_until
+
+WATCH = "batchline.producer._watch"
+SAID = re.compile(
+    r"^(\d+) requests? waiting for up to [0-9.]+ s on queue '([^']+)' at (\S+): no live "
+    r"worker serves that queue \(none sent a heartbeat within 10 s\); start one for it, e\.g\. "
+    r"BATCHLINE_QUEUE=(\S+) batchline worker \(said again in ([0-9.]+) s while it lasts\)$"
+)
+
+
+class Said(logging.Handler):
+    """The watch's warnings, as they come (each checked against ``SAID``)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[re.Match[str]] = []
+        self._changed = threading.Condition()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        match = SAID.match(record.getMessage())
+        assert match is not None, record.getMessage()
+        with self._changed:
+            self.lines.append(match)
+            self._changed.notify_all()
+
+    def wait_for(self, count: int, timeout_s: float = 30.0) -> list[re.Match[str]]:
+        """The first ``count`` warnings, once they are there (fails after ``timeout_s``)."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: len(self.lines) >= count, timeout_s):
+                raise AssertionError(f"{len(self.lines)} warnings within {timeout_s} s")
+            return self.lines[:count]
+
+
+@pytest.fixture
+def said() -> Iterator[Said]:
+    handler = Said()
+    logger = logging.getLogger(WATCH)
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def test_the_blocking_infer_without_a_timeout_says_no_worker_serves_the_queue(
+    redis_url: str,
+    queue: str,
+    start_worker: Callable[..., WorkerThread],
+    said: Said,
+) -> None:
+    """The README's call, exactly: no timeout_s. It says so, again at doubling intervals,
+    and is answered once a worker comes."""
+    # The producer closes first, failing the infer that may still wait, if the test fails.
+    with (
+        ThreadPoolExecutor(1) as pool,
+        Producer(redis_url=redis_url, queue=queue, no_worker_log_s=0.1) as producer,
+    ):
+        answer = pool.submit(producer.infer, "waits for a worker")
+        lines = said.wait_for(3)
+        first = lines[0]
+        assert first.group(1) == "1"
+        assert first.group(2) == queue
+        assert first.group(4) == queue
+        assert first.group(3) == redis_url
+        # The gaps it announces double: 0.2, 0.4, 0.8 s.
+        assert [float(m.group(5)) for m in lines] == [0.2, 0.4, 0.8]
+        assert not answer.done()
+        start_worker()
+        assert answer.result(timeout=30) == "waits for a worker"
+
+
+async def test_wait_and_stream_say_it_too(redis_url: str, queue: str, said: Said) -> None:
+    async with AsyncProducer(redis_url=redis_url, queue=queue, no_worker_log_s=0.1) as producer:
+        handle = await producer.submit("waits")
+        waiting = asyncio.ensure_future(producer.wait(handle))
+        await asyncio.to_thread(said.wait_for, 1)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await producer.cancel(handle)  # nothing waits here now: the watch starts afresh
+
+        async def streamed() -> None:
+            async for _chunk in producer.stream("nor this"):
+                pass
+
+        streaming = asyncio.ensure_future(streamed())
+        await asyncio.to_thread(said.wait_for, 2)
+        streaming.cancel()
+        await asyncio.gather(streaming, return_exceptions=True)
+
+
+def test_a_busy_worker_is_not_a_missing_one(
+    redis_url: str,
+    queue: str,
+    start_worker: Callable[..., WorkerThread],
+    said: Said,
+) -> None:
+    """A worker holding the request (live, busy) is not reported missing."""
+    gate = GatedModel()
+    start_worker(gate, batch_size=1)
+    with Producer(redis_url=redis_url, queue=queue, no_worker_log_s=0.05) as producer:
+        try:
+            handle = producer.submit("held in the model")
+            assert gate.entered.wait(30)
+            calls = _zcounts(redis_url)
+            wait_until(lambda: _zcounts(redis_url) > calls, "the watch to look")
+        finally:
+            gate.release.set()
+        assert producer.result(handle, timeout_s=30) == "held in the model"
+    assert said.lines == []
+
+
+def _zcounts(redis_url: str) -> int:
+    """ZCOUNT calls the server has run: how the watch (and a timed-out request) counts live
+    workers, and no other command of the producer or the worker uses."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        stats = client.info("commandstats").get("cmdstat_zcount", {})
+    finally:
+        client.close()
+    return int(stats.get("calls", 0)) if isinstance(stats, dict) else 0
+
+
+async def test_requests_answered_in_time_cost_no_redis_command(
+    redis_url: str, queue: str, start_worker: Callable[..., WorkerThread]
+) -> None:
+    start_worker()
+    async with AsyncProducer(redis_url=redis_url, queue=queue) as producer:
+        await producer.infer("warm-up", timeout_s=30)
+        before = _zcounts(redis_url)
+        for _ in range(3):
+            assert await producer.map(range(200), timeout_s=30) == list(range(200))
+        assert _zcounts(redis_url) == before
