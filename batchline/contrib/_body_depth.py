@@ -4,12 +4,15 @@ parses it.
 :class:`BodyDepth` wraps the whole app, inside :mod:`batchline.contrib._body_limit`'s
 :class:`~batchline.contrib._body_limit.BodyLimit` (so a body it reads is within
 ``max_body_bytes``): it reads a request's body, finds its depth in the bytes
-(:func:`batchline._json_depth.check_text`: no parser, no recursion), and then either hands
+(:func:`batchline._json_depth.check_text`: no parser, no recursion; a large body's in the
+body thread, off the event loop: :mod:`._body_thread`), and then either hands
 the body to the app as it came or answers itself, with one warning line in the log. Every
 body the routes read as JSON passes it, whatever its ``Content-Type`` (TGI's routes read any
 body as JSON): only uploads (``multipart/form-data``, and ``paths`` such as ``/v1/files``,
-read as they arrive) go by unread. Its answer takes the route family's shape: OpenAI's error
-object with 400 under ``/v1`` (code ``json_too_deep``), else a 422 with the native
+read as they arrive) go by unread. Its answer takes the route family's shape, by
+:class:`~batchline.contrib._body_limit.BodyLimit`'s rule
+(:class:`~batchline.contrib._body_limit.OpenAIShape`): OpenAI's error object with 400 under
+``/v1`` (code ``json_too_deep``), else a 422 with the native
 ``{"detail"}`` and TGI's ``error`` and ``error_type`` beside it.
 """
 
@@ -22,18 +25,14 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from batchline._json_depth import check_text
+from batchline.contrib._body_limit import V1, OpenAIShape, app_path
+from batchline.contrib._body_thread import off_loop
 from batchline.contrib._openai_schema import error_body
 from batchline.errors import NestingTooDeep
 
 __all__ = ["BodyDepth"]
 
 logger = logging.getLogger(__name__)
-
-
-def _path(scope: Scope) -> str:
-    """The request's path under the app (before routing into a mount changes the scope)."""
-    path, root = str(scope["path"]), str(scope.get("root_path", ""))
-    return path[len(root) :] if root and path.startswith(root) else path
 
 
 def _header(scope: Scope, name: bytes) -> bytes:
@@ -48,8 +47,7 @@ class BodyDepth:
 
     Args:
         app: the app to guard.
-        openai_prefix: where OpenAI's API is mounted (its errors take OpenAI's shape).
-        openai_paths: routes outside it whose errors take OpenAI's shape too.
+        openai: which requests' errors take OpenAI's shape.
         skip: paths whose bodies are uploads, read by their route as they arrive.
     """
 
@@ -57,20 +55,18 @@ class BodyDepth:
         self,
         app: ASGIApp,
         *,
-        openai_prefix: str = "/v1",
-        openai_paths: Iterable[str] = (),
+        openai: OpenAIShape = V1,
         skip: Iterable[str] = (),
     ) -> None:
         self.app = app
-        self.openai_prefix = openai_prefix
-        self.openai_paths = frozenset(openai_paths)
+        self.openai = openai
         self.skip = frozenset(skip)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = _path(scope)
+        path = app_path(scope)
         if path in self.skip or _header(scope, b"content-type").lower().startswith(b"multipart/"):
             await self.app(scope, receive, send)
             return
@@ -82,10 +78,10 @@ class BodyDepth:
                 break
         body = b"".join(m.get("body", b"") for m in received if m["type"] == "http.request")
         try:
-            check_text(body, "the request body")
+            await off_loop(len(body), check_text, body, "the request body")
         except NestingTooDeep as exc:
             logger.warning("%s %s refused: %s", scope.get("method", ""), path, exc)
-            await self._refuse(scope, send, path, str(exc))
+            await self._refuse(scope, send, str(exc))
             return
 
         async def replay() -> Message:
@@ -93,11 +89,8 @@ class BodyDepth:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, scope: Scope, send: Send, path: str, message: str) -> None:
-        openai = path in self.openai_paths or (
-            path == self.openai_prefix or path.startswith(self.openai_prefix + "/")
-        )
-        if openai:
+    async def _refuse(self, scope: Scope, send: Send, message: str) -> None:
+        if self.openai(scope):
             body = error_body(message, "invalid_request_error", code="json_too_deep")
             response = JSONResponse(body, status_code=400)
         else:  # the native shape (detail) and TGI's (error, error_type) at once

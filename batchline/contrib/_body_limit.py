@@ -34,13 +34,22 @@ import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Final
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from batchline.contrib._openai_schema import error_body
 
-__all__ = ["LINGER_BYTES", "LINGER_IDLE_S", "LINGER_S", "BodyLimit"]
+__all__ = [
+    "LINGER_BYTES",
+    "LINGER_IDLE_S",
+    "LINGER_S",
+    "V1",
+    "BodyLimit",
+    "OpenAIShape",
+    "app_path",
+]
 
 #: How long, and how much more of it, a refused request's remaining body is read and dropped
 #: before the connection closes (nginx's ``lingering_time`` is 30 s).
@@ -49,6 +58,32 @@ LINGER_BYTES = 64 << 20
 #: A client that sends nothing for this long is sending no more (nginx's
 #: ``lingering_timeout``, 5 s, is for slower networks than a server's own front).
 LINGER_IDLE_S = 2.0
+
+
+def app_path(scope: Scope) -> str:
+    """The request's path under the app (read before the app routes it: routing into a
+    mount changes the scope's ``root_path``)."""
+    path, root = str(scope["path"]), str(scope.get("root_path", ""))
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIShape:
+    """Which requests' errors take OpenAI's shape (called with a request's scope): those for
+    OpenAI's API, mounted at ``prefix``, and for ``paths`` outside it; the rest take the
+    native shape, with TGI's fields beside it. One rule for every answer the middlewares
+    give (:class:`BodyLimit`'s, :class:`~batchline.contrib._body_depth.BodyDepth`'s)."""
+
+    prefix: str = "/v1"
+    paths: frozenset[str] = frozenset()
+
+    def __call__(self, scope: Scope) -> bool:
+        path = app_path(scope)
+        return path in self.paths or path == self.prefix or path.startswith(self.prefix + "/")
+
+
+#: OpenAI's API at ``/v1``, and nothing outside it.
+V1: Final = OpenAIShape()
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -66,12 +101,11 @@ class BodyLimit:
     Args:
         app: the app to guard.
         max_body_bytes: the largest body accepted.
-        openai_prefix: where OpenAI's API is mounted (its errors take OpenAI's shape).
+        openai: which requests' errors take OpenAI's shape.
         paths: routes that bound their own bodies as they read them (an upload:
             ``/v1/files``), with their limit and what a refusal names it
             (``max_file_bytes=...``): only a declared ``Content-Length`` over it is refused
             here; the rest is the route's (its early answers linger as any other).
-        openai_paths: routes outside it whose errors take OpenAI's shape too.
     """
 
     def __init__(
@@ -79,46 +113,29 @@ class BodyLimit:
         app: ASGIApp,
         *,
         max_body_bytes: int,
-        openai_prefix: str = "/v1",
+        openai: OpenAIShape = V1,
         paths: Mapping[str, tuple[int, str]] | None = None,
-        openai_paths: tuple[str, ...] = (),
     ) -> None:
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         self.app = app
         self.max_body_bytes = max_body_bytes
-        self.openai_prefix = openai_prefix
+        self.openai = openai
         self.paths = dict(paths or {})
-        self.openai_paths = frozenset(openai_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        own = self.paths.get(self._path(scope))
+        own = self.paths.get(app_path(scope))
         limit, name = own or (self.max_body_bytes, f"max_body_bytes={self.max_body_bytes}")
         declared = _content_length(scope)
         linger = max(LINGER_BYTES, declared or limit) if own else LINGER_BYTES
-        refusal = _Refusal(limit, name, linger, openai=self._openai(scope))
+        refusal = _Refusal(limit, name, linger, openai=self.openai(scope))
         if declared is not None and declared > limit:
             await refusal.send(scope, receive, send, f"of {declared} bytes (Content-Length)")
             return
         await _Counted(self.app, refusal, scope, receive, send, counted=own is None).run()
-
-    @staticmethod
-    def _path(scope: Scope) -> str:
-        """The request's path under the app (read before the app routes it: routing into a
-        mount changes the scope's ``root_path``)."""
-        path = str(scope["path"])
-        root = str(scope.get("root_path", ""))
-        return path[len(root) :] if root and path.startswith(root) else path
-
-    def _openai(self, scope: Scope) -> bool:
-        """Whether the request is for OpenAI's API."""
-        path = self._path(scope)
-        if path in self.openai_paths:
-            return True
-        return path == self.openai_prefix or path.startswith(self.openai_prefix + "/")
 
 
 @dataclass(frozen=True, slots=True)

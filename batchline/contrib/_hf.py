@@ -34,6 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from batchline.contrib._body_thread import off_loop
 from batchline.contrib._hf_errors import Kind, TGIError, tgi
 from batchline.contrib._hf_schema import (
     PARAMS,
@@ -78,7 +79,7 @@ def _validated(model: type[M], body: Any, kind: Kind) -> M:
 
 async def _json(request: Request, kind: Kind) -> Any:
     try:
-        return json.loads(await request.body())
+        return await request.json()
     except ValueError as exc:
         raise tgi(422, f"the body is not JSON: {exc}", kind) from None
 
@@ -116,7 +117,7 @@ class HFRoutes:
         async def embed(request: Request) -> Response:
             """Embed texts: TEI's ``{"inputs"}``, or ``{"text"}`` / ``{"texts"}``."""
             try:
-                body = json.loads(await request.body())
+                body = await request.json()
             except ValueError as exc:
                 error = {"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error"}
                 ctx = {"error": str(exc)}
@@ -124,7 +125,8 @@ class HFRoutes:
             if _tei(body):
                 return await self._answer("embedding", request, self._embed(body, request))
             try:
-                return await other(model.model_validate(body))
+                validated = await off_loop(len(await request.body()), model.model_validate, body)
+                return await other(validated)
             except ValidationError as exc:
                 errors = exc.errors(include_url=False)
                 raise RequestValidationError(
@@ -141,7 +143,7 @@ class HFRoutes:
             """Rank texts by their relevance to a query: TEI's ``{"query", "texts"}``, or
             Cohere's and Jina's ``{"query", "documents"}``."""
             try:
-                body = json.loads(await request.body())
+                body = await request.json()
             except ValueError:
                 body = None  # ``other`` answers it
             if isinstance(body, dict) and "texts" in body and "documents" not in body:

@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchline.codec._chunks import check_logprobs
 from batchline.config import ProducerSettings, WebSettings
+from batchline.contrib._body_thread import BodyRoute
 from batchline.contrib._facts import card, check_dimensions, read_facts, truncated
 from batchline.contrib._openai_errors import (
     OpenAIError,
@@ -186,6 +187,7 @@ class OpenAIRoutes:
             title="batchline (OpenAI-compatible)",
             summary="Embeddings and text generation from batchline workers, in OpenAI's API",
         )
+        app.router.route_class = BodyRoute  # a large body parsed off the event loop
         app.add_api_route("/models", self.models, methods=["GET"])
         app.add_api_route("/models/{model_id:path}", self.model, methods=["GET"])
         app.add_api_route("/embeddings", self.embeddings, methods=["POST"], response_model=None)

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from batchline.contrib._body_thread import off_loop
 from batchline.contrib._common import INPUT_ERRORS, RETRY_AFTER_S
 from batchline.contrib._extra_schema import ALL_PARAMS
 from batchline.contrib._openai_schema import error_body, sse
@@ -183,9 +184,10 @@ async def answer_invalid(_request: Request, exc: Exception) -> Response:
 async def body_of(request: Request, model: type[_Model]) -> _Model:
     """The request's JSON body validated as ``model``; OpenAIError (400) naming the first
     bad parameter. For routes outside the ``/v1`` app, whose validation errors are FastAPI's
-    own (``/tokenize``, ``/rerank``)."""
+    own (``/tokenize``, ``/rerank``); a large one parsed and validated off the event loop."""
+    body = await request.body()
     try:
-        return model.model_validate_json(await request.body())
+        return await off_loop(len(body), model.model_validate_json, body)
     except ValidationError as exc:
         raise invalid([dict(e) for e in exc.errors()], str(exc)) from None
 

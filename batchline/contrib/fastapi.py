@@ -65,7 +65,8 @@ from batchline.codec import DecodeError, Result, unpack_result
 from batchline.config import ProducerSettings, WebSettings, check_environment
 from batchline.contrib._batches import BatchApi
 from batchline.contrib._body_depth import BodyDepth
-from batchline.contrib._body_limit import BodyLimit
+from batchline.contrib._body_limit import BodyLimit, OpenAIShape
+from batchline.contrib._body_thread import BodyRoute
 from batchline.contrib._common import (
     INPUT_ERRORS,
     MAX_TEXT_CHARS,
@@ -443,6 +444,7 @@ def create_app(
         summary="Embeddings from batchline workers over Redis (OpenAI-compatible API: /v1/docs)",
         lifespan=lifespan,
     )
+    app.router.route_class = BodyRoute  # a large body parsed off the event loop
     app.mount("/v1", openai.app)
     app.add_api_route(
         "/embed",
@@ -498,15 +500,15 @@ def create_app(
         if isinstance(settings, WebSettings)
         else int(WebSettings.model_fields["max_body_bytes"].default)
     )
-    openai_paths = RERANK_PATHS + TOKENIZE_PATHS  # outside /v1, in OpenAI's shape
+    # Their errors in OpenAI's shape: /v1, and these outside it.
+    shape = OpenAIShape("/v1", frozenset(RERANK_PATHS + TOKENIZE_PATHS))
     uploads = ("/v1/files",)  # an upload is read as it arrives, by its route
     # Inside BodyLimit (added later, so outside it): a body it reads is within the limit.
-    app.add_middleware(BodyDepth, openai_prefix="/v1", openai_paths=openai_paths, skip=uploads)
+    app.add_middleware(BodyDepth, openai=shape, skip=uploads)
     app.add_middleware(
         BodyLimit,
         max_body_bytes=max_body_bytes,
-        openai_prefix="/v1",
-        openai_paths=openai_paths,
+        openai=shape,
         paths={path: batches.upload_limit for path in uploads},
     )
     return app

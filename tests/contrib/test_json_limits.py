@@ -10,14 +10,23 @@ may reach a queue (a request let through would wait for its 2 s timeout: a 504).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import json
 import logging
 import re
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from pydantic import BaseModel, field_validator
 
+from batchline import _json_depth
 from batchline.codec import MAX_JSON_DEPTH
+from batchline.contrib._body_thread import LARGE_BODY_BYTES, BodyRoute
 
 from .test_fastapi import Serve, serve
 from .test_openai import MakeApp, assert_error, gen_queue, make_app
@@ -155,3 +164,89 @@ def other_families(
         assert_error(response, 400, param=param)
     rerank = f'{{"model": "{queue}-rerank", "query": "q", "documents": ["a"], "top_n": {number}}}'
     assert_error(http.post("/v1/rerank", content=rerank, headers=JSON), 400, param="top_n")
+
+
+def test_a_large_body_is_checked_and_parsed_off_the_event_loop(
+    http: httpx.Client,
+    gen_queue: str,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A body over LARGE_BODY_BYTES has its depth scanned and its JSON parsed in the body
+    thread, whatever reads it (a route's model, TGI's routes, Cohere's); a small one's on
+    the event loop (handing it over would cost more than its parse)."""
+    seen: list[tuple[str, int, bool]] = []  # what, its size, on an event loop's thread
+
+    def spy(what: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def spied(data: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(data, bytes | str) and len(data) > 1000:
+                seen.append((what, len(data), asyncio._get_running_loop() is not None))
+            return fn(data, *args, **kwargs)
+
+        return spied
+
+    monkeypatch.setattr(json, "loads", spy("parse", json.loads))
+    monkeypatch.setattr(_json_depth, "text_depth", spy("depth", _json_depth.text_depth))
+    validate_json = BaseModel.model_validate_json.__func__  # type: ignore[attr-defined]
+    spied_json = spy("parse", lambda data, cls, **kw: validate_json(cls, data, **kw))
+    monkeypatch.setattr(
+        BaseModel,
+        "model_validate_json",
+        classmethod(lambda cls, data, **kw: spied_json(data, cls, **kw)),
+    )
+    bodies = {
+        "/v1/chat/completions": {
+            "model": "unknown",
+            "messages": [{"role": "user", "content": "x"}],
+        },
+        "/v1/embeddings": {"model": "unknown", "input": "x"},
+        "/generate": {"inputs": "x", "parameters": {"unknown": 1}},
+        "/rerank": {"model": "unknown", "query": "x", "documents": ["x"]},
+    }
+    for path, body in bodies.items():
+        for padding, large in ((1000, False), (LARGE_BODY_BYTES, True)):
+            seen.clear()  # (brackets in a text: the depth is scanned, and is 2 or 3)
+            content = json.dumps({**body, "user": "[]" * padding}).encode()
+            response = http.post(path, content=content, headers=JSON)
+            assert 400 <= response.status_code < 500, (path, response.text)
+            mine = [(what, on_loop) for what, size, on_loop in seen if size == len(content)]
+            assert {what for what, _ in mine} == {"parse", "depth"}, (path, seen)
+            assert all(on_loop is not large for _, on_loop in mine), (path, large, mine)
+
+
+on_loop: list[bool] = []  # where each Texts was validated (on an event loop's thread)
+
+
+class Texts(BaseModel):
+    texts: list[str]
+
+    @field_validator("texts")
+    @classmethod
+    def where(cls, texts: list[str]) -> list[str]:
+        on_loop.append(asyncio._get_running_loop() is not None)
+        return texts
+
+
+async def count(body: Texts) -> dict[str, int]:
+    return {"texts": len(body.texts)}
+
+
+def test_a_large_body_is_validated_as_its_routes_model_off_the_event_loop() -> None:
+    """The route's model validates a large body in the body thread, and the route takes
+    its instance; a small body, and a large one that fails (its errors FastAPI's own), are
+    validated on the event loop. The route's OpenAPI schema is FastAPI's."""
+    app = FastAPI()
+    app.router.route_class = BodyRoute
+    app.add_api_route("/count", count, methods=["POST"])
+    with TestClient(app) as client:
+        for n, large in ((10, False), (LARGE_BODY_BYTES // 4, True)):
+            on_loop.clear()
+            response = client.post("/count", json={"texts": ["abc"] * n})
+            assert response.json() == {"texts": n}
+            assert on_loop == [not large]
+        on_loop.clear()
+        response = client.post("/count", json={"texts": ["abc"] * LARGE_BODY_BYTES + [1]})
+        assert response.status_code == 422
+        assert response.json()["detail"][0]["loc"] == ["body", "texts", LARGE_BODY_BYTES]
+        schema = client.get("/openapi.json").json()
+    body_schema = schema["paths"]["/count"]["post"]["requestBody"]["content"]["application/json"]
+    assert body_schema["schema"] == {"$ref": "#/components/schemas/Texts"}
