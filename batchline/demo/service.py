@@ -190,9 +190,12 @@ def _served_per_s(steps: list[_Step]) -> list[float]:
     ]
 
 
-def _drain(steps: list[_Step]) -> tuple[float, list[float], list[int]] | None:
+def _drain(steps: list[_Step], backlog: int) -> tuple[float, list[float], list[int]] | None:
     """The answers after the last step's end, while the backlog drains: answers per second
-    to the last one, and their latencies and batch sizes; None if none came after it."""
+    to the last one, and their latencies and batch sizes. None unless more than ``backlog``
+    came after it (the bound of :func:`_saturated`: a saturated run always has its drain):
+    the few answers of a batch or two that a run keeping up leaves come within milliseconds,
+    too close together to time as a rate."""
     end = steps[-1].ended if steps else 0.0
     after = [
         (t, ms, n)
@@ -200,10 +203,10 @@ def _drain(steps: list[_Step]) -> tuple[float, list[float], list[int]] | None:
         for t, ms, n in zip(s.answered_at, s.latencies_ms, s.batch_sizes, strict=True)
         if t >= end
     ]
-    if not after:
+    span = max((t for t, _, _ in after), default=end) - end
+    if len(after) <= backlog or span <= 0:
         return None
-    span = max(t for t, _, _ in after) - end
-    return len(after) / max(span, 1e-9), [ms for _, ms, _ in after], [n for _, _, n in after]
+    return len(after) / span, [ms for _, ms, _ in after], [n for _, _, n in after]
 
 
 def _saturated(steps: list[_Step], backlog: int) -> tuple[int, float] | None:
@@ -335,7 +338,7 @@ def _report(
                 f"| {s.rate} | {s.sent} | {rate:,.0f} | {p50:.0f} / {p99:.0f} "
                 f"| {np.mean(s.batch_sizes):.1f} |"
             )
-    drain = _drain(steps)
+    drain = _drain(steps, 2 * batch_size)
     if drain is not None:
         rate, latencies, batches = drain
         p50, p99 = np.percentile(latencies, [50, 99])

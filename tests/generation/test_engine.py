@@ -13,7 +13,15 @@ from batchline.generation import Engine, GenerationLoop, GenerationParams, Gener
 from batchline.generation._types import Sequence_
 
 from tests.support.stepping import Clock, Plan, final, run_plan
-from tests.support.tiny import VOCAB, ByteFallbackTokenizer, CharTokenizer, alone, tiny_model, torch
+from tests.support.tiny import (
+    VOCAB,
+    ByteFallbackTokenizer,
+    CharTokenizer,
+    alone,
+    needs_cuda,
+    tiny_model,
+    torch,
+)
 
 
 def request(prompt: list[int], events: list[Any], **params: Any) -> Sequence_:
@@ -72,9 +80,6 @@ def _cpu_computes_in(dtype: Any) -> bool:
     return True
 
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
@@ -91,7 +96,7 @@ def test_greedy_exact_match_rate_half_precision_cpu(kind: str, dtype: str) -> No
     assert rate >= 0.75
 
 
-@CUDA
+@needs_cuda("greedy decoding of a mixed batch against each request alone, on the GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_greedy_exact_match_rate_cuda(dtype: str) -> None:
     model = tiny_model("llama", getattr(torch, dtype)).to("cuda")
@@ -101,13 +106,16 @@ def test_greedy_exact_match_rate_cuda(dtype: str) -> None:
     assert rate >= 0.75
 
 
+INFERENCE_ON_CUDA = needs_cuda("the engine's steps in inference mode on the GPU")
+
+
 @pytest.mark.parametrize(
     ("device", "dtype"),
     [
         ("cpu", "float32"),
         ("cpu", "bfloat16"),
-        pytest.param("cuda", "bfloat16", marks=CUDA),
-        pytest.param("cuda", "float16", marks=CUDA),
+        pytest.param("cuda", "bfloat16", marks=INFERENCE_ON_CUDA),
+        pytest.param("cuda", "float16", marks=INFERENCE_ON_CUDA),
     ],
 )
 def test_the_engine_runs_in_inference_mode_on_the_models_device_and_dtype(

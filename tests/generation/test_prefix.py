@@ -14,7 +14,7 @@ from batchline.generation._prefix import PrefixCache
 from batchline.generation._types import Sequence_
 
 from tests.support.stepping import Plan, final, run_plan
-from tests.support.tiny import VOCAB, alone, tiny_model, torch
+from tests.support.tiny import VOCAB, alone, needs_cuda, tiny_model, torch
 
 CONFIG = SchedulerConfig(max_batch_size=6, max_batch_tokens=600)
 
@@ -191,7 +191,7 @@ def test_engine_cache_keeps_within_its_bound_in_bytes() -> None:
     assert held == engine.prefixes.tokens * 2 * 2 * 2 * 8 * 8
 
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+CUDA = needs_cuda("cached prefixes kept on the GPU, in float16")
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """Tiny randomly initialised models built from a config (causal LMs, a cross-encoder): no
-download, fast on a CPU."""
+download, fast on a CPU; and the mark of the tests that need a CUDA GPU."""
 
 from __future__ import annotations
 
@@ -15,6 +15,14 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB = 97
 EOS = 3
+
+
+def needs_cuda(checks: str) -> pytest.MarkDecorator:
+    """Skips a test where torch sees no CUDA GPU, its reason saying so and what the test
+    ``checks`` on one (pytest's summary lists it: ``-rs`` in pyproject.toml)."""
+    return pytest.mark.skipif(
+        not torch.cuda.is_available(), reason=f"needs a CUDA GPU, none here: {checks}"
+    )
 
 
 def tiny_model(kind: str, dtype: Any = None, *, seed: int = 0) -> Any:

