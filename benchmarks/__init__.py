@@ -14,9 +14,17 @@ recorded, with date, machine and command, are on the documentation's Benchmarks 
 - ``python -m benchmarks.generate``: generation in process against static batching and
   transformers' continuous batching, and through Redis and HTTP (``generate/``).
 - ``python -m benchmarks.long_prompt``: what long prompts do to a stream beside them.
+- ``python -m benchmarks.prefix``: prefill time with the shared-prefix cache and without.
+- ``python -m benchmarks.structured``: structured output on SmolLM2, each answer validated
+  against its schema, and the per-token cost of the masks.
+- ``python -m benchmarks.dtype``: ``dtype auto`` on this CPU, bfloat16 against float32.
 - ``python -m benchmarks.cache``: the result cache on half-repeated texts.
 - ``python -m benchmarks.batch_api``: a batch through ``/v1/batches`` against the same requests
   through the producer, and interactive latency while a batch runs.
+- ``python -m benchmarks.batch_limits``: the Batch API's bounds: the batch driver's memory and
+  Redis's against a batch's output size, and interactive latency beside a large upload.
+- ``python -m benchmarks.schema_check``: bystanders' latency on the HTTP API while large
+  ``response_format`` schemas are checked.
 - ``python -m benchmarks.slo``: the latency-SLO mode against fixed settings.
 - ``python -m benchmarks.admission``: admission through the queue's functions against the
   enqueue script.

@@ -10,7 +10,7 @@ queue and no worker). Each repeat measures, in this order:
   while ``--schemas`` chat requests with large schemas (strict objects of 1,000 to 4,000
   required enum properties, 0.3 to 1.3 MB; ``--kind patterns``: 100 to 1,000 properties
   with a ``pattern`` each, 10 to 100 kB, whose bodies take no time to read) are sent at
-  once, again and again: each is checked, then answered 404 (its model is not served), so
+  once, again and again, by a process of their own (as other clients would send them): each is checked, then answered 404 (its model is not served), so
   nothing is queued;
 - ``idle``: the same bystanders as long again, nothing else.
 
@@ -146,15 +146,39 @@ async def checks(http: Any, payloads: list[bytes], seconds: float) -> int:
     return done
 
 
-async def one_repeat(base: str, args: argparse.Namespace, payloads: list[bytes]) -> Any:
+def _load(base: str, kind: str, n: int, seconds: float, started: Any, checked: Any) -> None:
+    """The schemas' senders, in a process of their own (as other clients would be): their
+    own event loop, so that sending megabytes of bodies does not delay the bystanders'
+    client, whose latency is the API's."""
     import httpx
 
+    async def run() -> int:
+        payloads = bodies(n, kind)
+        async with httpx.AsyncClient(base_url=base, timeout=600) as http:
+            started.set()
+            return await checks(http, payloads, seconds)
+
+    checked.put(asyncio.run(run()))
+
+
+async def one_repeat(base: str, args: argparse.Namespace) -> Any:
+    import multiprocessing
+
+    import httpx
+
+    spawn = multiprocessing.get_context("spawn")
+    started, checked = spawn.Event(), spawn.Queue()
+    sender = spawn.Process(
+        target=_load, args=(base, args.kind, args.schemas, args.seconds, started, checked)
+    )
+    sender.start()
     async with httpx.AsyncClient(base_url=base, timeout=600) as http:
-        load_ = asyncio.ensure_future(checks(http, payloads, args.seconds))
+        await asyncio.to_thread(started.wait, 120)
         loaded = await bystanders(http, args.lanes, args.think_ms, args.seconds)
-        checked = await load_
+        count = await asyncio.to_thread(checked.get, True, 600)
+        sender.join()
         idle = await bystanders(http, args.lanes, args.think_ms, args.seconds)
-    return loaded, idle, checked
+    return loaded, idle, count
 
 
 def start(procs: Procs, args: argparse.Namespace) -> str:
@@ -203,7 +227,7 @@ def main() -> None:
     try:
         base = start(procs, args)
         for rep in range(args.repeats):
-            loaded, idle, checked = asyncio.run(one_repeat(base, args, payloads))
+            loaded, idle, checked = asyncio.run(one_repeat(base, args))
             for name, values in (("checks", loaded), ("idle", idle)):
                 for value in values:
                     pooled.add(name, value)

@@ -160,6 +160,24 @@ def test_bench_batch_api_smoke() -> None:
     assert re.search(r"^\| \*\*p99 with / without a batch\*\* .* \| [\d.]+ \|", out, re.M), out
 
 
+@pytest.mark.slow
+def test_bench_batch_limits_smoke() -> None:
+    """Both parts: a batch's output against the driver's memory, an upload beside bystanders."""
+    argv = ["benchmarks.batch_limits", "--part", "outputs", "--sizes", "4x16", "--timeout-s", "60"]
+    out = _bench(argv, 300)
+    assert re.search(r"^\| 4 x 16 \| .* \| completed \| 4/4 \|", out, re.M), out
+    argv = ["benchmarks.batch_limits", "--part", "uploads", "--upload-mb", "5", "--repeats", "1"]
+    out = _bench(argv, 300)
+    assert re.search(r"^\| \*\*p99 during / idle\*\* .* \| [\d.]+ \|", out, re.M), out
+
+
+@pytest.mark.slow
+def test_bench_schema_check_smoke() -> None:
+    argv = ["benchmarks.schema_check", "--schemas", "2", "--seconds", "1", "--repeats", "1"]
+    out = _bench(argv, 300)
+    assert re.search(r"^\| \*\*p99 checking / idle\*\* .* \| [\d.]+ \|", out, re.M), out
+
+
 # The tiny random Llama of the tests (no download), importable from the repository root.
 TINY_LLAMA = ["--model-path", "tests.support.models_for_tests:tiny_llama"]
 WITH_TESTS = os.environ | {"PYTHONPATH": str(REPO)}
