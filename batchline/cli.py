@@ -166,7 +166,7 @@ def _worker(args: argparse.Namespace) -> int:
     import signal
 
     from batchline.errors import ModelNotLoaded, WorkerHung
-    from batchline.transport._event_loop import EXIT_INTERRUPTED, run
+    from batchline.transport import EXIT_INTERRUPTED, run_loop
     from batchline.worker import Worker
     from batchline.worker.upkeep._watchdog import HUNG_EXIT_CODE
 
@@ -178,7 +178,7 @@ def _worker(args: argparse.Namespace) -> int:
     if args.bound_file is not None:
         worker.bound_file = Path(args.bound_file)
     try:
-        run(worker.run(), event_loop=settings.event_loop)
+        run_loop(worker.run(), event_loop=settings.event_loop)
     except ModelNotLoaded as exc:
         print(f"batchline: {exc}", file=sys.stderr)
         return 1
@@ -191,7 +191,7 @@ def _worker(args: argparse.Namespace) -> int:
 async def _check(settings: Any, max_age_s: float | None) -> int:
     """Health check: a worker of this host (or ``worker_id``) sent a heartbeat lately."""
     from batchline.keys import host_id
-    from batchline.transport._redis import connect
+    from batchline.transport import connect
     from batchline.transport.status import LIVE_WITHIN_S
 
     max_age_s = LIVE_WITHIN_S if max_age_s is None else max_age_s
@@ -218,7 +218,7 @@ def _status(args: argparse.Namespace) -> int:
     settings = command_settings("status", args)
 
     async def run() -> dict[str, Any]:
-        from batchline.transport._redis import connect, wait_for_redis
+        from batchline.transport import connect, wait_for_redis
         from batchline.transport.status import collect
 
         client = connect(settings)
@@ -483,8 +483,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``batchline`` command and ``python -m batchline``."""
-    from batchline.transport._event_loop import EXIT_INTERRUPTED
-    from batchline.transport._redis import RedisUnreachable
+    from batchline.transport import EXIT_INTERRUPTED, RedisUnreachable
 
     try:
         args = _parsers()[0].parse_args(argv)

@@ -52,7 +52,7 @@ from pydantic import SecretStr
 from batchline.config import WorkerSettings
 from batchline.keys import GROUP, QueueKeys
 from batchline.producer import Producer
-from batchline.transport._functions import load_library
+from batchline.transport import as_client, load_library
 from batchline.worker import Worker
 from benchmarks.harness import REPO, Procs, redis_binary, start_redis
 
@@ -207,7 +207,7 @@ async def _load_functions(redis_url: str, keys: QueueKeys) -> bool:
     """Load the queue's functions as a worker does at start (False on Redis < 7)."""
     client = redis.asyncio.Redis.from_url(redis_url)
     try:
-        return await load_library(client, keys)
+        return await load_library(as_client(client), keys)
     finally:
         await client.aclose()
 

@@ -116,7 +116,7 @@ class FileStore:
         self.max_line_bytes, self.max_file_bytes = max_line_bytes, max_file_bytes
         self.max_upload_bytes = max_upload_bytes or max_file_bytes
         self.budget = UploadBudget(max(upload_budget_bytes, self.max_upload_bytes))
-        self.redis: RedisClient = None  # set by the app's lifespan
+        self.redis: RedisClient  # set by the app's lifespan
         self.uploads: UploadLoop | None = None  # set by the app's lifespan
 
     def add_routes(self, app: FastAPI) -> None:
@@ -160,7 +160,7 @@ class FileStore:
         except MultipartError as exc:
             raise OpenAIError(400, str(exc)) from None
         uploads = self.uploads
-        if uploads is None:
+        if uploads is None or uploads.redis is None:
             raise RuntimeError("the app's lifespan has not run: serve it with an ASGI server")
         file_id = f"file-{uuid.uuid4().hex[:24]}"
         form = FormReader(

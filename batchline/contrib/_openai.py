@@ -111,7 +111,7 @@ class Served:
     name: str
     settings: ProducerSettings
     opened: AsyncProducer | None = field(default=None, repr=False)
-    client: RedisClient = field(default=None, repr=False)
+    client: RedisClient | None = field(default=None, repr=False)
 
     @property
     def producer(self) -> AsyncProducer:

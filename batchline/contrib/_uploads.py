@@ -44,7 +44,7 @@ class UploadLoop:
     def __init__(self, settings: ServiceSettings) -> None:
         self._settings = settings
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.redis: RedisClient = None  # the thread's client, while it runs
+        self.redis: RedisClient | None = None  # the thread's client, while it runs
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[UploadLoop]:

@@ -273,7 +273,7 @@ class _Backend:
         self.timeout_s = timeout_s
         self._limits = settings.limits()
         self._producer: AsyncProducer | None = None
-        self._redis: RedisClient = None
+        self._redis: RedisClient | None = None
         # Job keys: written by the admission from the job function's notes (or, with the
         # script, here), never by a raw SET under producer rights.
         self._jobs = Admission(self.keys, settings.admission)

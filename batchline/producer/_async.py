@@ -44,10 +44,15 @@ from batchline.producer._replies import ReplyReader, Waiters
 from batchline.producer._stream import StreamChunk, Streams, quiet_cancel
 from batchline.producer._watch import NoWorkerWatch
 from batchline.tracing import producer as producer_trace
-from batchline.transport._admission import Admission
-from batchline.transport._errors import ignoring_redis_failures, redis_failure
-from batchline.transport._once import input_hash
-from batchline.transport._redis import RedisClient, connect
+from batchline.transport import (
+    Admission,
+    RedisArgument,
+    as_client,
+    connect,
+    ignoring_redis_failures,
+    input_hash,
+    redis_failure,
+)
 
 __all__ = ["AsyncProducer", "EnqueueOptions", "Handle", "SubmitOptions"]
 
@@ -98,13 +103,13 @@ class AsyncProducer:
         self,
         settings: ProducerSettings | None = None,
         *,
-        redis: RedisClient = None,
+        redis: RedisArgument | None = None,
         **overrides: Any,
     ) -> None:
         self.settings = settings or ProducerSettings(**overrides)
         self.keys = self.settings.keys
         self._own_client = redis is None
-        self._redis = redis if redis is not None else connect(self.settings)
+        self._redis = as_client(redis) if redis is not None else connect(self.settings)
         # 128 random bits: a reply stream's name is all that keeps another producer from
         # reading it, and producer rights may probe names (docs/protocol.md, Access control).
         self.producer_id = check_name("producer id", f"{host_id()}-{os.getpid()}-{_new_id()}")

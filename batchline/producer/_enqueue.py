@@ -28,12 +28,14 @@ from batchline.producer._failures import Failed, connected, translate, uncertain
 from batchline.producer._outcomes import Answered, outcome_of
 from batchline.producer._replies import Waiters
 from batchline.redis_url import is_sentinel_url
-from batchline.transport._admission import Admission
-from batchline.transport._errors import redis_failure
-from batchline.transport._once import once_keys
-from batchline.transport._outbox import Outbox
-from batchline.transport._redis import RedisClient
-from batchline.transport._replication import Replication
+from batchline.transport import (
+    Admission,
+    Outbox,
+    RedisClient,
+    Replication,
+    once_keys,
+    redis_failure,
+)
 
 if TYPE_CHECKING:
     from batchline.tracing._otel import ProducerTrace
@@ -112,7 +114,9 @@ class Enqueuer:
         """Close the writes' own connection."""
         if self._writer is not self._redis:
             await self._writer.aclose()
-            await self._writer.connection_pool.disconnect()  # its own pool (writer_for)
+            pool = getattr(self._writer, "connection_pool", None)
+            if pool is not None:
+                await pool.disconnect()  # its own pool (writer_for)
 
     def queue_full(self) -> QueueFull:
         keys = self.settings.keys

@@ -40,8 +40,16 @@ from batchline.errors import (
     ServiceUnavailable,
 )
 from batchline.keys import QueueKeys
-from batchline.transport._errors import passing_code, redis_failure
-from batchline.transport._redis import POOL_NO_CLIENT_INFO, RedisClient, dedicated, pinned
+from batchline.transport import (
+    POOL_NO_CLIENT_INFO,
+    RedisClient,
+    as_client,
+    dedicated,
+    passing_code,
+    pinned,
+    redis_failure,
+    single_node,
+)
 from batchline.transport.status import LIVE_WITHIN_S, live_worker_count
 
 __all__ = [
@@ -157,9 +165,10 @@ def writer_for(client: RedisClient, *, pin: str | None = None) -> RedisClient:
     """The writer's own client: one connection, in a pool of its own, on which redis-py never
     sends a command again by itself after a lost connection (it would queue a request twice,
     unknown to anyone). A cluster client (or anything else) is used as it is."""
-    if type(client) is not Redis:  # a cluster: pinned to the node of ``pin`` if given
+    plain = single_node(client)
+    if plain is None:  # a cluster: pinned to the node of ``pin`` if given
         return pinned(client, pin) if pin is not None else dedicated(client)
-    pool = client.connection_pool
+    pool = plain.connection_pool
     kwargs = {**pool.connection_kwargs, "retry": Retry(NoBackoff(), 0)}
     own: ConnectionPool
     if isinstance(pool, SentinelConnectionPool):  # the primary its sentinels name
@@ -179,17 +188,18 @@ def writer_for(client: RedisClient, *, pin: str | None = None) -> RedisClient:
             **kwargs,
             **POOL_NO_CLIENT_INFO,
         )
-    return Redis(connection_pool=own, single_connection_client=True)
+    return as_client(Redis(connection_pool=own, single_connection_client=True))
 
 
 async def connected(client: RedisClient) -> None:
     """Make the writer's connection ready before a write is sent: open it if it is closed
     (redis-py closes it after an error), and run redis-py's periodic PING here, where its
     failure (a connection that died while idle) sends nothing: reconnect once instead."""
-    if type(client) is not Redis:
+    plain = single_node(client)
+    if plain is None:
         return
-    await client.initialize()
-    connection = client.connection
+    await plain.initialize()
+    connection = plain.connection
     if connection is None:
         return
     if connection.is_connected:

@@ -23,8 +23,13 @@ from batchline.codec._chunks import CHUNKS_FIELD
 from batchline.codec._results import decode_flat
 from batchline.producer._outcomes import check_input
 from batchline.producer._stream import Streams
-from batchline.transport._errors import ignoring_redis_failures, redis_failure
-from batchline.transport._redis import Backoff, RedisClient, own_connection
+from batchline.transport import (
+    Backoff,
+    RedisClient,
+    ignoring_redis_failures,
+    own_connection,
+    redis_failure,
+)
 
 __all__ = ["ReplyReader", "Waiters"]
 
@@ -111,7 +116,7 @@ class ReplyReader:
         self._closed = closed
         self._streams = streams
         self._recovered = recovered
-        self._client: RedisClient = None  # the reader's own client, while it runs
+        self._client: RedisClient | None = None  # the reader's own client, while it runs
         # Warnings of dropped entries: one at once, then at most one per _QUIET_S with how
         # many more were dropped (a flood of forged entries must not flood the log).
         self._quiet_until = 0.0

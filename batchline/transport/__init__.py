@@ -1,12 +1,115 @@
-"""The Redis transport the producer and the worker share.
+"""The Redis transport the producer and the worker share; other packages import it from here.
 
-- ``keys``: every key name (public path :mod:`batchline.keys`);
-- ``codec``: requests, results and values as they travel (public path :mod:`batchline.codec`);
-- ``_scripts``: the Lua scripts (enqueue, complete); ``_redis``: clients, back-off, script
-  calls; ``_errors``: what counts as Redis failing; ``_outbox``: coalesced writes;
-  ``_cancels``: the cancel stream;
-- ``status``: ``batchline status``'s figures; ``acl``: the ACL users (public path
-  :mod:`batchline.acl`).
+- the client: :class:`RedisClient` (the commands batchline sends, typed), :func:`connect`,
+  :func:`dedicated`, :func:`pinned`, :func:`own_connection`, :func:`wait_for_redis`,
+  :class:`Backoff` (``_client``, ``_redis``, ``_sentinel``);
+- failures: what counts as Redis failing, :func:`redis_failure` and
+  :func:`ignoring_redis_failures` (``_errors``);
+- the enqueue and complete scripts (``_scripts``, in Lua from ``_lua``) and the queue's
+  functions on Redis 7 (``_functions``), with the admission of what producers enqueued
+  (``_admission``);
+- the outbox of coalesced writes (``_outbox``), the cancel log (``_cancels``), the input
+  hash of compute-once requests (``_once``), ``WAIT`` for replicated writes
+  (``_replication``) and the service's event loop (``_event_loop``);
+- :mod:`batchline.transport.status`: ``batchline status``'s figures.
 
+The key names are :mod:`batchline.keys` and the values as they travel :mod:`batchline.codec`;
 ``docs/protocol.md`` is the contract these implement.
 """
+
+from batchline.transport._admission import Admission, AdmissionMode, job_note
+from batchline.transport._cancels import CANCELS_MAXLEN, CancelLog, CancelTrim
+from batchline.transport._client import (
+    RedisArgument,
+    RedisClient,
+    RedisPipeline,
+    as_client,
+    single_node,
+)
+from batchline.transport._errors import (
+    REDIS_FAILURES,
+    RedisLibraryError,
+    ignoring_redis_failures,
+    passing,
+    passing_code,
+    redis_failure,
+)
+from batchline.transport._event_loop import EXIT_INTERRUPTED, loop_factory, run_loop
+from batchline.transport._functions import (
+    ADMIT,
+    JOB,
+    LIBRARY,
+    TAG,
+    function_missing,
+    load_library,
+)
+from batchline.transport._once import (
+    ONCE_COUNTERS,
+    cache_hash,
+    input_hash,
+    once_figures,
+    once_keys,
+)
+from batchline.transport._outbox import Outbox
+from batchline.transport._redis import (
+    NO_CLIENT_INFO,
+    POOL_NO_CLIENT_INFO,
+    Backoff,
+    RedisUnreachable,
+    Script,
+    connect,
+    dedicated,
+    own_connection,
+    pinned,
+    wait_for_redis,
+)
+from batchline.transport._replication import Replication
+from batchline.transport._scripts import COMPLETE, ENQUEUE
+
+__all__ = [
+    "ADMIT",
+    "CANCELS_MAXLEN",
+    "COMPLETE",
+    "ENQUEUE",
+    "EXIT_INTERRUPTED",
+    "JOB",
+    "LIBRARY",
+    "NO_CLIENT_INFO",
+    "ONCE_COUNTERS",
+    "POOL_NO_CLIENT_INFO",
+    "REDIS_FAILURES",
+    "TAG",
+    "Admission",
+    "AdmissionMode",
+    "Backoff",
+    "CancelLog",
+    "CancelTrim",
+    "Outbox",
+    "RedisArgument",
+    "RedisClient",
+    "RedisLibraryError",
+    "RedisPipeline",
+    "RedisUnreachable",
+    "Replication",
+    "Script",
+    "as_client",
+    "cache_hash",
+    "connect",
+    "dedicated",
+    "function_missing",
+    "ignoring_redis_failures",
+    "input_hash",
+    "job_note",
+    "load_library",
+    "loop_factory",
+    "once_figures",
+    "once_keys",
+    "own_connection",
+    "passing",
+    "passing_code",
+    "pinned",
+    "redis_failure",
+    "run_loop",
+    "single_node",
+    "wait_for_redis",
+]

@@ -13,7 +13,7 @@ import signal
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["EXIT_INTERRUPTED", "loop_factory", "run"]
+__all__ = ["EXIT_INTERRUPTED", "loop_factory", "run_loop"]
 
 T = TypeVar("T")
 
@@ -39,7 +39,7 @@ def loop_factory(name: str = "auto") -> Callable[[], asyncio.AbstractEventLoop]:
     return asyncio.new_event_loop
 
 
-def run(main: Coroutine[Any, Any, T], *, event_loop: str = "auto") -> T:
+def run_loop(main: Coroutine[Any, Any, T], *, event_loop: str = "auto") -> T:
     """``asyncio.run(main)`` on a loop of the kind ``event_loop``."""
     with asyncio.Runner(loop_factory=loop_factory(event_loop)) as runner:
         return runner.run(main)

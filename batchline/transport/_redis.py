@@ -8,7 +8,7 @@ import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, TypeVar
 
 from redis.asyncio import ConnectionPool, Redis, RedisCluster
 from redis.asyncio.sentinel import MasterNotFoundError, SentinelConnectionPool
@@ -19,6 +19,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from batchline.config import ServiceSettings, redact_url
 from batchline.errors import BatchlineError
 from batchline.redis_url import is_sentinel_url, parse_sentinel_url
+from batchline.transport._client import RedisClient, as_client, single_node
 from batchline.transport._errors import (
     REDIS_FAILURES,
     RedisLibraryError,
@@ -44,11 +45,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-#: An asyncio ``redis.asyncio.Redis`` or ``RedisCluster`` client (bytes replies). Any to
-#: mypy: redis-py types each command as returning ``Awaitable[T] | T`` for its sync and
-#: async clients at once, which no ``await`` type-checks.
-RedisClient: TypeAlias = Any
 
 
 class RedisUnreachable(BatchlineError, ConnectionError):
@@ -120,10 +116,10 @@ def connect(settings: ServiceSettings) -> RedisClient:
     connections send nothing the ACL rules of docs/protocol.md refuse (:data:`NO_CLIENT_INFO`)."""
     url = settings.redis_url.get_secret_value()
     if settings.redis_cluster:
-        return _Cluster.from_url(url, **NO_CLIENT_INFO)
+        return as_client(_Cluster.from_url(url, **NO_CLIENT_INFO))
     if is_sentinel_url(url):
-        return sentinel_client(url, health_check_interval=30, **NO_CLIENT_INFO)
-    return Redis.from_url(url, health_check_interval=30, **NO_CLIENT_INFO)
+        return as_client(sentinel_client(url, health_check_interval=30, **NO_CLIENT_INFO))
+    return as_client(Redis.from_url(url, health_check_interval=30, **NO_CLIENT_INFO))
 
 
 async def wait_for_redis(client: RedisClient, settings: ServiceSettings, *, wait_s: float) -> None:
@@ -173,12 +169,14 @@ def dedicated(client: RedisClient) -> RedisClient:
 
     A cluster client (or anything else) is returned as it is: it routes per key.
     """
-    if isinstance(getattr(client, "connection_pool", None), SentinelConnectionPool):
-        return _SentinelDedicated(
-            connection_pool=client.connection_pool, single_connection_client=True
+    pool = getattr(client, "connection_pool", None)
+    if isinstance(pool, SentinelConnectionPool):
+        return as_client(_SentinelDedicated(connection_pool=pool, single_connection_client=True))
+    plain = single_node(client)
+    if plain is not None:
+        return as_client(
+            Redis(connection_pool=plain.connection_pool, single_connection_client=True)
         )
-    if type(client) is Redis:
-        return Redis(connection_pool=client.connection_pool, single_connection_client=True)
     return client
 
 
@@ -188,7 +186,7 @@ def pinned(client: RedisClient, key: str) -> RedisClient:
     :func:`dedicated` connection, or, on a Redis Cluster, one connection to the node that
     holds ``key``'s slot, found again after a failover or a move."""
     if isinstance(client, RedisCluster):
-        return _Pinned(client, key)
+        return as_client(_Pinned(client, key))
     return dedicated(client)
 
 

@@ -53,9 +53,10 @@ from batchline.keys import check_name, host_id
 from batchline.tracing import flush as flush_spans
 from batchline.tracing import worker as worker_trace
 from batchline.transport._cancels import CancelLog, CancelTrim
+from batchline.transport._client import RedisArgument, as_client
 from batchline.transport._errors import ignoring_redis_failures
 from batchline.transport._functions import load_library
-from batchline.transport._redis import RedisClient, connect, dedicated, pinned, wait_for_redis
+from batchline.transport._redis import connect, dedicated, pinned, wait_for_redis
 from batchline.transport._replication import Replication
 from batchline.worker._cpu_threads import apply_threads, available_cpus, prepare_environment
 from batchline.worker._ready import ready_line
@@ -100,7 +101,7 @@ class Worker:
         settings: WorkerSettings | None = None,
         *,
         model: Model | str | None = None,
-        redis: RedisClient = None,
+        redis: RedisArgument | None = None,
         **overrides: Any,
     ) -> None:
         if isinstance(model, str):  # the setting (a model spec), not a model object
@@ -124,7 +125,7 @@ class Worker:
         self._cache = AnswerCache(s, model)
         self._facts = ModelFacts(s)
         self._own_client = redis is None
-        self._redis = redis if redis is not None else connect(s)
+        self._redis = as_client(redis) if redis is not None else connect(s)
         # The writer task's own connection (durability replicated on a cluster: to the node
         # of the queue, where WAIT counts the writes made before it).
         self._writer = (

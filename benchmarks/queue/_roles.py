@@ -182,10 +182,10 @@ def child_main(args: argparse.Namespace) -> int:
     if args.role == "arq-worker":
         arq_worker_role(args)
     else:
-        from batchline.transport._event_loop import run
-
         # The producer's loop as batchline worker picks its own (BATCHLINE_EVENT_LOOP).
-        run(load_role(args), event_loop=os.environ.get("BATCHLINE_EVENT_LOOP", "auto"))
+        from batchline.transport import run_loop
+
+        run_loop(load_role(args), event_loop=os.environ.get("BATCHLINE_EVENT_LOOP", "auto"))
     return 0
 
 

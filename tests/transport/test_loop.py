@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from batchline.transport._event_loop import loop_factory, run
+from batchline.transport import loop_factory, run_loop
 
 
 async def _loop_module() -> str:
@@ -16,7 +16,7 @@ async def _loop_module() -> str:
 
 def test_asyncio_is_asyncio_and_names_are_checked() -> None:
     assert loop_factory("asyncio") is asyncio.new_event_loop
-    assert run(_loop_module(), event_loop="asyncio") == "asyncio"
+    assert run_loop(_loop_module(), event_loop="asyncio") == "asyncio"
     with pytest.raises(ValueError, match="event_loop must be auto, uvloop or asyncio"):
         loop_factory("trio")
 
@@ -24,8 +24,8 @@ def test_asyncio_is_asyncio_and_names_are_checked() -> None:
 def test_auto_and_uvloop_run_on_uvloop_where_installed() -> None:
     uvloop = pytest.importorskip("uvloop")
     assert loop_factory("auto") is uvloop.new_event_loop
-    assert run(_loop_module(), event_loop="uvloop") == "uvloop"
-    assert run(_loop_module()) == "uvloop"
+    assert run_loop(_loop_module(), event_loop="uvloop") == "uvloop"
+    assert run_loop(_loop_module()) == "uvloop"
 
 
 def test_without_uvloop_auto_falls_back_and_uvloop_is_an_error(

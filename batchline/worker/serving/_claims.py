@@ -138,7 +138,9 @@ class Claims:
                     held.discard(entry)
         return groups
 
-    async def give_back(self, taken: Taken, *, idle_ms: int, redis: RedisClient = None) -> None:
+    async def give_back(
+        self, taken: Taken, *, idle_ms: int, redis: RedisClient | None = None
+    ) -> None:
         """Give back what :meth:`take` took (see :meth:`hand_back`); ``redis``: a client
         other than the worker's (the watchdog's, while the worker's loop is blocked)."""
         client = self.redis if redis is None else redis

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from redis.asyncio import ConnectionPool, Redis
 
 from batchline.config import WorkerSettings
+from batchline.transport._client import as_client, single_node
 from batchline.transport._errors import ignoring_redis_failures
 from batchline.transport._redis import POOL_NO_CLIENT_INFO, RedisClient, connect
 from batchline.worker.models import Model
@@ -159,15 +160,18 @@ class Guard:
 
     def abandon_blocked(self) -> None:
         """:meth:`abandon` from the watchdog's thread while the hung call blocks the loop."""
-        client: RedisClient = None
+        client: RedisClient | None = None
+        plain = single_node(self._redis)
         if self._own:
             client = connect(self._settings)
-        elif type(self._redis) is Redis:  # the caller's client: a copy of its pool
-            pool = self._redis.connection_pool
+        elif plain is not None:  # the caller's client: a copy of its pool
+            pool = plain.connection_pool
             kwargs = pool.connection_kwargs
-            client = Redis(
-                connection_pool=ConnectionPool(
-                    connection_class=pool.connection_class, **kwargs, **POOL_NO_CLIENT_INFO
+            client = as_client(
+                Redis(
+                    connection_pool=ConnectionPool(
+                        connection_class=pool.connection_class, **kwargs, **POOL_NO_CLIENT_INFO
+                    )
                 )
             )
         if client is None:
