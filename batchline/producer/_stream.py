@@ -38,7 +38,7 @@ S = TypeVar("S", str, list[int])
 
 @dataclass(frozen=True, slots=True)
 class StreamChunk:
-    """A piece of a streamed generation (see :meth:`AsyncProducer.stream`).
+    """A piece of a streamed generation (see :meth:`batchline.producer.AsyncProducer.stream`).
 
     Attributes:
         text: the new text (may be empty: text that may still change is held back).
