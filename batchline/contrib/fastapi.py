@@ -14,28 +14,29 @@ shutdown; workers (``batchline worker``) do the inference. Routes:
   404 unknown (or its result has expired), 422 or 500 for a failed request;
 - ``GET /healthz``: 200 while Redis answers PING, else 503;
 - ``/v1/...``: OpenAI-compatible embeddings, completions and chat completions on the queues
-  ``embedding_queue`` and ``generation_queue`` (:mod:`batchline.contrib._openai`);
+  ``embedding_queue`` and ``generation_queue`` (:mod:`batchline.contrib.openai._routes`);
 - ``POST /generate``, ``POST /generate_stream`` (TGI's), ``POST /models/{name}`` (a base URL
   per served model: TGI's ``/`` or TEI's ``/embed``) and ``POST /`` (the generation model's,
   else the embedding model's): Hugging Face's native API on the same two queues, what
   ``huggingface_hub.InferenceClient`` speaks, errors in TGI's shape
-  (:mod:`batchline.contrib._hf`).
+  (:mod:`batchline.contrib.hf._routes`).
 - ``POST /rerank`` (and ``/v1/rerank``, Cohere's and Jina's shape) on ``rerank_queue``
-  (:mod:`batchline.contrib._openai_rerank`), and TEI's (``texts``) at ``/rerank``;
+  (:mod:`batchline.contrib.openai._rerank`), and TEI's (``texts``) at ``/rerank``;
 - ``POST /tokenize`` and ``/detokenize`` (vLLM's) for every model served under ``/v1``
-  (:mod:`batchline.contrib._tokenize`), errors in OpenAI's shape.
+  (:mod:`batchline.contrib.openai._tokenize`), errors in OpenAI's shape.
 
-Errors: a body over ``max_body_bytes`` (2 MiB) is 413, answered before the body is read
-whole and closing the connection, on every route (:mod:`batchline.contrib._body_limit`); a
+Errors: a body over ``max_body_bytes`` (2 MiB) is 413, answered before the body is read whole
+and closing the connection, on every route (:mod:`batchline.contrib._plumbing._body_limit`); a
 body nesting lists and objects deeper than ``MAX_JSON_DEPTH`` (64) is 422 here and on TGI's
-routes, 400 under ``/v1``, before any route parses it (:mod:`batchline.contrib._body_depth`); a
-full queue, Redis out of memory (``maxmemory``) or unreachable is 503 with
-``Retry-After`` (nothing was queued); a connection lost while the request was written is
-503 with ``Retry-After`` and the request's ``id`` (it may be queued); no result within
-``timeout_s`` is 504 (and the request is cancelled); a request whose deadline passed before
-a worker started it is 504 on ``/embed`` and 410 on ``/jobs``; a worker's error is 422 where
-the input caused it (TypeError, ValueError, a malformed or oversized request), else 500,
-with ``error_type`` and ``error_message`` in the body; a malformed stored result is 500.
+routes, 400 under ``/v1``, before any route parses it
+(:mod:`batchline.contrib._plumbing._body_depth`); a full queue, Redis out of memory
+(``maxmemory``) or unreachable is 503 with ``Retry-After`` (nothing was queued); a connection
+lost while the request was written is 503 with ``Retry-After`` and the request's ``id`` (it may
+be queued); no result within ``timeout_s`` is 504 (and the request is cancelled); a request
+whose deadline passed before a worker started it is 504 on ``/embed`` and 410 on ``/jobs``; a
+worker's error is 422 where the input caused it (TypeError, ValueError, a malformed or oversized
+request), else 500, with ``error_type`` and ``error_message`` in the body; a malformed stored
+result is 500.
 """
 
 from __future__ import annotations
@@ -63,20 +64,20 @@ from redis.exceptions import RedisError
 
 from batchline.codec import DecodeError, Result, unpack_result
 from batchline.config import ProducerSettings, WebSettings, check_environment
-from batchline.contrib._batches import BatchApi
-from batchline.contrib._body_depth import BodyDepth
-from batchline.contrib._body_limit import BodyLimit, OpenAIShape
-from batchline.contrib._body_thread import BodyRoute
-from batchline.contrib._common import (
+from batchline.contrib._plumbing._body_depth import BodyDepth
+from batchline.contrib._plumbing._body_limit import BodyLimit, OpenAIShape
+from batchline.contrib._plumbing._body_thread import BodyRoute
+from batchline.contrib._plumbing._common import (
     INPUT_ERRORS,
     MAX_TEXT_CHARS,
     RETRY_AFTER_S,
     answer_invalid_native,
 )
-from batchline.contrib._hf import HFRoutes
-from batchline.contrib._openai import OpenAIRoutes
-from batchline.contrib._openai_rerank import RERANK_PATHS, RerankRoutes
-from batchline.contrib._tokenize import TOKENIZE_PATHS, TokenizeRoutes
+from batchline.contrib.batches._routes import BatchApi
+from batchline.contrib.hf._routes import HFRoutes
+from batchline.contrib.openai._rerank import RERANK_PATHS, RerankRoutes
+from batchline.contrib.openai._routes import OpenAIRoutes
+from batchline.contrib.openai._tokenize import TOKENIZE_PATHS, TokenizeRoutes
 from batchline.errors import (
     BatcherClosed,
     BatchlineError,
@@ -408,7 +409,7 @@ def create_app(
     settings: ProducerSettings | None = None, *, timeout_s: float | None = None, **overrides: Any
 ) -> FastAPI:
     """A FastAPI app that enqueues requests for batchline workers: embeddings on ``queue``,
-    and OpenAI-compatible routes under ``/v1`` (see :mod:`batchline.contrib._openai`).
+    and OpenAI-compatible routes under ``/v1`` (see :mod:`batchline.contrib.openai._routes`).
 
     Args:
         settings: the app's settings, a :class:`~batchline.config.WebSettings` (or a plain
