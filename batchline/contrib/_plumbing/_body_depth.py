@@ -11,7 +11,7 @@ body the routes read as JSON passes it, whatever its ``Content-Type`` (TGI's rou
 body as JSON): only uploads (``multipart/form-data``, and ``paths`` such as ``/v1/files``, read
 as they arrive) go by unread. Its answer takes the route family's shape, by
 :class:`~batchline.contrib._plumbing._body_limit.BodyLimit`'s rule
-(:class:`~batchline.contrib._plumbing._body_limit.OpenAIShape`): OpenAI's error object with 400
+(:class:`~batchline.contrib._plumbing._body_limit.ErrorShape`): OpenAI's error object with 400
 under ``/v1`` (code ``json_too_deep``), else a 422 with the native ``{"detail"}`` and TGI's
 ``error`` and ``error_type`` beside it."""
 
@@ -24,9 +24,8 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from batchline._json_depth import check_text
-from batchline.contrib._plumbing._body_limit import V1, OpenAIShape, app_path
+from batchline.contrib._plumbing._body_limit import NATIVE, ErrorShape, app_path, native_error
 from batchline.contrib._plumbing._body_thread import off_loop
-from batchline.contrib.openai._schema import error_body
 from batchline.errors import NestingTooDeep
 
 __all__ = ["BodyDepth"]
@@ -46,7 +45,7 @@ class BodyDepth:
 
     Args:
         app: the app to guard.
-        openai: which requests' errors take OpenAI's shape.
+        shape: which shape a request's refusal takes.
         skip: paths whose bodies are uploads, read by their route as they arrive.
     """
 
@@ -54,11 +53,11 @@ class BodyDepth:
         self,
         app: ASGIApp,
         *,
-        openai: OpenAIShape = V1,
+        shape: ErrorShape = NATIVE,
         skip: Iterable[str] = (),
     ) -> None:
         self.app = app
-        self.openai = openai
+        self.shape = shape
         self.skip = frozenset(skip)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -89,12 +88,11 @@ class BodyDepth:
         await self.app(scope, replay, send)
 
     async def _refuse(self, scope: Scope, send: Send, message: str) -> None:
-        if self.openai(scope):
-            body = error_body(message, "invalid_request_error", code="json_too_deep")
+        if self.shape.own(scope):  # an API's own error object: a bad request
+            body = self.shape.refusal(scope, message, "json_too_deep")
             response = JSONResponse(body, status_code=400)
         else:  # the native shape (detail) and TGI's (error, error_type) at once
-            content = {"detail": message, "error": message, "error_type": "validation"}
-            response = JSONResponse(content, status_code=422)
+            response = JSONResponse(native_error(message), status_code=422)
         await response(scope, _no_receive, send)
 
 

@@ -5,9 +5,10 @@ declares a larger ``Content-Length`` is answered before any of its body is read 
 waiting for ``100 Continue`` sends none); one without (chunked) is counted as it arrives and
 answered as soon as it passes the limit: the app never holds more than the limit of it, and
 sees the rest of the request as a client that went away. The answer carries ``Connection:
-close``. Its body is OpenAI's error object under ``/v1`` (``code`` ``request_too_large``) and
-the native ``{"detail"}`` elsewhere, with TGI's ``error`` and ``error_type`` beside it (the
-Hugging Face routes' shape). A route that bounds its own body as it reads it (an upload,
+close``. Its body takes the shape the app gives for the request's path (:class:`ErrorShape`):
+an API's own error object (OpenAI's under ``/v1``, ``code`` ``request_too_large``), else the
+native ``{"detail"}`` with TGI's ``error`` and ``error_type`` beside it (the Hugging Face
+routes' shape). A route that bounds its own body as it reads it (an upload,
 ``/v1/files``, up to ``max_file_bytes``) has its own limit for a declared size, and counts
 the rest itself.
 
@@ -32,23 +33,23 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from batchline.contrib.openai._schema import error_body
 
 __all__ = [
     "LINGER_BYTES",
     "LINGER_IDLE_S",
     "LINGER_S",
-    "V1",
+    "NATIVE",
     "BodyLimit",
-    "OpenAIShape",
+    "ErrorBody",
+    "ErrorShape",
     "app_path",
+    "native_error",
 ]
 
 #: How long, and how much more of it, a refused request's remaining body is read and dropped
@@ -67,23 +68,47 @@ def app_path(scope: Scope) -> str:
     return path[len(root) :] if root and path.startswith(root) else path
 
 
-@dataclass(frozen=True, slots=True)
-class OpenAIShape:
-    """Which requests' errors take OpenAI's shape (called with a request's scope): those for
-    OpenAI's API, mounted at ``prefix``, and for ``paths`` outside it; the rest take the
-    native shape, with TGI's fields beside it. One rule for every answer the middlewares
-    give (:class:`BodyLimit`'s, :class:`~batchline.contrib._plumbing._body_depth.BodyDepth`'s)."""
+#: An API's error object for a refused request, from its message and its ``code``.
+ErrorBody = Callable[[str, str], dict[str, Any]]
 
-    prefix: str = "/v1"
+
+def native_error(message: str) -> dict[str, Any]:
+    """The native error (FastAPI's ``{"detail"}``), with TGI's ``error`` and ``error_type``
+    beside it: the shape of every route outside an API with an error object of its own."""
+    return {"detail": message, "error": message, "error_type": "validation"}
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorShape:
+    """Which shape the middlewares' refusals take (:class:`BodyLimit`'s,
+    :class:`~batchline.contrib._plumbing._body_depth.BodyDepth`'s), one rule for both: the
+    requests under ``prefix`` (an API mounted there) and those for ``paths`` take ``body``'s
+    shape (given by the app: OpenAI's error object for ``/v1``); the rest, and all where there
+    is no ``body``, the native one (:func:`native_error`)."""
+
+    body: ErrorBody | None = None
+    prefix: str | None = None
     paths: frozenset[str] = frozenset()
 
-    def __call__(self, scope: Scope) -> bool:
+    def own(self, scope: Scope) -> bool:
+        """Whether a request's refusal takes ``body``'s shape."""
+        if self.body is None:
+            return False
         path = app_path(scope)
-        return path in self.paths or path == self.prefix or path.startswith(self.prefix + "/")
+        under = self.prefix is not None and (
+            path == self.prefix or path.startswith(self.prefix + "/")
+        )
+        return under or path in self.paths
+
+    def refusal(self, scope: Scope, message: str, code: str) -> dict[str, Any]:
+        """The body of a request's refusal: ``body(message, code)``, or the native one."""
+        if self.body is not None and self.own(scope):
+            return self.body(message, code)
+        return native_error(message)
 
 
-#: OpenAI's API at ``/v1``, and nothing outside it.
-V1: Final = OpenAIShape()
+#: Every refusal in the native shape.
+NATIVE: Final = ErrorShape()
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -101,7 +126,7 @@ class BodyLimit:
     Args:
         app: the app to guard.
         max_body_bytes: the largest body accepted.
-        openai: which requests' errors take OpenAI's shape.
+        shape: which shape a request's refusal takes.
         paths: routes that bound their own bodies as they read them (an upload:
             ``/v1/files``), with their limit and what a refusal names it
             (``max_file_bytes=...``): only a declared ``Content-Length`` over it is refused
@@ -113,14 +138,14 @@ class BodyLimit:
         app: ASGIApp,
         *,
         max_body_bytes: int,
-        openai: OpenAIShape = V1,
+        shape: ErrorShape = NATIVE,
         paths: Mapping[str, tuple[int, str]] | None = None,
     ) -> None:
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         self.app = app
         self.max_body_bytes = max_body_bytes
-        self.openai = openai
+        self.shape = shape
         self.paths = dict(paths or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -131,7 +156,7 @@ class BodyLimit:
         limit, name = own or (self.max_body_bytes, f"max_body_bytes={self.max_body_bytes}")
         declared = _content_length(scope)
         linger = max(LINGER_BYTES, declared or limit) if own else LINGER_BYTES
-        refusal = _Refusal(limit, name, linger, openai=self.openai(scope))
+        refusal = _Refusal(limit, name, linger, self.shape)
         if declared is not None and declared > limit:
             await refusal.send(scope, receive, send, f"of {declared} bytes (Content-Length)")
             return
@@ -145,16 +170,12 @@ class _Refusal:
     max_body_bytes: int
     name: str  # the limit as a refusal names it
     linger_bytes: int  # the most of the rest of the body read before the connection closes
-    openai: bool
+    shape: ErrorShape
 
     async def send(self, scope: Scope, receive: Receive, send: Send, size: str) -> None:
         """Answer 413 (the body's ``size`` in words)."""
         message = f"the request body {size} exceeds {self.name}"
-        body = (
-            error_body(message, "invalid_request_error", code="request_too_large")
-            if self.openai
-            else {"detail": message, "error": message, "error_type": "validation"}  # + TGI's
-        )
+        body = self.shape.refusal(scope, message, "request_too_large")
         response = JSONResponse(body, status_code=413, headers={"Connection": "close"})
         await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
         await send({"type": "http.response.body", "body": response.body, "more_body": True})

@@ -1,14 +1,14 @@
 """Schema checks in a process of their own, started by the API: :class:`SchemaChecker`.
 
 Checking a request's ``response_format`` compiles its schema as a worker would
-(:func:`~batchline._response_format.check_response_format`): milliseconds for most, up to
-about half a second for a megabyte's. On the event loop that serves every other request,
-they would all wait that long; in a thread of the API's process, the conversions (the
-schema read into llguidance, its JSON written and read again) still hold the interpreter's lock
-from the loop for up to 15 ms at a time, and the thread takes a processor from it. So each API
-process checks schemas in a child, ``python -m batchline.contrib._plumbing._schema_process``,
-started on the first check, at a lower priority (``nice`` 10), one schema at a time, in the
-order they came.
+(:func:`~batchline._response_format.check_response_format`): milliseconds for most, up to about
+half a second for a megabyte's. On the event loop that serves every other request, they would
+all wait that long; in a thread of the API's process, the conversions (the schema read into
+llguidance, its JSON written and read again) still hold the interpreter's lock from the loop for
+up to 15 ms at a time, and the thread takes a processor from it. So each API process checks
+schemas in a child, ``python -m batchline.contrib._plumbing._schema_child``
+(:mod:`._schema_child`), started on the first check, at a lower priority (``nice`` 10), one
+schema at a time, in the order they came.
 
 The pipe is the API's alone. The API writes, per check, a line ``<id> <length>`` and then
 ``<length>`` bytes: a request body (JSON) whose ``response_format`` is checked; the child
@@ -21,22 +21,19 @@ are sent to a new one.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import logging
-import os
-import sys
-from typing import Any
 
-from batchline._response_format import check_response_format
 from batchline.contrib._plumbing._common import start_child, stop_child
 from batchline.errors import BadGenerationParams
 
-__all__ = ["SchemaChecker"]
+__all__ = ["CHILD", "SchemaChecker"]
 
 logger = logging.getLogger(__name__)
 
+#: The module the child runs.
+CHILD = "batchline.contrib._plumbing._schema_child"
 #: How long a child gets to exit once its stdin ends, before it is killed.
 _STOP_S = 5.0
 
@@ -97,7 +94,7 @@ class SchemaChecker:
             if proc is None or proc.returncode is not None:
                 if self._closing:
                     raise BadGenerationParams("response_format cannot be checked: closing")
-                proc = self._proc = await start_child(__name__, stdout=True)
+                proc = self._proc = await start_child(CHILD, stdout=True)
                 task = asyncio.create_task(self._read(proc), name="batchline-schema-checks")
                 self._readers.add(task)
                 task.add_done_callback(self._readers.discard)
@@ -125,32 +122,3 @@ class SchemaChecker:
         )
         for n, (body, _) in pending[1:]:
             await self._send(n, body)
-
-
-def _checked(body: bytes) -> str | None:
-    """The error of the ``response_format`` of ``body`` (a JSON request body), or None."""
-    try:
-        value: Any = json.loads(body)
-        check_response_format(value.get("response_format") if isinstance(value, dict) else None)
-    except BadGenerationParams as exc:
-        return str(exc)
-    except ValueError as exc:  # not JSON: the route has read it already, so never here
-        return f"response_format could not be read: {exc}"
-    return None
-
-
-def main() -> None:
-    """The child: check what comes on stdin, one at a time, until it ends."""
-    with contextlib.suppress(OSError):
-        os.nice(10)  # the API's event loop first
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    with contextlib.suppress(KeyboardInterrupt):  # (the API's group was interrupted)
-        while header := stdin.readline():
-            n, size = (int(field) for field in header.split())
-            error = _checked(stdin.read(size))
-            stdout.write(json.dumps({"id": n, "error": error}).encode() + b"\n")
-            stdout.flush()
-
-
-if __name__ == "__main__":
-    main()

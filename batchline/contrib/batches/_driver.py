@@ -20,7 +20,7 @@ from redis.exceptions import RedisError, WatchError
 
 from batchline.contrib.batches._files import FileStore
 from batchline.contrib.batches._run import BatchRun, DriverOptions, LeaseLost, RunContext
-from batchline.contrib.openai._routes import OpenAIRoutes
+from batchline.contrib.openai import OpenAIRoutes
 from batchline.errors import BatchlineError
 from batchline.keys import BatchApiKeys, host_id
 from batchline.transport._redis import RedisClient

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from batchline.contrib.batches._multipart import MultipartError, boundary
 from batchline.contrib.batches._uploads import CHUNK_LINES, FormReader, UploadBudget, UploadLoop
-from batchline.contrib.openai._errors import OpenAIError
+from batchline.contrib.openai import OpenAIError
 from batchline.keys import ID_PATTERN, BatchApiKeys
 from batchline.transport._redis import RedisClient
 

@@ -4,8 +4,9 @@ Driving a batch costs its API process CPU for every line (its result decoded, it
 built and written, the next line submitted). On the event loop that serves the interactive
 routes, that work delays their requests and their answers; in a thread of the same process it
 still takes the interpreter's lock from them. So by default (``batch_driver="process"``) each
-API process runs its driver in a child process, ``python -m batchline.contrib.batches._process``:
-the same driver (:mod:`._batch_driver`), with a Redis client and producers of its own, which
+API process runs its driver in a child process,
+``python -m batchline.contrib.batches._driver_child`` (:mod:`._driver_child`): the same driver
+(:mod:`._driver`), with a Redis client and producers of its own, which
 the operating system schedules beside the API instead of inside it.
 
 The child reads the API's settings (JSON, secrets included: the pipe is theirs alone) from its
@@ -22,26 +23,22 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
-import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import SecretStr
 
-from batchline.config import ProducerSettings, WebSettings
-from batchline.contrib._plumbing._common import start_child, stop_child
-from batchline.contrib.batches._driver import BatchDriver
+from batchline.config import ProducerSettings
+from batchline.contrib._plumbing import start_child, stop_child
 from batchline.contrib.batches._files import FileStore
 from batchline.contrib.batches._run import DriverOptions
-from batchline.contrib.openai._routes import OpenAIRoutes
-from batchline.keys import BatchApiKeys
-from batchline.transport._redis import connect
 
-__all__ = ["DriverProcess"]
+__all__ = ["CHILD", "DriverProcess"]
 
 logger = logging.getLogger(__name__)
 
+#: The module the child runs.
+CHILD = "batchline.contrib.batches._driver_child"
 #: How long a child gets to stop its runs once its stdin ends, before it is killed.
 _STOP_S = 10.0
 #: How long after a child died unexpectedly a new one starts.
@@ -104,7 +101,7 @@ class DriverProcess:
             await asyncio.sleep(_RESTART_S)
 
     async def _start(self) -> asyncio.subprocess.Process:
-        proc = await start_child(__name__)
+        proc = await start_child(CHILD)
         if proc.stdin is not None:  # (always: stdin=PIPE)
             proc.stdin.write(b"%d\n%s" % (len(self._payload), self._payload))
         self._proc = proc
@@ -116,12 +113,6 @@ class DriverProcess:
             logger.warning("batches: the driver's process did not stop; it was killed")
 
 
-#: The settings an API may run with, by class name.
-_SETTINGS: dict[str, type[ProducerSettings]] = {
-    cls.__name__: cls for cls in (ProducerSettings, WebSettings)
-}
-
-
 def _revealed(settings: ProducerSettings) -> dict[str, Any]:
     """``settings`` as JSON values, its secrets (the Redis URL, passwords) in clear."""
     out: dict[str, Any] = settings.model_dump(mode="json")
@@ -130,42 +121,3 @@ def _revealed(settings: ProducerSettings) -> dict[str, Any]:
         if isinstance(value, SecretStr):
             out[name] = value.get_secret_value()
     return out
-
-
-async def _serve() -> None:
-    """The child: the API's driver on this process's loop, until stdin ends."""
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    stdin = os.fdopen(sys.stdin.fileno(), "rb", buffering=0)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), stdin)
-    try:
-        size = int(await reader.readline())
-        sent = json.loads(await reader.readexactly(size))
-    except (ValueError, asyncio.IncompleteReadError):
-        return  # the API went before it said anything
-    settings = _SETTINGS[sent["class"]].model_validate(sent["settings"])
-    options, limits = DriverOptions(**sent["options"]), sent["limits"]
-    keys = BatchApiKeys(settings.prefix)
-    files = FileStore(keys, **limits)
-    routes = OpenAIRoutes(settings, timeout_s=60.0)  # (their producers; no route is served)
-    files.redis = redis = connect(settings)
-    try:
-        async with routes.lifespan():
-            driver = BatchDriver(redis, keys, files, routes, options)
-            async with driver.running():
-                while line := await reader.readline():
-                    driver.poke(line.strip().decode() or None)
-    finally:
-        await redis.aclose()
-
-
-def main() -> None:
-    logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    with contextlib.suppress(KeyboardInterrupt):  # (the API's group was interrupted)
-        asyncio.run(_serve())
-
-
-if __name__ == "__main__":
-    main()

@@ -31,8 +31,7 @@ from batchline.contrib.batches._lines import FINAL, file_errors, moves
 from batchline.contrib.batches._process import DriverProcess
 from batchline.contrib.batches._run import DriverOptions
 from batchline.contrib.batches._uploads import UploadLoop
-from batchline.contrib.openai._errors import OpenAIError
-from batchline.contrib.openai._routes import OpenAIRoutes
+from batchline.contrib.openai import OpenAIError, OpenAIRoutes
 from batchline.keys import ID_PATTERN, BatchApiKeys
 from batchline.transport._redis import RedisClient, connect
 

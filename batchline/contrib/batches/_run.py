@@ -33,16 +33,19 @@ from redis.exceptions import RedisError, WatchError
 from batchline.contrib.batches._files import CHUNK_LINES, FileStore
 from batchline.contrib.batches._lines import Line, LineError, parse_line, request_id
 from batchline.contrib.batches._output import Encoded, Output, Window, weight
-from batchline.contrib.openai._errors import OpenAIError, described, typed
-from batchline.contrib.openai._facts import check_dimensions
-from batchline.contrib.openai._routes import OpenAIRoutes, checked
-from batchline.contrib.openai._schema import (
+from batchline.contrib.openai import (
     ChatRequest,
     CompletionRequest,
     EmbeddingRequest,
+    OpenAIError,
+    OpenAIRoutes,
     chat_body,
+    check_dimensions,
+    checked,
     completion_body,
+    described,
     error_body,
+    typed,
 )
 from batchline.errors import (
     BatchlineError,

@@ -14,10 +14,9 @@ from typing import Literal
 
 from fastapi.responses import JSONResponse
 
-from batchline.contrib._plumbing._common import RETRY_AFTER_S
+from batchline.contrib._plumbing import RETRY_AFTER_S
 from batchline.contrib.hf._schema import error_body
-from batchline.contrib.openai._errors import OpenAIError
-from batchline.contrib.openai._schema import sse
+from batchline.contrib.openai import OpenAIError, sse
 
 __all__ = ["Kind", "TGIError", "tgi"]
 

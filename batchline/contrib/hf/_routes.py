@@ -34,7 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from batchline.contrib._plumbing._body_thread import off_loop
+from batchline.contrib._plumbing import off_loop
 from batchline.contrib.hf._errors import Kind, TGIError, tgi
 from batchline.contrib.hf._schema import (
     PARAMS,
@@ -49,10 +49,16 @@ from batchline.contrib.hf._schema import (
     vectors,
 )
 from batchline.contrib.hf._stream import TGIStream, TGITiming, collected
-from batchline.contrib.openai._errors import OpenAIError, described, log_error, typed
-from batchline.contrib.openai._rerank import ranked
-from batchline.contrib.openai._routes import OpenAIRoutes, Served
-from batchline.contrib.openai._stream import unless_disconnected
+from batchline.contrib.openai import (
+    OpenAIError,
+    OpenAIRoutes,
+    Served,
+    described,
+    log_error,
+    ranked,
+    typed,
+    unless_disconnected,
+)
 
 __all__ = ["HFRoutes"]
 

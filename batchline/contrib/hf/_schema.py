@@ -23,9 +23,13 @@ import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from batchline.codec import unit_rows
-from batchline.contrib._plumbing._common import MAX_TEXT_CHARS
-from batchline.contrib.openai._extra_schema import MAX_RERANK_DOCUMENTS, rerank_value
-from batchline.contrib.openai._schema import MAX_EMBEDDING_INPUTS, MAX_LOGPROBS
+from batchline.contrib._plumbing import MAX_TEXT_CHARS
+from batchline.contrib.openai import (
+    MAX_EMBEDDING_INPUTS,
+    MAX_LOGPROBS,
+    MAX_RERANK_DOCUMENTS,
+    rerank_value,
+)
 from batchline.errors import show_value
 
 __all__ = [

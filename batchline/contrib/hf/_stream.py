@@ -17,9 +17,7 @@ from typing import Any
 
 from batchline.contrib.hf._errors import TGIError
 from batchline.contrib.hf._schema import TGIRequest, Token, TokenTexts, stream_event
-from batchline.contrib.openai._errors import OpenAIError
-from batchline.contrib.openai._schema import sse
-from batchline.contrib.openai._stream import ChunkStream, next_chunk
+from batchline.contrib.openai import ChunkStream, OpenAIError, next_chunk, sse
 from batchline.errors import RequestTimeout
 from batchline.producer import StreamChunk
 

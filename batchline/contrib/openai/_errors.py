@@ -21,8 +21,7 @@ from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from batchline.contrib._plumbing._body_thread import off_loop
-from batchline.contrib._plumbing._common import INPUT_ERRORS, RETRY_AFTER_S
+from batchline.contrib._plumbing import INPUT_ERRORS, RETRY_AFTER_S, off_loop
 from batchline.contrib.openai._extra_schema import ALL_PARAMS
 from batchline.contrib.openai._schema import error_body, sse
 from batchline.errors import (
@@ -47,12 +46,20 @@ __all__ = [
     "described",
     "guarded",
     "invalid",
+    "refused",
     "typed",
 ]
 
 logger = logging.getLogger(__name__)
 
 _Model = TypeVar("_Model", bound=BaseModel)
+
+
+def refused(message: str, code: str) -> dict[str, Any]:
+    """OpenAI's error object for a request the app's middlewares refused before any route
+    read it (a body too large, or nested too deep): their
+    :class:`~batchline.contrib._plumbing.ErrorShape` under ``/v1``."""
+    return error_body(message, "invalid_request_error", code=code)
 
 
 class OpenAIError(Exception):

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from batchline.contrib._plumbing._common import MAX_TEXT_CHARS
+from batchline.contrib._plumbing import MAX_TEXT_CHARS
 from batchline.contrib.openai._schema import PARAMS, ChatMessage
 
 __all__ = [

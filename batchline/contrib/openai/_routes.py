@@ -39,8 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchline.codec._chunks import check_logprobs
 from batchline.config import ProducerSettings, WebSettings
-from batchline.contrib._plumbing._body_thread import BodyRoute
-from batchline.contrib._plumbing._schema_process import SchemaChecker
+from batchline.contrib._plumbing import BodyRoute, SchemaChecker
 from batchline.contrib.openai._errors import (
     OpenAIError,
     answer_batchline,

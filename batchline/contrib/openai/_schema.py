@@ -30,7 +30,7 @@ from pydantic import (
     field_validator,
 )
 
-from batchline.contrib._plumbing._common import MAX_TEXT_CHARS
+from batchline.contrib._plumbing import MAX_TEXT_CHARS
 
 __all__ = [
     "MAX_CHOICES",

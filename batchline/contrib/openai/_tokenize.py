@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from batchline.contrib._plumbing._common import INPUT_ERRORS
+from batchline.contrib._plumbing import INPUT_ERRORS
 from batchline.contrib.openai._errors import OpenAIError, body_of, guarded
 from batchline.contrib.openai._extra_schema import DetokenizeRequest, TokenizeRequest
 from batchline.contrib.openai._routes import OpenAIRoutes, Served

@@ -27,6 +27,7 @@ from pydantic import SecretStr
 from batchline.acl import acl_rules
 from batchline.config import WebSettings
 from batchline.contrib.batches import _run as _batch_run
+from batchline.contrib.batches._process import CHILD
 from batchline.contrib.fastapi import create_app
 from batchline.keys import BatchApiKeys, QueueKeys
 
@@ -366,7 +367,7 @@ def drivers() -> list[int]:
     return [
         pid
         for pid in children_of(os.getpid())
-        if alive(pid) and b"_batch_process" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        if alive(pid) and CHILD.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
     ]
 
 
