@@ -58,7 +58,7 @@ from batchline.keys import BatchApiKeys
 from batchline.producer import AsyncProducer, Result
 from batchline.transport._redis import RedisClient
 
-__all__ = ["BatchRun", "DriverOptions", "LeaseLost", "Prepared", "RunContext", "prepare"]
+__all__ = ["BatchRun", "DriverOptions", "LeaseLost", "RoutedLine", "RunContext", "route_line"]
 
 logger = logging.getLogger(__name__)
 
@@ -114,16 +114,18 @@ class LeaseLost(BatchlineError):
 
 
 @dataclass(frozen=True, slots=True)
-class Prepared:
-    """A line ready for the queue: the producer, the value, and how to answer its result."""
+class RoutedLine:
+    """A line routed as its URL's route would: the producer of its queue, the value it
+    submits, and how to answer its result."""
 
     producer: AsyncProducer
     value: Any
     answer: Callable[[Result], dict[str, Any]]
 
 
-async def prepare(routes: OpenAIRoutes, url: str, body: dict[str, Any]) -> Prepared:
-    """A line's body as its route reads it (OpenAIError as the route would answer)."""
+async def route_line(routes: OpenAIRoutes, url: str, body: dict[str, Any]) -> RoutedLine:
+    """A line's body read and checked as the route of ``url`` does, and sent its way
+    (OpenAIError as the route would answer)."""
     raw = json.dumps(body)
     try:
         if url == "/v1/embeddings":
@@ -131,7 +133,7 @@ async def prepare(routes: OpenAIRoutes, url: str, body: dict[str, Any]) -> Prepa
             served = routes.queue("embedding", emb.model)
             if emb.dimensions is not None:  # refused before it is queued, as the route does
                 check_dimensions(await served.facts(), emb.dimensions, served.name)
-            return Prepared(
+            return RoutedLine(
                 served.producer,
                 emb.texts,
                 lambda r: routes.embedding_answer(served, emb, r, lazy=True),
@@ -149,7 +151,7 @@ async def prepare(routes: OpenAIRoutes, url: str, body: dict[str, Any]) -> Prepa
         await routes.check_format(raw.encode())
     served = routes.queue("generation", gen.model)
     build = chat_body if chat else completion_body
-    return Prepared(
+    return RoutedLine(
         served.producer, gen.value(), lambda r: build(r.id, served.name, [checked(r.output)])
     )
 
@@ -331,9 +333,9 @@ class BatchRun:
                 raise RequestCancelled(f"the batch {self.batch_id} was cancelled")
             if output.full:
                 return output.refused(line.custom_id, rid, ran=False)
-            prepared = await prepare(self.driver.routes, endpoint, line.body)
-            result = await self._run(prepared, rid)
-            return await output.answer(line.custom_id, rid, 200, prepared.answer(result))
+            routed = await route_line(self.driver.routes, endpoint, line.body)
+            result = await self._run(routed, rid)
+            return await output.answer(line.custom_id, rid, 200, routed.answer(result))
         except RequestCancelled:
             message = "the batch was cancelled before this request ran"
             return output.error(line.custom_id, rid, "cancelled", message)
@@ -346,10 +348,10 @@ class BatchRun:
             body = error_body(error.message, error.kind, param=error.param, code=error.code)
             return await output.answer(line.custom_id, rid, error.status, body)
 
-    async def _run(self, prepared: Prepared, rid: str) -> Result:
+    async def _run(self, routed: RoutedLine, rid: str) -> Result:
         """Submit (waiting while the queue is full), then wait for the result: an ``ok``
         one, or the error it stands for."""
-        producer = prepared.producer
+        producer = routed.producer
         deadline_ms = (int(self._fields["expires_at"]) - time.time()) * 1000
         if deadline_ms <= 0:
             raise RequestExpired(f"the batch {self.batch_id} expired")
@@ -359,7 +361,7 @@ class BatchRun:
             while True:
                 try:
                     handle = await producer.submit(
-                        prepared.value,
+                        routed.value,
                         request_id=rid,
                         priority=self.driver.options.priority,
                         deadline_ms=deadline_ms,

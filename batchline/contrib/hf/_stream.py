@@ -29,7 +29,7 @@ class TGITiming:
     """How long to wait for each chunk, and the producer's error for one that did not come."""
 
     timeout_s: float
-    timed_out: Callable[[str], Awaitable[RequestTimeout]]
+    timeout_error: Callable[[str], Awaitable[RequestTimeout]]
 
 
 async def collected(

@@ -303,7 +303,7 @@ class OpenAIRoutes:
                 head=head(chat, rid, served.name, chunk=True),
                 include_usage=body.include_usage,
                 timeout_s=self.timeout_s,
-                timed_out=served.producer._timed_out,
+                timeout_error=served.producer._timed_out,
                 n=len(values),
             )
             ids = [rid] if len(values) == 1 else [f"{rid}-{i}" for i in range(len(values))]

@@ -80,7 +80,7 @@ class Timing(Protocol):
     def timeout_s(self) -> float: ...
 
     @property
-    def timed_out(self) -> Callable[[str], Awaitable[RequestTimeout]]: ...
+    def timeout_error(self) -> Callable[[str], Awaitable[RequestTimeout]]: ...
 
 
 async def next_chunk(chunks: AsyncGenerator[T, None], info: Timing) -> T:
@@ -93,7 +93,7 @@ async def next_chunk(chunks: AsyncGenerator[T, None], info: Timing) -> T:
     except TimeoutError as exc:
         if isinstance(exc, BatchlineError):  # the stream's own
             raise
-        raise await info.timed_out(f"no new text within {info.timeout_s:g} s") from None
+        raise await info.timeout_error(f"no new text within {info.timeout_s:g} s") from None
 
 
 async def choices(streams: list[AsyncGenerator[StreamChunk, None]]) -> AsyncGenerator[Choice, None]:
@@ -142,7 +142,7 @@ class StreamInfo:
     include_usage: bool
     timeout_s: float
     #: The RequestTimeout for what did not come in time (the producer's: queue, workers).
-    timed_out: Callable[[str], Awaitable[RequestTimeout]]
+    timeout_error: Callable[[str], Awaitable[RequestTimeout]]
     n: int = 1  # choices
 
 
