@@ -1,28 +1,30 @@
-"""A streaming reader of ``multipart/form-data`` bodies (RFC 7578), with no I/O.
+"""``multipart/form-data`` bodies (RFC 7578) read as they arrive, by python-multipart
+(Starlette's own parser), with no I/O.
 
 ``POST /v1/files`` reads its upload with it as the body arrives, so that a file is never
-held whole in memory: :meth:`MultipartReader.feed` takes each chunk of the body and returns
-what it found in it, in order: a part's start (:class:`PartStart`, its name and file name),
-pieces of the part's content (bytes) and, at the closing delimiter, :data:`END`. A part's
-content may arrive in many pieces; at most the delimiter's length is held back between
-chunks (it may be cut in two).
+held whole in memory: :meth:`MultipartReader.feed` hands each chunk of the body to the
+parser and returns what it found in it, in order: a part's start (:class:`PartStart`, its
+name and file name), pieces of the part's content (bytes) and, at the closing delimiter,
+:data:`END`. A part's content may arrive in many pieces; the parser holds back at most a
+delimiter's length between chunks (it may be cut in two).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Final
 
+from python_multipart.exceptions import MultipartParseError
+from python_multipart.multipart import MultipartParser, parse_options_header
+
 __all__ = ["END", "MAX_HEADER_BYTES", "MultipartError", "MultipartReader", "PartStart", "boundary"]
 
-#: The most bytes of one part's headers.
+#: The most bytes of one header of a part.
 MAX_HEADER_BYTES = 16 << 10
 #: Marks the end of the body (the closing delimiter).
 END: Final = "end"
 
-_BOUNDARY = re.compile(r'boundary="?([^";,]{1,70})"?', re.IGNORECASE)
-_PARAM = re.compile(r'\b(name|filename)="([^"]*)"', re.IGNORECASE)
+Found = list["PartStart | bytes | str"]
 
 
 class MultipartError(ValueError):
@@ -39,12 +41,13 @@ class PartStart:
 
 def boundary(content_type: str) -> bytes:
     """The boundary of a ``multipart/form-data`` content type (MultipartError without one)."""
-    if not content_type.lower().startswith("multipart/form-data"):
+    kind, params = parse_options_header(content_type)
+    if kind != b"multipart/form-data":
         raise MultipartError(f"expected multipart/form-data, got {content_type!r}")
-    found = _BOUNDARY.search(content_type)
-    if found is None:
+    found = params.get(b"boundary")
+    if not found:
         raise MultipartError("multipart/form-data without a boundary")
-    return found.group(1).encode("latin-1")
+    return found
 
 
 class MultipartReader:
@@ -52,78 +55,73 @@ class MultipartReader:
     body ended before its closing delimiter)."""
 
     def __init__(self, boundary: bytes) -> None:
-        self._delimiter = b"\r\n--" + boundary
-        self._buffer = b"\r\n"  # the first delimiter has no line break before it
-        self._state = "preamble"
+        self._found: Found = []
+        self._header = self._value = b""
+        self._disposition: bytes | None = None
+        self._ended = False
+        self._parser = MultipartParser(
+            boundary,
+            {
+                "on_part_begin": self._part_begin,
+                "on_header_field": self._header_field,
+                "on_header_value": self._header_value,
+                "on_header_end": self._header_end,
+                "on_headers_finished": self._headers_finished,
+                "on_part_data": self._part_data,
+                "on_end": self._end,
+            },
+            max_header_size=MAX_HEADER_BYTES,
+        )
 
-    def feed(self, data: bytes) -> list[PartStart | bytes | str]:
+    def feed(self, data: bytes) -> Found:
         """What ``data`` (the next chunk of the body) completes."""
-        self._buffer += data
-        found: list[PartStart | bytes | str] = []
-        while self._step(found):
-            pass
+        try:
+            self._parser.write(data)
+        except MultipartParseError as exc:
+            raise MultipartError(f"the multipart body is malformed: {exc}") from None
+        found, self._found = self._found, []
         return found
 
     def close(self) -> None:
         """Check that the body ended where it should."""
-        if self._state != "done":
+        if not self._ended:
             raise MultipartError("the multipart body ended before its closing delimiter")
 
-    def _step(self, found: list[PartStart | bytes | str]) -> bool:
-        """Parse what the buffer holds in the current state; whether to go on."""
-        if self._state == "preamble":
-            at = self._buffer.find(self._delimiter)
-            if at < 0:
-                self._buffer = self._buffer[-len(self._delimiter) :]
-                return False
-            self._buffer = self._buffer[at + len(self._delimiter) :]
-            self._state = "after"
-            return True
-        if self._state == "after":  # "\r\n": a part follows; "--": the end
-            if len(self._buffer) < 2:
-                return False
-            mark, self._buffer = self._buffer[:2], self._buffer[2:]
-            if mark == b"--":
-                self._state = "done"
-                found.append(END)
-                return False
-            if mark != b"\r\n":
-                raise MultipartError("a multipart delimiter is followed by neither CRLF nor --")
-            self._state = "headers"
-            return True
-        if self._state == "headers":
-            at = self._buffer.find(b"\r\n\r\n")
-            if at < 0:
-                if len(self._buffer) > MAX_HEADER_BYTES:
-                    raise MultipartError(f"a part's headers exceed {MAX_HEADER_BYTES} bytes")
-                return False
-            found.append(_part_start(self._buffer[:at]))
-            self._buffer = self._buffer[at + 4 :]
-            self._state = "content"
-            return True
-        if self._state == "content":
-            at = self._buffer.find(self._delimiter)
-            if at < 0:
-                keep = len(self._delimiter) - 1  # a delimiter may be cut between two chunks
-                if len(self._buffer) > keep:
-                    found.append(self._buffer[:-keep])
-                    self._buffer = self._buffer[-keep:]
-                return False
-            if at:
-                found.append(self._buffer[:at])
-            self._buffer = self._buffer[at + len(self._delimiter) :]
-            self._state = "after"
-            return True
-        return False  # done: an epilogue is ignored
+    def _part_begin(self) -> None:
+        self._disposition = None
+
+    def _header_field(self, data: bytes, start: int, end: int) -> None:
+        self._header += data[start:end]
+
+    def _header_value(self, data: bytes, start: int, end: int) -> None:
+        self._value += data[start:end]
+
+    def _header_end(self) -> None:
+        if self._header.strip().lower() == b"content-disposition":
+            self._disposition = self._value
+        self._header = self._value = b""
+
+    def _headers_finished(self) -> None:
+        self._found.append(_part_start(self._disposition))
+
+    def _part_data(self, data: bytes, start: int, end: int) -> None:
+        if end > start:
+            self._found.append(data[start:end])
+
+    def _end(self) -> None:
+        self._ended = True
+        self._found.append(END)
 
 
-def _part_start(raw: bytes) -> PartStart:
-    """The name and file name of a part, from its headers."""
-    for line in raw.decode("utf-8", "replace").split("\r\n"):
-        header, _, value = line.partition(":")
-        if header.strip().lower() == "content-disposition":
-            params = {k.lower(): v for k, v in _PARAM.findall(value)}
-            if "name" not in params:
-                break
-            return PartStart(params["name"], params.get("filename"))
+def _part_start(disposition: bytes | None) -> PartStart:
+    """The name and file name of a part, from its Content-Disposition."""
+    if disposition is not None:
+        _kind, params = parse_options_header(disposition)
+        name = params.get(b"name")
+        if name is not None:
+            filename = params.get(b"filename")
+            return PartStart(
+                name.decode("utf-8", "replace"),
+                None if filename is None else filename.decode("utf-8", "replace"),
+            )
     raise MultipartError("a multipart part has no Content-Disposition with a name")
