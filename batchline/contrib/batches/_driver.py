@@ -3,7 +3,7 @@
 Each replica watches the set of unfinished batches; a batch is driven by the one replica that
 holds its lease (``SET NX PX``, renewed at a third of ``lease_s``): a replica that dies (even
 by SIGKILL) loses it within ``lease_s``, and another, or the same one restarted, resumes
-the batch. Driving a batch (:mod:`._batch_run`) reads its input file a window of lines at a
+the batch. Driving a batch (:mod:`._run`) reads its input file a window of lines at a
 time and writes each line's answer once; every write checks the lease first (``WATCH``), so
 a replica that lost it writes nothing more.
 """

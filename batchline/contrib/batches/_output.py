@@ -7,7 +7,7 @@ its answer is written, so that the results, answers and lines a driver holds are
 the window whatever the size of one line: a line heavier than the whole window runs alone.
 
 Answers are encoded one at a time and a piece at a time (:class:`Output`,
-:func:`~._batch_lines.output_pieces`), the driver's event loop running between pieces, so
+:func:`~._lines.output_pieces`), the driver's event loop running between pieces, so
 that a large answer neither holds the loop (the batch's lease is renewed there) nor is ever
 made whole in memory past the limits: a line's answer at most ``max_answer_bytes``, the
 batch's output files together at most ``max_output_bytes`` and ``output_ratio`` times its

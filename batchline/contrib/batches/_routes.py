@@ -3,7 +3,7 @@
 
 A batch is a hash in Redis (its object and counters) beside its input file; its lines run as
 queue requests at ``batch_priority``, driven by whichever API replica holds the batch's lease
-(:mod:`._batch_driver`). Creating one checks the file as OpenAI does (a missing file: 404;
+(:mod:`._driver`). Creating one checks the file as OpenAI does (a missing file: 404;
 not ``purpose=batch``: 400; an empty file, too many requests or a repeated ``custom_id``:
 the batch is ``failed``, with ``errors``); cancelling one moves it to ``cancelling``, and
 its driver to ``cancelled`` once every line is written (the lines not run: ``cancelled`` in

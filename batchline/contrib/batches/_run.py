@@ -4,13 +4,13 @@ It reads the input file a chunk of lines at a time (as many as 16 MiB of its lon
 allow, 512 at most), skips the lines already answered (a run resumed after a restart), and
 submits each other line as a queue request at the batch's priority, with at most ``window``
 inputs under way at once, from its submission to its answer written
-(:class:`~._batch_output.Window`): memory stays bounded whatever the file's size and
+(:class:`~._output.Window`): memory stays bounded whatever the file's size and
 whatever a line's. A line's request id comes from the file, the endpoint and its
-``custom_id`` (:func:`~._batch_lines.request_id`): resubmitted after a restart, the queue
+``custom_id`` (:func:`~._lines.request_id`): resubmitted after a restart, the queue
 answers it from the request it already ran or is running, never computing it twice. The
 OpenAI routes' request models turn a line's body into the queue value, and their answer
 builders turn the result into the response body, which is encoded a piece at a time within
-the output limits (:class:`~._batch_output.Output`). Answers are written in chunks (512 lines
+the output limits (:class:`~._output.Output`). Answers are written in chunks (512 lines
 or 8 MiB at most), each chunk in one transaction that also marks its lines answered and
 counts them, and only while this replica holds the lease.
 """
@@ -77,7 +77,7 @@ class DriverOptions:
 
     Attributes:
         priority: the queue priority of a batch's requests.
-        window: most inputs of one batch under way at once (:mod:`._batch_output`).
+        window: most inputs of one batch under way at once (:mod:`._output`).
         lease_s: how long a replica's hold on a batch lasts without renewal.
         max_answer_bytes: the largest answer of one line.
         max_output_bytes: the most bytes of one batch's output and error files together.
