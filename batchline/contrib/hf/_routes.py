@@ -262,7 +262,7 @@ class HFRoutes:
         rid = uuid.uuid4().hex
         timing = self._timing(served)
         chunks = served.producer.stream(body.wire(tokens=True), request_id=rid)
-        return await self._openai._stream(
+        return await self._openai.stream_response(
             chunks, timing, request, lambda first: TGIStream(first, chunks, body, timing, rid)
         )
 

@@ -310,7 +310,7 @@ class OpenAIRoutes:
             chunks = choices(
                 [served.producer.stream(v, request_id=i) for v, i in zip(values, ids, strict=True)]
             )
-            return await self._stream(
+            return await self.stream_response(
                 chunks, info, request, lambda first: EventStream(first, chunks, info)
             )
         results = await self.run_all(served, values, request)
@@ -382,7 +382,7 @@ class OpenAIRoutes:
                 await producer.cancel(handle)
 
     @staticmethod
-    async def _stream(
+    async def stream_response(
         chunks: AsyncGenerator[T, None],
         info: Timing,
         request: Request,
