@@ -19,8 +19,10 @@ sizes.
 ``--part uploads``: ``--lanes`` interactive clients (each ``POST /v1/embeddings`` of one
 text, then ``--think-ms``, in a loop) for as long as one upload of ``--upload-mb`` MB takes
 (``POST /v1/files`` from another process, the official client's multipart body, with
-``Content-Length``), and for as long again with no upload: their latency p50 / p99. Repeated
-``--repeats`` times; the p99 of every repeat pooled too.
+``Content-Length``), and for as long again with no upload: their latency p50 / p99, and the
+API process's resident memory before the upload and its peak during it (sampled every 20 ms:
+an upload is read as it arrives, never held whole). Repeated ``--repeats`` times; the p99 of
+every repeat pooled too.
 
 Usage::
 
@@ -100,7 +102,7 @@ def _children(pid: int) -> list[int]:
 def driver_pid(api_pid: int) -> int:
     """The API's batch driver process."""
     for pid in _children(api_pid):
-        if b"_batch_process" in Path(f"/proc/{pid}/cmdline").read_bytes():
+        if b"_driver_child" in Path(f"/proc/{pid}/cmdline").read_bytes():
             return pid
     raise RuntimeError("the API runs no batch driver process")
 
@@ -117,7 +119,8 @@ def rss(pid: int) -> int:
 
 
 class Peaks:
-    """The highest driver RSS and Redis ``used_memory`` seen, sampled every 20 ms."""
+    """The highest RSS of a process (the driver's, the API's) and Redis ``used_memory`` seen,
+    sampled every 20 ms."""
 
     def __init__(self, pid: int, url: str) -> None:
         import redis
@@ -276,6 +279,7 @@ def thread_cpu_s(pid: int) -> tuple[float, float]:
 
 async def uploads_repeat(
     base: str,
+    url: str,
     uploader: subprocess.Popen[bytes],
     api_pid: int,
     args: argparse.Namespace,
@@ -288,6 +292,8 @@ async def uploads_repeat(
         raise RuntimeError("the uploader was started without its pipes")
     loop = asyncio.get_running_loop()
     async with httpx.AsyncClient(base_url=base, timeout=600) as http:
+        rss0 = rss(api_pid)
+        peaks = Peaks(api_pid, url)
         uploader.stdin.write(b"go\n")
         uploader.stdin.flush()
         done = loop.run_in_executor(None, uploader.stdout.readline)
@@ -297,18 +303,21 @@ async def uploads_repeat(
         during = await interactive(http, args.lanes, args.think_ms, done, healthz=healthz)
         took = float(await done)
         cpu1 = thread_cpu_s(api_pid)
+        peaks.stop()
         idle = await interactive(
             http, args.lanes, args.think_ms, time.perf_counter() - t0, healthz=healthz
         )
     s.add("upload s", took)
     s.add("loop cpu", cpu1[0] - cpu0[0])
     s.add("other cpu", cpu1[1] - cpu0[1])
+    s.add("rss before", rss0 / MIB)
+    s.add("rss peak", peaks.rss / MIB)
     latencies(s, pooled, {"during": during, "idle": idle})
     log("upload repeat: " + ", ".join(f"{k} {v[-1]:.3g}" for k, v in s.rows.items()))
 
 
 def uploads(args: argparse.Namespace, procs: Procs) -> tuple[Samples, Samples]:
-    _url, base = start(procs, args, {})
+    url, base = start(procs, args, {})
     uploader = procs.spawn(
         "uploader",
         [
@@ -328,7 +337,7 @@ def uploads(args: argparse.Namespace, procs: Procs) -> tuple[Samples, Samples]:
     s, pooled = Samples(), Samples()
     asyncio.run(_warm(base))
     for _ in range(args.repeats):
-        asyncio.run(uploads_repeat(base, uploader, procs.procs["api"].pid, args, s, pooled))
+        asyncio.run(uploads_repeat(base, url, uploader, procs.procs["api"].pid, args, s, pooled))
     return s, pooled
 
 
@@ -354,6 +363,8 @@ def report_uploads(s: Samples, pooled: Samples, args: argparse.Namespace) -> Non
     print(row("upload time (s)", "upload s", 1))
     print(row("API CPU during the upload, its event loop's thread (s)", "loop cpu", 2))
     print(row("API CPU during the upload, its other threads (s)", "other cpu", 2))
+    print(row("API resident memory before the upload (MiB)", "rss before"))
+    print(row("**API peak resident memory during the upload (MiB)**", "rss peak"))
     print(row("interactive p50, idle (ms)", "p50 idle", 1))
     print(row("interactive p50, during the upload (ms)", "p50 during", 1))
     print(row("interactive p99, idle (ms)", "p99 idle", 1))

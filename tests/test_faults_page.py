@@ -29,7 +29,7 @@ def test_the_faults_page_names_the_tests_of_each_containment_guarantee() -> None
         "tests/generation/test_rows.py",
         "tests/generation/test_engine.py",
         "tests/contrib/test_body_limit.py",
-        "tests/contrib/test_openai_params.py",
+        "tests/contrib/openai/test_openai_params.py",
         "tests/producer/test_flood.py",
     ):
         assert module in PAGE, module

@@ -1,5 +1,5 @@
 """``batchline batch``: a JSONL file through the web backend's Batch API, over uvicorn, to a
-real worker (the fixtures of tests/contrib/test_batches.py)."""
+real worker (the fixtures of tests/contrib/batches/test_batches.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from batchline.cli import main
 
-from tests.contrib.test_batches import (  # fixtures, used here
+from tests.contrib.batches.test_batches import (  # fixtures, used here
     MakeApp,
     embedder,
     embedding_line,

@@ -22,11 +22,11 @@ import pytest
 import redis
 
 from batchline.config import WebSettings
-from batchline.contrib._body_limit import LINGER_BYTES
+from batchline.contrib._plumbing._body_limit import LINGER_BYTES
 from batchline.keys import QueueKeys
 
+from .openai.test_openai import MakeApp, assert_error, client_for, gen_queue, make_app
 from .test_fastapi import MODEL, Serve, serve
-from .test_openai import MakeApp, assert_error, client_for, gen_queue, make_app
 from tests.support.service import REPO, START_TIMEOUT_S, WorkerThread, subprocess_env, wait_until
 
 openai = pytest.importorskip("openai")
@@ -243,7 +243,7 @@ async def test_a_refused_body_is_read_and_dropped_until_its_end_or_the_linger_bo
     stalls is let go after LINGER_S."""
     import asyncio
 
-    from batchline.contrib import _body_limit
+    from batchline.contrib._plumbing import _body_limit
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         raise AssertionError("the app never sees a refused request")
@@ -299,7 +299,7 @@ async def test_an_answer_given_before_the_body_ends_closes_after_reading_the_res
     request without a body keeps its connection."""
     from starlette.responses import JSONResponse
 
-    from batchline.contrib import _body_limit
+    from batchline.contrib._plumbing import _body_limit
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         if scope["method"] == "POST":

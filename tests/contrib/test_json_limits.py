@@ -26,10 +26,10 @@ from pydantic import BaseModel, field_validator
 
 from batchline import _json_depth
 from batchline.codec import MAX_JSON_DEPTH
-from batchline.contrib._body_thread import LARGE_BODY_BYTES, BodyRoute
+from batchline.contrib._plumbing._body_thread import LARGE_BODY_BYTES, BodyRoute
 
+from .openai.test_openai import MakeApp, assert_error, gen_queue, make_app
 from .test_fastapi import Serve, serve
-from .test_openai import MakeApp, assert_error, gen_queue, make_app
 
 __all__ = ["gen_queue", "make_app", "serve"]  # fixtures, used here
 
@@ -84,7 +84,7 @@ def test_a_body_nested_too_deep_is_a_4xx_of_its_family_naming_the_limit(
                 answer = response.json()
                 assert answer["error_type"] == "validation", (path, answer)
                 assert LIMIT in answer["error"] == answer["detail"], (path, answer)
-    lines = [r for r in caplog.records if r.name == "batchline.contrib._body_depth"]
+    lines = [r for r in caplog.records if r.name == "batchline.contrib._plumbing._body_depth"]
     assert len(lines) == refused, [r.getMessage() for r in lines]
     assert all(r.levelno == logging.WARNING and LIMIT in r.getMessage() for r in lines)
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]

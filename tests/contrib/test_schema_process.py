@@ -1,4 +1,4 @@
-"""The API's schema checks in a child process (contrib/_schema_process.py): the answers
+"""The API's schema checks in a child process (contrib/_plumbing/_schema_process.py): the answers
 the check gives, in a process that is not the API's; a child that dies fails the check it
 was on, and the checks behind it are answered by the next one."""
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from batchline.contrib._schema_process import SchemaChecker
+from batchline.contrib._plumbing._schema_process import SchemaChecker
 from batchline.errors import BadGenerationParams
 
 from tests.support.schemas import GOOD, HUGE_PATTERN, json_schema

@@ -5,7 +5,7 @@ project's default), pooling and normalisation in float32 after it.
 Fast, on a tiny random BERT saved as a sentence-transformers model (transformer, mean
 pooling, normalisation: all-MiniLM-L6-v2's pipeline); the real all-MiniLM-L6-v2 through a
 worker and over HTTP is in tests/worker/test_models.py and
-tests/contrib/test_openai_embeddings.py."""
+tests/contrib/openai/test_openai_embeddings.py."""
 
 from __future__ import annotations
 

@@ -1,0 +1,475 @@
+"""One batch driven on the queue, by the replica holding its lease: :class:`BatchRun`.
+
+It reads the input file a chunk of lines at a time (as many as 16 MiB of its longest line
+allow, 512 at most), skips the lines already answered (a run resumed after a restart), and
+submits each other line as a queue request at the batch's priority, with at most ``window``
+inputs under way at once, from its submission to its answer written
+(:class:`~._output.Window`): memory stays bounded whatever the file's size and
+whatever a line's. A line's request id comes from the file, the endpoint and its
+``custom_id`` (:func:`~._lines.request_id`): resubmitted after a restart, the queue
+answers it from the request it already ran or is running, never computing it twice. The
+OpenAI routes' request models turn a line's body into the queue value, and their answer
+builders turn the result into the response body, which is encoded a piece at a time within
+the output limits (:class:`~._output.Output`). Answers are written in chunks (512 lines
+or 8 MiB at most), each chunk in one transaction that also marks its lines answered and
+counts them, and only while this replica holds the lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+from redis.exceptions import RedisError, WatchError
+
+from batchline.contrib.batches._files import CHUNK_LINES, FileStore
+from batchline.contrib.batches._lines import Line, LineError, parse_line, request_id
+from batchline.contrib.batches._output import Encoded, Output, Window, weight
+from batchline.contrib.openai import (
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    OpenAIError,
+    OpenAIRoutes,
+    chat_body,
+    check_dimensions,
+    checked,
+    completion_body,
+    described,
+    error_body,
+    typed,
+)
+from batchline.errors import (
+    BatchlineError,
+    QueueFull,
+    RequestCancelled,
+    RequestExpired,
+    RequestTimeout,
+)
+from batchline.keys import BatchApiKeys
+from batchline.producer import AsyncProducer, Result
+from batchline.transport._redis import RedisClient
+
+__all__ = ["BatchRun", "DriverOptions", "LeaseLost", "RoutedLine", "RunContext", "route_line"]
+
+logger = logging.getLogger(__name__)
+
+#: How long one wait for a line's result lasts before the result key is read (a push lost).
+_WAIT_S = 30.0
+_MAX_BACKOFF_S = 1.0
+#: Most bytes of input lines read at once (their count from the file's longest line).
+_READ_BYTES = 16 << 20
+#: Most bytes of answers written in one transaction.
+_CHUNK_BYTES = 8 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class DriverOptions:
+    """How batches run.
+
+    Attributes:
+        priority: the queue priority of a batch's requests.
+        window: most inputs of one batch under way at once (:mod:`._output`).
+        lease_s: how long a replica's hold on a batch lasts without renewal.
+        max_answer_bytes: the largest answer of one line.
+        max_output_bytes: the most bytes of one batch's output and error files together.
+        output_ratio: the same, as a multiple of the input file's bytes.
+    """
+
+    priority: int = 0
+    window: int = 256
+    lease_s: float = 10.0
+    max_answer_bytes: int = 32 << 20
+    max_output_bytes: int = 1 << 30
+    output_ratio: float = 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class RunContext:
+    """What every run of one replica shares: Redis, the files, the OpenAI routes (their
+    producers and request models), the options, and the replica's lease owner name."""
+
+    redis: RedisClient
+    keys: BatchApiKeys
+    files: FileStore
+    routes: OpenAIRoutes
+    options: DriverOptions
+    owner: str
+
+
+class _InputGone(Exception):
+    """The input file of a batch is gone (deleted while the batch ran)."""
+
+
+class LeaseLost(BatchlineError):
+    """This replica holds a batch's lease no more: another one drives it."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedLine:
+    """A line routed as its URL's route would: the producer of its queue, the value it
+    submits, and how to answer its result."""
+
+    producer: AsyncProducer
+    value: Any
+    answer: Callable[[Result], dict[str, Any]]
+
+
+async def route_line(routes: OpenAIRoutes, url: str, body: dict[str, Any]) -> RoutedLine:
+    """A line's body read and checked as the route of ``url`` does, and sent its way
+    (OpenAIError as the route would answer)."""
+    raw = json.dumps(body)
+    try:
+        if url == "/v1/embeddings":
+            emb = EmbeddingRequest.model_validate_json(raw)
+            served = routes.queue("embedding", emb.model)
+            if emb.dimensions is not None:  # refused before it is queued, as the route does
+                check_dimensions(await served.facts(), emb.dimensions, served.name)
+            return RoutedLine(
+                served.producer,
+                emb.texts,
+                lambda r: routes.embedding_answer(served, emb, r, lazy=True),
+            )
+        chat = url == "/v1/chat/completions"
+        gen = (ChatRequest if chat else CompletionRequest).model_validate_json(raw)
+    except ValidationError as exc:
+        param, message = described([dict(e) for e in exc.errors()])
+        raise OpenAIError(400, message, param=param) from None
+    if gen.stream:
+        raise OpenAIError(400, "a batch's requests cannot stream", param="stream")
+    if gen.n != 1:
+        raise OpenAIError(400, "a batch's requests answer one choice each: n must be 1", param="n")
+    if gen.response_format is not None:
+        await routes.check_format(raw.encode())
+    served = routes.queue("generation", gen.model)
+    build = chat_body if chat else completion_body
+    return RoutedLine(
+        served.producer, gen.value(), lambda r: build(r.id, served.name, [checked(r.output)])
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    index: int
+    answer: Encoded
+    share: int  # of the window, given back once it is written
+
+
+class BatchRun:
+    """Drive one batch (``await run()``) while its driver renews the lease."""
+
+    def __init__(self, driver: RunContext, batch_id: str) -> None:
+        self.driver, self.batch_id = driver, batch_id
+        self.redis, self.keys = driver.redis, driver.keys
+        self.key = self.keys.batch(batch_id)
+        self.cancelled = False
+        self.expired = False
+        self._inflight: dict[str, AsyncProducer] = {}
+        self._answers: asyncio.Queue[_Answer | None] = asyncio.Queue()
+        self._window = Window(driver.options.window)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._fields: dict[str, str] = {}
+        self._failure: BaseException | None = None
+        self.output: Output | None = None
+
+    # -- the lease and the status --------------------------------------------------------------
+
+    async def guarded(self, write: Callable[[Any], object]) -> None:
+        """Queue ``write``'s commands in a transaction that runs only while this replica
+        holds the lease (LeaseLost otherwise)."""
+        lease = self.keys.lease(self.batch_id)
+        owner = self.driver.owner.encode()
+        async with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(lease)
+                    if await pipe.get(lease) != owner:
+                        raise LeaseLost(self.batch_id)
+                    pipe.multi()
+                    write(pipe)
+                    await pipe.execute()
+                    return
+                except WatchError:
+                    continue  # the lease was renewed (or taken: the next look says)
+
+    async def refresh(self) -> None:
+        """Read the batch's status: cancelled through another replica?"""
+        if (await self.redis.hget(self.key, "status")) == b"cancelling":
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Stop submitting; cancel the requests in the queue (they are answered
+        ``cancelled``; those a worker finished keep their answers)."""
+        if self.cancelled:
+            return
+        self.cancelled = True
+        for rid, producer in list(self._inflight.items()):
+            task = asyncio.create_task(self._cancel(producer, rid))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    async def _cancel(producer: AsyncProducer, rid: str) -> None:
+        with contextlib.suppress(RedisError, OSError, BatchlineError):
+            await producer.cancel(rid)
+
+    async def _set(self, **fields: str | int) -> None:
+        await self.guarded(lambda pipe: pipe.hset(self.key, mapping=fields))
+
+    # -- the run -------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Run the batch's lines not answered yet, then finish it."""
+        raw = await self.redis.hgetall(self.key)
+        self._fields = {k.decode(): v.decode() for k, v in raw.items()}
+        status = self._fields.get("status")
+        if status == "validating":
+            await self._set(status="in_progress", in_progress_at=int(time.time()))
+        elif status not in ("in_progress", "cancelling", "finalizing"):
+            await self.guarded(lambda pipe: pipe.srem(self.keys.active, self.batch_id))
+            return
+        self.cancelled = status == "cancelling"
+        writer = asyncio.create_task(self._write())
+        writer.add_done_callback(lambda _: self._window.stop())
+        try:
+            meta = await self.driver.files.get(self._fields["input_file_id"])
+            if meta is None:
+                raise _InputGone(self._fields["input_file_id"])
+            self.output = self._output(meta)
+            await self._submit_all(writer, meta)
+            while self._tasks:
+                await asyncio.gather(*self._tasks)
+            self._raise_failure(writer)
+        except _InputGone as exc:
+            await self._stop(writer)
+            await self._give_up(exc)
+            return
+        except BaseException:
+            await self._stop(writer)
+            raise
+        await self._answers.put(None)
+        await writer
+        await self._finish()
+
+    def _output(self, meta: dict[bytes, bytes]) -> Output:
+        """The batch's output, its limits, and what it holds already (a run resumed)."""
+        options = self.driver.options
+        return Output(
+            max_answer_bytes=options.max_answer_bytes,
+            max_output_bytes=options.max_output_bytes,
+            output_ratio=options.output_ratio,
+            input_bytes=int(meta.get(b"bytes", 0)),
+            used=sum(int(self._fields.get(f"{name}_bytes", 0)) for name in ("out", "err")),
+            full=self._fields.get("output_full") == "1",
+        )
+
+    def _raise_failure(self, writer: asyncio.Task[None]) -> None:
+        """Raise what stopped the run: a line's unexpected error, or the writer's."""
+        if self._failure is not None:
+            raise self._failure
+        if writer.done():
+            writer.result()  # it failed (the lease lost): submit nothing more
+            raise RuntimeError("the batch's writer stopped early")
+
+    async def _submit_all(self, writer: asyncio.Task[None], meta: dict[bytes, bytes]) -> None:
+        total = int(self._fields["total"])
+        answered = self.keys.answered(self.batch_id)
+        longest = int(meta.get(b"longest") or self.driver.files.max_line_bytes)
+        count = max(1, min(CHUNK_LINES, _READ_BYTES // max(1, longest)))
+        for start in range(0, total, count):
+            lines = await self.driver.files.lines(self._fields["input_file_id"], start, count)
+            if not lines:
+                raise _InputGone(self._fields["input_file_id"])
+            indexes = list(range(start, start + len(lines)))
+            done = await self.redis.smismember(answered, indexes) if indexes else []
+            for index, line, was in zip(indexes, lines, done, strict=True):
+                if was:
+                    continue
+                parsed = self._parse(line)
+                share = await self._window.take(weight(parsed, line))
+                if not share:
+                    self._raise_failure(writer)
+                    raise RuntimeError("the batch's window stopped")
+                task = asyncio.create_task(self._line(index, parsed, share))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    def _parse(self, raw: bytes) -> Line | LineError:
+        try:
+            return parse_line(raw, self._fields["endpoint"])
+        except LineError as exc:
+            return exc
+
+    async def _line(self, index: int, parsed: Line | LineError, share: int) -> None:
+        try:
+            answer = await self._answer(index, parsed)
+        except Exception as exc:  # a bug, or Redis gone: the run stops, and resumes later
+            self._failure = self._failure or exc
+            self._window.stop()
+            return
+        await self._answers.put(_Answer(index, answer, share))
+
+    async def _answer(self, index: int, parsed: Line | LineError) -> Encoded:
+        """Run one line; its answer (a line of the output file, or of the error file)."""
+        file_id, endpoint = self._fields["input_file_id"], self._fields["endpoint"]
+        output = self.output
+        if output is None:
+            raise RuntimeError("the batch's output is not set up")
+        if isinstance(parsed, LineError):
+            rid = f"{file_id}.line{index}"
+            return output.error(parsed.custom_id, rid, parsed.code, parsed.message)
+        line = parsed
+        rid = request_id(file_id, endpoint, line.custom_id)
+        try:
+            if self.cancelled:
+                raise RequestCancelled(f"the batch {self.batch_id} was cancelled")
+            if output.full:
+                return output.refused(line.custom_id, rid, ran=False)
+            routed = await route_line(self.driver.routes, endpoint, line.body)
+            result = await self._run(routed, rid)
+            return await output.answer(line.custom_id, rid, 200, routed.answer(result))
+        except RequestCancelled:
+            message = "the batch was cancelled before this request ran"
+            return output.error(line.custom_id, rid, "cancelled", message)
+        except RequestExpired:
+            self.expired = True
+            message = "the batch's completion window passed before this request ran"
+            return output.error(line.custom_id, rid, "batch_expired", message)
+        except (OpenAIError, BatchlineError, ValueError) as exc:
+            error = typed(exc)
+            body = error_body(error.message, error.kind, param=error.param, code=error.code)
+            return await output.answer(line.custom_id, rid, error.status, body)
+
+    async def _run(self, routed: RoutedLine, rid: str) -> Result:
+        """Submit (waiting while the queue is full), then wait for the result: an ``ok``
+        one, or the error it stands for."""
+        producer = routed.producer
+        deadline_ms = (int(self._fields["expires_at"]) - time.time()) * 1000
+        if deadline_ms <= 0:
+            raise RequestExpired(f"the batch {self.batch_id} expired")
+        backoff = 0.05
+        self._inflight[rid] = producer
+        try:
+            while True:
+                try:
+                    handle = await producer.submit(
+                        routed.value,
+                        request_id=rid,
+                        priority=self.driver.options.priority,
+                        deadline_ms=deadline_ms,
+                    )
+                    break
+                except QueueFull:
+                    await asyncio.sleep(backoff)  # room comes as workers answer
+                    backoff = min(2 * backoff, _MAX_BACKOFF_S)
+                    if self.cancelled:
+                        raise RequestCancelled(rid) from None
+            while True:
+                try:
+                    result = await producer.wait(handle, _WAIT_S)
+                    break
+                except RequestTimeout:
+                    continue  # still queued (or running): wait on
+        finally:
+            self._inflight.pop(rid, None)
+        result.unwrap()
+        return result
+
+    async def _stop(self, writer: asyncio.Task[None]) -> None:
+        """Stop the lines under way, then the writer (it writes what it was given: a
+        writer cancelled between a chunk's transaction and its end would leave no trace of
+        it, which is as good, but its own end is then the surest sign it is done)."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._answers.put_nowait(None)
+        await asyncio.gather(writer, return_exceptions=True)
+
+    async def _give_up(self, exc: _InputGone) -> None:
+        """The input file was deleted under the batch: it fails."""
+        error = {"code": "input_file_deleted", "message": f"the input file {exc} was deleted"}
+
+        def fail(pipe: Any) -> None:
+            fields = {
+                "status": "failed",
+                "failed_at": int(time.time()),
+                "errors": json.dumps([error]),
+            }
+            pipe.hset(self.key, mapping=fields)
+            pipe.srem(self.keys.active, self.batch_id)
+            pipe.delete(self.keys.answered(self.batch_id))
+
+        await self.guarded(fail)
+
+    async def _write(self) -> None:
+        """Write the answers as they come, a chunk per transaction, until None; each chunk
+        written gives its lines' shares of the window back."""
+        ended = False
+        while not ended:
+            chunk = [await self._answers.get()]
+            size = len(chunk[0].answer.line) if chunk[0] is not None else 0
+            while not self._answers.empty() and len(chunk) < CHUNK_LINES and size < _CHUNK_BYTES:
+                got = self._answers.get_nowait()
+                chunk.append(got)
+                size += len(got.answer.line) if got is not None else 0
+            answers = [a for a in chunk if a is not None]
+            ended = len(answers) < len(chunk)
+            if answers:
+                await self.guarded(functools.partial(self._record, answers=answers))
+                self._window.give(sum(a.share for a in answers))
+
+    def _record(self, pipe: Any, *, answers: list[_Answer]) -> None:
+        for ok, name in ((True, "out"), (False, "err")):
+            lines = [a.answer.line for a in answers if a.answer.ok is ok]
+            if lines:
+                pipe.rpush(self.driver.keys.lines(self._fields[f"{name}_id"]), *lines)
+                pipe.hincrby(self.key, f"{name}_bytes", sum(len(x) + 1 for x in lines))
+                pipe.hincrby(self.key, f"{name}_lines", len(lines))
+                pipe.hincrby(self.key, "completed" if ok else "failed", len(lines))
+        if any(a.answer.full for a in answers):
+            pipe.hset(self.key, "output_full", 1)  # a run resumed runs no more lines
+        pipe.sadd(self.keys.answered(self.batch_id), *[a.index for a in answers])
+
+    async def _finish(self) -> None:
+        """Make the output and error files, and end the batch."""
+        total = int(self._fields["total"])
+        if await self.redis.scard(self.keys.answered(self.batch_id)) < total:
+            raise RuntimeError(f"batch {self.batch_id}: lines left unanswered; run again")
+        await self.refresh()
+        now = int(time.time())
+        if self.cancelled:
+            final = "cancelled"
+        elif self.expired:
+            final = "expired"
+        else:
+            final = "completed"
+            await self._set(status="finalizing", finalizing_at=now)
+        raw = await self.redis.hgetall(self.key)
+        fields = {k.decode(): v.decode() for k, v in raw.items()}
+
+        def end(pipe: Any) -> None:
+            for name, purpose in (("out", "output"), ("err", "error")):
+                if int(fields.get(f"{name}_lines", 0)):
+                    file_id = fields[f"{name}_id"]
+                    made: dict[str, str | int] = {
+                        "bytes": int(fields[f"{name}_bytes"]),
+                        "filename": f"{self.batch_id}_{purpose}.jsonl",
+                        "purpose": "batch_output",
+                        "lines": int(fields[f"{name}_lines"]),
+                    }
+                    self.driver.files.record(pipe, file_id, made)
+                    pipe.hset(self.key, f"{purpose}_file_id", file_id)
+            pipe.hset(self.key, mapping={"status": final, f"{final}_at": int(time.time())})
+            pipe.srem(self.keys.active, self.batch_id)
+            pipe.delete(self.keys.answered(self.batch_id))
+
+        await self.guarded(end)

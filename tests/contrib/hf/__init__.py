@@ -1,0 +1,1 @@
+"""Tests of the Hugging Face wing: TGI's and TEI's routes, ``InferenceClient`` against them."""
