@@ -20,8 +20,8 @@ from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
-from batchline._batch_cli import batch_parser
-from batchline._cli_options import (
+from batchline.cli._batch import batch_parser
+from batchline.cli._options import (
     CliCommand,
     add_option,
     add_settings,
