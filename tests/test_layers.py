@@ -43,10 +43,7 @@ ALLOWED: dict[str, set[str]] = {
     | {"config", "core", "devices", "drivers", "generation", "redis_url", "tracing", "transport"},
     "contrib": WIRE | {"_response_format", "config", "producer", "transport"},
     "demo": WIRE | {"config", "devices", "drivers", "producer", "transport", "worker"},
-    "_cli_options": set(),
-    "_batch_cli": {"_cli_options"},
-    "cli": WIRE
-    | {"_batch_cli", "_cli_options", "acl", "config", "demo", "logs", "transport", "worker"},
+    "cli": WIRE | {"acl", "config", "demo", "logs", "transport", "worker"},
     "__main__": {"cli"},
 }
 

@@ -15,9 +15,7 @@ or carry a wrong default.
 
 from __future__ import annotations
 
-import argparse
 import html
-import importlib
 import re
 import types
 import typing
@@ -28,6 +26,7 @@ from typing import Any
 from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 
+import batchline.cli
 import batchline.config
 
 _MARKER = re.compile(r"^<!-- generated: (\w+)(?: (\w+))? -->$", re.M)
@@ -35,34 +34,18 @@ _MARKER = re.compile(r"^<!-- generated: (\w+)(?: (\w+))? -->$", re.M)
 
 # -- what the command line shows: the one place that reads batchline.cli -----------------------
 #
-# The command's own record of its options (``batchline.cli.cli_reference()``, with the
-# helpers of ``batchline._cli_options``) is what this page should be made from; where the
-# installed batchline has no such record yet, the same facts are read from the argument
-# parser itself (``batchline.cli._parser()``) by argparse introspection. Once every branch has
-# the record, the introspection goes.
-
-
-def _cli_module(name: str) -> Any:
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        return None
+# The command's own record of its options (``batchline.cli.cli_reference()``) is what this
+# page is made from, with each setting's help and default as ``--help`` shows them.
 
 
 def shown_default(name: str, info: FieldInfo) -> str:
     """A setting's default as ``batchline worker --help`` shows it."""
-    options = _cli_module("batchline._cli_options")
-    if options is not None:
-        return str(options.shown_default(name, info.default))
-    return str(_cli_module("batchline.cli")._shown_default(name, info))
+    return batchline.cli.shown_default(name, info.default)
 
 
 def field_docs(cls: type) -> dict[str, str]:
     """Each setting's description, as ``--help`` shows it (without its ``[env ...]`` part)."""
-    options = _cli_module("batchline._cli_options")
-    source = options if options is not None else _cli_module("batchline.cli")
-    found = (source.field_docs if options is not None else source._field_docs)(cls)
-    return {str(k): str(v) for k, v in found.items()}
+    return batchline.cli.field_docs(cls)
 
 
 @dataclass(frozen=True)
@@ -77,33 +60,19 @@ class Option:
 
 @dataclass(frozen=True)
 class Command:
-    """One command of ``batchline``: its name, what it does, its usage line and options."""
+    """One command of ``batchline``: its name, what it does, its options."""
 
     name: str
     about: str
-    usage: str
     options: tuple[Option, ...]
-    epilog: str = ""
 
 
 def commands() -> list[Command]:
     """``batchline`` and each of its commands, with their options."""
-    cli = _cli_module("batchline.cli")
-    reference = getattr(cli, "cli_reference", None)
-    if reference is not None:
-        return [_from_record(command) for command in reference()]
-    parser = cli._parser()
-    found = [_command("batchline", parser.description or "", parser)]
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            helps = {a.dest: a.help or "" for a in action._choices_actions}
-            for name, sub in action.choices.items():
-                about = sub.description or helps.get(name, "")
-                found.append(_command(f"batchline {name}", about, sub))
-    return found
+    return [_from_record(command) for command in batchline.cli.cli_reference()]
 
 
-def _from_record(command: Any) -> Command:
+def _from_record(command: batchline.cli.CliCommand) -> Command:
     """A command as ``batchline.cli.cli_reference()`` records it."""
     options = []
     for o in command.options:
@@ -119,24 +88,7 @@ def _from_record(command: Any) -> Command:
         dest = o.name.lstrip("-").replace("-", "_")
         options.append(Option((o.name,), o.metavar or "", text, dest))
     name = str(command.name)
-    return Command(name, str(command.description), "", tuple(options))
-
-
-def _command(name: str, about: str, parser: argparse.ArgumentParser) -> Command:
-    options = []
-    for action in parser._actions:
-        if action.help == argparse.SUPPRESS or not action.option_strings:
-            continue
-        if action.nargs == 0:
-            value = ""
-        elif action.choices is not None:
-            value = "{" + ",".join(map(str, action.choices)) + "}"
-        else:
-            value = str(action.metavar or action.dest.upper())
-        help_text = (action.help or "") % {"default": action.default, "prog": parser.prog}
-        options.append(Option(tuple(action.option_strings), value, help_text, action.dest))
-    usage = parser.format_usage().removeprefix("usage: ").strip()
-    return Command(name, about, usage, tuple(options), (parser.epilog or "").strip())
+    return Command(name, str(command.description), tuple(options))
 
 
 # -- the configuration tables -------------------------------------------------------------------
@@ -230,10 +182,6 @@ def cli_markdown() -> str:
     parts = []
     for command in commands():
         parts += [f"## `{command.name}`", "", _cell(command.about), ""]
-        if command.usage:
-            parts += ["```text", command.usage, "```", ""]
-        if command.epilog:
-            parts += ["```text", command.epilog, "```", ""]
         parts += ['<div class="options" markdown>', ""]
         parts += ["| option | value | what it does |", "|---|---|---|"]
         for o in command.options:

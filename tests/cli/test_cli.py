@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import redis
 
-from batchline._cli_options import CliCommand, CliOption
-from batchline.cli import _parsers, cli_reference, command_settings, main
+from batchline.cli import CliCommand, CliOption, cli_reference, command_settings, main
+from batchline.cli._main import _parsers
 from batchline.config import ServiceSettings, WorkerSettings
 from batchline.demo.embedded import EmbeddedRedis
 from batchline.devices import cpu_bf16_flags

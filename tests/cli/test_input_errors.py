@@ -84,7 +84,7 @@ def test_a_bad_input_is_one_line_naming_what_is_accepted(
 
 
 def test_the_table_walks_every_command_of_the_parser() -> None:
-    """A command added to batchline/cli.py gets its bad inputs in the table above."""
+    """A command added to batchline/cli/ gets its bad inputs in the table above."""
     commands = {c.name.removeprefix("batchline").strip() for c in cli_reference()} - {""}
     walked = {next((a for a in args if a in commands), "") for args, _, _ in BAD_INPUTS}
     assert commands - walked == set()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from batchline._cli_options import add_option, positive
+from batchline.cli._options import add_option, positive
 
 __all__ = ["BatchFailed", "Submit", "batch_parser", "submit"]
 

@@ -1,6 +1,8 @@
 """The options of the ``batchline`` command, each documented once: the help text ``--help``
 shows and the record :func:`batchline.cli.cli_reference` returns are made from the same
-:class:`CliOption`, attached to the parser's own argument.
+:class:`CliOption`, attached to the parser's own argument. A command's settings are read
+from its flags and the environment here too (:func:`read_settings`), a bad one a
+:class:`UsageError`.
 """
 
 from __future__ import annotations
@@ -14,13 +16,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pydantic import ValidationError
+
 __all__ = [
     "CliCommand",
     "CliOption",
+    "UsageError",
     "add_option",
     "add_settings",
     "field_docs",
     "positive",
+    "read_settings",
     "reference",
     "settings_from",
     "shown_default",
@@ -213,6 +219,43 @@ def settings_from(cls: Any, args: argparse.Namespace, defaults: Mapping[str, Any
         if name not in given and f"BATCHLINE_{name.upper()}" not in environ:
             given[name] = value
     return cls(**given)
+
+
+class UsageError(ValueError):
+    """A bad option, setting or file, or options that do not go together (exit status 2 and
+    one line, as the parser's own errors)."""
+
+
+def read_settings(
+    cls: Any, args: argparse.Namespace, defaults: Mapping[str, Any] | None = None
+) -> Any:
+    """:func:`settings_from`, with the environment checked first; UsageError naming each
+    invalid setting."""
+    from batchline.config import check_environment
+
+    try:
+        check_environment()
+        return settings_from(cls, args, defaults or {})
+    except ValidationError as exc:
+        problems = "; ".join(_problem(error, args) for error in exc.errors())
+        raise UsageError(f"invalid settings: {problems}") from None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _problem(error: Any, args: argparse.Namespace) -> str:
+    """One invalid setting: the flag or the variable that gave it, what is wrong, and (but
+    for the URL, which may hold a password) the value."""
+    name = str(error["loc"][0]) if error["loc"] else ""
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if not name:
+        return f"settings: {message}"
+    given = getattr(args, name, None)
+    where = f"--{name.replace('_', '-')}" if given is not None else f"BATCHLINE_{name.upper()}"
+    shown = given if given is not None else os.environ.get(f"BATCHLINE_{name.upper()}")
+    if name != "redis_url" and shown is not None and "got " not in message:
+        message += f", got {shown!r}"
+    return f"{where}: {message}"
 
 
 def _options(parser: argparse.ArgumentParser) -> tuple[CliOption, ...]:

@@ -1,0 +1,69 @@
+"""``batchline acl``: the ACL SETUSER lines of a queue's producer and worker users; it
+connects to nothing."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from batchline.cli._options import UsageError, add_option, add_settings, read_settings
+
+__all__ = ["acl_parser", "acl_settings"]
+
+#: ``acl`` needs the queue's names alone.
+_SETTINGS = ("queue", "prefix")
+
+
+def acl_settings(args: argparse.Namespace) -> Any:
+    """The settings ``acl`` reads, from its parsed ``args`` and the environment."""
+    from batchline.config import ServiceSettings
+
+    return read_settings(ServiceSettings, args)
+
+
+def _acl(args: argparse.Namespace) -> int:
+    from batchline.acl import ROLES, acl_setuser
+    from batchline.keys import QueueKeys
+
+    settings = acl_settings(args)
+    keys = QueueKeys(settings.queue, settings.prefix)  # the rules cover every priority's stream
+    if args.batch_api and args.role == "worker":
+        raise UsageError("--batch-api adds to the producer user: not with --role worker")
+    for role in ROLES if args.role == "both" else (args.role,):
+        batch_api = args.batch_api and role == "producer"
+        print(acl_setuser(keys, role, user=f"{keys.prefix}-{role}", batch_api=batch_api))
+    return 0
+
+
+def acl_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add the ``acl`` command to the ``batchline`` parser's subcommands ``sub``."""
+    from batchline.config import ServiceSettings
+
+    about_acl = "print the ACL SETUSER lines of the producer and worker users (Redis >= 7)"
+    acl: argparse.ArgumentParser = sub.add_parser(
+        "acl",
+        help=about_acl,
+        description="Print the ACL SETUSER commands (redis-cli arguments) that create the "
+        "queue's producer and worker users, named <prefix>-producer and <prefix>-worker, "
+        "each allowed the queue's keys and commands only (Redis >= 7; docs/protocol.md, "
+        "Access control). Add each user's password ('>secret') before running them. It "
+        "connects to nothing.",
+    )
+    add_settings(acl, ServiceSettings, _SETTINGS)
+    add_option(
+        acl,
+        "--role",
+        choices=["producer", "worker", "both"],
+        default="both",
+        text="whose line to print: the producer's, the worker's, or both",
+        shown="both",
+    )
+    add_option(
+        acl,
+        "--batch-api",
+        action="store_true",
+        text="give the producer user the Batch API's keys too (<prefix>:{batchapi}:*, every "
+        "tenant's files and batches): for the web backend serving /v1/files and /v1/batches",
+    )
+    acl.set_defaults(run=_acl)
+    return acl

@@ -1,0 +1,142 @@
+"""``batchline worker``: serve a queue (under a supervising parent unless
+``--max-restarts-per-min 0``), or with ``--check`` tell whether a worker of this host is
+alive."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from batchline.cli._options import UsageError, add_option, add_settings, positive, read_settings
+from batchline.logs import bind as bind_logs
+
+__all__ = ["check_model", "worker_parser", "worker_settings"]
+
+
+def worker_settings(args: argparse.Namespace) -> Any:
+    """The worker's settings, from its parsed ``args`` and the environment."""
+    from batchline.config import WorkerSettings
+
+    return read_settings(WorkerSettings, args)
+
+
+def check_model(spec: str, path: str | None, **options: Any) -> None:
+    """UsageError if the model settings are wrong in a way seen without loading it (an
+    unknown kind, a local path that is not there, options of another backend)."""
+    from batchline.worker.models import load_model
+
+    try:
+        load_model(spec, path=path, **options)  # made, not loaded
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _worker(args: argparse.Namespace) -> int:
+    settings = worker_settings(args)
+    if args.check:
+        return asyncio.run(_check(settings, args.max_age_s))
+    if args.max_age_s is not None:
+        raise UsageError("--max-age-s is for --check only")
+    s = settings
+    check_model(
+        s.model, s.model_path, backend=s.backend, device=s.device, calibration=s.calibration
+    )
+    from batchline.worker._supervisor import report_ready, supervise
+
+    supervised = settings.max_restarts_per_min > 0
+    if supervised and args.supervised_child is None:
+        # Run the worker in a child process, restarted if it dies.
+        return supervise(args.argv, max_restarts_per_min=settings.max_restarts_per_min)
+    import signal
+
+    from batchline.errors import ModelNotLoaded, WorkerHung
+    from batchline.transport import EXIT_INTERRUPTED, run_loop
+    from batchline.worker import Worker
+    from batchline.worker.upkeep._watchdog import HUNG_EXIT_CODE
+
+    worker = Worker(settings)
+    bind_logs(worker_id=worker.worker_id, queue=worker.keys.queue)
+    worker.exit_if_loop_blocked = True
+    if args.supervised_child is not None:
+        report_ready(args.supervised_child, worker.ready)
+    if args.bound_file is not None:
+        worker.bound_file = Path(args.bound_file)
+    try:
+        run_loop(worker.run(), event_loop=settings.event_loop)
+    except ModelNotLoaded as exc:
+        print(f"batchline: {exc}", file=sys.stderr)
+        return 1
+    except WorkerHung:
+        logging.shutdown()
+        os._exit(HUNG_EXIT_CODE)  # the hung model's thread cannot be stopped otherwise
+    return EXIT_INTERRUPTED if worker.stop_signal == signal.SIGINT else 0
+
+
+async def _check(settings: Any, max_age_s: float | None) -> int:
+    """Health check: a worker of this host (or ``worker_id``) sent a heartbeat lately."""
+    from batchline.keys import host_id
+    from batchline.transport._redis import connect
+    from batchline.transport.status import LIVE_WITHIN_S
+
+    max_age_s = LIVE_WITHIN_S if max_age_s is None else max_age_s
+    client = connect(settings)
+    try:
+        beats = await client.zrangebyscore(settings.keys.workers, time.time() - max_age_s, "+inf")
+    except Exception as exc:
+        print(f"unhealthy: Redis unreachable ({type(exc).__name__})", file=sys.stderr)
+        return 1
+    finally:
+        await client.aclose()
+    want = settings.worker_id or host_id() + "-"
+    names = [b.decode() for b in beats]
+    # A worker_id names one worker (w1 is not w12); without one, any worker of this host.
+    alive = [n for n in names if n == want or (not settings.worker_id and n.startswith(want))]
+    if not alive:
+        print(f"unhealthy: no heartbeat from {want}* within {max_age_s:g} s", file=sys.stderr)
+        return 1
+    print(f"healthy: {', '.join(alive)}")
+    return 0
+
+
+def worker_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add the ``worker`` command to the ``batchline`` parser's subcommands ``sub``."""
+    from batchline.config import WorkerSettings
+    from batchline.transport.status import LIVE_WITHIN_S
+
+    worker: argparse.ArgumentParser = sub.add_parser(
+        "worker",
+        help="serve a queue: read requests from Redis, batch them, run the model, answer",
+        description="Serve a queue: read requests from Redis, batch them, run the model, "
+        "answer; it logs one line starting with 'ready:' once it serves. Each setting is a "
+        "flag or a BATCHLINE_<NAME> environment variable (the flag wins). SIGTERM drains "
+        "(stop reading, answer what was read) and exits 0; Ctrl-C drains the same way and "
+        "exits 130, also while the worker still waits for Redis or loads its model.",
+    )
+    add_settings(worker, WorkerSettings, tuple(WorkerSettings.model_fields))
+    add_option(
+        worker,
+        "--check",
+        action="store_true",
+        text="health check instead of serving: exit 0 if a worker of this host (or the one "
+        "--worker-id names) sent a heartbeat within --max-age-s, else 1; reads only the Redis, "
+        "queue and worker_id settings",
+    )
+    add_option(
+        worker,
+        "--max-age-s",
+        type=positive(float),
+        metavar="SECONDS",
+        default=None,
+        text="with --check: the oldest heartbeat that counts, in seconds",
+        shown=f"{LIVE_WITHIN_S:g}",
+    )
+    worker.add_argument("--supervised-child", type=int, help=argparse.SUPPRESS)
+    worker.add_argument("--bound-file", help=argparse.SUPPRESS)
+    worker.set_defaults(run=_worker)
+    return worker
