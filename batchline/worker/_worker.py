@@ -19,7 +19,7 @@ runs on the batcher's own thread, or on the loop for a model quick enough, see
   acknowledgement took, writes its result (with its TTL) and pushes the replies, then
   deletes the entries;
 - the *cancel follower* reads the queue's cancel stream (:mod:`batchline.transport._cancels`);
-- the *janitor* keeps this worker's claims (:mod:`.serving._claims`) alive during long batches, the
+- the *janitor* keeps this worker's claims (:mod:`.shared._held`) alive during long batches, the
   *reclaimer* takes over entries that dead workers left pending (XAUTOCLAIM),
   dead-lettering those delivered too often, the *watchdog* bounds one model call, and the
   *heartbeat* publishes liveness and statistics: parts the worker owns (:mod:`.upkeep`).
@@ -65,7 +65,6 @@ from batchline.worker.serving._admitter import Admitter
 from batchline.worker.serving._answers import Meta, Record, answer, dead_letter, finished
 from batchline.worker.serving._cache import AnswerCache
 from batchline.worker.serving._chunk_writer import ChunkWriter
-from batchline.worker.serving._claims import Claims
 from batchline.worker.serving._executors import build, pads
 from batchline.worker.serving._facts import ModelFacts
 from batchline.worker.serving._generation_executor import GenerationExecutor
@@ -74,8 +73,9 @@ from batchline.worker.serving._readcap import ReadCap
 from batchline.worker.serving._reader import Entries, Reader
 from batchline.worker.serving._starts import Starts
 from batchline.worker.serving._writer import AnswerWriter
-from batchline.worker.upkeep._consumers import ensure_groups
-from batchline.worker.upkeep._guard import Guard
+from batchline.worker.shared._consumers import ensure_groups
+from batchline.worker.shared._guard import Guard
+from batchline.worker.shared._held import Claims
 from batchline.worker.upkeep._upkeep import Upkeep, every, snapshot
 from batchline.worker.upkeep._watchdog import Stamp
 

@@ -24,7 +24,7 @@ from batchline import tracing
 from batchline.tracing._otel import Otel, WorkerTrace
 from batchline.worker.metrics import Metrics
 from batchline.worker.serving._answers import Meta
-from batchline.worker.serving._claims import Claims
+from batchline.worker.shared._held import Claims
 from batchline.worker.upkeep._watchdog import HUNG_EXIT_CODE, CallBound, Timing, Watchdog
 
 

@@ -201,10 +201,10 @@ def test_the_model_logs_its_kv_budget_and_takes_the_workers_prefill_chunk(
 ) -> None:
     from batchline.config import WorkerSettings
     from batchline.transport._cancels import CancelLog
-    from batchline.worker.serving._claims import Claims
     from batchline.worker.serving._generation_executor import GenerationExecutor, GenerationModel
     from batchline.worker.serving._starts import Starts
-    from batchline.worker.upkeep._guard import Guard
+    from batchline.worker.shared._guard import Guard
+    from batchline.worker.shared._held import Claims
 
     model = GenerationModel(TINY)
     settings = WorkerSettings(model="generate", max_batch_tokens=1000, max_prefill_tokens=8)

@@ -25,7 +25,7 @@ from batchline.errors import ServiceUnavailable
 from batchline.keys import QueueKeys
 from batchline.producer import Producer
 from batchline.transport import _errors
-from batchline.worker.upkeep._consumers import PRUNE
+from batchline.worker.shared._consumers import PRUNE
 
 from tests.support.service import RESULT_TIMEOUT_S, WorkerThread, wait_until
 

@@ -2,7 +2,7 @@
 
 :func:`build` chooses from the model and the settings and returns both executors a worker
 holds: the main one, and the one that runs a redelivered entry alone. Every model call runs
-through the worker's :class:`~batchline.worker.upkeep._guard.Guard` (the watchdog sees it),
+through the worker's :class:`~batchline.worker.shared._guard.Guard` (the watchdog sees it),
 and the calls that start are told to its :class:`~._starts.Starts`.
 """
 
@@ -24,7 +24,7 @@ from batchline.worker.serving._generation_executor import (
     GenerationModel,
 )
 from batchline.worker.serving._starts import Starts
-from batchline.worker.upkeep._guard import Guard
+from batchline.worker.shared._guard import Guard
 from batchline.worker.upkeep._watchdog import work_of
 
 if TYPE_CHECKING:

@@ -39,7 +39,7 @@ from batchline.drivers._base import Call, Item
 from batchline.errors import BatcherClosed, GenerationError
 from batchline.worker.models._generation import GenerationModel
 from batchline.worker.serving._starts import Starts
-from batchline.worker.upkeep._guard import Guard
+from batchline.worker.shared._guard import Guard
 
 if TYPE_CHECKING:  # batchline.generation imports torch: only once a model is served
     from batchline.config import WorkerSettings

@@ -13,7 +13,7 @@ from batchline.keys import GROUP
 from batchline.transport._errors import passing, redis_failure
 from batchline.transport._redis import Backoff, RedisClient, own_connection
 from batchline.worker.serving._readcap import Entry, ReadCap
-from batchline.worker.upkeep._consumers import ensure_groups
+from batchline.worker.shared._consumers import ensure_groups
 
 __all__ = ["Entries", "Reader"]
 

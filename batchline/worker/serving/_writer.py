@@ -24,7 +24,7 @@ from batchline.transport._replication import Replication
 from batchline.transport._scripts import COMPLETE
 from batchline.worker.serving._answers import Record
 from batchline.worker.serving._cache import AnswerCache
-from batchline.worker.serving._claims import Claims
+from batchline.worker.shared._held import Claims
 
 __all__ = ["AnswerWriter"]
 

@@ -5,10 +5,11 @@ left pending, one entry at a time, each run alone; dead-lettering the poisonous)
 and statistics).
 
 Each is given the objects it works with (the worker's
-:class:`~batchline.worker.serving._claims.Claims`, its :class:`~._guard.Guard`, its batcher,
-its metrics and counts) and, where it needs the worker's say, one function (whether it
-serves; how an entry is taken in or dead-lettered; its statistics), so that the serving path
-(reading, batching, writing) reads on its own in :mod:`batchline.worker._worker`.
+:class:`~batchline.worker.shared._held.Claims`, its
+:class:`~batchline.worker.shared._guard.Guard`, its batcher, its metrics and counts) and,
+where it needs the worker's say, one function (whether it serves; how an entry is taken in
+or dead-lettered; its statistics), so that the serving path (reading, batching, writing)
+reads on its own in :mod:`batchline.worker._worker`.
 
 Containment. An entry delivered more than once may be what killed its last worker, so it
 never shares a model call again: the reclaimer takes such entries one at a time and runs
@@ -45,10 +46,10 @@ from batchline.keys import GROUP, QueueKeys
 from batchline.transport._errors import redis_failure
 from batchline.transport._redis import RedisClient
 from batchline.worker.metrics import Metrics
-from batchline.worker.serving._claims import Claims
 from batchline.worker.serving._generation_executor import Executor
-from batchline.worker.upkeep._consumers import prune_consumers
-from batchline.worker.upkeep._guard import Guard
+from batchline.worker.shared._consumers import prune_consumers
+from batchline.worker.shared._guard import Guard
+from batchline.worker.shared._held import Claims
 from batchline.worker.upkeep._watchdog import Watchdog
 
 __all__ = [

@@ -33,10 +33,11 @@ ahead and reads nothing more until the call ends, so that other workers serve th
 Past its bound the call is *hung*: the worker is marked unhealthy (the ``healthy`` gauge at
 once, from this thread) and the event loop is told; the worker then removes itself from the
 workers' set (``batchline worker --check`` fails), hands back everything it holds and stops
-(see :mod:`._guard`). If the loop does not answer within a second (the hung call runs on the
-loop itself), this thread hands back what the worker holds over a connection of its own and,
-in ``batchline worker``, ends the process with :data:`HUNG_EXIT_CODE`, once it has flushed
-the spans of the requests it handed back (tracing on).
+(see :mod:`batchline.worker.shared._guard`). If the loop does not answer within a second
+(the hung call runs on the loop itself), this thread hands back what the worker holds over a
+connection of its own and, in ``batchline worker``, ends the process with
+:data:`HUNG_EXIT_CODE`, once it has flushed the spans of the requests it handed back
+(tracing on).
 """
 
 from __future__ import annotations
@@ -217,7 +218,7 @@ class CallWatch:
 
 class Watched(Protocol):
     """What the watchdog watches: the worker's model calls (its
-    :class:`~batchline.worker.upkeep._guard.Guard`)."""
+    :class:`~batchline.worker.shared._guard.Guard`)."""
 
     #: The calls' bound (the worker times its calls into it).
     bound: CallBound

@@ -27,7 +27,7 @@ from batchline.config import WorkerSettings
 from batchline.transport._errors import ignoring_redis_failures
 from batchline.transport._redis import POOL_NO_CLIENT_INFO, RedisClient, connect
 from batchline.worker.models import Model
-from batchline.worker.serving._claims import Claims
+from batchline.worker.shared._held import Claims
 from batchline.worker.upkeep._watchdog import (
     CallBound,
     Stamp,
