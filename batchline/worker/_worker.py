@@ -62,22 +62,20 @@ from batchline.worker._ready import ready_line
 from batchline.worker.metrics import Metrics
 from batchline.worker.models import Model, Prepared, load, load_model
 from batchline.worker.serving._admitter import Admitter
-from batchline.worker.serving._answers import Meta, Record, answer, dead_letter, finished
+from batchline.worker.serving._answers import answer, dead_letter, finished
 from batchline.worker.serving._cache import AnswerCache
 from batchline.worker.serving._chunk_writer import ChunkWriter
 from batchline.worker.serving._executors import build, pads
 from batchline.worker.serving._facts import ModelFacts
 from batchline.worker.serving._generation_executor import GenerationExecutor
 from batchline.worker.serving._intake import Preparer
-from batchline.worker.serving._readcap import ReadCap
-from batchline.worker.serving._reader import Entries, Reader
+from batchline.worker.serving._reader import Entries, ReadCap, Reader
 from batchline.worker.serving._starts import Starts
 from batchline.worker.serving._writer import AnswerWriter
 from batchline.worker.shared._consumers import ensure_groups
-from batchline.worker.shared._guard import Guard
-from batchline.worker.shared._held import Claims
+from batchline.worker.shared._guard import Guard, Stamp
+from batchline.worker.shared._held import Claims, Meta, Record
 from batchline.worker.upkeep._upkeep import Upkeep, every, snapshot
-from batchline.worker.upkeep._watchdog import Stamp
 
 __all__ = ["Worker"]
 

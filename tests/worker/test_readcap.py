@@ -14,7 +14,8 @@ import batchline.worker.serving._intake as intake_module
 from batchline.codec import SCHEMA_VERSION, encode_request
 from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer
-from batchline.worker.serving._readcap import Entry, ReadCap, entry_bytes
+from batchline.worker.serving._reader import ReadCap, entry_bytes
+from batchline.worker.shared._held import Entry
 
 from tests.support.models_for_tests import HeavyEcho
 from tests.support.service import (

@@ -18,14 +18,10 @@ from batchline.config import WorkerSettings
 from batchline.drivers._aio import AioBatcher
 from batchline.drivers._base import BatchConfig
 from batchline.worker.models import CountsPadding, Model, Prepared
-from batchline.worker.serving._generation_executor import (
-    Executor,
-    GenerationExecutor,
-    GenerationModel,
-)
+from batchline.worker.serving._generation_executor import GenerationExecutor, GenerationModel
 from batchline.worker.serving._starts import Starts
-from batchline.worker.shared._guard import Guard
-from batchline.worker.upkeep._watchdog import work_of
+from batchline.worker.shared._guard import Guard, work_of
+from batchline.worker.shared._roles import Executor
 
 if TYPE_CHECKING:
     from batchline.tracing._otel import WorkerTrace

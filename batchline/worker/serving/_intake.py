@@ -26,8 +26,8 @@ from batchline.codec import DecodeError, Limits, request_value
 from batchline.codec._requests import check_priority, decode_requests
 from batchline.worker.models import Model, Prepared
 from batchline.worker.models._tokenize import TokenOps, op_of, token_ops
-from batchline.worker.serving._answers import Meta, Outcome, Record, answer, dead_letter
-from batchline.worker.serving._readcap import Entry
+from batchline.worker.serving._answers import Outcome, answer, dead_letter
+from batchline.worker.shared._held import Entry, Meta, Record
 
 __all__ = ["Outcome", "Preparer", "prepare", "settle_tokenizer"]
 

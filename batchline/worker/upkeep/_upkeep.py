@@ -46,10 +46,10 @@ from batchline.keys import GROUP, QueueKeys
 from batchline.transport._errors import redis_failure
 from batchline.transport._redis import RedisClient
 from batchline.worker.metrics import Metrics
-from batchline.worker.serving._generation_executor import Executor
 from batchline.worker.shared._consumers import prune_consumers
 from batchline.worker.shared._guard import Guard
 from batchline.worker.shared._held import Claims
+from batchline.worker.shared._roles import Executor
 from batchline.worker.upkeep._watchdog import Watchdog
 
 __all__ = [
