@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from redis.exceptions import ResponseError
 
@@ -31,6 +31,7 @@ from batchline.transport._errors import passing, redis_failure
 from batchline.transport._redis import Backoff, RedisClient, own_connection
 from batchline.worker.shared._consumers import ensure_groups
 from batchline.worker.shared._held import Entry
+from batchline.worker.shared._roles import Entrance
 
 __all__ = ["ENTRY_SLACK_BYTES", "Entries", "ReadCap", "Reader", "entry_bytes"]
 
@@ -100,7 +101,7 @@ class ReadCap:
 
 
 class Reader:
-    """Reads entries for one worker and hands them to ``accept``.
+    """Reads entries for one worker and hands them to its ``entrance``.
 
     Args:
         redis: the worker's client (the reader takes a connection of its own for the
@@ -108,8 +109,8 @@ class Reader:
         streams: the work streams, lowest priority first.
         worker_id: the worker's consumer name.
         readcap: bounds one read's entries by bytes.
-        room: how many more entries may come in now; at 0 the reader waits for ``space``.
-        accept: takes the entries of one read.
+        entrance: the serving path: how many more entries may come in now (at 0 the reader
+            waits for ``space``), and where the entries of one read go.
     """
 
     def __init__(
@@ -118,17 +119,14 @@ class Reader:
         streams: list[str],
         worker_id: str,
         readcap: ReadCap,
-        *,
-        room: Callable[[], int],
-        accept: Callable[[Entries], Awaitable[None]],
+        entrance: Entrance,
     ) -> None:
         self._redis = redis
         self._streams = streams
         self._sidx = {name.encode(): i for i, name in enumerate(streams)}
         self._worker_id = worker_id
         self._readcap = readcap
-        self._room = room
-        self._accept = accept
+        self._entrance = entrance
 
     async def run(self, space: asyncio.Event, stop: asyncio.Event) -> None:
         """Read until ``stop`` is set; ``space`` is set when room frees up."""
@@ -141,7 +139,7 @@ class Reader:
         streams = {name: ">" for name in reversed(self._streams)}
         backoff = Backoff(logger, "reader")
         while not stop.is_set():
-            room = self._room()
+            room = self._entrance.room()
             # COUNT applies to each stream: split the room so the total stays within it,
             # and within max_read_bytes of entries as large as the largest seen lately.
             per_stream = self._readcap.count(room, len(streams))
@@ -170,7 +168,7 @@ class Reader:
                 continue
             backoff.reset()
             if response:
-                await self._accept(
+                await self._entrance.accept(
                     (self._sidx[stream], entry, raw)
                     for stream, entries in response
                     for entry, raw in entries

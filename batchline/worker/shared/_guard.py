@@ -174,8 +174,11 @@ class Guard:
         workers_key: the workers' set, which the worker leaves when it hangs.
         redis: the worker's client; ``own``: made from ``settings`` (the watchdog's thread
             then makes another the same way; else it copies the client's pool).
+
+    Attributes:
         bound_file: where the previous worker process left its slowest call, and this one
-            leaves its own (see ``Worker.bound_file``).
+            leaves its own (None: nowhere; the worker sets it from ``Worker.bound_file`` as
+            it starts).
     """
 
     def __init__(
@@ -186,7 +189,6 @@ class Guard:
         workers_key: str,
         redis: RedisClient,
         own: bool,
-        bound_file: Callable[[], Path | None],
     ) -> None:
         self.bound = CallBound(settings.max_batch_ms)
         self.running: Stamp | None = None  # the model call running
@@ -198,7 +200,7 @@ class Guard:
         self._workers_key = workers_key
         self._redis = redis
         self._own = own
-        self._bound_file = bound_file
+        self.bound_file: Path | None = None
 
     @property
     def slow(self) -> bool:
@@ -223,9 +225,9 @@ class Guard:
         pads: bool,
         padding: Callable[[int, int], None] | None,
     ) -> None:
-        """Before serving (on a thread): the bound's first timings (:func:`._watchdog.prime`:
+        """Before serving (on a thread): the bound's first timings (:func:`prime`:
         ``model``'s warm-up batch, None for none), logged."""
-        bound_file = self._bound_file()
+        bound_file = self.bound_file
         s = self._settings
         how = prime(
             self.bound,
@@ -246,7 +248,7 @@ class Guard:
 
     def remember(self, timing: Timing) -> None:
         """The slowest recent call, for the next worker process (from the watchdog)."""
-        bound_file = self._bound_file()
+        bound_file = self.bound_file
         if bound_file is not None:
             write_timing(bound_file, timing)
 
