@@ -99,7 +99,9 @@ class Worker:
         self.counts: Counter[str] = parts.counts
         self.metrics: Metrics = parts.metrics
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._closing = False
+        # Set while its loops run: cleared as it closes (the loops check it, besides being
+        # cancelled).
+        self._running = asyncio.Event()
         self._admits = False  # whether the queue's functions are loaded (Redis >= 7)
         self.ready = threading.Event()
         #: The signal (SIGTERM, SIGINT) that stopped the worker, if one did.
@@ -234,14 +236,16 @@ class Worker:
     def _start_tasks(self, loop: asyncio.AbstractEventLoop) -> list[asyncio.Task[None]]:
         """The reader (first) and the upkeep tasks."""
         p, s = self._parts, self.settings
+        running = self._running
+        running.set()
 
         def closing() -> bool:
-            return self._closing
+            return not running.is_set()
 
         jobs = {
             "reader": p.reader.run(p.space, p.serving.stopped),
             **p.upkeep.jobs(closing),
-            "cancels": p.cancels.follow(p.redis, self.keys, lambda: not self._closing),
+            "cancels": p.cancels.follow(p.redis, self.keys, running.is_set),
             "cancel-trim": every(s.claim_idle_ms / 3e3, "cancel trim", p.cancel_trim.step, closing),
             "cache": every(
                 s.heartbeat_s, "cache", lambda: p.cache.beat(p.redis, self.metrics), closing
@@ -249,14 +253,14 @@ class Worker:
             "facts": every(s.heartbeat_s, "facts", lambda: p.facts.publish(p.redis), closing),
         }
         if self._admits:
-            jobs["admitter"] = p.admitter.run(lambda: not self._closing)
+            jobs["admitter"] = p.admitter.run(running.is_set)
         return [loop.create_task(job, name=f"batchline-{name}") for name, job in jobs.items()]
 
     async def _close(self, tasks: list[asyncio.Task[None]]) -> None:
         # Cancelling alone is not enough on Python 3.11: a cancellation that lands just as
         # redis-py's internal wait_for completes is swallowed, so the loops also end on this.
         p = self._parts
-        self._closing = True
+        self._running.clear()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, *p.upkeep.handing_back, return_exceptions=True)
