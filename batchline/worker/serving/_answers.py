@@ -35,8 +35,8 @@ _FIRST = {
 }
 
 
-#: What :func:`prepare` makes of one entry: the record answering it at once, or its request
-#: and prepared items for the executor.
+#: What :func:`~._intake.prepare` makes of one entry: the record answering it at once, or its
+#: request and prepared items for the executor.
 Outcome = Record | tuple[Meta, list[Prepared]]
 
 
