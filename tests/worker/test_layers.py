@@ -1,6 +1,7 @@
 """The worker's own layers: its CPU threading and its metrics at the bottom, its models,
-then what the serving path and the upkeep both use (``worker/shared/``), then those two side by side, neither importing the
-other, then the runner (the ``Worker``, its assembly and its process) above them all.
+then what the serving path and the upkeep both use (``worker/shared/``), then those two side
+by side, neither importing the other, then the runner (the ``Worker``, its assembly and its
+process) above them all.
 
 Every import counts, as in tests/test_layers.py (whose graph this reads)."""
 
@@ -35,44 +36,38 @@ def _row(module: str) -> str:
 WORKER = sorted(m for m in MODULES if m == "batchline.worker" or m.startswith("batchline.worker."))
 
 
-def _worker_graph() -> dict[str, set[str]]:
+def _parts() -> dict[str, dict[str, set[str]]]:
+    """Per row, per row it imports, the modules that import it (within the worker)."""
     graph = _graph()
-    return {m: {i for i in graph[m] if i in WORKER} for m in WORKER}
+    parts: dict[str, dict[str, set[str]]] = {}
+    for module in WORKER:
+        row = parts.setdefault(_row(module), {})
+        for imported in graph[module] & set(WORKER):
+            if _row(imported) != _row(module):
+                row.setdefault(_row(imported), set()).add(module)
+    return parts
 
 
 def test_every_module_of_the_worker_has_a_row() -> None:
-    rows = {_row(m) for m in WORKER}
-    assert rows == set(ALLOWED), (
-        f"modules without a row: {sorted(rows - set(ALLOWED))}; "
-        f"rows without a module: {sorted(set(ALLOWED) - rows)}"
-    )
+    assert set(_parts()) == set(ALLOWED)
 
 
 @pytest.mark.parametrize("row", sorted(ALLOWED))
 def test_a_part_of_the_worker_imports_only_the_parts_below_it(row: str) -> None:
-    graph = _worker_graph()
-    for module in (m for m in WORKER if _row(m) == row):
-        stray = {_row(m) for m in graph[module]} - ALLOWED[row] - {row}
-        assert not stray, f"{module} imports the worker's {sorted(stray)}"
+    stray = {
+        part: sorted(by) for part, by in _parts().get(row, {}).items() if part not in ALLOWED[row]
+    }
+    assert not stray, f"{row} imports what it may not (part: its importers): {stray}"
 
 
 def test_serving_and_upkeep_meet_only_below_them() -> None:
     # The layer holds something real: both sides use it, and neither reaches the other.
-    graph = _worker_graph()
-    uses = {
-        row: {_row(i) for m in WORKER if _row(m) == row for i in graph[m]}
-        for row in ("serving", "upkeep")
-    }
-    assert "shared" in uses["serving"]
-    assert "shared" in uses["upkeep"]
-    assert "upkeep" not in uses["serving"]
-    assert "serving" not in uses["upkeep"]
+    parts = _parts()
+    assert "shared" in parts["serving"]
+    assert "shared" in parts["upkeep"]
+    assert "upkeep" not in parts["serving"]
+    assert "serving" not in parts["upkeep"]
 
 
 def test_no_import_circle_between_the_parts_of_the_worker() -> None:
-    parts: dict[str, set[str]] = {}
-    for module, imported in _worker_graph().items():
-        parts.setdefault(_row(module), set()).update(
-            _row(m) for m in imported if _row(m) != _row(module)
-        )
-    assert _cycles(parts) == []
+    assert _cycles({row: set(imported) for row, imported in _parts().items()}) == []
