@@ -40,10 +40,10 @@ from batchline.core._overtake import mark_overtaken, rank
 from batchline.errors import PromptTooLong
 
 __all__ = [
-    "Admission",
     "GenerationScheduler",
     "SchedulerConfig",
     "Sequenced",
+    "StepAdmission",
     "footprint",
     "reservation",
 ]
@@ -102,8 +102,10 @@ class SchedulerConfig:
 
 
 @dataclass(slots=True)
-class Admission(Generic[S]):
-    """The scheduler's answer to one :meth:`GenerationScheduler.admit`.
+class StepAdmission(Generic[S]):
+    """The scheduler's answer to one :meth:`GenerationScheduler.admit`: which sequences
+    join the next generation step (not a request's way into a Redis queue, which is
+    :mod:`batchline.transport._admission`).
 
     Attributes:
         admit: requests to prefill now, best rank first; they left the waiting set.
@@ -163,7 +165,7 @@ class GenerationScheduler(Generic[S]):
         priority: lower goes first."""
         return rank(item, now, item.priority, self.config.max_overtake_s)
 
-    def admit(self, now: float, running: Sequence[Sequenced]) -> Admission[S]:
+    def admit(self, now: float, running: Sequence[Sequenced]) -> StepAdmission[S]:
         """Which waiting requests join now, given the sequences still running."""
         expired: list[S] = []
         cancelled: list[S] = []
@@ -197,4 +199,4 @@ class GenerationScheduler(Generic[S]):
         self._waiting = keep
         if admit and keep:
             mark_overtaken(admit, [sorted(keep, key=lambda it: it.arrival)], now)
-        return Admission(admit, expired, cancelled)
+        return StepAdmission(admit, expired, cancelled)

@@ -231,8 +231,10 @@ def call_args(
     return many, items if many else [items], deadline
 
 
-def timed_out(call: Call) -> RequestTimeout:
-    """Mark a call abandoned by its caller and return the error to raise."""
+def abandoned(call: Call) -> RequestTimeout:
+    """Abandon a call whose caller's deadline passed: mark it cancelled, settle it with the
+    RequestTimeout returned, for the caller to raise. (The producer's ``timed_out`` is
+    another thing: the error of a wait on Redis, naming the queue.)"""
     error = RequestTimeout(f"no result within the call's deadline ({call.size} items)")
     call.cancelled = True
     # Settle it here too (a no-op if the worker just did): the statistics then count the
@@ -264,7 +266,7 @@ async def await_call(
     except TimeoutError:
         if call.done and call.error is None:
             return call.outcome(many)
-        raise timed_out(call) from None
+        raise abandoned(call) from None
     except BaseException:
         call.cancelled = True
         raise

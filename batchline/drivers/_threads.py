@@ -27,10 +27,10 @@ from batchline.drivers._base import (
     BatcherBase,
     Call,
     Item,
+    abandoned,
     await_call,
     call_args,
     settle_future,
-    timed_out,
 )
 from batchline.errors import BatcherClosed
 
@@ -141,7 +141,7 @@ class ThreadBatcher(BatcherBase[T, R]):
             elif not lock.acquire(timeout=max(0.0, deadline - time.monotonic())) and (
                 not call.done
             ):
-                raise timed_out(call)
+                raise abandoned(call)
         except BaseException:
             call.cancelled = True
             raise

@@ -59,9 +59,9 @@ from batchline.errors import BadGenerationParams, PromptTooLong
 from batchline.generation._grammar import Grammars
 from batchline.generation._logprobs import TokenTexts
 from batchline.generation._pick import Picker
-from batchline.generation._prefill import Prefill
-from batchline.generation._prefix import KV, PrefixCache, right_aligned
-from batchline.generation._rows import Ran, cache_of, run_rows
+from batchline.generation._prefill import Hit, Prefill
+from batchline.generation._prefix import PrefixCache
+from batchline.generation._rows import Ran, run_rows
 from batchline.generation._types import FinishReason, GenerationDelta, GenerationParams, Sequence_
 
 __all__ = ["DEFAULT_MAX_PREFILL_TOKENS", "DEFAULT_PREFIX_CACHE_TOKENS", "Engine", "StepOutput"]
@@ -306,67 +306,19 @@ class Engine:
     def _start(self, joining: list[Sequence_], out: StepOutput) -> None:
         """Prefill the prompts whose uncached rest fits a chunk now, together in one forward
         (as they always were); queue the longer ones as a group, to be fed a chunk a step."""
-        hits: list[tuple[int, KV | None]] = [
+        hits: list[Hit] = [
             self.prefixes.match(s.prompt_ids) if self.prefixes is not None else (0, None)
             for s in joining
         ]
-        short: list[tuple[Sequence_, tuple[int, KV | None]]] = []
-        long: list[tuple[Sequence_, tuple[int, KV | None]]] = []
+        short: list[tuple[Sequence_, Hit]] = []
+        long: list[tuple[Sequence_, Hit]] = []
         for seq, hit in zip(joining, hits, strict=True):
             rest = seq.prompt_tokens - hit[0]
             (short if rest <= self.max_prefill_tokens else long).append((seq, hit))
         if short:
-            self._feed(self._group(short), out)
+            self._feed(Prefill.of(short, self.pad_id, self.device), out)
         if long:
-            self._groups.append(self._group(long))
-
-    def _group(self, joiners: list[tuple[Sequence_, tuple[int, KV | None]]]) -> Prefill:
-        """The group of these sequences, each with its cached prefix (length, KV); sequences
-        with the same prompt share a row, forked once it is prefilled."""
-        from transformers import DynamicCache
-
-        first: dict[tuple[int, ...], int] = {}
-        joining: list[tuple[Sequence_, tuple[int, KV | None]]] = []
-        twins: list[list[Sequence_]] = []
-        for seq, hit in joiners:
-            row = first.setdefault(tuple(seq.prompt_ids), len(joining))
-            if row == len(joining):
-                joining.append((seq, hit))
-                twins.append([])
-            else:
-                twins[row].append(seq)
-        rows = len(joining)
-        past = max(n for _, (n, _) in joining)
-        width = max(seq.prompt_tokens - n for seq, (n, _) in joining)
-        ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((rows, past + width), dtype=torch.long)
-        pos = torch.zeros((rows, width), dtype=torch.long)
-        for row, (seq, (n, _)) in enumerate(joining):
-            rest = seq.prompt_tokens - n
-            ids[row, width - rest :] = torch.tensor(seq.prompt_ids[n:])
-            mask[row, past - n : past] = 1
-            mask[row, past + width - rest :] = 1
-            pos[row, width - rest :] = torch.arange(n, seq.prompt_tokens)
-        ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
-        seqs = [seq for seq, _ in joining]
-        if not past:
-            return Prefill(seqs, twins, ids, mask, pos, DynamicCache())
-        cache = cache_of(right_aligned([kv for _, (_, kv) in joining], past))
-        return Prefill(seqs, twins, ids, mask, pos, cache, past)
-
-    def _remember(self, group: Prefill) -> None:
-        """Cache the prompts of a group whose prefill is done (before its cache joins)."""
-        if self.prefixes is None:
-            return
-        for row, seq in enumerate(group.seqs):
-            columns = group.mask[row].nonzero().squeeze(1)
-            layers = [(layer.keys[row], layer.values[row]) for layer in group.cache.layers]
-
-            def kv_of(start: int, end: int, cols: Any = columns, kv: KV = layers) -> KV:
-                index = cols[start:end]
-                return [(k.index_select(1, index), v.index_select(1, index)) for k, v in kv]
-
-            self.prefixes.insert(seq.prompt_ids, kv_of)
+            self._groups.append(Prefill.of(long, self.pad_id, self.device))
 
     def _feed(self, group: Prefill, out: StepOutput) -> None:
         """Feed ``group`` its next chunk (all of it if its prompts fit one); after the last,
@@ -396,7 +348,8 @@ class Engine:
             self._groups.remove(group)
         if ran.logits is None:  # every row failed
             return
-        self._remember(group)
+        if self.prefixes is not None:
+            group.remember(self.prefixes)
         logits = ran.logits
         if any(group.twins):
             index = group.fork()

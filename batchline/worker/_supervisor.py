@@ -7,10 +7,10 @@ process. Putting just the model in a child would contain it too, but every batch
 cross a process boundary (pickling inputs and outputs, a round trip per batch), a cost paid
 on every request of the no-op path for the rare bad one. Here the worker runs exactly as
 before, in one process, and the parent only waits: when the child dies (a signal, or a
-non-zero exit status, such as a hung model's :data:`~._watchdog.HUNG_EXIT_CODE`), it starts a
-fresh one after a back-off. What the dead child held is reclaimed by the survivors (or by
-the fresh child), and entries delivered more than once run alone, so a poison input takes
-only itself down and is dead-lettered after ``max_deliveries``.
+non-zero exit status, such as a hung model's :data:`~.upkeep._watchdog.HUNG_EXIT_CODE`), it
+starts a fresh one after a back-off. What the dead child held is reclaimed by the survivors
+(or by the fresh child), and entries delivered more than once run alone, so a poison input
+takes only itself down and is dead-lettered after ``max_deliveries``.
 
 - SIGTERM and SIGINT are forwarded to the child, which drains as before; the supervisor
   then starts nothing more and exits 0 after SIGTERM, 130 after SIGINT (Ctrl-C, as every
@@ -27,7 +27,7 @@ only itself down and is dead-lettered after ``max_deliveries``.
 - ``batchline worker --check`` and the metrics port are the child's, unchanged.
 - The children remember the slowest model call they timed in a file of the supervisor's
   (``--bound-file``), so that a fresh child's ``max_batch_ms`` auto starts from what its
-  predecessor measured instead of from nothing (:mod:`.upkeep._watchdog`).
+  predecessor measured instead of from nothing (:mod:`.shared._guard`).
 """
 
 from __future__ import annotations

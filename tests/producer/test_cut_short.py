@@ -55,7 +55,7 @@ async def test_a_cancelled_request_gets_its_coalesced_requests_run_for_themselve
     assert (b.counts["coalesced"], entries_added(rclient, keys)) == (2, [0, 2, 0])
     await until("the worker to hold both", lambda: pending_count(rclient, keys) == 2)
     await a.cancel(leader)
-    await until("the cancel to reach the worker", lambda: leader.id in worker._cancels)
+    await until("the cancel to reach the worker", lambda: leader.id in worker._parts.cancels)
     model.release.set()
     assert await a.result(blocker, timeout_s=T) == "blocker"
     first = await poll_result(a, leader.id)
@@ -96,7 +96,7 @@ async def test_a_resubmit_after_a_cancel_or_an_expiry_runs_again(
         first = await a.submit("the order", request_id=rid)
         await until("the worker to hold it", lambda: pending_count(rclient, keys) == 2)
         await a.cancel(first)
-        await until("the cancel to reach the worker", lambda: rid in worker._cancels)
+        await until("the cancel to reach the worker", lambda: rid in worker._parts.cancels)
     else:
         first = await a.submit("the order", request_id=rid, deadline_ms=200)
         await asyncio.sleep(0.3)  # its deadline passes while the model is held
@@ -136,7 +136,7 @@ async def test_a_generation_cut_short_is_never_cached_nor_given_to_coalesced_req
     joined = await b.submit(value)  # coalesced onto the running one
     assert b.counts["coalesced"] == 1
     await chunks.aclose()  # the client hangs up: the request is cancelled
-    await until("the worker to see the cancel", lambda: "hung-up" in worker._cancels)
+    await until("the worker to see the cancel", lambda: "hung-up" in worker._parts.cancels)
     gate.open()
     cut = await poll_result(a, "hung-up")
     assert (cut.status, cut.output["finish_reason"]) == ("ok", "cancelled")

@@ -20,8 +20,9 @@ from batchline.keys import GROUP, QueueKeys
 from batchline.producer import AsyncProducer
 from batchline.transport._once import cache_hash, input_hash
 from batchline.transport.status import collect, render
-from batchline.worker.serving._answers import Meta, Record, answer
+from batchline.worker.serving._answers import answer
 from batchline.worker.serving._cache import AnswerCache
+from batchline.worker.shared._held import Meta, Record
 
 from tests.support.models_for_tests import GatedModel, poison, read_batches
 from tests.support.reply_spy import count_replies

@@ -178,7 +178,7 @@ def test_a_stream_past_its_timeout_raises_and_cancels_the_request(
         chunks = producer.stream("abc", request_id="too-slow", timeout_s=0.5)
         with pytest.raises(RequestTimeout):
             next(chunks)  # the gate holds its prefill
-        wait_until(lambda: "too-slow" in worker._cancels, "the worker to see the cancel")
+        wait_until(lambda: "too-slow" in worker._parts.cancels, "the worker to see the cancel")
         gate.open()
         r = poll(producer, "too-slow")
     assert (r.status, r.output["finish_reason"], r.output["tokens"]) == ("ok", "cancelled", 1)
@@ -194,7 +194,7 @@ def test_leaving_the_loop_cancels_the_request_within_a_step(
         for chunk in producer.stream({"prompt": "abc", "max_new_tokens": 200}, request_id=rid):
             assert (chunk.index, chunk.finish_reason) == (0, None)
             break  # the iterator is closed here: the request is cancelled
-        wait_until(lambda: rid in worker._cancels, "the worker to see the cancel")
+        wait_until(lambda: rid in worker._parts.cancels, "the worker to see the cancel")
         passes = gate.passes
         gate.open()
         r = poll(producer, rid)
@@ -220,7 +220,7 @@ def test_an_exception_while_the_next_chunk_is_pending_cancels_the_request(
         raise Interrupted
 
     def send_once_held() -> None:
-        wait_until(lambda: worker._batcher.queue_size == 1, "the request to be held")
+        wait_until(lambda: worker._parts.executors.main.queue_size == 1, "the request to be held")
         signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
 
     previous = signal.signal(signal.SIGINT, interrupt)
@@ -232,7 +232,7 @@ def test_an_exception_while_the_next_chunk_is_pending_cancels_the_request(
                 for _chunk in producer.stream("abc", request_id=rid, timeout_s=T):
                     pass  # the gate holds the prefill: no chunk comes
             sender.join()
-            wait_until(lambda: rid in worker._cancels, "the worker to see the cancel")
+            wait_until(lambda: rid in worker._parts.cancels, "the worker to see the cancel")
             gate.open()
             r = poll(producer, rid)
     finally:
@@ -363,7 +363,7 @@ def test_a_worker_killed_mid_stream_is_rerun_and_no_token_shows_twice_or_never(
 
 async def holding(worker: Any, n: int, what: str) -> None:
     """Wait (off the event loop) until a generation worker holds ``n`` requests."""
-    await asyncio.to_thread(wait_until, lambda: worker._batcher.queue_size == n, what)
+    await asyncio.to_thread(wait_until, lambda: worker._parts.executors.main.queue_size == n, what)
 
 
 async def check_as_infer(producer: AsyncProducer, value: Any, chunks: list[StreamChunk]) -> None:
@@ -397,7 +397,7 @@ async def test_a_stream_goes_on_after_a_failed_chunk_write(
 
         def refused() -> bool:
             failed = any("not written" in r.getMessage() for r in caplog.records)
-            return failed and not worker._chunks._outbox.busy
+            return failed and not worker._parts.chunks._outbox.busy
 
         await asyncio.to_thread(wait_until, refused, "a chunk write to fail")
         rclient.execute_command("ACL", "SETUSER", user, "+xadd")
@@ -475,7 +475,7 @@ def test_a_stream_under_the_producer_and_worker_acl_users(
             gate.allow(3)  # the prefill and two decode steps
             for _chunk in producer.stream({"prompt": "abc", "max_new_tokens": 200}, request_id="a"):
                 break  # the iterator is closed here: the request is cancelled
-            wait_until(lambda: "a" in thread.worker._cancels, "the worker to see the cancel")
+            wait_until(lambda: "a" in thread.worker._parts.cancels, "the worker to see the cancel")
             gate.open()
             assert poll(producer, "a").output["finish_reason"] == "cancelled"
         thread.stop()  # before its user goes

@@ -23,9 +23,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from batchline import tracing
 from batchline.tracing._otel import Otel, WorkerTrace
 from batchline.worker.metrics import Metrics
-from batchline.worker.serving._answers import Meta
-from batchline.worker.serving._claims import Claims
-from batchline.worker.upkeep._watchdog import HUNG_EXIT_CODE, CallBound, Timing, Watchdog
+from batchline.worker.shared._guard import CallBound, Timing
+from batchline.worker.shared._held import Claims, Meta
+from batchline.worker.upkeep._watchdog import HUNG_EXIT_CODE, Watchdog
 
 
 @pytest.fixture

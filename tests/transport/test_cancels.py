@@ -380,10 +380,12 @@ async def test_a_request_cancelled_while_a_worker_holds_it_never_reaches_the_mod
     await asyncio.to_thread(
         wait_until, lambda: pending_count(rclient, keys) == 3, "the worker to hold all three"
     )
-    assert doomed.id not in worker._cancels
+    assert doomed.id not in worker._parts.cancels
     await producer.cancel(doomed)
     await asyncio.to_thread(
-        wait_until, lambda: doomed.id in worker._cancels, "the cancellation to reach the worker"
+        wait_until,
+        lambda: doomed.id in worker._parts.cancels,
+        "the cancellation to reach the worker",
     )
     assert gate.batches == [["first"]]  # nothing else has started yet
     gate.release.set()

@@ -13,7 +13,7 @@ from redis.asyncio import Redis as AsyncRedis
 
 from batchline.keys import GROUP, QueueKeys
 from batchline.producer import AsyncProducer
-from batchline.worker.upkeep._consumers import prune_consumers
+from batchline.worker.shared._consumers import prune_consumers
 
 from tests.support.service import RESULT_TIMEOUT_S, WorkerThread, wait_until
 

@@ -201,15 +201,15 @@ def test_the_model_logs_its_kv_budget_and_takes_the_workers_prefill_chunk(
 ) -> None:
     from batchline.config import WorkerSettings
     from batchline.transport._cancels import CancelLog
-    from batchline.worker.serving._claims import Claims
     from batchline.worker.serving._generation_executor import GenerationExecutor, GenerationModel
     from batchline.worker.serving._starts import Starts
-    from batchline.worker.upkeep._guard import Guard
+    from batchline.worker.shared._guard import Guard
+    from batchline.worker.shared._held import Claims
 
     model = GenerationModel(TINY)
     settings = WorkerSettings(model="generate", max_batch_tokens=1000, max_prefill_tokens=8)
     claims = Claims(None, [], "w")
-    guard = Guard(settings, claims, workers_key="w", redis=None, own=False, bound_file=lambda: None)
+    guard = Guard(settings, claims, workers_key="w", redis=None, own=False)
     starts = Starts(claims, CancelLog(settings.result_ttl_s), asyncio.Event())
     GenerationExecutor(model, settings, guard=guard, starts=starts)
     with caplog.at_level(logging.INFO, "batchline.generation._model"):
@@ -231,7 +231,9 @@ def test_a_request_read_while_the_model_steps_joins_the_running_batch(
         gate.allow(3)
         gate.wait_passes(3)  # running, and the model thread is held inside its 4th step
         second = producer.submit({"prompt": "short", "max_new_tokens": 3})
-        wait_until(lambda: worker._batcher.queue_size == 2, "the second request to be read")
+        wait_until(
+            lambda: worker._parts.executors.main.queue_size == 2, "the second request to be read"
+        )
         gate.open()
         long, short = producer.wait(first, timeout_s=T), producer.wait(second, timeout_s=T)
     assert (long.batch_size, short.batch_size) == (1, 2)  # it joined the running batch
@@ -249,7 +251,7 @@ def test_cancel_ends_a_running_request_within_a_step(
         gate.allow(3)  # the prefill and two decode steps
         gate.wait_passes(3)
         producer.cancel(handle)
-        wait_until(lambda: handle.id in worker._cancels, "the worker to see the cancel")
+        wait_until(lambda: handle.id in worker._parts.cancels, "the worker to see the cancel")
         passes = gate.passes
         gate.open()
         r = poll(producer, handle.id)

@@ -25,7 +25,7 @@ from batchline.errors import ServiceUnavailable
 from batchline.keys import QueueKeys
 from batchline.producer import Producer
 from batchline.transport import _errors
-from batchline.worker.upkeep._consumers import PRUNE
+from batchline.worker.shared._consumers import PRUNE
 
 from tests.support.service import RESULT_TIMEOUT_S, WorkerThread, wait_until
 
@@ -158,7 +158,7 @@ def test_a_bug_in_batchlines_own_code_stops_the_worker_loudly(
     start_worker: Callable[..., WorkerThread], caplog: pytest.LogCaptureFixture
 ) -> None:
     thread = start_worker(heartbeat_s=0.1)
-    heartbeat = thread.worker._upkeep.heartbeat  # type: ignore[attr-defined]
+    heartbeat = thread.worker._parts.upkeep.heartbeat
     with caplog.at_level(logging.ERROR):
         heartbeat._stats = lambda: {"not json": object()}  # json.dumps fails in beat()
         wait_until(lambda: not thread.alive, "the worker to stop by itself")

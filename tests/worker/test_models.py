@@ -132,7 +132,7 @@ def test_the_tokenizer_is_set_up_before_the_preparing_threads_start(
     backend = model.tokenizer.backend_tokenizer
     assert backend.truncation["max_length"] == model.max_length
     assert backend.padding is None
-    assert worker.stats()["prepare"]["requests"] == 0  # a warm-up, not a request
+    assert worker.stats()["prepare"]["requests"] == 0  # settled, no request prepared
 
 
 @needs_cuda("a batch copied to the GPU from pinned memory, its vectors the CPU model's")

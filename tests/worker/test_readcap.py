@@ -14,7 +14,8 @@ import batchline.worker.serving._intake as intake_module
 from batchline.codec import SCHEMA_VERSION, encode_request
 from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer
-from batchline.worker.serving._readcap import Entry, ReadCap, entry_bytes
+from batchline.worker.serving._reader import ReadCap, entry_bytes
+from batchline.worker.shared._held import Entry
 
 from tests.support.models_for_tests import HeavyEcho
 from tests.support.service import (
@@ -104,7 +105,7 @@ async def test_an_oversized_entry_is_dead_lettered_unread(
         assert b"blob" not in dead[0][1]  # not copied into the dead letter
         assert dead[0][1][b"id"] == b"big-1"  # the fields that fit are kept, the id first
         wait_until(lambda: pending_count(rclient, keys) == 0, "nothing pending")
-        cap = thread.worker._readcap
+        cap = thread.worker._parts.readcap
         assert cap.refused == 1
         assert cap.count(1000, keys.priorities) == 1  # right after it: one entry a stream
     assert decoded_sizes

@@ -9,12 +9,11 @@ import pytest
 
 from batchline.config import WorkerSettings
 from batchline.worker import Prepared
-from batchline.worker.upkeep._watchdog import (
+from batchline.worker.shared._guard import (
     COLD_S,
     FACTOR,
     FLOOR_S,
     CallBound,
-    CallWatch,
     Stamp,
     prime,
     read_timing,
@@ -22,6 +21,7 @@ from batchline.worker.upkeep._watchdog import (
     work_of,
     write_timing,
 )
+from batchline.worker.upkeep._watchdog import CallWatch
 
 TICK_S = 0.25
 

@@ -31,7 +31,8 @@ class GenerationModel:
     Hugging Face causal-LM directory, a ``.gguf`` file, or ``module:callable``, a function
     returning a ``(model, tokenizer)`` pair (kept in its own dtype unless ``dtype`` names one).
     A request's input is parsed, tokenized and checked in :meth:`preprocess`, on the
-    worker's reading side; the steps run in :class:`GenerationExecutor`.
+    worker's reading side; the steps run in the worker's
+    :class:`~batchline.worker.serving._generation_executor.GenerationExecutor`.
     """
 
     heavy_preprocess = True

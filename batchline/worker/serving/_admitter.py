@@ -35,7 +35,7 @@ from batchline.transport._errors import redis_failure
 from batchline.transport._functions import ADMIT, function_missing, load_library
 from batchline.transport._once import once_keys
 from batchline.transport._redis import Backoff, RedisClient
-from batchline.worker.serving._readcap import ReadCap
+from batchline.worker.serving._reader import ReadCap
 from batchline.worker.serving._writer import DEAD_MAXLEN, REPLY_MAXLEN
 
 __all__ = ["Admitter"]

@@ -1,20 +1,15 @@
-"""The way out of a worker: what it writes back (result records, dead letters) and what it
-keeps per request meanwhile (:class:`Meta`). The way in is :mod:`._intake`."""
+"""The way out of a worker: the records it writes back (results, dead letters) made from
+what it kept of each request (:class:`~batchline.worker.shared._held.Meta`). The way in is
+:mod:`._intake`."""
 
 from __future__ import annotations
 
 import logging
 import re
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from batchline.codec import (
-    Request,
-    Result,
-    encode_result,
-    pack_result,
-)
+from batchline.codec import Result, encode_result, pack_result
 from batchline.codec._requests import salvage_id
 from batchline.codec._results import result_fields
 from batchline.drivers._base import Call
@@ -22,15 +17,9 @@ from batchline.errors import RequestCancelled, RequestTimeout
 from batchline.tracing import log_extra
 from batchline.transport._once import input_hash
 from batchline.worker.models import Model, Prepared
+from batchline.worker.shared._held import Meta, Record
 
-__all__ = [
-    "Meta",
-    "Outcome",
-    "Record",
-    "answer",
-    "dead_letter",
-    "finished",
-]
+__all__ = ["Outcome", "answer", "dead_letter", "finished"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,55 +35,8 @@ _FIRST = {
 }
 
 
-@dataclass(slots=True)
-class Meta:
-    """What the worker keeps of one request while the core batches its items."""
-
-    sidx: int
-    entry: bytes
-    request: Request
-    value: Any
-    read_unix: float
-    started_unix: float = 0.0
-    batch_size: int = 0
-    #: Tokens of its input, where the model counts them (``counts_tokens``): the result's tok.
-    tokens: int = 0
-    _ih: str = field(default="", repr=False)
-    span: Any = field(default=None, repr=False)  # its process span, tracing on (.tracing)
-
-    def input_hash(self) -> str:
-        """The input hash of this request (``ih``, docs/protocol.md), computed once: its
-        result and any chunks streamed to its producer carry it."""
-        if not self._ih:
-            self._ih = input_hash(self.request["meta"], self.request.get("blob", b""))
-        return self._ih
-
-
-@dataclass(slots=True)
-class Record:
-    """One stream entry to answer: its result (flat fields), reply address and dead letter.
-
-    ``status`` is the result's status, ``dead`` for a dead letter without a result, or
-    ``acknowledged`` for an entry answered with neither."""
-
-    sidx: int
-    entry: bytes
-    status: str = "acknowledged"
-    result: bytes | None = None  # the packed result (codec.pack_result)
-    request_id: str | None = None
-    reply: str | None = None
-    dead: list[Any] | None = field(default=None)
-    # Answers computed once (worker/_cache.py): for an entry the enqueue script gave a cache
-    # hash (its ck), that hash and the input hash computed here; empty otherwise.
-    cache_hash: str = ""
-    input_hash: str = ""
-    # Cut short (cancelled, expired, a generation ended by a cancel or its deadline): never
-    # cached nor given to requests coalesced onto it, and a resubmit of its id runs again.
-    cut: bool = False
-
-
-#: What :func:`prepare` makes of one entry: the record answering it at once, or its request
-#: and prepared items for the executor.
+#: What :func:`~._intake.prepare` makes of one entry: the record answering it at once, or its
+#: request and prepared items for the executor.
 Outcome = Record | tuple[Meta, list[Prepared]]
 
 

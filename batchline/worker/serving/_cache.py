@@ -22,7 +22,7 @@ from batchline.transport._errors import redis_failure
 from batchline.transport._once import cache_hash, once_figures
 from batchline.transport._redis import RedisClient
 from batchline.worker.metrics import Metrics
-from batchline.worker.serving._answers import Record
+from batchline.worker.shared._held import Record
 
 __all__ = ["AnswerCache", "model_identity"]
 

@@ -2,7 +2,7 @@
 
 :func:`build` chooses from the model and the settings and returns both executors a worker
 holds: the main one, and the one that runs a redelivered entry alone. Every model call runs
-through the worker's :class:`~batchline.worker.upkeep._guard.Guard` (the watchdog sees it),
+through the worker's :class:`~batchline.worker.shared._guard.Guard` (the watchdog sees it),
 and the calls that start are told to its :class:`~._starts.Starts`.
 """
 
@@ -18,14 +18,10 @@ from batchline.config import WorkerSettings
 from batchline.drivers._aio import AioBatcher
 from batchline.drivers._base import BatchConfig
 from batchline.worker.models import CountsPadding, Model, Prepared
-from batchline.worker.serving._generation_executor import (
-    Executor,
-    GenerationExecutor,
-    GenerationModel,
-)
+from batchline.worker.serving._generation_executor import GenerationExecutor, GenerationModel
 from batchline.worker.serving._starts import Starts
-from batchline.worker.upkeep._guard import Guard
-from batchline.worker.upkeep._watchdog import work_of
+from batchline.worker.shared._guard import Guard, work_of
+from batchline.worker.shared._roles import Executor
 
 if TYPE_CHECKING:
     from batchline.tracing._otel import WorkerTrace

@@ -1,6 +1,7 @@
 """Text generation in a worker: the ``generate`` model kind and the executor that runs it.
 
-A worker hands each request to an *executor* (:class:`Executor`): for single-pass models the
+A worker hands each request to an *executor*
+(:class:`~batchline.worker.shared._roles.Executor`): for single-pass models the
 asyncio batcher of the in-process core; for a causal LM, :class:`GenerationExecutor`, which
 feeds :class:`~batchline.generation.GenerationLoop` (the continuous-batching scheduler and
 engine) and steps it on one model thread, one step at a time, from a driver task on the
@@ -29,7 +30,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from batchline.codec._chunks import Chunk
 from batchline.core.scheduler import SchedulerConfig
@@ -39,7 +40,7 @@ from batchline.drivers._base import Call, Item
 from batchline.errors import BatcherClosed, GenerationError
 from batchline.worker.models._generation import GenerationModel
 from batchline.worker.serving._starts import Starts
-from batchline.worker.upkeep._guard import Guard
+from batchline.worker.shared._guard import Guard
 
 if TYPE_CHECKING:  # batchline.generation imports torch: only once a model is served
     from batchline.config import WorkerSettings
@@ -51,34 +52,11 @@ if TYPE_CHECKING:  # batchline.generation imports torch: only once a model is se
         Sequence_,
     )
 
-__all__ = ["Executor", "GenerationExecutor", "GenerationModel"]
+__all__ = ["GenerationExecutor", "GenerationModel"]
 
 logger = logging.getLogger(__name__)
 
 _WINDOW = 10_000  # samples kept for the step and queue-wait percentiles
-
-
-class Executor(Protocol):
-    """What a worker needs of whatever runs its requests (a batcher, or generation)."""
-
-    def enqueue(
-        self,
-        payloads: list[Any],
-        wake: Callable[[Call], None],
-        *,
-        deadline: float | None = None,
-        priority: int = 0,
-    ) -> Call: ...
-
-    @property
-    def queue_size(self) -> int: ...
-
-    @property
-    def stats(self) -> BatchStats: ...
-
-    async def aclose(self, *, drain: bool = True) -> None: ...
-
-    def close(self) -> None: ...
 
 
 # -- the executor ------------------------------------------------------------------------------

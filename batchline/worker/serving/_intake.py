@@ -26,10 +26,10 @@ from batchline.codec import DecodeError, Limits, request_value
 from batchline.codec._requests import check_priority, decode_requests
 from batchline.worker.models import Model, Prepared
 from batchline.worker.models._tokenize import TokenOps, op_of, token_ops
-from batchline.worker.serving._answers import Meta, Outcome, Record, answer, dead_letter
-from batchline.worker.serving._readcap import Entry
+from batchline.worker.serving._answers import Outcome, answer, dead_letter
+from batchline.worker.shared._held import Entry, Meta, Record
 
-__all__ = ["Outcome", "Preparer", "prepare", "warm_up"]
+__all__ = ["Outcome", "Preparer", "prepare", "settle_tokenizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +50,10 @@ class Preparer:
 
     def start(self) -> None:
         """Start the threads, if the model's preprocessing is heavy (once it is loaded),
-        after one preprocess here (:func:`~._answers.warm_up`)."""
+        after one preprocess here (:func:`settle_tokenizer`)."""
         self._ops = token_ops(self._model)
         if self._model.heavy_preprocess and self._pool is None:
-            warm_up(self._model)
+            settle_tokenizer(self._model)
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 self._threads, thread_name_prefix="batchline-prep"
             )
@@ -166,13 +166,14 @@ def _token_answer(meta: Meta, ops: TokenOps, worker_id: str) -> Record:
     return answer(meta, "ok", worker_id, output=output)
 
 
-def warm_up(model: Model) -> None:
+def settle_tokenizer(model: Model) -> None:
     """Preprocess one short text, its outcome dropped (a model that takes no text refuses
-    it, which is fine). A fast tokenizer sets its truncation and padding on its first call
-    with them (``set_truncation_and_padding`` mutates the Rust tokenizer): done once here,
-    before the preparing threads start, rather than by concurrent first calls, which may
-    fail with "Already borrowed"."""
-    _preprocess(model, ["warm-up"])
+    it, which is fine), so that the tokenizer's settings are set once. A fast tokenizer
+    sets its truncation and padding on its first call with them
+    (``set_truncation_and_padding`` mutates the Rust tokenizer): done once here, before the
+    preparing threads start, rather than by concurrent first calls, which may fail with
+    "Already borrowed"."""
+    _preprocess(model, ["settle"])
 
 
 def _preprocess(model: Model, values: list[Any]) -> list[list[Prepared] | Exception]:

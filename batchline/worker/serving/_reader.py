@@ -1,30 +1,107 @@
 """The worker's reader: ``XREADGROUP`` on every work stream, highest priority first, keeping
-at most the room the worker gives (its read-ahead window) of entries ahead of the model."""
+at most the room the serving path gives (its read-ahead window) of entries ahead of the
+model, and bringing at most ``max_read_bytes`` a read (:class:`ReadCap`).
+
+How much one read may bring. Redis cannot be asked for "entries up to N bytes", only for
+COUNT entries per stream, and a worker learns an entry's size only once it holds it. So the
+reader keeps the size of the largest entry it has seen lately (halved after each read that
+brought nothing as large) and asks for at most ``max_read_bytes`` / (that size x streams)
+entries per stream: after one large entry the next reads ask for few, and a run of small
+ones brings COUNT back up.
+
+An entry larger than any valid request (the request limits: value header plus value data,
+plus the small fields) is dead-lettered as soon as it is seen, before it is decoded; its
+producer gets an error result when its id is valid, and nothing that large is decoded or
+kept past the read. The cap is learnt, not a promise: the read that first brings large
+entries after a run of small ones may hold up to COUNT x streams of them (Redis returns
+whole entries, and their size is known only once read); every read after it is capped.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable, Sequence
 
 from redis.exceptions import ResponseError
 
+from batchline.codec import Limits
 from batchline.keys import GROUP
 from batchline.transport._errors import passing, redis_failure
 from batchline.transport._redis import Backoff, RedisClient, own_connection
-from batchline.worker.serving._readcap import Entry, ReadCap
-from batchline.worker.upkeep._consumers import ensure_groups
+from batchline.worker.shared._consumers import ensure_groups
+from batchline.worker.shared._held import Entry
+from batchline.worker.shared._roles import Entrance
 
-__all__ = ["Entries", "Reader"]
+__all__ = ["ENTRY_SLACK_BYTES", "Entries", "ReadCap", "Reader", "entry_bytes"]
 
 logger = logging.getLogger(__name__)
 
 #: The entries of one read (stream index, lowest priority first; entry id; fields).
 Entries = Iterable[Entry]
 
+#: Room for the fields of a request besides its value (id, reply, version, timestamps).
+ENTRY_SLACK_BYTES = 64 << 10
+
+
+def entry_bytes(raw: dict[bytes, bytes] | None) -> int:
+    """The size of one stream entry's fields and values."""
+    return sum(map(len, raw)) + sum(map(len, raw.values())) if raw else 0
+
+
+class ReadCap:
+    """The COUNT of the next read, and which entries are too large to take.
+
+    Args:
+        max_read_bytes: most bytes of entries one read should bring.
+        max_entry_bytes: the largest entry a valid request can make.
+
+    Attributes:
+        largest_bytes: the largest entry seen lately (decays by half per read).
+        refused: entries refused for their size so far.
+    """
+
+    def __init__(self, *, max_read_bytes: int, max_entry_bytes: int) -> None:
+        self.max_read_bytes = max_read_bytes
+        self.max_entry_bytes = max_entry_bytes
+        self.largest_bytes = 0
+        self.refused = 0
+
+    @classmethod
+    def within(cls, limits: Limits, *, max_read_bytes: int) -> ReadCap:
+        """The cap of a worker that accepts requests within ``limits``."""
+        largest = limits.max_meta_bytes + limits.max_blob_bytes + ENTRY_SLACK_BYTES
+        return cls(max_read_bytes=max_read_bytes, max_entry_bytes=largest)
+
+    def count(self, room: int, streams: int) -> int:
+        """COUNT for one read of ``streams`` streams (COUNT applies to each stream) with
+        room for ``room`` entries: the room split over the streams, lowered so that entries
+        as large as the largest seen lately fill at most ``max_read_bytes``."""
+        per_stream = max(1, -(-room // streams))
+        if self.largest_bytes:
+            per_stream = min(per_stream, self.max_read_bytes // (self.largest_bytes * streams))
+        return max(1, per_stream)
+
+    def split(self, batch: Sequence[Entry]) -> tuple[list[Entry], list[tuple[Entry, int]]]:
+        """Note the sizes of one read's entries; return the entries to take, and those too
+        large to be a valid request, each with its size."""
+        kept: list[Entry] = []
+        too_large: list[tuple[Entry, int]] = []
+        largest = 0
+        for item in batch:
+            size = entry_bytes(item[2])
+            largest = max(largest, size)
+            if size > self.max_entry_bytes:
+                too_large.append((item, size))
+            else:
+                kept.append(item)
+        self.refused += len(too_large)
+        self.largest_bytes = max(largest, self.largest_bytes // 2)
+        return kept, too_large
+
 
 class Reader:
-    """Reads entries for one worker and hands them to ``accept``.
+    """Reads entries for one worker and hands them to its ``entrance``.
 
     Args:
         redis: the worker's client (the reader takes a connection of its own for the
@@ -32,8 +109,8 @@ class Reader:
         streams: the work streams, lowest priority first.
         worker_id: the worker's consumer name.
         readcap: bounds one read's entries by bytes.
-        room: how many more entries may come in now; at 0 the reader waits for ``space``.
-        accept: takes the entries of one read.
+        entrance: the serving path: how many more entries may come in now (at 0 the reader
+            waits for ``space``), and where the entries of one read go.
     """
 
     def __init__(
@@ -42,17 +119,14 @@ class Reader:
         streams: list[str],
         worker_id: str,
         readcap: ReadCap,
-        *,
-        room: Callable[[], int],
-        accept: Callable[[Entries], Awaitable[None]],
+        entrance: Entrance,
     ) -> None:
         self._redis = redis
         self._streams = streams
         self._sidx = {name.encode(): i for i, name in enumerate(streams)}
         self._worker_id = worker_id
         self._readcap = readcap
-        self._room = room
-        self._accept = accept
+        self._entrance = entrance
 
     async def run(self, space: asyncio.Event, stop: asyncio.Event) -> None:
         """Read until ``stop`` is set; ``space`` is set when room frees up."""
@@ -65,7 +139,7 @@ class Reader:
         streams = {name: ">" for name in reversed(self._streams)}
         backoff = Backoff(logger, "reader")
         while not stop.is_set():
-            room = self._room()
+            room = self._entrance.room()
             # COUNT applies to each stream: split the room so the total stays within it,
             # and within max_read_bytes of entries as large as the largest seen lately.
             per_stream = self._readcap.count(room, len(streams))
@@ -94,7 +168,7 @@ class Reader:
                 continue
             backoff.reset()
             if response:
-                await self._accept(
+                await self._entrance.accept(
                     (self._sidx[stream], entry, raw)
                     for stream, entries in response
                     for entry, raw in entries

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from batchline.drivers._base import Call, Item
 from batchline.errors import RequestCancelled
 from batchline.transport._cancels import CancelLog
-from batchline.worker.serving._claims import Claims
+from batchline.worker.shared._held import Claims
 
 if TYPE_CHECKING:
     from batchline.tracing._otel import WorkerTrace

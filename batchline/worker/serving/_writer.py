@@ -22,9 +22,8 @@ from batchline.transport._outbox import Outbox
 from batchline.transport._redis import Backoff, RedisClient, Script
 from batchline.transport._replication import Replication
 from batchline.transport._scripts import COMPLETE
-from batchline.worker.serving._answers import Record
 from batchline.worker.serving._cache import AnswerCache
-from batchline.worker.serving._claims import Claims
+from batchline.worker.shared._held import Claims, Record
 
 __all__ = ["AnswerWriter"]
 

@@ -5,10 +5,11 @@ left pending, one entry at a time, each run alone; dead-lettering the poisonous)
 and statistics).
 
 Each is given the objects it works with (the worker's
-:class:`~batchline.worker.serving._claims.Claims`, its :class:`~._guard.Guard`, its batcher,
-its metrics and counts) and, where it needs the worker's say, one function (whether it
-serves; how an entry is taken in or dead-lettered; its statistics), so that the serving path
-(reading, batching, writing) reads on its own in :mod:`batchline.worker._worker`.
+:class:`~batchline.worker.shared._held.Claims`, its
+:class:`~batchline.worker.shared._guard.Guard`, its executor, its metrics and counts) and the
+serving path as its :class:`~batchline.worker.shared._roles.Entrance` (whether it serves now;
+where a reclaimed entry goes in, or how it is dead-lettered): the upkeep never imports the
+serving path, nor it the upkeep (:mod:`batchline.worker.shared` is below both).
 
 Containment. An entry delivered more than once may be what killed its last worker, so it
 never shares a model call again: the reclaimer takes such entries one at a time and runs
@@ -45,10 +46,10 @@ from batchline.keys import GROUP, QueueKeys
 from batchline.transport._errors import redis_failure
 from batchline.transport._redis import RedisClient
 from batchline.worker.metrics import Metrics
-from batchline.worker.serving._claims import Claims
-from batchline.worker.serving._generation_executor import Executor
-from batchline.worker.upkeep._consumers import prune_consumers
-from batchline.worker.upkeep._guard import Guard
+from batchline.worker.shared._consumers import prune_consumers
+from batchline.worker.shared._guard import Guard, Stamp
+from batchline.worker.shared._held import Claims
+from batchline.worker.shared._roles import Entrance, Executor
 from batchline.worker.upkeep._watchdog import Watchdog
 
 __all__ = [
@@ -93,27 +94,21 @@ class Janitor:
         guard: Guard,
         *,
         consumer_idle_ms: int,
-        serving: Callable[[], bool],
+        entrance: Entrance,
     ) -> None:
         self._claims = claims
         self._consumer_idle_ms = consumer_idle_ms
         self._hung = guard.hung
-        self._serving = serving
+        self._entrance = entrance
 
     async def step(self) -> None:
         if not self._hung.is_set():
             await self._claims.keep_alive()
-        if self._serving():
+        if self._entrance.open:
             c = self._claims
             await prune_consumers(
                 c.redis, c.streams, idle_ms=self._consumer_idle_ms, keep=c.worker_id
             )
-
-
-#: Takes entries into the worker: (sidx, entry id, fields) each; ``alone``: run each alone.
-Accept = Callable[..., Awaitable[None]]
-#: Dead-letters one entry: sidx, entry id, fields, error type, reason.
-Refuse = Callable[[int, bytes, dict[bytes, bytes], str, str], None]
 
 
 class Reclaimer:
@@ -122,7 +117,8 @@ class Reclaimer:
     An entry delivered before may be what killed its worker: it runs alone, and the next is
     claimed only once it is answered, so that a crash takes no other reclaimed entry down
     with it. Entries handed back unstarted (delivered once) join the batches; entries
-    delivered more than ``max_deliveries`` times are dead-lettered.
+    delivered more than ``max_deliveries`` times are dead-lettered. It takes entries over
+    only while the ``entrance`` (the serving path) is open, and hands them to it.
     """
 
     def __init__(
@@ -131,28 +127,24 @@ class Reclaimer:
         *,
         claim_idle_ms: int,
         max_deliveries: int,
-        serving: Callable[[], bool],
-        accept: Accept,
-        refuse: Refuse,
+        entrance: Entrance,
         counts: Counter[str],
     ) -> None:
         self._redis, self._streams, self._worker_id = claims.redis, claims.streams, claims.worker_id
         self._claims = claims
         self._claim_idle_ms = claim_idle_ms
         self._max_deliveries = max_deliveries
-        self._serving = serving
-        self._accept = accept
-        self._refuse = refuse
+        self._entrance = entrance
         self._counts = counts
 
     async def step(self) -> None:
-        if not self._serving() or not await self._anything_idle():
+        if not self._entrance.open or not await self._anything_idle():
             return
         taken = 0
         for sidx in reversed(range(len(self._streams))):  # highest priority first
             stream = self._streams[sidx]
             cursor: Any = "0-0"
-            while self._serving():
+            while self._entrance.open:
                 response = await self._redis.xautoclaim(
                     stream, GROUP, self._worker_id, self._claim_idle_ms, cursor, count=1
                 )
@@ -188,17 +180,17 @@ class Reclaimer:
             reason = (
                 f"delivered {times} times without an answer (max_deliveries={self._max_deliveries})"
             )
-            self._refuse(sidx, entry, raw, "MaxDeliveries", reason)
+            self._entrance.refuse(sidx, entry, raw, "MaxDeliveries", reason)
             return
         if times <= 1:
-            await self._accept([(sidx, entry, raw)])
+            await self._entrance.accept([(sidx, entry, raw)])
             return
         self._claims.deliveries[entry] = times
-        await self._accept([(sidx, entry, raw)], alone=True)
+        await self._entrance.accept([(sidx, entry, raw)], alone=True)
         settled = self._claims.settled
         while True:
             settled.clear()
-            if not self._claims.holds(sidx, entry) or not self._serving():
+            if not self._claims.holds(sidx, entry) or not self._entrance.open:
                 break
             with contextlib.suppress(asyncio.TimeoutError):  # re-check serving now and then
                 await asyncio.wait_for(settled.wait(), self._claim_idle_ms / 1e3)
@@ -303,13 +295,14 @@ class Upkeep:
         guard: the worker's model calls (their bound, whether one hung).
         settings: the worker's settings (and the queue's keys).
         metrics: the worker's metrics.
-        batcher: the worker's model batcher (its statistics to the metrics).
+        executor: the worker's main executor (its statistics to the heartbeat and metrics).
         counts: the worker's answers by status (the reclaimer adds ``reclaimed``).
-        serving: whether the worker reads and reclaims (neither stopping nor hung, and no
-            model call running long).
-        accept: takes reclaimed entries in (see :class:`Reclaimer`).
-        refuse: dead-letters one entry.
-        stats: the worker's statistics, as the heartbeat publishes them.
+        entrance: the serving path: whether the worker reads and reclaims (neither stopping
+            nor hung, and no model call running long), where reclaimed entries go in (see
+            :class:`Reclaimer`) and what it prepared.
+        model_name: the model's name in the statistics.
+        release_slow: hand back the read-ahead of a model call that runs long (a generation
+            worker keeps its few).
     """
 
     def __init__(
@@ -319,25 +312,28 @@ class Upkeep:
         settings: WorkerSettings,
         metrics: Metrics,
         *,
-        batcher: Executor,
+        executor: Executor,
         counts: Counter[str],
-        serving: Callable[[], bool],
-        accept: Accept,
-        refuse: Refuse,
-        stats: Callable[[], dict[str, Any]],
+        entrance: Entrance,
+        model_name: str,
+        release_slow: bool = True,
     ) -> None:
         s = settings
-        self._hung = guard.hung
+        self._claims, self._guard, self._executor = claims, guard, executor
+        self._counts, self._entrance, self._model_name = counts, entrance, model_name
+        self._release_slow = release_slow
         self._period_s = s.claim_idle_ms / 3e3
         self._reclaim_s = min(self._period_s, RECLAIM_EVERY_S)
-        self.janitor = Janitor(claims, guard, consumer_idle_ms=s.consumer_idle_ms, serving=serving)
+        #: Hand-backs of read-ahead under way (a model call ran long).
+        self.handing_back: set[asyncio.Future[None]] = set()
+        self.janitor = Janitor(
+            claims, guard, consumer_idle_ms=s.consumer_idle_ms, entrance=entrance
+        )
         self.reclaimer = Reclaimer(
             claims,
             claim_idle_ms=s.claim_idle_ms,
             max_deliveries=s.max_deliveries,
-            serving=serving,
-            accept=accept,
-            refuse=refuse,
+            entrance=entrance,
             counts=counts,
         )
         self.watchdog = Watchdog(guard, worker_id=claims.worker_id, metrics=metrics)
@@ -346,10 +342,31 @@ class Upkeep:
             s.keys,
             claims.worker_id,
             period_s=s.heartbeat_s,
-            stats=stats,
-            batcher=batcher,
+            stats=self.stats,
+            batcher=executor,
             metrics=metrics,
         )
+
+    def stats(self) -> dict[str, Any]:
+        """The worker's statistics, as the heartbeat publishes them (:func:`snapshot`)."""
+        return snapshot(
+            worker_id=self._claims.worker_id,
+            model_name=self._model_name,
+            counts=self._counts,
+            stats=self._executor.stats,
+            prepare=self._entrance.prepare_stats(),
+            max_batch_ms=self._guard.bound.limit_s() * 1e3,
+        )
+
+    def on_slow(self, call: Stamp) -> None:
+        """A model call runs long (on the loop, from the watchdog): its read-ahead goes back
+        (:meth:`Guard.release <batchline.worker.shared._guard.Guard.release>`)."""
+        if not self._entrance.open or not self._release_slow:
+            return
+        task = self._guard.release(call)
+        if task is not None:
+            self.handing_back.add(task)
+            task.add_done_callback(self.handing_back.discard)
 
     def jobs(self, closing: Callable[[], bool]) -> dict[str, Coroutine[Any, Any, None]]:
         """The janitor, reclaimer and heartbeat loops, by name, to run until ``closing()``
@@ -357,5 +374,7 @@ class Upkeep:
         return {
             "janitor": every(self._period_s, "janitor", self.janitor.step, closing),
             "reclaimer": every(self._reclaim_s, "reclaimer", self.reclaimer.step, closing),
-            "heartbeat": self.heartbeat.run(lambda: not closing() and not self._hung.is_set()),
+            "heartbeat": self.heartbeat.run(
+                lambda: not closing() and not self._guard.hung.is_set()
+            ),
         }

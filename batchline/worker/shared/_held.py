@@ -1,6 +1,8 @@
-"""The entries a worker holds: read from a work stream (so pending, its claim) and not yet
-answered, and the calls made of them. The janitor keeps them alive; a hung worker hands them
-back, and one whose model call runs long hands back those it has not started."""
+"""What a worker holds: the entries it read from a work stream (so pending, its claim) and
+has not yet answered (:class:`Claims`), what it keeps of each request while it runs
+(:class:`Meta`, by the call made of it), and the :class:`Record` that answers an entry. The
+janitor keeps the claims alive; a hung worker hands them back, and one whose model call runs
+long hands back those it has not started."""
 
 from __future__ import annotations
 
@@ -9,18 +11,71 @@ import logging
 import threading
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
+from batchline.codec import Request
 from batchline.drivers._base import Call
 from batchline.keys import GROUP
 from batchline.tracing import handed_back
 from batchline.transport._errors import ignoring_redis_failures
+from batchline.transport._once import input_hash
 from batchline.transport._redis import RedisClient
-from batchline.worker.serving._answers import Meta, Record
 
-__all__ = ["Claims", "Taken"]
+__all__ = ["Claims", "Entry", "Meta", "Record", "Taken"]
 
 logger = logging.getLogger(__name__)
+
+#: One entry read: stream index, entry id, fields (None: deleted while pending).
+Entry = tuple[int, bytes, dict[bytes, bytes] | None]
+
+
+@dataclass(slots=True)
+class Meta:
+    """What the worker keeps of one request while the core batches its items."""
+
+    sidx: int
+    entry: bytes
+    request: Request
+    value: Any
+    read_unix: float
+    started_unix: float = 0.0
+    batch_size: int = 0
+    #: Tokens of its input, where the model counts them (``counts_tokens``): the result's tok.
+    tokens: int = 0
+    _ih: str = field(default="", repr=False)
+    span: Any = field(default=None, repr=False)  # its process span, tracing on (.tracing)
+
+    def input_hash(self) -> str:
+        """The input hash of this request (``ih``, docs/protocol.md), computed once: its
+        result and any chunks streamed to its producer carry it."""
+        if not self._ih:
+            self._ih = input_hash(self.request["meta"], self.request.get("blob", b""))
+        return self._ih
+
+
+@dataclass(slots=True)
+class Record:
+    """One stream entry to answer: its result (flat fields), reply address and dead letter.
+
+    ``status`` is the result's status, ``dead`` for a dead letter without a result, or
+    ``acknowledged`` for an entry answered with neither."""
+
+    sidx: int
+    entry: bytes
+    status: str = "acknowledged"
+    result: bytes | None = None  # the packed result (codec.pack_result)
+    request_id: str | None = None
+    reply: str | None = None
+    dead: list[Any] | None = field(default=None)
+    # Answers computed once (serving/_cache.py): for an entry the enqueue script gave a cache
+    # hash (its ck), that hash and the input hash computed here; empty otherwise.
+    cache_hash: str = ""
+    input_hash: str = ""
+    # Cut short (cancelled, expired, a generation ended by a cancel or its deadline): never
+    # cached nor given to requests coalesced onto it, and a resubmit of its id runs again.
+    cut: bool = False
+
 
 #: Entries taken back from a worker, by (stream index, the delivery count to give them: None
 #: keeps it).

@@ -1,0 +1,198 @@
+"""A worker's parts, built once: :func:`assemble` returns them as one frozen :class:`Parts`,
+which the :class:`~batchline.worker.Worker` then runs and stops. Each part is handed the
+others it works with here, and nothing calls back into the worker: the serving path
+(:class:`~batchline.worker.serving._serving.Serving`) owns a request's way, and the reader
+and the upkeep reach it as their :class:`~batchline.worker.shared._roles.Entrance`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from batchline.config import WorkerSettings
+from batchline.tracing import worker as worker_trace
+from batchline.transport import RedisArgument, RedisClient, as_client, connect, dedicated, pinned
+from batchline.transport._cancels import CancelLog, CancelTrim
+from batchline.transport._replication import Replication
+from batchline.worker.metrics import Metrics
+from batchline.worker.models import Model, load_model
+from batchline.worker.serving._admitter import Admitter
+from batchline.worker.serving._cache import AnswerCache
+from batchline.worker.serving._chunk_writer import ChunkWriter
+from batchline.worker.serving._executors import Executors, build
+from batchline.worker.serving._facts import ModelFacts
+from batchline.worker.serving._generation_executor import GenerationExecutor
+from batchline.worker.serving._intake import Preparer
+from batchline.worker.serving._reader import ReadCap, Reader
+from batchline.worker.serving._serving import Serving
+from batchline.worker.serving._starts import Starts
+from batchline.worker.serving._writer import AnswerWriter
+from batchline.worker.shared._guard import Guard
+from batchline.worker.shared._held import Claims
+from batchline.worker.upkeep._upkeep import Upkeep
+
+if TYPE_CHECKING:
+    from batchline.tracing._otel import WorkerTrace
+
+__all__ = ["Parts", "assemble"]
+
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """What one worker runs, built once by :func:`assemble`."""
+
+    settings: WorkerSettings
+    model: Model
+    model_name: str  # in its statistics and log lines
+    worker_id: str
+    redis: RedisClient  # the worker's client
+    own_client: bool  # made from the settings (closed with the worker)
+    writer_client: RedisClient  # the writer's own connection
+    admit_client: RedisClient  # the admitter's (it blocks on the inbox)
+    counts: Counter[str]  # answers by status
+    trace: WorkerTrace | None  # its spans (None: tracing off)
+    metrics: Metrics
+    claims: Claims
+    guard: Guard
+    cancels: CancelLog
+    cancel_trim: CancelTrim
+    space: asyncio.Event  # set when the reader may have room again
+    executors: Executors
+    generation: GenerationExecutor | None  # the main executor, for a generation model
+    prep: Preparer
+    readcap: ReadCap
+    cache: AnswerCache
+    facts: ModelFacts
+    answers: AnswerWriter
+    chunks: ChunkWriter
+    serving: Serving
+    reader: Reader
+    admitter: Admitter
+    upkeep: Upkeep
+
+    def owned_clients(self) -> list[RedisClient]:
+        """The connections the worker made itself (closed as it stops)."""
+        own = [c for c in (self.writer_client, self.admit_client) if c is not self.redis]
+        return [*own, self.redis] if self.own_client else own
+
+
+def assemble(
+    settings: WorkerSettings,
+    model: Model | None,
+    *,
+    worker_id: str,
+    threads: int,
+    redis: RedisArgument | None = None,
+) -> Parts:
+    """Build a worker's parts: ``model`` (None: the one the settings name, not loaded yet),
+    served on ``threads`` CPU threads; ``redis``: a client instead of one made from the
+    settings."""
+    s = settings
+    given = model
+    if model is None:
+        model = load_model(
+            s.model,
+            path=s.model_path,
+            device=s.device,
+            dtype=s.dtype,
+            backend=s.backend,
+            threads=threads,
+            calibration=s.calibration,
+        )
+    keys = s.keys
+    own_client = redis is None
+    client = connect(s) if redis is None else as_client(redis)
+    # The writer task's own connection (durability replicated on a cluster: to the node of
+    # the queue, where WAIT counts the writes made before it).
+    writer_client = (
+        pinned(client, keys.stream(0)) if s.durability == "replicated" else dedicated(client)
+    )
+    model_name = type(given).__name__ if given is not None else s.model
+    counts: Counter[str] = Counter()
+    trace = worker_trace(keys.queue, worker_id, model_name, counts)
+    metrics = Metrics(s.metrics_port)
+    claims = Claims(client, keys.streams_low_first, worker_id)
+    guard = Guard(s, claims, workers_key=keys.workers, redis=client, own=own_client)
+    cancels = CancelLog(s.result_ttl_s, max_ids=s.cancel_max_ids, max_bytes=s.cancel_max_bytes)
+    space = asyncio.Event()
+    starts = Starts(claims, cancels, space, trace=trace)
+    executors = build(model, s, guard=guard, starts=starts)
+    generation = executors.main if isinstance(executors.main, GenerationExecutor) else None
+    limits = s.limits()
+    prep = Preparer(model, limits, worker_id, threads=s.prep_threads)
+    readcap = ReadCap.within(limits, max_read_bytes=s.max_read_bytes)
+    cache = AnswerCache(s, given)
+    answers = AnswerWriter(
+        writer_client,
+        keys,
+        result_ttl_s=s.result_ttl_s,
+        claims=claims,
+        cache=cache,
+        replication=Replication.of(s),
+    )
+    chunks = ChunkWriter(
+        client,
+        keys,
+        ttl_s=s.result_ttl_s,
+        max_unread_s=s.stream_max_unread_s,
+        cancel=cancels.add,  # on this worker alone: its producer is gone
+    )
+    serving = Serving(
+        model,
+        worker_id,
+        claims=claims,
+        guard=guard,
+        readcap=readcap,
+        prep=prep,
+        executors=executors,
+        answers=answers,
+        chunks=chunks,
+        space=space,
+        counts=counts,
+        metrics=metrics,
+        trace=trace,
+    )
+    admit_client = dedicated(client)  # it blocks on the inbox
+    return Parts(
+        settings=s,
+        model=model,
+        model_name=model_name,
+        worker_id=worker_id,
+        redis=client,
+        own_client=own_client,
+        writer_client=writer_client,
+        admit_client=admit_client,
+        counts=counts,
+        trace=trace,
+        metrics=metrics,
+        claims=claims,
+        guard=guard,
+        cancels=cancels,
+        cancel_trim=CancelTrim(client, keys, s.result_ttl_s),
+        space=space,
+        executors=executors,
+        generation=generation,
+        prep=prep,
+        readcap=readcap,
+        cache=cache,
+        facts=ModelFacts(s),
+        answers=answers,
+        chunks=chunks,
+        serving=serving,
+        reader=Reader(client, keys.streams_low_first, worker_id, readcap, serving),
+        admitter=Admitter(admit_client, s, worker_id=worker_id),
+        upkeep=Upkeep(
+            claims,
+            guard,
+            s,
+            metrics,
+            executor=executors.main,
+            counts=counts,
+            entrance=serving,
+            model_name=model_name,
+            release_slow=generation is None,
+        ),
+    )
