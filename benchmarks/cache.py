@@ -82,7 +82,7 @@ def measure(
     import redis
 
     from batchline.keys import QueueKeys
-    from batchline.transport._once import once_figures
+    from batchline.transport import once_figures
 
     queue = f"{'cache' if cache else 'plain'}-{rep}"
     ttl = 600 if cache else 0
@@ -119,7 +119,7 @@ def enqueue_cost(url: str, calls: int) -> dict[str, float]:
 
     from batchline.codec import encode_request
     from batchline.keys import QueueKeys
-    from batchline.transport._scripts import ENQUEUE
+    from batchline.transport import ENQUEUE
 
     client = redis.Redis.from_url(url)
     sha = client.script_load(ENQUEUE)

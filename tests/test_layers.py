@@ -165,3 +165,17 @@ def test_the_cycle_check_finds_a_circle() -> None:
 def test_the_wire_modules_do_no_redis_io() -> None:
     for module in sorted(m for m in MODULES if _part(m) in ("keys", "codec", "acl")):
         assert not any(m.startswith("redis") for m in _imports(module, MODULES[module])), module
+
+
+def test_other_parts_reach_the_transport_through_its_face() -> None:
+    # batchline.transport exports what the producer, the worker, contrib and the CLI use;
+    # only its public submodule (status) may be named besides.
+    graph = _graph()
+    private = {
+        (module, m)
+        for module, imported in graph.items()
+        if _part(module) != "transport"
+        for m in imported
+        if m.startswith("batchline.transport._")
+    }
+    assert private == set(), f"imports of the transport's private modules: {sorted(private)}"

@@ -119,8 +119,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``batchline`` command and ``python -m batchline``."""
-    from batchline.transport._event_loop import EXIT_INTERRUPTED
-    from batchline.transport._redis import RedisUnreachable
+    from batchline.transport import EXIT_INTERRUPTED, RedisUnreachable
 
     try:
         args = _parsers()[0].parse_args(argv)

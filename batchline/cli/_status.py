@@ -29,7 +29,7 @@ def _status(args: argparse.Namespace) -> int:
     settings = status_settings(args)
 
     async def run() -> dict[str, Any]:
-        from batchline.transport._redis import connect, wait_for_redis
+        from batchline.transport import connect, wait_for_redis
         from batchline.transport.status import collect
 
         client = connect(settings)

@@ -81,7 +81,7 @@ def _worker(args: argparse.Namespace) -> int:
 async def _check(settings: Any, max_age_s: float | None) -> int:
     """Health check: a worker of this host (or ``worker_id``) sent a heartbeat lately."""
     from batchline.keys import host_id
-    from batchline.transport._redis import connect
+    from batchline.transport import connect
     from batchline.transport.status import LIVE_WITHIN_S
 
     max_age_s = LIVE_WITHIN_S if max_age_s is None else max_age_s

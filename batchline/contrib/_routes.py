@@ -36,9 +36,7 @@ from batchline.errors import BatcherClosed, BatchlineError, QueueFull, RequestTi
 from batchline.keys import ID_PATTERN, MAX_ID_CHARS
 from batchline.producer import AsyncProducer, Handle
 from batchline.producer._outcomes import cached_result
-from batchline.transport._admission import Admission
-from batchline.transport._errors import REDIS_FAILURES
-from batchline.transport._redis import RedisClient, connect
+from batchline.transport import REDIS_FAILURES, Admission, RedisClient, connect
 
 __all__ = [
     "MAX_TEXTS",

@@ -15,7 +15,7 @@ import uuid
 from typing import Any
 
 from batchline.demo.service import serve_and_drive
-from batchline.transport._event_loop import EXIT_INTERRUPTED
+from batchline.transport import EXIT_INTERRUPTED
 
 __all__ = ["PROMPTS", "run_generate_demo"]
 

@@ -38,7 +38,7 @@ from batchline.demo.embedded import EmbeddedRedis
 from batchline.demo.load import open_loop
 from batchline.demo.sentences import labelled_sentences
 from batchline.drivers._options import DEFAULTS
-from batchline.transport._event_loop import EXIT_INTERRUPTED
+from batchline.transport import EXIT_INTERRUPTED
 from batchline.worker._supervisor import die_with_parent
 
 __all__ = ["run_service_demo"]
@@ -170,7 +170,7 @@ async def forget(url: str, queue: str) -> None:
     from pydantic import SecretStr
 
     from batchline.config import ServiceSettings
-    from batchline.transport._redis import connect
+    from batchline.transport import connect
 
     settings = ServiceSettings(redis_url=SecretStr(url), queue=queue)
     client = connect(settings)
@@ -430,8 +430,7 @@ async def _load_functions(url: str, queue: str) -> bool:
     from pydantic import SecretStr
 
     from batchline.config import ServiceSettings
-    from batchline.transport._functions import load_library
-    from batchline.transport._redis import connect
+    from batchline.transport import connect, load_library
 
     settings = ServiceSettings(redis_url=SecretStr(url), queue=queue)
     client = connect(settings)

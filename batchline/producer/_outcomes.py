@@ -15,8 +15,7 @@ from typing import Any
 from batchline.codec import DecodeError, Limits, Result, unpack_result
 from batchline.errors import RequestIdConflict
 from batchline.keys import QueueKeys
-from batchline.transport._once import input_hash
-from batchline.transport._redis import RedisClient
+from batchline.transport import RedisClient, input_hash
 
 __all__ = ["OUTCOMES", "Answered", "cached_result", "check_input", "outcome_of", "sent_input"]
 

@@ -25,9 +25,7 @@ from typing import Any, TypeVar
 from batchline.codec import Result
 from batchline.codec._chunks import Chunk, check_logprobs, unpack_chunks
 from batchline.errors import DecodeError, InferenceError, StreamDiverged
-from batchline.transport._admission import Admission
-from batchline.transport._errors import redis_failure
-from batchline.transport._redis import RedisClient
+from batchline.transport import Admission, RedisClient, redis_failure
 
 __all__ = ["StreamChunk", "StreamState", "Streams", "quiet_cancel"]
 

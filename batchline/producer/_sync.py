@@ -15,7 +15,7 @@ from batchline.codec import Result
 from batchline.config import ProducerSettings
 from batchline.producer._async import AsyncProducer, EnqueueOptions, Handle, SubmitOptions
 from batchline.producer._stream import StreamChunk
-from batchline.transport._event_loop import loop_factory
+from batchline.transport import loop_factory
 
 __all__ = ["Producer"]
 

@@ -19,8 +19,7 @@ from collections.abc import Collection
 
 from batchline.keys import QueueKeys
 from batchline.producer._failures import live_workers, no_worker_hint
-from batchline.transport._errors import redis_failure
-from batchline.transport._redis import RedisClient
+from batchline.transport import RedisClient, redis_failure
 
 __all__ = ["NoWorkerWatch"]
 

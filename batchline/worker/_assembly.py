@@ -14,9 +14,17 @@ from typing import TYPE_CHECKING
 
 from batchline.config import WorkerSettings
 from batchline.tracing import worker as worker_trace
-from batchline.transport import RedisArgument, RedisClient, as_client, connect, dedicated, pinned
-from batchline.transport._cancels import CancelLog, CancelTrim
-from batchline.transport._replication import Replication
+from batchline.transport import (
+    CancelLog,
+    CancelTrim,
+    RedisArgument,
+    RedisClient,
+    Replication,
+    as_client,
+    connect,
+    dedicated,
+    pinned,
+)
 from batchline.worker.metrics import Metrics
 from batchline.worker.models import Model, load_model
 from batchline.worker.serving._admitter import Admitter

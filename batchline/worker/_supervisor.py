@@ -45,7 +45,7 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
-from batchline.transport._event_loop import EXIT_INTERRUPTED
+from batchline.transport import EXIT_INTERRUPTED
 
 __all__ = ["BOUND_FLAG", "CHILD_FLAG", "die_with_parent", "report_ready", "supervise"]
 

@@ -47,9 +47,7 @@ from batchline.config import WorkerSettings, redact_url
 from batchline.errors import WorkerHung
 from batchline.keys import check_name, host_id
 from batchline.tracing import flush as flush_spans
-from batchline.transport import RedisArgument, wait_for_redis
-from batchline.transport._errors import ignoring_redis_failures
-from batchline.transport._functions import load_library
+from batchline.transport import RedisArgument, ignoring_redis_failures, load_library, wait_for_redis
 from batchline.worker._assembly import assemble
 from batchline.worker._cpu_threads import apply_threads, available_cpus, prepare_environment
 from batchline.worker._ready import ready_line

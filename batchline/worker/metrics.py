@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from batchline.core.stats import BatchStats
-from batchline.transport._once import ONCE_COUNTERS
+from batchline.transport import ONCE_COUNTERS
 
 __all__ = ["Metrics"]
 

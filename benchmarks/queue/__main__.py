@@ -224,7 +224,7 @@ def config(args: argparse.Namespace) -> Config:
 
 def loop_in_use() -> str:
     """The event loop the children pick (BATCHLINE_EVENT_LOOP, batchline.transport._event_loop)."""
-    from batchline.transport._event_loop import loop_factory
+    from batchline.transport import loop_factory
 
     name = os.environ.get("BATCHLINE_EVENT_LOOP", "auto")
     factory = loop_factory(name)

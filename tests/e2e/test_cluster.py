@@ -236,7 +236,7 @@ async def test_the_cluster_client_routes_fcall_and_xreadgroup_from_their_argumen
     from redis.asyncio.cluster import RedisCluster as AsyncCluster
 
     from batchline.config import ServiceSettings
-    from batchline.transport._redis import connect
+    from batchline.transport import connect
 
     client = connect(ServiceSettings(redis_url=cluster_url, redis_cluster=True))
     asked: list[tuple[object, ...]] = []

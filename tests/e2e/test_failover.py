@@ -20,7 +20,7 @@ import pytest
 from batchline.config import ProducerSettings
 from batchline.errors import NotReplicated
 from batchline.producer import AsyncProducer
-from batchline.transport._redis import RedisUnreachable, connect, wait_for_redis
+from batchline.transport import RedisUnreachable, connect, wait_for_redis
 
 from tests.support.replicated import ReplicatedRedis, available
 from tests.support.service import WorkerThread

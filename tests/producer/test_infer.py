@@ -32,7 +32,7 @@ from batchline.errors import (
 from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer
 from batchline.producer._replies import Waiters
-from batchline.transport._redis import Backoff
+from batchline.transport import Backoff
 
 from tests.support.models_for_tests import GatedModel
 from tests.support.replies_by_hand import eventually, flat, producer, push_reply

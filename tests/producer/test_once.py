@@ -18,7 +18,7 @@ from batchline.config import WorkerSettings
 from batchline.errors import QueueFull, RequestIdConflict
 from batchline.keys import GROUP, QueueKeys
 from batchline.producer import AsyncProducer
-from batchline.transport._once import cache_hash, input_hash
+from batchline.transport import cache_hash, input_hash
 from batchline.transport.status import collect, render
 from batchline.worker.serving._answers import answer
 from batchline.worker.serving._cache import AnswerCache

@@ -35,9 +35,7 @@ from batchline.codec import (
 from batchline.errors import InferenceError, RequestTimeout
 from batchline.keys import GROUP, QueueKeys
 from batchline.producer import AsyncProducer
-from batchline.transport._once import input_hash
-from batchline.transport._redis import Script
-from batchline.transport._scripts import COMPLETE
+from batchline.transport import COMPLETE, Script, input_hash
 
 from tests.support.replies_by_hand import eventually, flat, producer, push_reply
 from tests.support.service import (

@@ -45,7 +45,7 @@ from batchline.config import WorkerSettings
 from batchline.demo.embedded import newest_redis_server
 from batchline.keys import GROUP, QueueKeys
 from batchline.producer import AsyncProducer
-from batchline.transport._functions import LIBRARY
+from batchline.transport import LIBRARY
 from batchline.worker import Worker
 from batchline.worker.serving._admitter import Admitter
 

@@ -15,7 +15,7 @@ import redis
 from batchline.errors import ServiceUnavailable
 from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer
-from batchline.transport._functions import LIBRARY
+from batchline.transport import LIBRARY
 
 from tests.support.service import RESULT_TIMEOUT_S, WorkerThread, admit_inbox, admitted, wait_until
 

@@ -24,7 +24,7 @@ from redis.asyncio import Redis as AsyncRedis
 from batchline.errors import RequestCancelled
 from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer
-from batchline.transport._admission import Admission
+from batchline.transport import Admission
 from batchline.transport._cancels import (
     CANCELS_MAXLEN,
     ID_OVERHEAD_BYTES,

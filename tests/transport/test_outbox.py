@@ -12,8 +12,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from batchline.transport._outbox import Outbox
-from batchline.transport._redis import Backoff
+from batchline.transport import Backoff, Outbox
 
 
 class Writes:

@@ -22,9 +22,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from batchline.errors import ServiceUnavailable
 from batchline.producer._failures import refused
-from batchline.transport import _errors
-from batchline.transport._errors import (
+from batchline.transport import (
     RedisLibraryError,
+    _errors,
     ignoring_redis_failures,
     passing,
     passing_code,

@@ -20,9 +20,7 @@ from batchline.codec import Limits, decode_result, pack_value, unpack_result
 from batchline.errors import QueueFull, RequestIdConflict
 from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer
-from batchline.transport._admission import job_note
-from batchline.transport._functions import JOB
-from batchline.transport._once import input_hash
+from batchline.transport import JOB, input_hash, job_note
 
 from tests.support.service import (
     RESULT_TIMEOUT_S,

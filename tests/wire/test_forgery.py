@@ -25,7 +25,7 @@ from batchline.acl import ROLES, acl_setuser
 from batchline.codec import pack_value
 from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer, Handle, Producer
-from batchline.transport._once import cache_hash, input_hash
+from batchline.transport import cache_hash, input_hash
 
 from tests.support.models_for_tests import GatedModel
 from tests.support.protocol_doc import doc_block

@@ -27,8 +27,7 @@ import redis
 
 from batchline.config import ProducerSettings, WorkerSettings
 from batchline.keys import QueueKeys
-from batchline.transport._functions import TAG
-from batchline.transport._scripts import COMPLETE, ENQUEUE
+from batchline.transport import COMPLETE, ENQUEUE, TAG
 from batchline.worker import load_model
 
 from tests.support.protocol_doc import DOC, acl_denials, doc_block

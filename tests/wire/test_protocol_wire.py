@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from batchline.keys import QueueKeys
-from batchline.transport._scripts import ENQUEUE
+from batchline.transport import ENQUEUE
 
 from tests.support.models_for_tests import GatedModel
 from tests.support.protocol_entries import HUGE_MS, T, V, entry

@@ -200,7 +200,7 @@ def test_the_model_logs_its_kv_budget_and_takes_the_workers_prefill_chunk(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     from batchline.config import WorkerSettings
-    from batchline.transport._cancels import CancelLog
+    from batchline.transport import CancelLog
     from batchline.worker.serving._generation_executor import GenerationExecutor, GenerationModel
     from batchline.worker.serving._starts import Starts
     from batchline.worker.shared._guard import Guard

@@ -23,7 +23,7 @@ from batchline.contrib.batches._run import BatchRun, DriverOptions, LeaseLost, R
 from batchline.contrib.openai import OpenAIRoutes
 from batchline.errors import BatchlineError
 from batchline.keys import BatchApiKeys, host_id
-from batchline.transport._redis import RedisClient
+from batchline.transport import RedisClient
 
 __all__ = ["BatchDriver"]
 

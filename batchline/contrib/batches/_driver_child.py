@@ -18,7 +18,7 @@ from batchline.contrib.batches._files import FileStore
 from batchline.contrib.batches._run import DriverOptions
 from batchline.contrib.openai import OpenAIRoutes
 from batchline.keys import BatchApiKeys
-from batchline.transport._redis import connect
+from batchline.transport import connect
 
 __all__ = ["main"]
 

@@ -31,7 +31,7 @@ from batchline.contrib.batches._multipart import MultipartError, boundary
 from batchline.contrib.batches._uploads import CHUNK_LINES, FormReader, UploadBudget, UploadLoop
 from batchline.contrib.openai import OpenAIError
 from batchline.keys import ID_PATTERN, BatchApiKeys
-from batchline.transport._redis import RedisClient
+from batchline.transport import RedisClient
 
 __all__ = ["CHUNK_LINES", "FileStore", "not_found"]
 

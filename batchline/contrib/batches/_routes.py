@@ -33,7 +33,7 @@ from batchline.contrib.batches._run import DriverOptions
 from batchline.contrib.batches._uploads import UploadLoop
 from batchline.contrib.openai import OpenAIError, OpenAIRoutes
 from batchline.keys import ID_PATTERN, BatchApiKeys
-from batchline.transport._redis import RedisClient, connect
+from batchline.transport import RedisClient, connect
 
 __all__ = ["BatchApi", "batch_object"]
 

@@ -56,7 +56,7 @@ from batchline.errors import (
 )
 from batchline.keys import BatchApiKeys
 from batchline.producer import AsyncProducer, Result
-from batchline.transport._redis import RedisClient
+from batchline.transport import RedisClient
 
 __all__ = ["BatchRun", "DriverOptions", "LeaseLost", "RoutedLine", "RunContext", "route_line"]
 

@@ -24,7 +24,7 @@ from batchline.config import ServiceSettings
 from batchline.contrib.batches._lines import FileScan
 from batchline.contrib.batches._multipart import END, MultipartError, MultipartReader, PartStart
 from batchline.contrib.openai import OpenAIError
-from batchline.transport._redis import RedisClient, connect
+from batchline.transport import RedisClient, connect
 
 __all__ = ["CHUNK_LINES", "FormReader", "UploadBudget", "UploadLoop"]
 

@@ -13,7 +13,7 @@ import numpy as np
 from batchline.codec import unit_rows
 from batchline.contrib.openai._errors import OpenAIError
 from batchline.keys import QueueKeys
-from batchline.transport._redis import RedisClient
+from batchline.transport import RedisClient
 
 __all__ = ["card", "check_dimensions", "read_facts", "truncated"]
 

@@ -67,7 +67,7 @@ from batchline.contrib.openai._stream import (
 )
 from batchline.errors import BadGenerationParams, BatchlineError
 from batchline.producer import AsyncProducer, Handle, Result
-from batchline.transport._redis import RedisClient, connect
+from batchline.transport import RedisClient, connect
 
 __all__ = ["OpenAIRoutes", "Served", "checked"]
 

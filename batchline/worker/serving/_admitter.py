@@ -30,11 +30,16 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from batchline.config import WorkerSettings
-from batchline.transport._cancels import CANCELS_MAXLEN
-from batchline.transport._errors import redis_failure
-from batchline.transport._functions import ADMIT, function_missing, load_library
-from batchline.transport._once import once_keys
-from batchline.transport._redis import Backoff, RedisClient
+from batchline.transport import (
+    ADMIT,
+    CANCELS_MAXLEN,
+    Backoff,
+    RedisClient,
+    function_missing,
+    load_library,
+    once_keys,
+    redis_failure,
+)
 from batchline.worker.serving._reader import ReadCap
 from batchline.worker.serving._writer import DEAD_MAXLEN, REPLY_MAXLEN
 

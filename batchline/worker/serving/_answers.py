@@ -15,7 +15,7 @@ from batchline.codec._results import result_fields
 from batchline.drivers._base import Call
 from batchline.errors import RequestCancelled, RequestTimeout
 from batchline.tracing import log_extra
-from batchline.transport._once import input_hash
+from batchline.transport import input_hash
 from batchline.worker.models import Model, Prepared
 from batchline.worker.shared._held import Meta, Record
 

@@ -18,9 +18,7 @@ import logging
 import math
 
 from batchline.config import WorkerSettings
-from batchline.transport._errors import redis_failure
-from batchline.transport._once import cache_hash, once_figures
-from batchline.transport._redis import RedisClient
+from batchline.transport import RedisClient, cache_hash, once_figures, redis_failure
 from batchline.worker.metrics import Metrics
 from batchline.worker.shared._held import Record
 

@@ -26,9 +26,7 @@ from collections.abc import Callable
 
 from batchline.codec._chunks import Chunk, merge_chunks, pack_chunks
 from batchline.keys import QueueKeys
-from batchline.transport._errors import redis_failure
-from batchline.transport._outbox import Outbox
-from batchline.transport._redis import RedisClient
+from batchline.transport import Outbox, RedisClient, redis_failure
 from batchline.worker.serving._writer import REPLY_MAXLEN
 
 __all__ = ["ChunkWriter"]

@@ -14,8 +14,7 @@ import math
 from typing import Any
 
 from batchline.config import WorkerSettings
-from batchline.transport._errors import redis_failure
-from batchline.transport._redis import RedisClient
+from batchline.transport import RedisClient, redis_failure
 from batchline.worker.models._tokenize import token_ops
 
 __all__ = ["ModelFacts", "model_facts"]

@@ -27,8 +27,7 @@ from redis.exceptions import ResponseError
 
 from batchline.codec import Limits
 from batchline.keys import GROUP
-from batchline.transport._errors import passing, redis_failure
-from batchline.transport._redis import Backoff, RedisClient, own_connection
+from batchline.transport import Backoff, RedisClient, own_connection, passing, redis_failure
 from batchline.worker.shared._consumers import ensure_groups
 from batchline.worker.shared._held import Entry
 from batchline.worker.shared._roles import Entrance

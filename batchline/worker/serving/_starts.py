@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from batchline.drivers._base import Call, Item
 from batchline.errors import RequestCancelled
-from batchline.transport._cancels import CancelLog
+from batchline.transport import CancelLog
 from batchline.worker.shared._held import Claims
 
 if TYPE_CHECKING:

@@ -17,11 +17,15 @@ from typing import Any
 import msgpack
 
 from batchline.keys import GROUP, QueueKeys
-from batchline.transport._errors import redis_failure
-from batchline.transport._outbox import Outbox
-from batchline.transport._redis import Backoff, RedisClient, Script
-from batchline.transport._replication import Replication
-from batchline.transport._scripts import COMPLETE
+from batchline.transport import (
+    COMPLETE,
+    Backoff,
+    Outbox,
+    RedisClient,
+    Replication,
+    Script,
+    redis_failure,
+)
 from batchline.worker.serving._cache import AnswerCache
 from batchline.worker.shared._held import Claims, Record
 

@@ -16,7 +16,7 @@ import logging
 from redis.exceptions import ResponseError
 
 from batchline.keys import GROUP
-from batchline.transport._redis import RedisClient, Script
+from batchline.transport import RedisClient, Script
 
 __all__ = ["PRUNE", "ensure_groups", "prune_consumers"]
 

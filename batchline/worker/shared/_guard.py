@@ -52,8 +52,14 @@ from typing import Any, Literal, TypeVar
 from redis.asyncio import ConnectionPool, Redis
 
 from batchline.config import WorkerSettings
-from batchline.transport import POOL_NO_CLIENT_INFO, RedisClient, as_client, connect, single_node
-from batchline.transport._errors import ignoring_redis_failures
+from batchline.transport import (
+    POOL_NO_CLIENT_INFO,
+    RedisClient,
+    as_client,
+    connect,
+    ignoring_redis_failures,
+    single_node,
+)
 from batchline.worker.models import CountsPadding, Model, Prepared
 from batchline.worker.shared._held import Claims
 

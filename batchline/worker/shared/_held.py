@@ -18,9 +18,7 @@ from batchline.codec import Request
 from batchline.drivers._base import Call
 from batchline.keys import GROUP
 from batchline.tracing import handed_back
-from batchline.transport._errors import ignoring_redis_failures
-from batchline.transport._once import input_hash
-from batchline.transport._redis import RedisClient
+from batchline.transport import RedisClient, ignoring_redis_failures, input_hash
 
 __all__ = ["Claims", "Entry", "Meta", "Record", "Taken"]
 

@@ -43,8 +43,7 @@ from typing import Any
 from batchline.config import WorkerSettings
 from batchline.core.stats import BatchStats
 from batchline.keys import GROUP, QueueKeys
-from batchline.transport._errors import redis_failure
-from batchline.transport._redis import RedisClient
+from batchline.transport import RedisClient, redis_failure
 from batchline.worker.metrics import Metrics
 from batchline.worker.shared._consumers import prune_consumers
 from batchline.worker.shared._guard import Guard, Stamp
