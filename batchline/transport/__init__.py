@@ -19,13 +19,7 @@ The key names are :mod:`batchline.keys` and the values as they travel :mod:`batc
 
 from batchline.transport._admission import Admission, AdmissionMode, job_note
 from batchline.transport._cancels import CANCELS_MAXLEN, CancelLog, CancelTrim
-from batchline.transport._client import (
-    RedisArgument,
-    RedisClient,
-    RedisPipeline,
-    as_client,
-    single_node,
-)
+from batchline.transport._client import RedisArgument, RedisClient, RedisPipeline
 from batchline.transport._errors import (
     REDIS_FAILURES,
     RedisLibraryError,
@@ -57,10 +51,12 @@ from batchline.transport._redis import (
     Backoff,
     RedisUnreachable,
     Script,
+    as_client,
     connect,
     dedicated,
     own_connection,
     pinned,
+    single_node,
     wait_for_redis,
 )
 from batchline.transport._replication import Replication

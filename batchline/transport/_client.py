@@ -5,16 +5,17 @@ redis-py types each command for its sync and async clients at once (``T | Awaita
 and ``bytes | str`` for whichever ``decode_responses`` a client was made with), which no
 ``await`` can check. batchline's clients are always asyncio ones with bytes replies
 (:func:`batchline.transport.connect`), so these protocols spell the commands it uses as
-coroutines that return bytes; :func:`as_client` is the one place a redis-py client becomes
-one. Keyword names are redis-py's own: tests/transport/test_client_type.py holds every
-method here against ``redis.asyncio.Redis`` and ``RedisCluster``.
+coroutines that return bytes; :func:`~batchline.transport.as_client` is the one place a
+redis-py client becomes one. Keyword names are redis-py's own: a test
+(tests/transport/test_client_type.py) holds every method here against
+``redis.asyncio.Redis`` and ``RedisCluster``.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 from redis.asyncio import Redis, RedisCluster
 
@@ -25,8 +26,6 @@ __all__ = [
     "RedisClient",
     "RedisPipeline",
     "Value",
-    "as_client",
-    "single_node",
 ]
 
 #: A key (or a stream, group or consumer name) as batchline passes one.
@@ -308,17 +307,3 @@ class RedisClient(Protocol):
 #: asyncio client it made itself (bytes replies), or one :func:`batchline.transport.connect`
 #: made.
 RedisArgument = Redis | RedisCluster | RedisClient
-
-
-def as_client(client: object) -> RedisClient:
-    """``client`` (a ``redis.asyncio`` ``Redis``, ``RedisCluster`` or one a sentinel made,
-    with bytes replies) as the :class:`RedisClient` it is at run time."""
-    return cast(RedisClient, client)
-
-
-def single_node(client: RedisClient) -> Redis | None:
-    """The redis-py client ``client`` is where it is exactly a single-node ``Redis`` (one
-    URL or a sentinel's primary: its pool and connection can be reached), else None (a
-    cluster, or a client that stands for one node of it)."""
-    raw: object = client
-    return raw if type(raw) is Redis else None

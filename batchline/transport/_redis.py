@@ -8,7 +8,7 @@ import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from redis.asyncio import ConnectionPool, Redis, RedisCluster
 from redis.asyncio.sentinel import MasterNotFoundError, SentinelConnectionPool
@@ -19,7 +19,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from batchline.config import ServiceSettings, redact_url
 from batchline.errors import BatchlineError
 from batchline.redis_url import is_sentinel_url, parse_sentinel_url
-from batchline.transport._client import RedisClient, as_client, single_node
+from batchline.transport._client import RedisClient
 from batchline.transport._errors import (
     REDIS_FAILURES,
     RedisLibraryError,
@@ -35,16 +35,32 @@ __all__ = [
     "RedisClient",
     "RedisUnreachable",
     "Script",
+    "as_client",
     "connect",
     "dedicated",
     "own_connection",
     "pinned",
+    "single_node",
     "wait_for_redis",
 ]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+def as_client(client: object) -> RedisClient:
+    """``client`` (a ``redis.asyncio`` ``Redis``, ``RedisCluster`` or one a sentinel made,
+    with bytes replies) as the :class:`RedisClient` it is at run time."""
+    return cast(RedisClient, client)
+
+
+def single_node(client: RedisClient) -> Redis | None:
+    """The redis-py client ``client`` is where it is exactly a single-node ``Redis`` (one
+    URL or a sentinel's primary: its pool and connection can be reached), else None (a
+    cluster, or a client that stands for one node of it)."""
+    raw: object = client
+    return raw if type(raw) is Redis else None
 
 
 class RedisUnreachable(BatchlineError, ConnectionError):
