@@ -20,10 +20,10 @@ context). Result fields: ``v``, ``id``,
 value, field, value, ... (the result key's value; a reply entry carries an array of them).
 See ``docs/protocol.md``.
 
-The package's parts: ``_values`` (values and their limits), ``_requests`` (request fields,
-validated by pydantic), ``_results`` (result field lists, checked by hand), ``_chunks`` (the
-chunk entries of streamed generations, checked by hand), ``_vectors`` (embeddings scaled to
-unit length). What this package
+The package's parts: ``_values`` (values and their limits; embeddings scaled to unit
+length), ``_requests`` (request fields, validated by pydantic), ``_results`` (result field
+lists, checked by hand), ``_chunks`` (the chunk entries of streamed generations, checked by
+hand). What this package
 exports is the Python form of the contract; the worker's and the producer's own helpers
 (decoding a whole read, salvaging a malformed entry's id, the hot-path result encoder) stay
 in those modules.
@@ -47,9 +47,9 @@ from batchline.codec._values import (
     SCHEMA_VERSION,
     Limits,
     pack_value,
+    unit_rows,
     unpack_value,
 )
-from batchline.codec._vectors import unit_rows
 from batchline.errors import DecodeError
 
 __all__ = [

@@ -1,4 +1,7 @@
-"""Values on the wire: JSON plus raw array bytes, decoded within limits (see the package)."""
+"""Values on the wire: JSON plus raw array bytes, decoded within limits (see the package);
+embeddings travel as ``<f4`` rows, of unit length where the model normalises them
+(:func:`unit_rows`: one rule for the worker's model kinds and the web routes that
+renormalise, OpenAI's ``dimensions`` and TEI's ``normalize``)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ __all__ = [
     "VERSION_FIELD",
     "Limits",
     "pack_value",
+    "unit_rows",
     "unpack_value",
 ]
 
@@ -237,3 +241,16 @@ def _array(ref: dict[str, Any], blob: bytes, budget: int) -> np.ndarray[Any, Any
         return np.frombuffer(blob, dtype=dtype, count=count, offset=offset).reshape(shape)
     except ValueError as exc:  # an empty array whose other sizes numpy cannot index
         raise DecodeError(f"array shape {shape} is invalid: {exc}") from None
+
+
+def unit_rows(matrix: Any) -> np.ndarray[Any, Any]:
+    """Each row of ``matrix`` (one vector per row) scaled to length 1, as float32; a zero
+    row stays zero. The norms and the division are computed in float64, so that each
+    float32 row's length is 1 within float32's rounding (about 1e-7), whatever precision
+    the vectors were computed in."""
+    wide = np.asarray(matrix, dtype=np.float64)
+    if wide.ndim != 2:
+        raise ValueError(f"expected a matrix of vectors, one per row; got shape {wide.shape}")
+    norms = np.linalg.norm(wide, axis=1, keepdims=True)
+    out: np.ndarray[Any, Any] = np.divide(wide, norms, out=np.zeros_like(wide), where=norms > 0)
+    return out.astype(np.float32)

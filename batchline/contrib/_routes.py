@@ -35,7 +35,7 @@ from batchline.contrib._plumbing import INPUT_ERRORS, MAX_TEXT_CHARS, RETRY_AFTE
 from batchline.errors import BatcherClosed, BatchlineError, QueueFull, RequestTimeout
 from batchline.keys import ID_PATTERN, MAX_ID_CHARS
 from batchline.producer import AsyncProducer, Handle
-from batchline.producer._outcomes import cached_result
+from batchline.producer._replies import cached_result
 from batchline.transport import REDIS_FAILURES, Admission, RedisClient, connect
 
 __all__ = [

@@ -39,8 +39,7 @@ from batchline.errors import (
 from batchline.keys import check_name, host_id
 from batchline.producer._enqueue import Enqueuer
 from batchline.producer._failures import timed_out, translate
-from batchline.producer._outcomes import Answered, cached_result
-from batchline.producer._replies import ReplyReader, Waiters
+from batchline.producer._replies import Answered, ReplyReader, Waiters, cached_result
 from batchline.producer._stream import StreamChunk, Streams, quiet_cancel
 from batchline.producer._watch import NoWorkerWatch
 from batchline.tracing import producer as producer_trace

@@ -2,7 +2,7 @@
 
 A write goes as soon as the previous one is back, carrying everything that arrived meanwhile
 (up to ``submit_batch``); the script checks the queue depth and adds the entries atomically,
-and says of each request what it did with it (see :mod:`._outcomes`).
+and says of each request what it did with it (see :func:`._replies.outcome_of`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from batchline.errors import (
     ServiceUnavailable,
 )
 from batchline.producer._failures import Failed, connected, translate, uncertain, writer_for
-from batchline.producer._outcomes import Answered, outcome_of
-from batchline.producer._replies import Waiters
+from batchline.producer._replies import Answered, Waiters, outcome_of
 from batchline.redis_url import is_sentinel_url
 from batchline.transport import (
     Admission,

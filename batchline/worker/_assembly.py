@@ -28,7 +28,6 @@ from batchline.transport import (
 from batchline.worker.metrics import Metrics
 from batchline.worker.models import Model, load_model
 from batchline.worker.serving._admitter import Admitter
-from batchline.worker.serving._cache import AnswerCache
 from batchline.worker.serving._chunk_writer import ChunkWriter
 from batchline.worker.serving._executors import Executors, build
 from batchline.worker.serving._facts import ModelFacts
@@ -37,7 +36,7 @@ from batchline.worker.serving._intake import Preparer
 from batchline.worker.serving._reader import ReadCap, Reader
 from batchline.worker.serving._serving import Serving
 from batchline.worker.serving._starts import Starts
-from batchline.worker.serving._writer import AnswerWriter
+from batchline.worker.serving._writer import AnswerCache, AnswerWriter
 from batchline.worker.shared._guard import Guard
 from batchline.worker.shared._held import Claims
 from batchline.worker.upkeep._upkeep import Upkeep

@@ -21,7 +21,7 @@ from batchline.producer import AsyncProducer
 from batchline.transport import cache_hash, input_hash
 from batchline.transport.status import collect, render
 from batchline.worker.serving._answers import answer
-from batchline.worker.serving._cache import AnswerCache
+from batchline.worker.serving._writer import AnswerCache
 from batchline.worker.shared._held import Meta, Record
 
 from tests.support.models_for_tests import GatedModel, poison, read_batches

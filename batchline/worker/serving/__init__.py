@@ -6,6 +6,6 @@
 batcher, or continuous batching for generation, :mod:`._generation_executor`) runs the model,
 its calls stamped as they start (:mod:`._starts`), the answers are made (:mod:`._answers`)
 and the writer (:mod:`._writer`; for streams, the chunk writer, :mod:`._chunk_writer`) puts
-them in Redis, filling the cache of answers computed once where it may (:mod:`._cache`).
+them in Redis, filling the cache of answers computed once where it may.
 Beside it, the model's facts published for the API (:mod:`._facts`). What it holds meanwhile,
 and its model calls' guard, are in :mod:`batchline.worker.shared`, below it and the upkeep."""

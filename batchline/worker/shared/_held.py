@@ -66,8 +66,9 @@ class Record:
     request_id: str | None = None
     reply: str | None = None
     dead: list[Any] | None = field(default=None)
-    # Answers computed once (serving/_cache.py): for an entry the enqueue script gave a cache
-    # hash (its ck), that hash and the input hash computed here; empty otherwise.
+    # Answers computed once (serving/_writer.py's AnswerCache): for an entry the enqueue
+    # script gave a cache hash (its ck), that hash and the input hash computed here; empty
+    # otherwise.
     cache_hash: str = ""
     input_hash: str = ""
     # Cut short (cancelled, expired, a generation ended by a cancel or its deadline): never
