@@ -85,3 +85,25 @@ def test_failover_smoke() -> None:
     assert row is not None, out
     sent, accepted, answered, lost, wrong = map(int, row.groups())
     assert (sent, accepted, answered, lost, wrong) == (90, 90, 90, 0, 0), out
+
+
+@pytest.mark.slow
+def test_one_requests_way_is_mapped_and_stays_short() -> None:
+    """checks.request_path lists the modules one echo request passes, from the producer's
+    call through the admission, the worker's serving path and the writer back to the reply
+    reader; their number stays below what it was before the worker's parts were built once
+    and the transport got its face (37 modules)."""
+    out = _judged_run(["checks.request_path"], timeout=240)
+    for module in (
+        "batchline/producer/_async.py",
+        "batchline/producer/_replies.py",
+        "batchline/worker/serving/_admitter.py",
+        "batchline/worker/serving/_reader.py",
+        "batchline/worker/serving/_serving.py",
+        "batchline/worker/serving/_writer.py",
+        "batchline/core/policy.py",
+    ):
+        assert module in out, out
+    found = re.search(r"^(\d+) modules of batchline on one request's way", out, re.M)
+    assert found, out
+    assert int(found.group(1)) <= 34, out
