@@ -2,15 +2,15 @@
 
 - the client: :class:`RedisClient` (the commands batchline sends, typed), :func:`connect`,
   :func:`dedicated`, :func:`pinned`, :func:`own_connection`, :func:`wait_for_redis`,
-  :class:`Backoff` (``_client``, ``_redis``, ``_sentinel``);
+  :class:`Backoff` (:mod:`._client`, :mod:`._redis`, :mod:`._sentinel`);
 - failures: what counts as Redis failing, :func:`redis_failure` and
-  :func:`ignoring_redis_failures` (``_errors``);
-- the enqueue and complete scripts (``_scripts``, in Lua from ``_lua``) and the queue's
-  functions on Redis 7 (``_functions``), with the admission of what producers enqueued
-  (``_admission``);
-- the outbox of coalesced writes (``_outbox``), the cancel log (``_cancels``), the input
-  hash of compute-once requests (``_once``), ``WAIT`` for replicated writes
-  (``_replication``) and the service's event loop (``_event_loop``);
+  :func:`ignoring_redis_failures` (:mod:`._errors`);
+- the enqueue and complete scripts (:mod:`._scripts`, in Lua from :mod:`._lua`) and the queue's
+  functions on Redis 7 (:mod:`._functions`), with the admission of what producers enqueued
+  (:mod:`._admission`);
+- the outbox of coalesced writes (:mod:`._outbox`), the cancel log (:mod:`._cancels`), the input
+  hash of compute-once requests (:mod:`._once`), ``WAIT`` for replicated writes
+  (:mod:`._replication`) and the service's event loop (:mod:`._event_loop`);
 - :mod:`batchline.transport.status`: ``batchline status``'s figures.
 
 The key names are :mod:`batchline.keys` and the values as they travel :mod:`batchline.codec`;
