@@ -20,5 +20,10 @@ Deployment:
 - ``python -m checks.keda_sim``: deploy/kubernetes/keda.yaml's scaling policy replayed
   against a real Redis and real workers.
 
+The house:
+
+- ``python -m checks.request_path``: the modules one request passes through Redis, each
+  with its number of calls (a map of the serving path, and its length held by a test).
+
 They start their processes with the benchmarks' harness (``benchmarks.harness``).
 """

@@ -9,7 +9,7 @@ import json
 import math
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "VERSION_FIELD",
     "Limits",
+    "non_finite",
     "pack_value",
     "unit_rows",
     "unpack_value",
@@ -254,3 +255,35 @@ def unit_rows(matrix: Any) -> np.ndarray[Any, Any]:
     norms = np.linalg.norm(wide, axis=1, keepdims=True)
     out: np.ndarray[Any, Any] = np.divide(wide, norms, out=np.zeros_like(wide), where=norms > 0)
     return out.astype(np.float32)
+
+
+def non_finite(value: Any) -> str | None:
+    """Where ``value`` (an array, a number, or lists and dicts of them) holds a NaN or an
+    infinity, as ``"nan at [1][0]"`` (the first one), else None: such an output can travel
+    as array bytes, but JSON, and so an HTTP answer, has no way to say it."""
+    found = _first_non_finite(value)
+    if found is None:
+        return None
+    number, path = found
+    return f"{number} at {''.join(f'[{step!r}]' for step in path)}" if path else str(number)
+
+
+def _first_non_finite(value: Any) -> tuple[float, list[Any]] | None:
+    if isinstance(value, np.ndarray | np.generic):
+        array = np.asarray(value)
+        if array.dtype.kind not in "fc" or bool(np.isfinite(array).all()):
+            return None
+        index = [int(i) for i in np.argwhere(~np.isfinite(array))[0]]
+        return array[tuple(index)].item(), index
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (value, [])
+    items: Iterable[tuple[Any, Any]] = ()
+    if isinstance(value, list | tuple):
+        items = enumerate(value)
+    elif isinstance(value, dict):
+        items = value.items()
+    for key, item in items:
+        found = _first_non_finite(item)
+        if found is not None:
+            return found[0], [key, *found[1]]
+    return None

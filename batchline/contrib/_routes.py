@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from redis.exceptions import RedisError
 
-from batchline.codec import DecodeError, Result, unpack_result
+from batchline.codec import DecodeError, Result, non_finite, unpack_result
 from batchline.config import ProducerSettings
 from batchline.contrib._plumbing import INPUT_ERRORS, MAX_TEXT_CHARS, RETRY_AFTER_S
 from batchline.errors import BatcherClosed, BatchlineError, QueueFull, RequestTimeout
@@ -140,6 +140,13 @@ def _kind_of(output: Any) -> str:
 
 def _answer(result: Result, kind: str, *, expired_status: int) -> JSONResponse:
     """The HTTP answer for a result of any status."""
+    if result.status == "ok" and (where := non_finite(result.output)) is not None:
+        result = dataclasses.replace(
+            result,
+            status="error",
+            error_type="NonFiniteOutput",
+            error_message=f"the model's output holds {where}, which JSON cannot carry",
+        )
     if result.status == "ok":
         body = {
             "id": result.id,

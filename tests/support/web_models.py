@@ -2,7 +2,8 @@
 
 ``embed``: each input is a text (its output a vector of 3 float32) or a list of texts (a
 matrix, one row each). Two texts fail on purpose: ``BAD_INPUT`` with a ValueError (the
-input's fault), ``MODEL_FAILURE`` with a RuntimeError (the model's).
+input's fault), ``MODEL_FAILURE`` with a RuntimeError (the model's); ``NOT_FINITE`` gives a
+vector with a NaN and an infinity.
 
 ``generation_echo``: answers a generation request (docs/protocol.md, Generation) with the
 request itself, as JSON, for its text: what the worker received, parameters and all.
@@ -17,6 +18,8 @@ import numpy as np
 
 BAD_INPUT = "this input is refused"
 MODEL_FAILURE = "this input breaks the model"
+#: Its vector holds a NaN and an infinity: what a model that overflowed gives.
+NOT_FINITE = "this input overflows the model"
 
 
 def vector(text: str) -> list[float]:
@@ -25,6 +28,8 @@ def vector(text: str) -> list[float]:
         raise ValueError("the test model refuses this text")
     if text == MODEL_FAILURE:
         raise RuntimeError("the test model broke")
+    if text == NOT_FINITE:
+        return [float("nan"), float("inf"), 0.5]
     return [float(len(text)), float(sum(map(ord, text)) % 1000), 0.5]
 
 

@@ -23,6 +23,7 @@ from batchline.codec import (
     decode_result,
     encode_request,
     encode_result,
+    non_finite,
     pack_result,
     pack_value,
     request_value,
@@ -326,3 +327,12 @@ def test_nan_and_infinity_are_not_json() -> None:
     for constant in (b"NaN", b"Infinity", b"-Infinity", b"[1, NaN]"):
         with pytest.raises(DecodeError):
             unpack_value(constant, b"", Limits())
+
+
+def test_non_finite_names_the_first_nan_or_infinity_and_where() -> None:
+    assert non_finite(np.array([[1, 2], [3, np.nan]], dtype=np.float32)) == "nan at [1][1]"
+    assert non_finite([1.0, [2.0, float("inf")]]) == "inf at [1][1]"
+    assert non_finite({"a": [1.0, float("-inf")]}) == "-inf at ['a'][1]"
+    assert non_finite(float("nan")) == "nan"
+    for fine in (np.arange(3), np.ones((2, 2), dtype=np.float16), [1.0, {"b": 2}], "nan", None):
+        assert non_finite(fine) is None

@@ -22,7 +22,7 @@ from typing import Annotated, Any
 import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
-from batchline.codec import unit_rows
+from batchline.codec import non_finite, unit_rows
 from batchline.contrib._plumbing import MAX_TEXT_CHARS
 from batchline.contrib.openai import (
     MAX_EMBEDDING_INPUTS,
@@ -359,6 +359,9 @@ def vectors(output: Any, count: int, *, normalize: bool) -> list[list[float]]:
     matrix = np.asarray(output, dtype=np.float32)
     if matrix.ndim != 2 or matrix.shape[0] != count:
         raise ValueError(f"the embedding worker answered shape {matrix.shape} for {count} texts")
+    where = non_finite(matrix)
+    if where is not None:
+        raise ValueError(f"the model's vectors hold {where} (row, column): not sent")
     if normalize:
         matrix = unit_rows(matrix)
     return [row.astype(float).tolist() for row in matrix]

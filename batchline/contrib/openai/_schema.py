@@ -30,6 +30,7 @@ from pydantic import (
     field_validator,
 )
 
+from batchline.codec import non_finite
 from batchline.contrib._plumbing import MAX_TEXT_CHARS
 
 __all__ = [
@@ -460,12 +461,15 @@ def sse(body: dict[str, Any]) -> bytes:
 
 def embedding_matrix(output: Any, texts: list[str]) -> np.ndarray[Any, Any]:
     """A worker's output for a list of texts as a matrix, one row each; ValueError for
-    any other shape."""
+    any other shape, and for a NaN or an infinity in it."""
     matrix = np.asarray(output)
     if matrix.ndim != 2 or matrix.shape[0] != len(texts):
         raise ValueError(
             f"the embedding worker answered shape {matrix.shape} for {len(texts)} texts"
         )
+    where = non_finite(matrix)
+    if where is not None:  # no JSON holds it, and base64 would hand the client garbage
+        raise ValueError(f"the model's vectors hold {where} (row, column): not sent")
     return matrix
 
 

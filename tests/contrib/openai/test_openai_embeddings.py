@@ -21,9 +21,10 @@ import redis
 
 from batchline.keys import QueueKeys
 
-from ..test_fastapi import Serve, serve
+from ..test_fastapi import MODEL, Serve, poll_job, serve, submit_job
 from .test_openai import MakeApp, assert_error, client_for, gen_queue, make_app
 from tests.support.service import WorkerThread, queued
+from tests.support.web_models import NOT_FINITE, vector
 
 openai = pytest.importorskip("openai")
 
@@ -215,3 +216,44 @@ def test_vectors_over_http_are_unit_length_in_the_default_dtype(
         assert got.status_code == 200, got.text
         assert_unit(got.json())
     assert_unit(http.post("/embed", json={"texts": texts}).json()["embeddings"])
+
+
+@pytest.mark.slow
+def test_a_vector_with_nan_fails_its_own_request_on_every_route(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    start_worker: Callable[..., WorkerThread],
+    queue: str,
+) -> None:
+    """A model that overflows (a NaN and an infinity in one input's vector) fails that
+    request alone, with each API's error shape and no traceback: JSON cannot carry the
+    numbers, and base64 would hand the client garbage. The others are answered."""
+    start_worker(MODEL)
+    http = serve(make_app(generation_queue=None))
+
+    for body in ({"text": NOT_FINITE}, {"texts": ["fine", NOT_FINITE]}):
+        response = http.post("/embed", json=body)
+        assert response.status_code == 500, response.text
+        error = response.json()
+        assert error["error_type"] == "NonFiniteOutput", error
+        assert "which JSON cannot carry" in error["error_message"], error
+    job = poll_job(http, submit_job(http, {"text": NOT_FINITE}))
+    assert job.status_code == 500, job.text
+    assert job.json()["error_type"] == "NonFiniteOutput"
+
+    for encoding in ("float", "base64"):
+        response = http.post(
+            "/v1/embeddings",
+            json={"model": queue, "input": ["fine", NOT_FINITE], "encoding_format": encoding},
+        )
+        error = assert_error(response, 500, type="server_error")
+        assert "nan at [1][0]" in error["message"], error
+
+    response = http.post("/embed", json={"inputs": [NOT_FINITE], "normalize": False})
+    assert response.status_code == 500, response.text
+    assert "nan at [0][0]" in response.text
+
+    # The worker and the app serve on: the neighbours' answers are whole.
+    assert http.post("/embed", json={"text": "fine"}).json()["embedding"] == vector("fine")
+    answer = client_for(http).embeddings.create(model=queue, input="fine", encoding_format="float")
+    assert answer.data[0].embedding == vector("fine")
