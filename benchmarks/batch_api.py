@@ -45,6 +45,7 @@ from typing import Any
 from benchmarks.harness import (
     Procs,
     Samples,
+    add_redis_server_flag,
     child_env,
     fmt,
     free_port,
@@ -55,6 +56,7 @@ from benchmarks.harness import (
     provenance,
     ratio,
     redis_binary,
+    redis_server,
     start_redis,
     versions,
     watchdog,
@@ -266,6 +268,7 @@ def report(s: Samples, pooled: Samples, args: argparse.Namespace, before: str) -
     print(f"- {machine(before, load())}")
     print(f"- CPU flags: {cpu_flags()}")
     print(f"- {versions('redis', 'fastapi', 'uvicorn')}; {provenance()}")
+    print(f"- {redis_server(args.redis_server)}")
     print(
         f"- {args.lines} lines a batch, {args.repeats} interleaved repeats (medians; range in the "
         f"last column); model {FIXED_MS:g} ms + {PER_TEXT_MS:g} ms a text, worker batch 64; "
@@ -320,7 +323,7 @@ def main() -> None:
     parser.add_argument(
         "--interactive-priority", type=int, default=None, help="the API's default_priority"
     )
-    parser.add_argument("--redis-server", default=None)
+    add_redis_server_flag(parser)
     args = parser.parse_args()
     before = load()
     logdir = Path(tempfile.mkdtemp(prefix="bench-batch-api-"))

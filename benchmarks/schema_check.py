@@ -40,6 +40,7 @@ from typing import Any
 from benchmarks.harness import (
     Procs,
     Samples,
+    add_redis_server_flag,
     child_env,
     fmt,
     free_port,
@@ -50,6 +51,7 @@ from benchmarks.harness import (
     provenance,
     ratio,
     redis_binary,
+    redis_server,
     start_redis,
     versions,
     watchdog,
@@ -216,7 +218,7 @@ def main() -> None:
     parser.add_argument("--lanes", type=int, default=2, help="bystander clients")
     parser.add_argument("--think-ms", type=float, default=10.0)
     parser.add_argument("--src", default=None, help="serve the API from this checkout")
-    parser.add_argument("--redis-server", default=None)
+    add_redis_server_flag(parser)
     args = parser.parse_args()
     before = load()
     payloads = bodies(args.schemas, args.kind)
@@ -245,6 +247,7 @@ def main() -> None:
     print(f"- {machine(before, load())}")
     source = provenance(Path(args.src)) if args.src else provenance()
     print(f"- {versions('fastapi', 'uvicorn', 'llguidance')}; {source}")
+    print(f"- {redis_server(args.redis_server)}")
     print(
         f"- {args.schemas} schemas of {min(sizes):.1f}-{max(sizes):.1f} MB at once, again and "
         f"again; {args.lanes} bystanders, {args.think_ms:g} ms think time; "

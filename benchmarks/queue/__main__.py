@@ -70,6 +70,7 @@ from typing import Any
 from benchmarks.harness import (
     REPO,
     Procs,
+    add_redis_server_flag,
     load,
     log,
     provenance,
@@ -149,7 +150,7 @@ def run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-requests", type=int, help="sequential requests (b) [500]")
     p.add_argument("--sentences", type=int, help="sentences served and encoded (c) [3000]")
     p.add_argument("--sequential", type=int, help="sentences one at a time (c) [200]")
-    p.add_argument("--redis-server", default=None, help="redis-server binary")
+    add_redis_server_flag(p)
     p.add_argument(
         "--worker-arg",
         action="append",

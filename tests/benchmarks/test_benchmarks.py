@@ -45,6 +45,31 @@ def test_every_module_imports_without_running() -> None:
                 raise
 
 
+# The line a benchmark that starts a Redis prints: which redis-server, its version and path.
+REDIS_LINE = re.compile(r"redis-server \d+\.\d+\.\d+ \(/\S*redis-server\)")
+# Benchmarks that start a Redis, with their --redis-server flag.
+STARTS_REDIS = ["admission", "batch_api", "batch_limits", "cache", "durability", "queue"]
+STARTS_REDIS += ["schema_check", "tracing"]
+
+
+def test_every_benchmark_that_starts_redis_takes_redis_server() -> None:
+    for name in STARTS_REDIS:
+        out = _bench([f"benchmarks.{name}", "--help"], 120)
+        assert "--redis-server PATH" in out, (name, out)
+
+
+def test_redis_server_is_the_newest_found_or_the_one_chosen() -> None:
+    _importable()
+    from batchline.demo.embedded import newest_redis_server
+    from benchmarks.harness import redis_server
+
+    assert redis_server() == newest_redis_server()
+    chosen = redis_server(newest_redis_server().path)
+    assert REDIS_LINE.fullmatch(str(chosen)), chosen
+    with pytest.raises(SystemExit, match="'/no/such/redis-server' is not a redis-server"):
+        redis_server("/no/such/redis-server")
+
+
 def _bench(argv: list[str], timeout: int, env: dict[str, str] | None = None) -> str:
     """Run ``python -m benchmarks.<argv>`` from the checkout's root; its report. It passed."""
     return subprocess.run(
@@ -64,6 +89,7 @@ def test_bench_queue_quick_idle_latency_part() -> None:
     assert "## batchline queue benchmark" in out
     assert "(b) idle latency over the model's own time, p50" in out
     assert "SIGTERM: noop worker exit code 0" in out
+    assert REDIS_LINE.search(out), out
 
 
 @pytest.mark.slow
@@ -151,6 +177,7 @@ def test_bench_cache_smoke() -> None:
     assert "## batchline result cache" in out
     assert "50% of the requests served without a model call" in out
     assert "full, cache on" in out
+    assert REDIS_LINE.search(out), out
 
 
 @pytest.mark.slow
@@ -158,6 +185,7 @@ def test_bench_batch_api_smoke() -> None:
     out = _bench(["benchmarks.batch_api", "--lines", "200", "--repeats", "1"], 300)
     assert re.search(r"^\| \*\*batch / producer\*\* .* \| [\d.]+ \|", out, re.M), out
     assert re.search(r"^\| \*\*p99 with / without a batch\*\* .* \| [\d.]+ \|", out, re.M), out
+    assert REDIS_LINE.search(out), out
 
 
 @pytest.mark.slow
@@ -169,6 +197,7 @@ def test_bench_batch_limits_smoke() -> None:
     argv = ["benchmarks.batch_limits", "--part", "uploads", "--upload-mb", "5", "--repeats", "1"]
     out = _bench(argv, 300)
     assert re.search(r"^\| \*\*p99 during / idle\*\* .* \| [\d.]+ \|", out, re.M), out
+    assert REDIS_LINE.search(out), out
 
 
 @pytest.mark.slow
@@ -176,6 +205,7 @@ def test_bench_schema_check_smoke() -> None:
     argv = ["benchmarks.schema_check", "--schemas", "2", "--seconds", "1", "--repeats", "1"]
     out = _bench(argv, 300)
     assert re.search(r"^\| \*\*p99 checking / idle\*\* .* \| [\d.]+ \|", out, re.M), out
+    assert REDIS_LINE.search(out), out
 
 
 # The tiny random Llama of the tests (no download), importable from the repository root.
@@ -185,10 +215,15 @@ WITH_TESTS = os.environ | {"PYTHONPATH": str(REPO)}
 
 @pytest.mark.slow
 def test_bench_generate_stream_ab_quick() -> None:
-    """The streaming row, on the tiny random Llama."""
+    """The streaming row, on the tiny random Llama, on the redis-server chosen."""
     pytest.importorskip("transformers")
+    _importable()
+    from batchline.demo.embedded import redis_servers
+
+    chosen = min(redis_servers(), key=lambda server: server.version)  # not the default
     argv = ["benchmarks.generate", "--quick", "--stream-ab", "--rounds", "1", *TINY_LLAMA]
-    out = _bench(argv, 300, WITH_TESTS)
+    out = _bench([*argv, "--redis-server", chosen.path], 300, WITH_TESTS)
+    assert f"started a private {chosen} on unix://" in out, out
     assert "uniform: 8 chat prompts, greedy, 16 new tokens, through Redis" in out
     assert out.count(" 128 tok ") == 2, out
     assert "x without (" in out
@@ -204,6 +239,7 @@ def test_bench_generate_http_ab_quick() -> None:
     assert "uniform: 8 chat prompts, greedy, 16 new tokens; alternating, 1 rounds" in out
     assert out.count(" 128 tok ") == 2, out
     assert "batchline via HTTP + Redis" in out
+    assert REDIS_LINE.search(out), out
     assert "x in process" in out
 
 
@@ -291,6 +327,7 @@ def test_bench_admission_smoke() -> None:
     assert "2 interleaved repeats" in out, out
     for figure in ("requests/s", "idle p50 ms", "redis CPU µs/request"):
         assert re.search(rf"^{re.escape(figure)} .* ([0-9.]+|-)$", out, re.M), out
+    assert REDIS_LINE.search(out), out
 
 
 @pytest.mark.slow
@@ -299,6 +336,7 @@ def test_bench_durability_smoke() -> None:
     argv = ["--requests", "300", "--inflight", "100", "--repeats", "1", "--models", "echo"]
     out = _bench(["benchmarks.durability", *argv], 280)
     assert re.search(r"^echo\s+[\d,]+ \(.*\)\s+[\d,]+ \(.*\)\s+[\d.]+$", out, re.M), out
+    assert REDIS_LINE.search(out), out
 
 
 @pytest.mark.slow
@@ -351,3 +389,4 @@ def test_bench_tracing_smoke() -> None:
         assert re.search(rf"^{re.escape(figure)} .* ([0-9.]+|-) +([0-9.]+|-)$", out, re.M), out
     assert "off: the producer imported batchline.tracing._otel: no" in out, out
     assert "on: the producer imported batchline.tracing._otel: yes" in out, out
+    assert REDIS_LINE.search(out), out
