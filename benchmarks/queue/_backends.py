@@ -1,7 +1,8 @@
 """Part (d) of the queue benchmark: all-MiniLM-L6-v2 served through Redis on each CPU backend.
 
-One worker process per backend (``--backend torch`` fp32, ``onnx``, ``onnx-int8``,
-``openvino``, ``openvino-int8``; ``--backends`` picks), each on its own queue, all started
+One worker process per backend (``--backend torch``, the anchor, ``onnx``, ``onnx-int8``,
+``openvino``, ``openvino-int8``; ``--backends`` picks), each in ``--dtype float32`` (the
+anchor is torch float32 by definition) on its own queue, all started
 before the first measurement (the first start exports the model to ONNX once, cached under
 ``$BATCHLINE_CACHE_DIR``); every worker has the default ``threads`` (the cores available).
 Only the worker being measured runs: the others are paused with SIGSTOP. Each repeat serves
@@ -70,6 +71,7 @@ def part_d(bench: Any, backends: list[str]) -> None:
             "sentence-transformers",
             "--device", "cpu",
             "--backend", backend,
+            "--dtype", "float32",  # the anchor, torch float32, by definition; the others too
             *cfg.worker_args,
         )  # fmt: skip
         procs.pause(_name(backend))

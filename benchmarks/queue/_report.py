@@ -83,6 +83,11 @@ def _header(res: Results, cfg: Config, argv: list[str]) -> list[str]:
         f"Measured: {res.info.get('provenance', '?')}  ",
         f"{versions(*DISTS)}; {res.info.get('redis', '')}  ",
         f"Event loop of the worker and producer processes: {res.info.get('loop', '?')}  ",
+        *(
+            [f"MiniLM parts (c, e, g): {where(cfg)} (`--dtype {cfg.dtype}`)  "]
+            if set(cfg.parts) & set("ceg")
+            else []
+        ),
         f"Medians of {cfg.repeats} interleaved repeat(s); ratios are medians of per-repeat "
         "ratios; the range of the repeats is in brackets.",
     ]

@@ -101,7 +101,11 @@ def test_bench_queue_quick_minilm_parts_on_the_cpu() -> None:
     argv += ["--sentences", "24", "--repeats", "1", "--max-seconds", "500"]
     out = _bench(["benchmarks.queue", *argv], 600)
     assert "### (e) all-MiniLM-L6-v2 through Redis, load from this machine" in out
-    assert "(24 sentences, seed 7; cpu, float32, batch 8)" in out
+    from batchline.devices import pick_dtype
+
+    auto = str(pick_dtype("auto", "cpu")).removeprefix("torch.")  # bfloat16 on a cpu with it
+    assert f"(24 sentences, seed 7; cpu, {auto}, batch 8)" in out, out
+    assert f"MiniLM parts (c, e, g): cpu, {auto} (`--dtype auto`)" in out, out
     assert re.search(r"\| open loop, fixed rate .*\| [0-9,]+ \| [0-9,.]+ \| [0-9.]+ \|", out), out
     assert re.search(r"\| all submitted at once \| \| [0-9,.]+ \| [0-9.]+ \|", out), out
     assert "### (g) all-MiniLM-L6-v2 per batch size" in out
