@@ -90,6 +90,7 @@ def test_bench_queue_quick_idle_latency_part() -> None:
     assert "(b) idle latency over the model's own time, p50" in out
     assert "SIGTERM: noop worker exit code 0" in out
     assert REDIS_LINE.search(out), out
+    _no_verdict(out)
 
 
 @pytest.mark.slow
@@ -106,6 +107,7 @@ def test_bench_queue_quick_minilm_parts_on_the_cpu() -> None:
     auto = str(pick_dtype("auto", "cpu")).removeprefix("torch.")  # bfloat16 on a cpu with it
     assert f"(24 sentences, seed 7; cpu, {auto}, batch 8)" in out, out
     assert f"MiniLM parts (c, e, g): cpu, {auto} (`--dtype auto`)" in out, out
+    _no_verdict(out)
     assert re.search(r"\| open loop, fixed rate .*\| [0-9,]+ \| [0-9,.]+ \| [0-9.]+ \|", out), out
     assert re.search(r"\| all submitted at once \| \| [0-9,.]+ \| [0-9.]+ \|", out), out
     assert "### (g) all-MiniLM-L6-v2 per batch size" in out
@@ -132,15 +134,50 @@ def test_bench_queue_device_flags() -> None:
     assert config(parse([])).batch_sizes == [32]
 
 
+def _no_verdict(out: str) -> None:
+    """A report gives measurements and ratios, not verdicts against targets of its own."""
+    for verdict in (r"\|\s*met\s*\|", r"\bmissed\b", r"\bverdict\b", r"\| target \|", r"\(target "):
+        assert not re.search(verdict, out, re.I), (verdict, out)
+
+
+def test_bench_queue_report_gives_ratios_not_verdicts() -> None:
+    """Parts (a) to (d)'s tables: batchline, the reference each row names and their ratio;
+    (d)'s backends over torch float32; no target or verdict column."""
+    _importable()
+    from benchmarks.queue.__main__ import config, parse
+    from benchmarks.queue._backends import report_d
+    from benchmarks.queue._report import report
+    from benchmarks.queue._service import Results
+
+    cfg = config(parse(["--parts", "abcd", "--backends", "onnx"]))
+    res = Results()
+    figures = {"a_bl_rps": 30_000, "a_arq_rps": 1_500, "a_ratio": 20, "b_p50": 0.4}
+    figures |= {"b_p99": 0.9, "c_served": 250, "c_ceiling": 260, "c_vs_ceiling": 0.96}
+    figures |= {"c_sequential": 90, "c_vs_sequential": 2.8, "d_rate_torch": 120}
+    figures |= {"d_rate_onnx": 240, "d_ratio_onnx": 2.0, "d_cos_onnx": 0.9999}
+    for key, value in figures.items():
+        res.add(key, value)
+    out = report(res, cfg, ["--parts", "abcd"]) + "\n".join(report_d(res, cfg, ["onnx"]))
+    assert "| Measure | batchline | reference | ratio |\n|---|---:|---:|---:|\n" in out, out
+    assert re.search(
+        r"^\| \(a\) no-op, end to end, .* \| 30,000 \| arq 1,500 .* \| 20\.0x \|$", out, re.M
+    )
+    assert re.search(r"^\| \(b\) idle latency, p99 \(ms\) \| 0\.900 \| \| \|$", out, re.M), out
+    assert re.search(r"^\| \(c\) all-MiniLM-L6-v2, .* \| ceiling 260\.0 \| 0\.96 \|$", out, re.M)
+    assert "| torch float32 | 120.0 | 1.00 | |" in out, out
+    assert "| onnx | 240.0 | 2.00 | 0.9999 |" in out, out
+    _no_verdict(out)
+
+
 def _number(cell: str) -> float:
     return float(cell.replace(",", ""))
 
 
 @pytest.mark.slow
 def test_bench_slo_quick() -> None:
-    """The quick run reports, per rate, a measured p99 against the target and the ratio to the
-    best fixed setting meeting it, and a verdict that agrees with its own table (the figures
-    themselves are not checked: they are timings)."""
+    """The quick run reports, per rate, a measured p99 over the target and the ratio to the
+    best fixed setting meeting it, and a summary that agrees with its own table, without a
+    verdict (the figures themselves are not checked: they are timings)."""
     out = _bench(["benchmarks.slo", "--quick", "--target-ms", "20"], 300)
     assert "## latency-SLO mode vs fixed settings" in out
     assert "target p99 20 ms" in out, out
@@ -151,10 +188,11 @@ def test_bench_slo_quick() -> None:
     ]
     assert [r[0] for r in rows] == ["200", "1400"], out  # the quick run's rates
     servable = []
-    for rate, p99, met, late, served, _chose, best, best_served, r, broken in rows:
+    for rate, p99, over, late, served, _chose, best, best_served, r, broken in rows:
         assert _number(p99) > 0, out
         assert 0 <= _number(late) <= _number(p99), out
-        assert met == ("yes" if _number(p99) <= 20 else "no"), out
+        assert abs(_number(over) - _number(p99) / 20) < 0.01, out
+        met = _number(p99) <= 20
         assert 0 < _number(served) <= 2 * _number(rate), out
         assert re.fullmatch(r"\d+ of 4", broken), out  # 2 sizes x 2 waits
         if best == "none":
@@ -170,8 +208,9 @@ def test_bench_slo_quick() -> None:
     )
     assert found is not None, out
     assert (found.group(1) == "nan") == (not servable), out
-    p99_verdict = "met" if all(m == "yes" for m in servable) else "MISSED"
-    assert re.search(rf"^verdict: p99 target {p99_verdict}; served >= 90% of the best", out, re.M)
+    under = f"{sum(servable)} of {len(servable)} rates"
+    assert f"p99 at or under 20 ms where some fixed setting met it: {under}" in out, out
+    _no_verdict(out)
 
 
 @pytest.mark.slow
@@ -187,9 +226,10 @@ def test_bench_cache_smoke() -> None:
 @pytest.mark.slow
 def test_bench_batch_api_smoke() -> None:
     out = _bench(["benchmarks.batch_api", "--lines", "200", "--repeats", "1"], 300)
-    assert re.search(r"^\| \*\*batch / producer\*\* .* \| [\d.]+ \|", out, re.M), out
-    assert re.search(r"^\| \*\*p99 with / without a batch\*\* .* \| [\d.]+ \|", out, re.M), out
+    assert re.search(r"^\| \*\*batch / producer\*\* \| [\d.]+ \|", out, re.M), out
+    assert re.search(r"^\| \*\*p99 with / without a batch\*\* \| [\d.]+ \|", out, re.M), out
     assert REDIS_LINE.search(out), out
+    _no_verdict(out)
 
 
 @pytest.mark.slow
@@ -200,16 +240,18 @@ def test_bench_batch_limits_smoke() -> None:
     assert re.search(r"^\| 4 x 16 \| .* \| completed \| 4/4 \|", out, re.M), out
     argv = ["benchmarks.batch_limits", "--part", "uploads", "--upload-mb", "5", "--repeats", "1"]
     out = _bench(argv, 300)
-    assert re.search(r"^\| \*\*p99 during / idle\*\* .* \| [\d.]+ \|", out, re.M), out
+    assert re.search(r"^\| \*\*p99 during / idle\*\* \| [\d.]+ \|", out, re.M), out
     assert REDIS_LINE.search(out), out
+    _no_verdict(out)
 
 
 @pytest.mark.slow
 def test_bench_schema_check_smoke() -> None:
     argv = ["benchmarks.schema_check", "--schemas", "2", "--seconds", "1", "--repeats", "1"]
     out = _bench(argv, 300)
-    assert re.search(r"^\| \*\*p99 checking / idle\*\* .* \| [\d.]+ \|", out, re.M), out
+    assert re.search(r"^\| \*\*p99 checking / idle\*\* \| [\d.]+ \|", out, re.M), out
     assert REDIS_LINE.search(out), out
+    _no_verdict(out)
 
 
 # The tiny random Llama of the tests (no download), importable from the repository root.
