@@ -286,6 +286,8 @@ def test_bench_generate_http_ab_quick() -> None:
     assert out.count(" 128 tok ") == 2, out
     assert "batchline via HTTP + Redis" in out
     assert REDIS_LINE.search(out), out
+    # --dtype auto on a model built by a callable: left in its own dtype, as the worker does
+    assert re.search(r"^device cpu, dtype torch\.float64$", out, re.M), out
     assert "x in process" in out
 
 
@@ -316,6 +318,10 @@ def test_bench_prefix_smoke() -> None:
     argv = ["--requests", "4", "--join", "2", "--repeats", "2", "--new-tokens", "2"]
     out = _bench(["benchmarks.prefix", *argv], 300, os.environ | {"HF_HUB_OFFLINE": "1"})
     assert re.search(r"^ +cache: prefill [0-9.]+ s median", out, re.M), out
+    _importable()
+    from batchline.devices import pick_dtype
+
+    assert f"SmolLM2-135M-Instruct on cpu in {pick_dtype('auto', 'cpu')}" in out, out
     assert re.search(r"^no cache: prefill [0-9.]+ s median", out, re.M), out
     assert re.search(r"prefill time saved: -?[0-9.]+%", out), out
     assert "first tokens the same: True" in out
