@@ -48,8 +48,8 @@ def test_every_module_imports_without_running() -> None:
 # The line a benchmark that starts a Redis prints: which redis-server, its version and path.
 REDIS_LINE = re.compile(r"redis-server \d+\.\d+\.\d+ \(/\S*redis-server\)")
 # Benchmarks that start a Redis, with their --redis-server flag.
-STARTS_REDIS = ["admission", "batch_api", "batch_limits", "cache", "durability", "queue"]
-STARTS_REDIS += ["schema_check", "tracing"]
+STARTS_REDIS = ["admission", "batch_api", "batch_limits", "cache", "dtype", "durability"]
+STARTS_REDIS += ["queue", "schema_check", "tracing"]
 
 
 def test_every_benchmark_that_starts_redis_takes_redis_server() -> None:
@@ -409,6 +409,10 @@ def test_bench_dtype_smoke() -> None:
     assert "minimum cosine to float32 0.99" in out
     assert "greedy match, batchline in bfloat16 against model.generate in bfloat16: 2/2" in out
     assert "native bfloat16 flags:" in out
+    _importable()
+    from batchline.devices import pick_dtype
+
+    assert f"dtype auto on this cpu: {pick_dtype('auto', 'cpu')}".replace("torch.", "") in out
 
 
 @pytest.mark.slow
