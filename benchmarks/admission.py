@@ -6,7 +6,7 @@
 On Redis >= 7 producers append to the queue's inbox through its functions and a worker
 admits it into the work streams (docs/protocol.md, Admission): one more step per request
 than the enqueue script, which adds the entries itself. This starts its own redis-server
-(``/usr/bin/redis-server`` where it is, else the one on ``PATH``; 7 or newer) and one no-op
+(the newest found, or ``--redis-server PATH``; 7 or newer) and one no-op
 ``batchline worker`` (``batchline.worker.models:echo``), and measures, alternating the two
 ways repeat by repeat (``admission="functions"`` and ``"scripts"``, one producer each):
 
@@ -36,6 +36,7 @@ from batchline.producer import AsyncProducer
 from benchmarks.harness import (
     CpuMeter,
     Procs,
+    add_redis_server_flag,
     child_env,
     idle_latencies,
     log,
@@ -104,8 +105,9 @@ def main() -> int:
     parser.add_argument("--inflight", type=int, default=1000)
     parser.add_argument("--idle", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=5)
+    add_redis_server_flag(parser)
     args = parser.parse_args()
-    binary = redis_binary()
+    binary = redis_binary(args.redis_server)
     env = child_env()
     with tempfile.TemporaryDirectory() as tmp:
         procs = Procs(Path(tmp))

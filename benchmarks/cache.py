@@ -35,6 +35,7 @@ from pathlib import Path
 
 from benchmarks.harness import (
     Procs,
+    add_redis_server_flag,
     fmt,
     log,
     machine,
@@ -156,6 +157,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=400, help="measured requests per run")
     parser.add_argument("--inflight", type=int, default=64, help="requests in flight")
     parser.add_argument("--repeats", type=int, default=2, help="measurements per side")
+    add_redis_server_flag(parser)
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="bench-cache-"))
     src = snapshot(workdir / "src")  # edits during the run: not seen
@@ -164,7 +166,7 @@ def main() -> int:
     rates: dict[bool, list[float]] = {False: [], True: []}
     counters: list[dict[str, float]] = []
     try:
-        url, version = start_redis(procs, env, redis_binary())
+        url, version = start_redis(procs, env, redis_binary(args.redis_server))
         cost = enqueue_cost(url, calls=20)
         for rep in range(args.repeats):
             for cache in (False, True):

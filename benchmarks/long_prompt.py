@@ -121,7 +121,10 @@ def main() -> None:
     print(f"SyncGenerator options: {options} (takes max_prefill_tokens: {takes})")
     started = time.perf_counter()
     with SyncGenerator("smollm2", device="cpu", dtype="float32", **options) as gen:
-        print(f"model loaded in {time.perf_counter() - started:.1f} s, RSS {rss_mib():.0f} MiB")
+        print(
+            f"model loaded in {time.perf_counter() - started:.1f} s (cpu, float32: fixed), "
+            f"RSS {rss_mib():.0f} MiB"
+        )
         prompts = long_prompts(gen.engine.tokenizer, args.long, args.prompt_tokens)
         gen.generate(BYSTANDER, max_new_tokens=4)  # warm up
         stamps: list[float] = []

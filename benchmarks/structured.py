@@ -4,7 +4,7 @@ validated against its schema (jsonschema); then the per-token cost of the masks.
 
 Each schema's request is a chat message asking for a JSON object that follows it, with
 ``response_format`` json_schema, greedy, ``--max-new-tokens`` at most. Reported: how many of
-the answers parse and validate (the goal: all), then the same requests with and without
+the answers parse and validate (of how many), then the same requests with and without
 ``response_format``, alternating ``--repeats`` times, each on a fresh engine: the step
 seconds per generated token of each way (medians), the difference, the time inside the
 grammar hooks (masking and advancing the matchers, the closing's searches included) per

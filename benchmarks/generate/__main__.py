@@ -65,7 +65,7 @@ import torch  # noqa: E402
 
 from batchline.generation import Generator, load_causal_lm  # noqa: E402
 from benchmarks.generate._redis import RedisWorker, Result, latencies  # noqa: E402
-from benchmarks.harness import percentile  # noqa: E402
+from benchmarks.harness import add_redis_server_flag, percentile, redis_server  # noqa: E402
 
 TOPICS = [
     "the capital of France",
@@ -502,6 +502,7 @@ def parse() -> argparse.Namespace:
         help="every row's dtype (auto: float16 on cuda; bfloat16 on a cpu that computes it"
         " natively, else float32)",
     )
+    add_redis_server_flag(ap)
     args = ap.parse_args()
     if args.model_path and not (args.stream_ab or args.http_ab):
         ap.error("--model-path goes with --stream-ab or --http-ab")
@@ -547,7 +548,8 @@ def main() -> None:
     torch.manual_seed(0)
     redis = None
     if args.stream_ab or not args.skip_redis:  # loaded before any timing
-        redis = RedisWorker(args.max_running, args.device, args.dtype, args.model_path)
+        server = redis_server(args.redis_server)
+        redis = RedisWorker(args.max_running, args.device, args.dtype, args.model_path, server)
     try:
         if redis is not None and args.stream_ab:
             stream_ab(redis, 8 if args.quick else 32, 16 if args.quick else 32, args.rounds)

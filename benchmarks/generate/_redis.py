@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.harness import percentile
+
+if TYPE_CHECKING:
+    from batchline.demo.embedded import RedisServer
 
 HEARTBEAT_S = 0.5  # the bench worker's; its statistics (the running batch) come with it
 
@@ -123,7 +126,8 @@ async def via_http(
 
 
 class RedisWorker:
-    """A private redis-server and one generation worker process, for the through-Redis rows.
+    """A private redis-server (``server``, default the newest found; it says which) and one
+    generation worker process, for the through-Redis rows.
 
     Built before anything is timed: it returns once the worker has loaded its model and
     answered a request, so its loading never overlaps a timed row."""
@@ -134,6 +138,7 @@ class RedisWorker:
         device: str = "auto",
         dtype: str = "auto",
         model_path: str | None = None,
+        server: RedisServer | None = None,
     ) -> None:
         import contextlib
 
@@ -141,7 +146,7 @@ class RedisWorker:
 
         self.queue = "bench-generate"
         self.stack = contextlib.ExitStack()
-        self.url, _producer = redis_for_demo(self.stack, self.queue)
+        self.url, _producer = redis_for_demo(self.stack, self.queue, server)
         flags = ["--model", "generate", "--batch-size", str(batch_size)]
         flags += ["--device", device, "--dtype", dtype]
         flags += ["--model-path", model_path] if model_path else []

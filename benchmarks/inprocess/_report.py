@@ -1,4 +1,5 @@
-"""The report of the in-process benchmark: one markdown table per part, and the targets."""
+"""The report of the in-process benchmark: one markdown table per part, and a summary of
+batchline against its anchors."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def report(res: Results, args: argparse.Namespace) -> str:
     _repeats(w, res, args)
     _latency(w, res, args)
     _idle_cpu(w, res, args)
-    _targets(w, res, ideal)
+    _summary(w, res, ideal)
     return "\n".join(out)
 
 
@@ -177,14 +178,11 @@ def _idle_cpu(w: Write, res: Results, args: argparse.Namespace) -> None:
     w("")
 
 
-def _targets(w: Write, res: Results, ideal: float | None) -> None:
-    w("### Targets (batchline)\n")
-    w("| target | measured | met |")
-    w("|---|---|---|")
-
-    def target(name: str, measured: str, ok: bool | None) -> None:
-        w(f"| {name} | {measured} | {'n/a' if ok is None else ('yes' if ok else '**NO**')} |")
-
+def _summary(w: Write, res: Results, ideal: float | None) -> None:
+    """batchline's figures against the anchors they name (batched, the ideal, no batcher)."""
+    w("### Summary (batchline against its anchors)\n")
+    w("| measure | measured |")
+    w("|---|---|")
     for api, fname, label in (
         ("thread", "noop", "thread API"),
         ("aio", "noop", "aio API, sync fn"),
@@ -195,33 +193,19 @@ def _targets(w: Write, res: Results, ideal: float | None) -> None:
         )
         paired = res.paired_ratios((api, fname, "batchline"), (api, fname, "batched"))
         extra = f" (paired median {statistics.median(paired):.2f}x)" if paired else ""
-        target(
-            f"no-op throughput >= 2x batched ({label})",
-            fmt_ratio(r) + extra,
-            None if r is None else r >= 2,
-        )
+        w(f"| no-op throughput / batched ({label}) | {fmt_ratio(r)}{extra} |")
     for api in ("thread", "aio"):
         s = ratio(res.median_rate((api, "model", "batchline")), ideal)
-        target(
-            f"model-like throughput >= 97 % of ideal ({api} API)",
-            fmt_ratio(s, True),
-            None if s is None else s >= 0.97,
-        )
+        w(f"| model-like throughput / ideal ({api} API) | {fmt_ratio(s, True)} |")
     for impl_api in ("thread", "aio (sync fn)", "aio (async fn)"):
         lat = res.latency.get(("batchline", impl_api, 0.0))
-        target(
-            f"timeout_ms=0 idle single-caller added latency p50 <= 0.3 ms ({impl_api})",
-            "—" if lat is None else f"{lat[0]:.3f} ms",
-            None if lat is None else lat[0] <= 0.3,
-        )
+        measured = "—" if lat is None else f"{lat[0]:.3f} ms"
+        w(f"| timeout_ms=0 idle single-caller added latency p50 ({impl_api}) | {measured} |")
     for api in ("thread", "aio"):
         base = res.idle_cpu.get(("baseline", api, None), 0.0)
         for t in (5.0, 0.0):
             pct = res.idle_cpu.get(("batchline", api, t))
-            # process_time has some noise of its own: judged net of the no-batcher baseline.
-            target(
-                f"idle CPU 0.0 % ({api} API, timeout_ms={t:g}; net of baseline)",
-                "—" if pct is None else f"{pct:.2f} % (baseline {base:.2f} %)",
-                None if pct is None else pct - base < 0.05,
-            )
+            # process_time has some noise of its own: shown net of the no-batcher baseline.
+            measured = "—" if pct is None else f"{pct - base:.2f} % (baseline {base:.2f} %)"
+            w(f"| idle CPU, net of baseline ({api} API, timeout_ms={t:g}) | {measured} |")
     w("")

@@ -30,7 +30,10 @@ and its own worker and producer processes, and measures:
     tokenizing keeps up with its model (``--parts g --device cuda``; runs on a CPU too).
 
 The MiniLM parts (c, e, g) run on ``--device`` (cpu, cuda or auto; default cpu) in
-``--dtype`` (auto: float16 on cuda, float32 on cpu) at ``--batch-size`` (c and e: the first).
+``--dtype`` (auto: the library's, :func:`batchline.devices.pick_dtype`: float16 on cuda,
+bfloat16 on a cpu that computes it natively, else float32; the report's header says which) at
+``--batch-size`` (c and e: the first). Part (d) runs every backend in float32: its anchor,
+torch float32, is float32 by definition.
 
 Every figure is the median of ``--repeats`` repeats (interleaved); ratios are medians of the
 per-repeat ratios. The CPU time each process used per request is read from /proc, and the CPU
@@ -70,6 +73,7 @@ from typing import Any
 from benchmarks.harness import (
     REPO,
     Procs,
+    add_redis_server_flag,
     load,
     log,
     provenance,
@@ -116,7 +120,8 @@ def minilm_options(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "float32", "float16", "bfloat16"],
-        help="dtype of the MiniLM parts (auto: float16 on cuda, float32 on cpu) [auto]",
+        help="dtype of the MiniLM parts c, e, g (auto: the library's: float16 on cuda, "
+        "bfloat16 on a cpu that computes it natively, else float32) [auto]",
     )
     p.add_argument(
         "--batch-size",
@@ -149,7 +154,7 @@ def run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-requests", type=int, help="sequential requests (b) [500]")
     p.add_argument("--sentences", type=int, help="sentences served and encoded (c) [3000]")
     p.add_argument("--sequential", type=int, help="sentences one at a time (c) [200]")
-    p.add_argument("--redis-server", default=None, help="redis-server binary")
+    add_redis_server_flag(p)
     p.add_argument(
         "--worker-arg",
         action="append",

@@ -1,14 +1,15 @@
 """Part (d) of the queue benchmark: all-MiniLM-L6-v2 served through Redis on each CPU backend.
 
-One worker process per backend (``--backend torch`` fp32, ``onnx``, ``onnx-int8``,
-``openvino``, ``openvino-int8``; ``--backends`` picks), each on its own queue, all started
+One worker process per backend (``--backend torch``, the anchor, ``onnx``, ``onnx-int8``,
+``openvino``, ``openvino-int8``; ``--backends`` picks), each in ``--dtype float32`` (the
+anchor is torch float32 by definition) on its own queue, all started
 before the first measurement (the first start exports the model to ONNX once, cached under
 ``$BATCHLINE_CACHE_DIR``); every worker has the default ``threads`` (the cores available).
 Only the worker being measured runs: the others are paused with SIGSTOP. Each repeat serves
 the same sentences, all submitted at once, through each backend in turn (the order rotates
 from repeat to repeat); figures are medians of the repeats and ratios to torch are medians
 of per-repeat ratios. The embeddings each backend served are compared with torch's: the
-minimum cosine over all sentences is reported (target >= 0.99).
+minimum cosine over all sentences is reported.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from typing import Any
 from benchmarks.harness import fmt, log
 
 BACKENDS = ("torch", "onnx", "onnx-int8", "openvino", "openvino-int8")
-TARGETS = {"onnx": 1.3, "openvino": 1.3, "onnx-int8": 2.5, "openvino-int8": 2.5}
-MIN_COSINE = 0.99
 
 
 def _name(backend: str) -> str:
@@ -70,6 +69,7 @@ def part_d(bench: Any, backends: list[str]) -> None:
             "sentence-transformers",
             "--device", "cpu",
             "--backend", backend,
+            "--dtype", "float32",  # the anchor, torch float32, by definition; the others too
             *cfg.worker_args,
         )  # fmt: skip
         procs.pause(_name(backend))
@@ -111,21 +111,17 @@ def report_d(res: Any, cfg: Any, backends: list[str]) -> list[str]:
         f"### (d) all-MiniLM-L6-v2 served through Redis per CPU backend "
         f"({res.info.get('d_sentences', '')}, all at once, batch 32)",
         "",
-        "| backend | sentences/s | ratio to torch fp32 | min cosine to torch | target | result |",
-        "|---|---:|---:|---:|---|---|",
-        f"| torch fp32 | {fmt(m('d_rate_torch'), 1)} | 1.00 | | | |",
+        "| backend | sentences/s | ratio to torch float32 | min cosine to torch float32 |",
+        "|---|---:|---:|---:|",
+        f"| torch float32 | {fmt(m('d_rate_torch'), 1)} | 1.00 | |",
     ]
     for backend in [b for b in backends if b != "torch"]:
         ratio, cosine = m(f"d_ratio_{backend}"), res.rows.get(f"d_cos_{backend}")
         worst = min(cosine) if cosine else None
-        target = TARGETS[backend]
-        met = None if ratio is None or worst is None else ratio >= target and worst >= MIN_COSINE
-        verdict = "n/a" if met is None else ("met" if met else "**missed**")
         spread = res.spread(f"d_ratio_{backend}")
         lines.append(
             f"| {backend} | {fmt(m(f'd_rate_{backend}'), 1)} | {fmt(ratio, 2)}"
-            f"{f' [{spread}]' if spread else ''} | {fmt(worst, 4)} | >= {target}x, "
-            f"cosine >= {MIN_COSINE} | {verdict} |"
+            f"{f' [{spread}]' if spread else ''} | {fmt(worst, 4)} |"
         )
     per_repeat = "; ".join(
         f"{b} " + ", ".join(fmt(v, 1) for v in res.rows.get(f"d_rate_{b}", []))

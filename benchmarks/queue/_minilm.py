@@ -205,9 +205,11 @@ def _texts(cfg: Any, res: Any, key: str) -> list[str]:
 
 
 def where(cfg: Any) -> str:
+    """The MiniLM parts' device and dtype, ``--dtype`` resolved as the workers resolve it."""
+    from batchline.devices import pick_dtype
+
     device = device_of(cfg)
-    dtype = cfg.dtype if cfg.dtype != "auto" else "float16" if device == "cuda" else "float32"
-    return f"{device}, {dtype}"
+    return f"{device}, {str(pick_dtype(cfg.dtype, device)).removeprefix('torch.')}"
 
 
 def _pct(x: float | None) -> str:

@@ -1,4 +1,4 @@
-"""The report of the queue benchmark's parts (a), (b) and (c): the table of targets and details.
+"""The report of the queue benchmark's parts (a), (b) and (c): their table and details.
 
 Parts (d), (e) and (g) have their own tables (``report_d``, ``report_e``, ``report_g``), which
 the benchmark's main puts after this one.
@@ -21,29 +21,11 @@ DISTS = (
     "openvino",
 )
 
-TARGETS = {
-    "a_rps": 20_000.0,  # batchline end-to-end requests/s, no-op model
-    "a_vs_arq": 10.0,  # batchline / arq
-    "b_p50_ms": 1.5,  # idle latency over the model's own time
-    "b_p99_ms": 5.0,
-    "c_vs_ceiling": 0.90,  # served / offline encode
-    "c_vs_sequential": 2.5,  # served / one at a time
-}
-
-
-def verdict(ok: bool | None) -> str:
-    return "n/a" if ok is None else ("met" if ok else "**missed**")
-
 
 def cell(res: Results, key: str, digits: int = 0, unit: str = "") -> str:
     """The median of a figure, with the range of its repeats in brackets."""
     spread = res.spread(key)
     return fmt(res.med(key), digits, unit) + (f" [{spread}]" if spread else "")
-
-
-def ok(res: Results, key: str, target: float, higher: bool = True) -> bool | None:
-    v = res.med(key)
-    return None if v is None else (v >= target if higher else v <= target)
 
 
 def series(res: Results, key: str, digits: int = 0) -> str:
@@ -55,8 +37,8 @@ def report(res: Results, cfg: Config, argv: list[str]) -> str:
     if set(cfg.parts) & set("abc"):  # the parts of this table (d, e, g have their own)
         lines += [
             "",
-            "| Measure | batchline | reference | ratio | target | result |",
-            "|---|---:|---:|---:|---|---|",
+            "| Measure | batchline | reference | ratio |",
+            "|---|---:|---:|---:|",
         ]
     _table(lines, res, cfg)
     lines += ["", "Details (medians):" if set(cfg.parts) & set("abc") else "Details:", ""]
@@ -83,46 +65,43 @@ def _header(res: Results, cfg: Config, argv: list[str]) -> list[str]:
         f"Measured: {res.info.get('provenance', '?')}  ",
         f"{versions(*DISTS)}; {res.info.get('redis', '')}  ",
         f"Event loop of the worker and producer processes: {res.info.get('loop', '?')}  ",
+        *(
+            [f"MiniLM parts (c, e, g): {where(cfg)} (`--dtype {cfg.dtype}`)  "]
+            if set(cfg.parts) & set("ceg")
+            else []
+        ),
         f"Medians of {cfg.repeats} interleaved repeat(s); ratios are medians of per-repeat "
         "ratios; the range of the repeats is in brackets.",
     ]
 
 
 def _table(lines: list[str], res: Results, cfg: Config) -> None:
-    """Appends the rows of parts (a), (b) and (c) to the table of targets."""
+    """Appends the rows of parts (a), (b) and (c) to the table: batchline, the reference each
+    row names, and their ratio."""
     m = res.med
-    t = TARGETS
     if "a" in cfg.parts:
-        both = None
-        if m("a_bl_rps") is not None and m("a_ratio") is not None:
-            both = bool(ok(res, "a_bl_rps", t["a_rps"])) and bool(ok(res, "a_ratio", t["a_vs_arq"]))
         lines += [
             f"| (a) no-op, end to end, req/s ({cfg.requests:,} requests; {cfg.producers} "
             f"producer process(es), {cfg.inflight} in flight) | {cell(res, 'a_bl_rps')} | arq "
-            f"{cell(res, 'a_arq_rps')} ({cfg.arq_requests:,} jobs) | {cell(res, 'a_ratio', 1, 'x')} | "
-            f">= {t['a_rps']:,.0f} req/s and >= {t['a_vs_arq']:.0f}x arq | {verdict(both)} |",
+            f"{cell(res, 'a_arq_rps')} ({cfg.arq_requests:,} jobs) | {cell(res, 'a_ratio', 1, 'x')} |",
             f"| (a) latency under that load, p50 / p99 (ms) | {fmt(m('a_bl_p50'), 1)} / "
             f"{fmt(m('a_bl_p99'), 1)} | arq {fmt(m('a_arq_p50'), 1)} / {fmt(m('a_arq_p99'), 1)} "
-            "| | | |",
+            "| |",
         ]
     if "b" in cfg.parts:
         lines += [
             f"| (b) idle latency over the model's own time, p50 (ms; {cfg.idle_requests} "
-            f"sequential requests) | {cell(res, 'b_p50', 3)} | | | <= {t['b_p50_ms']} ms | "
-            f"{verdict(ok(res, 'b_p50', t['b_p50_ms'], higher=False))} |",
-            f"| (b) idle latency, p99 (ms) | {cell(res, 'b_p99', 3)} | | | <= {t['b_p99_ms']} ms | "
-            f"{verdict(ok(res, 'b_p99', t['b_p99_ms'], higher=False))} |",
+            f"sequential requests) | {cell(res, 'b_p50', 3)} | | |",
+            f"| (b) idle latency, p99 (ms) | {cell(res, 'b_p99', 3)} | | |",
         ]
     if "c" in cfg.parts:
         lines += [
             f"| (c) all-MiniLM-L6-v2, served through Redis vs offline `encode`, sentences/s "
             f"({cfg.sentences:,} sentences; {where(cfg)}, batch {cfg.batch_sizes[0]}) | {cell(res, 'c_served', 1)} | ceiling "
-            f"{cell(res, 'c_ceiling', 1)} | {cell(res, 'c_vs_ceiling', 2)} | >= {t['c_vs_ceiling']:.2f} "
-            f"| {verdict(ok(res, 'c_vs_ceiling', t['c_vs_ceiling']))} |",
+            f"{cell(res, 'c_ceiling', 1)} | {cell(res, 'c_vs_ceiling', 2)} |",
             f"| (c) served vs one sentence at a time through Redis ({cfg.sequential} "
             f"sequential), sentences/s | {cell(res, 'c_served', 1)} | one at a time "
-            f"{cell(res, 'c_sequential', 1)} | {cell(res, 'c_vs_sequential', 2, 'x')} | "
-            f">= {t['c_vs_sequential']}x | {verdict(ok(res, 'c_vs_sequential', t['c_vs_sequential']))} |",
+            f"{cell(res, 'c_sequential', 1)} | {cell(res, 'c_vs_sequential', 2, 'x')} |",
         ]
 
 

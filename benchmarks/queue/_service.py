@@ -84,7 +84,7 @@ class Bench:
         self.url, version = start_redis(self.procs, self.env, binary, ("--maxclients", "10000"))
         self.port = urlsplit(self.url).port or 6379
         self.admin = redis.Redis(host="127.0.0.1", port=self.port)
-        self.res.info["redis"] = f"{version} ({binary})"
+        self.res.info["redis"] = version
 
     def python(self, name: str, args: list[str], *, module: bool = False) -> list[str]:
         """argv of a Python child, under cProfile when --profile is given for it."""

@@ -46,6 +46,31 @@ def test_every_module_imports_without_running() -> None:
                 raise
 
 
+# The line a benchmark that starts a Redis prints: which redis-server, its version and path.
+REDIS_LINE = re.compile(r"redis-server \d+\.\d+\.\d+ \(/\S*redis-server\)")
+# Benchmarks that start a Redis, with their --redis-server flag.
+STARTS_REDIS = ["admission", "batch_api", "batch_limits", "cache", "dtype", "durability"]
+STARTS_REDIS += ["queue", "schema_check", "tracing"]
+
+
+def test_every_benchmark_that_starts_redis_takes_redis_server() -> None:
+    for name in STARTS_REDIS:
+        out = _bench([f"benchmarks.{name}", "--help"], 120)
+        assert "--redis-server PATH" in out, (name, out)
+
+
+def test_redis_server_is_the_newest_found_or_the_one_chosen() -> None:
+    _importable()
+    from batchline.demo.embedded import newest_redis_server
+    from benchmarks.harness import redis_server
+
+    assert redis_server() == newest_redis_server()
+    chosen = redis_server(newest_redis_server().path)
+    assert REDIS_LINE.fullmatch(str(chosen)), chosen
+    with pytest.raises(SystemExit, match="'/no/such/redis-server' is not a redis-server"):
+        redis_server("/no/such/redis-server")
+
+
 def _bench(argv: list[str], timeout: int, env: dict[str, str] | None = None) -> str:
     """Run ``python -m benchmarks.<argv>`` from the checkout's root; its report. It passed."""
     return subprocess.run(
@@ -65,6 +90,8 @@ def test_bench_queue_quick_idle_latency_part() -> None:
     assert "## batchline queue benchmark" in out
     assert "(b) idle latency over the model's own time, p50" in out
     assert "SIGTERM: noop worker exit code 0" in out
+    assert REDIS_LINE.search(out), out
+    _no_verdict(out)
 
 
 @pytest.mark.slow
@@ -76,7 +103,12 @@ def test_bench_queue_quick_minilm_parts_on_the_cpu() -> None:
     argv += ["--sentences", "24", "--repeats", "1", "--max-seconds", "500"]
     out = _bench(["benchmarks.queue", *argv], 600)
     assert "### (e) all-MiniLM-L6-v2 through Redis, load from this machine" in out
-    assert "(24 sentences, seed 7; cpu, float32, batch 8)" in out
+    from batchline.devices import pick_dtype
+
+    auto = str(pick_dtype("auto", "cpu")).removeprefix("torch.")  # bfloat16 on a cpu with it
+    assert f"(24 sentences, seed 7; cpu, {auto}, batch 8)" in out, out
+    assert f"MiniLM parts (c, e, g): cpu, {auto} (`--dtype auto`)" in out, out
+    _no_verdict(out)
     assert re.search(r"\| open loop, fixed rate .*\| [0-9,]+ \| [0-9,.]+ \| [0-9.]+ \|", out), out
     assert re.search(r"\| all submitted at once \| \| [0-9,.]+ \| [0-9.]+ \|", out), out
     assert "### (g) all-MiniLM-L6-v2 per batch size" in out
@@ -103,15 +135,50 @@ def test_bench_queue_device_flags() -> None:
     assert config(parse([])).batch_sizes == [32]
 
 
+def _no_verdict(out: str) -> None:
+    """A report gives measurements and ratios, not verdicts against targets of its own."""
+    for verdict in (r"\|\s*met\s*\|", r"\bmissed\b", r"\bverdict\b", r"\| target \|", r"\(target "):
+        assert not re.search(verdict, out, re.I), (verdict, out)
+
+
+def test_bench_queue_report_gives_ratios_not_verdicts() -> None:
+    """Parts (a) to (d)'s tables: batchline, the reference each row names and their ratio;
+    (d)'s backends over torch float32; no target or verdict column."""
+    _importable()
+    from benchmarks.queue.__main__ import config, parse
+    from benchmarks.queue._backends import report_d
+    from benchmarks.queue._report import report
+    from benchmarks.queue._service import Results
+
+    cfg = config(parse(["--parts", "abcd", "--backends", "onnx"]))
+    res = Results()
+    figures = {"a_bl_rps": 30_000, "a_arq_rps": 1_500, "a_ratio": 20, "b_p50": 0.4}
+    figures |= {"b_p99": 0.9, "c_served": 250, "c_ceiling": 260, "c_vs_ceiling": 0.96}
+    figures |= {"c_sequential": 90, "c_vs_sequential": 2.8, "d_rate_torch": 120}
+    figures |= {"d_rate_onnx": 240, "d_ratio_onnx": 2.0, "d_cos_onnx": 0.9999}
+    for key, value in figures.items():
+        res.add(key, value)
+    out = report(res, cfg, ["--parts", "abcd"]) + "\n".join(report_d(res, cfg, ["onnx"]))
+    assert "| Measure | batchline | reference | ratio |\n|---|---:|---:|---:|\n" in out, out
+    assert re.search(
+        r"^\| \(a\) no-op, end to end, .* \| 30,000 \| arq 1,500 .* \| 20\.0x \|$", out, re.M
+    )
+    assert re.search(r"^\| \(b\) idle latency, p99 \(ms\) \| 0\.900 \| \| \|$", out, re.M), out
+    assert re.search(r"^\| \(c\) all-MiniLM-L6-v2, .* \| ceiling 260\.0 \| 0\.96 \|$", out, re.M)
+    assert "| torch float32 | 120.0 | 1.00 | |" in out, out
+    assert "| onnx | 240.0 | 2.00 | 0.9999 |" in out, out
+    _no_verdict(out)
+
+
 def _number(cell: str) -> float:
     return float(cell.replace(",", ""))
 
 
 @pytest.mark.slow
 def test_bench_slo_quick() -> None:
-    """The quick run reports, per rate, a measured p99 against the target and the ratio to the
-    best fixed setting meeting it, and a verdict that agrees with its own table (the figures
-    themselves are not checked: they are timings)."""
+    """The quick run reports, per rate, a measured p99 over the target and the ratio to the
+    best fixed setting meeting it, and a summary that agrees with its own table, without a
+    verdict (the figures themselves are not checked: they are timings)."""
     out = _bench(["benchmarks.slo", "--quick", "--target-ms", "20"], 300)
     assert "## latency-SLO mode vs fixed settings" in out
     assert "target p99 20 ms" in out, out
@@ -122,10 +189,11 @@ def test_bench_slo_quick() -> None:
     ]
     assert [r[0] for r in rows] == ["200", "1400"], out  # the quick run's rates
     servable = []
-    for rate, p99, met, late, served, _chose, best, best_served, r, broken in rows:
+    for rate, p99, over, late, served, _chose, best, best_served, r, broken in rows:
         assert _number(p99) > 0, out
         assert 0 <= _number(late) <= _number(p99), out
-        assert met == ("yes" if _number(p99) <= 20 else "no"), out
+        assert abs(_number(over) - _number(p99) / 20) < 0.01, out
+        met = _number(p99) <= 20
         assert 0 < _number(served) <= 2 * _number(rate), out
         assert re.fullmatch(r"\d+ of 4", broken), out  # 2 sizes x 2 waits
         if best == "none":
@@ -141,8 +209,9 @@ def test_bench_slo_quick() -> None:
     )
     assert found is not None, out
     assert (found.group(1) == "nan") == (not servable), out
-    p99_verdict = "met" if all(m == "yes" for m in servable) else "MISSED"
-    assert re.search(rf"^verdict: p99 target {p99_verdict}; served >= 90% of the best", out, re.M)
+    under = f"{sum(servable)} of {len(servable)} rates"
+    assert f"p99 at or under 20 ms where some fixed setting met it: {under}" in out, out
+    _no_verdict(out)
 
 
 @pytest.mark.slow
@@ -152,13 +221,16 @@ def test_bench_cache_smoke() -> None:
     assert "## batchline result cache" in out
     assert "50% of the requests served without a model call" in out
     assert "full, cache on" in out
+    assert REDIS_LINE.search(out), out
 
 
 @pytest.mark.slow
 def test_bench_batch_api_smoke() -> None:
     out = _bench(["benchmarks.batch_api", "--lines", "200", "--repeats", "1"], 300)
-    assert re.search(r"^\| \*\*batch / producer\*\* .* \| [\d.]+ \|", out, re.M), out
-    assert re.search(r"^\| \*\*p99 with / without a batch\*\* .* \| [\d.]+ \|", out, re.M), out
+    assert re.search(r"^\| \*\*batch / producer\*\* \| [\d.]+ \|", out, re.M), out
+    assert re.search(r"^\| \*\*p99 with / without a batch\*\* \| [\d.]+ \|", out, re.M), out
+    assert REDIS_LINE.search(out), out
+    _no_verdict(out)
 
 
 @pytest.mark.slow
@@ -169,14 +241,18 @@ def test_bench_batch_limits_smoke() -> None:
     assert re.search(r"^\| 4 x 16 \| .* \| completed \| 4/4 \|", out, re.M), out
     argv = ["benchmarks.batch_limits", "--part", "uploads", "--upload-mb", "5", "--repeats", "1"]
     out = _bench(argv, 300)
-    assert re.search(r"^\| \*\*p99 during / idle\*\* .* \| [\d.]+ \|", out, re.M), out
+    assert re.search(r"^\| \*\*p99 during / idle\*\* \| [\d.]+ \|", out, re.M), out
+    assert REDIS_LINE.search(out), out
+    _no_verdict(out)
 
 
 @pytest.mark.slow
 def test_bench_schema_check_smoke() -> None:
     argv = ["benchmarks.schema_check", "--schemas", "2", "--seconds", "1", "--repeats", "1"]
     out = _bench(argv, 300)
-    assert re.search(r"^\| \*\*p99 checking / idle\*\* .* \| [\d.]+ \|", out, re.M), out
+    assert re.search(r"^\| \*\*p99 checking / idle\*\* \| [\d.]+ \|", out, re.M), out
+    assert REDIS_LINE.search(out), out
+    _no_verdict(out)
 
 
 # The tiny random Llama of the tests (no download), importable from the repository root.
@@ -186,10 +262,15 @@ WITH_TESTS = os.environ | {"PYTHONPATH": str(REPO)}
 
 @pytest.mark.slow
 def test_bench_generate_stream_ab_quick() -> None:
-    """The streaming row, on the tiny random Llama."""
+    """The streaming row, on the tiny random Llama, on the redis-server chosen."""
     pytest.importorskip("transformers")
+    _importable()
+    from batchline.demo.embedded import redis_servers
+
+    chosen = min(redis_servers(), key=lambda server: server.version)  # not the default
     argv = ["benchmarks.generate", "--quick", "--stream-ab", "--rounds", "1", *TINY_LLAMA]
-    out = _bench(argv, 300, WITH_TESTS)
+    out = _bench([*argv, "--redis-server", chosen.path], 300, WITH_TESTS)
+    assert f"started a private {chosen} on unix://" in out, out
     assert "uniform: 8 chat prompts, greedy, 16 new tokens, through Redis" in out
     assert out.count(" 128 tok ") == 2, out
     assert "x without (" in out
@@ -205,6 +286,9 @@ def test_bench_generate_http_ab_quick() -> None:
     assert "uniform: 8 chat prompts, greedy, 16 new tokens; alternating, 1 rounds" in out
     assert out.count(" 128 tok ") == 2, out
     assert "batchline via HTTP + Redis" in out
+    assert REDIS_LINE.search(out), out
+    # --dtype auto on a model built by a callable: left in its own dtype, as the worker does
+    assert re.search(r"^device cpu, dtype torch\.float64$", out, re.M), out
     assert "x in process" in out
 
 
@@ -242,6 +326,10 @@ def test_bench_prefix_smoke() -> None:
     argv = ["--requests", "4", "--join", "2", "--repeats", "2", "--new-tokens", "2"]
     out = _bench(["benchmarks.prefix", *argv], 300, os.environ | {"HF_HUB_OFFLINE": "1"})
     assert re.search(r"^ +cache: prefill [0-9.]+ s median", out, re.M), out
+    _importable()
+    from batchline.devices import pick_dtype
+
+    assert f"SmolLM2-135M-Instruct on cpu in {pick_dtype('auto', 'cpu')}" in out, out
     assert re.search(r"^no cache: prefill [0-9.]+ s median", out, re.M), out
     assert re.search(r"prefill time saved: -?[0-9.]+%", out), out
     assert "first tokens the same: True" in out
@@ -299,6 +387,7 @@ def test_bench_admission_smoke() -> None:
     assert "2 interleaved repeats" in out, out
     for figure in ("requests/s", "idle p50 ms", "redis CPU µs/request"):
         assert re.search(rf"^{re.escape(figure)} .* ([0-9.]+|-)$", out, re.M), out
+    assert REDIS_LINE.search(out), out
 
 
 @pytest.mark.slow
@@ -307,6 +396,7 @@ def test_bench_durability_smoke() -> None:
     argv = ["--requests", "300", "--inflight", "100", "--repeats", "1", "--models", "echo"]
     out = _bench(["benchmarks.durability", *argv], 280)
     assert re.search(r"^echo\s+[\d,]+ \(.*\)\s+[\d,]+ \(.*\)\s+[\d.]+$", out, re.M), out
+    assert REDIS_LINE.search(out), out
 
 
 @pytest.mark.slow
@@ -327,6 +417,10 @@ def test_bench_dtype_smoke() -> None:
     assert "minimum cosine to float32 0.99" in out
     assert "greedy match, batchline in bfloat16 against model.generate in bfloat16: 2/2" in out
     assert "native bfloat16 flags:" in out
+    _importable()
+    from batchline.devices import pick_dtype
+
+    assert f"dtype auto on this cpu: {pick_dtype('auto', 'cpu')}".replace("torch.", "") in out
 
 
 @pytest.mark.slow
@@ -359,3 +453,4 @@ def test_bench_tracing_smoke() -> None:
         assert re.search(rf"^{re.escape(figure)} .* ([0-9.]+|-) +([0-9.]+|-)$", out, re.M), out
     assert "off: the producer imported batchline.tracing._otel: no" in out, out
     assert "on: the producer imported batchline.tracing._otel: yes" in out, out
+    assert REDIS_LINE.search(out), out
