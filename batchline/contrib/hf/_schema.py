@@ -22,12 +22,13 @@ from typing import Annotated, Any
 import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
-from batchline.codec import non_finite, unit_rows
+from batchline.codec import unit_rows
 from batchline.contrib._plumbing import MAX_TEXT_CHARS
 from batchline.contrib.openai import (
     MAX_EMBEDDING_INPUTS,
     MAX_LOGPROBS,
     MAX_RERANK_DOCUMENTS,
+    embedding_matrix,
     rerank_value,
 )
 from batchline.errors import show_value
@@ -356,12 +357,7 @@ def stream_event(
 def vectors(output: Any, count: int, *, normalize: bool) -> list[list[float]]:
     """TEI's answer: one vector per text, from an embedding worker's matrix; scaled to
     unit length where ``normalize`` (a zero vector stays zero)."""
-    matrix = np.asarray(output, dtype=np.float32)
-    if matrix.ndim != 2 or matrix.shape[0] != count:
-        raise ValueError(f"the embedding worker answered shape {matrix.shape} for {count} texts")
-    where = non_finite(matrix)
-    if where is not None:
-        raise ValueError(f"the model's vectors hold {where} (row, column): not sent")
+    matrix = embedding_matrix(output, count).astype(np.float32)
     if normalize:
         matrix = unit_rows(matrix)
     return [row.astype(float).tolist() for row in matrix]

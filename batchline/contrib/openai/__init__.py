@@ -4,6 +4,7 @@ completions, models), Cohere's and Jina's ``/rerank`` and vLLM's ``/tokenize`` a
 
 - :mod:`._routes`: the ``/v1`` app and the producers its lifespan opens, one per served queue
   (:class:`OpenAIRoutes`): what every wing runs its requests on;
+- :mod:`._embeddings`: an embeddings answer, its matrix checked (TEI's shares the check);
 - :mod:`._schema`: the bodies and answers (:mod:`._extra_schema`: the parameters beyond
   OpenAI's, rerank's and tokenize's bodies);
 - :mod:`._stream`: server-sent events from a producer's stream;
@@ -18,6 +19,7 @@ queues; the Batch API runs each line through them) use what it exports, and noth
 the wing. The wing imports the plumbing, and no other wing.
 """
 
+from batchline.contrib.openai._embeddings import embedding_matrix
 from batchline.contrib.openai._errors import OpenAIError, described, log_error, refused, typed
 from batchline.contrib.openai._extra_schema import MAX_RERANK_DOCUMENTS, rerank_value
 from batchline.contrib.openai._facts import check_dimensions
@@ -57,6 +59,7 @@ __all__ = [
     "checked",
     "completion_body",
     "described",
+    "embedding_matrix",
     "error_body",
     "log_error",
     "next_chunk",

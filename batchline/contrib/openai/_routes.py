@@ -40,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from batchline.codec._chunks import check_logprobs
 from batchline.config import ProducerSettings, WebSettings
 from batchline.contrib._plumbing import BodyRoute, SchemaChecker
+from batchline.contrib.openai._embeddings import embedding_body, embedding_matrix
 from batchline.contrib.openai._errors import (
     OpenAIError,
     answer_batchline,
@@ -53,8 +54,6 @@ from batchline.contrib.openai._schema import (
     EmbeddingRequest,
     chat_body,
     completion_body,
-    embedding_body,
-    embedding_matrix,
     head,
 )
 from batchline.contrib.openai._stream import (
@@ -272,7 +271,7 @@ class OpenAIRoutes:
         """The answer of an embeddings request from its ``ok`` result (the route's, and a
         batch line's: ``lazy``, its ``data`` made as it is encoded)."""
         try:
-            matrix = embedding_matrix(result.output, body.texts)
+            matrix = embedding_matrix(result.output, len(body.texts))
         except ValueError as exc:
             raise OpenAIError(500, str(exc), "server_error") from None
         if body.dimensions is not None:

@@ -14,12 +14,10 @@ Answers are plain dicts in OpenAI's shapes (``text_completion``, ``chat.completi
 
 from __future__ import annotations
 
-import base64
 import json
 import time
 from typing import Annotated, Any, Literal
 
-import numpy as np
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -30,7 +28,6 @@ from pydantic import (
     field_validator,
 )
 
-from batchline.codec import non_finite
 from batchline.contrib._plumbing import MAX_TEXT_CHARS
 
 __all__ = [
@@ -46,8 +43,6 @@ __all__ = [
     "chunk_body",
     "completion_body",
     "completion_logprobs",
-    "embedding_body",
-    "embedding_matrix",
     "error_body",
     "finish_reason",
     "head",
@@ -457,47 +452,3 @@ def usage_chunk(fields: dict[str, Any], outputs: list[dict[str, Any]]) -> dict[s
 def sse(body: dict[str, Any]) -> bytes:
     """One server-sent event carrying ``body`` as JSON."""
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
-
-
-def embedding_matrix(output: Any, texts: list[str]) -> np.ndarray[Any, Any]:
-    """A worker's output for a list of texts as a matrix, one row each; ValueError for
-    any other shape, and for a NaN or an infinity in it."""
-    matrix = np.asarray(output)
-    if matrix.ndim != 2 or matrix.shape[0] != len(texts):
-        raise ValueError(
-            f"the embedding worker answered shape {matrix.shape} for {len(texts)} texts"
-        )
-    where = non_finite(matrix)
-    if where is not None:  # no JSON holds it, and base64 would hand the client garbage
-        raise ValueError(f"the model's vectors hold {where} (row, column): not sent")
-    return matrix
-
-
-def embedding_body(
-    model: str,
-    matrix: np.ndarray[Any, Any],
-    encoding: Literal["float", "base64"],
-    tokens: int,
-    *,
-    lazy: bool = False,
-) -> dict[str, Any]:
-    """A ``list`` of ``embedding`` objects, one per row of ``matrix``. ``base64``: each
-    vector's little-endian float32 bytes. ``tokens``: the input's, as the model's tokenizer
-    counted them (0: the worker did not say). ``lazy``: ``data`` an iterator that makes each
-    object as it is read (a batch line's answer, encoded a piece at a time), not a list."""
-
-    def item(i: int, row: np.ndarray[Any, Any]) -> dict[str, Any]:
-        vector: Any = (
-            base64.b64encode(row.astype("<f4").tobytes()).decode()
-            if encoding == "base64"
-            else row.astype(float).tolist()
-        )
-        return {"object": "embedding", "index": i, "embedding": vector}
-
-    data = (item(i, row) for i, row in enumerate(matrix))
-    return {
-        "object": "list",
-        "data": data if lazy else list(data),
-        "model": model,
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-    }
