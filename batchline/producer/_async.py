@@ -38,7 +38,7 @@ from batchline.errors import (
 )
 from batchline.keys import check_name, host_id
 from batchline.producer._enqueue import Enqueuer
-from batchline.producer._failures import timed_out, translate
+from batchline.producer._failures import timed_out, translated
 from batchline.producer._replies import Answered, ReplyReader, Waiters, cached_result
 from batchline.producer._stream import StreamChunk, Streams, quiet_cancel
 from batchline.producer._watch import NoWorkerWatch
@@ -50,7 +50,6 @@ from batchline.transport import (
     connect,
     ignoring_redis_failures,
     input_hash,
-    redis_failure,
 )
 
 __all__ = ["AsyncProducer", "EnqueueOptions", "Handle", "SubmitOptions"]
@@ -478,15 +477,10 @@ class AsyncProducer:
         """Read a request's result key: its Result, or None while there is none; raises
         DecodeError (a ValueError) if the key holds something that is not a valid result."""
         key = self.keys.result(check_name("request_id", request_id))
-        try:
+        with translated():
             raw = await self._redis.get(key)
             if raw is None and self.settings.cache_ttl_s > 0:
                 raw = await cached_result(self._redis, self.keys, request_id)
-        except Exception as caught:
-            exc = redis_failure(caught)
-            if exc is None:
-                raise
-            raise translate(exc) from caught
         if raw is None:
             return None
         try:
@@ -501,13 +495,8 @@ class AsyncProducer:
         """Ask workers to skip this request if none has started it (the caller went away);
         a generation worker also ends one it is running, at its next step."""
         rid = handle if isinstance(handle, str) else handle.id
-        try:
+        with translated():
             await self._admission.cancel(self._redis, rid, ttl_s=self.settings.result_ttl_s)
-        except Exception as caught:
-            exc = redis_failure(caught)
-            if exc is None:
-                raise
-            raise translate(exc) from caught
         for fut in self._waiting.forget(rid):
             if not fut.done():
                 # Not fut.cancel(): a waiter would take that for its own task being cancelled.
@@ -517,10 +506,5 @@ class AsyncProducer:
     async def queue_depth(self) -> int:
         """Requests waiting or in progress in this queue, all priorities together (those
         in its inbox, not admitted yet, included)."""
-        try:
+        with translated():
             return await self._admission.depth(self._redis)
-        except Exception as caught:
-            exc = redis_failure(caught)
-            if exc is None:
-                raise
-            raise translate(exc) from caught

@@ -19,6 +19,8 @@ reaches the caller as it is.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.retry import Retry
@@ -60,6 +62,7 @@ __all__ = [
     "refused",
     "timed_out",
     "translate",
+    "translated",
     "uncertain",
     "writer_for",
 ]
@@ -94,6 +97,19 @@ def translate(exc: BaseException) -> BaseException:
     if isinstance(exc, RedisConnectionError | OSError):
         return ServiceUnavailable(f"Redis is unreachable: {type(exc).__name__}: {exc}")
     return exc
+
+
+@contextlib.contextmanager
+def translated() -> Iterator[None]:
+    """Redis failing inside the block (redis-py's own failures included) raised as
+    :func:`translate` names it; any other exception as it is."""
+    try:
+        yield
+    except Exception as caught:
+        exc = redis_failure(caught)
+        if exc is None:
+            raise
+        raise translate(exc) from caught
 
 
 async def timed_out(client: RedisClient, keys: QueueKeys, what: str) -> RequestTimeout:
