@@ -6,6 +6,8 @@ error subclasses that builtin too::
 
     BatchlineError
     ├── QueueFull                    the queue is at max_queue_size; raised at once
+    ├── QuotaExceeded                a tenant's quota (requests or tokens a minute, requests
+    │                                in flight) is reached: not queued; retry after retry_after_s
     ├── BatcherClosed                a call after close(), or one rejected by close()
     ├── RequestTimeout (TimeoutError) the call's timeout or deadline passed
     │   ├── RequestExpired           the deadline passed before a worker started it
@@ -71,6 +73,7 @@ __all__ = [
     "NotReplicated",
     "PromptTooLong",
     "QueueFull",
+    "QuotaExceeded",
     "RequestCancelled",
     "RequestExpired",
     "RequestIdConflict",
@@ -87,6 +90,29 @@ class BatchlineError(Exception):
 
 class QueueFull(BatchlineError):
     """The queue holds ``max_queue_size`` items (or requests) already; nothing was queued."""
+
+
+class QuotaExceeded(BatchlineError):
+    """A tenant's quota is reached: the request was not queued (or not admitted).
+
+    Attributes:
+        tenant: whose quota.
+        limit: which one: ``requests_per_min``, ``tokens_per_min`` or ``max_in_flight``.
+        retry_after_s: seconds until a request would be admitted again (at least 0).
+    """
+
+    def __init__(self, message: str, *, tenant: str, limit: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.tenant = tenant
+        self.limit = limit
+        self.retry_after_s = max(0.0, float(retry_after_s))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _quota_exceeded, (str(self), self.tenant, self.limit, self.retry_after_s)
+
+
+def _quota_exceeded(message: str, tenant: str, limit: str, retry_after_s: float) -> QuotaExceeded:
+    return QuotaExceeded(message, tenant=tenant, limit=limit, retry_after_s=retry_after_s)
 
 
 class BatcherClosed(BatchlineError):

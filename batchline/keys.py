@@ -23,8 +23,23 @@ layout (``docs/protocol.md`` has the full protocol)::
     <prefix>:{<queue>}:admitting          list: inbox elements a worker took to admit
     <prefix>:{<queue>}:jobs               list: job notes, which the admission makes job keys
     <prefix>:{<queue>}:functions          the tag of the queue's functions (workers write it)
+    <prefix>:{<queue>}:in:<tenant>        list: a tenant's inbox (its producers append)
+    <prefix>:{<queue>}:tenants            hash: tenant -> its config (JSON; workers mirror it)
+    <prefix>:{<queue>}:bl:<tenant>:<p>    list: a tenant's backlog at priority p (fair share)
+    <prefix>:{<queue>}:fair:<p>           sorted set: backlogged tenants by virtual start
+    <prefix>:{<queue>}:fairclock          hash: virtual clocks and tenants' last finishes
+    <prefix>:{<queue>}:backlog            hash: priority -> requests held in backlogs
+    <prefix>:{<queue>}:quota:<t>:<k>:<m>  a tenant's requests (k=r) or tokens (k=t) in minute m
+    <prefix>:{<queue>}:inflight:<tenant>  sorted set: a tenant's requests not answered yet
+    <prefix>:{<queue>}:usage:<YYYYMMDD>   hash: "<tenant>|requests|items|tokens" counts of a day
 
 The consumer group on every work stream is :data:`GROUP`.
+
+The tenant store, one hash tag for every queue (:class:`TenantKeys`)::
+
+    <prefix>:{tenants}:keys                   hash: sha256 of an API key -> its record (JSON)
+    <prefix>:{tenants}:config                 hash: tenant -> its config (JSON)
+    <prefix>:{tenants}:version                counter: moves on every change of the two
 
 The OpenAI Batch API of the web backend keeps its files and batches under one hash tag of
 their own, ``{batchapi}`` (:class:`BatchApiKeys`)::
@@ -51,6 +66,7 @@ __all__ = [
     "MAX_ID_CHARS",
     "BatchApiKeys",
     "QueueKeys",
+    "TenantKeys",
     "check_name",
     "host_id",
     "is_name",
@@ -233,6 +249,81 @@ class QueueKeys:
     def functions(self) -> str:
         """The tag of the queue's functions, which workers write as they load them."""
         return f"{self.base}:functions"
+
+    # -- tenants (docs/protocol.md, Tenants) --------------------------------------------------
+
+    def tenant_inbox(self, tenant: str) -> str:
+        """A tenant's inbox: the list its producers append to (then a wake to the inbox)."""
+        return f"{self.base}:in:{tenant}"
+
+    @property
+    def tenants(self) -> str:
+        """The tenants' configs (a hash: tenant -> JSON), which the workers mirror."""
+        return f"{self.base}:tenants"
+
+    def backlog(self, tenant: str, priority: int) -> str:
+        """A tenant's requests admitted and held for the fair share, at one priority."""
+        return f"{self.base}:bl:{tenant}:{priority}"
+
+    def fair(self, priority: int) -> str:
+        """The backlogged tenants of one priority, scored by virtual start time."""
+        return f"{self.base}:fair:{priority}"
+
+    @property
+    def fair_clock(self) -> str:
+        """The fair share's virtual clocks and the tenants' last virtual finishes (a hash)."""
+        return f"{self.base}:fairclock"
+
+    @property
+    def backlog_counts(self) -> str:
+        """How many requests the backlogs hold, per priority (a hash)."""
+        return f"{self.base}:backlog"
+
+    def quota(self, tenant: str, kind: str, minute: int) -> str:
+        """A tenant's count of ``kind`` (``r`` requests, ``t`` tokens) in one unix minute."""
+        return f"{self.base}:quota:{tenant}:{kind}:{minute}"
+
+    def tenant_in_flight(self, tenant: str) -> str:
+        """A tenant's requests admitted and not answered (a sorted set: id -> expiry ms)."""
+        return f"{self.base}:inflight:{tenant}"
+
+    def usage(self, day: str) -> str:
+        """The usage counters of one UTC day (``YYYYMMDD``; a hash)."""
+        return f"{self.base}:usage:{day}"
+
+
+@dataclass(frozen=True, slots=True)
+class TenantKeys:
+    """The tenant store: API keys and tenants' configs, one hash tag for every queue.
+
+    Attributes:
+        prefix: the namespace of every key, as :class:`QueueKeys`'s.
+    """
+
+    prefix: str = "batchline"
+
+    def __post_init__(self) -> None:
+        check_name("prefix", self.prefix)
+
+    @property
+    def base(self) -> str:
+        """The part every key starts with."""
+        return f"{self.prefix}:{{tenants}}"
+
+    @property
+    def api_keys(self) -> str:
+        """The API keys (a hash: sha256 hex of a key -> its record, JSON)."""
+        return f"{self.base}:keys"
+
+    @property
+    def config(self) -> str:
+        """The tenants' configs (a hash: tenant -> JSON)."""
+        return f"{self.base}:config"
+
+    @property
+    def version(self) -> str:
+        """A counter every change of the keys or the configs moves."""
+        return f"{self.base}:version"
 
 
 @dataclass(frozen=True, slots=True)

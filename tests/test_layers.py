@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "batchline"
 
 # The wire format (no I/O) -> settings -> the Redis transport -> producer and worker -> what
 # is built on them. core/ (pure) -> drivers/ (in process) and generation/ beside them.
-WIRE = {"errors", "_json_depth", "keys", "codec"}
+WIRE = {"errors", "_json_depth", "keys", "codec", "tenants"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "_json_depth": {"errors"},
@@ -31,8 +31,9 @@ ALLOWED: dict[str, set[str]] = {
     "_response_format": {"_json_depth", "_llguidance", "errors"},
     "generation": {"_llguidance", "_response_format", "core", "devices", "errors"},
     "keys": set(),
+    "tenants": set(),
     "codec": {"_json_depth", "errors", "keys"},
-    "acl": {"keys"},
+    "acl": {"keys", "tenants"},
     "redis_url": set(),
     "config": WIRE | {"devices", "drivers", "redis_url"},
     "transport": WIRE | {"config", "redis_url"},
