@@ -11,7 +11,10 @@
 - ``GET /healthz``: 200 while Redis answers PING, else 503.
 
 They answer in the native shape (FastAPI's ``{"detail"}``), on the app's own ``queue``, with
-one :class:`~batchline.producer.AsyncProducer` opened by :meth:`OwnRoutes.lifespan`.
+one :class:`~batchline.producer.AsyncProducer` opened by :meth:`OwnRoutes.lifespan`. Each
+request is submitted in its caller's tenant's name; a tenant's job ids are in its namespace
+(``<tenant>.<hex>``), and another tenant's job is 404, as an unknown one (an admin reads
+every job).
 """
 
 from __future__ import annotations
@@ -31,11 +34,19 @@ from redis.exceptions import RedisError
 
 from batchline.codec import DecodeError, Result, non_finite, unpack_result
 from batchline.config import ProducerSettings
-from batchline.contrib._plumbing import INPUT_ERRORS, MAX_TEXT_CHARS, RETRY_AFTER_S
+from batchline.contrib._plumbing import (
+    INPUT_ERRORS,
+    MAX_TEXT_CHARS,
+    RETRY_AFTER_S,
+    as_tenant,
+    caller_of,
+    scoped_id,
+)
 from batchline.errors import BatcherClosed, BatchlineError, QueueFull, RequestTimeout
 from batchline.keys import ID_PATTERN, MAX_ID_CHARS
 from batchline.producer import AsyncProducer, Handle
 from batchline.producer._replies import cached_result
+from batchline.tenants import tenant_of
 from batchline.transport import REDIS_FAILURES, Admission, RedisClient, connect
 
 __all__ = [
@@ -127,6 +138,13 @@ def _jsonable(value: Any) -> Any:
 
 #: What a job's key may say of its answer's shape (``EmbedRequest.kind``).
 _JOB_KINDS = ("embedding", "embeddings")
+
+
+def _no_job(request_id: str) -> JSONResponse:
+    """The 404 of a job that is unknown, expired, or another tenant's (the same answer: it
+    tells nothing of the others')."""
+    detail = f"no job {request_id}: unknown, or its result has expired"
+    return JSONResponse({"detail": detail, "id": request_id}, status_code=404)
 
 
 def _kind_of(output: Any) -> str:
@@ -247,7 +265,9 @@ class OwnRoutes:
                 422, f"priority must be in 0..{self.keys.priorities - 1}, got {body.priority}"
             )
 
-    async def _submit(self, body: EmbedRequest, *, reply: bool, request_id: str | None) -> Handle:
+    async def _submit(
+        self, body: EmbedRequest, tenant: dict[str, Any], *, reply: bool, request_id: str | None
+    ) -> Handle:
         self._check_priority(body)
         try:
             return await self.producer.submit(
@@ -256,13 +276,15 @@ class OwnRoutes:
                 priority=body.priority,
                 request_id=request_id,
                 reply=reply,
+                **tenant,
             )
         except (QueueFull, BatcherClosed) as exc:
             raise HTTPException(503, str(exc), {"Retry-After": str(RETRY_AFTER_S)}) from None
 
-    async def embed(self, body: EmbedRequest) -> JSONResponse:
+    async def embed(self, body: EmbedRequest, request: Request) -> JSONResponse:
         """Embed one text or several, waiting for the result."""
-        handle = await self._submit(body, reply=True, request_id=None)
+        tenant = as_tenant(caller_of(request).tenant)
+        handle = await self._submit(body, tenant, reply=True, request_id=None)
         try:
             result = await self.producer.wait(handle, self.timeout_s)
         except BatcherClosed:  # the app is shutting down
@@ -270,15 +292,17 @@ class OwnRoutes:
             return JSONResponse({"detail": detail, "id": handle.id}, status_code=503)
         except RequestTimeout as exc:  # it names the queue, and whether a worker serves it
             with contextlib.suppress(RedisError, OSError, BatchlineError):
-                await self.producer.cancel(handle)  # nobody waits for it any more
+                await self.producer.cancel(handle, **tenant)  # nobody waits for it any more
             return JSONResponse({"detail": str(exc), "id": handle.id}, status_code=504)
         return _answer(result, body.kind, expired_status=504)
 
     async def submit_job(self, body: EmbedRequest, request: Request) -> JSONResponse:
         """Submit without waiting; poll ``status_url`` for the result."""
         self._check_priority(body)
-        request_id = uuid.uuid4().hex
-        handle = await self._submit(body, reply=False, request_id=request_id)
+        caller = caller_of(request).tenant
+        tenant = as_tenant(caller)
+        request_id = scoped_id(caller, uuid.uuid4().hex)
+        handle = await self._submit(body, tenant, reply=False, request_id=request_id)
         # Its job key (gone with the result's TTL) tells pending from unknown; until the
         # admission writes it, the note waiting for it does (job_state).
         try:
@@ -287,7 +311,7 @@ class OwnRoutes:
             )
         except BaseException:
             with contextlib.suppress(RedisError, OSError, BatchlineError):
-                await self.producer.cancel(handle)  # nobody can poll for it
+                await self.producer.cancel(handle, **tenant)  # nobody can poll for it
             raise
         url = request.url_for("job", request_id=request_id).path
         return JSONResponse(
@@ -295,9 +319,14 @@ class OwnRoutes:
         )
 
     async def job(
-        self, request_id: Annotated[str, Path(pattern=ID_PATTERN, max_length=MAX_ID_CHARS)]
+        self,
+        request_id: Annotated[str, Path(pattern=ID_PATTERN, max_length=MAX_ID_CHARS)],
+        request: Request,
     ) -> JSONResponse:
-        """A job's state: pending (202), its result, or unknown (404)."""
+        """A job's state: pending (202), its result, or unknown (404: also another
+        tenant's job, which is not looked up)."""
+        if not caller_of(request).may_see(tenant_of(request_id)):
+            return _no_job(request_id)
         raw, marker = await self._jobs.job_state(self.redis, request_id, _JOB_KINDS)
         if raw is None and marker is not None and self.producer.settings.cache_ttl_s > 0:
             raw = await cached_result(self.redis, self.keys, request_id)  # a cache hit's
@@ -311,8 +340,7 @@ class OwnRoutes:
             return _answer(result, kind or _kind_of(result.output), expired_status=410)
         if marker is not None:
             return JSONResponse({"id": request_id, "status": "pending"}, status_code=202)
-        detail = f"no job {request_id}: unknown, or its result has expired"
-        return JSONResponse({"detail": detail, "id": request_id}, status_code=404)
+        return _no_job(request_id)
 
     async def healthz(self) -> JSONResponse:
         """200 while Redis answers PING."""

@@ -8,6 +8,8 @@ errors and the API's child processes.
   parses it;
 - :mod:`._body_thread`: a large body's depth check, JSON parse and validation off the event
   loop (the apps' route class, :class:`BodyRoute`);
+- :mod:`._caller`: who calls (the tenant an API key names, admin or not);
+  :mod:`._tenancy`: the producer calls and request ids made in its tenant's name;
 - :mod:`._common`: the worker errors that are the client's, ``Retry-After``, the longest
   text, FastAPI's own 422, and the API's child processes started and stopped;
 - :mod:`._schema_process` (and its child, :mod:`._schema_child`): a ``response_format``'s
@@ -26,6 +28,7 @@ from batchline.contrib._plumbing._body_limit import (
     native_error,
 )
 from batchline.contrib._plumbing._body_thread import LARGE_BODY_BYTES, BodyRoute, off_loop
+from batchline.contrib._plumbing._caller import OPEN, Caller, caller_of
 from batchline.contrib._plumbing._common import (
     INPUT_ERRORS,
     MAX_TEXT_CHARS,
@@ -35,22 +38,28 @@ from batchline.contrib._plumbing._common import (
     stop_child,
 )
 from batchline.contrib._plumbing._schema_process import SchemaChecker
+from batchline.contrib._plumbing._tenancy import as_tenant, scoped_id
 
 __all__ = [
     "INPUT_ERRORS",
     "LARGE_BODY_BYTES",
     "MAX_TEXT_CHARS",
     "NATIVE",
+    "OPEN",
     "RETRY_AFTER_S",
     "BodyDepth",
     "BodyLimit",
     "BodyRoute",
+    "Caller",
     "ErrorBody",
     "ErrorShape",
     "SchemaChecker",
     "answer_invalid_native",
+    "as_tenant",
+    "caller_of",
     "native_error",
     "off_loop",
+    "scoped_id",
     "start_child",
     "stop_child",
 ]

@@ -34,7 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from batchline.contrib._plumbing import off_loop
+from batchline.contrib._plumbing import caller_of, off_loop, scoped_id
 from batchline.contrib.hf._errors import Kind, TGIError, tgi
 from batchline.contrib.hf._schema import (
     PARAMS,
@@ -116,9 +116,12 @@ class HFRoutes:
         for path, endpoint in routes:
             app.add_api_route(path, endpoint, methods=["POST"], response_model=None)
 
-    def embed_or(self, model: type[M], other: Callable[[M], Awaitable[Response]]) -> Endpoint:
+    def embed_or(
+        self, model: type[M], other: Callable[[M, Request], Awaitable[Response]]
+    ) -> Endpoint:
         """The ``/embed`` endpoint: TEI's request (with ``inputs``) here, any other body
-        validated as ``model`` (a 422 in FastAPI's shape) and handed to ``other``."""
+        validated as ``model`` (a 422 in FastAPI's shape) and handed to ``other`` with the
+        request."""
 
         async def embed(request: Request) -> Response:
             """Embed texts: TEI's ``{"inputs"}``, or ``{"text"}`` / ``{"texts"}``."""
@@ -132,7 +135,7 @@ class HFRoutes:
                 return await self._answer("embedding", request, self._embed(body, request))
             try:
                 validated = await off_loop(len(await request.body()), model.model_validate, body)
-                return await other(validated)
+                return await other(validated, request)
             except ValidationError as exc:
                 errors = exc.errors(include_url=False)
                 raise RequestValidationError(
@@ -259,9 +262,9 @@ class HFRoutes:
         return TGITiming(self._openai.timeout_s, served.producer._timed_out)
 
     async def _stream(self, served: Served, body: TGIRequest, request: Request) -> Response:
-        rid = uuid.uuid4().hex
+        rid = scoped_id(caller_of(request).tenant, uuid.uuid4().hex)
         timing = self._timing(served)
-        chunks = served.producer.stream(body.wire(tokens=True), request_id=rid)
+        chunks = self._openai.stream(served, body.wire(tokens=True), request, rid)
         return await self._openai.stream_response(
             chunks, timing, request, lambda first: TGIStream(first, chunks, body, timing, rid)
         )
@@ -271,7 +274,7 @@ class HFRoutes:
     ) -> tuple[dict[str, Any], list[Token]] | None:
         """The output and its tokens' texts, from the request's stream (each token's text
         is known only there); None if the client went away."""
-        chunks = served.producer.stream(body.wire(tokens=True))
+        chunks = self._openai.stream(served, body.wire(tokens=True), request)
         try:
             return await unless_disconnected(
                 request.receive, collected(chunks, self._timing(served))

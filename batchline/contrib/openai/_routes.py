@@ -19,6 +19,10 @@ worker's ``BadGenerationParams`` or ``PromptTooLong``), 413 for a body over the 
 ``Retry-After`` when Redis is unavailable, 504 (and the request cancelled) when no answer
 comes within the app's ``timeout_s`` (for a stream: no chunk for that long), 500 when the
 model failed. A client that disconnects cancels its request.
+
+Every request is submitted in its caller's tenant's name (:func:`caller_of`: the tenant its
+API key names; none on an open API), so that the queue counts it against that tenant's
+quotas and fair share, and caches its answer for that tenant alone.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchline.codec._chunks import check_logprobs
 from batchline.config import ProducerSettings, WebSettings
-from batchline.contrib._plumbing import BodyRoute, SchemaChecker
+from batchline.contrib._plumbing import BodyRoute, SchemaChecker, as_tenant, caller_of, scoped_id
 from batchline.contrib.openai._embeddings import embedding_body, embedding_matrix
 from batchline.contrib.openai._errors import (
     OpenAIError,
@@ -65,7 +69,7 @@ from batchline.contrib.openai._stream import (
     unless_disconnected,
 )
 from batchline.errors import BadGenerationParams, BatchlineError
-from batchline.producer import AsyncProducer, Handle, Result
+from batchline.producer import AsyncProducer, Handle, Result, StreamChunk
 from batchline.transport import RedisClient, connect
 
 __all__ = ["OpenAIRoutes", "Served", "checked"]
@@ -296,7 +300,8 @@ class OpenAIRoutes:
         served = self.queue("generation", body.model)
         values = body.values()  # one per choice
         if body.stream:
-            rid = uuid.uuid4().hex  # the request's id (its choices': rid-0, rid-1 ...), the chunks'
+            # The request's id (its choices': rid-0, rid-1 ...), the chunks'.
+            rid = scoped_id(caller_of(request).tenant, uuid.uuid4().hex)
             info = StreamInfo(
                 chat=chat,
                 head=head(chat, rid, served.name, chunk=True),
@@ -307,7 +312,7 @@ class OpenAIRoutes:
             )
             ids = [rid] if len(values) == 1 else [f"{rid}-{i}" for i in range(len(values))]
             chunks = choices(
-                [served.producer.stream(v, request_id=i) for v, i in zip(values, ids, strict=True)]
+                [self.stream(served, v, request, i) for v, i in zip(values, ids, strict=True)]
             )
             return await self.stream_response(
                 chunks, info, request, lambda first: EventStream(first, chunks, info)
@@ -317,6 +322,15 @@ class OpenAIRoutes:
             return Response(status_code=499)
         build = chat_body if chat else completion_body
         return JSONResponse(build(results[0].id, served.name, [checked(r.output) for r in results]))
+
+    @staticmethod
+    def stream(
+        served: Served, value: Any, request: Request, request_id: str | None = None
+    ) -> AsyncGenerator[StreamChunk, None]:
+        """The producer's stream of one request submitted for ``request``'s caller's tenant
+        (``request_id``: one in that tenant's namespace, :func:`scoped_id`)."""
+        tenant = as_tenant(caller_of(request).tenant)
+        return served.producer.stream(value, request_id=request_id, **tenant)
 
     async def check_format(self, body: bytes) -> None:
         """Check the ``response_format`` of ``body`` (the request's JSON) as a worker
@@ -343,15 +357,18 @@ class OpenAIRoutes:
     ) -> list[Result] | None:
         """Submit these requests together (one write: a worker reads them together), and
         wait for an ``ok`` result of each (the first other raises its typed error); None if
-        the client went away first. Requests nobody waits for any more are cancelled."""
+        the client went away first. Requests nobody waits for any more are cancelled. They
+        go in the name of the request's caller's tenant."""
         producer = served.producer
+        tenant = as_tenant(caller_of(request).tenant)
         submitted = await asyncio.gather(
-            *(producer.submit(v, priority=priority) for v in values), return_exceptions=True
+            *(producer.submit(v, priority=priority, **tenant) for v in values),
+            return_exceptions=True,
         )
         handles = [h for h in submitted if isinstance(h, Handle)]
         failed = next((h for h in submitted if not isinstance(h, Handle)), None)
         if failed is not None:  # one was refused (a full queue): none is answered
-            await self._cancel(producer, handles)
+            await self._cancel(producer, handles, tenant)
             raise failed
 
         waiting = {h.id: h for h in handles}  # not answered yet
@@ -367,18 +384,20 @@ class OpenAIRoutes:
                 request.receive, asyncio.gather(*(one(h) for h in handles))
             )
         except BaseException:
-            await self._cancel(producer, list(waiting.values()))
+            await self._cancel(producer, list(waiting.values()), tenant)
             raise
         if results is None:  # the client went away
-            await self._cancel(producer, list(waiting.values()))
+            await self._cancel(producer, list(waiting.values()), tenant)
             return None
         return list(results)
 
     @staticmethod
-    async def _cancel(producer: AsyncProducer, handles: list[Handle]) -> None:
+    async def _cancel(
+        producer: AsyncProducer, handles: list[Handle], tenant: dict[str, Any]
+    ) -> None:
         for handle in handles:
             with contextlib.suppress(RedisError, OSError, BatchlineError):
-                await producer.cancel(handle)
+                await producer.cancel(handle, **tenant)
 
     @staticmethod
     async def stream_response(
