@@ -44,11 +44,13 @@ The tenant store, one hash tag for every queue (:class:`TenantKeys`)::
 The OpenAI Batch API of the web backend keeps its files and batches under one hash tag of
 their own, ``{batchapi}`` (:class:`BatchApiKeys`)::
 
-    <prefix>:{batchapi}:file:<file id>        hash: a file's object (bytes, purpose, ...)
+    <prefix>:{batchapi}:file:<file id>        hash: a file's object (bytes, purpose, tenant...)
     <prefix>:{batchapi}:lines:<file id>       list: the file's lines, in order
     <prefix>:{batchapi}:files                 sorted set: file id -> created_at
+    <prefix>:{batchapi}:files:<tenant>        sorted set: the same, of one tenant's files
     <prefix>:{batchapi}:batch:<batch id>      hash: a batch's object and its progress
     <prefix>:{batchapi}:batches               sorted set: batch id -> created_at
+    <prefix>:{batchapi}:batches:<tenant>      sorted set: the same, of one tenant's batches
     <prefix>:{batchapi}:active                set: the batches not finished yet
     <prefix>:{batchapi}:lease:<batch id>      the API replica driving a batch (expires)
     <prefix>:{batchapi}:answered:<batch id>   set: the lines of a batch answered
@@ -357,6 +359,11 @@ class BatchApiKeys:
         """Every file id, scored by its creation time."""
         return f"{self.base}:files"
 
+    def tenant_files(self, tenant: str) -> str:
+        """The ids of one tenant's files, scored by their creation time (a sorted set): a
+        tenant's list reads its own, however many other tenants' files there are."""
+        return f"{self.base}:files:{tenant}"
+
     def batch(self, batch_id: str) -> str:
         """A batch's object and progress (a hash)."""
         return f"{self.base}:batch:{batch_id}"
@@ -365,6 +372,10 @@ class BatchApiKeys:
     def batches(self) -> str:
         """Every batch id, scored by its creation time."""
         return f"{self.base}:batches"
+
+    def tenant_batches(self, tenant: str) -> str:
+        """The ids of one tenant's batches, scored by their creation time (a sorted set)."""
+        return f"{self.base}:batches:{tenant}"
 
     @property
     def active(self) -> str:

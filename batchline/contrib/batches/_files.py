@@ -13,6 +13,12 @@ for long); the uploads one API process receives at once hold at most
 a file holds at most the app's ``max_file_bytes`` (OpenAI's 200 MB; 413 beyond), each line
 at most the app's ``max_body_bytes`` (a request's body); the output and error files of
 batches are written by the batches themselves (``purpose`` ``batch_output``).
+
+A file belongs to the tenant that uploaded it (its hash's ``tenant``; none: untenanted, as
+every file stored before tenants): another tenant's file is 404, as an unknown id, for
+every route (retrieve, content, delete, a batch's input), and a tenant lists its own, from
+an index of its own (``files:<tenant>``), so that a page costs the same however many files
+other tenants keep. An admin (:attr:`Caller.admin`) sees and lists every file.
 """
 
 from __future__ import annotations
@@ -27,13 +33,14 @@ from typing import Annotated, Any, Literal
 from fastapi import FastAPI, Path, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from batchline.contrib._plumbing import Caller, caller_of
 from batchline.contrib.batches._multipart import MultipartError, boundary
 from batchline.contrib.batches._uploads import CHUNK_LINES, FormReader, UploadBudget, UploadLoop
 from batchline.contrib.openai import OpenAIError
 from batchline.keys import ID_PATTERN, BatchApiKeys
 from batchline.transport import RedisClient
 
-__all__ = ["CHUNK_LINES", "FileStore", "not_found"]
+__all__ = ["CHUNK_LINES", "FileStore", "not_found", "owner_of"]
 
 #: The range of an upload's ``expires_after[seconds]`` (OpenAI's: an hour to 30 days).
 MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 86400
@@ -52,6 +59,11 @@ def not_found(kind: str, object_id: str) -> OpenAIError:
 def _text(raw: dict[bytes, bytes], name: str) -> str | None:
     value = raw.get(name.encode())
     return None if value is None else value.decode()
+
+
+def owner_of(raw: dict[bytes, bytes]) -> str | None:
+    """The tenant a stored file or batch belongs to (None: untenanted)."""
+    return _text(raw, "tenant") or None
 
 
 def file_object(raw: dict[bytes, bytes]) -> dict[str, Any]:
@@ -136,6 +148,14 @@ class FileStore:
         raw: dict[bytes, bytes] = await self.redis.hgetall(self.keys.file(file_id))
         return raw or None
 
+    async def found(self, file_id: str, caller: Caller) -> dict[bytes, bytes]:
+        """A file's stored hash, if ``caller`` may see it; else OpenAI's 404, the same for
+        another tenant's file as for an unknown one."""
+        raw = await self.get(file_id)
+        if raw is None or not caller.may_see(owner_of(raw)):
+            raise not_found("file", file_id)
+        return raw
+
     async def lines(self, file_id: str, start: int, count: int) -> list[bytes]:
         """Up to ``count`` lines of a file from line ``start`` (0-based)."""
         found: list[bytes] = await self.redis.lrange(
@@ -143,12 +163,21 @@ class FileStore:
         )
         return found
 
-    def record(self, pipe: Any, file_id: str, fields: dict[str, str | int]) -> None:
-        """Queue on ``pipe`` the writes that make a file of the lines at ``lines(file_id)``."""
+    def record(
+        self, pipe: Any, file_id: str, fields: dict[str, str | int], owner: str | None
+    ) -> None:
+        """Queue on ``pipe`` the writes that make a file of the lines at ``lines(file_id)``,
+        ``owner``'s (None: untenanted)."""
         created = int(fields.get("created_at", time.time()))
-        pipe.hset(self.keys.file(file_id), mapping={"id": file_id, "created_at": created, **fields})
+        mine = {} if owner is None else {"tenant": owner}
+        pipe.hset(
+            self.keys.file(file_id),
+            mapping={"id": file_id, "created_at": created, **fields, **mine},
+        )
         pipe.persist(self.keys.lines(file_id))
         pipe.zadd(self.keys.files, {file_id: created})
+        if owner is not None:
+            pipe.zadd(self.keys.tenant_files(owner), {file_id: created})
 
     # -- routes --------------------------------------------------------------------------------
 
@@ -178,7 +207,7 @@ class FileStore:
                 self.budget.take(int(declared))  # refused before any of it is read
                 taken[0] = int(declared)
             await self._receive(request, uploads, form, None if declared.isdigit() else taken)
-            await self._record_upload(file_id, form)
+            await self._record_upload(file_id, form, caller_of(request).tenant)
         except BaseException:
             with contextlib.suppress(Exception):
                 await self.redis.delete(self.keys.lines(file_id))
@@ -214,8 +243,8 @@ class FileStore:
                     pending.exception()  # (what failed first is what is raised)
                 pending.cancel()
 
-    async def _record_upload(self, file_id: str, form: FormReader) -> None:
-        """Check the form's fields; make the file of its lines."""
+    async def _record_upload(self, file_id: str, form: FormReader, owner: str | None) -> None:
+        """Check the form's fields; make the file of its lines, ``owner``'s."""
         purpose = form.fields.get("purpose")
         if purpose != "batch":
             message = f"purpose must be 'batch' (the only files this API keeps), got {purpose!r}"
@@ -240,31 +269,42 @@ class FileStore:
                     "created_at": created,
                     **expiry,
                 },
+                owner,
             )
             if ttl_s is not None:  # the file goes on its own (its id leaves the list later)
                 pipe.expire(self.keys.file(file_id), ttl_s)
                 pipe.expire(self.keys.lines(file_id), ttl_s)
             await pipe.execute()
 
+    def index(self, caller: Caller) -> str:
+        """The sorted set of the files ``caller`` lists: its tenant's, or every file for an
+        admin (and for an untenanted caller, whose files the list then filters)."""
+        if caller.admin or caller.tenant is None:
+            return self.keys.files
+        return self.keys.tenant_files(caller.tenant)
+
     async def list(
         self,
+        request: Request,
         purpose: str | None = None,
         limit: Annotated[int, Query(ge=1, le=MAX_LIST)] = MAX_LIST,
         after: str | None = None,
         order: Literal["asc", "desc"] = "desc",
     ) -> JSONResponse:
-        """The files by creation time (``order``; newest first by default), ``limit`` of
-        them after the file ``after`` (an id the list no longer has: from the start),
-        ``purpose`` filtering them. Files that expired leave the list here."""
+        """The caller's files by creation time (``order``; newest first by default),
+        ``limit`` of them after the file ``after`` (an id the list no longer has: from the
+        start), ``purpose`` filtering them. Files that expired leave the list here."""
         redis, newest = self.redis, order == "desc"
+        caller = caller_of(request)
+        index = self.index(caller)
         start = 0
         if after is not None:
-            rank = await (redis.zrevrank if newest else redis.zrank)(self.keys.files, after)
+            rank = await (redis.zrevrank if newest else redis.zrank)(index, after)
             start = 0 if rank is None else rank + 1
         data: list[dict[str, Any]] = []
         gone: list[bytes] = []
         while len(data) <= limit:
-            ids = await redis.zrange(self.keys.files, start, start + _LIST_CHUNK - 1, desc=newest)
+            ids = await redis.zrange(index, start, start + _LIST_CHUNK - 1, desc=newest)
             if not ids:
                 break
             start += len(ids)
@@ -275,10 +315,10 @@ class FileStore:
             for raw_id, raw in zip(ids, found, strict=True):
                 if not raw:
                     gone.append(raw_id)  # expired (or deleted meanwhile)
-                elif purpose is None or _text(raw, "purpose") == purpose:
+                elif caller.may_see(owner_of(raw)) and purpose in (None, _text(raw, "purpose")):
                     data.append(file_object(raw))
-        if gone:
-            await redis.zrem(self.keys.files, *gone)
+        if gone:  # (each index loses its expired ids as it is listed)
+            await redis.zrem(index, *gone)
         more, data = len(data) > limit, data[:limit]
         return JSONResponse(
             {
@@ -290,19 +330,13 @@ class FileStore:
             }
         )
 
-    async def _found(self, file_id: str) -> dict[bytes, bytes]:
-        raw = await self.get(file_id)
-        if raw is None:
-            raise not_found("file", file_id)
-        return raw
-
-    async def retrieve(self, file_id: _Id) -> JSONResponse:
+    async def retrieve(self, file_id: _Id, request: Request) -> JSONResponse:
         """A file's object."""
-        return JSONResponse(file_object(await self._found(file_id)))
+        return JSONResponse(file_object(await self.found(file_id, caller_of(request))))
 
-    async def content(self, file_id: _Id) -> Response:
+    async def content(self, file_id: _Id, request: Request) -> Response:
         """A file's content, JSONL, streamed a chunk of lines at a time."""
-        await self._found(file_id)
+        await self.found(file_id, caller_of(request))
 
         async def chunks() -> AsyncIterator[bytes]:
             start = 0
@@ -315,11 +349,13 @@ class FileStore:
 
         return StreamingResponse(chunks(), media_type="application/jsonl")
 
-    async def delete(self, file_id: _Id) -> JSONResponse:
+    async def delete(self, file_id: _Id, request: Request) -> JSONResponse:
         """Delete a file (its object and its lines)."""
-        await self._found(file_id)
+        owner = owner_of(await self.found(file_id, caller_of(request)))
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(self.keys.file(file_id), self.keys.lines(file_id))
             pipe.zrem(self.keys.files, file_id)
+            if owner is not None:
+                pipe.zrem(self.keys.tenant_files(owner), file_id)
             await pipe.execute()
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})

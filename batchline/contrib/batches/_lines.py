@@ -22,6 +22,7 @@ from typing import Any, Final
 
 from batchline._json_depth import loads
 from batchline.errors import NestingTooDeep
+from batchline.tenants import tenant_id
 
 __all__ = [
     "ENDPOINTS",
@@ -129,12 +130,16 @@ def parse_line(raw: str | bytes, endpoint: str) -> Line:
     return Line(cid, endpoint, body)
 
 
-def request_id(file_id: str, endpoint: str, custom_id: str) -> str:
+def request_id(file_id: str, endpoint: str, custom_id: str, tenant: str | None = None) -> str:
     """The queue's request id of one line: the same for the same file, endpoint and
     ``custom_id``, so that a batch created twice, or driven again after a restart, resubmits
-    the ids it submitted before (the queue answers each id once)."""
-    digest = hashlib.sha256(f"{endpoint}\n{custom_id}".encode()).hexdigest()[:40]
-    return f"{file_id}.{digest}"
+    the ids it submitted before (the queue answers each id once). A tenant's batch's ids
+    are in its namespace (``<tenant>.<file id>.<32 hex>``, within the 128 characters of an
+    id), as the queue's admission requires of a tenant's requests."""
+    digest = hashlib.sha256(f"{endpoint}\n{custom_id}".encode()).hexdigest()
+    if tenant is None:
+        return f"{file_id}.{digest[:40]}"
+    return tenant_id(tenant, f"{file_id}.{digest[:32]}")
 
 
 @dataclass

@@ -8,6 +8,12 @@ not ``purpose=batch``: 400; an empty file, too many requests or a repeated ``cus
 the batch is ``failed``, with ``errors``); cancelling one moves it to ``cancelling``, and
 its driver to ``cancelled`` once every line is written (the lines not run: ``cancelled`` in
 the error file).
+
+A batch belongs to the tenant that created it (its hash's ``tenant``; none: untenanted),
+which must see its input file; its lines run in that tenant's name (its quotas, its fair
+share), whichever replica drives it. Another tenant's batch is 404, as an unknown id
+(retrieve, cancel); a tenant lists its own (``batches:<tenant>``); an admin sees and
+lists every batch.
 """
 
 from __future__ import annotations
@@ -19,14 +25,15 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Path
+from fastapi import FastAPI, Path, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from redis.exceptions import WatchError
 
 from batchline.config import ProducerSettings, WebSettings
+from batchline.contrib._plumbing import Caller, caller_of
 from batchline.contrib.batches._driver import BatchDriver
-from batchline.contrib.batches._files import FileStore, not_found
+from batchline.contrib.batches._files import FileStore, not_found, owner_of
 from batchline.contrib.batches._lines import FINAL, file_errors, moves
 from batchline.contrib.batches._process import DriverProcess
 from batchline.contrib.batches._run import DriverOptions
@@ -193,17 +200,18 @@ class BatchApi:
         if self._driver is not None:
             self._driver.poke(batch_id)
 
-    async def _found(self, batch_id: str) -> dict[bytes, bytes]:
+    async def _found(self, batch_id: str, caller: Caller) -> dict[bytes, bytes]:
+        """A batch's stored hash, if ``caller`` may see it; else OpenAI's 404, the same for
+        another tenant's batch as for an unknown one."""
         raw: dict[bytes, bytes] = await self.files.redis.hgetall(self.keys.batch(batch_id))
-        if not raw:
+        if not raw or not caller.may_see(owner_of(raw)):
             raise not_found("batch", batch_id)
         return raw
 
-    async def create(self, body: BatchCreate) -> JSONResponse:
-        """Create a batch of the requests of an uploaded file."""
-        meta = await self.files.get(body.input_file_id)
-        if meta is None:
-            raise not_found("file", body.input_file_id)
+    async def create(self, body: BatchCreate, request: Request) -> JSONResponse:
+        """Create a batch of the requests of an uploaded file, the caller's."""
+        caller = caller_of(request)
+        meta = await self.files.found(body.input_file_id, caller)
         if meta.get(b"purpose") != b"batch":
             message = f"the file {body.input_file_id!r} is not purpose 'batch'"
             raise OpenAIError(400, message, param="input_file_id", code="invalid_purpose")
@@ -232,33 +240,47 @@ class BatchApi:
         }
         if errors:
             fields |= {"errors": json.dumps(errors), "failed_at": now}
+        if caller.tenant is not None:
+            fields["tenant"] = caller.tenant  # (its lines run in its name: _run)
+        created = time.time()
         async with self.files.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self.keys.batch(batch_id), mapping=fields)
-            pipe.zadd(self.keys.batches, {batch_id: time.time()})
+            pipe.zadd(self.keys.batches, {batch_id: created})
+            if caller.tenant is not None:
+                pipe.zadd(self.keys.tenant_batches(caller.tenant), {batch_id: created})
             if not errors:
                 pipe.sadd(self.keys.active, batch_id)
             await pipe.execute()
         self.poke()
-        return JSONResponse(batch_object(await self._found(batch_id)))
+        return JSONResponse(batch_object(await self._found(batch_id, caller)))
 
-    async def retrieve(self, batch_id: _Id) -> JSONResponse:
+    async def retrieve(self, batch_id: _Id, request: Request) -> JSONResponse:
         """A batch's object."""
-        return JSONResponse(batch_object(await self._found(batch_id)))
+        return JSONResponse(batch_object(await self._found(batch_id, caller_of(request))))
 
     async def list(
-        self, after: str | None = None, limit: Annotated[int, Field(ge=1, le=100)] = 20
+        self,
+        request: Request,
+        after: str | None = None,
+        limit: Annotated[int, Field(ge=1, le=100)] = 20,
     ) -> JSONResponse:
-        """The batches, newest first: ``limit`` of them after the batch ``after``."""
-        redis = self.files.redis
+        """The caller's batches (an admin's: every batch), newest first: ``limit`` of them
+        after the batch ``after``."""
+        redis, caller = self.files.redis, caller_of(request)
+        index = (
+            self.keys.batches
+            if caller.admin or caller.tenant is None
+            else self.keys.tenant_batches(caller.tenant)
+        )
         start = 0
         if after is not None:
-            rank = await redis.zrevrank(self.keys.batches, after)
+            rank = await redis.zrevrank(index, after)
             start = 0 if rank is None else rank + 1
-        ids = await redis.zrevrange(self.keys.batches, start, start + limit)
+        ids = await redis.zrevrange(index, start, start + limit)
         data = []
         for raw_id in ids[:limit]:
             raw = await redis.hgetall(self.keys.batch(raw_id.decode()))
-            if raw:
+            if raw and caller.may_see(owner_of(raw)):
                 data.append(batch_object(raw))
         return JSONResponse(
             {
@@ -270,10 +292,11 @@ class BatchApi:
             }
         )
 
-    async def cancel(self, batch_id: _Id) -> JSONResponse:
+    async def cancel(self, batch_id: _Id, request: Request) -> JSONResponse:
         """Cancel a batch: its lines not answered yet are not run (``cancelled``)."""
         key = self.keys.batch(batch_id)
-        await self._found(batch_id)
+        caller = caller_of(request)
+        await self._found(batch_id, caller)
         async with self.files.redis.pipeline(transaction=True) as pipe:
             while True:
                 try:
@@ -294,4 +317,4 @@ class BatchApi:
                 except WatchError:
                     continue
         self.poke(batch_id)
-        return JSONResponse(batch_object(await self._found(batch_id)))
+        return JSONResponse(batch_object(await self._found(batch_id, caller)))

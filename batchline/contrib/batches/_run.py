@@ -13,6 +13,12 @@ builders turn the result into the response body, which is encoded a piece at a t
 the output limits (:class:`~._output.Output`). Answers are written in chunks (512 lines
 or 8 MiB at most), each chunk in one transaction that also marks its lines answered and
 counts them, and only while this replica holds the lease.
+
+A tenant's batch (its hash's ``tenant``) runs in that tenant's name: each line's request id
+is in its namespace and each submit and cancel names it, so that the queue counts the lines
+against the tenant's quotas and fair share; its output and error files are the tenant's.
+The tenant travels with the batch, in Redis: any replica's driver, in its child process or
+not, reads it there.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any
 from pydantic import ValidationError
 from redis.exceptions import RedisError, WatchError
 
+from batchline.contrib._plumbing import as_tenant
 from batchline.contrib.batches._files import CHUNK_LINES, FileStore
 from batchline.contrib.batches._lines import Line, LineError, parse_line, request_id
 from batchline.contrib.batches._output import Encoded, Output, Window, weight
@@ -173,6 +180,7 @@ class BatchRun:
         self.cancelled = False
         self.expired = False
         self._inflight: dict[str, AsyncProducer] = {}
+        self.tenant: str | None = None  # the batch's (read by run)
         self._answers: asyncio.Queue[_Answer | None] = asyncio.Queue()
         self._window = Window(driver.options.window)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -216,10 +224,9 @@ class BatchRun:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    @staticmethod
-    async def _cancel(producer: AsyncProducer, rid: str) -> None:
+    async def _cancel(self, producer: AsyncProducer, rid: str) -> None:
         with contextlib.suppress(RedisError, OSError, BatchlineError):
-            await producer.cancel(rid)
+            await producer.cancel(rid, **as_tenant(self.tenant))
 
     async def _set(self, **fields: str | int) -> None:
         await self.guarded(lambda pipe: pipe.hset(self.key, mapping=fields))
@@ -230,6 +237,7 @@ class BatchRun:
         """Run the batch's lines not answered yet, then finish it."""
         raw = await self.redis.hgetall(self.key)
         self._fields = {k.decode(): v.decode() for k, v in raw.items()}
+        self.tenant = self._fields.get("tenant") or None
         status = self._fields.get("status")
         if status == "validating":
             await self._set(status="in_progress", in_progress_at=int(time.time()))
@@ -327,7 +335,7 @@ class BatchRun:
             rid = f"{file_id}.line{index}"
             return output.error(parsed.custom_id, rid, parsed.code, parsed.message)
         line = parsed
-        rid = request_id(file_id, endpoint, line.custom_id)
+        rid = request_id(file_id, endpoint, line.custom_id, self.tenant)
         try:
             if self.cancelled:
                 raise RequestCancelled(f"the batch {self.batch_id} was cancelled")
@@ -365,6 +373,7 @@ class BatchRun:
                         request_id=rid,
                         priority=self.driver.options.priority,
                         deadline_ms=deadline_ms,
+                        **as_tenant(self.tenant),
                     )
                     break
                 except QueueFull:
@@ -466,7 +475,7 @@ class BatchRun:
                         "purpose": "batch_output",
                         "lines": int(fields[f"{name}_lines"]),
                     }
-                    self.driver.files.record(pipe, file_id, made)
+                    self.driver.files.record(pipe, file_id, made, self.tenant)
                     pipe.hset(self.key, f"{purpose}_file_id", file_id)
             pipe.hset(self.key, mapping={"status": final, f"{final}_at": int(time.time())})
             pipe.srem(self.keys.active, self.batch_id)

@@ -1,0 +1,141 @@
+"""Tenants apart in the HTTP API: the official ``openai`` client over uvicorn and the session's
+redis-server, one client per tenant (and an admin's): another tenant's files, batches and
+jobs are 404, as unknown ids; lists show one's own; an admin sees every one; a tenant's
+requests, and its batch's lines, go in its name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from batchline.contrib._plumbing import Caller
+from batchline.keys import BatchApiKeys
+
+from ..openai.test_openai import client_for
+from ..test_fastapi import Serve, serve
+from .test_batches import MakeApp, embedding_line, jsonl, make_app, upload
+
+openai = pytest.importorskip("openai")
+
+__all__ = ["make_app", "serve"]  # fixtures, used here
+
+#: The test's API keys, and whom each names.
+CALLERS = {
+    "key-a": Caller("acme"),
+    "key-b": Caller("bravo"),
+    "key-admin": Caller("ops", admin=True),
+}
+
+
+class CallerFromKey:
+    """The key check's stand-in: the Caller that a bearer key names, on the request's state
+    (no key, or another: the open API's caller)."""
+
+    def __init__(self, app: ASGIApp, callers: dict[str, Caller]) -> None:
+        self.app, self.callers = app, callers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            bearer = dict(scope["headers"]).get(b"authorization", b"").decode()
+            found = self.callers.get(bearer.removeprefix("Bearer "))
+            if found is not None:
+                scope.setdefault("state", {})["caller"] = found
+        await self.app(scope, receive, send)
+
+
+def with_callers(app: FastAPI) -> FastAPI:
+    app.add_middleware(CallerFromKey, callers=CALLERS)
+    return app
+
+
+def clients(http: httpx.Client) -> dict[str, Any]:
+    """An ``openai`` client per key of CALLERS (and ``open``, with none of them)."""
+    out = {key: client_for(http).with_options(api_key=key) for key in CALLERS}
+    out["open"] = client_for(http)
+    return out
+
+
+def not_found(call: Callable[[], Any]) -> dict[str, Any]:
+    """The 404 error object ``call`` gets."""
+    with pytest.raises(openai.NotFoundError) as caught:
+        call()
+    error: dict[str, Any] = caught.value.response.json()["error"]
+    return error
+
+
+def same_as_unknown(call: Callable[[str], Any], object_id: str, unknown: str) -> None:
+    """``call(object_id)`` answers as ``call(unknown)`` does: 404, the same error but the id."""
+    seen = not_found(lambda: call(object_id))
+    want = not_found(lambda: call(unknown))
+    assert seen["message"] == want["message"].replace(unknown, object_id), (seen, want)
+    assert {k: v for k, v in seen.items() if k != "message"} == {
+        k: v for k, v in want.items() if k != "message"
+    }
+
+
+def test_files_and_batches_are_their_tenants_own(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    queue: str,
+    redis_url: str,
+) -> None:
+    """Nothing is queued (no driver): the routes alone keep tenants apart."""
+    by = clients(serve(with_callers(make_app(batch_driver="off"))))
+    a, b, admin = by["key-a"], by["key-b"], by["key-admin"]
+    data = jsonl([embedding_line("x", "a text", queue)])
+    a_files = [upload(a, data) for _ in range(3)]
+    b_file = upload(b, data)
+
+    def create(client: Any, file_id: str) -> Any:
+        return client.batches.create(
+            input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h"
+        )
+
+    a_batch, b_batch = create(a, a_files[0].id), create(b, b_file.id)
+    mine = a_files[0].id
+    same_as_unknown(b.files.retrieve, mine, "file-unknown")
+    same_as_unknown(b.files.content, mine, "file-unknown")
+    same_as_unknown(b.files.delete, mine, "file-unknown")
+    same_as_unknown(lambda i: create(b, i), mine, "file-unknown")  # not B's input
+    same_as_unknown(b.batches.retrieve, a_batch.id, "batch_unknown")
+    same_as_unknown(b.batches.cancel, a_batch.id, "batch_unknown")
+
+    # Lists: one's own (auto-paginated a page at a time), an admin's every one.
+    assert {f.id for f in a.files.list(limit=2)} == {f.id for f in a_files}
+    assert [f.id for f in b.files.list()] == [b_file.id]
+    assert [x.id for x in b.batches.list()] == [b_batch.id]
+    assert [x.id for x in a.batches.list(limit=1)] == [a_batch.id]
+    assert [x.id for x in b.batches.list(after=a_batch.id)] == [b_batch.id]  # from the start
+    assert {f.id for f in admin.files.list()} == {f.id for f in [*a_files, b_file]}
+    assert {x.id for x in admin.batches.list()} == {a_batch.id, b_batch.id}
+    assert admin.files.content(mine).text == data.decode()
+    assert admin.batches.retrieve(a_batch.id).input_file_id == mine
+
+    # In Redis: the file's hash holds its owner, the owner's index its id, another's not.
+    keys, client = BatchApiKeys(queue), redis.Redis.from_url(redis_url)
+    try:
+        assert client.hget(keys.file(mine), "tenant") == b"acme"
+        assert client.zscore(keys.tenant_files("acme"), mine) is not None
+        assert client.zscore(keys.tenant_files("bravo"), mine) is None
+        assert client.zscore(keys.files, mine) is not None
+        # An object stored before tenants (no owner) is the open API's and an admin's alone.
+        client.hdel(keys.file(b_file.id), "tenant")
+    finally:
+        client.close()
+    not_found(lambda: b.files.retrieve(b_file.id))
+    assert by["open"].files.retrieve(b_file.id).id == b_file.id
+    assert b.files.list().data == []
+
+    # The owner deletes and cancels its own; then nobody sees it.
+    assert a.files.delete(a_files[1].id).deleted
+    assert {f.id for f in a.files.list()} == {a_files[0].id, a_files[2].id}
+    assert {f.id for f in admin.files.list()} == {a_files[0].id, a_files[2].id, b_file.id}
+    assert a.batches.cancel(a_batch.id).status == "cancelling"
+    admin.files.delete(a_files[2].id)  # an admin deletes any tenant's
+    assert [f.id for f in a.files.list()] == [a_files[0].id]
