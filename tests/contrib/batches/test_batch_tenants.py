@@ -5,6 +5,7 @@ requests, and its batch's lines, go in its name."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -12,9 +13,12 @@ import httpx
 import pytest
 import redis
 from fastapi import FastAPI
+from pydantic import SecretStr
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from batchline.contrib._plumbing import Caller
+from batchline.codec import Result, encode_result, pack_result
+from batchline.config import WebSettings
+from batchline.contrib._plumbing._caller import Caller
 from batchline.keys import BatchApiKeys
 
 from ..openai.test_openai import client_for
@@ -139,3 +143,38 @@ def test_files_and_batches_are_their_tenants_own(
     assert a.batches.cancel(a_batch.id).status == "cancelling"
     admin.files.delete(a_files[2].id)  # an admin deletes any tenant's
     assert [f.id for f in a.files.list()] == [a_files[0].id]
+
+
+def test_a_tenants_job_is_404_to_another_tenant(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    queue: str,
+    redis_url: str,
+) -> None:
+    """A job of acme's, done (its job and result keys as a worker leaves them): acme and an
+    admin read it; bravo gets the 404 of an unknown job, and the open API too."""
+    http = serve(with_callers(make_app(batch_driver="off")))
+    keys = WebSettings(redis_url=SecretStr(redis_url), queue=queue, prefix=queue).keys
+    job_id, unknown = f"acme.{uuid.uuid4().hex}", f"acme.{uuid.uuid4().hex}"
+    done = Result(id=job_id, status="ok", output=[0.5, 0.25], batch_size=1)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.set(keys.job(job_id), "embedding", ex=60)
+        client.set(keys.result(job_id), pack_result(encode_result(done)), ex=60)
+    finally:
+        client.close()
+
+    def get(key: str | None, job: str) -> httpx.Response:
+        headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+        return http.get(f"/jobs/{job}", headers=headers)
+
+    for key in ("key-a", "key-admin"):
+        answer = get(key, job_id)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["embedding"] == [0.5, 0.25]
+    hidden, missing = get("key-b", job_id), get("key-b", unknown)
+    assert hidden.status_code == missing.status_code == 404
+    assert hidden.json() == {k: v.replace(unknown, job_id) for k, v in missing.json().items()}, (
+        "another tenant's job answers as an unknown one"
+    )
+    assert get(None, job_id).status_code == 200  # the open API reads every job, as before
