@@ -14,11 +14,9 @@ the output limits (:class:`~._output.Output`). Answers are written in chunks (51
 or 8 MiB at most), each chunk in one transaction that also marks its lines answered and
 counts them, and only while this replica holds the lease.
 
-A tenant's batch (its hash's ``tenant``) runs in that tenant's name: each line's request id
-is in its namespace and each submit and cancel names it, so that the queue counts the lines
-against the tenant's quotas and fair share; its output and error files are the tenant's.
-The tenant travels with the batch, in Redis: any replica's driver, in its child process or
-not, reads it there.
+A tenant's batch (its hash's ``tenant``, read by whichever driver runs it) runs in that
+tenant's name: its lines' ids in its namespace, each submit and cancel naming it (its quotas
+and fair share; a line over a quota waits for it), its output files the tenant's.
 """
 
 from __future__ import annotations
@@ -57,12 +55,13 @@ from batchline.contrib.openai import (
 from batchline.errors import (
     BatchlineError,
     QueueFull,
+    QuotaExceeded,
     RequestCancelled,
     RequestExpired,
     RequestTimeout,
 )
 from batchline.keys import BatchApiKeys
-from batchline.producer import AsyncProducer, Result
+from batchline.producer import AsyncProducer, Handle, Result
 from batchline.transport import RedisClient
 
 __all__ = ["BatchRun", "DriverOptions", "LeaseLost", "RoutedLine", "RunContext", "route_line"]
@@ -178,6 +177,7 @@ class BatchRun:
         self.redis, self.keys = driver.redis, driver.keys
         self.key = self.keys.batch(batch_id)
         self.cancelled = False
+        self._cancelled = asyncio.Event()  # set with cancelled: a line's wait ends at once
         self.expired = False
         self._inflight: dict[str, AsyncProducer] = {}
         self.tenant: str | None = None  # the batch's (read by run)
@@ -219,6 +219,7 @@ class BatchRun:
         if self.cancelled:
             return
         self.cancelled = True
+        self._cancelled.set()
         for rid, producer in list(self._inflight.items()):
             task = asyncio.create_task(self._cancel(producer, rid))
             self._tasks.add(task)
@@ -244,7 +245,8 @@ class BatchRun:
         elif status not in ("in_progress", "cancelling", "finalizing"):
             await self.guarded(lambda pipe: pipe.srem(self.keys.active, self.batch_id))
             return
-        self.cancelled = status == "cancelling"
+        if status == "cancelling":
+            self.cancel()
         writer = asyncio.create_task(self._write())
         writer.add_done_callback(lambda _: self._window.stop())
         try:
@@ -357,40 +359,62 @@ class BatchRun:
             return await output.answer(line.custom_id, rid, error.status, body)
 
     async def _run(self, routed: RoutedLine, rid: str) -> Result:
-        """Submit (waiting while the queue is full), then wait for the result: an ``ok``
-        one, or the error it stands for."""
+        """Submit (waiting while the queue is full or the tenant over a quota), then wait
+        for the result: an ``ok`` one, or the error it stands for. A line the admission
+        refused (the queue full, the tenant over a quota) is submitted again once there is
+        room: a batch waits, its lines do not fail for it."""
         producer = routed.producer
-        deadline_ms = (int(self._fields["expires_at"]) - time.time()) * 1000
-        if deadline_ms <= 0:
-            raise RequestExpired(f"the batch {self.batch_id} expired")
-        backoff = 0.05
         self._inflight[rid] = producer
         try:
             while True:
+                handle = await self._submit(routed, rid)
+                while True:
+                    try:
+                        result = await producer.wait(handle, _WAIT_S)
+                        break
+                    except RequestTimeout:
+                        continue  # still queued (or running): wait on
                 try:
-                    handle = await producer.submit(
-                        routed.value,
-                        request_id=rid,
-                        priority=self.driver.options.priority,
-                        deadline_ms=deadline_ms,
-                        **as_tenant(self.tenant),
-                    )
-                    break
+                    result.unwrap()
+                except QuotaExceeded as exc:
+                    await self._pause(exc.retry_after_s, rid)
+                    continue
                 except QueueFull:
-                    await asyncio.sleep(backoff)  # room comes as workers answer
-                    backoff = min(2 * backoff, _MAX_BACKOFF_S)
-                    if self.cancelled:
-                        raise RequestCancelled(rid) from None
-            while True:
-                try:
-                    result = await producer.wait(handle, _WAIT_S)
-                    break
-                except RequestTimeout:
-                    continue  # still queued (or running): wait on
+                    await self._pause(_MAX_BACKOFF_S, rid)
+                    continue
+                return result
         finally:
             self._inflight.pop(rid, None)
-        result.unwrap()
-        return result
+
+    async def _submit(self, routed: RoutedLine, rid: str) -> Handle:
+        """Submit a line's request in the batch's tenant's name, again while the queue is
+        full (a growing backoff) or the tenant over a quota (when the quota says)."""
+        backoff = 0.05
+        while True:
+            deadline_ms = (int(self._fields["expires_at"]) - time.time()) * 1000
+            if deadline_ms <= 0:
+                raise RequestExpired(f"the batch {self.batch_id} expired")
+            try:
+                return await routed.producer.submit(
+                    routed.value,
+                    request_id=rid,
+                    priority=self.driver.options.priority,
+                    deadline_ms=deadline_ms,
+                    **as_tenant(self.tenant),
+                )
+            except QueueFull:
+                await self._pause(backoff, rid)  # room comes as workers answer
+                backoff = min(2 * backoff, _MAX_BACKOFF_S)
+            except QuotaExceeded as exc:
+                await self._pause(exc.retry_after_s, rid)
+
+    async def _pause(self, seconds: float, rid: str) -> None:
+        """Wait ``seconds`` (a minute at most); RequestCancelled once the batch is cancelled."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(min(max(seconds, 0.0), 60.0)):
+                await self._cancelled.wait()
+        if self.cancelled:
+            raise RequestCancelled(rid)
 
     async def _stop(self, writer: asyncio.Task[None]) -> None:
         """Stop the lines under way, then the writer (it writes what it was given: a

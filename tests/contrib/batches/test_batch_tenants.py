@@ -6,6 +6,7 @@ requests, and its batch's lines, go in its name."""
 from __future__ import annotations
 
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -19,15 +20,26 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from batchline.codec import Result, encode_result, pack_result
 from batchline.config import WebSettings
 from batchline.contrib._plumbing._caller import Caller
+from batchline.errors import QuotaExceeded
 from batchline.keys import BatchApiKeys
+from batchline.producer import AsyncProducer
 
 from ..openai.test_openai import client_for
 from ..test_fastapi import Serve, serve
-from .test_batches import MakeApp, embedding_line, jsonl, make_app, upload
+from .test_batches import (
+    MakeApp,
+    embedder,
+    embedding_line,
+    embeddings_batch,
+    finished,
+    jsonl,
+    make_app,
+    upload,
+)
 
 openai = pytest.importorskip("openai")
 
-__all__ = ["make_app", "serve"]  # fixtures, used here
+__all__ = ["embedder", "make_app", "serve"]  # fixtures, used here
 
 #: The test's API keys, and whom each names.
 CALLERS = {
@@ -178,3 +190,38 @@ def test_a_tenants_job_is_404_to_another_tenant(
         "another tenant's job answers as an unknown one"
     )
     assert get(None, job_id).status_code == 200  # the open API reads every job, as before
+
+
+@pytest.mark.slow
+def test_a_batch_line_over_a_quota_waits_for_it_instead_of_failing(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    embedder: None,
+    queue: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each line's first submit is refused for a quota (as the producer raises it): the
+    driver submits it again when the quota says, and every line is answered."""
+    refused: Counter[str] = Counter()
+    submit = AsyncProducer.submit
+
+    async def over_once(self: AsyncProducer, value: Any, **options: Any) -> Any:
+        rid = options.get("request_id")
+        if rid is not None and not refused[rid]:
+            refused[rid] += 1
+            message = "tenant acme: requests_per_min=1 reached"
+            raise QuotaExceeded(
+                message, tenant="acme", limit="requests_per_min", retry_after_s=0.05
+            )
+        return await submit(self, value, **options)
+
+    monkeypatch.setattr(AsyncProducer, "submit", over_once)
+    client = client_for(serve(make_app(batch_driver="loop")))  # (the patch: in this process)
+    lines = [embedding_line(f"l{i}", f"text {i}", queue) for i in range(3)]
+    done = finished(client, embeddings_batch(client, lines).id)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == (
+        "completed",
+        3,
+        0,
+    )
+    assert len(refused) == 3

@@ -105,13 +105,18 @@ def finished(client: Any, batch_id: str) -> Any:
     return found[0]
 
 
-def answered_part(client: Any, lines: list[Any], answered: int) -> Any:
-    """A batch of ``lines`` created, once ``answered`` of them are answered (the model held)."""
-    batch = client.batches.create(
+def embeddings_batch(client: Any, lines: list[Any]) -> Any:
+    """A batch of ``lines`` (embeddings) created: its file uploaded, the batch made."""
+    return client.batches.create(
         input_file_id=upload(client, jsonl(lines)).id,
         endpoint="/v1/embeddings",
         completion_window="24h",
     )
+
+
+def answered_part(client: Any, lines: list[Any], answered: int) -> Any:
+    """A batch of ``lines`` created, once ``answered`` of them are answered (the model held)."""
+    batch = embeddings_batch(client, lines)
     wait_until(
         lambda: client.batches.retrieve(batch.id).request_counts.completed == answered,
         f"{answered} lines answered",
@@ -353,12 +358,7 @@ def test_a_driver_process_that_dies_is_started_again(
     os.kill(first[0], signal.SIGKILL)
     wait_until(lambda: bool(set(drivers()) - set(first)), "another driver process")
     lines = [embedding_line(f"a{i}", f"again {i}", queue) for i in range(4)]
-    batch = client.batches.create(
-        input_file_id=upload(client, jsonl(lines)).id,
-        endpoint="/v1/embeddings",
-        completion_window="24h",
-    )
-    done = finished(client, batch.id)
+    done = finished(client, embeddings_batch(client, lines).id)
     assert (done.status, done.request_counts.completed) == ("completed", 4)
 
 
