@@ -88,7 +88,8 @@ async def test_every_change_moves_the_version(store: TenantStore) -> None:
     versions.append(await read_version(store.client, store.keys))
     await store.revoke(record.id)
     versions.append(await read_version(store.client, store.keys))
-    assert versions == sorted(set(versions)) and versions[0] == 0, versions
+    assert versions == sorted(set(versions)), versions
+    assert versions[0] == 0
     assert (await store.table()).version == versions[-1]
 
 
