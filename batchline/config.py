@@ -250,6 +250,17 @@ class WebSettings(ProducerSettings):
             receives at once, all of them together (at least ``max_file_bytes``); an upload
             that would pass it is answered 429 with ``Retry-After`` (one that declares its
             size, before any of it is read).
+        api_keys: check every request's API key against the tenant store in Redis (``true``;
+            keys made by ``batchline keys create``, each naming its tenant, revoked on every
+            replica within a second). With neither this nor ``api_key``, the API is open: no
+            key, every caller untenanted and an admin, for local use (a warning is logged
+            when a request reaches it over an address that is not loopback). Health
+            (``/healthz``), metrics and the API docs stay open either way.
+        api_key: one static key every request must present (as ``Authorization: Bearer``,
+            ``x-api-key`` or ``api-key``), like vLLM's ``--api-key``: its holder is the tenant
+            ``default``, an admin; no store in Redis. With ``api_keys`` too, either is
+            accepted. Set it through the environment (``BATCHLINE_API_KEY``), not a command
+            line: it is a secret.
     """
 
     embedding_queue: str | None = None
@@ -269,6 +280,18 @@ class WebSettings(ProducerSettings):
     batch_max_output_ratio: float = Field(default=1000.0, gt=0)
     max_file_bytes: int = Field(default=200_000_000, ge=1, le=200_000_000)
     upload_budget_bytes: int = Field(default=400_000_000, ge=1)
+    api_keys: bool = False
+    api_key: SecretStr | None = None
+
+    @field_validator("api_key")
+    @classmethod
+    def _static_key(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value().strip()) < 16:
+            raise ValueError(
+                "api_key must be at least 16 characters (not shown here): make one with "
+                "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+            )
+        return value
 
     @field_validator("embedding_queue", "generation_queue", "rerank_queue")
     @classmethod

@@ -27,6 +27,11 @@ its wings, mounts them, and adds the body limits and the error handlers. Routes:
 - ``POST /tokenize`` and ``/detokenize`` (vLLM's) for every model served under ``/v1``
   (:mod:`batchline.contrib.openai._tokenize`), errors in OpenAI's shape.
 
+Keys: with ``api_keys`` (the tenant store in Redis: ``batchline keys create``) or ``api_key``
+(one static key) set, every route but ``/healthz``, ``/metrics`` and the docs takes a key
+(``Authorization: Bearer``, ``x-api-key`` or ``api-key``): none, or one not known, is 401
+(:mod:`batchline.contrib._plumbing._auth`). Neither set: the API is open.
+
 Errors: a body over ``max_body_bytes`` (2 MiB) is 413, answered before the body is read whole
 and closing the connection, on every route (:mod:`batchline.contrib._plumbing._body_limit`); a
 body nesting lists and objects deeper than ``MAX_JSON_DEPTH`` (64) is 422 here and on TGI's
@@ -68,6 +73,8 @@ from batchline.contrib._plumbing import (
     BodyLimit,
     BodyRoute,
     ErrorShape,
+    KeyCheck,
+    KeyTable,
     answer_invalid_native,
 )
 from batchline.contrib._routes import (
@@ -89,7 +96,9 @@ from batchline.contrib.openai import (
     refused,
 )
 from batchline.errors import BatchlineError, EnqueueUncertain, ServiceUnavailable
+from batchline.keys import TenantKeys
 from batchline.producer._failures import translate
+from batchline.transport import connect
 
 __all__ = [
     "INPUT_ERRORS",
@@ -140,6 +149,19 @@ async def _redis_unavailable(request: Request, exc: Exception) -> JSONResponse:
     return await _service_unavailable(request, typed)
 
 
+def _key_table(settings: ProducerSettings) -> KeyTable | None:
+    """The keys the app accepts (its settings' ``api_key``, ``api_keys``), or None: an
+    open API."""
+    if not isinstance(settings, WebSettings) or not (settings.api_keys or settings.api_key):
+        return None
+    static = settings.api_key.get_secret_value() if settings.api_key is not None else None
+    return KeyTable(
+        static_key=static,
+        store=(lambda: connect(settings)) if settings.api_keys else None,
+        keys=TenantKeys(settings.prefix),
+    )
+
+
 def create_app(
     settings: ProducerSettings | None = None, *, timeout_s: float | None = None, **overrides: Any
 ) -> FastAPI:
@@ -169,10 +191,13 @@ def create_app(
     hf = HFRoutes(openai)
     batches = BatchApi(settings, openai)
     batches.add_routes(openai.app)  # /v1/files, /v1/batches
+    keys = _key_table(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with own.lifespan(app), openai.lifespan(), batches.lifespan():
+        app.state.keys = keys
+        running = keys.running() if keys is not None else contextlib.nullcontext()
+        async with running, own.lifespan(app), openai.lifespan(), batches.lifespan():
             yield
 
     app = FastAPI(
@@ -210,6 +235,8 @@ def create_app(
     uploads = ("/v1/files",)  # an upload is read as it arrives, by its route
     # Inside BodyLimit (added later, so outside it): a body it reads is within the limit.
     app.add_middleware(BodyDepth, shape=shape, skip=uploads)
+    # Before any body is read (BodyLimit, outside it, lingers on what its 401 left unread).
+    app.add_middleware(KeyCheck, table=keys, shape=shape)
     app.add_middleware(
         BodyLimit,
         max_body_bytes=max_body_bytes,

@@ -11,6 +11,7 @@
 - the outbox of coalesced writes (:mod:`._outbox`), the cancel log (:mod:`._cancels`), the input
   hash of compute-once requests (:mod:`._once`), ``WAIT`` for replicated writes
   (:mod:`._replication`) and the service's event loop (:mod:`._event_loop`);
+- the tenant store: API keys and tenants' configs (:mod:`._tenants`);
 - :mod:`batchline.transport.status`: ``batchline status``'s figures.
 
 The key names are :mod:`batchline.keys` and the values as they travel :mod:`batchline.codec`;
@@ -61,6 +62,17 @@ from batchline.transport._redis import (
 )
 from batchline.transport._replication import Replication
 from batchline.transport._scripts import COMPLETE, ENQUEUE
+from batchline.transport._tenants import (
+    KEY_PATTERN,
+    KeyRecord,
+    TenantStore,
+    TenantTable,
+    key_hash,
+    key_id_of,
+    new_key,
+    read_table,
+    read_version,
+)
 
 __all__ = [
     "ADMIT",
@@ -69,6 +81,7 @@ __all__ = [
     "ENQUEUE",
     "EXIT_INTERRUPTED",
     "JOB",
+    "KEY_PATTERN",
     "LIBRARY",
     "NO_CLIENT_INFO",
     "ONCE_COUNTERS",
@@ -80,6 +93,7 @@ __all__ = [
     "Backoff",
     "CancelLog",
     "CancelTrim",
+    "KeyRecord",
     "Outbox",
     "RedisArgument",
     "RedisClient",
@@ -88,6 +102,8 @@ __all__ = [
     "RedisUnreachable",
     "Replication",
     "Script",
+    "TenantStore",
+    "TenantTable",
     "as_client",
     "cache_hash",
     "connect",
@@ -96,14 +112,19 @@ __all__ = [
     "ignoring_redis_failures",
     "input_hash",
     "job_note",
+    "key_hash",
+    "key_id_of",
     "load_library",
     "loop_factory",
+    "new_key",
     "once_figures",
     "once_keys",
     "own_connection",
     "passing",
     "passing_code",
     "pinned",
+    "read_table",
+    "read_version",
     "redis_failure",
     "run_loop",
     "single_node",

@@ -40,7 +40,8 @@ class RedisPipeline(Protocol):
     """A pipeline (``MULTI``/``EXEC`` where opened with ``transaction=True``): the commands
     queue and return the pipeline; :meth:`execute` sends them and returns their replies.
     Between :meth:`watch` and :meth:`multi` a command runs at once instead: the reads
-    made there (``get``, ``hget``) are typed ``Any``, the pipeline or the coroutine."""
+    made there (``get``, ``hget``, ``hgetall``) are typed ``Any``, the pipeline or the
+    coroutine."""
 
     async def __aenter__(self) -> RedisPipeline: ...
 
@@ -80,7 +81,9 @@ class RedisPipeline(Protocol):
 
     def hget(self, name: Key, key: Key) -> Any: ...
 
-    def hgetall(self, name: Key) -> RedisPipeline: ...
+    def hgetall(self, name: Key) -> Any: ...
+
+    def hdel(self, name: Key, *keys: Key) -> RedisPipeline: ...
 
     def hset(
         self,
@@ -91,6 +94,8 @@ class RedisPipeline(Protocol):
     ) -> RedisPipeline: ...
 
     def hincrby(self, name: Key, key: Key, amount: int = 1) -> RedisPipeline: ...
+
+    def incr(self, name: Key, amount: int = 1) -> RedisPipeline: ...
 
     def llen(self, name: Key) -> RedisPipeline: ...
 

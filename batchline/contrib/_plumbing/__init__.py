@@ -2,6 +2,8 @@
 its ``middleware/`` beside the routes): the body's limits, the body thread, the common
 errors and the API's child processes.
 
+- :mod:`._auth`: the API's key check (a static key, the tenant store's keys), and
+  :mod:`._caller`: who calls;
 - :mod:`._body_limit`: a body over ``max_body_bytes`` refused (413) before it is read whole;
   which shape a refusal takes (:class:`ErrorShape`);
 - :mod:`._body_depth`: a body nested deeper than ``MAX_JSON_DEPTH`` refused before any route
@@ -19,6 +21,7 @@ It imports no wing and no face: the wings (``openai/``, ``hf/``, ``batches/``) a
 (:mod:`batchline.contrib.fastapi`) import it, through this module.
 """
 
+from batchline.contrib._plumbing._auth import OPEN_PATHS, KeyCheck, KeyTable
 from batchline.contrib._plumbing._body_depth import BodyDepth
 from batchline.contrib._plumbing._body_limit import (
     NATIVE,
@@ -46,6 +49,7 @@ __all__ = [
     "MAX_TEXT_CHARS",
     "NATIVE",
     "OPEN",
+    "OPEN_PATHS",
     "RETRY_AFTER_S",
     "BodyDepth",
     "BodyLimit",
@@ -53,6 +57,8 @@ __all__ = [
     "Caller",
     "ErrorBody",
     "ErrorShape",
+    "KeyCheck",
+    "KeyTable",
     "SchemaChecker",
     "answer_invalid_native",
     "as_tenant",

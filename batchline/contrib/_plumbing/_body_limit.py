@@ -72,10 +72,11 @@ def app_path(scope: Scope) -> str:
 ErrorBody = Callable[[str, str], dict[str, Any]]
 
 
-def native_error(message: str) -> dict[str, Any]:
+def native_error(message: str, kind: str = "validation") -> dict[str, Any]:
     """The native error (FastAPI's ``{"detail"}``), with TGI's ``error`` and ``error_type``
-    beside it: the shape of every route outside an API with an error object of its own."""
-    return {"detail": message, "error": message, "error_type": "validation"}
+    (``kind``) beside it: the shape of every route outside an API with an error object of
+    its own."""
+    return {"detail": message, "error": message, "error_type": kind}
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,11 +101,14 @@ class ErrorShape:
         )
         return under or path in self.paths
 
-    def refusal(self, scope: Scope, message: str, code: str) -> dict[str, Any]:
-        """The body of a request's refusal: ``body(message, code)``, or the native one."""
+    def refusal(
+        self, scope: Scope, message: str, code: str, kind: str = "validation"
+    ) -> dict[str, Any]:
+        """The body of a request's refusal: ``body(message, code)``, or the native one
+        (its ``error_type`` ``kind``)."""
         if self.body is not None and self.own(scope):
             return self.body(message, code)
-        return native_error(message)
+        return native_error(message, kind)
 
 
 #: Every refusal in the native shape.
