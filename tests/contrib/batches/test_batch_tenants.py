@@ -8,24 +8,23 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
 import redis
-from fastapi import FastAPI
 from pydantic import SecretStr
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from batchline.codec import Result, encode_result, pack_result
 from batchline.config import WebSettings
-from batchline.contrib._plumbing._caller import Caller
 from batchline.errors import QuotaExceeded
 from batchline.keys import BatchApiKeys
 from batchline.producer import AsyncProducer
 
 from ..openai.test_openai import client_for
 from ..test_fastapi import Serve, serve
+from ..test_keys import Keys
 from .test_batches import (
     MakeApp,
     embedder,
@@ -41,40 +40,43 @@ openai = pytest.importorskip("openai")
 
 __all__ = ["embedder", "make_app", "serve"]  # fixtures, used here
 
-#: The test's API keys, and whom each names.
-CALLERS = {
-    "key-a": Caller("acme"),
-    "key-b": Caller("bravo"),
-    "key-admin": Caller("ops", admin=True),
-}
+#: The tenants of the test's keys ("ops" holds an admin key).
+TENANTS = {"a": "acme", "b": "bravo", "admin": "ops"}
 
 
-class CallerFromKey:
-    """The key check's stand-in: the Caller that a bearer key names, on the request's state
-    (no key, or another: the open API's caller)."""
+@dataclass
+class Tenants:
+    """The app under uvicorn, and a key of the tenant store for each of TENANTS."""
 
-    def __init__(self, app: ASGIApp, callers: dict[str, Caller]) -> None:
-        self.app, self.callers = app, callers
+    http: httpx.Client
+    keys: dict[str, str]
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            bearer = dict(scope["headers"]).get(b"authorization", b"").decode()
-            found = self.callers.get(bearer.removeprefix("Bearer "))
-            if found is not None:
-                scope.setdefault("state", {})["caller"] = found
-        await self.app(scope, receive, send)
+    def client(self, who: str) -> Any:
+        """The official client with ``who``'s key."""
+        return client_for(self.http).with_options(api_key=self.keys[who])
 
-
-def with_callers(app: FastAPI) -> FastAPI:
-    app.add_middleware(CallerFromKey, callers=CALLERS)
-    return app
+    def get(self, who: str, path: str) -> httpx.Response:
+        return self.http.get(path, headers={"Authorization": f"Bearer {self.keys[who]}"})
 
 
-def clients(http: httpx.Client) -> dict[str, Any]:
-    """An ``openai`` client per key of CALLERS (and ``open``, with none of them)."""
-    out = {key: client_for(http).with_options(api_key=key) for key in CALLERS}
-    out["open"] = client_for(http)
-    return out
+@pytest.fixture
+def tenants(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    redis_url: str,
+    queue: str,
+) -> Callable[..., Tenants]:
+    """``tenants(**settings)``: the app checking keys (``api_keys``), served, with a key for
+    each of TENANTS made in its tenant store."""
+
+    def start(**settings: Any) -> Tenants:
+        store = Keys(redis_url, queue)
+        keys = {
+            who: store.create(tenant, admin=who == "admin")[0] for who, tenant in TENANTS.items()
+        }
+        return Tenants(serve(make_app(api_keys=True, **settings)), keys)
+
+    return start
 
 
 def not_found(call: Callable[[], Any]) -> dict[str, Any]:
@@ -96,14 +98,11 @@ def same_as_unknown(call: Callable[[str], Any], object_id: str, unknown: str) ->
 
 
 def test_files_and_batches_are_their_tenants_own(
-    make_app: MakeApp,
-    serve: Serve,  # noqa: F811
-    queue: str,
-    redis_url: str,
+    tenants: Callable[..., Tenants], queue: str, redis_url: str
 ) -> None:
     """Nothing is queued (no driver): the routes alone keep tenants apart."""
-    by = clients(serve(with_callers(make_app(batch_driver="off"))))
-    a, b, admin = by["key-a"], by["key-b"], by["key-admin"]
+    by = tenants(batch_driver="off")
+    a, b, admin = by.client("a"), by.client("b"), by.client("admin")
     data = jsonl([embedding_line("x", "a text", queue)])
     a_files = [upload(a, data) for _ in range(3)]
     b_file = upload(b, data)
@@ -145,7 +144,7 @@ def test_files_and_batches_are_their_tenants_own(
     finally:
         client.close()
     not_found(lambda: b.files.retrieve(b_file.id))
-    assert by["open"].files.retrieve(b_file.id).id == b_file.id
+    assert admin.files.retrieve(b_file.id).id == b_file.id
     assert b.files.list().data == []
 
     # The owner deletes and cancels its own; then nobody sees it.
@@ -158,14 +157,11 @@ def test_files_and_batches_are_their_tenants_own(
 
 
 def test_a_tenants_job_is_404_to_another_tenant(
-    make_app: MakeApp,
-    serve: Serve,  # noqa: F811
-    queue: str,
-    redis_url: str,
+    tenants: Callable[..., Tenants], queue: str, redis_url: str
 ) -> None:
     """A job of acme's, done (its job and result keys as a worker leaves them): acme and an
-    admin read it; bravo gets the 404 of an unknown job, and the open API too."""
-    http = serve(with_callers(make_app(batch_driver="off")))
+    admin read it; bravo gets the 404 of an unknown job."""
+    by = tenants(batch_driver="off")
     keys = WebSettings(redis_url=SecretStr(redis_url), queue=queue, prefix=queue).keys
     job_id, unknown = f"acme.{uuid.uuid4().hex}", f"acme.{uuid.uuid4().hex}"
     done = Result(id=job_id, status="ok", output=[0.5, 0.25], batch_size=1)
@@ -176,20 +172,15 @@ def test_a_tenants_job_is_404_to_another_tenant(
     finally:
         client.close()
 
-    def get(key: str | None, job: str) -> httpx.Response:
-        headers = {} if key is None else {"Authorization": f"Bearer {key}"}
-        return http.get(f"/jobs/{job}", headers=headers)
-
-    for key in ("key-a", "key-admin"):
-        answer = get(key, job_id)
+    for who in ("a", "admin"):
+        answer = by.get(who, f"/jobs/{job_id}")
         assert answer.status_code == 200, answer.text
         assert answer.json()["embedding"] == [0.5, 0.25]
-    hidden, missing = get("key-b", job_id), get("key-b", unknown)
+    hidden, missing = by.get("b", f"/jobs/{job_id}"), by.get("b", f"/jobs/{unknown}")
     assert hidden.status_code == missing.status_code == 404
     assert hidden.json() == {k: v.replace(unknown, job_id) for k, v in missing.json().items()}, (
         "another tenant's job answers as an unknown one"
     )
-    assert get(None, job_id).status_code == 200  # the open API reads every job, as before
 
 
 @pytest.mark.slow
