@@ -178,9 +178,11 @@ _BATCH_API_COMMANDS = [
 
 def batch_api_rules(prefix: str) -> list[str]:
     """The rules a web backend serving the Batch API adds to its producer rules: every key
-    of ``<prefix>:{batchapi}:`` (every tenant's files and batches: give them only to the
-    backend, never to producers that must not read each other's data) and the commands
-    the Batch API sends there; MULTI, EXEC, DISCARD and UNWATCH name no key."""
+    of ``<prefix>:{batchapi}:`` (every tenant's files, batches and outputs, in clear: the
+    backend keeps tenants apart there by each object's owner and the caller's API key, not
+    Redis; give them only to the backend, never to producers that must not read each other's
+    data) and the commands the Batch API sends there; MULTI, EXEC, DISCARD and UNWATCH name
+    no key."""
     base = BatchApiKeys(prefix).base
     commands = " ".join(f"+{c}" for c in _BATCH_API_COMMANDS)
     return ["+multi", "+exec", "+discard", "+unwatch", f"(~{base}:* {commands})"]

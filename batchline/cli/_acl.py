@@ -63,7 +63,8 @@ def acl_parser(sub: Any) -> argparse.ArgumentParser:
         "--batch-api",
         action="store_true",
         text="give the producer user the Batch API's keys too (<prefix>:{batchapi}:*, every "
-        "tenant's files and batches): for the web backend serving /v1/files and /v1/batches",
+        "tenant's files, batches and outputs: the web backend keeps tenants apart by their API "
+        "keys, Redis does not): for the web backend serving /v1/files and /v1/batches alone",
     )
     acl.set_defaults(run=_acl)
     return acl
