@@ -14,10 +14,10 @@ from batchline.codec._requests import salvage_id
 from batchline.codec._results import result_fields
 from batchline.drivers._base import Call
 from batchline.errors import RequestCancelled, RequestTimeout
+from batchline.tenants import is_tenant
 from batchline.tracing import log_extra
 from batchline.transport import input_hash
 from batchline.worker.models import Model, Prepared
-from batchline.tenants import is_tenant
 from batchline.worker.shared._held import Meta, Record
 
 __all__ = ["Outcome", "answer", "dead_letter", "finished"]
