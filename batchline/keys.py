@@ -24,6 +24,7 @@ layout (``docs/protocol.md`` has the full protocol)::
     <prefix>:{<queue>}:jobs               list: job notes, which the admission makes job keys
     <prefix>:{<queue>}:functions          the tag of the queue's functions (workers write it)
     <prefix>:{<queue>}:in:<tenant>        list: a tenant's inbox (its producers append)
+    <prefix>:{<queue>}:wake               list: wakes, ["t", tenant]: tenant inboxes to admit
     <prefix>:{<queue>}:tenants            hash: tenant -> its config (JSON; workers mirror it)
     <prefix>:{<queue>}:bl:<tenant>:<p>    list: a tenant's backlog at priority p (fair share)
     <prefix>:{<queue>}:fair:<p>           sorted set: backlogged tenants by virtual start
@@ -259,15 +260,26 @@ class QueueKeys:
         return f"{self.base}:in:{tenant}"
 
     @property
+    def wakes(self) -> str:
+        """The wake list: ``["t", <tenant>]`` elements naming tenant inboxes to admit."""
+        return f"{self.base}:wake"
+
+    @property
+    def base_prefix(self) -> str:
+        """The queue's key base with its trailing colon (``<prefix>:{<queue>}:``), from which
+        the admission's Lua names the tenants' keys as this class does."""
+        return f"{self.base}:"
+
+    @property
     def tenants(self) -> str:
         """The tenants' configs (a hash: tenant -> JSON), which the workers mirror."""
         return f"{self.base}:tenants"
 
-    def backlog(self, tenant: str, priority: int) -> str:
+    def backlog(self, tenant: str, priority: int | str) -> str:
         """A tenant's requests admitted and held for the fair share, at one priority."""
         return f"{self.base}:bl:{tenant}:{priority}"
 
-    def fair(self, priority: int) -> str:
+    def fair(self, priority: int | str) -> str:
         """The backlogged tenants of one priority, scored by virtual start time."""
         return f"{self.base}:fair:{priority}"
 
@@ -281,7 +293,7 @@ class QueueKeys:
         """How many requests the backlogs hold, per priority (a hash)."""
         return f"{self.base}:backlog"
 
-    def quota(self, tenant: str, kind: str, minute: int) -> str:
+    def quota(self, tenant: str, kind: str, minute: int | str) -> str:
         """A tenant's count of ``kind`` (``r`` requests, ``t`` tokens) in one unix minute."""
         return f"{self.base}:quota:{tenant}:{kind}:{minute}"
 

@@ -11,7 +11,8 @@
 - the outbox of coalesced writes (:mod:`._outbox`), the cancel log (:mod:`._cancels`), the input
   hash of compute-once requests (:mod:`._once`), ``WAIT`` for replicated writes
   (:mod:`._replication`) and the service's event loop (:mod:`._event_loop`);
-- the tenant store: API keys and tenants' configs (:mod:`._tenants`);
+- the tenant store: API keys and tenants' configs (:mod:`._tenants`), and the configs
+  mirrored into each queue by the workers (:mod:`._tenant_mirror`);
 - :mod:`batchline.transport.status`: ``batchline status``'s figures.
 
 The key names are :mod:`batchline.keys` and the values as they travel :mod:`batchline.codec`;
@@ -32,7 +33,10 @@ from batchline.transport._errors import (
 from batchline.transport._event_loop import EXIT_INTERRUPTED, loop_factory, run_loop
 from batchline.transport._functions import (
     ADMIT,
+    CANCEL_TENANT,
+    ENQUEUE_TENANT,
     JOB,
+    JOB_TENANT,
     LIBRARY,
     TAG,
     function_missing,
@@ -62,6 +66,7 @@ from batchline.transport._redis import (
 )
 from batchline.transport._replication import Replication
 from batchline.transport._scripts import COMPLETE, ENQUEUE
+from batchline.transport._tenant_mirror import TenantMirror, read_tenant_configs
 from batchline.transport._tenants import (
     KEY_PATTERN,
     KeyRecord,
@@ -77,10 +82,13 @@ from batchline.transport._tenants import (
 __all__ = [
     "ADMIT",
     "CANCELS_MAXLEN",
+    "CANCEL_TENANT",
     "COMPLETE",
     "ENQUEUE",
+    "ENQUEUE_TENANT",
     "EXIT_INTERRUPTED",
     "JOB",
+    "JOB_TENANT",
     "KEY_PATTERN",
     "LIBRARY",
     "NO_CLIENT_INFO",
@@ -102,6 +110,7 @@ __all__ = [
     "RedisUnreachable",
     "Replication",
     "Script",
+    "TenantMirror",
     "TenantStore",
     "TenantTable",
     "as_client",
@@ -124,6 +133,7 @@ __all__ = [
     "passing_code",
     "pinned",
     "read_table",
+    "read_tenant_configs",
     "read_version",
     "redis_failure",
     "run_loop",
