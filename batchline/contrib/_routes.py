@@ -307,7 +307,7 @@ class OwnRoutes:
         # admission writes it, the note waiting for it does (job_state).
         try:
             await self._jobs.mark_job(
-                self.redis, request_id, body.kind, ttl_s=self.settings.result_ttl_s
+                self.redis, request_id, body.kind, ttl_s=self.settings.result_ttl_s, tenant=caller
             )
         except BaseException:
             with contextlib.suppress(RedisError, OSError, BatchlineError):
@@ -325,9 +325,10 @@ class OwnRoutes:
     ) -> JSONResponse:
         """A job's state: pending (202), its result, or unknown (404: also another
         tenant's job, which is not looked up)."""
-        if not caller_of(request).may_see(tenant_of(request_id)):
+        owner = tenant_of(request_id)
+        if not caller_of(request).may_see(owner):
             return _no_job(request_id)
-        raw, marker = await self._jobs.job_state(self.redis, request_id, _JOB_KINDS)
+        raw, marker = await self._jobs.job_state(self.redis, request_id, _JOB_KINDS, tenant=owner)
         if raw is None and marker is not None and self.producer.settings.cache_ttl_s > 0:
             raw = await cached_result(self.redis, self.keys, request_id)  # a cache hit's
         if raw is not None:

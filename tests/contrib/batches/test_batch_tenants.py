@@ -19,22 +19,26 @@ from pydantic import SecretStr
 from batchline.codec import Result, encode_result, pack_result
 from batchline.config import WebSettings
 from batchline.errors import QuotaExceeded
-from batchline.keys import BatchApiKeys
+from batchline.keys import BatchApiKeys, QueueKeys
 from batchline.producer import AsyncProducer
 
 from ..openai.test_openai import client_for
 from ..test_fastapi import Serve, serve
 from ..test_keys import Keys
 from .test_batches import (
+    COUNTING,
     MakeApp,
     embedder,
     embedding_line,
     embeddings_batch,
+    file_lines,
     finished,
     jsonl,
     make_app,
     upload,
 )
+from tests.support import batch_models
+from tests.support.service import WorkerThread, wait_until
 
 openai = pytest.importorskip("openai")
 
@@ -55,8 +59,11 @@ class Tenants:
         """The official client with ``who``'s key."""
         return client_for(self.http).with_options(api_key=self.keys[who])
 
+    def auth(self, who: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.keys[who]}"}
+
     def get(self, who: str, path: str) -> httpx.Response:
-        return self.http.get(path, headers={"Authorization": f"Bearer {self.keys[who]}"})
+        return self.http.get(path, headers=self.auth(who))
 
 
 @pytest.fixture
@@ -181,6 +188,62 @@ def test_a_tenants_job_is_404_to_another_tenant(
     assert hidden.json() == {k: v.replace(unknown, job_id) for k, v in missing.json().items()}, (
         "another tenant's job answers as an unknown one"
     )
+
+
+def stream_entries(client: redis.Redis, keys: QueueKeys) -> list[dict[bytes, bytes]]:
+    """Every entry of the queue's work streams (those delivered and not answered yet)."""
+    return [fields for stream in keys.streams for _, fields in client.xrange(stream)]
+
+
+@pytest.mark.slow
+def test_a_tenants_requests_and_its_batchs_lines_go_in_its_name(
+    tenants: Callable[..., Tenants],
+    start_worker: Callable[..., WorkerThread],
+    queue: str,
+    redis_url: str,
+) -> None:
+    """Through the queue: acme's request, job and batch lines are acme's requests (ids in
+    its namespace, ``tn`` acme on the work stream); bravo reads none of their answers."""
+    batch_models.reset()
+    start_worker(COUNTING, prefix=queue)
+    by = tenants()
+    a, b, admin = by.client("a"), by.client("b"), by.client("admin")
+    keys = WebSettings(redis_url=SecretStr(redis_url), queue=queue, prefix=queue).keys
+    client = redis.Redis.from_url(redis_url)
+    try:
+        assert len(a.embeddings.create(model=queue, input="one").data) == 1
+        results = [k.decode() for k in client.scan_iter(keys.result("acme.") + "*")]
+        assert results, "acme's request has a result key in acme's namespace"
+
+        posted = by.http.post("/jobs", json={"text": "two"}, headers=by.auth("a"))
+        job = posted.json()["id"]
+        assert posted.status_code == 202, posted.text
+        assert job.startswith("acme."), job
+        wait_until(lambda: by.get("a", f"/jobs/{job}").status_code == 200, "acme's job done")
+        assert by.get("b", f"/jobs/{job}").status_code == 404
+        assert by.get("admin", f"/jobs/{job}").status_code == 200
+
+        batch_models.reset(hold_after=0)  # the model holds each text until GATE opens
+        lines = [embedding_line(f"l{i}", f"text {i}", queue) for i in range(3)]
+        batch = a.batches.create(
+            input_file_id=upload(a, jsonl(lines)).id,
+            endpoint="/v1/embeddings",
+            completion_window="24h",
+        )
+        wait_until(lambda: stream_entries(client, keys), "a line of the batch on the stream")
+        for fields in stream_entries(client, keys):
+            assert fields[b"id"].startswith(f"acme.{batch.input_file_id}.".encode()), fields
+            assert fields.get(b"tn") == b"acme", fields
+    finally:
+        batch_models.GATE.set()
+        client.close()
+    done = finished(a, batch.id)
+    assert (done.status, done.request_counts.completed) == ("completed", 3)
+    answers = file_lines(a, done.output_file_id)
+    assert all(x["response"]["request_id"].startswith("acme.") for x in answers.values())
+    same_as_unknown(b.files.content, done.output_file_id, "file-unknown")
+    assert [f.id for f in b.files.list()] == []
+    assert len(file_lines(admin, done.output_file_id)) == 3
 
 
 @pytest.mark.slow
