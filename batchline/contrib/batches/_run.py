@@ -368,13 +368,8 @@ class BatchRun:
         try:
             while True:
                 handle = await self._submit(routed, rid)
-                while True:
-                    try:
-                        result = await producer.wait(handle, _WAIT_S)
-                        break
-                    except RequestTimeout:
-                        continue  # still queued (or running): wait on
                 try:
+                    result = await self._result(producer, handle)
                     result.unwrap()
                 except QuotaExceeded as exc:
                     await self._pause(exc.retry_after_s, rid)
@@ -385,6 +380,14 @@ class BatchRun:
                 return result
         finally:
             self._inflight.pop(rid, None)
+
+    @staticmethod
+    async def _result(producer: AsyncProducer, handle: Handle) -> Result:
+        while True:
+            try:
+                return await producer.wait(handle, _WAIT_S)
+            except RequestTimeout:
+                continue  # still queued (or running): wait on
 
     async def _submit(self, routed: RoutedLine, rid: str) -> Handle:
         """Submit a line's request in the batch's tenant's name, again while the queue is
