@@ -6,7 +6,9 @@ session's redis-server and real workers (threads of this process)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+import httpx
 import pytest
 import redis
 from pydantic import SecretStr
@@ -15,10 +17,12 @@ from batchline.config import WebSettings
 from batchline.contrib.fastapi import create_app
 from batchline.keys import QueueKeys
 
+from .batches.test_batches import COUNTING
 from .openai.test_openai import client_for
 from .test_fastapi import MODEL, Serve, serve
 from .test_keys import Keys
-from tests.support.service import RESULT_TIMEOUT_S, WorkerThread
+from tests.support import batch_models
+from tests.support.service import RESULT_TIMEOUT_S, WorkerThread, wait_until
 from tests.worker.test_generate import CHAT, TINY
 
 openai = pytest.importorskip("openai")
@@ -32,9 +36,31 @@ def result_ids(client: redis.Redis, keys: QueueKeys) -> set[str]:
     return {k.decode().removeprefix(head) for k in client.scan_iter(head + "*")}
 
 
+MakeApp = Callable[..., tuple[httpx.Client, WebSettings]]
+
+
+@pytest.fixture
+def keyed_app(serve: Serve, redis_url: str, queue: str) -> MakeApp:  # noqa: F811
+    """``keyed_app(**settings)``: the app checking the keys of its tenant store, its
+    embedding queue ``queue``, served; its client and settings."""
+
+    def make(**settings: Any) -> tuple[httpx.Client, WebSettings]:
+        made = WebSettings(
+            redis_url=SecretStr(redis_url),
+            queue=queue,
+            prefix=queue,
+            embedding_queue=queue,
+            api_keys=True,
+            **settings,
+        )
+        return serve(create_app(made, timeout_s=RESULT_TIMEOUT_S)), made
+
+    return make
+
+
 @pytest.mark.slow
 def test_every_route_enqueues_as_its_callers_tenant(
-    serve: Serve,  # noqa: F811
+    keyed_app: MakeApp,
     start_worker: Callable[..., WorkerThread],
     redis_url: str,
     queue: str,
@@ -43,15 +69,7 @@ def test_every_route_enqueues_as_its_callers_tenant(
     start_worker(MODEL, prefix=queue)
     start_worker("generate", model_path=TINY, queue=gen, prefix=queue, default_max_new_tokens=4)
     key, _ = Keys(redis_url, queue).create("acme")
-    settings = WebSettings(
-        redis_url=SecretStr(redis_url),
-        queue=queue,
-        prefix=queue,
-        embedding_queue=queue,
-        generation_queue=gen,
-        api_keys=True,
-    )
-    http = serve(create_app(settings, timeout_s=RESULT_TIMEOUT_S))
+    http, settings = keyed_app(generation_queue=gen)
     auth = {"Authorization": f"Bearer {key}"}
     client = client_for(http).with_options(api_key=key)
 
@@ -90,3 +108,29 @@ def test_every_route_enqueues_as_its_callers_tenant(
     # the chat (streamed), the completion, /generate, /generate_stream, /tokenize
     assert len(generated) >= 5, generated
     assert all(rid.startswith("acme.") for rid in embedded | generated), embedded | generated
+
+
+@pytest.mark.slow
+def test_tenants_never_share_cached_answers(
+    keyed_app: MakeApp,
+    start_worker: Callable[..., WorkerThread],
+    redis_url: str,
+    queue: str,
+) -> None:
+    """With the result cache on, the same text from two tenants is computed once for each;
+    a tenant's repeat, and its job, are answered from its own cache entry."""
+    batch_models.reset()
+    start_worker(COUNTING, prefix=queue, cache_ttl_s=60)
+    store = Keys(redis_url, queue)
+    keys = {tenant: store.create(tenant)[0] for tenant in ("acme", "bravo")}
+    http, _ = keyed_app(cache_ttl_s=60)
+    for tenant in ("acme", "bravo", "acme"):
+        client = client_for(http).with_options(api_key=keys[tenant])
+        assert len(client.embeddings.create(model=queue, input="same").data) == 1
+    assert batch_models.CALLS["same"] == 2, "computed once per tenant"
+
+    acme, bravo = ({"Authorization": f"Bearer {keys[t]}"} for t in ("acme", "bravo"))
+    job = http.post("/jobs", json={"texts": ["same"]}, headers=acme).json()["id"]
+    wait_until(lambda: http.get(f"/jobs/{job}", headers=acme).status_code == 200, "the job")
+    assert http.get(f"/jobs/{job}", headers=bravo).status_code == 404
+    assert batch_models.CALLS["same"] == 2, "acme's job: a hit of acme's own entry"
