@@ -31,24 +31,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ValidationError
 from redis.exceptions import RedisError, WatchError
 
 from batchline.contrib._plumbing import as_tenant
 from batchline.contrib.batches._files import CHUNK_LINES, FileStore
 from batchline.contrib.batches._lines import Line, LineError, parse_line, request_id
 from batchline.contrib.batches._output import Encoded, Output, Window, weight
+from batchline.contrib.batches._routing import RoutedLine, route_line
 from batchline.contrib.openai import (
-    ChatRequest,
-    CompletionRequest,
-    EmbeddingRequest,
     OpenAIError,
     OpenAIRoutes,
-    chat_body,
-    check_dimensions,
-    checked,
-    completion_body,
-    described,
     error_body,
     typed,
 )
@@ -64,7 +56,7 @@ from batchline.keys import BatchApiKeys
 from batchline.producer import AsyncProducer, Handle, Result
 from batchline.transport import RedisClient
 
-__all__ = ["BatchRun", "DriverOptions", "LeaseLost", "RoutedLine", "RunContext", "route_line"]
+__all__ = ["BatchRun", "DriverOptions", "LeaseLost", "RunContext"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,49 +109,6 @@ class _InputGone(Exception):
 
 class LeaseLost(BatchlineError):
     """This replica holds a batch's lease no more: another one drives it."""
-
-
-@dataclass(frozen=True, slots=True)
-class RoutedLine:
-    """A line routed as its URL's route would: the producer of its queue, the value it
-    submits, and how to answer its result."""
-
-    producer: AsyncProducer
-    value: Any
-    answer: Callable[[Result], dict[str, Any]]
-
-
-async def route_line(routes: OpenAIRoutes, url: str, body: dict[str, Any]) -> RoutedLine:
-    """A line's body read and checked as the route of ``url`` does, and sent its way
-    (OpenAIError as the route would answer)."""
-    raw = json.dumps(body)
-    try:
-        if url == "/v1/embeddings":
-            emb = EmbeddingRequest.model_validate_json(raw)
-            served = routes.queue("embedding", emb.model)
-            if emb.dimensions is not None:  # refused before it is queued, as the route does
-                check_dimensions(await served.facts(), emb.dimensions, served.name)
-            return RoutedLine(
-                served.producer,
-                emb.texts,
-                lambda r: routes.embedding_answer(served, emb, r, lazy=True),
-            )
-        chat = url == "/v1/chat/completions"
-        gen = (ChatRequest if chat else CompletionRequest).model_validate_json(raw)
-    except ValidationError as exc:
-        param, message = described([dict(e) for e in exc.errors()])
-        raise OpenAIError(400, message, param=param) from None
-    if gen.stream:
-        raise OpenAIError(400, "a batch's requests cannot stream", param="stream")
-    if gen.n != 1:
-        raise OpenAIError(400, "a batch's requests answer one choice each: n must be 1", param="n")
-    if gen.response_format is not None:
-        await routes.check_format(raw.encode())
-    served = routes.queue("generation", gen.model)
-    build = chat_body if chat else completion_body
-    return RoutedLine(
-        served.producer, gen.value(), lambda r: build(r.id, served.name, [checked(r.output)])
-    )
 
 
 @dataclass(frozen=True, slots=True)
