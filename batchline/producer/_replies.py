@@ -107,7 +107,7 @@ class Waiters(dict[str, list["asyncio.Future[Result]"]]):
 
 class ReplyReader:
     """Reads one producer's reply streams until ``closed()``; :meth:`run` is its task. A
-    producer has one reply stream, and one more per tenant it sends for (:meth:`add`): one
+    producer has one reply stream, and one more per tenant it sends for (:meth:`read_too`): one
     blocking XREAD reads them all.
 
     Args:
