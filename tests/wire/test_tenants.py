@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
@@ -19,6 +19,7 @@ import redis
 from batchline.acl import tenant_rules
 from batchline.codec import pack_value
 from batchline.config import ProducerSettings, WorkerSettings
+from batchline.errors import QuotaExceeded
 from batchline.keys import QueueKeys, TenantKeys
 from batchline.producer import AsyncProducer
 from batchline.producer._tenancy import estimate_cost, producer_id_for, request_id_for
@@ -27,12 +28,13 @@ from batchline.transport import (
     CANCEL_TENANT,
     ENQUEUE_TENANT,
     TenantMirror,
+    _admission,
     as_client,
     cache_hash,
     input_hash,
     once_keys,
 )
-from batchline.transport._functions import ENQUEUE
+from batchline.transport._functions import ENQUEUE, LIBRARY, TAG
 from batchline.transport._lua import TENANTS
 from batchline.worker.serving._admitter import Admitter
 
@@ -443,3 +445,68 @@ async def test_tenants_never_share_cached_answers(
         assert acme.counts == Counter(queued=1, cached=1)  # its own
     for owner in ("acme", "beta", None):
         assert rclient.exists(keys.cache(cache_hash(MODEL_ID, h, owner)))
+
+
+# -- the quota hooks (their bodies are the quotas'; here, a library whose hooks refuse) ------
+
+
+QUOTA_PEEK = """local function quota_peek(tenant, cost, config)
+  return nil
+end"""
+QUOTA_ADMIT = """local function quota_admit(tenant, id, cost, config)
+  return nil
+end"""
+
+
+@pytest.fixture
+def refusing(rclient: redis.Redis) -> Iterator[str]:
+    """The library, under a tag of its own, with quota hooks that refuse ``acme.no*`` ids at
+    once and ``acme.later*`` ids at the admission: the tag of its functions."""
+    tag = "hookstest000"
+    code = LIBRARY.replace(TAG, tag)
+    assert QUOTA_PEEK in code
+    assert QUOTA_ADMIT in code
+    code = code.replace(
+        QUOTA_PEEK,
+        QUOTA_PEEK.replace("return nil", "return cost == 7 and {2500, 'tokens_per_min'} or nil"),
+    ).replace(
+        QUOTA_ADMIT,
+        QUOTA_ADMIT.replace(
+            "return nil",
+            "if string.find(id, '^acme%.later') then return {limit = 'requests_per_min', "
+            "message = 'tenant acme: requests_per_min=1 reached', retry_ms = 1500} end",
+        ),
+    )
+    rclient.function_load(code, replace=True)
+    try:
+        yield tag
+    finally:
+        rclient.function_delete(f"batchline_{tag}")
+
+
+async def test_the_quota_hooks_refuse_at_once_and_at_the_admission(
+    redis_url: str,
+    refusing: str,
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    queue: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_admission, "ENQUEUE_TENANT", f"batchline_enqueue_tenant_{refusing}")
+    async with AsyncProducer(redis_url=redis_url, queue=queue, tenant="acme") as acme:
+        with pytest.raises(QuotaExceeded) as told:
+            await acme.submit("x", cost=7)
+        assert (told.value.tenant, told.value.limit) == ("acme", "tokens_per_min")
+        assert told.value.retry_after_s == 2.5
+        later = await acme.submit("y", request_id="acme.later-1")
+    admitter = Admitter(None, WorkerSettings(queue=keys.queue), worker_id="test")
+    call = [f"batchline_admit_{refusing}", *admitter.call()[1:]]
+    admitted, _left, _full, _withheld, over = rclient.execute_command("FCALL", *call)
+    assert (admitted, over) == (1, 1)
+    assert entries(rclient, keys) == {}
+    stored = msgpack.unpackb(rclient.get(keys.result(later.id)), raw=False)
+    fields = dict(zip(stored[::2], stored[1::2], strict=True))
+    assert fields["etype"] == "QuotaExceeded"
+    assert fields["emsg"] == "tenant acme: requests_per_min=1 reached"
+    assert fields["retry_ms"] == "1500"
+    assert rclient.get(keys.request_input(later.id)).endswith(b" !")  # a resubmit runs again
