@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import redis
 
-from batchline.acl import tenant_rules
+from batchline.acl import tenant_rules, tenant_setuser
 from batchline.codec import pack_value
 from batchline.config import ProducerSettings, WorkerSettings
 from batchline.errors import QuotaExceeded
@@ -39,7 +39,7 @@ from batchline.transport._lua import TENANTS
 from batchline.worker.serving._admitter import Admitter
 
 from tests.support.models_for_tests import GatedModel
-from tests.support.service import RESULT_TIMEOUT_S, WorkerThread, wait_until
+from tests.support.service import RESULT_TIMEOUT_S, WorkerThread, run_cli, wait_until
 
 T = RESULT_TIMEOUT_S
 MODEL_ID = "m1"
@@ -510,3 +510,13 @@ async def test_the_quota_hooks_refuse_at_once_and_at_the_admission(
     assert fields["emsg"] == "tenant acme: requests_per_min=1 reached"
     assert fields["retry_ms"] == "1500"
     assert rclient.get(keys.request_input(later.id)).endswith(b" !")  # a resubmit runs again
+
+
+def test_batchline_acl_prints_a_tenants_user() -> None:
+    done = run_cli("acl", "--tenant", "acme", "--queue", "q")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == tenant_setuser(QueueKeys("q"), "acme")
+    assert "batchline-tenant-acme" in done.stdout
+    bad = run_cli("acl", "--tenant", "a.b")
+    assert bad.returncode != 0
+    assert "'a.b'" in bad.stderr
