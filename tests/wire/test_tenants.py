@@ -39,6 +39,7 @@ from batchline.transport._lua import TENANTS
 from batchline.worker.serving._admitter import Admitter
 
 from tests.support.models_for_tests import GatedModel
+from tests.support.protocol_doc import doc_block
 from tests.support.service import RESULT_TIMEOUT_S, WorkerThread, run_cli, wait_until
 
 T = RESULT_TIMEOUT_S
@@ -520,3 +521,8 @@ def test_batchline_acl_prints_a_tenants_user() -> None:
     bad = run_cli("acl", "--tenant", "a.b")
     assert bad.returncode != 0
     assert "'a.b'" in bad.stderr
+
+
+def test_the_documented_tenant_user_is_what_batchline_acl_prints() -> None:
+    block = doc_block("acl", "as `batchline acl --tenant\nacme` prints it")
+    assert block.splitlines() == [tenant_setuser(QueueKeys("default"), "acme")]
