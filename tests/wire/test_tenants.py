@@ -21,7 +21,7 @@ from batchline.codec import pack_value
 from batchline.config import ProducerSettings, WorkerSettings
 from batchline.errors import QuotaExceeded
 from batchline.keys import QueueKeys, TenantKeys
-from batchline.producer import AsyncProducer
+from batchline.producer import AsyncProducer, Producer
 from batchline.producer._tenancy import estimate_cost, producer_id_for, request_id_for
 from batchline.tenants import TenantConfig
 from batchline.transport import (
@@ -526,3 +526,31 @@ def test_batchline_acl_prints_a_tenants_user() -> None:
 def test_the_documented_tenant_user_is_what_batchline_acl_prints() -> None:
     block = doc_block("acl", "as `batchline acl --tenant\nacme` prints it")
     assert block.splitlines() == [tenant_setuser(QueueKeys("default"), "acme")]
+
+
+def test_the_blocking_producer_takes_tenants_too(
+    redis_url: str, queue: str, rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    """No worker: what a tenant's producer writes waits in the tenant's inbox, with a wake."""
+    with Producer(redis_url=redis_url, queue=queue, tenant="acme") as acme:
+        assert acme.tenant == "acme"
+        handle = acme.submit("x", reply=False)
+        assert handle.id.startswith("acme.")
+        other = acme.submit(["a", "b"], tenant="beta", reply=False)
+        assert other.tenant == "beta"
+        assert acme.queue_depth() == 1  # its own inbox counted, not beta's
+        assert rclient.llen(keys.tenant_inbox("beta")) == 1
+        assert acme.get_result(handle.id) is None
+        with pytest.raises(ValueError, match="not in tenant 'acme'"):
+            acme.get_result(other.id)
+        acme.cancel(handle)
+        acme.cancel(other)  # the handle's tenant
+        with pytest.raises(ValueError, match="not in tenant 'acme'"):
+            acme.cancel(other.id)
+    assert rclient.llen(keys.tenant_inbox("acme")) == 2  # the request, its cancel
+    assert rclient.llen(keys.wakes) == 4
+    [packed] = rclient.lrange(keys.tenant_inbox("beta"), 0, 0)
+    fields = msgpack.unpackb(packed, raw=False)[2:]
+    named = dict(zip(fields[::2], fields[1::2], strict=True))
+    assert named["cost"] == "2"  # two texts
+    assert "tn" not in named  # the admission's to write
