@@ -500,11 +500,16 @@ async def test_the_quota_hooks_refuse_at_once_and_at_the_admission(
         assert (told.value.tenant, told.value.limit) == ("acme", "tokens_per_min")
         assert told.value.retry_after_s == 2.5
         later = await acme.submit("y", request_id="acme.later-1")
-    admitter = Admitter(None, WorkerSettings(queue=keys.queue), worker_id="test")
-    call = [f"batchline_admit_{refusing}", *admitter.call()[1:]]
-    admitted, _left, _full, _withheld, over = rclient.execute_command("FCALL", *call)
-    assert (admitted, over) == (1, 1)
-    assert entries(rclient, keys) == {}
+        admitter = Admitter(None, WorkerSettings(queue=keys.queue), worker_id="test")
+        call = [f"batchline_admit_{refusing}", *admitter.call()[1:]]
+        admitted, _left, _full, _withheld, over = rclient.execute_command("FCALL", *call)
+        assert (admitted, over) == (1, 1)
+        assert entries(rclient, keys) == {}
+        # Its answer, pushed: the same error, its retry time with it.
+        with pytest.raises(QuotaExceeded) as refused:
+            await acme.result(later, timeout_s=T)
+        assert (refused.value.tenant, refused.value.limit) == ("acme", "requests_per_min")
+        assert refused.value.retry_after_s == 1.5
     stored = msgpack.unpackb(rclient.get(keys.result(later.id)), raw=False)
     fields = dict(zip(stored[::2], stored[1::2], strict=True))
     assert fields["etype"] == "QuotaExceeded"
