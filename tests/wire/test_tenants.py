@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import redis
 
-from batchline.acl import tenant_rules, tenant_setuser
+from batchline.acl import acl_rules, tenant_rules, tenant_setuser
 from batchline.codec import pack_value
 from batchline.config import ProducerSettings, WorkerSettings
 from batchline.errors import QuotaExceeded
@@ -559,3 +559,31 @@ def test_the_blocking_producer_takes_tenants_too(
     named = dict(zip(fields[::2], fields[1::2], strict=True))
     assert named["cost"] == "2"  # two texts
     assert "tn" not in named  # the admission's to write
+
+
+def test_a_worker_under_rules_from_before_tenants_admits_the_inbox_still(
+    acl_user: Callable[[list[str]], str],
+    urls: dict[str, str],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+) -> None:
+    """Workers upgraded before their ACL: untenanted requests are admitted as before."""
+    tenants = (":in:*", ":wake", ":tenants", ":bl:", ":fair", ":backlog", ":quota:", ":inflight:")
+    old = [
+        r
+        for r in acl_rules(keys, "worker")
+        if not any(k in r for k in (*tenants, ":usage:", "{tenants}"))
+    ]
+    worker = redis.Redis.from_url(acl_user(["on", ">PASSWORD", *old]))
+    rclient.rpush(keys.inbox, element("plain.1", "x"))
+    rclient.rpush(keys.wakes, msgpack.packb(["t", "acme"]))
+    admitter = Admitter(None, WorkerSettings(queue=keys.queue), worker_id="test")
+    try:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            worker.llen(keys.wakes)
+        admitted, left, *_ = worker.execute_command("FCALL", *admitter.call())
+    finally:
+        worker.close()
+    assert (admitted, left) == (1, 0)
+    assert set(entries(rclient, keys)) == {"plain.1"}
+    assert rclient.llen(keys.wakes) == 1  # for a worker that may
