@@ -587,3 +587,36 @@ def test_a_worker_under_rules_from_before_tenants_admits_the_inbox_still(
     assert (admitted, left) == (1, 0)
     assert set(entries(rclient, keys)) == {"plain.1"}
     assert rclient.llen(keys.wakes) == 1  # for a worker that may
+
+
+@pytest.mark.slow
+async def test_a_tenants_coalesced_requests_run_again_as_the_tenants(
+    redis_url: str,
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    queue: str,
+) -> None:
+    """A leader cancelled: the request coalesced onto it runs as an entry of its own, with
+    the leader's tn, so that its answer fills the tenant's cache."""
+    common = {"queue": queue, "result_ttl_s": 120, "cache_ttl_s": 60}
+    model = GatedModel()
+    worker = start_worker(model, batch_size=1, timeout_ms=600_000.0, model_id=MODEL_ID, **common)
+    wait_until(lambda: rclient.exists(keys.model), "the worker's model identity")
+    async with (
+        AsyncProducer(redis_url=redis_url, tenant="acme", **common) as a,
+        AsyncProducer(redis_url=redis_url, tenant="acme", **common) as b,
+    ):
+        blocker = await a.submit("blocker")
+        assert model.entered.wait(T), "no batch reached the model"
+        leader = await a.submit("same text")
+        joined = await b.submit("same text")
+        wait_until(lambda: b.counts["coalesced"] == 1, "the coalesced request")
+        wait_until(lambda: rclient.xlen(keys.stream(1)) == 2, "both admitted")
+        await a.cancel(leader)
+        wait_until(lambda: leader.id in worker.worker._parts.cancels, "the cancel's arrival")
+        model.release.set()
+        assert await a.result(blocker, timeout_s=T) == "blocker"
+        assert (await b.wait(joined, timeout_s=T)).output == "same text"
+    meta, blob = pack_value("same text")
+    assert rclient.exists(keys.cache(cache_hash(MODEL_ID, input_hash(meta, blob), "acme")))
