@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import threading
 from collections.abc import Mapping
@@ -21,11 +22,13 @@ from batchline.errors import (
     DecodeError,
     InferenceError,
     QueueFull,
+    QuotaExceeded,
     RequestCancelled,
     RequestExpired,
     RequestIdConflict,
 )
 from batchline.keys import is_name
+from batchline.tenants import tenant_of
 
 __all__ = [
     "Result",
@@ -40,6 +43,10 @@ __all__ = [
 ]
 
 Status = Literal["ok", "error", "expired", "cancelled"]
+
+
+#: The limit a QuotaExceeded error's message names (``tenant acme: requests_per_min=60 ...``).
+_LIMIT = re.compile(r"\b([a-z_]+)=")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +68,8 @@ class Result:
             A producer that knows its request's input checks it.
         tokens: how many tokens the model's tokenizer made of the input (field ``tok``);
             0 where the worker wrote none (a model without a tokenizer, an older worker).
+        retry_ms: of an error ``QuotaExceeded`` (a tenant's quota refused it as it was
+            admitted), the milliseconds until it would be admitted (field ``retry_ms``).
     """
 
     id: str
@@ -74,6 +83,7 @@ class Result:
     worker: str = ""
     input_hash: str = ""
     tokens: int = 0
+    retry_ms: int = 0
 
     def unwrap(self) -> Any:
         """The output, or the typed error this result stands for."""
@@ -87,6 +97,14 @@ class Result:
             raise RequestIdConflict(self.id)
         if self.error_type == "QueueFull":  # refused as it was admitted: the queue's bound
             raise QueueFull(f"request {self.id}: {self.error_message}")
+        if self.error_type == "QuotaExceeded":  # refused as it was admitted: a tenant's quota
+            named = _LIMIT.search(self.error_message)
+            raise QuotaExceeded(
+                f"request {self.id}: {self.error_message}",
+                tenant=tenant_of(self.id) or "",
+                limit=named.group(1) if named else "",
+                retry_after_s=self.retry_ms / 1000,
+            )
         raise InferenceError(self.error_type or "Error", self.error_message)
 
 
@@ -264,7 +282,7 @@ def decode_result(raw: Mapping[Any, Any], limits: Limits) -> Result:
             for k, v in raw.items()
         }
     get = raw.get
-    return _checked(
+    result = _checked(
         get(b"v"),
         [get(name, b"") for name in _TEXTS],
         get(b"queue_ms", b"0"),
@@ -275,6 +293,11 @@ def decode_result(raw: Mapping[Any, Any], limits: Limits) -> Result:
         limits,
         get(b"tok"),
     )
+    retry = get(b"retry_ms")
+    if retry is not None and result.error_type == "QuotaExceeded":
+        retry_ms = _number(retry, "retry_ms", int)
+        result = dataclasses.replace(result, retry_ms=retry_ms)
+    return result
 
 
 def decode_flat(flat: Any, limits: Limits) -> Result:
