@@ -17,13 +17,14 @@ import pytest
 import redis
 from fastapi import FastAPI, Request
 from pydantic import SecretStr
+from starlette.testclient import TestClient
 
 from batchline.config import WebSettings
 from batchline.contrib._plumbing import KeyTable
 from batchline.contrib._plumbing._caller import caller_of
 from batchline.contrib.fastapi import create_app
 from batchline.keys import TenantKeys
-from batchline.transport import KeyRecord, TenantStore, TenantTable, connect
+from batchline.transport import KeyRecord, TenantStore, TenantTable, connect, key_hash
 
 from .openai.test_openai import assert_error, client_for
 from .test_fastapi import MODEL, Serve, serve
@@ -368,3 +369,51 @@ def test_no_key_appears_in_the_logs(
     assert "GET /v1/models" in text  # the access log was captured
     for secret in (key, key.rsplit("-", 1)[1], STATIC, wrong[12:]):
         assert secret not in text
+
+
+# -- an open API on a reachable address; Redis gone after the first read --------------------
+
+
+def test_an_open_api_warns_once_when_reached_over_an_address_not_loopback(
+    make_app: MakeApp, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = make_app()
+    caplog.set_level(logging.WARNING, logger="batchline.contrib._plumbing._auth")
+    with TestClient(app, base_url="http://127.0.0.1") as local:
+        assert local.get("/whoami").status_code == 200
+    assert not [r for r in caplog.records if "is open" in r.getMessage()]
+    with TestClient(app, base_url="http://10.1.2.3:8000") as exposed:
+        for _ in range(3):
+            assert exposed.get("/whoami").status_code == 200
+    warned = [r for r in caplog.records if "is open" in r.getMessage()]
+    assert len(warned) == 1
+    assert "10.1.2.3" in warned[0].getMessage()
+    assert "BATCHLINE_API_KEYS" in warned[0].getMessage()
+
+
+class _Gone:
+    """A Redis client whose server went away."""
+
+    async def get(self, name: str) -> bytes:
+        raise redis.ConnectionError("Connection refused")
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_redis_gone_at_a_refresh_keeps_the_table_and_warns_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    key = "bl-0123abcd-" + "D" * 43
+    table = KeyTable(store=lambda: connect(WebSettings()))
+    table.install(TenantTable(7, {key_hash(key): KeyRecord("0123abcd", "acme")}, {}))
+    table.client = _Gone()  # type: ignore[assignment]
+    caplog.set_level(logging.WARNING)
+    for _ in range(3):
+        await table.refresh()
+    caller = table.lookup(key)
+    assert caller is not None
+    assert (caller.tenant, table.version) == ("acme", 7)
+    warned = [r for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(warned) == 1
+    assert "version 7" in warned[0].getMessage()
