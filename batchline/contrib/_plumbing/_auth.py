@@ -162,12 +162,12 @@ class KeyTable:
             version = await read_version(self.client, self.keys)
             if version != self._table.version or not self.loaded:
                 self.install(await read_table(self.client, self.keys))
-        except REDIS_FAILURES as exc:
+        except (*REDIS_FAILURES, ValueError) as exc:  # (ValueError: a version not a number)
             if not self._failing:
                 self._failing = True
                 logger.warning(
-                    "API keys: the tenant store is unreachable (%s: %s); the keys of version "
-                    "%d stay in use until it answers",
+                    "API keys: the tenant store cannot be read (%s: %s); the keys of version "
+                    "%d stay in use until it can",
                     type(exc).__name__,
                     exc,
                     self._table.version,
@@ -175,7 +175,7 @@ class KeyTable:
             return
         if self._failing:
             self._failing = False
-            logger.info("API keys: the tenant store answers again (version %d)", self.version)
+            logger.info("API keys: the tenant store is read again (version %d)", self.version)
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
@@ -244,6 +244,9 @@ class KeyCheck:
         if caller is not None:
             scope.setdefault("state", {})["caller"] = caller
             await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":  # (none is served; one would be closed unaccepted)
+            await send({"type": "websocket.close", "code": 1008})
             return
         if not self.table.loaded:
             await self._refuse(
