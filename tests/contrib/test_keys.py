@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -21,6 +22,7 @@ from starlette.testclient import TestClient
 
 from batchline.config import WebSettings
 from batchline.contrib._plumbing import KeyTable
+from batchline.contrib._plumbing._auth import uvicorn_host
 from batchline.contrib._plumbing._caller import caller_of
 from batchline.contrib.fastapi import create_app
 from batchline.keys import TenantKeys
@@ -391,6 +393,40 @@ def test_an_open_api_warns_once_when_reached_over_an_address_not_loopback(
     assert len(warned) == 1
     assert "10.1.2.3" in warned[0].getMessage()
     assert "BATCHLINE_API_KEYS" in warned[0].getMessage()
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "host"),
+    [
+        (["/usr/local/bin/uvicorn", "m:app", "--host", "0.0.0.0"], {}, "0.0.0.0"),
+        (["/venv/bin/uvicorn", "m:app", "--host=::"], {}, "::"),
+        (["/x/site-packages/uvicorn/__main__.py", "m:app", "--port", "80"], {}, "127.0.0.1"),
+        (["/venv/bin/uvicorn", "m:app"], {"UVICORN_HOST": "10.0.0.2"}, "10.0.0.2"),
+        (["/venv/bin/uvicorn", "m:app", "--uds", "/run/api.sock"], {}, None),
+        (["/venv/bin/gunicorn", "-k", "uvicorn.workers.UvicornWorker"], {}, None),
+        (["/venv/bin/pytest"], {}, None),
+    ],
+)
+def test_the_address_the_uvicorn_command_binds(
+    argv: list[str], environ: dict[str, str], host: str | None
+) -> None:
+    assert uvicorn_host(argv, environ) == host
+
+
+def test_an_open_api_started_by_uvicorn_on_all_addresses_warns_at_start(
+    make_app: MakeApp, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/uvicorn", "m:app", "--host", "0.0.0.0"])
+    caplog.set_level(logging.WARNING, logger="batchline.contrib._plumbing._auth")
+    with TestClient(make_app(), base_url="http://10.1.2.3") as exposed:
+        warned = [r for r in caplog.records if "is open" in r.getMessage()]
+        assert len(warned) == 1  # at start, before any request
+        assert "0.0.0.0" in warned[0].getMessage()
+        exposed.get("/whoami")
+    assert len([r for r in caplog.records if "is open" in r.getMessage()]) == 1
+    with TestClient(make_app(api_key=SecretStr(STATIC))):
+        pass  # keys: no warning
+    assert len([r for r in caplog.records if "is open" in r.getMessage()]) == 1
 
 
 class _Gone:
