@@ -273,7 +273,8 @@ class WebSettings(ProducerSettings):
             keys made by ``batchline keys create``, each naming its tenant, revoked on every
             replica within a second). With neither this nor ``api_key``, the API is open: no
             key, every caller untenanted and an admin, for local use (a warning is logged
-            when a request reaches it over an address that is not loopback). Health
+            when it is open on an address that is not loopback: at start under the
+            ``uvicorn`` command, else at the first request over one). Health
             (``/healthz``), metrics and the API docs stay open either way.
         api_key: one static key every request must present (as ``Authorization: Bearer``,
             ``x-api-key`` or ``api-key``), like vLLM's ``--api-key``: its holder is the tenant

@@ -3,15 +3,18 @@
 It uploads the file (``POST /v1/files``), creates a batch of it (``POST /v1/batches``),
 follows its progress (a bar on a terminal, a line per change elsewhere) and writes the
 output and error files where it is told. It speaks HTTP only (httpx): the API, not Redis,
-is what it needs to reach. Interrupted, it leaves the batch running (its id is printed).
+is what it needs to reach. Interrupted, it leaves the batch running (its id is printed). An
+API that takes keys gets the one in ``BATCHLINE_API_KEY`` (else ``OPENAI_API_KEY``), as
+``Authorization: Bearer``: never on the command line, where other users' ``ps`` would see it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -38,6 +41,7 @@ class Submit:
     output: Path
     errors: Path
     poll_s: float
+    api_key: str | None = field(default=None, repr=False)
 
 
 def _body(response: Any) -> dict[str, Any]:
@@ -94,7 +98,10 @@ def submit(job: Submit, out: TextIO) -> dict[str, Any]:
     except ImportError:
         raise BatchFailed("batchline batch needs httpx: pip install httpx") from None
     try:
-        with httpx.Client(base_url=job.url.rstrip("/") + "/v1", timeout=60) as http:
+        headers = {"Authorization": f"Bearer {job.api_key}"} if job.api_key else {}
+        with httpx.Client(
+            base_url=job.url.rstrip("/") + "/v1", timeout=60, headers=headers
+        ) as http:
             with job.file.open("rb") as f:
                 files = {"file": (job.file.name, f, "application/jsonl")}
                 uploaded = _body(http.post("/files", files=files, data={"purpose": "batch"}))
@@ -146,6 +153,7 @@ def _batch(args: argparse.Namespace) -> int:
         output=Path(args.output or path.with_suffix(".output.jsonl")),
         errors=Path(args.errors or path.with_suffix(".errors.jsonl")),
         poll_s=args.poll_s,
+        api_key=os.environ.get("BATCHLINE_API_KEY") or os.environ.get("OPENAI_API_KEY") or None,
     )
     try:
         submit(job, sys.stdout)
@@ -169,7 +177,7 @@ def batch_parser(sub: Any) -> argparse.ArgumentParser:
         "its output and error files. Exit status 0 once the batch completed, 1 if the API "
         "refused it or it ended otherwise (failed, cancelled, expired), 2 for a file that "
         "is not there or a URL that is not http(s); interrupted, the batch goes on in the "
-        "API.",
+        "API. An API that takes keys gets the one in BATCHLINE_API_KEY (else OPENAI_API_KEY).",
     )
     add_option(batch, "file", metavar="FILE.jsonl", text="the requests, one JSON object a line")
     add_option(

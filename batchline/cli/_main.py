@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 from batchline.cli._acl import acl_parser, acl_settings
 from batchline.cli._batch import batch_parser
 from batchline.cli._demo import demo_parser
+from batchline.cli._keys import keys_parsers
 from batchline.cli._options import CliCommand, UsageError, add_option, reference
 from batchline.cli._status import status_parser, status_settings
 from batchline.cli._worker import worker_parser, worker_settings
@@ -35,6 +36,9 @@ commands:
   batchline acl [--role worker]    the ACL SETUSER lines of the queue's Redis users
   batchline batch FILE.jsonl [--url http://localhost:8000]
                                    run a file of requests through the web API's /v1/batches
+  batchline keys create --tenant NAME [--requests-per-min 60 ...]
+                                   a key for the HTTP API (printed once); keys list, revoke
+                                   ID, rotate ID, set --tenant NAME: the tenant store
 
 Redis: BATCHLINE_REDIS_URL (default redis://localhost:6379/0). `batchline COMMAND --help`
 lists each command's options with their defaults and environment variables.
@@ -82,7 +86,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     parser = _Parser(
         prog="batchline",
         description="Dynamic batching for model inference: run the demo, a worker serving a "
-        "queue over Redis, look at a queue, or print its ACL users.",
+        "queue over Redis, look at a queue, print its ACL users, or manage the HTTP API's "
+        "keys.",
         epilog=USAGE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -113,6 +118,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         "acl": acl_parser(sub),
         "demo": demo_parser(sub),
         "batch": batch_parser(sub),
+        **keys_parsers(sub),
     }
     return parser, commands
 

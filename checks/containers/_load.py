@@ -56,14 +56,19 @@ def local_encoder() -> Callable[[list[str]], np.ndarray]:
     return lambda batch: np.asarray(model.encode(batch, batch_size=32))
 
 
-def send_load(url: str, batch: list[str], *, during: Callable[[int], None]) -> list[dict[str, Any]]:
-    """POST /embed every text (16 at a time); call ``during(answered)`` after each answer."""
+def send_load(
+    url: str, batch: list[str], *, during: Callable[[int], None], key: str
+) -> list[dict[str, Any]]:
+    """POST /embed every text (16 at a time, with the API ``key``); call ``during(answered)``
+    after each answer."""
     answered = 0
     lock = threading.Lock()
 
     def one(text: str) -> dict[str, Any]:
         nonlocal answered
-        response = http_client.post(f"{url}/embed", json={"text": text}, timeout=120)
+        response = http_client.post(
+            f"{url}/embed", json={"text": text}, headers={"x-api-key": key}, timeout=120
+        )
         if response.status_code != 200:
             raise AssertionError(f"{text!r}: {response.status_code} {response.text}")
         with lock:
@@ -191,7 +196,7 @@ def kill_phase(
             killed.kill()
 
     started = time.monotonic()
-    answers = send_load(stack.api_url, batch, during=kill)
+    answers = send_load(stack.api_url, batch, during=kill, key=stack.api_key)
     took = time.monotonic() - started
     worst = check_answers(batch, answers, expected)
     writes.check_once(answers)
@@ -221,7 +226,7 @@ def sigterm_phase(
             stop_started.append(time.monotonic())
             threading.Thread(target=stopped.stop, kwargs={"timeout": stack.grace_s}).start()
 
-    answers = send_load(stack.api_url, batch, during=stop)
+    answers = send_load(stack.api_url, batch, during=stop, key=stack.api_key)
     wait_for(
         f"{stopped.name} exited",
         lambda: stopped.reload() or stopped.attrs["State"]["Status"] == "exited",

@@ -84,6 +84,7 @@ class Stack:
         self.redis: Any = None
         self.api: Any = None
         self.api_url = ""
+        self.api_key = ""  # made once the stack is up (compose.yaml's API takes keys)
         self.n_workers = workers
 
     def up(self) -> None:
@@ -137,6 +138,14 @@ class Stack:
         wait_healthy(self.api, timeout_s=120)
         for container in self.workers:
             wait_healthy(container, timeout_s=600)
+        # As docs/deploying.md says: the first key, made in the API's container (only the key
+        # on stdout).
+        code, (out, err) = self.api.exec_run(
+            ["batchline", "keys", "create", "--tenant", "check"], demux=True
+        )
+        if code != 0:
+            raise RuntimeError(f"batchline keys create: {(err or b'').decode()}")
+        self.api_key = (out or b"").decode().strip()
         log(f"up: redis, {len(self.workers)} workers healthy, API healthy on {self.api_url}")
 
     def start(

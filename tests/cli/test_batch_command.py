@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from pydantic import SecretStr
 
 from batchline.cli import main
 
@@ -62,3 +63,25 @@ def test_batch_runs_a_file_and_writes_its_output_and_errors(
     assert done.returncode == 0, done.stderr
     assert "HTTP Request" not in done.stdout + done.stderr, done.stderr
     assert "2/2 lines (100%), 1 failed, completed" in done.stdout
+
+
+@pytest.mark.slow
+def test_batch_sends_the_key_in_batchline_api_key(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    embedder: None,  # noqa: F811
+    queue: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    key = "a-static-key-" + queue
+    base = str(serve(make_app(api_key=SecretStr(key))).base_url)
+    file = tmp_path / "requests.jsonl"
+    file.write_bytes(jsonl([embedding_line("a", "first", queue)]))
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    assert main(["batch", str(file), "--url", base, "--poll-s", "0.05"]) == 1
+    assert "POST /v1/files: 401 You didn't provide an API key" in capsys.readouterr().err
+    monkeypatch.setenv("BATCHLINE_API_KEY", key)
+    assert main(["batch", str(file), "--url", base, "--poll-s", "0.05"]) == 0
+    assert "1/1 lines (100%), 0 failed, completed" in capsys.readouterr().out

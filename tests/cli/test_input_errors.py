@@ -54,6 +54,18 @@ BAD_INPUTS: list[tuple[list[str], dict[str, str], str]] = [
     (["batch", "FILE", "--url", "localhost:8000"], {}, "--url is the web backend's http://"),
     (["batch", "FILE", "--poll-s", "0"], {}, "--poll-s: must be above 0"),
     (["batch", "FILE", "--endpoint", "/v1/chat"], {}, "(choose from '/v1/embeddings'"),
+    # The API's keys.
+    (["keys"], {}, "the following arguments are required: KEYS_COMMAND"),
+    (["keys", "create"], {}, "the following arguments are required: --tenant"),
+    (["keys", "create", "--tenant", "a.b"], {}, "--tenant: a tenant must be 1-64 characters"),
+    (["keys", "create", "--tenant", "a", "--weight", "0"], {}, "--weight: weight must be in"),
+    (["keys", "create", "--tenant", "a", "--max-in-flight", "x"], {}, "invalid int value: 'x'"),
+    (["keys", "create", "--tenant", "a", "--over-quota", "wait"], {}, "'refuse', 'idle'"),
+    (["keys", "list", "--prefix", "a b"], {}, "--prefix: name must be 1-128 characters"),
+    (["keys", "revoke", "KEY"], {}, "a key id is 8 hex digits (keys list shows them), got 'KEY'"),
+    (["keys", "rotate", "0123abcd", "--grace-s", "-1"], {}, "--grace-s: must be >= 0"),
+    (["keys", "set", "--tenant", "a"], {}, "give at least one of --weight"),
+    (["keys", "set", "--tenant", "a", "--requests-per-min", "-1"], {}, "requests_per_min must"),
 ]
 
 
@@ -83,10 +95,18 @@ def test_a_bad_input_is_one_line_naming_what_is_accepted(
     assert says in err, err
 
 
+def _words(args: list[str], n: int) -> list[str]:
+    """Each run of ``n`` arguments, joined (a command of two words: ``keys create``)."""
+    return [" ".join(args[i : i + n]) for i in range(len(args) - n + 1)]
+
+
 def test_the_table_walks_every_command_of_the_parser() -> None:
     """A command added to batchline/cli/ gets its bad inputs in the table above."""
     commands = {c.name.removeprefix("batchline").strip() for c in cli_reference()} - {""}
-    walked = {next((a for a in args if a in commands), "") for args, _, _ in BAD_INPUTS}
+    walked = {
+        next((name for n in (2, 1) for name in _words(args, n) if name in commands), "")
+        for args, _, _ in BAD_INPUTS
+    }
     assert commands - walked == set()
     assert len(commands) >= 5, commands
 

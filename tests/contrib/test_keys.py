@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -17,13 +18,15 @@ import pytest
 import redis
 from fastapi import FastAPI, Request
 from pydantic import SecretStr
+from starlette.testclient import TestClient
 
 from batchline.config import WebSettings
 from batchline.contrib._plumbing import KeyTable
+from batchline.contrib._plumbing._auth import uvicorn_host
 from batchline.contrib._plumbing._caller import caller_of
 from batchline.contrib.fastapi import create_app
 from batchline.keys import TenantKeys
-from batchline.transport import KeyRecord, TenantStore, TenantTable, connect
+from batchline.transport import KeyRecord, TenantStore, TenantTable, connect, key_hash
 
 from .openai.test_openai import assert_error, client_for
 from .test_fastapi import MODEL, Serve, serve
@@ -124,7 +127,9 @@ def holds(app: FastAPI, version: int) -> None:
 def test_the_static_key_in_each_header_and_none_or_a_wrong_one_is_401(
     make_app: MakeApp, serve: Serve
 ) -> None:
-    http = serve(make_app(api_key=SecretStr(STATIC)))
+    app = make_app(api_key=SecretStr(STATIC))
+    http = serve(app)
+    assert table_of(app).client is None  # a static key reads no store
     for headers in (
         {"Authorization": f"Bearer {STATIC}"},
         {"authorization": f"bearer {STATIC}"},
@@ -368,3 +373,85 @@ def test_no_key_appears_in_the_logs(
     assert "GET /v1/models" in text  # the access log was captured
     for secret in (key, key.rsplit("-", 1)[1], STATIC, wrong[12:]):
         assert secret not in text
+
+
+# -- an open API on a reachable address; Redis gone after the first read --------------------
+
+
+def test_an_open_api_warns_once_when_reached_over_an_address_not_loopback(
+    make_app: MakeApp, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = make_app()
+    caplog.set_level(logging.WARNING, logger="batchline.contrib._plumbing._auth")
+    with TestClient(app, base_url="http://127.0.0.1") as local:
+        assert local.get("/whoami").status_code == 200
+    assert not [r for r in caplog.records if "is open" in r.getMessage()]
+    with TestClient(app, base_url="http://10.1.2.3:8000") as exposed:
+        for _ in range(3):
+            assert exposed.get("/whoami").status_code == 200
+    warned = [r for r in caplog.records if "is open" in r.getMessage()]
+    assert len(warned) == 1
+    assert "10.1.2.3" in warned[0].getMessage()
+    assert "BATCHLINE_API_KEYS" in warned[0].getMessage()
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "host"),
+    [
+        (["/usr/local/bin/uvicorn", "m:app", "--host", "0.0.0.0"], {}, "0.0.0.0"),
+        (["/venv/bin/uvicorn", "m:app", "--host=::"], {}, "::"),
+        (["/x/site-packages/uvicorn/__main__.py", "m:app", "--port", "80"], {}, "127.0.0.1"),
+        (["/venv/bin/uvicorn", "m:app"], {"UVICORN_HOST": "10.0.0.2"}, "10.0.0.2"),
+        (["/venv/bin/uvicorn", "m:app", "--uds", "/run/api.sock"], {}, None),
+        (["/venv/bin/gunicorn", "-k", "uvicorn.workers.UvicornWorker"], {}, None),
+        (["/venv/bin/pytest"], {}, None),
+    ],
+)
+def test_the_address_the_uvicorn_command_binds(
+    argv: list[str], environ: dict[str, str], host: str | None
+) -> None:
+    assert uvicorn_host(argv, environ) == host
+
+
+def test_an_open_api_started_by_uvicorn_on_all_addresses_warns_at_start(
+    make_app: MakeApp, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/uvicorn", "m:app", "--host", "0.0.0.0"])
+    caplog.set_level(logging.WARNING, logger="batchline.contrib._plumbing._auth")
+    with TestClient(make_app(), base_url="http://10.1.2.3") as exposed:
+        warned = [r for r in caplog.records if "is open" in r.getMessage()]
+        assert len(warned) == 1  # at start, before any request
+        assert "0.0.0.0" in warned[0].getMessage()
+        exposed.get("/whoami")
+    assert len([r for r in caplog.records if "is open" in r.getMessage()]) == 1
+    with TestClient(make_app(api_key=SecretStr(STATIC))):
+        pass  # keys: no warning
+    assert len([r for r in caplog.records if "is open" in r.getMessage()]) == 1
+
+
+class _Gone:
+    """A Redis client whose server went away."""
+
+    async def get(self, name: str) -> bytes:
+        raise redis.ConnectionError("Connection refused")
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_redis_gone_at_a_refresh_keeps_the_table_and_warns_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    key = "bl-0123abcd-" + "D" * 43
+    table = KeyTable(store=lambda: connect(WebSettings()))
+    table.install(TenantTable(7, {key_hash(key): KeyRecord("0123abcd", "acme")}, {}))
+    table.client = _Gone()  # type: ignore[assignment]
+    caplog.set_level(logging.WARNING)
+    for _ in range(3):
+        await table.refresh()
+    caller = table.lookup(key)
+    assert caller is not None
+    assert (caller.tenant, table.version) == ("acme", 7)
+    warned = [r for r in caplog.records if "cannot be read" in r.getMessage()]
+    assert len(warned) == 1
+    assert "version 7" in warned[0].getMessage()

@@ -23,9 +23,10 @@ No key is ever logged, traced, counted or put in an error message: a refusal nam
 of the key it got, and the key id (its public part) is what logs name.
 
 An open API (neither setting) checks nothing: every caller is the untenanted admin
-(:data:`~batchline.contrib._plumbing._caller.OPEN`). It logs a warning the first time a
-request reaches it over an address that is not loopback: the app learns its address from its
-connections (uvicorn tells an app nothing of where it listens before one).
+(:data:`~batchline.contrib._plumbing._caller.OPEN`). It logs a warning when it is open on an
+address that is not loopback, once, where it first can know: at start when the ``uvicorn``
+command started it (its ``--host``, or ``UVICORN_HOST``); else the first time a request
+reaches it over such an address (uvicorn tells an app nothing of where it listens).
 """
 
 from __future__ import annotations
@@ -35,8 +36,11 @@ import contextlib
 import hmac
 import ipaddress
 import logging
+import os
+import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Final
 
 from starlette.responses import JSONResponse
@@ -56,7 +60,15 @@ from batchline.transport import (
     read_version,
 )
 
-__all__ = ["OPEN_PATHS", "REFRESH_S", "STATIC_TENANT", "KeyCheck", "KeyTable", "presented_key"]
+__all__ = [
+    "OPEN_PATHS",
+    "REFRESH_S",
+    "STATIC_TENANT",
+    "KeyCheck",
+    "KeyTable",
+    "presented_key",
+    "uvicorn_host",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -162,12 +174,12 @@ class KeyTable:
             version = await read_version(self.client, self.keys)
             if version != self._table.version or not self.loaded:
                 self.install(await read_table(self.client, self.keys))
-        except REDIS_FAILURES as exc:
+        except (*REDIS_FAILURES, ValueError) as exc:  # (ValueError: a version not a number)
             if not self._failing:
                 self._failing = True
                 logger.warning(
-                    "API keys: the tenant store is unreachable (%s: %s); the keys of version "
-                    "%d stay in use until it answers",
+                    "API keys: the tenant store cannot be read (%s: %s); the keys of version "
+                    "%d stay in use until it can",
                     type(exc).__name__,
                     exc,
                     self._table.version,
@@ -175,7 +187,7 @@ class KeyTable:
             return
         if self._failing:
             self._failing = False
-            logger.info("API keys: the tenant store answers again (version %d)", self.version)
+            logger.info("API keys: the tenant store is read again (version %d)", self.version)
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
@@ -206,6 +218,23 @@ class KeyTable:
             await self.refresh()
 
 
+def uvicorn_host(argv: Sequence[str], environ: Mapping[str, str]) -> str | None:
+    """The address the ``uvicorn`` command (``python -m uvicorn`` too) was told to bind, from
+    its arguments or ``UVICORN_HOST`` (its default: 127.0.0.1); None where another program
+    started the app (gunicorn, a test, code), which says nothing of it."""
+    program = Path(argv[0]) if argv else Path()
+    if program.name != "uvicorn" and program.parent.name != "uvicorn":
+        return None
+    for i, arg in enumerate(argv):
+        if arg == "--host" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--host="):
+            return arg.partition("=")[2]
+    if any(arg == "--uds" or arg.startswith(("--uds=", "--fd")) for arg in argv):
+        return None  # a socket it is handed: its address is not known here
+    return environ.get("UVICORN_HOST", "127.0.0.1")
+
+
 def _loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
@@ -229,6 +258,10 @@ class KeyCheck:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
+            if scope["type"] == "lifespan" and self.table is None and not self._warned:
+                host = uvicorn_host(sys.argv, os.environ)
+                if host is not None and not _loopback(host):
+                    self._warn(host)
             await self.app(scope, receive, send)
             return
         if self.table is None:
@@ -244,6 +277,9 @@ class KeyCheck:
         if caller is not None:
             scope.setdefault("state", {})["caller"] = caller
             await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":  # (none is served; one would be closed unaccepted)
+            await send({"type": "websocket.close", "code": 1008})
             return
         if not self.table.loaded:
             await self._refuse(
@@ -264,14 +300,16 @@ class KeyCheck:
     def _warn_if_exposed(self, scope: Scope) -> None:
         server = scope.get("server")
         if server and not _loopback(str(server[0])):
-            self._warned = True
-            logger.warning(
-                "the API is open (no api_key, api_keys off) and reached over %s, not "
-                "loopback: anyone who reaches it may use it, and sees every file, batch and "
-                "job; set BATCHLINE_API_KEYS=true (batchline keys create) or "
-                "BATCHLINE_API_KEY",
-                server[0],
-            )
+            self._warn(str(server[0]))
+
+    def _warn(self, address: str) -> None:
+        self._warned = True
+        logger.warning(
+            "the API is open (no api_key, api_keys off) on %s, not loopback: anyone who "
+            "reaches it may use it, and sees every file, batch and job; set "
+            "BATCHLINE_API_KEYS=true (batchline keys create) or BATCHLINE_API_KEY",
+            address,
+        )
 
     async def _refuse(
         self, scope: Scope, receive: Receive, send: Send, *, status: int, message: str, code: str
