@@ -33,7 +33,10 @@ from batchline.transport._errors import (
 from batchline.transport._event_loop import EXIT_INTERRUPTED, loop_factory, run_loop
 from batchline.transport._functions import (
     ADMIT,
+    CANCEL_TENANT,
+    ENQUEUE_TENANT,
     JOB,
+    JOB_TENANT,
     LIBRARY,
     TAG,
     function_missing,
@@ -70,9 +73,13 @@ from batchline.transport._redis import (
 )
 from batchline.transport._replication import Replication
 from batchline.transport._scripts import COMPLETE, ENQUEUE
+from batchline.transport._tenants import TenantMirror, read_tenant_configs
 
 __all__ = [
     "ADMIT",
+    "CANCEL_TENANT",
+    "ENQUEUE_TENANT",
+    "JOB_TENANT",
     "CANCELS_MAXLEN",
     "COMPLETE",
     "ENQUEUE",
@@ -93,6 +100,7 @@ __all__ = [
     "CancelLog",
     "CancelTrim",
     "Outbox",
+    "TenantMirror",
     "RedisArgument",
     "RedisClient",
     "RedisLibraryError",
@@ -102,6 +110,7 @@ __all__ = [
     "Script",
     "as_client",
     "cache_hash",
+    "read_tenant_configs",
     "connect",
     "dedicated",
     "function_missing",

@@ -26,6 +26,7 @@ from batchline.tenants import is_tenant
 from batchline.tracing import log_extra
 from batchline.transport import input_hash
 from batchline.worker.models import Model, Prepared
+from batchline.tenants import is_tenant
 from batchline.worker.shared._held import Meta, Record
 
 __all__ = ["Outcome", "accounted", "answer", "billed", "dead_letter", "finished"]
@@ -107,6 +108,7 @@ def answer(
     record.account = accounted(meta, status, output)
     if cache_hash or record.cut:
         record.cache_hash, record.input_hash = cache_hash, ih
+        record.tenant = request.get("tenant")
     return record
 
 
@@ -164,6 +166,8 @@ def dead_letter(
         record.account = [tenant, estimate, -1, 0, 0, 0]
     if ih and _CACHE_HASH.fullmatch(ck):
         record.cache_hash, record.input_hash = ck.decode(), ih
+        tenant = raw.get(b"tn", b"").decode("utf-8", "replace")
+        record.tenant = tenant if is_tenant(tenant) else None
     return record
 
 
