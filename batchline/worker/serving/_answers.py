@@ -26,7 +26,6 @@ from batchline.tenants import is_tenant
 from batchline.tracing import log_extra
 from batchline.transport import input_hash
 from batchline.worker.models import Model, Prepared
-from batchline.tenants import is_tenant
 from batchline.worker.shared._held import Meta, Record
 
 __all__ = ["Outcome", "accounted", "answer", "billed", "dead_letter", "finished"]
