@@ -5,15 +5,21 @@ and the accounting at completion (in-flight released, tokens corrected, usage co
 
 from __future__ import annotations
 
+import json
+
 import msgpack
 import pytest
 import redis
 
+from batchline.codec import Limits, unpack_result
+from batchline.errors import QuotaExceeded
 from batchline.keys import QueueKeys
 from batchline.tenants import TenantConfig
 from batchline.transport import once_keys
 from batchline.transport._lua import ONCE, REPLIES, TENANTS
 from batchline.transport._quota import ACCOUNT, COUNTERS, QUOTA, usage_day
+
+from tests.support.service import admit_inbox
 
 # ARGV: 1, 2 unused; 3-11 begin_once's; 12 the queue's key base; then the call's own.
 _ADMIT = (
@@ -159,3 +165,38 @@ def test_accounting_releases_corrects_and_counts(
         b"-|tokens": b"9",
     }
     assert 0 < rclient.ttl(usage) <= 86400
+
+
+# -- through the queue's functions: the admission of a tenant's inbox --------------------------
+
+
+def _element(rid: str, cost: int) -> bytes:
+    meta = json.dumps("x")
+    fields = ["v", "2", "id", rid, "meta", meta, "reply", "acme.me", "cost", str(cost)]
+    packed: bytes = msgpack.packb(["r", 1, *fields], use_bin_type=False)
+    return packed
+
+
+def test_the_admission_refuses_over_quota_as_the_requests_result(
+    rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    """A tenant's requests past its requests per minute get a QuotaExceeded result (its
+    retry time, its limit), stored and pushed, their ids free to run again; the admitted
+    ones are held, each in flight."""
+    configure(rclient, keys, "acme", requests_per_min=2)
+    rclient.rpush(keys.tenant_inbox("acme"), *(_element(f"acme.{i}", 5) for i in range(3)))
+    rclient.rpush(keys.wakes, msgpack.packb(["t", "acme"]))
+    admit_inbox(rclient, keys)
+    assert rclient.xlen(keys.stream(1)) == 2
+    assert rclient.zcard(keys.tenant_in_flight("acme")) == 2
+    result = unpack_result(rclient.get(keys.result("acme.2")), Limits())
+    assert result.error_type == "QuotaExceeded"
+    assert 0 < result.retry_ms <= 60_000
+    with pytest.raises(QuotaExceeded) as caught:
+        result.unwrap()
+    assert caught.value.tenant == "acme"
+    assert caught.value.limit == "requests_per_min"
+    assert caught.value.retry_after_s == result.retry_ms / 1000
+    assert rclient.get(keys.request_input("acme.2")).endswith(b" !")  # runs again later
+    ((_, reply),) = rclient.xrange(keys.reply("acme.me"))
+    assert reply[b"n"] == b"1"
