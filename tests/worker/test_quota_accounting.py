@@ -13,13 +13,14 @@ from collections.abc import Callable
 import pytest
 import redis
 
+from batchline.codec import Request
 from batchline.keys import QueueKeys
 from batchline.tenants import TenantConfig
 from batchline.transport import usage_day
+from batchline.worker.serving._answers import accounted, billed
+from batchline.worker.shared._held import Meta
 
 from tests.support.service import WorkerProcess, spec, wait_until
-
-pytestmark = pytest.mark.slow
 
 
 def _entry(rid: str, value: object, **more: str) -> dict[str, str | bytes]:
@@ -33,6 +34,7 @@ def _minute(rclient: redis.Redis) -> int:
     return int((s * 1000 + us // 1000) // 60000)
 
 
+@pytest.mark.slow
 def test_every_ending_releases_the_slot_corrects_tokens_and_counts_usage(
     spawn_worker: Callable[..., WorkerProcess], rclient: redis.Redis, keys: QueueKeys
 ) -> None:
@@ -79,3 +81,24 @@ def test_every_ending_releases_the_slot_corrects_tokens_and_counts_usage(
     assert usage[b"-|requests"] == b"1"
     assert usage[b"-|items"] == b"1"
     assert 0 < rclient.ttl(keys.usage(usage_day(time.time()))) <= 62 * 86400
+
+
+def _meta(request: Request, items: int = 0, tokens: int = 0) -> Meta:
+    return Meta(1, b"1-0", request, None, 0.0, items=items, tokens=tokens)
+
+
+def test_the_real_cost_of_each_kind_of_answer() -> None:
+    """A generation's real cost is its prompt and generated tokens; an embedding's its
+    items; a request that never ran costs nothing; an error keeps its estimate."""
+    ours = Request(v=2, id="acme.1", meta=b"null", tenant="acme", cost=300)
+    generated = {"text": "hi", "tokens": 12, "prompt_tokens": 30, "finish_reason": "eos"}
+    assert accounted(_meta(ours, items=1), "ok", generated) == ["acme", 300, 42, 1, 42, 1]
+    assert accounted(_meta(ours, items=3, tokens=17), "ok", [0.1]) == ["acme", 300, 3, 3, 17, 1]
+    assert accounted(_meta(ours), "cancelled", None) == ["acme", 300, 0, 0, 0, 0]
+    assert accounted(_meta(ours), "expired", None) == ["acme", 300, 0, 0, 0, 0]
+    assert accounted(_meta(ours), "error", None) == ["acme", 300, -1, 0, 0, 0]
+    plain = Request(v=2, id="x", meta=b"null")
+    assert accounted(_meta(plain, items=2), "ok", "out") == ["", 1, 2, 2, 0, 1]
+    assert accounted(_meta(plain), "error", None) is None  # nothing to account
+    assert billed({b"tn": b"acme", b"cost": b"7"}) == ("acme", 7)
+    assert billed({b"tn": b"a.b", b"cost": b"99999999"}) == ("", 1)
