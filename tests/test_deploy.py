@@ -90,7 +90,7 @@ def test_keda_objects_match_the_documented_schema() -> None:
     for name, (list_type, streams_type) in TYPES.items():
         scaled = one("ScaledObject", name)
         types = [t["type"] for t in scaled["spec"]["triggers"]]
-        assert types.count(list_type) == 1, types  # one trigger on the inbox
+        assert types.count(list_type) == 2, types  # on the inbox and on the wake list
         assert set(types) == {list_type, streams_type}, types
         for field in ("listLength", "lagCount", "pendingEntriesCount"):
             bad = copy(scaled)
@@ -166,7 +166,8 @@ def test_the_scaled_object_watches_the_inbox_and_every_work_stream_of_the_queue(
             assert (parameter, "batchline-redis", parameter) in secrets
             assert parameter in one("Secret", "batchline-redis")["stringData"]
         if "listName" in meta:
-            # Requests wait in the inbox while no worker runs: one starts a worker from zero.
+            # Requests wait in the inbox (a tenant's: a wake on the wake list) while no worker
+            # runs: one starts a worker from zero.
             assert meta["activationListLength"] == "0"
             lists[meta["listName"]] = int(meta["listLength"])
             continue
@@ -176,7 +177,7 @@ def test_the_scaled_object_watches_the_inbox_and_every_work_stream_of_the_queue(
             lag[meta["stream"]] = int(meta["lagCount"])
         else:
             pending[meta["stream"]] = int(meta["pendingEntriesCount"])
-    assert list(lists) == [keys.inbox]
+    assert list(lists) == [keys.inbox, keys.wakes]
     assert sorted(lag) == sorted(pending) == sorted(keys.streams)
     # A backlog asks for as many workers in the inbox as once admitted, in the lag.
     assert set(lists.values()) == set(lag.values()), (lists, lag)

@@ -32,7 +32,7 @@ ALLOWED: dict[str, set[str]] = {
     "generation": {"_llguidance", "_response_format", "core", "devices", "errors"},
     "keys": set(),
     "tenants": set(),
-    "codec": {"_json_depth", "errors", "keys"},
+    "codec": {"_json_depth", "errors", "keys", "tenants"},
     "acl": {"keys", "tenants"},
     "redis_url": set(),
     "config": WIRE | {"devices", "drivers", "redis_url"},

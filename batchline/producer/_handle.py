@@ -13,7 +13,7 @@ __all__ = ["EnqueueOptions", "Handle", "SubmitOptions"]
 
 class EnqueueOptions(TypedDict, total=False):
     """What one enqueued request may set, taken by ``infer``, ``map`` and ``stream`` (see
-    :meth:`AsyncProducer.submit`)."""
+    ``AsyncProducer.submit``)."""
 
     deadline_ms: float | None
     priority: int | None

@@ -107,7 +107,7 @@ class Waiters(dict[str, list["asyncio.Future[Result]"]]):
 
 class ReplyReader:
     """Reads one producer's reply streams until ``closed()``; :meth:`run` is its task. A
-    producer has one reply stream, and one more per tenant it sends for (:meth:`add`): one
+    producer has one reply stream, and one more per tenant it sends for (:meth:`read_too`): one
     blocking XREAD reads them all.
 
     Args:
@@ -144,6 +144,7 @@ class ReplyReader:
         self._recovered = recovered
         self._client: RedisClient | None = None  # the reader's own client, while it runs
         self._task: asyncio.Task[None] | None = None  # start()'s
+        self._stopping = False  # close() ends start()'s task (a swallowed cancel too)
         # Warnings of dropped entries: one at once, then at most one per _QUIET_S with how
         # many more were dropped (a flood of forged entries must not flood the log).
         self._quiet_until = 0.0
@@ -168,7 +169,11 @@ class ReplyReader:
         """Stop the reading task :meth:`start` made, if any."""
         if self._task is not None:
             task, self._task = self._task, None
-            await self.stop(task)
+            self._stopping = True
+            try:
+                await self.stop(task)
+            finally:
+                self._stopping = False
 
     async def read_too(self, reply_key: str) -> None:
         """Read ``reply_key`` too. A running reader blocks in an XREAD of the streams it had:
@@ -211,14 +216,14 @@ class ReplyReader:
         failed = False
         # stop() cancels this task, but on Python 3.11 a cancellation that lands just as
         # redis-py's internal wait_for completes is swallowed; closed() ends the loop anyway.
-        while not self._closed():
+        while not self._closed() and not self._stopping:
             try:
                 response = await client.xread(dict(last), count=1000, block=1000)
             except Exception as caught:
                 exc = redis_failure(caught)
                 if exc is None:
                     raise
-                if self._closed():
+                if self._closed() or self._stopping:
                     break  # stop() cut the connection: nothing to report
                 failed = True
                 await backoff.wait(exc)

@@ -1,0 +1,519 @@
+"""Tenants on the wire (docs/protocol.md, Tenants), tried under Redis's own ACLs: tenant A's
+Redis user (``batchline acl --tenant``'s rules) cannot enqueue as B (its elements are admitted
+as A's, or refused), read B's results or replies, nor cancel B's requests; a ``tn`` forged in
+the shared inbox is removed; tenants never share cached answers; a tenant producer's round
+trip, and one producer serving several tenants (the web backend's way). Real Redis 7, the
+doc's producer and worker users, workers in this process."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import pytest
+import redis
+
+from batchline.acl import tenant_rules
+from batchline.codec import pack_value
+from batchline.config import ProducerSettings, WorkerSettings
+from batchline.errors import QuotaExceeded
+from batchline.keys import QueueKeys, TenantKeys
+from batchline.producer import AsyncProducer
+from batchline.producer._tenancy import estimate_cost, producer_id_for, request_id_for
+from batchline.tenants import TenantConfig
+from batchline.transport import (
+    CANCEL_TENANT,
+    ENQUEUE_TENANT,
+    TenantMirror,
+    as_client,
+    cache_hash,
+    input_hash,
+    once_keys,
+    usage_day,
+)
+from batchline.transport._functions import ENQUEUE
+from batchline.transport._lua import TENANTS
+from batchline.worker.serving._admitter import Admitter
+
+from tests.support.models_for_tests import GatedModel
+from tests.support.service import RESULT_TIMEOUT_S, WorkerThread, wait_until
+
+T = RESULT_TIMEOUT_S
+MODEL_ID = "m1"
+
+
+@pytest.fixture
+def tenant_url(
+    acl_user: Callable[[list[str]], str], keys: QueueKeys, urls: dict[str, str]
+) -> Callable[[str], str]:
+    """A URL logged in as a tenant's producer user, made from ``tenant_rules`` (``urls``
+    first: it skips the test below Redis 7)."""
+    del urls
+    return lambda tenant: acl_user(["on", ">PASSWORD", *tenant_rules(keys, tenant)])
+
+
+def element(request_id: str, value: str, *, reply: str = "", prio: int = 1, **more: str) -> bytes:
+    """A request as an inbox holds it, written by hand (as a forger would RPUSH it)."""
+    fields = ["v", "2", "id", request_id, "meta", json.dumps(value)]
+    if reply:
+        fields += ["reply", reply]
+    for name, text in more.items():
+        fields += [name, text]
+    return msgpack.packb(["r", prio, *fields], use_bin_type=False)
+
+
+def enqueue_args(keys: QueueKeys, tenant: str, *requests: bytes) -> list[Any]:
+    """How many KEYS, the KEYS and the ARGV of the tenant enqueue function for requests
+    packed as ``element`` packs them."""
+    flat: list[Any] = []
+    for packed in requests:
+        _r, prio, *fields = msgpack.unpackb(packed, raw=False)
+        flat += [prio, len(fields), *fields]
+    payload = msgpack.packb(flat, use_bin_type=False)
+    tkeys = [keys.tenant_inbox(tenant), keys.wakes, keys.inbox, keys.admitting]
+    args = [tenant, 100000, payload, 120, 0, *once_keys(keys), 0, keys.base_prefix]
+    declared = [*tkeys, *keys.streams_low_first]
+    return [len(declared), *declared, *args]
+
+
+def admit(client: redis.Redis, keys: QueueKeys) -> None:
+    """Admit the inbox and the wake list as a worker would (no worker running)."""
+    admitter = Admitter(None, WorkerSettings(queue=keys.queue), worker_id="test")
+    while client.execute_command("FCALL", *admitter.call())[1]:
+        pass
+
+
+def entries(client: redis.Redis, keys: QueueKeys) -> dict[str, dict[bytes, bytes]]:
+    """The work streams' entries by request id."""
+    found = {}
+    for stream in keys.streams_low_first:
+        for _entry, fields in client.xrange(stream):
+            found[fields[b"id"].decode()] = fields
+    return found
+
+
+def dead_reasons(client: redis.Redis, keys: QueueKeys) -> list[tuple[str, str]]:
+    return [
+        (f[b"reason"].decode(), f.get(b"tenant", b"").decode())
+        for _e, f in client.xrange(keys.dead)
+    ]
+
+
+# -- the admission's rules, no worker running ----------------------------------------------------
+
+
+def test_a_tenants_requests_are_stamped_and_a_forged_tn_removed(
+    urls: dict[str, str], tenant_url: Callable[[str], str], rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    acme = redis.Redis.from_url(tenant_url("acme"))
+    producer = redis.Redis.from_url(urls["producer"])
+    try:
+        wanted = element("acme.1", "a", reply="acme.p", tn="beta", cost="7")
+        assert acme.fcall(ENQUEUE_TENANT, *enqueue_args(keys, "acme", wanted)) == [b"queued"]
+        # The shared inbox, written by the producer user: an untenanted request naming a tn.
+        producer.rpush(keys.inbox, element("plain.1", "b", tn="acme"))
+    finally:
+        acme.close()
+        producer.close()
+    admit(rclient, keys)
+    found = entries(rclient, keys)
+    assert found["acme.1"][b"tn"] == b"acme"
+    assert found["acme.1"][b"cost"] == b"7"
+    assert b"tn" not in found["plain.1"]
+    assert rclient.xlen(keys.dead) == 0
+
+
+def test_a_tenant_user_cannot_enqueue_as_another_tenant(
+    tenant_url: Callable[[str], str], rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    acme = redis.Redis.from_url(tenant_url("acme"))
+    try:
+        as_beta = element("beta.1", "x", reply="beta.p")
+        refused = [
+            lambda: acme.fcall(ENQUEUE_TENANT, *enqueue_args(keys, "beta", as_beta)),
+            lambda: acme.rpush(keys.tenant_inbox("beta"), as_beta),
+            lambda: acme.rpush(keys.inbox, as_beta),  # untenanted: no quota, no tenant
+            lambda: acme.rpush(keys.job_list, msgpack.packb(["j", "beta.1", "embedding"])),
+        ]
+        for attempt in refused:
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                attempt()
+        # The untenanted enqueue function: its RPUSH to the shared inbox is refused inside.
+        streams = keys.streams_low_first
+        payload = msgpack.packb([1, 4, "id", "acme.2", "meta", '"x"'], use_bin_type=False)
+        args = [0, payload, 120, 0, *once_keys(keys), 0]
+        with pytest.raises(redis.exceptions.ResponseError, match="can't access"):
+            acme.fcall(ENQUEUE, 5, keys.inbox, keys.admitting, *streams, *args)
+        # Through its own function, another tenant's id or reply is refused at once.
+        for forged in (as_beta, element("acme.2", "x", reply="beta.p")):
+            answer = acme.fcall(ENQUEUE_TENANT, *enqueue_args(keys, "acme", forged))
+            assert answer[0][0] == b"invalid", answer
+        # Appended to its own inbox by hand: admitted as acme's, or refused; nothing is
+        # pushed to beta's reply stream.
+        acme.rpush(
+            keys.tenant_inbox("acme"),
+            element("beta.3", "x", reply="beta.p"),
+            element("acme.4", "x", reply="beta.p"),
+            element("acme.5", "x", tn="beta"),
+        )
+        acme.rpush(keys.wakes, msgpack.packb(["t", "acme"]))
+    finally:
+        acme.close()
+    assert rclient.llen(keys.inbox) == 0
+    admit(rclient, keys)
+    found = entries(rclient, keys)
+    assert set(found) == {"acme.5"}
+    assert found["acme.5"][b"tn"] == b"acme"
+    assert (
+        dead_reasons(rclient, keys)
+        == [
+            (
+                "MalformedRequest: inbox element refused: its id and reply must start with acme.",
+                "acme",
+            )
+        ]
+        * 2
+    )
+    assert not rclient.exists(keys.reply("beta.p"))
+
+
+def test_a_tenant_user_reads_and_cancels_only_its_own(
+    urls: dict[str, str], tenant_url: Callable[[str], str], rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    for name in ("beta.1", "acme.1"):
+        rclient.set(keys.result(name), b"x")
+        rclient.xadd(keys.reply(name[:5] + "p"), {"n": "1"})
+    acme = redis.Redis.from_url(tenant_url("acme"))
+    try:
+        assert acme.get(keys.result("acme.1")) == b"x"
+        assert acme.xread({keys.reply("acme.p"): "0-0"})
+        for refused in (
+            lambda: acme.get(keys.result("beta.1")),
+            lambda: acme.get(keys.request_input("beta.1")),
+            lambda: acme.get(keys.job("beta.1")),
+            lambda: acme.xread({keys.reply("beta.p"): "0-0"}),
+            lambda: acme.delete(keys.reply("beta.p")),
+            lambda: acme.fcall(
+                CANCEL_TENANT, 2, keys.tenant_inbox("beta"), keys.wakes, "beta", "beta.1"
+            ),
+            lambda: acme.rpush(keys.inbox, msgpack.packb(["c", "beta.1"])),
+        ):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                refused()
+        # Its own cancel function takes its own ids only; a cancel appended by hand to its
+        # inbox under another's id is dead-lettered.
+        inbox = keys.tenant_inbox("acme")
+        assert acme.fcall(CANCEL_TENANT, 2, inbox, keys.wakes, "acme", "beta.1", "acme.1") == 1
+        acme.rpush(inbox, msgpack.packb(["c", "beta.2"]))
+        acme.rpush(keys.wakes, msgpack.packb(["t", "acme"]))
+    finally:
+        acme.close()
+    admit(rclient, keys)
+    cancelled = [f[b"id"] for _e, f in rclient.xrange(keys.cancels)]
+    assert cancelled == [b"acme.1"]
+    assert dead_reasons(rclient, keys) == [
+        ("MalformedRequest: inbox element refused: an id of another tenant than acme", "acme")
+    ]
+
+
+def test_a_priority_above_the_tenants_max_is_lowered(
+    tenant_url: Callable[[str], str], rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    rclient.hset(keys.tenants, "acme", TenantConfig(max_priority=0).to_json())
+    acme = redis.Redis.from_url(tenant_url("acme"))
+    try:
+        high = msgpack.packb(["r", 2, "v", "2", "id", "acme.1", "meta", '"x"', "prio", "2"])
+        acme.fcall(ENQUEUE_TENANT, *enqueue_args(keys, "acme", high))
+    finally:
+        acme.close()
+    admit(rclient, keys)
+    [(_entry, fields)] = rclient.xrange(keys.stream(0))
+    assert (fields[b"id"], fields[b"prio"]) == (b"acme.1", b"0")
+
+
+def test_wakes_of_no_tenant_are_dead_lettered_and_a_long_inbox_is_woken_again(
+    rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    rclient.rpush(keys.tenant_inbox("acme"), *[element(f"acme.{i}", "x") for i in range(600)])
+    rclient.rpush(keys.wakes, msgpack.packb(["t", "acme"]), b"junk", msgpack.packb(["t", "a.b"]))
+    admitter = Admitter(None, WorkerSettings(queue=keys.queue), worker_id="test")
+    admitted, left, *_ = rclient.execute_command("FCALL", *admitter.call())
+    # The call's share, then acme's wake again at the list's end, behind the two others.
+    assert admitted == 512
+    assert left == 3
+    assert rclient.lindex(keys.wakes, -1) == msgpack.packb(["t", "acme"])
+    admit(rclient, keys)
+    assert len(entries(rclient, keys)) == 600
+    assert [r for r, _t in dead_reasons(rclient, keys)] == [
+        "MalformedRequest: inbox element refused: on the wake list: not a wake"
+    ] * 2
+
+
+def test_the_luas_tenant_keys_are_those_of_queue_keys(
+    rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    script = TENANTS + (
+        "begin_tenants(ARGV[1], {})\n"
+        "return {TK.inbox('t'), TK.wakes(), TK.tenants(), TK.backlog('t', 2), TK.fair(2),"
+        " TK.fair_clock(), TK.backlog_counts(), TK.quota('t', 'r', 7), TK.in_flight('t'),"
+        " TK.usage('20260101')}"
+    )
+    got = [k.decode() for k in rclient.eval(script, 0, keys.base_prefix)]
+    assert got == [
+        keys.tenant_inbox("t"),
+        keys.wakes,
+        keys.tenants,
+        keys.backlog("t", 2),
+        keys.fair(2),
+        keys.fair_clock,
+        keys.backlog_counts,
+        keys.quota("t", "r", 7),
+        keys.tenant_in_flight("t"),
+        keys.usage("20260101"),
+    ]
+
+
+async def test_workers_mirror_the_tenant_store_when_its_version_moves(
+    urls: dict[str, str], rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    store = TenantKeys(keys.prefix)
+    rclient.hset(store.config, mapping={"acme": TenantConfig(weight=3).to_json(), "x.y": "{}"})
+    rclient.hset(store.config, "bad", "not json")
+    rclient.set(store.version, 1)
+    mirror = TenantMirror(keys, every_s=0)
+    worker = as_client(redis.asyncio.Redis.from_url(urls["worker"]))  # the worker's rights
+    try:
+        assert await mirror.step(worker)
+        assert rclient.hgetall(keys.tenants) == {b"acme": TenantConfig(weight=3).to_json().encode()}
+        assert not await mirror.step(worker)  # the version did not move: one GET
+        rclient.hdel(store.config, "acme")
+        rclient.hset(store.config, "beta", TenantConfig(requests_per_min=5).to_json())
+        rclient.incr(store.version)
+        assert await mirror.step(worker)
+        assert set(rclient.hgetall(keys.tenants)) == {b"beta"}
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await worker.hgetall(store.api_keys)  # never the API keys
+    finally:
+        await worker.aclose()
+        rclient.delete(store.config, store.version)
+
+
+# -- the producer's side -------------------------------------------------------------------------
+
+
+def test_a_tenants_ids_are_in_its_namespace() -> None:
+    assert request_id_for("acme", None).startswith("acme.")
+    assert request_id_for("acme", "acme.order-1") == "acme.order-1"
+    with pytest.raises(ValueError, match="'order-1' is not in tenant 'acme'"):
+        request_id_for("acme", "order-1")
+    with pytest.raises(ValueError, match="'beta.1' is not in tenant 'acme'"):
+        request_id_for("acme", "beta.1")
+    long = producer_id_for("t" * 64)
+    assert long.startswith("t" * 64 + ".")
+    assert len(long) <= 128
+    assert len(long.rsplit("-", 1)[1]) == 32
+    with pytest.raises(ValueError, match="tenant"):
+        ProducerSettings(tenant="acme", admission="scripts")
+    with pytest.raises(ValueError, match="tenant"):
+        ProducerSettings(tenant="a.b")
+
+
+def test_the_producer_estimates_a_requests_cost() -> None:
+    assert estimate_cost("a text") == 1
+    assert estimate_cost(["a", "b", "c"]) == 3
+    assert estimate_cost({"query": "q", "documents": ["a", "b"]}) == 2
+    assert estimate_cost({"prompt": "x" * 400, "max_new_tokens": 50}) == 150
+    chat = {"messages": [{"role": "user", "content": "x" * 40}]}
+    assert estimate_cost(chat) == 10 + 128
+    assert estimate_cost("x" * 40, generation=True) == 10 + 128
+    assert estimate_cost({"prompt": "x", "max_new_tokens": 10**9}) == 1_000_000
+
+
+async def test_a_tenant_needs_the_functions(redis_url: str, queue: str) -> None:
+    """The enqueue script cannot stamp a tenant: a producer that may use it only refuses a
+    tenant's request before sending anything."""
+    async with AsyncProducer(redis_url=redis_url, queue=queue, admission="scripts") as producer:
+        with pytest.raises(ValueError, match="admission='scripts'"):
+            await producer.submit("x", tenant="acme")
+        assert await producer.queue_depth() == 0
+
+
+# -- real workers ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_tenant_producers_round_trip_and_one_producer_serves_many_tenants(
+    urls: dict[str, str],
+    tenant_url: Callable[[str], str],
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    queue: str,
+) -> None:
+    common = {"queue": queue, "result_ttl_s": 120}
+    start_worker(redis_url=urls["worker"], batch_size=4, **common)
+    async with (
+        AsyncProducer(redis_url=tenant_url("acme"), tenant="acme", **common) as acme,
+        AsyncProducer(redis_url=urls["producer"], **common) as backend,
+    ):
+        assert acme.producer_id.startswith("acme.")
+        handle = await acme.submit(["one", "two"])
+        assert handle.id.startswith("acme.")
+        assert handle.tenant == "acme"
+        assert (await acme.wait(handle, timeout_s=T)).output == ["one", "two"]
+        assert await acme.infer("mine", request_id="acme.order-1", timeout_s=T) == "mine"
+        polled = await acme.get_result("acme.order-1")
+        assert polled is not None
+        assert polled.output == "mine"
+        # The web backend's way: one producer, a tenant per call (a reply stream each).
+        outputs = [
+            await backend.infer(f"for {t}", tenant=t, timeout_s=T) for t in ("beta", "gamma", None)
+        ]
+        assert outputs == ["for beta", "for gamma", "for None"]
+        again = await backend.submit("beta again", tenant="beta")
+        assert (await backend.wait(again, timeout_s=T)).output == "beta again"
+    assert rclient.xlen(keys.dead) == 0
+
+
+@pytest.mark.slow
+async def test_another_tenants_cancel_does_not_reach_a_request(
+    urls: dict[str, str],
+    tenant_url: Callable[[str], str],
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    queue: str,
+) -> None:
+    model = GatedModel()
+    common = {"queue": queue, "result_ttl_s": 120}
+    start_worker(model, redis_url=urls["worker"], batch_size=1, **common)
+    async with (
+        AsyncProducer(redis_url=tenant_url("acme"), tenant="acme", **common) as acme,
+        AsyncProducer(redis_url=tenant_url("beta"), tenant="beta", **common) as beta,
+    ):
+        first = await acme.submit("first")
+        assert model.entered.wait(T), "no batch reached the model"
+        victim = await acme.submit("the victim")
+        mine = await acme.submit("cancelled by acme")
+        thief = redis.Redis.from_url(tenant_url("beta"))
+        try:
+            thief.rpush(keys.tenant_inbox("beta"), msgpack.packb(["c", victim.id]))
+            thief.rpush(keys.wakes, msgpack.packb(["t", "beta"]))
+        finally:
+            thief.close()
+        with pytest.raises(ValueError, match="not in tenant 'beta'"):
+            await beta.cancel(victim.id)
+        await acme.cancel(mine)
+        wait_until(lambda: rclient.xlen(keys.dead) == 1, "the forged cancel's dead letter")
+        wait_until(lambda: rclient.xlen(keys.cancels) == 1, "acme's own cancel")
+        model.release.set()
+        assert (await acme.wait(first, timeout_s=T)).status == "ok"
+        result = await acme.wait(victim, timeout_s=T)
+        assert (result.status, result.output) == ("ok", "the victim")
+        assert (await acme.get_result(mine.id)).status == "cancelled"  # type: ignore[union-attr]
+
+
+@pytest.mark.slow
+async def test_tenants_never_share_cached_answers(
+    urls: dict[str, str],
+    tenant_url: Callable[[str], str],
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    queue: str,
+) -> None:
+    common = {"queue": queue, "result_ttl_s": 120, "cache_ttl_s": 60}
+    start_worker(redis_url=urls["worker"], batch_size=1, model_id=MODEL_ID, **common)
+    wait_until(lambda: rclient.exists(keys.model), "the worker's model identity")
+    meta, blob = pack_value("the same input")
+    h = input_hash(meta, blob)
+    async with (
+        AsyncProducer(redis_url=tenant_url("acme"), tenant="acme", **common) as acme,
+        AsyncProducer(redis_url=tenant_url("beta"), tenant="beta", **common) as beta,
+        AsyncProducer(redis_url=urls["producer"], **common) as plain,
+    ):
+        assert await acme.infer("the same input", timeout_s=T) == "the same input"
+        assert rclient.exists(keys.cache(cache_hash(MODEL_ID, h, "acme")))
+        assert await beta.infer("the same input", timeout_s=T) == "the same input"
+        assert await plain.infer("the same input", timeout_s=T) == "the same input"
+        assert beta.counts == Counter(queued=1)  # computed again, not acme's answer
+        assert plain.counts == Counter(queued=1)
+        assert await acme.infer("the same input", timeout_s=T) == "the same input"
+        assert acme.counts == Counter(queued=1, cached=1)  # its own
+    for owner in ("acme", "beta", None):
+        assert rclient.exists(keys.cache(cache_hash(MODEL_ID, h, owner)))
+
+
+# -- the quota hooks (batchline/transport/_quota.py; tests/transport/test_quota_lua.py) ------
+
+
+def _count(rclient: redis.Redis, keys: QueueKeys, kind: str, n: int | None) -> None:
+    """acme's count of ``kind`` in Redis's minute and the next (a minute may turn)."""
+    s, us = rclient.time()
+    minute = (s * 1000 + us // 1000) // 60000
+    for m in (minute, minute + 1):
+        if n is None:
+            rclient.delete(keys.quota("acme", kind, m))
+        else:
+            rclient.set(keys.quota("acme", kind, m), n, ex=180)
+
+
+async def test_the_quota_hooks_refuse_at_once_and_at_the_admission(
+    redis_url: str,
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    queue: str,
+) -> None:
+    config = TenantConfig(requests_per_min=1, tokens_per_min=10)
+    rclient.hset(keys.tenants, "acme", config.to_json())
+    _count(rclient, keys, "t", 10)
+    async with AsyncProducer(redis_url=redis_url, queue=queue, tenant="acme") as acme:
+        with pytest.raises(QuotaExceeded) as told:
+            await acme.submit("x", cost=7)
+        assert (told.value.tenant, told.value.limit) == ("acme", "tokens_per_min")
+        assert 0 < told.value.retry_after_s <= 60
+        _count(rclient, keys, "t", None)
+        later = await acme.submit("y", request_id="acme.later-1")
+    _count(rclient, keys, "r", 1)  # another replica's request, admitted meanwhile
+    admitter = Admitter(None, WorkerSettings(queue=keys.queue), worker_id="test")
+    admitted, _left, _full, _withheld, over = rclient.execute_command("FCALL", *admitter.call())
+    assert (admitted, over) == (1, 1)
+    assert entries(rclient, keys) == {}
+    stored = msgpack.unpackb(rclient.get(keys.result(later.id)), raw=False)
+    fields = dict(zip(stored[::2], stored[1::2], strict=True))
+    assert fields["etype"] == "QuotaExceeded"
+    assert fields["emsg"].startswith("tenant acme: requests_per_min=1 reached; retry in ")
+    assert 0 < int(fields["retry_ms"]) <= 60_000
+    assert rclient.get(keys.request_input(later.id)).endswith(b" !")  # a resubmit runs again
+
+
+@pytest.mark.slow
+async def test_quotas_are_counted_and_refused_under_the_documented_users(
+    urls: dict[str, str],
+    tenant_url: Callable[[str], str],
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    queue: str,
+) -> None:
+    """A tenant's user (its look at the counts: HGET, GET, ZCOUNT, TIME), the web backend's
+    (the same for any tenant) and the worker's (the admission's counts, the completion's
+    release and usage) have the rights the quotas need."""
+    rclient.hset(keys.tenants, "acme", TenantConfig(requests_per_min=2).to_json())
+    common = {"queue": queue, "result_ttl_s": 120}
+    start_worker(redis_url=urls["worker"], **common)
+    async with (
+        AsyncProducer(redis_url=tenant_url("acme"), tenant="acme", **common) as acme,
+        AsyncProducer(redis_url=urls["producer"], **common) as backend,
+    ):
+        assert await acme.infer("one", timeout_s=T) == "one"
+        assert await backend.infer("two", tenant="acme", timeout_s=T) == "two"
+        for refused in (acme.submit("three"), backend.submit("three", tenant="acme")):
+            with pytest.raises(QuotaExceeded):
+                await refused
+    assert rclient.zcard(keys.tenant_in_flight("acme")) == 0
+    assert rclient.hget(keys.usage(usage_day(time.time())), "acme|requests") == b"2"
