@@ -7,54 +7,35 @@ is held, not refused, and runs."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 
 import pytest
 import redis
 
 from batchline.errors import QuotaExceeded
-from batchline.keys import QueueKeys, TenantKeys
+from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer, Producer
 from batchline.tenants import TenantConfig
 
 from tests.support.models_for_tests import GatedModel
-from tests.support.service import RESULT_TIMEOUT_S, WorkerProcess, WorkerThread, wait_until
+from tests.support.quota import Configure, within_one_minute
+from tests.support.service import RESULT_TIMEOUT_S, WorkerProcess, WorkerThread
 
 pytestmark = pytest.mark.slow
 
 T = RESULT_TIMEOUT_S
 
 
-def configure(rclient: redis.Redis, keys: QueueKeys, tenant: str, config: TenantConfig) -> None:
-    """Write ``config`` to the tenant store, and wait until the queue's workers mirror it."""
-    store = TenantKeys(keys.prefix)
-    rclient.hset(store.config, tenant, config.to_json())
-    rclient.incr(store.version)
-    wait_until(
-        lambda: rclient.hget(keys.tenants, tenant) == config.to_json().encode(),
-        "the workers to mirror the tenant's config",
-    )
-
-
-def within_one_minute(rclient: redis.Redis, needed_s: float = 15) -> None:
-    """Start where Redis's current minute has at least ``needed_s`` left, so that the
-    counts of one minute are the test's (a wait to the next minute's start otherwise)."""
-    s, us = rclient.time()
-    left = 60 - (s % 60 + us / 1e6)
-    if left < needed_s:
-        time.sleep(left + 0.05)
-
-
 async def test_requests_per_minute_hold_across_two_producers(
     spawn_worker: Callable[..., WorkerProcess],
     rclient: redis.Redis,
+    configure: Configure,
     keys: QueueKeys,
     redis_url: str,
     queue: str,
 ) -> None:
     spawn_worker()
-    configure(rclient, keys, "acme", TenantConfig(requests_per_min=3))
+    configure("acme", TenantConfig(requests_per_min=3), wait=True)
     within_one_minute(rclient)
     settings = {"redis_url": redis_url, "queue": queue, "tenant": "acme"}
     async with AsyncProducer(**settings) as a, AsyncProducer(**settings) as b:
@@ -77,6 +58,7 @@ async def test_requests_per_minute_hold_across_two_producers(
 async def test_the_admission_refuses_what_the_producers_look_let_through(
     spawn_worker: Callable[..., WorkerProcess],
     rclient: redis.Redis,
+    configure: Configure,
     keys: QueueKeys,
     redis_url: str,
     queue: str,
@@ -84,7 +66,7 @@ async def test_the_admission_refuses_what_the_producers_look_let_through(
     """Five requests in one write: the enqueue function's look finds room for all, the
     admission admits two; the other three get a QuotaExceeded result, with its retry time."""
     spawn_worker()
-    configure(rclient, keys, "acme", TenantConfig(requests_per_min=2))
+    configure("acme", TenantConfig(requests_per_min=2), wait=True)
     within_one_minute(rclient)
     async with AsyncProducer(redis_url=redis_url, queue=queue, tenant="acme") as producer:
         outcomes = await asyncio.gather(
@@ -102,13 +84,14 @@ async def test_the_admission_refuses_what_the_producers_look_let_through(
 def test_the_sync_producer_raises_quota_exceeded_for_requests_in_flight(
     start_worker: Callable[..., WorkerThread],
     rclient: redis.Redis,
+    configure: Configure,
     keys: QueueKeys,
     redis_url: str,
     queue: str,
 ) -> None:
     gate = GatedModel()
     start_worker(gate, batch_size=1)
-    configure(rclient, keys, "acme", TenantConfig(max_in_flight=1))
+    configure("acme", TenantConfig(max_in_flight=1), wait=True)
     with Producer(redis_url=redis_url, queue=queue, tenant="acme") as producer:
         first = producer.submit("first")
         assert gate.entered.wait(T)  # admitted, running: in flight
@@ -124,12 +107,13 @@ def test_the_sync_producer_raises_quota_exceeded_for_requests_in_flight(
 async def test_idle_mode_runs_traffic_over_quota_instead_of_refusing_it(
     spawn_worker: Callable[..., WorkerProcess],
     rclient: redis.Redis,
+    configure: Configure,
     keys: QueueKeys,
     redis_url: str,
     queue: str,
 ) -> None:
     spawn_worker()
-    configure(rclient, keys, "acme", TenantConfig(requests_per_min=1, over_quota="idle"))
+    configure("acme", TenantConfig(requests_per_min=1, over_quota="idle"), wait=True)
     async with AsyncProducer(redis_url=redis_url, queue=queue, tenant="acme") as producer:
         answers = await asyncio.gather(*(producer.infer(str(i), timeout_s=T) for i in range(4)))
     assert answers == ["0", "1", "2", "3"]

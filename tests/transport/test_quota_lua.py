@@ -19,6 +19,7 @@ from batchline.transport import once_keys
 from batchline.transport._lua import ONCE, REPLIES, TENANTS
 from batchline.transport._quota import ACCOUNT, COUNTERS, QUOTA, usage_day
 
+from tests.support.quota import redis_minute, within_one_minute
 from tests.support.service import admit_inbox
 
 # ARGV: 1, 2 unused; 3-11 begin_once's; 12 the queue's key base; then the call's own.
@@ -58,6 +59,12 @@ account_end()
 )
 
 
+@pytest.fixture(autouse=True)
+def one_minute(rclient: redis.Redis) -> None:
+    """Each test's counts in one of Redis's minutes."""
+    within_one_minute(rclient, 5)
+
+
 @pytest.fixture
 def admit(rclient: redis.Redis, keys: QueueKeys):  # type: ignore[no-untyped-def]
     def call(tenant: str, rid: str, cost: int = 1) -> object:
@@ -72,11 +79,6 @@ def admit(rclient: redis.Redis, keys: QueueKeys):  # type: ignore[no-untyped-def
 
 def configure(rclient: redis.Redis, keys: QueueKeys, tenant: str, **limits: object) -> None:
     rclient.hset(keys.tenants, tenant, TenantConfig(**limits).to_json())  # type: ignore[arg-type]
-
-
-def minute(rclient: redis.Redis) -> int:
-    s, us = rclient.time()
-    return (s * 1000 + us // 1000) // 60000
 
 
 def test_requests_per_minute_refuse_naming_the_limit_and_the_next_minute(
@@ -100,10 +102,10 @@ def test_tokens_per_minute_count_the_estimate(rclient: redis.Redis, keys: QueueK
     configure(rclient, keys, "acme", tokens_per_min=100)
     assert admit("acme", "acme.1", cost=500) == ""  # alone larger than the limit: admitted
     assert admit("acme", "acme.2", cost=1)[0] == "tokens_per_min"
-    rclient.set(keys.quota("acme", "t", minute(rclient)), 60)
+    rclient.set(keys.quota("acme", "t", redis_minute(rclient)), 60)
     assert admit("acme", "acme.3", cost=41)[0] == "tokens_per_min"  # 60 + 41 > 100
     assert admit("acme", "acme.4", cost=40) == ""
-    assert int(rclient.get(keys.quota("acme", "t", minute(rclient)))) == 100
+    assert int(rclient.get(keys.quota("acme", "t", redis_minute(rclient)))) == 100
 
 
 def test_in_flight_is_pruned_by_expiry(rclient: redis.Redis, keys: QueueKeys, admit) -> None:
@@ -144,7 +146,7 @@ def test_accounting_releases_corrects_and_counts(
 ) -> None:
     configure(rclient, keys, "acme", tokens_per_min=1000)
     admit("acme", "acme.1", cost=300)
-    now_minute = minute(rclient)
+    now_minute = redis_minute(rclient)
     usage = keys.usage(usage_day(now_minute * 60))
 
     def account(rid: str, tenant: str, estimate: int, real: int, items: int, tokens: int) -> None:
@@ -153,8 +155,7 @@ def test_accounting_releases_corrects_and_counts(
 
     account("acme.1", "acme", 300, 120, 1, 120)
     assert rclient.zcard(keys.tenant_in_flight("acme")) == 0
-    if minute(rclient) == now_minute:  # (a minute's turn between the two is no failure)
-        assert int(rclient.get(keys.quota("acme", "t", now_minute))) == 120
+    assert int(rclient.get(keys.quota("acme", "t", now_minute))) == 120
     account("x", "", 0, -1, 3, 9)
     assert rclient.hgetall(usage) == {
         b"acme|requests": b"1",

@@ -40,6 +40,7 @@ from batchline.transport._lua import TENANTS
 from batchline.worker.serving._admitter import Admitter
 
 from tests.support.models_for_tests import GatedModel
+from tests.support.quota import Configure
 from tests.support.service import RESULT_TIMEOUT_S, WorkerThread, wait_until
 
 T = RESULT_TIMEOUT_S
@@ -493,6 +494,7 @@ async def test_the_quota_hooks_refuse_at_once_and_at_the_admission(
 
 @pytest.mark.slow
 async def test_quotas_are_counted_and_refused_under_the_documented_users(
+    configure: Configure,
     urls: dict[str, str],
     tenant_url: Callable[[str], str],
     start_worker: Callable[..., WorkerThread],
@@ -503,9 +505,9 @@ async def test_quotas_are_counted_and_refused_under_the_documented_users(
     """A tenant's user (its look at the counts: HGET, GET, ZCOUNT, TIME), the web backend's
     (the same for any tenant) and the worker's (the admission's counts, the completion's
     release and usage) have the rights the quotas need."""
-    rclient.hset(keys.tenants, "acme", TenantConfig(requests_per_min=2).to_json())
     common = {"queue": queue, "result_ttl_s": 120}
     start_worker(redis_url=urls["worker"], **common)
+    configure("acme", TenantConfig(requests_per_min=2), wait=True)
     async with (
         AsyncProducer(redis_url=tenant_url("acme"), tenant="acme", **common) as acme,
         AsyncProducer(redis_url=urls["producer"], **common) as backend,

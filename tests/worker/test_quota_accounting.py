@@ -20,6 +20,7 @@ from batchline.transport import usage_day
 from batchline.worker.serving._answers import accounted, billed
 from batchline.worker.shared._held import Meta
 
+from tests.support.quota import Configure, redis_minute, within_one_minute
 from tests.support.service import WorkerProcess, spec, wait_until
 
 
@@ -29,17 +30,15 @@ def _entry(rid: str, value: object, **more: str) -> dict[str, str | bytes]:
     return fields
 
 
-def _minute(rclient: redis.Redis) -> int:
-    s, us = rclient.time()
-    return int((s * 1000 + us // 1000) // 60000)
-
-
 @pytest.mark.slow
 def test_every_ending_releases_the_slot_corrects_tokens_and_counts_usage(
-    spawn_worker: Callable[..., WorkerProcess], rclient: redis.Redis, keys: QueueKeys
+    spawn_worker: Callable[..., WorkerProcess],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    configure: Configure,
 ) -> None:
     tenant = "acme"
-    rclient.hset(keys.tenants, tenant, TenantConfig(tokens_per_min=10_000).to_json())
+    configure(tenant, TenantConfig(tokens_per_min=10_000))
     past_ms = str(int(time.time() * 1000) - 60_000)
     endings = {
         "acme.ok": _entry("acme.ok", "fine", tn=tenant, cost="50"),
@@ -49,7 +48,8 @@ def test_every_ending_releases_the_slot_corrects_tokens_and_counts_usage(
         "acme.dead": _entry("acme.dead", "old", tn=tenant, cost="50", v="1"),
         "plain": _entry("plain", "x"),
     }
-    minute = _minute(rclient)
+    within_one_minute(rclient, 30)
+    minute = redis_minute(rclient)
     counter = keys.quota(tenant, "t", minute)
     rclient.set(counter, 250, ex=120)  # the five estimates, as admitted
     expiry = (int(time.time()) + 3600) * 1000
@@ -71,9 +71,8 @@ def test_every_ending_releases_the_slot_corrects_tokens_and_counts_usage(
     assert b"ValueError" in statuses["acme.error"]
     assert rclient.zcard(keys.tenant_in_flight(tenant)) == 0
     # ok: 1 item (a batch function's request is one) against 50 estimated; expired and
-    # cancelled: never ran (0); the error and the dead letter keep their estimate. (Summed
-    # over the minute and the next: a minute may turn meanwhile.)
-    total = sum(int(rclient.get(keys.quota(tenant, "t", m)) or 0) for m in (minute, minute + 1))
+    # cancelled: never ran (0); the error and the dead letter keep their estimate.
+    total = int(rclient.get(keys.quota(tenant, "t", minute)) or 0)
     assert total == 250 - 49 - 50 - 50
     usage = rclient.hgetall(keys.usage(usage_day(time.time())))
     assert usage[b"acme|requests"] == b"1"
