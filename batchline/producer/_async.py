@@ -39,9 +39,8 @@ from batchline.producer._failures import timed_out, translated
 from batchline.producer._handle import EnqueueOptions, Handle, SubmitOptions
 from batchline.producer._replies import Answered, ReplyReader, Waiters, cached_result
 from batchline.producer._stream import StreamChunk, Streams, quiet_cancel
-from batchline.producer._tenancy import estimate_cost, producer_id_for, request_id_for
+from batchline.producer._tenancy import Tenancy, estimate_cost, request_id_for
 from batchline.producer._watch import NoWorkerWatch
-from batchline.tenants import check_tenant
 from batchline.tracing import producer as producer_trace
 from batchline.transport import (
     Admission,
@@ -80,16 +79,12 @@ class AsyncProducer:
         self.keys = self.settings.keys
         self._own_client = redis is None
         self._redis = as_client(redis) if redis is not None else connect(self.settings)
+        self._admission = Admission(self.keys, self.settings.admission)
+        # Its tenant, and a producer id (a reply stream) per tenant (docs/protocol.md, Tenants).
+        self._tenants = Tenancy(self.settings.tenant, self._admission)
         #: The tenant of its requests unless a call names one (None: untenanted).
         self.tenant = self.settings.tenant
-        # 128 random bits: a reply stream's name is all that keeps another producer from
-        # reading it, and producer rights may probe names (docs/protocol.md, Access control).
-        # A tenant's starts with '<tenant>.'; one more per tenant a call names (_reply_to).
-        self.producer_id = producer_id_for(self.tenant)
-        self._producer_ids: dict[str | None, str] = {self.tenant: self.producer_id}
-        # The tenants of streamed requests waiting here (a stream left early is cancelled).
-        self._stream_tenants: dict[str, str] = {}
-        self._admission = Admission(self.keys, self.settings.admission)
+        self.producer_id = self._tenants.producer_id
         self._reply_key = self.keys.reply(self.producer_id)
         self._limits = self.settings.limits()
         # Every waiter of a request id here (a resubmit of a waiting id adds one).
@@ -100,7 +95,7 @@ class AsyncProducer:
                 self._redis,
                 self._admission,
                 self.settings.result_ttl_s,
-                tenant_of=lambda rid: self._stream_tenants.pop(rid, None),
+                tenant_of=self._tenants.stream_ended,
             )
         )
         #: Submits by what the enqueue script did with them (queued, result, cached, ...).
@@ -233,7 +228,7 @@ class AsyncProducer:
             self._waiting.drop(rid, fut)
             fut = asyncio.get_running_loop().create_future()
             fut.set_result(outcome.now)
-        return Handle(rid, fut, self._tenant(tenant))
+        return Handle(rid, fut, self._tenants.of(tenant))
 
     async def _send(
         self,
@@ -258,7 +253,7 @@ class AsyncProducer:
         prio = self.settings.default_priority if priority is None else priority
         if not 0 <= prio < self.keys.priorities:
             raise ValueError(f"priority must be in 0..{self.keys.priorities - 1}, got {prio!r}")
-        tenant = self._tenant(tenant)
+        tenant = self._tenants.of(tenant)
         rid = request_id_for(tenant, request_id)
         if tenant is not None and cost is None:
             cost = estimate_cost(value, generation=stream)
@@ -269,7 +264,7 @@ class AsyncProducer:
             priority=prio,
             deadline_unix_ms=None if deadline_ms is None else now_ms + deadline_ms,
             enqueued_unix_ms=now_ms,
-            reply=(await self._reply_to(tenant)) if reply else None,
+            reply=(await self._tenants.reply_to(tenant, self._replies)) if reply else None,
             stream=stream,
             cost=cost,
         )
@@ -290,23 +285,6 @@ class AsyncProducer:
         entry = [prio, flat]
         self._enqueue.put(entry, ack if ack is not None else (rid, fut), rid, tenant)
         return rid, fut
-
-    def _tenant(self, tenant: str | None) -> str | None:
-        """A call's tenant: its own (checked), else the producer's."""
-        if tenant is None:
-            return self.tenant
-        self._admission.check_tenant_mode(check_tenant(tenant))
-        return tenant
-
-    async def _reply_to(self, tenant: str | None) -> str:
-        """This producer's id (its reply stream) for ``tenant``: one per tenant, made and
-        read from the first request on (the reply reader starts over to read it too)."""
-        known = self._producer_ids.get(tenant)
-        if known is not None:
-            return known
-        producer_id = self._producer_ids[tenant] = producer_id_for(tenant)
-        await self._replies.read_too(self.keys.reply(producer_id))
-        return producer_id
 
     # -- results -------------------------------------------------------------------------------
 
@@ -467,9 +445,7 @@ class AsyncProducer:
             tenant=options.get("tenant"),
             cost=options.get("cost"),
         )
-        tenant = self._tenant(options.get("tenant"))
-        if tenant is not None:
-            self._stream_tenants[rid] = tenant
+        self._tenants.streaming(rid, options.get("tenant"))
         fut = cast("asyncio.Future[Result]", waiter)  # reply=True: there is one
         # Registered before the write goes (with the next flush, after _send returns).
         state = self._streams.open(rid, fut, self._waiting.inputs.get(rid, ""))
@@ -498,7 +474,7 @@ class AsyncProducer:
                 self._waiting.drop(rid, fut)
                 fut.cancel()
             else:
-                self._stream_tenants.pop(rid, None)
+                self._tenants.stream_ended(rid)
 
     async def _timed_out(self, what: str) -> RequestTimeout:
         """RequestTimeout for ``what``, naming the queue and whether a live worker serves it."""
@@ -508,7 +484,7 @@ class AsyncProducer:
         """Read a request's result key: its Result, or None while there is none; raises
         DecodeError (a ValueError) if the key holds something that is not a valid result.
         For a tenant (the call's, else the producer's) the id must be the tenant's."""
-        key = self.keys.result(request_id_for(self._tenant(tenant), request_id))
+        key = self.keys.result(request_id_for(self._tenants.of(tenant), request_id))
         with translated():
             raw = await self._redis.get(key)
             if raw is None and self.settings.cache_ttl_s > 0:
@@ -528,7 +504,7 @@ class AsyncProducer:
         a generation worker also ends one it is running, at its next step. A tenant (the
         handle's, else the call's, else the producer's) cancels only its own requests."""
         rid = handle if isinstance(handle, str) else handle.id
-        own = handle.tenant if isinstance(handle, Handle) else self._tenant(tenant)
+        own = handle.tenant if isinstance(handle, Handle) else self._tenants.of(tenant)
         request_id_for(own, rid)
         with translated():
             await self._admission.cancel(
@@ -544,4 +520,4 @@ class AsyncProducer:
         """Requests waiting or in progress in this queue, all priorities together (those
         in its inbox, and in the tenant's, not admitted yet, included)."""
         with translated():
-            return await self._admission.depth(self._redis, tenant=self._tenant(tenant))
+            return await self._admission.depth(self._redis, tenant=self._tenants.of(tenant))

@@ -56,17 +56,25 @@ class Producer:
     def producer_id(self) -> str:
         return self._async.producer_id
 
+    @property
+    def tenant(self) -> str | None:
+        return self._async.tenant
+
     def submit(self, value: Any, **options: Unpack[SubmitOptions]) -> Handle:
         """See :meth:`AsyncProducer.submit`."""
         return self._run(self._async.submit(value, **options))
 
-    def wait(self, handle: Handle | str, timeout_s: float | None = None) -> Result:
+    def wait(
+        self, handle: Handle | str, timeout_s: float | None = None, *, tenant: str | None = None
+    ) -> Result:
         """See :meth:`AsyncProducer.wait`."""
-        return self._run(self._async.wait(handle, timeout_s))
+        return self._run(self._async.wait(handle, timeout_s, tenant=tenant))
 
-    def result(self, handle: Handle | str, timeout_s: float | None = None) -> Any:
+    def result(
+        self, handle: Handle | str, timeout_s: float | None = None, *, tenant: str | None = None
+    ) -> Any:
         """See :meth:`AsyncProducer.result`."""
-        return self._run(self._async.result(handle, timeout_s))
+        return self._run(self._async.result(handle, timeout_s, tenant=tenant))
 
     def infer(
         self, value: Any, *, timeout_s: float | None = None, **options: Unpack[EnqueueOptions]
@@ -106,17 +114,17 @@ class Producer:
             if not self._loop.is_closed():
                 self._run(_close(chunks, step))
 
-    def get_result(self, request_id: str) -> Result | None:
+    def get_result(self, request_id: str, *, tenant: str | None = None) -> Result | None:
         """See :meth:`AsyncProducer.get_result`."""
-        return self._run(self._async.get_result(request_id))
+        return self._run(self._async.get_result(request_id, tenant=tenant))
 
-    def cancel(self, handle: Handle | str) -> None:
+    def cancel(self, handle: Handle | str, *, tenant: str | None = None) -> None:
         """See :meth:`AsyncProducer.cancel`."""
-        self._run(self._async.cancel(handle))
+        self._run(self._async.cancel(handle, tenant=tenant))
 
-    def queue_depth(self) -> int:
+    def queue_depth(self, *, tenant: str | None = None) -> int:
         """See :meth:`AsyncProducer.queue_depth`."""
-        return self._run(self._async.queue_depth())
+        return self._run(self._async.queue_depth(tenant=tenant))
 
     def close(self) -> None:
         """Close the producer and stop its thread."""

@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchline.codec import MAX_COST
 from batchline.keys import MAX_ID_CHARS, check_name, host_id
 from batchline.tenants import check_tenant
 
-__all__ = ["estimate_cost", "new_id", "producer_id_for", "request_id_for"]
+if TYPE_CHECKING:
+    from batchline.producer._replies import ReplyReader
+    from batchline.transport import Admission
+
+__all__ = ["Tenancy", "estimate_cost", "new_id", "producer_id_for", "request_id_for"]
 
 #: A generation's max_new_tokens where the request names none (the worker's default).
 DEFAULT_NEW_TOKENS = 128
@@ -84,3 +88,50 @@ def estimate_cost(value: Any, *, generation: bool = False) -> int:
     elif isinstance(value, list) and value and all(isinstance(v, str | list) for v in value):
         cost = len(value)
     return min(max(cost, 1), MAX_COST)
+
+
+class Tenancy:
+    """One producer's tenants: its own (the settings'), a producer id (a reply stream) per
+    tenant it sends for, and the tenants of its streamed requests (a stream left early is
+    cancelled as its tenant).
+
+    Args:
+        default: the producer's tenant (None: untenanted).
+        admission: the producer's way in (which tells whether it can carry a tenant).
+    """
+
+    def __init__(self, default: str | None, admission: Admission) -> None:
+        self.default = default
+        self._admission = admission
+        # 128 random bits: a reply stream's name is all that keeps another producer from
+        # reading it, and producer rights may probe names (docs/protocol.md, Access control).
+        self.producer_id = producer_id_for(default)
+        self._ids: dict[str | None, str] = {default: self.producer_id}
+        self._streamed: dict[str, str] = {}
+
+    def of(self, tenant: str | None) -> str | None:
+        """A call's tenant: its own (checked), else the producer's."""
+        if tenant is None:
+            return self.default
+        self._admission.check_tenant_mode(check_tenant(tenant))
+        return tenant
+
+    def streaming(self, request_id: str, tenant: str | None) -> None:
+        """A streamed request of ``tenant`` (a call's, else the producer's) waits here."""
+        owner = self.of(tenant)
+        if owner is not None:
+            self._streamed[request_id] = owner
+
+    def stream_ended(self, request_id: str) -> str | None:
+        """A streamed request's tenant (None: untenanted), forgotten here: it ended."""
+        return self._streamed.pop(request_id, None)
+
+    async def reply_to(self, tenant: str | None, replies: ReplyReader) -> str:
+        """The producer id for ``tenant``: one per tenant, made and read (``replies``
+        starts over to read it too) from its first request on."""
+        known = self._ids.get(tenant)
+        if known is not None:
+            return known
+        producer_id = self._ids[tenant] = producer_id_for(tenant)
+        await replies.read_too(self._admission.keys.reply(producer_id))
+        return producer_id

@@ -457,11 +457,12 @@ local function admit(keys, args)
   end
   -- Tenants' inboxes, as the wake list names them: up to `most` elements in all, each
   -- wake taking what is left of that; a wake whose inbox holds more goes to the list's end.
+  -- (pcall: under a worker ACL from before tenants, the rest is admitted all the same.)
   local budget = most
   for _ = 1, 1000 do
     if budget <= 0 then break end
-    local wake = redis.call('LPOP', wakes)
-    if not wake then break end
+    local wake = redis.pcall('LPOP', wakes)
+    if type(wake) ~= 'string' then break end
     local ok, e = pcall(cmsgpack.unpack, wake)
     if ok and type(e) == 'table' and e[1] == 't' and is_tenant(e[2]) and #e == 2 then
       local from = TK.inbox(e[2])
@@ -477,7 +478,9 @@ local function admit(keys, args)
   for _, element in ipairs(redis.call('LPOP', job_list, 1000) or {}) do marked(element) end
   end_once()
   send_replies(reply_prefix, reply_maxlen, ttl)
-  local left = redis.call('LLEN', inbox) + redis.call('LLEN', job_list) + redis.call('LLEN', wakes)
+  local waking = redis.pcall('LLEN', wakes)
+  local left = redis.call('LLEN', inbox) + redis.call('LLEN', job_list)
+    + (type(waking) == 'number' and waking or 0)
   return {admitted, left, full, withheld, over}
 end
 """

@@ -246,8 +246,8 @@ end
 
 # Tenants (docs/protocol.md, Tenants): begin_tenants(base, streams) takes the queue's key base
 # ('<prefix>:{<queue>}:') and the work streams (priority 0 first); TK names the tenants' keys
-# from the base as batchline/keys.py's QueueKeys does (tests/transport/test_tenant_keys.py
-# compares them); tenant_config(t) is a tenant's config from the queue's tenants hash (a
+# from the base as batchline/keys.py's QueueKeys does (tests/wire/test_tenants.py compares
+# them); tenant_config(t) is a tenant's config from the queue's tenants hash (a
 # table, empty for none or one that is not a JSON object), read once per call.
 TENANTS = r"""
 local TK, work_streams, configs = {}, {}, {}

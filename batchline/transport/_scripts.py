@@ -151,7 +151,8 @@ local function rerun(stream, entry, again, h, mark)
   local fields, keep = found[2], {}
   for j = 1, #fields, 2 do
     local name = fields[j]
-    if name == 'v' or name == 'meta' or name == 'blob' or name == 'prio' or name == 'ck' then
+    if name == 'v' or name == 'meta' or name == 'blob' or name == 'prio' or name == 'ck'
+        or name == 'tn' or name == 'cost' then
       keep[#keep + 1] = name
       keep[#keep + 1] = fields[j + 1]
     end

@@ -64,6 +64,8 @@ def test_acl_rules_of_each_role() -> None:
         "~p:{q}:admitting",
         "~p:{q}:req:*",
         "~p:{q}:jobs",
+        "~p:{q}:in:*",  # tenants' inboxes and the wake list: the web backend's, for all
+        "~p:{q}:wake",
     ]
     assert [r for r in producer if r.startswith("+") and "|" not in r] == [
         "+ping",
@@ -73,8 +75,8 @@ def test_acl_rules_of_each_role() -> None:
     words = " ".join(producer)
     for refused in ("+xadd", "+eval", "+script", "+function", "+xrange", "+xreadgroup", "+lpop"):
         assert refused not in words, refused
-    assert "(~p:{q}:in ~p:{q}:jobs +rpush)" in producer
-    assert "(%R~p:{q}:jobs +lpos)" in producer  # a job note waiting, by its exact bytes
+    assert "(~p:{q}:in ~p:{q}:jobs ~p:{q}:in:* ~p:{q}:wake +rpush)" in producer
+    assert "(%R~p:{q}:jobs %R~p:{q}:in:* +lpos)" in producer  # a job note, by its bytes
     assert not [r for r in producer if "once" in r or (":job:" in r and "%R~" not in r)]
     assert "(%R~p:{q}:reply:* +xread)" in producer
     assert "(%R~p:{q}:workers +zcount)" in producer  # a timed-out request says how many

@@ -17,12 +17,12 @@ import msgpack
 import pytest
 import redis
 
-from batchline.acl import tenant_rules
+from batchline.acl import acl_rules, tenant_rules, tenant_setuser
 from batchline.codec import pack_value
 from batchline.config import ProducerSettings, WorkerSettings
 from batchline.errors import QuotaExceeded
 from batchline.keys import QueueKeys, TenantKeys
-from batchline.producer import AsyncProducer
+from batchline.producer import AsyncProducer, Producer
 from batchline.producer._tenancy import estimate_cost, producer_id_for, request_id_for
 from batchline.tenants import TenantConfig
 from batchline.transport import (
@@ -40,8 +40,9 @@ from batchline.transport._lua import TENANTS
 from batchline.worker.serving._admitter import Admitter
 
 from tests.support.models_for_tests import GatedModel
+from tests.support.protocol_doc import doc_block
 from tests.support.quota import Configure
-from tests.support.service import RESULT_TIMEOUT_S, WorkerThread, wait_until
+from tests.support.service import RESULT_TIMEOUT_S, WorkerThread, run_cli, wait_until
 
 T = RESULT_TIMEOUT_S
 MODEL_ID = "m1"
@@ -490,6 +491,110 @@ async def test_the_quota_hooks_refuse_at_once_and_at_the_admission(
     assert fields["emsg"].startswith("tenant acme: requests_per_min=1 reached; retry in ")
     assert 0 < int(fields["retry_ms"]) <= 60_000
     assert rclient.get(keys.request_input(later.id)).endswith(b" !")  # a resubmit runs again
+
+
+def test_batchline_acl_prints_a_tenants_user() -> None:
+    done = run_cli("acl", "--tenant", "acme", "--queue", "q")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == tenant_setuser(QueueKeys("q"), "acme")
+    assert "batchline-tenant-acme" in done.stdout
+    bad = run_cli("acl", "--tenant", "a.b")
+    assert bad.returncode != 0
+    assert "'a.b'" in bad.stderr
+
+
+def test_the_documented_tenant_user_is_what_batchline_acl_prints() -> None:
+    block = doc_block("acl", "as `batchline acl --tenant\nacme` prints it")
+    assert block.splitlines() == [tenant_setuser(QueueKeys("default"), "acme")]
+
+
+def test_the_blocking_producer_takes_tenants_too(
+    redis_url: str, queue: str, rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    """No worker: what a tenant's producer writes waits in the tenant's inbox, with a wake."""
+    with Producer(redis_url=redis_url, queue=queue, tenant="acme") as acme:
+        assert acme.tenant == "acme"
+        handle = acme.submit("x", reply=False)
+        assert handle.id.startswith("acme.")
+        other = acme.submit(["a", "b"], tenant="beta", reply=False)
+        assert other.tenant == "beta"
+        assert acme.queue_depth() == 1  # its own inbox counted, not beta's
+        assert rclient.llen(keys.tenant_inbox("beta")) == 1
+        assert acme.get_result(handle.id) is None
+        with pytest.raises(ValueError, match="not in tenant 'acme'"):
+            acme.get_result(other.id)
+        acme.cancel(handle)
+        acme.cancel(other)  # the handle's tenant
+        with pytest.raises(ValueError, match="not in tenant 'acme'"):
+            acme.cancel(other.id)
+    assert rclient.llen(keys.tenant_inbox("acme")) == 2  # the request, its cancel
+    assert rclient.llen(keys.wakes) == 4
+    [packed] = rclient.lrange(keys.tenant_inbox("beta"), 0, 0)
+    fields = msgpack.unpackb(packed, raw=False)[2:]
+    named = dict(zip(fields[::2], fields[1::2], strict=True))
+    assert named["cost"] == "2"  # two texts
+    assert "tn" not in named  # the admission's to write
+
+
+def test_a_worker_under_rules_from_before_tenants_admits_the_inbox_still(
+    acl_user: Callable[[list[str]], str],
+    urls: dict[str, str],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+) -> None:
+    """Workers upgraded before their ACL: untenanted requests are admitted as before."""
+    tenants = (":in:*", ":wake", ":tenants", ":bl:", ":fair", ":backlog", ":quota:", ":inflight:")
+    old = [
+        r
+        for r in acl_rules(keys, "worker")
+        if not any(k in r for k in (*tenants, ":usage:", "{tenants}"))
+    ]
+    worker = redis.Redis.from_url(acl_user(["on", ">PASSWORD", *old]))
+    rclient.rpush(keys.inbox, element("plain.1", "x"))
+    rclient.rpush(keys.wakes, msgpack.packb(["t", "acme"]))
+    admitter = Admitter(None, WorkerSettings(queue=keys.queue), worker_id="test")
+    try:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            worker.llen(keys.wakes)
+        admitted, left, *_ = worker.execute_command("FCALL", *admitter.call())
+    finally:
+        worker.close()
+    assert (admitted, left) == (1, 0)
+    assert set(entries(rclient, keys)) == {"plain.1"}
+    assert rclient.llen(keys.wakes) == 1  # for a worker that may
+
+
+@pytest.mark.slow
+async def test_a_tenants_coalesced_requests_run_again_as_the_tenants(
+    redis_url: str,
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    queue: str,
+) -> None:
+    """A leader cancelled: the request coalesced onto it runs as an entry of its own, with
+    the leader's tn, so that its answer fills the tenant's cache."""
+    common = {"queue": queue, "result_ttl_s": 120, "cache_ttl_s": 60}
+    model = GatedModel()
+    worker = start_worker(model, batch_size=1, timeout_ms=600_000.0, model_id=MODEL_ID, **common)
+    wait_until(lambda: rclient.exists(keys.model), "the worker's model identity")
+    async with (
+        AsyncProducer(redis_url=redis_url, tenant="acme", **common) as a,
+        AsyncProducer(redis_url=redis_url, tenant="acme", **common) as b,
+    ):
+        blocker = await a.submit("blocker")
+        assert model.entered.wait(T), "no batch reached the model"
+        leader = await a.submit("same text")
+        joined = await b.submit("same text")
+        wait_until(lambda: b.counts["coalesced"] == 1, "the coalesced request")
+        wait_until(lambda: rclient.xlen(keys.stream(1)) == 2, "both admitted")
+        await a.cancel(leader)
+        wait_until(lambda: leader.id in worker.worker._parts.cancels, "the cancel's arrival")
+        model.release.set()
+        assert await a.result(blocker, timeout_s=T) == "blocker"
+        assert (await b.wait(joined, timeout_s=T)).output == "same text"
+    meta, blob = pack_value("same text")
+    assert rclient.exists(keys.cache(cache_hash(MODEL_ID, input_hash(meta, blob), "acme")))
 
 
 @pytest.mark.slow

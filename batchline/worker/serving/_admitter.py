@@ -200,6 +200,14 @@ class Admitter:
                 if await client.blmove(wakes, wakes, _BLOCK_S, "LEFT", "RIGHT") is not None:
                     while await self.admit(client) and running():
                         pass
+            except NoPermissionError as exc:
+                logger.warning(
+                    "admitter: queue %r: this worker may not read the wake list (the rules "
+                    "`batchline acl` prints allow it): tenants' requests wait until it may: %s",
+                    self.keys.queue,
+                    exc,
+                )
+                return
             except Exception as caught:  # the inbox's loop reloads a missing library
                 failure = caught if isinstance(caught, ResponseError) else redis_failure(caught)
                 if failure is None:
