@@ -78,7 +78,9 @@ def _producer(keys: QueueKeys) -> list[str]:
         f"(%R~{keys.inbox} %R~{keys.admitting} %R~{keys.stream_prefix}* "
         f"%R~{keys.tenant_inbox('*')} +llen +xlen)",
         f"(%R~{keys.job_list} %R~{keys.tenant_inbox('*')} +lpos)",
-        # Tenants' configs and quota counters (the tenant enqueue function's look).
+        # Tenants' configs and quota counters (the tenant enqueue function's look; its
+        # minute is Redis's clock, TIME: no key).
+        "+time",
         f"(%R~{keys.tenants} +hget)",
         f"(%R~{keys.quota('*', '*', '*')} +get)",
         f"(%R~{keys.tenant_in_flight('*')} +zcard +zcount)",
@@ -138,6 +140,7 @@ def _worker(keys: QueueKeys) -> list[str]:
         f"%R~{TenantKeys(keys.prefix).version}",
         f"%R~{TenantKeys(keys.prefix).config}",
         "+rpush",
+        "+time",
         "+hget",
         "+hset",
         "+hdel",
@@ -269,6 +272,7 @@ def tenant_rules(keys: QueueKeys, tenant: str) -> list[str]:
         f"~{keys.admitting}",
         f"~{keys.stream_prefix}*",
         "+fcall",
+        "+time",
         f"(~{own_inbox} ~{keys.wakes} +rpush)",
         f"(%R~{own_inbox} %R~{keys.inbox} %R~{keys.admitting} %R~{keys.stream_prefix}* "
         "+llen +xlen)",

@@ -40,9 +40,17 @@ from batchline.contrib._plumbing import (
     RETRY_AFTER_S,
     as_tenant,
     caller_of,
+    note_queue,
+    retry_headers,
     scoped_id,
 )
-from batchline.errors import BatcherClosed, BatchlineError, QueueFull, RequestTimeout
+from batchline.errors import (
+    BatcherClosed,
+    BatchlineError,
+    QueueFull,
+    QuotaExceeded,
+    RequestTimeout,
+)
 from batchline.keys import ID_PATTERN, MAX_ID_CHARS
 from batchline.producer import AsyncProducer, Handle
 from batchline.producer._replies import cached_result
@@ -193,6 +201,11 @@ def _answer(result: Result, kind: str, *, expired_status: int) -> JSONResponse:
     }
     if error_type == "QueueFull":  # the admission found the queue at its bound: not run
         return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+    if error_type == "QuotaExceeded":  # the admission found its tenant over a quota: not run
+        try:
+            result.unwrap()
+        except QuotaExceeded as exc:
+            return JSONResponse(body, status_code=429, headers=retry_headers(exc))
     return JSONResponse(body, status_code=422 if error_type in INPUT_ERRORS else 500)
 
 
@@ -266,9 +279,16 @@ class OwnRoutes:
             )
 
     async def _submit(
-        self, body: EmbedRequest, tenant: dict[str, Any], *, reply: bool, request_id: str | None
+        self,
+        body: EmbedRequest,
+        request: Request,
+        tenant: dict[str, Any],
+        *,
+        reply: bool,
+        request_id: str | None,
     ) -> Handle:
         self._check_priority(body)
+        note_queue(request, self._redis, self.keys)  # its quota counts: the headers'
         try:
             return await self.producer.submit(
                 body.texts if body.texts is not None else body.text,
@@ -280,11 +300,13 @@ class OwnRoutes:
             )
         except (QueueFull, BatcherClosed) as exc:
             raise HTTPException(503, str(exc), {"Retry-After": str(RETRY_AFTER_S)}) from None
+        except QuotaExceeded as exc:  # the caller's tenant: nothing queued
+            raise HTTPException(429, str(exc), retry_headers(exc)) from None
 
     async def embed(self, body: EmbedRequest, request: Request) -> JSONResponse:
         """Embed one text or several, waiting for the result."""
         tenant = as_tenant(caller_of(request).tenant)
-        handle = await self._submit(body, tenant, reply=True, request_id=None)
+        handle = await self._submit(body, request, tenant, reply=True, request_id=None)
         try:
             result = await self.producer.wait(handle, self.timeout_s)
         except BatcherClosed:  # the app is shutting down
@@ -302,7 +324,7 @@ class OwnRoutes:
         caller = caller_of(request).tenant
         tenant = as_tenant(caller)
         request_id = scoped_id(caller, uuid.uuid4().hex)
-        handle = await self._submit(body, tenant, reply=False, request_id=request_id)
+        handle = await self._submit(body, request, tenant, reply=False, request_id=request_id)
         # Its job key (gone with the result's TTL) tells pending from unknown; until the
         # admission writes it, the note waiting for it does (job_state).
         try:

@@ -30,8 +30,8 @@ from redis.exceptions import RedisError
 
 from batchline.codec import DecodeError, Limits, Result, unpack_result
 from batchline.codec._chunks import CHUNKS_FIELD
-from batchline.codec._results import decode_flat
-from batchline.errors import QuotaExceeded, RequestIdConflict
+from batchline.codec._results import decode_flat, quota_exceeded
+from batchline.errors import RequestIdConflict
 from batchline.keys import QueueKeys
 from batchline.producer._stream import Streams
 from batchline.tenants import tenant_of
@@ -388,8 +388,8 @@ def outcome_of(request_id: str, reply: Any, limits: Limits, sent: list[Any]) -> 
     kind = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
     if kind == "conflict":
         return Answered(kind, RequestIdConflict(request_id))
-    if kind == "quota" and len(reply) == 3:  # a tenant's quota, told at once
-        return Answered(kind, quota_exceeded(request_id, _text(reply[2]), reply[1]))
+    if kind == "quota" and len(reply) == 3:  # a tenant's quota: {"quota", retry_ms, limit}
+        return Answered(kind, _over_quota(request_id, reply[1], reply[2]))
     if kind == "invalid" and len(reply) == 2:  # what the admission would refuse
         return Answered(kind, ValueError(f"request {request_id}: {_text(reply[1])}"))
     if kind in ("result", "cached") and len(reply) == 2:
@@ -408,20 +408,14 @@ def _text(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-def quota_exceeded(request_id: str, limit: str, retry_ms: Any) -> QuotaExceeded:
-    """The QuotaExceeded of a tenant's request (its tenant: its id's namespace)."""
-    tenant = tenant_of(request_id) or ""
-    try:
-        retry_s = max(0.0, float(retry_ms) / 1000)
-    except (TypeError, ValueError):
-        retry_s = 1.0
-    return QuotaExceeded(
-        f"tenant {tenant}: {limit} reached: request {request_id} not queued (retry in "
-        f"{retry_s:g} s)",
-        tenant=tenant,
-        limit=limit,
-        retry_after_s=retry_s,
-    )
+def _over_quota(request_id: str, retry_ms: Any, limit: Any) -> BaseException:
+    """The QuotaExceeded of the enqueue function's answer at once (docs/protocol.md,
+    Tenants), in the message form the admission's refusal has (its tenant: its id's
+    namespace)."""
+    ms = retry_ms if isinstance(retry_ms, int) and retry_ms >= 0 else 1000
+    tenant = tenant_of(request_id) or "unknown"
+    message = f"tenant {tenant}: {_text(limit)[:64]} reached; retry in {ms} ms"
+    return quota_exceeded(request_id, message, ms)
 
 
 async def cached_result(client: RedisClient, keys: QueueKeys, request_id: str) -> bytes | None:

@@ -30,6 +30,7 @@ from redis.exceptions import NoPermissionError, ResponseError
 
 from batchline.keys import QueueKeys
 from batchline.transport._lua import EACH, HOOKS, MAX_PER_CALL, ONCE, REPLIES, TENANTS, VALIDATE
+from batchline.transport._quota import COUNTERS, QUOTA
 from batchline.transport._redis import RedisClient
 
 __all__ = [
@@ -54,6 +55,8 @@ _BODY = (
     + EACH
     + VALIDATE
     + TENANTS
+    + COUNTERS
+    + QUOTA
     + HOOKS
     + f"local MAX_PER_CALL = {MAX_PER_CALL}\n"
     + r"""

@@ -294,16 +294,11 @@ end
 # - quota_admit(tenant, id, cost, config): the admission's (worker rights): nil admits it;
 #   {limit = name, message = text, retry_ms = n} refuses it (a QuotaExceeded error result);
 #   a string holds it under that name instead (over_quota 'idle': '<tenant>~over').
+#   These two are _quota.py's QUOTA, which the library puts before HOOKS.
 # - hold(tenant, prio, fields, cost, id, h): a new request admitted (fields: its entry's, tn
 #   and cost included; h: its input hash): held for the fair share. Here it is added to its
 #   work stream as an untenanted request is (rid:<id> = '<h> @<entry id>').
 HOOKS = r"""
-local function quota_peek(tenant, cost, config)
-  return nil
-end
-local function quota_admit(tenant, id, cost, config)
-  return nil
-end
 local function hold(tenant, prio, fields, cost, id, h)
   local entry = redis.call('XADD', work_streams[prio + 1], '*', unpack(fields))
   redis.call('SET', rid .. id, h .. ' @' .. entry, 'EX', ttl)

@@ -8,8 +8,9 @@ doc's producer and worker users, workers in this process."""
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -28,18 +29,19 @@ from batchline.transport import (
     CANCEL_TENANT,
     ENQUEUE_TENANT,
     TenantMirror,
-    _admission,
     as_client,
     cache_hash,
     input_hash,
     once_keys,
+    usage_day,
 )
-from batchline.transport._functions import ENQUEUE, LIBRARY, TAG
+from batchline.transport._functions import ENQUEUE
 from batchline.transport._lua import TENANTS
 from batchline.worker.serving._admitter import Admitter
 
 from tests.support.models_for_tests import GatedModel
 from tests.support.protocol_doc import doc_block
+from tests.support.quota import Configure
 from tests.support.service import RESULT_TIMEOUT_S, WorkerThread, run_cli, wait_until
 
 T = RESULT_TIMEOUT_S
@@ -448,73 +450,46 @@ async def test_tenants_never_share_cached_answers(
         assert rclient.exists(keys.cache(cache_hash(MODEL_ID, h, owner)))
 
 
-# -- the quota hooks (their bodies are the quotas'; here, a library whose hooks refuse) ------
+# -- the quota hooks (batchline/transport/_quota.py; tests/transport/test_quota_lua.py) ------
 
 
-QUOTA_PEEK = """local function quota_peek(tenant, cost, config)
-  return nil
-end"""
-QUOTA_ADMIT = """local function quota_admit(tenant, id, cost, config)
-  return nil
-end"""
-
-
-@pytest.fixture
-def refusing(rclient: redis.Redis) -> Iterator[str]:
-    """The library, under a tag of its own, with quota hooks that refuse ``acme.no*`` ids at
-    once and ``acme.later*`` ids at the admission: the tag of its functions."""
-    tag = "hookstest000"
-    code = LIBRARY.replace(TAG, tag)
-    assert QUOTA_PEEK in code
-    assert QUOTA_ADMIT in code
-    code = code.replace(
-        QUOTA_PEEK,
-        QUOTA_PEEK.replace("return nil", "return cost == 7 and {2500, 'tokens_per_min'} or nil"),
-    ).replace(
-        QUOTA_ADMIT,
-        QUOTA_ADMIT.replace(
-            "return nil",
-            "if string.find(id, '^acme%.later') then return {limit = 'requests_per_min', "
-            "message = 'tenant acme: requests_per_min=1 reached', retry_ms = 1500} end",
-        ),
-    )
-    rclient.function_load(code, replace=True)
-    try:
-        yield tag
-    finally:
-        rclient.function_delete(f"batchline_{tag}")
+def _count(rclient: redis.Redis, keys: QueueKeys, kind: str, n: int | None) -> None:
+    """acme's count of ``kind`` in Redis's minute and the next (a minute may turn)."""
+    s, us = rclient.time()
+    minute = (s * 1000 + us // 1000) // 60000
+    for m in (minute, minute + 1):
+        if n is None:
+            rclient.delete(keys.quota("acme", kind, m))
+        else:
+            rclient.set(keys.quota("acme", kind, m), n, ex=180)
 
 
 async def test_the_quota_hooks_refuse_at_once_and_at_the_admission(
     redis_url: str,
-    refusing: str,
     rclient: redis.Redis,
     keys: QueueKeys,
     queue: str,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_admission, "ENQUEUE_TENANT", f"batchline_enqueue_tenant_{refusing}")
+    config = TenantConfig(requests_per_min=1, tokens_per_min=10)
+    rclient.hset(keys.tenants, "acme", config.to_json())
+    _count(rclient, keys, "t", 10)
     async with AsyncProducer(redis_url=redis_url, queue=queue, tenant="acme") as acme:
         with pytest.raises(QuotaExceeded) as told:
             await acme.submit("x", cost=7)
         assert (told.value.tenant, told.value.limit) == ("acme", "tokens_per_min")
-        assert told.value.retry_after_s == 2.5
+        assert 0 < told.value.retry_after_s <= 60
+        _count(rclient, keys, "t", None)
         later = await acme.submit("y", request_id="acme.later-1")
-        admitter = Admitter(None, WorkerSettings(queue=keys.queue), worker_id="test")
-        call = [f"batchline_admit_{refusing}", *admitter.call()[1:]]
-        admitted, _left, _full, _withheld, over = rclient.execute_command("FCALL", *call)
-        assert (admitted, over) == (1, 1)
-        assert entries(rclient, keys) == {}
-        # Its answer, pushed: the same error, its retry time with it.
-        with pytest.raises(QuotaExceeded) as refused:
-            await acme.result(later, timeout_s=T)
-        assert (refused.value.tenant, refused.value.limit) == ("acme", "requests_per_min")
-        assert refused.value.retry_after_s == 1.5
+    _count(rclient, keys, "r", 1)  # another replica's request, admitted meanwhile
+    admitter = Admitter(None, WorkerSettings(queue=keys.queue), worker_id="test")
+    admitted, _left, _full, _withheld, over = rclient.execute_command("FCALL", *admitter.call())
+    assert (admitted, over) == (1, 1)
+    assert entries(rclient, keys) == {}
     stored = msgpack.unpackb(rclient.get(keys.result(later.id)), raw=False)
     fields = dict(zip(stored[::2], stored[1::2], strict=True))
     assert fields["etype"] == "QuotaExceeded"
-    assert fields["emsg"] == "tenant acme: requests_per_min=1 reached"
-    assert fields["retry_ms"] == "1500"
+    assert fields["emsg"].startswith("tenant acme: requests_per_min=1 reached; retry in ")
+    assert 0 < int(fields["retry_ms"]) <= 60_000
     assert rclient.get(keys.request_input(later.id)).endswith(b" !")  # a resubmit runs again
 
 
@@ -620,3 +595,32 @@ async def test_a_tenants_coalesced_requests_run_again_as_the_tenants(
         assert (await b.wait(joined, timeout_s=T)).output == "same text"
     meta, blob = pack_value("same text")
     assert rclient.exists(keys.cache(cache_hash(MODEL_ID, input_hash(meta, blob), "acme")))
+
+
+@pytest.mark.slow
+async def test_quotas_are_counted_and_refused_under_the_documented_users(
+    configure: Configure,
+    urls: dict[str, str],
+    tenant_url: Callable[[str], str],
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    queue: str,
+) -> None:
+    """A tenant's user (its look at the counts: HGET, GET, ZCOUNT, TIME), the web backend's
+    (the same for any tenant) and the worker's (the admission's counts, the completion's
+    release and usage) have the rights the quotas need."""
+    common = {"queue": queue, "result_ttl_s": 120}
+    start_worker(redis_url=urls["worker"], **common)
+    configure("acme", TenantConfig(requests_per_min=2), wait=True)
+    async with (
+        AsyncProducer(redis_url=tenant_url("acme"), tenant="acme", **common) as acme,
+        AsyncProducer(redis_url=urls["producer"], **common) as backend,
+    ):
+        assert await acme.infer("one", timeout_s=T) == "one"
+        assert await backend.infer("two", tenant="acme", timeout_s=T) == "two"
+        for refused in (acme.submit("three"), backend.submit("three", tenant="acme")):
+            with pytest.raises(QuotaExceeded):
+                await refused
+    assert rclient.zcard(keys.tenant_in_flight("acme")) == 0
+    assert rclient.hget(keys.usage(usage_day(time.time())), "acme|requests") == b"2"

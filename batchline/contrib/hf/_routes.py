@@ -34,7 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from batchline.contrib._plumbing import caller_of, off_loop, scoped_id
+from batchline.contrib._plumbing import caller_of, note_queue, off_loop, scoped_id
 from batchline.contrib.hf._errors import Kind, TGIError, tgi
 from batchline.contrib.hf._schema import (
     PARAMS,
@@ -264,6 +264,7 @@ class HFRoutes:
     async def _stream(self, served: Served, body: TGIRequest, request: Request) -> Response:
         rid = scoped_id(caller_of(request).tenant, uuid.uuid4().hex)
         timing = self._timing(served)
+        note_queue(request, served.client, served.settings.keys)
         chunks = self._openai.stream(served, body.wire(tokens=True), request, rid)
         return await self._openai.stream_response(
             chunks, timing, request, lambda first: TGIStream(first, chunks, body, timing, rid)
@@ -274,6 +275,7 @@ class HFRoutes:
     ) -> tuple[dict[str, Any], list[Token]] | None:
         """The output and its tokens' texts, from the request's stream (each token's text
         is known only there); None if the client went away."""
+        note_queue(request, served.client, served.settings.keys)
         chunks = self._openai.stream(served, body.wire(tokens=True), request)
         try:
             return await unless_disconnected(

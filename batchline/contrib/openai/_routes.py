@@ -43,7 +43,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchline.codec._chunks import check_logprobs
 from batchline.config import ProducerSettings, WebSettings
-from batchline.contrib._plumbing import BodyRoute, SchemaChecker, as_tenant, caller_of, scoped_id
+from batchline.contrib._plumbing import (
+    BodyRoute,
+    SchemaChecker,
+    as_tenant,
+    caller_of,
+    note_queue,
+    scoped_id,
+)
 from batchline.contrib.openai._embeddings import embedding_body, embedding_matrix
 from batchline.contrib.openai._errors import (
     OpenAIError,
@@ -311,6 +318,7 @@ class OpenAIRoutes:
                 n=len(values),
             )
             ids = [rid] if len(values) == 1 else [f"{rid}-{i}" for i in range(len(values))]
+            note_queue(request, served.client, served.settings.keys)
             chunks = choices(
                 [self.stream(served, v, request, i) for v, i in zip(values, ids, strict=True)]
             )
@@ -361,6 +369,7 @@ class OpenAIRoutes:
         go in the name of the request's caller's tenant."""
         producer = served.producer
         tenant = as_tenant(caller_of(request).tenant)
+        note_queue(request, served.client, served.settings.keys)  # its quota counts: headers'
         submitted = await asyncio.gather(
             *(producer.submit(v, priority=priority, **tenant) for v in values),
             return_exceptions=True,
