@@ -291,9 +291,14 @@ class QueueKeys:
         """How many requests the backlogs hold, per priority (a hash)."""
         return f"{self.base}:backlog"
 
+    @property
+    def quota_prefix(self) -> str:
+        """What every quota counter starts with (then ``<tenant>:<kind>:<minute>``)."""
+        return f"{self.base}:quota:"
+
     def quota(self, tenant: str, kind: str, minute: int) -> str:
         """A tenant's count of ``kind`` (``r`` requests, ``t`` tokens) in one unix minute."""
-        return f"{self.base}:quota:{tenant}:{kind}:{minute}"
+        return f"{self.quota_prefix}{tenant}:{kind}:{minute}"
 
     def tenant_in_flight(self, tenant: str) -> str:
         """A tenant's requests admitted and not answered (a sorted set: id -> expiry ms)."""
