@@ -398,6 +398,8 @@ class WorkerSettings(ServiceSettings):
         stream_max_unread_s: ``generate`` only: a producer whose reply stream holds an
             entry unread for longer than this is taken as gone, and its streamed requests
             are cancelled.
+        usage_ttl_days: how long a day's usage counters (requests, items and tokens served
+            per tenant: ``batchline usage``) are kept, in days.
     """
 
     model: str = "sentence-transformers"
@@ -434,6 +436,7 @@ class WorkerSettings(ServiceSettings):
     max_new_tokens_limit: int = Field(default=1024, ge=1)
     stream_max_unread_s: float = Field(default=30.0, gt=0)
     matryoshka: bool = False
+    usage_ttl_days: int = Field(default=62, ge=1, le=3660)
 
     @field_validator("device")
     @classmethod

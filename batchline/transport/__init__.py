@@ -8,6 +8,8 @@
 - the enqueue and complete scripts (:mod:`._scripts`, in Lua from :mod:`._lua`) and the queue's
   functions on Redis 7 (:mod:`._functions`), with the admission of what producers enqueued
   (:mod:`._admission`);
+- tenants' quotas and usage in Lua (:mod:`._quota`), shared by the functions and the
+  completion script;
 - the outbox of coalesced writes (:mod:`._outbox`), the cancel log (:mod:`._cancels`), the input
   hash of compute-once requests (:mod:`._once`), ``WAIT`` for replicated writes
   (:mod:`._replication`) and the service's event loop (:mod:`._event_loop`);
@@ -45,6 +47,13 @@ from batchline.transport._once import (
     once_keys,
 )
 from batchline.transport._outbox import Outbox
+from batchline.transport._quota import (
+    LIMITS,
+    QUOTA_RETRY_MS,
+    USAGE_TTL_DAYS,
+    quota_args,
+    usage_day,
+)
 from batchline.transport._redis import (
     NO_CLIENT_INFO,
     POOL_NO_CLIENT_INFO,
@@ -70,11 +79,14 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "JOB",
     "LIBRARY",
+    "LIMITS",
     "NO_CLIENT_INFO",
     "ONCE_COUNTERS",
     "POOL_NO_CLIENT_INFO",
+    "QUOTA_RETRY_MS",
     "REDIS_FAILURES",
     "TAG",
+    "USAGE_TTL_DAYS",
     "Admission",
     "AdmissionMode",
     "Backoff",
@@ -104,8 +116,10 @@ __all__ = [
     "passing",
     "passing_code",
     "pinned",
+    "quota_args",
     "redis_failure",
     "run_loop",
     "single_node",
+    "usage_day",
     "wait_for_redis",
 ]

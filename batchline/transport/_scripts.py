@@ -10,6 +10,7 @@ client a fraction of packing a dozen per request.
 from __future__ import annotations
 
 from batchline.transport._lua import EACH, ONCE, REPLIES
+from batchline.transport._quota import ACCOUNT, COUNTERS
 
 __all__ = ["COMPLETE", "ENQUEUE"]
 
@@ -85,14 +86,19 @@ return out
 # msgpack array of records one after another (no array per record), each: stream index
 # (0-based), entry id, request id or '', reply producer id or '', packed result or '' (a
 # packed result is itself msgpack: the flat [field, value, ...] array), then how many
-# further fields follow (0, 1, 4 or 5) and those: input hash, cache key to fill, in-flight
-# mark to clear, status, [dead-letter field, value, ...] (a plain answer has none, an
-# answer that may have coalesced requests its input hash); then the prefixes of request
+# further fields follow (0, 1, 4, 5 or 6) and those: input hash, cache key to fill, in-flight
+# mark to clear, status, [dead-letter field, value, ...], what to account ([tenant or '',
+# estimated cost, real cost or -1, items, tokens, 1 if served ok]: _quota.py's account())
+# (a plain answer has none, an answer that may have coalesced requests its input hash);
+# then the prefixes of request
 # inputs and of waiters, cache_ttl_s, the time now (unix ms: the ts of entries added
 # again), '1' to have the replies returned rather than pushed (durability replicated: the
 # worker pushes them once WAIT confirms the rest): {answered, {reply key, n, r, ...}}, and '1'
 # for a call made again after a failure (a failover): a record whose entry is acknowledged
-# already is pushed its answer anyway (producers drop what they have).
+# already is pushed its answer anyway (producers drop what they have); then the day's usage
+# key and its TTL in seconds, the tenants' configs, the quota counters' prefix and the
+# in-flight sets' prefix (absent: nothing is accounted). A record's accounting is done only
+# where its acknowledgement took (a request answered twice counts once).
 # Each result (a dead letter's error result too) also reaches the request's further
 # waiters (its waiters' set): the same id
 # from other producers, and requests of other ids coalesced onto it (for those the result
@@ -112,6 +118,8 @@ return out
 # another). Returns the number of records answered.
 COMPLETE = (
     REPLIES
+    + COUNTERS
+    + ACCOUNT
     + r"""
 local group = ARGV[1]
 local ttl = tonumber(ARGV[2])
@@ -122,6 +130,11 @@ local reply_prefix = ARGV[6]
 local records = cmsgpack.unpack(ARGV[7])
 local rid_prefix, wait_prefix, cache_ttl, now_ms = ARGV[8], ARGV[9], ARGV[10], ARGV[11]
 local again = ARGV[13] == '1'
+local accounting = (ARGV[14] or '') ~= ''
+if accounting then
+  account_begin(ARGV[14], tonumber(ARGV[15]))
+  quota_begin(ARGV[16], ARGV[17], ARGV[18])
+end
 local dead = KEYS[#KEYS]
 local answered = 0
 local finished = {}
@@ -210,10 +223,11 @@ while at <= size do
   local entry, request_id, reply, result = records[at + 1], records[at + 2], records[at + 3],
     records[at + 4]
   local more = records[at + 5]
-  local h, cache_key, mark, status, dead_fields = '', '', '', '', nil
+  local h, cache_key, mark, status, dead_fields, bill = '', '', '', '', nil, nil
   if more >= 1 then h = records[at + 6] end
   if more >= 4 then cache_key, mark, status = records[at + 7], records[at + 8], records[at + 9] end
   if more >= 5 then dead_fields = records[at + 10] end
+  if more >= 6 and accounting then bill = records[at + 11] end
   at = at + 6 + more
   if redis.call('XACK', stream, group, entry) == 1 then
     answered = answered + 1
@@ -223,14 +237,17 @@ while at <= size do
       redis.call('XADD', dead, 'MAXLEN', '~', dead_maxlen, '*', unpack(dead_fields))
     end
     if result ~= '' and request_id ~= '' then
-      local cut = status == 'cut'
+      local cut, own = status == 'cut', true
       if not cut then
         redis.call('SET', result_prefix .. request_id, result, 'EX', ttl)
         redis.call('EXPIRE', rid_prefix .. request_id, ttl)
       elseif owns(request_id, h, entry) then
         redis.call('SET', result_prefix .. request_id, result, 'EX', ttl)
         redis.call('SET', rid_prefix .. request_id, h .. ' !', 'EX', ttl)
+      else
+        own = false  -- a newer attempt of its id holds its in-flight slot
       end
+      if bill then account(request_id, bill, own) end
       if reply ~= '' then push(reply, result) end
       answer_waiters(request_id, reply, result, h, cut, stream, entry, mark)
       if status == 'ok' and cache_key ~= '' then
@@ -253,6 +270,7 @@ for stream, entries in pairs(finished) do
     redis.call('XDEL', stream, unpack(entries, i, math.min(i + 999, #entries)))
   end
 end
+if accounting then account_end() end
 if ARGV[12] == '1' then  -- replicated: the caller pushes them once replicas hold this
   return {answered, take_replies(reply_prefix)}
 end

@@ -139,6 +139,7 @@ def assemble(
         claims=claims,
         cache=cache,
         replication=Replication.of(s),
+        usage_ttl_days=s.usage_ttl_days,
     )
     chunks = ChunkWriter(
         client,

@@ -7,19 +7,21 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, cast
 
 from batchline.codec import Result, encode_result, pack_result
 from batchline.codec._requests import salvage_id
 from batchline.codec._results import result_fields
 from batchline.drivers._base import Call
 from batchline.errors import RequestCancelled, RequestTimeout
+from batchline.tenants import is_tenant
 from batchline.tracing import log_extra
 from batchline.transport import input_hash
 from batchline.worker.models import Model, Prepared
 from batchline.worker.shared._held import Meta, Record
 
-__all__ = ["Outcome", "answer", "dead_letter", "finished"]
+__all__ = ["Outcome", "accounted", "answer", "billed", "dead_letter", "finished"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +97,7 @@ def answer(
     packed = pack_result(fields)
     record = Record(meta.sidx, meta.entry, status, packed, request_id, request.get("reply"))
     record.cut = cut or status in ("cancelled", "expired")
+    record.account = accounted(meta, status, output)
     if cache_hash or record.cut:
         record.cache_hash, record.input_hash = cache_hash, ih
     return record
@@ -149,9 +152,45 @@ def dead_letter(
     result = Result(request_id, "error", None, kind, reason, worker=worker_id, input_hash=ih)
     record.result = pack_result(encode_result(result))
     record.request_id, record.reply = request_id, reply
+    tenant, estimate = billed({k.decode("latin-1"): v for k, v in raw.items()})
+    if tenant:  # its in-flight slot freed, its estimated tokens kept
+        record.account = [tenant, estimate, -1, 0, 0, 0]
     if ih and _CACHE_HASH.fullmatch(ck):
         record.cache_hash, record.input_hash = ck.decode(), ih
     return record
+
+
+def billed(fields: Mapping[str, Any]) -> tuple[str, int]:
+    """The tenant a request is for (``""``: untenanted) and its estimated cost: its fields
+    ``tn`` and ``cost``, which only the admission writes (docs/protocol.md, Tenants), as
+    decoded or as read (bytes)."""
+    tenant, cost = fields.get("tn"), fields.get("cost")
+    if isinstance(tenant, bytes):
+        tenant = tenant.decode("ascii", "replace")
+    if isinstance(cost, bytes) and cost.isdigit() and len(cost) <= 7:
+        cost = int(cost)
+    estimate = cost if type(cost) is int and 1 <= cost <= 1_000_000 else 1
+    return (tenant if is_tenant(tenant) else ""), estimate
+
+
+def accounted(meta: Meta, status: str, output: Any) -> list[Any] | None:
+    """What the completion script accounts for a request answered (``Record.account``):
+    served ok, its items and tokens (a generation's prompt and generated tokens, its real
+    cost; an embedding's, its items: the model's prepared items and its tokenizer's
+    count); not run (cancelled, expired), a real cost of 0; failed, its estimate stands.
+    None where there is nothing to account (an untenanted request not served)."""
+    tenant, estimate = billed(cast("Mapping[str, Any]", meta.request))
+    if status == "ok":
+        items = meta.items or 1
+        tokens, real = meta.tokens, items
+        if isinstance(output, dict):
+            prompt, generated = output.get("prompt_tokens"), output.get("tokens")
+            if type(prompt) is int and type(generated) is int:
+                tokens = real = prompt + generated
+        return [tenant, estimate, real, items, tokens, 1]
+    if not tenant:
+        return None
+    return [tenant, estimate, 0 if status in ("cancelled", "expired") else -1, 0, 0, 0]
 
 
 def _original_fields(raw: dict[bytes, bytes]) -> list[Any]:

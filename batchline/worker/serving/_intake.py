@@ -153,6 +153,7 @@ def prepare(
         else:
             if counts:  # its items' lengths are the tokenizer's counts
                 meta.tokens = sum(p.length for p in prepared)
+            meta.items = len(prepared)
             out[index] = (meta, prepared)
     return cast("list[Outcome]", out)  # the strict zip above filled every None
 

@@ -33,6 +33,7 @@ from batchline.config import WorkerSettings
 from batchline.keys import GROUP, QueueKeys
 from batchline.transport import (
     COMPLETE,
+    USAGE_TTL_DAYS,
     Backoff,
     Outbox,
     RedisClient,
@@ -40,7 +41,9 @@ from batchline.transport import (
     Script,
     cache_hash,
     once_figures,
+    quota_args,
     redis_failure,
+    usage_day,
 )
 from batchline.worker.metrics import Metrics
 from batchline.worker.shared._held import Claims, Record
@@ -64,6 +67,7 @@ class AnswerWriter:
         keys: the queue's keys.
         result_ttl_s: how long a result key lives.
         claims: the entries the worker holds.
+        usage_ttl_days: how long a day's usage counters are kept.
     """
 
     def __init__(
@@ -75,8 +79,10 @@ class AnswerWriter:
         claims: Claims,
         cache: AnswerCache | None = None,
         replication: Replication = _ASYNC,
+        usage_ttl_days: int = USAGE_TTL_DAYS,
     ) -> None:
         self._client = client
+        self._usage_ttl_s = usage_ttl_days * 86400
         self._cache = cache
         self._keys = keys
         self._result_ttl_s = result_ttl_s
@@ -110,14 +116,16 @@ class AnswerWriter:
 
     def _record(self, r: Record) -> list[Any]:
         """One record as the completion script takes it (see ``COMPLETE``): five fields,
-        then how many more follow (a plain answer: none) and those."""
+        then how many more follow (a plain answer: none; what it accounts: six) and those."""
         if r.result is None or r.request_id is None:
             out: list[Any] = [r.sidx, r.entry, "", "", ""]
         else:
             out = [r.sidx, r.entry, r.request_id, r.reply or "", r.result]
         cache, mark = self._cache.keys_for(r) if self._cache is not None else ("", "")
         status = "cut" if r.cut else r.status
-        if r.dead:
+        if r.account is not None and r.result is not None:
+            out += (6, r.input_hash, cache, mark, status, r.dead or [], r.account)
+        elif r.dead:
             out += (5, r.input_hash, cache, mark, status, r.dead)
         elif cache or mark or r.cut:
             out += (4, r.input_hash, cache, mark, status)
@@ -144,6 +152,12 @@ class AnswerWriter:
             int(time.time() * 1e3),
             "1" if self._replication.replicated else "0",
         ]
+        # After the try's own argument: where the accounting goes (docs/protocol.md, Tenants).
+        accounting = [
+            self._keys.usage(usage_day(time.time())),
+            self._usage_ttl_s,
+            *quota_args(self._keys),
+        ]
         tries = 0
 
         async def attempt() -> None:
@@ -151,7 +165,8 @@ class AnswerWriter:
             # before its push reached the producers.
             nonlocal tries
             tries += 1
-            done = await self._script(self._client, keys, [*args, "1" if tries > 1 else "0"])
+            again = "1" if tries > 1 else "0"
+            done = await self._script(self._client, keys, [*args, again, *accounting])
             if self._replication.replicated:
                 await self._confirm_then_push(len(records), done[1])
 

@@ -41,6 +41,8 @@ class Meta:
     batch_size: int = 0
     #: Tokens of its input, where the model counts them (``counts_tokens``): the result's tok.
     tokens: int = 0
+    #: Its items (texts, query-document pairs) as the model prepared them (0: not prepared).
+    items: int = 0
     _ih: str = field(default="", repr=False)
     span: Any = field(default=None, repr=False)  # its process span, tracing on (.tracing)
 
@@ -74,6 +76,10 @@ class Record:
     # Cut short (cancelled, expired, a generation ended by a cancel or its deadline): never
     # cached nor given to requests coalesced onto it, and a resubmit of its id runs again.
     cut: bool = False
+    # What the completion script accounts (docs/protocol.md, Tenants): [tenant or "", its
+    # estimated cost, its real cost or -1 (unknown), items, tokens, 1 if served ok else 0];
+    # None: nothing (an untenanted request not served).
+    account: list[Any] | None = None
 
 
 #: Entries taken back from a worker, by (stream index, the delivery count to give them: None
