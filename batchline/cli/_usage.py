@@ -29,12 +29,12 @@ def usage_settings(args: argparse.Namespace) -> Any:
 
 
 def _days(args: argparse.Namespace) -> list[str]:
-    from batchline.transport.by_tenant import day_of
+    from batchline.transport.by_tenant import usage_day
     from batchline.transport.usage import days_between
 
     if args.day and (args.first or args.last):
         raise UsageError("--day or --from/--to, not both")
-    today = day_of(time.time())
+    today = usage_day(time.time())
     first = args.day or args.first or args.last or today
     last = args.day or args.last or (today if args.first else first)
     try:

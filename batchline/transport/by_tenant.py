@@ -22,14 +22,21 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 from batchline.keys import QueueKeys
 from batchline.tenants import TenantConfig, over_quota_name, split_held
 from batchline.transport._client import RedisClient
+from batchline.transport._quota import usage_day
 
-__all__ = ["TenantFigures", "day_of", "parse_usage", "render_by_tenant", "tenant_figures"]
+__all__ = [
+    "USAGE_COUNTERS",
+    "TenantFigures",
+    "parse_usage",
+    "render_by_tenant",
+    "tenant_figures",
+    "usage_day",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +88,6 @@ class TenantFigures:
         }
 
 
-def day_of(unix_s: float) -> str:
-    """The UTC day of a unix time as the usage counters name it (``YYYYMMDD``)."""
-    return datetime.fromtimestamp(unix_s, UTC).strftime("%Y%m%d")
-
-
 def parse_usage(raw: dict[Any, Any]) -> dict[str, dict[str, int]]:
     """A ``usage:<day>`` hash as ``{tenant: {counter: n}}`` (fields ``<tenant>|<counter>``;
     a field of another shape, or a count that is not an integer, is skipped)."""
@@ -109,7 +111,7 @@ async def tenant_figures(
     now = time.time() if now is None else now
     async with client.pipeline(transaction=False) as pipe:
         pipe.hgetall(keys.tenants)
-        pipe.hgetall(keys.usage(day_of(now)))
+        pipe.hgetall(keys.usage(usage_day(now)))
         for priority in range(keys.priorities):
             pipe.zrange(keys.fair(priority), 0, -1)
         configs, usage, *fair = await pipe.execute()

@@ -17,7 +17,7 @@ import redis
 from batchline.cli import main
 from batchline.keys import QueueKeys
 from batchline.tenants import TenantConfig
-from batchline.transport.by_tenant import day_of
+from batchline.transport.by_tenant import usage_day
 
 
 def _run(capsys: pytest.CaptureFixture[str], redis_url: str, *args: str) -> tuple[int, str]:
@@ -53,10 +53,10 @@ def _write_tenants(rclient: redis.Redis, keys: QueueKeys, now: float) -> None:
         rclient.set(keys.quota("acme", "r", minute), 7)
         rclient.set(keys.quota("acme", "t", minute), 120)
     rclient.hset(
-        keys.usage(day_of(now)),
+        keys.usage(usage_day(now)),
         mapping={"acme|requests": 10, "acme|tokens": 500, "acme|refused": 2, "-|requests": 4},
     )
-    rclient.hset(keys.usage(day_of(now)), "carol|requests", 1)
+    rclient.hset(keys.usage(usage_day(now)), "carol|requests", 1)
 
 
 def test_status_by_tenant_reads_backlogs_in_flight_quota_counters_and_config(
