@@ -21,6 +21,7 @@ from batchline.errors import (
     DecodeError,
     InferenceError,
     QueueFull,
+    QuotaExceeded,
     RequestCancelled,
     RequestExpired,
     RequestIdConflict,
@@ -34,6 +35,7 @@ __all__ = [
     "decode_result",
     "encode_result",
     "pack_result",
+    "quota_exceeded",
     "result_fields",
     "result_map",
     "unpack_result",
@@ -61,6 +63,8 @@ class Result:
             A producer that knows its request's input checks it.
         tokens: how many tokens the model's tokenizer made of the input (field ``tok``);
             0 where the worker wrote none (a model without a tokenizer, an older worker).
+        retry_ms: a ``QuotaExceeded`` error's milliseconds until the tenant's request would
+            be admitted (field ``retry_ms``); 0 otherwise.
     """
 
     id: str
@@ -74,6 +78,7 @@ class Result:
     worker: str = ""
     input_hash: str = ""
     tokens: int = 0
+    retry_ms: int = 0
 
     def unwrap(self) -> Any:
         """The output, or the typed error this result stands for."""
@@ -87,7 +92,26 @@ class Result:
             raise RequestIdConflict(self.id)
         if self.error_type == "QueueFull":  # refused as it was admitted: the queue's bound
             raise QueueFull(f"request {self.id}: {self.error_message}")
+        if self.error_type == "QuotaExceeded":  # refused as it was admitted: a tenant's quota
+            raise quota_exceeded(self.id, self.error_message, self.retry_ms)
         raise InferenceError(self.error_type or "Error", self.error_message)
+
+
+#: A QuotaExceeded error's message, as the admission writes it (docs/protocol.md, Tenants).
+_QUOTA_MESSAGE = re.compile(
+    r"tenant ([A-Za-z0-9_-]{1,64}): (requests_per_min|tokens_per_min|max_in_flight)\b"
+)
+
+
+def quota_exceeded(request_id: str, message: str, retry_ms: float) -> QuotaExceeded:
+    """The QuotaExceeded a refusal of request ``request_id`` stands for (a result's, or the
+    enqueue function's answer at once): its tenant and limit as the message names them
+    (else its id's namespace, and ``unknown``)."""
+    found = _QUOTA_MESSAGE.match(message)
+    tenant, limit = found.groups() if found else (request_id.partition(".")[0], "unknown")
+    return QuotaExceeded(
+        f"request {request_id}: {message}", tenant=tenant, limit=limit, retry_after_s=retry_ms / 1e3
+    )
 
 
 def encode_result(result: Result) -> list[bytes | str]:
@@ -100,7 +124,7 @@ def encode_result(result: Result) -> list[bytes | str]:
     return result_fields(
         r.id, r.status, r.output, r.error_type, r.error_message,
         r.queue_ms, r.batch_size, r.model_ms, r.worker, input_hash=r.input_hash,
-        tokens=r.tokens,
+        tokens=r.tokens, retry_ms=r.retry_ms,
     )  # fmt: skip
 
 
@@ -117,6 +141,7 @@ def result_fields(  # noqa: PLR0917 - the fields of a Result, without building o
     *,
     input_hash: str = "",
     tokens: int = 0,
+    retry_ms: int = 0,
 ) -> list[bytes | str]:
     """:func:`encode_result` of the Result these would make (a worker's hot path)."""
     meta, blob = pack_value(output) if status == "ok" else (b"null", b"")
@@ -148,6 +173,8 @@ def result_fields(  # noqa: PLR0917 - the fields of a Result, without building o
         fields += ("ih", input_hash)
     if tokens:
         fields += ("tok", str(tokens))
+    if retry_ms:
+        fields += ("retry_ms", str(retry_ms))
     return fields
 
 
@@ -274,6 +301,7 @@ def decode_result(raw: Mapping[Any, Any], limits: Limits) -> Result:
         get(b"blob", b""),
         limits,
         get(b"tok"),
+        get(b"retry_ms"),
     )
 
 
@@ -303,6 +331,7 @@ def decode_flat(flat: Any, limits: Limits) -> Result:
                 get(b"blob", b""),
                 limits,
                 get(b"tok"),
+                get(b"retry_ms"),
             )
     return decode_result(result_map(flat), limits)
 
@@ -310,7 +339,7 @@ def decode_flat(flat: Any, limits: Limits) -> Result:
 # The fields as result_fields writes them: always these, then any of the optional ones, in
 # this order.
 _HEAD = [b"v", b"id", b"status", b"meta", b"queue_ms", b"batch", b"model_ms", b"worker"]
-_OPTIONAL = (b"blob", b"etype", b"emsg", b"ih", b"tok")
+_OPTIONAL = (b"blob", b"etype", b"emsg", b"ih", b"tok", b"retry_ms")
 _TAILS = frozenset(
     tuple(name for i, name in enumerate(_OPTIONAL) if mask >> i & 1)
     for mask in range(1 << len(_OPTIONAL))
@@ -327,6 +356,7 @@ def _checked(  # noqa: PLR0917 - a result's fields, by name
     blob: Any,
     limits: Limits,
     tokens_field: Any = None,
+    retry_field: Any = None,
 ) -> Result:
     """The Result of these fields (``texts``: the values of ``_TEXTS``, in that order),
     checked; raises DecodeError for anything off."""
@@ -345,6 +375,7 @@ def _checked(  # noqa: PLR0917 - a result's fields, by name
         raise DecodeError(f"malformed result: unknown status {status[:200]!r}")
     queue_ms, batch, model_ms = _numbers(queue_ms_field, batch_field, model_ms_field)
     tokens = 0 if tokens_field is None else _number(tokens_field, "tok", int)
+    retry_ms = 0 if retry_field is None else _number(retry_field, "retry_ms", int)
     if ih and not _is_hash(ih):
         raise DecodeError("malformed result: ih is not 40 lower-case hex digits")
     if not (type(meta) is bytes and type(blob) is bytes):
@@ -357,7 +388,9 @@ def _checked(  # noqa: PLR0917 - a result's fields, by name
             raise
         except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # belt and braces
             raise DecodeError(f"malformed result: its output: {exc}") from None
-    return Result(rid, status, output, etype, emsg, queue_ms, batch, model_ms, worker, ih, tokens)
+    return Result(
+        rid, status, output, etype, emsg, queue_ms, batch, model_ms, worker, ih, tokens, retry_ms
+    )
 
 
 _HASH = re.compile(r"[0-9a-f]{40}")

@@ -30,10 +30,11 @@ from redis.exceptions import RedisError
 
 from batchline.codec import DecodeError, Limits, Result, unpack_result
 from batchline.codec._chunks import CHUNKS_FIELD
-from batchline.codec._results import decode_flat
+from batchline.codec._results import decode_flat, quota_exceeded
 from batchline.errors import RequestIdConflict
 from batchline.keys import QueueKeys
 from batchline.producer._stream import Streams
+from batchline.tenants import tenant_of
 from batchline.transport import (
     Backoff,
     RedisClient,
@@ -279,7 +280,7 @@ class ReplyReader:
 
 
 #: The names a producer counts its submits by (``AsyncProducer.counts``).
-OUTCOMES = ("queued", "full", "result", "cached", "attached", "coalesced", "conflict")
+OUTCOMES = ("queued", "full", "result", "cached", "attached", "coalesced", "conflict", "quota")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -332,6 +333,8 @@ def outcome_of(request_id: str, reply: Any, limits: Limits, sent: list[Any]) -> 
     kind = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
     if kind == "conflict":
         return Answered(kind, RequestIdConflict(request_id))
+    if kind == "quota" and len(reply) == 3:  # a tenant's quota: {"quota", retry_ms, limit}
+        return Answered(kind, _over_quota(request_id, reply[1], reply[2]))
     if kind in ("result", "cached") and len(reply) == 2:
         try:
             result = check_input(unpack_result(reply[1], limits), sent_input(sent))
@@ -342,6 +345,15 @@ def outcome_of(request_id: str, reply: Any, limits: Limits, sent: list[Any]) -> 
             result = dataclasses.replace(result, id=request_id)
         return Answered(kind, result)
     return Answered(kind if kind in OUTCOMES else "queued")
+
+
+def _over_quota(request_id: str, retry_ms: Any, limit: Any) -> BaseException:
+    """The QuotaExceeded of the enqueue function's answer at once (docs/protocol.md,
+    Tenants), in the message form the admission's refusal has."""
+    name = limit.decode(errors="replace") if isinstance(limit, bytes) else str(limit)
+    ms = retry_ms if isinstance(retry_ms, int) and retry_ms >= 0 else 1000
+    tenant = tenant_of(request_id) or "unknown"
+    return quota_exceeded(request_id, f"tenant {tenant}: {name[:64]} reached; retry in {ms} ms", ms)
 
 
 async def cached_result(client: RedisClient, keys: QueueKeys, request_id: str) -> bytes | None:

@@ -33,7 +33,10 @@ from batchline.transport._errors import (
 from batchline.transport._event_loop import EXIT_INTERRUPTED, loop_factory, run_loop
 from batchline.transport._functions import (
     ADMIT,
+    CANCEL_TENANT,
+    ENQUEUE_TENANT,
     JOB,
+    JOB_TENANT,
     LIBRARY,
     TAG,
     function_missing,
@@ -70,14 +73,18 @@ from batchline.transport._redis import (
 )
 from batchline.transport._replication import Replication
 from batchline.transport._scripts import COMPLETE, ENQUEUE
+from batchline.transport._tenants import TenantMirror, read_tenant_configs
 
 __all__ = [
     "ADMIT",
     "CANCELS_MAXLEN",
+    "CANCEL_TENANT",
     "COMPLETE",
     "ENQUEUE",
+    "ENQUEUE_TENANT",
     "EXIT_INTERRUPTED",
     "JOB",
+    "JOB_TENANT",
     "LIBRARY",
     "LIMITS",
     "NO_CLIENT_INFO",
@@ -100,6 +107,7 @@ __all__ = [
     "RedisUnreachable",
     "Replication",
     "Script",
+    "TenantMirror",
     "as_client",
     "cache_hash",
     "connect",
@@ -117,6 +125,7 @@ __all__ = [
     "passing_code",
     "pinned",
     "quota_args",
+    "read_tenant_configs",
     "redis_failure",
     "run_loop",
     "single_node",

@@ -9,7 +9,7 @@ client a fraction of packing a dozen per request.
 
 from __future__ import annotations
 
-from batchline.transport._lua import EACH, ONCE, REPLIES
+from batchline.transport._lua import EACH, ONCE, REPLIES, TENANTS
 from batchline.transport._quota import ACCOUNT, COUNTERS
 
 __all__ = ["COMPLETE", "ENQUEUE"]
@@ -96,8 +96,8 @@ return out
 # worker pushes them once WAIT confirms the rest): {answered, {reply key, n, r, ...}}, and '1'
 # for a call made again after a failure (a failover): a record whose entry is acknowledged
 # already is pushed its answer anyway (producers drop what they have); then the day's usage
-# key and its TTL in seconds, the tenants' configs, the quota counters' prefix and the
-# in-flight sets' prefix (absent: nothing is accounted). A record's accounting is done only
+# key, its TTL in seconds and the queue's key base, which names the tenants' keys (absent:
+# nothing is accounted). A record's accounting is done only
 # where its acknowledgement took (a request answered twice counts once).
 # Each result (a dead letter's error result too) also reaches the request's further
 # waiters (its waiters' set): the same id
@@ -118,6 +118,7 @@ return out
 # another). Returns the number of records answered.
 COMPLETE = (
     REPLIES
+    + TENANTS
     + COUNTERS
     + ACCOUNT
     + r"""
@@ -133,7 +134,7 @@ local again = ARGV[13] == '1'
 local accounting = (ARGV[14] or '') ~= ''
 if accounting then
   account_begin(ARGV[14], tonumber(ARGV[15]))
-  quota_begin(ARGV[16], ARGV[17], ARGV[18])
+  begin_tenants(ARGV[16])
 end
 local dead = KEYS[#KEYS]
 local answered = 0

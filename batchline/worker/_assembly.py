@@ -59,6 +59,7 @@ class Parts:
     own_client: bool  # made from the settings (closed with the worker)
     writer_client: RedisClient  # the writer's own connection
     admit_client: RedisClient  # the admitter's (it blocks on the inbox)
+    wake_client: RedisClient  # the admitter's wake loop's (it blocks on the wake list)
     counts: Counter[str]  # answers by status
     trace: WorkerTrace | None  # its spans (None: tracing off)
     metrics: Metrics
@@ -82,7 +83,8 @@ class Parts:
 
     def owned_clients(self) -> list[RedisClient]:
         """The connections the worker made itself (closed as it stops)."""
-        own = [c for c in (self.writer_client, self.admit_client) if c is not self.redis]
+        mine = (self.writer_client, self.admit_client, self.wake_client)
+        own = [c for c in mine if c is not self.redis]
         return [*own, self.redis] if self.own_client else own
 
 
@@ -164,6 +166,7 @@ def assemble(
         trace=trace,
     )
     admit_client = dedicated(client)  # it blocks on the inbox
+    wake_client = dedicated(client)  # it blocks on the wake list
     return Parts(
         settings=s,
         model=model,
@@ -173,6 +176,7 @@ def assemble(
         own_client=own_client,
         writer_client=writer_client,
         admit_client=admit_client,
+        wake_client=wake_client,
         counts=counts,
         trace=trace,
         metrics=metrics,
@@ -191,7 +195,7 @@ def assemble(
         chunks=chunks,
         serving=serving,
         reader=Reader(client, keys.streams_low_first, worker_id, readcap, serving),
-        admitter=Admitter(admit_client, s, worker_id=worker_id),
+        admitter=Admitter(admit_client, s, worker_id=worker_id, wake_client=wake_client),
         upkeep=Upkeep(
             claims,
             guard,

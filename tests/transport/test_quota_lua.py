@@ -1,64 +1,71 @@
 """The quota pieces in Lua (batchline/transport/_quota.py) on a real Redis 7, called from a
 script that holds them as the queue's functions and the completion script do: the
-admission's check and counts, the enqueue function's read-only check, idle mode, and the
-accounting at completion (in-flight released, tokens corrected, usage counted)."""
+admission's hook (its check and counts), the enqueue function's read-only look, idle mode,
+and the accounting at completion (in-flight released, tokens corrected, usage counted)."""
 
 from __future__ import annotations
+
+import json
 
 import msgpack
 import pytest
 import redis
 
+from batchline.codec import Limits, unpack_result
+from batchline.errors import QuotaExceeded
 from batchline.keys import QueueKeys
 from batchline.tenants import TenantConfig
-from batchline.transport import input_hash, once_keys
-from batchline.transport._lua import ONCE, REPLIES
-from batchline.transport._quota import ACCOUNT, COUNTERS, QUOTA, quota_args, usage_day
+from batchline.transport import once_keys
+from batchline.transport._lua import ONCE, REPLIES, TENANTS
+from batchline.transport._quota import ACCOUNT, COUNTERS, QUOTA, usage_day
 
-# ARGV: 1, 2 unused; 3-11 begin_once's; 12-14 quota_begin's; then the call's own.
+from tests.support.service import admit_inbox
+
+# ARGV: 1, 2 unused; 3-11 begin_once's; 12 the queue's key base; then the call's own.
 _ADMIT = (
     REPLIES
     + ONCE
+    + TENANTS
     + COUNTERS
     + QUOTA
     + r"""
 begin_once(ARGV)
-quota_begin(ARGV[12], ARGV[13], ARGV[14])
-local refused, hold = quota_admit(ARGV[15], ARGV[16], ARGV[17], ARGV[18], tonumber(ARGV[19]))
-send_replies(ARGV[20], 1000, ttl)
-return {refused and 1 or 0, hold or ''}
+begin_tenants(ARGV[12])
+local got = quota_admit(ARGV[13], ARGV[14], tonumber(ARGV[15]), tenant_config(ARGV[13]))
+if type(got) == 'table' then return {got.limit, got.retry_ms, got.message} end
+return got or ''
 """
 )
-_CHECK = (
-    REPLIES
-    + ONCE
+_PEEK = (
+    TENANTS
     + COUNTERS
     + QUOTA
     + r"""
-quota_begin(ARGV[1], ARGV[2], ARGV[3])
-return quota_check(ARGV[4], tonumber(ARGV[5]))
+begin_tenants(ARGV[1])
+return quota_peek(ARGV[2], tonumber(ARGV[3]), tenant_config(ARGV[2]))
 """
 )
 _ACCOUNT = (
-    COUNTERS
+    TENANTS
+    + COUNTERS
     + ACCOUNT
     + r"""
-quota_begin(ARGV[1], ARGV[2], ARGV[3])
-account_begin(ARGV[4], tonumber(ARGV[5]))
-account(ARGV[6], cmsgpack.unpack(ARGV[7]), true)
+begin_tenants(ARGV[1])
+account_begin(ARGV[2], tonumber(ARGV[3]))
+account(ARGV[4], cmsgpack.unpack(ARGV[5]), true)
 account_end()
 """
 )
 
-H = input_hash(b'"x"', b"")
-
 
 @pytest.fixture
 def admit(rclient: redis.Redis, keys: QueueKeys):  # type: ignore[no-untyped-def]
-    def call(tenant: str, rid: str, cost: int = 1, reply: str = "") -> tuple[int, str]:
-        args = [0, "", 60, 0, *once_keys(keys), *quota_args(keys), tenant, rid, reply, H, cost]
-        refused, hold = rclient.eval(_ADMIT, 0, *args, keys.reply_prefix)
-        return refused, hold.decode()
+    def call(tenant: str, rid: str, cost: int = 1) -> object:
+        args = [0, "", 60, 0, *once_keys(keys), keys.base_prefix, tenant, rid, cost]
+        got = rclient.eval(_ADMIT, 0, *args)
+        if isinstance(got, list):
+            return [x.decode() if isinstance(x, bytes) else x for x in got]
+        return got.decode()
 
     return call
 
@@ -72,72 +79,64 @@ def minute(rclient: redis.Redis) -> int:
     return (s * 1000 + us // 1000) // 60000
 
 
-def test_requests_per_minute_refuse_with_a_result_like_a_full_queue(
+def test_requests_per_minute_refuse_naming_the_limit_and_the_next_minute(
     rclient: redis.Redis, keys: QueueKeys, admit
 ) -> None:
     configure(rclient, keys, "acme", requests_per_min=2)
-    assert admit("acme", "acme.1") == (0, "")
-    assert admit("acme", "acme.2") == (0, "")
-    assert admit("acme", "acme.3", reply="acme.me") == (1, "")
-    flat = msgpack.unpackb(rclient.get(keys.result("acme.3")), raw=False)
-    got = dict(zip(flat[::2], flat[1::2], strict=True))
-    assert got["etype"] == "QuotaExceeded"
-    assert got["ih"] == H
-    assert got["emsg"].startswith("tenant acme: requests_per_min=2 reached")
-    assert 0 < int(got["retry_ms"]) <= 60_000
-    assert rclient.get(keys.request_input("acme.3")) == f"{H} !".encode()  # runs again
-    assert rclient.xlen(keys.reply("acme.me")) == 1
+    assert admit("acme", "acme.1") == ""
+    assert admit("acme", "acme.2") == ""
+    limit, retry_ms, message = admit("acme", "acme.3")
+    assert limit == "requests_per_min"
+    assert 0 < retry_ms <= 60_000
+    assert message.startswith("tenant acme: requests_per_min=2 reached")
     assert rclient.zcard(keys.tenant_in_flight("acme")) == 2
     # another tenant, and a tenant without a config, are not limited by acme's count
-    assert admit("other", "other.1") == (0, "")
+    assert admit("other", "other.1") == ""
     configure(rclient, keys, "b", requests_per_min=1)
-    assert admit("b", "b.1") == (0, "")
+    assert admit("b", "b.1") == ""
 
 
 def test_tokens_per_minute_count_the_estimate(rclient: redis.Redis, keys: QueueKeys, admit) -> None:
     configure(rclient, keys, "acme", tokens_per_min=100)
-    assert admit("acme", "acme.1", cost=500)[0] == 0  # alone larger than the limit: admitted
-    assert admit("acme", "acme.2", cost=1)[0] == 1
+    assert admit("acme", "acme.1", cost=500) == ""  # alone larger than the limit: admitted
+    assert admit("acme", "acme.2", cost=1)[0] == "tokens_per_min"
     rclient.set(keys.quota("acme", "t", minute(rclient)), 60)
-    assert admit("acme", "acme.3", cost=41)[0] == 1  # 60 + 41 > 100
-    assert admit("acme", "acme.4", cost=40)[0] == 0
+    assert admit("acme", "acme.3", cost=41)[0] == "tokens_per_min"  # 60 + 41 > 100
+    assert admit("acme", "acme.4", cost=40) == ""
     assert int(rclient.get(keys.quota("acme", "t", minute(rclient)))) == 100
 
 
 def test_in_flight_is_pruned_by_expiry(rclient: redis.Redis, keys: QueueKeys, admit) -> None:
     configure(rclient, keys, "acme", max_in_flight=1)
-    assert admit("acme", "acme.1") == (0, "")
-    assert admit("acme", "acme.2")[0] == 1
-    flat = msgpack.unpackb(rclient.get(keys.result("acme.2")), raw=False)
-    assert dict(zip(flat[::2], flat[1::2], strict=True))["retry_ms"] == "1000"
+    assert admit("acme", "acme.1") == ""
+    assert admit("acme", "acme.2")[:2] == ["max_in_flight", 1000]
     rclient.zadd(keys.tenant_in_flight("acme"), {"acme.1": 1})  # its answer lost: expired
-    assert admit("acme", "acme.3") == (0, "")
+    assert admit("acme", "acme.3") == ""
 
 
 def test_idle_mode_holds_over_quota_under_the_pseudo_tenant(
     rclient: redis.Redis, keys: QueueKeys, admit
 ) -> None:
     configure(rclient, keys, "acme", requests_per_min=1, over_quota="idle")
-    assert admit("acme", "acme.1") == (0, "")
-    assert admit("acme", "acme.2") == (0, "acme~over")
-    assert rclient.get(keys.result("acme.2")) is None
+    assert admit("acme", "acme.1") == ""
+    assert admit("acme", "acme.2") == "acme~over"
     assert rclient.zrange(keys.tenant_in_flight("acme"), 0, -1) == [b"acme.1"]
 
 
-def test_the_producer_check_reads_only(rclient: redis.Redis, keys: QueueKeys, admit) -> None:
+def test_the_producer_look_reads_only(rclient: redis.Redis, keys: QueueKeys, admit) -> None:
     configure(rclient, keys, "acme", requests_per_min=1)
 
-    def check(tenant: str) -> object:
-        return rclient.eval(_CHECK, 0, *quota_args(keys), tenant, 1)
+    def peek(tenant: str) -> object:
+        return rclient.eval(_PEEK, 0, keys.base_prefix, tenant, 1)
 
-    assert check("acme") is None
+    assert peek("acme") is None
     admit("acme", "acme.1")
-    retry_ms, limit = check("acme")[1:]  # type: ignore[index]
+    retry_ms, limit = peek("acme")  # type: ignore[misc]
     assert limit == b"requests_per_min"
     assert 0 < retry_ms <= 60_000
     configure(rclient, keys, "idle", requests_per_min=1, over_quota="idle")
     admit("idle", "idle.1")
-    assert check("idle") is None  # idle mode: held, never refused
+    assert peek("idle") is None  # idle mode: held, never refused
 
 
 def test_accounting_releases_corrects_and_counts(
@@ -146,12 +145,11 @@ def test_accounting_releases_corrects_and_counts(
     configure(rclient, keys, "acme", tokens_per_min=1000)
     admit("acme", "acme.1", cost=300)
     now_minute = minute(rclient)
-    day = usage_day(now_minute * 60)
-    usage = keys.usage(day)
+    usage = keys.usage(usage_day(now_minute * 60))
 
     def account(rid: str, tenant: str, estimate: int, real: int, items: int, tokens: int) -> None:
         a = msgpack.packb([tenant, estimate, real, items, tokens, 1])
-        rclient.eval(_ACCOUNT, 0, *quota_args(keys), usage, 86400, rid, a)
+        rclient.eval(_ACCOUNT, 0, keys.base_prefix, usage, 86400, rid, a)
 
     account("acme.1", "acme", 300, 120, 1, 120)
     assert rclient.zcard(keys.tenant_in_flight("acme")) == 0
@@ -167,3 +165,38 @@ def test_accounting_releases_corrects_and_counts(
         b"-|tokens": b"9",
     }
     assert 0 < rclient.ttl(usage) <= 86400
+
+
+# -- through the queue's functions: the admission of a tenant's inbox --------------------------
+
+
+def _element(rid: str, cost: int) -> bytes:
+    meta = json.dumps("x")
+    fields = ["v", "2", "id", rid, "meta", meta, "reply", "acme.me", "cost", str(cost)]
+    packed: bytes = msgpack.packb(["r", 1, *fields], use_bin_type=False)
+    return packed
+
+
+def test_the_admission_refuses_over_quota_as_the_requests_result(
+    rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    """A tenant's requests past its requests per minute get a QuotaExceeded result (its
+    retry time, its limit), stored and pushed, their ids free to run again; the admitted
+    ones are held, each in flight."""
+    configure(rclient, keys, "acme", requests_per_min=2)
+    rclient.rpush(keys.tenant_inbox("acme"), *(_element(f"acme.{i}", 5) for i in range(3)))
+    rclient.rpush(keys.wakes, msgpack.packb(["t", "acme"]))
+    admit_inbox(rclient, keys)
+    assert rclient.xlen(keys.stream(1)) == 2
+    assert rclient.zcard(keys.tenant_in_flight("acme")) == 2
+    result = unpack_result(rclient.get(keys.result("acme.2")), Limits())
+    assert result.error_type == "QuotaExceeded"
+    assert 0 < result.retry_ms <= 60_000
+    with pytest.raises(QuotaExceeded) as caught:
+        result.unwrap()
+    assert caught.value.tenant == "acme"
+    assert caught.value.limit == "requests_per_min"
+    assert caught.value.retry_after_s == result.retry_ms / 1000
+    assert rclient.get(keys.request_input("acme.2")).endswith(b" !")  # runs again later
+    ((_, reply),) = rclient.xrange(keys.reply("acme.me"))
+    assert reply[b"n"] == b"1"

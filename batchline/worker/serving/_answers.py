@@ -8,9 +8,16 @@ import logging
 import re
 import time
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
-from batchline.codec import Result, encode_result, pack_result
+from batchline.codec import (
+    MAX_COST,
+    Result,
+    encode_result,
+    pack_result,
+    request_cost,
+    request_tenant,
+)
 from batchline.codec._requests import salvage_id
 from batchline.codec._results import result_fields
 from batchline.drivers._base import Call
@@ -100,6 +107,7 @@ def answer(
     record.account = accounted(meta, status, output)
     if cache_hash or record.cut:
         record.cache_hash, record.input_hash = cache_hash, ih
+        record.tenant = request.get("tenant")
     return record
 
 
@@ -152,24 +160,24 @@ def dead_letter(
     result = Result(request_id, "error", None, kind, reason, worker=worker_id, input_hash=ih)
     record.result = pack_result(encode_result(result))
     record.request_id, record.reply = request_id, reply
-    tenant, estimate = billed({k.decode("latin-1"): v for k, v in raw.items()})
+    tenant, estimate = billed(raw)
     if tenant:  # its in-flight slot freed, its estimated tokens kept
         record.account = [tenant, estimate, -1, 0, 0, 0]
     if ih and _CACHE_HASH.fullmatch(ck):
         record.cache_hash, record.input_hash = ck.decode(), ih
+        tenant = raw.get(b"tn", b"").decode("utf-8", "replace")
+        record.tenant = tenant if is_tenant(tenant) else None
     return record
 
 
-def billed(fields: Mapping[str, Any]) -> tuple[str, int]:
-    """The tenant a request is for (``""``: untenanted) and its estimated cost: its fields
-    ``tn`` and ``cost``, which only the admission writes (docs/protocol.md, Tenants), as
-    decoded or as read (bytes)."""
-    tenant, cost = fields.get("tn"), fields.get("cost")
-    if isinstance(tenant, bytes):
-        tenant = tenant.decode("ascii", "replace")
-    if isinstance(cost, bytes) and cost.isdigit() and len(cost) <= 7:
-        cost = int(cost)
-    estimate = cost if type(cost) is int and 1 <= cost <= 1_000_000 else 1
+def billed(raw: Mapping[bytes, bytes]) -> tuple[str, int]:
+    """The tenant an entry as read is for (``""``: untenanted) and its estimated cost: its
+    fields ``tn`` and ``cost``, which only the admission writes (docs/protocol.md,
+    Tenants); for an entry that did not decode (a dead letter)."""
+    tenant = raw.get(b"tn", b"").decode("ascii", "replace")
+    cost = raw.get(b"cost", b"")
+    fits = len(cost) <= len(str(MAX_COST)) and cost.isdigit() and 1 <= int(cost) <= MAX_COST
+    estimate = int(cost) if fits else 1
     return (tenant if is_tenant(tenant) else ""), estimate
 
 
@@ -179,7 +187,8 @@ def accounted(meta: Meta, status: str, output: Any) -> list[Any] | None:
     cost; an embedding's, its items: the model's prepared items and its tokenizer's
     count); not run (cancelled, expired), a real cost of 0; failed, its estimate stands.
     None where there is nothing to account (an untenanted request not served)."""
-    tenant, estimate = billed(cast("Mapping[str, Any]", meta.request))
+    tenant = request_tenant(meta.request) or ""
+    estimate = request_cost(meta.request)
     if status == "ok":
         items = meta.items or 1
         tokens, real = meta.tokens, items

@@ -43,7 +43,6 @@ from batchline.transport import (
     once_figures,
     quota_args,
     redis_failure,
-    usage_day,
 )
 from batchline.worker.metrics import Metrics
 from batchline.worker.shared._held import Claims, Record
@@ -153,11 +152,8 @@ class AnswerWriter:
             "1" if self._replication.replicated else "0",
         ]
         # After the try's own argument: where the accounting goes (docs/protocol.md, Tenants).
-        accounting = [
-            self._keys.usage(usage_day(time.time())),
-            self._usage_ttl_s,
-            *quota_args(self._keys),
-        ]
+        usage, base = quota_args(self._keys, time.time())
+        accounting = [usage, self._usage_ttl_s, base]
         tries = 0
 
         async def attempt() -> None:
@@ -245,6 +241,7 @@ class AnswerCache:
         worker's for the input it ran) and the in-flight mark to clear; empty where none."""
         if not record.cache_hash:
             return "", ""
-        mine = self.ttl_s > 0 and cache_hash(self.model_id, record.input_hash) == record.cache_hash
+        ours = cache_hash(self.model_id, record.input_hash, record.tenant)
+        mine = self.ttl_s > 0 and ours == record.cache_hash
         cache = self.keys.cache(record.cache_hash) if mine else ""
         return cache, self.keys.in_flight(record.cache_hash)
