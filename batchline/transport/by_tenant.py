@@ -131,41 +131,52 @@ async def tenant_figures(
         tenant.requests_today = counts.get("requests", 0)
         tenant.tokens_today = counts.get("tokens", 0)
         tenant.refused_today = counts.get("refused", 0)
-    held = sorted({split_held(_text(m)) for members in fair for m in members})
-    for name, _over in held:
-        of(name)
-    await _read_counts(client, keys, figures, now)
+    held = [[split_held(_text(m)) for m in members] for members in fair]
+    for members in held:
+        for name, _over in members:
+            of(name)
+    await _read_counts(client, keys, figures, held, now)
     return sorted(figures.values(), key=lambda f: (f.tenant != "-", f.tenant))
 
 
 async def _read_counts(
-    client: RedisClient, keys: QueueKeys, figures: dict[str, TenantFigures], now: float
+    client: RedisClient,
+    keys: QueueKeys,
+    figures: dict[str, TenantFigures],
+    held: list[list[tuple[str, bool]]],
+    now: float,
 ) -> None:
-    """Each tenant's backlogs, in-flight count and this minute's quota counters, in one
-    pipeline."""
+    """In one pipeline: the backlogs of the tenants backlogged at each priority (``held``,
+    from ``fair:<p>``: no other tenant holds requests there), each tenant's in-flight count,
+    and this minute's quota counters where the tenant has that limit (none are kept
+    otherwise)."""
     minute = int(now // 60)
-    priorities = range(keys.priorities)
     names = list(figures)
     async with client.pipeline(transaction=False) as pipe:
+        for priority, members in enumerate(held):
+            for name, over in members:
+                pipe.llen(keys.backlog(over_quota_name(name) if over else name, priority))
         for name in names:
-            for priority in priorities:
-                pipe.llen(keys.backlog(name, priority))
-                pipe.llen(keys.backlog(over_quota_name(name), priority))
-            pipe.zcount(keys.tenant_in_flight(name), int(now * 1000), "+inf")
-            pipe.get(keys.quota(name, "r", minute))
-            pipe.get(keys.quota(name, "t", minute))
+            pipe.zcount(keys.tenant_in_flight(name), f"({int(now * 1000)}", "+inf")
+            if figures[name].config.requests_per_min:
+                pipe.get(keys.quota(name, "r", minute))
+            if figures[name].config.tokens_per_min:
+                pipe.get(keys.quota(name, "t", minute))
         replies = iter(await pipe.execute())
+    for priority, members in enumerate(held):
+        for name, over in members:
+            n, tenant = int(next(replies)), figures[name]
+            if n:
+                tenant.backlog[priority] = tenant.backlog.get(priority, 0) + n
+            if n and over:
+                tenant.over_quota[priority] = n
     for name in names:
         tenant = figures[name]
-        for priority in priorities:
-            own, over = int(next(replies)), int(next(replies))
-            if own or over:
-                tenant.backlog[priority] = own + over
-            if over:
-                tenant.over_quota[priority] = over
         tenant.in_flight = int(next(replies))
-        tenant.requests_this_minute = int(next(replies) or 0)
-        tenant.tokens_this_minute = int(next(replies) or 0)
+        if tenant.config.requests_per_min:
+            tenant.requests_this_minute = int(next(replies) or 0)
+        if tenant.config.tokens_per_min:
+            tenant.tokens_this_minute = int(next(replies) or 0)
 
 
 def _text(value: Any) -> str:
