@@ -273,11 +273,11 @@ class QueueKeys:
         """The tenants' configs (a hash: tenant -> JSON), which the workers mirror."""
         return f"{self.base}:tenants"
 
-    def backlog(self, tenant: str, priority: int) -> str:
+    def backlog(self, tenant: str, priority: int | str) -> str:
         """A tenant's requests admitted and held for the fair share, at one priority."""
         return f"{self.base}:bl:{tenant}:{priority}"
 
-    def fair(self, priority: int) -> str:
+    def fair(self, priority: int | str) -> str:
         """The backlogged tenants of one priority, scored by virtual start time."""
         return f"{self.base}:fair:{priority}"
 
@@ -291,14 +291,9 @@ class QueueKeys:
         """How many requests the backlogs hold, per priority (a hash)."""
         return f"{self.base}:backlog"
 
-    @property
-    def quota_prefix(self) -> str:
-        """What every quota counter starts with (then ``<tenant>:<kind>:<minute>``)."""
-        return f"{self.base}:quota:"
-
-    def quota(self, tenant: str, kind: str, minute: int) -> str:
+    def quota(self, tenant: str, kind: str, minute: int | str) -> str:
         """A tenant's count of ``kind`` (``r`` requests, ``t`` tokens) in one unix minute."""
-        return f"{self.quota_prefix}{tenant}:{kind}:{minute}"
+        return f"{self.base}:quota:{tenant}:{kind}:{minute}"
 
     def tenant_in_flight(self, tenant: str) -> str:
         """A tenant's requests admitted and not answered (a sorted set: id -> expiry ms)."""

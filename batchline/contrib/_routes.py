@@ -31,8 +31,20 @@ from redis.exceptions import RedisError
 
 from batchline.codec import DecodeError, Result, non_finite, unpack_result
 from batchline.config import ProducerSettings
-from batchline.contrib._plumbing import INPUT_ERRORS, MAX_TEXT_CHARS, RETRY_AFTER_S
-from batchline.errors import BatcherClosed, BatchlineError, QueueFull, RequestTimeout
+from batchline.contrib._plumbing import (
+    INPUT_ERRORS,
+    MAX_TEXT_CHARS,
+    RETRY_AFTER_S,
+    note_queue,
+    retry_headers,
+)
+from batchline.errors import (
+    BatcherClosed,
+    BatchlineError,
+    QueueFull,
+    QuotaExceeded,
+    RequestTimeout,
+)
 from batchline.keys import ID_PATTERN, MAX_ID_CHARS
 from batchline.producer import AsyncProducer, Handle
 from batchline.producer._replies import cached_result
@@ -175,6 +187,11 @@ def _answer(result: Result, kind: str, *, expired_status: int) -> JSONResponse:
     }
     if error_type == "QueueFull":  # the admission found the queue at its bound: not run
         return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+    if error_type == "QuotaExceeded":  # the admission found its tenant over a quota: not run
+        try:
+            result.unwrap()
+        except QuotaExceeded as exc:
+            return JSONResponse(body, status_code=429, headers=retry_headers(exc))
     return JSONResponse(body, status_code=422 if error_type in INPUT_ERRORS else 500)
 
 
@@ -247,8 +264,11 @@ class OwnRoutes:
                 422, f"priority must be in 0..{self.keys.priorities - 1}, got {body.priority}"
             )
 
-    async def _submit(self, body: EmbedRequest, *, reply: bool, request_id: str | None) -> Handle:
+    async def _submit(
+        self, body: EmbedRequest, request: Request, *, reply: bool, request_id: str | None
+    ) -> Handle:
         self._check_priority(body)
+        note_queue(request, self._redis, self.keys)  # its quota counts: the headers'
         try:
             return await self.producer.submit(
                 body.texts if body.texts is not None else body.text,
@@ -259,10 +279,12 @@ class OwnRoutes:
             )
         except (QueueFull, BatcherClosed) as exc:
             raise HTTPException(503, str(exc), {"Retry-After": str(RETRY_AFTER_S)}) from None
+        except QuotaExceeded as exc:  # the caller's tenant: nothing queued
+            raise HTTPException(429, str(exc), retry_headers(exc)) from None
 
-    async def embed(self, body: EmbedRequest) -> JSONResponse:
+    async def embed(self, body: EmbedRequest, request: Request) -> JSONResponse:
         """Embed one text or several, waiting for the result."""
-        handle = await self._submit(body, reply=True, request_id=None)
+        handle = await self._submit(body, request, reply=True, request_id=None)
         try:
             result = await self.producer.wait(handle, self.timeout_s)
         except BatcherClosed:  # the app is shutting down
@@ -278,7 +300,7 @@ class OwnRoutes:
         """Submit without waiting; poll ``status_url`` for the result."""
         self._check_priority(body)
         request_id = uuid.uuid4().hex
-        handle = await self._submit(body, reply=False, request_id=request_id)
+        handle = await self._submit(body, request, reply=False, request_id=request_id)
         # Its job key (gone with the result's TTL) tells pending from unknown; until the
         # admission writes it, the note waiting for it does (job_state).
         try:

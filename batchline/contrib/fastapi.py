@@ -68,6 +68,7 @@ from batchline.contrib._plumbing import (
     BodyLimit,
     BodyRoute,
     ErrorShape,
+    RateLimitHeaders,
     answer_invalid_native,
 )
 from batchline.contrib._routes import (
@@ -208,6 +209,8 @@ def create_app(
     # Their errors in OpenAI's shape: /v1, and these outside it.
     shape = ErrorShape(refused, "/v1", frozenset(RERANK_PATHS + TOKENIZE_PATHS))
     uploads = ("/v1/files",)  # an upload is read as it arrives, by its route
+    # A tenant's x-ratelimit-* headers on the answers of routes that queue work.
+    app.add_middleware(RateLimitHeaders)
     # Inside BodyLimit (added later, so outside it): a body it reads is within the limit.
     app.add_middleware(BodyDepth, shape=shape, skip=uploads)
     app.add_middleware(

@@ -106,11 +106,13 @@ class Waiters(dict[str, list["asyncio.Future[Result]"]]):
 
 
 class ReplyReader:
-    """Reads one producer's reply stream until ``closed()``; :meth:`run` is its task.
+    """Reads one producer's reply streams until ``closed()``; :meth:`run` is its task. A
+    producer has one reply stream, and one more per tenant it sends for (:meth:`add`): one
+    blocking XREAD reads them all.
 
     Args:
         redis: the producer's client (the reader takes a connection of its own from it).
-        reply_key: the producer's reply stream.
+        reply_key: the producer's (first) reply stream.
         url: where Redis is, as the reader's log lines name it (its password redacted).
         waiting: the producer's waiters, resolved by the results that arrive.
         limits: what a valid result may hold.
@@ -133,16 +135,52 @@ class ReplyReader:
         self._redis = redis
         self._url = url
         self._reply_key = reply_key
+        # Every reply stream read, and the last entry id read from each.
+        self._last: dict[str, bytes] = {reply_key: b"0-0"}
         self._waiting = waiting
         self._limits = limits
         self._closed = closed
         self._streams = streams
         self._recovered = recovered
         self._client: RedisClient | None = None  # the reader's own client, while it runs
+        self._task: asyncio.Task[None] | None = None  # start()'s
         # Warnings of dropped entries: one at once, then at most one per _QUIET_S with how
         # many more were dropped (a flood of forged entries must not flood the log).
         self._quiet_until = 0.0
         self._unreported = 0
+
+    @property
+    def keys(self) -> list[str]:
+        """Every reply stream this reader reads."""
+        return list(self._last)
+
+    @property
+    def started(self) -> bool:
+        """Whether :meth:`start` made the reading task (and :meth:`close` did not end it)."""
+        return self._task is not None
+
+    def start(self, name: str) -> None:
+        """Start reading, as a task named ``name`` (idempotent)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self.run(), name=name)
+
+    async def close(self) -> None:
+        """Stop the reading task :meth:`start` made, if any."""
+        if self._task is not None:
+            task, self._task = self._task, None
+            await self.stop(task)
+
+    async def read_too(self, reply_key: str) -> None:
+        """Read ``reply_key`` too. A running reader blocks in an XREAD of the streams it had:
+        it starts over, so that the first answer on the new stream is read at once (its
+        entries wait in the stream meanwhile)."""
+        if reply_key in self._last:
+            return
+        self._last[reply_key] = b"0-0"
+        if self._task is not None:
+            name = self._task.get_name()
+            await self.close()
+            self.start(name)
 
     async def run(self) -> None:
         async with own_connection(self._redis) as client:  # for the blocking reads
@@ -166,7 +204,7 @@ class ReplyReader:
             await task
 
     async def _read_with(self, client: RedisClient) -> None:
-        last = b"0-0"
+        last = self._last
         # Redis down for minutes (an API started before it): a line at once, then one per
         # _QUIET_S with the count, not one per retry.
         backoff = Backoff(logger, f"reply reader (Redis at {self._url})", quiet_s=_QUIET_S)
@@ -175,7 +213,7 @@ class ReplyReader:
         # redis-py's internal wait_for completes is swallowed; closed() ends the loop anyway.
         while not self._closed():
             try:
-                response = await client.xread({self._reply_key: last}, count=1000, block=1000)
+                response = await client.xread(dict(last), count=1000, block=1000)
             except Exception as caught:
                 exc = redis_failure(caught)
                 if exc is None:
@@ -193,14 +231,16 @@ class ReplyReader:
                 await self._recovered()
             if not response:
                 continue
-            seen: list[bytes] = []
-            for _stream, entries in response:
+            for stream, entries in response:
+                key = stream.decode() if isinstance(stream, bytes) else str(stream)
+                seen: list[bytes] = []
                 for entry_id, raw in entries:
                     seen.append(entry_id)
                     self.deliver_all(raw)
-            last = seen[-1]
-            with ignoring_redis_failures():
-                await client.xdel(self._reply_key, *seen)
+                if seen and key in last:
+                    last[key] = seen[-1]
+                    with ignoring_redis_failures():
+                        await client.xdel(key, *seen)
 
     def deliver_all(self, raw: Any) -> None:
         """Resolve the waiters of one reply entry (the results of one worker batch).
@@ -280,7 +320,17 @@ class ReplyReader:
 
 
 #: The names a producer counts its submits by (``AsyncProducer.counts``).
-OUTCOMES = ("queued", "full", "result", "cached", "attached", "coalesced", "conflict", "quota")
+OUTCOMES = (
+    "queued",
+    "full",
+    "result",
+    "cached",
+    "attached",
+    "coalesced",
+    "conflict",
+    "quota",
+    "invalid",
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -335,6 +385,8 @@ def outcome_of(request_id: str, reply: Any, limits: Limits, sent: list[Any]) -> 
         return Answered(kind, RequestIdConflict(request_id))
     if kind == "quota" and len(reply) == 3:  # a tenant's quota: {"quota", retry_ms, limit}
         return Answered(kind, _over_quota(request_id, reply[1], reply[2]))
+    if kind == "invalid" and len(reply) == 2:  # what the admission would refuse
+        return Answered(kind, ValueError(f"request {request_id}: {_text(reply[1])}"))
     if kind in ("result", "cached") and len(reply) == 2:
         try:
             result = check_input(unpack_result(reply[1], limits), sent_input(sent))
@@ -347,13 +399,18 @@ def outcome_of(request_id: str, reply: Any, limits: Limits, sent: list[Any]) -> 
     return Answered(kind if kind in OUTCOMES else "queued")
 
 
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
 def _over_quota(request_id: str, retry_ms: Any, limit: Any) -> BaseException:
     """The QuotaExceeded of the enqueue function's answer at once (docs/protocol.md,
-    Tenants), in the message form the admission's refusal has."""
-    name = limit.decode(errors="replace") if isinstance(limit, bytes) else str(limit)
+    Tenants), in the message form the admission's refusal has (its tenant: its id's
+    namespace)."""
     ms = retry_ms if isinstance(retry_ms, int) and retry_ms >= 0 else 1000
     tenant = tenant_of(request_id) or "unknown"
-    return quota_exceeded(request_id, f"tenant {tenant}: {name[:64]} reached; retry in {ms} ms", ms)
+    message = f"tenant {tenant}: {_text(limit)[:64]} reached; retry in {ms} ms"
+    return quota_exceeded(request_id, message, ms)
 
 
 async def cached_result(client: RedisClient, keys: QueueKeys, request_id: str) -> bytes | None:

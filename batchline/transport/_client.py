@@ -82,6 +82,8 @@ class RedisPipeline(Protocol):
 
     def hgetall(self, name: Key) -> RedisPipeline: ...
 
+    def hdel(self, name: Key, *keys: Key) -> RedisPipeline: ...
+
     def hset(
         self,
         name: Key,

@@ -262,7 +262,9 @@ function TK.backlog(t, p) return tenant_base .. 'bl:' .. t .. ':' .. p end
 function TK.fair(p) return tenant_base .. 'fair:' .. p end
 function TK.fair_clock() return tenant_base .. 'fairclock' end
 function TK.backlog_counts() return tenant_base .. 'backlog' end
-function TK.quota(t, kind, minute) return tenant_base .. 'quota:' .. t .. ':' .. kind .. ':' .. minute end
+function TK.quota(t, kind, minute)
+  return tenant_base .. 'quota:' .. t .. ':' .. kind .. ':' .. minute
+end
 function TK.in_flight(t) return tenant_base .. 'inflight:' .. t end
 function TK.usage(day) return tenant_base .. 'usage:' .. day end
 local function is_tenant(s)

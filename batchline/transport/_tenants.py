@@ -81,9 +81,7 @@ class TenantMirror:
         gone = [name for name in have if _text(name) not in configs]
         async with client.pipeline(transaction=False) as pipe:
             if configs:
-                pipe.hset(
-                    self.keys.tenants, mapping={t: c.to_json() for t, c in configs.items()}
-                )
+                pipe.hset(self.keys.tenants, mapping={t: c.to_json() for t, c in configs.items()})
             if gone:
                 pipe.hdel(self.keys.tenants, *gone)
             await pipe.execute()

@@ -11,7 +11,9 @@ errors and the API's child processes.
 - :mod:`._common`: the worker errors that are the client's, ``Retry-After``, the longest
   text, FastAPI's own 422, and the API's child processes started and stopped;
 - :mod:`._schema_process` (and its child, :mod:`._schema_child`): a ``response_format``'s
-  schema checked in a child process of the API.
+  schema checked in a child process of the API;
+- :mod:`._ratelimit`: a tenant's quotas as headers (``Retry-After`` of a refusal, OpenAI's
+  ``x-ratelimit-*`` on every answer of a limited caller).
 
 It imports no wing and no face: the wings (``openai/``, ``hf/``, ``batches/``) and the face
 (:mod:`batchline.contrib.fastapi`) import it, through this module.
@@ -34,6 +36,11 @@ from batchline.contrib._plumbing._common import (
     start_child,
     stop_child,
 )
+from batchline.contrib._plumbing._ratelimit import (
+    RateLimitHeaders,
+    note_queue,
+    retry_headers,
+)
 from batchline.contrib._plumbing._schema_process import SchemaChecker
 
 __all__ = [
@@ -47,10 +54,13 @@ __all__ = [
     "BodyRoute",
     "ErrorBody",
     "ErrorShape",
+    "RateLimitHeaders",
     "SchemaChecker",
     "answer_invalid_native",
     "native_error",
+    "note_queue",
     "off_loop",
+    "retry_headers",
     "start_child",
     "stop_child",
 ]

@@ -5,7 +5,7 @@ The status is the OpenAI routes' for the same failure
 serve is 422, as TGI answers it; ``error_type`` is TGI's word where it has one
 (``validation``, ``overloaded``, ``generation``), TEI's ``backend`` for an embedding or rerank
 model's failure, else batchline's own (``not_found``, ``cancelled``, ``unavailable``, ``timeout``,
-``server_error``).
+``server_error``, ``rate_limit_exceeded``: a tenant's quota, 429).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import Literal
 
 from fastapi.responses import JSONResponse
 
-from batchline.contrib._plumbing import RETRY_AFTER_S
 from batchline.contrib.hf._schema import error_body
 from batchline.contrib.openai import OpenAIError, sse
 
@@ -46,8 +45,10 @@ class TGIError(Exception):
         super().__init__(error.message)
         self.status = 422 if error.status == 400 else error.status
         self.message = error.message
-        self.retry = error.retry
-        if error.status == 500:
+        self.headers = error.response_headers()
+        if error.code == "rate_limit_exceeded":  # a tenant's quota: not an overload
+            self.error_type = "rate_limit_exceeded"
+        elif error.status == 500:
             failed = "generation" if kind == "generation" else "backend"
             self.error_type = failed if error.code is not None else "server_error"
         else:
@@ -55,9 +56,8 @@ class TGIError(Exception):
 
     def response(self) -> JSONResponse:
         """The HTTP answer (``Retry-After`` where retrying later may succeed)."""
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.retry else None
         body = error_body(self.message, self.error_type)
-        return JSONResponse(body, status_code=self.status, headers=headers)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
     def event(self) -> bytes:
         """The error as the last event of a stream already under way."""

@@ -34,7 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from batchline.contrib._plumbing import off_loop
+from batchline.contrib._plumbing import note_queue, off_loop
 from batchline.contrib.hf._errors import Kind, TGIError, tgi
 from batchline.contrib.hf._schema import (
     PARAMS,
@@ -116,7 +116,9 @@ class HFRoutes:
         for path, endpoint in routes:
             app.add_api_route(path, endpoint, methods=["POST"], response_model=None)
 
-    def embed_or(self, model: type[M], other: Callable[[M], Awaitable[Response]]) -> Endpoint:
+    def embed_or(
+        self, model: type[M], other: Callable[[M, Request], Awaitable[Response]]
+    ) -> Endpoint:
         """The ``/embed`` endpoint: TEI's request (with ``inputs``) here, any other body
         validated as ``model`` (a 422 in FastAPI's shape) and handed to ``other``."""
 
@@ -132,7 +134,7 @@ class HFRoutes:
                 return await self._answer("embedding", request, self._embed(body, request))
             try:
                 validated = await off_loop(len(await request.body()), model.model_validate, body)
-                return await other(validated)
+                return await other(validated, request)
             except ValidationError as exc:
                 errors = exc.errors(include_url=False)
                 raise RequestValidationError(
@@ -261,6 +263,7 @@ class HFRoutes:
     async def _stream(self, served: Served, body: TGIRequest, request: Request) -> Response:
         rid = uuid.uuid4().hex
         timing = self._timing(served)
+        note_queue(request, served.client, served.settings.keys)
         chunks = served.producer.stream(body.wire(tokens=True), request_id=rid)
         return await self._openai.stream_response(
             chunks, timing, request, lambda first: TGIStream(first, chunks, body, timing, rid)
@@ -271,6 +274,7 @@ class HFRoutes:
     ) -> tuple[dict[str, Any], list[Token]] | None:
         """The output and its tokens' texts, from the request's stream (each token's text
         is known only there); None if the client went away."""
+        note_queue(request, served.client, served.settings.keys)
         chunks = served.producer.stream(body.wire(tokens=True))
         try:
             return await unless_disconnected(

@@ -4,8 +4,9 @@
 ``BadGenerationParams`` or ``PromptTooLong``: ``context_length_exceeded``); 404 an unknown
 model or route; 409 a request cancelled by someone else; 413 a body over ``max_body_bytes``
 (answered by :mod:`batchline.contrib._plumbing._body_limit`); 429 with ``Retry-After`` a full
-queue; 503 with ``Retry-After`` Redis unavailable, the app shutting down, or a write whose
-fate is unknown (``enqueue_uncertain``); 504 no answer in time; 500 the model failed.
+queue, or a tenant's quota (OpenAI's ``rate_limit_exceeded``, with ``retry-after-ms``); 503
+with ``Retry-After`` Redis unavailable, the app shutting down, or a write whose fate is
+unknown (``enqueue_uncertain``); 504 no answer in time; 500 the model failed.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from batchline.contrib._plumbing import INPUT_ERRORS, RETRY_AFTER_S, off_loop
+from batchline.contrib._plumbing import INPUT_ERRORS, RETRY_AFTER_S, off_loop, retry_headers
 from batchline.contrib.openai._extra_schema import ALL_PARAMS
 from batchline.contrib.openai._schema import error_body, sse
 from batchline.errors import (
@@ -31,6 +32,7 @@ from batchline.errors import (
     InferenceError,
     NestingTooDeep,
     QueueFull,
+    QuotaExceeded,
     RequestCancelled,
     RequestTimeout,
     ServiceUnavailable,
@@ -74,16 +76,24 @@ class OpenAIError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry: bool = False,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.kind = status, message, kind
         self.param, self.code, self.retry = param, code, retry
+        #: Headers of its own (a quota's retry time); else ``Retry-After`` where ``retry``.
+        self.headers = headers
+
+    def response_headers(self) -> dict[str, str] | None:
+        """Its headers: its own, else ``Retry-After`` where retrying later may succeed."""
+        if self.headers is not None:
+            return self.headers
+        return {"Retry-After": str(RETRY_AFTER_S)} if self.retry else None
 
     def response(self) -> JSONResponse:
         """The HTTP answer (``Retry-After`` where retrying later may succeed)."""
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.retry else None
         body = error_body(self.message, self.kind, param=self.param, code=self.code)
-        return JSONResponse(body, status_code=self.status, headers=headers)
+        return JSONResponse(body, status_code=self.status, headers=self.response_headers())
 
     def event(self) -> bytes:
         """The error as a server-sent event, for a stream already under way."""
@@ -109,6 +119,11 @@ def typed(exc: BaseException) -> OpenAIError:
         return _worker_error(exc)
     if isinstance(exc, NestingTooDeep):  # a value the producer refused to send
         return OpenAIError(400, str(exc), code="json_too_deep")
+    if isinstance(exc, QuotaExceeded):  # OpenAI's own: its type names what ran out
+        kind = "tokens" if exc.limit == "tokens_per_min" else "requests"
+        return OpenAIError(
+            429, str(exc), kind, code="rate_limit_exceeded", retry=True, headers=retry_headers(exc)
+        )
     if isinstance(exc, QueueFull):
         return OpenAIError(429, str(exc), "rate_limit_error", code="queue_full", retry=True)
     if isinstance(exc, EnqueueUncertain):  # EnqueueTimeout too: it may be queued, or not

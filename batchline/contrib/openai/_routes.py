@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchline.codec._chunks import check_logprobs
 from batchline.config import ProducerSettings, WebSettings
-from batchline.contrib._plumbing import BodyRoute, SchemaChecker
+from batchline.contrib._plumbing import BodyRoute, SchemaChecker, note_queue
 from batchline.contrib.openai._embeddings import embedding_body, embedding_matrix
 from batchline.contrib.openai._errors import (
     OpenAIError,
@@ -306,6 +306,7 @@ class OpenAIRoutes:
                 n=len(values),
             )
             ids = [rid] if len(values) == 1 else [f"{rid}-{i}" for i in range(len(values))]
+            note_queue(request, served.client, served.settings.keys)
             chunks = choices(
                 [served.producer.stream(v, request_id=i) for v, i in zip(values, ids, strict=True)]
             )
@@ -345,6 +346,7 @@ class OpenAIRoutes:
         wait for an ``ok`` result of each (the first other raises its typed error); None if
         the client went away first. Requests nobody waits for any more are cancelled."""
         producer = served.producer
+        note_queue(request, served.client, served.settings.keys)  # its quota counts: headers'
         submitted = await asyncio.gather(
             *(producer.submit(v, priority=priority) for v in values), return_exceptions=True
         )
