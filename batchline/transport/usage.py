@@ -109,7 +109,7 @@ def usage_table(rows: list[DayUsage], days: list[str]) -> str:
     shown = rows + (totals(rows) if len(days) > 1 else [])
     table = [_COLUMNS] + [tuple(str(getattr(r, c)) for c in _COLUMNS) for r in shown]
     widths = [max(len(line[i]) for line in table) for i in range(len(_COLUMNS))]
-    lines = [f"usage {span} (UTC days)"]
+    lines = [f"usage {span} (UTC {'day' if len(days) == 1 else 'days'})"]
     for i, line in enumerate(table):
         if len(days) > 1 and i == len(rows) + 1:
             lines.append("  totals")
