@@ -2,7 +2,8 @@
 per-tenant metrics read it from the queue's keys (docs/protocol.md, Tenants).
 
 The tenants shown are those the queue knows of: configured (its ``tenants`` hash), backlogged
-at some priority (``fair:<p>``), or served today (the ``usage:<day>`` hash). Per tenant:
+at some priority (``fair:<p>``, and ``fair:<p>:idle`` for requests held over quota), or
+served today (the ``usage:<day>`` hash). Per tenant:
 
 - ``backlog``: per priority, requests admitted and held for the fair share, not yet in a work
   stream (``bl:<tenant>:<p>``; with ``over_quota: idle``, its requests held over quota,
@@ -114,7 +115,9 @@ async def tenant_figures(
         pipe.hgetall(keys.usage(usage_day(now)))
         for priority in range(keys.priorities):
             pipe.zrange(keys.fair(priority), 0, -1)
-        configs, usage, *fair = await pipe.execute()
+            pipe.zrange(keys.fair_idle(priority), 0, -1)
+        configs, usage, *sets = await pipe.execute()
+    fair = [sets[i] + sets[i + 1] for i in range(0, len(sets), 2)]  # per priority
     figures: dict[str, TenantFigures] = {}
 
     def of(tenant: str) -> TenantFigures:
@@ -147,9 +150,9 @@ async def _read_counts(
     now: float,
 ) -> None:
     """In one pipeline: the backlogs of the tenants backlogged at each priority (``held``,
-    from ``fair:<p>``: no other tenant holds requests there), each tenant's in-flight count,
-    and this minute's quota counters where the tenant has that limit (none are kept
-    otherwise)."""
+    from ``fair:<p>`` and ``fair:<p>:idle``: no other tenant holds requests there), each
+    tenant's in-flight count, and this minute's quota counters where the tenant has that
+    limit (none are kept otherwise)."""
     minute = int(now // 60)
     names = list(figures)
     async with client.pipeline(transaction=False) as pipe:
