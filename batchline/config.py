@@ -405,6 +405,9 @@ class WorkerSettings(ServiceSettings):
         max_elements: most array elements accepted in one request.
         heartbeat_s: how often the worker reports it is alive, with its statistics.
         metrics_port: port of the Prometheus /metrics endpoint (0: none).
+        metrics_tenants: most tenants with a label of their own in the per-tenant metrics,
+            the busiest by traffic (the rest count as ``other``; a tenant keeps its label
+            until it has been idle 15 minutes).
         worker_id: this worker's name in the consumer group (host-pid-random: the host's
             name, the process id and 6 random hex digits).
         cancel_max_ids: most cancelled request ids a worker remembers (the oldest go first).
@@ -466,6 +469,7 @@ class WorkerSettings(ServiceSettings):
     max_elements: int = Field(default=1 << 20, ge=1)
     heartbeat_s: float = Field(default=2.0, gt=0)
     metrics_port: int = Field(default=0, ge=0, le=65535)
+    metrics_tenants: int = Field(default=20, ge=0, le=1000)
     worker_id: str | None = None
     cancel_max_ids: int = Field(default=100_000, ge=1)
     cancel_max_bytes: int = Field(default=16 << 20, ge=1024)

@@ -28,6 +28,7 @@ layout (``docs/protocol.md`` has the full protocol)::
     <prefix>:{<queue>}:tenants            hash: tenant -> its config (JSON; workers mirror it)
     <prefix>:{<queue>}:bl:<tenant>:<p>    list: a tenant's backlog at priority p (fair share)
     <prefix>:{<queue>}:fair:<p>           sorted set: backlogged tenants by virtual start
+    <prefix>:{<queue>}:fair:<p>:idle      sorted set: the same, of tenants held over quota
     <prefix>:{<queue>}:fairclock          hash: virtual clocks and tenants' last finishes
     <prefix>:{<queue>}:backlog            hash: priority -> requests held in backlogs
     <prefix>:{<queue>}:quota:<t>:<k>:<m>  a tenant's requests (k=r) or tokens (k=t) in minute m
@@ -282,6 +283,11 @@ class QueueKeys:
     def fair(self, priority: int | str) -> str:
         """The backlogged tenants of one priority, scored by virtual start time."""
         return f"{self.base}:fair:{priority}"
+
+    def fair_idle(self, priority: int) -> str:
+        """The tenants held over quota at one priority (``<tenant>~over``), served only
+        while no other tenant of that priority is backlogged; scored as :meth:`fair`."""
+        return f"{self.fair(priority)}:idle"
 
     @property
     def fair_clock(self) -> str:

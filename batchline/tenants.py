@@ -17,11 +17,14 @@ from typing import Any, Literal
 
 __all__ = [
     "MAX_TENANT_CHARS",
+    "OVER_QUOTA",
     "TENANT_PATTERN",
     "UNTENANTED",
     "TenantConfig",
     "check_tenant",
     "is_tenant",
+    "over_quota_name",
+    "split_held",
     "tenant_id",
     "tenant_of",
 ]
@@ -33,6 +36,11 @@ TENANT_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 #: How untenanted traffic is named where a name is needed (usage counters, metrics): no
 #: tenant may be called this (``-`` alone is not a valid tenant name).
 UNTENANTED = "-"
+
+#: The suffix of the pseudo-tenant ``<tenant>~over`` under which the fair share holds a
+#: tenant's requests over its quota (``over_quota: idle``): served only when no other tenant
+#: of that priority is backlogged.
+OVER_QUOTA = "~over"
 
 _TENANT = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -63,6 +71,19 @@ def tenant_of(name: str) -> str | None:
     """The tenant whose namespace a request or producer id is in, or None (untenanted)."""
     head, dot, _ = name.partition(".")
     return head if dot and is_tenant(head) else None
+
+
+def over_quota_name(tenant: str) -> str:
+    """The pseudo-tenant holding ``tenant``'s requests over its quota (``<tenant>~over``)."""
+    return tenant + OVER_QUOTA
+
+
+def split_held(name: str) -> tuple[str, bool]:
+    """Who a backlog's holder is (a member of ``fair:<p>``): the tenant, and whether it is
+    that tenant's requests over quota (``<tenant>~over``)."""
+    if name.endswith(OVER_QUOTA):
+        return name[: -len(OVER_QUOTA)], True
+    return name, False
 
 
 def _limit(name: str, value: object) -> int:

@@ -18,6 +18,7 @@ from batchline.cli._demo import demo_parser
 from batchline.cli._keys import keys_parsers
 from batchline.cli._options import CliCommand, UsageError, add_option, reference
 from batchline.cli._status import status_parser, status_settings
+from batchline.cli._usage import usage_parser, usage_settings
 from batchline.cli._worker import worker_parser, worker_settings
 from batchline.logs import configure as configure_logs
 
@@ -33,6 +34,8 @@ commands:
                                    serve a queue (settings: flags, else BATCHLINE_* variables)
   batchline worker --check         exit 0 if a worker on this host is alive
   batchline status [--json]        queue depth, pending, lag, dead letters, workers
+  batchline status --by-tenant     per tenant: backlog, in flight, quota use, weight
+  batchline usage [--day YYYYMMDD] requests, items, tokens per tenant per day (billing)
   batchline acl [--role worker]    the ACL SETUSER lines of the queue's Redis users
   batchline batch FILE.jsonl [--url http://localhost:8000]
                                    run a file of requests through the web API's /v1/batches
@@ -54,6 +57,7 @@ _SETTINGS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "worker": worker_settings,
     "status": status_settings,
     "acl": acl_settings,
+    "usage": usage_settings,
 }
 
 
@@ -115,6 +119,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     commands = {
         "worker": worker_parser(sub),
         "status": status_parser(sub),
+        "usage": usage_parser(sub),
         "acl": acl_parser(sub),
         "demo": demo_parser(sub),
         "batch": batch_parser(sub),

@@ -1,5 +1,6 @@
 """``batchline status``: a queue's depth, pending requests, lag, dead letters and live
-workers, as text or JSON."""
+workers, or (``--by-tenant``) each tenant's backlog, in flight and quota use, as text or
+JSON."""
 
 from __future__ import annotations
 
@@ -28,21 +29,26 @@ def status_settings(args: argparse.Namespace) -> Any:
 def _status(args: argparse.Namespace) -> int:
     settings = status_settings(args)
 
-    async def run() -> dict[str, Any]:
+    async def run() -> str:
         from batchline.transport import connect, wait_for_redis
-        from batchline.transport.status import collect
+        from batchline.transport.by_tenant import render_by_tenant, tenant_figures
+        from batchline.transport.status import collect, render
 
         client = connect(settings)
         try:
             await wait_for_redis(client, settings, wait_s=settings.redis_wait_s)
-            return await collect(settings, client)
+            if args.by_tenant:
+                figures = await tenant_figures(client, settings.keys)
+                if args.json:
+                    shown = {"queue": settings.queue, "tenants": [f.as_json() for f in figures]}
+                    return json.dumps(shown, indent=2)
+                return render_by_tenant(settings.queue, figures)
+            status = await collect(settings, client)
+            return json.dumps(status, indent=2) if args.json else render(status)
         finally:
             await client.aclose()
 
-    from batchline.transport.status import render
-
-    status = asyncio.run(run())
-    print(json.dumps(status, indent=2) if args.json else render(status))
+    print(asyncio.run(run()))
     return 0
 
 
@@ -63,6 +69,13 @@ def status_parser(sub: Any) -> argparse.ArgumentParser:
         "--json",
         action="store_true",
         text="print the figures as JSON (per work stream: length, pending, lag, backlog)",
+    )
+    add_option(
+        status,
+        "--by-tenant",
+        action="store_true",
+        text="per tenant: its weight, backlog per priority, requests in flight, requests and "
+        "tokens this minute against its limits, and today's usage",
     )
     status.set_defaults(run=_status)
     return status

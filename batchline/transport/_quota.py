@@ -13,7 +13,7 @@ Counters (names from :class:`batchline.keys.QueueKeys`): ``quota:<T>:r:<minute>`
 that limit is set, expiring after 120 s; ``inflight:<T>`` every tenant's requests admitted
 and not answered, id -> expiry (unix ms: admitted + result_ttl_s), pruned by score, so that
 a lost answer cannot hold a slot longer; ``usage:<YYYYMMDD>`` the requests, items and tokens
-served per tenant and UTC day.
+served per tenant and UTC day, and the requests the admission refused over a quota.
 """
 
 from __future__ import annotations
@@ -54,8 +54,13 @@ def usage_day(unix_s: float) -> str:
 
 
 # After TENANTS: quota_now() (Redis's clock, ms); quota_limit(config,
-# name) (0: none); quota_add(tenant, 'r' or 't', n) to this minute's count (never below 0).
-COUNTERS = r"""
+# name) (0: none); quota_add(tenant, 'r' or 't', n) to this minute's count (never below 0);
+# quota_day(ms) the UTC day (YYYYMMDD) as usage_day names it; quota_refused_count(tenant)
+# counts a refusal in the day's usage (<tenant>|refused; the key's TTL set where it has
+# none, as the completion's accounting sets it).
+COUNTERS = (
+    f"local USAGE_TTL_S = {USAGE_TTL_DAYS * 86400}\n"
+    + r"""
 local function quota_now()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -70,7 +75,27 @@ local function quota_add(tenant, kind, n)
   if redis.call('INCRBY', key, n) < 0 then redis.call('SET', key, 0) end
   redis.call('EXPIRE', key, 120)
 end
+-- Days since 1970-01-01 to the civil date (proleptic Gregorian; H. Hinnant's algorithm).
+local function quota_day(ms)
+  local z = math.floor(ms / 86400000) + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524)
+    - math.floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local d = doy - math.floor((153 * mp + 2) / 5) + 1
+  local m = mp < 10 and mp + 3 or mp - 9
+  local y = yoe + era * 400 + (m <= 2 and 1 or 0)
+  return string.format('%04d%02d%02d', y, m, d)
+end
+local function quota_refused_count(tenant)
+  local key = TK.usage(quota_day(quota_now()))
+  redis.call('HINCRBY', key, tenant .. '|refused', 1)
+  if redis.call('TTL', key) < 0 then redis.call('EXPIRE', key, USAGE_TTL_S) end
+end
 """
+)
 
 # The library's quota hooks (docs/protocol.md, Tenants: Quotas), after ONCE and COUNTERS:
 # - quota_peek(tenant, cost, config): the enqueue function's read-only look (producer
@@ -125,6 +150,7 @@ local function quota_admit(tenant, id, cost, config)
   local limit, value, retry_ms
   if config then limit, value, retry_ms = quota_over(tenant, cost, config, true) end
   if limit and config.over_quota ~= 'idle' then
+    quota_refused_count(tenant)
     return {limit = limit, retry_ms = retry_ms, message = 'tenant ' .. tenant .. ': '
       .. limit .. '=' .. value .. ' reached; retry in ' .. retry_ms .. ' ms'}
   end

@@ -122,7 +122,7 @@ def assemble(
     model_name = type(given).__name__ if given is not None else s.model
     counts: Counter[str] = Counter()
     trace = worker_trace(keys.queue, worker_id, model_name, counts)
-    metrics = Metrics(s.metrics_port)
+    metrics = Metrics(s.metrics_port, tenants=s.metrics_tenants)
     claims = Claims(client, keys.streams_low_first, worker_id)
     guard = Guard(s, claims, workers_key=keys.workers, redis=client, own=own_client)
     cancels = CancelLog(s.result_ttl_s, max_ids=s.cancel_max_ids, max_bytes=s.cancel_max_bytes)

@@ -49,6 +49,12 @@ BAD_INPUTS: list[tuple[list[str], dict[str, str], str]] = [
     (["demo", "--plot", "no/such/dir/load.png"], {}, "in a directory that exists"),
     (["demo", "--generate", "--model-path", "./nothing"], {}, "a model_path is a local"),
     (["demo", "--generate", "--in-process"], {}, "demo takes --generate or --in-process"),
+    # Usage: its days and tenant.
+    (["usage", "--day", "2026-01-31"], {}, "a day is YYYYMMDD (UTC), got '2026-01-31'"),
+    (["usage", "--from", "20260201", "--to", "20260101"], {}, "ends (20260101) before it"),
+    (["usage", "--from", "20200101", "--to", "20260101"], {}, "at most 731 days at once"),
+    (["usage", "--tenant", "acme.eu"], {}, "got 'acme.eu'"),
+    (["usage", "--queue", "my queue"], {}, "got 'my queue'"),
     # The Batch API's client.
     (["batch", "no-such-file.jsonl"], {}, "no-such-file.jsonl: no such file"),
     (["batch", "FILE", "--url", "localhost:8000"], {}, "--url is the web backend's http://"),

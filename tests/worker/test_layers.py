@@ -1,4 +1,5 @@
-"""The worker's own layers: its CPU threading and its metrics at the bottom, its models,
+"""The worker's own layers: its CPU threading and its metrics (with the choice of their
+tenant labels) at the bottom, its models,
 then what the serving path and the upkeep both use (``worker/shared/``), then those two side
 by side, neither importing the other, then the runner (the ``Worker``, its assembly and its
 process) above them all.
@@ -17,7 +18,8 @@ RUNNER = {"__init__", "_worker", "_assembly", "_supervisor", "_ready"}
 # Each row: the parts of batchline.worker that a part may import (besides itself).
 ALLOWED: dict[str, set[str]] = {
     "_cpu_threads": set(),
-    "metrics": set(),
+    "_tenant_labels": set(),
+    "metrics": {"_tenant_labels"},
     "models": {"_cpu_threads"},
     "shared": {"models"},
     "serving": {"models", "metrics", "shared"},

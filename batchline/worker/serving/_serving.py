@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from batchline.codec import request_tenant
 from batchline.drivers._base import Call
 from batchline.errors import BatcherClosed, BatchlineError
 from batchline.worker.metrics import Metrics
@@ -174,6 +175,10 @@ class Serving:
             return
         self._space.set()  # it left the queue: read more
         record = finished(meta, call, self._model, self._worker_id)
+        enqueued_ms = meta.request.get("ts")
+        if meta.started_unix and enqueued_ms:
+            waited = max(0.0, meta.started_unix - enqueued_ms / 1e3)
+            self._metrics.waited(request_tenant(meta.request), waited)
         if self._trace is not None:
             generation = self._generation is not None and call.error is None
             self._trace.answered(record, meta, call.results if generation else None)
@@ -190,5 +195,5 @@ class Serving:
         if self._trace is not None and (meta is not None or record.dead is not None):
             self._trace.answered(record, meta)
         self._counts[record.status] += 1
-        self._metrics.result(record.status)
+        self._metrics.result(record.status, record.account)
         self._answers.put(record)

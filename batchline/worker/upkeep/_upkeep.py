@@ -284,6 +284,7 @@ class Heartbeat:
             )
             await pipe.execute()
         self._metrics.batches(self._batcher.stats)
+        await self._metrics.refresh_tenants(self._redis, self._keys)
 
 
 class Upkeep:
