@@ -1,6 +1,7 @@
 """Tenants: who a request is for, and what each may use (pure: no I/O).
 
-A tenant is a name of 1-64 characters of letters, digits, ``_`` and ``-`` (no dot: a tenant's
+A tenant is a name of 1-64 characters of letters, digits, ``_`` and ``-`` (not starting with
+``file-`` or ``batch_``, the Batch API's objects' prefixes; no dot: a tenant's
 request ids and producer ids start with ``<tenant>.``, so that Redis ACL key patterns such as
 ``res:<tenant>.*`` hold one tenant's keys and no other's). A tenant's :class:`TenantConfig`
 (weight in the fair share, quotas, the highest priority it may ask for) travels as JSON in the
@@ -17,6 +18,7 @@ from typing import Any, Literal
 
 __all__ = [
     "MAX_TENANT_CHARS",
+    "RESERVED_PREFIXES",
     "OVER_QUOTA",
     "TENANT_PATTERN",
     "UNTENANTED",
@@ -47,17 +49,27 @@ _TENANT = re.compile(r"[A-Za-z0-9_-]{1,64}")
 OverQuota = Literal["refuse", "idle"]
 
 
+#: Tenant names may not start with these: the Batch API's untenanted line ids are
+#: ``file-<hex>.<digest>``, which a tenant called ``file-<hex>`` would read as its own.
+RESERVED_PREFIXES = ("file-", "batch_")
+
+
 def is_tenant(value: object) -> bool:
     """Whether ``value`` is a valid tenant name."""
-    return isinstance(value, str) and value != UNTENANTED and _TENANT.fullmatch(value) is not None
+    return (
+        isinstance(value, str)
+        and value != UNTENANTED
+        and _TENANT.fullmatch(value) is not None
+        and not value.startswith(RESERVED_PREFIXES)
+    )
 
 
 def check_tenant(value: object) -> str:
     """Validate a tenant name; return it (ValueError naming the value otherwise)."""
     if not isinstance(value, str) or not is_tenant(value):
         raise ValueError(
-            "a tenant must be 1-64 characters of letters, digits, '_' or '-' (not '-' alone), "
-            f"got {value!r}"
+            "a tenant must be 1-64 characters of letters, digits, '_' or '-' (not '-' alone, "
+            f"not starting with {' or '.join(RESERVED_PREFIXES)}), got {value!r}"
         )
     return value
 

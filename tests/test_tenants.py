@@ -16,7 +16,7 @@ def test_valid_tenant_names(name: str) -> None:
     assert check_tenant(name) == name
 
 
-@pytest.mark.parametrize("name", ["", "-", "a.b", "a b", "x" * 65, "é", None, 3, "a\n"])
+@pytest.mark.parametrize("name", ["", "-", "a.b", "a b", "x" * 65, "é", None, 3, "a\n", "file-0a1b", "batch_x"])
 def test_invalid_tenant_names_are_refused_naming_the_value(name: object) -> None:
     assert not is_tenant(name)
     with pytest.raises(ValueError, match="tenant must be"):
@@ -29,6 +29,8 @@ def test_ids_in_a_tenants_namespace() -> None:
     assert tenant_of("acme.x.y") == "acme"
     assert tenant_of("r1") is None
     assert tenant_of(".r1") is None
+    # An untenanted Batch API line's id is no tenant's.
+    assert tenant_of("file-0123456789abcdef01234567." + "0" * 40) is None
     with pytest.raises(ValueError, match="tenant must be"):
         tenant_id("a.b", "r1")
 
