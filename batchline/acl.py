@@ -46,6 +46,7 @@ __all__ = [
     "Role",
     "acl_rules",
     "acl_setuser",
+    "api_keys_rules",
     "batch_api_rules",
     "tenant_rules",
     "tenant_setuser",
@@ -241,16 +242,29 @@ def batch_api_rules(prefix: str) -> list[str]:
     return ["+multi", "+exec", "+discard", "+unwatch", f"(~{base}:* {commands})"]
 
 
-def acl_rules(keys: QueueKeys, role: Role, *, batch_api: bool = False) -> list[str]:
+def api_keys_rules(prefix: str) -> list[str]:
+    """The rule a web backend checking API keys (``api_keys``) adds to its producer rules:
+    reading the tenant store (``<prefix>:{tenants}:``, the keys' sha256 and the tenants'
+    configs), never writing it (``batchline keys`` writes it, as an administrator)."""
+    return [f"(%R~{TenantKeys(prefix).base}:* +get +hgetall)"]
+
+
+def acl_rules(
+    keys: QueueKeys, role: Role, *, batch_api: bool = False, api_keys: bool = False
+) -> list[str]:
     """The ``ACL SETUSER`` rules of ``role`` for the queue of ``keys``, starting from
     nothing (``resetkeys resetchannels -@all``); add ``on`` and a password to use them.
-    ``batch_api`` (producers only) adds :func:`batch_api_rules`."""
+    ``batch_api`` (producers only) adds :func:`batch_api_rules`, ``api_keys`` (producers
+    only) :func:`api_keys_rules`."""
     build = {"producer": _producer, "worker": _worker}.get(role)
     if build is None:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
     if batch_api and role != "producer":
         raise ValueError("the Batch API's rules go to the producer user (the web backend)")
+    if api_keys and role != "producer":
+        raise ValueError("the tenant store's rules go to the producer user (the web backend)")
     extra = batch_api_rules(keys.prefix) if batch_api else []
+    extra += api_keys_rules(keys.prefix) if api_keys else []
     return ["resetkeys", "resetchannels", "-@all", *_COMMON, *build(keys), *extra]
 
 
@@ -297,8 +311,10 @@ def tenant_setuser(keys: QueueKeys, tenant: str, *, user: str | None = None) -> 
     return shlex.join(["ACL", "SETUSER", name, "reset", "on", *tenant_rules(keys, tenant)])
 
 
-def acl_setuser(keys: QueueKeys, role: Role, *, user: str, batch_api: bool = False) -> str:
+def acl_setuser(
+    keys: QueueKeys, role: Role, *, user: str, batch_api: bool = False, api_keys: bool = False
+) -> str:
     """One ``ACL SETUSER`` command, quoted for a shell (``redis-cli ...``); the password
     (``'>secret'``) is left to add."""
-    rules = acl_rules(keys, role, batch_api=batch_api)
+    rules = acl_rules(keys, role, batch_api=batch_api, api_keys=api_keys)
     return shlex.join(["ACL", "SETUSER", user, "reset", "on", *rules])

@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 __all__ = [
     "MAX_TENANT_CHARS",
-    "RESERVED_PREFIXES",
     "OVER_QUOTA",
+    "RESERVED_PREFIXES",
     "TENANT_PATTERN",
     "UNTENANTED",
     "TenantConfig",

@@ -16,7 +16,9 @@ def test_valid_tenant_names(name: str) -> None:
     assert check_tenant(name) == name
 
 
-@pytest.mark.parametrize("name", ["", "-", "a.b", "a b", "x" * 65, "é", None, 3, "a\n", "file-0a1b", "batch_x"])
+@pytest.mark.parametrize(
+    "name", ["", "-", "a.b", "a b", "x" * 65, "é", None, 3, "a\n", "file-0a1b", "batch_x"]
+)
 def test_invalid_tenant_names_are_refused_naming_the_value(name: object) -> None:
     assert not is_tenant(name)
     with pytest.raises(ValueError, match="tenant must be"):

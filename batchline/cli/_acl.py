@@ -33,17 +33,20 @@ def _acl(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"--tenant: 1-64 letters, digits, '_' or '-' (not '-' alone), got {args.tenant!r}"
             )
-        if args.batch_api or args.role != "both":
+        if args.batch_api or args.api_keys or args.role != "both":
             raise UsageError(
-                "--tenant prints one tenant's producer user: not with --role or --batch-api"
+                "--tenant prints one tenant's producer user: not with --role, --batch-api or "
+                "--api-keys"
             )
         print(tenant_setuser(keys, args.tenant))
         return 0
-    if args.batch_api and args.role == "worker":
-        raise UsageError("--batch-api adds to the producer user: not with --role worker")
+    for flag, given in (("--batch-api", args.batch_api), ("--api-keys", args.api_keys)):
+        if given and args.role == "worker":
+            raise UsageError(f"{flag} adds to the producer user: not with --role worker")
     for role in ROLES if args.role == "both" else (args.role,):
-        batch_api = args.batch_api and role == "producer"
-        print(acl_setuser(keys, role, user=f"{keys.prefix}-{role}", batch_api=batch_api))
+        backend = {"batch_api": args.batch_api, "api_keys": args.api_keys}
+        extra = backend if role == "producer" else {}
+        print(acl_setuser(keys, role, user=f"{keys.prefix}-{role}", **extra))
     return 0
 
 
@@ -77,6 +80,13 @@ def acl_parser(sub: Any) -> argparse.ArgumentParser:
         text="give the producer user the Batch API's keys too (<prefix>:{batchapi}:*, every "
         "tenant's files, batches and outputs: the web backend keeps tenants apart by their API "
         "keys, Redis does not): for the web backend serving /v1/files and /v1/batches alone",
+    )
+    add_option(
+        acl,
+        "--api-keys",
+        action="store_true",
+        text="give the producer user read access to the tenant store (<prefix>:{tenants}:*, the "
+        "API keys' sha256 and the tenants' configs): for a web backend with api_keys on",
     )
     add_option(
         acl,

@@ -12,6 +12,7 @@ import uuid
 from types import SimpleNamespace
 
 import pytest
+import redis.exceptions
 from redis.asyncio import Redis as AsyncRedis
 
 from batchline.keys import TenantKeys
@@ -181,3 +182,40 @@ async def test_a_malformed_entry_is_left_out_and_the_rest_read(
     table = await read_table(store.client, tenant_keys)
     assert set(table.keys) == {key_hash(key)}
     assert "bad" not in table.configs
+
+
+async def test_the_web_backends_producer_user_reads_the_store_only_with_api_keys(
+    store: TenantStore, aclient: AsyncRedis, tenant_keys: TenantKeys, redis_url: str
+) -> None:
+    """`batchline acl --api-keys`: the producer user of a web backend checking API keys may
+    read the tenant store, and not write it; without the flag it may not read it."""
+    from batchline.acl import acl_rules
+    from batchline.keys import QueueKeys
+
+    await store.create("acme")
+    queue = QueueKeys("q", tenant_keys.prefix)
+    password = uuid.uuid4().hex
+    names = []
+    try:
+        for api_keys in (True, False):
+            name = f"web-{uuid.uuid4().hex[:8]}"
+            names.append(name)
+            rules = acl_rules(queue, "producer", api_keys=api_keys)
+            await aclient.execute_command("ACL", "SETUSER", name, "on", f">{password}", *rules)
+            user = AsyncRedis.from_url(
+                redis_url, username=name, password=password, lib_name=None, lib_version=None
+            )
+            try:
+                if api_keys:
+                    table = await read_table(as_client(user), tenant_keys)
+                    assert [r.tenant for r in table.keys.values()] == ["acme"]
+                    with pytest.raises(redis.exceptions.NoPermissionError):
+                        await user.hset(tenant_keys.api_keys, "x", "y")
+                else:
+                    with pytest.raises(redis.exceptions.NoPermissionError):
+                        await user.hgetall(tenant_keys.api_keys)
+            finally:
+                await user.aclose()
+    finally:
+        for name in names:
+            await aclient.execute_command("ACL", "DELUSER", name)
