@@ -57,6 +57,7 @@ def _producer(keys: QueueKeys) -> list[str]:
         # whether a job note (its exact bytes) still waits for the admission.
         f"(~{keys.inbox} ~{keys.job_list} +rpush)",
         f"(%R~{keys.inbox} %R~{keys.admitting} %R~{keys.stream_prefix}* +llen +xlen)",
+        f"(%R~{keys.backlog_counts} +hvals)",
         f"(%R~{keys.job_list} +lpos)",
         # Read only: results (polling), and what the enqueue function decides from (input
         # hashes of ids, the cache, in-flight marks, the model identity); the model's
@@ -98,6 +99,19 @@ def _worker(keys: QueueKeys) -> list[str]:
         # The functions' tag it publishes; the job markers its admission writes.
         f"~{keys.functions}",
         f"~{keys.job('*')}",
+        # The fair share: tenants' backlogs, the backlogged tenants and their virtual
+        # times, the backlogs' counts; the tenants' weights.
+        f"~{keys.backlog_prefix}*",
+        f"~{keys.fair_prefix}*",
+        f"~{keys.fair_clock}",
+        f"~{keys.backlog_counts}",
+        f"~{keys.tenants}",
+        "+rpush",
+        "+hget",
+        "+hset",
+        "+hvals",
+        "+zrange",
+        "+zscore",
         "+smembers",
         "+sadd",
         "+del",

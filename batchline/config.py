@@ -398,6 +398,12 @@ class WorkerSettings(ServiceSettings):
         stream_max_unread_s: ``generate`` only: a producer whose reply stream holds an
             entry unread for longer than this is taken as gone, and its streamed requests
             are cancelled.
+        fair_share: within each priority, tenants share the workers in proportion to their
+            weights, measured in cost (items; tokens for ``generate``): their requests are
+            held in backlogs and dispatched into the work streams about two batches ahead
+            of the workers, least served first (untenanted requests too, as one tenant,
+            while a tenant is backlogged). Off: first come, first served, as without
+            tenants. Workers of one queue should agree.
     """
 
     model: str = "sentence-transformers"
@@ -434,6 +440,7 @@ class WorkerSettings(ServiceSettings):
     max_new_tokens_limit: int = Field(default=1024, ge=1)
     stream_max_unread_s: float = Field(default=30.0, gt=0)
     matryoshka: bool = False
+    fair_share: bool = True
 
     @field_validator("device")
     @classmethod

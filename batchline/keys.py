@@ -27,6 +27,7 @@ layout (``docs/protocol.md`` has the full protocol)::
     <prefix>:{<queue>}:tenants            hash: tenant -> its config (JSON; workers mirror it)
     <prefix>:{<queue>}:bl:<tenant>:<p>    list: a tenant's backlog at priority p (fair share)
     <prefix>:{<queue>}:fair:<p>           sorted set: backlogged tenants by virtual start
+    <prefix>:{<queue>}:fair:<p>:idle      sorted set: the same, of tenants held over quota
     <prefix>:{<queue>}:fairclock          hash: virtual clocks and tenants' last finishes
     <prefix>:{<queue>}:backlog            hash: priority -> requests held in backlogs
     <prefix>:{<queue>}:quota:<t>:<k>:<m>  a tenant's requests (k=r) or tokens (k=t) in minute m
@@ -261,13 +262,28 @@ class QueueKeys:
         """The tenants' configs (a hash: tenant -> JSON), which the workers mirror."""
         return f"{self.base}:tenants"
 
+    @property
+    def backlog_prefix(self) -> str:
+        """What every backlog's name starts with (``bl:<tenant>:<p>`` follows)."""
+        return f"{self.base}:bl:"
+
     def backlog(self, tenant: str, priority: int) -> str:
         """A tenant's requests admitted and held for the fair share, at one priority."""
-        return f"{self.base}:bl:{tenant}:{priority}"
+        return f"{self.backlog_prefix}{tenant}:{priority}"
+
+    @property
+    def fair_prefix(self) -> str:
+        """What the fair share's sorted sets' names start with (``<p>`` follows)."""
+        return f"{self.base}:fair:"
 
     def fair(self, priority: int) -> str:
         """The backlogged tenants of one priority, scored by virtual start time."""
-        return f"{self.base}:fair:{priority}"
+        return f"{self.fair_prefix}{priority}"
+
+    def fair_idle(self, priority: int) -> str:
+        """The tenants held over quota at one priority (``<tenant>~over``), served only
+        while no other tenant of that priority is backlogged; scored as :meth:`fair`."""
+        return f"{self.fair(priority)}:idle"
 
     @property
     def fair_clock(self) -> str:

@@ -18,6 +18,7 @@ from batchline.codec._values import (
 )
 from batchline.errors import DecodeError, show_value
 from batchline.keys import ID_PATTERN, is_name
+from batchline.tenants import TENANT_PATTERN
 
 __all__ = [
     "Request",
@@ -58,6 +59,8 @@ class Request(TypedDict):
     reply: NotRequired[Annotated[str | None, Field(pattern=ID_PATTERN)]]
     ck: NotRequired[Annotated[str, Field(pattern=r"^[0-9a-f]{40}$")]]  # cache hash (enqueue)
     stream: NotRequired[Annotated[int, Field(ge=0, le=1)]]  # 1: push generated tokens as chunks
+    tn: NotRequired[Annotated[str, Field(pattern=TENANT_PATTERN)]]  # tenant (the admission's)
+    cost: NotRequired[Annotated[int, Field(ge=1, le=1_000_000)]]  # the producer's estimate
     # W3C trace context (optional): taken as it comes, checked by the worker's tracing only
     # (a malformed one starts a new trace there, never refuses the request).
     traceparent: NotRequired[bytes]

@@ -29,8 +29,10 @@ from batchline.transport._errors import (
     redis_failure,
 )
 from batchline.transport._event_loop import EXIT_INTERRUPTED, loop_factory, run_loop
+from batchline.transport._fair import fair_args
 from batchline.transport._functions import (
     ADMIT,
+    DISPATCH,
     JOB,
     LIBRARY,
     TAG,
@@ -66,6 +68,7 @@ __all__ = [
     "ADMIT",
     "CANCELS_MAXLEN",
     "COMPLETE",
+    "DISPATCH",
     "ENQUEUE",
     "EXIT_INTERRUPTED",
     "JOB",
@@ -92,6 +95,7 @@ __all__ = [
     "cache_hash",
     "connect",
     "dedicated",
+    "fair_args",
     "function_missing",
     "ignoring_redis_failures",
     "input_hash",

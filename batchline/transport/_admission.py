@@ -171,10 +171,13 @@ class Admission:
 
     async def depth(self, client: RedisClient) -> int:
         """Requests waiting or in progress: the work streams, the inbox and the admission
-        list (a few cancels and notes may be counted with them)."""
+        list (a few cancels and notes may be counted with them), and the requests held for
+        the fair share."""
         async with client.pipeline(transaction=False) as pipe:
             for stream in self.keys.streams_low_first:
                 pipe.xlen(stream)
             pipe.llen(self.keys.inbox)
             pipe.llen(self.keys.admitting)
-            return int(sum(await pipe.execute()))
+            pipe.hvals(self.keys.backlog_counts)
+            *counts, held = await pipe.execute()
+            return int(sum(counts)) + sum(int(n) for n in held)

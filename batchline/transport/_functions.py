@@ -29,12 +29,14 @@ import logging
 from redis.exceptions import NoPermissionError, ResponseError
 
 from batchline.keys import QueueKeys
+from batchline.transport._fair import FAIR
 from batchline.transport._lua import EACH, MAX_PER_CALL, ONCE, REPLIES, VALIDATE
 from batchline.transport._redis import RedisClient
 
 __all__ = [
     "ADMIT",
     "CANCEL",
+    "DISPATCH",
     "ENQUEUE",
     "JOB",
     "LIBRARY",
@@ -50,6 +52,7 @@ _BODY = (
     + ONCE
     + EACH
     + VALIDATE
+    + FAIR
     + f"local MAX_PER_CALL = {MAX_PER_CALL}\n"
     + r"""
 -- Producers. KEYS: the inbox, the admission list, the work streams (priority 0 first).
@@ -67,6 +70,11 @@ local function enqueue(keys, args)
   if max_depth > 0 then
     depth = redis.call('LLEN', inbox) + redis.call('LLEN', admitting)
     for i = 3, #keys do depth = depth + redis.call('XLEN', keys[i]) end
+    -- the requests held for the fair share (rights before them may not read it: then not)
+    local held = redis.pcall('HVALS', string.sub(inbox, 1, -3) .. 'backlog')
+    if type(held) == 'table' and not held.err then
+      for _, n in ipairs(held) do depth = depth + (tonumber(n) or 0) end
+    end
   end
   local out, elements = {}, {}
   each_request(requests, function(i, prio, src, first, last)
@@ -141,8 +149,9 @@ end
 -- worker's id; arguments 3 to 11 as the enqueue script's; the reply-stream prefix; the caps
 -- of reply streams, of the dead-letter stream and of the cancel stream (MAXLEN ~); the
 -- largest request in bytes; the queue's depth bound (0: none: the worker's own setting,
--- never a producer's argument); the job-key prefix. Returns {elements admitted, elements left in
--- the inbox and the job list, requests refused for the depth, errors withheld}.
+-- never a producer's argument); the job-key prefix; then the fair share's block (_fair.py).
+-- Returns {elements admitted, elements left in the inbox and the job list, requests refused
+-- for the depth, errors withheld, requests held in the backlogs after its dispatch}.
 local function admit(keys, args)
   local admitting, inbox, dead, cancels, job_list = keys[1], keys[2], keys[3], keys[4], keys[5]
   local priorities = #keys - 5
@@ -151,12 +160,14 @@ local function admit(keys, args)
   local dead_maxlen, cancels_maxlen, max_bytes = args[14], args[15], tonumber(args[16])
   local max_depth, job_prefix = tonumber(args[17]), args[18]
   begin_once(args)
+  begin_fair(args, 19)
   local depth, full, withheld = nil, 0, 0
   local function room()  -- whether the work streams hold fewer than max_depth entries
     if max_depth <= 0 then return true end
     if not depth then
       depth = 0
       for i = 6, #keys do depth = depth + redis.call('XLEN', keys[i]) end
+      for _, n in ipairs(redis.call('HVALS', fair_counts)) do depth = depth + tonumber(n) end
     end
     return depth < max_depth
   end
@@ -236,8 +247,13 @@ local function admit(keys, args)
       if not dl then redis.call('SET', flight .. a, id, 'EX', ttl) end
       count('miss')
     end
-    local entry = redis.call('XADD', keys[6 + prio], '*', unpack(fields))
-    redis.call('SET', rid .. id, h .. ' @' .. entry, 'EX', ttl)
+    local tenant, cost = tenant_of(fields)
+    if tenant or held_untenanted(prio) then
+      hold(tenant or '-', prio, fields, cost, id, h, keys[6 + prio])
+    else
+      local entry = redis.call('XADD', keys[6 + prio], '*', unpack(fields))
+      redis.call('SET', rid .. id, h .. ' @' .. entry, 'EX', ttl)
+    end
     depth = depth and depth + 1
   end
   local function cancelled(id)
@@ -306,7 +322,17 @@ local function admit(keys, args)
   end_once()
   send_replies(reply_prefix, reply_maxlen, ttl)
   local left = redis.call('LLEN', inbox) + redis.call('LLEN', job_list)
-  return {admitted, left, full, withheld}
+  return {admitted, left, full, withheld, dispatch_streams(keys, 6)}
+end
+
+-- Workers. KEYS: the work streams (priority 0 first). ARGV: the fair share's block
+-- (_fair.py), then corrections: tenant, priority, real cost less estimate, ... Applies the
+-- corrections, fills each stream from the backlogs; returns how many requests they still
+-- hold.
+local function dispatch(keys, args)
+  begin_fair(args, 1)
+  for i = FAIR_ARGS + 1, #args - 2, 3 do correct(args[i], args[i + 1], args[i + 2]) end
+  return dispatch_streams(keys, 1)
 end
 """
 )
@@ -317,6 +343,7 @@ ENQUEUE = f"batchline_enqueue_{TAG}"
 CANCEL = f"batchline_cancel_{TAG}"
 JOB = f"batchline_job_{TAG}"
 ADMIT = f"batchline_admit_{TAG}"
+DISPATCH = f"batchline_dispatch_{TAG}"
 LIBRARY = (
     f"#!lua name=batchline_{TAG}\n"
     + _BODY
@@ -324,6 +351,7 @@ LIBRARY = (
     + f"redis.register_function('{CANCEL}', cancel)\n"
     + f"redis.register_function('{JOB}', jobs)\n"
     + f"redis.register_function('{ADMIT}', admit)\n"
+    + f"redis.register_function('{DISPATCH}', dispatch)\n"
 )
 
 

@@ -40,6 +40,7 @@ from batchline.transport import (
     once_keys,
     redis_failure,
 )
+from batchline.worker.serving._dispatch import Dispatcher
 from batchline.worker.serving._reader import ReadCap
 from batchline.worker.serving._writer import DEAD_MAXLEN, REPLY_MAXLEN
 
@@ -62,6 +63,9 @@ class Admitter:
         client: a client for this loop alone (it blocks on the inbox).
         settings: the worker's settings (its queue, TTLs, cache).
         worker_id: named in the dead letters of refused elements.
+        dispatcher: the fair share's side of the worker (None: one of its own): the admit
+            function dispatches after admitting, and says how many requests the backlogs
+            still hold.
     """
 
     def __init__(
@@ -70,8 +74,10 @@ class Admitter:
         settings: WorkerSettings,
         *,
         worker_id: str,
+        dispatcher: Dispatcher | None = None,
     ) -> None:
         self._client = client
+        self._dispatcher = dispatcher = dispatcher or Dispatcher(settings)
         keys = self.keys = settings.keys
         self._keys = [
             keys.admitting,
@@ -96,6 +102,7 @@ class Admitter:
             # The queue's bound, held here whoever wrote the inbox.
             settings.max_queue_depth,
             keys.job(""),
+            *dispatcher.args,
         ]
         self._max_depth = settings.max_queue_depth
         self.admitted = 0
@@ -112,8 +119,9 @@ class Admitter:
     async def admit(self) -> int:
         """One call of the admit function; returns how many elements the inbox still
         holds."""
-        admitted, left, refused, withheld = await self._client.fcall(*self.call())
+        admitted, left, refused, withheld, held = await self._client.fcall(*self.call())
         self.admitted += int(admitted)
+        self._dispatcher.held = int(held)
         if refused or withheld:
             self._tell(int(refused), int(withheld))
         return int(left)
