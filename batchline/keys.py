@@ -24,6 +24,7 @@ layout (``docs/protocol.md`` has the full protocol)::
     <prefix>:{<queue>}:jobs               list: job notes, which the admission makes job keys
     <prefix>:{<queue>}:functions          the tag of the queue's functions (workers write it)
     <prefix>:{<queue>}:in:<tenant>        list: a tenant's inbox (its producers append)
+    <prefix>:{<queue>}:wake               list: wakes, ["t", tenant]: tenant inboxes to admit
     <prefix>:{<queue>}:tenants            hash: tenant -> its config (JSON; workers mirror it)
     <prefix>:{<queue>}:bl:<tenant>:<p>    list: a tenant's backlog at priority p (fair share)
     <prefix>:{<queue>}:fair:<p>           sorted set: backlogged tenants by virtual start
@@ -256,6 +257,17 @@ class QueueKeys:
     def tenant_inbox(self, tenant: str) -> str:
         """A tenant's inbox: the list its producers append to (then a wake to the inbox)."""
         return f"{self.base}:in:{tenant}"
+
+    @property
+    def wakes(self) -> str:
+        """The wake list: ``["t", <tenant>]`` elements naming tenant inboxes to admit."""
+        return f"{self.base}:wake"
+
+    @property
+    def base_prefix(self) -> str:
+        """The queue's key base with its trailing colon (``<prefix>:{<queue>}:``), from which
+        the admission's Lua names the tenants' keys as this class does."""
+        return f"{self.base}:"
 
     @property
     def tenants(self) -> str:

@@ -30,9 +30,12 @@ in those modules.
 """
 
 from batchline.codec._requests import (
+    MAX_COST,
     Request,
     decode_request,
     encode_request,
+    request_cost,
+    request_tenant,
     request_value,
 )
 from batchline.codec._results import (
@@ -54,6 +57,7 @@ from batchline.codec._values import (
 from batchline.errors import DecodeError
 
 __all__ = [
+    "MAX_COST",
     "MAX_JSON_DEPTH",
     "SCHEMA_VERSION",
     "DecodeError",
@@ -67,6 +71,8 @@ __all__ = [
     "non_finite",
     "pack_result",
     "pack_value",
+    "request_cost",
+    "request_tenant",
     "request_value",
     "unit_rows",
     "unpack_result",

@@ -21,12 +21,15 @@ from batchline.keys import ID_PATTERN, is_name
 from batchline.tenants import TENANT_PATTERN
 
 __all__ = [
+    "MAX_COST",
     "Request",
     "check_priority",
     "decode_request",
     "decode_requests",
     "encode_request",
+    "request_cost",
     "request_fields",
+    "request_tenant",
     "request_value",
     "salvage_id",
     "trace_fields",
@@ -36,6 +39,9 @@ __all__ = [
 # pydantic caches validated strings by default; request ids never repeat, so caching them
 # would only fill its cache (and the worker's memory) for nothing: field names only.
 _ONLY_KEYS = ConfigDict(cache_strings="keys")
+
+#: The largest cost a request may carry (the admission clamps a tenant's to 1..MAX_COST).
+MAX_COST = 1_000_000
 
 
 class Request(TypedDict):
@@ -59,12 +65,24 @@ class Request(TypedDict):
     reply: NotRequired[Annotated[str | None, Field(pattern=ID_PATTERN)]]
     ck: NotRequired[Annotated[str, Field(pattern=r"^[0-9a-f]{40}$")]]  # cache hash (enqueue)
     stream: NotRequired[Annotated[int, Field(ge=0, le=1)]]  # 1: push generated tokens as chunks
-    tn: NotRequired[Annotated[str, Field(pattern=TENANT_PATTERN)]]  # tenant (the admission's)
-    cost: NotRequired[Annotated[int, Field(ge=1, le=1_000_000)]]  # the producer's estimate
+    # The tenant (written by the admission only: docs/protocol.md, Tenants; absent:
+    # untenanted), travelling as the field ``tn``; and the producer's estimate of the cost.
+    tenant: NotRequired[Annotated[str, Field(pattern=TENANT_PATTERN)]]
+    cost: NotRequired[Annotated[int, Field(ge=1, le=MAX_COST)]]
     # W3C trace context (optional): taken as it comes, checked by the worker's tracing only
     # (a malformed one starts a new trace there, never refuses the request).
     traceparent: NotRequired[bytes]
     tracestate: NotRequired[bytes]
+
+
+def request_tenant(request: Request) -> str | None:
+    """The tenant a request is for (its ``tn``), or None: untenanted."""
+    return request.get("tenant")
+
+
+def request_cost(request: Request) -> int:
+    """The request's cost as its producer estimated it (absent: 1)."""
+    return request.get("cost", 1)
 
 
 _REQUEST: TypeAdapter[Request] = TypeAdapter(Request)  # its own config: keys only
@@ -85,6 +103,7 @@ def encode_request(
     enqueued_unix_ms: float,
     reply: str | None,
     stream: bool = False,
+    cost: int | None = None,
 ) -> dict[str, bytes | str]:
     """The stream fields of one request (all strings or bytes, as they travel); ``stream``
     asks a generation worker to push its tokens to ``reply`` as they come."""
@@ -96,6 +115,7 @@ def encode_request(
         enqueued_unix_ms=enqueued_unix_ms,
         reply=reply,
         stream=stream,
+        cost=cost,
     )
     return {str(name): value for name, value in zip(flat[::2], flat[1::2], strict=True)}
 
@@ -109,9 +129,11 @@ def request_fields(
     enqueued_unix_ms: float,
     reply: str | None,
     stream: bool,
+    cost: int | None = None,
 ) -> tuple[list[bytes | str], bytes, bytes]:
     """:func:`encode_request` as a flat ``[field, value, ...]`` list (a producer's hot path),
-    with the value's encoded ``meta`` and ``blob``."""
+    with the value's encoded ``meta`` and ``blob``; ``cost`` (None: no field, which reads
+    as 1) is clamped to 1..MAX_COST. The tenant (``tn``) is the admission's to write."""
     meta, blob = pack_value(value)
     flat: list[bytes | str] = [
         "v", VERSION_FIELD, "id", request_id, "meta", meta, "prio", str(priority),
@@ -125,6 +147,8 @@ def request_fields(
         flat += ("reply", reply)
     if stream:
         flat += ("stream", "1")
+    if cost is not None:
+        flat += ("cost", str(min(max(int(cost), 1), MAX_COST)))
     return flat, meta, blob
 
 
@@ -163,7 +187,9 @@ def decode_requests(raws: list[Mapping[bytes, bytes]]) -> list[Request | DecodeE
     return out
 
 
-_FIELD_NAMES = {name.encode(): name for name in Request.__annotations__}
+#: Wire field name -> Request key (the tenant travels as ``tn``).
+_FIELD_NAMES = {name.encode(): name for name in Request.__annotations__ if name != "tenant"}
+_FIELD_NAMES[b"tn"] = "tenant"
 
 
 def _str_keys(raw: Mapping[Any, Any]) -> dict[str, Any]:
@@ -194,7 +220,7 @@ _BARE = re.compile(r"^[A-Za-z0-9_.+\-]{1,40}$")
 
 def _problem(error: Any) -> str:
     """One pydantic error as a sentence, values shown as text (not as Python reprs)."""
-    field = ".".join(str(p) for p in error["loc"]) or "entry"
+    field = ".".join("tn" if p == "tenant" else str(p) for p in error["loc"]) or "entry"
     kind = error["type"]
     if kind == "missing":
         return f"{field} is missing"
@@ -204,6 +230,8 @@ def _problem(error: Any) -> str:
     shown = value if isinstance(value, str) and _BARE.match(value) else show_value(value)
     if field == "v":
         return f"schema version {shown} is not {SCHEMA_VERSION}"
+    if kind == "string_pattern_mismatch" and field == "tn":
+        return f"tn {shown} is not a tenant (1-64 characters of A-Z a-z 0-9 _ -)"
     if kind == "string_pattern_mismatch":
         return f"{field} {shown} is not 1-128 characters of A-Z a-z 0-9 _ . -"
     if kind == "string_unicode":

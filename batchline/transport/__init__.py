@@ -32,8 +32,11 @@ from batchline.transport._event_loop import EXIT_INTERRUPTED, loop_factory, run_
 from batchline.transport._fair import fair_args
 from batchline.transport._functions import (
     ADMIT,
+    CANCEL_TENANT,
     DISPATCH,
+    ENQUEUE_TENANT,
     JOB,
+    JOB_TENANT,
     LIBRARY,
     TAG,
     function_missing,
@@ -63,15 +66,19 @@ from batchline.transport._redis import (
 )
 from batchline.transport._replication import Replication
 from batchline.transport._scripts import COMPLETE, ENQUEUE
+from batchline.transport._tenants import TenantMirror, read_tenant_configs
 
 __all__ = [
     "ADMIT",
     "CANCELS_MAXLEN",
+    "CANCEL_TENANT",
     "COMPLETE",
     "DISPATCH",
     "ENQUEUE",
+    "ENQUEUE_TENANT",
     "EXIT_INTERRUPTED",
     "JOB",
+    "JOB_TENANT",
     "LIBRARY",
     "NO_CLIENT_INFO",
     "ONCE_COUNTERS",
@@ -91,6 +98,7 @@ __all__ = [
     "RedisUnreachable",
     "Replication",
     "Script",
+    "TenantMirror",
     "as_client",
     "cache_hash",
     "connect",
@@ -108,6 +116,7 @@ __all__ = [
     "passing",
     "passing_code",
     "pinned",
+    "read_tenant_configs",
     "redis_failure",
     "run_loop",
     "single_node",

@@ -13,9 +13,10 @@ that priority is backlogged. The admit function dispatches after admitting; a wo
 the dispatch function after each read that took entries while anything is held, with the
 corrections of the tenants' virtual times (real cost less estimate) it gathered meanwhile.
 
-``FAIR`` is Lua text for the library (:mod:`._functions`): ``begin_fair(argv, at)`` takes
-:func:`fair_args`' block, ``hold``, ``held_untenanted``, ``dispatch_streams`` and
-``correct``; it uses ``cmsgpack`` and ``cjson`` only.
+``FAIR`` is Lua text for the library (:mod:`._functions`), after the tenants' pieces of
+:mod:`._lua` (``TK``, the key names, ``work_streams``, ``tenant_config``: ``begin_tenants``
+first): ``begin_fair(argv, at)`` takes :func:`fair_args`' block; then ``hold`` (the
+admission's hook), ``held_untenanted``, ``dispatch_streams`` and ``correct``.
 """
 
 from __future__ import annotations
@@ -27,39 +28,28 @@ from batchline.keys import GROUP, QueueKeys
 __all__ = ["FAIR", "FAIR_ARGS", "fair_args"]
 
 #: How many arguments :func:`fair_args` makes.
-FAIR_ARGS = 10
+FAIR_ARGS = 5
 
 
 def fair_args(keys: QueueKeys, *, ahead: int, on: bool, result_ttl_s: int) -> list[Any]:
-    """The fair share's block of arguments: the key prefixes and keys it uses, the consumer
-    group, ``ahead`` (undelivered entries a work stream is filled to), whether the fair
-    share is on (off: ``hold`` adds to the work stream at once, first come first served),
-    the request-input prefix and the results' TTL."""
-    return [
-        keys.backlog_prefix,
-        keys.fair_prefix,
-        keys.fair_clock,
-        keys.backlog_counts,
-        keys.tenants,
-        GROUP,
-        ahead,
-        1 if on else 0,
-        keys.request_input(""),
-        result_ttl_s,
-    ]
+    """The fair share's block of arguments: the consumer group, ``ahead`` (undelivered
+    entries a work stream is filled to), whether the fair share is on (off: ``hold`` adds
+    to the work stream at once, first come first served), the request-input prefix and the
+    results' TTL."""
+    return [GROUP, ahead, 1 if on else 0, keys.request_input(""), result_ttl_s]
 
 
 FAIR = (
     f"local FAIR_ARGS = {FAIR_ARGS}\n"
     + r"""
-local fair_bl, fair_z, fair_clock, fair_counts, fair_tenants, fair_group
+function TK.fair_idle(p) return TK.fair(p) .. ':idle' end
+local fair_clock, fair_counts, fair_group = '', '', ''
 local fair_ahead, fair_on, fair_rid, fair_ttl = 0, false, '', 0
 local fair_weights = {}
-local function begin_fair(argv, at)
-  fair_bl, fair_z, fair_clock, fair_counts = argv[at], argv[at + 1], argv[at + 2], argv[at + 3]
-  fair_tenants, fair_group = argv[at + 4], argv[at + 5]
-  fair_ahead, fair_on = tonumber(argv[at + 6]), argv[at + 7] == '1'
-  fair_rid, fair_ttl = argv[at + 8], tonumber(argv[at + 9])
+local function begin_fair(argv, at)  -- after begin_tenants
+  fair_clock, fair_counts = TK.fair_clock(), TK.backlog_counts()
+  fair_group, fair_ahead, fair_on = argv[at], tonumber(argv[at + 1]), argv[at + 2] == '1'
+  fair_rid, fair_ttl = argv[at + 3], tonumber(argv[at + 4])
   fair_weights = {}
 end
 local function is_over(tenant) return string.sub(tenant, -5) == '~over' end
@@ -69,31 +59,14 @@ local function weight(tenant)
   if w then return w end
   w = 1
   local name = is_over(tenant) and string.sub(tenant, 1, -6) or tenant
-  local raw = name ~= '-' and redis.call('HGET', fair_tenants, name)
-  if raw then
-    local ok, config = pcall(cjson.decode, raw)
-    local given = ok and type(config) == 'table' and config.weight
-    if type(given) == 'number' and given > 0 and given <= 1000000 then w = given end
-  end
+  local given = is_tenant(name) and tenant_config(name).weight
+  if type(given) == 'number' and given > 0 and given <= 1000000 then w = given end
   fair_weights[tenant] = w
   return w
 end
-local function zset_of(tenant, p) return fair_z .. p .. (is_over(tenant) and ':idle' or '') end
+local function zset_of(tenant, p) return is_over(tenant) and TK.fair_idle(p) or TK.fair(p) end
 local function clock_of(tenant, p) return (is_over(tenant) and 'idle:' or '') .. p end
 local function last_of(tenant, p) return 'last:' .. tenant .. ':' .. p end
--- The tenant a request's fields name (tn, which only the admission writes), or nil; and
--- its cost (the producer's estimate), as given.
-local function tenant_of(fields)
-  local tenant, cost
-  for j = 1, #fields - 1, 2 do
-    if fields[j] == 'tn' then tenant = fields[j + 1]
-    elseif fields[j] == 'cost' then cost = fields[j + 1]
-    end
-  end
-  local bad = tenant and (#tenant < 1 or #tenant > 64 or tenant == '-')
-  if bad or (tenant and string.find(tenant, '[^%w_%-]')) then tenant = nil end
-  return tenant, cost
-end
 local function clamp_cost(cost)
   cost = tonumber(cost) or 1
   if cost ~= cost then return 1 end  -- NaN
@@ -101,20 +74,20 @@ local function clamp_cost(cost)
 end
 -- Whether an untenanted request of priority p is held (under '-'): while any tenant is.
 local function held_untenanted(p)
-  return fair_on and redis.call('EXISTS', fair_z .. p, fair_z .. p .. ':idle') > 0
+  return fair_on and redis.call('EXISTS', TK.fair(p), TK.fair_idle(p)) > 0
 end
 -- Hold a new request (its work-stream fields) in tenant's backlog at priority p, for
 -- dispatch; rid:<id> = '<h> @' (no entry yet): attached to, cancelled as any queued request.
 -- With the fair share off, it goes to its stream at once. Returns nothing.
-local function hold(tenant, p, fields, cost, id, h, stream)
+local function hold(tenant, p, fields, cost, id, h)
   if not fair_on then
-    local entry = redis.call('XADD', stream, '*', unpack(fields))
+    local entry = redis.call('XADD', work_streams[p + 1], '*', unpack(fields))
     redis.call('SET', fair_rid .. id, h .. ' @' .. entry, 'EX', fair_ttl)
     return
   end
   local element = {clamp_cost(cost), id, h}
   for j = 1, #fields do element[#element + 1] = fields[j] end
-  if redis.call('RPUSH', fair_bl .. tenant .. ':' .. p, cmsgpack.pack(element)) == 1 then
+  if redis.call('RPUSH', TK.backlog(tenant, p), cmsgpack.pack(element)) == 1 then
     -- backlogged now: it starts at max(its last virtual finish, the clock): no credit
     local clock = tonumber(redis.call('HGET', fair_clock, clock_of(tenant, p))) or 0
     local last = tonumber(redis.call('HGET', fair_clock, last_of(tenant, p))) or 0
@@ -155,7 +128,7 @@ end
 -- Fill one priority's stream from its backlogs, least virtual start first; returns how many
 -- went.
 local function fill(stream, p)
-  local z, idle = fair_z .. p, fair_z .. p .. ':idle'
+  local z, idle = TK.fair(p), TK.fair_idle(p)
   if redis.call('EXISTS', z, idle) == 0 then return 0 end
   local room = fair_ahead - undelivered(stream)
   local moved, clocks = 0, {}
@@ -168,7 +141,7 @@ local function fill(stream, p)
       if #top == 0 then break end
     end
     local tenant, start = top[1], tonumber(top[2])
-    local backlog = fair_bl .. tenant .. ':' .. p
+    local backlog = TK.backlog(tenant, p)
     local raw = redis.call('LPOP', backlog)
     if not raw then
       redis.call('ZREM', zset, tenant)
@@ -192,11 +165,11 @@ local function fill(stream, p)
   if moved > 0 then redis.call('HINCRBY', fair_counts, p, -moved) end
   return moved
 end
--- Fill the streams keys[first..] (priority 0 first), highest priority first; returns how
--- many requests the backlogs still hold.
-local function dispatch_streams(keys, first)
+-- Fill the work streams (begin_tenants'), highest priority first; returns how many requests
+-- the backlogs still hold.
+local function dispatch_streams()
   if redis.call('EXISTS', fair_counts) == 0 then return 0 end
-  for i = #keys, first, -1 do fill(keys[i], i - first) end
+  for i = #work_streams, 1, -1 do fill(work_streams[i], i - 1) end
   local total = 0
   for _, n in ipairs(redis.call('HVALS', fair_counts)) do total = total + tonumber(n) end
   return total

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from batchline.config import MAX_PER_CALL
 
-__all__ = ["EACH", "MAX_PER_CALL", "ONCE", "REPLIES", "VALIDATE"]
+__all__ = ["EACH", "HOOKS", "MAX_PER_CALL", "ONCE", "REPLIES", "TENANTS", "VALIDATE"]
 
 # Replies: results queued per producer during a call, then one reply entry per producer
 # (fields n and r: a msgpack array header, then the packed results one after another).
@@ -31,7 +31,7 @@ local function restamp(result, id)
   end
   return cmsgpack.pack(flat)
 end
-local function error_result(id, etype, emsg, hash)
+local function error_result(id, etype, emsg, hash, extra)  -- extra: {field, value, ...}
   local flat = {'v', '2', 'id', id, 'status', 'error', 'meta', 'null',
     'queue_ms', '0', 'batch', '0', 'model_ms', '0', 'worker', '', 'etype', etype,
     'emsg', emsg}
@@ -39,6 +39,7 @@ local function error_result(id, etype, emsg, hash)
     flat[#flat + 1] = 'ih'
     flat[#flat + 1] = hash
   end
+  for _, v in ipairs(extra or {}) do flat[#flat + 1] = v end
   return cmsgpack.pack(flat)
 end
 local function reply_entry(results)  -- the fields n and r of one reply entry
@@ -84,10 +85,12 @@ end
 # waits on, cache hash; or 'new', its cache hash or false, whether it claimed its id (claim:
 # SET NX first: a new id, the common case, costs one command), whether its id's answer was
 # cut short (a rerun). settle() makes the writes of any decision but 'new' (which its caller
-# adds) and counts it.
+# adds) and counts it. for_tenant(t) makes the cache hashes that follow a tenant's (nil:
+# untenanted, as before tenants): SHA1(model "\n" input hash "\n" tenant).
 ONCE = r"""
 local ttl, cache_ttl, res, rid, wait, cache, flight, model_key, once_key, model
 local counts = {}
+local tenant_now = nil  -- whose cache hashes: nil untenanted
 local COUNTER = {conflict = 'conflict', result = 'existing', attached = 'attached',
   cached = 'hit', coalesced = 'coalesced'}
 local function begin_once(argv)
@@ -96,6 +99,12 @@ local function begin_once(argv)
   model_key, once_key = argv[10], argv[11]
   model = cache_ttl > 0 and redis.call('GET', model_key)
   counts = {}
+  tenant_now = nil
+end
+local function for_tenant(t) tenant_now = t end
+local function cache_key(m, h)
+  if tenant_now then return redis.sha1hex(m .. '\n' .. h .. '\n' .. tenant_now) end
+  return redis.sha1hex(m .. '\n' .. h)
 end
 local function count(name) counts[name] = (counts[name] or 0) + 1 end
 local function end_once()
@@ -121,14 +130,14 @@ local function decide(id, h, dl, claim)
       -- rid keys written by the enqueue script carry producer rights: follow one only to
       -- this input's answer under the model serving now.
       local m = model or redis.call('GET', model_key)
-      if m and ref == redis.sha1hex(m .. '\n' .. h) then
+      if m and ref == cache_key(m, h) then
         result = redis.call('GET', cache .. ref)
       end
     end
     if result then return 'result', result end
     if mark ~= '=' then return 'attached', mark == '>' and ref or id end
   end
-  local key = model and redis.sha1hex(model .. '\n' .. h)
+  local key = model and cache_key(model, h)
   local cached = key and redis.call('GET', cache .. key)
   if cached then return 'cached', cached, key end
   local leader = key and not dl and redis.call('GET', flight .. key)
@@ -209,6 +218,9 @@ local function check(src, first, last, prio, priorities, max_bytes)
       end
       size = size + #name + #value
       if name == 'ck' then why = 'it has a ck field (the admission adds it)' end
+      if name == 'cost' and (#value > 16 or not string.find(value, '^%d+$')) then
+        why = 'its cost is not a decimal integer'
+      end
       if name == 'meta' then has_meta = true end
     end
     if not why then id, reply, meta, blob, dl = fields_of(src, first, last) end
@@ -229,5 +241,67 @@ local function check(src, first, last, prio, priorities, max_bytes)
     return nil, why, is_name(id) and id or nil, is_name(reply) and reply or nil
   end
   return id, reply, meta, blob, dl
+end
+"""
+
+# Tenants (docs/protocol.md, Tenants): begin_tenants(base, streams) takes the queue's key base
+# ('<prefix>:{<queue>}:') and the work streams (priority 0 first); TK names the tenants' keys
+# from the base as batchline/keys.py's QueueKeys does (tests/transport/test_tenant_keys.py
+# compares them); tenant_config(t) is a tenant's config from the queue's tenants hash (a
+# table, empty for none or one that is not a JSON object), read once per call.
+TENANTS = r"""
+local TK, work_streams, configs = {}, {}, {}
+local tenant_base = ''
+local function begin_tenants(base, streams)
+  tenant_base, work_streams, configs = base or '', streams or {}, {}
+end
+function TK.inbox(t) return tenant_base .. 'in:' .. t end
+function TK.wakes() return tenant_base .. 'wake' end
+function TK.tenants() return tenant_base .. 'tenants' end
+function TK.backlog(t, p) return tenant_base .. 'bl:' .. t .. ':' .. p end
+function TK.fair(p) return tenant_base .. 'fair:' .. p end
+function TK.fair_clock() return tenant_base .. 'fairclock' end
+function TK.backlog_counts() return tenant_base .. 'backlog' end
+function TK.quota(t, kind, minute)
+  return tenant_base .. 'quota:' .. t .. ':' .. kind .. ':' .. minute
+end
+function TK.in_flight(t) return tenant_base .. 'inflight:' .. t end
+function TK.usage(day) return tenant_base .. 'usage:' .. day end
+local function is_tenant(s)
+  return type(s) == 'string' and #s >= 1 and #s <= 64 and s ~= '-'
+    and not string.find(s, '[^%w_%-]')
+end
+local function in_namespace(t, name)  -- whether a request or producer id is t's
+  return type(name) == 'string' and string.sub(name, 1, #t + 1) == t .. '.'
+end
+local function wake_element(t) return cmsgpack.pack({'t', t}) end
+local function tenant_config(t)
+  local found = configs[t]
+  if found then return found end
+  local raw = redis.call('HGET', TK.tenants(), t)
+  local ok, config = false, nil
+  if raw then ok, config = pcall(cjson.decode, raw) end
+  if not ok or type(config) ~= 'table' then config = {} end
+  configs[t] = config
+  return config
+end
+"""
+
+# The two steps of a tenant's new request that the fair share and the quotas own, each a
+# small function of its own (docs/protocol.md, Tenants):
+# - quota_peek(tenant, cost, config): the enqueue function's read-only look (producer
+#   rights): nil, or {retry_ms, limit name} to answer {'quota', retry_ms, limit} at once.
+# - quota_admit(tenant, id, cost, config): the admission's (worker rights): nil admits it;
+#   {limit = name, message = text, retry_ms = n} refuses it (a QuotaExceeded error result);
+#   a string holds it under that name instead (over_quota 'idle': '<tenant>~over').
+# - hold(tenant, prio, fields, cost, id, h): a new request admitted (fields: its entry's, tn
+#   and cost included; h: its input hash): held for the fair share (batchline/transport/
+#   _fair.py's FAIR, which the library puts after these).
+HOOKS = r"""
+local function quota_peek(tenant, cost, config)
+  return nil
+end
+local function quota_admit(tenant, id, cost, config)
+  return nil
 end
 """

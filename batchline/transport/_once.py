@@ -42,9 +42,12 @@ def input_hash(meta: bytes, blob: bytes) -> str:
     return digest.hexdigest()
 
 
-def cache_hash(model_id: str, input_key: str) -> str:
-    """The cache hash of one input (its :func:`input_hash`) for the model ``model_id``."""
+def cache_hash(model_id: str, input_key: str, tenant: str | None = None) -> str:
+    """The cache hash of one input (its :func:`input_hash`) for the model ``model_id``, and
+    for ``tenant`` (None: untenanted): tenants never share cached answers."""
     data = model_id.encode() + b"\n" + input_key.encode()
+    if tenant is not None:
+        data += b"\n" + tenant.encode()
     return hashlib.sha1(data, usedforsecurity=False).hexdigest()
 
 

@@ -60,6 +60,7 @@ class Parts:
     own_client: bool  # made from the settings (closed with the worker)
     writer_client: RedisClient  # the writer's own connection
     admit_client: RedisClient  # the admitter's (it blocks on the inbox)
+    wake_client: RedisClient  # the admitter's wake loop's (it blocks on the wake list)
     counts: Counter[str]  # answers by status
     trace: WorkerTrace | None  # its spans (None: tracing off)
     metrics: Metrics
@@ -83,7 +84,8 @@ class Parts:
 
     def owned_clients(self) -> list[RedisClient]:
         """The connections the worker made itself (closed as it stops)."""
-        own = [c for c in (self.writer_client, self.admit_client) if c is not self.redis]
+        mine = (self.writer_client, self.admit_client, self.wake_client)
+        own = [c for c in mine if c is not self.redis]
         return [*own, self.redis] if self.own_client else own
 
 
@@ -166,6 +168,7 @@ def assemble(
         dispatcher=dispatcher,
     )
     admit_client = dedicated(client)  # it blocks on the inbox
+    wake_client = dedicated(client)  # it blocks on the wake list
     return Parts(
         settings=s,
         model=model,
@@ -175,6 +178,7 @@ def assemble(
         own_client=own_client,
         writer_client=writer_client,
         admit_client=admit_client,
+        wake_client=wake_client,
         counts=counts,
         trace=trace,
         metrics=metrics,
@@ -200,7 +204,13 @@ def assemble(
             serving,
             after_read=dispatcher.after_read,
         ),
-        admitter=Admitter(admit_client, s, worker_id=worker_id, dispatcher=dispatcher),
+        admitter=Admitter(
+            admit_client,
+            s,
+            worker_id=worker_id,
+            wake_client=wake_client,
+            dispatcher=dispatcher,
+        ),
         upkeep=Upkeep(
             claims,
             guard,

@@ -252,6 +252,7 @@ class Worker:
         }
         if self._admits:
             jobs["admitter"] = p.admitter.run(running.is_set)
+            jobs["admitter-wakes"] = p.admitter.run_wakes(running.is_set)
         return [loop.create_task(job, name=f"batchline-{name}") for name, job in jobs.items()]
 
     async def _close(self, tasks: list[asyncio.Task[None]]) -> None:

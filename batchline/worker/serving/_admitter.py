@@ -13,6 +13,12 @@ for it, and the errors it withheld (an element refused under an id that belongs 
 request), are logged. The entries it adds wake the
 readers of every worker (``XREADGROUP BLOCK``) like any entry.
 
+Tenants (docs/protocol.md, Tenants): a tenant's producers append to the tenant's inbox and a
+wake to the wake list, which a second loop blocks on (``BLMOVE`` of the wake list onto itself,
+a rotation: a wake stays in Redis until the admit function takes it), on a connection of its
+own; and at most once a second the admitter mirrors the tenant store's configs into the
+queue's ``tenants`` hash when the store's version moved (:class:`TenantMirror`).
+
 A failover to a node without the library (or a ``FUNCTION FLUSH``) shows as a missing
 function: the admitter loads it again (it calls the admit function at least once a second,
 so it finds out even while producers, refused, add nothing). Redis failures are ridden out
@@ -27,7 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from redis.exceptions import ResponseError
+from redis.exceptions import NoPermissionError, ResponseError
 
 from batchline.config import WorkerSettings
 from batchline.transport import (
@@ -35,6 +41,7 @@ from batchline.transport import (
     CANCELS_MAXLEN,
     Backoff,
     RedisClient,
+    TenantMirror,
     function_missing,
     load_library,
     once_keys,
@@ -63,6 +70,8 @@ class Admitter:
         client: a client for this loop alone (it blocks on the inbox).
         settings: the worker's settings (its queue, TTLs, cache).
         worker_id: named in the dead letters of refused elements.
+        wake_client: a client for the wake loop alone (it blocks on the wake list; None:
+            no wake loop, tenants' inboxes are admitted with the inbox's calls).
         dispatcher: the fair share's side of the worker (None: one of its own): the admit
             function dispatches after admitting, and says how many requests the backlogs
             still hold.
@@ -74,9 +83,12 @@ class Admitter:
         settings: WorkerSettings,
         *,
         worker_id: str,
+        wake_client: RedisClient | None = None,
         dispatcher: Dispatcher | None = None,
     ) -> None:
         self._client = client
+        self._wake_client = wake_client
+        self._mirror: TenantMirror | None = TenantMirror(settings.keys)
         self._dispatcher = dispatcher = dispatcher or Dispatcher(settings)
         keys = self.keys = settings.keys
         self._keys = [
@@ -102,6 +114,9 @@ class Admitter:
             # The queue's bound, held here whoever wrote the inbox.
             settings.max_queue_depth,
             keys.job(""),
+            # The tenants' keys are named from it (docs/protocol.md, Tenants).
+            keys.base_prefix,
+            # The fair share's block (docs/protocol.md, Tenants: the fair share).
             *dispatcher.args,
         ]
         self._max_depth = settings.max_queue_depth
@@ -109,6 +124,8 @@ class Admitter:
         #: Requests refused for the queue's depth, and errors withheld (an element under an
         #: id that belongs to another request), since the worker started.
         self.refused = self.withheld = 0
+        #: Tenants' requests refused for a quota (QuotaExceeded), since the worker started.
+        self.over_quota = 0
         self._unreported = [0, 0]  # the same, since the last line that told them
         self._quiet_until = 0.0
 
@@ -116,12 +133,14 @@ class Admitter:
         """The arguments of ``FCALL`` for one call of the admit function."""
         return [ADMIT, len(self._keys), *self._keys, *self._args]
 
-    async def admit(self) -> int:
-        """One call of the admit function; returns how many elements the inbox still
-        holds."""
-        admitted, left, refused, withheld, held = await self._client.fcall(*self.call())
+    async def admit(self, client: RedisClient | None = None) -> int:
+        """One call of the admit function (on ``client``, default the admitter's); returns
+        how many elements the inbox, the job list and the wake list still hold."""
+        answer = await (client or self._client).fcall(*self.call())
+        admitted, left, refused, withheld = answer[:4]
+        self.over_quota += int(answer[4]) if len(answer) > 4 else 0
+        self._dispatcher.held = int(answer[5]) if len(answer) > 5 else 0
         self.admitted += int(admitted)
-        self._dispatcher.held = int(held)
         if refused or withheld:
             self._tell(int(refused), int(withheld))
         return int(left)
@@ -154,9 +173,49 @@ class Admitter:
     async def admit_all(self) -> None:
         """Admit what the inbox holds (as the worker starts), up to 64 calls' worth: the
         admitter takes on from there."""
+        await self.mirror()
         for _ in range(64):
             if not await self.admit():
                 return
+
+    async def mirror(self) -> None:
+        """Mirror the tenants' configs if due (at most once a second; one GET). A worker
+        whose user may not read the tenant store says so once and mirrors nothing."""
+        if self._mirror is None:
+            return
+        try:
+            await self._mirror.step(self._client)
+        except NoPermissionError as exc:
+            self._mirror = None
+            logger.warning(
+                "admitter: queue %r: this worker may not read the tenant store or write the "
+                "queue's tenants hash (the rules `batchline acl` prints allow it): tenants' "
+                "configs are not mirrored: %s",
+                self.keys.queue,
+                exc,
+            )
+
+    async def run_wakes(self, running: Callable[[], bool]) -> None:
+        """Admit tenants' inboxes as wakes come, until ``running()`` is false (a loop of its
+        own on the wake client; the inbox's loop admits them too, at least once a second)."""
+        client = self._wake_client
+        if client is None:
+            return
+        backoff = Backoff(logger, "admitter (wakes)")
+        wakes = self.keys.wakes
+        while running():
+            try:
+                # A rotation: the wake stays in the list until the admit function takes it.
+                if await client.blmove(wakes, wakes, _BLOCK_S, "LEFT", "RIGHT") is not None:
+                    while await self.admit(client) and running():
+                        pass
+            except Exception as caught:  # the inbox's loop reloads a missing library
+                failure = caught if isinstance(caught, ResponseError) else redis_failure(caught)
+                if failure is None:
+                    raise
+                await backoff.wait(failure)
+                continue
+            backoff.reset()
 
     async def run(self, running: Callable[[], bool]) -> None:
         """Admit until ``running()`` is false; rides out Redis restarts and failovers."""
@@ -171,6 +230,7 @@ class Admitter:
                     await self._client.blmove(
                         self.keys.inbox, self.keys.admitting, _BLOCK_S, "LEFT", "RIGHT"
                     )
+                await self.mirror()
                 left = await self.admit()
             except ResponseError as exc:
                 if function_missing(exc):

@@ -14,6 +14,7 @@ from batchline.codec._requests import salvage_id
 from batchline.codec._results import result_fields
 from batchline.drivers._base import Call
 from batchline.errors import RequestCancelled, RequestTimeout
+from batchline.tenants import is_tenant
 from batchline.tracing import log_extra
 from batchline.transport import input_hash
 from batchline.worker.models import Model, Prepared
@@ -97,6 +98,7 @@ def answer(
     record.cut = cut or status in ("cancelled", "expired")
     if cache_hash or record.cut:
         record.cache_hash, record.input_hash = cache_hash, ih
+        record.tenant = request.get("tenant")
     return record
 
 
@@ -151,6 +153,8 @@ def dead_letter(
     record.request_id, record.reply = request_id, reply
     if ih and _CACHE_HASH.fullmatch(ck):
         record.cache_hash, record.input_hash = ck.decode(), ih
+        tenant = raw.get(b"tn", b"").decode("utf-8", "replace")
+        record.tenant = tenant if is_tenant(tenant) else None
     return record
 
 

@@ -67,9 +67,11 @@ class Dispatcher:
         self._batch = settings.batch_size
         self._generation = generation
         self._streams = keys.streams_low_first
+        #: The fair share's block of the admit and dispatch functions' arguments.
         self.args = fair_args(
             keys, ahead=self.ahead, on=settings.fair_share, result_ttl_s=settings.result_ttl_s
         )
+        self._base = keys.base_prefix
         self.held = 0
         self.calls = 0
         self._corrections: dict[tuple[str, int], int] = {}
@@ -86,11 +88,11 @@ class Dispatcher:
             return
         request: Any = meta.request
         estimate = request.get("cost")
-        if estimate is None and request.get("tn") is None:
+        if estimate is None and request.get("tenant") is None:
             return  # untenanted and no estimate: nothing to correct
         delta = real_cost(call) - min(1_000_000, max(1, int(estimate or 1)))
         if delta:
-            key = (request.get("tn") or "-", meta.sidx)
+            key = (request.get("tenant") or "-", meta.sidx)
             self._corrections[key] = self._corrections.get(key, 0) + delta
 
     async def after_read(self, client: RedisClient) -> None:
@@ -105,7 +107,7 @@ class Dispatcher:
             flat += (tenant, priority, delta)
         try:
             held = await client.fcall(
-                DISPATCH, len(self._streams), *self._streams, *self.args, *flat
+                DISPATCH, len(self._streams), *self._streams, self._base, *self.args, *flat
             )
         except ResponseError as exc:
             if not function_missing(exc):  # missing: the admitter loads it again

@@ -230,6 +230,7 @@ class AnswerCache:
         worker's for the input it ran) and the in-flight mark to clear; empty where none."""
         if not record.cache_hash:
             return "", ""
-        mine = self.ttl_s > 0 and cache_hash(self.model_id, record.input_hash) == record.cache_hash
+        ours = cache_hash(self.model_id, record.input_hash, record.tenant)
+        mine = self.ttl_s > 0 and ours == record.cache_hash
         cache = self.keys.cache(record.cache_hash) if mine else ""
         return cache, self.keys.in_flight(record.cache_hash)

@@ -71,6 +71,7 @@ class Record:
     # otherwise.
     cache_hash: str = ""
     input_hash: str = ""
+    tenant: str | None = None  # the entry's tn: its cache hash is that tenant's
     # Cut short (cancelled, expired, a generation ended by a cancel or its deadline): never
     # cached nor given to requests coalesced onto it, and a resubmit of its id runs again.
     cut: bool = False
