@@ -175,7 +175,9 @@ local function dispatch_streams()
   return total
 end
 -- A correction of a tenant's virtual time at priority p: its real cost less the estimate,
--- over its weight; never below the clock (no credit beyond what the others are owed).
+-- over its weight. A backlogged tenant's next start moves by it, below the clock too (a
+-- refund gives back what the estimates charged: the clock moved on meanwhile because of
+-- them); an idle one's last finish, never below the clock (going idle earns no credit).
 local function correct(tenant, p, delta)
   p, delta = tonumber(p), tonumber(delta)
   if type(tenant) ~= 'string' or not p or not delta or delta ~= delta or delta == 0 then
@@ -186,7 +188,7 @@ local function correct(tenant, p, delta)
   local clock = tonumber(redis.call('HGET', fair_clock, clock_of(tenant, p))) or 0
   local start = redis.call('ZSCORE', zset, tenant)
   if start then
-    redis.call('ZADD', zset, math.max(clock, tonumber(start) + shift), tenant)
+    redis.call('ZADD', zset, tonumber(start) + shift, tenant)
     return
   end
   local last = tonumber(redis.call('HGET', fair_clock, last_of(tenant, p)))
