@@ -107,11 +107,11 @@ local function send(stream, e, id, h)
   if cancelled then
     local stamped = false
     for j = 1, #fields - 1, 2 do
-      if fields[j] == 'ts' then fields[j + 1], stamped = '0', true end
+      if fields[j] == 'ts' then fields[j + 1], stamped = '1', true end
     end
     if not stamped then
       fields[#fields + 1] = 'ts'
-      fields[#fields + 1] = '0'
+      fields[#fields + 1] = '1'
     end
   end
   local entry = redis.call('XADD', stream, '*', unpack(fields))

@@ -174,7 +174,6 @@ def test_priorities_come_first(
     assert [x for x in order if x.startswith("A")] == [f"A{i}" for i in range(20)]
 
 
-@pytest.mark.xfail(reason="a cancel of a held request is not yet honoured: under investigation")
 def test_a_request_cancelled_while_held_is_answered_cancelled_and_never_run(
     rclient: redis.Redis, keys: QueueKeys, start_worker: Any, record: Path
 ) -> None:
