@@ -97,8 +97,9 @@ local function hold(tenant, p, fields, cost, id, h)
   redis.call('SET', fair_rid .. id, h .. ' @', 'EX', fair_ttl)
 end
 -- One held request into its stream, unless an earlier copy of its id went already. A
--- request cancelled while held goes with ts 0, so that every worker's cancel log covers it
--- (a cancel covers the entries of its id enqueued before it) and answers it cancelled.
+-- request cancelled while held goes with ts 1 (ts 0 reads as none), so that every worker's
+-- cancel log covers it (a cancel covers the entries of its id enqueued before it) and
+-- answers it cancelled.
 local function send(stream, e, id, h)
   local known = redis.call('GET', fair_rid .. id)
   local waiting, cancelled = known == h .. ' @', known == h .. ' !'
