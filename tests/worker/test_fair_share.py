@@ -6,6 +6,7 @@ the order the model saw the items (recorded), never timing.
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -199,3 +200,23 @@ def test_depth_and_status_count_what_is_held(rclient: redis.Redis, keys: QueueKe
     assert rclient.hget(keys.backlog_counts, "0") == b"2"
     refused = [result(rclient, keys, f"A.a{i}") for i in range(6, 10)]
     assert [r.error_type for r in refused] == ["QueueFull"] * 4
+
+
+def test_a_worker_killed_mid_run_loses_nothing_held(
+    rclient: redis.Redis, keys: QueueKeys, spawn_worker: Any, tmp_path: Path
+) -> None:
+    path = tmp_path / "killed.jsonl"
+    env = {"BLTEST_RECORD_FILE": str(path), "BLTEST_SLOW_S": "0.05"}
+    ids = [enqueue(rclient, keys, "A", f"a{i}", f"A{i}") for i in range(40)]
+    ids += [enqueue(rclient, keys, "B", f"b{i}", f"B{i}") for i in range(10)]
+    admit_inbox(rclient, keys, batch_size=2)
+    settings = {"batch_size": 2, "claim_idle_ms": 500, "max_restarts_per_min": 0}
+    first = spawn_worker(spec("slow"), env=env, **settings)
+    wait_until(lambda: len(served(path)) >= 10, "10 requests served by the first worker")
+    first.signal(signal.SIGKILL)
+    first.wait()
+    spawn_worker(spec("slow"), env=env, **settings)
+    wait_until(lambda: all(rclient.exists(keys.result(i)) for i in ids), "every request answered")
+    assert {result(rclient, keys, i).status for i in ids} == {"ok"}
+    assert rclient.hvals(keys.backlog_counts) == [b"0"]
+    assert not rclient.exists(keys.backlog("A", 0), keys.backlog("B", 0), keys.fair(0))
