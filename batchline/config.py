@@ -398,12 +398,9 @@ class WorkerSettings(ServiceSettings):
         stream_max_unread_s: ``generate`` only: a producer whose reply stream holds an
             entry unread for longer than this is taken as gone, and its streamed requests
             are cancelled.
-        fair_share: within each priority, tenants share the workers in proportion to their
-            weights, measured in cost (items; tokens for ``generate``): their requests are
-            held in backlogs and dispatched into the work streams about two batches ahead
-            of the workers, least served first (untenanted requests too, as one tenant,
-            while a tenant is backlogged). Off: first come, first served, as without
-            tenants. Workers of one queue should agree.
+        fair_share: tenants share the workers of each priority by weight, in cost (items,
+            or tokens for ``generate``), dispatched two batches ahead, least served first;
+            false serves them first come, first served (workers of a queue should agree).
     """
 
     model: str = "sentence-transformers"

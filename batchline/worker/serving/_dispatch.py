@@ -3,8 +3,7 @@
 The admit function holds tenants' requests in backlogs and dispatches them into the work
 streams, least virtual start first, while a stream holds fewer than ``ahead`` undelivered
 entries (:mod:`batchline.transport._fair`). So that the streams refill as workers take
-entries, and not only when the next inbox element comes, the reader calls :meth:`Dispatcher.
-after_read` after each read that took entries: while the backlogs hold anything (as the last
+entries, and not only when the next inbox element comes, the reader calls :meth:`Dispatcher.after_read` after each read that took entries: while the backlogs hold anything (as the last
 admit or dispatch call said; every worker's admitter calls the admit function at least once a
 second), that is one call of the dispatch function per read, none per request; with nothing
 held, none at all. The call carries the corrections gathered since the last one: for each
