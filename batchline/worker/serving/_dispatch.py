@@ -3,12 +3,14 @@
 The admit function holds tenants' requests in backlogs and dispatches them into the work
 streams, least virtual start first, while a stream holds fewer than ``ahead`` undelivered
 entries (:mod:`batchline.transport._fair`). So that the streams refill as workers take
-entries, and not only when the next inbox element comes, the reader calls :meth:`Dispatcher.after_read` after each read that took entries: while the backlogs hold anything (as the last
-admit or dispatch call said; every worker's admitter calls the admit function at least once a
-second), that is one call of the dispatch function per read, none per request; with nothing
-held, none at all. The call carries the corrections gathered since the last one: for each
-tenant and priority, the real cost of its requests answered (generation: prompt and generated
-tokens; otherwise items) less the producer's estimate (``cost``).
+entries, and not only when the next inbox element comes, the reader calls
+:meth:`Dispatcher.after_read` after each read that took entries: while the backlogs hold
+anything (as the last admit or dispatch call said; every worker's admitter calls the admit
+function at least once a second), that is one call of the dispatch function per read, none
+per request; with nothing held, none at all. The call carries the corrections gathered since
+the last one: for each tenant and priority, the real cost of its requests answered
+(generation: prompt and generated tokens; otherwise items) less the producer's estimate
+(``cost``).
 
 While anything is held, the worker also holds at most one batch waiting ahead of its model
 (its ``read_ahead`` window applies otherwise), so that what it read is taken in the order
