@@ -18,6 +18,13 @@ given a name it cannot list, cancel or attach to a request by its id, or read or
 another producer's reply stream (a producer id ends in 128 random bits). The worker
 credentials are trusted: a worker writes results.
 
+A tenant's producer user (:func:`tenant_rules`, ``batchline acl --tenant``) may do what a
+producer does for that tenant alone: append to its own inbox and the wake list (not the
+shared inbox nor the job list: no untenanted request, cancel or note), read its own results,
+``rid:``, job and reply keys (its request and producer ids start with ``<tenant>.``), its
+quota counters; nothing of another tenant's (docs/protocol.md, Tenants). The producer user
+(the web backend's) may act for every tenant.
+
 Redis checks the keys a script or a function touches (``redis.call``) against the rules of
 the user running it, so a function grants nothing beyond the commands listed here: which is
 why producers write only the inbox. Each set is a list of ``ACL SETUSER`` arguments (without
@@ -31,9 +38,18 @@ from __future__ import annotations
 import shlex
 from typing import Literal
 
-from batchline.keys import BatchApiKeys, QueueKeys
+from batchline.keys import BatchApiKeys, QueueKeys, TenantKeys
+from batchline.tenants import check_tenant
 
-__all__ = ["ROLES", "Role", "acl_rules", "acl_setuser", "batch_api_rules"]
+__all__ = [
+    "ROLES",
+    "Role",
+    "acl_rules",
+    "acl_setuser",
+    "batch_api_rules",
+    "tenant_rules",
+    "tenant_setuser",
+]
 
 Role = Literal["producer", "worker"]
 ROLES: tuple[Role, ...] = ("producer", "worker")
@@ -51,14 +67,22 @@ def _producer(keys: QueueKeys) -> list[str]:
         f"~{keys.admitting}",
         f"~{keys.stream_prefix}*",
         f"~{keys.job_list}",
+        f"~{keys.tenant_inbox('*')}",
+        f"~{keys.wakes}",
         "+fcall",
         # Inside the enqueue, cancel and job functions: append to the inbox and the job list
-        # (RPUSH cannot remove anything); the backlog for the depth check and queue_depth();
-        # whether a job note (its exact bytes) still waits for the admission.
-        f"(~{keys.inbox} ~{keys.job_list} +rpush)",
-        f"(%R~{keys.inbox} %R~{keys.admitting} %R~{keys.stream_prefix}* +llen +xlen)",
+        # (RPUSH cannot remove anything), and, for any tenant (the web backend serves them
+        # all), to tenants' inboxes and the wake list; the backlog for the depth check and
+        # queue_depth(); whether a job note (its exact bytes) still waits for the admission.
+        f"(~{keys.inbox} ~{keys.job_list} ~{keys.tenant_inbox('*')} ~{keys.wakes} +rpush)",
+        f"(%R~{keys.inbox} %R~{keys.admitting} %R~{keys.stream_prefix}* "
+        f"%R~{keys.tenant_inbox('*')} +llen +xlen)",
         f"(%R~{keys.backlog_counts} +hvals)",
-        f"(%R~{keys.job_list} +lpos)",
+        f"(%R~{keys.job_list} %R~{keys.tenant_inbox('*')} +lpos)",
+        # Tenants' configs and quota counters (the tenant enqueue function's look).
+        f"(%R~{keys.tenants} +hget)",
+        f"(%R~{keys.quota('*', '*', '*')} +get)",
+        f"(%R~{keys.tenant_in_flight('*')} +zcard +zcount)",
         # Read only: results (polling), and what the enqueue function decides from (input
         # hashes of ids, the cache, in-flight marks, the model identity); the model's
         # facts, the functions' tag, job markers. The counters and the job markers are
@@ -99,19 +123,33 @@ def _worker(keys: QueueKeys) -> list[str]:
         # The functions' tag it publishes; the job markers its admission writes.
         f"~{keys.functions}",
         f"~{keys.job('*')}",
-        # The fair share: tenants' backlogs, the backlogged tenants and their virtual
-        # times, the backlogs' counts; the tenants' weights.
-        f"~{keys.backlog_prefix}*",
-        f"~{keys.fair_prefix}*",
+        # Tenants: their inboxes and wakes, configs (mirrored from the tenant store, which it
+        # reads only: never the API keys), the fair share's backlogs and clocks, quotas,
+        # requests in flight, usage.
+        f"~{keys.tenant_inbox('*')}",
+        f"~{keys.wakes}",
+        f"~{keys.tenants}",
+        f"~{keys.backlog('*', '*')}",
+        f"~{keys.fair('*')}",
         f"~{keys.fair_clock}",
         f"~{keys.backlog_counts}",
-        f"~{keys.tenants}",
+        f"~{keys.quota('*', '*', '*')}",
+        f"~{keys.tenant_in_flight('*')}",
+        f"~{keys.usage('*')}",
+        f"%R~{TenantKeys(keys.prefix).version}",
+        f"%R~{TenantKeys(keys.prefix).config}",
         "+rpush",
         "+hget",
         "+hset",
-        "+hvals",
+        "+hdel",
+        "+hmget",
+        "+incrby",
+        "+zcard",
+        "+zcount",
         "+zrange",
         "+zscore",
+        "+hincrbyfloat",
+        "+hvals",
         "+smembers",
         "+sadd",
         "+del",
@@ -211,6 +249,48 @@ def acl_rules(keys: QueueKeys, role: Role, *, batch_api: bool = False) -> list[s
         raise ValueError("the Batch API's rules go to the producer user (the web backend)")
     extra = batch_api_rules(keys.prefix) if batch_api else []
     return ["resetkeys", "resetchannels", "-@all", *_COMMON, *build(keys), *extra]
+
+
+def tenant_rules(keys: QueueKeys, tenant: str) -> list[str]:
+    """The ``ACL SETUSER`` rules of one tenant's producer user for the queue of ``keys``
+    (docs/protocol.md, Tenants), starting from nothing like :func:`acl_rules`."""
+    t = check_tenant(tenant)
+    own_inbox = keys.tenant_inbox(t)
+    return [
+        "resetkeys",
+        "resetchannels",
+        "-@all",
+        *_COMMON,
+        # The keys the tenant functions declare; inside them, only what the selectors allow
+        # (the untenanted functions' RPUSH to the inbox or the job list is refused).
+        f"~{own_inbox}",
+        f"~{keys.wakes}",
+        f"~{keys.inbox}",
+        f"~{keys.admitting}",
+        f"~{keys.stream_prefix}*",
+        "+fcall",
+        f"(~{own_inbox} ~{keys.wakes} +rpush)",
+        f"(%R~{own_inbox} %R~{keys.inbox} %R~{keys.admitting} %R~{keys.stream_prefix}* "
+        "+llen +xlen)",
+        f"(%R~{own_inbox} +lpos)",
+        # Its own requests' keys (their ids start with '<tenant>.'), and what the enqueue
+        # function decides from.
+        f"(%R~{keys.result(t + '.*')} %R~{keys.request_input(t + '.*')} "
+        f"%R~{keys.cache('*')} %R~{keys.in_flight('*')} %R~{keys.model} %R~{keys.facts} "
+        f"%R~{keys.functions} %R~{keys.job(t + '.*')} %R~{keys.quota(t, '*', '*')} +get)",
+        f"(%R~{keys.tenants} +hget)",
+        f"(%R~{keys.tenant_in_flight(t)} +zcard +zcount)",
+        f"(%R~{keys.reply(t + '.*')} +xread)",
+        f"(%W~{keys.reply(t + '.*')} +xdel +del)",
+        f"(%R~{keys.workers} +zcount)",
+    ]
+
+
+def tenant_setuser(keys: QueueKeys, tenant: str, *, user: str | None = None) -> str:
+    """One ``ACL SETUSER`` command of a tenant's producer user (default name
+    ``<prefix>-tenant-<tenant>``), quoted for a shell; the password is left to add."""
+    name = user or f"{keys.prefix}-tenant-{check_tenant(tenant)}"
+    return shlex.join(["ACL", "SETUSER", name, "reset", "on", *tenant_rules(keys, tenant)])
 
 
 def acl_setuser(keys: QueueKeys, role: Role, *, user: str, batch_api: bool = False) -> str:

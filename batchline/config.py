@@ -23,6 +23,7 @@ from batchline.devices import check_device
 from batchline.drivers._options import DEFAULTS
 from batchline.keys import QueueKeys, check_name
 from batchline.redis_url import is_sentinel_url, parse_sentinel_url
+from batchline.tenants import check_tenant
 
 __all__ = [
     "ENV_PREFIX",
@@ -176,6 +177,9 @@ class ProducerSettings(ServiceSettings):
         no_worker_log_s: how long a request may wait for its answer, on a queue that no
             live worker serves, before the producer logs a warning saying so (again at
             doubling intervals while it lasts, with or without a ``timeout_s``); 0: never.
+        tenant: the tenant the producer's requests are for (1-64 letters, digits, ``_`` or
+            ``-``; none: untenanted); a call's own ``tenant=`` overrides it. Needs the
+            queue's functions (Redis >= 7; docs/protocol.md, Tenants).
     """
 
     default_priority: int = Field(default=1, ge=0)
@@ -183,6 +187,21 @@ class ProducerSettings(ServiceSettings):
     max_result_bytes: int = Field(default=64 << 20, ge=1)
     admission: Literal["auto", "functions", "scripts"] = "auto"
     no_worker_log_s: float = Field(default=5.0, ge=0)
+    tenant: str | None = None
+
+    @field_validator("tenant")
+    @classmethod
+    def _tenant_name(cls, value: str | None) -> str | None:
+        return None if value is None else check_tenant(value)
+
+    @model_validator(mode="after")
+    def _tenant_needs_functions(self) -> ProducerSettings:
+        if self.tenant is not None and self.admission == "scripts":
+            raise ValueError(
+                f"tenant {self.tenant!r}: a tenant's requests go through the queue's "
+                "functions (Redis >= 7), which admission='scripts' does not use"
+            )
+        return self
 
     def limits(self) -> Limits:
         """What the producer accepts in a result."""

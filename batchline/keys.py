@@ -279,7 +279,7 @@ class QueueKeys:
         """What every backlog's name starts with (``bl:<tenant>:<p>`` follows)."""
         return f"{self.base}:bl:"
 
-    def backlog(self, tenant: str, priority: int) -> str:
+    def backlog(self, tenant: str, priority: int | str) -> str:
         """A tenant's requests admitted and held for the fair share, at one priority."""
         return f"{self.backlog_prefix}{tenant}:{priority}"
 
@@ -288,7 +288,7 @@ class QueueKeys:
         """What the fair share's sorted sets' names start with (``<p>`` follows)."""
         return f"{self.base}:fair:"
 
-    def fair(self, priority: int) -> str:
+    def fair(self, priority: int | str) -> str:
         """The backlogged tenants of one priority, scored by virtual start time."""
         return f"{self.fair_prefix}{priority}"
 
@@ -307,7 +307,7 @@ class QueueKeys:
         """How many requests the backlogs hold, per priority (a hash)."""
         return f"{self.base}:backlog"
 
-    def quota(self, tenant: str, kind: str, minute: int) -> str:
+    def quota(self, tenant: str, kind: str, minute: int | str) -> str:
         """A tenant's count of ``kind`` (``r`` requests, ``t`` tokens) in one unix minute."""
         return f"{self.base}:quota:{tenant}:{kind}:{minute}"
 

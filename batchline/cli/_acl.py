@@ -22,11 +22,23 @@ def acl_settings(args: argparse.Namespace) -> Any:
 
 
 def _acl(args: argparse.Namespace) -> int:
-    from batchline.acl import ROLES, acl_setuser
+    from batchline.acl import ROLES, acl_setuser, tenant_setuser
     from batchline.keys import QueueKeys
+    from batchline.tenants import is_tenant
 
     settings = acl_settings(args)
     keys = QueueKeys(settings.queue, settings.prefix)  # the rules cover every priority's stream
+    if args.tenant is not None:
+        if not is_tenant(args.tenant):
+            raise UsageError(
+                f"--tenant: 1-64 letters, digits, '_' or '-' (not '-' alone), got {args.tenant!r}"
+            )
+        if args.batch_api or args.role != "both":
+            raise UsageError(
+                "--tenant prints one tenant's producer user: not with --role or --batch-api"
+            )
+        print(tenant_setuser(keys, args.tenant))
+        return 0
     if args.batch_api and args.role == "worker":
         raise UsageError("--batch-api adds to the producer user: not with --role worker")
     for role in ROLES if args.role == "both" else (args.role,):
@@ -64,6 +76,15 @@ def acl_parser(sub: Any) -> argparse.ArgumentParser:
         action="store_true",
         text="give the producer user the Batch API's keys too (<prefix>:{batchapi}:*, every "
         "tenant's files and batches): for the web backend serving /v1/files and /v1/batches",
+    )
+    add_option(
+        acl,
+        "--tenant",
+        metavar="TENANT",
+        default=None,
+        text="print instead the producer user of one tenant (<prefix>-tenant-<TENANT>): it "
+        "may enqueue, wait for and cancel that tenant's requests only (docs/protocol.md, "
+        "Tenants)",
     )
     acl.set_defaults(run=_acl)
     return acl

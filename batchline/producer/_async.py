@@ -17,12 +17,10 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator, Iterable
-from dataclasses import dataclass, field
-from typing import Any, TypedDict, Unpack, cast
+from typing import Any, Unpack, cast
 
 from redis.exceptions import RedisError
 
@@ -36,12 +34,14 @@ from batchline.errors import (
     RequestIdConflict,
     RequestTimeout,
 )
-from batchline.keys import check_name, host_id
 from batchline.producer._enqueue import Enqueuer
 from batchline.producer._failures import timed_out, translated
+from batchline.producer._handle import EnqueueOptions, Handle, SubmitOptions
 from batchline.producer._replies import Answered, ReplyReader, Waiters, cached_result
 from batchline.producer._stream import StreamChunk, Streams, quiet_cancel
+from batchline.producer._tenancy import estimate_cost, producer_id_for, request_id_for
 from batchline.producer._watch import NoWorkerWatch
+from batchline.tenants import check_tenant
 from batchline.tracing import producer as producer_trace
 from batchline.transport import (
     Admission,
@@ -55,34 +55,6 @@ from batchline.transport import (
 __all__ = ["AsyncProducer", "EnqueueOptions", "Handle", "SubmitOptions"]
 
 logger = logging.getLogger(__name__)
-
-
-def _new_id() -> str:
-    """A random request id (128 bits; os.urandom is 4x quicker than uuid4 here)."""
-    return os.urandom(16).hex()
-
-
-class EnqueueOptions(TypedDict, total=False):
-    """What one enqueued request may set, taken by ``infer``, ``map`` and ``stream`` (see
-    :meth:`AsyncProducer.submit`)."""
-
-    deadline_ms: float | None
-    priority: int | None
-    request_id: str | None
-
-
-class SubmitOptions(EnqueueOptions, total=False):
-    """``submit``'s options: a request's, and whether its result is pushed to this producer."""
-
-    reply: bool
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class Handle:
-    """A submitted request: its id, and (for a producer waiting on it) where its result lands."""
-
-    id: str
-    _future: asyncio.Future[Result] | None = field(default=None, repr=False)
 
 
 class AsyncProducer:
@@ -108,9 +80,15 @@ class AsyncProducer:
         self.keys = self.settings.keys
         self._own_client = redis is None
         self._redis = as_client(redis) if redis is not None else connect(self.settings)
+        #: The tenant of its requests unless a call names one (None: untenanted).
+        self.tenant = self.settings.tenant
         # 128 random bits: a reply stream's name is all that keeps another producer from
         # reading it, and producer rights may probe names (docs/protocol.md, Access control).
-        self.producer_id = check_name("producer id", f"{host_id()}-{os.getpid()}-{_new_id()}")
+        # A tenant's starts with '<tenant>.'; one more per tenant a call names (_reply_to).
+        self.producer_id = producer_id_for(self.tenant)
+        self._producer_ids: dict[str | None, str] = {self.tenant: self.producer_id}
+        # The tenants of streamed requests waiting here (a stream left early is cancelled).
+        self._stream_tenants: dict[str, str] = {}
         self._admission = Admission(self.keys, self.settings.admission)
         self._reply_key = self.keys.reply(self.producer_id)
         self._limits = self.settings.limits()
@@ -118,11 +96,15 @@ class AsyncProducer:
         self._waiting = Waiters()
         # The streamed requests waiting here; one left before its end is cancelled.
         self._streams = Streams(
-            quiet_cancel(self._redis, self._admission, self.settings.result_ttl_s)
+            quiet_cancel(
+                self._redis,
+                self._admission,
+                self.settings.result_ttl_s,
+                tenant_of=lambda rid: self._stream_tenants.pop(rid, None),
+            )
         )
         #: Submits by what the enqueue script did with them (queued, result, cached, ...).
         self.counts: Counter[str] = Counter()
-        self._reader: asyncio.Task[None] | None = None
         self._closed = False
         url = redact_url(self.settings.redis_url.get_secret_value())
         self._replies = ReplyReader(
@@ -163,10 +145,7 @@ class AsyncProducer:
         """Start the reply reader (idempotent)."""
         if self._closed:
             raise BatcherClosed("this producer is closed")
-        if self._reader is None:
-            self._reader = asyncio.get_running_loop().create_task(
-                self._replies.run(), name=f"batchline-replies:{self.producer_id}"
-            )
+        self._replies.start(f"batchline-replies:{self.producer_id}")
         return self
 
     async def aclose(self) -> None:
@@ -177,8 +156,7 @@ class AsyncProducer:
         await self._enqueue.drain()  # the submits already accepted are written
         await self._streams.aclose()  # nobody will read them any more: stop generating
         await self._watch.aclose()
-        if self._reader is not None:
-            await self._replies.stop(self._reader)
+        await self._replies.close()
         for futs in self._waiting.values():
             for fut in futs:
                 if not fut.done():
@@ -186,7 +164,7 @@ class AsyncProducer:
                     fut.exception()  # retrieved: nobody may be waiting on it any more
         self._waiting.clear()
         with ignoring_redis_failures():
-            await self._redis.delete(self._reply_key)
+            await self._redis.delete(*self._replies.keys)
         await self._enqueue.aclose()
         if self._own_client:
             await self._redis.aclose()
@@ -207,6 +185,8 @@ class AsyncProducer:
         priority: int | None = None,
         request_id: str | None = None,
         reply: bool = True,
+        tenant: str | None = None,
+        cost: int | None = None,
     ) -> Handle:
         """Enqueue one request; returns its handle at once (QueueFull if the queue is full).
         A value that cannot travel is refused before anything is sent: TypeError (a type
@@ -219,8 +199,13 @@ class AsyncProducer:
             deadline_ms: drop the request (result ``expired``) if no worker starts it within
                 this many milliseconds.
             priority: 0 (lowest) to ``priorities - 1``; default ``default_priority``.
-            request_id: your own id (letters, digits, ``_.-``); default a random one.
+            request_id: your own id (letters, digits, ``_.-``); default a random one. For a
+                tenant it must start with ``<tenant>.`` (ValueError otherwise).
             reply: push the result to this producer (False: only the result key, for pollers).
+            tenant: the tenant it is for (default the producer's ``tenant``); a tenant's
+                quotas refuse it with QuotaExceeded.
+            cost: its cost in the fair share and the token quotas (default: estimated from
+                the value: items, or prompt characters / 4 + ``max_new_tokens``).
         """
         ack: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         rid, fut = await self._send(
@@ -230,6 +215,8 @@ class AsyncProducer:
             request_id=request_id,
             reply=reply,
             ack=ack,
+            tenant=tenant,
+            cost=cost,
         )
         try:
             outcome: Answered = await ack
@@ -246,7 +233,7 @@ class AsyncProducer:
             self._waiting.drop(rid, fut)
             fut = asyncio.get_running_loop().create_future()
             fut.set_result(outcome.now)
-        return Handle(rid, fut)
+        return Handle(rid, fut, self._tenant(tenant))
 
     async def _send(
         self,
@@ -258,18 +245,23 @@ class AsyncProducer:
         reply: bool,
         ack: asyncio.Future[Any] | None = None,
         stream: bool = False,
+        tenant: str | None = None,
+        cost: int | None = None,
     ) -> tuple[str, asyncio.Future[Result] | None]:
         """Validate and encode one request, register its waiter and put it in the outbox;
         the write goes with the next flush, which resolves ``ack`` with the entry id (or,
         without an ack, fails the waiter if the write fails)."""
         if self._closed:
             raise BatcherClosed("this producer is closed")
-        if reply and self._reader is None:
+        if reply and not self._replies.started:
             await self.start()
         prio = self.settings.default_priority if priority is None else priority
         if not 0 <= prio < self.keys.priorities:
             raise ValueError(f"priority must be in 0..{self.keys.priorities - 1}, got {prio!r}")
-        rid = check_name("request_id", request_id) if request_id is not None else _new_id()
+        tenant = self._tenant(tenant)
+        rid = request_id_for(tenant, request_id)
+        if tenant is not None and cost is None:
+            cost = estimate_cost(value, generation=stream)
         now_ms = time.time() * 1e3
         flat, meta, blob = request_fields(
             rid,
@@ -277,8 +269,9 @@ class AsyncProducer:
             priority=prio,
             deadline_unix_ms=None if deadline_ms is None else now_ms + deadline_ms,
             enqueued_unix_ms=now_ms,
-            reply=self.producer_id if reply else None,
+            reply=(await self._reply_to(tenant)) if reply else None,
             stream=stream,
+            cost=cost,
         )
         sent = input_hash(meta, blob)
         if self._waiting.inputs.get(rid, sent) != sent:
@@ -295,12 +288,31 @@ class AsyncProducer:
             if fut is not None and wait is not None:
                 fut.add_done_callback(functools.partial(self._trace.answered, wait))
         entry = [prio, flat]
-        self._enqueue.put(entry, ack if ack is not None else (rid, fut), rid)
+        self._enqueue.put(entry, ack if ack is not None else (rid, fut), rid, tenant)
         return rid, fut
+
+    def _tenant(self, tenant: str | None) -> str | None:
+        """A call's tenant: its own (checked), else the producer's."""
+        if tenant is None:
+            return self.tenant
+        self._admission.check_tenant_mode(check_tenant(tenant))
+        return tenant
+
+    async def _reply_to(self, tenant: str | None) -> str:
+        """This producer's id (its reply stream) for ``tenant``: one per tenant, made and
+        read from the first request on (the reply reader starts over to read it too)."""
+        known = self._producer_ids.get(tenant)
+        if known is not None:
+            return known
+        producer_id = self._producer_ids[tenant] = producer_id_for(tenant)
+        await self._replies.read_too(self.keys.reply(producer_id))
+        return producer_id
 
     # -- results -------------------------------------------------------------------------------
 
-    async def wait(self, handle: Handle | str, timeout_s: float | None = None) -> Result:
+    async def wait(
+        self, handle: Handle | str, timeout_s: float | None = None, *, tenant: str | None = None
+    ) -> Result:
         """The request's Result (any status), pushed to this producer; RequestTimeout after
         ``timeout_s`` seconds. For a request this producer did not submit (or submitted with
         ``reply=False``) it reads the result key once and raises KeyError if none is there."""
@@ -311,7 +323,8 @@ class AsyncProducer:
             else next(iter(self._waiting.get(rid, [])), None)
         )
         if fut is None or fut.cancelled():
-            found = await self.get_result(rid)
+            own = handle.tenant if isinstance(handle, Handle) else tenant
+            found = await self.get_result(rid, tenant=own)
             if found is None:
                 raise KeyError(f"no result for request {rid!r} (yet, or any more)")
             return found
@@ -357,9 +370,11 @@ class AsyncProducer:
                 waiter.set_result(found)
         return found
 
-    async def result(self, handle: Handle | str, timeout_s: float | None = None) -> Any:
+    async def result(
+        self, handle: Handle | str, timeout_s: float | None = None, *, tenant: str | None = None
+    ) -> Any:
         """The request's output; raises RequestExpired or InferenceError for what failed."""
-        return (await self.wait(handle, timeout_s)).unwrap()
+        return (await self.wait(handle, timeout_s, tenant=tenant)).unwrap()
 
     async def infer(
         self,
@@ -369,6 +384,8 @@ class AsyncProducer:
         deadline_ms: float | None = None,
         priority: int | None = None,
         request_id: str | None = None,
+        tenant: str | None = None,
+        cost: int | None = None,
     ) -> Any:
         """Submit one request and return its output (QueueFull, RequestTimeout and the
         result's own errors as for ``submit`` and ``result``).
@@ -380,7 +397,13 @@ class AsyncProducer:
         again at doubling intervals.
         """
         rid, waiter = await self._send(
-            value, deadline_ms=deadline_ms, priority=priority, request_id=request_id, reply=True
+            value,
+            deadline_ms=deadline_ms,
+            priority=priority,
+            request_id=request_id,
+            reply=True,
+            tenant=tenant,
+            cost=cost,
         )
         fut = cast("asyncio.Future[Result]", waiter)  # reply=True: there is one
         try:
@@ -431,7 +454,8 @@ class AsyncProducer:
                 ``messages`` and parameters: docs/protocol.md, Generation).
             timeout_s: RequestTimeout if the generation has not ended this many seconds
                 after the call (default: no limit).
-            **options: ``deadline_ms``, ``priority``, ``request_id``, as for :meth:`submit`.
+            **options: ``deadline_ms``, ``priority``, ``request_id``, ``tenant``, ``cost``,
+                as for :meth:`submit`.
         """
         rid, waiter = await self._send(
             value,
@@ -440,7 +464,12 @@ class AsyncProducer:
             request_id=options.get("request_id"),
             reply=True,
             stream=True,
+            tenant=options.get("tenant"),
+            cost=options.get("cost"),
         )
+        tenant = self._tenant(options.get("tenant"))
+        if tenant is not None:
+            self._stream_tenants[rid] = tenant
         fut = cast("asyncio.Future[Result]", waiter)  # reply=True: there is one
         # Registered before the write goes (with the next flush, after _send returns).
         state = self._streams.open(rid, fut, self._waiting.inputs.get(rid, ""))
@@ -468,15 +497,18 @@ class AsyncProducer:
             if self._streams.end(state, fut):  # left before its end: it waits no more
                 self._waiting.drop(rid, fut)
                 fut.cancel()
+            else:
+                self._stream_tenants.pop(rid, None)
 
     async def _timed_out(self, what: str) -> RequestTimeout:
         """RequestTimeout for ``what``, naming the queue and whether a live worker serves it."""
         return await timed_out(self._redis, self.keys, what)
 
-    async def get_result(self, request_id: str) -> Result | None:
+    async def get_result(self, request_id: str, *, tenant: str | None = None) -> Result | None:
         """Read a request's result key: its Result, or None while there is none; raises
-        DecodeError (a ValueError) if the key holds something that is not a valid result."""
-        key = self.keys.result(check_name("request_id", request_id))
+        DecodeError (a ValueError) if the key holds something that is not a valid result.
+        For a tenant (the call's, else the producer's) the id must be the tenant's."""
+        key = self.keys.result(request_id_for(self._tenant(tenant), request_id))
         with translated():
             raw = await self._redis.get(key)
             if raw is None and self.settings.cache_ttl_s > 0:
@@ -491,20 +523,25 @@ class AsyncProducer:
             ) from None
         return result if result.id == request_id else dataclasses.replace(result, id=request_id)
 
-    async def cancel(self, handle: Handle | str) -> None:
+    async def cancel(self, handle: Handle | str, *, tenant: str | None = None) -> None:
         """Ask workers to skip this request if none has started it (the caller went away);
-        a generation worker also ends one it is running, at its next step."""
+        a generation worker also ends one it is running, at its next step. A tenant (the
+        handle's, else the call's, else the producer's) cancels only its own requests."""
         rid = handle if isinstance(handle, str) else handle.id
+        own = handle.tenant if isinstance(handle, Handle) else self._tenant(tenant)
+        request_id_for(own, rid)
         with translated():
-            await self._admission.cancel(self._redis, rid, ttl_s=self.settings.result_ttl_s)
+            await self._admission.cancel(
+                self._redis, rid, ttl_s=self.settings.result_ttl_s, tenant=own
+            )
         for fut in self._waiting.forget(rid):
             if not fut.done():
                 # Not fut.cancel(): a waiter would take that for its own task being cancelled.
                 fut.set_exception(RequestCancelled(f"request {rid} was cancelled by this producer"))
                 fut.exception()  # retrieved: nobody may be waiting on it
 
-    async def queue_depth(self) -> int:
+    async def queue_depth(self, *, tenant: str | None = None) -> int:
         """Requests waiting or in progress in this queue, all priorities together (those
-        in its inbox, not admitted yet, included)."""
+        in its inbox, and in the tenant's, not admitted yet, included)."""
         with translated():
-            return await self._admission.depth(self._redis)
+            return await self._admission.depth(self._redis, tenant=self._tenant(tenant))

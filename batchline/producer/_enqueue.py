@@ -45,8 +45,9 @@ logger = logging.getLogger(__name__)
 
 #: Who learns how a write went: a submit's ack future, or an infer's (request id, future).
 Target = asyncio.Future[Any] | tuple[str, "asyncio.Future[Result] | None"]
-#: A request in the outbox: its entry for the enqueue script, who learns the outcome, its id.
-_Pending = tuple[list[Any], Target, str]
+#: A request in the outbox: its entry for the enqueue script, who learns the outcome, its id,
+#: its tenant (None: untenanted).
+_Pending = tuple[list[Any], Target, str, str | None]
 
 
 class Enqueuer:
@@ -101,9 +102,9 @@ class Enqueuer:
             self._flush, max_batch=settings.submit_batch, abandon=self._abandon, name=name
         )
 
-    def put(self, entry: list[Any], target: Target, rid: str) -> None:
+    def put(self, entry: list[Any], target: Target, rid: str, tenant: str | None = None) -> None:
         """Queue one request's entry for the next write; ``target`` learns how it went."""
-        self._outbox.put((entry, target, rid))
+        self._outbox.put((entry, target, rid, tenant))
 
     async def drain(self) -> None:
         """Wait until the requests already put are written."""
@@ -124,19 +125,28 @@ class Enqueuer:
         )
 
     async def _flush(self, pending: list[_Pending]) -> None:
-        """Write one batch of the outbox; tell each submit how its write went."""
+        """Write one batch of the outbox, one call per tenant in it (the untenanted one, in
+        the common case); tell each submit how its write went."""
+        tenants = {tenant for *_, tenant in pending}
+        if len(tenants) == 1:
+            await self._flush_one(pending, tenants.pop())
+            return
+        for tenant in sorted(tenants, key=lambda t: t or ""):
+            await self._flush_one([p for p in pending if p[3] == tenant], tenant)
+
+    async def _flush_one(self, pending: list[_Pending], tenant: str | None) -> None:
         try:
             entries = await self._write_through_failover(
-                [e for e, _, _ in pending], [rid for _, _, rid in pending]
+                [e for e, *_ in pending], [p[2] for p in pending], tenant
             )
         except Failed as failed:  # each submit of this write gets its error
-            for (_, target, rid), error in zip(pending, failed.errors, strict=True):
+            for (_, target, rid, _t), error in zip(pending, failed.errors, strict=True):
                 self._told(rid, target, error)
         except Exception as exc:
-            for _, target, rid in pending:
+            for _, target, rid, _t in pending:
                 self._told(rid, target, exc)
         else:
-            for (sent, target, rid), entry in zip(pending, entries, strict=True):
+            for (sent, target, rid, _t), entry in zip(pending, entries, strict=True):
                 if isinstance(entry, NotReplicated):
                     self._counts["not_replicated"] += 1
                     self._told(rid, target, entry)
@@ -147,7 +157,7 @@ class Enqueuer:
 
     def _abandon(self, pending: list[_Pending]) -> None:
         """The writes that will never go (the loop is closing)."""
-        for _, target, rid in pending:
+        for _, target, rid, _t in pending:
             self._told(rid, target, BatcherClosed("the producer stopped writing"))
 
     def _told(self, rid: str, target: Target, outcome: Any) -> None:
@@ -184,14 +194,16 @@ class Enqueuer:
                     fut.set_exception(outcome)
                     fut.exception()  # retrieved: its caller may have gone
 
-    async def _write_through_failover(self, batch: list[list[Any]], ids: list[str]) -> list[Any]:
+    async def _write_through_failover(
+        self, batch: list[list[Any]], ids: list[str], tenant: str | None = None
+    ) -> list[Any]:
         """:meth:`_write`, again after a lost connection or no primary, for up to
         ``_failover_s`` (0: once)."""
         deadline = time.monotonic() + self._failover_s
         delay_s = 0.1
         while True:
             try:
-                return await self._write(batch, ids)
+                return await self._write(batch, ids, tenant)
             except Failed as failed:
                 again = all(
                     isinstance(e, EnqueueUncertain | ServiceUnavailable)
@@ -209,7 +221,9 @@ class Enqueuer:
             await asyncio.sleep(delay_s)  # a back-off while a failover completes
             delay_s = min(delay_s * 2, 2.0)
 
-    async def _write(self, batch: list[list[Any]], ids: list[str]) -> list[Any]:
+    async def _write(
+        self, batch: list[list[Any]], ids: list[str], tenant: str | None = None
+    ) -> list[Any]:
         """One call of the enqueue script; raises Failed with a typed error per request."""
         flat: list[Any] = []  # one after another: the script makes no table per request
         for priority, fields in batch:
@@ -231,7 +245,7 @@ class Enqueuer:
         try:
             # Sizes are the workers' to check (their limits): the admission refuses an entry
             # larger than their largest request.
-            replies = await self._admission.enqueue(self._writer, args, max_bytes=0)
+            replies = await self._admission.enqueue(self._writer, args, max_bytes=0, tenant=tenant)
             if not self._replication.replicated:
                 return replies
             confirmed = await self._replication.confirmed(self._writer)

@@ -31,9 +31,10 @@ from redis.exceptions import RedisError
 from batchline.codec import DecodeError, Limits, Result, unpack_result
 from batchline.codec._chunks import CHUNKS_FIELD
 from batchline.codec._results import decode_flat
-from batchline.errors import RequestIdConflict
+from batchline.errors import QuotaExceeded, RequestIdConflict
 from batchline.keys import QueueKeys
 from batchline.producer._stream import Streams
+from batchline.tenants import tenant_of
 from batchline.transport import (
     Backoff,
     RedisClient,
@@ -105,11 +106,13 @@ class Waiters(dict[str, list["asyncio.Future[Result]"]]):
 
 
 class ReplyReader:
-    """Reads one producer's reply stream until ``closed()``; :meth:`run` is its task.
+    """Reads one producer's reply streams until ``closed()``; :meth:`run` is its task. A
+    producer has one reply stream, and one more per tenant it sends for (:meth:`add`): one
+    blocking XREAD reads them all.
 
     Args:
         redis: the producer's client (the reader takes a connection of its own from it).
-        reply_key: the producer's reply stream.
+        reply_key: the producer's (first) reply stream.
         url: where Redis is, as the reader's log lines name it (its password redacted).
         waiting: the producer's waiters, resolved by the results that arrive.
         limits: what a valid result may hold.
@@ -132,16 +135,52 @@ class ReplyReader:
         self._redis = redis
         self._url = url
         self._reply_key = reply_key
+        # Every reply stream read, and the last entry id read from each.
+        self._last: dict[str, bytes] = {reply_key: b"0-0"}
         self._waiting = waiting
         self._limits = limits
         self._closed = closed
         self._streams = streams
         self._recovered = recovered
         self._client: RedisClient | None = None  # the reader's own client, while it runs
+        self._task: asyncio.Task[None] | None = None  # start()'s
         # Warnings of dropped entries: one at once, then at most one per _QUIET_S with how
         # many more were dropped (a flood of forged entries must not flood the log).
         self._quiet_until = 0.0
         self._unreported = 0
+
+    @property
+    def keys(self) -> list[str]:
+        """Every reply stream this reader reads."""
+        return list(self._last)
+
+    @property
+    def started(self) -> bool:
+        """Whether :meth:`start` made the reading task (and :meth:`close` did not end it)."""
+        return self._task is not None
+
+    def start(self, name: str) -> None:
+        """Start reading, as a task named ``name`` (idempotent)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self.run(), name=name)
+
+    async def close(self) -> None:
+        """Stop the reading task :meth:`start` made, if any."""
+        if self._task is not None:
+            task, self._task = self._task, None
+            await self.stop(task)
+
+    async def read_too(self, reply_key: str) -> None:
+        """Read ``reply_key`` too. A running reader blocks in an XREAD of the streams it had:
+        it starts over, so that the first answer on the new stream is read at once (its
+        entries wait in the stream meanwhile)."""
+        if reply_key in self._last:
+            return
+        self._last[reply_key] = b"0-0"
+        if self._task is not None:
+            name = self._task.get_name()
+            await self.close()
+            self.start(name)
 
     async def run(self) -> None:
         async with own_connection(self._redis) as client:  # for the blocking reads
@@ -165,7 +204,7 @@ class ReplyReader:
             await task
 
     async def _read_with(self, client: RedisClient) -> None:
-        last = b"0-0"
+        last = self._last
         # Redis down for minutes (an API started before it): a line at once, then one per
         # _QUIET_S with the count, not one per retry.
         backoff = Backoff(logger, f"reply reader (Redis at {self._url})", quiet_s=_QUIET_S)
@@ -174,7 +213,7 @@ class ReplyReader:
         # redis-py's internal wait_for completes is swallowed; closed() ends the loop anyway.
         while not self._closed():
             try:
-                response = await client.xread({self._reply_key: last}, count=1000, block=1000)
+                response = await client.xread(dict(last), count=1000, block=1000)
             except Exception as caught:
                 exc = redis_failure(caught)
                 if exc is None:
@@ -192,14 +231,16 @@ class ReplyReader:
                 await self._recovered()
             if not response:
                 continue
-            seen: list[bytes] = []
-            for _stream, entries in response:
+            for stream, entries in response:
+                key = stream.decode() if isinstance(stream, bytes) else str(stream)
+                seen: list[bytes] = []
                 for entry_id, raw in entries:
                     seen.append(entry_id)
                     self.deliver_all(raw)
-            last = seen[-1]
-            with ignoring_redis_failures():
-                await client.xdel(self._reply_key, *seen)
+                if seen and key in last:
+                    last[key] = seen[-1]
+                    with ignoring_redis_failures():
+                        await client.xdel(key, *seen)
 
     def deliver_all(self, raw: Any) -> None:
         """Resolve the waiters of one reply entry (the results of one worker batch).
@@ -279,7 +320,17 @@ class ReplyReader:
 
 
 #: The names a producer counts its submits by (``AsyncProducer.counts``).
-OUTCOMES = ("queued", "full", "result", "cached", "attached", "coalesced", "conflict")
+OUTCOMES = (
+    "queued",
+    "full",
+    "result",
+    "cached",
+    "attached",
+    "coalesced",
+    "conflict",
+    "quota",
+    "invalid",
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -332,6 +383,10 @@ def outcome_of(request_id: str, reply: Any, limits: Limits, sent: list[Any]) -> 
     kind = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
     if kind == "conflict":
         return Answered(kind, RequestIdConflict(request_id))
+    if kind == "quota" and len(reply) == 3:  # a tenant's quota, told at once
+        return Answered(kind, quota_exceeded(request_id, _text(reply[2]), reply[1]))
+    if kind == "invalid" and len(reply) == 2:  # what the admission would refuse
+        return Answered(kind, ValueError(f"request {request_id}: {_text(reply[1])}"))
     if kind in ("result", "cached") and len(reply) == 2:
         try:
             result = check_input(unpack_result(reply[1], limits), sent_input(sent))
@@ -342,6 +397,26 @@ def outcome_of(request_id: str, reply: Any, limits: Limits, sent: list[Any]) -> 
             result = dataclasses.replace(result, id=request_id)
         return Answered(kind, result)
     return Answered(kind if kind in OUTCOMES else "queued")
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def quota_exceeded(request_id: str, limit: str, retry_ms: Any) -> QuotaExceeded:
+    """The QuotaExceeded of a tenant's request (its tenant: its id's namespace)."""
+    tenant = tenant_of(request_id) or ""
+    try:
+        retry_s = max(0.0, float(retry_ms) / 1000)
+    except (TypeError, ValueError):
+        retry_s = 1.0
+    return QuotaExceeded(
+        f"tenant {tenant}: {limit} reached: request {request_id} not queued (retry in "
+        f"{retry_s:g} s)",
+        tenant=tenant,
+        limit=limit,
+        retry_after_s=retry_s,
+    )
 
 
 async def cached_result(client: RedisClient, keys: QueueKeys, request_id: str) -> bytes | None:

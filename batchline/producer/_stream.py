@@ -176,12 +176,19 @@ class StreamState:
 Cancel = Callable[[str], Coroutine[Any, Any, None]]
 
 
-def quiet_cancel(redis: RedisClient, admission: Admission, ttl_s: int) -> Cancel:
-    """A :data:`Cancel` that logs a failure rather than raising it (nobody awaits it)."""
+def quiet_cancel(
+    redis: RedisClient,
+    admission: Admission,
+    ttl_s: int,
+    *,
+    tenant_of: Callable[[str], str | None] = lambda _rid: None,
+) -> Cancel:
+    """A :data:`Cancel` that logs a failure rather than raising it (nobody awaits it);
+    ``tenant_of`` tells a request's tenant (None: untenanted)."""
 
     async def cancel(rid: str) -> None:
         try:
-            await admission.cancel(redis, rid, ttl_s=ttl_s)
+            await admission.cancel(redis, rid, ttl_s=ttl_s, tenant=tenant_of(rid))
         except Exception as caught:
             exc = redis_failure(caught)
             if exc is None:

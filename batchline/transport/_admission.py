@@ -7,6 +7,10 @@ stream. ``scripts``: the enqueue script adds the entries itself, and a cancel is
 back to the script where they are missing (Redis 6.2, or no worker of this release has
 loaded them yet), trying the functions again after a while.
 
+A tenant's requests, cancels and job notes go to the tenant's inbox, with a wake, through the
+tenant functions (docs/protocol.md, Tenants): only the functions can do that (the enqueue
+script cannot stamp a tenant), so a tenant needs Redis >= 7 and a worker of this release.
+
 A polled job's key (``job:<id>``, which tells *pending* from *unknown*) is written the same
 two ways: through the job function, whose note the admission turns into the key (producer
 rights write no key but the inbox), or, with the script, by the producer itself.
@@ -25,7 +29,15 @@ from redis.exceptions import NoPermissionError, ResponseError
 from batchline.errors import ServiceUnavailable
 from batchline.keys import QueueKeys
 from batchline.transport._cancels import CANCELS_MAXLEN
-from batchline.transport._functions import CANCEL, ENQUEUE, JOB, function_missing
+from batchline.transport._functions import (
+    CANCEL,
+    CANCEL_TENANT,
+    ENQUEUE,
+    ENQUEUE_TENANT,
+    JOB,
+    JOB_TENANT,
+    function_missing,
+)
 from batchline.transport._redis import RedisClient, Script
 from batchline.transport._scripts import ENQUEUE as ENQUEUE_SCRIPT
 
@@ -63,6 +75,36 @@ class Admission:
         self._functions_after = 0.0  # auto: when to try the functions again
         self._told_no_lpos = False
 
+    def check_tenant_mode(self, tenant: str) -> None:
+        """ValueError where this producer's admission cannot carry a tenant (``scripts``)."""
+        if self.mode == "scripts":
+            raise ValueError(
+                f"tenant {tenant!r}: a tenant's requests go through the queue's functions "
+                "(Redis >= 7), which admission='scripts' does not use: the enqueue script "
+                "cannot stamp a tenant (docs/protocol.md, Tenants)"
+            )
+
+    async def _tenant_call(
+        self, client: RedisClient, name: str, tenant: str, keys: list[str], args: list[Any]
+    ) -> Any:
+        """One call of a tenant function; ServiceUnavailable where it is missing (no
+        fallback: the script cannot stamp a tenant)."""
+        self.check_tenant_mode(tenant)
+        try:
+            return await client.fcall(name, len(keys), *keys, tenant, *args)
+        except ResponseError as exc:
+            if function_missing(exc):
+                raise ServiceUnavailable(
+                    f"queue {self.keys.queue!r}: tenant {tenant!r}: the function {name} is not "
+                    f"loaded ({exc}): a tenant's requests need the queue's functions, which "
+                    "workers of this release load as they start (Redis >= 7; on Redis 6.2 "
+                    "a producer cannot name a tenant); nothing was queued"
+                ) from exc
+            raise
+
+    def _tenant_keys(self, tenant: str) -> list[str]:
+        return [self.keys.tenant_inbox(tenant), self.keys.wakes]
+
     def _functions(self) -> bool:
         if self.mode == "auto":
             return time.monotonic() >= self._functions_after
@@ -88,8 +130,15 @@ class Admission:
             "functions only (`batchline acl`); nothing was queued"
         )
 
-    async def enqueue(self, client: RedisClient, args: list[Any], *, max_bytes: int) -> list[Any]:
-        """One call of the enqueue function (or script) with the script's arguments."""
+    async def enqueue(
+        self, client: RedisClient, args: list[Any], *, max_bytes: int, tenant: str | None = None
+    ) -> list[Any]:
+        """One call of the enqueue function (or script) with the script's arguments; for a
+        tenant, of the tenant enqueue function."""
+        if tenant is not None:
+            keys = [*self._tenant_keys(tenant), *self._enqueue_keys]
+            more = [*args, max_bytes, self.keys.base_prefix]
+            return list(await self._tenant_call(client, ENQUEUE_TENANT, tenant, keys, more))
         if self._functions():
             try:
                 keys = self._enqueue_keys
@@ -103,8 +152,14 @@ class Admission:
                 raise
             raise ServiceUnavailable(self._unusable(ENQUEUE, exc)) from exc
 
-    async def cancel(self, client: RedisClient, request_id: str, *, ttl_s: int) -> None:
+    async def cancel(
+        self, client: RedisClient, request_id: str, *, ttl_s: int, tenant: str | None = None
+    ) -> None:
         """Ask every worker of the queue to skip this request if it has not started it."""
+        if tenant is not None:
+            keys = self._tenant_keys(tenant)
+            await self._tenant_call(client, CANCEL_TENANT, tenant, keys, [request_id])
+            return
         if self._functions():
             try:
                 await client.fcall(CANCEL, 1, self.keys.inbox, request_id)
@@ -119,10 +174,21 @@ class Admission:
             await pipe.execute()
 
     async def mark_job(
-        self, client: RedisClient, request_id: str, kind: str, *, ttl_s: int
+        self,
+        client: RedisClient,
+        request_id: str,
+        kind: str,
+        *,
+        ttl_s: int,
+        tenant: str | None = None,
     ) -> None:
         """Mark a queued request as a polled job of ``kind``: a job note the admission
-        turns into its job key, or, with the script, the key itself (``EX ttl_s``)."""
+        turns into its job key, or, with the script, the key itself (``EX ttl_s``); a
+        tenant's note goes to the tenant's inbox."""
+        if tenant is not None:
+            keys = self._tenant_keys(tenant)
+            await self._tenant_call(client, JOB_TENANT, tenant, keys, [request_id, kind])
+            return
         if self._functions():
             try:
                 await client.fcall(JOB, 1, self.keys.job_list, request_id, kind)
@@ -132,11 +198,18 @@ class Admission:
         await client.set(self.keys.job(request_id), kind, ex=ttl_s)
 
     async def job_state(
-        self, client: RedisClient, request_id: str, kinds: Iterable[str]
+        self,
+        client: RedisClient,
+        request_id: str,
+        kinds: Iterable[str],
+        *,
+        tenant: str | None = None,
     ) -> tuple[bytes | None, bytes | None]:
         """A polled job's result (its result key's bytes) and kind (its job key's, or that
-        of its job note while the note waits for the admission), each None where absent."""
+        of its job note while the note waits for the admission: on the job list, or on the
+        tenant's inbox), each None where absent."""
         keys = self.keys
+        notes_list = keys.job_list if tenant is None else keys.tenant_inbox(tenant)
         async with client.pipeline(transaction=False) as pipe:
             pipe.get(keys.result(request_id))
             pipe.get(keys.job(request_id))
@@ -149,7 +222,7 @@ class Admission:
         try:
             async with client.pipeline(transaction=False) as pipe:
                 for note in notes:
-                    pipe.lpos(keys.job_list, note)
+                    pipe.lpos(notes_list, note)
                 pipe.get(keys.job(request_id))
                 pipe.get(keys.result(request_id))
                 *found, kind, raw = await pipe.execute()
@@ -169,15 +242,17 @@ class Admission:
             kind = waiting[0].encode() if waiting else None
         return raw, kind
 
-    async def depth(self, client: RedisClient) -> int:
+    async def depth(self, client: RedisClient, *, tenant: str | None = None) -> int:
         """Requests waiting or in progress: the work streams, the inbox and the admission
-        list (a few cancels and notes may be counted with them), and the requests held for
-        the fair share."""
+        list, and a tenant's own inbox (a few cancels and notes may be counted with them), and
+        the requests held for the fair share."""
         async with client.pipeline(transaction=False) as pipe:
             for stream in self.keys.streams_low_first:
                 pipe.xlen(stream)
             pipe.llen(self.keys.inbox)
             pipe.llen(self.keys.admitting)
+            if tenant is not None:
+                pipe.llen(self.keys.tenant_inbox(tenant))
             pipe.hvals(self.keys.backlog_counts)
             *counts, held = await pipe.execute()
             return int(sum(counts)) + sum(int(n) for n in held)
