@@ -181,8 +181,8 @@ async def part_b(run: Run, samples: Samples, mode: str) -> None:
         async with AsyncProducer(redis_url=run.url, queue=run.queues[f"gen-{mode}"]) as producer:
 
             def prompt(tenant: str, i: int) -> tuple[Any, int]:
-                value = {"prompt": f"{tenant} {i} " * rng.randint(1, 6)}
-                value["max_new_tokens"] = rng.randint(4, 24)
+                text = f"{tenant} {i} " * rng.randint(1, 6)
+                value: dict[str, Any] = {"prompt": text, "max_new_tokens": rng.randint(4, 24)}
                 return value, 0
 
             share = await _share(run, f"gen-{mode}", producer, run.args.shares // 4, prompt)
