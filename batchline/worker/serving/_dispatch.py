@@ -12,8 +12,9 @@ the last one: for each tenant and priority, the real cost of its requests answer
 (generation: prompt and generated tokens; otherwise items) less the producer's estimate
 (``cost``).
 
-While anything is held, the worker also holds at most one batch waiting ahead of its model
-(its ``read_ahead`` window applies otherwise), so that what it read is taken in the order
+While anything is held, and for a while after it last read a tenant's request, the worker
+also holds at most one batch waiting ahead of its model (its ``read_ahead`` window applies
+otherwise: untenanted traffic alone is served as without tenants), so that what it read is taken in the order
 dispatched: a tenant that becomes backlogged waits behind about two batches (the stream's
 ``ahead``) and the one running, not behind a whole read-ahead window of another tenant's.
 Continuous batching (generation) holds two batches' worth, running sequences included, and
@@ -23,6 +24,8 @@ admits new sequences in the order read.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Iterable
 from typing import Any
 
 from redis.exceptions import ResponseError
@@ -30,11 +33,14 @@ from redis.exceptions import ResponseError
 from batchline.config import WorkerSettings
 from batchline.drivers._base import Call
 from batchline.transport import DISPATCH, RedisClient, fair_args, function_missing, redis_failure
-from batchline.worker.shared._held import Meta
+from batchline.worker.shared._held import Entry, Meta
 
 __all__ = ["Dispatcher", "real_cost"]
 
 logger = logging.getLogger(__name__)
+
+#: How long after the last tenant's entry it read a worker keeps its window at one batch.
+TENANTS_SEEN_S = 10.0
 
 
 def real_cost(call: Call) -> int:
@@ -75,13 +81,23 @@ class Dispatcher:
         self._base = keys.base_prefix
         self.held = 0
         self.calls = 0
+        self._tenants_until = 0.0
         self._corrections: dict[tuple[str, int], int] = {}
 
     def window(self, window: int) -> int:
-        """The entries the worker may hold ahead of its model, given its own ``window``."""
-        if self.held and not self._generation:
+        """The entries the worker may hold ahead of its model, given its own ``window``: one
+        batch while requests are held or tenants' requests came lately (within
+        TENANTS_SEEN_S of the last read that brought one)."""
+        if self._generation:
+            return window
+        if self.held or time.monotonic() < self._tenants_until:
             return min(window, self._batch)
         return window
+
+    def read(self, entries: Iterable[Entry]) -> None:
+        """Note the entries of one read: whether any is a tenant's (its ``tn`` field)."""
+        if any(raw and b"tn" in raw for _sidx, _entry, raw in entries):
+            self._tenants_until = time.monotonic() + TENANTS_SEEN_S
 
     def answered(self, meta: Meta, call: Call) -> None:
         """Note the real cost of one request answered, against its estimate."""

@@ -130,6 +130,8 @@ class Serving:
         """Hold the entries of one read (or one reclaimed entry), prepare them and submit
         each request; those answered at once (malformed, expired, too large, ...) are."""
         batch, too_large = self._readcap.split(list(entries))
+        if self._dispatcher is not None:
+            self._dispatcher.read(batch)
         for sidx, entry, _raw in batch:
             self._claims.hold(sidx, entry)
         for (sidx, entry, raw), size in too_large:  # dead-lettered unread
