@@ -15,10 +15,10 @@ the last one: for each tenant and priority, the real cost of its requests answer
 While anything is held, and for a while after it last read a tenant's request, the worker
 also holds at most one batch waiting ahead of its model (its ``read_ahead`` window applies
 otherwise: untenanted traffic alone is served as without tenants), so that what it read is
-taken in the order dispatched: a tenant that becomes backlogged waits behind about two batches (the stream's
-``ahead``) and the one running, not behind a whole read-ahead window of another tenant's.
-Continuous batching (generation) holds two batches' worth, running sequences included, and
-admits new sequences in the order read.
+taken in the order dispatched: a tenant that becomes backlogged waits behind about two
+batches (the stream's ``ahead``) and the one running, not behind a whole read-ahead window
+of another tenant's. Continuous batching (generation) holds two batches' worth, running
+sequences included, and admits new sequences in the order read.
 """
 
 from __future__ import annotations
