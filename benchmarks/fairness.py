@@ -101,15 +101,29 @@ class Run:
         self.procs.resume(name)
 
 
+async def _producers(url: str, queue: str) -> dict[str, AsyncProducer]:
+    """A producer per tenant (A, B): each reads one reply stream, from its start."""
+    made = {}
+    for tenant in ("A", "B"):
+        made[tenant] = await AsyncProducer(redis_url=url, queue=queue, tenant=tenant).start()
+    return made
+
+
+async def _close(producers: dict[str, AsyncProducer]) -> None:
+    for producer in producers.values():
+        await producer.aclose()
+
+
 async def _open_loop(
-    producer: AsyncProducer, tenant: str, rate: float, seconds: float, lat: list[float]
+    producer: AsyncProducer, rate: float, seconds: float, lat: list[float]
 ) -> None:
-    """Send as ``tenant`` at ``rate``/s for ``seconds``; each answer's latency (ms)."""
+    """Send at ``rate``/s for ``seconds`` (as the producer's tenant); each answer's latency
+    (ms)."""
     tasks = []
 
     async def one(k: int) -> None:
         t0 = time.perf_counter()
-        handle = await producer.submit(k, tenant=tenant, cost=1)
+        handle = await producer.submit(k, cost=1)
         await producer.wait(handle, timeout_s=600)
         lat.append((time.perf_counter() - t0) * 1e3)
 
@@ -124,17 +138,20 @@ async def part_a(run: Run, samples: Samples, mode: str) -> None:
     args = run.args
     capacity = 1000 / args.item_ms  # items/s
     rate_b = capacity / 10
-    async with AsyncProducer(redis_url=run.url, queue=run.queues[f"emb-{mode}"]) as producer:
+    producers = await _producers(run.url, run.queues[f"emb-{mode}"])
+    try:
         alone: list[float] = []
-        await _open_loop(producer, "B", rate_b, args.seconds, alone)
+        await _open_loop(producers["B"], rate_b, args.seconds, alone)
         with_a: list[float] = []
         a_lat: list[float] = []
         t0 = time.perf_counter()
         await asyncio.gather(
-            _open_loop(producer, "B", rate_b, args.seconds, with_a),
-            _open_loop(producer, "A", 10 * rate_b, args.seconds, a_lat),
+            _open_loop(producers["B"], rate_b, args.seconds, with_a),
+            _open_loop(producers["A"], 10 * rate_b, args.seconds, a_lat),
         )
         served = (len(with_a) + len(a_lat)) / (time.perf_counter() - t0)
+    finally:
+        await _close(producers)
     samples.add(f"a {mode} B p99 alone", percentile(alone, 99))
     samples.add(f"a {mode} B p99 with A", percentile(with_a, 99))
     samples.add(f"a {mode} B p99 ratio", percentile(with_a, 99) / percentile(alone, 99))
@@ -143,13 +160,14 @@ async def part_a(run: Run, samples: Samples, mode: str) -> None:
         f"{percentile(with_a, 99):.0f} ms; {served:.0f} items/s")  # fmt: skip
 
 
-async def _share(run: Run, worker: str, producer: AsyncProducer, n: int, values: Any) -> float:
+async def _share(run: Run, worker: str, queue: str, n: int, values: Any) -> float:
     """A's served cost over B's among the first 60 % answered, both backlogged with ``n``
     (enqueued while ``worker`` is paused, so that both are backlogged from the start)."""
     done: list[tuple[str, int]] = []
+    producers = await _producers(run.url, queue)
 
     async def one(tenant: str, handle: Any, cost: int) -> None:
-        result = await producer.wait(handle, timeout_s=600)
+        result = await producers[tenant].wait(handle, timeout_s=600)
         output = result.output
         real = cost
         if isinstance(output, dict) and "prompt_tokens" in output:
@@ -161,9 +179,12 @@ async def _share(run: Run, worker: str, producer: AsyncProducer, n: int, values:
     for i in range(n):
         for tenant in ("A", "B"):
             value, cost = values(tenant, i)
-            jobs.append(one(tenant, await producer.submit(value, tenant=tenant), cost))
+            jobs.append(one(tenant, await producers[tenant].submit(value), cost))
     run.procs.resume(worker)
-    await asyncio.gather(*jobs)
+    try:
+        await asyncio.gather(*jobs)
+    finally:
+        await _close(producers)
     first = done[: int(len(done) * 0.6)]
     a = sum(c for t, c in first if t == "A")
     b = sum(c for t, c in first if t == "B")
@@ -172,20 +193,19 @@ async def _share(run: Run, worker: str, producer: AsyncProducer, n: int, values:
 
 async def part_b(run: Run, samples: Samples, mode: str) -> None:
     rng = random.Random(7)
-    async with AsyncProducer(redis_url=run.url, queue=run.queues[f"emb-{mode}"]) as producer:
-        share = await _share(
-            run, f"emb-{mode}", producer, run.args.shares, lambda t, i: (f"{t}{i}", 1)
-        )
+    share = await _share(
+        run, f"emb-{mode}", run.queues[f"emb-{mode}"], run.args.shares, lambda t, i: (f"{t}{i}", 1)
+    )
     samples.add(f"b {mode} items A/B", share)
     if f"gen-{mode}" in run.queues:
-        async with AsyncProducer(redis_url=run.url, queue=run.queues[f"gen-{mode}"]) as producer:
 
-            def prompt(tenant: str, i: int) -> tuple[Any, int]:
-                text = f"{tenant} {i} " * rng.randint(1, 6)
-                value: dict[str, Any] = {"prompt": text, "max_new_tokens": rng.randint(4, 24)}
-                return value, 0
+        def prompt(tenant: str, i: int) -> tuple[Any, int]:
+            text = f"{tenant} {i} " * rng.randint(1, 6)
+            value: dict[str, Any] = {"prompt": text, "max_new_tokens": rng.randint(4, 24)}
+            return value, 0
 
-            share = await _share(run, f"gen-{mode}", producer, run.args.shares // 4, prompt)
+        queue = run.queues[f"gen-{mode}"]
+        share = await _share(run, f"gen-{mode}", queue, run.args.shares // 4, prompt)
         samples.add(f"b {mode} tokens A/B", share)
     log(
         f"(b) {mode}: A/B {', '.join(f'{k} {v[-1]:.2f}' for k, v in samples.rows.items() if k.startswith(f'b {mode}'))}"
@@ -195,23 +215,23 @@ async def part_b(run: Run, samples: Samples, mode: str) -> None:
 async def part_c(run: Run, samples: Samples, redis_pid: int) -> None:
     queue = run.queues["noop"]
     worker_pid = run.procs.procs["noop"].pid
-    async with AsyncProducer(redis_url=run.url, queue=queue) as producer:
-        for tenant in ("A", None) if len(samples.rows) % 2 else (None, "A"):
-            name = "tenant" if tenant else "untenanted"
+    order = ("A", None) if len(samples.rows) % 2 else (None, "A")
+    for tenant in order:  # a producer each: one reply stream each, read from the start
+        name = "tenant" if tenant else "untenanted"
+        async with AsyncProducer(redis_url=run.url, queue=queue, tenant=tenant) as producer:
+            await producer.infer(-1, timeout_s=60)  # its reply stream read, warm
             pids = {"redis": redis_pid, "worker": worker_pid, "producer": os.getpid()}
             meter = CpuMeter(pids)
             n = run.args.requests
             for first in range(0, n, 500):
-                handles = [
-                    await producer.submit(k, tenant=tenant)
-                    for k in range(first, min(n, first + 500))
-                ]
+                handles = [await producer.submit(k) for k in range(first, min(n, first + 500))]
                 for handle in handles:
                     await producer.wait(handle, timeout_s=600)
             used = meter.done()
-            for proc in pids:
-                samples.add(f"c {name} {proc} µs", used[proc] / n * 1e6)
-            samples.add(f"c {name} total µs", sum(used[p] for p in pids) / n * 1e6)
+        log(f"(c) {name}: {sum(used[p] for p in pids) / n * 1e6:.0f} µs/request")
+        for proc in pids:
+            samples.add(f"c {name} {proc} µs", used[proc] / n * 1e6)
+        samples.add(f"c {name} total µs", sum(used[p] for p in pids) / n * 1e6)
 
 
 def _report(samples: Samples, repeats: int, gen: bool) -> None:
@@ -263,14 +283,14 @@ async def _bounded(what: str, part: Any) -> None:
 async def _main(run: Run, redis_pid: int, gen: bool) -> None:
     samples = Samples()
     for rep in range(run.args.repeats):
+        run.only("noop")
+        await _bounded("(c)", part_c(run, samples, redis_pid))
         for mode in MODES if rep % 2 == 0 else MODES[::-1]:
             run.only(f"emb-{mode}")
             await _bounded(f"(a) {mode}", part_a(run, samples, mode))
             if gen:
                 run.procs.resume(f"gen-{mode}")
             await _bounded(f"(b) {mode}", part_b(run, samples, mode))
-        run.only("noop")
-        await _bounded("(c)", part_c(run, samples, redis_pid))
     _report(samples, run.args.repeats, gen)
 
 
