@@ -58,6 +58,14 @@ def enqueue(
     return request_id
 
 
+def enqueue_each(
+    client: redis.Redis, keys: QueueKeys, tenant: str, n: int, **options: Any
+) -> list[str]:
+    """``n`` requests of ``tenant`` (ids ``<tenant>.<t><i>``, values ``<T><i>``)."""
+    low = tenant.lower()
+    return [enqueue(client, keys, tenant, f"{low}{i}", f"{tenant}{i}", **options) for i in range(n)]
+
+
 def served(path: Path) -> list[Any]:
     """The items the model saw, in order."""
     return [item for batch in models_for_tests.read_batches(path) for item in batch]
@@ -81,10 +89,8 @@ def record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_a_small_tenant_is_served_between_a_large_ones_requests(
     rclient: redis.Redis, keys: QueueKeys, start_worker: Any, record: Path
 ) -> None:
-    for i in range(40):
-        enqueue(rclient, keys, "A", f"a{i}", f"A{i}")
-    for i in range(4):
-        enqueue(rclient, keys, "B", f"b{i}", f"B{i}")
+    enqueue_each(rclient, keys, "A", 40)
+    enqueue_each(rclient, keys, "B", 4)
     admit_inbox(rclient, keys, batch_size=1)
     start_worker(model=RECORD, batch_size=1, timeout_ms=0)
     wait_until(lambda: len(served(record)) == 44, "all 44 requests served")
@@ -99,10 +105,8 @@ def test_a_small_tenant_is_served_between_a_large_ones_requests(
 def test_fair_share_off_serves_first_come_first_served(
     rclient: redis.Redis, keys: QueueKeys, start_worker: Any, record: Path
 ) -> None:
-    for i in range(10):
-        enqueue(rclient, keys, "A", f"a{i}", f"A{i}")
-    for i in range(2):
-        enqueue(rclient, keys, "B", f"b{i}", f"B{i}")
+    enqueue_each(rclient, keys, "A", 10)
+    enqueue_each(rclient, keys, "B", 2)
     admit_inbox(rclient, keys, batch_size=1, fair_share=False)
     start_worker(model=RECORD, batch_size=1, timeout_ms=0, fair_share=False)
     wait_until(lambda: len(served(record)) == 12, "all 12 requests served")
@@ -116,10 +120,8 @@ def test_weights_share_by_real_cost(
     # (a callable model's request is one item): corrected as they are answered, A's requests
     # are served 3 to B's 1 while both are backlogged (by the estimates alone: 3 to 4).
     rclient.hset(keys.tenants, "A", TenantConfig(weight=3).to_json())
-    for i in range(200):
-        enqueue(rclient, keys, "A", f"a{i}", f"A{i}", cost=4)
-    for i in range(200):
-        enqueue(rclient, keys, "B", f"b{i}", f"B{i}", cost=1)
+    enqueue_each(rclient, keys, "A", 200, cost=4)
+    enqueue_each(rclient, keys, "B", 200, cost=1)
     admit_inbox(rclient, keys, batch_size=4)
     start_worker(model=RECORD, batch_size=4, timeout_ms=0)
     wait_until(lambda: len(served(record)) == 400, "all 400 requests served")
@@ -132,8 +134,7 @@ def test_weights_share_by_real_cost(
 def test_a_lone_tenant_gets_every_worker_and_untenanted_traffic_shares(
     rclient: redis.Redis, keys: QueueKeys, start_worker: Any, record: Path
 ) -> None:
-    for i in range(30):
-        enqueue(rclient, keys, "A", f"a{i}", f"A{i}")
+    enqueue_each(rclient, keys, "A", 30)
     admit_inbox(rclient, keys, batch_size=1)
     for i in range(3):  # held under '-' while A is backlogged
         enqueue(rclient, keys, None, f"u{i}", f"U{i}")
@@ -160,10 +161,8 @@ def test_untenanted_traffic_alone_goes_straight_to_the_stream(
 def test_priorities_come_first(
     rclient: redis.Redis, keys: QueueKeys, start_worker: Any, record: Path
 ) -> None:
-    for i in range(20):
-        enqueue(rclient, keys, "A", f"a{i}", f"A{i}", priority=0)
-    for i in range(5):
-        enqueue(rclient, keys, "B", f"b{i}", f"B{i}", priority=1)
+    enqueue_each(rclient, keys, "A", 20, priority=0)
+    enqueue_each(rclient, keys, "B", 5, priority=1)
     admit_inbox(rclient, keys, batch_size=1)
     start_worker(model=RECORD, batch_size=1, timeout_ms=0)
     wait_until(lambda: len(served(record)) == 25, "all 25 requests served")
@@ -178,7 +177,7 @@ def test_priorities_come_first(
 def test_a_request_cancelled_while_held_is_answered_cancelled_and_never_run(
     rclient: redis.Redis, keys: QueueKeys, start_worker: Any, record: Path
 ) -> None:
-    ids = [enqueue(rclient, keys, "A", f"a{i}", f"A{i}") for i in range(10)]
+    ids = enqueue_each(rclient, keys, "A", 10)
     admit_inbox(rclient, keys, batch_size=1)
     assert rclient.hget(keys.backlog_counts, "0") == b"8"
     rclient.rpush(keys.tenant_inbox("A"), msgpack.packb(["c", ids[6]], use_bin_type=False))
@@ -192,8 +191,7 @@ def test_a_request_cancelled_while_held_is_answered_cancelled_and_never_run(
 
 
 def test_depth_and_status_count_what_is_held(rclient: redis.Redis, keys: QueueKeys) -> None:
-    for i in range(10):
-        enqueue(rclient, keys, "A", f"a{i}", f"A{i}")
+    enqueue_each(rclient, keys, "A", 10)
     admit_inbox(rclient, keys, batch_size=2, max_queue_depth=6)
     # 6 admitted (4 dispatched, 2 held), 4 refused for the depth
     assert rclient.xlen(keys.stream(0)) == 4
@@ -207,8 +205,7 @@ def test_a_worker_killed_mid_run_loses_nothing_held(
 ) -> None:
     path = tmp_path / "killed.jsonl"
     env = {"BLTEST_RECORD_FILE": str(path), "BLTEST_SLOW_S": "0.05"}
-    ids = [enqueue(rclient, keys, "A", f"a{i}", f"A{i}") for i in range(40)]
-    ids += [enqueue(rclient, keys, "B", f"b{i}", f"B{i}") for i in range(10)]
+    ids = enqueue_each(rclient, keys, "A", 40) + enqueue_each(rclient, keys, "B", 10)
     admit_inbox(rclient, keys, batch_size=2)
     settings = {"batch_size": 2, "claim_idle_ms": 500, "max_restarts_per_min": 0}
     first = spawn_worker(spec("slow"), env=env, **settings)
