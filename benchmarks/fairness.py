@@ -14,8 +14,8 @@ item-ms items/s, that leaves the shared CPU alone). Repeats alternate the modes'
   together 1.1 x the capacity); B's p99 latency with A present over B's p99 alone, per
   mode, and the items/s served with both (from the first request sent to the last answer);
 - (b) weights 3:1 (A 3, B 1 in the tenant store), both backlogged with ``--shares``
-  requests each: A's served share over B's, by cost, among the first 60 % answered (both
-  are backlogged then), for the callable model (cost: items) and, on a ``generate`` worker
+  requests each: A's served share over B's, by cost, among the first 60 % started (by their
+  wait in the queue; both are backlogged then), for the callable model (cost: items) and, on a ``generate`` worker
   (SmolLM2-135M-Instruct, a quarter as many requests; cost: prompt and generated tokens,
   each request's ``max_new_tokens`` drawn from 4-24), per mode (``--no-generation``: not);
 - (c) the CPU per request of a tenant's request (enqueued as tenant A, held and dispatched)
@@ -161,9 +161,10 @@ async def part_a(run: Run, samples: Samples, mode: str) -> None:
 
 
 async def _share(run: Run, worker: str, queue: str, n: int, values: Any) -> float:
-    """A's served cost over B's among the first 60 % answered, both backlogged with ``n``
-    (enqueued while ``worker`` is paused, so that both are backlogged from the start)."""
-    done: list[tuple[str, int]] = []
+    """A's served cost over B's among the first 60 % started (by their wait in the queue: a
+    generation's answers come out of order), both backlogged with ``n`` (enqueued while
+    ``worker`` is paused, so that both are backlogged from the start)."""
+    done: list[tuple[float, str, int]] = []
     producers = await _producers(run.url, queue)
 
     async def one(tenant: str, handle: Any, cost: int) -> None:
@@ -172,7 +173,7 @@ async def _share(run: Run, worker: str, queue: str, n: int, values: Any) -> floa
         real = cost
         if isinstance(output, dict) and "prompt_tokens" in output:
             real = int(output["prompt_tokens"]) + len(output.get("token_ids", ()))
-        done.append((tenant, real))
+        done.append((result.queue_ms, tenant, real))
 
     run.procs.pause(worker)
     jobs = []
@@ -185,9 +186,9 @@ async def _share(run: Run, worker: str, queue: str, n: int, values: Any) -> floa
         await asyncio.gather(*jobs)
     finally:
         await _close(producers)
-    first = done[: int(len(done) * 0.6)]
-    a = sum(c for t, c in first if t == "A")
-    b = sum(c for t, c in first if t == "B")
+    first = sorted(done)[: int(len(done) * 0.6)]
+    a = sum(c for _, t, c in first if t == "A")
+    b = sum(c for _, t, c in first if t == "B")
     return a / b if b else float("nan")
 
 
