@@ -167,20 +167,21 @@ async def _share(run: Run, worker: str, queue: str, n: int, values: Any) -> floa
     done: list[tuple[float, str, int]] = []
     producers = await _producers(run.url, queue)
 
-    async def one(tenant: str, handle: Any, cost: int) -> None:
+    async def one(tenant: str, handle: Any, cost: int, sent: float) -> None:
         result = await producers[tenant].wait(handle, timeout_s=600)
         output = result.output
         real = cost
         if isinstance(output, dict) and "prompt_tokens" in output:
             real = int(output["prompt_tokens"]) + len(output.get("token_ids", ()))
-        done.append((result.queue_ms, tenant, real))
+        done.append((sent + result.queue_ms / 1e3, tenant, real))  # when it started
 
     run.procs.pause(worker)
     jobs = []
     for i in range(n):
         for tenant in ("A", "B"):
             value, cost = values(tenant, i)
-            jobs.append(one(tenant, await producers[tenant].submit(value), cost))
+            sent = time.time()
+            jobs.append(one(tenant, await producers[tenant].submit(value), cost, sent))
     run.procs.resume(worker)
     try:
         await asyncio.gather(*jobs)
