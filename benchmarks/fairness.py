@@ -14,10 +14,12 @@ item-ms items/s, that leaves the shared CPU alone). Repeats alternate the modes'
   together 1.1 x the capacity); B's p99 latency with A present over B's p99 alone, per
   mode, and the items/s served with both (from the first request sent to the last answer);
 - (b) weights 3:1 (A 3, B 1 in the tenant store), both backlogged with ``--shares``
-  requests each: A's served share over B's, by cost, among the first 60 % started (by their
-  wait in the queue; both are backlogged then), for the callable model (cost: items) and, on a ``generate`` worker
-  (SmolLM2-135M-Instruct, a quarter as many requests; cost: prompt and generated tokens,
-  each request's ``max_new_tokens`` drawn from 4-24), per mode (``--no-generation``: not);
+  requests each (enqueued while the worker is paused): A's served share over B's, by cost,
+  among the first 60 % started (sent plus its wait in the queue: a generation's answers
+  come out of order; both are backlogged then), for the callable model (cost: items) and,
+  on a ``generate`` worker (SmolLM2-135M-Instruct, a quarter as many requests; cost: prompt
+  and generated tokens, each request's ``max_new_tokens`` drawn from 4-24), per mode
+  (``--no-generation``: not);
 - (c) the CPU per request of a tenant's request (enqueued as tenant A, held and dispatched)
   against an untenanted one, on a no-op worker (``echo``, ``--requests`` each, 500 in
   flight): redis-server, the worker and this producer, each process's CPU seconds over the
@@ -161,8 +163,8 @@ async def part_a(run: Run, samples: Samples, mode: str) -> None:
 
 
 async def _share(run: Run, worker: str, queue: str, n: int, values: Any) -> float:
-    """A's served cost over B's among the first 60 % started (by their wait in the queue: a
-    generation's answers come out of order), both backlogged with ``n`` (enqueued while
+    """A's served cost over B's among the first 60 % started (sent plus its wait in the
+    queue: a generation's answers come out of order), both backlogged with ``n`` (enqueued while
     ``worker`` is paused, so that both are backlogged from the start)."""
     done: list[tuple[float, str, int]] = []
     producers = await _producers(run.url, queue)
