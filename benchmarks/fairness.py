@@ -211,9 +211,8 @@ async def part_b(run: Run, samples: Samples, mode: str) -> None:
         queue = run.queues[f"gen-{mode}"]
         share = await _share(run, f"gen-{mode}", queue, run.args.shares // 4, prompt)
         samples.add(f"b {mode} tokens A/B", share)
-    log(
-        f"(b) {mode}: A/B {', '.join(f'{k} {v[-1]:.2f}' for k, v in samples.rows.items() if k.startswith(f'b {mode}'))}"
-    )
+    shares = [f"{k} {v[-1]:.2f}" for k, v in samples.rows.items() if k.startswith(f"b {mode}")]
+    log(f"(b) {mode}: {', '.join(shares)}")
 
 
 async def part_c(run: Run, samples: Samples, redis_pid: int) -> None:
