@@ -78,6 +78,7 @@ def _producer(keys: QueueKeys) -> list[str]:
         f"(~{keys.inbox} ~{keys.job_list} ~{keys.tenant_inbox('*')} ~{keys.wakes} +rpush)",
         f"(%R~{keys.inbox} %R~{keys.admitting} %R~{keys.stream_prefix}* "
         f"%R~{keys.tenant_inbox('*')} +llen +xlen)",
+        f"(%R~{keys.backlog_counts} +hvals)",
         f"(%R~{keys.job_list} %R~{keys.tenant_inbox('*')} +lpos)",
         # Tenants' configs and quota counters (the tenant enqueue function's look; its
         # minute is Redis's clock, TIME: no key).
@@ -152,6 +153,7 @@ def _worker(keys: QueueKeys) -> list[str]:
         "+zrange",
         "+zscore",
         "+hincrbyfloat",
+        "+hvals",
         "+smembers",
         "+sadd",
         "+del",

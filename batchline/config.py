@@ -446,6 +446,9 @@ class WorkerSettings(ServiceSettings):
             are cancelled.
         usage_ttl_days: how long a day's usage counters (requests, items and tokens served
             per tenant: ``batchline usage``) are kept, in days.
+        fair_share: tenants share the workers of each priority by weight, in cost (items,
+            or tokens for ``generate``), dispatched two batches ahead, least served first;
+            false serves them first come, first served (workers of a queue should agree).
     """
 
     model: str = "sentence-transformers"
@@ -484,6 +487,7 @@ class WorkerSettings(ServiceSettings):
     stream_max_unread_s: float = Field(default=30.0, gt=0)
     matryoshka: bool = False
     usage_ttl_days: int = Field(default=62, ge=1, le=3660)
+    fair_share: bool = True
 
     @field_validator("device")
     @classmethod

@@ -276,13 +276,23 @@ class QueueKeys:
         """The tenants' configs (a hash: tenant -> JSON), which the workers mirror."""
         return f"{self.base}:tenants"
 
+    @property
+    def backlog_prefix(self) -> str:
+        """What every backlog's name starts with (``bl:<tenant>:<p>`` follows)."""
+        return f"{self.base}:bl:"
+
     def backlog(self, tenant: str, priority: int | str) -> str:
         """A tenant's requests admitted and held for the fair share, at one priority."""
-        return f"{self.base}:bl:{tenant}:{priority}"
+        return f"{self.backlog_prefix}{tenant}:{priority}"
+
+    @property
+    def fair_prefix(self) -> str:
+        """What the fair share's sorted sets' names start with (``<p>`` follows)."""
+        return f"{self.base}:fair:"
 
     def fair(self, priority: int | str) -> str:
         """The backlogged tenants of one priority, scored by virtual start time."""
-        return f"{self.base}:fair:{priority}"
+        return f"{self.fair_prefix}{priority}"
 
     def fair_idle(self, priority: int) -> str:
         """The tenants held over quota at one priority (``<tenant>~over``), served only

@@ -29,6 +29,8 @@ recorded, with date, machine and command, are on the documentation's Benchmarks 
 - ``python -m benchmarks.admission``: admission through the queue's functions against the
   enqueue script.
 - ``python -m benchmarks.durability``: durability ``replicated`` against ``async``.
+- ``python -m benchmarks.fairness``: tenants' fair share of the workers against first come,
+  first served (a small tenant's p99 beside a large one, weights 3:1, a tenant's CPU).
 - ``python -m benchmarks.tracing``: tracing off, on, and the version before it, on the no-op
   model's path through Redis.
 - ``python -m benchmarks.grouping``: padding efficiency of the length grouping per read-ahead

@@ -33,9 +33,11 @@ from batchline.transport._errors import (
     redis_failure,
 )
 from batchline.transport._event_loop import EXIT_INTERRUPTED, loop_factory, run_loop
+from batchline.transport._fair import fair_args
 from batchline.transport._functions import (
     ADMIT,
     CANCEL_TENANT,
+    DISPATCH,
     ENQUEUE_TENANT,
     JOB,
     JOB_TENANT,
@@ -93,6 +95,7 @@ __all__ = [
     "CANCELS_MAXLEN",
     "CANCEL_TENANT",
     "COMPLETE",
+    "DISPATCH",
     "ENQUEUE",
     "ENQUEUE_TENANT",
     "EXIT_INTERRUPTED",
@@ -129,6 +132,7 @@ __all__ = [
     "cache_hash",
     "connect",
     "dedicated",
+    "fair_args",
     "function_missing",
     "ignoring_redis_failures",
     "input_hash",

@@ -244,7 +244,8 @@ class Admission:
 
     async def depth(self, client: RedisClient, *, tenant: str | None = None) -> int:
         """Requests waiting or in progress: the work streams, the inbox and the admission
-        list, and a tenant's own inbox (a few cancels and notes may be counted with them)."""
+        list, and a tenant's own inbox (a few cancels and notes may be counted with them), and
+        the requests held for the fair share."""
         async with client.pipeline(transaction=False) as pipe:
             for stream in self.keys.streams_low_first:
                 pipe.xlen(stream)
@@ -252,4 +253,6 @@ class Admission:
             pipe.llen(self.keys.admitting)
             if tenant is not None:
                 pipe.llen(self.keys.tenant_inbox(tenant))
-            return int(sum(await pipe.execute()))
+            pipe.hvals(self.keys.backlog_counts)
+            *counts, held = await pipe.execute()
+            return int(sum(counts)) + sum(int(n) for n in held)

@@ -29,7 +29,8 @@ import logging
 from redis.exceptions import NoPermissionError, ResponseError
 
 from batchline.keys import QueueKeys
-from batchline.transport._lua import EACH, HOOKS, MAX_PER_CALL, ONCE, REPLIES, TENANTS, VALIDATE
+from batchline.transport._fair import FAIR
+from batchline.transport._lua import EACH, MAX_PER_CALL, ONCE, REPLIES, TENANTS, VALIDATE
 from batchline.transport._quota import COUNTERS, QUOTA
 from batchline.transport._redis import RedisClient
 
@@ -37,6 +38,7 @@ __all__ = [
     "ADMIT",
     "CANCEL",
     "CANCEL_TENANT",
+    "DISPATCH",
     "ENQUEUE",
     "ENQUEUE_TENANT",
     "JOB",
@@ -57,7 +59,7 @@ _BODY = (
     + TENANTS
     + COUNTERS
     + QUOTA
-    + HOOKS
+    + FAIR
     + f"local MAX_PER_CALL = {MAX_PER_CALL}\n"
     + r"""
 -- Producers. KEYS: the inbox, the admission list, the work streams (priority 0 first).
@@ -81,6 +83,11 @@ local function enqueue_into(keys, at, args, tenant)
     depth = redis.call('LLEN', inbox) + redis.call('LLEN', admitting)
     if tenant then depth = depth + redis.call('LLEN', target) end
     for i = at + 2, #keys do depth = depth + redis.call('XLEN', keys[i]) end
+    -- the requests held for the fair share (rights before them may not read it: then not)
+    local held = redis.pcall('HVALS', string.sub(inbox, 1, -3) .. 'backlog')
+    if type(held) == 'table' and not held.err then
+      for _, n in ipairs(held) do depth = depth + (tonumber(n) or 0) end
+    end
   end
   local out, elements = {}, {}
   each_request(requests, function(i, prio, src, first, last)
@@ -215,9 +222,10 @@ end
 -- worker's id; arguments 3 to 11 as the enqueue script's; the reply-stream prefix; the caps
 -- of reply streams, of the dead-letter stream and of the cancel stream (MAXLEN ~); the
 -- largest request in bytes; the queue's depth bound (0: none: the worker's own setting,
--- never a producer's argument); the job-key prefix; the queue's key base (the tenants' keys).
--- Returns {elements admitted, elements left in the inbox, the job list and the wake list,
--- requests refused for the depth, errors withheld, requests refused for a quota}.
+-- never a producer's argument); the job-key prefix; the queue's key base (the tenants' keys);
+-- the fair share's block (_fair.py). Returns {elements admitted, elements left in the inbox,
+-- the job list and the wake list, requests refused for the depth, errors withheld, requests
+-- refused for a quota, requests held in the backlogs after its dispatch}.
 local function admit(keys, args)
   local admitting, inbox, dead, cancels, job_list = keys[1], keys[2], keys[3], keys[4], keys[5]
   local priorities = #keys - 5
@@ -227,6 +235,7 @@ local function admit(keys, args)
   local max_depth, job_prefix = tonumber(args[17]), args[18]
   begin_once(args)
   begin_tenants(args[19], {unpack(keys, 6)})
+  begin_fair(args, 20)
   local wakes = TK.wakes()
   local depth, full, withheld, over = nil, 0, 0, 0
   local function room()  -- whether the work streams hold fewer than max_depth entries
@@ -234,6 +243,7 @@ local function admit(keys, args)
     if not depth then
       depth = 0
       for i = 6, #keys do depth = depth + redis.call('XLEN', keys[i]) end
+      for _, n in ipairs(redis.call('HVALS', fair_counts)) do depth = depth + tonumber(n) end
     end
     return depth < max_depth
   end
@@ -381,6 +391,8 @@ local function admit(keys, args)
         return
       end
       hold(type(refused) == 'string' and refused or tenant, prio, fields, cost, id, h)
+    elseif held_untenanted(prio) then  -- as the tenant '-' while a tenant is backlogged
+      hold('-', prio, fields, cost, id, h)
     else
       local entry = redis.call('XADD', keys[6 + prio], '*', unpack(fields))
       redis.call('SET', rid .. id, h .. ' @' .. entry, 'EX', ttl)
@@ -481,7 +493,18 @@ local function admit(keys, args)
   local waking = redis.pcall('LLEN', wakes)
   local left = redis.call('LLEN', inbox) + redis.call('LLEN', job_list)
     + (type(waking) == 'number' and waking or 0)
-  return {admitted, left, full, withheld, over}
+  return {admitted, left, full, withheld, over, dispatch_streams()}
+end
+
+-- Workers. KEYS: the work streams (priority 0 first). ARGV: the queue's key base, the fair
+-- share's block (_fair.py), then corrections: tenant, priority, real cost less estimate, ...
+-- Applies the corrections, fills each stream from the backlogs; returns how many requests
+-- they still hold.
+local function dispatch(keys, args)
+  begin_tenants(args[1], keys)
+  begin_fair(args, 2)
+  for i = FAIR_ARGS + 2, #args - 2, 3 do correct(args[i], args[i + 1], args[i + 2]) end
+  return dispatch_streams()
 end
 """
 )
@@ -492,6 +515,7 @@ ENQUEUE = f"batchline_enqueue_{TAG}"
 CANCEL = f"batchline_cancel_{TAG}"
 JOB = f"batchline_job_{TAG}"
 ADMIT = f"batchline_admit_{TAG}"
+DISPATCH = f"batchline_dispatch_{TAG}"
 ENQUEUE_TENANT = f"batchline_enqueue_tenant_{TAG}"
 CANCEL_TENANT = f"batchline_cancel_tenant_{TAG}"
 JOB_TENANT = f"batchline_job_tenant_{TAG}"
@@ -502,6 +526,7 @@ LIBRARY = (
     + f"redis.register_function('{CANCEL}', cancel)\n"
     + f"redis.register_function('{JOB}', jobs)\n"
     + f"redis.register_function('{ADMIT}', admit)\n"
+    + f"redis.register_function('{DISPATCH}', dispatch)\n"
     + f"redis.register_function('{ENQUEUE_TENANT}', enqueue_tenant)\n"
     + f"redis.register_function('{CANCEL_TENANT}', cancel_tenant)\n"
     + f"redis.register_function('{JOB_TENANT}', jobs_tenant)\n"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from batchline.config import MAX_PER_CALL
 
-__all__ = ["EACH", "HOOKS", "MAX_PER_CALL", "ONCE", "REPLIES", "TENANTS", "VALIDATE"]
+__all__ = ["EACH", "MAX_PER_CALL", "ONCE", "REPLIES", "TENANTS", "VALIDATE"]
 
 # Replies: results queued per producer during a call, then one reply entry per producer
 # (fields n and r: a msgpack array header, then the packed results one after another).
@@ -287,20 +287,13 @@ local function tenant_config(t)
 end
 """
 
-# The two steps of a tenant's new request that the fair share and the quotas own, each a
-# small function of its own (docs/protocol.md, Tenants):
+# The steps of a tenant's new request that the quotas and the fair share own, each a small
+# function of its own (docs/protocol.md, Tenants), which the library puts after TENANTS:
 # - quota_peek(tenant, cost, config): the enqueue function's read-only look (producer
-#   rights): nil, or {retry_ms, limit name} to answer {'quota', retry_ms, limit} at once.
+#   rights): nil, or {retry_ms, limit name} to answer {'quota', retry_ms, limit} at once;
 # - quota_admit(tenant, id, cost, config): the admission's (worker rights): nil admits it;
 #   {limit = name, message = text, retry_ms = n} refuses it (a QuotaExceeded error result);
-#   a string holds it under that name instead (over_quota 'idle': '<tenant>~over').
-#   These two are _quota.py's QUOTA, which the library puts before HOOKS.
+#   a string holds it under that name instead (over_quota 'idle': '<tenant>~over');
+#   these two are batchline/transport/_quota.py's QUOTA;
 # - hold(tenant, prio, fields, cost, id, h): a new request admitted (fields: its entry's, tn
-#   and cost included; h: its input hash): held for the fair share. Here it is added to its
-#   work stream as an untenanted request is (rid:<id> = '<h> @<entry id>').
-HOOKS = r"""
-local function hold(tenant, prio, fields, cost, id, h)
-  local entry = redis.call('XADD', work_streams[prio + 1], '*', unpack(fields))
-  redis.call('SET', rid .. id, h .. ' @' .. entry, 'EX', ttl)
-end
-"""
+#   and cost included; h: its input hash), held for the fair share: _fair.py's FAIR.

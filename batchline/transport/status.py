@@ -5,11 +5,13 @@ Per work stream, ``lag`` and ``pending`` are the two figures an autoscaler reads
 reads ``XPENDING``), for the consumer group ``batchline``: ``lag`` counts entries no worker has
 read yet, ``pending`` those read and not acknowledged (a worker reads ahead up to
 ``read_ahead`` x ``batch_size`` entries, so work a worker holds is pending, not lag).
-``backlog`` is their sum, the work left. Redis (>= 7) reports ``lag`` as null when it cannot
-tell (entries deleted between the group's last delivered id and the stream's end, e.g. by
-XDEL or XTRIM); ``backlog`` is null then too. ``inbox`` counts what producers enqueued
-through the functions and no worker has admitted yet (the inbox and the admission list);
-KEDA's ``redis`` trigger reads the inbox's length, which scales the workers from zero.
+``backlog`` is their sum, the work left. ``held`` counts the requests admitted and held for
+the fair share, not yet dispatched into the stream (counted in ``depth``). Redis (>= 7)
+reports ``lag`` as null when it cannot tell (entries deleted between the group's last
+delivered id and the stream's end, e.g. by XDEL or XTRIM); ``backlog`` is null then too.
+``inbox`` counts what producers enqueued through the functions and no worker has admitted
+yet (the inbox and the admission list); KEDA's ``redis`` trigger reads the inbox's length,
+which scales the workers from zero.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ async def collect(
     keys = settings.keys
     streams = []
     inbox: int = int(await client.llen(keys.inbox)) + int(await client.llen(keys.admitting))
-    depth = inbox
+    held = {int(p): int(n) for p, n in (await client.hgetall(keys.backlog_counts)).items()}
+    depth = inbox + sum(held.values())
     for priority in reversed(range(keys.priorities)):
         name = keys.stream(priority)
         length = int(await client.xlen(name))
@@ -71,6 +74,7 @@ async def collect(
                 "lag": lag,
                 "backlog": None if lag is None or pending is None else int(lag) + pending,
                 "consumers": consumers,
+                "held": held.get(priority, 0),
             }
         )
     now = time.time()
@@ -104,7 +108,8 @@ def render(status: dict[str, Any]) -> str:
         f"  inbox {status.get('inbox', 0)} (enqueued, not admitted by a worker yet)",
     ]
     for s in status["streams"]:
-        lines.append(f"  priority {s['priority']}: length {s['length']}, {_group(s)}")
+        held = f", held for the fair share {s['held']}" if s.get("held") else ""
+        lines.append(f"  priority {s['priority']}: length {s['length']}, {_group(s)}{held}")
     once = status.get("once") or {}
     if any(once.values()):
         lines.append(

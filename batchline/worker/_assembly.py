@@ -29,6 +29,7 @@ from batchline.worker.metrics import Metrics
 from batchline.worker.models import Model, load_model
 from batchline.worker.serving._admitter import Admitter
 from batchline.worker.serving._chunk_writer import ChunkWriter
+from batchline.worker.serving._dispatch import Dispatcher
 from batchline.worker.serving._executors import Executors, build
 from batchline.worker.serving._facts import ModelFacts
 from batchline.worker.serving._generation_executor import GenerationExecutor
@@ -150,6 +151,7 @@ def assemble(
         max_unread_s=s.stream_max_unread_s,
         cancel=cancels.add,  # on this worker alone: its producer is gone
     )
+    dispatcher = Dispatcher(s, generation=generation is not None)
     serving = Serving(
         model,
         worker_id,
@@ -164,6 +166,7 @@ def assemble(
         counts=counts,
         metrics=metrics,
         trace=trace,
+        dispatcher=dispatcher,
     )
     admit_client = dedicated(client)  # it blocks on the inbox
     wake_client = dedicated(client)  # it blocks on the wake list
@@ -194,8 +197,21 @@ def assemble(
         answers=answers,
         chunks=chunks,
         serving=serving,
-        reader=Reader(client, keys.streams_low_first, worker_id, readcap, serving),
-        admitter=Admitter(admit_client, s, worker_id=worker_id, wake_client=wake_client),
+        reader=Reader(
+            client,
+            keys.streams_low_first,
+            worker_id,
+            readcap,
+            serving,
+            after_read=dispatcher.after_read,
+        ),
+        admitter=Admitter(
+            admit_client,
+            s,
+            worker_id=worker_id,
+            wake_client=wake_client,
+            dispatcher=dispatcher,
+        ),
         upkeep=Upkeep(
             claims,
             guard,

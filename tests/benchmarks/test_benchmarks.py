@@ -50,6 +50,7 @@ def test_every_module_imports_without_running() -> None:
 REDIS_LINE = re.compile(r"redis-server \d+\.\d+\.\d+ \(/\S*redis-server\)")
 # Benchmarks that start a Redis, with their --redis-server flag.
 STARTS_REDIS = ["admission", "batch_api", "batch_limits", "cache", "dtype", "durability"]
+STARTS_REDIS += ["fairness"]
 STARTS_REDIS += ["queue", "schema_check", "tracing"]
 
 
@@ -387,6 +388,22 @@ def test_bench_admission_smoke() -> None:
     assert "2 interleaved repeats" in out, out
     for figure in ("requests/s", "idle p50 ms", "redis CPU µs/request"):
         assert re.search(rf"^{re.escape(figure)} .* ([0-9.]+|-)$", out, re.M), out
+    assert REDIS_LINE.search(out), out
+
+
+@pytest.mark.slow
+def test_bench_fairness_smoke() -> None:
+    """A short run of each part (no generation): it alternates the modes and prints B's
+    p99 ratios, the served shares and the CPU a tenant's request adds."""
+    _debian_redis(": the functions")
+    argv = ["--seconds", "1", "--repeats", "1", "--shares", "40", "--requests", "300"]
+    out = _bench(["benchmarks.fairness", *argv, "--no-generation"], 600)
+    assert "1 interleaved repeats" in out, out
+    for mode in ("fair", "fifo"):
+        assert re.search(rf"^{mode}\s+B p99 alone ms [\d,]+; with A ms [\d,]+", out, re.M), out
+        assert re.search(rf"^{mode}\s+items [\d.]+$", out, re.M), out
+    assert re.search(r"^items/s fair / FIFO: [\d.]+$", out, re.M), out
+    assert re.search(r"^total\s+tenant [\d.,]+ µs; untenanted [\d.,]+ µs; added", out, re.M), out
     assert REDIS_LINE.search(out), out
 
 

@@ -47,6 +47,7 @@ from batchline.transport import (
     once_keys,
     redis_failure,
 )
+from batchline.worker.serving._dispatch import Dispatcher
 from batchline.worker.serving._reader import ReadCap
 from batchline.worker.serving._writer import DEAD_MAXLEN, REPLY_MAXLEN
 
@@ -71,6 +72,9 @@ class Admitter:
         worker_id: named in the dead letters of refused elements.
         wake_client: a client for the wake loop alone (it blocks on the wake list; None:
             no wake loop, tenants' inboxes are admitted with the inbox's calls).
+        dispatcher: the fair share's side of the worker (None: one of its own): the admit
+            function dispatches after admitting, and says how many requests the backlogs
+            still hold.
     """
 
     def __init__(
@@ -80,10 +84,12 @@ class Admitter:
         *,
         worker_id: str,
         wake_client: RedisClient | None = None,
+        dispatcher: Dispatcher | None = None,
     ) -> None:
         self._client = client
         self._wake_client = wake_client
         self._mirror: TenantMirror | None = TenantMirror(settings.keys)
+        self._dispatcher = dispatcher = dispatcher or Dispatcher(settings)
         keys = self.keys = settings.keys
         self._keys = [
             keys.admitting,
@@ -110,6 +116,8 @@ class Admitter:
             keys.job(""),
             # The tenants' keys are named from it (docs/protocol.md, Tenants).
             keys.base_prefix,
+            # The fair share's block (docs/protocol.md, Tenants: the fair share).
+            *dispatcher.args,
         ]
         self._max_depth = settings.max_queue_depth
         self.admitted = 0
@@ -131,6 +139,7 @@ class Admitter:
         answer = await (client or self._client).fcall(*self.call())
         admitted, left, refused, withheld = answer[:4]
         self.over_quota += int(answer[4]) if len(answer) > 4 else 0
+        self._dispatcher.held = int(answer[5]) if len(answer) > 5 else 0
         self.admitted += int(admitted)
         if refused or withheld:
             self._tell(int(refused), int(withheld))

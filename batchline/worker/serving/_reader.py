@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from redis.exceptions import ResponseError
 
@@ -110,6 +110,8 @@ class Reader:
         readcap: bounds one read's entries by bytes.
         entrance: the serving path: how many more entries may come in now (at 0 the reader
             waits for ``space``), and where the entries of one read go.
+        after_read: awaited after each read that brought entries, with the reader's
+            connection (the fair share's dispatch: :mod:`._dispatch`).
     """
 
     def __init__(
@@ -119,6 +121,8 @@ class Reader:
         worker_id: str,
         readcap: ReadCap,
         entrance: Entrance,
+        *,
+        after_read: Callable[[RedisClient], Awaitable[None]] | None = None,
     ) -> None:
         self._redis = redis
         self._streams = streams
@@ -126,6 +130,7 @@ class Reader:
         self._worker_id = worker_id
         self._readcap = readcap
         self._entrance = entrance
+        self._after_read = after_read
 
     async def run(self, space: asyncio.Event, stop: asyncio.Event) -> None:
         """Read until ``stop`` is set; ``space`` is set when room frees up."""
@@ -172,3 +177,5 @@ class Reader:
                     for stream, entries in response
                     for entry, raw in entries
                 )
+                if self._after_read is not None:
+                    await self._after_read(client)

@@ -21,6 +21,7 @@ from batchline.worker.metrics import Metrics
 from batchline.worker.models import Model, Prepared
 from batchline.worker.serving._answers import answer, dead_letter, finished
 from batchline.worker.serving._chunk_writer import ChunkWriter
+from batchline.worker.serving._dispatch import Dispatcher
 from batchline.worker.serving._executors import Executors
 from batchline.worker.serving._generation_executor import GenerationExecutor
 from batchline.worker.serving._intake import Preparer
@@ -55,6 +56,8 @@ class Serving:
         counts: the answers by status (the worker's ``counts``).
         metrics: the worker's metrics (each answer's status).
         trace: the worker's spans (None: tracing off).
+        dispatcher: the fair share's side of the worker (its window while requests are
+            held; the real cost of each request answered).
 
     Attributes:
         stopped: set once the worker stops (drains): nothing more is read or reclaimed.
@@ -76,6 +79,7 @@ class Serving:
         counts: Counter[str],
         metrics: Metrics,
         trace: WorkerTrace | None = None,
+        dispatcher: Dispatcher | None = None,
     ) -> None:
         self._model = model
         self._worker_id = worker_id
@@ -94,6 +98,7 @@ class Serving:
         self._counts = counts
         self._metrics = metrics
         self._trace = trace
+        self._dispatcher = dispatcher
         self.stopped = asyncio.Event()
 
     def stop(self) -> None:
@@ -111,7 +116,10 @@ class Serving:
         """How many more entries the reader may bring in (none while it is not open)."""
         if not self.open:
             return 0
-        return self._window - self._batcher.queue_size - self._prep.preparing
+        window = self._window
+        if self._dispatcher is not None:
+            window = self._dispatcher.window(window)
+        return window - self._batcher.queue_size - self._prep.preparing
 
     def prepare_stats(self) -> dict[str, Any]:
         """What the intake prepared so far (:meth:`Preparer.stats`)."""
@@ -123,6 +131,8 @@ class Serving:
         """Hold the entries of one read (or one reclaimed entry), prepare them and submit
         each request; those answered at once (malformed, expired, too large, ...) are."""
         batch, too_large = self._readcap.split(list(entries))
+        if self._dispatcher is not None:
+            self._dispatcher.read(batch)
         for sidx, entry, _raw in batch:
             self._claims.hold(sidx, entry)
         for (sidx, entry, raw), size in too_large:  # dead-lettered unread
@@ -174,6 +184,8 @@ class Serving:
         if meta is None:
             return
         self._space.set()  # it left the queue: read more
+        if self._dispatcher is not None:
+            self._dispatcher.answered(meta, call)
         record = finished(meta, call, self._model, self._worker_id)
         enqueued_ms = meta.request.get("ts")
         if meta.started_unix and enqueued_ms:

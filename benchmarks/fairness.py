@@ -1,0 +1,342 @@
+"""The fair share of the workers between tenants against first come, first served, in one run.
+
+``python -m benchmarks.fairness [--item-ms 2] [--batch-size 8] [--seconds 6] [--repeats 3]
+[--shares 400] [--requests 3000] [--redis-server PATH]``
+
+It starts its own redis-server (7 or newer: the queue's functions) and, per mode, one
+``batchline worker`` on a queue of its own: ``fair`` (``--fair-share true``) and ``fifo``
+(``--fair-share false``); the worker of the mode not measured is paused (SIGSTOP). Their
+model, :func:`busy`, sleeps ``--item-ms`` per item (a worker of fixed capacity, 1000 /
+item-ms items/s, that leaves the shared CPU alone). Repeats alternate the modes' order.
+
+- (a) two tenants at one priority on a saturated worker: B offers a tenth of the capacity
+  (open loop, ``--seconds``), alone, then with A offering ten times as much (B and A
+  together 1.1 x the capacity); B's p99 latency with A present over B's p99 alone, per
+  mode, and the items/s served with both (from the first request sent to the last answer);
+- (b) weights 3:1 (A 3, B 1 in the tenant store), both backlogged with ``--shares``
+  requests each (enqueued while the worker is paused): A's served share over B's, by cost,
+  among the first 60 % started (sent plus its wait in the queue: a generation's answers
+  come out of order; both are backlogged then), for the callable model (cost: items) and,
+  on a ``generate`` worker (SmolLM2-135M-Instruct, a quarter as many requests; cost: prompt
+  and generated tokens, each request's ``max_new_tokens`` drawn from 4-24), per mode
+  (``--no-generation``: not);
+- (c) the CPU per request of a tenant's request (enqueued as tenant A, held and dispatched)
+  against an untenanted one, on a no-op worker (``echo``, ``--requests`` each, 500 in
+  flight): redis-server, the worker and this producer, each process's CPU seconds over the
+  run (µs/request) and the difference.
+
+It prints medians (with the range of the repeats) and ratios to the anchors it names: B
+alone, FIFO, 3:1, untenanted. The machine is shared: compare ratios within a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from batchline.keys import QueueKeys, TenantKeys
+from batchline.producer import AsyncProducer
+from batchline.tenants import TenantConfig
+from benchmarks.harness import (
+    CpuMeter,
+    Procs,
+    Samples,
+    add_redis_server_flag,
+    child_env,
+    log,
+    machine,
+    percentile,
+    redis_binary,
+    start_redis,
+)
+
+MODES = ("fair", "fifo")
+_ITEM_MS = "BENCH_FAIRNESS_ITEM_MS"
+
+
+def busy(items: list[Any]) -> list[Any]:
+    """The benchmark's model: ``BENCH_FAIRNESS_ITEM_MS`` milliseconds per item, then echo."""
+    time.sleep(float(os.environ.get(_ITEM_MS, "2")) * len(items) / 1e3)
+    return items
+
+
+class Run:
+    """The processes of one run: redis-server, and per mode a worker per kind."""
+
+    def __init__(self, procs: Procs, url: str, args: argparse.Namespace) -> None:
+        self.procs, self.url, self.args = procs, url, args
+        self.env = child_env({_ITEM_MS: str(args.item_ms), "HF_HUB_OFFLINE": "1"})
+        self.queues: dict[str, str] = {}
+
+    def worker(self, name: str, model: list[str], *, fair: bool) -> str:
+        queue = f"bench-fair-{name}-{uuid.uuid4().hex[:6]}"
+        argv = [sys.executable, "-m", "batchline", "--log-level", "WARNING", "worker"]
+        argv += ["--redis-url", self.url, "--queue", queue, *model]
+        argv += ["--fair-share", "true" if fair else "false", "--max-restarts-per-min", "0"]
+        proc = self.procs.spawn(name, argv, env=self.env)
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + 180
+        while not client.zcard(QueueKeys(queue).workers):
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise SystemExit(f"worker {name} did not start:\n" + self.procs.log_tail(name))
+            time.sleep(0.1)
+        client.close()
+        self.queues[name] = queue
+        return queue
+
+    def only(self, name: str) -> None:
+        """Resume worker ``name``, pause every other."""
+        for other in self.queues:
+            if other != name:
+                self.procs.pause(other)
+        self.procs.resume(name)
+
+
+async def _producers(url: str, queue: str) -> dict[str, AsyncProducer]:
+    """A producer per tenant (A, B): each reads one reply stream, from its start."""
+    made = {}
+    for tenant in ("A", "B"):
+        made[tenant] = await AsyncProducer(redis_url=url, queue=queue, tenant=tenant).start()
+    return made
+
+
+async def _close(producers: dict[str, AsyncProducer]) -> None:
+    for producer in producers.values():
+        await producer.aclose()
+
+
+async def _open_loop(
+    producer: AsyncProducer, rate: float, seconds: float, lat: list[float]
+) -> None:
+    """Send at ``rate``/s for ``seconds`` (as the producer's tenant); each answer's latency
+    (ms)."""
+    tasks = []
+
+    async def one(k: int) -> None:
+        t0 = time.perf_counter()
+        handle = await producer.submit(k, cost=1)
+        await producer.wait(handle, timeout_s=600)
+        lat.append((time.perf_counter() - t0) * 1e3)
+
+    started = time.perf_counter()
+    for k in range(round(rate * seconds)):
+        await asyncio.sleep(max(0.0, started + k / rate - time.perf_counter()))
+        tasks.append(asyncio.create_task(one(k)))
+    await asyncio.gather(*tasks)
+
+
+async def part_a(run: Run, samples: Samples, mode: str) -> None:
+    args = run.args
+    capacity = 1000 / args.item_ms  # items/s
+    rate_b = capacity / 10
+    producers = await _producers(run.url, run.queues[f"emb-{mode}"])
+    try:
+        alone: list[float] = []
+        await _open_loop(producers["B"], rate_b, args.seconds, alone)
+        with_a: list[float] = []
+        a_lat: list[float] = []
+        t0 = time.perf_counter()
+        await asyncio.gather(
+            _open_loop(producers["B"], rate_b, args.seconds, with_a),
+            _open_loop(producers["A"], 10 * rate_b, args.seconds, a_lat),
+        )
+        served = (len(with_a) + len(a_lat)) / (time.perf_counter() - t0)
+    finally:
+        await _close(producers)
+    samples.add(f"a {mode} B p99 alone", percentile(alone, 99))
+    samples.add(f"a {mode} B p99 with A", percentile(with_a, 99))
+    samples.add(f"a {mode} B p99 ratio", percentile(with_a, 99) / percentile(alone, 99))
+    samples.add(f"a {mode} items/s", served)
+    log(f"(a) {mode}: B p99 alone {percentile(alone, 99):.0f} ms, with A "
+        f"{percentile(with_a, 99):.0f} ms; {served:.0f} items/s")  # fmt: skip
+
+
+async def _share(run: Run, worker: str, queue: str, n: int, values: Any) -> float:
+    """A's served cost over B's among the first 60 % started (sent plus its wait in the
+    queue: a generation's answers come out of order), both backlogged with ``n`` (enqueued while
+    ``worker`` is paused, so that both are backlogged from the start)."""
+    done: list[tuple[float, str, int]] = []
+    producers = await _producers(run.url, queue)
+
+    async def one(tenant: str, handle: Any, cost: int, sent: float) -> None:
+        result = await producers[tenant].wait(handle, timeout_s=600)
+        output = result.output
+        real = cost
+        if isinstance(output, dict) and "prompt_tokens" in output:
+            real = int(output["prompt_tokens"]) + len(output.get("token_ids", ()))
+        done.append((sent + result.queue_ms / 1e3, tenant, real))  # when it started
+
+    run.procs.pause(worker)
+    jobs = []
+    for i in range(n):
+        for tenant in ("A", "B"):
+            value, cost = values(tenant, i)
+            sent = time.time()
+            jobs.append(one(tenant, await producers[tenant].submit(value), cost, sent))
+    run.procs.resume(worker)
+    try:
+        await asyncio.gather(*jobs)
+    finally:
+        await _close(producers)
+    first = sorted(done)[: int(len(done) * 0.6)]
+    a = sum(c for _, t, c in first if t == "A")
+    b = sum(c for _, t, c in first if t == "B")
+    return a / b if b else float("nan")
+
+
+async def part_b(run: Run, samples: Samples, mode: str) -> None:
+    rng = random.Random(7)
+    share = await _share(
+        run, f"emb-{mode}", run.queues[f"emb-{mode}"], run.args.shares, lambda t, i: (f"{t}{i}", 1)
+    )
+    samples.add(f"b {mode} items A/B", share)
+    if f"gen-{mode}" in run.queues:
+
+        def prompt(tenant: str, i: int) -> tuple[Any, int]:
+            text = f"{tenant} {i} " * rng.randint(1, 6)
+            value: dict[str, Any] = {"prompt": text, "max_new_tokens": rng.randint(4, 24)}
+            return value, 0
+
+        queue = run.queues[f"gen-{mode}"]
+        share = await _share(run, f"gen-{mode}", queue, run.args.shares // 4, prompt)
+        samples.add(f"b {mode} tokens A/B", share)
+    shares = [f"{k} {v[-1]:.2f}" for k, v in samples.rows.items() if k.startswith(f"b {mode}")]
+    log(f"(b) {mode}: {', '.join(shares)}")
+
+
+async def part_c(run: Run, samples: Samples, redis_pid: int) -> None:
+    queue = run.queues["noop"]
+    worker_pid = run.procs.procs["noop"].pid
+    order = ("A", None) if len(samples.rows) % 2 else (None, "A")
+    for tenant in order:  # a producer each: one reply stream each, read from the start
+        name = "tenant" if tenant else "untenanted"
+        async with AsyncProducer(redis_url=run.url, queue=queue, tenant=tenant) as producer:
+            await producer.infer(-1, timeout_s=60)  # its reply stream read, warm
+            pids = {"redis": redis_pid, "worker": worker_pid, "producer": os.getpid()}
+            meter = CpuMeter(pids)
+            n = run.args.requests
+            for first in range(0, n, 500):
+                handles = [await producer.submit(k) for k in range(first, min(n, first + 500))]
+                for handle in handles:
+                    await producer.wait(handle, timeout_s=600)
+            used = meter.done()
+        log(f"(c) {name}: {sum(used[p] for p in pids) / n * 1e6:.0f} µs/request")
+        for proc in pids:
+            samples.add(f"c {name} {proc} µs", used[proc] / n * 1e6)
+        samples.add(f"c {name} total µs", sum(used[p] for p in pids) / n * 1e6)
+
+
+def _report(samples: Samples, repeats: int, gen: bool) -> None:
+    def cell(key: str, digits: int = 1) -> str:
+        med = samples.med(key)
+        spread = samples.spread(key)
+        return "n/a" if med is None else f"{med:,.{digits}f}" + (f" ({spread})" if spread else "")
+
+    def rat(a: str, b: str) -> str:
+        pairs = samples.paired(a, b)
+        return f"{statistics.median(pairs):.2f}" if pairs else "n/a"
+
+    print(f"\n{repeats} interleaved repeats; medians (range of the repeats)")
+    print("\n(a) two tenants, one priority, saturated worker (A offers 10x B's load)")
+    for mode in MODES:
+        print(f"{mode:<5} B p99 alone ms {cell(f'a {mode} B p99 alone', 0)}; "
+              f"with A ms {cell(f'a {mode} B p99 with A', 0)}; "
+              f"with A / alone {cell(f'a {mode} B p99 ratio', 2)}; "
+              f"items/s {cell(f'a {mode} items/s', 0)}")  # fmt: skip
+    print(f"items/s fair / FIFO: {rat('a fair items/s', 'a fifo items/s')}")
+    print("\n(b) weights 3:1, both backlogged: served cost A / B (anchor 3.00)")
+    for mode in MODES:
+        line = f"{mode:<5} items {cell(f'b {mode} items A/B', 2)}"
+        if gen:
+            line += f"; tokens {cell(f'b {mode} tokens A/B', 2)}"
+        print(line)
+    print(f"fair items A/B / 3: {(samples.med('b fair items A/B') or 0) / 3:.3f}")
+    if gen:
+        print(f"fair tokens A/B / 3: {(samples.med('b fair tokens A/B') or 0) / 3:.3f}")
+    print("\n(c) CPU per request, no-op worker: tenant (held, dispatched) against untenanted")
+    for proc in ("redis", "worker", "producer", "total"):
+        t, u = f"c tenant {proc} µs", f"c untenanted {proc} µs"
+        diff = [
+            x - y for x, y in zip(samples.rows.get(t, []), samples.rows.get(u, []), strict=False)
+        ]
+        added = f"{statistics.median(diff):+.1f}" if diff else "n/a"
+        print(f"{proc:<8} tenant {cell(t)} µs; untenanted {cell(u)} µs; "
+              f"added {added} µs; ratio {rat(t, u)}")  # fmt: skip
+
+
+async def _bounded(what: str, part: Any) -> None:
+    """Run one part; one that takes past 10 minutes is left out of the figures (logged)."""
+    try:
+        await asyncio.wait_for(part, 600)
+    except TimeoutError:
+        log(f"{what}: no answer within 600 s: left out")
+
+
+async def _main(run: Run, redis_pid: int, gen: bool) -> None:
+    samples = Samples()
+    for rep in range(run.args.repeats):
+        run.only("noop")
+        await _bounded("(c)", part_c(run, samples, redis_pid))
+        for mode in MODES if rep % 2 == 0 else MODES[::-1]:
+            run.only(f"emb-{mode}")
+            await _bounded(f"(a) {mode}", part_a(run, samples, mode))
+            if gen:
+                run.procs.resume(f"gen-{mode}")
+            await _bounded(f"(b) {mode}", part_b(run, samples, mode))
+    _report(samples, run.args.repeats, gen)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--item-ms", type=float, default=2.0)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=6.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shares", type=int, default=400)
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--no-generation", action="store_true", help="skip the tokens share")
+    add_redis_server_flag(parser)
+    args = parser.parse_args()
+    binary = redis_binary(args.redis_server)
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = Procs(Path(tmp))
+        try:
+            run = Run(procs, "", args)
+            url, version = start_redis(procs, run.env, binary)
+            run.url = url
+            print(f"{machine()}; {version}")
+            print(f"python -m benchmarks.fairness {' '.join(sys.argv[1:])}".rstrip())
+            client = redis.Redis.from_url(url)
+            store = TenantKeys("batchline")
+            client.hset(store.config, "A", TenantConfig(weight=3).to_json())
+            client.incr(store.version)
+            client.close()
+            batch = ["--batch-size", str(args.batch_size), "--timeout-ms", "5"]
+            for mode in MODES:
+                emb = ["--model", "benchmarks.fairness:busy", *batch]
+                run.worker(f"emb-{mode}", emb, fair=mode == "fair")
+                if not args.no_generation:
+                    gen = ["--model", "generate", "--batch-size", "8"]  # SmolLM2-135M-Instruct
+                    run.worker(f"gen-{mode}", gen, fair=mode == "fair")
+            run.worker("noop", ["--model", "batchline.worker.models:echo", "--batch-size", "64",
+                                "--timeout-ms", "0"], fair=True)  # fmt: skip
+            time.sleep(1.5)  # the tenants' configs mirrored (checked once a second)
+            asyncio.run(_main(run, procs.procs["redis-server"].pid, not args.no_generation))
+        finally:
+            procs.stop_all()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

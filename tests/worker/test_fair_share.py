@@ -1,0 +1,219 @@
+"""The fair share (docs/protocol.md, Tenants: the fair share), against a real redis-server and
+real workers: requests enqueued as tenants (their inboxes and the wake list, as the tenant
+functions write them), admitted before any worker runs, then served; the order of service is
+the order the model saw the items (recorded), never timing.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import redis
+
+from batchline.codec import Limits, decode_result
+from batchline.codec._requests import request_fields
+from batchline.keys import QueueKeys
+from batchline.tenants import TenantConfig
+
+from tests.support import models_for_tests
+from tests.support.service import admit_inbox, spec, wait_until
+
+pytestmark = pytest.mark.slow
+
+RECORD = spec("record_batches")
+
+
+def enqueue(
+    client: redis.Redis,
+    keys: QueueKeys,
+    tenant: str | None,
+    name: str,
+    value: Any,
+    *,
+    cost: int = 1,
+    priority: int = 0,
+) -> str:
+    """Append one request to ``tenant``'s inbox (and its wake), or to the shared inbox."""
+    request_id = f"{tenant}.{name}" if tenant else name
+    fields, _meta, _blob = request_fields(
+        request_id,
+        value,
+        priority=priority,
+        deadline_unix_ms=None,
+        enqueued_unix_ms=time.time() * 1e3,
+        reply=None,
+        stream=False,
+    )
+    element = msgpack.packb(["r", priority, *fields, "cost", str(cost)], use_bin_type=False)
+    if tenant is None:
+        client.rpush(keys.inbox, element)
+    else:
+        client.rpush(keys.tenant_inbox(tenant), element)
+        client.rpush(keys.wakes, msgpack.packb(["t", tenant], use_bin_type=False))
+    return request_id
+
+
+def enqueue_each(
+    client: redis.Redis, keys: QueueKeys, tenant: str, n: int, **options: Any
+) -> list[str]:
+    """``n`` requests of ``tenant`` (ids ``<tenant>.<t><i>``, values ``<T><i>``)."""
+    low = tenant.lower()
+    return [enqueue(client, keys, tenant, f"{low}{i}", f"{tenant}{i}", **options) for i in range(n)]
+
+
+def served(path: Path) -> list[Any]:
+    """The items the model saw, in order."""
+    return [item for batch in models_for_tests.read_batches(path) for item in batch]
+
+
+def result(client: redis.Redis, keys: QueueKeys, request_id: str) -> Any:
+    raw = client.get(keys.result(request_id))
+    if not raw:
+        return None
+    flat = msgpack.unpackb(raw, raw=True)
+    return decode_result(dict(zip(flat[::2], flat[1::2], strict=True)), Limits())
+
+
+@pytest.fixture
+def record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "batches.jsonl"
+    monkeypatch.setenv("BLTEST_RECORD_FILE", str(path))
+    return path
+
+
+def test_a_small_tenant_is_served_between_a_large_ones_requests(
+    rclient: redis.Redis, keys: QueueKeys, start_worker: Any, record: Path
+) -> None:
+    enqueue_each(rclient, keys, "A", 40)
+    enqueue_each(rclient, keys, "B", 4)
+    admit_inbox(rclient, keys, batch_size=1)
+    start_worker(model=RECORD, batch_size=1, timeout_ms=0)
+    wait_until(lambda: len(served(record)) == 44, "all 44 requests served")
+    order = served(record)
+    # B became backlogged with A: they alternate while both are, B's after A's (a tie of
+    # virtual starts goes to the name first in order).
+    assert order[:8] == ["A0", "B0", "A1", "B1", "A2", "B2", "A3", "B3"]
+    assert order[8:] == [f"A{i}" for i in range(4, 40)]
+    assert rclient.hvals(keys.backlog_counts) == [b"0"]
+
+
+def test_fair_share_off_serves_first_come_first_served(
+    rclient: redis.Redis, keys: QueueKeys, start_worker: Any, record: Path
+) -> None:
+    enqueue_each(rclient, keys, "A", 10)
+    enqueue_each(rclient, keys, "B", 2)
+    admit_inbox(rclient, keys, batch_size=1, fair_share=False)
+    start_worker(model=RECORD, batch_size=1, timeout_ms=0, fair_share=False)
+    wait_until(lambda: len(served(record)) == 12, "all 12 requests served")
+    assert served(record) == [f"A{i}" for i in range(10)] + ["B0", "B1"]
+
+
+def test_weights_share_by_real_cost(
+    rclient: redis.Redis, keys: QueueKeys, start_worker: Any, record: Path
+) -> None:
+    # A: weight 3, estimated at 4 a request; B: weight 1, at 1. Each really costs one item
+    # (a callable model's request is one item): corrected as they are answered, A's requests
+    # are served 3 to B's 1 while both are backlogged (by the estimates alone: 3 to 4).
+    rclient.hset(keys.tenants, "A", TenantConfig(weight=3).to_json())
+    enqueue_each(rclient, keys, "A", 200, cost=4)
+    enqueue_each(rclient, keys, "B", 200, cost=1)
+    admit_inbox(rclient, keys, batch_size=4)
+    start_worker(model=RECORD, batch_size=4, timeout_ms=0)
+    wait_until(lambda: len(served(record)) == 400, "all 400 requests served")
+    steady = served(record)[40:240]  # both backlogged throughout, corrections flowing
+    a = sum(1 for item in steady if item.startswith("A"))
+    share = a / (len(steady) - a)
+    assert 3 * 0.95 <= share <= 3 * 1.05, (a, share)
+
+
+def test_a_lone_tenant_gets_every_worker_and_untenanted_traffic_shares(
+    rclient: redis.Redis, keys: QueueKeys, start_worker: Any, record: Path
+) -> None:
+    enqueue_each(rclient, keys, "A", 30)
+    admit_inbox(rclient, keys, batch_size=1)
+    for i in range(3):  # held under '-' while A is backlogged
+        enqueue(rclient, keys, None, f"u{i}", f"U{i}")
+    admit_inbox(rclient, keys, batch_size=1)
+    assert rclient.hget(keys.backlog_counts, "0") == b"31"  # 33 less the 2 dispatched
+    # Nothing more comes to the inbox: the worker refills the stream as it reads.
+    start_worker(model=RECORD, batch_size=1, timeout_ms=0)
+    wait_until(lambda: len(served(record)) == 33, "all 33 requests served")
+    order = served(record)
+    assert max(order.index(f"U{i}") for i in range(3)) <= 7, order
+    assert [x for x in order if x.startswith("A")] == [f"A{i}" for i in range(30)]
+
+
+def test_untenanted_traffic_alone_goes_straight_to_the_stream(
+    rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    for i in range(5):
+        enqueue(rclient, keys, None, f"u{i}", f"U{i}")
+    admit_inbox(rclient, keys, batch_size=1)
+    assert rclient.xlen(keys.stream(0)) == 5
+    assert not rclient.exists(keys.fair(0), keys.backlog("-", 0), keys.backlog_counts)
+
+
+def test_priorities_come_first(
+    rclient: redis.Redis, keys: QueueKeys, start_worker: Any, record: Path
+) -> None:
+    enqueue_each(rclient, keys, "A", 20, priority=0)
+    enqueue_each(rclient, keys, "B", 5, priority=1)
+    admit_inbox(rclient, keys, batch_size=1)
+    start_worker(model=RECORD, batch_size=1, timeout_ms=0)
+    wait_until(lambda: len(served(record)) == 25, "all 25 requests served")
+    order = served(record)
+    # Each read takes up to the room from every stream (COUNT per stream), as without
+    # tenants: an A read beside each B may run between them; none later than that.
+    last_b = max(order.index(f"B{i}") for i in range(5))
+    assert last_b <= 9, order
+    assert [x for x in order if x.startswith("A")] == [f"A{i}" for i in range(20)]
+
+
+def test_a_request_cancelled_while_held_is_answered_cancelled_and_never_run(
+    rclient: redis.Redis, keys: QueueKeys, start_worker: Any, record: Path
+) -> None:
+    ids = enqueue_each(rclient, keys, "A", 10)
+    admit_inbox(rclient, keys, batch_size=1)
+    assert rclient.hget(keys.backlog_counts, "0") == b"8"
+    rclient.rpush(keys.tenant_inbox("A"), msgpack.packb(["c", ids[6]], use_bin_type=False))
+    rclient.rpush(keys.wakes, msgpack.packb(["t", "A"], use_bin_type=False))
+    admit_inbox(rclient, keys, batch_size=1)
+    start_worker(model=RECORD, batch_size=1, timeout_ms=0)
+    wait_until(lambda: result(rclient, keys, ids[6]) is not None, "the cancelled one answered")
+    wait_until(lambda: len(served(record)) == 9, "the other 9 served")
+    assert result(rclient, keys, ids[6]).status == "cancelled"
+    assert "A6" not in served(record)
+
+
+def test_depth_and_status_count_what_is_held(rclient: redis.Redis, keys: QueueKeys) -> None:
+    enqueue_each(rclient, keys, "A", 10)
+    admit_inbox(rclient, keys, batch_size=2, max_queue_depth=6)
+    # 6 admitted (4 dispatched, 2 held), 4 refused for the depth
+    assert rclient.xlen(keys.stream(0)) == 4
+    assert rclient.hget(keys.backlog_counts, "0") == b"2"
+    refused = [result(rclient, keys, f"A.a{i}") for i in range(6, 10)]
+    assert [r.error_type for r in refused] == ["QueueFull"] * 4
+
+
+def test_a_worker_killed_mid_run_loses_nothing_held(
+    rclient: redis.Redis, keys: QueueKeys, spawn_worker: Any, tmp_path: Path
+) -> None:
+    path = tmp_path / "killed.jsonl"
+    env = {"BLTEST_RECORD_FILE": str(path), "BLTEST_SLOW_S": "0.05"}
+    ids = enqueue_each(rclient, keys, "A", 40) + enqueue_each(rclient, keys, "B", 10)
+    admit_inbox(rclient, keys, batch_size=2)
+    settings = {"batch_size": 2, "claim_idle_ms": 500, "max_restarts_per_min": 0}
+    first = spawn_worker(spec("slow"), env=env, **settings)
+    wait_until(lambda: len(served(path)) >= 10, "10 requests served by the first worker")
+    first.signal(signal.SIGKILL)
+    first.wait()
+    spawn_worker(spec("slow"), env=env, **settings)
+    wait_until(lambda: all(rclient.exists(keys.result(i)) for i in ids), "every request answered")
+    assert {result(rclient, keys, i).status for i in ids} == {"ok"}
+    assert rclient.hvals(keys.backlog_counts) == [b"0"]
+    assert not rclient.exists(keys.backlog("A", 0), keys.backlog("B", 0), keys.fair(0))
