@@ -74,7 +74,10 @@ local function clamp_cost(cost)
 end
 -- Whether an untenanted request of priority p is held (under '-'): while any tenant is.
 local function held_untenanted(p)
-  return fair_on and redis.call('EXISTS', TK.fair(p), TK.fair_idle(p)) > 0
+  if not fair_on then return false end
+  -- pcall: a worker whose ACL predates tenants may not read them (and nothing is held)
+  local n = redis.pcall('EXISTS', TK.fair(p), TK.fair_idle(p))
+  return type(n) == 'number' and n > 0
 end
 -- Hold a new request (its work-stream fields) in tenant's backlog at priority p, for
 -- dispatch; rid:<id> = '<h> @' (no entry yet): attached to, cancelled as any queued request.

@@ -243,7 +243,11 @@ local function admit(keys, args)
     if not depth then
       depth = 0
       for i = 6, #keys do depth = depth + redis.call('XLEN', keys[i]) end
-      for _, n in ipairs(redis.call('HVALS', fair_counts)) do depth = depth + tonumber(n) end
+      -- pcall: a worker whose ACL predates tenants may not read it (and nothing is held)
+      local held = redis.pcall('HVALS', fair_counts)
+      if type(held) == 'table' and not held.err then
+        for _, n in ipairs(held) do depth = depth + tonumber(n) end
+      end
     end
     return depth < max_depth
   end
