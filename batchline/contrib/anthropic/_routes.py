@@ -45,6 +45,7 @@ from batchline.contrib.openai import (
     log_error,
     typed,
 )
+from batchline.errors import BadGenerationParams
 
 __all__ = ["MESSAGES_PREFIX", "MessagesRoutes"]
 
@@ -123,8 +124,8 @@ class MessagesRoutes:
     def _wire(body: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
         try:
             return body.value()
-        except ValueError as exc:
-            raise anthropic(400, f"messages: {exc}") from None
+        except (BadGenerationParams, ValueError) as exc:  # tools as the worker reads them too
+            raise anthropic(400, str(exc)) from None
 
     async def _message(self, request: Request) -> Response:
         body = await _validated(request, MessagesRequest)
@@ -140,12 +141,18 @@ class MessagesRoutes:
                 chunks,
                 timing,
                 request,
-                lambda first: MessageStream(first, chunks, body, (mid, served.name), timing),
+                lambda first: MessageStream(
+                    first, chunks, body, (mid, served.name), timing, tools="tools" in value
+                ),
             )
         result = await self._openai.run(served, value, request)
         if result is None:
             return Response(status_code=_GONE)
-        return JSONResponse(message_body(mid, served.name, checked(result.output), body))
+        try:
+            answer = message_body(mid, served.name, checked(result.output), body)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise anthropic(500, f"the generation worker's answer: {exc}") from None
+        return JSONResponse(answer)
 
     async def _count(self, request: Request) -> Response:
         body = await _validated(request, CountTokensRequest)

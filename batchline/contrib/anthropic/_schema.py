@@ -15,11 +15,13 @@ accepted and not used (the worker's prefix cache needs no marks).
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
+from batchline._tools import Tools, read_tools
 from batchline.contrib._plumbing import MAX_TEXT_CHARS
 
 __all__ = [
@@ -30,6 +32,9 @@ __all__ = [
     "message_id",
     "stop_reason",
     "stop_sequence",
+    "tool_use",
+    "tool_use_id",
+    "usage",
 ]
 
 _INT64_MAX = 2**63 - 1
@@ -198,16 +203,75 @@ class _Conversation(_Strict):
             return self.system or None
         return "\n".join(b.text for b in self.system) or None
 
-    def wire_messages(self) -> list[dict[str, str]]:
+    def offered(self) -> Tools | None:
+        """The tools as the worker reads them (None: none given), checked as it checks them
+        (BadGenerationParams naming ``tools`` or ``tool_choice``)."""
+        if self.tools is None and self.tool_choice is None:
+            return None
+        functions = [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    **({"description": t.description} if t.description else {}),
+                    "parameters": t.input_schema,
+                },
+            }
+            for t in self.tools or []
+        ]
+        choice: Any = None
+        parallel = None
+        if self.tool_choice is not None:
+            kind = self.tool_choice.type
+            choice = {"any": "required", "tool": "function"}.get(kind, kind)
+            if kind == "tool":
+                choice = {"type": "function", "function": {"name": self.tool_choice.name}}
+            if self.tool_choice.disable_parallel_tool_use is not None:
+                parallel = not self.tool_choice.disable_parallel_tool_use
+        return read_tools(functions, choice, parallel)
+
+    def wire_messages(self) -> list[dict[str, Any]]:
         """The conversation as a worker reads it (docs/protocol.md, Generation): the system
-        first, then each turn's text blocks joined by newlines."""
-        out = [] if self.system_text is None else [{"role": "system", "content": self.system_text}]
-        for m in self.messages:
+        first, then each turn: its text blocks joined by newlines; an assistant's
+        ``tool_use`` blocks as its ``tool_calls``; a user's ``tool_result`` blocks as
+        ``tool`` messages before the text beside them. Raises ValueError for a block in the
+        wrong turn, or tool blocks without ``tools`` (as Anthropic refuses them)."""
+        out: list[dict[str, Any]] = []
+        if self.system_text is not None:
+            out.append({"role": "system", "content": self.system_text})
+        for i, m in enumerate(self.messages):
             texts = [b.text for b in m.blocks if isinstance(b, TextBlock)]
-            if len(texts) != len(m.blocks):
-                raise ValueError("tool_use and tool_result blocks need tools")
-            out.append({"role": m.role, "content": "\n".join(texts)})
+            others = [b for b in m.blocks if not isinstance(b, TextBlock)]
+            if others and not self.tools:
+                raise ValueError(f"messages.{i}: tool_use and tool_result blocks need tools")
+            wrong = ToolResultBlock if m.role == "assistant" else ToolUseBlock
+            if any(isinstance(b, wrong) for b in others):
+                kind = "tool_result" if m.role == "assistant" else "tool_use"
+                raise ValueError(f"messages.{i}: the {m.role}'s turn may not hold {kind} blocks")
+            if m.role == "assistant":
+                one: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+                calls = [_call(b) for b in others if isinstance(b, ToolUseBlock)]
+                if calls:
+                    one["tool_calls"] = calls
+                out.append(one)
+                continue
+            for b in others:
+                if isinstance(b, ToolResultBlock):
+                    text = f"Error: {b.text}" if b.is_error else b.text
+                    out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": text})
+            if texts or not others:
+                out.append({"role": "user", "content": "\n".join(texts)})
         return out
+
+
+def _call(block: ToolUseBlock) -> dict[str, Any]:
+    """A ``tool_use`` block as a call of the worker's messages (OpenAI's shape)."""
+    arguments = json.dumps(block.input, ensure_ascii=False)
+    return {
+        "id": block.id,
+        "type": "function",
+        "function": {"name": block.name, "arguments": arguments},
+    }
 
 
 class MessagesRequest(_Conversation):
@@ -225,6 +289,9 @@ class MessagesRequest(_Conversation):
     def value(self) -> dict[str, Any]:
         """The generation request a worker reads (docs/protocol.md, Generation)."""
         out: dict[str, Any] = {"messages": self.wire_messages(), "max_new_tokens": self.max_tokens}
+        tools = self.offered()
+        if tools is not None:
+            out.update(tools.wire())
         for name in ("temperature", "top_p", "top_k"):
             if (value := getattr(self, name)) is not None:
                 out[name] = value
@@ -237,7 +304,10 @@ class CountTokensRequest(_Conversation):
     """``POST /v1/messages/count_tokens``."""
 
     def value(self) -> dict[str, Any]:
-        """The tokenize value a worker reads (docs/protocol.md, Tokenize and detokenize)."""
+        """The tokenize value a worker reads (docs/protocol.md, Tokenize and detokenize);
+        ValueError for tools, which the worker's count does not render."""
+        if self.tools:
+            raise ValueError("tools: counting the tokens of tools is not supported by batchline")
         return {"tokenize": {"messages": self.wire_messages()}}
 
 
@@ -271,7 +341,7 @@ def message_id() -> str:
 def stop_sequence(output: dict[str, Any], given: list[str] | None) -> str | None:
     """The stop sequence that ended a generation: the worker's word where it says
     (``stop_sequence``), else the one given; None where it did not end on one."""
-    if output.get("finish_reason") != "stop" or not given:
+    if output.get("finish_reason") != "stop" or not given or output.get("tool_calls"):
         return None
     said = output.get("stop_sequence")
     if isinstance(said, str):
@@ -280,13 +350,15 @@ def stop_sequence(output: dict[str, Any], given: list[str] | None) -> str | None
 
 
 def stop_reason(output: dict[str, Any], given: list[str] | None) -> str:
-    """A batchline finish reason in Anthropic's terms: a natural end is ``end_turn``, a stop
-    sequence ``stop_sequence``, the token limit ``max_tokens`` (so is a generation cut short:
-    not a natural end)."""
+    """A batchline finish reason in Anthropic's terms: calls made are ``tool_use``, a natural
+    end ``end_turn``, a stop sequence ``stop_sequence``, the token limit ``max_tokens`` (so
+    is a generation cut short: not a natural end)."""
     reason = output.get("finish_reason")
-    if reason == "stop" and given:
-        return "stop_sequence"
-    return "end_turn" if reason in ("eos", "stop") else "max_tokens"
+    if reason not in ("eos", "stop"):
+        return "max_tokens"
+    if output.get("tool_calls"):
+        return "tool_use"
+    return "stop_sequence" if reason == "stop" and given else "end_turn"
 
 
 def usage(output: dict[str, Any]) -> dict[str, int]:
@@ -294,17 +366,48 @@ def usage(output: dict[str, Any]) -> dict[str, int]:
     return {"input_tokens": int(output["prompt_tokens"]), "output_tokens": int(output["tokens"])}
 
 
+def tool_use_id(call_id: str) -> str:
+    """A call's id as Anthropic writes them (``toolu_``), from the worker's (``call_``)."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def tool_use(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """A ``tool_use`` block: ``arguments`` (the model's JSON text, its grammar's) read;
+    ValueError where they are not JSON."""
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        raise ValueError(f"the arguments of a call of {name} are not JSON: {arguments!r}") from None
+    return {"type": "tool_use", "id": tool_use_id(call_id), "name": name, "input": value}
+
+
+def content(output: dict[str, Any]) -> list[dict[str, Any]]:
+    """A message's content blocks from a generation's output: its text (where the model
+    wrote one), then its calls (where it was offered tools). A call the token limit cut
+    short before its arguments were whole is left out (``stop_reason`` ``max_tokens`` says
+    the message was cut)."""
+    text = output.get("content") if "tool_calls" in output else output["text"]
+    blocks = [{"type": "text", "text": text}] if text else []
+    for call in output.get("tool_calls") or []:
+        function = call["function"]
+        try:
+            blocks.append(tool_use(call["id"], function["name"], function["arguments"]))
+        except ValueError:
+            if output.get("finish_reason") != "length":
+                raise
+    return blocks
+
+
 def message_body(
     mid: str, model: str, output: dict[str, Any], body: MessagesRequest
 ) -> dict[str, Any]:
     """A ``message`` from a generation's output."""
-    text = output["text"]
     return {
         "id": mid,
         "type": "message",
         "role": "assistant",
         "model": model,
-        "content": [{"type": "text", "text": text}] if text else [],
+        "content": content(output),
         "stop_reason": stop_reason(output, body.stop_sequences),
         "stop_sequence": stop_sequence(output, body.stop_sequences),
         "usage": usage(output),

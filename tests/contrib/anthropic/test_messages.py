@@ -9,16 +9,20 @@ texts are compared with the in-process generator on the same model (test_generat
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 from pydantic import SecretStr
 
 from ..openai.test_openai import MakeApp, gen_queue, make_app, workers
 from ..test_fastapi import Serve, serve
 from ..test_quota_http import REFUSED, refusing
+from tests.support.models_for_tests import tiny_llama_tools
+from tests.support.service import WorkerThread, spec
 from tests.worker.test_generate import in_process, reference
 
 anthropic = pytest.importorskip("anthropic")
@@ -110,7 +114,7 @@ def test_the_anthropic_client_creates_and_streams_messages(
         names = [
             line[len("event: ") :] for line in response.iter_lines() if line.startswith("event: ")
         ]
-    assert names[:4] == ["message_start", "content_block_start", "ping", "content_block_delta"]
+    assert names[:4] == ["message_start", "ping", "content_block_start", "content_block_delta"]
     assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert set(names[3:-3]) == {"content_block_delta"}
 
@@ -241,3 +245,154 @@ def test_a_tenant_over_its_quota_is_anthropics_429(
     assert (response.headers["retry-after"], response.headers["retry-after-ms"]) == ("2", "1200")
     with pytest.raises(anthropic.RateLimitError):
         client_for(http).messages.create(**ok)
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"name": "weather", "description": "The forecast of a city", "input_schema": WEATHER},
+    {"name": "time", "input_schema": TIME},
+]
+SCHEMAS = {"weather": WEATHER, "time": TIME}
+
+
+@pytest.fixture(scope="module")
+def tools_reference() -> Any:
+    """The in-process generator on the tiny random Llama that writes calls."""
+    from batchline.generation import SyncGenerator
+
+    model, tokenizer = tiny_llama_tools()
+    with SyncGenerator(model, tokenizer=tokenizer, max_batch_size=1) as generator:
+        yield generator
+
+
+def calls_of(message: Any) -> list[tuple[str, Any]]:
+    """The ``tool_use`` blocks of a message: (name, input) each, their ids checked."""
+    blocks = [b for b in message.content if b.type == "tool_use"]
+    assert all(b.id.startswith("toolu_") for b in blocks), blocks
+    assert len({b.id for b in blocks}) == len(blocks)
+    return [(b.name, b.input) for b in blocks]
+
+
+@pytest.mark.slow
+def test_tools_calls_validate_stream_and_their_results_go_back(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    start_worker: Callable[..., WorkerThread],
+    gen_queue: str,  # noqa: F811
+    tools_reference: Any,
+) -> None:
+    start_worker("generate", model_path=spec("tiny_llama_tools"), queue=gen_queue)
+    client = client_for(serve(make_app(embedding_queue=None)))
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+    # "any": the model must call; each call's input validates against its tool's schema.
+    one = {"type": "any", "disable_parallel_tool_use": True}
+    message = client.messages.create(
+        model=gen_queue, max_tokens=120, tools=TOOLS, tool_choice=one, messages=ask
+    )
+    calls = calls_of(message)
+    assert len(calls) == 1, message.content
+    jsonschema.validate(calls[0][1], SCHEMAS[calls[0][0]])
+    assert message.stop_reason == "tool_use"
+    assert message.stop_sequence is None
+    # Parallel calls until the token limit: the whole ones, each valid; max_tokens.
+    several = client.messages.create(
+        model=gen_queue, max_tokens=120, tools=TOOLS, tool_choice={"type": "any"}, messages=ask
+    )
+    assert several.stop_reason == "max_tokens"
+    assert calls_of(several)
+    for name, arguments in calls_of(several):
+        jsonschema.validate(arguments, SCHEMAS[name])
+
+    # A named tool, one call at most: that tool, once.
+    named = client.messages.create(
+        model=gen_queue,
+        max_tokens=120,
+        tools=TOOLS,
+        tool_choice={"type": "tool", "name": "time", "disable_parallel_tool_use": True},
+        messages=ask,
+    )
+    assert [name for name, _ in calls_of(named)] == ["time"]
+    jsonschema.validate(calls_of(named)[0][1], TIME)
+
+    # Streamed (greedy): the same calls, their input_json_delta pieces joined.
+    with client.messages.stream(
+        model=gen_queue, max_tokens=120, tools=TOOLS, tool_choice=one, messages=ask
+    ) as stream:
+        deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert calls_of(final) == calls
+    assert set(deltas) == {"input_json_delta"}
+    assert final.stop_reason == "tool_use"
+
+    # The calls and their results go back: the worker is fed the same conversation as the
+    # in-process generator given it in OpenAI's shape.
+    results = [
+        {"type": "tool_result", "tool_use_id": b.id, "content": f"result {i}"}
+        for i, b in enumerate(b for b in message.content if b.type == "tool_use")
+    ]
+    turns = [
+        *ask,
+        {
+            "role": "assistant",
+            "content": [b.model_dump(exclude_none=True) for b in message.content],
+        },
+        {"role": "user", "content": [*results, {"type": "text", "text": "And tomorrow?"}]},
+    ]
+    answer = client.messages.create(
+        model=gen_queue, max_tokens=8, tools=TOOLS, tool_choice={"type": "none"}, messages=turns
+    )
+    openai_turns = [
+        *ask,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": b.id,
+                    "type": "function",
+                    "function": {"name": b.name, "arguments": json.dumps(b.input)},
+                }
+                for b in message.content
+                if b.type == "tool_use"
+            ],
+        },
+        *(
+            {"role": "tool", "tool_call_id": r["tool_use_id"], "content": r["content"]}
+            for r in results
+        ),
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    want = tools_reference.generate(
+        messages=openai_turns,
+        tools=[
+            {
+                "type": "function",
+                "function": {
+                    "name": t["name"],
+                    **({"description": t["description"]} if "description" in t else {}),
+                    "parameters": t["input_schema"],
+                },
+            }
+            for t in TOOLS
+        ],
+        tool_choice="none",
+        max_new_tokens=8,
+    )
+    assert [b.type for b in answer.content] == (["text"] if want.text else [])
+    assert "".join(b.text for b in answer.content) == want.text
+    assert answer.usage.input_tokens == want.prompt_tokens
