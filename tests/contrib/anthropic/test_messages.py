@@ -396,3 +396,34 @@ def test_tools_calls_validate_stream_and_their_results_go_back(
     assert [b.type for b in answer.content] == (["text"] if want.text else [])
     assert "".join(b.text for b in answer.content) == want.text
     assert answer.usage.input_tokens == want.prompt_tokens
+
+
+@pytest.mark.timeout(300)  # the first run ever converts the GGUF file (about a minute)
+@pytest.mark.slow
+def test_smollm2_answers_the_anthropic_client_and_calls_a_tool(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    start_worker: Callable[..., WorkerThread],
+    gen_queue: str,  # noqa: F811
+) -> None:
+    start_worker("generate", queue=gen_queue)  # SmolLM2-135M-Instruct
+    client = client_for(serve(make_app(embedding_queue=None, timeout_s=240)))
+    ask = [{"role": "user", "content": QUESTION}]
+    message = client.messages.create(model=gen_queue, max_tokens=20, messages=ask)
+    assert "Paris" in message.content[0].text
+    assert message.stop_reason == "end_turn"
+    with client.messages.stream(model=gen_queue, max_tokens=20, messages=ask) as stream:
+        assert "".join(stream.text_stream) == message.content[0].text
+
+    weather = [{"role": "user", "content": "What will the weather be in Paris for 3 days?"}]
+    called = client.messages.create(
+        model=gen_queue,
+        max_tokens=60,
+        tools=TOOLS,
+        tool_choice={"type": "tool", "name": "weather", "disable_parallel_tool_use": True},
+        messages=weather,
+    )
+    [(name, arguments)] = calls_of(called)
+    assert name == "weather"
+    jsonschema.validate(arguments, WEATHER)
+    assert called.stop_reason == "tool_use"
