@@ -124,7 +124,7 @@ def test_the_anthropic_client_creates_and_streams_messages(
     )
     assert (short.stop_reason, short.usage.output_tokens) == ("max_tokens", 2)
 
-    # A stop sequence cuts the text before it, and is named.
+    # A stop sequence cuts the text before it, and is named (the worker says which).
     full = in_process(
         reference, {"messages": [{"role": "user", "content": "abc"}], "max_new_tokens": 16}
     ).text
@@ -132,7 +132,7 @@ def test_the_anthropic_client_creates_and_streams_messages(
     cut = client.messages.create(
         model=gen_queue,
         max_tokens=16,
-        stop_sequences=[stop],
+        stop_sequences=["never there", stop],
         messages=[{"role": "user", "content": "abc"}],
     )
     assert cut.content[0].text == full[: full.index(stop)]
@@ -140,7 +140,7 @@ def test_the_anthropic_client_creates_and_streams_messages(
     with client.messages.stream(
         model=gen_queue,
         max_tokens=16,
-        stop_sequences=[stop],
+        stop_sequences=["never there", stop],
         messages=[{"role": "user", "content": "abc"}],
     ) as stream:
         streamed = stream.get_final_message()
@@ -427,3 +427,33 @@ def test_smollm2_answers_the_anthropic_client_and_calls_a_tool(
     assert name == "weather"
     jsonschema.validate(arguments, WEATHER)
     assert called.stop_reason == "tool_use"
+
+
+def test_stop_reasons_and_blocks_from_the_workers_output() -> None:
+    from batchline.contrib.anthropic._schema import content, stop_reason, stop_sequence
+
+    def output(reason: str, **more: Any) -> dict[str, Any]:
+        return {"text": "hi", "finish_reason": reason, "tokens": 2, "prompt_tokens": 3, **more}
+
+    said = output("stop", stop_sequence="b")
+    assert (stop_reason(said, ["a", "b"]), stop_sequence(said, ["a", "b"])) == (
+        "stop_sequence",
+        "b",
+    )
+    # A worker older than stop_sequence: the one given, else none named.
+    assert stop_sequence(output("stop"), ["a"]) == "a"
+    assert stop_sequence(output("stop"), ["a", "b"]) is None
+    assert [stop_reason(output(r), None) for r in ("eos", "length", "cancelled")] == [
+        "end_turn",
+        "max_tokens",
+        "max_tokens",
+    ]
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    cut = {**call, "function": {"name": "f", "arguments": '{"a'}}
+    calls = output("length", content=None, tool_calls=[call, cut])
+    assert content(calls) == [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]
+    assert stop_reason(calls, None) == "max_tokens"
+    done = output("stop", content="", tool_calls=[call])
+    assert (stop_reason(done, ["x"]), stop_sequence(done, ["x"])) == ("tool_use", None)
+    with pytest.raises(ValueError, match="not JSON"):
+        content(output("stop", content=None, tool_calls=[cut]))
