@@ -18,6 +18,7 @@ caller's tenant's name, as the OpenAI routes' do; a client that hangs up cancels
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Awaitable
 from typing import Any, TypeVar
@@ -131,6 +132,9 @@ class MessagesRoutes:
         body = await _validated(request, MessagesRequest)
         served = self._served(body.model)
         value = self._wire(body)
+        offered = "tools" in value and value.get("tool_choice") != "none"
+        if offered:  # the functions' schemas compiled as a worker does, off the event loop
+            await self._openai.check_format(json.dumps(value).encode())
         mid = message_id()
         if body.stream:
             rid = scoped_id(caller_of(request).tenant, uuid.uuid4().hex)
@@ -142,7 +146,7 @@ class MessagesRoutes:
                 timing,
                 request,
                 lambda first: MessageStream(
-                    first, chunks, body, (mid, served.name), timing, tools="tools" in value
+                    first, chunks, body, (mid, served.name), timing, tools=offered
                 ),
             )
         result = await self._openai.run(served, value, request)
