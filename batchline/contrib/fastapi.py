@@ -17,6 +17,9 @@ its wings, mounts them, and adds the body limits and the error handlers. Routes:
   :mod:`batchline.contrib._routes`);
 - ``/v1/...``: OpenAI-compatible embeddings, completions and chat completions on the queues
   ``embedding_queue`` and ``generation_queue`` (:mod:`batchline.contrib.openai._routes`);
+- ``POST /v1/messages`` (and ``/v1/messages/count_tokens``): Anthropic's Messages API on
+  ``generation_queue``, what the ``anthropic`` client speaks, errors in Anthropic's shape
+  (:mod:`batchline.contrib.anthropic._routes`);
 - ``POST /generate``, ``POST /generate_stream`` (TGI's), ``POST /models/{name}`` (a base URL
   per served model: TGI's ``/`` or TEI's ``/embed``) and ``POST /`` (the generation model's,
   else the embedding model's): Hugging Face's native API on the same two queues, what
@@ -86,6 +89,8 @@ from batchline.contrib._routes import (
     JobAccepted,
     OwnRoutes,
 )
+from batchline.contrib.anthropic import MESSAGES_PREFIX, MessagesRoutes
+from batchline.contrib.anthropic import refused as anthropic_refused
 from batchline.contrib.batches import BatchApi
 from batchline.contrib.hf import HFRoutes
 from batchline.contrib.openai import (
@@ -192,6 +197,7 @@ def create_app(
     hf = HFRoutes(openai)
     batches = BatchApi(settings, openai)
     batches.add_routes(openai.app)  # /v1/files, /v1/batches
+    MessagesRoutes(openai).add_routes(openai.app)  # /v1/messages, Anthropic's
     keys = _key_table(settings)
 
     @contextlib.asynccontextmanager
@@ -231,8 +237,13 @@ def create_app(
         if isinstance(settings, WebSettings)
         else int(WebSettings.model_fields["max_body_bytes"].default)
     )
-    # Their errors in OpenAI's shape: /v1, and these outside it.
-    shape = ErrorShape(refused, "/v1", frozenset(RERANK_PATHS + TOKENIZE_PATHS))
+    # Their errors in OpenAI's shape: /v1 (but Anthropic's Messages API), and these outside it.
+    shape = ErrorShape(
+        refused,
+        "/v1",
+        frozenset(RERANK_PATHS + TOKENIZE_PATHS),
+        within=((MESSAGES_PREFIX, anthropic_refused),),
+    )
     uploads = ("/v1/files",)  # an upload is read as it arrives, by its route
     # A tenant's x-ratelimit-* headers on the answers of routes that queue work.
     app.add_middleware(RateLimitHeaders)

@@ -19,7 +19,7 @@ from batchline.errors import BadGenerationParams
 from batchline.generation._closing import Closer
 from batchline.generation._grammar import Grammars
 from batchline.generation._logprobs import Scored
-from batchline.generation._types import FinishReason, GenerationDelta, Sequence_, stop_cut
+from batchline.generation._types import FinishReason, GenerationDelta, Sequence_, stop_found
 
 __all__ = ["Picker"]
 
@@ -133,9 +133,10 @@ class Picker:
             reason = "length"
         if self.tokenizer is not None:
             seq.text = self.tokenizer.decode(seq.generated, skip_special_tokens=True)
-            cut = stop_cut(seq.text, seq.params.stop)
-            if cut is not None:
-                seq.text = seq.text[:cut]
+            found = stop_found(seq.text, seq.params.stop)
+            if found is not None:
+                seq.text = seq.text[: found[0]]
+                seq.stop_sequence = found[1]
                 return "stop"
         if seq.complete:  # the grammar's value is complete, or its closing was forced
             return "length" if self.closer.closed(seq) else reason if reason == "eos" else "stop"

@@ -161,6 +161,8 @@ class GenerationResult:
             the calls parsed out of ``text`` (``batchline._tool_calls.parse_calls``:
             :class:`~batchline._tool_calls.ToolCall`, empty where the model answered in
             text); else None.
+        stop_sequence: the stop string that ended it (``finish_reason`` ``stop``), else
+            None.
     """
 
     text: str
@@ -172,6 +174,7 @@ class GenerationResult:
     total_s: float
     logprobs: tuple[TokenLogprob, ...] | None = None
     tool_calls: tuple[ToolCall, ...] | None = None
+    stop_sequence: str | None = None
 
     @property
     def tokens(self) -> int:
@@ -205,6 +208,7 @@ class Sequence_:  # a sequence in the batch; typing's Sequence has the plain nam
     matcher: Any = None  # the grammar's matcher (llguidance) when params.grammar is set
     closing: Any = None  # its closing (generation/_closing.py) when params.grammar is set
     complete: bool = False  # its grammar's value is complete (or its closing was forced)
+    stop_sequence: str | None = None  # the stop string that ended it, once one has
 
     @property
     def cancelled(self) -> bool:
@@ -234,10 +238,15 @@ class Sequence_:  # a sequence in the batch; typing's Sequence has the plain nam
             ttft_s=first - self.arrival,
             total_s=now - self.arrival,
             logprobs=None if self.params.logprobs is None else tuple(self.logprobs),
+            stop_sequence=self.stop_sequence if reason == "stop" else None,
         )
 
 
-def stop_cut(text: str, stop: Sequence[str]) -> int | None:
-    """Index where the first stop string starts in ``text``, or None."""
-    found = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return min(found) if found else None
+def stop_found(text: str, stop: Sequence[str]) -> tuple[int, str] | None:
+    """Where the first stop string starts in ``text``, and which it is (of several that
+    start there, the first given), or None."""
+    found = [(i, n) for n, i in enumerate(text.find(s) for s in stop) if i >= 0]
+    if not found:
+        return None
+    at, n = min(found)
+    return at, stop[n]

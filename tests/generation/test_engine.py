@@ -243,6 +243,27 @@ def test_stop_string_cuts_the_text_and_deltas_never_show_it() -> None:
     assert reason == "stop"
     assert seq.text == text[: text.find(stop)]
     assert "".join(d.text for _, d in deltas) == seq.text
+    assert seq.result("stop", 0.0).stop_sequence == stop
+
+
+def test_the_result_names_the_stop_string_that_ended_it() -> None:
+    model = tiny_model("llama")
+    probe = request([5, 6, 7], [], max_new_tokens=12)
+    free = Engine(model, CharTokenizer())
+    free.step([probe])
+    while free.running:
+        free.step([])
+    text = probe.text
+    late, early = text[8:10], text[3:5]  # given first, found later; given last, found first
+    for stops, want in [((late, early), early), ((early, early + text[5]), early)]:
+        engine = Engine(model, CharTokenizer())
+        seq = request([5, 6, 7], [], max_new_tokens=12, stop=(*stops, "never there"))
+        engine.step([seq])
+        while engine.running:
+            engine.step([])
+        assert seq.text == text[: text.find(want)]
+        assert seq.result("stop", 0.0).stop_sequence == want
+    assert probe.result("length", 0.0).stop_sequence is None
 
 
 def test_deltas_hold_back_every_replacement_character_of_an_incomplete_character() -> None:

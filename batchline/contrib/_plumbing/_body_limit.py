@@ -82,33 +82,41 @@ def native_error(message: str, kind: str = "validation") -> dict[str, Any]:
 @dataclass(frozen=True, slots=True)
 class ErrorShape:
     """Which shape the middlewares' refusals take (:class:`BodyLimit`'s,
-    :class:`~batchline.contrib._plumbing._body_depth.BodyDepth`'s), one rule for both: the
-    requests under ``prefix`` (an API mounted there) and those for ``paths`` take ``body``'s
-    shape (given by the app: OpenAI's error object for ``/v1``); the rest, and all where there
-    is no ``body``, the native one (:func:`native_error`)."""
+    :class:`~batchline.contrib._plumbing._body_depth.BodyDepth`'s, the key check's), one rule
+    for all: the requests under a prefix of ``within`` (an API of its own there: Anthropic's
+    under ``/v1/messages``) take that API's shape, the first that holds; else those under
+    ``prefix`` (an API mounted there) and those for ``paths`` take ``body``'s shape (given by
+    the app: OpenAI's error object for ``/v1``); the rest, and all where there is none, the
+    native one (:func:`native_error`)."""
 
     body: ErrorBody | None = None
     prefix: str | None = None
     paths: frozenset[str] = frozenset()
+    within: tuple[tuple[str, ErrorBody], ...] = ()
 
-    def own(self, scope: Scope) -> bool:
-        """Whether a request's refusal takes ``body``'s shape."""
-        if self.body is None:
-            return False
+    def _body(self, scope: Scope) -> ErrorBody | None:
         path = app_path(scope)
+        for root, body in self.within:
+            if path == root or path.startswith(root + "/"):
+                return body
+        if self.body is None:
+            return None
         under = self.prefix is not None and (
             path == self.prefix or path.startswith(self.prefix + "/")
         )
-        return under or path in self.paths
+        return self.body if under or path in self.paths else None
+
+    def own(self, scope: Scope) -> bool:
+        """Whether a request's refusal takes an API's own shape."""
+        return self._body(scope) is not None
 
     def refusal(
         self, scope: Scope, message: str, code: str, kind: str = "validation"
     ) -> dict[str, Any]:
-        """The body of a request's refusal: ``body(message, code)``, or the native one
-        (its ``error_type`` ``kind``)."""
-        if self.body is not None and self.own(scope):
-            return self.body(message, code)
-        return native_error(message, kind)
+        """The body of a request's refusal: its API's ``body(message, code)``, or the native
+        one (its ``error_type`` ``kind``)."""
+        body = self._body(scope)
+        return native_error(message, kind) if body is None else body(message, code)
 
 
 #: Every refusal in the native shape.

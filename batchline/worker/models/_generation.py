@@ -125,6 +125,8 @@ class GenerationModel:
             parsed = parse_calls(r.text)
             logprobs["content"] = parsed.content
             logprobs["tool_calls"] = [call.wire() for call in parsed.calls]
+        if r.stop_sequence is not None:
+            logprobs["stop_sequence"] = r.stop_sequence
         return {
             "text": r.text,
             "tokens": r.tokens,
