@@ -268,7 +268,7 @@ class ResponsesRoutes:
     def _streamed(self, record: dict[str, Any], after: int) -> StreamingResponse:
         """The response's events numbered above ``after``, from its log, as they come."""
         rid = record["id"]
-        block_ms = int(min(self.routes.timeout_s, 30.0) * 1000)
+        block_ms = 1000  # as the producer's reply reader: below any client socket timeout
 
         async def events() -> AsyncIterator[bytes]:
             n = after

@@ -155,18 +155,17 @@ async def settle(store: ResponseStore, served: Served, record: dict[str, Any]) -
     producer, tenant = served.producer, as_tenant(record.get("tenant"))
     try:
         for _ in range(_RUNS):
+            now = await store.load(record["id"])
+            if now is None or (await store.log(record["id"])).ended:
+                return  # deleted, or ended by another writer (a cancel): nothing to run
+            if now.get("cancelled"):
+                await writer.finish((await store.log(record["id"])).text, None, cancelled=True)
+                return
             handle = await producer.submit(record["value"], request_id=record["rid"], **tenant)
             output = checked((await producer.wait(handle)).unwrap())
             if output["finish_reason"] not in CUT_SHORT:
-                break
-            now = await store.load(record["id"])
-            if now is None:
+                await writer.finish(output["text"], output)
                 return
-            if now.get("cancelled"):
-                log = await store.log(record["id"])
-                await writer.finish(log.text, output, cancelled=True)
-                return
-        await writer.finish(output["text"], output)
     except BatchlineError as exc:
         logger.warning("response %s: %s", record["id"], exc)
         log = await store.log(record["id"])

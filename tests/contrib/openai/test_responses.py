@@ -10,15 +10,23 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
+from batchline.keys import ResponsesKeys
+from batchline.producer import Producer
+
+from ..batches.test_batches import api_process
 from ..test_fastapi import Serve, serve
+from ..test_keys import Keys
+from ..test_tenant_requests import keyed_app
 from .test_openai import MakeApp, assert_error, client_for, gen_queue, make_app
+from tests.support.models_for_tests import StepGate
 from tests.support.service import WorkerThread, spec
-from tests.worker.test_generate import TINY, in_process, reference
+from tests.worker.test_generate import TINY, in_process, poll, reference
 
 openai = pytest.importorskip("openai")
 
-__all__ = ["gen_queue", "make_app", "reference", "serve"]  # fixtures, used here
+__all__ = ["gen_queue", "keyed_app", "make_app", "reference", "serve"]  # fixtures, used here
 
 QUESTION = "What is the capital of France?"
 
@@ -152,16 +160,58 @@ def test_text_format_json_schema(
 
 
 @pytest.mark.slow
-def test_background_and_cancel(api: httpx.Client, gen_queue: str) -> None:  # noqa: F811
-    client = client_for(api)
+def test_a_background_response_cancelled_ends_its_generation(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    start_worker: Callable[..., WorkerThread],
+    gen_queue: str,  # noqa: F811
+    gate: StepGate,
+    redis_url: str,
+) -> None:
+    start_worker("generate", model_path=spec("tiny_llama_gated"), queue=gen_queue)
+    client = client_for(serve(make_app(embedding_queue=None)))
     started = client.responses.create(
-        model=gen_queue, input=QUESTION, background=True, max_output_tokens=1000
+        model=gen_queue, input=QUESTION, background=True, max_output_tokens=500
     )
     assert started.status == "in_progress"
     assert started.background
+    gate.allow(3)  # it runs: the prefill and two tokens, then waits
+    gate.wait_passes(3)
     cancelled = client.responses.cancel(started.id)
-    assert cancelled.status in ("cancelled", "completed", "incomplete")
-    assert client.responses.retrieve(started.id).status == cancelled.status
+    assert cancelled.status == "cancelled"
+    gate.open()
+    # Its worker ended the generation at its next step, well before its 500 tokens.
+    record = redis.Redis.from_url(redis_url).hget(ResponsesKeys().response(started.id), "rid")
+    assert record is not None
+    with Producer(redis_url=redis_url, queue=gen_queue) as producer:
+        result = poll(producer, json.loads(record))
+    assert result.output["finish_reason"] == "cancelled"
+    assert result.output["tokens"] < 500
+    again = client.responses.retrieve(started.id)
+    assert again.status == "cancelled"
+    assert client.responses.cancel(started.id).status == "cancelled"  # as it is
+
+
+@pytest.mark.slow
+def test_stored_responses_expire_and_the_oldest_is_evicted(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    start_worker: Callable[..., WorkerThread],
+    gen_queue: str,  # noqa: F811
+    rclient: redis.Redis,
+) -> None:
+    start_worker("generate", model_path=TINY, queue=gen_queue, default_max_new_tokens=2)
+    app = make_app(embedding_queue=None, responses_max=2, responses_ttl_s=600)
+    client = client_for(serve(app))
+    made = [client.responses.create(model=gen_queue, input=f"n{i}") for i in range(3)]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(made[0].id)
+    keys = ResponsesKeys()
+    for response in made[1:]:
+        assert client.responses.retrieve(response.id).id == response.id
+        for key in (keys.response(response.id), keys.events(response.id)):
+            assert 0 < rclient.ttl(key) <= 600
+    assert not rclient.exists(keys.response(made[0].id), keys.events(made[0].id))
 
 
 @pytest.mark.slow
@@ -184,3 +234,85 @@ def test_refused_parameters_name_themselves(api: httpx.Client, gen_queue: str) -
     # Not a background response: no cancel.
     plain = api.post("/v1/responses", json={**base, "max_output_tokens": 2}).json()
     assert_error(api.post(f"/v1/responses/{plain['id']}/cancel"), 400)
+
+
+@pytest.mark.slow
+def test_a_background_stream_outlives_its_killed_api_and_resumes_on_another(
+    redis_url: str,
+    start_worker: Callable[..., WorkerThread],
+    gen_queue: str,  # noqa: F811
+    gate: StepGate,
+) -> None:
+    """Two API processes: the one that took a streamed background response is SIGKILLed
+    mid-generation; the other resumes its stream after the last event seen (each event
+    once, the text joined equal to an unbroken run's) and retrieves it complete."""
+    start_worker("generate", model_path=spec("tiny_llama_gated"), queue=gen_queue)
+    env = {
+        "BATCHLINE_REDIS_URL": redis_url,
+        "BATCHLINE_QUEUE": gen_queue,
+        "BATCHLINE_GENERATION_QUEUE": gen_queue,
+        "BATCHLINE_BATCH_DRIVER": "off",
+    }
+    with api_process(env) as other:
+        seen: list[Any] = []
+        with api_process(env) as first:
+            stream = client_for(first).responses.create(
+                model=gen_queue, input=QUESTION, background=True, stream=True
+            )
+            gate.allow(8)  # the prefill and 7 of its 16 tokens: then the worker waits
+            for event in stream:
+                seen.append(event)
+                if event.type == "response.output_text.delta":
+                    break
+        # Leaving the block SIGKILLed the first API, its stream's connection with it.
+        assert [e.sequence_number for e in seen] == list(range(len(seen)))
+        rid = seen[0].response.id
+        gate.open()
+        client = client_for(other)
+        rest = list(client.responses.retrieve(rid, stream=True, starting_after=len(seen) - 1))
+        assert [e.sequence_number for e in rest] == list(range(len(seen), len(seen) + len(rest)))
+        assert rest[-1].type in ("response.completed", "response.incomplete")
+        joined = "".join(e.delta for e in seen + rest if e.type == "response.output_text.delta")
+        done = client.responses.retrieve(rid)
+        assert done.status == rest[-1].response.status
+        unbroken = client.responses.create(model=gen_queue, input=QUESTION)
+        assert joined == done.output_text == unbroken.output_text
+        assert done.usage is not None
+        assert unbroken.usage is not None
+        assert done.usage.output_tokens == unbroken.usage.output_tokens
+
+
+@pytest.mark.slow
+def test_a_tenant_sees_only_its_own_responses(
+    keyed_app: MakeApp,
+    redis_url: str,
+    start_worker: Callable[..., WorkerThread],
+    queue: str,
+    gen_queue: str,  # noqa: F811
+) -> None:
+    start_worker(
+        "generate", model_path=TINY, queue=gen_queue, prefix=queue, default_max_new_tokens=4
+    )
+    store = Keys(redis_url, queue)
+    alice, bob, admin = (store.create(t, admin=t == "ops")[0] for t in ("alice", "bob", "ops"))
+    http, _ = keyed_app(generation_queue=gen_queue, batch_driver="off")
+    as_alice, as_bob, as_admin = (
+        client_for(http).with_options(api_key=key) for key in (alice, bob, admin)
+    )
+    mine = as_alice.responses.create(model=gen_queue, input=QUESTION)
+    assert mine.status in ("completed", "incomplete")
+    for call in (
+        lambda: as_bob.responses.retrieve(mine.id),
+        lambda: as_bob.responses.input_items.list(mine.id),
+        lambda: as_bob.responses.delete(mine.id),
+        lambda: as_bob.responses.create(
+            model=gen_queue, input="more", previous_response_id=mine.id
+        ),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert as_admin.responses.retrieve(mine.id).output_text == mine.output_text
+    assert as_alice.responses.retrieve(mine.id).id == mine.id
+    # Its generation ran in alice's name: its request id is in her namespace.
+    raw = redis.Redis.from_url(redis_url).hgetall(ResponsesKeys(queue).response(mine.id))
+    assert json.loads(raw[b"rid"]).startswith("alice.")
