@@ -20,7 +20,15 @@ from batchline.errors import BadGenerationParams, NestingTooDeep, show_value
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
-__all__ = ["MAX_FRACTION_DIGITS", "MAX_SAFE_INTEGER", "check_response_format", "grammar_of"]
+__all__ = [
+    "MAX_FRACTION_DIGITS",
+    "MAX_SAFE_INTEGER",
+    "check_json",
+    "check_response_format",
+    "grammar_layout",
+    "grammar_of",
+    "schema_grammar",
+]
 
 #: Most digits after the decimal point of a number that a schema leaves unbounded: the
 #: grammar closes the number after them, so that a model repeating a digit cannot run the
@@ -55,7 +63,7 @@ def grammar_of(response_format: Any, *, validate: bool = True) -> str | None:
     grammar compiles under (its own message)."""
     if response_format is None:
         return None
-    _check_json(response_format)
+    check_json(response_format, "response_format")
     if not isinstance(response_format, Mapping):
         raise BadGenerationParams(
             f"response_format must be an object, got {show_value(response_format)}"
@@ -89,15 +97,28 @@ def check_response_format(response_format: Any) -> str | None:
     return grammar
 
 
-def _check_json(response_format: Any) -> None:
-    """Walk ``response_format`` without recursion: BadGenerationParams for lists and objects
-    nested deeper than MAX_JSON_DEPTH (what follows then recurses safely), or for a number
-    that is not finite (NaN, Infinity: Python's parser takes them, JSON has none)."""
+def grammar_layout() -> JsonCompileOptions:
+    """The JSON layout every schema's grammar follows (``x-guidance`` options): json.dumps's
+    separators, no other whitespace."""
+    return dict(_LAYOUT)  # type: ignore[return-value]  # (a copy of the same TypedDict)
+
+
+def schema_grammar(schema: Any) -> Any:
+    """``schema`` as its grammar takes it: plain JSON values (a copy), numbers bounded
+    (:func:`bounded_numbers`). Raises TypeError or ValueError where it is not JSON."""
+    return bounded_numbers(json.loads(json.dumps(schema)))
+
+
+def check_json(value: Any, name: str) -> None:
+    """Walk ``value`` (a request's field ``name``) without recursion: BadGenerationParams
+    for lists and objects nested deeper than MAX_JSON_DEPTH (what follows then recurses
+    safely), or for a number that is not finite (NaN, Infinity: Python's parser takes them,
+    JSON has none)."""
     try:
-        for node in walk(response_format, "response_format"):
+        for node in walk(value, name):
             if isinstance(node, float) and not isfinite(node):
                 raise BadGenerationParams(
-                    f"response_format holds the number {show_value(node)}, which is not JSON"
+                    f"{name} holds the number {show_value(node)}, which is not JSON"
                 )
     except NestingTooDeep as exc:
         raise BadGenerationParams(str(exc)) from None
@@ -133,8 +154,7 @@ def _checked(schema: Any, *, validate: bool) -> str:
             "(pip install 'batchline[generate]')"
         ) from None
     try:
-        plain = json.loads(json.dumps(schema))
-        grammar = LLMatcher.grammar_from_json_schema(bounded_numbers(plain), defaults=_LAYOUT)
+        grammar = LLMatcher.grammar_from_json_schema(schema_grammar(schema), defaults=_LAYOUT)
     except (TypeError, ValueError) as exc:  # not JSON, or a schema it cannot read
         raise BadGenerationParams(f"response_format schema is not usable: {exc}") from None
     error = LLMatcher.validate_grammar(grammar, limits=limits()) if validate else ""

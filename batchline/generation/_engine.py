@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from batchline._tools import Tools, chat_inputs, template_has_tools
 from batchline.errors import BadGenerationParams, PromptTooLong
 from batchline.generation._grammar import Grammars
 from batchline.generation._logprobs import TokenTexts
@@ -159,16 +160,28 @@ class Engine:
         return self._decoding + [seq for group in self._groups for seq in group.all]
 
     def encode(
-        self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        tools: Tools | None = None,
     ) -> list[int]:
-        """Token ids of a raw prompt, or of chat messages through the chat template."""
+        """Token ids of a raw prompt, or of chat messages (and ``tools``) through the chat
+        template (the tools with the template where it renders them, else with the default
+        system prompt: :func:`batchline._tools.chat_inputs`)."""
         if self.tokenizer is None:
             raise TypeError("this engine has no tokenizer: pass prompt_ids")
         if (prompt is None) == (messages is None):
             raise TypeError("pass exactly one of prompt or messages")
         if messages is not None:
+            native = template_has_tools(getattr(self.tokenizer, "chat_template", None))
+            rendered, template_tools = chat_inputs(messages, tools, native=native)
             ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                rendered,
+                tools=template_tools,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
             )
             return [int(i) for i in ids]
         return [int(i) for i in self.tokenizer(prompt, add_special_tokens=True)["input_ids"]]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import queue
 import time
@@ -10,6 +11,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, Self, TypedDict, Unpack
 
+from batchline._tool_calls import parse_calls
 from batchline.core.scheduler import SchedulerConfig
 from batchline.devices import place
 from batchline.generation._engine import (
@@ -34,7 +36,7 @@ Event = GenerationDelta | GenerationResult | BaseException
 class GenerationOptions(TypedDict, total=False):
     """Keyword options of one generation call (see :class:`Generator`)."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     prompt_ids: Sequence[int]
     priority: int
     timeout_s: float | None
@@ -46,6 +48,21 @@ class GenerationOptions(TypedDict, total=False):
     stop: str | Sequence[str]
     response_format: dict[str, Any] | None
     logprobs: int | None
+    tools: list[dict[str, Any]] | None
+    tool_choice: str | dict[str, Any] | None
+    parallel_tool_calls: bool | None
+
+
+def _with_calls(on_event: Callable[[Event], None]) -> Callable[[Event], None]:
+    """``on_event``, its result given the calls parsed out of its text (a request with
+    tools)."""
+
+    def deliver(event: Event) -> None:
+        if isinstance(event, GenerationResult):
+            event = dataclasses.replace(event, tool_calls=parse_calls(event.text).calls)
+        on_event(event)
+
+    return deliver
 
 
 def _put_all(items: list[tuple[asyncio.Queue[Event], Event]]) -> None:
@@ -122,8 +139,10 @@ class _Base:
         if parsed.prompt_ids is not None:
             ids = parsed.prompt_ids
         else:
-            ids = self.engine.encode(parsed.prompt, messages=parsed.messages)
+            ids = self.engine.encode(parsed.prompt, messages=parsed.messages, tools=parsed.tools)
         params = self.engine.check(ids, parsed.params)
+        if parsed.tools is not None and parsed.tools.active:
+            on_event = _with_calls(on_event)
         arrival = self.loop.clock()
         deadline = None if timeout_s is None else arrival + timeout_s
         seq = Sequence_(ids, params, arrival, on_event, deadline=deadline, priority=priority)

@@ -10,13 +10,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from batchline._response_format import grammar_of
+from batchline._tools import Tools, read_messages, read_tools
 from batchline.errors import BadGenerationParams, show_value
 from batchline.generation._types import GenerationParams
 
 __all__ = ["GenerationRequest", "ParsedRequest", "parse_request"]
 
 _PARAMS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "logprobs")
-_KEYS = frozenset(("prompt", "messages", *_PARAMS, "stop", "response_format"))
+_TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
+_KEYS = frozenset(("prompt", "messages", *_PARAMS, "stop", "response_format", *_TOOL_KEYS))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -30,12 +32,13 @@ class GenerationRequest:
 @dataclasses.dataclass(frozen=True, slots=True)
 class ParsedRequest:
     """What a request asks for: exactly one of a prompt, chat messages or prompt token ids,
-    and its parameters."""
+    and its parameters; the tools offered (with messages; None where none were given)."""
 
     prompt: str | None
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     prompt_ids: list[int] | None
     params: GenerationParams
+    tools: Tools | None = None
 
 
 def parse_request(
@@ -73,10 +76,8 @@ def parse_request(
         raise BadGenerationParams(f"give exactly one of {one_of}")
     if prompt is not None and not isinstance(prompt, str):
         raise BadGenerationParams(f"prompt must be a text, got {type(prompt).__name__}")
-    if messages is not None and not _are_messages(messages):
-        raise BadGenerationParams(
-            'messages must be a non-empty list of {"role": text, "content": text}'
-        )
+    if messages is not None:
+        messages = read_messages(messages)
     ids = None if prompt_ids is None else _ids(prompt_ids)
     options = {k: value[k] for k in _PARAMS if k in value}
     if default_max_new_tokens is not None:
@@ -85,24 +86,30 @@ def parse_request(
     params = GenerationParams(**options, stop=_stop(value.get("stop")))  # checks each value
     if value.get("response_format") is not None:
         params = dataclasses.replace(params, grammar=grammar_of(value["response_format"]))
+    tools = _tools(value, messages is not None)
+    if tools is not None and tools.active:
+        if params.grammar is not None:
+            raise BadGenerationParams(
+                "response_format and tools cannot be combined (give tool_choice none, or "
+                "no response_format)"
+            )
+        params = dataclasses.replace(params, grammar=tools.grammar())
     if max_new_tokens_limit is not None and params.max_new_tokens > max_new_tokens_limit:
         raise BadGenerationParams(
             f"max_new_tokens {params.max_new_tokens} exceeds this worker's "
             f"max_new_tokens_limit {max_new_tokens_limit}"
         )
-    return ParsedRequest(prompt, [dict(m) for m in messages] if messages else None, ids, params)
+    return ParsedRequest(prompt, messages, ids, params, tools)
 
 
-def _are_messages(messages: Any) -> bool:
-    return (
-        isinstance(messages, list)
-        and bool(messages)
-        and all(
-            isinstance(m, Mapping)
-            and set(m) == {"role", "content"}
-            and all(isinstance(v, str) for v in m.values())
-            for m in messages
-        )
+def _tools(value: Mapping[str, Any], chat: bool) -> Tools | None:
+    """The request's tools (None where it has none); they need messages."""
+    if all(value.get(key) is None for key in _TOOL_KEYS):
+        return None
+    if not chat:
+        raise BadGenerationParams("tools need messages (a chat), not a prompt")
+    return read_tools(
+        value.get("tools"), value.get("tool_choice"), value.get("parallel_tool_calls")
     )
 
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from batchline.errors import BadGenerationParams, show_value
+
+if TYPE_CHECKING:
+    from batchline._tool_calls import ToolCall
 
 __all__ = [
     "GREEDY_BELOW",
@@ -154,6 +157,10 @@ class GenerationResult:
         total_s: from submission to the end.
         logprobs: one per token of ``token_ids`` where the request asked for them (its
             ``logprobs``), else None.
+        tool_calls: where the request offered tools (any ``tool_choice`` but ``none``):
+            the calls parsed out of ``text`` (``batchline._tool_calls.parse_calls``:
+            :class:`~batchline._tool_calls.ToolCall`, empty where the model answered in
+            text); else None.
     """
 
     text: str
@@ -164,6 +171,7 @@ class GenerationResult:
     ttft_s: float
     total_s: float
     logprobs: tuple[TokenLogprob, ...] | None = None
+    tool_calls: tuple[ToolCall, ...] | None = None
 
     @property
     def tokens(self) -> int:

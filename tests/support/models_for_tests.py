@@ -267,16 +267,20 @@ def tiny_llama(dtype: str = "float64") -> tuple[Any, ByteTokenizer]:
     return model, tok
 
 
-def char_tokenizer() -> Any:
+def char_tokenizer(*, newline: bool = False) -> Any:
     """A fast Hugging Face tokenizer of 97 tokens, one character each (ids 0-3: pad, bos, unk,
     EOS; then space and printable ASCII but for ` and ~): enough to write any JSON, so a tiny
-    random model's constrained output (response_format) is all the mask's work."""
+    random model's constrained output (response_format) is all the mask's work. ``newline``:
+    a 98th token, the newline (a tool call's wire format has some), and a chat template that
+    renders tools (briefly: a tiny model's context is short)."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {"<pad>": 0, "<s>": 1, "<unk>": 2, "</s>": 3}
     for c in ["Ġ"] + [chr(i) for i in range(33, 127) if chr(i) not in "`~"]:  # Ġ: the space
         vocab[c] = len(vocab)
+    if newline:
+        vocab["Ċ"] = len(vocab)  # (byte-level's newline)
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -288,10 +292,22 @@ def char_tokenizer() -> Any:
         unk_token="<unk>",
     )
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    if newline:
+        tokenizer.chat_template = (
+            "{% if tools %}T{{ tools | length }}{% endif %}{% for m in messages %}"
+            "{{ m['role'][0] }}{{ m['content'] }}{% for c in m.get('tool_calls', []) %}"
+            "{{ c['function']['name'] }}{% endfor %}\n{% endfor %}"
+        )
     return tokenizer
 
 
-def tiny_llama_chars() -> tuple[Any, Any]:
+def tiny_llama_tools() -> tuple[Any, Any]:
+    """:func:`tiny_llama_chars` with the newline in its tokenizer (:func:`char_tokenizer`'s
+    ``newline``): function tools' calls, constrained, all the mask's work."""
+    return tiny_llama_chars(newline=True)
+
+
+def tiny_llama_chars(*, newline: bool = False) -> tuple[Any, Any]:
     """A 2-layer Llama with random weights (seed 0, float64) and :func:`char_tokenizer`:
     a fast tokenizer, as constrained decoding needs."""
     import torch
@@ -299,7 +315,7 @@ def tiny_llama_chars() -> tuple[Any, Any]:
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=97,
+        vocab_size=98 if newline else 97,
         **TINY_LAYERS,
         num_key_value_heads=2,
         max_position_embeddings=512,
@@ -307,7 +323,8 @@ def tiny_llama_chars() -> tuple[Any, Any]:
         bos_token_id=1,
         pad_token_id=0,
     )
-    return transformers.LlamaForCausalLM(config).to(torch.float64).eval(), char_tokenizer()
+    model = transformers.LlamaForCausalLM(config).to(torch.float64).eval()
+    return model, char_tokenizer(newline=newline)
 
 
 def tiny_llama_poisoned() -> tuple[Any, ByteTokenizer]:

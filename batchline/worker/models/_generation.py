@@ -21,6 +21,13 @@ if TYPE_CHECKING:  # batchline.generation imports torch: only once a model is se
 __all__ = ["GenerationModel"]
 
 
+def _offers_tools(value: Any) -> bool:
+    """Whether a (valid) request offers the model tools: tools, and a choice but none."""
+    return (
+        isinstance(value, dict) and bool(value.get("tools")) and value.get("tool_choice") != "none"
+    )
+
+
 # -- the model ---------------------------------------------------------------------------------
 
 
@@ -80,7 +87,7 @@ class GenerationModel:
             default_max_new_tokens=self.default_max_new_tokens,
             max_new_tokens_limit=self.max_new_tokens_limit,
         )
-        ids = self.engine.encode(parsed.prompt, messages=parsed.messages)
+        ids = self.engine.encode(parsed.prompt, messages=parsed.messages, tools=parsed.tools)
         params = self.engine.check(ids, parsed.params)  # PromptTooLong past the context
         if params.logprobs is not None:
             self.engine.token_texts.ready()  # here, not on the loop that writes the answer
@@ -109,9 +116,15 @@ class GenerationModel:
 
     def postprocess(self, outputs: list[Any], value: Any) -> dict[str, Any]:
         r: GenerationResult = outputs[0]
-        logprobs = {}
+        logprobs: dict[str, Any] = {}
         if r.logprobs is not None:
             logprobs["logprobs"] = self.engine.token_texts.entries(r.logprobs)
+        if _offers_tools(value):
+            from batchline._tool_calls import parse_calls
+
+            parsed = parse_calls(r.text)
+            logprobs["content"] = parsed.content
+            logprobs["tool_calls"] = [call.wire() for call in parsed.calls]
         return {
             "text": r.text,
             "tokens": r.tokens,
