@@ -15,7 +15,7 @@ completions, models), Cohere's and Jina's ``/rerank`` and vLLM's ``/tokenize`` a
 - :mod:`._tokenize`: ``/tokenize`` and ``/detokenize``;
 - :mod:`._responses`: ``/v1/responses``, stored in Redis (:mod:`._responses_store`), run and
   settled by any replica (:mod:`._responses_run`), bodies and events in
-  :mod:`._responses_schema`.
+  :mod:`._responses_schema`, function tools in :mod:`._responses_tools`.
 
 This module is the wing's face: the other wings (Hugging Face's runs on these routes'
 queues; the Batch API runs each line through them) use what it exports, and nothing else of

@@ -47,6 +47,7 @@ from batchline.contrib.openai._responses_schema import (
     stored_items,
 )
 from batchline.contrib.openai._responses_store import ResponseStore
+from batchline.contrib.openai._responses_tools import reply_messages
 from batchline.contrib.openai._routes import OpenAIRoutes, Served, checked
 from batchline.errors import BatchlineError
 from batchline.keys import ID_PATTERN, ResponsesKeys
@@ -67,12 +68,6 @@ def _not_found(response_id: str, param: str = "id") -> OpenAIError:
 def _sse(data: bytes) -> bytes:
     kind = str(json.loads(data)["type"])
     return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
-
-
-def _output_text(final: dict[str, Any]) -> str:
-    return "".join(
-        part["text"] for item in final["output"] for part in item["content"] if "text" in part
-    )
 
 
 class ResponsesRoutes:
@@ -154,11 +149,13 @@ class ResponsesRoutes:
     async def _current(self, record: dict[str, Any]) -> dict[str, Any]:
         """The response's object now: its log's ending, or (none yet) what it holds so far,
         this replica settling it where none does."""
-        log = await self.store.log(record["id"])
+        events = Events(record)
+        log = await self.store.log(record["id"], events.prefix_count)
         if log.ended and log.last is not None:
             return dict(log.last["response"])
         self._start(record, settling=True)
-        return response_object(record, text=log.text if log.next > 2 else None)
+        begun = not events.tools and log.next >= events.prefix_count
+        return response_object(record, text=log.text if begun else None)
 
     # -- routes --------------------------------------------------------------------------------
 
@@ -223,8 +220,7 @@ class ResponsesRoutes:
                 f"the previous response {previous_id!r} is {final['status']}",
                 param="previous_response_id",
             )
-        reply = {"role": "assistant", "content": _output_text(final)}
-        return [*record["history"], reply]
+        return [*record["history"], *reply_messages(final)]
 
     async def _unstored(
         self, served: Served, record: dict[str, Any], stream: bool, request: Request
@@ -246,7 +242,7 @@ class ResponsesRoutes:
                     yield _sse(encode(event, n))
                     n += 1
                 async for chunk in chunks:
-                    if chunk.text:
+                    if chunk.text and not made.tools:  # (calls: with the ending)
                         text += chunk.text
                         yield _sse(encode(made.delta(chunk.text), n))
                         n += 1
@@ -310,13 +306,13 @@ class ResponsesRoutes:
             raise OpenAIError(
                 400, "only a background response can be cancelled", param="response_id"
             )
-        log = await self.store.log(response_id)
+        log = await self.store.log(response_id, Events(record).prefix_count)
         if log.ended and log.last is not None:
             return JSONResponse(log.last["response"])
         await self.store.mark_cancelled(response_id)
-        served = self.routes.queue("generation", record["model"])
-        await _cancel(served, record)
+        # Ended first, then its generation cancelled: its runner then finds it ended.
         final = await Writer(self.store, record).finish(log.text, None, cancelled=True)
+        await _cancel(self.routes.queue("generation", record["model"]), record)
         return JSONResponse(final)
 
     async def delete(self, response_id: _Id, request: Request) -> JSONResponse:

@@ -16,7 +16,7 @@ from typing import Any
 
 from batchline.contrib._plumbing import as_tenant
 from batchline.contrib.openai._errors import typed
-from batchline.contrib.openai._responses_schema import FINAL_EVENTS, PREFIX_EVENTS, Events
+from batchline.contrib.openai._responses_schema import FINAL_EVENTS, Events, tally
 from batchline.contrib.openai._responses_store import Log, ResponseStore
 from batchline.contrib.openai._routes import Served, checked
 from batchline.errors import BatchlineError
@@ -47,11 +47,14 @@ class Writer:
 
     async def _state(self) -> Log:
         if self._log is None:
-            self._log = await self.store.log(self.record["id"])
+            self._log = await self.store.log(self.record["id"], self.events.prefix_count)
         return self._log
 
     def _missing(self, log: Log, text: str) -> list[dict[str, Any]]:
-        events = self.events.prefix()[log.next :] if log.next < PREFIX_EVENTS else []
+        prefix = self.events.prefix_count
+        events = self.events.prefix()[log.next :] if log.next < prefix else []
+        if self.events.tools:
+            return events  # the items come with the ending
         if not log.ending and len(text) > len(log.text) and text.startswith(log.text):
             events.append(self.events.delta(text[len(log.text) :]))
         return events
@@ -64,10 +67,8 @@ class Writer:
             return False
         text, ending = log.text, log.ending
         for n, event in enumerate(events, log.next):
-            if event["type"] == "response.output_text.delta":
-                text += event["delta"]
-            elif n >= PREFIX_EVENTS:
-                ending += 1
+            ending, more = tally(ending, n, event, self.events.prefix_count)
+            text += more
         ended = events[-1]["type"] in FINAL_EVENTS
         self._log = Log(log.next + len(events), text, ending, ended, events[-1])
         return True
@@ -133,6 +134,9 @@ async def run_streamed(
             if await writer.advance(text):
                 return None  # ended by another writer (cancelled): the stream closes
     except BatchlineError as exc:
+        now = await store.load(record["id"])
+        if now is not None and now.get("cancelled"):
+            return await writer.finish(text, None, cancelled=True)
         logger.warning("response %s: %s", record["id"], exc)
         return await writer.finish(text, None, error=_error(exc))
     finally:

@@ -17,9 +17,17 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 from batchline.contrib._plumbing import MAX_TEXT_CHARS
+from batchline.contrib.openai._responses_tools import call_item, call_messages, wire_tools
 from batchline.contrib.openai._schema import finish_reason
 
 __all__ = [
@@ -31,8 +39,10 @@ __all__ = [
     "input_items",
     "item_messages",
     "message_id",
+    "offers_tools",
     "response_object",
     "stored_items",
+    "tally",
 ]
 
 _INT64_MAX = 2**63 - 1
@@ -98,7 +108,7 @@ class ResponseCreate(BaseModel):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     text: _Text | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     stream: bool = False
     store: bool = True
@@ -135,8 +145,18 @@ class ResponseCreate(BaseModel):
             kind = tool.get("type")
             if kind != "function":
                 raise ValueError(f"tools of type {kind!r} are not supported by batchline")
-        _refuse("tools (function tools)", value)
         return value
+
+    @model_validator(mode="after")
+    def _tools_read(self) -> ResponseCreate:
+        self.wire_tools()  # refuses what a worker would
+        if self.wire_tools() and self.response_format() is not None:
+            raise ValueError("text.format other than text cannot be combined with tools")
+        return self
+
+    def wire_tools(self) -> dict[str, Any]:
+        """``tools``, ``tool_choice``, ``parallel_tool_calls`` as a worker reads them."""
+        return wire_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     @field_validator("input")
     @classmethod
@@ -161,7 +181,7 @@ class ResponseCreate(BaseModel):
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
         messages += history + item_messages(input_items(self.input))
-        out: dict[str, Any] = {"messages": messages}
+        out: dict[str, Any] = {"messages": messages, **self.wire_tools()}
         if self.max_output_tokens is not None:
             out["max_new_tokens"] = self.max_output_tokens
         for name in ("temperature", "top_p"):
@@ -173,7 +193,7 @@ class ResponseCreate(BaseModel):
 
     def settings(self) -> dict[str, Any]:
         """The fields of the response object that repeat the request."""
-        fmt = {"type": "text"}
+        fmt: dict[str, Any] = {"type": "text"}
         if self.text is not None and self.text.format is not None:
             fmt = self.text.format.model_dump(by_alias=True, exclude_none=True)
         return {
@@ -182,7 +202,10 @@ class ResponseCreate(BaseModel):
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
             "text": {"format": fmt},
-            "tools": [],
+            "tools": [
+                {"description": None, "parameters": None, "strict": None, **t}
+                for t in self.tools or []
+            ],
             "tool_choice": self.tool_choice or "auto",
             "parallel_tool_calls": self.parallel_tool_calls is not False,
             "metadata": self.metadata or {},
@@ -221,15 +244,19 @@ def _content_text(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-def item_messages(items: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """Input items as the chat messages a worker reads; raises ValueError naming an item
-    batchline cannot read (an image, a file, a tool call: ``input[i]``)."""
-    messages = []
+def item_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Input items as the chat messages a worker reads (messages, function calls and their
+    outputs); raises ValueError naming an item batchline cannot read (an image, a file, a
+    built-in tool's call: ``input[i]``)."""
+    messages: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise ValueError(f"{where} must be an object")
         kind = item.get("type", "message")
+        if kind in ("function_call", "function_call_output"):
+            call_messages(item, messages, where)
+            continue
         role = item.get("role")
         if kind != "message" or role not in _ROLES:
             what = kind if kind != "message" else f"message of role {role!r}"
@@ -244,6 +271,11 @@ def stored_items(items: list[dict[str, Any]], response_id: str) -> list[dict[str
     and its content as parts."""
     out = []
     for i, item in enumerate(items):
+        if item.get("type") in ("function_call", "function_call_output"):
+            prefix = "fc" if item["type"] == "function_call" else "fco"
+            fallback = f"{prefix}_{response_id.removeprefix('resp_')}_{i}"
+            out.append({**item, "id": item.get("id") or fallback, "status": "completed"})
+            continue
         role = item["role"]
         content = item.get("content")
         kind = "output_text" if role == "assistant" else "input_text"
@@ -281,6 +313,38 @@ def _status(result: dict[str, Any] | None, cancelled: bool) -> str:
     return "incomplete" if finish_reason(result.get("finish_reason")) == "length" else "completed"
 
 
+def offers_tools(record: dict[str, Any]) -> bool:
+    """Whether a response's generation may call tools (its events then come once it ends:
+    a text is known to be a call's or the answer's only when it is parsed)."""
+    value = record["value"]
+    return bool(value.get("tools")) and value.get("tool_choice") != "none"
+
+
+def _message(record: dict[str, Any], text: str, status: str) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {
+        "id": message_id(record["id"]),
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": [part],
+    }
+
+
+def _output(
+    record: dict[str, Any], text: str | None, result: dict[str, Any] | None, status: str
+) -> list[dict[str, Any]]:
+    item_status = {"in_progress": "in_progress", "incomplete": "incomplete"}.get(status)
+    item_status = item_status or ("incomplete" if status == "cancelled" else "completed")
+    if result is not None and offers_tools(record):
+        calls = result.get("tool_calls") or []
+        content = result.get("content")
+        items = [_message(record, content or "", item_status)] if content or not calls else []
+        items += [call_item(record["id"], i, c, item_status) for i, c in enumerate(calls)]
+        return items
+    return [] if text is None else [_message(record, text, item_status)]
+
+
 def response_object(
     record: dict[str, Any],
     *,
@@ -293,21 +357,6 @@ def response_object(
     ``text``: its output so far (None: no output item yet), ``result``: the generation's
     output once it has ended."""
     status = status or _status(result, False)
-    output = []
-    if text is not None:
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        item_status = "in_progress" if status == "in_progress" else "completed"
-        if status in ("incomplete", "cancelled"):
-            item_status = "incomplete"
-        output.append(
-            {
-                "id": message_id(record["id"]),
-                "type": "message",
-                "role": "assistant",
-                "status": item_status,
-                "content": [part],
-            }
-        )
     final = status not in ("in_progress", "queued")
     return {
         "id": record["id"],
@@ -318,7 +367,7 @@ def response_object(
         "error": error,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "model": record["model"],
-        "output": output,
+        "output": _output(record, text, result, status),
         "usage": _usage(result) if final else None,
         **record["settings"],
     }
@@ -330,31 +379,64 @@ def message_id(response_id: str) -> str:
 
 
 class Events:
-    """The events of one response's stream, numbered from 0, from its stored ``record``."""
+    """The events of one response's stream, numbered from 0, from its stored ``record``:
+    :attr:`prefix_count` before any output (4: with its message begun; 2 where the
+    response may call tools: its items come with its ending)."""
 
     def __init__(self, record: dict[str, Any]) -> None:
         self.record = record
         self.item_id = message_id(record["id"])
+        self.tools = offers_tools(record)
+        self.prefix_count = 2 if self.tools else PREFIX_EVENTS
 
     def _at(self, kind: str, **fields: Any) -> dict[str, Any]:
         return {"type": kind, **fields}
 
     def prefix(self) -> list[dict[str, Any]]:
-        """The events before any text (their numbers: 0 to PREFIX_EVENTS - 1)."""
+        """The events before any output."""
         started = response_object(self.record)
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
-        item = response_object(self.record, text="")["output"][0]
-        return [
+        first = [
             self._at("response.created", response=started),
             self._at("response.in_progress", response=started),
-            self._at("response.output_item.added", output_index=0, item={**item, "content": []}),
-            self._at("response.content_part.added", **where, part=item["content"][0]),
+        ]
+        if self.tools:
+            return first
+        return first + self._opened(0, _message(self.record, "", "in_progress"))
+
+    def _opened(self, index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
+        if item["type"] == "function_call":
+            return [self._at("response.output_item.added", output_index=index, item=item)]
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        return [
+            self._at(
+                "response.output_item.added", output_index=index, item={**item, "content": []}
+            ),
+            self._at(
+                "response.content_part.added", **where, part={**item["content"][0], "text": ""}
+            ),
         ]
 
-    def delta(self, text: str) -> dict[str, Any]:
+    def delta(self, text: str, index: int = 0) -> dict[str, Any]:
         """A piece of text."""
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        where = {"item_id": self.item_id, "output_index": index, "content_index": 0}
         return self._at("response.output_text.delta", **where, delta=text, logprobs=[])
+
+    def _closed(self, index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
+        if item["type"] == "function_call":
+            where = {"item_id": item["id"], "output_index": index}
+            arguments = item["arguments"]
+            return [
+                self._at("response.function_call_arguments.delta", **where, delta=arguments),
+                self._at("response.function_call_arguments.done", **where, arguments=arguments),
+                self._at("response.output_item.done", output_index=index, item=item),
+            ]
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        part = item["content"][0]
+        return [
+            self._at("response.output_text.done", **where, text=part["text"], logprobs=[]),
+            self._at("response.content_part.done", **where, part=part),
+            self._at("response.output_item.done", output_index=index, item=item),
+        ]
 
     def final(
         self,
@@ -364,20 +446,34 @@ class Events:
         cancelled: bool = False,
         error: dict[str, Any] | None = None,
     ) -> list[dict[str, Any]]:
-        """The events that end the stream, ``text`` being the whole output."""
+        """The events that end the stream, ``text`` being the whole text streamed (where
+        the response may call tools: its items, all of them)."""
         if error is not None:
             failed = response_object(self.record, text=text, status="failed", error=error)
             return [self._at("response.failed", response=failed)]
         status = _status(result, cancelled)
         done = response_object(self.record, text=text, result=result, status=status)
-        item = done["output"][0]
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
-        return [
-            self._at("response.output_text.done", **where, text=text, logprobs=[]),
-            self._at("response.content_part.done", **where, part=item["content"][0]),
-            self._at("response.output_item.done", output_index=0, item=item),
-            self._at(f"response.{status}", response=done),
-        ]
+        events: list[dict[str, Any]] = []
+        for index, item in enumerate(done["output"]):
+            if self.tools:
+                events += self._opened(
+                    index, {**item, "arguments": ""} if "arguments" in item else item
+                )
+                if item["type"] == "message" and item["content"][0]["text"]:
+                    events.append(self.delta(item["content"][0]["text"], index))
+            events += self._closed(index, item)
+        return [*events, self._at(f"response.{status}", response=done)]
+
+
+def tally(ending: int, seq: int, event: dict[str, Any], prefix_count: int) -> tuple[int, str]:
+    """How an event counts in a log: the events of its ending so far, after this one (its
+    ending starts at the first event after the prefix that is not a live delta), and the
+    text it adds to the live deltas'."""
+    if seq < prefix_count:
+        return ending, ""
+    if ending or event["type"] != "response.output_text.delta":
+        return ending + 1, ""
+    return ending, str(event["delta"])
 
 
 def encode(event: dict[str, Any], sequence_number: int) -> bytes:

@@ -23,7 +23,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from batchline.contrib.openai._responses_schema import FINAL_EVENTS, PREFIX_EVENTS, encode
+from batchline.contrib.openai._responses_schema import FINAL_EVENTS, PREFIX_EVENTS, encode, tally
 from batchline.keys import ResponsesKeys
 from batchline.transport import RedisClient
 
@@ -115,16 +115,15 @@ class ResponseStore:
             deleted, _ = await pipe.execute()
         return bool(deleted)
 
-    async def log(self, response_id: str) -> Log:
-        """The response's log as it is now."""
+    async def log(self, response_id: str, prefix_count: int = PREFIX_EVENTS) -> Log:
+        """The response's log as it is now (``prefix_count``: its events before any
+        output, :class:`~batchline.contrib.openai._responses_schema.Events`' count)."""
         raw = await self.redis.xrange(self.keys.events(response_id))
         text, ending, last = [], 0, None
         for seq, data in _entries(raw):
             last = json.loads(data)
-            if last["type"] == "response.output_text.delta":
-                text.append(last["delta"])
-            elif seq >= PREFIX_EVENTS:
-                ending += 1
+            ending, more = tally(ending, seq, last, prefix_count)
+            text.append(more)
         ended = last is not None and last["type"] in FINAL_EVENTS
         return Log(len(raw), "".join(text), ending, ended, last)
 

@@ -220,6 +220,7 @@ def test_refused_parameters_name_themselves(api: httpx.Client, gen_queue: str) -
     for extra, param in (
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "x"}}, "tool_choice"),
         ({"include": ["file_search_call.results"]}, "include"),
         ({"store": False, "background": True}, "background"),
         ({"previous_response_id": "resp_nope"}, "previous_response_id"),
@@ -316,3 +317,64 @@ def test_a_tenant_sees_only_its_own_responses(
     # Its generation ran in alice's name: its request id is in her namespace.
     raw = redis.Redis.from_url(redis_url).hgetall(ResponsesKeys(queue).response(mine.id))
     assert json.loads(raw[b"rid"]).startswith("alice.")
+
+
+WEATHER = {
+    "type": "function",
+    "name": "weather",
+    "description": "The weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.mark.slow
+def test_function_tools_called_answered_and_streamed(
+    make_app: MakeApp,
+    serve: Serve,  # noqa: F811
+    start_worker: Callable[..., WorkerThread],
+    gen_queue: str,  # noqa: F811
+) -> None:
+    start_worker("generate", model_path=spec("tiny_llama_tools"), queue=gen_queue)
+    client = client_for(serve(make_app(embedding_queue=None)))
+    asked = {
+        "model": gen_queue,
+        "input": "Weather in Paris?",
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_output_tokens": 120,
+    }
+    called = client.responses.create(**asked)
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert len(calls) == 1, called.output
+    assert calls[0].name == "weather"
+    assert set(json.loads(calls[0].arguments)) == {"city"}  # constrained: it parses
+    assert called.tools[0].name == "weather"
+
+    # Its output goes back: the conversation continues with the call's result.
+    answered = client.responses.create(
+        model=gen_queue,
+        previous_response_id=called.id,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}],
+        tools=[WEATHER],
+        tool_choice="none",
+        max_output_tokens=5,
+    )
+    assert answered.status in ("completed", "incomplete")
+    assert [i.type for i in answered.output] == ["message"]
+    items = client.responses.input_items.list(answered.id)
+    assert [(i.type, i.output) for i in items.data] == [("function_call_output", "sunny")]
+
+    # Streamed, its arguments come as OpenAI's events; the same call (greedy).
+    events = list(client.responses.create(**asked, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert "response.function_call_arguments.delta" in kinds
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert done.arguments == calls[0].arguments
+    assert events[-1].response.output[-1].arguments == calls[0].arguments
