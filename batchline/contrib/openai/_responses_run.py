@@ -170,6 +170,14 @@ async def settle(store: ResponseStore, served: Served, record: dict[str, Any]) -
             if output["finish_reason"] not in CUT_SHORT:
                 await writer.finish(output["text"], output)
                 return
+            logger.warning(
+                "response %s: its generation was cut short (%s), not cancelled: run again",
+                record["id"],
+                output["finish_reason"],
+            )
+        logger.warning(
+            "response %s: cut short %d times: left to the next replica", record["id"], _RUNS
+        )
     except BatchlineError as exc:
         logger.warning("response %s: %s", record["id"], exc)
         log = await store.log(record["id"])

@@ -118,6 +118,17 @@ def test_streamed_events_and_a_resumed_stream(
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == want.text == events[-1].response.output_text
 
+    # The client's stream helper, which accumulates the response from the events (its
+    # final response needs response.completed: the 16 tokens of the tiny model end on the
+    # token limit, response.incomplete; the last event's response is the same object).
+    with client.responses.stream(model=gen_queue, input=QUESTION) as helper:
+        got = list(helper)
+    assert "".join(e.delta for e in got if e.type == "response.output_text.delta") == want.text
+    assert got[-1].response.output_text == want.text
+    with client.responses.stream(response_id=got[-1].response.id, starting_after=3) as resumed:
+        rest = list(resumed)
+    assert "".join(e.delta for e in rest if e.type == "response.output_text.delta") == want.text
+
     # Resumed after any event: the rest, each once, and the text joined is the same.
     rid = events[0].response.id
     for cut in (0, 3, len(events) // 2, len(events) - 2):
@@ -378,3 +389,40 @@ def test_function_tools_called_answered_and_streamed(
     done = next(e for e in events if e.type == "response.function_call_arguments.done")
     assert done.arguments == calls[0].arguments
     assert events[-1].response.output[-1].arguments == calls[0].arguments
+
+
+@pytest.mark.slow
+def test_a_background_response_cut_short_with_its_api_runs_again_elsewhere(
+    redis_url: str,
+    start_worker: Callable[..., WorkerThread],
+    gen_queue: str,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker ends a streamed generation whose API stopped reading its chunks (here
+    within 0.2 s): the response that API took is not lost with it, another replica runs
+    its generation again under its id and completes it, the text the same."""
+    monkeypatch.setenv("BLTEST_STEP_S", "0.01")  # 300 tokens: 3 s at least
+    start_worker("generate", model_path=TINY, queue=gen_queue, stream_max_unread_s=0.2)
+    env = {
+        "BATCHLINE_REDIS_URL": redis_url,
+        "BATCHLINE_QUEUE": gen_queue,
+        "BATCHLINE_GENERATION_QUEUE": gen_queue,
+        "BATCHLINE_BATCH_DRIVER": "off",
+    }
+    asked = {"model": gen_queue, "input": QUESTION, "max_output_tokens": 300}
+    with api_process(env) as other:
+        seen: list[Any] = []
+        with api_process(env) as first:
+            for event in client_for(first).responses.create(**asked, background=True, stream=True):
+                seen.append(event)
+                if event.type == "response.output_text.delta":
+                    break
+        client = client_for(other)
+        rid = seen[0].response.id
+        rest = list(client.responses.retrieve(rid, stream=True, starting_after=len(seen) - 1))
+        joined = "".join(e.delta for e in seen + rest if e.type == "response.output_text.delta")
+        done = client.responses.retrieve(rid)
+        assert done.status == "incomplete"  # its 300 tokens: not the cut-short run's end
+        assert done.usage is not None
+        assert done.usage.output_tokens == 300
+        assert joined == done.output_text == client.responses.create(**asked).output_text
