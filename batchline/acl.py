@@ -38,7 +38,7 @@ from __future__ import annotations
 import shlex
 from typing import Literal
 
-from batchline.keys import BatchApiKeys, QueueKeys, TenantKeys
+from batchline.keys import BatchApiKeys, QueueKeys, ResponsesKeys, TenantKeys
 from batchline.tenants import check_tenant
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "acl_rules",
     "acl_setuser",
     "batch_api_rules",
+    "responses_rules",
     "tenant_rules",
     "tenant_setuser",
 ]
@@ -241,16 +242,49 @@ def batch_api_rules(prefix: str) -> list[str]:
     return ["+multi", "+exec", "+discard", "+unwatch", f"(~{base}:* {commands})"]
 
 
-def acl_rules(keys: QueueKeys, role: Role, *, batch_api: bool = False) -> list[str]:
+#: What the Responses API (``/v1/responses``) sends on its own keys: a response's hash, its
+#: event log (a stream: appended, read, waited on), the tenants' indexes (sorted sets).
+_RESPONSES_COMMANDS = [
+    "hset",
+    "hgetall",
+    "expire",
+    "del",
+    "xadd",
+    "xrange",
+    "xread",
+    "zadd",
+    "zrange",
+    "zrem",
+    "zremrangebyscore",
+]
+
+
+def responses_rules(prefix: str) -> list[str]:
+    """The rules a web backend serving the Responses API adds to its producer rules: every
+    key of ``<prefix>:{responses}:`` (every tenant's stored responses, in clear: the backend
+    keeps tenants apart by each response's owner and the caller's API key, not Redis) and
+    the commands it sends there; MULTI and EXEC name no key."""
+    base = ResponsesKeys(prefix).base
+    commands = " ".join(f"+{c}" for c in _RESPONSES_COMMANDS)
+    return ["+multi", "+exec", f"(~{base}:* {commands})"]
+
+
+def acl_rules(
+    keys: QueueKeys, role: Role, *, batch_api: bool = False, responses: bool = False
+) -> list[str]:
     """The ``ACL SETUSER`` rules of ``role`` for the queue of ``keys``, starting from
     nothing (``resetkeys resetchannels -@all``); add ``on`` and a password to use them.
-    ``batch_api`` (producers only) adds :func:`batch_api_rules`."""
+    ``batch_api`` (producers only) adds :func:`batch_api_rules`, ``responses`` (producers
+    only) :func:`responses_rules`."""
     build = {"producer": _producer, "worker": _worker}.get(role)
     if build is None:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
     if batch_api and role != "producer":
         raise ValueError("the Batch API's rules go to the producer user (the web backend)")
+    if responses and role != "producer":
+        raise ValueError("the Responses API's rules go to the producer user (the web backend)")
     extra = batch_api_rules(keys.prefix) if batch_api else []
+    extra += responses_rules(keys.prefix) if responses else []
     return ["resetkeys", "resetchannels", "-@all", *_COMMON, *build(keys), *extra]
 
 
@@ -297,8 +331,10 @@ def tenant_setuser(keys: QueueKeys, tenant: str, *, user: str | None = None) -> 
     return shlex.join(["ACL", "SETUSER", name, "reset", "on", *tenant_rules(keys, tenant)])
 
 
-def acl_setuser(keys: QueueKeys, role: Role, *, user: str, batch_api: bool = False) -> str:
+def acl_setuser(
+    keys: QueueKeys, role: Role, *, user: str, batch_api: bool = False, responses: bool = False
+) -> str:
     """One ``ACL SETUSER`` command, quoted for a shell (``redis-cli ...``); the password
     (``'>secret'``) is left to add."""
-    rules = acl_rules(keys, role, batch_api=batch_api)
+    rules = acl_rules(keys, role, batch_api=batch_api, responses=responses)
     return shlex.join(["ACL", "SETUSER", user, "reset", "on", *rules])

@@ -33,17 +33,28 @@ def _acl(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"--tenant: 1-64 letters, digits, '_' or '-' (not '-' alone), got {args.tenant!r}"
             )
-        if args.batch_api or args.role != "both":
+        if args.batch_api or args.responses or args.role != "both":
             raise UsageError(
-                "--tenant prints one tenant's producer user: not with --role or --batch-api"
+                "--tenant prints one tenant's producer user: not with --role, --batch-api "
+                "or --responses"
             )
         print(tenant_setuser(keys, args.tenant))
         return 0
-    if args.batch_api and args.role == "worker":
-        raise UsageError("--batch-api adds to the producer user: not with --role worker")
+    if (args.batch_api or args.responses) and args.role == "worker":
+        raise UsageError(
+            "--batch-api and --responses add to the producer user: not with --role worker"
+        )
     for role in ROLES if args.role == "both" else (args.role,):
-        batch_api = args.batch_api and role == "producer"
-        print(acl_setuser(keys, role, user=f"{keys.prefix}-{role}", batch_api=batch_api))
+        web = role == "producer"
+        print(
+            acl_setuser(
+                keys,
+                role,
+                user=f"{keys.prefix}-{role}",
+                batch_api=args.batch_api and web,
+                responses=args.responses and web,
+            )
+        )
     return 0
 
 
@@ -77,6 +88,14 @@ def acl_parser(sub: Any) -> argparse.ArgumentParser:
         text="give the producer user the Batch API's keys too (<prefix>:{batchapi}:*, every "
         "tenant's files, batches and outputs: the web backend keeps tenants apart by their API "
         "keys, Redis does not): for the web backend serving /v1/files and /v1/batches alone",
+    )
+    add_option(
+        acl,
+        "--responses",
+        action="store_true",
+        text="give the producer user the Responses API's keys too (<prefix>:{responses}:*, "
+        "every tenant's stored responses: the web backend keeps tenants apart by their API "
+        "keys, Redis does not): for the web backend serving /v1/responses alone",
     )
     add_option(
         acl,

@@ -11,8 +11,12 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from pydantic import SecretStr
 
-from batchline.keys import ResponsesKeys
+from batchline.acl import acl_rules
+from batchline.config import WebSettings
+from batchline.contrib.fastapi import create_app
+from batchline.keys import QueueKeys, ResponsesKeys
 from batchline.producer import Producer
 
 from ..batches.test_batches import api_process
@@ -21,7 +25,8 @@ from ..test_keys import Keys
 from ..test_tenant_requests import keyed_app
 from .test_openai import MakeApp, assert_error, client_for, gen_queue, make_app
 from tests.support.models_for_tests import StepGate
-from tests.support.service import WorkerThread, spec
+from tests.support.scale_security import named_acl_users
+from tests.support.service import WorkerThread, spec, stop_all
 from tests.worker.test_generate import TINY, in_process, poll, reference
 
 openai = pytest.importorskip("openai")
@@ -426,3 +431,52 @@ def test_a_background_response_cut_short_with_its_api_runs_again_elsewhere(
         assert done.usage is not None
         assert done.usage.output_tokens == 300
         assert joined == done.output_text == client.responses.create(**asked).output_text
+
+
+@pytest.mark.slow
+def test_responses_under_the_acl_users_batchline_acl_prints(
+    redis_url: str,
+    serve: Serve,  # noqa: F811
+    start_worker: Callable[..., WorkerThread],
+    queue: str,
+) -> None:
+    """The backend under the producer user with ``--responses``' rules, the worker under
+    the worker user: a response is stored, streamed and resumed; the plain producer user
+    may not touch a response's keys."""
+    keys = QueueKeys(queue, prefix=queue)
+    rules = {
+        "api": acl_rules(keys, "producer", responses=True),
+        "plain": acl_rules(keys, "producer"),
+        "worker": acl_rules(keys, "worker"),
+    }
+    with named_acl_users(redis_url, queue[-8:], rules) as urls:
+        worker = start_worker(
+            "generate",
+            model_path=TINY,
+            prefix=queue,
+            redis_url=urls["worker"],
+            default_max_new_tokens=4,
+        )
+        try:
+            _under_the_users(serve, urls, queue)
+        finally:
+            stop_all([worker])  # before its user goes
+
+
+def _under_the_users(serve: Serve, urls: dict[str, str], queue: str) -> None:
+    """A response stored, streamed and resumed by the app under the ``api`` user; the
+    ``plain`` user may not read its keys."""
+    settings = WebSettings(
+        redis_url=SecretStr(urls["api"]), queue=queue, prefix=queue, generation_queue=queue
+    )
+    client = client_for(serve(create_app(settings, timeout_s=30)))
+    events = list(client.responses.create(model=queue, input=QUESTION, stream=True))
+    rid = events[0].response.id
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    rest = list(client.responses.retrieve(rid, stream=True, starting_after=1))
+    assert len(rest) == len(events) - 2
+    assert client.responses.retrieve(rid).output_text == events[-1].response.output_text
+    plain = redis.Redis.from_url(urls["plain"])
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        plain.hgetall(ResponsesKeys(queue).response(rid))
+    plain.close()
