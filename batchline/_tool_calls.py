@@ -116,7 +116,7 @@ class CallParser:
     first call is text; once a call opens, the text between calls (the separator) is
     dropped. The arguments stream as they come, held back only from their last ``}`` (which
     may be the call's own). A call left open at the end (the text cut short) ends with what
-    its arguments had."""
+    its arguments had, or, cut before its name was whole, is text."""
 
     _buffer: str = ""
     _in_call: bool = False
@@ -150,7 +150,10 @@ class CallParser:
         events: list[CallEvent] = []
         while self._step(events, final=True):
             pass
-        if self._in_call:
+        if self._in_call and self._head is None:  # cut before its name: not a call
+            self._in_call = False
+            self._say(events, _OPEN + self._buffer)
+        elif self._in_call:
             self._end(events, self._buffer)
         elif self._buffer:
             self._say(events, self._buffer)

@@ -159,7 +159,10 @@ class Tools:
                 f"call_{i}: {json.dumps(CALL_OPEN)} %json {json.dumps(schema)} "
                 f"{json.dumps(CALL_CLOSE)}"
             )
-        calls = f"call ({json.dumps(CALL_SEPARATOR)} call)*" if self.parallel else "call"
+        # Several calls, a newline between; the last may be followed by one (a model
+        # writes one after a call before it ends).
+        sep = json.dumps(CALL_SEPARATOR)
+        calls = f"call ({sep} call)* {sep}?" if self.parallel else f"call {sep}?"
         if self.choice == "auto":
             rules.append(f"start: TEXT | {calls}")
             # Text that never opens a call (llguidance's lexemes take & and ~).
@@ -207,8 +210,8 @@ def read_tools(tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = N
         raise BadGenerationParams(
             f"tool_choice names the function {show_value(name)}, which is not among tools"
         )
-    if choice in ("required", "function") and not functions:
-        raise BadGenerationParams(f"tool_choice {choice} needs tools")
+    if tool_choice is not None and not functions:
+        raise BadGenerationParams(f"tool_choice {show_value(tool_choice)} needs tools")
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
         raise BadGenerationParams(
             f"parallel_tool_calls must be true or false, got {show_value(parallel_tool_calls)}"
@@ -231,6 +234,11 @@ def _functions(tools: Any) -> tuple[FunctionTool, ...]:
             kind = tool.get("type") if isinstance(tool, Mapping) else tool
             raise BadGenerationParams(
                 f"tools[{i}]: only tools of type function are supported, got {show_value(kind)}"
+            )
+        if not isinstance(tool.get("function"), Mapping):
+            raise BadGenerationParams(
+                f"tools[{i}].function must be an object with a name, "
+                f"got {show_value(tool.get('function'))}"
             )
         if set(tool) != {"type", "function"}:
             extra = sorted(map(str, set(tool) - {"type", "function"}))

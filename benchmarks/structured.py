@@ -151,7 +151,9 @@ SCHEMAS: list[dict[str, Any]] = [
 ]
 
 
-def _value(schema: dict[str, Any], *, constrained: bool, max_new_tokens: int) -> dict[str, Any]:
+def value_of(schema: dict[str, Any], *, constrained: bool, max_new_tokens: int) -> dict[str, Any]:
+    """The request for an answer that follows ``schema`` (``constrained``: with it as a
+    ``response_format``)."""
     ask = f"Reply with a JSON object that follows this JSON schema:\n{json.dumps(schema)}"
     value: dict[str, Any] = {
         "messages": [{"role": "user", "content": ask}],
@@ -194,14 +196,16 @@ CLOSING = [0.0]  # seconds in the closing's searches, in the last constrained ru
 def run(
     model: Any,
     tokenizer: Any,
-    schemas: list[dict[str, Any]],
+    values: list[dict[str, Any]],
     *,
-    constrained: bool,
     max_new_tokens: list[int],
+    grammar: bool = True,
 ) -> tuple[list[Sequence_], float, int, float]:
-    """The requests in one batch on a fresh engine: the sequences, the decode steps'
-    seconds (the prefill step left out), the tokens they generated and the seconds inside
-    the grammar hooks then (:data:`CLOSING`: in the closing's searches)."""
+    """The requests (generation requests, each with its ``max_new_tokens`` given here) in
+    one batch on a fresh engine: the sequences, the decode steps' seconds (the prefill step
+    left out), the tokens they generated and the seconds inside the grammar hooks then
+    (:data:`CLOSING`: in the closing's searches). ``grammar`` false: their grammars
+    dropped, their prompts as they are (a request with tools: the tools shown)."""
     engine = Engine(model, tokenizer)
     hooks = [0.0]
     for name in ("mask", "accept"):
@@ -209,14 +213,17 @@ def run(
     closer = engine.picker.closer
     _timed(closer, "_search", CLOSING)
     seqs = []
-    for schema, most in zip(schemas, max_new_tokens, strict=True):
-        value = _value(schema, constrained=constrained, max_new_tokens=most)
-        parsed = parse_request(value)
+    for value, most in zip(values, max_new_tokens, strict=True):
+        parsed = parse_request({**value, "max_new_tokens": most})
+        if not grammar:
+            parsed = dataclasses.replace(
+                parsed, params=dataclasses.replace(parsed.params, grammar=None)
+            )
         if parsed.params.grammar is not None:  # what the closing needs (an answer may be less)
             need = len(engine.grammars.compile(parsed.params.grammar).shortest or ())
             room = dataclasses.replace(parsed.params, max_new_tokens=max(most, need))
             parsed = dataclasses.replace(parsed, params=room)
-        ids = engine.encode(messages=parsed.messages)
+        ids = engine.encode(messages=parsed.messages, tools=parsed.tools)
         seqs.append(Sequence_(ids, engine.check(ids, parsed.params), 0.0, lambda _: None))
     engine.step(seqs)  # the prefill, and each one's first token
     first, hooks[0], CLOSING[0] = len(seqs), 0.0, 0.0
@@ -246,7 +253,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.unbounded:
         schemas = [unbounded(s) for s in schemas]
     most = [args.max_new_tokens] * len(schemas)
-    seqs, _, _, _ = run(model, tokenizer, schemas, constrained=True, max_new_tokens=most)
+    values = {
+        way: [value_of(s, constrained=way, max_new_tokens=args.max_new_tokens) for s in schemas]
+        for way in (False, True)
+    }
+    seqs, _, _, _ = run(model, tokenizer, values[True], max_new_tokens=most)
     lengths = [len(s.generated) for s in seqs]  # the unconstrained runs generate as many
     valid = 0
     for i, (seq, schema) in enumerate(zip(seqs, schemas, strict=True)):
@@ -264,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(args.repeats):
         for constrained in (False, True):
             _, seconds, tokens, hooks = run(
-                model, tokenizer, schemas, constrained=constrained, max_new_tokens=lengths
+                model, tokenizer, values[constrained], max_new_tokens=lengths
             )
             per_token[constrained].append(seconds / tokens * 1e3)
             if constrained:

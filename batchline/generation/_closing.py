@@ -10,6 +10,8 @@ arrays and objects still open, and the required properties not written yet. Its 
 - far from the end (a margin ``R - L`` above ``4 L +`` :data:`WATCH`) nothing is computed
   at most steps: the closing is searched again once half of the margin is spent, a few
   searches a sequence in all;
+- a token taken where the grammar could have ended (after a function call, the separator
+  that starts another) is checked at once, as it may need a long closing;
 - nearer, the closing is kept up to date after every token, cheaply where it can be: the
   closing before the token still closes after it (inside a string, a number), or the token
   wrote its first bytes (a property's name), checked by llguidance in about a microsecond;
@@ -92,12 +94,17 @@ class Closer:
             token = state.forced.pop(0)
             done = self.grammars.accept(seq, token)
             return token, done or not state.forced
+        could_end = self.grammars.matcher(seq).is_accepting()
         done = self.grammars.accept(seq, token)
         if done or state.given_up:
             return token, done
         left = seq.params.max_new_tokens - taken - 1
+        if could_end:  # (the closing before the token: none; after it, maybe a whole call)
+            state.path, state.at = [], taken
         before = state.path if state.at == taken else None  # the state before the token's
-        watched = before is not None and left + 1 - len(before) <= 4 * len(before) + WATCH
+        watched = before is not None and (
+            could_end or left + 1 - len(before) <= 4 * len(before) + WATCH
+        )
         if not watched and taken + 1 < state.next_search:
             return token, False
         path = self._updated(seq, token, before) if watched and before is not None else None

@@ -206,7 +206,8 @@ class Engine:
             if shortest is not None and len(shortest) > params.max_new_tokens:
                 raise BadGenerationParams(
                     f"max_new_tokens {params.max_new_tokens} is fewer than the {len(shortest)} "
-                    "tokens that the shortest JSON value of response_format takes"
+                    "tokens that the shortest JSON value of response_format takes (or the "
+                    "shortest call its tools allow)"
                 )
         return params
 

@@ -21,7 +21,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 # Modules whose import loads torch (seconds): their smoke runs import them.
-HEAVY = {"benchmarks.generate.__main__", "benchmarks.structured"}
+HEAVY = {"benchmarks.generate.__main__", "benchmarks.structured", "benchmarks.tools"}
 
 
 def _importable() -> None:
@@ -437,6 +437,19 @@ def test_bench_structured_smoke() -> None:
     out = _bench(["benchmarks.structured", *argv], 300, os.environ | {"HF_HUB_OFFLINE": "1"})
     assert re.search(r"valid: [0-3]/3 answers parse", out), out
     assert re.search(r"grammar hooks \(mask \+ advance\): [0-9]+ us per token", out), out
+
+
+@pytest.mark.slow
+def test_bench_tools_smoke() -> None:
+    """Three functions, one repeat: it validates the calls and reports the grammar's cost
+    beside structured output's."""
+    _smollm2()
+    pytest.importorskip("llguidance")
+    argv = ["--functions", "3", "--repeats", "1", "--max-new-tokens", "96"]
+    out = _bench(["benchmarks.tools", *argv], 300, os.environ | {"HF_HUB_OFFLINE": "1"})
+    assert re.search(r"^valid: [0-3]/3 calls with tool_choice required parse", out, re.M), out
+    for way in ("tools", "structured"):
+        assert re.search(rf"^{way}: +[0-9.]+ ms .* [0-9]+ us per token$", out, re.M), out
 
 
 @pytest.mark.slow

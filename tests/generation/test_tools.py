@@ -23,10 +23,13 @@ from batchline._tool_calls import (
 )
 from batchline._tools import Tools, call_text, chat_inputs, check_tools, read_tools
 from batchline.errors import BadGenerationParams
-from batchline.generation import SyncGenerator
+from batchline.generation import GenerationParams, SyncGenerator
+from batchline.generation._closing import Closer
+from batchline.generation._grammar import Grammars
 from batchline.generation._request import parse_request
+from batchline.generation._types import Sequence_
 
-from tests.support.models_for_tests import tiny_llama_tools
+from tests.support.models_for_tests import char_tokenizer, tiny_llama_tools
 
 WEATHER = {
     "type": "object",
@@ -105,7 +108,7 @@ def test_auto_takes_text_that_opens_no_call_or_calls() -> None:
         (TOOLS + TOOLS[:1], None, None, "given twice: weather"),
         (TOOLS, "always", None, "tool_choice.*always"),
         (TOOLS, {"type": "function", "function": {"name": "g"}}, None, 'tool_choice.*"g"'),
-        (None, "required", None, "tool_choice required needs tools"),
+        (None, "required", None, 'tool_choice "required" needs tools'),
         (TOOLS, None, "yes", "parallel_tool_calls.*yes"),
         ([{"type": "function", "function": {"name": "f", "parameters": {"x": 1e999}}}], 0, 0, ""),
     ],
@@ -259,3 +262,41 @@ def test_without_tools_or_with_none_a_result_has_no_calls(gen: Any) -> None:
     assert gen.generate(messages=chat, max_new_tokens=3).tool_calls is None
     none = gen.generate(messages=chat, tools=TOOLS, tool_choice="none", max_new_tokens=3)
     assert none.tool_calls is None
+
+
+def test_a_second_call_that_cannot_fit_is_taken_back_and_the_answer_ends() -> None:
+    """Parallel calls: the token that opens a call the token limit leaves no room for (one
+    token that commits to a whole call) is taken back, and the answer ends after the calls
+    it has (as ``length``): every call whole."""
+    tokenizer = char_tokenizer(newline=True)
+    grammars = Grammars(tokenizer, 98)
+    closer = Closer(grammars)
+    tools = read_tools(TOOLS, "required")
+    wanted = CALL + "\n" + OTHER  # what a model would write, given room
+    limit = len(CALL) + 8  # room for the first call, not the second
+    seq = Sequence_([5], GenerationParams(max_new_tokens=limit, grammar=tools.grammar()), 0, print)
+    script = tokenizer.encode(wanted, add_special_tokens=False)
+    done = False
+    while not done:
+        forced = closer.forced(seq)
+        token = forced if forced is not None else script[len(seq.generated)]
+        token, done = closer.advance(seq, token)
+        seq.generated.append(token)
+    assert len(seq.generated) <= limit
+    assert seq.generated[-1] == tokenizer.eos_token_id
+    text = tokenizer.decode(seq.generated, skip_special_tokens=True)
+    assert text in (CALL, CALL + "\n")
+    assert closer.closed(seq)
+    assert [c.name for c in parse_calls(text).calls] == ["weather"]
+
+
+def test_calls_cut_by_their_token_limit_are_closed(gen: Any) -> None:
+    chat = [{"role": "user", "content": "What is the weather in Paris?"}]
+    weather = {"type": "function", "function": {"name": "weather"}}
+    for limit in (84, 88, 92):  # (greedy, it writes 92 tokens: the city cut short)
+        result = gen.generate(messages=chat, tools=TOOLS, tool_choice=weather, max_new_tokens=limit)
+        assert result.finish_reason == "length"
+        assert result.text.rstrip().endswith("</tool_call>"), result.text
+        assert result.tool_calls
+        for call in result.tool_calls:
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])

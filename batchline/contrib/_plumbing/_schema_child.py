@@ -1,7 +1,9 @@
 """The schema checker's child process (``python -m batchline.contrib._plumbing._schema_child``),
 started by :class:`~batchline.contrib._plumbing._schema_process.SchemaChecker`: it checks the
-``response_format`` of each request body that comes on its stdin, one at a time, and answers
-each on its stdout (the protocol: :mod:`._schema_process`)."""
+``response_format`` and the function tools (``tools``, ``tool_choice``,
+``parallel_tool_calls``, OpenAI's chat shape: a generation request's) of each request body
+that comes on its stdin, one at a time, and answers each on its stdout (the protocol:
+:mod:`._schema_process`)."""
 
 from __future__ import annotations
 
@@ -12,16 +14,26 @@ import sys
 from typing import Any
 
 from batchline._response_format import check_response_format
+from batchline._tools import check_tools, read_tools
 from batchline.errors import BadGenerationParams
 
 __all__ = ["main"]
 
 
 def _checked(body: bytes) -> str | None:
-    """The error of the ``response_format`` of ``body`` (a JSON request body), or None."""
+    """The error of the ``response_format`` or the tools of ``body`` (a JSON request body),
+    or None."""
     try:
         value: Any = json.loads(body)
-        check_response_format(value.get("response_format") if isinstance(value, dict) else None)
+        if not isinstance(value, dict):
+            return None
+        check_response_format(value.get("response_format"))
+        if value.get("tools"):
+            check_tools(
+                read_tools(
+                    value["tools"], value.get("tool_choice"), value.get("parallel_tool_calls")
+                )
+            )
     except BadGenerationParams as exc:
         return str(exc)
     except ValueError as exc:  # not JSON: the route has read it already, so never here

@@ -55,8 +55,10 @@ class SchemaChecker:
         return self._proc.pid if self._proc is not None else None
 
     async def check(self, body: bytes) -> None:
-        """Check the ``response_format`` of ``body`` (a JSON request body). Raises
-        BadGenerationParams naming ``response_format`` where it fails."""
+        """Check the ``response_format`` and the function tools of ``body`` (a JSON request
+        body; its tools in OpenAI's chat shape, a generation request's). Raises
+        BadGenerationParams naming ``response_format``, or starting with ``tools``, where it
+        fails."""
         done: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         n = next(self._ids)
         self._waiting[n] = (body, done)

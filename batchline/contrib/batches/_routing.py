@@ -63,10 +63,16 @@ async def route_line(routes: OpenAIRoutes, url: str, body: dict[str, Any]) -> Ro
         raise OpenAIError(400, "a batch's requests cannot stream", param="stream")
     if gen.n != 1:
         raise OpenAIError(400, "a batch's requests answer one choice each: n must be 1", param="n")
-    if gen.response_format is not None:
-        await routes.check_format(raw.encode())
+    tools = await routes.check_generation(gen, raw.encode())
     served = routes.queue("generation", gen.model)
-    build = chat_body if chat else completion_body
+    if chat:
+        return RoutedLine(
+            served.producer,
+            gen.value(),
+            lambda r: chat_body(r.id, served.name, [checked(r.output)], tools=tools),
+        )
     return RoutedLine(
-        served.producer, gen.value(), lambda r: build(r.id, served.name, [checked(r.output)])
+        served.producer,
+        gen.value(),
+        lambda r: completion_body(r.id, served.name, [checked(r.output)]),
     )

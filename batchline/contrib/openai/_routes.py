@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -302,8 +303,7 @@ class OpenAIRoutes:
     async def _generate(
         self, body: CompletionRequest | ChatRequest, request: Request, *, chat: bool
     ) -> Response:
-        if body.response_format is not None:
-            await self.check_format(await request.body())
+        tools = await self.check_generation(body, await request.body())
         served = self.queue("generation", body.model)
         values = body.values()  # one per choice
         if body.stream:
@@ -316,6 +316,7 @@ class OpenAIRoutes:
                 timeout_s=self.timeout_s,
                 timeout_error=served.producer._timed_out,
                 n=len(values),
+                tools=tools,
             )
             ids = [rid] if len(values) == 1 else [f"{rid}-{i}" for i in range(len(values))]
             note_queue(request, served.client, served.settings.keys)
@@ -328,8 +329,10 @@ class OpenAIRoutes:
         results = await self.run_all(served, values, request)
         if results is None:
             return Response(status_code=499)
-        build = chat_body if chat else completion_body
-        return JSONResponse(build(results[0].id, served.name, [checked(r.output) for r in results]))
+        outputs = [checked(r.output) for r in results]
+        if chat:
+            return JSONResponse(chat_body(results[0].id, served.name, outputs, tools=tools))
+        return JSONResponse(completion_body(results[0].id, served.name, outputs))
 
     @staticmethod
     def stream(
@@ -340,15 +343,34 @@ class OpenAIRoutes:
         tenant = as_tenant(caller_of(request).tenant)
         return served.producer.stream(value, request_id=request_id, **tenant)
 
+    async def check_generation(self, body: CompletionRequest | ChatRequest, raw: bytes) -> bool:
+        """Check what a generation request's body (``raw``, its JSON) constrains its
+        decoding with before it is queued: its tools (a 400 naming the parameter at fault)
+        and, off the event loop, its ``response_format``'s schema and its functions'
+        ``parameters`` (:meth:`check_format`). Whether the model is offered tools."""
+        tools = None
+        if isinstance(body, ChatRequest):
+            try:
+                tools = body.read_tools()
+            except BadGenerationParams as exc:
+                param = _param_of(str(exc))
+                raise OpenAIError(400, f"{param}: {exc}", param=param) from None
+        offered = tools is not None and tools.active
+        if body.response_format is not None or offered:
+            await self.check_format(raw)
+        return offered
+
     async def check_format(self, body: bytes) -> None:
         """Check the ``response_format`` of ``body`` (the request's JSON) as a worker
         compiles it (the same compiler and limits; a tokenizer of one token per byte in the
         model's place), in :attr:`schemas`' process: a large schema takes up to about half a
         second, which the event loop does not wait through. A 400 naming ``response_format``
-        where it fails."""
+        where it fails (naming ``tools`` where a function's ``parameters`` do)."""
         try:
             await self.schemas.check(body)
         except BadGenerationParams as exc:
+            if str(exc).startswith("tools"):
+                raise OpenAIError(400, str(exc), param="tools") from None
             raise OpenAIError(400, f"response_format: {exc}", param="response_format") from None
 
     async def run(
@@ -427,3 +449,8 @@ class OpenAIRoutes:
             await chunks.aclose()
             return Response(status_code=499)
         return answer(first)
+
+
+def _param_of(message: str) -> str:
+    """The parameter an error's message starts with (``tools[0].function: ...``: tools)."""
+    return re.split(r"[\[.: ]", message, maxsplit=1)[0]

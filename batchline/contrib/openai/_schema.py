@@ -2,9 +2,10 @@
 
 Requests are pydantic models that refuse what batchline does not do rather than ignore it:
 an unknown field, ``n`` above :data:`MAX_CHOICES`, more than :data:`MAX_LOGPROBS` log
-probabilities, or a feature it lacks (penalties, tools, token-array prompts, ``echo``,
-``best_of``) set to anything but its default is a 400 naming the parameter (a
-``response_format``'s schema is checked by the route, off the event loop: ``check_format``).
+probabilities, or a feature it lacks (penalties, token-array prompts, ``echo``, ``best_of``)
+set to anything but its default is a 400 naming the parameter (a ``response_format``'s schema,
+and a function tool's ``parameters``, are checked by the route, off the event loop:
+``check_format``).
 They are strict: a value of the wrong JSON type is refused, never converted (``"10"`` is not
 10, ``"yes"`` not true; an integer is a number where a number is expected), and every number
 has its range (integers: OpenAI's signed 64 bits at most).
@@ -28,7 +29,10 @@ from pydantic import (
     field_validator,
 )
 
+from batchline._tools import Tools, read_messages, read_tools
 from batchline.contrib._plumbing import MAX_TEXT_CHARS
+from batchline.contrib.openai._tools import chat_message, tool_finish
+from batchline.errors import BadGenerationParams
 
 __all__ = [
     "MAX_CHOICES",
@@ -213,29 +217,41 @@ class _TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One chat message: a role and a text (or text parts, joined by newlines). Other
-    fields a client echoes back from an answer (``refusal``, ``tool_calls`` ...) may be
-    present only while empty; ``name`` is accepted and not used."""
+    """One chat message: a role and a text (or text parts, joined by newlines); an
+    assistant's may carry ``tool_calls`` (its content then null), a ``tool`` message the
+    ``tool_call_id`` it answers. Other fields a client echoes back from an answer
+    (``refusal``, ``audio`` ...) may be present only while empty; ``name`` is accepted and
+    not used."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[_TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[_TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content")
     @classmethod
-    def _text(cls, value: str | list[_TextPart]) -> str:
-        return value if isinstance(value, str) else "\n".join(p.text for p in value)
+    def _text(cls, value: str | list[_TextPart] | None) -> str | None:
+        if value is None or isinstance(value, str):
+            return value
+        return "\n".join(p.text for p in value)
 
-    def wire(self) -> dict[str, str]:
-        """The message as a worker reads it; ``developer`` is the system role of newer
-        OpenAI models, and chat templates know it as ``system``."""
+    def wire(self) -> dict[str, Any]:
+        """The message as a worker reads it (checked as the worker checks it: ValueError
+        naming what is wrong); ``developer`` is the system role of newer OpenAI models,
+        and chat templates know it as ``system``."""
         extra = {k: v for k, v in (self.model_extra or {}).items() if not _default(v)}
         if extra:
             raise ValueError(f"message fields not supported by batchline: {sorted(extra)}")
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": str(self.content)}
+        out: dict[str, Any] = {"role": role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None or role == "tool":
+            out["tool_call_id"] = self.tool_call_id
+        return read_messages([out])[0]
 
 
 class ChatRequest(_Generation):
@@ -248,8 +264,11 @@ class ChatRequest(_Generation):
     logprobs: bool | None = None
     #: ... and this many likeliest tokens' (0 to 20; needs ``logprobs``).
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: _Unsupported = None
-    tool_choice: Literal["none"] | None = None
+    #: Function tools (OpenAI's chat shape), how the model may use them, and whether
+    #: several calls may follow one another: read by :meth:`read_tools`; a function's
+    #: ``parameters`` checked by the route as a ``response_format``'s schema.
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
     @field_validator("messages")
@@ -278,10 +297,32 @@ class ChatRequest(_Generation):
             raise ValueError(f"max_tokens is {other}: give one limit, or the same in both")
         return value
 
+    def read_tools(self) -> Tools | None:
+        """The request's tools (None where it gives none of ``tools``, ``tool_choice``,
+        ``parallel_tool_calls``). Raises BadGenerationParams whose message starts with
+        the parameter at fault."""
+        if self.tools is None and self.tool_choice is None and self.parallel_tool_calls is None:
+            return None
+        tools = read_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if tools.active and self.response_format not in (None, {"type": "text"}):
+            raise BadGenerationParams(
+                "tools cannot be combined with a response_format (give "
+                "tool_choice none, or no response_format)"
+            )
+        return tools
+
+    @property
+    def offers_tools(self) -> bool:
+        """Whether the model is offered tools (the answer may carry calls)."""
+        tools = self.read_tools()
+        return tools is not None and tools.active
+
     def value(self) -> dict[str, Any]:
         """The generation request a worker reads (docs/protocol.md, Generation)."""
         limit = self.max_completion_tokens or self.max_tokens
-        return {"messages": [m.wire() for m in self.messages], **self._parameters(limit)}
+        out = {"messages": [m.wire() for m in self.messages], **self._parameters(limit)}
+        tools = self.read_tools()
+        return out if tools is None else {**out, **tools.wire()}
 
 
 #: The request models' field names: what an error's ``param`` may name.
@@ -406,17 +447,24 @@ def completion_body(rid: str, model: str, outputs: list[dict[str, Any]]) -> dict
     return {**head(False, rid, model), "choices": choices, "usage": usage(outputs)}
 
 
-def chat_body(rid: str, model: str, outputs: list[dict[str, Any]]) -> dict[str, Any]:
-    """A ``chat.completion`` from a request's generation outputs, one per choice."""
-    choices = [
-        {
-            "index": i,
-            "message": {"role": "assistant", "content": output["text"]},
-            "logprobs": chat_logprobs(output.get("logprobs")),
-            "finish_reason": finish_reason(output["finish_reason"]),
-        }
-        for i, output in enumerate(outputs)
-    ]
+def chat_body(
+    rid: str, model: str, outputs: list[dict[str, Any]], *, tools: bool = False
+) -> dict[str, Any]:
+    """A ``chat.completion`` from a request's generation outputs, one per choice (``tools``:
+    the request offered tools, so an answer may carry calls)."""
+    choices = []
+    for i, output in enumerate(outputs):
+        message = chat_message(output, tools=tools)
+        reason = output["finish_reason"]
+        choices.append(
+            {
+                "index": i,
+                "message": message,
+                "logprobs": chat_logprobs(output.get("logprobs")),
+                "finish_reason": tool_finish(reason, "tool_calls" in message)
+                or finish_reason(reason),
+            }
+        )
     return {**head(True, rid, model), "choices": choices, "usage": usage(outputs)}
 
 
@@ -429,18 +477,20 @@ def chunk_body(
     role: bool,
     index: int = 0,
     logprobs: dict[str, Any] | None = None,
+    delta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One chunk of a stream, of choice ``index``: new ``text`` (with its tokens'
-    ``logprobs``, already in the route's shape), or (None) the closing one with the
-    ``reason``."""
+    ``logprobs``, already in the route's shape), or a chat's ``delta`` as given (a call's),
+    or (both None) the closing one with the ``reason`` (OpenAI's already where it is
+    ``tool_calls``)."""
     choice: dict[str, Any] = {"index": index}
     if chat:
-        delta = {} if text is None else {"content": text}
+        delta = delta if delta is not None else {} if text is None else {"content": text}
         choice["delta"] = {"role": "assistant", **delta} if role else delta
     else:
         choice["text"] = text or ""
     choice["logprobs"] = logprobs
-    choice["finish_reason"] = finish_reason(reason)
+    choice["finish_reason"] = reason if reason == "tool_calls" else finish_reason(reason)
     return {**fields, "choices": [choice]}
 
 

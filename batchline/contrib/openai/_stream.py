@@ -3,7 +3,10 @@
 A stream answers OpenAI's ``.chunk`` objects, one ``data:`` event each, then ``data:
 [DONE]``: for a chat, a first chunk with the ``assistant`` role, then each new text (with its
 tokens' ``logprobs`` where asked), then one with the ``finish_reason`` (and, when asked with
-``stream_options.include_usage``, one with ``usage`` and no choices). With ``n`` choices,
+``stream_options.include_usage``, one with ``usage`` and no choices). A chat offered tools
+sends the text outside calls as ``content`` and each call as OpenAI's ``tool_calls`` deltas
+(:class:`~batchline.contrib.openai._tools.ToolStream`), and ends with ``tool_calls`` where it
+called. With ``n`` choices,
 each is a request of its own, their chunks interleaved as they come, each with its
 ``index``. An error once the stream has started is one event carrying OpenAI's error
 object, and the stream ends without ``[DONE]``.
@@ -33,6 +36,7 @@ from batchline.contrib.openai._schema import (
     token_bytes,
     usage_chunk,
 )
+from batchline.contrib.openai._tools import ToolStream, tool_finish
 from batchline.errors import BatchlineError, RequestTimeout
 from batchline.producer import StreamChunk
 
@@ -144,6 +148,7 @@ class StreamInfo:
     #: The RequestTimeout for what did not come in time (the producer's: queue, workers).
     timeout_error: Callable[[str], Awaitable[RequestTimeout]]
     n: int = 1  # choices
+    tools: bool = False  # a chat offered tools: its text is parsed for calls
 
 
 class ChunkStream(Response, Generic[T]):
@@ -232,9 +237,17 @@ class EventStream(ChunkStream[Choice]):
             reason: str | None = None,
             role: bool = False,
             logprobs: dict[str, Any] | None = None,
+            delta: dict[str, Any] | None = None,
         ) -> bytes:
             body = chunk_body(
-                info.chat, info.head, text, reason=reason, role=role, index=index, logprobs=logprobs
+                info.chat,
+                info.head,
+                text,
+                reason=reason,
+                role=role,
+                index=index,
+                logprobs=logprobs,
+                delta=delta,
             )
             if info.include_usage:
                 body["usage"] = None
@@ -244,8 +257,15 @@ class EventStream(ChunkStream[Choice]):
             for i in range(info.n):
                 yield event(i, "", role=True)
         outputs: dict[int, dict[str, Any]] = {}
+        calls = [ToolStream() for _ in range(info.n)] if info.tools else []
         while True:
-            if chunk.text or chunk.logprobs:
+            if calls and (chunk.text or chunk.logprobs):
+                deltas = calls[index].feed(chunk.text or "") or [{}]
+                logprobs = chat_logprobs(chunk.logprobs)
+                for delta in deltas:  # (the tokens' logprobs with the first)
+                    yield event(index, None, logprobs=logprobs, delta=delta)
+                    logprobs = None
+            elif chunk.text or chunk.logprobs:
                 if info.chat:
                     logprobs = chat_logprobs(chunk.logprobs)
                 else:
@@ -255,7 +275,12 @@ class EventStream(ChunkStream[Choice]):
                 yield event(index, chunk.text, logprobs=logprobs)
             if chunk.result is not None:
                 outputs[index] = chunk.result
-                yield event(index, None, reason=chunk.finish_reason)
+                reason = chunk.finish_reason
+                if calls:
+                    for delta in calls[index].close():
+                        yield event(index, None, delta=delta)
+                    reason = tool_finish(reason, calls[index].called) or reason
+                yield event(index, None, reason=reason)
                 if len(outputs) == info.n:
                     break
             index, chunk = await next_chunk(self._chunks, info)

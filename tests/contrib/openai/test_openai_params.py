@@ -67,7 +67,7 @@ CHAT_ONLY: list[tuple[dict[str, Any], str]] = [
     *[({"messages": v}, "messages") for v in ([], "hi", None)],
     ({"messages": [{**_USER, "role": "robot"}]}, "messages.[0].role"),
     ({"messages": [_USER, {**_USER, "content": 5}]}, "messages.[1].content"),
-    ({"messages": [{"role": "user"}]}, "messages.[0].content"),
+    ({"messages": [{"role": "user"}]}, "messages"),  # (a content is needed but beside calls)
     ({"messages": [{**_USER, "name": 5}]}, "messages.[0].name"),
     (
         {"messages": [{**_USER, "content": [{"type": "image", "text": "x"}]}]},
@@ -88,7 +88,27 @@ CHAT_ONLY: list[tuple[dict[str, Any], str]] = [
     *[({"logprobs": True, "top_logprobs": v}, "top_logprobs") for v in (21, -1, "2", 2.0)],
     *[({"logprobs": v}, "logprobs") for v in (1, "true", 5)],
     ({"tools": [{"type": "function"}]}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": "auto"}, "tool_choice"),  # (without tools)
+    ({"tools": [{"type": "retrieval"}]}, "tools"),
+    ({"tools": [], "tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": 5}, "tool_choice"),
+    (
+        {
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "response_format": {"type": "json_object"},
+        },
+        "tools",
+    ),
+    *[
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        )
+        for schema in (HUGE_PATTERN, {"$ref": "#"}, {"type": "x"})
+    ],
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_object", "schema": {}}}, "response_format"),
