@@ -171,11 +171,12 @@ class ResponsesRoutes:
             value = body.value(history)
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param="text") from None
-        if "response_format" in value:
+        if "response_format" in value or "tools" in value:  # compiled off the event loop
             try:
                 await self.routes.check_format(json.dumps(value).encode())
             except OpenAIError as exc:
-                raise OpenAIError(400, exc.message, param="text.format") from None
+                param = "text.format" if exc.param == "response_format" else exc.param
+                raise OpenAIError(400, exc.message, param=param) from None
         tenant = caller_of(request).tenant
         response_id = f"resp_{uuid.uuid4().hex}"
         items = input_items(body.input)

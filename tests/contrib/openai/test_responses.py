@@ -365,6 +365,11 @@ def test_function_tools_called_answered_and_streamed(
         "parallel_tool_calls": False,
         "max_output_tokens": 120,
     }
+    # A function's parameters a worker could not compile: refused before anything is queued.
+    bad = {**WEATHER, "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(**{**asked, "tools": [bad]})
+    assert refused.value.param == "tools"
     called = client.responses.create(**asked)
     calls = [item for item in called.output if item.type == "function_call"]
     assert len(calls) == 1, called.output
