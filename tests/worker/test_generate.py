@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import logging
 import re
 import signal
@@ -384,3 +385,32 @@ def test_the_generate_demo_answers_its_prompts_live() -> None:
     found = re.search(r"4 answers, 192 tokens in [0-9.]+ s: ([0-9.]+) tokens/s", done.stdout)
     assert found is not None, done.stdout
     assert float(found.group(1)) > 0
+
+
+@pytest.mark.slow
+def test_a_producer_gets_the_calls_of_a_request_with_tools(
+    start_worker: Callable[..., WorkerThread], redis_url: str, queue: str
+) -> None:
+    """A request that offers tools (the worker's own fields, OpenAI's chat shape): its
+    output carries the calls parsed out of its text, and the text beside them."""
+    start_worker("generate", model_path=spec("tiny_llama_tools"))
+    schema = {
+        "type": "object",
+        "properties": {"zone": {"enum": ["UTC", "CET"]}},
+        "required": ["zone"],
+        "additionalProperties": False,
+    }
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": schema}}]
+    value = {"messages": CHAT, "tools": tools, "tool_choice": "required", "max_new_tokens": 80}
+    with Producer(redis_url=redis_url, queue=queue) as producer:
+        called = producer.infer({**value, "parallel_tool_calls": False}, timeout_s=T)
+        plain = producer.infer({"messages": CHAT, "max_new_tokens": 3}, timeout_s=T)
+    assert called["content"] is None
+    [call] = called["tool_calls"]
+    assert re.fullmatch(r"call_[0-9a-f]{24}", call["id"])
+    assert call["type"] == "function"
+    assert call["function"]["name"] == "get_time"
+    assert json.loads(call["function"]["arguments"])["zone"] in ("UTC", "CET")
+    assert call["function"]["arguments"] in called["text"]
+    assert "tool_calls" not in plain
+    assert "content" not in plain
