@@ -38,7 +38,7 @@ from __future__ import annotations
 import shlex
 from typing import Literal
 
-from batchline.keys import BatchApiKeys, QueueKeys, TenantKeys
+from batchline.keys import BatchApiKeys, QueueKeys, ResponsesKeys, TenantKeys
 from batchline.tenants import check_tenant
 
 __all__ = [
@@ -48,6 +48,7 @@ __all__ = [
     "acl_setuser",
     "api_keys_rules",
     "batch_api_rules",
+    "responses_rules",
     "tenant_rules",
     "tenant_setuser",
 ]
@@ -251,13 +252,46 @@ def api_keys_rules(prefix: str) -> list[str]:
     return [f"(%R~{TenantKeys(prefix).base}:* +get +hgetall)"]
 
 
+#: What the Responses API (``/v1/responses``) sends on its own keys: a response's hash, its
+#: event log (a stream: appended, read, waited on), the tenants' indexes (sorted sets).
+_RESPONSES_COMMANDS = [
+    "hset",
+    "hgetall",
+    "expire",
+    "del",
+    "xadd",
+    "xrange",
+    "xread",
+    "zadd",
+    "zrange",
+    "zrem",
+    "zremrangebyscore",
+]
+
+
+def responses_rules(prefix: str) -> list[str]:
+    """The rules a web backend serving the Responses API adds to its producer rules: every
+    key of ``<prefix>:{responses}:`` (every tenant's stored responses, in clear: the backend
+    keeps tenants apart by each response's owner and the caller's API key, not Redis) and
+    the commands it sends there; MULTI and EXEC name no key."""
+    base = ResponsesKeys(prefix).base
+    commands = " ".join(f"+{c}" for c in _RESPONSES_COMMANDS)
+    return ["+multi", "+exec", f"(~{base}:* {commands})"]
+
+
 def acl_rules(
-    keys: QueueKeys, role: Role, *, batch_api: bool = False, api_keys: bool = False
+    keys: QueueKeys,
+    role: Role,
+    *,
+    batch_api: bool = False,
+    api_keys: bool = False,
+    responses: bool = False,
 ) -> list[str]:
     """The ``ACL SETUSER`` rules of ``role`` for the queue of ``keys``, starting from
     nothing (``resetkeys resetchannels -@all``); add ``on`` and a password to use them.
-    ``batch_api`` (producers only) adds :func:`batch_api_rules`, ``api_keys`` (producers
-    only) :func:`api_keys_rules`."""
+    The web backend's additions go to producers only: ``batch_api`` adds
+    :func:`batch_api_rules`, ``api_keys`` :func:`api_keys_rules`, ``responses``
+    :func:`responses_rules`."""
     build = {"producer": _producer, "worker": _worker}.get(role)
     if build is None:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
@@ -265,8 +299,11 @@ def acl_rules(
         raise ValueError("the Batch API's rules go to the producer user (the web backend)")
     if api_keys and role != "producer":
         raise ValueError("the tenant store's rules go to the producer user (the web backend)")
+    if responses and role != "producer":
+        raise ValueError("the Responses API's rules go to the producer user (the web backend)")
     extra = batch_api_rules(keys.prefix) if batch_api else []
     extra += api_keys_rules(keys.prefix) if api_keys else []
+    extra += responses_rules(keys.prefix) if responses else []
     return ["resetkeys", "resetchannels", "-@all", *_COMMON, *build(keys), *extra]
 
 
@@ -314,9 +351,15 @@ def tenant_setuser(keys: QueueKeys, tenant: str, *, user: str | None = None) -> 
 
 
 def acl_setuser(
-    keys: QueueKeys, role: Role, *, user: str, batch_api: bool = False, api_keys: bool = False
+    keys: QueueKeys,
+    role: Role,
+    *,
+    user: str,
+    batch_api: bool = False,
+    api_keys: bool = False,
+    responses: bool = False,
 ) -> str:
     """One ``ACL SETUSER`` command, quoted for a shell (``redis-cli ...``); the password
     (``'>secret'``) is left to add."""
-    rules = acl_rules(keys, role, batch_api=batch_api, api_keys=api_keys)
+    rules = acl_rules(keys, role, batch_api=batch_api, api_keys=api_keys, responses=responses)
     return shlex.join(["ACL", "SETUSER", user, "reset", "on", *rules])

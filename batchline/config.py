@@ -269,6 +269,11 @@ class WebSettings(ProducerSettings):
             receives at once, all of them together (at least ``max_file_bytes``); an upload
             that would pass it is answered 429 with ``Retry-After`` (one that declares its
             size, before any of it is read).
+        responses_ttl_s: how long a stored response of ``/v1/responses`` (its object, input
+            and streamed events) is kept in Redis after it was created or last written
+            (default 30 days, OpenAI's; at least ``request_timeout_s`` is sensible).
+        responses_max: most stored responses per tenant (an untenanted API: in all); a
+            create past it evicts that tenant's oldest stored responses (default 10000).
         api_keys: check every request's API key against the tenant store in Redis (``true``;
             keys made by ``batchline keys create``, each naming its tenant, revoked on every
             replica within a second). With neither this nor ``api_key``, the API is open: no
@@ -300,6 +305,8 @@ class WebSettings(ProducerSettings):
     batch_max_output_ratio: float = Field(default=1000.0, gt=0)
     max_file_bytes: int = Field(default=200_000_000, ge=1, le=200_000_000)
     upload_budget_bytes: int = Field(default=400_000_000, ge=1)
+    responses_ttl_s: int = Field(default=30 * 86400, ge=1)
+    responses_max: int = Field(default=10_000, ge=1)
     api_keys: bool = False
     api_key: SecretStr | None = None
 

@@ -56,6 +56,14 @@ their own, ``{batchapi}`` (:class:`BatchApiKeys`)::
     <prefix>:{batchapi}:active                set: the batches not finished yet
     <prefix>:{batchapi}:lease:<batch id>      the API replica driving a batch (expires)
     <prefix>:{batchapi}:answered:<batch id>   set: the lines of a batch answered
+
+The Responses API (``/v1/responses``) keeps its stored responses under ``{responses}``
+(:class:`ResponsesKeys`)::
+
+    <prefix>:{responses}:resp:<response id>     hash: a response's request, status, object
+    <prefix>:{responses}:events:<response id>   stream: its streamed events, id <seq+1>-0
+    <prefix>:{responses}:index:<tenant>         sorted set: a tenant's responses by time
+    <prefix>:{responses}:index                  sorted set: the untenanted ones'
 """
 
 from __future__ import annotations
@@ -70,6 +78,7 @@ __all__ = [
     "MAX_ID_CHARS",
     "BatchApiKeys",
     "QueueKeys",
+    "ResponsesKeys",
     "TenantKeys",
     "check_name",
     "host_id",
@@ -417,3 +426,36 @@ class BatchApiKeys:
     def answered(self, batch_id: str) -> str:
         """The line numbers of a batch whose answer is written (a set)."""
         return f"{self.base}:answered:{batch_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsesKeys:
+    """The keys of the Responses API's stored responses, one hash tag for all.
+
+    Attributes:
+        prefix: the namespace of every key, as :class:`QueueKeys`'s.
+    """
+
+    prefix: str = "batchline"
+
+    def __post_init__(self) -> None:
+        check_name("prefix", self.prefix)
+
+    @property
+    def base(self) -> str:
+        """The part every key starts with."""
+        return f"{self.prefix}:{{responses}}"
+
+    def response(self, response_id: str) -> str:
+        """A response's request, status and final object (a hash)."""
+        return f"{self.base}:resp:{response_id}"
+
+    def events(self, response_id: str) -> str:
+        """A response's streamed events (a stream: event ``n`` has the id ``<n+1>-0``)."""
+        return f"{self.base}:events:{response_id}"
+
+    def index(self, tenant: str | None) -> str:
+        """The ids of one tenant's stored responses (untenanted: ``-``), scored by their
+        creation time (a sorted set): what the bound on stored responses counts; the
+        untenanted responses' is ``index`` alone."""
+        return f"{self.base}:index" if tenant is None else f"{self.base}:index:{tenant}"

@@ -33,18 +33,19 @@ def _acl(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"--tenant: 1-64 letters, digits, '_' or '-' (not '-' alone), got {args.tenant!r}"
             )
-        if args.batch_api or args.api_keys or args.role != "both":
+        if args.batch_api or args.api_keys or args.responses or args.role != "both":
             raise UsageError(
-                "--tenant prints one tenant's producer user: not with --role, --batch-api or "
-                "--api-keys"
+                "--tenant prints one tenant's producer user: not with --role, --batch-api, "
+                "--api-keys or --responses"
             )
         print(tenant_setuser(keys, args.tenant))
         return 0
-    for flag, given in (("--batch-api", args.batch_api), ("--api-keys", args.api_keys)):
+    backend = {"batch_api": args.batch_api, "api_keys": args.api_keys, "responses": args.responses}
+    for name, given in backend.items():
         if given and args.role == "worker":
+            flag = "--" + name.replace("_", "-")
             raise UsageError(f"{flag} adds to the producer user: not with --role worker")
     for role in ROLES if args.role == "both" else (args.role,):
-        backend = {"batch_api": args.batch_api, "api_keys": args.api_keys}
         extra = backend if role == "producer" else {}
         print(acl_setuser(keys, role, user=f"{keys.prefix}-{role}", **extra))
     return 0
@@ -87,6 +88,14 @@ def acl_parser(sub: Any) -> argparse.ArgumentParser:
         action="store_true",
         text="give the producer user read access to the tenant store (<prefix>:{tenants}:*, the "
         "API keys' sha256 and the tenants' configs): for a web backend with api_keys on",
+    )
+    add_option(
+        acl,
+        "--responses",
+        action="store_true",
+        text="give the producer user the Responses API's keys too (<prefix>:{responses}:*, "
+        "every tenant's stored responses: the web backend keeps tenants apart by their API "
+        "keys, Redis does not): for the web backend serving /v1/responses alone",
     )
     add_option(
         acl,

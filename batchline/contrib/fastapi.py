@@ -27,6 +27,8 @@ its wings, mounts them, and adds the body limits and the error handlers. Routes:
   (:mod:`batchline.contrib.hf._routes`).
 - ``POST /rerank`` (and ``/v1/rerank``, Cohere's and Jina's shape) on ``rerank_queue``
   (:mod:`batchline.contrib.openai._rerank`), and TEI's (``texts``) at ``/rerank``;
+- ``/v1/responses`` (OpenAI's Responses API, stored in Redis and served by every replica:
+  :mod:`batchline.contrib.openai._responses`);
 - ``POST /tokenize`` and ``/detokenize`` (vLLM's) for every model served under ``/v1``
   (:mod:`batchline.contrib.openai._tokenize`), errors in OpenAI's shape.
 
@@ -98,6 +100,7 @@ from batchline.contrib.openai import (
     TOKENIZE_PATHS,
     OpenAIRoutes,
     RerankRoutes,
+    ResponsesRoutes,
     TokenizeRoutes,
     refused,
 )
@@ -198,13 +201,21 @@ def create_app(
     batches = BatchApi(settings, openai)
     batches.add_routes(openai.app)  # /v1/files, /v1/batches
     MessagesRoutes(openai).add_routes(openai.app)  # /v1/messages, Anthropic's
+    responses = ResponsesRoutes(settings, openai)
+    responses.add_routes(openai.app)  # /v1/responses
     keys = _key_table(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.keys = keys
         running = keys.running() if keys is not None else contextlib.nullcontext()
-        async with running, own.lifespan(app), openai.lifespan(), batches.lifespan():
+        async with (
+            running,
+            own.lifespan(app),
+            openai.lifespan(),
+            batches.lifespan(),
+            responses,
+        ):
             yield
 
     app = FastAPI(

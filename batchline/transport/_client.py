@@ -234,6 +234,14 @@ class RedisClient(Protocol):
 
     async def xlen(self, name: Key) -> int: ...
 
+    async def xadd(
+        self, name: Key, fields: Mapping[Any, Any], id: Key = "*", nomkstream: bool = False
+    ) -> bytes | None: ...
+
+    async def xrange(
+        self, name: Key, min: Key = "-", max: Key = "+", count: int | None = None
+    ) -> list[Any]: ...
+
     async def xdel(self, name: Key, *ids: Key) -> int: ...
 
     async def xread(

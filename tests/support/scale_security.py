@@ -9,6 +9,7 @@ bounded (wait_until, timeouts).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -124,6 +125,29 @@ async def _queue_full_then_served(
 
 
 PREFIX = "myprefix"
+
+
+@contextlib.contextmanager
+def named_acl_users(
+    redis_url: str, tag: str, rules: dict[str, list[str]]
+) -> Iterator[dict[str, str]]:
+    """Users ``blq-<name>-<tag>`` with these rules on the server of ``redis_url`` (skipped
+    below Redis 7: selectors and read-only key patterns): each name's URL; deleted on
+    leaving."""
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        if int(str(admin.info("server")["redis_version"]).split(".")[0]) < 7:
+            pytest.skip("selectors and read-only key patterns need Redis 7")
+        urls = {}
+        for name, granted in rules.items():
+            user = f"blq-{name}-{tag}"
+            admin.execute_command("ACL", "SETUSER", user, "reset", "on", f">pw-{user}", *granted)
+            urls[name] = redis_url.replace("redis://", f"redis://{user}:pw-{user}@")
+        yield urls
+    finally:
+        for name in rules:
+            admin.execute_command("ACL", "DELUSER", f"blq-{name}-{tag}")
+        admin.close()
 
 
 def _acl_users(

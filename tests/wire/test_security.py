@@ -101,6 +101,22 @@ def test_the_batch_api_rules_add_its_keys_alone_and_only_to_the_producer() -> No
         acl_rules(keys, "worker", batch_api=True)
 
 
+def test_the_responses_rules_add_its_keys_alone_and_only_to_the_producer() -> None:
+    keys = QueueKeys("q", "p")
+    plain, api = acl_rules(keys, "producer"), acl_rules(keys, "producer", responses=True)
+    added = api[len(plain) :]
+    assert api[: len(plain)] == plain
+    assert added[:2] == ["+multi", "+exec"]  # no key
+    (selector,) = added[2:]
+    assert selector.startswith("(~p:{responses}:* +hset ")
+    assert "+xadd" in selector.split()
+    assert not [w for w in selector.split() if w.startswith("~") and "responses" not in w]
+    for refused in ("+eval", "+fcall", "+keys", "+scan", "+flushdb", "+xreadgroup"):
+        assert refused not in selector.split(), refused
+    with pytest.raises(ValueError, match="producer user"):
+        acl_rules(keys, "worker", responses=True)
+
+
 @pytest.mark.slow
 async def test_producer_and_worker_acl_users(
     redis_url: str,

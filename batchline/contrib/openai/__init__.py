@@ -12,7 +12,10 @@ completions, models), Cohere's and Jina's ``/rerank`` and vLLM's ``/tokenize`` a
 - :mod:`._facts`: the facts workers publish about their models (``/v1/models``, an
   embedding's ``dimensions``);
 - :mod:`._rerank`: ``/rerank`` and ``/v1/rerank``;
-- :mod:`._tokenize`: ``/tokenize`` and ``/detokenize``.
+- :mod:`._tokenize`: ``/tokenize`` and ``/detokenize``;
+- :mod:`._responses`: ``/v1/responses``, stored in Redis (:mod:`._responses_store`), run and
+  settled by any replica (:mod:`._responses_run`), bodies and events in
+  :mod:`._responses_schema`, function tools in :mod:`._responses_tools`.
 
 This module is the wing's face: the other wings (Hugging Face's runs on these routes'
 queues; the Batch API runs each line through them) use what it exports, and nothing else of
@@ -24,6 +27,7 @@ from batchline.contrib.openai._errors import OpenAIError, described, log_error, 
 from batchline.contrib.openai._extra_schema import MAX_RERANK_DOCUMENTS, rerank_value
 from batchline.contrib.openai._facts import check_dimensions
 from batchline.contrib.openai._rerank import RERANK_PATHS, RerankRoutes, ranked
+from batchline.contrib.openai._responses import ResponsesRoutes
 from batchline.contrib.openai._routes import OpenAIRoutes, Served, checked
 from batchline.contrib.openai._schema import (
     MAX_EMBEDDING_INPUTS,
@@ -52,6 +56,7 @@ __all__ = [
     "OpenAIError",
     "OpenAIRoutes",
     "RerankRoutes",
+    "ResponsesRoutes",
     "Served",
     "TokenizeRoutes",
     "chat_body",

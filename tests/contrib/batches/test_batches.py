@@ -34,6 +34,7 @@ from batchline.keys import BatchApiKeys, QueueKeys
 from ..openai.test_openai import client_for
 from ..test_fastapi import Serve, serve
 from tests.support import batch_models
+from tests.support.scale_security import named_acl_users
 from tests.support.schemas import DEFS_SCHEMAS, HUGE_PATTERN, SEED, json_schema, json_schema_format
 from tests.support.service import (
     RESULT_TIMEOUT_S,
@@ -558,51 +559,48 @@ def test_a_batch_runs_under_the_acl_users_batchline_acl_prints(
 ) -> None:
     """The backend under the producer user with ``--batch-api``'s rules, the worker under the
     worker user: a batch completes; the plain producer user may not touch a batch's keys."""
-    admin = redis.Redis.from_url(redis_url)
-    if int(str(admin.info("server")["redis_version"]).split(".")[0]) < 7:
-        pytest.skip("selectors and read-only key patterns need Redis 7")
     keys = QueueKeys(queue, prefix=queue)
-    urls = {}
-    for name, rules in [
-        ("api", acl_rules(keys, "producer", batch_api=True)),
-        ("plain", acl_rules(keys, "producer")),
-        ("worker", acl_rules(keys, "worker")),
-    ]:
-        user = f"blq-{name}-{queue[-8:]}"
-        admin.execute_command("ACL", "SETUSER", user, "reset", "on", f">pw-{user}", *rules)
-        urls[name] = redis_url.replace("redis://", f"redis://{user}:pw-{user}@")
-    batch_models.reset()
-    worker = start_worker(COUNTING, prefix=queue, redis_url=urls["worker"])
-    try:
-        app = create_app(
-            WebSettings(
-                redis_url=SecretStr(urls["api"]),
-                queue=queue,
-                prefix=queue,
-                embedding_queue=queue,
-                batch_lease_s=2.0,
-            ),
-            timeout_s=RESULT_TIMEOUT_S,
-        )
-        client = client_for(serve(app))
-        lines = [embedding_line(f"r{i}", f"acl text {i}", queue) for i in range(5)]
-        batch = client.batches.create(
-            input_file_id=upload(client, jsonl(lines)).id,
-            endpoint="/v1/embeddings",
-            completion_window="24h",
-        )
-        done = finished(client, batch.id)
-        assert (done.status, done.request_counts.completed) == ("completed", 5)
-        plain = redis.Redis.from_url(urls["plain"])
-        with pytest.raises(redis.exceptions.NoPermissionError):
-            plain.hgetall(BatchApiKeys(queue).batch(batch.id))
-        plain.close()
-    finally:
-        batch_models.GATE.set()
-        stop_all([worker])
-        for name in ("api", "plain", "worker"):
-            admin.execute_command("ACL", "DELUSER", f"blq-{name}-{queue[-8:]}")
-        admin.close()
+    rules = {
+        "api": acl_rules(keys, "producer", batch_api=True),
+        "plain": acl_rules(keys, "producer"),
+        "worker": acl_rules(keys, "worker"),
+    }
+    with named_acl_users(redis_url, queue[-8:], rules) as urls:
+        batch_models.reset()
+        worker = start_worker(COUNTING, prefix=queue, redis_url=urls["worker"])
+        try:
+            _a_batch_under_the_users(serve, urls, queue)
+        finally:
+            batch_models.GATE.set()
+            stop_all([worker])  # before its user goes
+
+
+def _a_batch_under_the_users(serve: Serve, urls: dict[str, str], queue: str) -> None:
+    """A batch completed by the app under the ``api`` user; the ``plain`` user may not
+    read its keys."""
+    app = create_app(
+        WebSettings(
+            redis_url=SecretStr(urls["api"]),
+            queue=queue,
+            prefix=queue,
+            embedding_queue=queue,
+            batch_lease_s=2.0,
+        ),
+        timeout_s=RESULT_TIMEOUT_S,
+    )
+    client = client_for(serve(app))
+    lines = [embedding_line(f"r{i}", f"acl text {i}", queue) for i in range(5)]
+    batch = client.batches.create(
+        input_file_id=upload(client, jsonl(lines)).id,
+        endpoint="/v1/embeddings",
+        completion_window="24h",
+    )
+    done = finished(client, batch.id)
+    assert (done.status, done.request_counts.completed) == ("completed", 5)
+    plain = redis.Redis.from_url(urls["plain"])
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        plain.hgetall(BatchApiKeys(queue).batch(batch.id))
+    plain.close()
 
 
 @pytest.mark.slow
