@@ -145,6 +145,7 @@ class ReplyReader:
         self._client: RedisClient | None = None  # the reader's own client, while it runs
         self._task: asyncio.Task[None] | None = None  # start()'s
         self._stopping = False  # close() ends start()'s task (a swallowed cancel too)
+        self._restarting = asyncio.Lock()  # read_too()'s start-overs, one at a time
         # Warnings of dropped entries: one at once, then at most one per _QUIET_S with how
         # many more were dropped (a flood of forged entries must not flood the log).
         self._quiet_until = 0.0
@@ -182,10 +183,13 @@ class ReplyReader:
         if reply_key in self._last:
             return
         self._last[reply_key] = b"0-0"
-        if self._task is not None:
-            name = self._task.get_name()
-            await self.close()
-            self.start(name)
+        # One start-over at a time: two overlapping ones would stop each other's new task
+        # (its stop flag, its connection) and leave none reading.
+        async with self._restarting:
+            if self._task is not None:
+                name = self._task.get_name()
+                await self.close()
+                self.start(name)
 
     async def run(self) -> None:
         async with own_connection(self._redis) as client:  # for the blocking reads

@@ -7,6 +7,7 @@ doc's producer and worker users, workers in this process."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections import Counter
@@ -382,6 +383,27 @@ async def test_tenant_producers_round_trip_and_one_producer_serves_many_tenants(
         again = await backend.submit("beta again", tenant="beta")
         assert (await backend.wait(again, timeout_s=T)).output == "beta again"
     assert rclient.xlen(keys.dead) == 0
+
+
+@pytest.mark.slow
+async def test_one_producers_first_requests_of_new_tenants_at_once_are_all_answered(
+    urls: dict[str, str],
+    start_worker: Callable[..., WorkerThread],
+    queue: str,
+) -> None:
+    """The web backend's way under load: the first requests of several new tenants arrive
+    together, each starting the reply reader over to read its tenant's stream too; every
+    one is answered (overlapping start-overs once left no reader at all)."""
+    common = {"queue": queue, "result_ttl_s": 120}
+    start_worker(redis_url=urls["worker"], batch_size=8, **common)
+    async with AsyncProducer(redis_url=urls["producer"], **common) as backend:
+        for round_ in range(8):
+            tenants = [f"t{round_}", f"t{max(round_ - 1, 0)}", f"u{round_}", f"v{round_}"]
+            outputs = await asyncio.wait_for(
+                asyncio.gather(*(backend.infer(t, tenant=t, timeout_s=T) for t in tenants)),
+                timeout=2 * T,
+            )
+            assert outputs == tenants
 
 
 @pytest.mark.slow
