@@ -81,7 +81,15 @@ def policy() -> dict[str, Any]:
         for t in spec["triggers"]
         if "pendingEntriesCount" in t["metadata"]
     }
-    (inbox,) = [t["metadata"] for t in spec["triggers"] if "listName" in t["metadata"]]
+    lists = [t["metadata"] for t in spec["triggers"] if "listName" in t["metadata"]]
+    # The inbox's trigger; the wake list's (tenants' requests) has the same targets.
+    (inbox,) = [m for m in lists if m["listName"].endswith(":in")]
+    for other in lists:
+        if other is not inbox and (other["listLength"], other.get("activationListLength")) != (
+            inbox["listLength"],
+            inbox.get("activationListLength"),
+        ):
+            raise SystemExit(f"keda.yaml: {other['listName']}'s targets differ from the inbox's")
     return {
         "list_target": int(inbox["listLength"]),
         "list_activation": int(inbox.get("activationListLength", 0)),
