@@ -71,6 +71,7 @@ from __future__ import annotations
 import re
 import socket
 from dataclasses import dataclass
+from typing import ClassVar
 
 __all__ = [
     "GROUP",
@@ -332,14 +333,11 @@ class QueueKeys:
 
 
 @dataclass(frozen=True, slots=True)
-class TenantKeys:
-    """The tenant store: API keys and tenants' configs, one hash tag for every queue.
-
-    Attributes:
-        prefix: the namespace of every key, as :class:`QueueKeys`'s.
-    """
+class _TaggedKeys:
+    """Keys under one hash tag of their own, ``<prefix>:{<tag>}:`` (the tag: ``_TAG``)."""
 
     prefix: str = "batchline"
+    _TAG: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
         check_name("prefix", self.prefix)
@@ -347,7 +345,18 @@ class TenantKeys:
     @property
     def base(self) -> str:
         """The part every key starts with."""
-        return f"{self.prefix}:{{tenants}}"
+        return f"{self.prefix}:{{{self._TAG}}}"
+
+
+@dataclass(frozen=True, slots=True)
+class TenantKeys(_TaggedKeys):
+    """The tenant store: API keys and tenants' configs, one hash tag for every queue.
+
+    Attributes:
+        prefix: the namespace of every key, as :class:`QueueKeys`'s.
+    """
+
+    _TAG: ClassVar[str] = "tenants"
 
     @property
     def api_keys(self) -> str:
@@ -366,22 +375,14 @@ class TenantKeys:
 
 
 @dataclass(frozen=True, slots=True)
-class BatchApiKeys:
+class BatchApiKeys(_TaggedKeys):
     """The keys of the OpenAI Batch API (files and batches), one hash tag for all.
 
     Attributes:
         prefix: the namespace of every key, as :class:`QueueKeys`'s.
     """
 
-    prefix: str = "batchline"
-
-    def __post_init__(self) -> None:
-        check_name("prefix", self.prefix)
-
-    @property
-    def base(self) -> str:
-        """The part every key starts with."""
-        return f"{self.prefix}:{{batchapi}}"
+    _TAG: ClassVar[str] = "batchapi"
 
     def file(self, file_id: str) -> str:
         """A file's object (a hash)."""
@@ -429,22 +430,14 @@ class BatchApiKeys:
 
 
 @dataclass(frozen=True, slots=True)
-class ResponsesKeys:
+class ResponsesKeys(_TaggedKeys):
     """The keys of the Responses API's stored responses, one hash tag for all.
 
     Attributes:
         prefix: the namespace of every key, as :class:`QueueKeys`'s.
     """
 
-    prefix: str = "batchline"
-
-    def __post_init__(self) -> None:
-        check_name("prefix", self.prefix)
-
-    @property
-    def base(self) -> str:
-        """The part every key starts with."""
-        return f"{self.prefix}:{{responses}}"
+    _TAG: ClassVar[str] = "responses"
 
     def response(self, response_id: str) -> str:
         """A response's request, status and final object (a hash)."""
