@@ -14,8 +14,9 @@ import logging
 import time
 
 from batchline.keys import QueueKeys, TenantKeys
-from batchline.tenants import TenantConfig, is_tenant
+from batchline.tenants import TenantConfig
 from batchline.transport._client import RedisClient
+from batchline.transport._tenants import decode_configs
 
 __all__ = ["TenantMirror", "read_tenant_configs"]
 
@@ -43,17 +44,7 @@ async def read_tenant_configs(
     except ValueError:
         logger.warning("the tenant store's version %r is not an integer", raw_version)
         return None, {}
-    configs: dict[str, TenantConfig] = {}
-    for name, raw in (await client.hgetall(keys.config)).items():
-        tenant = _text(name)
-        if not is_tenant(tenant):
-            logger.warning("the tenant store holds a config for %r, not a tenant", tenant)
-            continue
-        try:
-            configs[tenant] = TenantConfig.from_json(raw)
-        except ValueError as exc:
-            logger.warning("tenant %s: its config is left out: %s", tenant, exc)
-    return version, configs
+    return version, decode_configs(await client.hgetall(keys.config))
 
 
 class TenantMirror:

@@ -180,13 +180,19 @@ def _decode(
             records[digest.decode()] = KeyRecord.from_json(value)
         except (ValueError, UnicodeDecodeError) as exc:
             logger.warning("tenant store: a key's record is malformed, ignored: %s", exc)
+    return records, decode_configs(raw_configs)
+
+
+def decode_configs(raw_configs: Mapping[bytes, bytes]) -> dict[str, TenantConfig]:
+    """The store's ``config`` hash read: each tenant's config; an entry that is not a tenant's
+    name or a valid config is left out, with a warning (the rest stays usable)."""
     configs: dict[str, TenantConfig] = {}
     for name, value in raw_configs.items():
         try:
             configs[check_tenant(name.decode())] = TenantConfig.from_json(value)
         except (ValueError, TypeError, UnicodeDecodeError) as exc:
             logger.warning("tenant store: a tenant's config is malformed, ignored: %s", exc)
-    return records, configs
+    return configs
 
 
 async def read_table(client: RedisClient, keys: TenantKeys) -> TenantTable:
