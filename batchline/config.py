@@ -454,7 +454,7 @@ class WorkerSettings(ServiceSettings):
         usage_ttl_days: how long a day's usage counters (requests, items and tokens served
             per tenant: ``batchline usage``) are kept, in days.
         fair_share: tenants share the workers of each priority by weight, in cost (items,
-            or tokens for ``generate``), dispatched two batches ahead, least served first;
+            or tokens for ``generate``), dispatched as workers read, least served first;
             false serves them first come, first served (workers of a queue should agree).
     """
 

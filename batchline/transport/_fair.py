@@ -10,7 +10,7 @@ that stream holds fewer than ``ahead`` undelivered entries (its length less its 
 pending entries), advancing the tenant's virtual time by cost / weight. Over-quota requests
 held under ``<tenant>~over`` wait in ``fair:<p>:idle`` and go only when no other tenant of
 that priority is backlogged. The admit function dispatches after admitting; a worker calls
-the dispatch function after each read that took entries while anything is held, with the
+the dispatch function before each read while anything is held, with the
 corrections of the tenants' virtual times (real cost less estimate) it gathered meanwhile.
 
 ``FAIR`` is Lua text for the library (:mod:`._functions`), after the tenants' pieces of

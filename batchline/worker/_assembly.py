@@ -203,7 +203,7 @@ def assemble(
             worker_id,
             readcap,
             serving,
-            after_read=dispatcher.after_read,
+            before_read=dispatcher.before_read,
         ),
         admitter=Admitter(
             admit_client,
@@ -222,5 +222,6 @@ def assemble(
             entrance=serving,
             model_name=model_name,
             release_slow=generation is None,
+            on_live=dispatcher.live,
         ),
     )

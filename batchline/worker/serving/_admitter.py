@@ -47,7 +47,7 @@ from batchline.transport import (
     once_keys,
     redis_failure,
 )
-from batchline.worker.serving._dispatch import Dispatcher
+from batchline.worker.serving._dispatch import AHEAD_AT, Dispatcher
 from batchline.worker.serving._reader import ReadCap
 from batchline.worker.serving._writer import DEAD_MAXLEN, REPLY_MAXLEN
 
@@ -119,6 +119,7 @@ class Admitter:
             # The fair share's block (docs/protocol.md, Tenants: the fair share).
             *dispatcher.args,
         ]
+        self._ahead_at = len(self._args) - len(dispatcher.args) + AHEAD_AT
         self._max_depth = settings.max_queue_depth
         self.admitted = 0
         #: Requests refused for the queue's depth, and errors withheld (an element under an
@@ -131,6 +132,7 @@ class Admitter:
 
     def call(self) -> list[Any]:
         """The arguments of ``FCALL`` for one call of the admit function."""
+        self._args[self._ahead_at] = self._dispatcher.admit_ahead
         return [ADMIT, len(self._keys), *self._keys, *self._args]
 
     async def admit(self, client: RedisClient | None = None) -> int:

@@ -2,30 +2,33 @@
 
 The admit function holds tenants' requests in backlogs and dispatches them into the work
 streams, least virtual start first, while a stream holds fewer than ``ahead`` undelivered
-entries (:mod:`batchline.transport._fair`). So that the streams refill as workers take
-entries, and not only when the next inbox element comes, the reader calls
-:meth:`Dispatcher.after_read` after each read that took entries: while the backlogs hold
-anything (as the last admit or dispatch call said; every worker's admitter calls the admit
-function at least once a second), that is one call of the dispatch function per read, none
-per request; with nothing held, none at all. The call carries the corrections gathered since
-the last one: for each tenant and priority, the real cost of its requests answered
-(generation: prompt and generated tokens; otherwise items) less the producer's estimate
-(``cost``).
+entries (:mod:`batchline.transport._fair`). The order is decided as late as it can be: at
+the moment a worker reads. While the backlogs hold anything (as the last admit or dispatch
+call said; every worker's admitter calls the admit function at least once a second), or
+tenants' requests came lately, the reader calls :meth:`Dispatcher.before_read` before each
+read, which fills the streams with just what the worker is about to read (one call of the
+dispatch function per read, none per request). The admit function itself fills a stream
+only to ``admit_ahead``: one entry per live worker (at most a batch), enough to wake the
+workers that wait on an empty stream, and no more, so that a tenant whose request comes
+while the workers are busy goes into the next batch formed, not behind entries dispatched
+before it came. The call carries the corrections gathered since the last one: for each
+tenant and priority, the real cost of its requests answered (generation: prompt and
+generated tokens; otherwise items) less the producer's estimate (``cost``).
 
-While anything is held, and for a while after it last read a tenant's request, the worker
-also holds at most one batch waiting ahead of its model (its ``read_ahead`` window applies
-otherwise: untenanted traffic alone is served as without tenants), so that what it read is
-taken in the order dispatched: a tenant that becomes backlogged waits behind about two
-batches (the stream's ``ahead``) and the one running, not behind a whole read-ahead window
-of another tenant's. Continuous batching (generation) holds two batches' worth, running
-sequences included, and admits new sequences in the order read.
+While anything is held, a worker reads only while its model is free (its window: one batch,
+and none while a batch runs), so that the batch it forms next is made of what was
+dispatched last; for a while after it last read a tenant's request it holds at most one
+batch waiting ahead of its model (its ``read_ahead`` window applies otherwise: untenanted
+traffic alone is served as without tenants). Continuous batching (generation) keeps its own
+window (two batches' worth, running sequences included) and admits new sequences in the
+order read.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from redis.exceptions import ResponseError
@@ -35,9 +38,18 @@ from batchline.drivers._base import Call
 from batchline.transport import DISPATCH, RedisClient, fair_args, function_missing, redis_failure
 from batchline.worker.shared._held import Entry, Meta
 
-__all__ = ["Dispatcher", "real_cost"]
+__all__ = ["AHEAD_AT", "Dispatcher", "real_cost"]
 
 logger = logging.getLogger(__name__)
+
+#: Where ``ahead`` is in the fair share's block of arguments (:func:`fair_args`).
+AHEAD_AT = 1
+
+#: The weight of the latest figure in the smoothed times of calls and reads.
+SMOOTHING = 0.2
+
+#: A read's time counted at most (one that waited on a slow Redis is not the usual).
+MAX_READ_S = 0.05
 
 #: How long after the last tenant's entry it read a worker keeps its window at one batch.
 TENANTS_SEEN_S = 10.0
@@ -63,39 +75,78 @@ class Dispatcher:
             the executor already).
 
     Attributes:
-        ahead: undelivered entries a work stream is filled to: two batches.
         held: requests the backlogs hold, as the last admit or dispatch call said.
         calls: calls of the dispatch function made.
     """
 
     def __init__(self, settings: WorkerSettings, *, generation: bool = False) -> None:
         keys = settings.keys
-        self.ahead = 2 * settings.batch_size
         self._batch = settings.batch_size
         self._generation = generation
         self._streams = keys.streams_low_first
-        #: The fair share's block of the admit and dispatch functions' arguments.
+        #: The fair share's block of the admit and dispatch functions' arguments (its
+        #: ``ahead``, at AHEAD_AT, is set per call).
         self.args = fair_args(
-            keys, ahead=self.ahead, on=settings.fair_share, result_ttl_s=settings.result_ttl_s
+            keys, ahead=1, on=settings.fair_share, result_ttl_s=settings.result_ttl_s
         )
+        self._live = 1
+        self._run_s: float | None = None  # how long calls ran lately (smoothed)
+        self._read_s = 0.0  # how long a read took lately, dispatch included (smoothed)
+        self._read_began = 0.0
         self._base = keys.base_prefix
         self.held = 0
         self.calls = 0
         self._tenants_until = 0.0
         self._corrections: dict[tuple[str, int], int] = {}
 
-    def window(self, window: int) -> int:
-        """The entries the worker may hold ahead of its model, given its own ``window``: one
-        batch while requests are held or tenants' requests came lately (within
-        TENANTS_SEEN_S of the last read that brought one)."""
+    @property
+    def admit_ahead(self) -> int:
+        """The admit function's ``ahead``: an entry per live worker, at most a batch."""
+        return max(1, min(self._batch, self._live))
+
+    def live(self, workers: int) -> None:
+        """Note how many workers serve the queue (as the heartbeat counts them)."""
+        self._live = workers
+
+    def window(self, window: int, *, since: Callable[[], float | None]) -> tuple[int, float]:
+        """The entries the worker may hold ahead of its model, given its own ``window`` and
+        when the batch under way started (``since()``: unix seconds, None: the model is
+        free); and, where that is none for now, in how many seconds it opens (else 0).
+
+        While requests are held: one batch while the model is free, or in the last moments
+        of the batch under way (its expected time, as batches ran lately, less twice the
+        time a read takes: the next batch is read as this one ends, not before), else none.
+        One batch while tenants' requests came lately (within TENANTS_SEEN_S of the last
+        read that brought one)."""
         if self._generation:
-            return window
-        if self.held or time.monotonic() < self._tenants_until:
-            return min(window, self._batch)
-        return window
+            return window, 0.0
+        if self.held:
+            started = since()
+            if started is None:
+                return min(window, self._batch), 0.0
+            if self._run_s is None:  # no call ran yet: read once the model is free
+                return 0, 0.0
+            opens = started + self._run_s - 2 * self._read_s - time.time()
+            return (0, opens) if opens > 0 else (min(window, self._batch), 0.0)
+        if self._tenants_lately():
+            return min(window, self._batch), 0.0
+        return window, 0.0
+
+    def ran(self, started_unix: float) -> None:
+        """Note how long one call ran (from its batch's start until it was answered)."""
+        took = time.time() - started_unix
+        last = self._run_s
+        self._run_s = took if last is None else last + (took - last) * SMOOTHING
+
+    def _tenants_lately(self) -> bool:
+        return time.monotonic() < self._tenants_until
 
     def read(self, entries: Iterable[Entry]) -> None:
-        """Note the entries of one read: whether any is a tenant's (its ``tn`` field)."""
+        """Note the entries of one read: whether any is a tenant's (its ``tn`` field), and
+        how long the read took since :meth:`before_read` (it did not wait)."""
+        if self._read_began:
+            took, self._read_began = time.monotonic() - self._read_began, 0.0
+            self._read_s += (min(took, MAX_READ_S) - self._read_s) * SMOOTHING
         if any(raw and b"tn" in raw for _sidx, _entry, raw in entries):
             self._tenants_until = time.monotonic() + TENANTS_SEEN_S
 
@@ -112,34 +163,44 @@ class Dispatcher:
             key = (request.get("tenant") or "-", meta.sidx)
             self._corrections[key] = self._corrections.get(key, 0) + delta
 
-    async def after_read(self, client: RedisClient) -> None:
-        """After a read that took entries: one call of the dispatch function, while the
-        backlogs hold anything; Redis failing is left to the next read (the admitter
-        dispatches at least once a second meanwhile)."""
-        if not self.held:
-            return
+    async def before_read(self, client: RedisClient, room: int) -> bool:
+        """Before a read of up to ``room`` entries a stream: one call of the dispatch
+        function, filling each stream to ``room`` undelivered entries, while the backlogs
+        hold anything or tenants' requests came lately; Redis failing is left to the next
+        read (the admitter dispatches at least once a second meanwhile). Returns whether
+        the read may wait for entries: not while the backlogs still hold any (the streams
+        hold what it may take, and a read that waited could bring in, while a batch runs,
+        an entry the admission dispatches)."""
+        if not (self.held or self._tenants_lately()):
+            return True
+        self._read_began = time.monotonic()
+        args = list(self.args)
+        args[AHEAD_AT] = max(1, room)
         corrections, self._corrections = self._corrections, {}
         flat: list[Any] = []
         for (tenant, priority), delta in corrections.items():
             flat += (tenant, priority, delta)
         try:
             held = await client.fcall(
-                DISPATCH, len(self._streams), *self._streams, self._base, *self.args, *flat
+                DISPATCH, len(self._streams), *self._streams, self._base, *args, *flat
             )
         except ResponseError as exc:
             if not function_missing(exc):  # missing: the admitter loads it again
                 logger.warning("dispatch: %s", exc)
             self._restore(corrections)
-            return
+            return True
         except Exception as caught:
             failure = redis_failure(caught)
             if failure is None:
                 raise
             logger.debug("dispatch: %s", failure)
             self._restore(corrections)
-            return
+            return True
         self.calls += 1
         self.held = int(held)
+        if not self.held:
+            self._read_began = 0.0  # the read may wait: not a read's time
+        return not self.held
 
     def _restore(self, corrections: dict[tuple[str, int], int]) -> None:
         for key, delta in corrections.items():

@@ -110,8 +110,11 @@ class Reader:
         readcap: bounds one read's entries by bytes.
         entrance: the serving path: how many more entries may come in now (at 0 the reader
             waits for ``space``), and where the entries of one read go.
-        after_read: awaited after each read that brought entries, with the reader's
-            connection (the fair share's dispatch: :mod:`._dispatch`).
+        before_read: awaited before each read, with the reader's connection and the room
+            for entries it will ask of each stream (the fair share's dispatch:
+            :mod:`._dispatch`); False: the read does not wait for entries (what it may
+            take was just dispatched; a read that waited could bring an entry in while a
+            batch runs).
     """
 
     def __init__(
@@ -122,7 +125,7 @@ class Reader:
         readcap: ReadCap,
         entrance: Entrance,
         *,
-        after_read: Callable[[RedisClient], Awaitable[None]] | None = None,
+        before_read: Callable[[RedisClient, int], Awaitable[bool]] | None = None,
     ) -> None:
         self._redis = redis
         self._streams = streams
@@ -130,7 +133,7 @@ class Reader:
         self._worker_id = worker_id
         self._readcap = readcap
         self._entrance = entrance
-        self._after_read = after_read
+        self._before_read = before_read
 
     async def run(self, space: asyncio.Event, stop: asyncio.Event) -> None:
         """Read until ``stop`` is set; ``space`` is set when room frees up."""
@@ -152,8 +155,13 @@ class Reader:
                 await space.wait()
                 continue
             try:
+                wait = self._before_read is None or await self._before_read(client, room)
+                if not wait:
+                    # What it may take was just dispatched, up to the room in each stream:
+                    # one read takes it (at most the room from each priority's stream).
+                    per_stream = self._readcap.count(room, 1)
                 response = await client.xreadgroup(
-                    GROUP, self._worker_id, streams, count=per_stream, block=1000
+                    GROUP, self._worker_id, streams, count=per_stream, block=1000 if wait else None
                 )
             except ResponseError as exc:
                 if passing(exc):  # a failover, a restart under way: wait and try again
@@ -177,5 +185,3 @@ class Reader:
                     for stream, entries in response
                     for entry, raw in entries
                 )
-                if self._after_read is not None:
-                    await self._after_read(client)

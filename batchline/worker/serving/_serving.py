@@ -99,6 +99,7 @@ class Serving:
         self._metrics = metrics
         self._trace = trace
         self._dispatcher = dispatcher
+        self._room_timer: asyncio.TimerHandle | None = None
         self.stopped = asyncio.Event()
 
     def stop(self) -> None:
@@ -118,8 +119,28 @@ class Serving:
             return 0
         window = self._window
         if self._dispatcher is not None:
-            window = self._dispatcher.window(window)
+            window, opens_s = self._dispatcher.window(window, since=self._running_since)
+            if opens_s > 0:
+                self._open_in(opens_s)
         return window - self._batcher.queue_size - self._prep.preparing
+
+    def _running_since(self) -> float | None:
+        """When the batch under way started (unix seconds), None if none runs."""
+        return min((m.started_unix for m in self._meta.values() if m.started_unix), default=None)
+
+    def _open_in(self, delay_s: float) -> None:
+        """Wake the reader in ``delay_s`` (room opens then), unless it is woken sooner."""
+        loop = asyncio.get_running_loop()
+        timer = self._room_timer
+        if timer is not None and timer.when() <= loop.time() + delay_s:
+            return
+        if timer is not None:
+            timer.cancel()
+        self._room_timer = loop.call_later(delay_s, self._room_opens)
+
+    def _room_opens(self) -> None:
+        self._room_timer = None
+        self._space.set()
 
     def prepare_stats(self) -> dict[str, Any]:
         """What the intake prepared so far (:meth:`Preparer.stats`)."""
@@ -186,6 +207,8 @@ class Serving:
         self._space.set()  # it left the queue: read more
         if self._dispatcher is not None:
             self._dispatcher.answered(meta, call)
+            if meta.started_unix:
+                self._dispatcher.ran(meta.started_unix)
         record = finished(meta, call, self._model, self._worker_id)
         enqueued_ms = meta.request.get("ts")
         if meta.started_unix and enqueued_ms:

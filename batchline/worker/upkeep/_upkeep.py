@@ -253,8 +253,10 @@ class Heartbeat:
         stats: Callable[[], dict[str, Any]],
         batcher: Executor,
         metrics: Metrics,
+        on_live: Callable[[int], None] | None = None,
     ) -> None:
         self._redis, self._keys, self._worker_id = redis, keys, worker_id
+        self._on_live = on_live
         self._period_s = period_s
         self._stats = stats
         self._batcher = batcher
@@ -282,7 +284,10 @@ class Heartbeat:
                 json.dumps(self._stats()),
                 ex=max(1, math.ceil(3 * self._period_s)),
             )
-            await pipe.execute()
+            pipe.zcount(self._keys.workers, now - 3 * self._period_s, "+inf")
+            *_, live = await pipe.execute()
+        if self._on_live is not None:
+            self._on_live(int(live))
         self._metrics.batches(self._batcher.stats)
         await self._metrics.refresh_tenants(self._redis, self._keys)
 
@@ -303,6 +308,8 @@ class Upkeep:
         model_name: the model's name in the statistics.
         release_slow: hand back the read-ahead of a model call that runs long (a generation
             worker keeps its few).
+        on_live: told, at each heartbeat, how many workers serve the queue (beat within
+            three periods).
     """
 
     def __init__(
@@ -317,6 +324,7 @@ class Upkeep:
         entrance: Entrance,
         model_name: str,
         release_slow: bool = True,
+        on_live: Callable[[int], None] | None = None,
     ) -> None:
         s = settings
         self._claims, self._guard, self._executor = claims, guard, executor
@@ -345,6 +353,7 @@ class Upkeep:
             stats=self.stats,
             batcher=executor,
             metrics=metrics,
+            on_live=on_live,
         )
 
     def stats(self) -> dict[str, Any]:
