@@ -1,0 +1,286 @@
+"""Tenants on a 3-node Redis Cluster: the tenant store through ``batchline keys``, the workers'
+mirror of the configs into each queue's slot, tenants' producers through a worker with the
+fair share on, a quota's refusal, ``batchline usage``, ``batchline status --by-tenant``, and
+the HTTP API checking two tenants' keys (uvicorn, the official client), each a stranger to
+the other's jobs and files.
+
+The cluster is started for this module (tests/e2e/test_cluster.py's), and stopped at its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from pydantic import SecretStr
+from redis.cluster import RedisCluster
+
+from batchline.config import WebSettings
+from batchline.contrib.fastapi import create_app
+from batchline.errors import QuotaExceeded
+from batchline.keys import QueueKeys, TenantKeys
+from batchline.producer import AsyncProducer
+from batchline.tenants import TenantConfig
+from batchline.transport import KEY_PATTERN, connect, read_table
+
+from tests.contrib.openai.test_openai import client_for
+from tests.contrib.test_fastapi import MODEL, Serve, serve
+from tests.e2e.test_cluster import _queues_on_different_nodes, cluster_url
+from tests.support.quota import redis_minute, within_one_minute
+from tests.support.service import (
+    RESULT_TIMEOUT_S,
+    WorkerThread,
+    run_cli,
+    wait_until,
+)
+
+__all__ = ["cluster_url", "serve"]  # fixtures, used here
+
+pytestmark = pytest.mark.slow  # a 3-node Redis Cluster, started for this module
+
+openai = pytest.importorskip("openai")
+
+TENANTS = ("acme", "globex")
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A namespace of its own: this test's tenant store and queues."""
+    return f"ct{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def admin(cluster_url: str) -> Iterator[RedisCluster]:
+    """A blocking cluster client that looks at the keys."""
+    client = RedisCluster.from_url(cluster_url)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def env(cluster_url: str, prefix: str) -> dict[str, str]:
+    """The ``batchline`` command's settings for the cluster and this test's prefix."""
+    return {
+        "BATCHLINE_REDIS_URL": cluster_url,
+        "BATCHLINE_REDIS_CLUSTER": "true",
+        "BATCHLINE_PREFIX": prefix,
+    }
+
+
+def cli(env: dict[str, str], *args: str) -> Any:
+    """``batchline ARGS``'s JSON answer (it must succeed)."""
+    done = run_cli(*args, env=env)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def queue_away_from_the_store(admin: RedisCluster, prefix: str) -> str:
+    """A queue whose slot is on another node than the tenant store's: the mirror crosses
+    nodes."""
+    store_node = admin.get_node_from_key(TenantKeys(prefix).version).name
+    for name in _queues_on_different_nodes(admin):
+        if admin.get_node_from_key(QueueKeys(name, prefix).inbox).name != store_node:
+            return name
+    raise AssertionError("no queue away from the tenant store's node")
+
+
+def mirrored(admin: RedisCluster, keys: QueueKeys) -> dict[str, TenantConfig]:
+    """The configs in the queue's ``tenants`` hash (the workers' mirror)."""
+    return {
+        name.decode(): TenantConfig.from_json(value)
+        for name, value in admin.hgetall(keys.tenants).items()
+    }
+
+
+def test_keys_on_a_cluster(env: dict[str, str], admin: RedisCluster, prefix: str) -> None:
+    made = cli(env, "keys", "create", "--tenant", "acme", "--weight", "3", "--json")
+    assert KEY_PATTERN.fullmatch(made["key"])
+    admin_key = cli(env, "keys", "create", "--tenant", "ops", "--admin", "--json")
+    cli(env, "keys", "set", "--tenant", "acme", "--requests-per-min", "60")
+    rotated = cli(env, "keys", "rotate", made["id"], "--grace-s", "600", "--json")
+    listing = cli(env, "keys", "list", "--json")
+    assert {(k["id"], k["tenant"]) for k in listing["keys"]} == {
+        (made["id"], "acme"),
+        (rotated["id"], "acme"),
+        (admin_key["id"], "ops"),
+    }
+    assert listing["tenants"]["acme"]["weight"] == 3.0
+    assert listing["tenants"]["acme"]["requests_per_min"] == 60
+    done = run_cli("keys", "revoke", made["id"], env=env)
+    assert done.returncode == 0, done.stderr
+    assert {k["id"] for k in cli(env, "keys", "list", "--json")["keys"]} == {
+        rotated["id"],
+        admin_key["id"],
+    }
+    store = TenantKeys(prefix)
+    slots = {admin.keyslot(k) for k in (store.api_keys, store.config, store.version)}
+    assert len(slots) == 1
+    assert int(admin.get(store.version) or 0) == 5  # one move a change
+
+
+async def test_concurrent_changes_from_many_clients_lose_none(
+    cluster_url: str, prefix: str
+) -> None:
+    """Each change is a transaction watched on the version: on a cluster as on one server,
+    writers racing from clients of their own each land once."""
+    from batchline.config import ServiceSettings
+    from batchline.transport import TenantStore
+
+    settings = ServiceSettings(redis_url=cluster_url, redis_cluster=True, prefix=prefix)
+
+    async def create(i: int) -> None:
+        client = connect(settings)
+        try:
+            await TenantStore(client, TenantKeys(prefix)).create(f"t{i}", config={"weight": i + 1})
+        finally:
+            await client.aclose()
+
+    await asyncio.gather(*(create(i) for i in range(12)))
+    client = connect(settings)
+    try:
+        table = await read_table(client, TenantKeys(prefix))
+    finally:
+        await client.aclose()
+    assert table.version == 12
+    assert sorted(r.tenant for r in table.keys.values()) == sorted(f"t{i}" for i in range(12))
+    assert {t: c.weight for t, c in table.configs.items()} == {f"t{i}": i + 1.0 for i in range(12)}
+
+
+async def test_tenants_producers_quota_usage_and_status_on_a_cluster(
+    cluster_url: str,
+    env: dict[str, str],
+    admin: RedisCluster,
+    prefix: str,
+    start_worker: Callable[..., WorkerThread],
+) -> None:
+    queue = queue_away_from_the_store(admin, prefix)
+    keys = QueueKeys(queue, prefix)
+    cli(env, "keys", "create", "--tenant", "acme", "--weight", "3", "--json")
+    cli(env, "keys", "create", "--tenant", "globex", "--requests-per-min", "2", "--json")
+    common: dict[str, Any] = {
+        "redis_url": cluster_url,
+        "redis_cluster": True,
+        "queue": queue,
+        "prefix": prefix,
+    }
+    start_worker(fair_share=True, **common)
+    expected = {"acme": TenantConfig(weight=3.0), "globex": TenantConfig(requests_per_min=2)}
+    wait_until(lambda: mirrored(admin, keys) == expected, "the configs mirrored")
+
+    sent = {"acme": 4, "globex": 2}
+
+    async def serve_tenant(tenant: str) -> list[str]:
+        async with AsyncProducer(**common, tenant=tenant) as producer:
+            return await producer.map([f"{tenant} {i}" for i in range(sent[tenant])])
+
+    node = admin.get_redis_connection(admin.get_node_from_key(keys.inbox))
+    within_one_minute(node, 30)  # globex's 2 requests and its third in one minute
+    minute = redis_minute(node)
+    answers = await asyncio.gather(*(serve_tenant(t) for t in sent))
+    assert answers == [[f"{t} {i}" for i in range(n)] for t, n in sent.items()]
+    async with AsyncProducer(**common, tenant="globex") as producer:
+        with pytest.raises(QuotaExceeded) as refused:
+            await producer.infer("a third in one minute", timeout_s=RESULT_TIMEOUT_S)
+    assert redis_minute(node) == minute
+    assert refused.value.tenant == "globex"
+    assert "requests_per_min" in str(refused.value)
+    assert 0 < refused.value.retry_after_s <= 60
+    async with AsyncProducer(**common) as producer:
+        assert await producer.infer("untenanted", timeout_s=RESULT_TIMEOUT_S) == "untenanted"
+    assert admin.xlen(keys.dead) == 0
+
+    queue_env = {**env, "BATCHLINE_QUEUE": queue}
+    usage = cli(queue_env, "usage", "--json")
+    rows = {r["tenant"]: (r["requests"], r["items"]) for r in usage["days"]}
+    assert rows == {"-": (1, 1), "acme": (4, 4), "globex": (2, 2)}
+    tenants = {t["tenant"]: t for t in cli(queue_env, "status", "--by-tenant", "--json")["tenants"]}
+    assert {t: f["requests_today"] for t, f in tenants.items()} == {"-": 1, **sent}
+    assert all(f["in_flight"] == 0 and f["queued"] == 0 for f in tenants.values())
+
+    # A change of the store is mirrored again: globex without a limit.
+    cli(env, "keys", "set", "--tenant", "globex", "--requests-per-min", "0")
+    expected["globex"] = TenantConfig()
+    wait_until(lambda: mirrored(admin, keys) == expected, "the new config mirrored")
+    async with AsyncProducer(**common, tenant="globex") as producer:
+        assert await producer.infer("unlimited", timeout_s=RESULT_TIMEOUT_S) == "unlimited"
+
+
+def test_two_tenants_keys_over_http_on_a_cluster(
+    cluster_url: str,
+    env: dict[str, str],
+    admin: RedisCluster,
+    prefix: str,
+    serve: Serve,  # noqa: F811
+    start_worker: Callable[..., WorkerThread],
+) -> None:
+    queue = queue_away_from_the_store(admin, prefix)
+    common: dict[str, Any] = {"redis_url": cluster_url, "redis_cluster": True, "prefix": prefix}
+    start_worker(MODEL, queue=queue, **common)
+    keys = {t: cli(env, "keys", "create", "--tenant", t, "--json")["key"] for t in TENANTS}
+    keys["ops"] = cli(env, "keys", "create", "--tenant", "ops", "--admin", "--json")["key"]
+    settings = WebSettings(
+        redis_url=SecretStr(cluster_url),
+        redis_cluster=True,
+        prefix=prefix,
+        queue=queue,
+        embedding_queue=queue,
+        api_keys=True,
+    )
+    http = serve(create_app(settings, timeout_s=RESULT_TIMEOUT_S))
+    for key in keys.values():
+        answer = (
+            client_for(http)
+            .with_options(api_key=key)
+            .embeddings.create(model=queue, input=["one", "two"])
+        )
+        assert len(answer.data) == 2
+    with pytest.raises(openai.AuthenticationError):
+        client_for(http).with_options(api_key=keys["acme"][:-1] + "x").models.list()
+
+    def auth(tenant: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {keys[tenant]}"}
+
+    job = http.post("/jobs", json={"text": "acme's"}, headers=auth("acme"))
+    assert job.status_code in (200, 202), job.text
+    job_id = job.json()["id"]
+    assert job_id.startswith("acme.")
+    wait_until(
+        lambda: http.get(f"/jobs/{job_id}", headers=auth("acme")).json().get("status") == "ok",
+        "acme's job done",
+    )
+    assert http.get(f"/jobs/{job_id}", headers=auth("globex")).status_code == 404
+    assert http.get(f"/jobs/{job_id}", headers=auth("ops")).status_code == 200
+
+    acme = client_for(http).with_options(api_key=keys["acme"])
+    globex = client_for(http).with_options(api_key=keys["globex"])
+    line = {"custom_id": "1", "method": "POST", "url": "/v1/embeddings"}
+    line["body"] = {"model": queue, "input": "x"}  # type: ignore[assignment]
+    uploaded = acme.files.create(
+        file=("in.jsonl", json.dumps(line).encode() + b"\n"), purpose="batch"
+    )
+    assert acme.files.retrieve(uploaded.id).id == uploaded.id
+    with pytest.raises(openai.NotFoundError):
+        globex.files.retrieve(uploaded.id)
+    assert [f.id for f in globex.files.list()] == []
+    assert [f.id for f in acme.files.list()] == [uploaded.id]
+    ops = client_for(http).with_options(api_key=keys["ops"])
+    assert ops.files.retrieve(uploaded.id).id == uploaded.id
+    batch = acme.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    with pytest.raises(openai.NotFoundError):
+        globex.batches.retrieve(batch.id)
+    assert [b.id for b in globex.batches.list()] == []
+    assert ops.batches.retrieve(batch.id).id == batch.id
+    wait_until(  # its line enqueued in acme's name, through the queue's slot
+        lambda: acme.batches.retrieve(batch.id).status in ("completed", "failed"),
+        "acme's batch done",
+    )
+    done = acme.batches.retrieve(batch.id)
+    assert (done.status, done.request_counts.completed) == ("completed", 1), done
