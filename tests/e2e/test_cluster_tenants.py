@@ -19,18 +19,20 @@ import pytest
 from pydantic import SecretStr
 from redis.cluster import RedisCluster
 
-from batchline.config import WebSettings
+from batchline.config import ServiceSettings, WebSettings
+from batchline.contrib._plumbing import KeyTable
 from batchline.contrib.fastapi import create_app
 from batchline.errors import QuotaExceeded
 from batchline.keys import QueueKeys, TenantKeys
 from batchline.producer import AsyncProducer
 from batchline.tenants import TenantConfig
-from batchline.transport import KEY_PATTERN, connect, read_table
+from batchline.transport import KEY_PATTERN, TenantStore, connect, read_table
 
 from tests.contrib.openai.test_openai import client_for
 from tests.contrib.test_fastapi import MODEL, Serve, serve
 from tests.e2e.test_cluster import _queues_on_different_nodes, cluster_url
 from tests.support.quota import redis_minute, within_one_minute
+from tests.support.replies_by_hand import eventually
 from tests.support.service import (
     RESULT_TIMEOUT_S,
     WorkerThread,
@@ -129,10 +131,7 @@ async def test_concurrent_changes_from_many_clients_lose_none(
 ) -> None:
     """Each change is a transaction watched on the version: on a cluster as on one server,
     writers racing from clients of their own each land once."""
-    from batchline.config import ServiceSettings
-    from batchline.transport import TenantStore
-
-    settings = ServiceSettings(redis_url=cluster_url, redis_cluster=True, prefix=prefix)
+    settings = ServiceSettings(redis_url=SecretStr(cluster_url), redis_cluster=True, prefix=prefix)
 
     async def create(i: int) -> None:
         client = connect(settings)
@@ -150,6 +149,27 @@ async def test_concurrent_changes_from_many_clients_lose_none(
     assert table.version == 12
     assert sorted(r.tenant for r in table.keys.values()) == sorted(f"t{i}" for i in range(12))
     assert {t: c.weight for t, c in table.configs.items()} == {f"t{i}": i + 1.0 for i in range(12)}
+
+
+async def test_the_api_key_table_follows_the_stores_log_on_a_cluster(
+    cluster_url: str, prefix: str
+) -> None:
+    """The API replicas' wait on the store's log (XREAD BLOCK) routed to the store's node:
+    with the version check as good as off, a revoke still reaches the table."""
+    settings = ServiceSettings(redis_url=SecretStr(cluster_url), redis_cluster=True, prefix=prefix)
+    client = connect(settings)
+    store = TenantStore(client, TenantKeys(prefix))
+    try:
+        kept, _, _ = await store.create("acme")
+        revoked, record, _ = await store.create("acme")
+        table = KeyTable(store=lambda: connect(settings), keys=TenantKeys(prefix), refresh_s=3600)
+        async with table.running():
+            assert table.lookup(revoked) is not None
+            await store.revoke(record.id)
+            await eventually(lambda: table.lookup(revoked) is None, "the revoke from the log")
+            assert table.lookup(kept) is not None
+    finally:
+        await client.aclose()
 
 
 async def test_tenants_producers_quota_usage_and_status_on_a_cluster(
@@ -284,3 +304,11 @@ def test_two_tenants_keys_over_http_on_a_cluster(
     )
     done = acme.batches.retrieve(batch.id)
     assert (done.status, done.request_counts.completed) == ("completed", 1), done
+
+    # A revoke reaches the API through the store's log, on the store's node.
+    acme_id = next(
+        k["id"] for k in cli(env, "keys", "list", "--json")["keys"] if k["tenant"] == "acme"
+    )
+    assert run_cli("keys", "revoke", acme_id, env=env).returncode == 0
+    wait_until(lambda: http.get("/v1/models", headers=auth("acme")).status_code == 401, "401")
+    assert http.get("/v1/models", headers=auth("globex")).status_code == 200
