@@ -22,6 +22,7 @@ from pydantic import SecretStr
 from batchline.acl import acl_rules
 from batchline.config import WebSettings
 from batchline.contrib._plumbing import KeyTable
+from batchline.contrib.fastapi import create_app
 from batchline.keys import QueueKeys, TenantKeys
 from batchline.transport import (
     KeyRecord,
@@ -31,10 +32,13 @@ from batchline.transport import (
     key_hash,
 )
 
-from .test_keys import Keys
+from .test_fastapi import Serve, serve
+from .test_keys import STATIC, Keys
 from tests.support.app_process import app_in_process
 from tests.support.replies_by_hand import eventually
-from tests.support.service import run_cli, subprocess_env
+from tests.support.service import run_cli, subprocess_env, wait_until
+
+__all__ = ["serve"]  # a fixture, used here
 
 #: The promise: a revoke holds on every replica within a second of ``keys revoke`` returning.
 WITHIN_S = 1.0
@@ -207,3 +211,41 @@ async def test_a_revoke_made_while_a_replica_is_cut_off_holds_once_it_reads_redi
         assert table.lookup(revoked) is None
         assert table.lookup(kept) is not None
         assert "is read again" in caplog.text
+
+
+@pytest.mark.slow
+def test_an_api_cut_off_from_redis_answers_503_past_max_stale_s_and_serves_once_back(
+    redis_url: str,
+    prefix: str,
+    queue: str,
+    store: Keys,
+    acl_user: Callable[[list[str]], str],
+    rclient: redis.Redis,
+    serve: Serve,
+) -> None:
+    rules = acl_rules(QueueKeys(queue, prefix), "producer", api_keys=True)
+    url = acl_user(["on", ">PASSWORD", *rules])
+    user = url.split("//", 1)[1].split(":", 1)[0]
+    key, _ = store.create("acme")
+    settings = WebSettings(
+        redis_url=SecretStr(url),
+        prefix=prefix,
+        queue=queue,
+        api_keys=True,
+        api_keys_max_stale_s=1,
+        api_key=SecretStr(STATIC),
+    )
+    http = serve(create_app(settings))
+    auth = {"x-api-key": key}
+    assert http.get("/v1/models", headers=auth).status_code == 200
+    rclient.execute_command("ACL", "SETUSER", user, "off")
+    rclient.execute_command("CLIENT", "KILL", "USER", user)
+    refused = wait_until(
+        lambda: (r := http.get("/v1/models", headers=auth)).status_code == 503 and r,
+        "the store's keys refused past max_stale_s",
+    )
+    assert refused.headers["retry-after"]
+    assert refused.json()["error"]["code"] == "service_unavailable"
+    assert http.get("/v1/models", headers={"x-api-key": STATIC}).status_code == 200
+    rclient.execute_command("ACL", "SETUSER", user, "on")
+    wait_until(lambda: http.get("/v1/models", headers=auth).status_code == 200, "served again")

@@ -13,6 +13,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,12 +32,14 @@ from batchline.transport import KEY_PATTERN, TenantStore, connect, read_table
 from tests.contrib.openai.test_openai import client_for
 from tests.contrib.test_fastapi import MODEL, Serve, serve
 from tests.e2e.test_cluster import _queues_on_different_nodes, cluster_url
+from tests.support import models_for_tests
 from tests.support.quota import redis_minute, within_one_minute
 from tests.support.replies_by_hand import eventually
 from tests.support.service import (
     RESULT_TIMEOUT_S,
     WorkerThread,
     run_cli,
+    spec,
     wait_until,
 )
 
@@ -229,6 +232,42 @@ async def test_tenants_producers_quota_usage_and_status_on_a_cluster(
     wait_until(lambda: mirrored(admin, keys) == expected, "the new config mirrored")
     async with AsyncProducer(**common, tenant="globex") as producer:
         assert await producer.infer("unlimited", timeout_s=RESULT_TIMEOUT_S) == "unlimited"
+
+
+async def test_the_fair_share_on_a_cluster(
+    cluster_url: str,
+    admin: RedisCluster,
+    prefix: str,
+    start_worker: Callable[..., WorkerThread],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Tenants' producers queue 40 requests of A's, then 4 of B's, while no worker runs; then
+    one worker, a request a batch: B's are served among A's first ones (first come,
+    first served would serve them after all of A's)."""
+    record = tmp_path / "batches.jsonl"
+    monkeypatch.setenv("BLTEST_RECORD_FILE", str(record))
+    queue = queue_away_from_the_store(admin, prefix)
+    common: dict[str, Any] = {
+        "redis_url": cluster_url,
+        "redis_cluster": True,
+        "queue": queue,
+        "prefix": prefix,
+    }
+    start_worker(**common).stop()  # (it loads the queue's functions on the queue's node)
+    async with (
+        AsyncProducer(**common, tenant="A") as a,
+        AsyncProducer(**common, tenant="B") as b,
+    ):
+        handles = [(a, await a.submit(f"A{i}")) for i in range(40)]
+        handles += [(b, await b.submit(f"B{i}")) for i in range(4)]
+        start_worker(spec("record_batches"), batch_size=1, timeout_ms=0, **common)
+        for producer, handle in handles:
+            await producer.result(handle, timeout_s=RESULT_TIMEOUT_S)
+    order = [item for batch in models_for_tests.read_batches(record) for item in batch]
+    assert sorted(order) == sorted([f"A{i}" for i in range(40)] + [f"B{i}" for i in range(4)])
+    assert max(order.index(f"B{i}") for i in range(4)) < 12, order
+    assert admin.xlen(QueueKeys(queue, prefix).dead) == 0
 
 
 def test_two_tenants_keys_over_http_on_a_cluster(
