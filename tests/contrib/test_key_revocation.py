@@ -249,3 +249,28 @@ def test_an_api_cut_off_from_redis_answers_503_past_max_stale_s_and_serves_once_
     assert http.get("/v1/models", headers={"x-api-key": STATIC}).status_code == 200
     rclient.execute_command("ACL", "SETUSER", user, "on")
     wait_until(lambda: http.get("/v1/models", headers=auth).status_code == 200, "served again")
+
+
+async def test_a_redis_user_that_may_not_read_the_log_still_sees_a_revoke_by_the_version(
+    redis_url: str,
+    prefix: str,
+    store: Keys,
+    acl_user: Callable[[list[str]], str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An API user made by an earlier ``batchline acl --api-keys`` (GET and HGETALL on the
+    store, no XREAD): one warning saying so, and revokes hold by the version check."""
+    caplog.set_level(logging.INFO, logger="batchline.contrib._plumbing._auth")
+    older = [f"(%R~{TenantKeys(prefix).base}:* +get +hgetall)"]
+    url = acl_user(["on", ">PASSWORD", *acl_rules(QueueKeys("q", prefix), "producer"), *older])
+    revoked, record = await asyncio.to_thread(store.create, "acme")
+    table = table_for(url, prefix)
+    async with table.running():
+        await eventually(lambda: "may not read" in caplog.text, "the warning")
+        assert table.lookup(revoked) is not None
+        version = await asyncio.to_thread(store.revoke, record.id)
+        await eventually(lambda: table.version >= version, "the version check")
+        assert table.lookup(revoked) is None
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1, warned
+    assert "batchline acl --api-keys" in warned[0]

@@ -51,6 +51,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
+from redis.exceptions import NoPermissionError
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -302,14 +303,27 @@ class KeyTable:
             await self.refresh()
 
     async def _following(self) -> None:
+        refused = False
         while not self._stop.is_set():
+            pause_s = self.refresh_s
             try:
                 await self.follow()
                 continue
-            except (*REDIS_FAILURES, ValueError) as exc:
-                self._failed(exc)
+            except NoPermissionError as exc:  # (a Redis user made by an older batchline acl)
+                pause_s = FOLLOW_BLOCK_MS / 1000
+                if not refused:
+                    refused = True
+                    logger.warning(
+                        "API keys: this API's Redis user may not read the tenant store's log "
+                        "of changes (%s); a revoke holds by the version check alone, within "
+                        "%g s, not at once: give it the rules of batchline acl --api-keys",
+                        exc,
+                        self.refresh_s,
+                    )
+            except (*REDIS_FAILURES, ValueError) as exc:  # (the version check warns of it)
+                logger.debug("API keys: waiting on the tenant store's log failed: %r", exc)
             with contextlib.suppress(TimeoutError):  # (the next try, once Redis may answer)
-                await asyncio.wait_for(self._stop.wait(), self.refresh_s)
+                await asyncio.wait_for(self._stop.wait(), pause_s)
 
 
 def uvicorn_host(argv: Sequence[str], environ: Mapping[str, str]) -> str | None:
