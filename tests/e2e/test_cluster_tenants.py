@@ -222,6 +222,14 @@ async def test_tenants_producers_quota_usage_and_status_on_a_cluster(
     usage = cli(queue_env, "usage", "--json")
     rows = {r["tenant"]: (r["requests"], r["items"]) for r in usage["days"]}
     assert rows == {"-": (1, 1), "acme": (4, 4), "globex": (2, 2)}
+    # Summed over two queues on two nodes.
+    other = next(q for q in _queues_on_different_nodes(admin) if q != queue)
+    start_worker(**{**common, "queue": other})
+    async with AsyncProducer(**{**common, "queue": other}, tenant="acme") as producer:
+        assert await producer.infer("elsewhere", timeout_s=RESULT_TIMEOUT_S) == "elsewhere"
+    usage = cli(env, "usage", "--queue", queue, "--queue", other, "--json")
+    rows = {r["tenant"]: (r["requests"], r["items"]) for r in usage["days"]}
+    assert rows == {"-": (1, 1), "acme": (5, 5), "globex": (2, 2)}
     tenants = {t["tenant"]: t for t in cli(queue_env, "status", "--by-tenant", "--json")["tenants"]}
     assert {t: f["requests_today"] for t, f in tenants.items()} == {"-": 1, **sent}
     assert all(f["in_flight"] == 0 and f["queued"] == 0 for f in tenants.values())
