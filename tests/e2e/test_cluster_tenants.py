@@ -19,7 +19,9 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 from redis.cluster import RedisCluster
+from redis.exceptions import NoPermissionError
 
+from batchline.acl import tenant_rules
 from batchline.config import ServiceSettings, WebSettings
 from batchline.contrib._plumbing import KeyTable
 from batchline.contrib.fastapi import create_app
@@ -276,6 +278,40 @@ async def test_the_fair_share_on_a_cluster(
     assert sorted(order) == sorted([f"A{i}" for i in range(40)] + [f"B{i}" for i in range(4)])
     assert max(order.index(f"B{i}") for i in range(4)) < 12, order
     assert admin.xlen(QueueKeys(queue, prefix).dead) == 0
+
+
+async def test_a_tenants_redis_user_on_a_cluster(
+    cluster_url: str,
+    admin: RedisCluster,
+    prefix: str,
+    start_worker: Callable[..., WorkerThread],
+) -> None:
+    """``batchline acl --tenant``'s user, made on every node: it enqueues and waits as its
+    tenant through the cluster client (slot map, functions), and never as another."""
+    queue = queue_away_from_the_store(admin, prefix)
+    keys = QueueKeys(queue, prefix)
+    common: dict[str, Any] = {
+        "redis_url": cluster_url,
+        "redis_cluster": True,
+        "queue": queue,
+        "prefix": prefix,
+    }
+    start_worker(**common)
+    user, password = f"{prefix}-tenant-acme", uuid.uuid4().hex
+    nodes = [admin.get_redis_connection(node) for node in admin.get_nodes()]
+    for node in nodes:
+        node.execute_command(
+            "ACL", "SETUSER", user, "reset", "on", f">{password}", *tenant_rules(keys, "acme")
+        )
+    as_acme = {**common, "redis_url": cluster_url.replace("//", f"//{user}:{password}@", 1)}
+    try:
+        async with AsyncProducer(**as_acme, tenant="acme") as producer:
+            assert await producer.infer("acme's", timeout_s=RESULT_TIMEOUT_S) == "acme's"
+            with pytest.raises(NoPermissionError):
+                await producer.submit("as another", tenant="globex")
+    finally:
+        for node in nodes:
+            node.execute_command("ACL", "DELUSER", user)
 
 
 def test_two_tenants_keys_over_http_on_a_cluster(
