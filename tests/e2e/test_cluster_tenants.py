@@ -97,6 +97,11 @@ def queue_away_from_the_store(admin: RedisCluster, prefix: str) -> str:
     raise AssertionError("no queue away from the tenant store's node")
 
 
+def settings_for(cluster_url: str, queue: str, prefix: str) -> dict[str, Any]:
+    """A worker's or producer's settings for ``queue`` on the cluster."""
+    return {"redis_url": cluster_url, "redis_cluster": True, "queue": queue, "prefix": prefix}
+
+
 def mirrored(admin: RedisCluster, keys: QueueKeys) -> dict[str, TenantConfig]:
     """The configs in the queue's ``tenants`` hash (the workers' mirror)."""
     return {
@@ -188,12 +193,7 @@ async def test_tenants_producers_quota_usage_and_status_on_a_cluster(
     keys = QueueKeys(queue, prefix)
     cli(env, "keys", "create", "--tenant", "acme", "--weight", "3", "--json")
     cli(env, "keys", "create", "--tenant", "globex", "--requests-per-min", "2", "--json")
-    common: dict[str, Any] = {
-        "redis_url": cluster_url,
-        "redis_cluster": True,
-        "queue": queue,
-        "prefix": prefix,
-    }
+    common = settings_for(cluster_url, queue, prefix)
     start_worker(fair_share=True, **common)
     expected = {"acme": TenantConfig(weight=3.0), "globex": TenantConfig(requests_per_min=2)}
     wait_until(lambda: mirrored(admin, keys) == expected, "the configs mirrored")
@@ -226,8 +226,8 @@ async def test_tenants_producers_quota_usage_and_status_on_a_cluster(
     assert rows == {"-": (1, 1), "acme": (4, 4), "globex": (2, 2)}
     # Summed over two queues on two nodes.
     other = next(q for q in _queues_on_different_nodes(admin) if q != queue)
-    start_worker(**{**common, "queue": other})
-    async with AsyncProducer(**{**common, "queue": other}, tenant="acme") as producer:
+    start_worker(**settings_for(cluster_url, other, prefix))
+    async with AsyncProducer(**settings_for(cluster_url, other, prefix), tenant="acme") as producer:
         assert await producer.infer("elsewhere", timeout_s=RESULT_TIMEOUT_S) == "elsewhere"
     usage = cli(env, "usage", "--queue", queue, "--queue", other, "--json")
     rows = {r["tenant"]: (r["requests"], r["items"]) for r in usage["days"]}
@@ -258,12 +258,7 @@ async def test_the_fair_share_on_a_cluster(
     record = tmp_path / "batches.jsonl"
     monkeypatch.setenv("BLTEST_RECORD_FILE", str(record))
     queue = queue_away_from_the_store(admin, prefix)
-    common: dict[str, Any] = {
-        "redis_url": cluster_url,
-        "redis_cluster": True,
-        "queue": queue,
-        "prefix": prefix,
-    }
+    common = settings_for(cluster_url, queue, prefix)
     start_worker(**common).stop()  # (it loads the queue's functions on the queue's node)
     async with (
         AsyncProducer(**common, tenant="A") as a,
@@ -290,12 +285,7 @@ async def test_a_tenants_redis_user_on_a_cluster(
     tenant through the cluster client (slot map, functions), and never as another."""
     queue = queue_away_from_the_store(admin, prefix)
     keys = QueueKeys(queue, prefix)
-    common: dict[str, Any] = {
-        "redis_url": cluster_url,
-        "redis_cluster": True,
-        "queue": queue,
-        "prefix": prefix,
-    }
+    common = settings_for(cluster_url, queue, prefix)
     start_worker(**common)
     user, password = f"{prefix}-tenant-acme", uuid.uuid4().hex
     nodes = [admin.get_redis_connection(node) for node in admin.get_nodes()]
@@ -323,8 +313,7 @@ def test_two_tenants_keys_over_http_on_a_cluster(
     start_worker: Callable[..., WorkerThread],
 ) -> None:
     queue = queue_away_from_the_store(admin, prefix)
-    common: dict[str, Any] = {"redis_url": cluster_url, "redis_cluster": True, "prefix": prefix}
-    start_worker(MODEL, queue=queue, **common)
+    start_worker(MODEL, **settings_for(cluster_url, queue, prefix))
     keys = {t: cli(env, "keys", "create", "--tenant", t, "--json")["key"] for t in TENANTS}
     keys["ops"] = cli(env, "keys", "create", "--tenant", "ops", "--admin", "--json")["key"]
     settings = WebSettings(
