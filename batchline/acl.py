@@ -248,8 +248,9 @@ def batch_api_rules(prefix: str) -> list[str]:
 def api_keys_rules(prefix: str) -> list[str]:
     """The rule a web backend checking API keys (``api_keys``) adds to its producer rules:
     reading the tenant store (``<prefix>:{tenants}:``, the keys' sha256 and the tenants'
-    configs), never writing it (``batchline keys`` writes it, as an administrator)."""
-    return [f"(%R~{TenantKeys(prefix).base}:* +get +hgetall)"]
+    configs) and waiting on its log of changes, never writing it (``batchline keys`` writes
+    it, as an administrator)."""
+    return [f"(%R~{TenantKeys(prefix).base}:* +get +hgetall +xread +xrevrange)"]
 
 
 #: What the Responses API (``/v1/responses``) sends on its own keys: a response's hash, its

@@ -286,6 +286,11 @@ class WebSettings(ProducerSettings):
             ``default``, an admin; no store in Redis. With ``api_keys`` too, either is
             accepted. Set it through the environment (``BATCHLINE_API_KEY``), not a command
             line: it is a secret.
+        api_keys_max_stale_s: how long an API replica that cannot read the tenant store
+            (Redis unreachable) goes on accepting the keys it holds, in seconds since it last
+            read it; past that it answers them 503 until it reads the store again, so that a
+            revoke made meanwhile is not ignored for longer (default 30; the static key needs
+            no Redis and stays valid).
     """
 
     embedding_queue: str | None = None
@@ -309,6 +314,7 @@ class WebSettings(ProducerSettings):
     responses_max: int = Field(default=10_000, ge=1)
     api_keys: bool = False
     api_key: SecretStr | None = None
+    api_keys_max_stale_s: float = Field(default=30.0, gt=0)
 
     @field_validator("api_key")
     @classmethod

@@ -373,6 +373,12 @@ class TenantKeys(_TaggedKeys):
         """A counter every change of the keys or the configs moves."""
         return f"{self.base}:version"
 
+    @property
+    def changes(self) -> str:
+        """The changes' log (a stream, capped: each change's version and the sha256 of the
+        keys it revoked), which the API replicas wait on."""
+        return f"{self.base}:changes"
+
 
 @dataclass(frozen=True, slots=True)
 class BatchApiKeys(_TaggedKeys):

@@ -168,6 +168,7 @@ def _key_table(settings: ProducerSettings) -> KeyTable | None:
         static_key=static,
         store=(lambda: connect(settings)) if settings.api_keys else None,
         keys=TenantKeys(settings.prefix),
+        max_stale_s=settings.api_keys_max_stale_s,
     )
 
 

@@ -9,6 +9,11 @@ API replica and mirrored by the workers (docs/protocol.md, Tenants; key names:
 - ``<prefix>:{tenants}:version``, an integer every change moves (``INCR``, in the same
   ``MULTI`` as the change): a reader that saw version v and reads v again has nothing to
   reload.
+- ``<prefix>:{tenants}:changes``, a stream capped at about :data:`CHANGES_KEPT` entries: each
+  change appends ``version`` (the one it made) and ``revoked`` (the sha256 of each key it
+  revoked, space-separated; empty: none), in the same ``MULTI``. The API replicas wait on it
+  (``XREAD BLOCK``), so a revoke reaches them as it is made, not at their next look at the
+  version (:func:`read_changes`).
 
 A key reads ``bl-<id>-<secret>``: ``id`` 8 hex digits, public (``keys list``, logs), and
 ``secret`` 32 random bytes from :mod:`secrets` in base64url (43 characters).
@@ -37,13 +42,17 @@ from batchline.tenants import TenantConfig, check_tenant
 from batchline.transport._client import RedisClient, RedisPipeline
 
 __all__ = [
+    "CHANGES_KEPT",
     "KEY_PATTERN",
     "KeyRecord",
+    "StoreChange",
     "TenantStore",
     "TenantTable",
     "key_hash",
     "key_id_of",
+    "last_change_id",
     "new_key",
+    "read_changes",
     "read_table",
     "read_version",
 ]
@@ -53,6 +62,9 @@ logger = logging.getLogger(__name__)
 #: Every key the store makes: ``bl-``, the public id, ``-``, the secret.
 KEY_PATTERN = re.compile(r"bl-([0-9a-f]{8})-[A-Za-z0-9_-]{43}")
 _ID = re.compile(r"[0-9a-f]{8}")
+#: About how many changes the store's log keeps (``XADD MAXLEN ~``): a reader that missed more
+#: (cut off from Redis a long while) reads the whole store again, as it would anyway.
+CHANGES_KEPT = 1000
 _T = TypeVar("_T")
 
 
@@ -206,6 +218,46 @@ async def read_table(client: RedisClient, keys: TenantKeys) -> TenantTable:
     return TenantTable(_version(version), records, configs)
 
 
+@dataclass(frozen=True, slots=True)
+class StoreChange:
+    """One change of the store, from its log.
+
+    Attributes:
+        id: the log entry's id (read on from there).
+        version: the store's version the change made.
+        revoked: the sha256 (hex) of each key it revoked.
+    """
+
+    id: bytes
+    version: int
+    revoked: tuple[str, ...]
+
+
+async def last_change_id(client: RedisClient, keys: TenantKeys) -> bytes:
+    """The id of the store log's last entry (``0-0``: none), to wait for the next ones from."""
+    last = await client.xrevrange(keys.changes, count=1)
+    return bytes(last[0][0]) if last else b"0-0"
+
+
+async def read_changes(
+    client: RedisClient, keys: TenantKeys, after: bytes, *, block_ms: int
+) -> list[StoreChange]:
+    """The changes logged after the entry ``after``, waiting up to ``block_ms`` for one (an
+    empty list: none came). An entry not of the store's form is skipped, with a warning."""
+    answer = await client.xread({keys.changes: after}, count=100, block=block_ms)
+    changes: list[StoreChange] = []
+    for _stream, entries in answer or []:
+        for entry_id, fields in entries:
+            try:
+                version = int(fields[b"version"])
+                revoked = tuple(fields.get(b"revoked", b"").decode("ascii").split())
+            except (KeyError, ValueError, UnicodeDecodeError) as exc:
+                logger.warning("tenant store: a change %r is malformed, skipped: %r", entry_id, exc)
+                revoked, version = (), 0
+            changes.append(StoreChange(bytes(entry_id), version, revoked))
+    return changes
+
+
 class TenantStore:
     """Makes, lists, revokes and rotates API keys, and sets tenants' configs.
 
@@ -223,11 +275,16 @@ class TenantStore:
         return await read_table(self.client, self.keys)
 
     async def _change(
-        self, change: Callable[[TenantTable], tuple[Callable[[RedisPipeline], None], _T]]
+        self,
+        change: Callable[[TenantTable], tuple[Callable[[RedisPipeline], None], _T]],
+        *,
+        revokes: Callable[[_T], list[str]] = lambda _: [],
     ) -> _T:
         """Apply ``change`` to the table as read, atomically: the writes it returns, the
-        purge of keys whose grace period ended, and ``INCR version`` in one ``MULTI``,
-        watched on ``version`` (read again and retried if another writer moved it)."""
+        purge of keys whose grace period ended, ``INCR version`` and the change's entry in
+        the log (the keys ``revokes`` names of its result, and those purged) in one
+        ``MULTI``, watched on ``version`` (read again and retried if another writer moved
+        it)."""
         while True:
             async with self.client.pipeline(transaction=True) as pipe:
                 try:
@@ -245,6 +302,13 @@ class TenantStore:
                     if expired:
                         pipe.hdel(self.keys.api_keys, *expired)
                     pipe.incr(self.keys.version)
+                    revoked = " ".join([*revokes(result), *expired])
+                    pipe.xadd(
+                        self.keys.changes,
+                        {"version": version + 1, "revoked": revoked},
+                        maxlen=CHANGES_KEPT,
+                        approximate=True,
+                    )
                     await pipe.execute()
                     return result
                 except WatchError:
@@ -297,16 +361,18 @@ class TenantStore:
         """Revoke the key of this id at once (KeyError naming it if there is none)."""
         _check_id(key_id)
 
-        def change(table: TenantTable) -> tuple[Callable[[RedisPipeline], None], KeyRecord]:
+        def change(
+            table: TenantTable,
+        ) -> tuple[Callable[[RedisPipeline], None], tuple[str, KeyRecord]]:
             digest, record = _find(table, key_id)
 
             def write(pipe: RedisPipeline) -> None:
                 pipe.hdel(self.keys.api_keys, digest)
 
-            return write, record
+            return write, (digest, record)
 
-        result: KeyRecord = await self._change(change)
-        return result
+        _digest, record = await self._change(change, revokes=lambda found: [found[0]])
+        return record
 
     async def rotate(self, key_id: str, *, grace_s: float = 0.0) -> tuple[str, KeyRecord]:
         """A new key for the tenant of key ``key_id`` (the same admin right); the old one is
@@ -332,10 +398,12 @@ class TenantStore:
                 else:
                     pipe.hdel(self.keys.api_keys, digest)
 
-            return write, (key, record)
+            return write, (key, record, "" if grace_s > 0 else digest)
 
-        result: tuple[str, KeyRecord] = await self._change(change)
-        return result
+        key, record, _revoked = await self._change(
+            change, revokes=lambda made: [made[2]] if made[2] else []
+        )
+        return key, record
 
 
 def _find(table: TenantTable, key_id: str) -> tuple[str, KeyRecord]:

@@ -237,24 +237,6 @@ def test_two_tenants_keys_with_the_official_client(
     assert http.get("/whoami", headers={"api-key": key_c}).json()["tenant"] == "initech"
 
 
-@pytest.mark.slow
-def test_a_revoked_key_is_refused_on_both_replicas(
-    make_app: MakeApp, serve: Serve, store: Keys
-) -> None:
-    kept, _ = store.create("acme")
-    revoked, record = store.create("acme")
-    apps = [make_app(api_keys=True), make_app(api_keys=True)]
-    https = [serve(app) for app in apps]
-    for http in https:
-        for key in (kept, revoked):
-            assert http.get("/whoami", headers={"x-api-key": key}).status_code == 200
-    version = store.revoke(record.id)
-    for app, http in zip(apps, https, strict=True):
-        holds(app, version)
-        assert_error(http.get("/v1/models", headers={"x-api-key": revoked}), 401, **OPENAI_401)
-        assert http.get("/whoami", headers={"x-api-key": kept}).status_code == 200
-
-
 def test_the_store_and_the_static_key_together(
     make_app: MakeApp, serve: Serve, store: Keys
 ) -> None:

@@ -8,16 +8,46 @@ imported (``torch``, ``transformers``, ``tokenizers``, ``sentence_transformers``
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import uvicorn
 
 from batchline.contrib.fastapi import create_app
 
 HEAVY = ("torch", "transformers", "tokenizers", "sentence_transformers")
+
+
+@contextlib.contextmanager
+def app_in_process(env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """This script in a process of its own, with ``env`` (all of it: see
+    ``tests.support.service.subprocess_env``), once it serves: the process (its stdin and
+    stdout piped, ``ready`` read) and the app's base URL. Killed at the end."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    repo = Path(__file__).resolve().parents[2]
+    with subprocess.Popen(
+        [sys.executable, __file__, str(port)],
+        env=env,
+        cwd=repo,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == "ready"
+            yield proc, f"http://127.0.0.1:{port}"
+        finally:
+            proc.kill()
 
 
 def main() -> None:

@@ -24,6 +24,8 @@ from batchline.transport import (
     as_client,
     key_hash,
     key_id_of,
+    last_change_id,
+    read_changes,
     read_table,
     read_version,
 )
@@ -173,6 +175,34 @@ async def test_concurrent_changes_all_land(store: TenantStore) -> None:
     assert table.version == 20
 
 
+async def test_each_change_is_logged_with_the_keys_it_revoked(
+    store: TenantStore, tenant_keys: TenantKeys
+) -> None:
+    """The log the API replicas wait on: one entry a change, its version and the sha256 of
+    each key it revoked (a rotation with a grace period revokes nothing yet)."""
+    client = store.client
+    start = await last_change_id(client, tenant_keys)
+    assert start == b"0-0"
+    key_a, a, _ = await store.create("acme")
+    key_b, b, _ = await store.create("acme")
+    await store.configure("acme", {"weight": 2.0})
+    await store.revoke(a.id)
+    new_b, _ = await store.rotate(b.id, grace_s=60)
+    await store.rotate(b.id)  # the old one, before its grace period ends
+    changes = await read_changes(client, tenant_keys, start, block_ms=1)
+    assert [(c.version, c.revoked) for c in changes] == [
+        (1, ()),
+        (2, ()),
+        (3, ()),
+        (4, (key_hash(key_a),)),
+        (5, ()),
+        (6, (key_hash(key_b),)),
+    ]
+    assert await last_change_id(client, tenant_keys) == changes[-1].id
+    assert await read_changes(client, tenant_keys, changes[-1].id, block_ms=1) == []
+    assert key_hash(new_b) in (await store.table()).keys
+
+
 async def test_a_malformed_entry_is_left_out_and_the_rest_read(
     store: TenantStore, aclient: AsyncRedis, tenant_keys: TenantKeys
 ) -> None:
@@ -209,8 +239,13 @@ async def test_the_web_backends_producer_user_reads_the_store_only_with_api_keys
                 if api_keys:
                     table = await read_table(as_client(user), tenant_keys)
                     assert [r.tenant for r in table.keys.values()] == ["acme"]
+                    assert await last_change_id(as_client(user), tenant_keys) != b"0-0"
+                    changes = await read_changes(as_client(user), tenant_keys, b"0", block_ms=1)
+                    assert [c.version for c in changes] == [1]
                     with pytest.raises(redis.exceptions.NoPermissionError):
                         await user.hset(tenant_keys.api_keys, "x", "y")
+                    with pytest.raises(redis.exceptions.NoPermissionError):
+                        await user.xadd(tenant_keys.changes, {"version": 9, "revoked": ""})
                 else:
                     with pytest.raises(redis.exceptions.NoPermissionError):
                         await user.hgetall(tenant_keys.api_keys)

@@ -10,14 +10,22 @@ native ``{"detail"}`` with TGI's ``error`` and ``error_type`` (``authentication`
 
 The keys are a :class:`KeyTable`: one static key (the ``api_key`` setting: the tenant
 ``default``, an admin, no Redis) and/or the tenant store in Redis (``api_keys``), which the
-table holds whole in memory and reloads when the store's version moves, checked every
-:data:`REFRESH_S` seconds with one ``GET`` by a task of its own. A request's check is a
-sha256 and a dict lookup: no Redis call, whatever key it presents, so a flood of wrong keys
-costs Redis nothing and valid traffic nothing more than its own checks. A static key is
-compared in constant time (``hmac.compare_digest`` of the digests); the store's keys are
-found by their sha256, whose timing tells nothing of a key. Redis unreachable at a refresh:
-the last table stays, with one warning until it answers again. Until the table is first read
-(Redis unreachable at start), a request is answered 503 with ``Retry-After``, not 401.
+table holds whole in memory. Two tasks keep it fresh: one waits on the store's log of
+changes (``XREAD BLOCK``) and drops the keys a change revoked the moment it arrives, before it
+reads the store again, so the first request after a revoke reaches a replica is refused; the
+other asks the store's version every :data:`REFRESH_S` seconds (one ``GET``) and reads the
+store again when it moved (what the log missed: a change while cut off, a log trimmed). A
+request's check is a sha256 and a dict lookup: no Redis call, whatever key it presents, so a
+flood of wrong keys costs Redis nothing and valid traffic nothing more than its own checks. A
+static key is compared in constant time (``hmac.compare_digest`` of the digests); the store's
+keys are found by their sha256, whose timing tells nothing of a key.
+
+Redis unreachable: the table stays in use, with one warning until it answers again, for
+:data:`MAX_STALE_S` seconds after the store was last read; past that, a revoke made meanwhile
+could still be unknown, so the store's keys are answered 503 with ``Retry-After`` until it
+is read again (the static key stays valid: it needs no Redis). Until the table is first read
+(Redis unreachable at start), a request is answered 503 the same way, not 401. Once Redis
+answers again, the next look at the version (within :data:`REFRESH_S`) reads the store.
 
 No key is ever logged, traced, counted or put in an error message: a refusal names no part
 of the key it got, and the key id (its public part) is what logs name.
@@ -43,6 +51,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
+from redis.exceptions import NoPermissionError
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -54,13 +63,18 @@ from batchline.transport import (
     REDIS_FAILURES,
     KeyRecord,
     RedisClient,
+    StoreChange,
     TenantTable,
     key_hash,
+    last_change_id,
+    read_changes,
     read_table,
     read_version,
 )
 
 __all__ = [
+    "FOLLOW_BLOCK_MS",
+    "MAX_STALE_S",
     "OPEN_PATHS",
     "REFRESH_S",
     "STATIC_TENANT",
@@ -72,9 +86,14 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: How often the table asks Redis whether the store changed (one GET): a revoke holds on
-#: every replica within this and a reload.
+#: How often the table asks Redis whether the store changed (one GET), besides waiting on its
+#: log: what the log missed holds on every replica within this and a reload.
 REFRESH_S: Final = 0.5
+#: How long a replica that cannot read the tenant store goes on accepting the keys it holds
+#: (seconds since it last read the store); then 503 until it reads it again.
+MAX_STALE_S: Final = 30.0
+#: How long one wait on the store's log of changes lasts (milliseconds), before the next.
+FOLLOW_BLOCK_MS: Final = 5000
 #: The tenant of the static key (``api_key``).
 STATIC_TENANT: Final = "default"
 #: The paths every caller reaches without a key: health, metrics, and the APIs' docs.
@@ -115,6 +134,8 @@ class KeyTable:
             closed when it ends (None: no store).
         keys: the store's key names.
         refresh_s: how often to ask the store whether it changed.
+        max_stale_s: how long the store's keys stay in use while the store cannot be read.
+        clock: the monotonic clock the store's last read is timed by.
     """
 
     def __init__(
@@ -124,17 +145,26 @@ class KeyTable:
         store: Callable[[], RedisClient] | None = None,
         keys: TenantKeys | None = None,
         refresh_s: float = REFRESH_S,
+        max_stale_s: float = MAX_STALE_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if static_key is None and store is None:
             raise ValueError("a key table needs a static key, a tenant store, or both")
         if not refresh_s > 0:
             raise ValueError(f"refresh_s must be > 0, got {refresh_s!r}")
+        if not max_stale_s > 0:
+            raise ValueError(f"max_stale_s must be > 0, got {max_stale_s!r}")
         self._static = None if static_key is None else bytes.fromhex(key_hash(static_key))
         self.store, self.keys, self.refresh_s = store, keys or TenantKeys(), refresh_s
+        self.max_stale_s, self._clock = max_stale_s, clock
         self.client: RedisClient | None = None  # (while running)
         self._table = TenantTable(0, {}, {})
         self._callers: dict[str, tuple[KeyRecord, Caller]] = {}
         self.loaded = store is None  # (the static key needs no reading)
+        self._read_at = 0.0  # (clock) when the store was last known to hold this table
+        self._revoked: dict[str, int] = {}  # digest -> the version that revoked it (log)
+        self._after: bytes | None = None  # the log's last entry read
+        self._reading = asyncio.Lock()  # one read of the store at a time: installed in order
         self._failing = False
         self._stop = asyncio.Event()
 
@@ -143,27 +173,54 @@ class KeyTable:
         """The store's version the table holds (0: none read)."""
         return self._table.version
 
+    @property
+    def usable(self) -> bool:
+        """Whether the store's keys may be checked: read, and not longer ago than
+        ``max_stale_s`` (always, without a store)."""
+        if self.store is None:
+            return True
+        return self.loaded and self._clock() - self._read_at <= self.max_stale_s
+
     def lookup(self, key: str) -> Caller | None:
-        """The caller a key names, or None (no Redis call, whatever the key)."""
+        """The caller a key names, or None (no Redis call, whatever the key; the store's keys
+        name none while the table is not :attr:`usable`)."""
         digest = key_hash(key)
         if self._static is not None and hmac.compare_digest(bytes.fromhex(digest), self._static):
             return Caller(STATIC_TENANT, admin=True, config=self._table.config(STATIC_TENANT))
+        if not self.usable:
+            return None
         found = self._callers.get(digest)
         if found is None or not found[0].valid(time.time()):
             return None
         return found[1]
 
     def install(self, table: TenantTable) -> None:
-        """Hold ``table`` (the store as read)."""
+        """Hold ``table`` (the store as read), less the keys the log said a later version
+        revoked (a read that began before the revoke, ended after it)."""
+        self._revoked = {d: v for d, v in self._revoked.items() if v > table.version}
         self._callers = {
             digest: (
                 record,
                 Caller(record.tenant, record.admin, table.config(record.tenant), record.id),
             )
             for digest, record in table.keys.items()
+            if digest not in self._revoked
         }
         self._table = table
         self.loaded = True
+        self._read_at = self._clock()
+
+    def apply(self, change: StoreChange) -> bool:
+        """Drop the keys ``change`` (from the store's log) revoked, at once; whether the store
+        must be read again for the rest of it (its version is not the table's)."""
+        for digest in change.revoked:
+            self._revoked[digest] = change.version
+            self._callers.pop(digest, None)
+        return change.version != self._table.version
+
+    async def _reload(self, client: RedisClient) -> None:
+        async with self._reading:
+            self.install(await read_table(client, self.keys))
 
     async def refresh(self) -> None:
         """Ask the store's version (one GET); read the store again if it moved. Redis failing:
@@ -173,21 +230,43 @@ class KeyTable:
         try:
             version = await read_version(self.client, self.keys)
             if version != self._table.version or not self.loaded:
-                self.install(await read_table(self.client, self.keys))
+                await self._reload(self.client)
+            else:
+                self._read_at = self._clock()
         except (*REDIS_FAILURES, ValueError) as exc:  # (ValueError: a version not a number)
-            if not self._failing:
-                self._failing = True
-                logger.warning(
-                    "API keys: the tenant store cannot be read (%s: %s); the keys of version "
-                    "%d stay in use until it can",
-                    type(exc).__name__,
-                    exc,
-                    self._table.version,
-                )
+            self._failed(exc)
             return
         if self._failing:
             self._failing = False
             logger.info("API keys: the tenant store is read again (version %d)", self.version)
+
+    def _failed(self, exc: BaseException) -> None:
+        if not self._failing:
+            self._failing = True
+            logger.warning(
+                "API keys: the tenant store cannot be read (%s: %s); the keys of version %d "
+                "stay in use until it can, for %g s at most",
+                type(exc).__name__,
+                exc,
+                self._table.version,
+                self.max_stale_s,
+            )
+
+    async def follow(self) -> None:
+        """Wait on the store's log once (up to :data:`FOLLOW_BLOCK_MS`): drop what the changes
+        that came revoked, then read the store again if they moved its version. Redis
+        failing: raised."""
+        client = self.client
+        if client is None:
+            return
+        if self._after is None:
+            self._after = await last_change_id(client, self.keys)
+        changes = await read_changes(client, self.keys, self._after, block_ms=FOLLOW_BLOCK_MS)
+        if not changes:
+            return
+        self._after = changes[-1].id
+        if [c for c in changes if self.apply(c)]:  # (every change applied)
+            await self._reload(client)
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
@@ -198,13 +277,19 @@ class KeyTable:
             return
         self.client = self.store()
         try:
+            with contextlib.suppress(*REDIS_FAILURES):  # (then the follower asks again)
+                self._after = await last_change_id(self.client, self.keys)
             await self.refresh()
             self._stop.clear()
             task = asyncio.create_task(self._refreshing(), name="batchline-api-keys")
+            follower = asyncio.create_task(self._following(), name="batchline-api-keys-log")
             try:
                 yield
             finally:
                 self._stop.set()
+                follower.cancel()  # (it may be waiting on the log)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await follower
                 await task
         finally:
             client, self.client = self.client, None
@@ -216,6 +301,29 @@ class KeyTable:
                 await asyncio.wait_for(self._stop.wait(), self.refresh_s)
                 return
             await self.refresh()
+
+    async def _following(self) -> None:
+        refused = False
+        while not self._stop.is_set():
+            pause_s = self.refresh_s
+            try:
+                await self.follow()
+                continue
+            except NoPermissionError as exc:  # (a Redis user made by an older batchline acl)
+                pause_s = FOLLOW_BLOCK_MS / 1000
+                if not refused:
+                    refused = True
+                    logger.warning(
+                        "API keys: this API's Redis user may not read the tenant store's log "
+                        "of changes (%s); a revoke holds by the version check alone, within "
+                        "%g s, not at once: give it the rules of batchline acl --api-keys",
+                        exc,
+                        self.refresh_s,
+                    )
+            except (*REDIS_FAILURES, ValueError) as exc:  # (the version check warns of it)
+                logger.debug("API keys: waiting on the tenant store's log failed: %r", exc)
+            with contextlib.suppress(TimeoutError):  # (the next try, once Redis may answer)
+                await asyncio.wait_for(self._stop.wait(), pause_s)
 
 
 def uvicorn_host(argv: Sequence[str], environ: Mapping[str, str]) -> str | None:
@@ -281,7 +389,7 @@ class KeyCheck:
         if scope["type"] == "websocket":  # (none is served; one would be closed unaccepted)
             await send({"type": "websocket.close", "code": 1008})
             return
-        if not self.table.loaded:
+        if not self.table.usable:
             await self._refuse(
                 scope, receive, send, status=503, message=_NOT_LOADED, code="service_unavailable"
             )
@@ -327,4 +435,4 @@ _MISSING: Final = (
     "YOUR_KEY), or in an x-api-key or api-key header."
 )
 _WRONG: Final = "Incorrect API key provided."
-_NOT_LOADED: Final = "The API keys are not loaded yet (Redis unreachable); retry later."
+_NOT_LOADED: Final = "The API keys cannot be checked now (Redis unreachable); retry later."

@@ -9,8 +9,6 @@ tokenizer: a test runs it in a process of its own and checks that torch never lo
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -23,9 +21,10 @@ from batchline.keys import QueueKeys
 from ..test_fastapi import Serve, serve
 from .test_openai import MakeApp, assert_error, gen_queue, make_app
 from .test_openai_embeddings import idle_app, publish
-from tests.support import app_process, web_models
+from tests.support import web_models
+from tests.support.app_process import app_in_process
 from tests.support.models_for_tests import ByteTokenizer
-from tests.support.service import REPO, RESULT_TIMEOUT_S, WorkerThread, queued, subprocess_env
+from tests.support.service import RESULT_TIMEOUT_S, WorkerThread, queued, subprocess_env
 from tests.worker.test_generate import CHAT, TINY
 
 __all__ = ["gen_queue", "idle_app", "make_app", "serve"]  # fixtures, used here
@@ -161,36 +160,14 @@ def test_the_app_never_imports_torch(
             "BATCHLINE_GENERATION_QUEUE": gen_queue,
         }
     )
-    port = _free_port()
-    with subprocess.Popen(
-        [sys.executable, app_process.__file__, str(port)],
-        env=env,
-        cwd=REPO,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    ) as proc:
-        try:
-            assert proc.stdout is not None
-            assert proc.stdin is not None
-            assert proc.stdout.readline().strip() == "ready"
-            with httpx.Client(
-                base_url=f"http://127.0.0.1:{port}", timeout=RESULT_TIMEOUT_S
-            ) as http:
-                tokens = post(http, "/tokenize", model=gen_queue, messages=CHAT)["tokens"]
-                assert post(http, "/detokenize", model=gen_queue, tokens=tokens)["prompt"]
-                post(http, "/v1/embeddings", model=queue, input="x")
-                post(http, "/v1/chat/completions", model=gen_queue, messages=CHAT, max_tokens=2)
-            proc.stdin.write("check\n")
-            proc.stdin.flush()
-            assert json.loads(proc.stdout.readline()) == []
-        finally:
-            proc.kill()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    with app_in_process(env) as (proc, url):
+        assert proc.stdin is not None
+        assert proc.stdout is not None
+        with httpx.Client(base_url=url, timeout=RESULT_TIMEOUT_S) as http:
+            tokens = post(http, "/tokenize", model=gen_queue, messages=CHAT)["tokens"]
+            assert post(http, "/detokenize", model=gen_queue, tokens=tokens)["prompt"]
+            post(http, "/v1/embeddings", model=queue, input="x")
+            post(http, "/v1/chat/completions", model=gen_queue, messages=CHAT, max_tokens=2)
+        proc.stdin.write("check\n")
+        proc.stdin.flush()
+        assert json.loads(proc.stdout.readline()) == []
