@@ -42,6 +42,7 @@ from batchline.errors import (
     RequestTimeout,
     ServiceUnavailable,
     StreamDiverged,
+    TenantNotAllowed,
     WorkerHung,
 )
 
@@ -80,6 +81,7 @@ __all__ = [
     "RequestTimeout",
     "ServiceUnavailable",
     "StreamDiverged",
+    "TenantNotAllowed",
     "ThreadBatcher",
     "ThreadOptions",
     "WorkerHung",

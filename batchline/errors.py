@@ -8,6 +8,8 @@ error subclasses that builtin too::
     ├── QueueFull                    the queue is at max_queue_size; raised at once
     ├── QuotaExceeded                a tenant's quota (requests or tokens a minute, requests
     │                                in flight) is reached: not queued; retry after retry_after_s
+    ├── TenantNotAllowed             the producer's Redis user may not act as the tenant it
+    │                                named (its ACL is another tenant's): nothing was done
     ├── BatcherClosed                a call after close(), or one rejected by close()
     ├── RequestTimeout (TimeoutError) the call's timeout or deadline passed
     │   ├── RequestExpired           the deadline passed before a worker started it
@@ -80,6 +82,7 @@ __all__ = [
     "RequestTimeout",
     "ServiceUnavailable",
     "StreamDiverged",
+    "TenantNotAllowed",
     "WorkerHung",
 ]
 
@@ -113,6 +116,12 @@ class QuotaExceeded(BatchlineError):
 
 def _quota_exceeded(message: str, tenant: str, limit: str, retry_after_s: float) -> QuotaExceeded:
     return QuotaExceeded(message, tenant=tenant, limit=limit, retry_after_s=retry_after_s)
+
+
+class TenantNotAllowed(BatchlineError):
+    """The producer's Redis user may not enqueue, cancel or look up requests as the tenant
+    it named: Redis's ACL (``batchline acl --tenant``) gives that user another tenant's
+    rights. Nothing was done."""
 
 
 class BatcherClosed(BatchlineError):

@@ -26,7 +26,7 @@ from typing import Any, Literal
 import msgpack
 from redis.exceptions import NoPermissionError, ResponseError
 
-from batchline.errors import ServiceUnavailable
+from batchline.errors import ServiceUnavailable, TenantNotAllowed
 from batchline.keys import QueueKeys
 from batchline.transport._cancels import CANCELS_MAXLEN
 from batchline.transport._functions import (
@@ -92,6 +92,12 @@ class Admission:
         self.check_tenant_mode(tenant)
         try:
             return await client.fcall(name, len(keys), *keys, tenant, *args)
+        except NoPermissionError as exc:
+            raise TenantNotAllowed(
+                f"queue {self.keys.queue!r}: tenant {tenant!r}: this producer's Redis user may "
+                f"not act as it ({exc}): its rights are another tenant's (`batchline acl "
+                "--tenant NAME` gives a tenant's producer user); nothing was done"
+            ) from exc
         except ResponseError as exc:
             if function_missing(exc):
                 raise ServiceUnavailable(

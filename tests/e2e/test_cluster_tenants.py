@@ -19,13 +19,12 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 from redis.cluster import RedisCluster
-from redis.exceptions import NoPermissionError
 
 from batchline.acl import tenant_rules
 from batchline.config import ServiceSettings, WebSettings
 from batchline.contrib._plumbing import KeyTable
 from batchline.contrib.fastapi import create_app
-from batchline.errors import QuotaExceeded
+from batchline.errors import QuotaExceeded, TenantNotAllowed
 from batchline.keys import QueueKeys, TenantKeys
 from batchline.producer import AsyncProducer
 from batchline.tenants import TenantConfig
@@ -297,7 +296,7 @@ async def test_a_tenants_redis_user_on_a_cluster(
     try:
         async with AsyncProducer(**as_acme, tenant="acme") as producer:
             assert await producer.infer("acme's", timeout_s=RESULT_TIMEOUT_S) == "acme's"
-            with pytest.raises(NoPermissionError):
+            with pytest.raises(TenantNotAllowed, match="'globex'"):
                 await producer.submit("as another", tenant="globex")
     finally:
         for node in nodes:

@@ -21,7 +21,7 @@ import redis
 from batchline.acl import acl_rules, tenant_rules, tenant_setuser
 from batchline.codec import pack_value
 from batchline.config import ProducerSettings, WorkerSettings
-from batchline.errors import QuotaExceeded, RequestCancelled
+from batchline.errors import QuotaExceeded, RequestCancelled, TenantNotAllowed
 from batchline.keys import QueueKeys, TenantKeys
 from batchline.producer import AsyncProducer, Producer
 from batchline.producer._tenancy import estimate_cost, producer_id_for, request_id_for
@@ -409,6 +409,28 @@ async def test_one_producers_first_requests_of_new_tenants_at_once_are_all_answe
                 timeout=2 * T,
             )
             assert outputs == tenants
+
+
+@pytest.mark.slow
+async def test_a_producer_naming_a_tenant_its_user_may_not_act_as_gets_a_typed_error(
+    tenant_url: Callable[[str], str],
+    start_worker: Callable[..., WorkerThread],
+    urls: dict[str, str],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    queue: str,
+) -> None:
+    common = {"queue": queue, "result_ttl_s": 120}
+    start_worker(redis_url=urls["worker"], **common)  # loads the functions
+    async with AsyncProducer(redis_url=tenant_url("acme"), tenant="acme", **common) as acme:
+        assert await acme.infer("mine", timeout_s=T) == "mine"
+        for attempt in (
+            acme.submit("as another", tenant="beta"),
+            acme.cancel("beta.1", tenant="beta"),
+        ):
+            with pytest.raises(TenantNotAllowed, match="tenant 'beta'"):
+                await attempt
+    assert not rclient.exists(keys.tenant_inbox("beta"))
 
 
 @pytest.mark.slow
