@@ -368,8 +368,8 @@ def main() -> int:
             run.worker("noop", ["--model", "batchline.worker.models:echo", "--batch-size", "64",
                                 "--timeout-ms", "0"], fair=True)  # fmt: skip
             time.sleep(1.5)  # the tenants' configs mirrored (checked once a second)
-            gen = not args.no_generation and args.parts != "c"
-            asyncio.run(_main(run, procs.procs["redis-server"].pid, gen))
+            generation = not args.no_generation and args.parts != "c"
+            asyncio.run(_main(run, procs.procs["redis-server"].pid, generation))
         finally:
             procs.stop_all()
     return 0
