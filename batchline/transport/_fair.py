@@ -310,8 +310,8 @@ local function dispatch_streams()
   end
   fair_new, fair_order = {}, {}
   -- pcall: a worker whose ACL predates tenants has no right to this key, and nothing held
-  local counts = redis.pcall('HGETALL', fair_counts)
-  if type(counts) ~= 'table' or counts.err then return 0 end
+  if redis.pcall('EXISTS', fair_counts) ~= 1 then return 0 end
+  local counts = redis.call('HGETALL', fair_counts)
   local total, held = 0, {}
   for j = 1, #counts - 1, 2 do
     local n = tonumber(counts[j + 1]) or 0

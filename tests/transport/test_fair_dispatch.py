@@ -216,3 +216,20 @@ def test_untenanted_requests_take_their_share_as_dash_once_a_tenant_is_backlogge
     take(rclient, keys)
     dispatch(rclient, keys, 2)
     assert take(rclient, keys) == [u[2], a[0]]  # both start at 0: '-' sorts first
+
+
+@pytest.mark.parametrize("batch_size", [1, 4], ids=["held", "straight"])
+def test_an_id_sent_twice_in_one_call_is_one_request(
+    rclient: redis.Redis, keys: QueueKeys, batch_size: int
+) -> None:
+    first = enqueue(rclient, keys, "A", "x", "X")
+    enqueue(rclient, keys, "A", "y", "Y")
+    assert enqueue(rclient, keys, "A", "x", "X") == first  # a resubmit in the same call
+    admit(rclient, keys, batch_size=batch_size)
+    while dispatch(rclient, keys, 8):
+        pass
+    assert stream_ids(rclient, keys) == [first, "A.y"]
+    assert rclient.hget(keys.once_stats, "attached") == b"1"
+    value = rclient.get(keys.request_input(first)).decode()
+    assert value.endswith(" @" + rclient.xrange(keys.stream(0))[0][0].decode())
+    assert rclient.ttl(keys.request_input(first)) > 0
