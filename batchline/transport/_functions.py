@@ -236,6 +236,7 @@ local function admit(keys, args)
   begin_once(args)
   begin_tenants(args[19], {unpack(keys, 6)})
   begin_fair(args, 20)
+  quota_begin()
   local wakes = TK.wakes()
   local depth, full, withheld, over = nil, 0, 0, 0
   local function room()  -- whether the work streams hold fewer than max_depth entries

@@ -108,11 +108,16 @@ end
 #   id -> now + result_ttl_s); {limit =, message =, retry_ms =} refuses it; '<tenant>~over'
 #   (over quota, over_quota 'idle') holds it under that name, counted in the minute, not in
 #   flight.
-# - quota_end(): after the call's admissions, the EXPIRE of each in-flight set added to.
+# - quota_begin() before a call's admissions; quota_end() after them: the in-flight ids of
+#   tenants without a max_in_flight (nothing in the call counts them: one ZADD a tenant)
+#   and the EXPIRE of each in-flight set added to.
 QUOTA = (
     f"local QUOTA_RETRY_MS = {QUOTA_RETRY_MS}\n"
     + r"""
-local quota_expiring = {}  -- the in-flight sets this call added to (quota_end)
+-- The in-flight sets this call added to (quota_end), each with the members it adds at
+-- the end ({} where it added at once).
+local quota_expiring = {}
+local function quota_begin() quota_expiring = {} end  -- (a call that failed left some)
 -- The limit a request of `cost` would pass now: nil, or its name, its value and the ms
 -- until a request would be admitted. `prune`: drop the expired in-flight ids (the
 -- admission); a producer's look counts the live ones only.
@@ -162,15 +167,29 @@ local function quota_admit(tenant, id, cost, config)
   if quota_limit(config, 'requests_per_min') > 0 then quota_add(tenant, 'r', 1) end
   if quota_limit(config, 'tokens_per_min') > 0 then quota_add(tenant, 't', cost) end
   if limit then return tenant .. '~over' end
-  local key = TK.in_flight(tenant)
-  redis.call('ZADD', key, quota_now() + ttl * 1000, id)
-  quota_expiring[key] = true
+  local key, expiry = TK.in_flight(tenant), quota_now() + ttl * 1000
+  local later = quota_expiring[key]
+  if not later then
+    later = {}
+    quota_expiring[key] = later
+  end
+  if quota_limit(config, 'max_in_flight') > 0 then  -- counted by the next admission
+    redis.call('ZADD', key, expiry, id)
+  else
+    later[#later + 1] = expiry
+    later[#later + 1] = id
+  end
   return nil
 end
 -- After a call's admissions: each in-flight set it added to expires with its newest id
 -- (one EXPIRE a set, not a request: the call's ids share one moment).
 local function quota_end()
-  for key in pairs(quota_expiring) do redis.call('EXPIRE', key, ttl) end
+  for key, later in pairs(quota_expiring) do
+    for i = 1, #later, 1000 do  -- unpack() takes a few thousand values at most
+      redis.call('ZADD', key, unpack(later, i, math.min(i + 999, #later)))
+    end
+    redis.call('EXPIRE', key, ttl)
+  end
   quota_expiring = {}
 end
 """

@@ -233,3 +233,18 @@ def test_an_id_sent_twice_in_one_call_is_one_request(
     value = rclient.get(keys.request_input(first)).decode()
     assert value.endswith(" @" + rclient.xrange(keys.stream(0))[0][0].decode())
     assert rclient.ttl(keys.request_input(first)) > 0
+
+
+def test_requests_in_flight_are_counted_within_one_admit_call(
+    rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    rclient.hset(keys.tenants, "A", TenantConfig(max_in_flight=2).to_json())
+    a = enqueue_each(rclient, keys, "A", 4)
+    b = enqueue_each(rclient, keys, "B", 3)  # no limit: counted in flight all the same
+    admit(rclient, keys, batch_size=8)
+    assert stream_ids(rclient, keys) == [a[0], b[0], a[1], b[1], b[2]]
+    assert {m.decode() for m in rclient.zrange(keys.tenant_in_flight("A"), 0, -1)} == set(a[:2])
+    assert {m.decode() for m in rclient.zrange(keys.tenant_in_flight("B"), 0, -1)} == set(b)
+    assert 0 < rclient.ttl(keys.tenant_in_flight("B")) <= TTL_S
+    for request_id in a[2:]:
+        assert b"QuotaExceeded" in rclient.get(keys.result(request_id))
