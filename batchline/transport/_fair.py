@@ -248,9 +248,8 @@ end
 -- tenant's (or it is alone), its requests go without a look at the set between them.
 local function fill(stream, p)
   local z, idle = TK.fair(p), TK.fair_idle(p)
-  if redis.call('EXISTS', z, idle) == 0 then return 0 end
   local room = fair_ahead - undelivered(stream)
-  local moved, clocks = 0, {}
+  local moved, clocks, writes = 0, {}, {}
   while room > 0 do
     local zset = z
     local top = redis.call('ZRANGE', z, 0, 1, 'WITHSCORES')
@@ -287,13 +286,14 @@ local function fill(stream, p)
     if not empty and redis.call('LLEN', backlog) == 0 then empty = true end
     if empty then
       redis.call('ZREM', zset, tenant)
-      if sent > 0 then redis.call('HSET', fair_clock, last_of(tenant, p), start) end
+      if sent > 0 then writes[#writes + 1], writes[#writes + 2] = last_of(tenant, p), start end
     else
       redis.call('ZADD', zset, start, tenant)
     end
     moved = moved + sent
   end
-  for clock, v in pairs(clocks) do redis.call('HSET', fair_clock, clock, v) end
+  for clock, v in pairs(clocks) do writes[#writes + 1], writes[#writes + 2] = clock, v end
+  if #writes > 0 then redis.call('HSET', fair_clock, unpack(writes)) end
   if moved > 0 then redis.call('HINCRBY', fair_counts, p, -moved) end
   return moved
 end
