@@ -289,7 +289,7 @@ def _report(samples: Samples, repeats: int, gen: bool, parts: str = "abc") -> No
 
 
 def _report_c(samples: Samples, cell: Any, rat: Any) -> None:
-    print("\n(c) CPU per request, no-op worker: tenant (held, dispatched) against untenanted")
+    print("\n(c) CPU per request, no-op worker: a tenant's (fair share, quotas) against untenanted")
     for proc in ("redis", "worker", "producer", "total"):
         t, u = f"c tenant {proc} µs", f"c untenanted {proc} µs"
         diff = [
