@@ -1,7 +1,7 @@
 """The fair share of the workers between tenants against first come, first served, in one run.
 
 ``python -m benchmarks.fairness [--batch-ms 8] [--item-ms 0.5] [--batch-size 8] [--seconds 6]
-[--repeats 3] [--shares 400] [--requests 3000] [--redis-server PATH]``
+[--repeats 3] [--shares 400] [--requests 3000] [--parts abc] [--redis-server PATH]``
 
 It starts its own redis-server (7 or newer: the queue's functions) and, per mode, one
 ``batchline worker`` on a queue of its own: ``fair`` (``--fair-share true``) and ``fifo``
@@ -29,7 +29,11 @@ modes' order.
 - (c) the CPU per request of a tenant's request (enqueued as tenant A, held and dispatched)
   against an untenanted one, on a no-op worker (``echo``, ``--requests`` each, 500 in
   flight): redis-server, the worker and this producer, each process's CPU seconds over the
-  run (µs/request) and the difference.
+  run (µs/request) and the difference, and the Redis commands per request (``INFO
+  commandstats``: the functions' calls and the commands they make).
+
+``--parts`` runs only the parts it names (``c``: only the CPU, no embedding or generation
+worker started).
 
 It prints medians (with the range of the repeats) and ratios to the anchors it names: B
 alone, FIFO, 3:1, untenanted. The machine is shared: compare ratios within a run.
@@ -247,6 +251,7 @@ async def part_c(run: Run, samples: Samples, redis_pid: int) -> None:
         async with AsyncProducer(redis_url=run.url, queue=queue, tenant=tenant) as producer:
             await producer.infer(-1, timeout_s=60)  # its reply stream read, warm
             pids = {"redis": redis_pid, "worker": worker_pid, "producer": os.getpid()}
+            calls0 = _commands(run.url)
             meter = CpuMeter(pids)
             n = run.args.requests
             for first in range(0, n, 500):
@@ -254,13 +259,26 @@ async def part_c(run: Run, samples: Samples, redis_pid: int) -> None:
                 for handle in handles:
                     await producer.wait(handle, timeout_s=600)
             used = meter.done()
-        log(f"(c) {name}: {sum(used[p] for p in pids) / n * 1e6:.0f} µs/request")
+            calls = _commands(run.url)
+        per = {k: (v - calls0.get(k, 0)) / n for k, v in calls.items() if v > calls0.get(k, 0)}
+        log(f"(c) {name}: {sum(used[p] for p in pids) / n * 1e6:.0f} µs/request; commands "
+            f"per request: {', '.join(f'{k} {v:.2f}' for k, v in sorted(per.items()))}")  # fmt: skip
+        samples.add(
+            f"c {name} commands", sum(v for k, v in per.items() if k not in ("info", "hello"))
+        )
         for proc in pids:
             samples.add(f"c {name} {proc} µs", used[proc] / n * 1e6)
         samples.add(f"c {name} total µs", sum(used[p] for p in pids) / n * 1e6)
 
 
-def _report(samples: Samples, args: argparse.Namespace, gen: bool) -> None:
+def _commands(url: str) -> dict[str, int]:
+    """Redis's count of each command so far (``INFO commandstats``)."""
+    with redis.Redis.from_url(url) as client:
+        stats: dict[str, Any] = client.info("commandstats")
+    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
+
+
+def _report(samples: Samples, args: argparse.Namespace, gen: bool, parts: str = "abc") -> None:
     def cell(key: str, digits: int = 1) -> str:
         med = samples.med(key)
         spread = samples.spread(key)
@@ -271,6 +289,10 @@ def _report(samples: Samples, args: argparse.Namespace, gen: bool) -> None:
         return f"{statistics.median(pairs):.2f}" if pairs else "n/a"
 
     print(f"\n{args.repeats} interleaved repeats; medians (range of the repeats)")
+    if "c" in parts:
+        _report_c(samples, cell, rat)
+    if parts == "c":
+        return
     print("\n(a) two tenants, one priority, saturated worker (A offers 10x B's load)")
     for mode in MODES:
         print(f"{mode:<5} B p99 alone ms {cell(f'a {mode} B p99 alone', 0)}; "
@@ -293,7 +315,10 @@ def _report(samples: Samples, args: argparse.Namespace, gen: bool) -> None:
     print(f"fair items A/B / 3: {(samples.med('b fair items A/B') or 0) / 3:.3f}")
     if gen:
         print(f"fair tokens A/B / 3: {(samples.med('b fair tokens A/B') or 0) / 3:.3f}")
-    print("\n(c) CPU per request, no-op worker: tenant (held, dispatched) against untenanted")
+
+
+def _report_c(samples: Samples, cell: Any, rat: Any) -> None:
+    print("\n(c) CPU per request, no-op worker: a tenant's (fair share, quotas) against untenanted")
     for proc in ("redis", "worker", "producer", "total"):
         t, u = f"c tenant {proc} µs", f"c untenanted {proc} µs"
         diff = [
@@ -302,6 +327,8 @@ def _report(samples: Samples, args: argparse.Namespace, gen: bool) -> None:
         added = f"{statistics.median(diff):+.1f}" if diff else "n/a"
         print(f"{proc:<8} tenant {cell(t)} µs; untenanted {cell(u)} µs; "
               f"added {added} µs; ratio {rat(t, u)}")  # fmt: skip
+    print(f"Redis commands per request: tenant {cell('c tenant commands', 2)}; "
+          f"untenanted {cell('c untenanted commands', 2)}")  # fmt: skip
 
 
 async def _bounded(what: str, part: Any) -> None:
@@ -314,16 +341,20 @@ async def _bounded(what: str, part: Any) -> None:
 
 async def _main(run: Run, redis_pid: int, gen: bool) -> None:
     samples = Samples()
+    parts = run.args.parts
     for rep in range(run.args.repeats):
-        run.only("noop")
-        await _bounded("(c)", part_c(run, samples, redis_pid))
+        if "c" in parts:
+            run.only("noop")
+            await _bounded("(c)", part_c(run, samples, redis_pid))
+        if parts == "c":
+            continue
         for mode in MODES if rep % 2 == 0 else MODES[::-1]:
             run.only(f"emb-{mode}")
             await _bounded(f"(a) {mode}", part_a(run, samples, mode))
             if gen:
                 run.procs.resume(f"gen-{mode}")
             await _bounded(f"(b) {mode}", part_b(run, samples, mode))
-    _report(samples, run.args, gen)
+    _report(samples, run.args, gen, parts)
 
 
 def main() -> int:
@@ -336,8 +367,13 @@ def main() -> int:
     parser.add_argument("--shares", type=int, default=400)
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--no-generation", action="store_true", help="skip the tokens share")
+    parser.add_argument(
+        "--parts", default="abc", help="the parts to run: abc (all) or c (the CPU alone)"
+    )
     add_redis_server_flag(parser)
     args = parser.parse_args()
+    if args.parts not in ("abc", "c"):
+        parser.error(f"--parts: abc or c, not {args.parts!r}")
     binary = redis_binary(args.redis_server)
     with tempfile.TemporaryDirectory() as tmp:
         procs = Procs(Path(tmp))
@@ -353,7 +389,7 @@ def main() -> int:
             client.incr(store.version)
             client.close()
             batch = ["--batch-size", str(args.batch_size), "--timeout-ms", "5"]
-            for mode in MODES:
+            for mode in MODES if args.parts != "c" else ():
                 emb = ["--model", "benchmarks.fairness:busy", *batch]
                 run.worker(f"emb-{mode}", emb, fair=mode == "fair")
                 if not args.no_generation:
@@ -362,7 +398,8 @@ def main() -> int:
             run.worker("noop", ["--model", "batchline.worker.models:echo", "--batch-size", "64",
                                 "--timeout-ms", "0"], fair=True)  # fmt: skip
             time.sleep(1.5)  # the tenants' configs mirrored (checked once a second)
-            asyncio.run(_main(run, procs.procs["redis-server"].pid, not args.no_generation))
+            generation = not args.no_generation and args.parts != "c"
+            asyncio.run(_main(run, procs.procs["redis-server"].pid, generation))
         finally:
             procs.stop_all()
     return 0

@@ -236,6 +236,7 @@ local function admit(keys, args)
   begin_once(args)
   begin_tenants(args[19], {unpack(keys, 6)})
   begin_fair(args, 20)
+  quota_begin()
   local wakes = TK.wakes()
   local depth, full, withheld, over = nil, 0, 0, 0
   local function room()  -- whether the work streams hold fewer than max_depth entries
@@ -305,6 +306,11 @@ local function admit(keys, args)
       if e[j] == 'tn' then has = true end
     end
     if (not has and not tenant) or #e % 2 ~= 0 then return e end
+    if not has then  -- the common case: tn added in place
+      e[#e + 1] = 'tn'
+      e[#e + 1] = tenant
+      return e
+    end
     local out = {e[1], e[2]}
     for j = 3, #e - 1, 2 do
       if e[j] ~= 'tn' then
@@ -404,6 +410,7 @@ local function admit(keys, args)
     depth = depth and depth + 1
   end
   local function cancelled(id)
+    fair_cancelled(id)
     redis.call('XADD', cancels, 'MAXLEN', '~', cancels_maxlen, '*', 'id', id)
     redis.call('EXPIRE', cancels, ttl)
     -- Not answered yet: a resubmit after this cancel runs again.
@@ -474,23 +481,30 @@ local function admit(keys, args)
   -- Tenants' inboxes, as the wake list names them: up to `most` elements in all, each
   -- wake taking what is left of that; a wake whose inbox holds more goes to the list's end.
   -- (pcall: under a worker ACL from before tenants, the rest is admitted all the same.)
-  local budget = most
+  local budget, drained = most, {}
   for _ = 1, 1000 do
     if budget <= 0 then break end
     local wake = redis.pcall('LPOP', wakes)
     if type(wake) ~= 'string' then break end
     local ok, e = pcall(cmsgpack.unpack, wake)
     if ok and type(e) == 'table' and e[1] == 't' and is_tenant(e[2]) and #e == 2 then
-      local from = TK.inbox(e[2])
-      local taken = redis.call('LPOP', from, budget) or {}
-      for _, element in ipairs(taken) do one(element, e[2]) end
-      admitted, budget = admitted + #taken, budget - #taken
-      if redis.call('LLEN', from) > 0 then redis.call('RPUSH', wakes, wake_element(e[2])) end
+      if not drained[e[2]] then  -- a second wake of an inbox this call emptied: nothing
+        local from, asked = TK.inbox(e[2]), budget
+        local taken = redis.call('LPOP', from, asked) or {}
+        for _, element in ipairs(taken) do one(element, e[2]) end
+        admitted, budget = admitted + #taken, budget - #taken
+        if #taken == asked and redis.call('LLEN', from) > 0 then
+          redis.call('RPUSH', wakes, wake_element(e[2]))
+        else
+          drained[e[2]] = true
+        end
+      end
     else
       refuse('on the wake list: not a wake', #wake)
     end
   end
   for_tenant(nil)
+  quota_end()
   for _, element in ipairs(redis.call('LPOP', job_list, 1000) or {}) do marked(element) end
   end_once()
   send_replies(reply_prefix, reply_maxlen, ttl)

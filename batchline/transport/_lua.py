@@ -248,12 +248,13 @@ end
 # ('<prefix>:{<queue>}:') and the work streams (priority 0 first); TK names the tenants' keys
 # from the base as batchline/keys.py's QueueKeys does (tests/wire/test_tenants.py compares
 # them); tenant_config(t) is a tenant's config from the queue's tenants hash (a
-# table, empty for none or one that is not a JSON object), read once per call.
+# table, empty for none or one that is not a JSON object), read once per call; tenants_ms
+# the call's time (:mod:`._quota`'s quota_now(): one TIME a call).
 TENANTS = r"""
 local TK, work_streams, configs = {}, {}, {}
-local tenant_base = ''
+local tenant_base, tenants_ms = '', nil  -- tenants_ms: Redis's clock, read once a call
 local function begin_tenants(base, streams)
-  tenant_base, work_streams, configs = base or '', streams or {}, {}
+  tenant_base, work_streams, configs, tenants_ms = base or '', streams or {}, {}, nil
 end
 function TK.inbox(t) return tenant_base .. 'in:' .. t end
 function TK.wakes() return tenant_base .. 'wake' end
@@ -275,13 +276,24 @@ local function in_namespace(t, name)  -- whether a request or producer id is t's
   return type(name) == 'string' and string.sub(name, 1, #t + 1) == t .. '.'
 end
 local function wake_element(t) return cmsgpack.pack({'t', t}) end
+-- Decoded configs by their JSON text, kept across calls where the state lives on (the
+-- library's): a config read again as the same text is not decoded again (read only; at
+-- most 1,024 texts, then forgotten all at once).
+local decoded, n_decoded = {}, 0
 local function tenant_config(t)
   local found = configs[t]
   if found then return found end
   local raw = redis.call('HGET', TK.tenants(), t)
-  local ok, config = false, nil
-  if raw then ok, config = pcall(cjson.decode, raw) end
-  if not ok or type(config) ~= 'table' then config = {} end
+  local config = raw and decoded[raw]
+  if not config then
+    local ok = false
+    if raw then ok, config = pcall(cjson.decode, raw) end
+    if not ok or type(config) ~= 'table' then config = {} end
+    if raw then
+      if n_decoded >= 1024 then decoded, n_decoded = {}, 0 end
+      decoded[raw], n_decoded = config, n_decoded + 1
+    end
+  end
   configs[t] = config
   return config
 end

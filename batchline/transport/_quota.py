@@ -61,9 +61,12 @@ def usage_day(unix_s: float) -> str:
 COUNTERS = (
     f"local USAGE_TTL_S = {USAGE_TTL_DAYS * 86400}\n"
     + r"""
-local function quota_now()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function quota_now()  -- read once a call (begin_tenants forgets it): one moment
+  if not tenants_ms then
+    local t = redis.call('TIME')
+    tenants_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  return tenants_ms
 end
 local function quota_limit(c, name)
   local n = c and tonumber(c[name])
@@ -105,21 +108,29 @@ end
 #   id -> now + result_ttl_s); {limit =, message =, retry_ms =} refuses it; '<tenant>~over'
 #   (over quota, over_quota 'idle') holds it under that name, counted in the minute, not in
 #   flight.
+# - quota_begin() before a call's admissions; quota_end() after them: the in-flight ids of
+#   tenants without a max_in_flight (nothing in the call counts them: one ZADD a tenant)
+#   and the EXPIRE of each in-flight set added to.
 QUOTA = (
     f"local QUOTA_RETRY_MS = {QUOTA_RETRY_MS}\n"
     + r"""
+-- The in-flight sets this call added to (quota_end), each with the members it adds at
+-- the end ({} where it added at once).
+local quota_expiring = {}
+local function quota_begin() quota_expiring = {} end  -- (a call that failed left some)
 -- The limit a request of `cost` would pass now: nil, or its name, its value and the ms
 -- until a request would be admitted. `prune`: drop the expired in-flight ids (the
 -- admission); a producer's look counts the live ones only.
 local function quota_over(tenant, cost, c, prune)
+  local rpm = quota_limit(c, 'requests_per_min')
+  local tpm, most = quota_limit(c, 'tokens_per_min'), quota_limit(c, 'max_in_flight')
+  if rpm == 0 and tpm == 0 and most == 0 then return nil end  -- no limit: nothing to read
   local now = quota_now()
   local minute = math.floor(now / 60000)
   local next_ms = (minute + 1) * 60000 - now
-  local rpm = quota_limit(c, 'requests_per_min')
   if rpm > 0 and tonumber(redis.call('GET', TK.quota(tenant, 'r', minute)) or 0) >= rpm then
     return 'requests_per_min', rpm, next_ms
   end
-  local tpm = quota_limit(c, 'tokens_per_min')
   if tpm > 0 then
     -- One request larger than the whole limit is admitted into a minute with none yet.
     local used = tonumber(redis.call('GET', TK.quota(tenant, 't', minute)) or 0)
@@ -127,7 +138,6 @@ local function quota_over(tenant, cost, c, prune)
       return 'tokens_per_min', tpm, next_ms
     end
   end
-  local most = quota_limit(c, 'max_in_flight')
   if most > 0 then
     local key, n = TK.in_flight(tenant), nil
     if prune then
@@ -157,10 +167,30 @@ local function quota_admit(tenant, id, cost, config)
   if quota_limit(config, 'requests_per_min') > 0 then quota_add(tenant, 'r', 1) end
   if quota_limit(config, 'tokens_per_min') > 0 then quota_add(tenant, 't', cost) end
   if limit then return tenant .. '~over' end
-  local key = TK.in_flight(tenant)
-  redis.call('ZADD', key, quota_now() + ttl * 1000, id)
-  redis.call('EXPIRE', key, ttl)  -- the newest id expires last
+  local key, expiry = TK.in_flight(tenant), quota_now() + ttl * 1000
+  local later = quota_expiring[key]
+  if not later then
+    later = {}
+    quota_expiring[key] = later
+  end
+  if quota_limit(config, 'max_in_flight') > 0 then  -- counted by the next admission
+    redis.call('ZADD', key, expiry, id)
+  else
+    later[#later + 1] = expiry
+    later[#later + 1] = id
+  end
   return nil
+end
+-- After a call's admissions: each in-flight set it added to expires with its newest id
+-- (one EXPIRE a set, not a request: the call's ids share one moment).
+local function quota_end()
+  for key, later in pairs(quota_expiring) do
+    for i = 1, #later, 1000 do  -- unpack() takes a few thousand values at most
+      redis.call('ZADD', key, unpack(later, i, math.min(i + 999, #later)))
+    end
+    redis.call('EXPIRE', key, ttl)
+  end
+  quota_expiring = {}
 end
 """
 )

@@ -404,6 +404,7 @@ def test_bench_fairness_smoke() -> None:
         assert re.search(rf"^{mode}\s+items [\d.]+$", out, re.M), out
     assert re.search(r"^items/s fair / FIFO: [\d.]+$", out, re.M), out
     assert re.search(r"^total\s+tenant [\d.,]+ µs; untenanted [\d.,]+ µs; added", out, re.M), out
+    assert re.search(r"^Redis commands per request: tenant [\d.]+", out, re.M), out
     assert REDIS_LINE.search(out), out
 
 

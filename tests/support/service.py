@@ -48,6 +48,7 @@ from batchline.producer import AsyncProducer
 from batchline.transport import LIBRARY
 from batchline.worker import Worker
 from batchline.worker.serving._admitter import Admitter
+from batchline.worker.serving._dispatch import Dispatcher
 
 from tests.support import models_for_tests
 
@@ -271,10 +272,27 @@ def cancelled_ids(client: redis.Redis, keys: QueueKeys) -> list[str]:
     return ids
 
 
-def admit_inbox(client: redis.Redis, keys: QueueKeys, **settings: Any) -> None:
+class _Ahead(Dispatcher):
+    """A worker's side of the fair share whose admission fills the streams to ``ahead``."""
+
+    def __init__(self, settings: WorkerSettings, ahead: int) -> None:
+        super().__init__(settings)
+        self._ahead = ahead
+
+    @property
+    def admit_ahead(self) -> int:
+        return self._ahead
+
+
+def admit_inbox(
+    client: redis.Redis, keys: QueueKeys, *, ahead: int | None = None, **settings: Any
+) -> None:
     """Admit what the queue's inbox holds, as a worker with ``settings`` would (its queue's
-    state decided without a worker running)."""
-    admitter = Admitter(None, WorkerSettings(queue=keys.queue, **settings), worker_id="test")
+    state decided without a worker running); ``ahead``: the admission fills the streams to
+    that many undelivered entries (default: one, as a lone worker's does)."""
+    worker = WorkerSettings(queue=keys.queue, **settings)
+    dispatcher = None if ahead is None else _Ahead(worker, ahead)
+    admitter = Admitter(None, worker, worker_id="test", dispatcher=dispatcher)
     while client.execute_command("FCALL", *admitter.call())[1]:
         pass
 

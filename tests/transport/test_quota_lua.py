@@ -33,6 +33,7 @@ _ADMIT = (
 begin_once(ARGV)
 begin_tenants(ARGV[12])
 local got = quota_admit(ARGV[13], ARGV[14], tonumber(ARGV[15]), tenant_config(ARGV[13]))
+quota_end()
 if type(got) == 'table' then return {got.limit, got.retry_ms, got.message} end
 return got or ''
 """

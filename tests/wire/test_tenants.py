@@ -39,12 +39,17 @@ from batchline.transport import (
 from batchline.transport._functions import ENQUEUE
 from batchline.transport._lua import TENANTS
 from batchline.worker.serving._admitter import Admitter
-from batchline.worker.serving._dispatch import Dispatcher
 
 from tests.support.models_for_tests import GatedModel
 from tests.support.protocol_doc import doc_block
 from tests.support.quota import Configure
-from tests.support.service import RESULT_TIMEOUT_S, WorkerThread, run_cli, wait_until
+from tests.support.service import (
+    RESULT_TIMEOUT_S,
+    WorkerThread,
+    admit_inbox,
+    run_cli,
+    wait_until,
+)
 
 T = RESULT_TIMEOUT_S
 MODEL_ID = "m1"
@@ -87,12 +92,7 @@ def enqueue_args(keys: QueueKeys, tenant: str, *requests: bytes) -> list[Any]:
 def admit(client: redis.Redis, keys: QueueKeys) -> None:
     """Admit the inbox and the wake list as a worker would (no worker running), one of many
     workers: the admission dispatches what it holds up to a batch (32) into the streams."""
-    settings = WorkerSettings(queue=keys.queue)
-    dispatcher = Dispatcher(settings)
-    dispatcher.live(settings.batch_size)
-    admitter = Admitter(None, settings, worker_id="test", dispatcher=dispatcher)
-    while client.execute_command("FCALL", *admitter.call())[1]:
-        pass
+    admit_inbox(client, keys, ahead=32)
 
 
 def entries(client: redis.Redis, keys: QueueKeys) -> dict[str, dict[bytes, bytes]]:

@@ -7,7 +7,6 @@ the order the model saw the items (recorded), never timing.
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,55 +15,17 @@ import pytest
 import redis
 
 from batchline.codec import Limits, decode_result
-from batchline.codec._requests import request_fields
 from batchline.keys import QueueKeys
 from batchline.tenants import TenantConfig
 
 from tests.support import models_for_tests
 from tests.support.models_for_tests import GatedModel
 from tests.support.service import admit_inbox, spec, wait_until
+from tests.support.tenant_inbox import cancel, enqueue, enqueue_each
 
 pytestmark = pytest.mark.slow
 
 RECORD = spec("record_batches")
-
-
-def enqueue(
-    client: redis.Redis,
-    keys: QueueKeys,
-    tenant: str | None,
-    name: str,
-    value: Any,
-    *,
-    cost: int = 1,
-    priority: int = 0,
-) -> str:
-    """Append one request to ``tenant``'s inbox (and its wake), or to the shared inbox."""
-    request_id = f"{tenant}.{name}" if tenant else name
-    fields, _meta, _blob = request_fields(
-        request_id,
-        value,
-        priority=priority,
-        deadline_unix_ms=None,
-        enqueued_unix_ms=time.time() * 1e3,
-        reply=None,
-        stream=False,
-    )
-    element = msgpack.packb(["r", priority, *fields, "cost", str(cost)], use_bin_type=False)
-    if tenant is None:
-        client.rpush(keys.inbox, element)
-    else:
-        client.rpush(keys.tenant_inbox(tenant), element)
-        client.rpush(keys.wakes, msgpack.packb(["t", tenant], use_bin_type=False))
-    return request_id
-
-
-def enqueue_each(
-    client: redis.Redis, keys: QueueKeys, tenant: str, n: int, **options: Any
-) -> list[str]:
-    """``n`` requests of ``tenant`` (ids ``<tenant>.<t><i>``, values ``<T><i>``)."""
-    low = tenant.lower()
-    return [enqueue(client, keys, tenant, f"{low}{i}", f"{tenant}{i}", **options) for i in range(n)]
 
 
 def served(path: Path) -> list[Any]:
@@ -199,20 +160,32 @@ def test_priorities_come_first(
     assert [x for x in order if x.startswith("A")] == [f"A{i}" for i in range(20)]
 
 
-def test_a_request_cancelled_while_held_is_answered_cancelled_and_never_run(
-    rclient: redis.Redis, keys: QueueKeys, start_worker: Any, record: Path
+@pytest.mark.parametrize(
+    ("n", "batch_size", "cancelled"), [(10, 1, 6), (2, 4, 0)], ids=["held", "straight"]
+)
+def test_a_cancelled_request_is_answered_cancelled_and_never_run(
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    start_worker: Any,
+    record: Path,
+    n: int,
+    batch_size: int,
+    cancelled: int,
 ) -> None:
-    ids = enqueue_each(rclient, keys, "A", 10)
-    admit_inbox(rclient, keys, batch_size=1)
-    assert rclient.hget(keys.backlog_counts, "0") == b"9"
-    rclient.rpush(keys.tenant_inbox("A"), msgpack.packb(["c", ids[6]], use_bin_type=False))
-    rclient.rpush(keys.wakes, msgpack.packb(["t", "A"], use_bin_type=False))
-    admit_inbox(rclient, keys, batch_size=1)
-    start_worker(model=RECORD, batch_size=1, timeout_ms=0)
-    wait_until(lambda: result(rclient, keys, ids[6]) is not None, "the cancelled one answered")
-    wait_until(lambda: len(served(record)) == 9, "the other 9 served")
-    assert result(rclient, keys, ids[6]).status == "cancelled"
-    assert "A6" not in served(record)
+    """Cancelled while held in a backlog, or after it went straight to its stream (nothing
+    was backlogged and the stream had room: the admission dispatches an entry per live
+    worker, one here)."""
+    ids = enqueue_each(rclient, keys, "A", n)
+    admit_inbox(rclient, keys, batch_size=batch_size)
+    assert rclient.xlen(keys.stream(0)) == 1
+    assert rclient.llen(keys.backlog("A", 0)) == n - 1
+    cancel(rclient, keys, "A", ids[cancelled])
+    admit_inbox(rclient, keys, batch_size=batch_size)
+    start_worker(model=RECORD, batch_size=batch_size, timeout_ms=0)
+    wait_until(lambda: result(rclient, keys, ids[cancelled]) is not None, "the cancelled one")
+    wait_until(lambda: len(served(record)) == n - 1, "the others served")
+    assert result(rclient, keys, ids[cancelled]).status == "cancelled"
+    assert served(record) == [f"A{i}" for i in range(n) if i != cancelled]
 
 
 def test_depth_and_status_count_what_is_held(rclient: redis.Redis, keys: QueueKeys) -> None:
