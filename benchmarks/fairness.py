@@ -15,8 +15,9 @@ item-ms items/s, that leaves the shared CPU alone). Repeats alternate the modes'
   mode, and the items/s served with both (from the first request sent to the last answer);
 - (b) weights 3:1 (A 3, B 1 in the tenant store), both backlogged with ``--shares``
   requests each (enqueued while the worker is paused): A's served share over B's, by cost,
-  among the first 60 % started (sent plus its wait in the queue: a generation's answers
-  come out of order; both are backlogged then), for the callable model (cost: items) and,
+  among the requests started while both were backlogged (up to the start of the first
+  tenant's last request; started: sent plus its wait in the queue, a generation's as its
+  sequence joins the running batch), for the callable model (cost: items) and,
   on a ``generate`` worker (SmolLM2-135M-Instruct, a quarter as many requests; cost: prompt
   and generated tokens, each request's ``max_new_tokens`` drawn from 4-24), per mode
   (``--no-generation``: not);
@@ -163,9 +164,12 @@ async def part_a(run: Run, samples: Samples, mode: str) -> None:
 
 
 async def _share(run: Run, worker: str, queue: str, n: int, values: Any) -> float:
-    """A's served cost over B's among the first 60 % started (sent plus its wait in the
-    queue: a generation's answers come out of order), both backlogged with ``n`` (enqueued while
-    ``worker`` is paused, so that both are backlogged from the start)."""
+    """A's served cost over B's among the requests started while both were backlogged
+    with ``n`` each (enqueued while ``worker`` is paused, so that both are from the start):
+    up to the start of the first tenant's last request, the whole window the share is
+    defined over. A request counts whole as it starts (sent plus its wait in the queue; a
+    generation's answers come out of order): the fair share decides which request starts
+    next, and a generation's tokens are committed as its sequence joins the batch."""
     done: list[tuple[float, str, int]] = []
     producers = await _producers(run.url, queue)
 
@@ -189,9 +193,9 @@ async def _share(run: Run, worker: str, queue: str, n: int, values: Any) -> floa
         await asyncio.gather(*jobs)
     finally:
         await _close(producers)
-    first = sorted(done)[: int(len(done) * 0.6)]
-    a = sum(c for _, t, c in first if t == "A")
-    b = sum(c for _, t, c in first if t == "B")
+    both = min(max(s for s, t, _ in done if t == tenant) for tenant in ("A", "B"))
+    a = sum(c for s, t, c in done if t == "A" and s <= both)
+    b = sum(c for s, t, c in done if t == "B" and s <= both)
     return a / b if b else float("nan")
 
 
