@@ -21,11 +21,11 @@ modes' order.
   the batch under way, then runs in the next, full of A's);
 - (b) weights 3:1 (A 3, B 1 in the tenant store), both backlogged with ``--shares``
   requests each (enqueued while the worker is paused): A's served share over B's, by cost,
-  among the first 60 % started (sent plus its wait in the queue: a generation's answers
-  come out of order; both are backlogged then), for the callable model (cost: items) and,
-  on a ``generate`` worker (SmolLM2-135M-Instruct, a quarter as many requests; cost: prompt
-  and generated tokens, each request's ``max_new_tokens`` drawn from 4-24), per mode
-  (``--no-generation``: not);
+  among the requests dispatched while both were backlogged (up to the first tenant's last
+  request; in the order dispatched, which the one worker starts them in; inf: B had none
+  of it), for the callable model (cost: items) and, on a ``generate`` worker
+  (SmolLM2-135M-Instruct, a quarter as many requests; cost: prompt and generated tokens,
+  each request's ``max_new_tokens`` drawn from 4-24), per mode (``--no-generation``: not);
 - (c) the CPU per request of a tenant's request (enqueued as tenant A, held and dispatched)
   against an untenanted one, on a no-op worker (``echo``, ``--requests`` each, 500 in
   flight): redis-server, the worker and this producer, each process's CPU seconds over the
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import random
 import statistics
@@ -189,37 +190,61 @@ async def part_a(run: Run, samples: Samples, mode: str) -> None:
         f"{percentile(with_a, 99):.0f} ms; {served:.0f} items/s")  # fmt: skip
 
 
+def _in_dispatch_order(url: str, queue: str, done: list[Any]) -> list[Any]:
+    """``done`` (request id, ...) in the order the fair share moved its requests into the
+    work stream: by the entry each got (``rid:<id>`` = ``<hash> @<entry>``, kept after the
+    answer)."""
+    keys = QueueKeys(queue)
+    client = redis.Redis.from_url(url)
+    try:
+        marks = client.mget([keys.request_input(row[0]) for row in done])
+    finally:
+        client.close()
+
+    def entry(mark: Any) -> tuple[int, int]:
+        ms, _, seq = bytes(mark or b"").partition(b" @")[2].partition(b"-")
+        return int(ms or 0), int(seq or 0)
+
+    ordered = sorted(zip(done, marks, strict=True), key=lambda pair: entry(pair[1]))
+    return [row for row, _ in ordered]
+
+
 async def _share(run: Run, worker: str, queue: str, n: int, values: Any) -> float:
-    """A's served cost over B's among the first 60 % started (sent plus its wait in the
-    queue: a generation's answers come out of order), both backlogged with ``n`` (enqueued while
-    ``worker`` is paused, so that both are backlogged from the start)."""
-    done: list[tuple[float, str, int]] = []
+    """A's served cost over B's among the requests dispatched while both were backlogged
+    with ``n`` each (enqueued while ``worker`` is paused, so that both are from the start):
+    up to the first tenant's last request, the whole window the share is defined over (inf:
+    B had none of it). In the order dispatched, which is the order the one worker starts
+    them (it reads the stream in order; its batches, and its running batch's admissions,
+    take them as read): the order of their start times but exact where several start
+    together (one batch). Each counts whole, by its real cost: a generation's tokens are
+    committed as its sequence joins the batch."""
+    done: list[tuple[str, str, int]] = []  # request id, tenant, cost
     producers = await _producers(run.url, queue)
 
-    async def one(tenant: str, handle: Any, cost: int, sent: float) -> None:
+    async def one(tenant: str, handle: Any, cost: int) -> None:
         result = await producers[tenant].wait(handle, timeout_s=600)
         output = result.output
         real = cost
         if isinstance(output, dict) and "prompt_tokens" in output:
             real = int(output["prompt_tokens"]) + len(output.get("token_ids", ()))
-        done.append((sent + result.queue_ms / 1e3, tenant, real))  # when it started
+        done.append((handle.id, tenant, real))
 
     run.procs.pause(worker)
     jobs = []
     for i in range(n):
         for tenant in ("A", "B"):
             value, cost = values(tenant, i)
-            sent = time.time()
-            jobs.append(one(tenant, await producers[tenant].submit(value), cost, sent))
+            jobs.append(one(tenant, await producers[tenant].submit(value), cost))
     run.procs.resume(worker)
     try:
         await asyncio.gather(*jobs)
     finally:
         await _close(producers)
-    first = sorted(done)[: int(len(done) * 0.6)]
-    a = sum(c for _, t, c in first if t == "A")
-    b = sum(c for _, t, c in first if t == "B")
-    return a / b if b else float("nan")
+    order = _in_dispatch_order(run.url, queue, done)
+    last = min(max(k for k, row in enumerate(order) if row[1] == t) for t in ("A", "B"))
+    a = sum(cost for _id, tenant, cost in order[: last + 1] if tenant == "A")
+    b = sum(cost for _id, tenant, cost in order[: last + 1] if tenant == "B")
+    return a / b if b else math.inf
 
 
 async def part_b(run: Run, samples: Samples, mode: str) -> None:

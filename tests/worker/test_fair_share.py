@@ -7,6 +7,8 @@ the order the model saw the items (recorded), never timing.
 from __future__ import annotations
 
 import signal
+from functools import partial
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ import redis
 
 from batchline.codec import Limits, decode_result
 from batchline.keys import QueueKeys
+from batchline.producer._tenancy import estimate_cost
 from batchline.tenants import TenantConfig
 
 from tests.support import models_for_tests
@@ -216,3 +219,72 @@ def test_a_worker_killed_mid_run_loses_nothing_held(
     assert {result(rclient, keys, i).status for i in ids} == {"ok"}
     assert rclient.hvals(keys.backlog_counts) == [b"0"]
     assert not rclient.exists(keys.backlog("A", 0), keys.backlog("B", 0), keys.fair(0))
+
+
+def dispatch_order(client: redis.Redis, keys: QueueKeys, ids: list[str]) -> list[str]:
+    """``ids`` in the order the fair share moved them into the work stream: by the entry
+    each got (``rid:<id>`` = ``<hash> @<entry>``, kept after the answer)."""
+
+    def entry(request_id: str) -> tuple[int, int]:
+        raw = client.get(keys.request_input(request_id))
+        if not isinstance(raw, bytes) or b" @" not in raw:
+            raise AssertionError(f"{request_id}: no entry in {raw!r}")
+        ms, seq = raw.split(b" @")[1].split(b"-")
+        return int(ms), int(seq)
+
+    return sorted(ids, key=entry)
+
+
+def answered(client: redis.Redis, keys: QueueKeys, ids: list[str]) -> bool:
+    return all(client.exists(keys.result(i)) for i in ids)
+
+
+def generate_each(client: redis.Redis, keys: QueueKeys, tenant: str, numbers: range) -> list[str]:
+    """Generations of ``tenant`` (8 new tokens each), estimated as the producer does
+    (prompt characters / 4 + max_new_tokens: 8; really the prompt's 3-4 tokens more)."""
+    ids = []
+    for i in numbers:
+        value = {"prompt": f"{tenant}{i}", "max_new_tokens": 8}
+        name = f"{tenant.lower()}{i}"
+        ids.append(enqueue(client, keys, tenant, name, value, cost=estimate_cost(value)))
+    return ids
+
+
+def test_generation_shares_by_real_tokens_backlog_after_backlog(
+    rclient: redis.Redis, keys: QueueKeys, spawn_worker: Any
+) -> None:
+    # Generations estimated short of their real tokens, weights 3:1, both tenants backlogged,
+    # three times over on one worker: each time their real tokens are served 3:1, spread.
+    # The last requests of a backlog are answered after it ran dry: their corrections
+    # belong to it, not to the next one (which they pushed back by all of them: A alone
+    # was served for a while, 4.7 to 1).
+    rclient.hset(keys.tenants, "A", TenantConfig(weight=3).to_json())
+    settings = {"model_path": spec("tiny_llama"), "batch_size": 2, "max_restarts_per_min": 0}
+    first = generate_each(rclient, keys, "A", range(12)) + generate_each(
+        rclient, keys, "B", range(12)
+    )
+    admit_inbox(rclient, keys, batch_size=2)
+    worker = spawn_worker("generate", **settings)
+    wait_until(partial(answered, rclient, keys, first), "the first backlogs answered")
+    for numbers in (range(12, 60), range(60, 108)):  # two more backlogs, the worker stopped
+        worker.signal(signal.SIGSTOP)
+        ids = generate_each(rclient, keys, "A", numbers) + generate_each(
+            rclient, keys, "B", numbers
+        )
+        admit_inbox(rclient, keys, batch_size=2)
+        worker.signal(signal.SIGCONT)
+        wait_until(partial(answered, rclient, keys, ids), "the next backlogs answered")
+        order = dispatch_order(rclient, keys, ids)
+        cost = {}
+        for request_id in ids:
+            output = result(rclient, keys, request_id).output
+            cost[request_id] = output["prompt_tokens"] + len(output["token_ids"])
+        # both backlogged until the first tenant's last request went
+        both = order[: min(max(order.index(i) for i in ids if i.startswith(t)) for t in "AB") + 1]
+        a = sum(cost[i] for i in both if i.startswith("A."))
+        b = sum(cost[i] for i in both if i.startswith("B."))
+        runs = [len(list(run)) for tenant, run in groupby(i[0] for i in both) if tenant == "A"]
+        # 3 of A's to 1 of B's (each a few tokens more than estimated), with the lag of the
+        # corrections (answered about 4 batches after dispatch): never 6 of A's in a row.
+        assert max(runs) <= 5, order
+        assert 3 * 0.9 <= a / b <= 3 * 1.1, (a, b, order)

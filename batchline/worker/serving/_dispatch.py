@@ -151,7 +151,15 @@ class Dispatcher:
             self._tenants_until = time.monotonic() + TENANTS_SEEN_S
 
     def answered(self, meta: Meta, call: Call) -> None:
-        """Note the real cost of one request answered, against its estimate."""
+        """Note the real cost of one request answered, against its estimate, while the
+        backlogs hold anything. With nothing held no tenant is backlogged: a correction
+        would only move an idle tenant's last finish, mostly behind the clock already; kept
+        until the next dispatch call, when something is held again, it would charge (or
+        refund) a backlog formed since for work done before it. So it is dropped, with
+        those gathered and not sent."""
+        if not self.held:
+            self._corrections.clear()
+            return
         if call.error is not None:
             return
         request: Any = meta.request
