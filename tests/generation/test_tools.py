@@ -30,22 +30,8 @@ from batchline.generation._request import parse_request
 from batchline.generation._types import Sequence_
 
 from tests.support.models_for_tests import char_tokenizer, tiny_llama_tools
+from tests.support.tool_schemas import TIME, WEATHER
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"zone": {"enum": ["UTC", "CET"]}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {"type": "function", "function": {"name": "weather", "parameters": WEATHER}},
     {"type": "function", "function": {"name": "time", "description": "now", "parameters": TIME}},

@@ -23,6 +23,7 @@ from ..test_fastapi import Serve, serve
 from ..test_quota_http import REFUSED, refusing
 from tests.support.models_for_tests import tiny_llama_tools
 from tests.support.service import WorkerThread, spec
+from tests.support.tool_schemas import TIME, WEATHER
 from tests.worker.test_generate import in_process, reference
 
 anthropic = pytest.importorskip("anthropic")
@@ -268,21 +269,6 @@ def test_a_tenant_over_its_quota_is_anthropics_429(
         client_for(http).messages.create(**ok)
 
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"zone": {"enum": ["UTC", "CET"]}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {"name": "weather", "description": "The forecast of a city", "input_schema": WEATHER},
     {"name": "time", "input_schema": TIME},
