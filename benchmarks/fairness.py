@@ -32,8 +32,8 @@ modes' order.
   run (µs/request) and the difference, and the Redis commands per request (``INFO
   commandstats``: the functions' calls and the commands they make).
 
-``--parts`` runs only the parts it names (``c``: only the CPU, no embedding or generation
-worker started).
+``--parts`` runs only the parts it names, any of ``a``, ``b`` and ``c`` (``c`` alone starts
+no embedding or generation worker; without ``b``, no generation worker).
 
 It prints medians (with the range of the repeats) and ratios to the anchors it names: B
 alone, FIFO, 3:1, untenanted. The machine is shared: compare ratios within a run.
@@ -316,8 +316,13 @@ def _report(samples: Samples, args: argparse.Namespace, gen: bool, parts: str = 
     print(f"\n{args.repeats} interleaved repeats; medians (range of the repeats)")
     if "c" in parts:
         _report_c(samples, cell, rat)
-    if parts == "c":
-        return
+    if "a" in parts:
+        _report_a(samples, args, cell, rat)
+    if "b" in parts:
+        _report_b(samples, gen, cell)
+
+
+def _report_a(samples: Samples, args: argparse.Namespace, cell: Any, rat: Any) -> None:
     print("\n(a) two tenants, one priority, saturated worker (A offers 10x B's load)")
     for mode in MODES:
         print(f"{mode:<5} B p99 alone ms {cell(f'a {mode} B p99 alone', 0)}; "
@@ -331,6 +336,9 @@ def _report(samples: Samples, args: argparse.Namespace, gen: bool, parts: str = 
         f"B p99 with A, fair, over the least a scheduler that does not stop a batch under way "
         f"can give ({floor:.0f} ms, two full batches): {fair / floor if fair else 0:.2f}"
     )
+
+
+def _report_b(samples: Samples, gen: bool, cell: Any) -> None:
     print("\n(b) weights 3:1, both backlogged: served cost A / B (anchor 3.00)")
     for mode in MODES:
         line = f"{mode:<5} items {cell(f'b {mode} items A/B', 2)}"
@@ -371,11 +379,12 @@ async def _main(run: Run, redis_pid: int, gen: bool) -> None:
         if "c" in parts:
             run.only("noop")
             await _bounded("(c)", part_c(run, samples, redis_pid))
-        if parts == "c":
-            continue
-        for mode in MODES if rep % 2 == 0 else MODES[::-1]:
+        for mode in (MODES if rep % 2 == 0 else MODES[::-1]) if parts != "c" else ():
             run.only(f"emb-{mode}")
-            await _bounded(f"(a) {mode}", part_a(run, samples, mode))
+            if "a" in parts:
+                await _bounded(f"(a) {mode}", part_a(run, samples, mode))
+            if "b" not in parts:
+                continue
             if gen:
                 run.procs.resume(f"gen-{mode}")
             await _bounded(f"(b) {mode}", part_b(run, samples, mode))
@@ -393,12 +402,12 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--no-generation", action="store_true", help="skip the tokens share")
     parser.add_argument(
-        "--parts", default="abc", help="the parts to run: abc (all) or c (the CPU alone)"
+        "--parts", default="abc", help="the parts to run: any of a, b, c (default abc)"
     )
     add_redis_server_flag(parser)
     args = parser.parse_args()
-    if args.parts not in ("abc", "c"):
-        parser.error(f"--parts: abc or c, not {args.parts!r}")
+    if not args.parts or set(args.parts) - set("abc"):
+        parser.error(f"--parts: any of a, b and c, not {args.parts!r}")
     binary = redis_binary(args.redis_server)
     with tempfile.TemporaryDirectory() as tmp:
         procs = Procs(Path(tmp))
@@ -417,13 +426,13 @@ def main() -> int:
             for mode in MODES if args.parts != "c" else ():
                 emb = ["--model", "benchmarks.fairness:busy", *batch]
                 run.worker(f"emb-{mode}", emb, fair=mode == "fair")
-                if not args.no_generation:
+                if not args.no_generation and "b" in args.parts:
                     gen = ["--model", "generate", "--batch-size", "8"]  # SmolLM2-135M-Instruct
                     run.worker(f"gen-{mode}", gen, fair=mode == "fair")
             run.worker("noop", ["--model", "batchline.worker.models:echo", "--batch-size", "64",
                                 "--timeout-ms", "0"], fair=True)  # fmt: skip
             time.sleep(1.5)  # the tenants' configs mirrored (checked once a second)
-            generation = not args.no_generation and args.parts != "c"
+            generation = not args.no_generation and "b" in args.parts
             asyncio.run(_main(run, procs.procs["redis-server"].pid, generation))
         finally:
             procs.stop_all()
