@@ -28,7 +28,9 @@ modes' order.
   each request's ``max_new_tokens`` drawn from 4-24), per mode (``--no-generation``: not);
 - (c) the CPU per request of a tenant's request (enqueued as tenant A, held and dispatched)
   against an untenanted one, on a no-op worker (``echo``, ``--requests`` each, 500 in
-  flight): redis-server, the worker and this producer, each process's CPU seconds over the
+  flight), at two paces: sent one at a time (each after the one before was enqueued: a
+  call of the functions per request) and 500 at once (the producer's calls carry many, as
+  under load): redis-server, the worker and this producer, each process's CPU seconds over the
   run (µs/request) and the difference, and the Redis commands per request (``INFO
   commandstats``: the functions' calls and the commands they make).
 
@@ -267,33 +269,42 @@ async def part_b(run: Run, samples: Samples, mode: str) -> None:
     log(f"(b) {mode}: {', '.join(shares)}")
 
 
+#: Part (c)'s two paces: each request sent after the one before it was enqueued (one
+#: request a call of the functions), and 500 sent at once (the producer's calls carry many).
+PACES = ("one at a time", "500 at once")
+
+
 async def part_c(run: Run, samples: Samples, redis_pid: int) -> None:
     queue = run.queues["noop"]
     worker_pid = run.procs.procs["noop"].pid
     order = ("A", None) if len(samples.rows) % 2 else (None, "A")
-    for tenant in order:  # a producer each: one reply stream each, read from the start
-        name = "tenant" if tenant else "untenanted"
-        async with AsyncProducer(redis_url=run.url, queue=queue, tenant=tenant) as producer:
-            await producer.infer(-1, timeout_s=60)  # its reply stream read, warm
-            pids = {"redis": redis_pid, "worker": worker_pid, "producer": os.getpid()}
-            calls0 = _commands(run.url)
-            meter = CpuMeter(pids)
-            n = run.args.requests
-            for first in range(0, n, 500):
-                handles = [await producer.submit(k) for k in range(first, min(n, first + 500))]
-                for handle in handles:
-                    await producer.wait(handle, timeout_s=600)
-            used = meter.done()
-            calls = _commands(run.url)
-        per = {k: (v - calls0.get(k, 0)) / n for k, v in calls.items() if v > calls0.get(k, 0)}
-        log(f"(c) {name}: {sum(used[p] for p in pids) / n * 1e6:.0f} µs/request; commands "
-            f"per request: {', '.join(f'{k} {v:.2f}' for k, v in sorted(per.items()))}")  # fmt: skip
-        samples.add(
-            f"c {name} commands", sum(v for k, v in per.items() if k not in ("info", "hello"))
-        )
-        for proc in pids:
-            samples.add(f"c {name} {proc} µs", used[proc] / n * 1e6)
-        samples.add(f"c {name} total µs", sum(used[p] for p in pids) / n * 1e6)
+    for pace in PACES:
+        for tenant in order:  # a producer each: one reply stream each, read from the start
+            name = f"{pace}: {'tenant' if tenant else 'untenanted'}"
+            async with AsyncProducer(redis_url=run.url, queue=queue, tenant=tenant) as producer:
+                await producer.infer(-1, timeout_s=60)  # its reply stream read, warm
+                pids = {"redis": redis_pid, "worker": worker_pid, "producer": os.getpid()}
+                calls0 = _commands(run.url)
+                meter = CpuMeter(pids)
+                n = run.args.requests
+                for first in range(0, n, 500):
+                    values = range(first, min(n, first + 500))
+                    if pace == PACES[0]:
+                        handles = [await producer.submit(k) for k in values]
+                    else:
+                        handles = await asyncio.gather(*(producer.submit(k) for k in values))
+                    for handle in handles:
+                        await producer.wait(handle, timeout_s=600)
+                used = meter.done()
+                calls = _commands(run.url)
+            per = {k: (v - calls0.get(k, 0)) / n for k, v in calls.items() if v > calls0.get(k, 0)}
+            log(f"(c) {name}: {sum(used[p] for p in pids) / n * 1e6:.0f} µs/request; commands "
+                f"per request: {', '.join(f'{k} {v:.2f}' for k, v in sorted(per.items()))}")  # fmt: skip
+            skip = ("info", "hello")
+            samples.add(f"c {name} commands", sum(v for k, v in per.items() if k not in skip))
+            for proc in pids:
+                samples.add(f"c {name} {proc} µs", used[proc] / n * 1e6)
+            samples.add(f"c {name} total µs", sum(used[p] for p in pids) / n * 1e6)
 
 
 def _commands(url: str) -> dict[str, int]:
@@ -352,16 +363,19 @@ def _report_b(samples: Samples, gen: bool, cell: Any) -> None:
 
 def _report_c(samples: Samples, cell: Any, rat: Any) -> None:
     print("\n(c) CPU per request, no-op worker: a tenant's (fair share, quotas) against untenanted")
-    for proc in ("redis", "worker", "producer", "total"):
-        t, u = f"c tenant {proc} µs", f"c untenanted {proc} µs"
-        diff = [
-            x - y for x, y in zip(samples.rows.get(t, []), samples.rows.get(u, []), strict=False)
-        ]
-        added = f"{statistics.median(diff):+.1f}" if diff else "n/a"
-        print(f"{proc:<8} tenant {cell(t)} µs; untenanted {cell(u)} µs; "
-              f"added {added} µs; ratio {rat(t, u)}")  # fmt: skip
-    print(f"Redis commands per request: tenant {cell('c tenant commands', 2)}; "
-          f"untenanted {cell('c untenanted commands', 2)}")  # fmt: skip
+    for pace in PACES:
+        print(f"{pace}:")
+        for proc in ("redis", "worker", "producer", "total"):
+            t, u = f"c {pace}: tenant {proc} µs", f"c {pace}: untenanted {proc} µs"
+            diff = [
+                x - y
+                for x, y in zip(samples.rows.get(t, []), samples.rows.get(u, []), strict=False)
+            ]
+            added = f"{statistics.median(diff):+.1f}" if diff else "n/a"
+            print(f"{proc:<8} tenant {cell(t)} µs; untenanted {cell(u)} µs; "
+                  f"added {added} µs; ratio {rat(t, u)}")  # fmt: skip
+        print(f"Redis commands per request: tenant {cell(f'c {pace}: tenant commands', 2)}; "
+              f"untenanted {cell(f'c {pace}: untenanted commands', 2)}")  # fmt: skip
 
 
 async def _bounded(what: str, part: Any) -> None:

@@ -403,9 +403,28 @@ def test_bench_fairness_smoke() -> None:
         assert re.search(rf"^{mode}\s+B p99 alone ms [\d,]+; with A ms [\d,]+", out, re.M), out
         assert re.search(rf"^{mode}\s+items ([\d.]+|inf)$", out, re.M), out
     assert re.search(r"^items/s fair / FIFO: [\d.]+$", out, re.M), out
-    assert re.search(r"^total\s+tenant [\d.,]+ µs; untenanted [\d.,]+ µs; added", out, re.M), out
-    assert re.search(r"^Redis commands per request: tenant [\d.]+", out, re.M), out
+    for pace in ("one at a time", "500 at once"):  # (c)'s lines, in this order
+        at = out.index(f"\n{pace}:\n")
+        assert re.match(r"\n[^\n]*\n(\w+\s+tenant [\d.,]+ µs; untenanted [\d.,]+ µs; added.*\n){4}"
+                        r"Redis commands per request: tenant [\d.]+", out[at:]), out  # fmt: skip
     assert REDIS_LINE.search(out), out
+
+
+@pytest.mark.slow
+def test_bench_fairness_parts() -> None:
+    """``--parts a`` runs part (a) alone: no share or CPU lines, and a bad part is refused."""
+    _debian_redis(": the functions")
+    argv = ["--seconds", "1", "--repeats", "1", "--parts", "a"]
+    out = _bench(["benchmarks.fairness", *argv], 300)
+    assert re.search(r"^fair\s+B p99 alone ms [\d,]+; with A ms [\d,]+", out, re.M), out
+    assert "(b)" not in out, out
+    assert "(c)" not in out, out
+    bad = subprocess.run(
+        [sys.executable, "-m", "benchmarks.fairness", "--parts", "ad"],
+        check=False, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2, bad.stderr
+    assert "--parts: any of a, b and c, not 'ad'" in bad.stderr
 
 
 @pytest.mark.slow
