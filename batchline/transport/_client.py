@@ -104,6 +104,17 @@ class RedisPipeline(Protocol):
 
     def rpush(self, name: Key, *values: Value) -> RedisPipeline: ...
 
+    def blmove(
+        self,
+        first_list: Key,
+        second_list: Key,
+        timeout: float,
+        src: str = "LEFT",
+        dest: str = "RIGHT",
+    ) -> RedisPipeline: ...
+
+    def fcall(self, function: str, numkeys: int, *keys_and_args: Any) -> RedisPipeline: ...
+
     def sadd(self, name: Key, *values: Value) -> RedisPipeline: ...
 
     def srem(self, name: Key, *values: Value) -> RedisPipeline: ...

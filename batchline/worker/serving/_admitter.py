@@ -138,7 +138,21 @@ class Admitter:
     async def admit(self, client: RedisClient | None = None) -> int:
         """One call of the admit function (on ``client``, default the admitter's); returns
         how many elements the inbox, the job list and the wake list still hold."""
-        answer = await (client or self._client).fcall(*self.call())
+        return self._took(await (client or self._client).fcall(*self.call()))
+
+    async def wait_and_admit(self) -> int:
+        """Block on the inbox (``BLMOVE`` into the admission list, at most _BLOCK_S), then
+        one call of the admit function, sent together: Redis runs the call as soon as the
+        wait ends (a client's commands wait behind its blocked one), so an element that
+        comes to an idle queue is admitted one round trip after it came, not two. Returns
+        as :meth:`admit`."""
+        pipe = self._client.pipeline(transaction=False)
+        pipe.blmove(self.keys.inbox, self.keys.admitting, _BLOCK_S, "LEFT", "RIGHT")
+        pipe.fcall(*self.call())
+        _moved, answer = await pipe.execute()
+        return self._took(answer)
+
+    def _took(self, answer: Any) -> int:
         admitted, left, refused, withheld = answer[:4]
         self.over_quota += int(answer[4]) if len(answer) > 4 else 0
         self._dispatcher.held = int(answer[5]) if len(answer) > 5 else 0
@@ -233,15 +247,12 @@ class Admitter:
         left = 1  # first, what waits (and what a worker that died had taken)
         while running():
             try:
-                if not left:
-                    # Nothing moved within _BLOCK_S: admit all the same (nothing, at the
-                    # cost of one call a second), which finds a library gone (a failover to
-                    # a node without it, a FUNCTION FLUSH) while producers cannot enqueue.
-                    await self._client.blmove(
-                        self.keys.inbox, self.keys.admitting, _BLOCK_S, "LEFT", "RIGHT"
-                    )
                 await self.mirror()
-                left = await self.admit()
+                # Nothing waiting: block on the inbox, then admit. Where nothing moved
+                # within _BLOCK_S it admits all the same (nothing, at the cost of one call a
+                # second), which finds a library gone (a failover to a node without it, a
+                # FUNCTION FLUSH) while producers cannot enqueue.
+                left = await (self.admit() if left else self.wait_and_admit())
             except ResponseError as exc:
                 if function_missing(exc):
                     logger.warning("admitter: %s: loading the queue's functions again", exc)
