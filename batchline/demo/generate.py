@@ -14,6 +14,7 @@ import time
 import uuid
 from typing import Any
 
+from batchline.demo.embedded import RedisServer
 from batchline.demo.service import serve_and_drive
 from batchline.transport import EXIT_INTERRUPTED
 
@@ -56,8 +57,14 @@ async def _ask(
         return list(answers), time.perf_counter() - started
 
 
-def run_generate_demo(*, model_path: str | None = None, max_new_tokens: int = 48) -> int:
-    """Run the demo; returns the exit code (130 after Ctrl-C)."""
+def run_generate_demo(
+    *,
+    model_path: str | None = None,
+    max_new_tokens: int = 48,
+    server: RedisServer | None = None,
+) -> int:
+    """Run the demo; returns the exit code (130 after Ctrl-C). ``server``: the redis-server
+    to start (default: the newest found)."""
     queue = f"demo-gen-{uuid.uuid4().hex[:8]}"
     settings = ["--model", "generate", "--batch-size", "8", "--heartbeat-s", "0.5"]
     if model_path:
@@ -68,6 +75,7 @@ def run_generate_demo(*, model_path: str | None = None, max_new_tokens: int = 48
         f"started a worker process (--model generate, {model_path or 'SmolLM2-135M'}); "
         "waiting for its model ...",
         lambda url, producer: _ask(url, producer, queue, max_new_tokens),
+        server,
     )
     if done is None:
         return EXIT_INTERRUPTED

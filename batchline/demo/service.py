@@ -202,17 +202,23 @@ async def _load_functions(url: str, queue: str) -> bool:
         await client.aclose()
 
 
-def serve_and_drive(queue: str, settings: list[str], about: str, drive: Drive[T]) -> T | None:
-    """Redis (:func:`redis_for_demo`), a worker serving ``queue`` with ``settings`` (flags),
-    ``about`` printed, then ``drive(url, producer_settings)``'s result, once the worker has
-    stopped (drained)
-    and the queue is forgotten on a shared Redis. After Ctrl-C, in any of these phases: one
+def serve_and_drive(
+    queue: str,
+    settings: list[str],
+    about: str,
+    drive: Drive[T],
+    server: RedisServer | None = None,
+) -> T | None:
+    """Redis (:func:`redis_for_demo`, ``server`` if given), a worker serving ``queue`` with
+    ``settings`` (flags), ``about`` printed, then ``drive(url, producer_settings)``'s
+    result, once the worker has stopped (drained) and the queue is forgotten on a shared
+    Redis. After Ctrl-C, in any of these phases: one
     line, everything started stopped at once, and None."""
     worker = None
     url = ""
     with contextlib.ExitStack() as stack:
         try:
-            url, producer_settings = redis_for_demo(stack, queue)
+            url, producer_settings = redis_for_demo(stack, queue, server)
             worker = start_worker(url, queue, settings)
             stack.callback(stop_worker, worker)
             print(about, flush=True)
@@ -248,10 +254,12 @@ def run_service_demo(
     step_s: float = 1.5,
     batch_size: int = DEFAULTS.batch_size,
     timeout_ms: float = DEFAULTS.timeout_ms,
+    server: RedisServer | None = None,
 ) -> int:
     """Run the demo; returns the exit code (130 after Ctrl-C, in any phase).
 
-    ``requests``: most sentences to send (default: all that the load steps send).
+    ``requests``: most sentences to send (default: all that the load steps send);
+    ``server``: the redis-server to start (default: the newest found).
     """
     total = sum(int(rate * step_s) for rate in RATES)
     pairs = labelled_sentences(min(requests, total) if requests else total, seed=11)
@@ -264,6 +272,7 @@ def run_service_demo(
         ],
         "started a worker process (all-MiniLM-L6-v2, offline); waiting for its model ...",
         lambda url, producer: _drive(url, producer, queue, pairs, step_s),
+        server,
     )
     if done is None:
         return EXIT_INTERRUPTED

@@ -246,6 +246,8 @@ def test_a_worker_reads_every_setting_its_help_lists(
         (["demo", "--threads", "8"], "the demo over Redis does not take --threads"),
         (["demo", "--model-path", "x"], "the demo over Redis does not take --model-path"),
         (["demo", "--generate", "--in-process"], "not both"),
+        (["demo", "--in-process", "--redis-server", "x"], "--in-process does not take --redis-"),
+        (["demo", "--redis-server", "/no/such/redis-server"], "is not a redis-server that runs"),
         (["worker", "--max-age-s", "3"], "--max-age-s is for --check only"),
     ],
 )
@@ -254,6 +256,14 @@ def test_an_option_a_mode_would_ignore_is_refused(
 ) -> None:
     assert main(args) == 2
     assert says in capsys.readouterr().err
+
+
+def test_the_demo_starts_a_private_redis_or_uses_the_named_one_not_both(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("BATCHLINE_REDIS_URL", "redis://localhost:1/0")
+    assert main(["demo", "--generate", "--redis-server", "redis-server"]) == 2
+    assert "BATCHLINE_REDIS_URL names one to use: give one or the other" in capsys.readouterr().err
 
 
 @pytest.mark.slow

