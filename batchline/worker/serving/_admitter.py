@@ -140,14 +140,20 @@ class Admitter:
         how many elements the inbox, the job list and the wake list still hold."""
         return self._took(await (client or self._client).fcall(*self.call()))
 
-    async def wait_and_admit(self) -> int:
-        """Block on the inbox (``BLMOVE`` into the admission list, at most _BLOCK_S), then
-        one call of the admit function, sent together: Redis runs the call as soon as the
-        wait ends (a client's commands wait behind its blocked one), so an element that
-        comes to an idle queue is admitted one round trip after it came, not two. Returns
-        as :meth:`admit`."""
-        pipe = self._client.pipeline(transaction=False)
-        pipe.blmove(self.keys.inbox, self.keys.admitting, _BLOCK_S, "LEFT", "RIGHT")
+    async def wait_and_admit(self, client: RedisClient | None = None) -> int:
+        """Block on the inbox (``BLMOVE`` into the admission list; on ``client``, the wake
+        client: on the wake list, a rotation onto itself), at most _BLOCK_S, then one call
+        of the admit function, sent together: Redis runs the call as soon as the wait ends
+        (a client's commands wait behind its blocked one), so an element that comes to an
+        idle queue is admitted one round trip after it came, not two. Returns as
+        :meth:`admit`."""
+        source, target = (
+            (self.keys.inbox, self.keys.admitting)
+            if client is None
+            else (self.keys.wakes, self.keys.wakes)
+        )
+        pipe = (client or self._client).pipeline(transaction=False)
+        pipe.blmove(source, target, _BLOCK_S, "LEFT", "RIGHT")
         pipe.fcall(*self.call())
         _moved, answer = await pipe.execute()
         return self._took(answer)
@@ -218,13 +224,11 @@ class Admitter:
         if client is None:
             return
         backoff = Backoff(logger, "admitter (wakes)")
-        wakes = self.keys.wakes
+        left = 0
         while running():
             try:
                 # A rotation: the wake stays in the list until the admit function takes it.
-                if await client.blmove(wakes, wakes, _BLOCK_S, "LEFT", "RIGHT") is not None:
-                    while await self.admit(client) and running():
-                        pass
+                left = await (self.admit(client) if left else self.wait_and_admit(client))
             except NoPermissionError as exc:
                 logger.warning(
                     "admitter: queue %r: this worker may not read the wake list (the rules "
