@@ -201,3 +201,18 @@ def test_other_parts_reach_the_transport_through_its_face() -> None:
         if m.startswith("batchline.transport._")
     }
     assert private == set(), f"imports of the transport's private modules: {sorted(private)}"
+
+
+def test_other_parts_reach_the_producer_through_its_face() -> None:
+    # batchline.producer exports what users and contrib use; what contrib shares with it
+    # below that (Redis failures as typed errors, a cache hit's result, the timeout that
+    # names the queue) lives in the transport.
+    graph = _graph()
+    private = {
+        (module, m)
+        for module, imported in graph.items()
+        if _part(module) != "producer"
+        for m in imported
+        if m.startswith("batchline.producer._")
+    }
+    assert private == set(), f"imports of the producer's private modules: {sorted(private)}"

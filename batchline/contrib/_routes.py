@@ -53,9 +53,8 @@ from batchline.errors import (
 )
 from batchline.keys import ID_PATTERN, MAX_ID_CHARS
 from batchline.producer import AsyncProducer, Handle
-from batchline.producer._replies import cached_result
 from batchline.tenants import tenant_of
-from batchline.transport import REDIS_FAILURES, Admission, RedisClient, connect
+from batchline.transport import REDIS_FAILURES, Admission, RedisClient, cached_result, connect
 
 __all__ = [
     "MAX_TEXTS",

@@ -106,8 +106,7 @@ from batchline.contrib.openai import (
 )
 from batchline.errors import BatchlineError, EnqueueUncertain, ServiceUnavailable
 from batchline.keys import TenantKeys
-from batchline.producer._failures import translate
-from batchline.transport import connect
+from batchline.transport import connect, translate
 
 __all__ = [
     "INPUT_ERRORS",

@@ -83,6 +83,7 @@ async def _drive(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from batchline.producer import AsyncProducer
+    from batchline.transport import connect
     from batchline.transport.status import collect
 
     texts = [t for _, t in pairs]
@@ -144,7 +145,11 @@ async def _drive(
                     request.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
         elapsed = time.perf_counter() - began
-        status = await collect(producer.settings, producer._redis)
+        client = connect(producer.settings)
+        try:
+            status = await collect(producer.settings, client)
+        finally:
+            await client.aclose()
     return steps, vectors, status, elapsed
 
 

@@ -35,9 +35,8 @@ from batchline.errors import (
     RequestTimeout,
 )
 from batchline.producer._enqueue import Enqueuer
-from batchline.producer._failures import timed_out, translated
 from batchline.producer._handle import EnqueueOptions, Handle, SubmitOptions
-from batchline.producer._replies import Answered, ReplyReader, Waiters, cached_result
+from batchline.producer._replies import Answered, ReplyReader, Waiters
 from batchline.producer._stream import StreamChunk, Streams, quiet_cancel
 from batchline.producer._tenancy import Tenancy, estimate_cost, request_id_for
 from batchline.producer._watch import NoWorkerWatch
@@ -46,10 +45,13 @@ from batchline.transport import (
     Admission,
     RedisArgument,
     as_client,
+    cached_result,
     connect,
     ignoring_redis_failures,
     input_hash,
+    translated,
 )
+from batchline.transport.status import timed_out
 
 __all__ = ["AsyncProducer", "EnqueueOptions", "Handle", "SubmitOptions"]
 

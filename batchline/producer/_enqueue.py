@@ -24,7 +24,7 @@ from batchline.errors import (
     QueueFull,
     ServiceUnavailable,
 )
-from batchline.producer._failures import Failed, connected, translate, uncertain, writer_for
+from batchline.producer._failures import Failed, connected, uncertain, writer_for
 from batchline.producer._replies import Answered, Waiters, outcome_of
 from batchline.redis_url import is_sentinel_url
 from batchline.transport import (
@@ -34,6 +34,7 @@ from batchline.transport import (
     Replication,
     once_keys,
     redis_failure,
+    translate,
 )
 
 if TYPE_CHECKING:

@@ -32,7 +32,6 @@ from batchline.codec import DecodeError, Limits, Result, unpack_result
 from batchline.codec._chunks import CHUNKS_FIELD
 from batchline.codec._results import decode_flat, quota_exceeded
 from batchline.errors import RequestIdConflict
-from batchline.keys import QueueKeys
 from batchline.producer._stream import Streams
 from batchline.tenants import tenant_of
 from batchline.transport import (
@@ -49,7 +48,6 @@ __all__ = [
     "Answered",
     "ReplyReader",
     "Waiters",
-    "cached_result",
     "check_input",
     "outcome_of",
     "sent_input",
@@ -420,13 +418,3 @@ def _over_quota(request_id: str, retry_ms: Any, limit: Any) -> BaseException:
     tenant = tenant_of(request_id) or "unknown"
     message = f"tenant {tenant}: {_text(limit)[:64]} reached; retry in {ms} ms"
     return quota_exceeded(request_id, message, ms)
-
-
-async def cached_result(client: RedisClient, keys: QueueKeys, request_id: str) -> bytes | None:
-    """The cached result that answered ``request_id`` (its result key holds none: the
-    enqueue script answered it from the cache), while the cache still holds it."""
-    known = await client.get(keys.request_input(request_id))
-    if not isinstance(known, bytes) or known[40:42] != b" =":
-        return None
-    raw: bytes | None = await client.get(keys.cache(known[42:].decode()))
-    return raw

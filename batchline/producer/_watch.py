@@ -6,7 +6,7 @@ answer here, and fires every ``no_worker_log_s`` seconds. At each firing it comp
 request ids waiting now with those of the firing before (a set intersection, in memory): the
 requests found both times have waited at least that long. Only then does it ask Redis how
 many live workers serve the queue (the count a timed-out request's error gives,
-:func:`~batchline.producer._failures.live_workers`), and logs a warning if none does; again at
+:func:`~batchline.transport.status.live_workers`), and logs a warning if none does; again at
 doubling intervals while it lasts (up to :data:`_MOST_GAP_S`). Requests answered within
 ``no_worker_log_s`` (the steady state with live workers) cost no Redis command at all.
 """
@@ -18,8 +18,8 @@ import logging
 from collections.abc import Collection
 
 from batchline.keys import QueueKeys
-from batchline.producer._failures import live_workers, no_worker_hint
 from batchline.transport import RedisClient, redis_failure
+from batchline.transport.status import live_workers, no_worker_hint
 
 __all__ = ["NoWorkerWatch"]
 

@@ -28,9 +28,12 @@ from batchline.transport._errors import (
     REDIS_FAILURES,
     RedisLibraryError,
     ignoring_redis_failures,
+    nothing_queued,
     passing,
     passing_code,
     redis_failure,
+    translate,
+    translated,
 )
 from batchline.transport._event_loop import EXIT_INTERRUPTED, loop_factory, run_loop
 from batchline.transport._fair import fair_args
@@ -49,6 +52,7 @@ from batchline.transport._functions import (
 from batchline.transport._once import (
     ONCE_COUNTERS,
     cache_hash,
+    cached_result,
     input_hash,
     once_figures,
     once_keys,
@@ -134,6 +138,7 @@ __all__ = [
     "TenantTable",
     "as_client",
     "cache_hash",
+    "cached_result",
     "connect",
     "dedicated",
     "fair_args",
@@ -147,6 +152,7 @@ __all__ = [
     "load_library",
     "loop_factory",
     "new_key",
+    "nothing_queued",
     "once_figures",
     "once_keys",
     "own_connection",
@@ -161,6 +167,8 @@ __all__ = [
     "redis_failure",
     "run_loop",
     "single_node",
+    "translate",
+    "translated",
     "usage_day",
     "wait_for_redis",
 ]

@@ -1,7 +1,9 @@
-"""What counts as Redis failing, for the loops that ride it out and the producer that
-reports it: :data:`REDIS_FAILURES` (redis-py's errors, the socket's, the cluster client's),
-the states Redis leaves by itself (:func:`passing`), and what the client library raises from
-inside its own code that is none of its errors (:func:`redis_failure`)."""
+"""What counts as Redis failing, for the loops that ride it out and the producer and the
+HTTP API that report it: :data:`REDIS_FAILURES` (redis-py's errors, the socket's, the
+cluster client's), the states Redis leaves by itself (:func:`passing`), what the client
+library raises from inside its own code that is none of its errors (:func:`redis_failure`),
+and the typed batchline error a caller gets for a failed call that wrote nothing it must
+account for (:func:`translate`: ServiceUnavailable, RequestTimeout)."""
 
 from __future__ import annotations
 
@@ -22,15 +24,21 @@ from redis.exceptions import (
     TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from batchline.errors import RequestTimeout, ServiceUnavailable
 
 __all__ = [
     "PASSING",
     "REDIS_FAILURES",
     "RedisLibraryError",
     "ignoring_redis_failures",
+    "nothing_queued",
     "passing",
     "passing_code",
     "redis_failure",
+    "translate",
+    "translated",
 ]
 
 logger = logging.getLogger(__name__)
@@ -145,3 +153,44 @@ def ignoring_redis_failures() -> Iterator[None]:
     except Exception as exc:
         if redis_failure(exc) is None:
             raise
+
+
+def nothing_queued(exc: BaseException) -> ServiceUnavailable | None:
+    """The ServiceUnavailable for a failure that certainly queued nothing, else None."""
+    if isinstance(exc, OutOfMemoryError):
+        return ServiceUnavailable(f"Redis is out of memory (maxmemory): {exc}; nothing was queued")
+    if isinstance(exc, RedisClusterException):  # no node it knows answered: nothing went
+        return ServiceUnavailable(f"Redis Cluster: {exc}; nothing was queued")
+    if isinstance(exc, BusyLoadingError | ReadOnlyError):
+        return ServiceUnavailable(f"Redis cannot take writes now: {exc}; nothing was queued")
+    code = passing_code(exc)
+    if code is None:
+        return None
+    what = "out of memory (maxmemory)" if code == "OOM" else f"refusing writes ({code})"
+    return ServiceUnavailable(f"Redis is {what}: {exc}; nothing was queued")
+
+
+def translate(exc: BaseException) -> BaseException:
+    """The error to raise for a failed call that wrote nothing a caller must account for
+    (a read, a connection never made, a cancel)."""
+    found = nothing_queued(exc)
+    if found is not None:
+        return found
+    if isinstance(exc, RedisTimeoutError):
+        return RequestTimeout(f"Redis did not answer in time: {exc}")
+    if isinstance(exc, RedisConnectionError | OSError):
+        return ServiceUnavailable(f"Redis is unreachable: {type(exc).__name__}: {exc}")
+    return exc
+
+
+@contextlib.contextmanager
+def translated() -> Iterator[None]:
+    """Redis failing inside the block (redis-py's own failures included) raised as
+    :func:`translate` names it; any other exception as it is."""
+    try:
+        yield
+    except Exception as caught:
+        exc = redis_failure(caught)
+        if exc is None:
+            raise
+        raise translate(exc) from caught

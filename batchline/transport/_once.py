@@ -12,11 +12,21 @@ newline and the input hash (hex, lower case).
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchline.keys import QueueKeys
 
-__all__ = ["ONCE_COUNTERS", "cache_hash", "input_hash", "once_figures", "once_keys"]
+if TYPE_CHECKING:
+    from batchline.transport._client import RedisClient
+
+__all__ = [
+    "ONCE_COUNTERS",
+    "cache_hash",
+    "cached_result",
+    "input_hash",
+    "once_figures",
+    "once_keys",
+]
 
 
 def once_keys(keys: QueueKeys) -> list[str]:
@@ -66,3 +76,13 @@ def once_figures(raw: dict[Any, Any]) -> dict[str, float]:
     looked_up = figures["hit"] + figures["miss"] + figures["coalesced"]
     figures["hit_rate"] = round(figures["hit"] / looked_up, 4) if looked_up else 0.0
     return figures
+
+
+async def cached_result(client: RedisClient, keys: QueueKeys, request_id: str) -> bytes | None:
+    """The cached result that answered ``request_id`` (its result key holds none: the
+    enqueue script answered it from the cache), while the cache still holds it."""
+    known = await client.get(keys.request_input(request_id))
+    if not isinstance(known, bytes) or known[40:42] != b" =":
+        return None
+    raw: bytes | None = await client.get(keys.cache(known[42:].decode()))
+    return raw

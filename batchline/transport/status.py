@@ -16,6 +16,7 @@ which scales the workers from zero.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -23,14 +24,26 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from batchline.config import ServiceSettings, redact_url
+from batchline.errors import RequestTimeout
 from batchline.keys import GROUP, QueueKeys
+from batchline.transport._errors import redis_failure
 from batchline.transport._once import once_figures
 from batchline.transport._redis import RedisClient
 
-__all__ = ["LIVE_WITHIN_S", "collect", "live_worker_count", "render"]
+__all__ = [
+    "LIVE_WITHIN_S",
+    "collect",
+    "live_worker_count",
+    "live_workers",
+    "no_worker_hint",
+    "render",
+    "timed_out",
+]
 
 #: A worker is live if its last heartbeat (2 s apart by default) is at most this old.
 LIVE_WITHIN_S = 10.0
+#: The longest a timed-out call waits more to say whether a worker serves its queue.
+_LOOK_S = 1.0
 
 
 async def live_worker_count(
@@ -174,3 +187,44 @@ def _bound(worker: dict[str, Any]) -> str:
 def _ms(figures: dict[str, float | None]) -> str:
     shown = (figures.get(k) for k in ("p50", "p95", "p99"))
     return "/".join("-" if v is None else f"{v:.1f}" for v in shown)
+
+
+async def timed_out(client: RedisClient, keys: QueueKeys, what: str) -> RequestTimeout:
+    """The RequestTimeout for ``what`` (``"no result for request X within 30 s"``): it names
+    the queue and says whether any live worker serves it (one heartbeat within
+    :data:`~batchline.transport.status.LIVE_WITHIN_S`), the first thing to check."""
+    queue = keys.queue
+    try:
+        live = await live_workers(client, keys)
+    except Exception as caught:
+        exc = caught if isinstance(caught, TimeoutError) else redis_failure(caught)
+        if exc is None:
+            raise
+        return RequestTimeout(
+            f"{what} on queue {queue!r}; whether a live worker serves that queue is unknown "
+            f"(Redis: {type(exc).__name__})"
+        )
+    if not live:
+        return RequestTimeout(f"{what} on queue {queue!r}: {no_worker_hint(keys)}")
+    return RequestTimeout(
+        f"{what} on queue {queue!r}, which {live} live worker{'s' if live > 1 else ''} "
+        f"serve{'' if live > 1 else 's'}: busy or slow (batchline status shows the queue's "
+        "backlog and the workers' figures)"
+    )
+
+
+async def live_workers(client: RedisClient, keys: QueueKeys) -> int:
+    """How many live workers serve the queue (one heartbeat within
+    :data:`~batchline.transport.status.LIVE_WITHIN_S`); TimeoutError if Redis takes longer
+    than :data:`_LOOK_S` to say, or its failure."""
+    async with asyncio.timeout(_LOOK_S):
+        return await live_worker_count(client, keys)
+
+
+def no_worker_hint(keys: QueueKeys) -> str:
+    """What to say of a queue that no live worker serves, and how to start one for it."""
+    prefix = "" if keys.prefix == "batchline" else f"BATCHLINE_PREFIX={keys.prefix} "
+    return (
+        f"no live worker serves that queue (none sent a heartbeat within {LIVE_WITHIN_S:g} "
+        f"s); start one for it, e.g. {prefix}BATCHLINE_QUEUE={keys.queue} batchline worker"
+    )

@@ -21,11 +21,11 @@ from redis.exceptions import ClusterDownError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from batchline.errors import ServiceUnavailable
-from batchline.producer._failures import refused
 from batchline.transport import (
     RedisLibraryError,
     _errors,
     ignoring_redis_failures,
+    nothing_queued,
     passing,
     passing_code,
     redis_failure,
@@ -112,7 +112,7 @@ def test_the_passing_states_are_known_by_redis_pys_types_and_by_their_codes() ->
         assert passing_code(parse(reply)) is None
     assert not passing(RedisConnectionError("gone"))
     # The producer's typed error for a write refused so.
-    assert isinstance(refused(ClusterDownError("The cluster is down")), ServiceUnavailable)
+    assert isinstance(nothing_queued(ClusterDownError("The cluster is down")), ServiceUnavailable)
 
 
 async def test_backoff_retry_rides_out_the_librarys_own_failure() -> None:

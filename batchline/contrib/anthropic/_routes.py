@@ -138,7 +138,7 @@ class MessagesRoutes:
         mid = message_id()
         if body.stream:
             rid = scoped_id(caller_of(request).tenant, uuid.uuid4().hex)
-            timing = MessageTiming(self._openai.timeout_s, served.producer._timed_out)
+            timing = MessageTiming(self._openai.timeout_s, served.timeout_error)
             note_queue(request, served.client, served.settings.keys)
             chunks = self._openai.stream(served, value, request, rid)
             return await self._openai.stream_response(

@@ -259,7 +259,7 @@ class HFRoutes:
         return JSONResponse({"generated": result.output["text"]})
 
     def _timing(self, served: Served) -> TGITiming:
-        return TGITiming(self._openai.timeout_s, served.producer._timed_out)
+        return TGITiming(self._openai.timeout_s, served.timeout_error)
 
     async def _stream(self, served: Served, body: TGIRequest, request: Request) -> Response:
         rid = scoped_id(caller_of(request).tenant, uuid.uuid4().hex)

@@ -37,7 +37,7 @@ from batchline.errors import (
     RequestTimeout,
     ServiceUnavailable,
 )
-from batchline.producer._failures import translate
+from batchline.transport import translate
 
 __all__ = [
     "OpenAIError",

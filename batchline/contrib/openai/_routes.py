@@ -76,9 +76,10 @@ from batchline.contrib.openai._stream import (
     next_chunk,
     unless_disconnected,
 )
-from batchline.errors import BadGenerationParams, BatchlineError
+from batchline.errors import BadGenerationParams, BatchlineError, RequestTimeout
 from batchline.producer import AsyncProducer, Handle, Result, StreamChunk
 from batchline.transport import RedisClient, connect
+from batchline.transport.status import timed_out
 
 __all__ = ["OpenAIRoutes", "Served", "checked"]
 
@@ -128,6 +129,13 @@ class Served:
         if self.opened is None:
             raise RuntimeError("the app's lifespan has not run: serve it with an ASGI server")
         return self.opened
+
+    async def timeout_error(self, what: str) -> RequestTimeout:
+        """The RequestTimeout for ``what`` on this queue: it names the queue and says
+        whether a live worker serves it, as the producer's own does."""
+        if self.client is None:
+            raise RuntimeError("the app's lifespan has not run: serve it with an ASGI server")
+        return await timed_out(self.client, self.settings.keys, what)
 
     async def open(self) -> None:
         self.client = connect(self.settings)
@@ -314,7 +322,7 @@ class OpenAIRoutes:
                 head=head(chat, rid, served.name, chunk=True),
                 include_usage=body.include_usage,
                 timeout_s=self.timeout_s,
-                timeout_error=served.producer._timed_out,
+                timeout_error=served.timeout_error,
                 n=len(values),
                 tools=tools,
             )
