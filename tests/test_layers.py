@@ -189,30 +189,19 @@ def test_the_wire_modules_do_no_redis_io() -> None:
         assert not any(m.startswith("redis") for m in _imports(module, MODULES[module])), module
 
 
-def test_other_parts_reach_the_transport_through_its_face() -> None:
-    # batchline.transport exports what the producer, the worker, contrib and the CLI use;
-    # only its public submodule (status) may be named besides.
+@pytest.mark.parametrize("part", ["transport", "producer"])
+def test_other_parts_reach_a_part_through_its_face(part: str) -> None:
+    # batchline.transport exports what the producer, the worker, contrib and the CLI use
+    # (only its public submodule, status, may be named besides); batchline.producer what
+    # users and contrib use: what contrib shares with the producer below that (Redis
+    # failures as typed errors, a cache hit's result, the timeout that names a queue) lives
+    # in the transport.
     graph = _graph()
     private = {
         (module, m)
         for module, imported in graph.items()
-        if _part(module) != "transport"
+        if _part(module) != part
         for m in imported
-        if m.startswith("batchline.transport._")
+        if m.startswith(f"batchline.{part}._")
     }
-    assert private == set(), f"imports of the transport's private modules: {sorted(private)}"
-
-
-def test_other_parts_reach_the_producer_through_its_face() -> None:
-    # batchline.producer exports what users and contrib use; what contrib shares with it
-    # below that (Redis failures as typed errors, a cache hit's result, the timeout that
-    # names the queue) lives in the transport.
-    graph = _graph()
-    private = {
-        (module, m)
-        for module, imported in graph.items()
-        if _part(module) != "producer"
-        for m in imported
-        if m.startswith("batchline.producer._")
-    }
-    assert private == set(), f"imports of the producer's private modules: {sorted(private)}"
+    assert private == set(), f"imports of the {part}'s private modules: {sorted(private)}"
