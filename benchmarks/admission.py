@@ -1,7 +1,7 @@
 """What admission through the queue's functions costs against the enqueue script, in one run.
 
 ``python -m benchmarks.admission [--requests 20000] [--inflight 1000] [--idle 300]
-[--repeats 5]``
+[--burst 256] [--bursts 30] [--repeats 5]``
 
 On Redis >= 7 producers append to the queue's inbox through its functions and a worker
 admits it into the work streams (docs/protocol.md, Admission): one more step per request
@@ -12,6 +12,11 @@ ways repeat by repeat (``admission="functions"`` and ``"scripts"``, one producer
 
 - throughput: ``--requests`` requests, ``--inflight`` at a time, requests/s end to end;
 - idle latency: ``--idle`` requests one at a time, p50 and p99 (ms);
+- an interactive request behind a burst: ``--burst`` requests of the lowest priority sent
+  at once, then one of the highest in the same write (so that, through the functions, it
+  waits in the inbox behind the burst), ``--bursts`` times: the interactive request's
+  latency, p50 and p99 (ms), from its ``submit`` to its answer (the enqueue script adds
+  the entries itself, with no inbox: the anchor);
 - redis-server's CPU per request (µs) over the throughput run.
 
 It prints the medians of each and the ratio functions / scripts. The machine is shared:
@@ -48,6 +53,27 @@ from benchmarks.harness import (
 )
 
 MODES = ("functions", "scripts")
+#: The queue's priority levels (the worker's default): the burst goes at the lowest, the
+#: interactive request at the highest.
+PRIORITIES = 3
+
+
+async def behind_bursts(producer: AsyncProducer, burst: int, bursts: int) -> list[float]:
+    """Milliseconds of one interactive request sent right after ``burst`` requests of the
+    lowest priority, ``bursts`` times (each burst answered before the next), sorted."""
+    took = []
+    for _ in range(bursts):
+        low = [
+            asyncio.ensure_future(producer.infer(k, priority=0, timeout_s=60)) for k in range(burst)
+        ]
+        await asyncio.sleep(0)  # the burst's submits queued for the producer's next write
+        t0 = time.perf_counter()
+        if await producer.infer(-1, priority=PRIORITIES - 1, timeout_s=60) != -1:
+            raise AssertionError("a request was answered wrong")
+        took.append((time.perf_counter() - t0) * 1e3)
+        if await asyncio.gather(*low) != list(range(burst)):
+            raise AssertionError("a request was answered wrong")
+    return sorted(took)
 
 
 async def _run(url: str, queue: str, redis_pid: int, args: argparse.Namespace) -> None:
@@ -72,16 +98,20 @@ async def _run(url: str, queue: str, redis_pid: int, args: argparse.Namespace) -
                 )
                 redis_us = meter.done()["redis"] / args.requests * 1e6
                 idle = await idle_latencies(producer, args.idle)
+                behind = await behind_bursts(producer, args.burst, args.bursts)
                 got = figures[mode]
                 for name, value in (
                     ("requests/s", rps),
                     ("idle p50 ms", percentile(idle, 50)),
                     ("idle p99 ms", percentile(idle, 99)),
+                    ("after a burst p50 ms", percentile(behind, 50)),
+                    ("after a burst p99 ms", percentile(behind, 99)),
                     ("redis CPU µs/request", redis_us),
                 ):
                     got.setdefault(name, []).append(value)
                 log(f"repeat {rep + 1} {mode}: {rps:,.0f} requests/s, idle p50 "
-                    f"{percentile(idle, 50):.2f} ms, redis {redis_us:.1f} µs/request")  # fmt: skip
+                    f"{percentile(idle, 50):.2f} ms, after a burst p50 "
+                    f"{percentile(behind, 50):.2f} ms, redis {redis_us:.1f} µs/request")  # fmt: skip
     finally:
         for producer in producers.values():
             await producer.aclose()
@@ -104,6 +134,8 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--inflight", type=int, default=1000)
     parser.add_argument("--idle", type=int, default=300)
+    parser.add_argument("--burst", type=int, default=256, help="requests in a burst")
+    parser.add_argument("--bursts", type=int, default=30, help="bursts a repeat")
     parser.add_argument("--repeats", type=int, default=5)
     add_redis_server_flag(parser)
     args = parser.parse_args()
