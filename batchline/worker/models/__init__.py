@@ -21,6 +21,7 @@ in-process batchers use) and turns one request's item outputs into its result
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -119,7 +120,16 @@ def load_model(
 
 def load(model: Model, *, spec: str, path: str | None, device: str) -> None:
     """``model.load()``; ModelNotLoaded, one line naming the model, its path and device and
-    what went wrong, if it fails (the error it raised is the cause)."""
+    what went wrong, if it fails (the error it raised is the cause).
+
+    Once it has loaded, what the process holds (the model, torch and the libraries it
+    imported: millions of objects for a torch model) is collected once and frozen out of
+    the garbage collector's reach (:func:`gc.freeze`): otherwise every full collection
+    while serving walks all of it, holding the GIL, and the model waits between batches
+    meanwhile (0.56 s for one collection in an all-MiniLM-L6-v2 worker on a 2-core CPU,
+    3 % of a 17 s burst). Frozen objects are still freed when nothing refers to them; only
+    a reference cycle among them would stay in memory.
+    """
     try:
         model.load()
     except Exception as exc:
@@ -128,3 +138,5 @@ def load(model: Model, *, spec: str, path: str | None, device: str) -> None:
             f"the model did not load (model {spec}, model_path {path or 'its default'}, "
             f"device {device}): {type(exc).__name__}: {what}"
         ) from exc
+    gc.collect()
+    gc.freeze()
