@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -291,6 +292,58 @@ def test_bench_generate_http_ab_quick() -> None:
     # --dtype auto on a model built by a callable: left in its own dtype, as the worker does
     assert re.search(r"^device cpu, dtype torch\.float64$", out, re.M), out
     assert "x in process" in out
+
+
+@pytest.mark.slow  # imports torch and transformers
+def test_bench_generate_rows_warm_their_shapes_and_never_resend_a_prompt(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each row of the generation benchmark, in each repeat, sends prompts that no earlier row,
+    repeat or warm-up sent (a row resending them would find them in the prefix cache an
+    earlier row filled: a time to first token that depends on the rows' order), and every
+    path is warmed up first on a batch of the size it will time. The paths are stand-ins that
+    record what they were sent."""
+    pytest.importorskip("transformers")
+    _importable()
+    import argparse
+    import types
+
+    bench = importlib.import_module("benchmarks.generate.__main__")
+    sent: list[tuple[str, list[str]]] = []
+
+    def path(name: str) -> Any:
+        def run(*args: Any, **_: Any) -> dict[str, Any]:
+            chats = next(a for a in args if isinstance(a, list) and a and isinstance(a[0], list))
+            sent.append((name, [chat[-1]["content"] for chat in chats]))
+            return {"tokens": 1, "wall_s": 1.0, "ttft_p50": 1.0, "ttft_p99": 1.0}
+
+        return run
+
+    async def ours(gen: Any, chats: list[Any], *rest: Any) -> dict[str, Any]:
+        return path("batchline")(chats)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(bench, "static", path("static"))
+    monkeypatch.setattr(bench, "tf_batch", path("generate_batch"))
+    monkeypatch.setattr(bench, "paged_model", lambda *a: object())
+    monkeypatch.setattr(bench, "ours", ours)
+    redis = types.SimpleNamespace(run=path("through Redis"), http=path("via HTTP"))
+    model = types.SimpleNamespace(name_or_path="m", device="cpu", dtype=None)
+    args = argparse.Namespace(quick=True, skip_tf=False)
+    plan = bench.workloads(args, model, None, None, redis)
+    warm = list(sent)
+    for index in range(2):
+        for w in plan:
+            w.repeat(index)
+    assert {name for name, _ in warm} == {name for name, _ in sent}  # every path warmed up
+    assert all(len(chats) == 8 for _, chats in warm), warm  # on (a)'s batch of 8
+    prompts = [p for _, chats in sent for p in chats]
+    assert len(prompts) == len(set(prompts)), "a prompt was sent twice"
+    # the same prompts but their references: the workloads' lengths do not change
+    from benchmarks.generate._rows import prompts as base
+
+    assert {re.sub(r" \(\d+-\d+\)$", "", p) for p in prompts} == {
+        re.sub(r" \(\d+-\d+\)$", "", chat[0]["content"]) for chat in base(12)
+    }
 
 
 def _smollm2() -> None:
