@@ -176,6 +176,34 @@ def _number(cell: str) -> float:
     return float(cell.replace(",", ""))
 
 
+def test_bench_slo_runs_every_setting_each_repeat_rotated_and_reports_medians(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every setting at a rate runs once a repeat, on the same arrivals, each repeat in
+    another order; its figures are the medians of its repeats (a stand-in measures)."""
+    _importable()
+    slo = importlib.import_module("benchmarks.slo")
+    order: list[tuple[int, str]] = []
+    p99s = {"slo": [9.0, 30.0, 10.0], "4 / 0 ms": [5.0, 6.0, 50.0], "4 / 5 ms": [40.0, 1.0, 60.0]}
+
+    async def measure(rate: float, seconds: float, seed: int, **o: Any) -> Any:
+        name = "slo" if "target_p99_ms" in o else f"{o['batch_size']} / {o['timeout_ms']:g} ms"
+        rep = sum(1 for _, n in order if n == name)
+        order.append((seed, name))
+        return slo.Run(p99s[name][rep], 0.0, 100.0 + rep, o["batch_size"], o["timeout_ms"])
+
+    monkeypatch.setattr(slo, "measure", measure)
+    row = slo.sweep(200.0, 7, 1.0, 20.0, ([4], [0.0, 5.0]), 3)
+    names = [n for _, n in order]
+    assert sorted(names) == sorted(3 * list(p99s)), order
+    rounds = [names[i : i + 3] for i in (0, 3, 6)]
+    assert rounds[0] != rounds[1] != rounds[2] != rounds[0], order  # rotated
+    assert {seed for seed, _ in order[:3]} == {7}, order  # one repeat's arrivals, all alike
+    assert len({seed for seed, _ in order}) == 3, order
+    assert (row.slo.p99_ms, row.slo.served_per_s) == (10.0, 101.0)
+    assert (row.best, row.broken) == ((101.0, "4 / 0 ms"), 1)  # 4 / 5 ms: median 40 ms
+
+
 @pytest.mark.slow
 def test_bench_slo_quick() -> None:
     """The quick run reports, per rate, a measured p99 over the target and the ratio to the
