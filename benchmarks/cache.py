@@ -8,15 +8,15 @@ AsyncProducer, ``--inflight`` requests in flight (closed loop), ``--requests`` r
 which half repeat a text sent earlier in the run (each distinct text is sent twice, in a
 shuffled order: a repeat may come while its first copy is still queued or running, and is
 then coalesced, or after it, and is then a cache hit). Without the cache every request is
-computed. Before each measurement the worker sees ``--warmup`` other texts (first batches of
-each shape are slower). The two sides alternate, ``--repeats`` times each; a worker not
-being measured has exited.
+computed. Before each measurement the worker sees 64 other texts (first batches of each
+shape are slower). The two sides alternate, ``--repeats`` (3) times each, each repeat in the
+other order than the last; a worker not being measured has exited.
 
 The machine is shared: compare the two columns of one run (their ratio), not runs.
 
 Usage::
 
-    python -m benchmarks.cache                    # ~3 min on 2 busy cores
+    python -m benchmarks.cache                    # ~5 min on 2 busy cores
     python -m benchmarks.cache --requests 100 --repeats 1   # smoke run
 """
 
@@ -156,7 +156,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=400, help="measured requests per run")
     parser.add_argument("--inflight", type=int, default=64, help="requests in flight")
-    parser.add_argument("--repeats", type=int, default=2, help="measurements per side")
+    parser.add_argument("--repeats", type=int, default=3, help="measurements per side")
     add_redis_server_flag(parser)
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="bench-cache-"))
@@ -169,7 +169,7 @@ def main() -> int:
         url, version = start_redis(procs, env, redis_binary(args.redis_server))
         cost = enqueue_cost(url, calls=20)
         for rep in range(args.repeats):
-            for cache in (False, True):
+            for cache in (False, True) if rep % 2 == 0 else (True, False):
                 rate, figures = measure(procs, env, url, args, cache=cache, rep=rep)
                 log(f"repeat {rep + 1}, cache {'on' if cache else 'off'}: {rate:,.0f} requests/s")
                 rates[cache].append(rate)
@@ -185,7 +185,7 @@ def main() -> int:
     print(f"- {provenance()}; {machine()}; {version}")
     print(f"- {args.requests} requests ({args.requests // 2} distinct texts, each twice), "
           f"{args.inflight} in flight, one worker (batch 32, timeout_ms 0), {args.repeats} "
-          "repeats per side, alternating")  # fmt: skip
+          "repeats per side, alternating, each repeat in the other order")  # fmt: skip
     print(f"- without the cache: {fmt(off)} requests/s (runs: "
           f"{', '.join(fmt(r) for r in rates[False])})")  # fmt: skip
     print(f"- with the cache:    {fmt(on)} requests/s (runs: "

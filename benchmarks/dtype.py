@@ -18,7 +18,7 @@ machine is shared, so compare the two columns of one run):
 Usage::
 
     python -m benchmarks.dtype                      # ~10 min on 2 busy cores
-    python -m benchmarks.dtype --demo               # + the demo both ways (~3 min more)
+    python -m benchmarks.dtype --demo               # + the demo both ways (~5 min more)
     python -m benchmarks.dtype --sentences 64 --prompts 4 --new-tokens 4 --repeats 1  # smoke
 """
 
@@ -71,8 +71,8 @@ def embeddings(sentences: int, repeats: int) -> list[str]:
     }
     samples = Samples()
     vectors: dict[str, Any] = {}
-    for model in models.values():  # warm-up: the first batches of each shape are slower
-        model.encode(texts[:64], batch_size=32)
+    for model in models.values():  # warm-up, every batch's shape once: first ones are slower
+        model.encode(texts, batch_size=32)
     for r in range(repeats):
         for name in DTYPES if r % 2 == 0 else DTYPES[::-1]:
             start = time.perf_counter()
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = embeddings(args.sentences, args.repeats)
     lines += generation(args.prompts, args.new_tokens, args.repeats)
     if args.demo:
-        lines += demo(max(1, args.repeats - 1), args.redis_server)
+        lines += demo(args.repeats, args.redis_server)
     for line in lines:
         print(f"- {line}")
     return 0

@@ -12,8 +12,12 @@ transformers row (arrivals) the manager gets them at the same times as batchline
 its time to first token measured. batchline runs ``--max-running`` sequences at most (64).
 Tokens counted are the useful ones: each request's own tokens up to its EOS or limit.
 
-Every row is warmed up (a short untimed run) before anything is timed, and the worker
-process has loaded its model and answered before then. ``--repeats N`` runs every row of
+Every path is warmed up before anything is timed, on a batch of the uniform workload's size
+(4 new tokens each), and the worker process has loaded its model and answered before then.
+Every run of a row sends chat prompts no earlier run sent (each user message ends with a
+reference number: a set per run, ``_rows.PromptSets``), so that no row finds its prompts in
+the prefix cache that an earlier row or repeat filled; what they share is the chat
+template's system prompt, cached by the warm-up. ``--repeats N`` runs every row of
 both workloads once per repeat, the rows of a repeat in a rotated order, so that a shared
 machine's load swings reach all rows alike; the summary gives each figure's median over the
 repeats and ratios of median rates. ``--redis-ab`` runs only the uniform workload, in process
@@ -44,7 +48,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -64,43 +67,9 @@ prepare_environment(available_cpus())
 import torch  # noqa: E402
 
 from batchline.generation import Generator, load_causal_lm  # noqa: E402
-from benchmarks.generate._redis import RedisWorker, Result, latencies  # noqa: E402
+from benchmarks.generate._redis import RedisWorker, Result  # noqa: E402
+from benchmarks.generate._rows import PromptSets, Workload, ours, show, useful  # noqa: E402
 from benchmarks.harness import add_redis_server_flag, percentile, redis_server  # noqa: E402
-
-TOPICS = [
-    "the capital of France",
-    "photosynthesis",
-    "a haiku about rain",
-    "why the sky is blue",
-    "black holes",
-    "how to boil an egg",
-    "the French revolution",
-    "prime numbers",
-    "the water cycle",
-    "machine learning",
-    "a good breakfast",
-    "the moon landing",
-    "volcanoes",
-    "how bees make honey",
-    "the Roman empire",
-    "gravity",
-]
-
-
-def prompts(n: int) -> list[list[dict[str, str]]]:
-    verbs = ["Tell me about", "Explain", "Write two sentences on"]
-    return [
-        [{"role": "user", "content": f"{verbs[i % 3]} {TOPICS[i % len(TOPICS)]}."}]
-        for i in range(n)
-    ]
-
-
-def useful(tokens: list[int], limit: int, eos: set[int]) -> int:
-    for i, t in enumerate(tokens[:limit]):
-        if t in eos:
-            return i + 1
-    return min(len(tokens), limit)
-
 
 # -- the anchors -------------------------------------------------------------------------------
 
@@ -221,134 +190,54 @@ def tf_batch(
     return result
 
 
-# -- batchline ---------------------------------------------------------------------------------
-
-
-async def ours(gen: Generator, chats: list[Any], limits: list[int], gaps: list[float]) -> Result:
-    ttft: list[float] = []
-    itl: list[float] = []
-    steps0, rows0 = gen.loop.steps, gen.loop.batch_rows
-
-    async def one(chat: Any, limit: int, delay: float) -> int:
-        await asyncio.sleep(delay)
-        sent = last = time.perf_counter()
-        n = 0
-        async for delta in gen.stream(messages=chat, max_new_tokens=limit):
-            now = time.perf_counter()
-            (ttft if n == 0 else itl).append(now - (sent if n == 0 else last))
-            last, n = now, n + len(delta.token_ids)
-        return n
-
-    arrivals = [sum(gaps[: i + 1]) for i in range(len(gaps))]
-    start = time.perf_counter()
-    counts = await asyncio.gather(
-        *(one(c, m, a) for c, m, a in zip(chats, limits, arrivals, strict=True))
-    )
-    wall = time.perf_counter() - start
-    steps = gen.loop.steps - steps0
-    return {
-        "tokens": sum(counts),
-        "wall_s": wall,
-        **latencies(ttft, itl),
-        "mean_batch": (gen.loop.batch_rows - rows0) / steps if steps else 0.0,
-    }
-
-
-# -- the rows and their summary ----------------------------------------------------------------
-
-
-def show(
-    name: str,
-    r: Result,
-    base: dict[str, float],
-    ttft_vs: float | None = None,
-    p99s: dict[str, float] | None = None,
+def warm(
+    runs: list[Callable[[list[Any], list[int], list[float]], object]], n: int, fresh: PromptSets
 ) -> None:
-    """One row: its rate, the latencies it has, its rate over each of ``base`` and, given
-    ``ttft_vs`` (the in-process p50), its time to first token over that; given ``p99s`` (the
-    bases' TTFT p99s, where they have one), its TTFT p99 over each."""
-    rate = r["tokens"] / r["wall_s"]
-    ratios = [f"{rate / v:.2f}x {k}" for k, v in base.items() if v]
-    if "ttft_p99" in r:
-        ratios += [f"ttft p99 {r['ttft_p99'] / v:.2f}x {k}'s" for k, v in (p99s or {}).items() if v]
-    if ttft_vs:
-        ratios.append(f"ttft p50 {r['ttft_p50'] / ttft_vs:.2f}x in process")
-    extra = ""
-    if "ttft_p50" in r:
-        extra += f" ttft p50/p99 {r['ttft_p50'] * 1e3:.0f}/{r['ttft_p99'] * 1e3:.0f} ms"
-    if "itl_p50" in r:
-        extra += f" itl p50/p99 {r['itl_p50'] * 1e3:.0f}/{r['itl_p99'] * 1e3:.0f} ms"
-    if "mean_batch" in r:
-        extra += f" mean batch {r['mean_batch']:.1f}"
-    print(
-        f"{name:<34} {r['tokens']:>6.0f} tok {r['wall_s']:7.1f} s {rate:7.1f} tok/s{extra}  "
-        + " ".join(ratios),
-        flush=True,
-    )
+    """Each path once, untimed, on a batch of ``n`` prompts of its own, 4 new tokens each: the
+    shapes of the batch it will time (its prefill and first steps), and the chat template's
+    system prompt in each prefix cache, as a server that has answered before has it (the
+    prompts from ``fresh``, which the timed runs draw theirs from too)."""
+    for run in runs:
+        run(fresh(n), [4] * n, [0.0] * n)
 
 
-def median_row(runs: list[Result]) -> Result:
-    """Each figure's median over the repeats (the rate's too, as tokens / wall_s)."""
-    figures = [k for k, v in runs[0].items() if isinstance(v, int | float)]
-    out = {k: statistics.median(r[k] for r in runs) for k in figures}
-    out["wall_s"] = out["tokens"] / statistics.median(r["tokens"] / r["wall_s"] for r in runs)
+def alternate(
+    runs: dict[str, Callable[[], Result]],
+    rounds: int,
+    line: Callable[[str, Result], None] = lambda name, r: show(f"batchline {name}", r, {}),
+) -> dict[str, list[Result]]:
+    """Each run once a round, each round in the previous one's order reversed; ``line``
+    prints each result."""
+    out: dict[str, list[Result]] = {name: [] for name in runs}
+    order = list(runs)
+    for _ in range(rounds):
+        for name in order:
+            out[name].append(runs[name]())
+            line(name, out[name][-1])
+        order.reverse()
     return out
 
 
-class Workload:
-    """One workload's rows (name -> run), run once per repeat; the baselines of each row."""
-
-    def __init__(self, title: str) -> None:
-        self.title = title
-        self.rows: dict[str, Callable[[], Result]] = {}
-        self.bases: dict[str, list[str]] = {}
-        self.runs: dict[str, list[Result]] = {}
-        self.ttft_vs: dict[str, str] = {}
-
-    def add(
-        self, name: str, run: Callable[[], Result], *bases: str, ttft_vs: str | None = None
-    ) -> None:
-        """``ttft_vs``: the row whose median time to first token this row's is shown over."""
-        self.rows[name] = run
-        self.bases[name] = list(bases)
-        self.runs[name] = []
-        if ttft_vs is not None:
-            self.ttft_vs[name] = ttft_vs
-
-    def repeat(self, index: int) -> None:
-        names = list(self.rows)
-        shift = index % len(names)
-        for name in names[shift:] + names[:shift]:
-            self.runs[name].append(result := self.rows[name]())
-            show(f"  {name}", result, {})
-
-    def summary(self, repeats: int) -> None:
-        print(f"{self.title}: median of {repeats} repeat(s)", flush=True)
-        medians = {name: median_row(runs) for name, runs in self.runs.items()}
-        rates = {n: m["tokens"] / m["wall_s"] for n, m in medians.items()}
-        for name, m in medians.items():
-            vs = medians[self.ttft_vs[name]]["ttft_p50"] if name in self.ttft_vs else None
-            p99s = {b: medians[b]["ttft_p99"] for b in self.bases[name] if "ttft_p99" in medians[b]}
-            show(name, m, {b: rates[b] for b in self.bases[name]}, vs, p99s)
+def first_text(name: str, r: Result) -> None:
+    """A line of ``stream_ab``: the rate and the callers' first text, p50."""
+    rate, first = r["tokens"] / r["wall_s"], percentile(r["first_s"], 50) * 1e3
+    print(f"{name:<28} {r['tokens']:>6} tok {r['wall_s']:7.1f} s {rate:7.1f} tok/s"
+          f" first text p50 {first:.0f} ms", flush=True)  # fmt: skip
 
 
 def redis_ab(gen: Generator, redis: RedisWorker, n: int, new: int, rounds: int) -> None:
     """In process and through Redis alternately on one workload; the ratio of the totals."""
-    chats, limits = prompts(n), [new] * n
-    asyncio.run(ours(gen, chats[:1], [2], [0.0]))  # the worker answered one already
+    fresh, limits, now = PromptSets(), [new] * n, [0.0] * n
+    warm([lambda *w: asyncio.run(ours(gen, *w)), redis.run], n, fresh)
     print(f"uniform: {n} chat prompts, greedy, {new} new tokens; alternating, {rounds} rounds")
-    totals = {"in process": [0, 0.0], "through Redis": [0, 0.0]}
-    runs: tuple[tuple[str, Callable[[], Result]], ...] = (
-        ("in process", lambda: asyncio.run(ours(gen, chats, limits, [0.0] * n))),
-        ("through Redis", lambda: redis.run(chats, limits, [0.0] * n)),
+    runs = alternate(
+        {
+            "in process": lambda: asyncio.run(ours(gen, fresh(n), limits, now)),
+            "through Redis": lambda: redis.run(fresh(n), limits, now),
+        },
+        rounds,
     )
-    for _ in range(rounds):
-        for name, run in runs:
-            r = run()
-            show(f"batchline {name}", r, {})
-            totals[name][0] += r["tokens"]
-            totals[name][1] += r["wall_s"]
-    rates = {k: t / s for k, (t, s) in totals.items()}
+    rates = {k: sum(r["tokens"] for r in v) / sum(r["wall_s"] for r in v) for k, v in runs.items()}
     print(
         f"total: in process {rates['in process']:.1f} tok/s, through Redis "
         f"{rates['through Redis']:.1f} tok/s: "
@@ -358,44 +247,47 @@ def redis_ab(gen: Generator, redis: RedisWorker, n: int, new: int, rounds: int) 
 
 def http_ab(gen: Generator, redis: RedisWorker, n: int, new: int, rounds: int) -> None:
     """Time to first token in process and via HTTP + Redis, alternately, on one workload."""
-    chats, limits = prompts(n), [new] * n
-    redis.http(chats[:1], [2], [0.0])  # warm both paths (the worker answered one already)
-    asyncio.run(ours(gen, chats[:1], [2], [0.0]))
+    fresh, limits, now = PromptSets(), [new] * n, [0.0] * n
+    warm([lambda *w: asyncio.run(ours(gen, *w)), redis.http], n, fresh)
     print(f"uniform: {n} chat prompts, greedy, {new} new tokens; alternating, {rounds} rounds")
-    ttfts: dict[str, list[float]] = {"in process": [], "via HTTP": []}
-    for _ in range(rounds):
-        inproc = asyncio.run(ours(gen, chats, limits, [0.0] * n))
-        show("batchline", inproc, {})
-        http = redis.http(chats, limits, [0.0] * n)
-        show("batchline via HTTP + Redis", http, {}, inproc["ttft_p50"])
-        ttfts["in process"].append(inproc["ttft_p50"])
-        ttfts["via HTTP"].append(http["ttft_p50"])
-    means = {k: sum(v) / len(v) for k, v in ttfts.items()}
+    runs = alternate(
+        {
+            "in process": lambda: asyncio.run(ours(gen, fresh(n), limits, now)),
+            "via HTTP + Redis": lambda: redis.http(fresh(n), limits, now),
+        },
+        rounds,
+    )
+    means = {k: sum(r["ttft_p50"] for r in v) / len(v) for k, v in runs.items()}
     print(
         f"ttft p50, mean of rounds: in process {means['in process'] * 1e3:.0f} ms, via HTTP + "
-        f"Redis {means['via HTTP'] * 1e3:.0f} ms: "
-        f"{means['via HTTP'] / means['in process']:.2f}x in process"
+        f"Redis {means['via HTTP + Redis'] * 1e3:.0f} ms: "
+        f"{means['via HTTP + Redis'] / means['in process']:.2f}x in process"
     )
 
 
 def stream_ab(redis: RedisWorker, n: int, new: int, rounds: int) -> None:
     """Through Redis with and without streaming, alternately: tokens/s of the totals and
     the time to the first text (p50 over every request of every round)."""
-    chats, limits = prompts(n), [new] * n
-    redis.run(chats[:1], [2], [0.0], stream=True)  # warm the streaming path too
+    fresh, limits, now = PromptSets(), [new] * n, [0.0] * n
+    warm([redis.run, lambda *w: redis.run(*w, stream=True)], n, fresh)
     print(f"uniform: {n} chat prompts, greedy, {new} new tokens, through Redis; {rounds} rounds")
-    names = {"without streaming (infer)": False, "streaming (stream)": True}
-    totals: dict[str, list[Any]] = {name: [0, 0.0, []] for name in names}
-    for _ in range(rounds):
-        for name, stream in names.items():
-            r = redis.run(chats, limits, [0.0] * n, stream=stream)
-            rate, first = r["tokens"] / r["wall_s"], percentile(r["first_s"], 50) * 1e3
-            print(f"{name:<28} {r['tokens']:>6} tok {r['wall_s']:7.1f} s {rate:7.1f} tok/s"
-                  f" first text p50 {first:.0f} ms", flush=True)  # fmt: skip
-            totals[name][0] += r["tokens"]
-            totals[name][1] += r["wall_s"]
-            totals[name][2] += r["first_s"]
-    (plain, plain_s, plain_first), (streamed, streamed_s, streamed_first) = totals.values()
+    runs = alternate(
+        {
+            "without streaming (infer)": lambda: redis.run(fresh(n), limits, now),
+            "streaming (stream)": lambda: redis.run(fresh(n), limits, now, stream=True),
+        },
+        rounds,
+        first_text,
+    )
+    totals = [
+        (
+            sum(r["tokens"] for r in v),
+            sum(r["wall_s"] for r in v),
+            [f for r in v for f in r["first_s"]],
+        )
+        for v in runs.values()
+    ]
+    (plain, plain_s, plain_first), (streamed, streamed_s, streamed_first) = totals
     ratio = (streamed / streamed_s) / (plain / plain_s)
     print(
         f"streaming: {streamed / streamed_s:.1f} tok/s, {ratio:.2f}x without "
@@ -407,43 +299,43 @@ def stream_ab(redis: RedisWorker, n: int, new: int, rounds: int) -> None:
 def workloads(
     args: argparse.Namespace, model: Any, tok: Any, gen: Generator, redis: RedisWorker | None
 ) -> list[Workload]:
+    """The two workloads' rows. Every call of a row sends a prompt set of its own
+    (:class:`PromptSets`): the same sizes, limits and arrivals each time."""
     n_uniform, n_alone, n_mixed, hi = (8, 2, 12, 48) if args.quick else (32, 8, 64, 256)
     paged = None if args.skip_tf else paged_model(model.name_or_path, model.device, model.dtype)
     eos_note = "tokens counted up to each request's EOS or limit"
+    fresh = PromptSets()
 
-    def rows(
-        w: Workload, chats: list[Any], limits: list[int], gaps: list[float], stat: str
-    ) -> None:
+    def rows(w: Workload, n: int, limits: list[int], gaps: list[float], stat: str) -> None:
         bases = [stat]
         if paged is not None:
-            w.add("generate_batch (tuned)", lambda: tf_batch(paged, tok, chats, limits), stat)
+            w.add("generate_batch (tuned)", lambda: tf_batch(paged, tok, fresh(n), limits), stat)
             bases.append("generate_batch (tuned)")
             if any(gaps):  # the same arrivals as batchline's, streamed: its TTFT too
                 arriving = "generate_batch (tuned, arrivals)"
-                w.add(arriving, lambda: tf_batch(paged, tok, chats, limits, gaps), stat)
+                w.add(arriving, lambda: tf_batch(paged, tok, fresh(n), limits, gaps), stat)
                 bases.append(arriving)
-        w.add("batchline", lambda: asyncio.run(ours(gen, chats, limits, gaps)), *bases)
+        w.add("batchline", lambda: asyncio.run(ours(gen, fresh(n), limits, gaps)), *bases)
         if redis is not None:
-            w.add("batchline through Redis", lambda: redis.run(chats, limits, gaps), "batchline")
+            through = "batchline through Redis"
+            w.add(through, lambda: redis.run(fresh(n), limits, gaps), "batchline")
 
     a = Workload(f"(a) uniform: {n_uniform} chat prompts, greedy, 32 new tokens ({eos_note})")
-    chats, limits = prompts(n_uniform), [32] * n_uniform
-    a.add(
-        f"one at a time ({n_alone} prompts)",
-        lambda: static(model, tok, chats[:n_alone], limits[:n_alone], 1),
-    )
+    limits, at_once = [32] * n_uniform, [0.0] * n_uniform
+    alone = f"one at a time ({n_alone} prompts)"
+    a.add(alone, lambda: static(model, tok, fresh(n_alone), limits[:n_alone], 1))
     a.add(
         "static (one generate)",
-        lambda: static(model, tok, chats, limits, n_uniform),
-        f"one at a time ({n_alone} prompts)",
+        lambda: static(model, tok, fresh(n_uniform), limits, n_uniform),
+        alone,
     )
-    rows(a, chats, limits, [0.0] * n_uniform, "static (one generate)")
+    rows(a, n_uniform, limits, at_once, "static (one generate)")
     if redis is not None:
         http = "batchline via HTTP + Redis"
-        a.add(http, lambda: redis.http(chats, limits, [0.0] * n_uniform), ttft_vs="batchline")
+        a.add(http, lambda: redis.http(fresh(n_uniform), limits, at_once), ttft_vs="batchline")
 
     rnd = random.Random(1)
-    mixed, mixed_limits = prompts(n_mixed), [rnd.randint(8, hi) for _ in range(n_mixed)]
+    mixed_limits = [rnd.randint(8, hi) for _ in range(n_mixed)]
     rate_per_s = 8.0
     gaps = [rnd.expovariate(rate_per_s) for _ in range(n_mixed)]
     b = Workload(
@@ -451,18 +343,20 @@ def workloads(
         f"{rate_per_s:.0f}/s (static and generate_batch get them all at once; generate_batch"
         " (arrivals) as batchline does)"
     )
-    b.add("static (batches of 32)", lambda: static(model, tok, mixed, mixed_limits, 32))
-    rows(b, mixed, mixed_limits, gaps, "static (batches of 32)")
+    b.add("static (batches of 32)", lambda: static(model, tok, fresh(n_mixed), mixed_limits, 32))
+    rows(b, n_mixed, mixed_limits, gaps, "static (batches of 32)")
 
-    # Warm-up: every path once, briefly, before anything is timed.
-    few, short = prompts(2), [4, 4]
-    static(model, tok, few, short, 2)
+    # Warm-up, before anything is timed: every path on a batch of (a)'s size (static batches
+    # of (b) are no larger).
+    paths: list[Callable[[list[Any], list[int], list[float]], object]] = [
+        lambda c, m, _: static(model, tok, c, m, len(c)),
+        lambda c, m, g: asyncio.run(ours(gen, c, m, g)),
+    ]
     if paged is not None:
-        tf_batch(paged, tok, few, short)
-    asyncio.run(ours(gen, few, short, [0.0, 0.0]))
+        paths.append(lambda c, m, _: tf_batch(paged, tok, c, m))
     if redis is not None:
-        redis.run(few, short, [0.0, 0.0])
-        redis.http(few, short, [0.0, 0.0])  # the backend started, its client warm
+        paths += [redis.run, redis.http]  # the backend started, its client warm
+    warm(paths, n_uniform, fresh)
     return [a, b]
 
 

@@ -14,6 +14,9 @@ each other (and only with each other). What is measured:
    and 0, as the latency added over the no-op function's own time;
 5. idle CPU: one call, then the process's CPU time over ~2 s of idleness, in % of one core.
 
+The latency and idle-CPU cells are repeated ``--repeats`` times too, each repeat's cells in
+an order rotated from the last one's, and report the medians of their repeats.
+
 Functions: ``noop`` returns its input list; ``model`` sleeps 2 ms + 50 us per item (a stand-in
 for a model whose cost is mostly fixed per batch) and returns its inputs.
 
@@ -56,7 +59,7 @@ def main() -> int:
     )
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny counts (< 30 s)")
     parser.add_argument(
-        "--repeats", type=int, default=3, help="repeats per throughput cell (median)"
+        "--repeats", type=int, help="repeats of every cell, interleaved (medians) [3; quick 1]"
     )
     parser.add_argument("--out", type=Path, help="also write the markdown report to this file")
     parser.add_argument(
@@ -67,11 +70,11 @@ def main() -> int:
     )
     parser.add_argument("--max-seconds", type=float, default=None, help="abort after this long")
     args = parser.parse_args()
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
     if args.repeats < 1:
-        parser.error("--repeats must be >= 1")
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     args.scale = QUICK_DIVISOR if args.quick else 1
-    if args.quick:
-        args.repeats = min(args.repeats, 1)
     args.latency_calls = 30 if args.quick else 300
     args.idle_seconds = 0.5 if args.quick else 2.0
     watchdog(args.max_seconds or (120 if args.quick else 900), "benchmarks.inprocess")
@@ -80,9 +83,9 @@ def main() -> int:
     res = Results(load_before=load(), provenance_before=provenance())
     t0 = time.perf_counter()
     if "idle" in parts:
-        run_idle_cpu(res, args.idle_seconds)
+        run_idle_cpu(res, args.idle_seconds, args.repeats)
     if "latency" in parts:
-        run_latency(res, args.latency_calls)
+        run_latency(res, args.latency_calls, args.repeats)
     if "throughput" in parts:
         run_throughput(res, args.repeats, args.scale)
     else:

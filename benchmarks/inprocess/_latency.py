@@ -130,17 +130,26 @@ def run_aio(fn: Callable[..., Coroutine[Any, Any, list[float]]], *args: Any) -> 
     return asyncio.run(fn(*args))
 
 
-def run_latency(res: Results, calls: int) -> None:
+def run_latency(res: Results, calls: int, repeats: int) -> None:
+    """Every cell ``repeats`` times, the cells of a repeat in an order rotated from the last
+    one's; each cell's p50 and p99 the medians of its repeats'."""
     log("latency (single caller, idle batcher)")
     res.own_time_us = own_time_s() * 1e6
     own = res.own_time_us / 1e6
+    configs: list[tuple[tuple[str, str, float], Callable[[], list[float]]]] = []
     for timeout_ms in (5.0, 0.0):
-        configs: list[tuple[str, str, Callable[[], list[float]]]] = [
-            (impl, "thread", functools.partial(latency_thread, impl, timeout_ms, calls))
+        configs += [
+            (
+                (impl, "thread", timeout_ms),
+                functools.partial(latency_thread, impl, timeout_ms, calls),
+            )
             for impl in ("batchline", "batched")
         ]
         configs += [
-            (impl, api, functools.partial(run_aio, latency_aio, impl, fname, timeout_ms, calls))
+            (
+                (impl, api, timeout_ms),
+                functools.partial(run_aio, latency_aio, impl, fname, timeout_ms, calls),
+            )
             for impl, api, fname in (
                 ("batchline", "aio (sync fn)", "noop"),
                 ("batchline", "aio (async fn)", "anoop"),
@@ -149,25 +158,52 @@ def run_latency(res: Results, calls: int) -> None:
                 ("fdb", "aio", "noop"),
             )
         ]
-        for impl, api, measure in configs:
-            samples = [s - own for s in measure()]
-            res.latency[(impl, api, timeout_ms)] = percentiles_ms(samples)
-            p50, p99 = res.latency[(impl, api, timeout_ms)]
+    runs: dict[tuple[str, str, float], list[tuple[float, float]]] = {k: [] for k, _ in configs}
+    for rep in range(repeats):
+        shift = rep * len(configs) // repeats
+        for key, measure in configs[shift:] + configs[:shift]:
+            runs[key].append(percentiles_ms([s - own for s in measure()]))
+            (impl, api, timeout_ms), (p50, p99) = key, runs[key][-1]
             log(
                 f"  {impl:9} {api:15} timeout_ms={timeout_ms:g}: p50 {p50:.3f} ms, p99 {p99:.3f} ms"
             )
+    for key, _ in configs:  # in the configs' order: the report's
+        res.latency[key] = (
+            statistics.median(p50 for p50, _ in runs[key]),
+            statistics.median(p99 for _, p99 in runs[key]),
+        )
 
 
-def run_idle_cpu(res: Results, seconds: float) -> None:
+def run_idle_cpu(res: Results, seconds: float, repeats: int) -> None:
+    """Every cell ``repeats`` times, interleaved as the latencies are; medians."""
     log(f"idle CPU ({seconds:g} s each)")
-    res.idle_cpu[("baseline", "thread", None)] = idle_cpu_thread("baseline", None, seconds)
-    res.idle_cpu[("baseline", "aio", None)] = asyncio.run(idle_cpu_aio("baseline", None, seconds))
+    cells: list[tuple[tuple[str, str, float | None], Callable[[], float]]] = [
+        (("baseline", "thread", None), lambda: idle_cpu_thread("baseline", None, seconds)),
+        (("baseline", "aio", None), lambda: asyncio.run(idle_cpu_aio("baseline", None, seconds))),
+    ]
     for timeout_ms in (5.0, 0.0):
         for impl in ("batchline", "batched"):
+            cells += [
+                (
+                    (impl, "thread", timeout_ms),
+                    functools.partial(idle_cpu_thread, impl, timeout_ms, seconds),
+                ),
+                (
+                    (impl, "aio", timeout_ms),
+                    functools.partial(run_idle_aio, impl, timeout_ms, seconds),
+                ),
+            ]
+    runs: dict[tuple[str, str, float | None], list[float]] = {k: [] for k, _ in cells}
+    for rep in range(repeats):
+        shift = rep * len(cells) // repeats
+        for key, measure in cells[shift:] + cells[:shift]:
             gc.collect()
-            res.idle_cpu[(impl, "thread", timeout_ms)] = idle_cpu_thread(impl, timeout_ms, seconds)
-            res.idle_cpu[(impl, "aio", timeout_ms)] = asyncio.run(
-                idle_cpu_aio(impl, timeout_ms, seconds)
-            )
-    for (impl, api, t), pct in res.idle_cpu.items():
-        log(f"  {impl:9} {api:6} timeout_ms={t}: {pct:.2f} %")
+            runs[key].append(measure())
+    for key, _ in cells:
+        res.idle_cpu[key] = statistics.median(runs[key])
+        (impl, api, t), pcts = key, runs[key]
+        log(f"  {impl:9} {api:6} timeout_ms={t}: {', '.join(f'{p:.2f}' for p in pcts)} %")
+
+
+def run_idle_aio(impl: str, timeout_ms: float, seconds: float) -> float:
+    return asyncio.run(idle_cpu_aio(impl, timeout_ms, seconds))

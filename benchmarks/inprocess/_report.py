@@ -156,7 +156,8 @@ def _repeats(w: Write, res: Results, args: argparse.Namespace) -> None:
 def _latency(w: Write, res: Results, args: argparse.Namespace) -> None:
     w(
         f"### Single-caller latency on an idle batcher (no-op fn; added over the fn's own "
-        f"{res.own_time_us:.2f} us; {args.latency_calls} sequential calls)\n"
+        f"{res.own_time_us:.2f} us; {args.latency_calls} sequential calls; medians of "
+        f"{args.repeats} interleaved repeats)\n"
     )
     w("| implementation | API | timeout_ms | p50 added (ms) | p99 added (ms) |")
     w("|---|---|---:|---:|---:|")
@@ -168,7 +169,7 @@ def _latency(w: Write, res: Results, args: argparse.Namespace) -> None:
 def _idle_cpu(w: Write, res: Results, args: argparse.Namespace) -> None:
     w(
         f"### Idle CPU (one call, then {args.idle_seconds:g} s idle; process CPU time in % of "
-        "one core)\n"
+        f"one core; medians of {args.repeats} interleaved repeats)\n"
     )
     w("| implementation | API | timeout_ms | idle CPU |")
     w("|---|---|---:|---:|")

@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -175,6 +176,34 @@ def _number(cell: str) -> float:
     return float(cell.replace(",", ""))
 
 
+def test_bench_slo_runs_every_setting_each_repeat_rotated_and_reports_medians(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every setting at a rate runs once a repeat, on the same arrivals, each repeat in
+    another order; its figures are the medians of its repeats (a stand-in measures)."""
+    _importable()
+    slo = importlib.import_module("benchmarks.slo")
+    order: list[tuple[int, str]] = []
+    p99s = {"slo": [9.0, 30.0, 10.0], "4 / 0 ms": [5.0, 6.0, 50.0], "4 / 5 ms": [40.0, 1.0, 60.0]}
+
+    async def measure(rate: float, seconds: float, seed: int, **o: Any) -> Any:
+        name = "slo" if "target_p99_ms" in o else f"{o['batch_size']} / {o['timeout_ms']:g} ms"
+        rep = sum(1 for _, n in order if n == name)
+        order.append((seed, name))
+        return slo.Run(p99s[name][rep], 0.0, 100.0 + rep, o["batch_size"], o["timeout_ms"])
+
+    monkeypatch.setattr(slo, "measure", measure)
+    row = slo.sweep(200.0, 7, 1.0, 20.0, ([4], [0.0, 5.0]), 3)
+    names = [n for _, n in order]
+    assert sorted(names) == sorted(3 * list(p99s)), order
+    rounds = [names[i : i + 3] for i in (0, 3, 6)]
+    assert rounds[0] != rounds[1] != rounds[2] != rounds[0], order  # rotated
+    assert {seed for seed, _ in order[:3]} == {7}, order  # one repeat's arrivals, all alike
+    assert len({seed for seed, _ in order}) == 3, order
+    assert (row.slo.p99_ms, row.slo.served_per_s) == (10.0, 101.0)
+    assert (row.best, row.broken) == ((101.0, "4 / 0 ms"), 1)  # 4 / 5 ms: median 40 ms
+
+
 @pytest.mark.slow
 def test_bench_slo_quick() -> None:
     """The quick run reports, per rate, a measured p99 over the target and the ratio to the
@@ -291,6 +320,58 @@ def test_bench_generate_http_ab_quick() -> None:
     # --dtype auto on a model built by a callable: left in its own dtype, as the worker does
     assert re.search(r"^device cpu, dtype torch\.float64$", out, re.M), out
     assert "x in process" in out
+
+
+@pytest.mark.slow  # imports torch and transformers
+def test_bench_generate_rows_warm_their_shapes_and_never_resend_a_prompt(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each row of the generation benchmark, in each repeat, sends prompts that no earlier row,
+    repeat or warm-up sent (a row resending them would find them in the prefix cache an
+    earlier row filled: a time to first token that depends on the rows' order), and every
+    path is warmed up first on a batch of the size it will time. The paths are stand-ins that
+    record what they were sent."""
+    pytest.importorskip("transformers")
+    _importable()
+    import argparse
+    import types
+
+    bench = importlib.import_module("benchmarks.generate.__main__")
+    sent: list[tuple[str, list[str]]] = []
+
+    def path(name: str) -> Any:
+        def run(*args: Any, **_: Any) -> dict[str, Any]:
+            chats = next(a for a in args if isinstance(a, list) and a and isinstance(a[0], list))
+            sent.append((name, [chat[-1]["content"] for chat in chats]))
+            return {"tokens": 1, "wall_s": 1.0, "ttft_p50": 1.0, "ttft_p99": 1.0}
+
+        return run
+
+    async def ours(gen: Any, chats: list[Any], *rest: Any) -> dict[str, Any]:
+        return path("batchline")(chats)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(bench, "static", path("static"))
+    monkeypatch.setattr(bench, "tf_batch", path("generate_batch"))
+    monkeypatch.setattr(bench, "paged_model", lambda *a: object())
+    monkeypatch.setattr(bench, "ours", ours)
+    redis = types.SimpleNamespace(run=path("through Redis"), http=path("via HTTP"))
+    model = types.SimpleNamespace(name_or_path="m", device="cpu", dtype=None)
+    args = argparse.Namespace(quick=True, skip_tf=False)
+    plan = bench.workloads(args, model, None, None, redis)
+    warm = list(sent)
+    for index in range(2):
+        for w in plan:
+            w.repeat(index)
+    assert {name for name, _ in warm} == {name for name, _ in sent}  # every path warmed up
+    assert all(len(chats) == 8 for _, chats in warm), warm  # on (a)'s batch of 8
+    prompts = [p for _, chats in sent for p in chats]
+    assert len(prompts) == len(set(prompts)), "a prompt was sent twice"
+    # the same prompts but their references: the workloads' lengths do not change
+    from benchmarks.generate._rows import prompts as base
+
+    assert {re.sub(r" \(\d+-\d+\)$", "", p) for p in prompts} == {
+        re.sub(r" \(\d+-\d+\)$", "", chat[0]["content"]) for chat in base(12)
+    }
 
 
 def _smollm2() -> None:
@@ -436,6 +517,18 @@ def test_bench_durability_smoke() -> None:
     out = _bench(["benchmarks.durability", *argv], 280)
     assert re.search(r"^echo\s+[\d,]+ \(.*\)\s+[\d,]+ \(.*\)\s+[\d.]+$", out, re.M), out
     assert REDIS_LINE.search(out), out
+
+
+@pytest.mark.slow
+def test_bench_inprocess_latency_and_idle_cpu_repeat_every_cell() -> None:
+    """The latency and idle-CPU cells run once a repeat each and report their medians."""
+    pytest.importorskip("batched")  # the bench extra's anchors
+    pytest.importorskip("fast_dynamic_batcher")
+    argv = ["benchmarks.inprocess", "--quick", "--repeats", "2", "--only", "latency"]
+    out = _bench([*argv, "--only", "idle"], 300)
+    assert "sequential calls; medians of 2 interleaved repeats)" in out, out
+    assert "% of one core; medians of 2 interleaved repeats)" in out, out
+    assert "| batchline | thread | 0 |" in out, out
 
 
 @pytest.mark.slow
