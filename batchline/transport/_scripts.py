@@ -66,13 +66,13 @@ each_request(requests, function(i, prio, src, first, last)
       local fields = {unpack(src, first, last)}
       fields[#fields + 1] = 'ck'
       fields[#fields + 1] = a
-      if not dl then redis.call('SET', flight .. a, id, 'EX', ttl) end
+      if not dl then redis.call('SET', flight .. a, id, 'EX', ttl_s) end
       count('miss')
       out[i] = redis.call('XADD', stream, '*', unpack(fields))
     else
       out[i] = redis.call('XADD', stream, '*', unpack(src, first, last))
     end
-    if not b then redis.call('SET', rid .. id, h, 'EX', ttl) end
+    if not b then redis.call('SET', rid .. id, h, 'EX', ttl_s) end
     depth = depth + 1
   end
 end)
@@ -123,7 +123,7 @@ COMPLETE = (
     + ACCOUNT
     + r"""
 local group = ARGV[1]
-local ttl = tonumber(ARGV[2])
+local ttl = tostring(tonumber(ARGV[2]))  -- as text: a number is formatted at each call
 local reply_maxlen = ARGV[3]
 local dead_maxlen = ARGV[4]
 local result_prefix = ARGV[5]
