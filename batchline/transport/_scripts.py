@@ -220,6 +220,22 @@ local function owns(request_id, h, entry)
   return not own or own == h or own == h .. ' !' or own == h .. ' @' .. entry
 end
 local at, size = 1, #records
+-- Whether any record's request has waiters: one EXISTS for the call, not a SMEMBERS a
+-- record (most have none, and a call adds waiters only where there were some).
+local function any_waiters()
+  local keys, i = {}, 1
+  while i <= size do
+    if records[i + 4] ~= '' and records[i + 2] ~= '' then
+      keys[#keys + 1] = wait_prefix .. records[i + 2]
+    end
+    i = i + 6 + records[i + 5]
+  end
+  for j = 1, #keys, 1000 do  -- unpack() takes a few thousand values at most
+    if redis.call('EXISTS', unpack(keys, j, math.min(j + 999, #keys))) > 0 then return true end
+  end
+  return false
+end
+local waiting = any_waiters()
 while at <= size do
   local stream = KEYS[records[at] + 1]
   local entry, request_id, reply, result = records[at + 1], records[at + 2], records[at + 3],
@@ -251,7 +267,7 @@ while at <= size do
       end
       if bill then account(request_id, bill, own) end
       if reply ~= '' then push(reply, result) end
-      answer_waiters(request_id, reply, result, h, cut, stream, entry, mark)
+      if waiting then answer_waiters(request_id, reply, result, h, cut, stream, entry, mark) end
       if status == 'ok' and cache_key ~= '' then
         redis.call('SET', cache_key, result, 'EX', cache_ttl)
       end
