@@ -112,7 +112,8 @@ return out
 # For each record the entry is acknowledged; only if that acknowledgement took (no other
 # worker answered it first) are the dead letter added and the result written to its key
 # (prefix .. request id) with its TTL, and the result queued for its producer. Then the
-# entries are deleted (XDEL, 1000 at a time) and each producer gets one reply entry
+# entries are deleted (those below the group's oldest pending entry with one XTRIM MINID,
+# the others with XDEL, 1000 at a time) and each producer gets one reply entry
 # (prefix .. producer id) carrying all its results of this call: fields n (how many) and r,
 # a msgpack array of the packed results (an array header, then the results one after
 # another). Returns the number of records answered.
@@ -283,9 +284,51 @@ while at <= size do
   end
   done[#done + 1] = entry
 end
+-- An entry id as two numbers (nil for one that is not '<ms>-<seq>' of at most 13 digits).
+local function id_parts(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  if not ms or #ms > 13 or #seq > 13 then return nil end
+  return tonumber(ms), tonumber(seq)
+end
+-- An id below which every entry of the stream is acknowledged (the group's oldest pending
+-- entry, or, none pending, the one after its last delivered), or nil (a user that may not
+-- look, no group).
+local function answered_below(stream)
+  local pending = redis.pcall('XPENDING', stream, group)
+  if type(pending) ~= 'table' or pending.err then return nil end
+  if tonumber(pending[1]) > 0 then return pending[2] end
+  local groups = redis.pcall('XINFO', 'GROUPS', stream)
+  if type(groups) ~= 'table' or groups.err then return nil end
+  for _, g in ipairs(groups) do
+    local name, last
+    for j = 1, #g - 1, 2 do
+      if g[j] == 'name' then
+        name = g[j + 1]
+      elseif g[j] == 'last-delivered-id' then
+        last = g[j + 1]
+      end
+    end
+    local ms, seq = id_parts(type(last) == 'string' and last or '')
+    if name == group and ms then return string.format('%d-%d', ms, seq + 1) end
+  end
+  return nil
+end
+-- The entries go: those below where every entry is acknowledged with one XTRIM MINID (a
+-- pass over the stream's first nodes: nothing else is there, each answered entry leaving
+-- in the call that acknowledged it), the rest with XDEL (a search for each).
 for stream, entries in pairs(finished) do
-  for i = 1, #entries, 1000 do  -- unpack() takes a few thousand values at most
-    redis.call('XDEL', stream, unpack(entries, i, math.min(i + 999, #entries)))
+  local below, rest = answered_below(stream), entries
+  local bms, bseq = id_parts(below or '')
+  if bms then
+    rest = {}
+    for _, entry in ipairs(entries) do
+      local ms, seq = id_parts(entry)
+      if not ms or ms > bms or (ms == bms and seq >= bseq) then rest[#rest + 1] = entry end
+    end
+    if #rest < #entries then redis.call('XTRIM', stream, 'MINID', below) end
+  end
+  for i = 1, #rest, 1000 do  -- unpack() takes a few thousand values at most
+    redis.call('XDEL', stream, unpack(rest, i, math.min(i + 999, #rest)))
   end
 end
 if accounting then account_end() end
