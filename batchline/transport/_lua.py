@@ -214,8 +214,29 @@ local MAX_FIELDS = 256
 local function is_name(s)
   return type(s) == 'string' and #s >= 1 and #s <= 128 and not string.find(s, '[^%w_.%-]')
 end
--- One pass over the fields: their checks and the fields fields_of() finds (none where one
--- fails). The last reply found valid is remembered (a producer's requests share theirs).
+-- One pass over a request's fields: their size, the fields fields_of() finds, and why its
+-- ck or cost field is refused; with no call per field: #x fails for a number, a boolean or
+-- nil, x .. '' for a table, so it fails (check() calls it with pcall) where a name or value
+-- is not a string.
+local function scan_fields(src, first, last)
+  local size, why, id, reply, meta, blob, dl = 0, nil, nil, nil, nil, nil, nil
+  for j = first, last, 2 do
+    local name, value = src[j], src[j + 1]
+    size = size + #name + #value
+    local _, _ = name .. '', value .. ''
+    if name == 'id' then id = value
+    elseif name == 'reply' then reply = value
+    elseif name == 'meta' then meta = value
+    elseif name == 'blob' then blob = value
+    elseif name == 'dl' then dl = value
+    elseif name == 'ck' then why = 'it has a ck field (the admission adds it)'
+    elseif name == 'cost' and (#value > 16 or not string.find(value, '^%d+$')) then
+      why = 'its cost is not a decimal integer'
+    end
+  end
+  return size, why, id, reply, meta, blob, dl
+end
+-- The last reply found valid is remembered (a producer's requests share theirs).
 local valid_reply = nil
 local function check(src, first, last, prio, priorities, max_bytes)
   local n = last - first + 1
@@ -226,22 +247,10 @@ local function check(src, first, last, prio, priorities, max_bytes)
   elseif n > 2 * MAX_FIELDS then
     why = 'it has more than ' .. MAX_FIELDS .. ' fields'
   else
-    for j = first, last, 2 do
-      local name, value = src[j], src[j + 1]
-      if type(name) ~= 'string' or type(value) ~= 'string' then
-        why = 'a field name or value is not a string'
-        break
-      end
-      size = size + #name + #value
-      if name == 'id' then id = value
-      elseif name == 'reply' then reply = value
-      elseif name == 'meta' then meta = value
-      elseif name == 'blob' then blob = value
-      elseif name == 'dl' then dl = value
-      elseif name == 'ck' then why = 'it has a ck field (the admission adds it)'
-      elseif name == 'cost' and (#value > 16 or not string.find(value, '^%d+$')) then
-        why = 'its cost is not a decimal integer'
-      end
+    local ok
+    ok, size, why, id, reply, meta, blob, dl = pcall(scan_fields, src, first, last)
+    if not ok then
+      size, why = 0, 'a field name or value is not a string'
     end
     if why then id, reply, meta, blob, dl = nil, nil, nil, nil, nil end
     reply = reply or ''
