@@ -29,7 +29,9 @@ less the same loop doing nothing.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -56,6 +58,7 @@ from benchmarks.harness import (
     Procs,
     add_redis_server_flag,
     child_env,
+    free_port,
     machine,
     redis_binary,
     start_redis,
@@ -91,6 +94,34 @@ class Meter:
         inner = sum(after[c] - before.get(c, 0) for c in after if c.upper() not in CALLS)
         self.spent[name] = self.spent.get(name, 0.0) + outer
         self.commands[name] = self.commands.get(name, 0.0) + inner
+        return out
+
+
+class Instructions:
+    """The instructions redis-server ran for the calls of one function (``--callgrind``: it
+    runs under valgrind's callgrind): a dump before and after each call
+    (``callgrind_control``), the dump after it read back. The same work counts the same
+    however busy the machine is. ``commands`` stays empty."""
+
+    def __init__(self, pid: int, out: Path) -> None:
+        self.pid, self.out = pid, out
+        self.spent: dict[str, float] = {}
+        self.commands: dict[str, float] = {}
+
+    def _dump(self) -> float:
+        subprocess.run(["callgrind_control", "--dump", str(self.pid)], check=True,
+                       capture_output=True)  # fmt: skip
+        dumps = self.out.parent.glob(self.out.name + ".*")
+        newest = max(dumps, key=lambda d: int(d.suffix[1:]))
+        found = re.search(r"^(?:summary|totals): (\d+)", newest.read_text(), re.M)
+        newest.unlink()
+        return float(found.group(1)) if found else 0.0
+
+    def time(self, name: str, call: Callable[[], Any]) -> Any:
+        self._dump()
+        out = call()
+        self.spent[name] = self.spent.get(name, 0.0) + self._dump()
+        self.commands[name] = 0.0
         return out
 
 
@@ -170,7 +201,7 @@ class Flow:
         streams = self.keys.streams_low_first
         return self.client.fcall(DISPATCH, len(streams), *streams, self.keys.base_prefix, *args)
 
-    def round(self, meter: Meter, count: int, batch: int) -> int:
+    def round(self, meter: Meter | Instructions, count: int, batch: int) -> int:
         c = self.client
         name, call = self.enqueue_args(count)
         meter.time("enqueue", lambda: c.fcall(name, *call))
@@ -248,28 +279,32 @@ return (t1[1] - t0[1]) * 1000000 + (t1[2] - t0[2])
     }
 
 
-def run(url: str, pid: int, args: argparse.Namespace) -> None:
+def run(url: str, meter: Callable[[], Meter | Instructions], args: argparse.Namespace) -> None:
     client = redis.Redis.from_url(url)
     client.function_load(LIBRARY, replace=True)
     paths = {name: Flow(client, url, TENANT if name == "tenant" else None) for name in PATHS}
     for path in paths.values():  # warm up
-        path.round(Meter(client, pid), args.requests, args.batch)
+        path.round(meter(), args.requests, args.batch)
+    unit = "instructions" if args.callgrind else "µs"
     spent: dict[str, dict[str, list[float]]] = {p: {} for p in PATHS}
     commands: dict[str, dict[str, list[float]]] = {p: {} for p in PATHS}
     for rep in range(args.repeats):
         for name in PATHS if rep % 2 == 0 else PATHS[::-1]:
-            meter = Meter(client, pid)
-            served = sum(paths[name].round(meter, args.requests, args.batch)
+            m = meter()
+            served = sum(paths[name].round(m, args.requests, args.batch)
                          for _ in range(args.rounds))  # fmt: skip
-            for fn, us in meter.spent.items():
+            for fn, us in m.spent.items():
                 spent[name].setdefault(fn, []).append(us / served)
-                commands[name].setdefault(fn, []).append(meter.commands[fn] / served)
-            total = sum(meter.spent.values()) / served
-            print(f"repeat {rep + 1} {name}: {total:.1f} µs/request", file=sys.stderr)
+                commands[name].setdefault(fn, []).append(m.commands[fn] / served)
+            total = sum(m.spent.values()) / served
+            print(f"repeat {rep + 1} {name}: {total:,.1f} {unit}/request", file=sys.stderr)
+    what = ("instructions a request redis-server ran (callgrind)" if args.callgrind else
+            "µs a request of redis-server's CPU; commands: the Redis commands inside "
+            "(commandstats)")  # fmt: skip
     print(f"\n{args.repeats} interleaved repeats of {args.rounds} rounds, {args.requests} "
-          f"requests an enqueue call, reads of {args.batch}; medians (range), µs a request "
-          f"of redis-server's CPU; commands: the Redis commands inside (commandstats)")  # fmt: skip
-    print(f"{'path':<11} {'function':<9} {'µs/request':>20} {'commands':>9} {'Lua':>6}")
+          f"requests an enqueue call, reads of {args.batch}; medians (range), {what}")  # fmt: skip
+    columns = "" if args.callgrind else f" {'commands':>9} {'Lua':>6}"
+    print(f"{'path':<11} {'function':<9} {unit + '/request':>24}{columns}")
     for name in PATHS:
         totals = [sum(v[i] for v in spent[name].values()) for i in range(args.repeats)]
         for fn, values in [*spent[name].items(), ("total", totals)]:
@@ -279,9 +314,13 @@ def run(url: str, pid: int, args: argparse.Namespace) -> None:
                 else commands[name][fn]
             )
             med, c = statistics.median(values), statistics.median(cmd)
-            cell = f"{med:.2f} ({min(values):.2f}-{max(values):.2f})"
-            print(f"{name:<11} {fn:<9} {cell:>20} {c:>9.2f} {med - c:>6.2f}")
-    if args.pieces:
+            if args.callgrind:
+                cell = f"{med:,.0f} ({min(values):,.0f}-{max(values):,.0f})"
+                print(f"{name:<11} {fn:<9} {cell:>24}")
+            else:
+                cell = f"{med:.2f} ({min(values):.2f}-{max(values):.2f})"
+                print(f"{name:<11} {fn:<9} {cell:>24} {c:>9.2f} {med - c:>6.2f}")
+    if args.pieces and not args.callgrind:
         path = paths["untenanted"]
         _name, call = path.enqueue_args(args.requests)
         payload = call[call[0] + 2]
@@ -291,6 +330,28 @@ def run(url: str, pid: int, args: argparse.Namespace) -> None:
     client.close()
 
 
+def start_under_callgrind(procs: Procs, binary: str, out: Path) -> tuple[str, str]:
+    """A redis-server under valgrind's callgrind (dumps to ``out``.<n>), as :func:`start_redis`
+    starts one: its URL and the line that says which."""
+    port = free_port()
+    argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", binary]
+    argv += ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    proc = procs.spawn("redis-server", argv, env=child_env())
+    client = redis.Redis(host="127.0.0.1", port=port)
+    deadline = time.monotonic() + 120
+    while True:  # valgrind takes seconds to start it
+        try:
+            version = client.info("server")["redis_version"]
+            break
+        except redis.ConnectionError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("redis-server did not start under valgrind:\n"
+                                 + procs.log_tail("redis-server")) from None  # fmt: skip
+            time.sleep(0.2)
+    client.close()
+    return f"redis://127.0.0.1:{port}/0", f"redis-server {version} ({binary}) under callgrind"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=500, help="requests an enqueue call")
@@ -298,16 +359,31 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=10, help="enqueue calls a repeat")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--pieces", action="store_true", help="time pieces of the Lua too")
+    parser.add_argument(
+        "--callgrind",
+        action="store_true",
+        help="count redis-server's instructions under valgrind's callgrind instead of its CPU",
+    )
     add_redis_server_flag(parser)
     args = parser.parse_args()
     binary = redis_binary(args.redis_server)
     with tempfile.TemporaryDirectory() as tmp:
         procs = Procs(Path(tmp))
         try:
-            url, version = start_redis(procs, child_env(), binary)
+            out = Path(tmp) / "callgrind.out"
+            if args.callgrind:
+                url, version = start_under_callgrind(procs, binary, out)
+            else:
+                url, version = start_redis(procs, child_env(), binary)
+            pid = procs.procs["redis-server"].pid
+            client = redis.Redis.from_url(url)
+
+            def meter() -> Meter | Instructions:
+                return Instructions(pid, out) if args.callgrind else Meter(client, pid)
+
             before = load_average()
             print(f"{machine()}; {version}")
-            run(url, procs.procs["redis-server"].pid, args)
+            run(url, meter, args)
             print(machine(before))
         finally:
             procs.stop_all()
