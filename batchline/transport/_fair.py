@@ -53,7 +53,7 @@ FAIR = (
     + r"""
 function TK.fair_idle(p) return TK.fair(p) .. ':idle' end
 local fair_clock, fair_counts, fair_group = '', '', ''
-local fair_ahead, fair_on, fair_rid, fair_ttl = 0, false, '', 0
+local fair_ahead, fair_on, fair_rid, fair_ttl = 0, false, '', '0'  -- fair_ttl: text
 local fair_weights = {}
 -- Per call: whether each priority has tenants backlogged (fair:<p> or its idle set), and
 -- the requests held in this call at a priority that had none before it (fair_new[p][tenant]:
@@ -65,7 +65,7 @@ local fair_backlogged, fair_new, fair_order, fair_again = {}, {}, {}, {}
 local function begin_fair(argv, at)  -- after begin_tenants
   fair_clock, fair_counts = TK.fair_clock(), TK.backlog_counts()
   fair_group, fair_ahead, fair_on = argv[at], tonumber(argv[at + 1]), argv[at + 2] == '1'
-  fair_rid, fair_ttl = argv[at + 3], tonumber(argv[at + 4])
+  fair_rid, fair_ttl = argv[at + 3], tostring(tonumber(argv[at + 4]))
   fair_weights, fair_backlogged, fair_new, fair_order, fair_again = {}, {}, {}, {}, {}
 end
 local function is_over(tenant) return string.sub(tenant, -5) == '~over' end
@@ -114,11 +114,7 @@ end
 -- A request cancelled in this call: read its rid: before sending it.
 local function fair_cancelled(id) fair_again[id] = true end
 -- A held request's element of its backlog: msgpack [cost, id, h, field, value, ...].
-local function packed(r)
-  local element = {r[1], r[2], r[3]}
-  for j = 1, #r[4] do element[#element + 1] = r[4][j] end
-  return cmsgpack.pack(element)
-end
+local function packed(r) return pack_array(r[1], r[2], r[3], unpack(r[4])) end
 -- Hold a new request (its work-stream fields) in tenant's backlog at priority p, for
 -- dispatch; rid:<id> = '<h> @' (no entry yet): attached to, cancelled as any queued request.
 -- With the fair share off, it goes to its stream at once. Returns nothing.
@@ -157,14 +153,15 @@ end
 -- One held request into its stream, unless an earlier copy of its id went already. A
 -- request cancelled while held goes with ts 1 (ts 0 reads as none), so that every worker's
 -- cancel log covers it (a cancel covers the entries of its id enqueued before it) and
--- answers it cancelled. `known`: its rid: where this call wrote it last (nil: read it).
-local function send(stream, fields, id, h, known)
+-- answers it cancelled. Its fields: src[from..]; `known`: its rid: where this call wrote it
+-- last (nil: read it).
+local function send(stream, src, from, id, h, known)
   if known == nil then known = redis.call('GET', fair_rid .. id) end
   local waiting, cancelled = known == h .. ' @', known == h .. ' !'
   if known and not waiting and not cancelled then return end
-  if cancelled then
-    fields = {unpack(fields)}
-    local stamped = false
+  if cancelled then  -- a copy, stamped
+    src, from = {unpack(src, from)}, 1
+    local fields, stamped = src, false
     for j = 1, #fields - 1, 2 do
       if fields[j] == 'ts' then fields[j + 1], stamped = '1', true end
     end
@@ -173,7 +170,7 @@ local function send(stream, fields, id, h, known)
       fields[#fields + 1] = '1'
     end
   end
-  local entry = redis.call('XADD', stream, '*', unpack(fields))
+  local entry = redis.call('XADD', stream, '*', unpack(src, from, #src))
   if waiting then redis.call('SET', fair_rid .. id, h .. ' @' .. entry, 'KEEPTTL') end
 end
 -- Entries of a stream no consumer has read yet: its length less its group's pending ones.
@@ -220,7 +217,7 @@ local function flush_new(stream, p)
     writes[clock] = true
     starts[best] = start + r[1] / weight(best)
     if heads[best] > #at[best] then writes[last_of(best, p)] = starts[best] end
-    send(stream, r[4], r[2], r[3], (not fair_again[r[2]]) and (r[3] .. ' @') or nil)
+    send(stream, r[4], 1, r[2], r[3], (not fair_again[r[2]]) and (r[3] .. ' @') or nil)
     room, moved = room - 1, moved + 1
   end
   for _, tenant in ipairs(order) do
@@ -271,7 +268,7 @@ local function fill(stream, p)
         local e = cmsgpack.unpack(raw)  -- written by hold() alone
         now = math.max(now, start)
         start = start + e[1] / w
-        send(stream, {unpack(e, 4)}, e[2], e[3])
+        send(stream, e, 4, e[2], e[3])
         sent = sent + 1
       end
       room = room - #taken

@@ -127,9 +127,7 @@ local function enqueue_into(keys, at, args, tenant)
         return
       end
     end
-    local element = {'r', prio}
-    for j = first, last do element[#element + 1] = src[j] end
-    elements[#elements + 1] = cmsgpack.pack(element)
+    elements[#elements + 1] = pack_array('r', prio, unpack(src, first, last))
     if kind == 'new' then
       out[i] = 'queued'
       depth = depth + 1
@@ -285,8 +283,8 @@ local function admit(keys, args)
   local function no_room(id, reply, h)  -- refused for the depth: as if cut short
     local result = error_result(id, 'QueueFull', 'the queue holds max_queue_depth='
       .. max_depth .. ' requests: not admitted', h)
-    redis.call('SET', res .. id, result, 'EX', ttl)
-    redis.call('SET', rid .. id, h .. ' !', 'EX', ttl)
+    redis.call('SET', res .. id, result, 'EX', ttl_s)
+    redis.call('SET', rid .. id, h .. ' !', 'EX', ttl_s)
     if reply ~= '' then push(reply, result) end
     full = full + 1
   end
@@ -294,8 +292,8 @@ local function admit(keys, args)
     local retry_ms = math.max(0, math.floor(tonumber(refused.retry_ms) or 1000))
     local result = error_result(id, 'QuotaExceeded', tostring(refused.message or
       ('quota reached: ' .. tostring(refused.limit))), h, {'retry_ms', tostring(retry_ms)})
-    redis.call('SET', res .. id, result, 'EX', ttl)
-    redis.call('SET', rid .. id, h .. ' !', 'EX', ttl)
+    redis.call('SET', res .. id, result, 'EX', ttl_s)
+    redis.call('SET', rid .. id, h .. ' !', 'EX', ttl_s)
     if reply ~= '' then push(reply, result) end
     over = over + 1
   end
@@ -387,32 +385,34 @@ local function admit(keys, args)
       return
     end
     if c then redis.call('DEL', res .. id) end  -- its answer was cut short: it runs again
-    local fields = {unpack(e, 3, #e)}
-    if a then
-      fields[#fields + 1] = 'ck'
-      fields[#fields + 1] = a
-      if not dl then redis.call('SET', flight .. a, id, 'EX', ttl) end
+    if a then  -- (e is this call's own table)
+      e[#e + 1] = 'ck'
+      e[#e + 1] = a
+      if not dl then redis.call('SET', flight .. a, id, 'EX', ttl_s) end
       count('miss')
     end
-    if tenant then
-      local refused = quota_admit(tenant, id, cost, config)
-      if type(refused) == 'table' then
-        quota_refused(id, reply, h, refused)
-        return
+    if tenant or held_untenanted(prio) then
+      local fields = {unpack(e, 3, #e)}
+      if tenant then
+        local refused = quota_admit(tenant, id, cost, config)
+        if type(refused) == 'table' then
+          quota_refused(id, reply, h, refused)
+          return
+        end
+        hold(type(refused) == 'string' and refused or tenant, prio, fields, cost, id, h)
+      else  -- as the tenant '-' while a tenant is backlogged
+        hold('-', prio, fields, cost, id, h)
       end
-      hold(type(refused) == 'string' and refused or tenant, prio, fields, cost, id, h)
-    elseif held_untenanted(prio) then  -- as the tenant '-' while a tenant is backlogged
-      hold('-', prio, fields, cost, id, h)
     else
-      local entry = redis.call('XADD', keys[6 + prio], '*', unpack(fields))
-      redis.call('SET', rid .. id, h .. ' @' .. entry, 'EX', ttl)
+      local entry = redis.call('XADD', keys[6 + prio], '*', unpack(e, 3, #e))
+      redis.call('SET', rid .. id, h .. ' @' .. entry, 'EX', ttl_s)
     end
     depth = depth and depth + 1
   end
   local function cancelled(id)
     fair_cancelled(id)
     redis.call('XADD', cancels, 'MAXLEN', '~', cancels_maxlen, '*', 'id', id)
-    redis.call('EXPIRE', cancels, ttl)
+    redis.call('EXPIRE', cancels, ttl_s)
     -- Not answered yet: a resubmit after this cancel runs again.
     local known = redis.call('GET', rid .. id)
     if known and (#known == 40 or string.sub(known, 41, 42) == ' @')
@@ -441,7 +441,7 @@ local function admit(keys, args)
     local ok, e = pcall(cmsgpack.unpack, element)
     if ok and type(e) == 'table' and e[1] == 'j' and is_name(e[2]) and is_name(e[3])
         and #e == 3 then
-      redis.call('SET', job_prefix .. e[2], e[3], 'NX', 'EX', ttl)
+      redis.call('SET', job_prefix .. e[2], e[3], 'NX', 'EX', ttl_s)
     else
       refuse('in the job list: not a job note', #element)
     end
@@ -507,7 +507,7 @@ local function admit(keys, args)
   quota_end()
   for _, element in ipairs(redis.call('LPOP', job_list, 1000) or {}) do marked(element) end
   end_once()
-  send_replies(reply_prefix, reply_maxlen, ttl)
+  send_replies(reply_prefix, reply_maxlen, ttl_s)
   local waking = redis.pcall('LLEN', wakes)
   local left = redis.call('LLEN', inbox) + redis.call('LLEN', job_list)
     + (type(waking) == 'number' and waking or 0)

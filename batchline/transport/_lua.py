@@ -15,6 +15,15 @@ __all__ = ["EACH", "MAX_PER_CALL", "ONCE", "REPLIES", "TENANTS", "VALIDATE"]
 # Replies: results queued per producer during a call, then one reply entry per producer
 # (fields n and r: a msgpack array header, then the packed results one after another).
 REPLIES = r"""
+local function array_header(n)  -- a msgpack array's header, as cmsgpack writes it
+  if n < 16 then return string.char(0x90 + n) end
+  if n < 65536 then return string.char(0xdc, math.floor(n / 256), n % 256) end
+  return string.char(0xdd, math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256,
+    math.floor(n / 256) % 256, n % 256)
+end
+-- cmsgpack.pack({...}), the same bytes, without making the table (cmsgpack packs each of
+-- its arguments one after another).
+local function pack_array(...) return array_header(select('#', ...)) .. cmsgpack.pack(...) end
 local replies = {}
 local function push(reply, result)
   local pending = replies[reply]
@@ -44,16 +53,7 @@ local function error_result(id, etype, emsg, hash, extra)  -- extra: {field, val
 end
 local function reply_entry(results)  -- the fields n and r of one reply entry
   local n = #results
-  local header
-  if n < 16 then
-    header = string.char(0x90 + n)
-  elseif n < 65536 then
-    header = string.char(0xdc, math.floor(n / 256), n % 256)
-  else
-    header = string.char(0xdd, math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256,
-      math.floor(n / 256) % 256, n % 256)
-  end
-  return n, header .. table.concat(results)
+  return n, array_header(n) .. table.concat(results)
 end
 local function send_replies(prefix, maxlen, ttl)
   for reply, results in pairs(replies) do
@@ -88,13 +88,15 @@ end
 # adds) and counts it. for_tenant(t) makes the cache hashes that follow a tenant's (nil:
 # untenanted, as before tenants): SHA1(model "\n" input hash "\n" tenant).
 ONCE = r"""
-local ttl, cache_ttl, res, rid, wait, cache, flight, model_key, once_key, model
+-- ttl_s: the TTL as text, once a call (a number given to redis.call is formatted each time)
+local ttl, ttl_s, cache_ttl, res, rid, wait, cache, flight, model_key, once_key, model
 local counts = {}
 local tenant_now = nil  -- whose cache hashes: nil untenanted
 local COUNTER = {conflict = 'conflict', result = 'existing', attached = 'attached',
   cached = 'hit', coalesced = 'coalesced'}
 local function begin_once(argv)
   ttl, cache_ttl = tonumber(argv[3]), tonumber(argv[4])
+  ttl_s = tostring(ttl)
   res, rid, wait, cache, flight = argv[5], argv[6], argv[7], argv[8], argv[9]
   model_key, once_key = argv[10], argv[11]
   model = cache_ttl > 0 and redis.call('GET', model_key)
@@ -109,17 +111,28 @@ end
 local function count(name) counts[name] = (counts[name] or 0) + 1 end
 local function end_once()
   for name, n in pairs(counts) do redis.call('HINCRBY', once_key, name, n) end
-  if next(counts) then redis.call('EXPIRE', once_key, ttl) end
+  if next(counts) then redis.call('EXPIRE', once_key, ttl_s) end
 end
-local function input_hash(meta, blob) return redis.sha1hex(#meta .. ':' .. meta .. blob) end
+-- The heads '<length>:' of short metas, kept across calls (a number made text costs more
+-- than the hash of a short input).
+local hash_heads = {}
+local function input_hash(meta, blob)
+  local n = #meta
+  local head = hash_heads[n]
+  if not head then
+    head = n .. ':'
+    if n < 4096 then hash_heads[n] = head end
+  end
+  return redis.sha1hex(head .. meta .. blob)
+end
 local function attach(leader, id, reply, h)
   if leader ~= id or reply ~= '' then
     redis.call('SADD', wait .. leader, id .. ' ' .. reply .. ' ' .. h)
-    redis.call('EXPIRE', wait .. leader, ttl)
+    redis.call('EXPIRE', wait .. leader, ttl_s)
   end
 end
 local function decide(id, h, dl, claim)
-  local claimed = claim and redis.call('SET', rid .. id, h, 'NX', 'EX', ttl)
+  local claimed = claim and redis.call('SET', rid .. id, h, 'NX', 'EX', ttl_s)
   local known = not claimed and redis.call('GET', rid .. id)
   if known and string.sub(known, 1, 40) ~= h then return 'conflict' end
   local mark = known and string.sub(known, 42, 42)
@@ -151,7 +164,7 @@ local function settle(kind, id, reply, h, a, b)
     redis.call('SET', rid .. id, h .. ' =' .. b, 'EX', math.min(ttl, cache_ttl))
   elseif kind == 'coalesced' then
     attach(a, id, reply, h)
-    redis.call('SET', rid .. id, h .. ' >' .. a, 'EX', ttl)
+    redis.call('SET', rid .. id, h .. ' >' .. a, 'EX', ttl_s)
   end
   count(COUNTER[kind])
 end
@@ -201,29 +214,46 @@ local MAX_FIELDS = 256
 local function is_name(s)
   return type(s) == 'string' and #s >= 1 and #s <= 128 and not string.find(s, '[^%w_.%-]')
 end
+-- One pass over a request's fields: their size, the fields fields_of() finds, and why its
+-- ck or cost field is refused; with no call per field: #x fails for a number, a boolean or
+-- nil, x .. '' for a table, so it fails (check() calls it with pcall) where a name or value
+-- is not a string.
+local function scan_fields(src, first, last)
+  local size, why, id, reply, meta, blob, dl = 0, nil, nil, nil, nil, nil, nil
+  for j = first, last, 2 do
+    local name, value = src[j], src[j + 1]
+    size = size + #name + #value
+    local _, _ = name .. '', value .. ''
+    if name == 'id' then id = value
+    elseif name == 'reply' then reply = value
+    elseif name == 'meta' then meta = value
+    elseif name == 'blob' then blob = value
+    elseif name == 'dl' then dl = value
+    elseif name == 'ck' then why = 'it has a ck field (the admission adds it)'
+    elseif name == 'cost' and (#value > 16 or not string.find(value, '^%d+$')) then
+      why = 'its cost is not a decimal integer'
+    end
+  end
+  return size, why, id, reply, meta, blob, dl
+end
+-- The last reply found valid is remembered (a producer's requests share theirs).
+local valid_reply = nil
 local function check(src, first, last, prio, priorities, max_bytes)
   local n = last - first + 1
   local id, reply, meta, blob, dl
-  local size, has_meta, why = 0, false, nil
+  local size, why = 0, nil
   if n < 0 or n % 2 ~= 0 then
     why = 'its fields and values do not pair up'
   elseif n > 2 * MAX_FIELDS then
     why = 'it has more than ' .. MAX_FIELDS .. ' fields'
   else
-    for j = first, last, 2 do
-      local name, value = src[j], src[j + 1]
-      if type(name) ~= 'string' or type(value) ~= 'string' then
-        why = 'a field name or value is not a string'
-        break
-      end
-      size = size + #name + #value
-      if name == 'ck' then why = 'it has a ck field (the admission adds it)' end
-      if name == 'cost' and (#value > 16 or not string.find(value, '^%d+$')) then
-        why = 'its cost is not a decimal integer'
-      end
-      if name == 'meta' then has_meta = true end
+    local ok
+    ok, size, why, id, reply, meta, blob, dl = pcall(scan_fields, src, first, last)
+    if not ok then
+      size, why = 0, 'a field name or value is not a string'
     end
-    if not why then id, reply, meta, blob, dl = fields_of(src, first, last) end
+    if why then id, reply, meta, blob, dl = nil, nil, nil, nil, nil end
+    reply = reply or ''
   end
   if why then  -- said already
   elseif type(prio) ~= 'number' or prio % 1 ~= 0 or prio < 0 or prio >= priorities then
@@ -232,15 +262,16 @@ local function check(src, first, last, prio, priorities, max_bytes)
     why = 'it has ' .. size .. ' bytes, over the largest request (' .. max_bytes .. ' bytes)'
   elseif not is_name(id) then
     why = 'its id is not 1-128 characters of letters, digits, _, . or -'
-  elseif reply ~= '' and not is_name(reply) then
+  elseif reply ~= '' and reply ~= valid_reply and not is_name(reply) then
     why = 'its reply is not 1-128 characters of letters, digits, _, . or -'
-  elseif not has_meta then
+  elseif not meta then
     why = 'it has no meta field'
   end
   if why then
     return nil, why, is_name(id) and id or nil, is_name(reply) and reply or nil
   end
-  return id, reply, meta, blob, dl
+  valid_reply = reply
+  return id, reply, meta or '', blob or '', dl
 end
 """
 

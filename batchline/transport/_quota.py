@@ -76,7 +76,7 @@ end
 local function quota_add(tenant, kind, n)
   local key = TK.quota(tenant, kind, math.floor(quota_now() / 60000))
   if redis.call('INCRBY', key, n) < 0 then redis.call('SET', key, 0) end
-  redis.call('EXPIRE', key, 120)
+  redis.call('EXPIRE', key, '120')
 end
 -- Days since 1970-01-01 to the civil date (proleptic Gregorian; H. Hinnant's algorithm).
 local function quota_day(ms)
@@ -117,7 +117,9 @@ QUOTA = (
 -- The in-flight sets this call added to (quota_end), each with the members it adds at
 -- the end ({} where it added at once).
 local quota_expiring = {}
-local function quota_begin() quota_expiring = {} end  -- (a call that failed left some)
+local quota_expiry = nil  -- the call's in-flight expiry, as text (one moment a call)
+-- (a call that failed left some)
+local function quota_begin() quota_expiring, quota_expiry = {}, nil end
 -- The limit a request of `cost` would pass now: nil, or its name, its value and the ms
 -- until a request would be admitted. `prune`: drop the expired in-flight ids (the
 -- admission); a producer's look counts the live ones only.
@@ -167,7 +169,8 @@ local function quota_admit(tenant, id, cost, config)
   if quota_limit(config, 'requests_per_min') > 0 then quota_add(tenant, 'r', 1) end
   if quota_limit(config, 'tokens_per_min') > 0 then quota_add(tenant, 't', cost) end
   if limit then return tenant .. '~over' end
-  local key, expiry = TK.in_flight(tenant), quota_now() + ttl * 1000
+  quota_expiry = quota_expiry or tostring(quota_now() + ttl * 1000)
+  local key, expiry = TK.in_flight(tenant), quota_expiry
   local later = quota_expiring[key]
   if not later then
     later = {}
@@ -188,9 +191,9 @@ local function quota_end()
     for i = 1, #later, 1000 do  -- unpack() takes a few thousand values at most
       redis.call('ZADD', key, unpack(later, i, math.min(i + 999, #later)))
     end
-    redis.call('EXPIRE', key, ttl)
+    redis.call('EXPIRE', key, ttl_s)
   end
-  quota_expiring = {}
+  quota_expiring, quota_expiry = {}, nil
 end
 """
 )
@@ -203,29 +206,57 @@ end
 # as '-'); account_end() writes the usage (one HINCRBY a field).
 ACCOUNT = r"""
 local usage_key, usage_ttl, usage = '', 0, {}
-local function account_begin(key, ttl_s) usage_key, usage_ttl, usage = key, ttl_s, {} end
+-- Per call: the in-flight ids to release per tenant (one ZREM a tenant, at the end: nothing
+-- in the call reads them), and the tenants' names found valid.
+local releases, named = {}, {}
+local function account_begin(key, ttl_s)
+  usage_key, usage_ttl, usage, releases, named = key, ttl_s, {}, {}, {}
+end
 local function account(id, a, release)
   local tenant = a[1]
-  if tenant ~= '' and is_tenant(tenant) and release then
-    redis.call('ZREM', TK.in_flight(tenant), id)
-    local real, estimate = tonumber(a[3]), tonumber(a[2])
-    if real >= 0 and real ~= estimate
-        and quota_limit(tenant_config(tenant), 'tokens_per_min') > 0 then
-      quota_add(tenant, 't', real - estimate)
+  if tenant ~= '' and release then
+    local ok = named[tenant]
+    if ok == nil then
+      ok = is_tenant(tenant)
+      named[tenant] = ok
+    end
+    if ok then
+      local ids = releases[tenant]
+      if not ids then
+        ids = {}
+        releases[tenant] = ids
+      end
+      ids[#ids + 1] = id
+      local real, estimate = tonumber(a[3]), tonumber(a[2])
+      if real >= 0 and real ~= estimate
+          and quota_limit(tenant_config(tenant), 'tokens_per_min') > 0 then
+        quota_add(tenant, 't', real - estimate)
+      end
     end
   end
-  if tonumber(a[6]) == 1 then
+  if tonumber(a[6]) == 1 then  -- requests, items, tokens
     local who = tenant ~= '' and tenant or '-'
-    for _, what in ipairs({{'|requests', 1}, {'|items', a[4]}, {'|tokens', a[5]}}) do
-      local field = who .. what[1]
-      usage[field] = (usage[field] or 0) + tonumber(what[2])
+    local u = usage[who]
+    if not u then
+      u = {0, 0, 0}
+      usage[who] = u
     end
+    u[1], u[2], u[3] = u[1] + 1, u[2] + tonumber(a[4]), u[3] + tonumber(a[5])
   end
 end
+local USAGE_FIELDS = {'|requests', '|items', '|tokens'}
 local function account_end()
+  for tenant, ids in pairs(releases) do
+    for i = 1, #ids, 1000 do  -- unpack() takes a few thousand values at most
+      redis.call('ZREM', TK.in_flight(tenant), unpack(ids, i, math.min(i + 999, #ids)))
+    end
+  end
+  releases = {}
   if usage_key == '' or next(usage) == nil then return end
-  for field, n in pairs(usage) do
-    if n ~= 0 then redis.call('HINCRBY', usage_key, field, n) end
+  for who, u in pairs(usage) do
+    for k = 1, 3 do
+      if u[k] ~= 0 then redis.call('HINCRBY', usage_key, who .. USAGE_FIELDS[k], u[k]) end
+    end
   end
   redis.call('EXPIRE', usage_key, usage_ttl)
   usage = {}

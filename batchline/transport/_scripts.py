@@ -66,13 +66,13 @@ each_request(requests, function(i, prio, src, first, last)
       local fields = {unpack(src, first, last)}
       fields[#fields + 1] = 'ck'
       fields[#fields + 1] = a
-      if not dl then redis.call('SET', flight .. a, id, 'EX', ttl) end
+      if not dl then redis.call('SET', flight .. a, id, 'EX', ttl_s) end
       count('miss')
       out[i] = redis.call('XADD', stream, '*', unpack(fields))
     else
       out[i] = redis.call('XADD', stream, '*', unpack(src, first, last))
     end
-    if not b then redis.call('SET', rid .. id, h, 'EX', ttl) end
+    if not b then redis.call('SET', rid .. id, h, 'EX', ttl_s) end
     depth = depth + 1
   end
 end)
@@ -112,7 +112,8 @@ return out
 # For each record the entry is acknowledged; only if that acknowledgement took (no other
 # worker answered it first) are the dead letter added and the result written to its key
 # (prefix .. request id) with its TTL, and the result queued for its producer. Then the
-# entries are deleted (XDEL, 1000 at a time) and each producer gets one reply entry
+# entries are deleted (those below the group's oldest pending entry with one XTRIM MINID,
+# the others with XDEL, 1000 at a time) and each producer gets one reply entry
 # (prefix .. producer id) carrying all its results of this call: fields n (how many) and r,
 # a msgpack array of the packed results (an array header, then the results one after
 # another). Returns the number of records answered.
@@ -123,7 +124,7 @@ COMPLETE = (
     + ACCOUNT
     + r"""
 local group = ARGV[1]
-local ttl = tonumber(ARGV[2])
+local ttl = tostring(tonumber(ARGV[2]))  -- as text: a number is formatted at each call
 local reply_maxlen = ARGV[3]
 local dead_maxlen = ARGV[4]
 local result_prefix = ARGV[5]
@@ -220,6 +221,22 @@ local function owns(request_id, h, entry)
   return not own or own == h or own == h .. ' !' or own == h .. ' @' .. entry
 end
 local at, size = 1, #records
+-- Whether any record's request has waiters: one EXISTS for the call, not a SMEMBERS a
+-- record (most have none, and a call adds waiters only where there were some).
+local function any_waiters()
+  local keys, i = {}, 1
+  while i <= size do
+    if records[i + 4] ~= '' and records[i + 2] ~= '' then
+      keys[#keys + 1] = wait_prefix .. records[i + 2]
+    end
+    i = i + 6 + records[i + 5]
+  end
+  for j = 1, #keys, 1000 do  -- unpack() takes a few thousand values at most
+    if redis.call('EXISTS', unpack(keys, j, math.min(j + 999, #keys))) > 0 then return true end
+  end
+  return false
+end
+local waiting = any_waiters()
 while at <= size do
   local stream = KEYS[records[at] + 1]
   local entry, request_id, reply, result = records[at + 1], records[at + 2], records[at + 3],
@@ -251,7 +268,7 @@ while at <= size do
       end
       if bill then account(request_id, bill, own) end
       if reply ~= '' then push(reply, result) end
-      answer_waiters(request_id, reply, result, h, cut, stream, entry, mark)
+      if waiting then answer_waiters(request_id, reply, result, h, cut, stream, entry, mark) end
       if status == 'ok' and cache_key ~= '' then
         redis.call('SET', cache_key, result, 'EX', cache_ttl)
       end
@@ -267,9 +284,51 @@ while at <= size do
   end
   done[#done + 1] = entry
 end
+-- An entry id as two numbers (nil for one that is not '<ms>-<seq>' of at most 13 digits).
+local function id_parts(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  if not ms or #ms > 13 or #seq > 13 then return nil end
+  return tonumber(ms), tonumber(seq)
+end
+-- An id below which every entry of the stream is acknowledged (the group's oldest pending
+-- entry, or, none pending, the one after its last delivered), or nil (a user that may not
+-- look, no group).
+local function answered_below(stream)
+  local pending = redis.pcall('XPENDING', stream, group)
+  if type(pending) ~= 'table' or pending.err then return nil end
+  if tonumber(pending[1]) > 0 then return pending[2] end
+  local groups = redis.pcall('XINFO', 'GROUPS', stream)
+  if type(groups) ~= 'table' or groups.err then return nil end
+  for _, g in ipairs(groups) do
+    local name, last
+    for j = 1, #g - 1, 2 do
+      if g[j] == 'name' then
+        name = g[j + 1]
+      elseif g[j] == 'last-delivered-id' then
+        last = g[j + 1]
+      end
+    end
+    local ms, seq = id_parts(type(last) == 'string' and last or '')
+    if name == group and ms then return string.format('%d-%d', ms, seq + 1) end
+  end
+  return nil
+end
+-- The entries go: those below where every entry is acknowledged with one XTRIM MINID (a
+-- pass over the stream's first nodes: nothing else is there, each answered entry leaving
+-- in the call that acknowledged it), the rest with XDEL (a search for each).
 for stream, entries in pairs(finished) do
-  for i = 1, #entries, 1000 do  -- unpack() takes a few thousand values at most
-    redis.call('XDEL', stream, unpack(entries, i, math.min(i + 999, #entries)))
+  local below, rest = answered_below(stream), entries
+  local bms, bseq = id_parts(below or '')
+  if bms then
+    rest = {}
+    for _, entry in ipairs(entries) do
+      local ms, seq = id_parts(entry)
+      if not ms or ms > bms or (ms == bms and seq >= bseq) then rest[#rest + 1] = entry end
+    end
+    if #rest < #entries then redis.call('XTRIM', stream, 'MINID', below) end
+  end
+  for i = 1, #rest, 1000 do  -- unpack() takes a few thousand values at most
+    redis.call('XDEL', stream, unpack(rest, i, math.min(i + 999, #rest)))
   end
 end
 if accounting then account_end() end

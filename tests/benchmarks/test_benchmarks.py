@@ -51,7 +51,7 @@ def test_every_module_imports_without_running() -> None:
 REDIS_LINE = re.compile(r"redis-server \d+\.\d+\.\d+ \(/\S*redis-server\)")
 # Benchmarks that start a Redis, with their --redis-server flag.
 STARTS_REDIS = ["admission", "batch_api", "batch_limits", "cache", "dtype", "durability"]
-STARTS_REDIS += ["fairness"]
+STARTS_REDIS += ["fairness", "lua"]
 STARTS_REDIS += ["queue", "schema_check", "tracing"]
 
 
@@ -471,6 +471,25 @@ def test_bench_admission_smoke() -> None:
     figures = ("requests/s", "idle p50 ms", "after a burst p99 ms", "redis CPU µs/request")
     for figure in figures:
         assert re.search(rf"^{re.escape(figure)} .* ([0-9.]+|-)$", out, re.M), out
+    assert REDIS_LINE.search(out), out
+
+
+@pytest.mark.slow
+def test_bench_lua_smoke() -> None:
+    """A round each path: every function is timed, and each piece of the Lua."""
+    _debian_redis(": the functions")
+    argv = ["--requests", "100", "--rounds", "1", "--repeats", "2", "--pieces"]
+    out = _bench(["benchmarks.lua", *argv], 300)
+    assert "2 interleaved repeats" in out, out
+    for path, function in [
+        ("untenanted", "enqueue"),
+        ("untenanted", "complete"),
+        ("tenant", "admit"),
+        ("tenant", "dispatch"),
+        ("tenant", "total"),
+    ]:
+        assert re.search(rf"^{path} +{function} +[0-9.]+ \(", out, re.M), (path, function, out)
+    assert re.search(r"^  check +[0-9.-]+$", out, re.M), out
     assert REDIS_LINE.search(out), out
 
 
