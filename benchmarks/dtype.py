@@ -138,6 +138,8 @@ def deterministic_cost(sentences: int, repeats: int) -> list[str]:
 
 
 def _quartiles(values: list[float]) -> str:
+    if len(values) < 2:
+        return "one batch"
     low, _, high = statistics.quantiles(values, n=4)
     return f"{low:.2f} to {high:.2f}"
 
