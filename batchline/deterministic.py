@@ -64,6 +64,12 @@ def _linear_forward(module: Any, x: Any) -> Any:
     return tiled_linear(x, module.weight, module.bias)
 
 
+def _conv1d_forward(module: Any, x: Any) -> Any:
+    """transformers' ``Conv1D`` (GPT-2's linears: ``x @ weight + bias``) through
+    :func:`tiled_linear`."""
+    return tiled_linear(x, module.weight.t(), module.bias)
+
+
 def per_sequence_attention(
     module: Any,
     query: Any,
@@ -192,7 +198,8 @@ def _register() -> None:
 
 def make_deterministic(model: Any) -> Any:
     """``model`` (a torch module) changed in place to deterministic mode and returned: its
-    ``Linear`` layers compute through :func:`tiled_linear`, and each transformers model in
+    ``Linear`` layers (and transformers' ``Conv1D``, GPT-2's) compute through
+    :func:`tiled_linear`, and each transformers model in
     it attends through :func:`per_sequence_attention`.
 
     ValueError if it holds a transformers model whose attention does not go through
@@ -207,14 +214,25 @@ def make_deterministic(model: Any) -> Any:
                 f"deterministic mode needs a model whose attention goes through transformers' "
                 f"AttentionInterface; {type(sub).__name__} has its own"
             )
+    conv1d = _conv1d_type()
     for sub in model.modules():
         if isinstance(sub, torch.nn.Linear):
             sub.forward = functools.partial(_linear_forward, sub)  # type: ignore[method-assign]
+        elif conv1d is not None and isinstance(sub, conv1d):
+            sub.forward = functools.partial(_conv1d_forward, sub)
     if models:
         _register()
     for sub in models:
         sub.config._attn_implementation = ATTENTION
     return model
+
+
+def _conv1d_type() -> Any:
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover - transformers ships with the torch extras
+        return None
+    return Conv1D
 
 
 def _is_transformers_model(module: Any) -> bool:

@@ -101,14 +101,24 @@ def test_attention_refuses_a_mask_per_head() -> None:
         _attend(q, q, q, torch.ones(1, 2, 3, 3, dtype=torch.bool))
 
 
-def test_a_transformers_model_attends_through_the_deterministic_function() -> None:
-    model = make_deterministic(tiny_model("llama", torch.float32))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_causal_lms_logits_are_the_same_bits_alone_and_padded_in_a_batch(
+    kind: str, dtype: str
+) -> None:
+    # One forward of a prompt (no cache): the row alone, and right-padded among others.
+    model = make_deterministic(tiny_model(kind, getattr(torch, dtype)))
     assert model.config._attn_implementation == ATTENTION
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert linears
-    assert all("forward" in vars(m) for m in linears)
-    ids = torch.tensor([[5, 6, 7, 8]])
-    assert model(ids).logits.shape == (1, 4, 97)
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    with torch.inference_mode():
+        alone = model(torch.tensor([prompt])).logits[0]
+        ids = torch.randint(4, 97, (5, 12))
+        mask = torch.ones(5, 12, dtype=torch.long)
+        ids[3, : len(prompt)] = torch.tensor(prompt)
+        mask[3, len(prompt) :] = 0
+        mask[1, 4:] = 0
+        batched = model(ids, attention_mask=mask).logits[3, : len(prompt)]
+    assert bits(batched) == bits(alone)
 
 
 @pytest.fixture(scope="module")
