@@ -17,7 +17,11 @@ recorded, with date, machine and command, are on the documentation's Benchmarks 
 - ``python -m benchmarks.prefix``: prefill time with the shared-prefix cache and without.
 - ``python -m benchmarks.structured``: structured output on SmolLM2, each answer validated
   against its schema, and the per-token cost of the masks.
-- ``python -m benchmarks.dtype``: ``dtype auto`` on this CPU, bfloat16 against float32.
+- ``python -m benchmarks.dtype``: ``dtype auto`` on this CPU, bfloat16 against float32; with
+  ``--deterministic``, the cost of deterministic mode on embeddings.
+- ``python -m benchmarks.invariance``: which kernels give a row a different result with the
+  batch around it (linear, attention, norms), and MiniLM and SmolLM2 alone against batched,
+  deterministic mode off and on.
 - ``python -m benchmarks.cache``: the result cache on half-repeated texts.
 - ``python -m benchmarks.batch_api``: a batch through ``/v1/batches`` against the same requests
   through the producer, and interactive latency while a batch runs.

@@ -11,6 +11,9 @@ machine is shared, so compare the two columns of one run):
   dtype. Then the greedy match: how many of batchline's ``SyncGenerator`` answers in
   bfloat16 equal ``model.generate``'s, token for token, in bfloat16 and in float32 (each
   prompt generated alone by ``model.generate``).
+- **deterministic** (``--deterministic``, instead of the others): all-MiniLM-L6-v2 as the
+  worker runs it (``SentenceTransformerModel``), deterministic mode off and on, each batch
+  of 32 sentences run by both in a random order: the median ratio of their times.
 - **demo** (``--demo``): ``batchline demo``'s saturated rate, its worker in float32
   (``BATCHLINE_DTYPE=float32``) and with ``dtype auto``, every run against one redis-server
   this starts (the newest found, or ``--redis-server PATH``; the report names it).
@@ -19,6 +22,7 @@ Usage::
 
     python -m benchmarks.dtype                      # ~10 min on 2 busy cores
     python -m benchmarks.dtype --demo               # + the demo both ways (~5 min more)
+    python -m benchmarks.dtype --deterministic      # deterministic mode's cost (~3 min)
     python -m benchmarks.dtype --sentences 64 --prompts 4 --new-tokens 4 --repeats 1  # smoke
 """
 
@@ -89,6 +93,55 @@ def embeddings(sentences: int, repeats: int) -> list[str]:
         f"{statistics.median(ratios):.2f}x (paired {', '.join(f'{x:.2f}' for x in ratios)}); "
         f"minimum cosine to float32 {float(cosine.min()):.5f}"
     ]
+
+
+def deterministic_cost(sentences: int, repeats: int) -> list[str]:
+    """all-MiniLM-L6-v2 as the worker runs it, deterministic mode off and on, per dtype:
+    the same batches of 32 sentences in the order read (lengths mixed, as a worker's
+    batches are), each batch run by both, in an order drawn each time: the median of their
+    time ratios per batch, and of the times."""
+    import random
+
+    from batchline.demo.sentences import sentences as demo_sentences
+    from batchline.worker.models import SentenceTransformerModel
+
+    texts = demo_sentences(sentences)
+    draw = random.Random(0)
+    lines = []
+    for name in DTYPES:
+        models = {
+            on: SentenceTransformerModel(dtype=name, deterministic=on) for on in (False, True)
+        }
+        for model in models.values():
+            model.load()
+        items = [p.payload for p in models[False].preprocess(texts)]
+        batches = [items[i : i + 32] for i in range(0, len(items), 32)]
+        for model in models.values():  # warm-up: the first batches of each shape are slower
+            model.infer(batches[0])
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(repeats):
+            for batch in batches:
+                for on in draw.sample((False, True), 2):
+                    start = time.perf_counter()
+                    models[on].infer(batch)
+                    times[on].append(time.perf_counter() - start)
+        ratios = [on / off for off, on in zip(times[False], times[True], strict=True)]
+        lines.append(
+            f"deterministic mode, all-MiniLM-L6-v2 in {name}, {len(batches)} batches of 32 x "
+            f"{repeats}: {statistics.median(ratios):.2f}x the default's time (median of the "
+            f"paired batches; quartiles {_quartiles(ratios)}; all together "
+            f"{sum(times[True]) / sum(times[False]):.2f}x), a batch "
+            f"{statistics.median(times[False]) * 1e3:.0f} ms off, "
+            f"{statistics.median(times[True]) * 1e3:.0f} ms on"
+        )
+    return lines
+
+
+def _quartiles(values: list[float]) -> str:
+    if len(values) < 2:
+        return "one batch"
+    low, _, high = statistics.quantiles(values, n=4)
+    return f"{low:.2f} to {high:.2f}"
 
 
 def _prompts(n: int) -> list[list[dict[str, str]]]:
@@ -228,6 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--demo", action="store_true", help="also run batchline demo both ways")
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="only the cost of deterministic mode on embeddings, in each dtype",
+    )
     add_redis_server_flag(parser)
     args = parser.parse_args(argv)
     from batchline.devices import cpu_bf16_flags, pick_dtype
@@ -238,8 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"- {machine()}; native bfloat16 flags: {', '.join(flags) or 'none'}")
     print(f"- dtype auto on this cpu: {auto}")
     print(f"- {provenance()}")
-    lines = embeddings(args.sentences, args.repeats)
-    lines += generation(args.prompts, args.new_tokens, args.repeats)
+    if args.deterministic:
+        lines = deterministic_cost(args.sentences, args.repeats)
+    else:
+        lines = embeddings(args.sentences, args.repeats)
+        lines += generation(args.prompts, args.new_tokens, args.repeats)
     if args.demo:
         lines += demo(args.repeats, args.redis_server)
     for line in lines:

@@ -45,7 +45,12 @@ def _worker(args: argparse.Namespace) -> int:
         raise UsageError("--max-age-s is for --check only")
     s = settings
     check_model(
-        s.model, s.model_path, backend=s.backend, device=s.device, calibration=s.calibration
+        s.model,
+        s.model_path,
+        backend=s.backend,
+        device=s.device,
+        calibration=s.calibration,
+        deterministic=s.deterministic,
     )
     from batchline.worker._supervisor import report_ready, supervise
 

@@ -111,6 +111,7 @@ def assemble(
             backend=s.backend,
             threads=threads,
             calibration=s.calibration,
+            deterministic=s.deterministic,
         )
     keys = s.keys
     own_client = redis is None

@@ -575,6 +575,30 @@ def test_bench_dtype_smoke() -> None:
 
 
 @pytest.mark.slow
+def test_bench_dtype_deterministic_smoke() -> None:
+    """Deterministic mode's cost: a line per dtype, its time over the default's."""
+    out = _bench(
+        ["benchmarks.dtype", "--deterministic", "--sentences", "32", "--repeats", "1"], 600
+    )
+    for dtype in ("float32", "bfloat16"):
+        assert re.search(
+            rf"deterministic mode, all-MiniLM-L6-v2 in {dtype}, 1 batches of 32 x 1: "
+            r"[0-9.]+x the default's time",
+            out,
+        ), out
+
+
+@pytest.mark.slow
+def test_bench_invariance_smoke() -> None:
+    """Each kernel's distinct results, and MiniLM alone against batched, both modes."""
+    out = _bench(["benchmarks.invariance", "--texts", "4", "--prompts", "0"], 600)
+    for dtype in ("float32", "bfloat16"):
+        assert f"- {dtype}: linear 384->1536: off " in out, out
+        assert f"- {dtype}: MiniLM deterministic: 0/4 embeddings differ" in out, out
+        assert re.search(rf"- {dtype}: attention, .* deterministic 0/30", out), out
+
+
+@pytest.mark.slow
 def test_bench_structured_smoke() -> None:
     """Three schemas, one repeat: it validates the answers and reports the overhead."""
     import importlib.util

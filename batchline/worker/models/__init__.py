@@ -44,6 +44,9 @@ __all__ = [
     "resolve_callable",
 ]
 
+#: The model kinds that deterministic mode is for (torch models of one forward pass).
+_DETERMINISTIC = ("sentence-transformers", "transformers", "transformers-classify", "cross-encoder")
+
 #: What a ``model_path`` may be, as an error about one says.
 PATHS = (
     "a local directory, a .gguf file (--model generate), or a Hugging Face hub name such as "
@@ -60,6 +63,7 @@ def load_model(
     backend: str = "torch",
     threads: int | None = None,
     calibration: str | None = None,
+    deterministic: bool = False,
 ) -> Model:
     """The model a worker setting names (not loaded yet: call ``load()``).
 
@@ -77,6 +81,9 @@ def load_model(
         threads: CPU threads of a non-torch backend (default: the cores available).
         calibration: ``openvino-int8`` only: a text file (one text per line) to calibrate
             the int8 activations on (default: the texts shipped with batchline).
+        deterministic: each input's output the same bits whatever its batch
+            (:mod:`batchline.deterministic`): the torch embedding, classification and
+            rerank models only.
     """
     if path is not None and path.startswith(("/", "./", "../")) and not Path(path).exists():
         # Written as a local path: a typo fails here, not as a hub lookup of that name.
@@ -89,6 +96,11 @@ def load_model(
             backend=backend,
             threads=threads,
             calibration=calibration,
+            deterministic=deterministic,
+        )
+    if deterministic and spec not in _DETERMINISTIC:
+        raise ValueError(
+            f"deterministic mode is for the models {', '.join(_DETERMINISTIC)}; got {spec!r}"
         )
     if backend != "torch":
         raise ValueError(f"backend {backend!r} is for the sentence-transformers model only")
@@ -101,7 +113,9 @@ def load_model(
             path = str(get_model_path())
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
         task = "classify" if spec.endswith("classify") else "embed"
-        return TransformersModel(path, task=task, device=device, dtype=dtype)
+        return TransformersModel(
+            path, task=task, device=device, dtype=dtype, deterministic=deterministic
+        )
     if spec == "generate":
         from batchline.worker.models._generation import GenerationModel
 
@@ -109,7 +123,7 @@ def load_model(
     if spec == "cross-encoder":
         from batchline.worker.models._cross_encoder import CrossEncoderModel
 
-        return CrossEncoderModel(path, device=device, dtype=dtype)
+        return CrossEncoderModel(path, device=device, dtype=dtype, deterministic=deterministic)
     if ":" in spec:
         return CallableModel(spec)
     raise ValueError(

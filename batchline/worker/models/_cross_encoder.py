@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from batchline.core.padding import split_outputs
+from batchline.deterministic import make_deterministic
 from batchline.devices import pick_device, pick_dtype, quiet_weight_loading
 from batchline.worker.models._protocol import Prepared
 from batchline.worker.models._tokenized import Tokenized
@@ -41,14 +42,24 @@ def pairs_of(value: Any) -> tuple[str, list[str]]:
 
 
 class CrossEncoderModel(Tokenized):
-    """A sentence-transformers cross-encoder (``path``: its directory or hub name)."""
+    """A sentence-transformers cross-encoder (``path``: its directory or hub name);
+    ``deterministic``: each pair's score the same bits whatever its batch
+    (:mod:`batchline.deterministic`)."""
 
-    def __init__(self, path: str | None, *, device: str = "auto", dtype: str = "auto") -> None:
+    def __init__(
+        self,
+        path: str | None,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        deterministic: bool = False,
+    ) -> None:
         if not path:
             raise ValueError("the cross-encoder model needs model_path (a directory or hub name)")
         self.path = path
         self.device_name = device
         self.dtype_name = dtype
+        self.deterministic = deterministic
         self.model: Any = None
         self.example = {"query": "Which sentence is timed?", "documents": [Tokenized.example]}
 
@@ -60,6 +71,8 @@ class CrossEncoderModel(Tokenized):
             self.model = CrossEncoder(self.path, device=self.device)
         self.model.model.to(pick_dtype(self.dtype_name, self.device))
         self.model.model.eval()
+        if self.deterministic:
+            make_deterministic(self.model.model)
         self.tokenizer = self.model.tokenizer
         # max_seq_length: its name since sentence-transformers 5 (max_length before).
         limit = getattr(self.model, "max_seq_length", None) or self.model.max_length

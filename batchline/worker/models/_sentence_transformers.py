@@ -10,6 +10,7 @@ from typing import Any
 
 from batchline.codec import unit_rows
 from batchline.core.padding import split_outputs
+from batchline.deterministic import make_deterministic
 from batchline.devices import float32_head, pick_device, pick_dtype, quiet_weight_loading
 from batchline.worker.models._tokenized import Tokenized, gather, matryoshka
 
@@ -28,6 +29,9 @@ class SentenceTransformerModel(Tokenized):
     this process may use). A normalised model's vectors are scaled to unit length in
     float64 last, whatever the engine computed them in (OpenVINO runs in bfloat16 on a CPU
     with it): their norms are 1 within 1e-6 in every dtype and backend.
+
+    ``deterministic`` (torch only): each text's embedding is the same bits whatever its
+    batch-mates (:func:`batchline.deterministic.make_deterministic`).
     """
 
     def __init__(
@@ -39,10 +43,16 @@ class SentenceTransformerModel(Tokenized):
         backend: str = "torch",
         threads: int | None = None,
         calibration: str | None = None,
+        deterministic: bool = False,
     ) -> None:
         from batchline.worker.models._backends import check_options
 
         check_options(backend, device=device, dtype=dtype, calibration=calibration)
+        if deterministic and backend != "torch":
+            raise ValueError(
+                f"deterministic mode is for the torch backend only, got backend {backend!r}"
+            )
+        self.deterministic = deterministic
         self.path = path
         self.device_name = device
         self.dtype_name = dtype
@@ -77,6 +87,8 @@ class SentenceTransformerModel(Tokenized):
         # A CPU backend exports the float32 model (and runs it in float32 or int8).
         dtype = self.dtype_name if self.backend == "torch" else "float32"
         float32_head(self.model, pick_dtype(dtype, self.device))
+        if self.deterministic:
+            make_deterministic(self.model)
         self.model.eval()
         self.tokenizer = self.model.tokenizer
         self.max_length = int(self.model.max_seq_length)

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from batchline.core.padding import split_outputs
+from batchline.deterministic import make_deterministic
 from batchline.devices import pick_device, pick_dtype, quiet_weight_loading
 from batchline.worker.models._protocol import Prepared
 from batchline.worker.models._tokenized import Tokenized, gather, matryoshka, text_list
@@ -25,11 +26,18 @@ class TransformersModel(Tokenized):
     returns the attention-masked mean of the last hidden state, taken in float32 whatever
     ``dtype`` the model runs in (not normalised: divided by its norm, it is the sentence
     embedding of a mean-pooling model, within 1e-6); ``task="classify"`` a dict of
-    ``label``, ``score`` and ``probs`` (the softmax in float32 too).
+    ``label``, ``score`` and ``probs`` (the softmax in float32 too). ``deterministic``:
+    each input's output the same bits whatever its batch (:mod:`batchline.deterministic`).
     """
 
     def __init__(
-        self, path: str, *, task: str = "embed", device: str = "auto", dtype: str = "auto"
+        self,
+        path: str,
+        *,
+        task: str = "embed",
+        device: str = "auto",
+        dtype: str = "auto",
+        deterministic: bool = False,
     ) -> None:
         if task not in ("embed", "classify"):
             raise ValueError(f"task must be 'embed' or 'classify', got {task!r}")
@@ -37,6 +45,7 @@ class TransformersModel(Tokenized):
         self.task = task
         self.device_name = device
         self.dtype_name = dtype
+        self.deterministic = deterministic
         self.model: Any = None
 
     def load(self) -> None:
@@ -54,6 +63,8 @@ class TransformersModel(Tokenized):
                 self.path, dtype=pick_dtype(self.dtype_name, self.device)
             )
         self.model.to(self.device).eval()
+        if self.deterministic:
+            make_deterministic(self.model)
         self.max_length = int(min(self.tokenizer.model_max_length, 4096))
         self.input_names = list(self.tokenizer.model_input_names)
 

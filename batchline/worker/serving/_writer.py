@@ -193,12 +193,17 @@ class AnswerWriter:
 def model_identity(settings: WorkerSettings, model: object | None) -> str:
     """The ``model_id`` setting, else the model's class (a model object given to the
     worker), else the model spec and path with the backend and dtype that change its
-    numerics: workers that would answer differently never share cached answers."""
+    numerics, and ``deterministic`` where it is on (its answers do not depend on the batch:
+    one from a worker without it is not one of its own): workers that would answer
+    differently never share cached answers."""
     if settings.model_id:
         return settings.model_id
     if model is not None:
         return f"{type(model).__module__}.{type(model).__qualname__}"
-    return "|".join((settings.model, settings.model_path or "", settings.backend, settings.dtype))
+    parts = [settings.model, settings.model_path or "", settings.backend, settings.dtype]
+    if settings.deterministic:
+        parts.append("deterministic")
+    return "|".join(parts)
 
 
 class AnswerCache:
