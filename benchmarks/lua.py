@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -333,6 +334,8 @@ def run(url: str, meter: Callable[[], Meter | Instructions], args: argparse.Name
 def start_under_callgrind(procs: Procs, binary: str, out: Path) -> tuple[str, str]:
     """A redis-server under valgrind's callgrind (dumps to ``out``.<n>), as :func:`start_redis`
     starts one: its URL and the line that says which."""
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--callgrind needs valgrind on PATH (apt-get install valgrind)")
     port = free_port()
     argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", binary]
     argv += ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
