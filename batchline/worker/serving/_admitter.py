@@ -140,19 +140,13 @@ class Admitter:
         how many elements the inbox, the job list and the wake list still hold."""
         return self._took(await (client or self._client).fcall(*self.call()))
 
-    async def wait_and_admit(self, client: RedisClient | None = None) -> int:
-        """Block on the inbox (``BLMOVE`` into the admission list; on ``client``, the wake
-        client: on the wake list, a rotation onto itself), at most _BLOCK_S, then one call
-        of the admit function, sent together: Redis runs the call as soon as the wait ends
-        (a client's commands wait behind its blocked one), so an element that comes to an
-        idle queue is admitted one round trip after it came, not two. Returns as
-        :meth:`admit`."""
-        source, target = (
-            (self.keys.inbox, self.keys.admitting)
-            if client is None
-            else (self.keys.wakes, self.keys.wakes)
-        )
-        pipe = (client or self._client).pipeline(transaction=False)
+    async def wait_and_admit(self, client: RedisClient, source: str, target: str) -> int:
+        """Block on ``source`` (``BLMOVE`` onto ``target``, at most _BLOCK_S), then one call
+        of the admit function, sent together on ``client``: Redis runs the call as soon as
+        the wait ends (a client's commands wait behind its blocked one), so an element that
+        comes to an idle queue is admitted one round trip after it came, not two. Returns
+        as :meth:`admit`."""
+        pipe = client.pipeline(transaction=False)
         pipe.blmove(source, target, _BLOCK_S, "LEFT", "RIGHT")
         pipe.fcall(*self.call())
         _moved, answer = await pipe.execute()
@@ -224,11 +218,14 @@ class Admitter:
         if client is None:
             return
         backoff = Backoff(logger, "admitter (wakes)")
+        wakes = self.keys.wakes
         left = 0
         while running():
             try:
                 # A rotation: the wake stays in the list until the admit function takes it.
-                left = await (self.admit(client) if left else self.wait_and_admit(client))
+                left = await (
+                    self.admit(client) if left else self.wait_and_admit(client, wakes, wakes)
+                )
             except NoPermissionError as exc:
                 logger.warning(
                     "admitter: queue %r: this worker may not read the wake list (the rules "
@@ -256,7 +253,11 @@ class Admitter:
                 # within _BLOCK_S it admits all the same (nothing, at the cost of one call a
                 # second), which finds a library gone (a failover to a node without it, a
                 # FUNCTION FLUSH) while producers cannot enqueue.
-                left = await (self.admit() if left else self.wait_and_admit())
+                left = await (
+                    self.admit()
+                    if left
+                    else self.wait_and_admit(self._client, self.keys.inbox, self.keys.admitting)
+                )
             except ResponseError as exc:
                 if function_missing(exc):
                     logger.warning("admitter: %s: loading the queue's functions again", exc)
