@@ -388,9 +388,10 @@ class WorkerSettings(ServiceSettings):
         calibration: ``openvino-int8``: a text file, one text per line (at least 32), that
             the activations' int8 ranges are measured on once (none: texts shipped with
             batchline, mostly English); use texts like those the queue will serve.
-        deterministic: the torch embedding, classification and rerank models: each
-            input's output is the same bits whatever else is in its batch (batch-mates,
-            their number and lengths), in every dtype; off, its last bits depend on them.
+        deterministic: each input's output the same bits whatever else is in its batch,
+            in every dtype (torch models; generation: also arrivals, chunked prefill, the
+            prefix cache). ``auto``: on for embedding, classification and rerank models
+            on a CPU (measured at no cost), off for generation and elsewhere.
         threads: the model's CPU threads (available cores: the process's CPU affinity,
             capped by a cgroup CPU quota); idle OpenMP threads wait passively unless
             ``OMP_WAIT_POLICY`` says otherwise.
@@ -473,7 +474,7 @@ class WorkerSettings(ServiceSettings):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     backend: Literal["torch", "onnx", "onnx-int8", "openvino", "openvino-int8"] = "torch"
     calibration: str | None = None
-    deterministic: bool = False
+    deterministic: bool | Literal["auto"] = "auto"
     threads: int | None = Field(default=None, ge=1)
     batch_size: int = Field(default=DEFAULTS.batch_size, ge=1)
     timeout_ms: float = Field(default=DEFAULTS.timeout_ms, ge=0)

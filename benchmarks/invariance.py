@@ -15,7 +15,8 @@ invariance; more is a kernel whose rounding depends on the batch.
 - **MiniLM**: all-MiniLM-L6-v2 as the worker runs it, ``--texts`` texts each alone and
   inside a random batch of 2 to 32 random others: how many embeddings differ.
 - **generation**: SmolLM2-135M-Instruct through batchline's ``Generator``,
-  ``--prompts`` greedy answers alone and all together (0: skip).
+  ``--prompts`` greedy answers alone and all together, tokens and log probabilities, the
+  mode off and on (0: skip).
 
 Usage::
 
@@ -49,25 +50,53 @@ def linear(dtype: Any, rng: random.Random) -> list[str]:
     """Distinct results of one row of a linear over M rows, off and deterministic."""
     import torch
 
-    from batchline.deterministic import tiled_linear
+    from batchline.deterministic import row_tile, tiled_linear
 
     lines = []
     for k, n in SHAPES:
         w, b, row = torch.randn(n, k, dtype=dtype), torch.randn(n, dtype=dtype), torch.randn(k)
         found: dict[str, dict[bytes, list[int]]] = {"off": {}, "deterministic": {}}
+        tile = row_tile(w, b)  # the mode's tile for this weight
+
+        def det(x: Any, w: Any, b: Any, tile: int = tile) -> Any:
+            return tiled_linear(x, w, b, tile)
+
         for m in ROWS:
             if n * m > 4_000_000 and m > 64:
                 continue  # the head over many rows: slow, and nothing new
             x = torch.randn(m, k, dtype=dtype)
             p = rng.randrange(m)
             x[p] = row.to(dtype)
-            for mode, fn in (("off", torch.nn.functional.linear), ("deterministic", tiled_linear)):
+            for mode, fn in (("off", torch.nn.functional.linear), ("deterministic", det)):
                 found[mode].setdefault(_bits(fn(x, w, b)[p]), []).append(m)
         lines.append(
             f"linear {k}->{n}: off {_groups(found['off'])}; "
-            f"deterministic {_groups(found['deterministic'])}"
+            f"deterministic (tile {tile}) {_groups(found['deterministic'])}; "
+            f"{_outputs(w, b, det)}"
         )
     return lines
+
+
+def _outputs(w: Any, b: Any, det: Callable[[Any, Any, Any], Any]) -> str:
+    """Every output of many rows run at once against the same rows one and two a GEMM:
+    how many differ (a GEMM that accumulates in float32 and rounds to bfloat16 differs in
+    a few outputs in 100,000, which one row rarely shows)."""
+    import torch
+
+    rows = max(16, min(512, (1 << 19) // w.shape[0]))
+    x = torch.randn(rows, w.shape[1], dtype=w.dtype) / w.shape[1] ** 0.5
+    counts = []
+    for mode, fn in (("off", torch.nn.functional.linear), ("deterministic", det)):
+        whole = fn(x, w, b)
+        differ = [
+            int((torch.cat([fn(x[i : i + m], w, b) for i in range(0, rows, m)]) != whole).sum())
+            for m in (1, 2)
+        ]
+        counts.append(f"{mode} {differ[0]}, {differ[1]}")
+    return (
+        f"of {rows} x {w.shape[0]} outputs, run 1 and 2 rows a GEMM against all at once, "
+        f"differing: {'; '.join(counts)}"
+    )
 
 
 def _groups(found: dict[bytes, list[int]]) -> str:
@@ -201,32 +230,42 @@ def minilm(dtype: str, texts: int) -> list[str]:
 
 
 def generation(dtype: str, prompts: int, new_tokens: int) -> list[str]:
-    """SmolLM2's greedy answers alone vs all together through the Generator."""
+    """SmolLM2's greedy answers alone vs all together through the Generator, off and in
+    deterministic mode."""
     from batchline.demo.generate import PROMPTS
     from batchline.generation import Generator
 
     chats = [[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}] for i in range(prompts)]
 
-    async def run(gen: Generator, together: bool) -> list[list[int]]:
+    async def run(gen: Generator, together: bool) -> list[tuple[Any, ...]]:
         def one(chat: list[dict[str, str]]) -> Any:
-            return gen.generate(messages=chat, max_new_tokens=new_tokens, temperature=0.0)
+            return gen.generate(
+                messages=chat, max_new_tokens=new_tokens, temperature=0.0, logprobs=0
+            )
 
         if together:
             results = await asyncio.gather(*(one(c) for c in chats))
         else:
             results = [await one(c) for c in chats]
-        return [list(r.token_ids) for r in results]
+        return [(r.token_ids, tuple(t.logprob for t in r.logprobs or ())) for r in results]
 
-    async def both() -> tuple[list[list[int]], list[list[int]]]:
-        async with Generator("smollm2", dtype=dtype) as gen:
+    async def both(deterministic: bool) -> tuple[list[Any], list[Any]]:
+        async with Generator("smollm2", dtype=dtype, deterministic=deterministic) as gen:
             return await run(gen, False), await run(gen, True)
 
-    alone, together = asyncio.run(both())
-    same = sum(a == b for a, b in zip(alone, together, strict=True))
-    return [
-        f"SmolLM2 greedy, {prompts} prompts x {new_tokens} tokens: {same}/{prompts} answers "
-        "identical alone and together"
-    ]
+    out = []
+    for deterministic in (False, True):
+        alone, together = asyncio.run(both(deterministic))
+        pairs = list(zip(alone, together, strict=True))
+        tokens = sum(a[0] == b[0] for a, b in pairs)
+        logprobs = sum(a == b for a, b in pairs)
+        mode = "deterministic" if deterministic else "off"
+        out.append(
+            f"SmolLM2 greedy {mode}, {prompts} prompts x {new_tokens} tokens alone and "
+            f"together: tokens identical {tokens}/{prompts}, log probabilities too "
+            f"{logprobs}/{prompts}"
+        )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,6 +56,7 @@ from typing import Any
 import torch
 
 from batchline._tools import Tools, chat_inputs, template_has_tools
+from batchline.deterministic import prompt_pass
 from batchline.errors import BadGenerationParams, PromptTooLong
 from batchline.generation._grammar import Grammars
 from batchline.generation._logprobs import TokenTexts
@@ -342,13 +343,14 @@ class Engine:
             end = width
         else:  # at most max_prefill_tokens tokens in all, at least a column
             end = min(start + max(1, self.max_prefill_tokens // len(group.seqs)), width)
-        ran = run_rows(
-            self._forward,
-            group.cache,
-            group.ids[:, start:end],
-            group.mask[:, : group.past + end],
-            group.pos[:, start:end],
-        )
+        with prompt_pass():  # deterministic mode computes a prompt's chunks alike
+            ran = run_rows(
+                self._forward,
+                group.cache,
+                group.ids[:, start:end],
+                group.mask[:, : group.past + end],
+                group.pos[:, start:end],
+            )
         if ran.failed:
             self._fail(group.seqs, ran, out)
             for row, exc in ran.failed:  # the same prompt fails its twins the same way

@@ -13,6 +13,7 @@ from typing import Any, Self, TypedDict, Unpack
 
 from batchline._tool_calls import parse_calls
 from batchline.core.scheduler import SchedulerConfig
+from batchline.deterministic import make_deterministic
 from batchline.devices import place
 from batchline.generation._engine import (
     DEFAULT_MAX_PREFILL_TOKENS,
@@ -93,12 +94,15 @@ class _Base:
         prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
         max_overtake_s: float = 0.1,
         max_backfill_s: float = 1.0,
+        deterministic: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if isinstance(model, str | os.PathLike):
             model, tokenizer = load_causal_lm(model, device=device, dtype=dtype)
         else:
             model = place(model, device=device, dtype=dtype)
+        if deterministic:
+            make_deterministic(model)
         config = SchedulerConfig(
             max_batch_size=max_batch_size,
             max_batch_tokens=max_batch_tokens,
@@ -171,6 +175,11 @@ class Generator(_Base):
     0: off) bounds the shared-prefix cache: the KV of prompts prefilled, which a later prompt
     that starts the same way (a chat template's system prompt) reuses instead of prefilling
     it again, with the same tokens out.
+
+    ``deterministic``: a request's tokens and log probabilities are the same bits whatever
+    else runs beside it (batch-mates, their number, lengths and arrival times, chunked
+    prefill, the prefix cache), greedy or seeded, in every dtype
+    (:mod:`batchline.deterministic`; on one machine, torch version and thread count).
 
     Per call: ``max_new_tokens``, ``temperature`` (below 1e-5: greedy), ``top_p``,
     ``top_k``, ``seed`` (0 to 2**64 - 1), ``stop`` (strings), ``response_format``,

@@ -40,7 +40,11 @@ tokens/s and the time until the caller has its first text (with ``infer``, its w
     python3 -m benchmarks.generate --quick --stream-ab
 
 ``--device`` and ``--dtype`` place every row's model (in process, transformers' and the
-worker's).
+worker's). ``--deterministic`` adds a row to both workloads: batchline in process in
+deterministic mode (``Generator(deterministic=True)``, a second copy of the model), its
+rate and TTFT against batchline's:
+
+    python3 -m benchmarks.generate --deterministic --skip-tf --skip-redis --repeats 3
 """
 
 from __future__ import annotations
@@ -297,7 +301,12 @@ def stream_ab(redis: RedisWorker, n: int, new: int, rounds: int) -> None:
 
 
 def workloads(
-    args: argparse.Namespace, model: Any, tok: Any, gen: Generator, redis: RedisWorker | None
+    args: argparse.Namespace,
+    model: Any,
+    tok: Any,
+    gen: Generator,
+    redis: RedisWorker | None,
+    det: Generator | None = None,
 ) -> list[Workload]:
     """The two workloads' rows. Every call of a row sends a prompt set of its own
     (:class:`PromptSets`): the same sizes, limits and arrivals each time."""
@@ -316,6 +325,11 @@ def workloads(
                 w.add(arriving, lambda: tf_batch(paged, tok, fresh(n), limits, gaps), stat)
                 bases.append(arriving)
         w.add("batchline", lambda: asyncio.run(ours(gen, fresh(n), limits, gaps)), *bases)
+        if det is not None:
+            deterministic = "batchline (deterministic)"
+            w.add(
+                deterministic, lambda: asyncio.run(ours(det, fresh(n), limits, gaps)), "batchline"
+            )
         if redis is not None:
             through = "batchline through Redis"
             w.add(through, lambda: redis.run(fresh(n), limits, gaps), "batchline")
@@ -352,6 +366,8 @@ def workloads(
         lambda c, m, _: static(model, tok, c, m, len(c)),
         lambda c, m, g: asyncio.run(ours(gen, c, m, g)),
     ]
+    if det is not None:
+        paths.append(lambda c, m, g: asyncio.run(ours(det, c, m, g)))
     if paged is not None:
         paths.append(lambda c, m, _: tf_batch(paged, tok, c, m))
     if redis is not None:
@@ -388,6 +404,11 @@ def parse() -> argparse.Namespace:
     ap.add_argument(
         "--model-path", help="with --stream-ab, --http-ab: the model (both sides) [smollm2]"
     )
+    ap.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="add batchline in deterministic mode (in process) to both workloads",
+    )
     ap.add_argument("--device", default="auto", help="every row's device: auto, cpu, cuda")
     ap.add_argument(
         "--dtype",
@@ -420,12 +441,17 @@ def measure(args: argparse.Namespace, redis: RedisWorker | None) -> None:
     model, tok = load(args)
     print(f"device {model.device}, dtype {model.dtype}", flush=True)
     gen = Generator(model, tokenizer=tok, max_batch_size=args.max_running)
+    det = None
+    if args.deterministic:  # a copy of its own: the mode changes a model in place
+        det = Generator(
+            load(args)[0], tokenizer=tok, max_batch_size=args.max_running, deterministic=True
+        )
     try:
         if (args.redis_ab or args.http_ab) and redis is not None:
             ab = redis_ab if args.redis_ab else http_ab
             ab(gen, redis, 8 if args.quick else 32, 16 if args.quick else 32, args.rounds)
             return
-        plan = workloads(args, model, tok, gen, redis)
+        plan = workloads(args, model, tok, gen, redis, det)
         for index in range(args.repeats):
             for w in plan:
                 print(f"repeat {index + 1}/{args.repeats} {w.title}", flush=True)
@@ -434,6 +460,8 @@ def measure(args: argparse.Namespace, redis: RedisWorker | None) -> None:
                 w.summary(index + 1)
     finally:
         gen.loop.close()
+        if det is not None:
+            det.loop.close()
 
 
 def main() -> None:

@@ -348,7 +348,8 @@ def test_bench_generate_rows_warm_their_shapes_and_never_resend_a_prompt(
         return run
 
     async def ours(gen: Any, chats: list[Any], *rest: Any) -> dict[str, Any]:
-        return path("batchline")(chats)  # type: ignore[no-any-return]
+        name = "batchline (deterministic)" if gen == "deterministic" else "batchline"
+        return path(name)(chats)  # type: ignore[no-any-return]
 
     monkeypatch.setattr(bench, "static", path("static"))
     monkeypatch.setattr(bench, "tf_batch", path("generate_batch"))
@@ -357,8 +358,9 @@ def test_bench_generate_rows_warm_their_shapes_and_never_resend_a_prompt(
     redis = types.SimpleNamespace(run=path("through Redis"), http=path("via HTTP"))
     model = types.SimpleNamespace(name_or_path="m", device="cpu", dtype=None)
     args = argparse.Namespace(quick=True, skip_tf=False)
-    plan = bench.workloads(args, model, None, None, redis)
+    plan = bench.workloads(args, model, None, None, redis, "deterministic")
     warm = list(sent)
+    assert "batchline (deterministic)" in {name for name, _ in warm}
     for index in range(2):
         for w in plan:
             w.repeat(index)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from batchline.core.scheduler import SchedulerConfig
@@ -26,19 +27,21 @@ def run_plan(
     config: SchedulerConfig,
     *,
     max_steps: int = 1000,
+    params: Callable[[int, int], GenerationParams] | None = None,
 ) -> list[list[Any]]:
     """Submit each request at its step, one loop iteration per step, until all have ended;
-    each request's events (deltas, then its result or exception)."""
+    each request's events (deltas, then its result or exception). ``params(i,
+    max_new_tokens)``: the i-th request's parameters (default: greedy)."""
     clock = Clock()
     loop = GenerationLoop(engine, config, clock=clock)
     events: list[list[Any]] = [[] for _ in plan]
     last = max((at for at, _, _ in plan), default=0)
     for step in range(max_steps):
         clock.now = float(step)
-        for (at, prompt, new), got in zip(plan, events, strict=True):
+        for i, ((at, prompt, new), got) in enumerate(zip(plan, events, strict=True)):
             if at == step:
-                params = GenerationParams(max_new_tokens=new)
-                loop.submit(Sequence_(prompt, params, clock.now, got.append))
+                p = GenerationParams(max_new_tokens=new) if params is None else params(i, new)
+                loop.submit(Sequence_(prompt, p, clock.now, got.append))
         loop.run_once()
         if step >= last and loop.idle:
             return events

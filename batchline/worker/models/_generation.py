@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from batchline.deterministic import make_deterministic
 from batchline.devices import pick_device, place
 from batchline.worker.models._protocol import Prepared, resolve_callable
 from batchline.worker.models._tokenize import TokenOps
@@ -46,9 +47,15 @@ class GenerationModel:
     pads = False
 
     def __init__(
-        self, path: str | None = None, *, device: str = "auto", dtype: str = "auto"
+        self,
+        path: str | None = None,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        deterministic: bool = False,
     ) -> None:
         self.path = path or "smollm2"
+        self.deterministic = deterministic
         self.device_name = device
         self.dtype_name = dtype
         # The worker's settings, set by its executor before load().
@@ -71,6 +78,8 @@ class GenerationModel:
             lm, tokenizer = load_causal_lm(
                 self.path, device=self.device_name, dtype=self.dtype_name
             )
+        if self.deterministic:
+            make_deterministic(lm)
         self.engine = Engine(
             lm,
             tokenizer,
