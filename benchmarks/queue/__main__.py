@@ -45,6 +45,7 @@ Usage::
     python -m benchmarks.queue --out bench.md    # full run (~3-6 min), 3 repeats
     python -m benchmarks.queue --parts a --profile /tmp/prof   # cProfile worker/producers
     python -m benchmarks.queue --parts d --sentences 1000      # CPU backends vs torch
+    python -m benchmarks.queue --parts d --backends torch-deterministic  # the mode's cost
     python -m benchmarks.queue --parts eg --device cuda        # GPU: fp16, batch 64-256
 
 By default the batchline sources are copied to a temporary directory at start and every
@@ -140,7 +141,8 @@ def minilm_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--backends",
         default=",".join(BACKENDS),
-        help=f"(d): the backends compared with torch, comma-separated [{','.join(BACKENDS)}]",
+        help=f"(d): the backends compared with torch (deterministic mode off), comma-separated"
+        f" [{','.join(BACKENDS)}]; torch-deterministic: torch in deterministic mode",
     )
 
 

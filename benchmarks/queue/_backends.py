@@ -1,8 +1,9 @@
 """Part (d) of the queue benchmark: all-MiniLM-L6-v2 served through Redis on each CPU backend.
 
 One worker process per backend (``--backend torch``, the anchor, ``onnx``, ``onnx-int8``,
-``openvino``, ``openvino-int8``; ``--backends`` picks), each in ``--dtype float32`` (the
-anchor is torch float32 by definition) on its own queue, all started
+``openvino``, ``openvino-int8``; ``--backends`` picks; ``torch-deterministic`` is torch in
+deterministic mode, the anchor being torch with the mode off), each in ``--dtype float32``
+(the anchor is torch float32 by definition) on its own queue, all started
 before the first measurement (the first start exports the model to ONNX once, cached under
 ``$BATCHLINE_CACHE_DIR``); every worker has the default ``threads`` (the cores available).
 Only the worker being measured runs: the others are paused with SIGSTOP. Each repeat serves
@@ -21,6 +22,17 @@ from typing import Any
 from benchmarks.harness import fmt, log
 
 BACKENDS = ("torch", "onnx", "onnx-int8", "openvino", "openvino-int8")
+
+#: ``--backends`` may name these too: torch with the worker's flags that follow.
+VARIANTS = {"torch-deterministic": ["--backend", "torch", "--deterministic", "true"]}
+
+
+def flags(backend: str) -> list[str]:
+    """A backend's worker flags: the anchor torch with deterministic mode off (whatever the
+    worker's default), a variant's own, or the backend's."""
+    if backend == "torch":
+        return ["--backend", "torch", "--deterministic", "false"]
+    return VARIANTS.get(backend, ["--backend", backend])
 
 
 def _name(backend: str) -> str:
@@ -68,7 +80,7 @@ def part_d(bench: Any, backends: list[str]) -> None:
             queues[backend],
             "sentence-transformers",
             "--device", "cpu",
-            "--backend", backend,
+            *flags(backend),
             "--dtype", "float32",  # the anchor, torch float32, by definition; the others too
             *cfg.worker_args,
         )  # fmt: skip

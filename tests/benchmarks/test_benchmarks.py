@@ -172,6 +172,17 @@ def test_bench_queue_report_gives_ratios_not_verdicts() -> None:
     _no_verdict(out)
 
 
+def test_bench_queue_backends_anchor_is_torch_with_deterministic_mode_off() -> None:
+    # The worker's default turns the mode on for MiniLM on a CPU: the anchor names it off,
+    # and torch-deterministic on, so that (d) compares the two in one run.
+    _importable()
+    from benchmarks.queue._backends import flags
+
+    assert flags("torch") == ["--backend", "torch", "--deterministic", "false"]
+    assert flags("torch-deterministic") == ["--backend", "torch", "--deterministic", "true"]
+    assert flags("onnx") == ["--backend", "onnx"]
+
+
 def _number(cell: str) -> float:
     return float(cell.replace(",", ""))
 
