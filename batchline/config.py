@@ -389,9 +389,8 @@ class WorkerSettings(ServiceSettings):
             the activations' int8 ranges are measured on once (none: texts shipped with
             batchline, mostly English); use texts like those the queue will serve.
         deterministic: each input's output the same bits whatever else is in its batch,
-            in every dtype (torch models; generation: also arrivals, chunked prefill, the
-            prefix cache). ``auto``: on for embedding, classification and rerank models
-            on a CPU (measured at no cost), off for generation and elsewhere.
+            in every dtype: the torch embedding, classification, rerank and generation
+            models (generation: also arrivals, chunked prefill, the prefix cache).
         threads: the model's CPU threads (available cores: the process's CPU affinity,
             capped by a cgroup CPU quota); idle OpenMP threads wait passively unless
             ``OMP_WAIT_POLICY`` says otherwise.
@@ -474,7 +473,7 @@ class WorkerSettings(ServiceSettings):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     backend: Literal["torch", "onnx", "onnx-int8", "openvino", "openvino-int8"] = "torch"
     calibration: str | None = None
-    deterministic: bool | Literal["auto"] = "auto"
+    deterministic: bool = False
     threads: int | None = Field(default=None, ge=1)
     batch_size: int = Field(default=DEFAULTS.batch_size, ge=1)
     timeout_ms: float = Field(default=DEFAULTS.timeout_ms, ge=0)

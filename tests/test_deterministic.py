@@ -180,26 +180,6 @@ def test_a_deterministic_worker_publishes_a_model_identity_of_its_own() -> None:
     from batchline.config import WorkerSettings
     from batchline.worker.serving._writer import model_identity
 
-    off = model_identity(WorkerSettings(deterministic=False), None)
-    assert off == "sentence-transformers||torch|auto"
+    assert model_identity(WorkerSettings(), None) == "sentence-transformers||torch|auto"
     on = model_identity(WorkerSettings(deterministic=True), None)
     assert on == "sentence-transformers||torch|auto|deterministic"
-    # auto, the default: on for the embedding models on a CPU, off for generation
-    assert model_identity(WorkerSettings(device="cpu"), None) == on
-    generate = model_identity(WorkerSettings(model="generate", device="cpu"), None)
-    assert generate == "generate||torch|auto"
-
-
-def test_deterministic_mode_is_on_by_default_where_it_costs_nothing_measured() -> None:
-    from batchline.worker.models import resolve_deterministic
-
-    for spec in ("sentence-transformers", "transformers", "transformers-classify", "cross-encoder"):
-        assert resolve_deterministic("auto", spec, device="cpu")
-        assert not resolve_deterministic("auto", spec, device="cuda")
-    assert not resolve_deterministic("auto", "sentence-transformers", backend="onnx", device="cpu")
-    assert not resolve_deterministic("auto", "generate", device="cpu")
-    assert not resolve_deterministic("auto", "batchline.worker.models:echo", device="cpu")
-    assert resolve_deterministic(True, "generate")
-    assert not resolve_deterministic(False, "x")
-    with pytest.raises(ValueError, match="true, false or auto, got 'sometimes'"):
-        resolve_deterministic("sometimes", "transformers")

@@ -179,10 +179,6 @@ def _choices(annotation: Any) -> tuple[str, ...] | None:
     """The values of a ``Literal`` setting (``true``/``false`` for a bool)."""
     if annotation is bool:
         return ("true", "false")
-    args = typing.get_args(annotation)
-    if bool in args and all(a is bool or typing.get_origin(a) is Literal for a in args):
-        literals = [str(v) for a in args if a is not bool for v in typing.get_args(a)]
-        return ("true", "false", *literals)
     if typing.get_origin(annotation) is Literal:
         return tuple(str(v) for v in typing.get_args(annotation))
     return None

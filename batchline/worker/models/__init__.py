@@ -24,9 +24,7 @@ from __future__ import annotations
 import gc
 import os
 from pathlib import Path
-from typing import Literal
 
-from batchline.devices import pick_device
 from batchline.errors import ModelNotLoaded
 from batchline.worker.models._callable import CallableModel, echo
 from batchline.worker.models._protocol import CountsPadding, Model, Prepared, resolve_callable
@@ -44,36 +42,9 @@ __all__ = [
     "load",
     "load_model",
     "resolve_callable",
-    "resolve_deterministic",
 ]
 
 #: The model kinds that deterministic mode is for (torch models of one forward pass).
-#: The model kinds that deterministic mode is on for by default on a CPU, where it was
-#: measured to cost nothing (docs/benchmarks.md, "Deterministic mode's cost").
-_DETERMINISTIC_BY_DEFAULT = (
-    "sentence-transformers",
-    "transformers",
-    "transformers-classify",
-    "cross-encoder",
-)
-
-
-def resolve_deterministic(
-    setting: bool | str, spec: str, *, backend: str = "torch", device: str = "auto"
-) -> bool:
-    """Whether a worker's model runs in deterministic mode: ``setting`` where it is a bool;
-    ``auto``: for the torch embedding, classification and rerank models on a CPU (``device``
-    resolved as the model's is), not for generation (its cost is measured higher), another
-    backend or a GPU (not measured)."""
-    if isinstance(setting, bool):
-        return setting
-    if setting != "auto":
-        raise ValueError(f"deterministic must be true, false or auto, got {setting!r}")
-    if spec not in _DETERMINISTIC_BY_DEFAULT or backend != "torch":
-        return False
-    return pick_device(device).split(":")[0] == "cpu"
-
-
 _DETERMINISTIC = (
     "sentence-transformers",
     "transformers",
@@ -98,7 +69,7 @@ def load_model(
     backend: str = "torch",
     threads: int | None = None,
     calibration: str | None = None,
-    deterministic: bool | Literal["auto"] = "auto",
+    deterministic: bool = False,
 ) -> Model:
     """The model a worker setting names (not loaded yet: call ``load()``).
 
@@ -118,9 +89,8 @@ def load_model(
             the int8 activations on (default: the texts shipped with batchline).
         deterministic: each input's output the same bits whatever its batch
             (:mod:`batchline.deterministic`): the torch embedding, classification, rerank
-            and generation models only; ``auto``: :func:`resolve_deterministic`.
+            and generation models only.
     """
-    deterministic = resolve_deterministic(deterministic, spec, backend=backend, device=device)
     if path is not None and path.startswith(("/", "./", "../")) and not Path(path).exists():
         # Written as a local path: a typo fails here, not as a hub lookup of that name.
         raise ValueError(f"model_path {path!r}: no such file or directory; a model_path is {PATHS}")

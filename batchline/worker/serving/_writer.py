@@ -45,7 +45,6 @@ from batchline.transport import (
     redis_failure,
 )
 from batchline.worker.metrics import Metrics
-from batchline.worker.models import resolve_deterministic
 from batchline.worker.shared._held import Claims, Record
 
 __all__ = ["AnswerCache", "AnswerWriter", "model_identity"]
@@ -202,10 +201,7 @@ def model_identity(settings: WorkerSettings, model: object | None) -> str:
     if model is not None:
         return f"{type(model).__module__}.{type(model).__qualname__}"
     parts = [settings.model, settings.model_path or "", settings.backend, settings.dtype]
-    deterministic = resolve_deterministic(
-        settings.deterministic, settings.model, backend=settings.backend, device=settings.device
-    )
-    if deterministic:
+    if settings.deterministic:
         parts.append("deterministic")
     return "|".join(parts)
 
