@@ -131,7 +131,7 @@ def _forward(module: Any, inner: Any, x: Any) -> Any:
     if rows is None or not stacks:
         return out
     for index, (a, b, scale) in stacks.items():
-        chosen = (rows == index).nonzero().flatten()
+        chosen = (rows.to(x.device) == index).nonzero().flatten()
         if chosen.numel() == 0:
             continue
         part = x.index_select(0, chosen)

@@ -101,3 +101,52 @@ def test_bin_adapter_is_refused_without_unpickling(tmp_path: Path) -> None:
     (folder / "adapter_model.safetensors").rename(folder / "adapter_model.bin")
     with pytest.raises(AdapterError, match="safetensors"):
         load_adapter("x", folder)
+
+
+def test_engine_mixes_adapters_in_one_continuous_batch(tmp_path: Path) -> None:
+    """Rows of three adapters and none, arriving at staggered steps with prefill forced into
+    chunks and the prefix cache on (twins: one prompt under each adapter), each generate
+    greedily what that adapter's merged model generates alone."""
+    from batchline.core.scheduler import SchedulerConfig
+    from batchline.generation import Engine, GenerationLoop, GenerationParams, GenerationResult
+    from batchline.generation._types import Sequence_
+
+    from tests.support.stepping import Clock
+    from tests.support.tiny import alone
+
+    base = tiny_model("llama", torch.float32)
+    folders = [save_adapter(tmp_path / n, base, seed=i + 1) for i, n in enumerate("abc")]
+    wanted_models = [merged(base, f) for f in folders] + [base]
+    model = copy.deepcopy(base)
+    engine = Engine(model, max_prefill_tokens=4)
+    adapters = AdapterSet(model)
+    for name, folder in zip("abc", folders, strict=True):
+        adapters.add(load_adapter(name, folder))
+    shared = [7, 8, 9, 10, 11, 12, 13, 14, 15]
+    plan = [  # (step, prompt, adapter index)
+        (0, shared, 0),
+        (0, shared, 1),
+        (0, shared, -1),
+        (1, shared, 2),
+        (1, shared, 0),
+        (2, [20, 21, 22], 1),
+        (3, shared + [30], -1),
+        (3, shared + [30], 2),
+    ]
+    clock = Clock()
+    loop = GenerationLoop(engine, SchedulerConfig(max_batch_size=8), clock=clock)
+    events: list[list[Any]] = [[] for _ in plan]
+    for step in range(200):
+        clock.now = float(step)
+        for (at, prompt, adapter), got in zip(plan, events, strict=True):
+            if at == step:
+                seq = Sequence_(prompt, GenerationParams(max_new_tokens=8), clock.now, got.append)
+                seq.adapter = adapter
+                loop.submit(seq)
+        loop.run_once()
+        if step >= 3 and loop.idle:
+            break
+    for (_, prompt, adapter), got in zip(plan, events, strict=True):
+        assert isinstance(got[-1], GenerationResult), got[-1]
+        want = alone(wanted_models[adapter], prompt, 8)
+        assert list(got[-1].token_ids) == want, (prompt, adapter)
