@@ -7,7 +7,7 @@ import dataclasses
 import os
 import queue
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self, TypedDict, Unpack
 
@@ -20,6 +20,7 @@ from batchline.generation._engine import (
     Engine,
 )
 from batchline.generation._loop import GenerationLoop
+from batchline.generation._lora import AdapterSet, load_adapter
 from batchline.generation._model import DEFAULT_MODEL, load_causal_lm, log_kv_budget
 from batchline.generation._request import parse_request
 from batchline.generation._types import (
@@ -51,6 +52,7 @@ class GenerationOptions(TypedDict, total=False):
     tools: list[dict[str, Any]] | None
     tool_choice: str | dict[str, Any] | None
     parallel_tool_calls: bool | None
+    model: str | None  # a LoRA adapter: its name or ``base:adapter``
 
 
 def _with_calls(on_event: Callable[[Event], None]) -> Callable[[Event], None]:
@@ -94,6 +96,8 @@ class _Base:
         max_overtake_s: float = 0.1,
         max_backfill_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        adapters: Mapping[str, str | os.PathLike[str]] | None = None,
+        adapter_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if isinstance(model, str | os.PathLike):
             model, tokenizer = load_causal_lm(model, device=device, dtype=dtype)
@@ -111,6 +115,12 @@ class _Base:
             max_prefill_tokens=max_prefill_tokens,
             prefix_cache_tokens=prefix_cache_tokens,
         )
+        self.adapters = AdapterSet(model)
+        self.adapter_dir = adapter_dir
+        weight = next(iter(model.parameters()))
+        for name, path in (adapters or {}).items():
+            adapter = load_adapter(name, path, dtype=weight.dtype, device=weight.device)
+            self.adapters.add(adapter)
         log_kv_budget(model, max_batch_tokens, prefix_cache_tokens=prefix_cache_tokens)
         # Events gathered on the model thread for asyncio callers (see Generator).
         self._gathered: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event], Event]] = []
@@ -133,6 +143,7 @@ class _Base:
         opts: dict[str, Any] = dict(options)
         priority = opts.pop("priority", 0)
         timeout_s = opts.pop("timeout_s", None)
+        adapter = self.adapters.resolve(opts.pop("model", None), self.adapter_dir)
         if prompt is not None:
             opts["prompt"] = prompt
         parsed = parse_request(opts, with_ids=True)
@@ -146,6 +157,7 @@ class _Base:
         arrival = self.loop.clock()
         deadline = None if timeout_s is None else arrival + timeout_s
         seq = Sequence_(ids, params, arrival, on_event, deadline=deadline, priority=priority)
+        seq.adapter = adapter
         self.loop.submit(seq)
         return seq
 
@@ -171,6 +183,12 @@ class Generator(_Base):
     0: off) bounds the shared-prefix cache: the KV of prompts prefilled, which a later prompt
     that starts the same way (a chat template's system prompt) reuses instead of prefilling
     it again, with the same tokens out.
+
+    LoRA adapters (peft's format, ``.safetensors``): ``adapters`` maps names to adapter
+    directories loaded at start; ``adapter_dir`` holds more, each loaded on first use from
+    its subdirectory of that name. A call's ``model`` (an adapter's name or
+    ``base:adapter``) picks one; rows of different adapters share one batch. An unknown one
+    raises UnknownAdapter for that call alone; an unsupported one, AdapterError.
 
     Per call: ``max_new_tokens``, ``temperature`` (below 1e-5: greedy), ``top_p``,
     ``top_k``, ``seed`` (0 to 2**64 - 1), ``stop`` (strings), ``response_format``,

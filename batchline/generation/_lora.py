@@ -14,6 +14,7 @@ import contextvars
 import functools
 import json
 import math
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +73,9 @@ def read_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def load_adapter(name: str, path: str | Path, *, dtype: Any = None, device: Any = None) -> Adapter:
+def load_adapter(
+    name: str, path: str | os.PathLike[str], *, dtype: Any = None, device: Any = None
+) -> Adapter:
     """The adapter in ``path`` (peft's format: adapter_config.json and
     adapter_model.safetensors). A ``.bin`` adapter is refused (it would need unpickling)."""
     from safetensors.torch import load_file
@@ -130,7 +133,7 @@ def _forward(module: Any, inner: Any, x: Any) -> Any:
     stacks = module._batchline_lora
     if rows is None or not stacks:
         return out
-    for index, (a, b, scale) in stacks.items():
+    for index, (a, b, scale) in tuple(stacks.items()):  # may grow on another thread
         chosen = (rows.to(x.device) == index).nonzero().flatten()
         if chosen.numel() == 0:
             continue
@@ -171,6 +174,20 @@ class AdapterSet:
             f"adapter {show_value(adapter)} targets module {show_value(name)}, "
             f"which the base model does not have"
         )
+
+    def resolve(self, model: str | None, directory: str | os.PathLike[str] | None = None) -> int:
+        """The row index for a request's ``model``: an adapter's name or ``base:adapter``
+        (None or a name without one: -1). An adapter not attached is loaded from
+        ``directory``/name on first use; UnknownAdapter when there is none."""
+        if model is None:
+            return -1
+        name = model.rsplit(":", 1)[-1]
+        if name not in self.indexes and directory is not None:
+            folder = Path(directory) / name
+            if name and "/" not in name and name not in {".", ".."} and folder.is_dir():
+                weight = next(iter(self._model.parameters()))
+                self.add(load_adapter(name, folder, dtype=weight.dtype, device=weight.device))
+        return self.index_of(name)
 
     def index_of(self, name: str | None) -> int:
         """The row index of adapter ``name`` (-1 for None); UnknownAdapter if not attached."""

@@ -150,3 +150,28 @@ def test_engine_mixes_adapters_in_one_continuous_batch(tmp_path: Path) -> None:
         assert isinstance(got[-1], GenerationResult), got[-1]
         want = alone(wanted_models[adapter], prompt, 8)
         assert list(got[-1].token_ids) == want, (prompt, adapter)
+
+
+def test_generator_routes_by_model_and_fails_an_unknown_adapter_alone(tmp_path: Path) -> None:
+    from batchline.generation import SyncGenerator
+
+    from tests.support.tiny import alone
+
+    base = tiny_model("llama", torch.float32)
+    a = save_adapter(tmp_path / "a", base, seed=1)
+    save_adapter(tmp_path / "dir" / "b", base, seed=2)
+    want_a = alone(merged(base, a), [5, 6, 7], 6)
+    want_b = alone(merged(base, tmp_path / "dir" / "b"), [5, 6, 7], 6)
+    want_base = alone(base, [5, 6, 7], 6)
+    with SyncGenerator(
+        copy.deepcopy(base), dtype="float32", adapters={"a": a}, adapter_dir=tmp_path / "dir"
+    ) as gen:
+        got_a = gen.generate(prompt_ids=[5, 6, 7], max_new_tokens=6, model="a")
+        got_b = gen.generate(prompt_ids=[5, 6, 7], max_new_tokens=6, model="base:b")
+        got_base = gen.generate(prompt_ids=[5, 6, 7], max_new_tokens=6)
+        with pytest.raises(UnknownAdapter, match="nope"):
+            gen.generate(prompt_ids=[5, 6, 7], max_new_tokens=6, model="nope")
+    assert list(got_a.token_ids) == want_a
+    assert list(got_b.token_ids) == want_b
+    assert list(got_base.token_ids) == want_base
+    assert want_a != want_base
