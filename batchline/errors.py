@@ -289,6 +289,17 @@ class PromptTooLong(GenerationError, ValueError):
     scheduler's ``max_batch_tokens``: it could never be admitted."""
 
 
+class AdapterError(GenerationError, ValueError):
+    """A LoRA adapter could not be used: its files are missing or in a format batchline does
+    not read (``.bin``), or its ``adapter_config.json`` asks for something not supported (the
+    message names the field: DoRA, bias, modules_to_save, ...)."""
+
+
+class UnknownAdapter(GenerationError, LookupError):
+    """A request named an adapter (by ``model``) that is neither loaded nor in the adapter
+    directory. Only that request fails."""
+
+
 def show_value(value: Any, *, max_chars: int = 80) -> str:
     """A value for an error message, readable in any language (messages travel to producers
     in other languages: docs/protocol.md): text as JSON text (bytes decoded as UTF-8,

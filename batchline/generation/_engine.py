@@ -303,7 +303,8 @@ class Engine:
         mask, nxt = self._live()
         pos = mask.sum(dim=1, keepdim=True)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        ran = run_rows(self._forward, self._cache, nxt[:, None], mask, pos)
+        adapters = _adapters_of(self._decoding)
+        ran = run_rows(self._forward, self._cache, nxt[:, None], mask, pos, adapters=adapters)
         if ran.failed:
             self._fail(self._decoding, ran, out)
             self._decoding = [self._decoding[i] for i in ran.kept]
@@ -322,7 +323,10 @@ class Engine:
         """Prefill the prompts whose uncached rest fits a chunk now, together in one forward
         (as they always were); queue the longer ones as a group, to be fed a chunk a step."""
         hits: list[Hit] = [
-            self.prefixes.match(s.prompt_ids) if self.prefixes is not None else (0, None)
+            # A prefix's KV depends on the adapter: only rows without one use the cache.
+            self.prefixes.match(s.prompt_ids)
+            if self.prefixes is not None and s.adapter < 0
+            else (0, None)
             for s in joining
         ]
         short: list[tuple[Sequence_, Hit]] = []
@@ -350,6 +354,7 @@ class Engine:
                 group.ids[:, start:end],
                 group.mask[:, : group.past + end],
                 group.pos[:, start:end],
+                adapters=_adapters_of(group.seqs),
             )
         if ran.failed:
             self._fail(group.seqs, ran, out)
@@ -416,6 +421,13 @@ class Engine:
         _, nxt = self._live()
         picked = self.picker.pick(seqs, logits, out.deltas, out.finished, out.failed)
         nxt[offset : offset + len(seqs)] = torch.tensor(picked, device=self.device)
+
+
+def _adapters_of(seqs: list[Sequence_]) -> torch.Tensor | None:
+    """Each row's LoRA adapter index, or None when no row has one."""
+    if all(s.adapter < 0 for s in seqs):
+        return None
+    return torch.tensor([s.adapter for s in seqs], dtype=torch.long)
 
 
 def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ import dataclasses
 import os
 import queue
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self, TypedDict, Unpack
 
@@ -21,6 +21,7 @@ from batchline.generation._engine import (
     Engine,
 )
 from batchline.generation._loop import GenerationLoop
+from batchline.generation._lora import AdapterSet, load_adapter
 from batchline.generation._model import DEFAULT_MODEL, load_causal_lm, log_kv_budget
 from batchline.generation._request import parse_request
 from batchline.generation._types import (
@@ -52,6 +53,7 @@ class GenerationOptions(TypedDict, total=False):
     tools: list[dict[str, Any]] | None
     tool_choice: str | dict[str, Any] | None
     parallel_tool_calls: bool | None
+    model: str | None  # a LoRA adapter: its name or ``base:adapter``
 
 
 def _with_calls(on_event: Callable[[Event], None]) -> Callable[[Event], None]:
@@ -96,6 +98,8 @@ class _Base:
         max_backfill_s: float = 1.0,
         deterministic: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        adapters: Mapping[str, str | os.PathLike[str]] | None = None,
+        adapter_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if isinstance(model, str | os.PathLike):
             model, tokenizer = load_causal_lm(model, device=device, dtype=dtype)
@@ -115,6 +119,12 @@ class _Base:
             max_prefill_tokens=max_prefill_tokens,
             prefix_cache_tokens=prefix_cache_tokens,
         )
+        self.adapters = AdapterSet(model)
+        self.adapter_dir = adapter_dir
+        weight = next(iter(model.parameters()))
+        for name, path in (adapters or {}).items():
+            adapter = load_adapter(name, path, dtype=weight.dtype, device=weight.device)
+            self.adapters.add(adapter)
         log_kv_budget(model, max_batch_tokens, prefix_cache_tokens=prefix_cache_tokens)
         # Events gathered on the model thread for asyncio callers (see Generator).
         self._gathered: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event], Event]] = []
@@ -137,6 +147,7 @@ class _Base:
         opts: dict[str, Any] = dict(options)
         priority = opts.pop("priority", 0)
         timeout_s = opts.pop("timeout_s", None)
+        adapter = self.adapters.resolve(opts.pop("model", None), self.adapter_dir)
         if prompt is not None:
             opts["prompt"] = prompt
         parsed = parse_request(opts, with_ids=True)
@@ -150,6 +161,7 @@ class _Base:
         arrival = self.loop.clock()
         deadline = None if timeout_s is None else arrival + timeout_s
         seq = Sequence_(ids, params, arrival, on_event, deadline=deadline, priority=priority)
+        seq.adapter = adapter
         self.loop.submit(seq)
         return seq
 
@@ -180,6 +192,12 @@ class Generator(_Base):
     else runs beside it (batch-mates, their number, lengths and arrival times, chunked
     prefill, the prefix cache), greedy or seeded, in every dtype
     (:mod:`batchline.deterministic`; on one machine, torch version and thread count).
+
+    LoRA adapters (peft's format, ``.safetensors``): ``adapters`` maps names to adapter
+    directories loaded at start; ``adapter_dir`` holds more, each loaded on first use from
+    its subdirectory of that name. A call's ``model`` (an adapter's name or
+    ``base:adapter``) picks one; rows of different adapters share one batch. An unknown one
+    raises UnknownAdapter for that call alone; an unsupported one, AdapterError.
 
     Per call: ``max_new_tokens``, ``temperature`` (below 1e-5: greedy), ``top_p``,
     ``top_k``, ``seed`` (0 to 2**64 - 1), ``stop`` (strings), ``response_format``,

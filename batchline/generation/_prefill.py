@@ -46,11 +46,11 @@ class Prefill:
         same prompt share a row, forked once it is prefilled."""
         from transformers import DynamicCache
 
-        first: dict[tuple[int, ...], int] = {}
+        first: dict[tuple[int, ...], int] = {}  # (adapter, *prompt) -> row
         joining: list[tuple[Sequence_, Hit]] = []
         twins: list[list[Sequence_]] = []
         for seq, hit in joiners:
-            row = first.setdefault(tuple(seq.prompt_ids), len(joining))
+            row = first.setdefault((seq.adapter, *seq.prompt_ids), len(joining))
             if row == len(joining):
                 joining.append((seq, hit))
                 twins.append([])
@@ -79,6 +79,8 @@ class Prefill:
         """Put the prompts of this group, its prefill done, in ``prefixes`` (before its
         cache joins the running one)."""
         for row, seq in enumerate(self.seqs):
+            if seq.adapter >= 0:  # its KV depends on its adapter: not shared
+                continue
             columns = self.mask[row].nonzero().squeeze(1)
             layers = [(layer.keys[row], layer.values[row]) for layer in self.cache.layers]
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from batchline.core.isolation import Isolation
+from batchline.generation._lora import rows_adapters
 
 __all__ = ["Ran", "cache_of", "rewind", "run_rows"]
 
@@ -76,12 +77,21 @@ class _Row:
 
 
 def run_rows(
-    forward: Forward, cache: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor
+    forward: Forward,
+    cache: Any,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    pos: torch.Tensor,
+    *,
+    adapters: torch.Tensor | None = None,
 ) -> Ran:
-    """Feed ``ids`` to every row of ``cache``; isolate a row whose forward raises."""
+    """Feed ``ids`` to every row of ``cache``; isolate a row whose forward raises.
+    ``adapters``: each row's LoRA adapter index (-1: none), or None for no adapter at all."""
     layers, width = len(cache.layers), mask.shape[1] - ids.shape[1]
     try:
-        return Ran(forward(ids, mask, pos, cache), cache, list(range(ids.shape[0])))
+        with rows_adapters(adapters):
+            logits = forward(ids, mask, pos, cache)
+        return Ran(logits, cache, list(range(ids.shape[0])))
     except Exception as exc:
         first = exc
     rewind(cache, layers, width)
@@ -101,7 +111,8 @@ def run_rows(
         index = torch.tensor(batch, device=ids.device)
         sub = cache_of([(layer.keys[index], layer.values[index]) for layer in cache.layers])
         try:
-            logits = forward(ids[index], mask[index], pos[index], sub)
+            with rows_adapters(None if adapters is None else adapters[index.cpu()]):
+                logits = forward(ids[index], mask[index], pos[index], sub)
         except Exception as exc:
             isolation.failed(exc)
             continue

@@ -209,6 +209,7 @@ class Sequence_:  # a sequence in the batch; typing's Sequence has the plain nam
     closing: Any = None  # its closing (generation/_closing.py) when params.grammar is set
     complete: bool = False  # its grammar's value is complete (or its closing was forced)
     stop_sequence: str | None = None  # the stop string that ended it, once one has
+    adapter: int = -1  # its LoRA adapter's index in the engine's AdapterSet (-1: none)
 
     @property
     def cancelled(self) -> bool:
