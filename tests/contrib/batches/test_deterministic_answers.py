@@ -1,6 +1,6 @@
 """A worker in deterministic mode (``--deterministic``) gives a chat the same tokens and log
-probabilities through every path: sent alone, inside a burst the worker batches, and as a
-line of a Batch API file; greedy and seeded, in bfloat16 with chunked prefill.
+probabilities through every path: sent alone, inside a burst the worker batches, as a line
+of a Batch API file, and in process; greedy and seeded, in bfloat16 with chunked prefill.
 
 Off, 5 of 20 greedy SmolLM2 chats sent through the Batch API and directly differed on the
 machine measured; the kernels that vary are tested in
@@ -14,9 +14,12 @@ from typing import Any
 
 import pytest
 
+from batchline.generation import SyncGenerator
+
 from ..openai.test_openai import client_for
 from ..test_fastapi import Serve, serve
 from .test_batches import MakeApp, file_lines, finished, jsonl, make_app, upload
+from tests.support.models_for_tests import tiny_llama
 from tests.support.service import WorkerThread
 from tests.worker.test_generate import TINY
 
@@ -89,3 +92,19 @@ def test_a_chat_gets_the_same_bits_alone_in_a_burst_and_through_the_batch_api(
     )
     done = file_lines(client, finished(client, batch.id).output_file_id)
     assert [answer(done[str(i)]["response"]["body"]) for i in range(len(chats))] == alone
+    # And in process: the same model in a Generator of its own, the same bits.
+    model, tokenizer = tiny_llama()
+    with SyncGenerator(
+        model, tokenizer=tokenizer, dtype="bfloat16", deterministic=True, max_prefill_tokens=16
+    ) as gen:
+        local = [
+            gen.generate(
+                messages=body["messages"],
+                max_new_tokens=body["max_tokens"],
+                temperature=body["temperature"],
+                seed=body.get("seed"),
+                logprobs=0,
+            )
+            for body in chats
+        ]
+    assert [(r.text, [t.logprob for t in r.logprobs or ()]) for r in local] == alone
