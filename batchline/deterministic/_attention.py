@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,39 +50,42 @@ def per_sequence_attention(
     attended over its own tokens only, as it is alone.
 
     A sequence's tokens are the keys some query may attend to; its queries are the last
-    ``query`` positions of them (self-attention, a cache before them). Its queries, keys,
-    values and mask are gathered without the padding, and
-    ``scaled_dot_product_attention`` runs on them with its mask, or None where that masks
-    nothing, one call a sequence: the call it gets alone. Padded queries' outputs are
-    zeros. The mask may be boolean (True: attend) or additive; None is full attention, or
-    causal where the module (or ``is_causal``) says so.
+    ``query`` positions of them (self-attention, a cache before them). A causal model's
+    pass runs in :func:`_blocked`'s units (a prompt's queries in position-aligned tiles, a
+    decoding step's one query a sequence). Any other pass gathers each sequence's queries,
+    keys, values and mask without the padding, and ``scaled_dot_product_attention`` runs
+    on them with its mask, or None where that masks nothing, one call a sequence: the call
+    it gets alone. Padded queries' outputs are zeros. The mask may be boolean (True:
+    attend) or additive; None is full attention, or causal where the module (or
+    ``is_causal``) says so.
     """
     import torch
 
     if dropout:
         raise ValueError(f"deterministic attention is for inference, got dropout {dropout}")
+    batch, heads, q_len, _ = query.shape
+    k_len = key.shape[2]
+
+    def allowed_keys() -> Any:
+        return _allowed(
+            module,
+            attention_mask,
+            is_causal=is_causal,
+            query=query,
+            batch=batch,
+            q_len=q_len,
+            k_len=k_len,
+        )
+
+    if is_causal if is_causal is not None else getattr(module, "is_causal", False):
+        prompt = q_len > 1 or _PROMPT.get()  # else a decoding step: one query a sequence
+        plan = _plan_of(attention_mask, allowed_keys, query, key, prompt=prompt)
+        return _blocked(plan, query, key, value, scaling), None
     # Grouped-query attention: the key heads are shared by groups of query heads
     # (``enable_gqa``), not copied.
     gqa = key.shape[1] != query.shape[1]
-    batch, heads, q_len, _ = query.shape
-    k_len = key.shape[2]
-    allowed = _allowed(
-        module,
-        attention_mask,
-        is_causal=is_causal,
-        query=query,
-        batch=batch,
-        q_len=q_len,
-        k_len=k_len,
-    )
-    additive = attention_mask is not None and attention_mask.dtype != torch.bool
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
-    # A prompt's queries, in position-aligned tiles; a decoding step's one query alone.
-    tiles = bool(causal) and (q_len > 1 or _PROMPT.get())
-    if causal:
-        plan = _plan_of(attention_mask, allowed, key, prompt=tiles, causal=True)
-        return _blocked(plan, query, key, value, scaling), None
-    if additive:
+    allowed = allowed_keys()
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.expand(batch, 1, q_len, k_len)
     out = query.new_zeros((batch, q_len, heads, value.shape[-1]))
     patterns, which = torch.unique(allowed.any(dim=1), dim=0, return_inverse=True)
@@ -92,7 +95,7 @@ def per_sequence_attention(
         if mine.numel() == 0:
             continue
         rows = (which == index).nonzero().squeeze(1)
-        if additive:
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
             masks = _cut(attention_mask, rows, mine, tokens)
             unmasked = (masks == 0).flatten(1).all(dim=1)
         else:
@@ -138,25 +141,24 @@ class _Plan:
 _LAST: list[tuple[Any, tuple[Any, ...], _Plan]] = []
 
 
-def _plan_of(attention_mask: Any, allowed: Any, key: Any, *, prompt: bool, causal: bool) -> _Plan:
-    """The plan for this pass: made once for its first layer, kept for the others (the
-    same mask object, shapes and kind of pass)."""
-    shape = (tuple(allowed.shape), tuple(key.shape[:3]), prompt, causal, key.dtype, str(key.device))
+def _plan_of(
+    attention_mask: Any, allowed: Callable[[], Any], query: Any, key: Any, *, prompt: bool
+) -> _Plan:
+    """The plan for this pass: made once for its first layer (from ``allowed()``, the keys
+    each query may attend to), kept for the others (the same mask object, shapes and kind
+    of pass)."""
+    shape = (tuple(query.shape[:3]), tuple(key.shape[:3]), prompt, key.dtype, str(key.device))
     if _LAST:
         ref, was, plan = _LAST[0]
         mask = ref() if ref is not None else None
         if was == shape and mask is attention_mask and (ref is None) == (mask is None):
             return plan
-    plan = _make_plan(
-        allowed, key.shape[1], prompt=prompt, causal=causal, device=key.device, dtype=key.dtype
-    )
+    plan = _make_plan(allowed(), key.shape[1], prompt=prompt, device=key.device, dtype=key.dtype)
     _LAST[:] = [(weakref.ref(attention_mask) if attention_mask is not None else None, shape, plan)]
     return plan
 
 
-def _make_plan(
-    allowed: Any, kv_heads: int, *, prompt: bool, causal: bool, device: Any, dtype: Any
-) -> _Plan:
+def _make_plan(allowed: Any, kv_heads: int, *, prompt: bool, device: Any, dtype: Any) -> _Plan:
     import torch
 
     allowed = allowed.cpu()
@@ -172,11 +174,8 @@ def _make_plan(
         first = n - mine if prompt else n - 1
         for tile in range(first // slots, (n - 1) // slots + 1):
             units.append((b, tokens, first, tile))
-    # A unit's keys: its sequence's up to its tile's end (causal), or all of them.
-    blocks = max(
-        -(-(min(keys.numel(), (t + 1) * slots) if causal else keys.numel()) // ROW_TILE)
-        for _, keys, _, t in units
-    )
+    # A unit's keys: its sequence's up to its tile's end.
+    blocks = max(-(-min(keys.numel(), (t + 1) * slots) // ROW_TILE) for _, keys, _, t in units)
     width = blocks * ROW_TILE
     keys = torch.zeros((len(units), width), dtype=torch.long)
     mask = torch.zeros((len(units), slots, width), dtype=torch.bool)
