@@ -133,8 +133,9 @@ def _forward(module: Any, inner: Any, x: Any) -> Any:
     stacks = module._batchline_lora
     if rows is None or not stacks:
         return out
+    rows = rows.to(x.device)
     for index, (a, b, scale) in tuple(stacks.items()):  # may grow on another thread
-        chosen = (rows.to(x.device) == index).nonzero().flatten()
+        chosen = (rows == index).nonzero().flatten()
         if chosen.numel() == 0:
             continue
         part = x.index_select(0, chosen)
