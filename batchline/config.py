@@ -391,6 +391,12 @@ class WorkerSettings(ServiceSettings):
         deterministic: each input's output the same bits whatever else is in its batch,
             in every dtype: the torch embedding, classification, rerank and generation
             models (generation: also arrivals, chunked prefill, the prefix cache).
+        adapters: ``generate`` only: LoRA adapters (peft's format, ``.safetensors``) loaded
+            at start, ``NAME=PATH`` pairs separated by commas; a request picks one by its
+            name (``adapter``; ``model`` over HTTP). Rows of different adapters share one
+            continuous batch.
+        adapter_dir: ``generate`` only: a directory of more LoRA adapters, one subdirectory
+            each (its name the adapter's), loaded on first use.
         threads: the model's CPU threads (available cores: the process's CPU affinity,
             capped by a cgroup CPU quota); idle OpenMP threads wait passively unless
             ``OMP_WAIT_POLICY`` says otherwise.
@@ -474,6 +480,8 @@ class WorkerSettings(ServiceSettings):
     backend: Literal["torch", "onnx", "onnx-int8", "openvino", "openvino-int8"] = "torch"
     calibration: str | None = None
     deterministic: bool = False
+    adapters: str | None = None
+    adapter_dir: str | None = None
     threads: int | None = Field(default=None, ge=1)
     batch_size: int = Field(default=DEFAULTS.batch_size, ge=1)
     timeout_ms: float = Field(default=DEFAULTS.timeout_ms, ge=0)
@@ -511,6 +519,25 @@ class WorkerSettings(ServiceSettings):
     def _device(cls, value: str) -> str:
         return check_device(value)
 
+    @field_validator("adapters")
+    @classmethod
+    def _adapters(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_adapters(value)
+        return value
+
+    @model_validator(mode="after")
+    def _adapters_generate(self) -> WorkerSettings:
+        if (self.adapters or self.adapter_dir) and self.model != "generate":
+            raise ValueError(
+                f"adapters and adapter_dir are for the generate model only; model is {self.model!r}"
+            )
+        return self
+
+    def adapter_paths(self) -> dict[str, str]:
+        """The adapters to load at start, name -> path (none: empty)."""
+        return parse_adapters(self.adapters) if self.adapters else {}
+
     def limits(self) -> Limits:
         """What the worker accepts in a request."""
         return Limits(
@@ -518,6 +545,22 @@ class WorkerSettings(ServiceSettings):
             max_elements=self.max_elements,
             max_blob_bytes=self.max_elements * 8,
         )
+
+
+def parse_adapters(text: str) -> dict[str, str]:
+    """``NAME=PATH,NAME=PATH`` as a dict; ValueError naming the pair at fault."""
+    pairs: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, path = part.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path or "/" in name or ":" in name:
+            raise ValueError(
+                f"adapters: {part!r} is not NAME=PATH (a name without '/' or ':', then a path)"
+            )
+        if name in pairs:
+            raise ValueError(f"adapters: {name!r} is named twice")
+        pairs[name] = path
+    return pairs
 
 
 def check_environment(environ: Mapping[str, str] | None = None) -> None:

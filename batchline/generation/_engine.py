@@ -50,6 +50,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +62,7 @@ from batchline.deterministic import prompt_pass
 from batchline.errors import BadGenerationParams, PromptTooLong
 from batchline.generation._grammar import Grammars
 from batchline.generation._logprobs import TokenTexts
+from batchline.generation._lora import AdapterSet
 from batchline.generation._pick import Picker
 from batchline.generation._prefill import Hit, Prefill
 from batchline.generation._prefix import PrefixCache
@@ -105,6 +108,9 @@ class Engine:
             many tokens a step (see the module docstring).
         prefix_cache_tokens: most tokens of prompt prefixes whose KV is kept for prompts
             that start the same way (0: none; see the module docstring).
+        adapters: LoRA adapters (peft's format) to attach at start, name -> directory.
+        adapter_dir: a directory of more adapters, one subdirectory each, attached on first
+            use (:class:`~batchline.generation._lora.AdapterSet`).
     """
 
     def __init__(
@@ -114,6 +120,8 @@ class Engine:
         *,
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
         prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
+        adapters: Mapping[str, str | os.PathLike[str]] | None = None,
+        adapter_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if (
             isinstance(max_prefill_tokens, bool)
@@ -154,6 +162,8 @@ class Engine:
         self._cache: Any = None
         self._mask: torch.Tensor | None = None  # [batch, cache length], 1 for real tokens
         self._next: torch.Tensor | None = None  # [batch], the last token, not yet fed
+        #: The LoRA adapters a sequence may choose (its ``adapter``: an index in this set).
+        self.adapters = AdapterSet(model, adapters, adapter_dir)
 
     @property
     def running(self) -> list[Sequence_]:

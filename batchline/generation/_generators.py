@@ -15,13 +15,14 @@ from batchline._tool_calls import parse_calls
 from batchline.core.scheduler import SchedulerConfig
 from batchline.deterministic import make_deterministic
 from batchline.devices import place
+from batchline.errors import BadGenerationParams
 from batchline.generation._engine import (
     DEFAULT_MAX_PREFILL_TOKENS,
     DEFAULT_PREFIX_CACHE_TOKENS,
     Engine,
 )
 from batchline.generation._loop import GenerationLoop
-from batchline.generation._lora import AdapterSet, load_adapter
+from batchline.generation._lora import model_adapter
 from batchline.generation._model import DEFAULT_MODEL, load_causal_lm, log_kv_budget
 from batchline.generation._request import parse_request
 from batchline.generation._types import (
@@ -54,6 +55,7 @@ class GenerationOptions(TypedDict, total=False):
     tool_choice: str | dict[str, Any] | None
     parallel_tool_calls: bool | None
     model: str | None  # a LoRA adapter: its name or ``base:adapter``
+    adapter: str | None  # a LoRA adapter by its name (the wire's field; or ``model``)
 
 
 def _with_calls(on_event: Callable[[Event], None]) -> Callable[[Event], None]:
@@ -118,13 +120,9 @@ class _Base:
             tokenizer,
             max_prefill_tokens=max_prefill_tokens,
             prefix_cache_tokens=prefix_cache_tokens,
+            adapters=adapters,
+            adapter_dir=adapter_dir,
         )
-        self.adapters = AdapterSet(model)
-        self.adapter_dir = adapter_dir
-        weight = next(iter(model.parameters()))
-        for name, path in (adapters or {}).items():
-            adapter = load_adapter(name, path, dtype=weight.dtype, device=weight.device)
-            self.adapters.add(adapter)
         log_kv_budget(model, max_batch_tokens, prefix_cache_tokens=prefix_cache_tokens)
         # Events gathered on the model thread for asyncio callers (see Generator).
         self._gathered: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event], Event]] = []
@@ -147,10 +145,15 @@ class _Base:
         opts: dict[str, Any] = dict(options)
         priority = opts.pop("priority", 0)
         timeout_s = opts.pop("timeout_s", None)
-        adapter = self.adapters.resolve(opts.pop("model", None), self.adapter_dir)
+        model = opts.pop("model", None)
+        if model is not None:  # OpenAI's convention: the adapter by the model's name
+            if opts.get("adapter") is not None:
+                raise BadGenerationParams("give model or adapter, not both")
+            opts["adapter"] = model_adapter(model)
         if prompt is not None:
             opts["prompt"] = prompt
         parsed = parse_request(opts, with_ids=True)
+        adapter = self.engine.adapters.resolve(parsed.adapter)
         if parsed.prompt_ids is not None:
             ids = parsed.prompt_ids
         else:

@@ -15,7 +15,8 @@ import functools
 import json
 import math
 import os
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,54 +117,134 @@ def load_adapter(
     return Adapter(name=name, weights=weights, scale=scale)
 
 
+class _Rows:
+    """A forward's rows' adapter indexes, and what every layer derives from them (worked
+    out once a forward, not once a layer): the adapters present, and for a layer's
+    stacked adapters, the mask that keeps each row's own."""
+
+    __slots__ = ("_masks", "indexes", "present")
+
+    def __init__(self, indexes: Any) -> None:
+        self.indexes = indexes
+        self.present = frozenset(int(i) for i in indexes.tolist()) - {-1}
+        self._masks: dict[tuple[Any, ...], Any] = {}
+
+    def mask(self, layout: tuple[tuple[int, int], ...], x: Any) -> Any:
+        """For adapters stacked as ``layout`` (``(index, rank)`` each, in order), a 0/1
+        mask shaped to broadcast over ``x @ A^T`` (rows, ..., total rank) that keeps each
+        row's own adapter's columns; None where it would keep every column."""
+        key = (layout, x.device, x.dtype, x.dim())
+        if key in self._masks:
+            return self._masks[key]
+        import torch
+
+        indexes = self.indexes.to(x.device)
+        if len(layout) == 1 and bool((indexes == layout[0][0]).all()):
+            mask = None
+        else:
+            blocks = [(indexes == i).to(x.dtype)[:, None].expand(-1, r) for i, r in layout]
+            mask = torch.cat(blocks, dim=1)
+            mask = mask.view(mask.shape[0], *([1] * (x.dim() - 2)), mask.shape[1])
+        self._masks[key] = mask
+        return mask
+
+
 @contextlib.contextmanager
 def rows_adapters(indexes: Any) -> Iterator[None]:
     """Within this block, a forward's batch row ``i`` uses adapter ``indexes[i]`` (a 1-D
     long tensor; -1: none). ``None``: no row has an adapter."""
-    token = _ROWS.set(indexes)
+    token = _ROWS.set(None if indexes is None else _Rows(indexes))
     try:
         yield
     finally:
         _ROWS.reset(token)
 
 
+def _stacked(module: Any, present: tuple[int, ...]) -> tuple[Any, Any, tuple[Any, ...]]:
+    """The A of the adapters ``present`` stacked (total rank x in), their B (scaled) side
+    by side (out x total rank), and the layout; kept on the layer for the next steps."""
+    cache: dict[tuple[int, ...], tuple[Any, Any, tuple[Any, ...]]] = module._batchline_stacked
+    found = cache.get(present)
+    if found is None:
+        import torch
+
+        pairs = [module._batchline_lora[i] for i in present]
+        layout = tuple((i, a.shape[0]) for i, (a, _) in zip(present, pairs, strict=True))
+        a_all = torch.cat([a for a, _ in pairs], dim=0)
+        b_all = torch.cat([b for _, b in pairs], dim=1)
+        for oldest in list(cache)[: max(0, len(cache) - 7)]:  # a few sets at a time
+            cache.pop(oldest, None)
+        found = cache[present] = (a_all, b_all, layout)
+    return found
+
+
 def _forward(module: Any, inner: Any, x: Any) -> Any:
-    out = inner(x)
-    rows = _ROWS.get()
+    """The layer's output plus, for each row, its adapter's ``x @ A^T @ (B * scale)^T``:
+    every adapter present at once, as two GEMMs over the adapters' stacked ranks, the
+    columns of other rows' adapters masked to zero between them."""
+    out = inner(x)  # a tensor of its own: the deltas are added to it in place
+    rows: _Rows | None = _ROWS.get()
     stacks = module._batchline_lora
     if rows is None or not stacks:
         return out
-    rows = rows.to(x.device)
-    for index, (a, b, scale) in tuple(stacks.items()):  # may grow on another thread
-        chosen = (rows == index).nonzero().flatten()
-        if chosen.numel() == 0:
-            continue
-        part = x.index_select(0, chosen)
-        delta = (part.to(a.dtype) @ a.t() @ b.t()) * scale
-        out = out.index_add(0, chosen, delta.to(out.dtype))
+    present = tuple(sorted(i for i in rows.present if i in stacks))
+    if not present:
+        return out
+    a_all, b_all, layout = _stacked(module, present)
+    h = x.to(a_all.dtype) @ a_all.t()
+    mask = rows.mask(layout, h)
+    if mask is not None:
+        h = h * mask
+    out += (h @ b_all.t()).to(out.dtype)
     return out
 
 
 class AdapterSet:
-    """The adapters attached to one base model, each with its row index."""
+    """The adapters attached to one base model, each with its row index: those named at
+    start (``paths``: name -> directory) and, loaded on first use, those in ``directory``
+    (a subdirectory per adapter, named as the adapter). Safe to use from several threads:
+    a first use loads once."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(
+        self,
+        model: Any,
+        paths: Mapping[str, str | os.PathLike[str]] | None = None,
+        directory: str | os.PathLike[str] | None = None,
+    ) -> None:
         self._model = model
         self._modules = dict(model.named_modules())
+        self.directory = None if directory is None else Path(directory)
         self.indexes: dict[str, int] = {}
+        self._lock = threading.Lock()
+        if self.directory is not None and not self.directory.is_dir():
+            raise AdapterError(f"adapter directory {show_value(str(directory))} does not exist")
+        for name, path in (paths or {}).items():
+            self.add(self._load(name, path))
+
+    def _load(self, name: str, path: str | os.PathLike[str]) -> Adapter:
+        weight = next(iter(self._model.parameters()))
+        return load_adapter(name, path, dtype=weight.dtype, device=weight.device)
 
     def add(self, adapter: Adapter) -> int:
         """Attach ``adapter``; its index for :func:`rows_adapters`."""
+        with self._lock:
+            return self._add(adapter)
+
+    def _add(self, adapter: Adapter) -> int:
         if adapter.name in self.indexes:
             return self.indexes[adapter.name]
         index = len(self.indexes)
+        modules = {name: self._find(name, adapter.name) for name in adapter.weights}
         for name, (a, b) in adapter.weights.items():
-            module = self._find(name, adapter.name)
+            module = modules[name]
             if not hasattr(module, "_batchline_lora"):
                 module._batchline_lora = {}
+                module._batchline_stacked = {}
                 # Wrap whatever forward the module has (deterministic mode replaces it).
                 module.forward = functools.partial(_forward, module, module.forward)
-            module._batchline_lora[index] = (a, b, adapter.scale)
+            # The scale folded into B once: one multiplication fewer a step.
+            module._batchline_lora[index] = (a, b * adapter.scale if adapter.scale != 1 else b)
+            module._batchline_stacked.clear()
         self.indexes[adapter.name] = index
         return index
 
@@ -176,30 +257,50 @@ class AdapterSet:
             f"which the base model does not have"
         )
 
-    def resolve(self, model: str | None, directory: str | os.PathLike[str] | None = None) -> int:
-        """The row index for a request's ``model``: an adapter's name or ``base:adapter``
-        (None or a name without one: -1). An adapter not attached is loaded from
-        ``directory``/name on first use; UnknownAdapter when there is none."""
-        if model is None:
-            return -1
-        name = model.rsplit(":", 1)[-1]
-        if name not in self.indexes and directory is not None:
-            folder = Path(directory) / name
-            if name and "/" not in name and name not in {".", ".."} and folder.is_dir():
-                weight = next(iter(self._model.parameters()))
-                self.add(load_adapter(name, folder, dtype=weight.dtype, device=weight.device))
-        return self.index_of(name)
+    def _folder(self, name: str) -> Path | None:
+        """The directory's subdirectory holding adapter ``name``, or None."""
+        if self.directory is None or not name or "/" in name or "\\" in name:
+            return None
+        if name in {".", ".."}:
+            return None
+        folder = self.directory / name
+        return folder if (folder / "adapter_config.json").is_file() else None
 
-    def index_of(self, name: str | None) -> int:
-        """The row index of adapter ``name`` (-1 for None); UnknownAdapter if not attached."""
+    def resolve(self, name: str | None) -> int:
+        """The row index of adapter ``name`` (None: -1, the base model), loading it from the
+        directory on first use; UnknownAdapter when it is neither attached nor there."""
         if name is None:
             return -1
-        if name not in self.indexes:
-            raise UnknownAdapter(f"unknown adapter {show_value(name)}")
-        return self.indexes[name]
+        index = self.indexes.get(name)
+        if index is not None:
+            return index
+        folder = self._folder(name)
+        if folder is None:
+            raise UnknownAdapter(f"unknown adapter {show_value(name)}; served: {self.names()}")
+        with self._lock:  # loaded once, whichever thread asks first
+            if name not in self.indexes:
+                self._add(self._load(name, folder))
+            return self.indexes[name]
+
+    def names(self) -> list[str]:
+        """The adapters a request may name: attached, and in the directory, sorted."""
+        names = set(self.indexes)
+        if self.directory is not None:
+            # (The directory gone: what is attached still serves.)
+            with contextlib.suppress(OSError):
+                names.update(
+                    f.name for f in self.directory.iterdir() if self._folder(f.name) is not None
+                )
+        return sorted(names)
 
     def rows(self, names: Sequence[str | None]) -> Any:
-        """The index tensor for rows choosing ``names``."""
+        """The index tensor for rows choosing ``names`` (None: no adapter)."""
         import torch
 
-        return torch.tensor([self.index_of(n) for n in names], dtype=torch.long)
+        return torch.tensor([self.resolve(n) for n in names], dtype=torch.long)
+
+
+def model_adapter(model: str | None) -> str | None:
+    """The adapter a request's ``model`` names, by OpenAI's convention: ``base:adapter`` or
+    the adapter's own name (None: none)."""
+    return None if model is None else model.rsplit(":", 1)[-1]

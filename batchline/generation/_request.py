@@ -18,27 +18,33 @@ __all__ = ["GenerationRequest", "ParsedRequest", "parse_request"]
 
 _PARAMS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "logprobs")
 _TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
-_KEYS = frozenset(("prompt", "messages", *_PARAMS, "stop", "response_format", *_TOOL_KEYS))
+_KEYS = frozenset(
+    ("prompt", "messages", *_PARAMS, "stop", "response_format", *_TOOL_KEYS, "adapter")
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """A request ready for the loop: its prompt's token ids and its parameters."""
+    """A request ready for the loop: its prompt's token ids, its parameters and its LoRA
+    adapter's index (-1: none)."""
 
     prompt_ids: tuple[int, ...]
     params: GenerationParams
+    adapter: int = -1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ParsedRequest:
     """What a request asks for: exactly one of a prompt, chat messages or prompt token ids,
-    and its parameters; the tools offered (with messages; None where none were given)."""
+    and its parameters; the tools offered (with messages; None where none were given); the
+    LoRA adapter it names (None: the base model)."""
 
     prompt: str | None
     messages: list[dict[str, Any]] | None
     prompt_ids: list[int] | None
     params: GenerationParams
     tools: Tools | None = None
+    adapter: str | None = None
 
 
 def parse_request(
@@ -99,7 +105,18 @@ def parse_request(
             f"max_new_tokens {params.max_new_tokens} exceeds this worker's "
             f"max_new_tokens_limit {max_new_tokens_limit}"
         )
-    return ParsedRequest(prompt, messages, ids, params, tools)
+    return ParsedRequest(prompt, messages, ids, params, tools, _adapter(value.get("adapter")))
+
+
+def _adapter(adapter: Any) -> str | None:
+    if adapter is None:
+        return None
+    if not isinstance(adapter, str) or not adapter:
+        raise BadGenerationParams(
+            f"adapter must be a LoRA adapter's name (a non-empty text) or null, got "
+            f"{show_value(adapter)}"
+        )
+    return adapter
 
 
 def _tools(value: Mapping[str, Any], chat: bool) -> Tools | None:

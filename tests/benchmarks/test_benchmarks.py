@@ -655,3 +655,13 @@ def test_bench_tracing_smoke() -> None:
     assert "off: the producer imported batchline.tracing._otel: no" in out, out
     assert "on: the producer imported batchline.tracing._otel: yes" in out, out
     assert REDIS_LINE.search(out), out
+
+
+@pytest.mark.slow
+def test_bench_models_adapters_smoke() -> None:
+    _smollm2()  # the base model it serves
+    out = _bench(["benchmarks.models", "--quick"], 600)
+    for row in ("base", "mixed", "separate"):
+        assert re.search(rf"^  {row} +[\d,]+ tokens/s", out, re.M), out
+    assert re.search(r"mixed / separate [\d.]+x .* mixed / base [\d.]+x", out), out
+    _no_verdict(out)

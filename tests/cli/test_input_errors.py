@@ -41,6 +41,9 @@ BAD_INPUTS: list[tuple[list[str], dict[str, str], str]] = [
     (["worker", "--model", "generate", "--model-path", "./no.gguf"], {}, "a .gguf file"),
     (["worker", "--device", "gpu"], {}, "device must be auto, cpu, cuda, cuda:N"),
     (["worker", "--calibration", "texts.txt"], {}, "for backend openvino-int8 only"),
+    (["worker", "--adapters", "a=/x"], {}, "adapters and adapter_dir are for the generate"),
+    (["worker", "--model", "generate", "--adapters", "a"], {}, "'a' is not NAME=PATH"),
+    (["worker", "--model", "generate"], {"BATCHLINE_ADAPTERS": "a=/x,a=/y"}, "'a' is named twice"),
     # The demo's options.
     (["demo", "--requests", "-5"], {}, "--requests: must be above 0, got '-5'"),
     (["demo", "--step-s", "0"], {}, "--step-s: must be above 0"),

@@ -118,10 +118,7 @@ def test_engine_mixes_adapters_in_one_continuous_batch(tmp_path: Path) -> None:
     folders = [save_adapter(tmp_path / n, base, seed=i + 1) for i, n in enumerate("abc")]
     wanted_models = [merged(base, f) for f in folders] + [base]
     model = copy.deepcopy(base)
-    engine = Engine(model, max_prefill_tokens=4)
-    adapters = AdapterSet(model)
-    for name, folder in zip("abc", folders, strict=True):
-        adapters.add(load_adapter(name, folder))
+    engine = Engine(model, max_prefill_tokens=4, adapters=dict(zip("abc", folders, strict=True)))
     shared = [7, 8, 9, 10, 11, 12, 13, 14, 15]
     plan = [  # (step, prompt, adapter index)
         (0, shared, 0),

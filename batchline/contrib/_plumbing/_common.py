@@ -35,6 +35,8 @@ INPUT_ERRORS = frozenset(
         "ItemTooLarge",
         "BadGenerationParams",
         "PromptTooLong",
+        "AdapterError",
+        "UnknownAdapter",
     ]
 )
 #: Seconds a client should wait before retrying a refused request (``Retry-After``).

@@ -109,7 +109,8 @@ class MessagesRoutes:
                 log_error(f"{request.method} {request.url.path}", error, exc)
             return AnthropicError(error).response()
 
-    def _served(self, model: str) -> Served:
+    async def _served(self, model: str) -> Served:
+        """The generation queue, or one of its LoRA adapters, that ``model`` names."""
         served = self._openai.served.get("generation")
         if served is None:
             raise anthropic(
@@ -118,7 +119,10 @@ class MessagesRoutes:
                 "serve messages",
             )
         if model != served.name:
-            raise anthropic(404, f"model: {model} (served: {served.name!r})")
+            try:
+                return await self._openai.resolve("generation", model)
+            except OpenAIError:
+                raise anthropic(404, f"model: {model} (served: {served.name!r})") from None
         return served
 
     @staticmethod
@@ -130,8 +134,8 @@ class MessagesRoutes:
 
     async def _message(self, request: Request) -> Response:
         body = await _validated(request, MessagesRequest)
-        served = self._served(body.model)
-        value = self._wire(body)
+        served = await self._served(body.model)
+        value = served.wire(self._wire(body))
         offered = "tools" in value and value.get("tool_choice") != "none"
         if offered:  # the functions' schemas compiled as a worker does, off the event loop
             await self._openai.check_format(json.dumps(value).encode())
@@ -160,8 +164,8 @@ class MessagesRoutes:
 
     async def _count(self, request: Request) -> Response:
         body = await _validated(request, CountTokensRequest)
-        served = self._served(body.model)
-        value = self._wire(body)
+        served = await self._served(body.model)
+        value = self._wire(body)  # an adapter's tokens are its base model's
         facts = await served.facts()
         if facts is not None and not facts.get("tokenize"):
             raise anthropic(400, f"model: {served.name!r} has no tokenizer to count with")

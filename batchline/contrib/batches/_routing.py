@@ -64,15 +64,15 @@ async def route_line(routes: OpenAIRoutes, url: str, body: dict[str, Any]) -> Ro
     if gen.n != 1:
         raise OpenAIError(400, "a batch's requests answer one choice each: n must be 1", param="n")
     tools = await routes.check_generation(gen, raw.encode())
-    served = routes.queue("generation", gen.model)
+    served = await routes.resolve("generation", gen.model)
     if chat:
         return RoutedLine(
             served.producer,
-            gen.value(),
+            served.wire(gen.value()),
             lambda r: chat_body(r.id, served.name, [checked(r.output)], tools=tools),
         )
     return RoutedLine(
         served.producer,
-        gen.value(),
+        served.wire(gen.value()),
         lambda r: completion_body(r.id, served.name, [checked(r.output)]),
     )

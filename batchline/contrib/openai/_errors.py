@@ -104,6 +104,8 @@ def _worker_error(exc: InferenceError) -> OpenAIError:
     message = str(exc)
     if exc.error_type not in INPUT_ERRORS:
         return OpenAIError(500, message, "server_error", code=exc.error_type)
+    if exc.error_type == "UnknownAdapter":  # gone from the workers since it was routed
+        return OpenAIError(404, message, param="model", code="model_not_found")
     code = "context_length_exceeded" if exc.error_type == "PromptTooLong" else exc.error_type
     return OpenAIError(400, message, code=code)
 

@@ -126,7 +126,7 @@ class ResponsesRoutes:
         task = self._tasks.get(rid)
         if task is not None:
             return task
-        served = self.routes.queue("generation", record["model"])
+        served = self._queue_of(record)
 
         async def work() -> None:
             try:
@@ -139,6 +139,12 @@ class ResponsesRoutes:
 
         task = self._tasks[rid] = asyncio.create_task(work(), name=f"response {rid}")
         return task
+
+    def _queue_of(self, record: dict[str, Any]) -> Served:
+        """The queue a stored response's request goes to: the generation queue (its value
+        names its adapter, where its model is one)."""
+        served = self.routes.served.get("generation")
+        return served if served is not None else self.routes.queue("generation", record["model"])
 
     async def _found(self, response_id: str, request: Request) -> dict[str, Any]:
         record = await self.store.load(response_id)
@@ -161,14 +167,14 @@ class ResponsesRoutes:
 
     async def create(self, body: ResponseCreate, request: Request) -> Response:
         """Create a response."""
-        served = self.routes.queue("generation", body.model)
+        served = await self.routes.resolve("generation", body.model)
         if body.background and not body.store:
             raise OpenAIError(400, "background responses need store: true", param="background")
         history: list[dict[str, str]] = []
         if body.previous_response_id is not None:
             history = await self._history(body.previous_response_id, request)
         try:
-            value = body.value(history)
+            value = served.wire(body.value(history))
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param="text") from None
         if "response_format" in value or "tools" in value:  # compiled off the event loop
@@ -313,14 +319,14 @@ class ResponsesRoutes:
         await self.store.mark_cancelled(response_id)
         # Ended first, then its generation cancelled: its runner then finds it ended.
         final = await Writer(self.store, record).finish(log.text, None, cancelled=True)
-        await _cancel(self.routes.queue("generation", record["model"]), record)
+        await _cancel(self._queue_of(record), record)
         return JSONResponse(final)
 
     async def delete(self, response_id: _Id, request: Request) -> JSONResponse:
         """Delete a stored response (one still running is cancelled)."""
         record = await self._found(response_id, request)
         if not (await self.store.log(response_id)).ended:
-            served = self.routes.queue("generation", record["model"])
+            served = self._queue_of(record)
             await _cancel(served, record)
         await self.store.delete(response_id, record.get("tenant"))
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})

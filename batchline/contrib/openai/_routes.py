@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import re
 import time
 import uuid
@@ -52,6 +53,7 @@ from batchline.contrib._plumbing import (
     note_queue,
     scoped_id,
 )
+from batchline.contrib.openai._adapters import adapter_cards, adapter_named
 from batchline.contrib.openai._embeddings import embedding_body, embedding_matrix
 from batchline.contrib.openai._errors import (
     OpenAIError,
@@ -123,6 +125,11 @@ class Served:
     settings: ProducerSettings
     opened: AsyncProducer | None = field(default=None, repr=False)
     client: RedisClient | None = field(default=None, repr=False)
+    adapter: str | None = None  # a generation request's LoRA adapter (``name`` is its model)
+
+    def wire(self, value: Any) -> Any:
+        """A request's value for the worker: with its adapter, where the model names one."""
+        return value if self.adapter is None else {**value, "adapter": self.adapter}
 
     @property
     def producer(self) -> AsyncProducer:
@@ -221,23 +228,45 @@ class OpenAIRoutes:
 
     # -- routes --------------------------------------------------------------------------------
 
-    async def _model_object(self, served: Served) -> dict[str, Any]:
+    def _card(self, served: Served, facts: dict[str, Any] | None) -> dict[str, Any]:
         return {
             "id": served.name,
             "object": "model",
             "created": self.created,
             "owned_by": "batchline",
-            **card(await served.facts()),
+            **card(facts),
         }
 
     async def models(self) -> dict[str, Any]:
-        """The served models, with the facts their workers publish."""
-        data = [await self._model_object(s) for s in self.served.values()]
+        """The served models, with the facts their workers publish, and each LoRA adapter
+        the generation queue's workers serve (its ``parent``: the base model)."""
+        data = []
+        for served in self.served.values():
+            facts = await served.facts()
+            base = self._card(served, facts)
+            data += [base, *adapter_cards(served.name, facts, base)]
         return {"object": "list", "data": data}
 
     async def model(self, model_id: str) -> dict[str, Any]:
-        """One served model."""
-        return await self._model_object(self.named(model_id))
+        """One served model, or adapter."""
+        served = await self.resolve(None, model_id)
+        found = self._card(served, await served.facts())
+        if served.adapter is not None:
+            found["parent"] = self.served["generation"].name
+        return found
+
+    async def resolve(self, kind: Kind | None, model: str) -> Served:
+        """The served queue ``model`` names, of ``kind`` (None: any): a served model, or a
+        LoRA adapter the generation queue's workers publish (by its name or
+        ``<base>:<adapter>``; one more GET, only for a name that is no served model's). The
+        errors of :meth:`queue` (:meth:`named` where ``kind`` is None) otherwise."""
+        gen = self.served.get("generation")
+        served_name = any(s.name == model for s in self.served.values())
+        if kind in (None, "generation") and gen is not None and not served_name:
+            adapter = adapter_named(gen.name, model, await gen.facts())
+            if adapter is not None:
+                return dataclasses.replace(gen, name=model, adapter=adapter)
+        return self.named(model) if kind is None else self.queue(kind, model)
 
     def _not_found(self, model: str) -> OpenAIError:
         names = sorted(s.name for s in self.served.values())
@@ -312,8 +341,8 @@ class OpenAIRoutes:
         self, body: CompletionRequest | ChatRequest, request: Request, *, chat: bool
     ) -> Response:
         tools = await self.check_generation(body, await request.body())
-        served = self.queue("generation", body.model)
-        values = body.values()  # one per choice
+        served = await self.resolve("generation", body.model)
+        values = [served.wire(v) for v in body.values()]  # one per choice
         if body.stream:
             # The request's id (its choices': rid-0, rid-1 ...), the chunks'.
             rid = scoped_id(caller_of(request).tenant, uuid.uuid4().hex)

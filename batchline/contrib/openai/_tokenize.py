@@ -80,7 +80,7 @@ class TokenizeRoutes:
         """The worker's answer to a tokenize or detokenize value (None: the client left);
         refused before anything is queued where the model's workers do not tokenize. What
         the worker refuses is a 400 naming ``param``."""
-        served = self.routes.named(model)
+        served = await self.routes.resolve(None, model)  # an adapter: its base's tokens
         await _check_tokenizes(served)
         top = served.settings.priorities - 1  # read first: it only waits for the next read
         try:

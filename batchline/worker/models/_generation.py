@@ -64,6 +64,8 @@ class GenerationModel:
         self.max_batch_tokens = 16384
         self.max_prefill_tokens = 512
         self.prefix_cache_tokens = 2048
+        self.adapters: dict[str, str] = {}  # LoRA adapters attached at start: name -> path
+        self.adapter_dir: str | None = None  # more, attached on first use
         self.engine: Any = None
         self._ops: TokenOps | None = None
 
@@ -85,6 +87,8 @@ class GenerationModel:
             tokenizer,
             max_prefill_tokens=self.max_prefill_tokens,
             prefix_cache_tokens=self.prefix_cache_tokens,
+            adapters=self.adapters,
+            adapter_dir=self.adapter_dir,
         )
         log_kv_budget(lm, self.max_batch_tokens, prefix_cache_tokens=self.prefix_cache_tokens)
 
@@ -100,12 +104,18 @@ class GenerationModel:
         params = self.engine.check(ids, parsed.params)  # PromptTooLong past the context
         if params.logprobs is not None:
             self.engine.token_texts.ready()  # here, not on the loop that writes the answer
-        request = GenerationRequest(tuple(ids), params)
+        # UnknownAdapter, or AdapterError for one it cannot read: this request alone.
+        adapter = self.engine.adapters.resolve(parsed.adapter)  # loaded on first use
+        request = GenerationRequest(tuple(ids), params, adapter)
         return [Prepared(request, len(ids) + params.max_new_tokens)]
 
     def facts(self) -> dict[str, Any]:
         """What the worker publishes of the model (docs/protocol.md, Model facts)."""
-        return {"kind": "generation", "max_model_len": self.engine.context}
+        return {
+            "kind": "generation",
+            "max_model_len": self.engine.context,
+            "adapters": self.engine.adapters.names(),
+        }
 
     def token_ops(self) -> TokenOps | None:
         """Tokenizing for clients, with the engine's tokenizer (none: None)."""

@@ -48,15 +48,19 @@ class ModelFacts:
         self.key = settings.keys.facts
         self.ttl_s = max(5, math.ceil(3 * settings.heartbeat_s))
         self.text = ""
+        self._model: object = None
 
     def load(self, model: object) -> None:
-        """Compute the facts of the loaded ``model``."""
+        """Compute the facts of the loaded ``model`` (again at each publish: a generation
+        model's adapters change as they are added to its directory)."""
+        self._model = model
         self.text = json.dumps(model_facts(model, self.settings), separators=(",", ":"))
 
     async def publish(self, client: RedisClient) -> None:
         """Write (or renew) the facts; a Redis failure is logged, the next beat retries."""
-        if not self.text:
+        if self._model is None:
             return
+        self.text = json.dumps(model_facts(self._model, self.settings), separators=(",", ":"))
         try:
             await client.set(self.key, self.text, ex=self.ttl_s)
         except Exception as caught:

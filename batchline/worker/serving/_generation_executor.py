@@ -91,6 +91,8 @@ class GenerationExecutor:
         model.max_batch_tokens = settings.max_batch_tokens
         model.max_prefill_tokens = settings.max_prefill_tokens
         model.prefix_cache_tokens = settings.prefix_cache_tokens
+        model.adapters = settings.adapter_paths()
+        model.adapter_dir = settings.adapter_dir
         self.config = SchedulerConfig(
             max_batch_size=settings.batch_size, max_batch_tokens=settings.max_batch_tokens
         )
@@ -146,6 +148,7 @@ class GenerationExecutor:
             deadline=deadline,
             priority=priority,
         )
+        seq.adapter = request.adapter
         seq.on_event = functools.partial(self._on_event, seq)
         gen.scheduler.check(seq)
         call = Call(1, deadline, wake, self._recorder)
