@@ -14,10 +14,17 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    Field,
+    SecretStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis.connection import parse_url
 
+from batchline._specs import parse_adapters, served_settings
 from batchline.codec import Limits
 from batchline.devices import check_device
 from batchline.drivers._options import DEFAULTS
@@ -397,6 +404,10 @@ class WorkerSettings(ServiceSettings):
             continuous batch.
         adapter_dir: ``generate`` only: a directory of more LoRA adapters, one subdirectory
             each (its name the adapter's), loaded on first use.
+        serve: several queues in one worker process: an entry a queue, ``QUEUE=MODEL``
+            then ``,SETTING=VALUE`` parts (its settings apart from the worker's), entries
+            separated by ``;`` (or ``--serve`` once a queue); their model calls take turns.
+            Replaces ``queue``.
         threads: the model's CPU threads (available cores: the process's CPU affinity,
             capped by a cgroup CPU quota); idle OpenMP threads wait passively unless
             ``OMP_WAIT_POLICY`` says otherwise.
@@ -482,6 +493,7 @@ class WorkerSettings(ServiceSettings):
     deterministic: bool = False
     adapters: str | None = None
     adapter_dir: str | None = None
+    serve: str | None = None
     threads: int | None = Field(default=None, ge=1)
     batch_size: int = Field(default=DEFAULTS.batch_size, ge=1)
     timeout_ms: float = Field(default=DEFAULTS.timeout_ms, ge=0)
@@ -534,6 +546,16 @@ class WorkerSettings(ServiceSettings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _serve(self) -> WorkerSettings:
+        if self.serve is not None:
+            self.served()  # each queue's settings valid, or a ValueError naming it
+        return self
+
+    def served(self) -> list[WorkerSettings]:
+        """The settings of each queue the ``serve`` setting names (none: only these)."""
+        return [self] if self.serve is None else served_settings(self, self.serve)
+
     def adapter_paths(self) -> dict[str, str]:
         """The adapters to load at start, name -> path (none: empty)."""
         return parse_adapters(self.adapters) if self.adapters else {}
@@ -545,22 +567,6 @@ class WorkerSettings(ServiceSettings):
             max_elements=self.max_elements,
             max_blob_bytes=self.max_elements * 8,
         )
-
-
-def parse_adapters(text: str) -> dict[str, str]:
-    """``NAME=PATH,NAME=PATH`` as a dict; ValueError naming the pair at fault."""
-    pairs: dict[str, str] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, sep, path = part.partition("=")
-        name, path = name.strip(), path.strip()
-        if not sep or not name or not path or "/" in name or ":" in name:
-            raise ValueError(
-                f"adapters: {part!r} is not NAME=PATH (a name without '/' or ':', then a path)"
-            )
-        if name in pairs:
-            raise ValueError(f"adapters: {name!r} is named twice")
-        pairs[name] = path
-    return pairs
 
 
 def check_environment(environ: Mapping[str, str] | None = None) -> None:

@@ -13,16 +13,26 @@ import time
 from pathlib import Path
 from typing import Any
 
-from batchline.cli._options import UsageError, add_option, add_settings, positive, read_settings
+from batchline.cli._options import (
+    UsageError,
+    add_option,
+    add_settings,
+    field_docs,
+    positive,
+    read_settings,
+)
 from batchline.logs import bind as bind_logs
 
 __all__ = ["check_model", "worker_parser", "worker_settings"]
 
 
 def worker_settings(args: argparse.Namespace) -> Any:
-    """The worker's settings, from its parsed ``args`` and the environment."""
+    """The worker's settings, from its parsed ``args`` and the environment (``--serve``,
+    given once a queue: its entries joined by ``;``)."""
     from batchline.config import WorkerSettings
 
+    if isinstance(getattr(args, "serve", None), list):
+        args.serve = ";".join(args.serve)
     return read_settings(WorkerSettings, args)
 
 
@@ -43,15 +53,15 @@ def _worker(args: argparse.Namespace) -> int:
         return asyncio.run(_check(settings, args.max_age_s))
     if args.max_age_s is not None:
         raise UsageError("--max-age-s is for --check only")
-    s = settings
-    check_model(
-        s.model,
-        s.model_path,
-        backend=s.backend,
-        device=s.device,
-        calibration=s.calibration,
-        deterministic=s.deterministic,
-    )
+    for s in settings.served():
+        check_model(
+            s.model,
+            s.model_path,
+            backend=s.backend,
+            device=s.device,
+            calibration=s.calibration,
+            deterministic=s.deterministic,
+        )
     from batchline.worker._supervisor import report_ready, supervise
 
     supervised = settings.max_restarts_per_min > 0
@@ -63,15 +73,23 @@ def _worker(args: argparse.Namespace) -> int:
     from batchline.errors import ModelNotLoaded, WorkerHung
     from batchline.transport import EXIT_INTERRUPTED, run_loop
     from batchline.worker import Worker
+    from batchline.worker._group import WorkerGroup
     from batchline.worker.upkeep._watchdog import HUNG_EXIT_CODE
 
-    worker = Worker(settings)
-    bind_logs(worker_id=worker.worker_id, queue=worker.keys.queue)
+    worker: Worker | WorkerGroup
+    if settings.serve is None:
+        worker = Worker(settings)
+        bind_logs(worker_id=worker.worker_id, queue=worker.keys.queue)
+    else:  # several queues: each log line names its worker and queue itself
+        worker = WorkerGroup(settings)
     worker.exit_if_loop_blocked = True
     if args.supervised_child is not None:
         report_ready(args.supervised_child, worker.ready)
     if args.bound_file is not None:
-        worker.bound_file = Path(args.bound_file)
+        if isinstance(worker, WorkerGroup):
+            worker.remember_bounds(Path(args.bound_file))
+        else:
+            worker.bound_file = Path(args.bound_file)
     try:
         run_loop(worker.run(), event_loop=settings.event_loop)
     except ModelNotLoaded as exc:
@@ -123,7 +141,20 @@ def worker_parser(sub: Any) -> argparse.ArgumentParser:
         "(stop reading, answer what was read) and exits 0; Ctrl-C drains the same way and "
         "exits 130, also while the worker still waits for Redis or loads its model.",
     )
-    add_settings(worker, WorkerSettings, tuple(WorkerSettings.model_fields))
+    add_settings(
+        worker, WorkerSettings, tuple(n for n in WorkerSettings.model_fields if n != "serve")
+    )
+    add_option(
+        worker,
+        "--serve",
+        action="append",
+        dest="serve",
+        default=None,
+        metavar="SPEC",
+        env="BATCHLINE_SERVE",
+        text=field_docs(WorkerSettings)["serve"],
+        shown="none",
+    )
     add_option(
         worker,
         "--check",

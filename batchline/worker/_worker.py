@@ -40,6 +40,7 @@ import signal
 import threading
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,7 @@ from batchline.worker.metrics import Metrics
 from batchline.worker.models import Model, load
 from batchline.worker.serving._executors import pads
 from batchline.worker.shared._consumers import ensure_groups
+from batchline.worker.shared._turns import Turns
 from batchline.worker.upkeep._upkeep import every
 
 __all__ = ["Worker"]
@@ -102,17 +104,26 @@ class Worker:
         self._running = asyncio.Event()
         self._admits = False  # whether the queue's functions are loaded (Redis >= 7)
         self.ready = threading.Event()
+        #: Held while its model loads (shared by the queues of one process: ``serve``).
+        self.loading = asyncio.Lock()
         #: The signal (SIGTERM, SIGINT) that stopped the worker, if one did.
         self.stop_signal: int | None = None
 
     #: End the process if a hung model call blocks the event loop (``batchline worker``).
     exit_if_loop_blocked = False
+    #: Whether :meth:`run` handles SIGTERM and SIGINT (a group of workers handles them for
+    #: all of its workers instead).
+    handles_signals = True
     #: Where the slowest recent model call is remembered for the next worker process
     #: (``batchline worker``'s supervisor): ``max_batch_ms`` auto starts from it.
     bound_file: Path | None = None
 
     def __repr__(self) -> str:
         return f"<Worker {self.worker_id} queue={self.keys.queue!r}>"
+
+    def take_turns(self, turns: Turns) -> None:
+        """Run each model call in its turn among the other queues' of the process."""
+        self._parts.guard.turns = turns
 
     def stats(self) -> dict[str, Any]:
         """This worker's statistics, as published with its heartbeat."""
@@ -206,20 +217,21 @@ class Worker:
             type(loop).__module__.split(".")[0],
         )
         await wait_for_redis(p.redis, s, wait_s=s.redis_wait_s)
-        prepare_environment(self.threads)  # before the model loads torch (or anything)
-        loading = functools.partial(
-            load, self.model, spec=p.model_name, path=s.model_path, device=s.device
-        )
-        await loop.run_in_executor(None, loading)
-        apply_threads(self.threads)
-        await loop.run_in_executor(
-            None,
-            lambda: p.guard.measure(
-                self.model if p.generation is None else None,
-                pads=pads(self.model),
-                padding=getattr(p.executors.main, "record_padding", None),
-            ),
-        )
+        async with self.loading:  # one model at a time loads in a process (imports race)
+            prepare_environment(self.threads)  # before the model loads torch (or anything)
+            loading = functools.partial(
+                load, self.model, spec=p.model_name, path=s.model_path, device=s.device
+            )
+            await loop.run_in_executor(None, loading)
+            apply_threads(self.threads)
+            await loop.run_in_executor(
+                None,
+                lambda: p.guard.measure(
+                    self.model if p.generation is None else None,
+                    pads=pads(self.model),
+                    padding=getattr(p.executors.main, "record_padding", None),
+                ),
+            )
         p.prep.start()
         await ensure_groups(p.redis, self.keys.streams_low_first)
         self._admits = await load_library(p.redis, self.keys)
@@ -322,11 +334,8 @@ class Worker:
             loop.call_soon_threadsafe(self.stop)
 
     def _install_signals(self, loop: asyncio.AbstractEventLoop) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self._on_signal, sig)
+        if self.handles_signals:
+            install_signals(loop, self._on_signal)
 
     def _on_signal(self, sig: int) -> None:
         if self.stop_signal is None:
@@ -340,6 +349,15 @@ class Worker:
             )
         self.stop_signal = sig
         self.stop()
+
+
+def install_signals(loop: asyncio.AbstractEventLoop, handler: Callable[[int], None]) -> None:
+    """``handler(signal)`` on SIGTERM and SIGINT, on ``loop`` (from the main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, handler, sig)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

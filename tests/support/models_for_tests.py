@@ -75,6 +75,14 @@ def slow_double(items: list[Any]) -> list[Any]:
     return [x * 2 for x in items]
 
 
+def timed(items: list[Any]) -> list[Any]:
+    """Sleeps ``BLTEST_SLOW_S``, then records ``[start, end, *items]`` (monotonic clock)."""
+    start = time.monotonic()
+    time.sleep(float(os.environ.get("BLTEST_SLOW_S", "0")))
+    _record([start, time.monotonic(), *items])
+    return items
+
+
 def crash(items: list[Any]) -> list[Any]:
     """Kills its whole process (no clean-up at all) when a batch holds "crash"."""
     _record(items)

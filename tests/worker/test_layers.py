@@ -13,7 +13,7 @@ import pytest
 from tests.test_layers import MODULES, _cycles, _graph
 
 #: The runner: the Worker, the assembly of its parts, its process and what it prints.
-RUNNER = {"__init__", "_worker", "_assembly", "_supervisor", "_ready"}
+RUNNER = {"__init__", "_worker", "_group", "_assembly", "_supervisor", "_ready"}
 
 # Each row: the parts of batchline.worker that a part may import (besides itself).
 ALLOWED: dict[str, set[str]] = {

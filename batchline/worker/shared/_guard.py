@@ -62,6 +62,7 @@ from batchline.transport import (
 )
 from batchline.worker.models import CountsPadding, Model, Prepared
 from batchline.worker.shared._held import Claims
+from batchline.worker.shared._turns import Turns
 
 __all__ = [
     "AUTO",
@@ -207,6 +208,8 @@ class Guard:
         self._redis = redis
         self._own = own
         self.bound_file: Path | None = None
+        #: Shared with the other queues of one process (``serve``): their calls take turns.
+        self.turns: Turns | None = None
 
     @property
     def slow(self) -> bool:
@@ -216,7 +219,14 @@ class Guard:
 
     def call(self, fn: Callable[[], T], work: float | None = None) -> T:
         """``fn()``, one model call of ``work`` (model calls are serialised by the batchers'
-        lock, so one stamp tells the watchdog), timed into the bound."""
+        lock, so one stamp tells the watchdog), timed into the bound; in its turn, where
+        the process serves other queues (the wait for it is not the call's time)."""
+        if self.turns is None:
+            return self._call(fn, work)
+        with self.turns.turn():
+            return self._call(fn, work)
+
+    def _call(self, fn: Callable[[], T], work: float | None) -> T:
         self.running = stamp = (time.monotonic(), work)
         try:
             return fn()

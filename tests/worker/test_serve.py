@@ -1,0 +1,158 @@
+"""Several queues in one worker process (``batchline worker --serve``): each queue its own
+model and settings, batches never mixed, the models' calls taking turns (never two at once;
+a queue waits at most one batch of another), one SIGTERM draining them all."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from batchline._specs import parse_serve
+from batchline.config import WorkerSettings
+from batchline.keys import QueueKeys
+from batchline.producer import Producer
+from batchline.worker.shared._turns import Turns
+
+from tests.support.models_for_tests import read_batches
+from tests.support.service import REPO, spec, subprocess_env, wait_until
+
+
+def test_an_entry_is_a_queue_its_model_and_its_own_settings() -> None:
+    entries = parse_serve(
+        'embed=sentence-transformers ; chat=generate,batch-size=4,"adapters=a=/x,b=/y"'
+    )
+    assert entries == [
+        ("embed", {"model": "sentence-transformers"}),
+        ("chat", {"model": "generate", "batch_size": "4", "adapters": "a=/x,b=/y"}),
+    ]
+    s = WorkerSettings(
+        serve="embed=sentence-transformers;chat=generate,batch_size=4",
+        batch_size=64,
+        metrics_port=9100,
+        worker_id="w",
+        timeout_ms=3,
+    )
+    embed, chat = s.served()
+    assert (embed.queue, embed.model, embed.batch_size, embed.metrics_port) == (
+        "embed", "sentence-transformers", 64, 9100
+    )  # fmt: skip
+    assert (chat.queue, chat.model, chat.batch_size, chat.metrics_port) == (
+        "chat",
+        "generate",
+        4,
+        9101,
+    )
+    assert (embed.worker_id, chat.worker_id) == ("w-embed", "w-chat")
+    assert embed.timeout_ms == chat.timeout_ms == 3
+    assert chat.serve is None
+
+
+@pytest.mark.parametrize(
+    ("serve", "message"),
+    [
+        ("", "no QUEUE=MODEL entry"),
+        ("embed", "does not start with QUEUE=MODEL"),
+        ("a=echo;a=generate", "the queue 'a' is served twice"),
+        ("a=generate,threads=2", "threads is the worker's, not a queue's"),
+        ("a=generate,model=x", "the model is given as QUEUE=MODEL"),
+        ("a=generate,batch_size", "'batch_size' is not SETTING=VALUE"),
+        ("a=generate,batch_size=0", "queue 'a': batch_size: Input should be greater"),
+        ("a b=generate", "queue: "),
+        ("a=generate,bogus=1", "queue 'a': bogus"),
+        ("a=echo,adapters=x=/y", "adapters and adapter_dir are for the generate model only"),
+    ],
+)
+def test_a_bad_entry_is_refused_naming_it(serve: str, message: str) -> None:
+    with pytest.raises(ValueError, match="serve") as caught:
+        WorkerSettings(serve=serve)
+    assert message in str(caught.value)
+
+
+def test_turns_run_calls_one_at_a_time_in_the_order_they_asked() -> None:
+    turns = Turns()
+    order: list[str] = []
+    first_in, release_first = threading.Event(), threading.Event()
+
+    def call(name: str, asked: threading.Event | None = None) -> None:
+        with turns.turn():
+            order.append(name)
+            if name == "a1":
+                first_in.set()
+                release_first.wait()
+
+    threads = [threading.Thread(target=call, args=("a1",))]
+    threads[0].start()
+    first_in.wait()
+    for name in ("b1", "a2", "c1"):  # each asks while a1 runs, in this order
+        t = threading.Thread(target=call, args=(name,))
+        t.start()
+        threads.append(t)
+        wait_until(lambda n=len(threads): turns._issued == n, f"{name} to ask")  # noqa: SLF001
+    release_first.set()
+    for t in threads:
+        t.join()
+    assert order == ["a1", "b1", "a2", "c1"]
+    assert turns.waited == 3
+
+
+@pytest.mark.slow
+def test_one_process_serves_several_queues_whose_model_calls_take_turns(
+    redis_url: str, queue: str, tmp_path: Path
+) -> None:
+    """Queue a (a slow model, one request a batch) has a backlog of 12 when queue b's
+    request arrives: b's batch runs after at most two of a's (the one running, and one
+    that may start while b's request is read), never at the same time as one; queue c, a
+    generation model, answers beside them; SIGTERM drains all three and exits 0."""
+    record = tmp_path / "calls.jsonl"
+    timed = spec("timed")
+    serve = [
+        "--serve", f"{queue}-a={timed},batch_size=1,timeout_ms=0",
+        "--serve", f"{queue}-b={timed},batch_size=8,timeout_ms=0",
+        "--serve", f"{queue}-c=generate,model_path={spec('tiny_llama')},timeout_ms=5",
+    ]  # fmt: skip
+    env = {"BATCHLINE_REDIS_URL": redis_url, "BLTEST_RECORD_FILE": str(record)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchline", "worker", *serve, "--max-restarts-per-min", "0"],
+        env=subprocess_env({**env, "BLTEST_SLOW_S": "0.15", "BATCHLINE_HEARTBEAT_S": "0.2"}),
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        producers = {q: Producer(redis_url=redis_url, queue=f"{queue}-{q}") for q in "abc"}
+        client = redis.Redis.from_url(redis_url)
+        for q in "abc":  # every queue's worker has started
+            beats = QueueKeys(f"{queue}-{q}").workers
+            wait_until(lambda k=beats: client.zcard(k) > 0 or proc.poll() is not None, "ready")
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        client.close()
+        a = [producers["a"].submit(f"a{i}") for i in range(12)]
+        wait_until(lambda: len(read_batches(record)) >= 1, "queue a's first call")
+        sent = time.monotonic()
+        b = producers["b"].submit("b0")
+        c = producers["c"].submit({"prompt": "hello", "max_new_tokens": 4})
+        assert producers["b"].wait(b, 60).unwrap() == "b0"
+        assert producers["c"].wait(c, 60).unwrap()["tokens"] >= 1
+        assert [producers["a"].wait(h, 60).unwrap() for h in a] == [f"a{i}" for i in range(12)]
+        calls = sorted(c for c in read_batches(record) if len(c) >= 3)  # not the LM's steps
+        for (_, end, *_), (start, _, *_) in zip(calls, calls[1:], strict=False):
+            assert start >= end, calls  # never two calls at once
+        b_start = next(start for start, _, *items in calls if items == ["b0"])
+        a_between = [c for c in calls if c[2].startswith("a") and sent <= c[0] < b_start]
+        assert len(a_between) <= 2, calls
+        assert any(c[2].startswith("a") and c[0] > b_start for c in calls), "a's backlog first"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        for producer in producers.values():
+            producer.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
