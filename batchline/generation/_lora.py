@@ -24,9 +24,18 @@ from typing import Any
 from batchline.errors import AdapterError, UnknownAdapter, show_value
 
 # Fields of adapter_config.json that change the computation and are not supported: refused
-# when set to anything but their neutral value.
+# when set to anything but their neutral value. peft's LoRA variants (DoRA, aLoRA, which adds
+# the delta only from its invocation tokens on, BD-LoRA, Arrow, KaSA, MonteCLoRA) among them;
+# VeLoRA changes only training's backward pass.
 _REFUSED: dict[str, Any] = {
     "use_dora": False,
+    "alora_invocation_tokens": None,
+    "use_bdlora": None,
+    "arrow_config": None,
+    "kasa_config": None,
+    "monteclora_config": None,
+    "use_qalora": False,  # A reads the input pooled in groups
+    "layer_replication": None,  # the model's layers restacked
     "modules_to_save": None,
     "layers_to_transform": None,
     "layers_pattern": None,

@@ -88,7 +88,18 @@ def test_unknown_adapter_is_typed(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("use_dora", True), ("bias", "lora_only"), ("modules_to_save", ["lm_head"])],
+    [
+        ("use_dora", True),
+        ("bias", "lora_only"),
+        ("modules_to_save", ["lm_head"]),
+        ("alora_invocation_tokens", [40, 41]),
+        ("use_qalora", True),
+        ("layer_replication", [[0, 2], [1, 2]]),
+        ("use_bdlora", {"target_modules_bd_a": ["q_proj"]}),
+        ("arrow_config", {"top_k": 2}),
+        ("kasa_config", {"beta": 0.001}),
+        ("monteclora_config", {"monteclora_n": 4}),
+    ],
 )
 def test_unsupported_config_is_refused_by_field(tmp_path: Path, field: str, value: Any) -> None:
     folder = save_adapter(tmp_path / "x", tiny_model("llama"), seed=1, **{field: value})
