@@ -1,5 +1,21 @@
-"""Several models and adapters on one machine: LoRA adapters mixed in one continuous batch
-against one batch per adapter.
+"""Several models and adapters on one machine: three queues served by one worker process
+against three workers, and LoRA adapters mixed in one continuous batch against one batch
+per adapter. ``--parts`` chooses: ``q`` (queues), ``a`` (adapters); both by default.
+
+**queues**: a private ``redis-server`` (the newest found, or ``--redis-server``) and three
+queues: ``embed`` (all-MiniLM-L6-v2, ``sentence-transformers``), ``classify`` (the same
+model, ``transformers-classify``) and ``chat`` (SmolLM2-135M-Instruct, ``generate``), served
+two ways, both started once and warmed up, each row measured while the other's processes
+are paused (SIGSTOP), alternately in every repeat:
+
+- *one process*: ``batchline worker --serve embed=... --serve classify=... --serve chat=...``;
+- *three workers*: a ``batchline worker`` process a queue.
+
+Each row offers the same open-loop load for ``--seconds`` (Poisson arrivals per queue:
+``--rate-embed``, ``--rate-classify`` texts a second, ``--rate-chat`` chats of 32 new
+tokens a second) and reports, per queue, requests a second served and the p50 and p99
+latency (from its scheduled arrival to its answer), and the resident memory of the
+row's processes (their RSS summed).
 
 **adapters** (SmolLM2-135M-Instruct, the ``generate`` extra's model, in process through
 batchline's ``Generator``): ``--adapters`` random LoRA adapters (rank ``--rank`` on every
@@ -18,8 +34,9 @@ Every row is warmed up first; every request's prompt ends with a number no earli
 so that none finds its prompt in the prefix cache. The summary prints medians of the
 repeats, their spread, and the ratios mixed / separate and mixed / base.
 
-    python -m benchmarks.models --repeats 3          # ~4 min on 2 busy cores
+    python -m benchmarks.models --repeats 3          # ~8 min on 2 busy cores
     python -m benchmarks.models --quick              # a smoke run
+    python -m benchmarks.models --parts a            # the adapters only
 """
 
 from __future__ import annotations
@@ -28,12 +45,28 @@ import argparse
 import asyncio
 import itertools
 import json
+import random
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import Samples, fmt, log, machine, provenance, ratio, versions
+from benchmarks.harness import (
+    Procs,
+    Samples,
+    add_redis_server_flag,
+    child_env,
+    fmt,
+    log,
+    machine,
+    percentile,
+    provenance,
+    ratio,
+    redis_server,
+    start_redis,
+    versions,
+)
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 TOPICS = ["the sea", "a cat", "rust", "green tea", "the moon", "Paris", "bread", "jazz"]
@@ -155,6 +188,187 @@ async def adapters_part(args: argparse.Namespace) -> None:
     )
 
 
+# -- three queues: one process against three --------------------------------------------------
+
+QUEUES = {
+    "embed": "sentence-transformers",
+    "classify": "transformers-classify",
+    "chat": "generate,max_new_tokens_limit=64",
+}
+ROWS = ("one process", "three workers")
+
+
+def _rss_mb(pid: int) -> float:
+    """A process's resident memory, MB (0 once it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _value(kind: str, i: int) -> Any:
+    text = f"{TOPICS[i % len(TOPICS)]} is on my mind today, number {i}."
+    if kind == "chat":
+        return {"messages": [{"role": "user", "content": text}], "max_new_tokens": 32}
+    return text
+
+
+class Queues:
+    """Both rows' workers, started once; ``row()`` measures one under load."""
+
+    def __init__(self, args: argparse.Namespace, procs: Procs, url: str) -> None:
+        self.args, self.procs, self.url = args, procs, url
+        self.names: dict[str, dict[str, str]] = {
+            row: {kind: f"{kind}-{i}" for kind in QUEUES} for i, row in enumerate(ROWS)
+        }
+        self.pids: dict[str, list[str]] = {row: [] for row in ROWS}
+        self.serial = itertools.count()
+
+    def _spawn(self, name: str, argv: list[str], row: str) -> None:
+        base = [sys.executable, "-m", "batchline", "worker", "--redis-url", self.url]
+        base += ["--max-restarts-per-min", "0", "--heartbeat-s", "1", "--timeout-ms", "5"]
+        self.procs.spawn(name, [*base, *argv], env=child_env())
+        self.pids[row].append(name)
+
+    def start(self) -> None:
+        one = self.names[ROWS[0]]
+        serve: list[str] = []
+        for kind, model in QUEUES.items():
+            serve += ["--serve", f"{one[kind]}={model}"]
+        self._spawn("one-process", serve, ROWS[0])
+        for kind, model in QUEUES.items():
+            spec, *own = model.split(",")
+            flags = [f"--{o.split('=')[0].replace('_', '-')}={o.split('=')[1]}" for o in own]
+            queue = self.names[ROWS[1]][kind]
+            self._spawn(f"worker-{kind}", ["--queue", queue, "--model", spec, *flags], ROWS[1])
+
+    def wait_ready(self) -> None:
+        import redis
+
+        from batchline.keys import QueueKeys
+
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + 600
+        for row in ROWS:
+            for queue in self.names[row].values():
+                while not client.zcard(QueueKeys(queue).workers):
+                    if time.monotonic() > deadline:
+                        raise SystemExit(f"{queue}: no worker after 600 s")
+                    for name in self.pids[row]:
+                        proc = self.procs.procs.get(name)
+                        if proc is not None and proc.poll() is not None:
+                            raise SystemExit(f"{name} exited:\n{self.procs.log_tail(name)}")
+                    time.sleep(0.2)
+        client.close()
+
+    def pause(self, row: str) -> None:
+        for name in self.pids[row]:
+            self.procs.pause(name)
+
+    def resume(self, row: str) -> None:
+        for name in self.pids[row]:
+            self.procs.resume(name)
+
+    def rss_mb(self, row: str) -> float:
+        return sum(_rss_mb(self.procs.procs[name].pid) for name in self.pids[row])
+
+    async def row(self, row: str, seconds: float) -> dict[str, Any]:
+        """Latencies (s) per queue and the requests served a second, under the load."""
+        from batchline.producer import AsyncProducer
+
+        rates = {"embed": self.args.rate_embed, "classify": self.args.rate_classify}
+        rates["chat"] = self.args.rate_chat
+        rng = random.Random(7)
+        latencies: dict[str, list[float]] = {kind: [] for kind in QUEUES}
+        producers = {
+            kind: await AsyncProducer(redis_url=self.url, queue=queue).start()
+            for kind, queue in self.names[row].items()
+        }
+
+        async def one(kind: str, value: Any, due: float) -> None:
+            await producers[kind].infer(value, timeout_s=120)
+            latencies[kind].append(time.perf_counter() - due)
+
+        async def arrivals(kind: str) -> None:
+            tasks, start, at = [], time.perf_counter(), 0.0
+            while True:
+                at += rng.expovariate(rates[kind])
+                if at >= seconds:
+                    break
+                await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+                value = _value(kind, next(self.serial))
+                tasks.append(asyncio.create_task(one(kind, value, start + at)))
+            await asyncio.gather(*tasks)
+
+        started = time.perf_counter()
+        try:
+            await asyncio.gather(*(arrivals(kind) for kind in QUEUES if rates[kind] > 0))
+        finally:
+            for producer in producers.values():
+                await producer.aclose()
+        took = time.perf_counter() - started
+        return {"latencies": latencies, "took": took}
+
+
+async def queues_part(args: argparse.Namespace, logdir: Path) -> None:
+    server = redis_server(args.redis_server)
+    procs = Procs(logdir)
+    try:
+        url, which = start_redis(procs, child_env(), server.path)
+        log(f"started {which}")
+        bench = Queues(args, procs, url)
+        bench.start()
+        bench.wait_ready()
+        samples = Samples()
+        log("warming up both rows")
+        for row in ROWS:
+            other = ROWS[1 - ROWS.index(row)]
+            bench.pause(other)
+            await bench.row(row, min(3.0, args.seconds))
+            bench.resume(other)
+        for repeat in range(args.repeats):
+            for row in ROWS[repeat % 2 :] + ROWS[: repeat % 2]:
+                other = ROWS[1 - ROWS.index(row)]
+                bench.pause(other)
+                got = await bench.row(row, args.seconds)
+                bench.resume(other)
+                samples.add(f"{row} rss", bench.rss_mb(row))
+                for kind, lat in got["latencies"].items():
+                    if lat:
+                        samples.add(f"{row} {kind} rate", len(lat) / got["took"])
+                        samples.add(f"{row} {kind} p50", percentile(lat, 50) * 1e3)
+                        samples.add(f"{row} {kind} p99", percentile(lat, 99) * 1e3)
+                log(f"repeat {repeat + 1}: {row} done in {got['took']:.1f} s")
+    finally:
+        procs.stop_all()
+    print(
+        f"\nqueues: embed (all-MiniLM-L6-v2), classify (the same, transformers-classify), "
+        f"chat (SmolLM2-135M-Instruct, 32 new tokens); offered {args.rate_embed:g}, "
+        f"{args.rate_classify:g} and {args.rate_chat:g} requests/s for {args.seconds:g} s a "
+        f"row; {which}; median of {args.repeats} repeats (range)"
+    )
+    print(f"  {'queue':<9} {'row':<14} {'served/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+    for kind in QUEUES:
+        for row in ROWS:
+            key = f"{row} {kind}"
+            print(
+                f"  {kind:<9} {row:<14} {fmt(samples.med(key + ' rate'), 1):>9} "
+                f"{fmt(samples.med(key + ' p50'), 1):>8} {fmt(samples.med(key + ' p99'), 1):>8}"
+                f"  (p99 {samples.spread(key + ' p99')})"
+            )
+        p99 = ratio(
+            samples.med(f"one process {kind} p99"), samples.med(f"three workers {kind} p99")
+        )
+        print(f"  {kind:<9} p99 one process / three workers {fmt(p99, 2)}x")
+    for row in ROWS:
+        print(f"  memory, {row}: {fmt(samples.med(row + ' rss'), 0)} MB resident")
+    mem = ratio(samples.med("one process rss"), samples.med("three workers rss"))
+    print(f"  memory one process / three workers {fmt(mem, 2)}x")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.models", description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
@@ -163,12 +377,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--dtype", default="auto", help="as the library's: auto, float32, ...")
+    parser.add_argument("--parts", default="qa", help="q: queues, a: adapters")
+    parser.add_argument("--seconds", type=float, default=20.0, help="a queues row's load")
+    parser.add_argument("--rate-embed", type=float, default=40.0)
+    parser.add_argument("--rate-classify", type=float, default=40.0)
+    parser.add_argument("--rate-chat", type=float, default=1.0)
     parser.add_argument("--quick", action="store_true", help="a smoke run")
+    add_redis_server_flag(parser)
     args = parser.parse_args(argv)
     if args.quick:
-        args.repeats, args.per_adapter, args.new_tokens = 1, 2, 4
+        args.repeats, args.per_adapter, args.new_tokens, args.seconds = 1, 2, 4, 3.0
     before = machine()
-    asyncio.run(adapters_part(args))
+    if "q" in args.parts:
+        with tempfile.TemporaryDirectory(prefix="bench-models-") as logdir:
+            asyncio.run(queues_part(args, Path(logdir)))
+    if "a" in args.parts:
+        asyncio.run(adapters_part(args))
     print(f"\n{provenance()}; {before}; {versions('torch', 'transformers')}")
 
 

