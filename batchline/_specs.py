@@ -19,7 +19,9 @@ __all__ = ["ServeEntry", "parse_adapters", "parse_serve", "served_settings"]
 S = TypeVar("S", bound=BaseModel)
 
 #: Settings a served queue takes from the worker's alone (one process, one of each).
-SHARED_ONLY = frozenset(("serve", "queue", "threads", "event_loop", "max_restarts_per_min"))
+SHARED_ONLY = frozenset(
+    ("serve", "serve_turns", "queue", "threads", "event_loop", "max_restarts_per_min")
+)
 
 ServeEntry = tuple[str, dict[str, str]]
 

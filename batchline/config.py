@@ -406,8 +406,10 @@ class WorkerSettings(ServiceSettings):
             each (its name the adapter's), loaded on first use.
         serve: several queues in one worker process: an entry a queue, ``QUEUE=MODEL``
             then ``,SETTING=VALUE`` parts (its settings apart from the worker's), entries
-            separated by ``;`` (or ``--serve`` once a queue); their model calls take turns.
-            Replaces ``queue``.
+            separated by ``;`` (or ``--serve`` once a queue). Replaces ``queue``.
+        serve_turns: with ``serve``: the queues' model calls take turns, one at a time in
+            the order they are ready (false: each queue's model runs on its own thread,
+            beside the others').
         threads: the model's CPU threads (available cores: the process's CPU affinity,
             capped by a cgroup CPU quota); idle OpenMP threads wait passively unless
             ``OMP_WAIT_POLICY`` says otherwise.
@@ -494,6 +496,7 @@ class WorkerSettings(ServiceSettings):
     adapters: str | None = None
     adapter_dir: str | None = None
     serve: str | None = None
+    serve_turns: bool = False
     threads: int | None = Field(default=None, ge=1)
     batch_size: int = Field(default=DEFAULTS.batch_size, ge=1)
     timeout_ms: float = Field(default=DEFAULTS.timeout_ms, ge=0)

@@ -9,6 +9,7 @@ two ways, both started once and warmed up, each row measured while the other's p
 are paused (SIGSTOP), alternately in every repeat:
 
 - *one process*: ``batchline worker --serve embed=... --serve classify=... --serve chat=...``;
+- *one process, turns*: the same with ``--serve-turns true`` (one model call at a time);
 - *three workers*: a ``batchline worker`` process a queue.
 
 Each row offers the same open-loop load for ``--seconds`` (Poisson arrivals per queue:
@@ -195,7 +196,7 @@ QUEUES = {
     "classify": "transformers-classify",
     "chat": "generate,max_new_tokens_limit=64",
 }
-ROWS = ("one process", "three workers")
+ROWS = ("one process", "one process, turns", "three workers")
 
 
 def _rss_mb(pid: int) -> float:
@@ -234,16 +235,16 @@ class Queues:
         self.pids[row].append(name)
 
     def start(self) -> None:
-        one = self.names[ROWS[0]]
-        serve: list[str] = []
-        for kind, model in QUEUES.items():
-            serve += ["--serve", f"{one[kind]}={model}"]
-        self._spawn("one-process", serve, ROWS[0])
+        for row, turns in zip(ROWS[:2], ("false", "true"), strict=True):
+            serve = ["--serve-turns", turns]
+            for kind, model in QUEUES.items():
+                serve += ["--serve", f"{self.names[row][kind]}={model}"]
+            self._spawn(f"one-process-turns-{turns}", serve, row)
         for kind, model in QUEUES.items():
             spec, *own = model.split(",")
             flags = [f"--{o.split('=')[0].replace('_', '-')}={o.split('=')[1]}" for o in own]
-            queue = self.names[ROWS[1]][kind]
-            self._spawn(f"worker-{kind}", ["--queue", queue, "--model", spec, *flags], ROWS[1])
+            queue = self.names[ROWS[2]][kind]
+            self._spawn(f"worker-{kind}", ["--queue", queue, "--model", spec, *flags], ROWS[2])
 
     def wait_ready(self) -> None:
         import redis
@@ -264,13 +265,11 @@ class Queues:
                     time.sleep(0.2)
         client.close()
 
-    def pause(self, row: str) -> None:
-        for name in self.pids[row]:
-            self.procs.pause(name)
-
-    def resume(self, row: str) -> None:
-        for name in self.pids[row]:
-            self.procs.resume(name)
+    def only(self, row: str) -> None:
+        """Resume ``row``'s processes, pause every other row's."""
+        for other in ROWS:
+            for name in self.pids[other]:
+                (self.procs.resume if other == row else self.procs.pause)(name)
 
     def rss_mb(self, row: str) -> float:
         return sum(_rss_mb(self.procs.procs[name].pid) for name in self.pids[row])
@@ -325,16 +324,12 @@ async def queues_part(args: argparse.Namespace, logdir: Path) -> None:
         samples = Samples()
         log("warming up both rows")
         for row in ROWS:
-            other = ROWS[1 - ROWS.index(row)]
-            bench.pause(other)
+            bench.only(row)
             await bench.row(row, min(3.0, args.seconds))
-            bench.resume(other)
         for repeat in range(args.repeats):
-            for row in ROWS[repeat % 2 :] + ROWS[: repeat % 2]:
-                other = ROWS[1 - ROWS.index(row)]
-                bench.pause(other)
+            for row in ROWS[repeat % 3 :] + ROWS[: repeat % 3]:
+                bench.only(row)
                 got = await bench.row(row, args.seconds)
-                bench.resume(other)
                 samples.add(f"{row} rss", bench.rss_mb(row))
                 for kind, lat in got["latencies"].items():
                     if lat:
@@ -350,23 +345,23 @@ async def queues_part(args: argparse.Namespace, logdir: Path) -> None:
         f"{args.rate_classify:g} and {args.rate_chat:g} requests/s for {args.seconds:g} s a "
         f"row; {which}; median of {args.repeats} repeats (range)"
     )
-    print(f"  {'queue':<9} {'row':<14} {'served/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+    print(f"  {'queue':<9} {'row':<19} {'served/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+    anchor = ROWS[2]
     for kind in QUEUES:
         for row in ROWS:
             key = f"{row} {kind}"
             print(
-                f"  {kind:<9} {row:<14} {fmt(samples.med(key + ' rate'), 1):>9} "
+                f"  {kind:<9} {row:<19} {fmt(samples.med(key + ' rate'), 1):>9} "
                 f"{fmt(samples.med(key + ' p50'), 1):>8} {fmt(samples.med(key + ' p99'), 1):>8}"
                 f"  (p99 {samples.spread(key + ' p99')})"
             )
-        p99 = ratio(
-            samples.med(f"one process {kind} p99"), samples.med(f"three workers {kind} p99")
-        )
-        print(f"  {kind:<9} p99 one process / three workers {fmt(p99, 2)}x")
+        for row in ROWS[:2]:
+            p99 = ratio(samples.med(f"{row} {kind} p99"), samples.med(f"{anchor} {kind} p99"))
+            print(f"  {kind:<9} p99 {row} / {anchor} {fmt(p99, 2)}x")
     for row in ROWS:
         print(f"  memory, {row}: {fmt(samples.med(row + ' rss'), 0)} MB resident")
-    mem = ratio(samples.med("one process rss"), samples.med("three workers rss"))
-    print(f"  memory one process / three workers {fmt(mem, 2)}x")
+    mem = ratio(samples.med(f"{ROWS[0]} rss"), samples.med(f"{anchor} rss"))
+    print(f"  memory {ROWS[0]} / {anchor} {fmt(mem, 2)}x")
 
 
 def main(argv: list[str] | None = None) -> None:

