@@ -263,3 +263,82 @@ def test_the_compose_tracing_collector_is_optional_and_off_by_default() -> None:
     from batchline.tracing import wanted
 
     assert not wanted({"BATCHLINE_OTEL": "0", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://jaeger:4318"})
+
+
+# -- deploy/kubernetes/several-queues: one pod serving several queues ---------------------------
+
+SEVERAL = DEPLOY / "several-queues"
+
+
+def several() -> dict[str, dict[str, Any]]:
+    """The example's objects by kind (one of each)."""
+    found: dict[str, dict[str, Any]] = {}
+    for path in sorted(SEVERAL.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            assert doc["kind"] not in found, doc["kind"]
+            found[doc["kind"]] = doc
+    assert sorted(found) == ["Deployment", "ScaledObject"]
+    return found
+
+
+def test_the_several_queues_pod_validates_and_serves_the_queues_it_names() -> None:
+    objs = several()
+    kubernetes_validate.validate(objs["Deployment"], K8S_VERSION, strict=True)
+    jsonschema.validate(objs["ScaledObject"], schema())
+    (container,) = objs["Deployment"]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    settings = WorkerSettings(
+        serve=env["BATCHLINE_SERVE"], metrics_port=env["BATCHLINE_METRICS_PORT"]
+    )
+    served = settings.served()
+    assert [s.queue for s in served] == ["embed", "classify"]
+    ports = sorted(p["containerPort"] for p in container["ports"])
+    assert ports == sorted(s.metrics_port for s in served)  # a metrics port a queue
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):  # checks every queue
+        assert container[probe]["exec"]["command"] == ["batchline", "worker", "--check"]
+
+
+def test_the_several_queues_pod_scales_on_the_sum_of_every_queues_backlog() -> None:
+    """One trigger per inbox, wake list and work stream of every queue served (lag and
+    pending); the formula sums the backlogs (lists and lags) against the target, the pending
+    entries against 600 per pod, as the one-queue ScaledObject's targets do; it names every
+    trigger once."""
+    objs = several()
+    scaled = objs["ScaledObject"]["spec"]
+    assert scaled["scaleTargetRef"]["name"] == objs["Deployment"]["metadata"]["name"]
+    modifiers = scaled["advanced"]["scalingModifiers"]
+    assert (modifiers["target"], modifiers["activationTarget"]) == ("256", "0")
+    env = {
+        e["name"]: e.get("value")
+        for e in objs["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    wanted_lists, wanted_lag, wanted_pending = set(), set(), set()
+    for served in WorkerSettings(serve=env["BATCHLINE_SERVE"]).served():
+        keys = served.keys
+        wanted_lists |= {keys.inbox, keys.wakes}
+        wanted_lag |= set(keys.streams)
+        wanted_pending |= set(keys.streams)
+    backlog, pending, names = {}, {}, []
+    for trigger in scaled["triggers"]:
+        meta, name = trigger["metadata"], trigger["name"]
+        names.append(name)
+        if "listName" in meta:
+            assert meta["listLength"] == modifiers["target"]
+            backlog[name] = meta["listName"]
+        elif "lagCount" in meta:
+            assert meta["consumerGroup"] == GROUP
+            backlog[name] = meta["stream"]
+        else:
+            assert meta["consumerGroup"] == GROUP
+            pending[name] = (meta["stream"], int(meta["pendingEntriesCount"]))
+    assert {v for n, v in backlog.items() if "_lag" not in n} == wanted_lists
+    assert {v for n, v in backlog.items() if "_lag" in n} == wanted_lag
+    assert {s for s, _ in pending.values()} == wanted_pending
+    (per_pod,) = {limit for _, limit in pending.values()}
+    formula = " ".join(modifiers["formula"].split())
+    summed = " + ".join(backlog)
+    held = " + ".join(pending)
+    assert formula == f"max({summed}, ({held}) * {modifiers['target']} / {per_pod})", formula
+    assert len(set(names)) == len(names)
+    settings = WorkerSettings()
+    assert per_pod > settings.read_ahead * settings.batch_size + settings.batch_size

@@ -102,28 +102,39 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 async def _check(settings: Any, max_age_s: float | None) -> int:
-    """Health check: a worker of this host (or ``worker_id``) sent a heartbeat lately."""
+    """Health check: a worker of this host (or ``worker_id``) sent a heartbeat lately, on
+    every queue the settings serve (``serve``: each of its queues)."""
     from batchline.keys import host_id
     from batchline.transport import connect
     from batchline.transport.status import LIVE_WITHIN_S
 
     max_age_s = LIVE_WITHIN_S if max_age_s is None else max_age_s
     client = connect(settings)
+    found: list[tuple[Any, list[str]]] = []
     try:
-        beats = await client.zrangebyscore(settings.keys.workers, time.time() - max_age_s, "+inf")
+        for served in settings.served():
+            since = time.time() - max_age_s
+            beats = await client.zrangebyscore(served.keys.workers, since, "+inf")
+            found.append((served, [b.decode() for b in beats]))
     except Exception as exc:
         print(f"unhealthy: Redis unreachable ({type(exc).__name__})", file=sys.stderr)
         return 1
     finally:
         await client.aclose()
-    want = settings.worker_id or host_id() + "-"
-    names = [b.decode() for b in beats]
-    # A worker_id names one worker (w1 is not w12); without one, any worker of this host.
-    alive = [n for n in names if n == want or (not settings.worker_id and n.startswith(want))]
-    if not alive:
-        print(f"unhealthy: no heartbeat from {want}* within {max_age_s:g} s", file=sys.stderr)
-        return 1
-    print(f"healthy: {', '.join(alive)}")
+    healthy = []
+    for served, names in found:
+        want = served.worker_id or host_id() + "-"
+        # A worker_id names one worker (w1 is not w12); without one, any worker of this host.
+        alive = [n for n in names if n == want or (not served.worker_id and n.startswith(want))]
+        if not alive:
+            where = f" on queue {served.queue!r}" if settings.serve else ""
+            print(
+                f"unhealthy: no heartbeat from {want}*{where} within {max_age_s:g} s",
+                file=sys.stderr,
+            )
+            return 1
+        healthy += alive
+    print(f"healthy: {', '.join(healthy)}")
     return 0
 
 

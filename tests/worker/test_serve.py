@@ -145,6 +145,13 @@ def test_one_process_serves_several_queues(
             wait_until(lambda k=beats: client.zcard(k) > 0 or proc.poll() is not None, "ready")
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
         client.close()
+        check = subprocess.run(  # the health check: a live worker on every queue served
+            [sys.executable, "-m", "batchline", "worker", "--check", *serve],
+            env=subprocess_env(env), cwd=REPO, capture_output=True, text=True, timeout=60,
+            check=False,
+        )  # fmt: skip
+        assert check.returncode == 0, check.stderr
+        assert len(check.stdout.split(":", 1)[1].split(",")) == 3, check.stdout  # one a queue
         a = [producers["a"].submit(f"a{i}") for i in range(12)]
         wait_until(lambda: len(read_batches(record)) >= 1, "queue a's first call")
         sent = time.monotonic()
