@@ -38,6 +38,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -54,6 +55,7 @@ from batchline.worker._cpu_threads import apply_threads, available_cpus, prepare
 from batchline.worker._ready import ready_line
 from batchline.worker.metrics import Metrics
 from batchline.worker.models import Model, load
+from batchline.worker.models._weights import weight_bytes
 from batchline.worker.serving._executors import pads
 from batchline.worker.shared._consumers import ensure_groups
 from batchline.worker.shared._turns import Turns
@@ -218,6 +220,7 @@ class Worker:
         )
         await wait_for_redis(p.redis, s, wait_s=s.redis_wait_s)
         async with self.loading:  # one model at a time loads in a process (imports race)
+            began = time.perf_counter()
             prepare_environment(self.threads)  # before the model loads torch (or anything)
             loading = functools.partial(
                 load, self.model, spec=p.model_name, path=s.model_path, device=s.device
@@ -232,6 +235,10 @@ class Worker:
                     padding=getattr(p.executors.main, "record_padding", None),
                 ),
             )
+            took, size = time.perf_counter() - began, weight_bytes(self.model)
+        self.metrics.loaded = (took, size)
+        shown = "" if size is None else f", {size / 2**20:,.1f} MiB of weights"
+        logger.info("worker %s: model loaded in %.1f s%s", self.worker_id, took, shown)
         p.prep.start()
         await ensure_groups(p.redis, self.keys.streams_low_first)
         self._admits = await load_library(p.redis, self.keys)

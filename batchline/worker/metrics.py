@@ -54,6 +54,8 @@ class Metrics:
         self._refreshed = -TENANT_REFRESH_S
         #: How many times the queue's per-tenant figures were read.
         self.tenant_reads = 0
+        #: The model's load time (s) and weights (bytes, None: unknown), once loaded.
+        self.loaded: tuple[float, int | None] | None = None
 
     def start(self) -> None:
         if not self.port:
@@ -78,6 +80,8 @@ class Metrics:
             ("timeout_ms", "Wait for a batch to fill in force (ms)"),
             ("healthy", "1 while serving, 0 once a model call ran past its max_batch_ms bound"),
             ("max_batch_ms", "Longest a model call like the recent ones may run (ms, 0: no bound)"),
+            ("model_load_seconds", "How long the model took to load (and warm up)"),
+            ("model_weight_bytes", "Bytes of the model's weights and buffers (torch models)"),
         ):
             self._gauges[name] = Gauge(f"batchline_{name}", doc, registry=registry)
         for name in ONCE_COUNTERS:
@@ -92,6 +96,10 @@ class Metrics:
             registry=registry,
         )
         self._gauges["healthy"].set(1)
+        if self.loaded is not None:
+            self._gauges["model_load_seconds"].set(self.loaded[0])
+            if self.loaded[1] is not None:
+                self._gauges["model_weight_bytes"].set(self.loaded[1])
         self._start_tenants(registry)
         self._server, _thread = start_http_server(self.port, registry=registry)
         logger.info("metrics on :%d/metrics", self.port)

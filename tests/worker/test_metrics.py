@@ -101,3 +101,41 @@ async def test_latency_slo_settings_show_in_metrics_heartbeat_and_status(
 
 def _line(text: str) -> str:
     return next(x for x in text.splitlines() if x.startswith("batchline_timeout_ms "))
+
+
+def test_weight_bytes_counts_each_tensor_of_the_torch_modules_a_model_holds_once() -> None:
+    torch = pytest.importorskip("torch")
+    from batchline.worker.models._weights import weight_bytes
+
+    class Wrapped:  # as a worker's model holds its module: .model, or .engine.model
+        def __init__(self, module: object) -> None:
+            self.engine = type("Engine", (), {})()
+            self.engine.model = module
+
+    linear = torch.nn.Linear(8, 4).to(torch.bfloat16)  # 36 values of 2 bytes
+    tied = torch.nn.ModuleList([linear, linear])  # the same tensors twice: counted once
+    norm = torch.nn.BatchNorm1d(4)  # float32: weight, bias, 2 running stats, 1 count (int64)
+    assert weight_bytes(Wrapped(tied)) == 36 * 2
+    assert weight_bytes(Wrapped(torch.nn.Sequential(linear, norm))) == 72 + 4 * 4 * 4 + 8
+    assert weight_bytes(object()) is None  # nothing of torch: unknown
+
+
+@pytest.mark.slow
+def test_metrics_show_the_models_load_time_and_weight_bytes(
+    start_worker: Callable[..., WorkerThread],
+) -> None:
+    pytest.importorskip("transformers")
+    from batchline.worker.models._weights import weight_bytes
+
+    port = _free_port()
+    worker = start_worker("generate", model_path=spec("tiny_llama"), metrics_port=port)
+
+    def value(name: str, text: str) -> float:
+        return float(next(x for x in text.splitlines() if x.startswith(name + " ")).split()[1])
+
+    text = _scrape(port)
+    assert value("batchline_model_load_seconds", text) > 0
+    size = weight_bytes(worker.worker.model)
+    assert size is not None
+    assert size > 0
+    assert value("batchline_model_weight_bytes", text) == size
