@@ -20,7 +20,8 @@ S = TypeVar("S", bound=BaseModel)
 
 #: Settings a served queue takes from the worker's alone (one process, one of each).
 SHARED_ONLY = frozenset(
-    ("serve", "serve_turns", "queue", "threads", "event_loop", "max_restarts_per_min")
+    {"serve", "serve_turns", "memory_budget_mb", "queue", "threads", "event_loop"}
+    | {"max_restarts_per_min"}
 )
 
 ServeEntry = tuple[str, dict[str, str]]

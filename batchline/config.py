@@ -407,6 +407,14 @@ class WorkerSettings(ServiceSettings):
         serve: several queues in one worker process: an entry a queue, ``QUEUE=MODEL``
             then ``,SETTING=VALUE`` parts (its settings apart from the worker's), entries
             separated by ``;`` (or ``--serve`` once a queue). Replaces ``queue``.
+        load: ``start`` (the model loads as the worker starts) or ``demand`` (on the first
+            request that needs it, which waits for the load within its deadline; not for
+            ``generate``).
+        unload_idle_s: unload the model after this long without a batch; the next request
+            loads it again (none: kept loaded; not for ``generate``).
+        memory_budget_mb: the most MB of model weights loaded at once in the process (with
+            ``serve``, over its queues): before a model loads, the least recently used idle
+            ones that ``load demand`` or ``unload_idle_s`` allow to unload are unloaded.
         serve_turns: with ``serve``: the queues' model calls take turns, one at a time in
             the order they are ready (false: each queue's model runs on its own thread,
             beside the others').
@@ -497,6 +505,9 @@ class WorkerSettings(ServiceSettings):
     adapter_dir: str | None = None
     serve: str | None = None
     serve_turns: bool = False
+    load: Literal["start", "demand"] = "start"
+    unload_idle_s: float | None = Field(default=None, gt=0)
+    memory_budget_mb: int | None = Field(default=None, ge=1)
     threads: int | None = Field(default=None, ge=1)
     batch_size: int = Field(default=DEFAULTS.batch_size, ge=1)
     timeout_ms: float = Field(default=DEFAULTS.timeout_ms, ge=0)
@@ -542,12 +553,19 @@ class WorkerSettings(ServiceSettings):
         return value
 
     @model_validator(mode="after")
-    def _adapters_generate(self) -> WorkerSettings:
+    def _by_model(self) -> WorkerSettings:
         if (self.adapters or self.adapter_dir) and self.model != "generate":
             raise ValueError(
                 f"adapters and adapter_dir are for the generate model only; model is {self.model!r}"
             )
+        if self.model == "generate" and (self.load == "demand" or self.unload_idle_s):
+            raise ValueError("load demand and unload_idle_s are not for the generate model")
         return self
+
+    @property
+    def lazy(self) -> bool:
+        """Whether the model may be loaded later than the start, or unloaded."""
+        return self.load == "demand" or self.unload_idle_s is not None
 
     @model_validator(mode="after")
     def _serve(self) -> WorkerSettings:

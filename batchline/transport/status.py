@@ -156,8 +156,11 @@ def _worker(w: dict[str, Any]) -> str:
     model = w.get("model_ms") or {}
     limit = w.get("batch_size")
     timeout = w.get("timeout_ms")
+    state = w.get("model_state")  # a model loaded by demand or unloaded when idle
+    shown = "" if state is None else f" ({state})"
     return (
-        f"{w.get('model') or 'unknown model'}, answered {_counts(w.get('requests') or {})}, "
+        f"{w.get('model') or 'unknown model'}{shown}, "
+        f"answered {_counts(w.get('requests') or {})}, "
         f"mean batch {w.get('mean_batch_size', 0)} "
         f"(limit {'unknown' if limit is None else limit}, "
         f"wait {'unknown' if timeout is None else f'{timeout:g} ms'}{_slo(w)}), "

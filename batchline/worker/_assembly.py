@@ -8,7 +8,9 @@ and the upkeep reach it as their :class:`~batchline.worker.shared._roles.Entranc
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +29,7 @@ from batchline.transport import (
 )
 from batchline.worker.metrics import Metrics
 from batchline.worker.models import Model, load_model
+from batchline.worker.models._lazy import LazyModel, ModelPool
 from batchline.worker.serving._admitter import Admitter
 from batchline.worker.serving._chunk_writer import ChunkWriter
 from batchline.worker.serving._dispatch import Dispatcher
@@ -96,14 +99,17 @@ def assemble(
     worker_id: str,
     threads: int,
     redis: RedisArgument | None = None,
+    pool: ModelPool | None = None,
 ) -> Parts:
-    """Build a worker's parts: ``model`` (None: the one the settings name, not loaded yet),
+    """Build a worker's parts: ``model`` (None: the one the settings name, not loaded yet;
+    loaded by demand or unloaded when idle where they say, within ``pool``'s budget),
     served on ``threads`` CPU threads; ``redis``: a client instead of one made from the
     settings."""
     s = settings
     given = model
     if model is None:
-        model = load_model(
+        make = functools.partial(
+            load_model,
             s.model,
             path=s.model_path,
             device=s.device,
@@ -113,6 +119,7 @@ def assemble(
             calibration=s.calibration,
             deterministic=s.deterministic,
         )
+        model = make() if not s.lazy else lazy_model(make, s, pool)
     keys = s.keys
     own_client = redis is None
     client = connect(s) if redis is None else as_client(redis)
@@ -224,5 +231,20 @@ def assemble(
             model_name=model_name,
             release_slow=generation is None,
             on_live=dispatcher.live,
+            model_state=functools.partial(getattr, model, "state", None),
         ),
+    )
+
+
+def lazy_model(make: Callable[[], Model], s: WorkerSettings, pool: ModelPool | None) -> LazyModel:
+    """The settings' model, loaded by demand or unloaded when idle (``load``,
+    ``unload_idle_s``), in ``pool`` (a process's: ``memory_budget_mb``)."""
+    if pool is None and s.memory_budget_mb is not None:
+        pool = ModelPool(s.memory_budget_mb << 20)
+    return LazyModel(
+        make,
+        name=f"{s.model} of queue {s.queue}",
+        demand=s.load == "demand",
+        idle_s=s.unload_idle_s,
+        pool=pool,
     )

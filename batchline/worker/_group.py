@@ -24,6 +24,7 @@ from typing import Any
 from batchline.config import WorkerSettings
 from batchline.errors import WorkerHung
 from batchline.worker._worker import Worker, install_signals
+from batchline.worker.models._lazy import ModelPool
 from batchline.worker.shared._turns import Turns
 
 __all__ = ["WorkerGroup"]
@@ -42,7 +43,10 @@ class WorkerGroup:
     def __init__(self, settings: WorkerSettings, **workers: Any) -> None:
         self.settings = settings
         self.turns = Turns()
-        self.workers = [Worker(s, **workers) for s in settings.served()]
+        budget = settings.memory_budget_mb
+        #: The models' weights budget, over the queues whose models may unload.
+        self.pool = ModelPool(None if budget is None else budget << 20)
+        self.workers = [Worker(s, pool=self.pool, **workers) for s in settings.served()]
         loading = asyncio.Lock()  # one model loads at a time (imports are not thread-safe)
         for worker in self.workers:
             worker.handles_signals = False

@@ -55,6 +55,7 @@ from batchline.worker._cpu_threads import apply_threads, available_cpus, prepare
 from batchline.worker._ready import ready_line
 from batchline.worker.metrics import Metrics
 from batchline.worker.models import Model, load
+from batchline.worker.models._lazy import LazyModel, ModelPool
 from batchline.worker.models._weights import weight_bytes
 from batchline.worker.serving._executors import pads
 from batchline.worker.shared._consumers import ensure_groups
@@ -74,6 +75,8 @@ class Worker:
         model: a :class:`~batchline.worker.models.Model` to serve, or a model spec (the
             ``model`` setting).
         redis: an asyncio Redis client instead of one made from ``redis_url``.
+        pool: the memory budget it shares with other workers of the process, for a model
+            loaded by demand or unloaded when idle (``serve``).
         **overrides: single settings, e.g. ``batch_size=64``.
     """
 
@@ -83,6 +86,7 @@ class Worker:
         *,
         model: Model | str | None = None,
         redis: RedisArgument | None = None,
+        pool: ModelPool | None = None,
         **overrides: Any,
     ) -> None:
         if isinstance(model, str):  # the setting (a model spec), not a model object
@@ -94,7 +98,7 @@ class Worker:
         )
         self.threads = s.threads or available_cpus()
         self._parts = parts = assemble(
-            s, model, worker_id=self.worker_id, threads=self.threads, redis=redis
+            s, model, worker_id=self.worker_id, threads=self.threads, redis=redis, pool=pool
         )
         self.model: Model = parts.model
         #: Its answers by status (and ``reclaimed``), as its statistics count them.
@@ -122,6 +126,11 @@ class Worker:
 
     def __repr__(self) -> str:
         return f"<Worker {self.worker_id} queue={self.keys.queue!r}>"
+
+    async def _unload_if_idle(self) -> None:
+        model = self.model
+        if isinstance(model, LazyModel) and model.loaded:
+            await asyncio.get_running_loop().run_in_executor(None, model.unload_if_idle)
 
     def take_turns(self, turns: Turns) -> None:
         """Run each model call in its turn among the other queues' of the process."""
@@ -227,18 +236,25 @@ class Worker:
             )
             await loop.run_in_executor(None, loading)
             apply_threads(self.threads)
+            warm = p.generation is None and not isinstance(self.model, LazyModel)
             await loop.run_in_executor(
                 None,
                 lambda: p.guard.measure(
-                    self.model if p.generation is None else None,
+                    self.model if warm else None,  # (a lazy model: loaded by demand)
                     pads=pads(self.model),
                     padding=getattr(p.executors.main, "record_padding", None),
                 ),
             )
             took, size = time.perf_counter() - began, weight_bytes(self.model)
-        self.metrics.loaded = (took, size)
-        shown = "" if size is None else f", {size / 2**20:,.1f} MiB of weights"
-        logger.info("worker %s: model loaded in %.1f s%s", self.worker_id, took, shown)
+        if isinstance(self.model, LazyModel):
+            self.model.on_load = self.metrics.model_loaded
+            self.model.on_unload = self.metrics.model_unloaded
+            if self.model.loaded:
+                self.metrics.model_loaded(self.model.load_s or took, self.model.bytes)
+        else:
+            self.metrics.model_loaded(took, size)
+            shown = "" if size is None else f", {size / 2**20:,.1f} MiB of weights"
+            logger.info("worker %s: model loaded in %.1f s%s", self.worker_id, took, shown)
         p.prep.start()
         await ensure_groups(p.redis, self.keys.streams_low_first)
         self._admits = await load_library(p.redis, self.keys)
@@ -269,6 +285,10 @@ class Worker:
             ),
             "facts": every(s.heartbeat_s, "facts", lambda: p.facts.publish(p.redis), closing),
         }
+        if isinstance(self.model, LazyModel) and self.model.idle_s is not None:
+            jobs["unload"] = every(
+                min(self.model.idle_s / 4, 1.0), "unload", self._unload_if_idle, closing
+            )
         if self._admits:
             jobs["admitter"] = p.admitter.run(running.is_set)
             jobs["admitter-wakes"] = p.admitter.run_wakes(running.is_set)

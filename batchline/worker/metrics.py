@@ -54,8 +54,10 @@ class Metrics:
         self._refreshed = -TENANT_REFRESH_S
         #: How many times the queue's per-tenant figures were read.
         self.tenant_reads = 0
-        #: The model's load time (s) and weights (bytes, None: unknown), once loaded.
+        #: The model's last load time (s) and weights (bytes, None: unknown), once loaded.
         self.loaded: tuple[float, int | None] | None = None
+        self.model_in_memory = False
+        self.loads = 0
 
     def start(self) -> None:
         if not self.port:
@@ -82,6 +84,8 @@ class Metrics:
             ("max_batch_ms", "Longest a model call like the recent ones may run (ms, 0: no bound)"),
             ("model_load_seconds", "How long the model took to load (and warm up)"),
             ("model_weight_bytes", "Bytes of the model's weights and buffers (torch models)"),
+            ("model_loaded", "1 while the model is loaded, 0 while not (load demand, unloaded)"),
+            ("model_loads", "Times the model was loaded"),
         ):
             self._gauges[name] = Gauge(f"batchline_{name}", doc, registry=registry)
         for name in ONCE_COUNTERS:
@@ -96,13 +100,31 @@ class Metrics:
             registry=registry,
         )
         self._gauges["healthy"].set(1)
-        if self.loaded is not None:
-            self._gauges["model_load_seconds"].set(self.loaded[0])
-            if self.loaded[1] is not None:
-                self._gauges["model_weight_bytes"].set(self.loaded[1])
+        self._show_model()
         self._start_tenants(registry)
         self._server, _thread = start_http_server(self.port, registry=registry)
         logger.info("metrics on :%d/metrics", self.port)
+
+    def model_loaded(self, seconds: float, size: int | None) -> None:
+        """The model loaded (from any thread): its time and weights."""
+        self.loaded, self.model_in_memory = (seconds, size), True
+        self.loads += 1
+        self._show_model()
+
+    def model_unloaded(self) -> None:
+        self.model_in_memory = False
+        self._show_model()
+
+    def _show_model(self) -> None:
+        if not self._gauges:
+            return
+        self._gauges["model_loaded"].set(1 if self.model_in_memory else 0)
+        self._gauges["model_loads"].set(self.loads)
+        if self.loaded is not None:
+            self._gauges["model_load_seconds"].set(self.loaded[0])
+            self._gauges["model_weight_bytes"].set(
+                (self.loaded[1] or 0) if self.model_in_memory else 0
+            )
 
     def _start_tenants(self, registry: Any) -> None:
         from prometheus_client import Counter, Histogram

@@ -216,11 +216,15 @@ def test_a_worker_reads_every_setting_its_help_lists(
     runs = [
         ["--model", spec("echo")],
         ["--model", "generate", "--model-path", spec("tiny_llama"), "--batch-size", "2"],
+        # A worker of several queues (one here) and a model loaded by demand:
+        ["--serve", f"{queue}={spec('echo')},load=demand,unload_idle_s=60"]
+        + ["--serve-turns", "true", "--memory-budget-mb", "64"],
     ]
     for k, model in enumerate(runs):
-        worker_id = f"reads-{k}-{queue}"[:100]
+        worker_id = f"reads-{k}-{queue}"[:80]
+        serving = f"{worker_id}-{queue}" if "--serve" in model else worker_id
 
-        def stop_when_serving(worker_id: str = worker_id) -> None:
+        def stop_when_serving(worker_id: str = serving) -> None:
             deadline = time.monotonic() + START_TIMEOUT_S
             while time.monotonic() < deadline:
                 if rclient.zscore(keys.workers, worker_id) is not None:

@@ -4,11 +4,14 @@ a queue waits at most one batch of another), one SIGTERM draining them all."""
 
 from __future__ import annotations
 
+import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -176,3 +179,72 @@ def test_one_process_serves_several_queues(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.slow
+def test_a_model_by_demand_loads_on_its_first_request_and_unloads_when_idle(
+    redis_url: str, queue: str, tmp_path: Path
+) -> None:
+    """Queue ``lazy``'s model loads on its first request (its status ``loading`` meanwhile,
+    the request waiting), unloads after 1 s idle, and loads again for the next request;
+    queue ``echo`` beside it serves all along; the metrics follow the loads."""
+    gate = tmp_path / "gate"
+    lazy_spec = "tests.support.gated_model:slow_to_load"
+    serve = [
+        "--serve", f"{queue}-lazy={lazy_spec},load=demand,unload_idle_s=1",
+        "--serve", f"{queue}-echo={spec('echo')}",
+    ]  # fmt: skip
+    port = _free_port()
+    env = {"BATCHLINE_REDIS_URL": redis_url, "BLTEST_LOAD_GATE": str(gate)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchline", "worker", *serve, "--max-restarts-per-min", "0",
+         "--metrics-port", str(port), "--heartbeat-s", "0.2"],
+        env=subprocess_env(env), cwd=REPO, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    client = redis.Redis.from_url(redis_url)
+    lazy_keys = QueueKeys(f"{queue}-lazy")
+
+    def state() -> str | None:
+        for worker in client.zrange(lazy_keys.workers, 0, -1):
+            raw = client.get(lazy_keys.worker_stats(worker.decode()))
+            if raw:
+                return str(json.loads(raw).get("model_state"))
+        return None
+
+    def metric(name: str) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        return float(next(x for x in text.splitlines() if x.startswith(name + " ")).split()[1])
+
+    try:
+        wait_until(lambda: state() is not None or proc.poll() is not None, "the lazy queue")
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        assert state() == "unloaded"  # nothing loaded at start
+        assert metric("batchline_model_loaded") == 0
+        with (
+            Producer(redis_url=redis_url, queue=f"{queue}-lazy") as lazy,
+            Producer(redis_url=redis_url, queue=f"{queue}-echo") as echo,
+        ):
+            first = lazy.submit("one")
+            wait_until(lambda: state() == "loading", "the load on the first request")
+            assert echo.infer("beside", timeout_s=30) == "beside"  # the other queue serves
+            gate.touch()
+            assert lazy.wait(first, 60).unwrap() == "one"
+            assert metric("batchline_model_loaded") == 1
+            wait_until(lambda: state() == "unloaded", "the unload after 1 s idle")
+            assert metric("batchline_model_loaded") == 0
+            assert lazy.map(["two", "three"], timeout_s=60) == ["two", "three"]
+            assert metric("batchline_model_loads") == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

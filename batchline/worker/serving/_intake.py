@@ -53,7 +53,8 @@ class Preparer:
         after one preprocess here (:func:`settle_tokenizer`)."""
         self._ops = token_ops(self._model)
         if self._model.heavy_preprocess and self._pool is None:
-            settle_tokenizer(self._model)
+            if not getattr(self._model, "lazy", False):  # (a lazy one settles as it loads)
+                settle_tokenizer(self._model)
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 self._threads, thread_name_prefix="batchline-prep"
             )

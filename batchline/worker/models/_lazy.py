@@ -1,0 +1,254 @@
+"""A model loaded on demand and unloaded when idle (the ``load``, ``unload_idle_s`` and
+``memory_budget_mb`` settings).
+
+:class:`LazyModel` stands in for the model a worker serves: it holds a model made but not
+loaded (its class attributes: what preprocessing is like, whether it pads) and loads it on
+the first call that needs its weights, a request's ``preprocess`` (on a preparing thread:
+the request waits for the load, within its deadline) or a batch's ``infer``; after
+``idle_s`` without a call it drops the loaded model for a fresh unloaded one (the memory
+goes back) and loads again on the next request. A :class:`ModelPool` shared by the queues
+of one process keeps the models' weights within a budget: before a load it unloads the
+least recently used idle ones. A model is never unloaded while a call runs, so nothing
+read is lost: a request read while it unloads waits for the next load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from batchline.worker.models._protocol import Model, Prepared
+from batchline.worker.models._weights import weight_bytes
+
+__all__ = ["LazyModel", "ModelPool"]
+
+logger = logging.getLogger(__name__)
+
+#: One load at a time in a process: imports of the model libraries are not thread-safe.
+_LOADING = threading.Lock()
+
+
+class _LazyOps:
+    """A lazy model's tokenizing for clients: each answer loads the model first."""
+
+    def __init__(self, model: LazyModel) -> None:
+        self._model = model
+
+    def answer(self, value: Any) -> Any:
+        return self._model.answer_ops(value)
+
+
+class ModelPool:
+    """The lazy models of one process and their weights' budget (None: no bound)."""
+
+    def __init__(self, budget_bytes: int | None = None) -> None:
+        self.budget_bytes = budget_bytes
+        self.models: list[LazyModel] = []
+        self._lock = threading.Lock()
+
+    def make_room(self, loading: LazyModel) -> None:
+        """Around ``loading``'s load: unload the least recently used idle others until the
+        loaded weights and its own (as last measured: before its first load, unknown, so
+        also once it has loaded) fit the budget."""
+        if self.budget_bytes is None:
+            return
+        with self._lock:
+            others = [m for m in self.models if m is not loading and m.loaded]
+            used = sum(m.bytes or 0 for m in others) + (loading.bytes or 0)
+            for model in sorted(others, key=lambda m: m.last_used):
+                if used <= self.budget_bytes:
+                    break
+                if model.unload(reason="the memory budget needs room"):
+                    used -= model.bytes or 0
+
+
+class LazyModel:
+    """``make()``'s model, loaded by demand (``demand``; else at start) and unloaded after
+    ``idle_s`` without a call (None: kept); ``pool``: the process's budget."""
+
+    def __init__(
+        self,
+        make: Callable[[], Model],
+        *,
+        name: str,
+        demand: bool,
+        idle_s: float | None,
+        pool: ModelPool | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._make = make
+        self._inner: Model = make()
+        self.name = name
+        self.demand = demand
+        self.idle_s = idle_s
+        self.pool = pool
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._in_use = 0
+        self._sinks: list[Callable[[int, int], None]] = []  # count_padding's, set again
+        self._facts: dict[str, Any] | None = None
+        self.loaded = False
+        #: ``loaded``, ``loading`` or ``unloaded`` (the worker's statistics show it).
+        self.state = "unloaded"
+        self.last_used = clock()
+        self.bytes: int | None = None  # the weights, as measured at the last load
+        self.load_s: float | None = None
+        self.loads = 0
+        self.unloads = 0
+        #: Called at each load with (seconds, weight bytes), and at each unload: the
+        #: worker's metrics.
+        self.on_load: Callable[[float, int | None], None] | None = None
+        self.on_unload: Callable[[], None] | None = None
+        if pool is not None:
+            pool.models.append(self)
+
+    # -- what the worker sees of the model ----------------------------------------------------
+
+    #: Its preprocessing may load the model: never on the event loop.
+    heavy_preprocess = True
+    lazy = True
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_inner":  # not set yet
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    @property
+    def preprocess_many(self) -> Callable[[list[Any]], Any] | None:
+        many = getattr(self._inner, "preprocess_many", None)
+        if many is None:
+            return None
+
+        def prepare(values: list[Any]) -> Any:
+            with self._using():
+                return self._inner.preprocess_many(values)  # type: ignore[attr-defined]
+
+        return prepare
+
+    def load(self) -> None:
+        """At the worker's start: load now, unless by demand."""
+        if not self.demand:
+            self._ensure()
+
+    def preprocess(self, value: Any) -> list[Prepared]:
+        with self._using():
+            return self._inner.preprocess(value)
+
+    def infer(self, batch: list[Any]) -> Any:
+        with self._using():
+            return self._inner.infer(batch)
+
+    def postprocess(self, outputs: list[Any], value: Any) -> Any:
+        return self._inner.postprocess(outputs, value)
+
+    def facts(self) -> dict[str, Any]:
+        """The loaded model's facts (as last loaded while unloaded; none before)."""
+        own = getattr(self._inner, "facts", None)
+        if self.loaded and own is not None:
+            self._facts = own()
+        return dict(self._facts or {})
+
+    def token_ops(self) -> Any:
+        """Tokenizing for clients, which loads the model first (None: the model has no
+        tokenizer to serve)."""
+        return _LazyOps(self) if hasattr(self._inner, "token_ops") else None
+
+    def answer_ops(self, value: Any) -> Any:
+        """A tokenize or detokenize value answered by the loaded model's tokenizer."""
+        with self._using():
+            ops = self._inner.token_ops()  # type: ignore[attr-defined]
+            if ops is None:
+                raise TypeError(f"the model {self.name} has no tokenizer to serve")
+            return ops.answer(value)
+
+    def count_padding(self, sink: Callable[[int, int], None]) -> None:
+        self._sinks.append(sink)
+        counted = getattr(self._inner, "count_padding", None)
+        if counted is not None:
+            counted(sink)
+
+    # -- loading and unloading ----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _using(self) -> Iterator[None]:
+        with self._lock:
+            self._in_use += 1
+        try:
+            self._ensure()
+            yield
+        finally:
+            with self._lock:
+                self._in_use -= 1
+                self.last_used = self._clock()
+
+    def _ensure(self) -> None:
+        """Load the model unless it is loaded (once, whichever thread asks first)."""
+        if self.loaded:
+            return
+        with self._lock:
+            if self.loaded:
+                return
+            self.state = "loading"
+            with _LOADING:
+                if self.pool is not None:
+                    self.pool.make_room(self)
+                began = time.perf_counter()
+                try:
+                    self._inner.load()
+                except BaseException:
+                    self.state = "unloaded"
+                    self._inner = self._make()  # what the failed load left is dropped
+                    raise
+            for sink in self._sinks:
+                counted = getattr(self._inner, "count_padding", None)
+                if counted is not None:
+                    counted(sink)
+            with contextlib.suppress(Exception):  # a tokenizer's settings, set once
+                self._inner.preprocess("settle")
+            self.load_s = time.perf_counter() - began
+            self.bytes = weight_bytes(self._inner)
+            self.loads += 1
+            if self.on_load is not None:  # before its state says so (the statistics)
+                self.on_load(self.load_s, self.bytes)
+            self.loaded, self.state = True, "loaded"
+            self.last_used = self._clock()
+            self.facts()  # remembered for while it is unloaded
+            if self.pool is not None:  # its size known now (its first load: measured only now)
+                self.pool.make_room(self)
+        logger.info("model %s loaded in %.1f s", self.name, self.load_s)
+
+    def unload(self, *, reason: str) -> bool:
+        """Drop the loaded model for a fresh unloaded one, unless a call runs or it is
+        busy loading (False)."""
+        if not self._lock.acquire(blocking=False):  # loading, or another thread unloads
+            return False
+        try:
+            if not self.loaded or self._in_use:
+                return False
+            self._inner = self._make()
+            self.unloads += 1
+            if self.on_unload is not None:
+                self.on_unload()
+            self.loaded, self.state = False, "unloaded"
+        finally:
+            self._lock.release()
+        gc.collect()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        logger.info("model %s unloaded: %s", self.name, reason)
+        return True
+
+    def unload_if_idle(self) -> bool:
+        """Unload the model if no call has run for ``idle_s`` (True: it was unloaded)."""
+        if self.idle_s is None or not self.loaded:
+            return False
+        if self._clock() - self.last_used < self.idle_s:
+            return False
+        return self.unload(reason=f"idle for {self.idle_s:g} s")

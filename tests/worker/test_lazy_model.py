@@ -1,0 +1,158 @@
+"""Models loaded by demand and unloaded when idle (``load demand``, ``unload_idle_s``,
+``memory_budget_mb``): loaded once on the first call that needs them, whichever thread asks;
+never unloaded while a call runs; unloaded after their idle time, least recently used first
+when the budget needs room; a failed load fails its call and is tried again on the next."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from batchline.worker.models import Prepared
+from batchline.worker.models._lazy import LazyModel, ModelPool
+
+torch = pytest.importorskip("torch")
+
+loads: list[str] = []
+
+
+class Fake:
+    """A model whose weights (a Linear of ``size`` x 16 float32) exist once loaded."""
+
+    heavy_preprocess = False
+    pads = False
+
+    def __init__(self, name: str, size: int = 64, fail: list[bool] | None = None) -> None:
+        self.name, self.size, self.fail = name, size, fail
+        self.model: Any = None
+
+    def load(self) -> None:
+        if self.fail:
+            self.fail.pop()
+            raise RuntimeError("no weights")
+        loads.append(self.name)
+        self.model = torch.nn.Linear(16, self.size, bias=False)
+
+    def preprocess(self, value: Any) -> list[Prepared]:
+        if self.model is None:
+            raise RuntimeError("not loaded")
+        return [Prepared(value, 1)]
+
+    def infer(self, batch: list[Any]) -> list[Any]:
+        if self.model is None:
+            raise RuntimeError("not loaded")
+        return [f"{self.name}:{x}" for x in batch]
+
+    def postprocess(self, outputs: list[Any], value: Any) -> Any:
+        return outputs[0]
+
+    def facts(self) -> dict[str, Any]:
+        return {"kind": "embedding", "dimensions": self.size}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def lazy(name: str, *, clock: Clock, pool: ModelPool | None = None, **fake: Any) -> LazyModel:
+    return LazyModel(
+        lambda: Fake(name, **fake), name=name, demand=True, idle_s=10, pool=pool, clock=clock
+    )
+
+
+@pytest.fixture(autouse=True)
+def _no_loads() -> None:
+    loads.clear()
+
+
+def test_a_model_by_demand_loads_on_its_first_request_once_and_unloads_when_idle() -> None:
+    clock = Clock()
+    model = lazy("a", clock=clock)
+    model.load()  # the worker's start: nothing loads
+    assert (model.state, loads, model.facts()) == ("unloaded", [], {})
+    assert model.preprocess("x")[0].payload == "x"
+    assert (model.state, loads) == ("loaded", ["a"])
+    assert model.bytes == 64 * 16 * 4
+    assert model.infer(["x"]) == ["a:x"]
+    clock.now = 9.0
+    assert not model.unload_if_idle()  # used at 0: idle 9 s of 10
+    clock.now = 10.0
+    assert model.unload_if_idle()
+    assert model.state == "unloaded"
+    assert model.facts() == {"kind": "embedding", "dimensions": 64}  # remembered
+    assert model.infer(["y"]) == ["a:y"]  # loaded again
+    assert loads == ["a", "a"]
+
+
+def test_concurrent_first_requests_load_the_model_once() -> None:
+    model = lazy("a", clock=Clock())
+    go = threading.Barrier(8)
+
+    def first() -> None:
+        go.wait()
+        model.preprocess("x")
+
+    threads = [threading.Thread(target=first) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert loads == ["a"]
+
+
+def test_a_model_is_never_unloaded_while_a_call_runs() -> None:
+    clock = Clock()
+    model = lazy("a", clock=clock)
+    model.infer(["warm"])
+    inside, release = threading.Event(), threading.Event()
+    inner = model._inner  # noqa: SLF001
+
+    def slow(batch: list[Any]) -> list[Any]:
+        inside.set()
+        release.wait()
+        return batch
+
+    inner.infer = slow
+    t = threading.Thread(target=model.infer, args=(["x"],))
+    t.start()
+    inside.wait()
+    clock.now = 100.0
+    assert not model.unload_if_idle()  # a call runs
+    assert not model.unload(reason="test")
+    release.set()
+    t.join()
+    clock.now = 200.0
+    assert model.unload_if_idle()
+
+
+def test_the_budget_unloads_the_least_recently_used_idle_models_first() -> None:
+    clock = Clock()
+    size = 64 * 16 * 4  # each model's weights
+    pool = ModelPool(budget_bytes=2 * size)
+    a, b, c = (lazy(n, clock=clock, pool=pool) for n in "abc")
+    for t, model in enumerate((a, b)):
+        clock.now = float(t)
+        model.infer(["x"])
+    clock.now = 2.0
+    a.infer(["x"])  # a used after b: b is the least recently used
+    clock.now = 3.0
+    c.infer(["x"])  # a and b fill the budget: the least recently used goes for c
+    assert [m.state for m in (a, b, c)] == ["loaded", "unloaded", "loaded"]
+    clock.now = 4.0
+    b.infer(["x"])  # b again: now a is the least recently used
+    assert [m.state for m in (a, b, c)] == ["unloaded", "loaded", "loaded"]
+    assert loads == ["a", "b", "c", "b"]
+
+
+def test_a_failed_load_fails_its_call_and_the_next_call_loads() -> None:
+    model = lazy("a", clock=Clock(), fail=[True])
+    with pytest.raises(RuntimeError, match="no weights"):
+        model.preprocess("x")
+    assert model.state == "unloaded"
+    assert model.infer(["x"]) == ["a:x"]
