@@ -246,7 +246,7 @@ def test_a_small_malformed_entry_keeps_every_field() -> None:
         (lambda: parse({"prompt": "x", "stop": 5}), "list of texts, got 5"),
         (
             lambda: parse({"prompt": "x", "colour": 1}),
-            "unknown field(s) colour; known: logprobs, max_",
+            "unknown field(s) colour; known: adapter, logprobs, max_",
         ),
     ],
 )
