@@ -1,6 +1,7 @@
 """Several models and adapters on one machine: three queues served by one worker process
-against three workers, and LoRA adapters mixed in one continuous batch against one batch
-per adapter. ``--parts`` chooses: ``q`` (queues), ``a`` (adapters); both by default.
+against three workers, a cold model's first request, and LoRA adapters mixed in one
+continuous batch against one batch per adapter. ``--parts`` chooses: ``q`` (queues), ``c``
+(cold), ``a`` (adapters); all by default.
 
 **queues**: a private ``redis-server`` (the newest found, or ``--redis-server``) and three
 queues: ``embed`` (all-MiniLM-L6-v2, ``sentence-transformers``), ``classify`` (the same
@@ -17,6 +18,11 @@ Each row offers the same open-loop load for ``--seconds`` (Poisson arrivals per 
 tokens a second) and reports, per queue, requests a second served and the p50 and p99
 latency (from its scheduled arrival to its answer), and the resident memory of the
 row's processes (their RSS summed).
+
+**cold**: one worker of all-MiniLM-L6-v2 started with ``--load demand --unload-idle-s 2``:
+the first request's latency in a fresh process (the model and its libraries load), then,
+each repeat, 20 requests one at a time while loaded (their p50) and, once the model has
+unloaded, the next request's (the model loads again).
 
 **adapters** (SmolLM2-135M-Instruct, the ``generate`` extra's model, in process through
 batchline's ``Generator``): ``--adapters`` random LoRA adapters (rank ``--rank`` on every
@@ -364,6 +370,79 @@ async def queues_part(args: argparse.Namespace, logdir: Path) -> None:
     print(f"  memory {ROWS[0]} / {anchor} {fmt(mem, 2)}x")
 
 
+# -- a cold model's first request -------------------------------------------------------------
+
+
+async def cold_part(args: argparse.Namespace, logdir: Path) -> None:
+    """A worker of all-MiniLM-L6-v2 by demand (``--load demand --unload-idle-s``): the first
+    request's latency (the model loads: in a fresh process, its libraries too), then, each
+    repeat, a request after the model unloaded (it loads again) against one while loaded."""
+    import json as json_
+
+    import redis
+
+    from batchline.keys import QueueKeys
+    from batchline.producer import AsyncProducer
+
+    server = redis_server(args.redis_server)
+    procs = Procs(logdir)
+    samples = Samples()
+    queue = "cold"
+    try:
+        url, which = start_redis(procs, child_env(), server.path)
+        log(f"started {which}")
+        argv = [sys.executable, "-m", "batchline", "worker", "--redis-url", url, "--queue", queue]
+        argv += ["--load", "demand", "--unload-idle-s", "2", "--heartbeat-s", "0.2"]
+        procs.spawn("worker", [*argv, "--max-restarts-per-min", "0"], env=child_env())
+        client = redis.Redis.from_url(url)
+        keys = QueueKeys(queue)
+
+        def state() -> str | None:
+            for worker in client.zrange(keys.workers, 0, -1):
+                name = worker.decode() if isinstance(worker, bytes) else str(worker)
+                raw = client.get(keys.worker_stats(name))
+                if raw:
+                    return str(json_.loads(raw).get("model_state"))
+            return None
+
+        async def until(wanted: str) -> None:
+            deadline = time.monotonic() + 300
+            while state() != wanted:  # the worker's heartbeat, 0.2 s apart
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"the worker's model never became {wanted}")
+                await asyncio.sleep(0.05)
+
+        await until("unloaded")
+        async with AsyncProducer(redis_url=url, queue=queue) as producer:
+
+            async def timed(text: str) -> float:
+                started = time.perf_counter()
+                await producer.infer(text, timeout_s=300)
+                return (time.perf_counter() - started) * 1e3
+
+            samples.add("first", await timed("the very first request"))
+            for repeat in range(args.repeats):
+                warm = [await timed(f"warm {repeat} {i}") for i in range(20)]
+                samples.add("warm p50", percentile(warm, 50))
+                await until("unloaded")
+                samples.add("reload", await timed(f"cold {repeat}"))
+                log(f"repeat {repeat + 1}: reload {samples.rows['reload'][-1]:,.0f} ms")
+        client.close()
+    finally:
+        procs.stop_all()
+    print(
+        f"\ncold: all-MiniLM-L6-v2, one worker --load demand --unload-idle-s 2; {which}; "
+        f"median of {args.repeats} repeats (range)"
+    )
+    print(f"  first request, fresh process (the model and its libraries load): "
+          f"{fmt(samples.med('first'), 0)} ms")  # fmt: skip
+    print(f"  first request after an unload (the model loads): {fmt(samples.med('reload'), 0)} "
+          f"ms ({samples.spread('reload')})")  # fmt: skip
+    print(f"  a request while loaded, p50 of 20: {fmt(samples.med('warm p50'), 1)} ms")
+    cold = ratio(samples.med("reload"), samples.med("warm p50"))
+    print(f"  after an unload / loaded {fmt(cold, 0)}x")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.models", description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
@@ -372,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--dtype", default="auto", help="as the library's: auto, float32, ...")
-    parser.add_argument("--parts", default="qa", help="q: queues, a: adapters")
+    parser.add_argument("--parts", default="qca", help="q: queues, c: cold, a: adapters")
     parser.add_argument("--seconds", type=float, default=20.0, help="a queues row's load")
     parser.add_argument("--rate-embed", type=float, default=40.0)
     parser.add_argument("--rate-classify", type=float, default=40.0)
@@ -386,6 +465,9 @@ def main(argv: list[str] | None = None) -> None:
     if "q" in args.parts:
         with tempfile.TemporaryDirectory(prefix="bench-models-") as logdir:
             asyncio.run(queues_part(args, Path(logdir)))
+    if "c" in args.parts:
+        with tempfile.TemporaryDirectory(prefix="bench-models-") as logdir:
+            asyncio.run(cold_part(args, Path(logdir)))
     if "a" in args.parts:
         asyncio.run(adapters_part(args))
     print(f"\n{provenance()}; {before}; {versions('torch', 'transformers')}")

@@ -157,7 +157,8 @@ def _worker(w: dict[str, Any]) -> str:
     limit = w.get("batch_size")
     timeout = w.get("timeout_ms")
     state = w.get("model_state")  # a model loaded by demand or unloaded when idle
-    shown = "" if state is None else f" ({state})"
+    idle = ", leaving the reads to the workers with it loaded" if w.get("reading") is False else ""
+    shown = "" if state is None else f" ({state}{idle})"
     return (
         f"{w.get('model') or 'unknown model'}{shown}, "
         f"answered {_counts(w.get('requests') or {})}, "

@@ -12,7 +12,7 @@ import functools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from batchline.config import WorkerSettings
 from batchline.tracing import worker as worker_trace
@@ -40,6 +40,7 @@ from batchline.worker.serving._intake import Preparer
 from batchline.worker.serving._reader import ReadCap, Reader
 from batchline.worker.serving._serving import Serving
 from batchline.worker.serving._starts import Starts
+from batchline.worker.serving._warm_first import WarmFirst
 from batchline.worker.serving._writer import AnswerCache, AnswerWriter
 from batchline.worker.shared._guard import Guard
 from batchline.worker.shared._held import Claims
@@ -84,6 +85,7 @@ class Parts:
     reader: Reader
     admitter: Admitter
     upkeep: Upkeep
+    warm_first: WarmFirst | None  # a model loaded by demand: reads while no peer has it
 
     def owned_clients(self) -> list[RedisClient]:
         """The connections the worker made itself (closed as it stops)."""
@@ -160,6 +162,11 @@ def assemble(
         cancel=cancels.add,  # on this worker alone: its producer is gone
     )
     dispatcher = Dispatcher(s, generation=generation is not None)
+    warm_first = (
+        WarmFirst(model, keys, worker_id, hold=s.read_ahead * s.batch_size)
+        if isinstance(model, LazyModel)
+        else None
+    )
     serving = Serving(
         model,
         worker_id,
@@ -178,6 +185,15 @@ def assemble(
     )
     admit_client = dedicated(client)  # it blocks on the inbox
     wake_client = dedicated(client)  # it blocks on the wake list
+    reader = Reader(
+        client,
+        keys.streams_low_first,
+        worker_id,
+        readcap,
+        serving,
+        before_read=dispatcher.before_read,
+        gate=None if warm_first is None else warm_first.gate,
+    )
     return Parts(
         settings=s,
         model=model,
@@ -205,14 +221,7 @@ def assemble(
         answers=answers,
         chunks=chunks,
         serving=serving,
-        reader=Reader(
-            client,
-            keys.streams_low_first,
-            worker_id,
-            readcap,
-            serving,
-            before_read=dispatcher.before_read,
-        ),
+        reader=reader,
         admitter=Admitter(
             admit_client,
             s,
@@ -220,6 +229,7 @@ def assemble(
             wake_client=wake_client,
             dispatcher=dispatcher,
         ),
+        warm_first=warm_first,
         upkeep=Upkeep(
             claims,
             guard,
@@ -231,7 +241,7 @@ def assemble(
             model_name=model_name,
             release_slow=generation is None,
             on_live=dispatcher.live,
-            model_state=functools.partial(getattr, model, "state", None),
+            model_stats=functools.partial(_model_stats, model, reader),
         ),
     )
 
@@ -248,3 +258,12 @@ def lazy_model(make: Callable[[], Model], s: WorkerSettings, pool: ModelPool | N
         idle_s=s.unload_idle_s,
         pool=pool,
     )
+
+
+def _model_stats(model: Model, reader: Reader) -> dict[str, Any] | None:
+    """A lazy model's figures in the worker's statistics: ``model_state`` (``loading``,
+    ``loaded``, ``unloaded``) and ``reading`` (false while it leaves the queue to the
+    workers that have the model loaded); None for a model loaded at start."""
+    if not isinstance(model, LazyModel):
+        return None
+    return {"model_state": model.state, "reading": not reader.held_back}

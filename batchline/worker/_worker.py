@@ -261,6 +261,8 @@ class Worker:
         await p.cache.publish(p.redis)
         p.facts.load(self.model)
         await p.facts.publish(p.redis)
+        if p.warm_first is not None:  # before the first read: whether to leave it to others
+            await p.warm_first.step(p.redis)
         if self._admits:  # what waits, before the first read: highest priority read first
             await p.admitter.admit_all()
         await p.cancels.catch_up(p.redis, self.keys)
@@ -285,6 +287,11 @@ class Worker:
             ),
             "facts": every(s.heartbeat_s, "facts", lambda: p.facts.publish(p.redis), closing),
         }
+        if p.warm_first is not None:
+            warm = p.warm_first
+            jobs["warm-first"] = every(
+                s.heartbeat_s, "warm first", lambda: warm.step(p.redis), closing
+            )
         if isinstance(self.model, LazyModel) and self.model.idle_s is not None:
             jobs["unload"] = every(
                 min(self.model.idle_s / 4, 1.0), "unload", self._unload_if_idle, closing

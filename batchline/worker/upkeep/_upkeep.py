@@ -203,12 +203,12 @@ def snapshot(
     stats: BatchStats,
     prepare: dict[str, Any] | None = None,
     max_batch_ms: float | None = None,
-    model_state: str | None = None,
+    model: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A worker's statistics as its heartbeat publishes them (``batchline status``)."""
-    shown = {} if model_state is None else {"model_state": model_state}
+    """A worker's statistics as its heartbeat publishes them (``batchline status``);
+    ``model``: those of a model loaded by demand (``model_state``, ``reading``)."""
     return {
-        **shown,
+        **(model or {}),
         "worker": worker_id,
         "pid": os.getpid(),
         "model": model_name,
@@ -328,13 +328,13 @@ class Upkeep:
         model_name: str,
         release_slow: bool = True,
         on_live: Callable[[int], None] | None = None,
-        model_state: Callable[[], str | None] = lambda: None,
+        model_stats: Callable[[], dict[str, Any] | None] = lambda: None,
     ) -> None:
         s = settings
         self._claims, self._guard, self._executor = claims, guard, executor
         self._counts, self._entrance, self._model_name = counts, entrance, model_name
         self._release_slow = release_slow
-        self._model_state = model_state
+        self._model_stats = model_stats
         self._period_s = s.claim_idle_ms / 3e3
         self._reclaim_s = min(self._period_s, RECLAIM_EVERY_S)
         #: Hand-backs of read-ahead under way (a model call ran long).
@@ -370,7 +370,7 @@ class Upkeep:
             stats=self._executor.stats,
             prepare=self._entrance.prepare_stats(),
             max_batch_ms=self._guard.bound.limit_s() * 1e3,
-            model_state=self._model_state(),
+            model=self._model_stats(),
         )
 
     def on_slow(self, call: Stamp) -> None:
