@@ -217,6 +217,19 @@ class HFRoutes:
             log_error(f"{request.method} {request.url.path}", error, exc)
             return TGIError(error, kind).response()
 
+    async def _generation(self, adapter: str | None) -> Served:
+        """The generation queue, with the LoRA adapter TGI's ``adapter_id`` names (one its
+        workers serve: else 422 naming it, before anything is queued)."""
+        served = self._served("generation")
+        if adapter is None:
+            return served
+        try:
+            return await self._openai.resolve("generation", f"{served.name}:{adapter}")
+        except OpenAIError:
+            raise tgi(
+                422, f"parameters.adapter_id: the adapter {adapter!r} is not served"
+            ) from None
+
     def _served(self, kind: Kind) -> Served:
         served = self._openai.served.get(kind)
         if served is None:
@@ -233,7 +246,7 @@ class HFRoutes:
             route = "/generate_stream" if stream else "/generate"
             given = json.dumps(tgi_body.stream)
             raise tgi(422, f"stream: {given} is not what {route} answers (use /)")
-        served = self._served("generation")
+        served = await self._generation(tgi_body.parameters.adapter_id)
         if stream or (stream is None and tgi_body.stream):
             return await self._stream(served, tgi_body, request)
         if tgi_body.parameters.details:
@@ -244,7 +257,7 @@ class HFRoutes:
             top = tgi_body.parameters.top_n_tokens is not None
             info = details(output, tgi_body.seed, tokens, top=top)
         else:
-            result = await self._openai.run(served, tgi_body.wire(), request)
+            result = await self._openai.run(served, served.wire(tgi_body.wire()), request)
             if result is None:
                 return Response(status_code=_GONE)
             output, info = result.output, None
@@ -265,7 +278,7 @@ class HFRoutes:
         rid = scoped_id(caller_of(request).tenant, uuid.uuid4().hex)
         timing = self._timing(served)
         note_queue(request, served.client, served.settings.keys)
-        chunks = self._openai.stream(served, body.wire(tokens=True), request, rid)
+        chunks = self._openai.stream(served, served.wire(body.wire(tokens=True)), request, rid)
         return await self._openai.stream_response(
             chunks, timing, request, lambda first: TGIStream(first, chunks, body, timing, rid)
         )
@@ -276,7 +289,7 @@ class HFRoutes:
         """The output and its tokens' texts, from the request's stream (each token's text
         is known only there); None if the client went away."""
         note_queue(request, served.client, served.settings.keys)
-        chunks = self._openai.stream(served, body.wire(tokens=True), request)
+        chunks = self._openai.stream(served, served.wire(body.wire(tokens=True)), request)
         try:
             return await unless_disconnected(
                 request.receive, collected(chunks, self._timing(served))

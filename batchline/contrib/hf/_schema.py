@@ -100,7 +100,8 @@ class TGIParameters(_Strict):
     top_n_tokens: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     truncate: Annotated[int | None, _no_op(None)] = None
     grammar: Annotated[dict[str, Any] | None, _no_op(None)] = None
-    adapter_id: Annotated[str | None, _no_op(None)] = None
+    #: A LoRA adapter the generation queue's workers serve (none: the base model).
+    adapter_id: str | None = None
 
     @property
     def sampled(self) -> bool:

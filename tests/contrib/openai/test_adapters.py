@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import huggingface_hub as hf
 import openai
 import pytest
 import redis
@@ -166,6 +167,18 @@ def test_adapters_served_by_name_mixed_in_one_batch(
         ).status_code
         == 404
     )
+
+    # TGI's routes take adapter_id, as TGI does (huggingface_hub's client sends it).
+    tgi = hf.InferenceClient(base_url=f"{str(http.base_url).rstrip('/')}/models/{worker}")
+    said = tgi.text_generation(PROMPTS[2], max_new_tokens=NEW, adapter_id="b")
+    assert said == text[("b", PROMPTS[2])]
+    streamed = tgi.text_generation(PROMPTS[2], max_new_tokens=NEW, adapter_id="b", stream=True)
+    assert "".join(streamed) == said
+    refused = http.post(
+        f"/models/{worker}", json={"inputs": "x", "parameters": {"adapter_id": "nope"}}
+    )
+    assert refused.status_code == 422
+    assert refused.json()["error"].startswith("parameters.adapter_id:")
 
     # An adapter that is not served is a 404 before anything is queued.
     for wrong in ("nope", f"{worker}:nope", "other:a"):
