@@ -20,9 +20,9 @@ S = TypeVar("S", bound=BaseModel)
 
 #: Settings a served queue takes from the worker's alone (one process, one of each).
 SHARED_ONLY = frozenset(
-    {"serve", "serve_turns", "memory_budget_mb", "queue", "threads", "event_loop"}
-    | {"max_restarts_per_min"}
-)
+    ("serve", "serve_turns", "memory_budget_mb", "queue", "threads", "event_loop",
+     "max_restarts_per_min")
+)  # fmt: skip
 
 ServeEntry = tuple[str, dict[str, str]]
 
@@ -46,12 +46,10 @@ def parse_serve(text: str) -> list[ServeEntry]:
             name = name.strip().replace("-", "_")
             if not sep or not name:
                 raise ValueError(f"serve: {raw!r}: {part!r} is not SETTING=VALUE")
-            if name in SHARED_ONLY or name == "model":
-                raise ValueError(
-                    f"serve: {raw!r}: {name} is the worker's, not a queue's"
-                    if name != "model"
-                    else f"serve: {raw!r}: the model is given as QUEUE=MODEL"
-                )
+            if name == "model":
+                raise ValueError(f"serve: {raw!r}: the model is given as QUEUE=MODEL")
+            if name in SHARED_ONLY:
+                raise ValueError(f"serve: {raw!r}: {name} is the worker's, not a queue's")
             if name in settings:
                 raise ValueError(f"serve: {raw!r}: {name} is given twice")
             settings[name] = value.strip()

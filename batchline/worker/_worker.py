@@ -129,7 +129,7 @@ class Worker:
 
     async def _unload_if_idle(self) -> None:
         model = self.model
-        if isinstance(model, LazyModel) and model.loaded:
+        if isinstance(model, LazyModel) and model.loaded:  # off the loop: it collects garbage
             await asyncio.get_running_loop().run_in_executor(None, model.unload_if_idle)
 
     def take_turns(self, turns: Turns) -> None:
@@ -245,13 +245,14 @@ class Worker:
                     padding=getattr(p.executors.main, "record_padding", None),
                 ),
             )
-            took, size = time.perf_counter() - began, weight_bytes(self.model)
-        if isinstance(self.model, LazyModel):
+            took = time.perf_counter() - began
+        if isinstance(self.model, LazyModel):  # its loads report themselves from now on
             self.model.on_load = self.metrics.model_loaded
             self.model.on_unload = self.metrics.model_unloaded
             if self.model.loaded:
                 self.metrics.model_loaded(self.model.load_s or took, self.model.bytes)
         else:
+            size = weight_bytes(self.model)
             self.metrics.model_loaded(took, size)
             shown = "" if size is None else f", {size / 2**20:,.1f} MiB of weights"
             logger.info("worker %s: model loaded in %.1f s%s", self.worker_id, took, shown)

@@ -27,7 +27,13 @@ from pathlib import Path
 
 from batchline.errors import ModelNotLoaded
 from batchline.worker.models._callable import CallableModel, echo
-from batchline.worker.models._protocol import CountsPadding, Model, Prepared, resolve_callable
+from batchline.worker.models._protocol import (
+    LOADING,
+    CountsPadding,
+    Model,
+    Prepared,
+    resolve_callable,
+)
 from batchline.worker.models._sentence_transformers import SentenceTransformerModel
 from batchline.worker.models._transformers import TransformersModel
 
@@ -151,7 +157,8 @@ def load(model: Model, *, spec: str, path: str | None, device: str) -> None:
     a reference cycle among them would stay in memory.
     """
     try:
-        model.load()
+        with LOADING:  # not beside another queue's load (a model by demand's)
+            model.load()
     except Exception as exc:
         what = " ".join(str(exc).split()) or "no message"
         raise ModelNotLoaded(

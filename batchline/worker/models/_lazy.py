@@ -23,15 +23,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from batchline.worker.models._protocol import Model, Prepared
+from batchline.worker.models._protocol import LOADING, Model, Prepared
 from batchline.worker.models._weights import weight_bytes
 
 __all__ = ["LazyModel", "ModelPool"]
 
 logger = logging.getLogger(__name__)
-
-#: One load at a time in a process: imports of the model libraries are not thread-safe.
-_LOADING = threading.Lock()
 
 
 class _LazyOps:
@@ -195,7 +192,7 @@ class LazyModel:
             if self.loaded:
                 return
             self.state = "loading"
-            with _LOADING:
+            with LOADING:
                 if self.pool is not None:
                     self.pool.make_room(self)
                 began = time.perf_counter()

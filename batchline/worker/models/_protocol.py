@@ -4,11 +4,17 @@ naming of a ``module:callable``."""
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["CountsPadding", "Model", "Prepared", "resolve_callable"]
+__all__ = ["LOADING", "CountsPadding", "Model", "Prepared", "resolve_callable"]
+
+#: Held while a model loads: one load at a time in a process, at start or by demand (the
+#: imports of the model libraries are not thread-safe). Reentrant: a model loaded by demand
+#: and told to load at start loads under the worker's hold.
+LOADING = threading.RLock()
 
 
 @dataclass(frozen=True, slots=True)
