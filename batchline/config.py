@@ -402,13 +402,15 @@ class WorkerSettings(ServiceSettings):
             then ``,SETTING=VALUE`` parts (its settings apart from the worker's), entries
             separated by ``;`` (or ``--serve`` once a queue). Replaces ``queue``.
         load: ``start`` (the model loads as the worker starts) or ``demand`` (on the first
-            request that needs it, which waits for the load within its deadline; not for
-            ``generate``).
+            request that needs it, which waits for the load within its deadline).
         unload_idle_s: unload the model after this long without a batch; the next request
-            loads it again (none: kept loaded; not for ``generate``).
-        memory_budget_mb: the most MB of model weights loaded at once in the process (with
-            ``serve``, over its queues): before a model loads, the least recently used idle
-            ones that ``load demand`` or ``unload_idle_s`` allow to unload are unloaded.
+            loads it again (none: kept loaded; a generation model: after this long with no
+            sequence running).
+        memory_budget_mb: the most MB of models loaded at once in the process (with
+            ``serve``, over its queues): their weights, and a generation model's KV budget
+            (``max_batch_tokens`` and ``prefix_cache_tokens``); before a model loads, the
+            least recently used idle ones that ``load demand`` or ``unload_idle_s`` allow to
+            unload are unloaded.
         serve_turns: with ``serve``: the queues' model calls take turns, one at a time in
             the order they are ready (false: each queue's model runs on its own thread,
             beside the others').
@@ -552,8 +554,6 @@ class WorkerSettings(ServiceSettings):
             raise ValueError(
                 f"adapters and adapter_dir are for the generate model only; model is {self.model!r}"
             )
-        if self.model == "generate" and (self.load == "demand" or self.unload_idle_s):
-            raise ValueError("load demand and unload_idle_s are not for the generate model")
         return self
 
     @property

@@ -88,6 +88,8 @@ class _FunctionThread:
             # A closed loop raises RuntimeError: nobody waits for this batch any more.
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_deliver, fut, *result)
+            # Not held while waiting for the next (what the call ran may be freed meanwhile).
+            del job, fn, arg, result
 
     def stop(self) -> None:
         """End after the batches already handed over."""

@@ -25,12 +25,13 @@ _KEYS = frozenset(
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """A request ready for the loop: its prompt's token ids, its parameters and its LoRA
-    adapter's index (-1: none)."""
+    """A request ready for the loop: its prompt's token ids, its parameters, its LoRA
+    adapter's index (-1: none) and name (to find it again in a model loaded anew)."""
 
     prompt_ids: tuple[int, ...]
     params: GenerationParams
     adapter: int = -1
+    adapter_name: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

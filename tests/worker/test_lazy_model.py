@@ -150,6 +150,28 @@ def test_the_budget_unloads_the_least_recently_used_idle_models_first() -> None:
     assert loads == ["a", "b", "c", "b"]
 
 
+class Reserving(Fake):
+    """A model that holds memory besides its weights once loaded (a KV cache budget)."""
+
+    def reserved_bytes(self) -> int:
+        return 3 * 64 * 16 * 4
+
+
+def test_the_budget_counts_what_a_model_reserves_besides_its_weights() -> None:
+    clock = Clock()
+    size = 64 * 16 * 4
+    pool = ModelPool(budget_bytes=4 * size)  # the weights of both fit; a's reserve too
+    a = LazyModel(
+        lambda: Reserving("a"), name="a", demand=True, idle_s=None, pool=pool, clock=clock
+    )
+    b = lazy("b", clock=clock, pool=pool)
+    a.infer(["x"])
+    assert (a.weights, a.bytes) == (size, 4 * size)
+    clock.now = 1.0
+    b.infer(["x"])  # a's weights and reserve, and b's weights: over the budget
+    assert [m.state for m in (a, b)] == ["unloaded", "loaded"]
+
+
 def test_a_failed_load_fails_its_call_and_the_next_call_loads() -> None:
     model = lazy("a", clock=Clock(), fail=[True])
     with pytest.raises(RuntimeError, match="no weights"):

@@ -31,6 +31,19 @@ def _offers_tools(value: Any) -> bool:
 
 # -- the model ---------------------------------------------------------------------------------
 
+#: What :meth:`GenerationModel.configure` sets: the worker's settings.
+_SETTINGS = frozenset(
+    {
+        "default_max_new_tokens",
+        "max_new_tokens_limit",
+        "max_batch_tokens",
+        "max_prefill_tokens",
+        "prefix_cache_tokens",
+        "adapters",
+        "adapter_dir",
+    }
+)
+
 
 class GenerationModel:
     """A causal LM served by continuous batching (``--model generate``).
@@ -69,6 +82,23 @@ class GenerationModel:
         self.engine: Any = None
         self._ops: TokenOps | None = None
 
+    def configure(self, **values: Any) -> None:
+        """Set the worker's settings before :meth:`load` (its executor does)."""
+        for name, value in values.items():
+            if name not in _SETTINGS:
+                raise TypeError(f"a generation model has no setting {name!r}")
+            setattr(self, name, value)
+
+    def reserved_bytes(self) -> int | None:
+        """What the loaded model holds besides its weights, at most: the KV cache of
+        ``max_batch_tokens`` and of the shared-prefix cache (None: its config does not say)."""
+        from batchline.generation._model import kv_bytes_per_token
+
+        per_token = kv_bytes_per_token(self.engine.model)
+        if per_token is None:
+            return None
+        return per_token[0] * (self.max_batch_tokens + self.prefix_cache_tokens)
+
     def load(self) -> None:
         from batchline.generation import Engine, load_causal_lm
         from batchline.generation._model import log_kv_budget
@@ -106,7 +136,7 @@ class GenerationModel:
             self.engine.token_texts.ready()  # here, not on the loop that writes the answer
         # UnknownAdapter, or AdapterError for one it cannot read: this request alone.
         adapter = self.engine.adapters.resolve(parsed.adapter)  # loaded on first use
-        request = GenerationRequest(tuple(ids), params, adapter)
+        request = GenerationRequest(tuple(ids), params, adapter, parsed.adapter)
         return [Prepared(request, len(ids) + params.max_new_tokens)]
 
     def facts(self) -> dict[str, Any]:

@@ -8,8 +8,10 @@ the request waits for the load, within its deadline) or a batch's ``infer``; aft
 ``idle_s`` without a call it drops the loaded model for a fresh unloaded one (the memory
 goes back) and loads again on the next request. A :class:`ModelPool` shared by the queues
 of one process keeps the models' weights within a budget: before a load it unloads the
-least recently used idle ones. A model is never unloaded while a call runs, so nothing
-read is lost: a request read while it unloads waits for the next load.
+least recently used idle ones (their weights, and what they hold besides while loaded: a
+generation model's KV budget). A model is never unloaded while a call runs, nor while what
+serves it holds requests for it (a generation model's executor: its running sequences), so
+nothing read is lost: a request read while it unloads waits for the next load.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class LazyModel:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._make = make
+        self._settings: dict[str, Any] = {}  # configure()'s, given to each fresh model
         self._inner: Model = make()
         self.name = name
         self.demand = demand
@@ -94,7 +97,10 @@ class LazyModel:
         #: ``loaded``, ``loading`` or ``unloaded`` (the worker's statistics show it).
         self.state = "unloaded"
         self.last_used = clock()
-        self.bytes: int | None = None  # the weights, as measured at the last load
+        #: The weights' bytes and what the model reserves besides (a generation model's KV
+        #: budget), as measured at the last load: what the budget counts.
+        self.bytes: int | None = None
+        self.weights: int | None = None  # the weights alone (the metrics)
         self.load_s: float | None = None
         self.loads = 0
         self.unloads = 0
@@ -102,6 +108,10 @@ class LazyModel:
         #: worker's metrics.
         self.on_load: Callable[[float, int | None], None] | None = None
         self.on_unload: Callable[[], None] | None = None
+        #: Asked before an unload, under the model's lock: each lets go of what it holds of
+        #: the loaded model and says True, or says False while it holds requests for it (a
+        #: generation model's executor).
+        self.releases: list[Callable[[], bool]] = []
         if pool is not None:
             pool.models.append(self)
 
@@ -115,6 +125,11 @@ class LazyModel:
         if name == "_inner":  # not set yet
             raise AttributeError(name)
         return getattr(self._inner, name)
+
+    @property
+    def inner(self) -> Model:
+        """The model itself (loaded or not)."""
+        return self._inner
 
     @property
     def preprocess_many(self) -> Callable[[list[Any]], Any] | None:
@@ -132,6 +147,30 @@ class LazyModel:
         """At the worker's start: load now, unless by demand."""
         if not self.demand:
             self._ensure()
+
+    def configure(self, **values: Any) -> None:
+        """Set the model's settings (before its load), on this one and each fresh one."""
+        self._settings.update(values)
+        self._configure(self._inner)
+
+    def _configure(self, model: Model) -> None:
+        configure = getattr(model, "configure", None)
+        if configure is not None and self._settings:
+            configure(**self._settings)
+
+    def _fresh(self) -> Model:
+        model = self._make()
+        self._configure(model)
+        return model
+
+    def ensure(self) -> None:
+        """Load the model unless it is loaded (a use: it counts as one for the idle time)."""
+        with self._using():
+            pass
+
+    def touch(self) -> None:
+        """Count now as a use (what serves the model ran it, other than by a call here)."""
+        self.last_used = self._clock()
 
     def preprocess(self, value: Any) -> list[Prepared]:
         with self._using():
@@ -200,7 +239,7 @@ class LazyModel:
                     self._inner.load()
                 except BaseException:
                     self.state = "unloaded"
-                    self._inner = self._make()  # what the failed load left is dropped
+                    self._inner = self._fresh()  # what the failed load left is dropped
                     raise
             for sink in self._sinks:
                 counted = getattr(self._inner, "count_padding", None)
@@ -209,10 +248,17 @@ class LazyModel:
             with contextlib.suppress(Exception):  # a tokenizer's settings, set once
                 self._inner.preprocess("settle")
             self.load_s = time.perf_counter() - began
-            self.bytes = weight_bytes(self._inner)
+            self.weights = weight_bytes(self._inner)
+            reserved = getattr(self._inner, "reserved_bytes", None)
+            besides = reserved() if reserved is not None else None
+            self.bytes = (
+                None
+                if self.weights is None and besides is None
+                else ((self.weights or 0) + (besides or 0))
+            )
             self.loads += 1
             if self.on_load is not None:  # before its state says so (the statistics)
-                self.on_load(self.load_s, self.bytes)
+                self.on_load(self.load_s, self.weights)
             self.loaded, self.state = True, "loaded"
             self.last_used = self._clock()
             self.facts()  # remembered for while it is unloaded
@@ -221,14 +267,16 @@ class LazyModel:
         logger.info("model %s loaded in %.1f s", self.name, self.load_s)
 
     def unload(self, *, reason: str) -> bool:
-        """Drop the loaded model for a fresh unloaded one, unless a call runs or it is
-        busy loading (False)."""
+        """Drop the loaded model for a fresh unloaded one, unless a call runs, what serves it
+        holds requests for it, or it is busy loading (False)."""
         if not self._lock.acquire(blocking=False):  # loading, or another thread unloads
             return False
         try:
             if not self.loaded or self._in_use:
                 return False
-            self._inner = self._make()
+            if not all(release() for release in self.releases):
+                return False
+            self._inner = self._fresh()
             self.unloads += 1
             if self.on_unload is not None:
                 self.on_unload()
@@ -248,4 +296,8 @@ class LazyModel:
             return False
         if self._clock() - self.last_used < self.idle_s:
             return False
-        return self.unload(reason=f"idle for {self.idle_s:g} s")
+        if self.unload(reason=f"idle for {self.idle_s:g} s"):
+            return True
+        if self.loaded:  # busy: idle counts from now
+            self.touch()
+        return False

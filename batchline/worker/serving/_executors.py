@@ -18,6 +18,7 @@ from batchline.config import WorkerSettings
 from batchline.drivers._aio import AioBatcher
 from batchline.drivers._base import BatchConfig
 from batchline.worker.models import CountsPadding, Model, Prepared
+from batchline.worker.models._lazy import LazyModel
 from batchline.worker.serving._generation_executor import GenerationExecutor, GenerationModel
 from batchline.worker.serving._starts import Starts
 from batchline.worker.shared._guard import Guard, work_of
@@ -47,7 +48,9 @@ def pads(model: Model) -> bool:
 
 def build(model: Model, s: WorkerSettings, *, guard: Guard, starts: Starts) -> Executors:
     """The executors for ``model``: see the module docstring."""
-    if isinstance(model, GenerationModel):  # continuous batching instead
+    if isinstance(model, GenerationModel) or (
+        isinstance(model, LazyModel) and isinstance(model.inner, GenerationModel)
+    ):  # continuous batching instead
         gen = GenerationExecutor(model, s, guard=guard, starts=starts)
         if s.cache_ttl_s > 0:
             logger.warning(

@@ -17,6 +17,13 @@ alone (the engine retries the step without it); a request delivered more than on
 it; requests read meanwhile wait for it. A step past ``max_batch_ms`` trips the worker's
 watchdog like any model call (the worker's guard stamps each step).
 
+A model loaded by demand or unloaded when idle (a
+:class:`~batchline.worker.models._lazy.LazyModel`): the executor holds the loop, and with it
+the loaded engine, while it holds requests; once it holds none, an unload drops both. A
+request that comes while the model is not loaded (read before an unload, or its load by
+demand failed on the reading side) waits for the model to load on the model thread, then
+joins the batch; a load that fails fails the requests waiting for it.
+
 What a request may carry, and its result, are in ``docs/protocol.md`` (Generation).
 """
 
@@ -26,6 +33,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -39,6 +47,7 @@ from batchline.drivers._aio import _FunctionThread
 from batchline.drivers._base import Call, Item
 from batchline.errors import BatcherClosed, GenerationError
 from batchline.worker.models._generation import GenerationModel
+from batchline.worker.models._lazy import LazyModel
 from batchline.worker.serving._starts import Starts
 from batchline.worker.shared._guard import Guard
 
@@ -67,11 +76,12 @@ class GenerationExecutor:
     docstring.
 
     Args:
-        model: the (loaded by the time requests come) generation model.
+        model: the generation model: loaded by the time requests come, or loaded by demand
+            and unloaded when idle (a LazyModel of one).
         settings: the worker's settings: ``batch_size`` (sequences running at once),
             ``max_batch_tokens``, ``max_prefill_tokens``, ``prefix_cache_tokens``,
-            ``default_max_new_tokens``, ``max_new_tokens_limit`` (the model's, set here,
-            before it loads).
+            ``default_max_new_tokens``, ``max_new_tokens_limit``, the adapters (the model's,
+            set here, before it loads).
         guard: runs each step, stamped for the watchdog.
         starts: told, on the model thread, which calls join the batch and its size; asked,
             between steps, whether a call's producer cancelled it.
@@ -79,20 +89,30 @@ class GenerationExecutor:
 
     def __init__(
         self,
-        model: GenerationModel,
+        model: GenerationModel | LazyModel,
         settings: WorkerSettings,
         *,
         guard: Guard,
         starts: Starts,
     ) -> None:
         self.model = model
-        model.default_max_new_tokens = settings.default_max_new_tokens
-        model.max_new_tokens_limit = settings.max_new_tokens_limit
-        model.max_batch_tokens = settings.max_batch_tokens
-        model.max_prefill_tokens = settings.max_prefill_tokens
-        model.prefix_cache_tokens = settings.prefix_cache_tokens
-        model.adapters = settings.adapter_paths()
-        model.adapter_dir = settings.adapter_dir
+        model.configure(
+            default_max_new_tokens=settings.default_max_new_tokens,
+            max_new_tokens_limit=settings.max_new_tokens_limit,
+            max_batch_tokens=settings.max_batch_tokens,
+            max_prefill_tokens=settings.max_prefill_tokens,
+            prefix_cache_tokens=settings.prefix_cache_tokens,
+            adapters=settings.adapter_paths(),
+            adapter_dir=settings.adapter_dir,
+        )
+        self._lazy = isinstance(model, LazyModel)
+        if isinstance(model, LazyModel):
+            model.releases.append(self._release)
+        # Between enqueue (the loop) and an unload's release (another thread).
+        self._pin = threading.Lock()
+        #: A lazy model's requests that came while it was not loaded: (sequence, adapter
+        #: name, alone), for the driver to load it and let them in.
+        self._pending: list[tuple[Sequence_, str | None, bool]] = []
         self.config = SchedulerConfig(
             max_batch_size=settings.batch_size, max_batch_tokens=settings.max_batch_tokens
         )
@@ -137,31 +157,41 @@ class GenerationExecutor:
 
         if self._closing:
             raise BatcherClosed("the generation executor is closed")
-        gen = self._loop()
         (prepared,) = payloads
         request: GenerationRequest = prepared.payload
-        seq = Sequence_(
-            list(request.prompt_ids),
-            request.params,
-            gen.clock(),
-            _ignore,
-            deadline=deadline,
-            priority=priority,
-        )
-        seq.adapter = request.adapter
-        seq.on_event = functools.partial(self._on_event, seq)
-        gen.scheduler.check(seq)
-        call = Call(1, deadline, wake, self._recorder)
-        self._calls[seq] = call
-        self._seqs[call] = seq
+        with self._pin:  # a lazy model's loop: kept while a call is held, else maybe dropped
+            gen = self._gen if self._lazy else self._loop()
+            seq = Sequence_(
+                list(request.prompt_ids),
+                request.params,
+                time.monotonic() if gen is None else gen.clock(),
+                _ignore,
+                deadline=deadline,
+                priority=priority,
+            )
+            seq.adapter = request.adapter
+            seq.on_event = functools.partial(self._on_event, seq)
+            if gen is not None:
+                if self._lazy and request.adapter_name is not None:  # maybe loaded anew since
+                    seq.adapter = gen.engine.adapters.resolve(request.adapter_name)
+                gen.scheduler.check(seq)
+            call = Call(1, deadline, wake, self._recorder)
+            self._calls[seq] = call
+            self._seqs[call] = seq
+        if gen is None:  # the model is to load first (the driver does)
+            self._pending.append((seq, request.adapter_name, alone))
+        else:
+            self._place(gen, seq, alone=alone)
+        self._poke()
+        return call
+
+    def _place(self, gen: GenerationLoop, seq: Sequence_, *, alone: bool) -> None:
         if alone:
             self._solo.append(seq)
         elif self._solo or self._solo_running is not None:
             self._held.append(seq)
         else:
             gen.submit(seq)
-        self._poke()
-        return call
 
     def stream(self, call: Call, emit: Callable[[Chunk], None]) -> None:
         """After each step that adds to the request of ``call`` (queued here), but its
@@ -212,6 +242,7 @@ class GenerationExecutor:
         calls, self._calls = self._calls, {}
         self._seqs.clear()
         self._streams.clear()
+        self._pending.clear()
         for seq, call in calls.items():
             seq.cancel_requested = True
             call.reject(BatcherClosed("the generation executor was closed"))
@@ -225,6 +256,15 @@ class GenerationExecutor:
             self._thread = None
 
     # -- the driver ----------------------------------------------------------------------------
+
+    def _release(self) -> bool:
+        """A lazy model about to unload: drop the loop (and the engine it holds), unless a
+        request is held (False: the model stays). On the unloading thread."""
+        with self._pin:
+            if self._calls:
+                return False
+            self._gen = None
+            return True
 
     def _loop(self) -> GenerationLoop:
         if self._gen is None:
@@ -260,17 +300,23 @@ class GenerationExecutor:
         self._starts.admitted(calls, batch_size)
 
     async def _drive(self) -> None:
-        gen = self._loop()
         wake = self._wake
         if wake is None:  # pragma: no cover - _poke sets it first
             raise RuntimeError("the driver started without its event")
         aio = asyncio.get_running_loop()
         self._thread = thread = _FunctionThread("batchline-generate")
         while True:
-            self._next_solo(gen)
-            if gen.idle:
+            if self._pending:
+                await self._load_pending(thread, aio)
+            gen = self._gen if self._lazy else self._loop()
+            if gen is not None:
+                self._next_solo(gen)
+            if gen is None or gen.idle:
                 if self._closing and not self._calls:
                     return
+                if isinstance(self.model, LazyModel) and not self._calls:
+                    self.model.touch()  # idle from now on
+                del gen  # (not held while waiting: an unload frees the engine)
                 wake.clear()
                 await wake.wait()
                 continue
@@ -280,7 +326,7 @@ class GenerationExecutor:
                 await thread.submit(aio, self._guard.call, gen.run_once)
             except Exception as exc:  # not a step's failure (the loop answers those): a bug
                 logger.exception("the generation loop failed; failing what it held")
-                gen = self._reset(exc)
+                self._reset(gen, exc)
                 continue
             finally:
                 self._starts.step_ended()
@@ -292,22 +338,52 @@ class GenerationExecutor:
             self._emit()
             self._settle()
 
-    def _reset(self, exc: Exception) -> GenerationLoop:
+    async def _load_pending(self, thread: _FunctionThread, aio: asyncio.AbstractEventLoop) -> None:
+        """Load the lazy model on the model thread for the requests that came while it was
+        not loaded, then let them in (a failed load fails them)."""
+        pending, self._pending = self._pending, []
+        try:
+            await thread.submit(aio, _ensure, self.model)
+        except Exception as exc:
+            logger.exception("the generation model failed to load")
+            for seq, _, _ in pending:
+                self._fail(seq, exc)
+            return
+        with self._pin:  # loaded, and kept while these are held
+            gen = self._loop()
+        for seq, adapter, alone in pending:
+            if seq not in self._calls:  # closed meanwhile
+                continue
+            try:
+                seq.adapter = gen.engine.adapters.resolve(adapter)
+                gen.scheduler.check(seq)
+            except Exception as exc:  # this request alone (an adapter gone, too long)
+                self._fail(seq, exc)
+                continue
+            self._place(gen, seq, alone=alone)
+
+    def _fail(self, seq: Sequence_, exc: BaseException) -> None:
+        call = self._calls.pop(seq, None)
+        if call is not None:
+            self._seqs.pop(call, None)
+            call.reject(exc)
+
+    def _reset(self, gen: GenerationLoop, exc: Exception) -> None:
         """Fail every request held and start from an empty batch."""
-        engine = self.model.engine
+        engine = gen.engine
         engine.evict(list(engine.running))
         self._finals.clear()
         self._progressed.clear()
         self._streams.clear()
         self._held.clear()
         self._solo.clear()
+        self._pending.clear()
         self._solo_running = None
         calls, self._calls = self._calls, {}
         self._seqs.clear()
         for call in calls.values():
             call.reject(GenerationError(f"{type(exc).__name__}: {exc}"))
         self._gen = None
-        return self._loop()
 
     def _next_solo(self, gen: GenerationLoop) -> None:
         """Start the next request to run alone once the batch has drained; when none is
@@ -341,8 +417,8 @@ class GenerationExecutor:
             if len(seq.generated) > tokens:
                 streamed.tokens, streamed.chars = len(seq.generated), seq.emitted_chars
                 logprobs = None
-                if seq.params.logprobs is not None:
-                    logprobs = self.model.engine.token_texts.entries(seq.logprobs[tokens:])
+                if seq.params.logprobs is not None and self._gen is not None:
+                    logprobs = self._gen.engine.token_texts.entries(seq.logprobs[tokens:])
                 text = seq.text[chars : seq.emitted_chars]
                 streamed.emit(Chunk("", tokens, chars, text, seq.generated[tokens:], "", logprobs))
 
@@ -399,3 +475,8 @@ class _Alone:
 
 def _ignore(event: Any) -> None:  # replaced as soon as the sequence exists
     return None
+
+
+def _ensure(model: GenerationModel | LazyModel) -> None:
+    if isinstance(model, LazyModel):
+        model.ensure()
