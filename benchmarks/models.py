@@ -56,6 +56,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -373,10 +374,22 @@ async def queues_part(args: argparse.Namespace, logdir: Path) -> None:
 # -- a cold model's first request -------------------------------------------------------------
 
 
+#: ``--cold``'s models: the worker's model argument, what a request sends, and its name.
+COLD: dict[str, tuple[list[str], Callable[[str], Any], str]] = {
+    "minilm": (["--model", "sentence-transformers"], lambda text: text, "all-MiniLM-L6-v2"),
+    "smollm2": (
+        ["--model", "generate"],
+        lambda text: {"prompt": text, "max_new_tokens": 1},
+        "SmolLM2-135M-Instruct (generate, one new token)",
+    ),
+}
+
+
 async def cold_part(args: argparse.Namespace, logdir: Path) -> None:
-    """A worker of all-MiniLM-L6-v2 by demand (``--load demand --unload-idle-s``): the first
-    request's latency (the model loads: in a fresh process, its libraries too), then, each
-    repeat, a request after the model unloaded (it loads again) against one while loaded."""
+    """A worker by demand (``--load demand --unload-idle-s``; ``--cold`` its model): the
+    first request's latency (the model loads: in a fresh process, its libraries too), then,
+    each repeat, a request after the model unloaded (it loads again) against one while
+    loaded."""
     import json as json_
 
     import redis
@@ -392,6 +405,8 @@ async def cold_part(args: argparse.Namespace, logdir: Path) -> None:
         url, which = start_redis(procs, child_env(), server.path)
         log(f"started {which}")
         argv = [sys.executable, "-m", "batchline", "worker", "--redis-url", url, "--queue", queue]
+        model, request, name = COLD[args.cold]
+        argv += [*model, "--dtype", args.dtype]
         argv += ["--load", "demand", "--unload-idle-s", "2", "--heartbeat-s", "0.2"]
         procs.spawn("worker", [*argv, "--max-restarts-per-min", "0"], env=child_env())
         client = redis.Redis.from_url(url)
@@ -417,7 +432,7 @@ async def cold_part(args: argparse.Namespace, logdir: Path) -> None:
 
             async def timed(text: str) -> float:
                 started = time.perf_counter()
-                await producer.infer(text, timeout_s=300)
+                await producer.infer(request(text), timeout_s=300)
                 return (time.perf_counter() - started) * 1e3
 
             samples.add("first", await timed("the very first request"))
@@ -431,7 +446,8 @@ async def cold_part(args: argparse.Namespace, logdir: Path) -> None:
     finally:
         procs.stop_all()
     print(
-        f"\ncold: all-MiniLM-L6-v2, one worker --load demand --unload-idle-s 2; {which}; "
+        f"\ncold: {name}, dtype {args.dtype}, one worker --load demand --unload-idle-s 2; "
+        f"{which}; "
         f"median of {args.repeats} repeats (range)"
     )
     print(f"  first request, fresh process (the model and its libraries load): "
@@ -452,6 +468,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--dtype", default="auto", help="as the library's: auto, float32, ...")
     parser.add_argument("--parts", default="qca", help="q: queues, c: cold, a: adapters")
+    parser.add_argument("--cold", choices=sorted(COLD), default="minilm", help="c's model")
     parser.add_argument("--seconds", type=float, default=20.0, help="a queues row's load")
     parser.add_argument("--rate-embed", type=float, default=40.0)
     parser.add_argument("--rate-classify", type=float, default=40.0)
