@@ -172,6 +172,28 @@ def test_the_budget_counts_what_a_model_reserves_besides_its_weights() -> None:
     assert [m.state for m in (a, b)] == ["unloaded", "loaded"]
 
 
+class Strict(Fake):
+    """A model whose facts need its weights (a generation model's need its engine)."""
+
+    def facts(self) -> dict[str, Any]:
+        if self.model is None:
+            raise RuntimeError("facts of a model not loaded")
+        return super().facts()
+
+
+def test_facts_read_during_an_unload_are_the_last_loaded_ones() -> None:
+    """The heartbeat publishes facts on another thread than the unload: whenever it reads
+    them (here: from the unload's own callback, after the model was swapped), it gets the
+    loaded model's or the remembered ones, never asks a model that is not loaded."""
+    model = LazyModel(lambda: Strict("a"), name="a", demand=True, idle_s=None, clock=Clock())
+    model.infer(["x"])
+    seen: list[dict[str, Any]] = []
+    model.on_unload = lambda: seen.append(model.facts())
+    assert model.unload(reason="a test")
+    assert seen == [{"kind": "embedding", "dimensions": 64}]
+    assert model.facts() == {"kind": "embedding", "dimensions": 64}
+
+
 def test_a_failed_load_fails_its_call_and_the_next_call_loads() -> None:
     model = lazy("a", clock=Clock(), fail=[True])
     with pytest.raises(RuntimeError, match="no weights"):

@@ -185,6 +185,7 @@ class LazyModel:
 
     def facts(self) -> dict[str, Any]:
         """The loaded model's facts (as last loaded while unloaded; none before)."""
+        # The model before the flag: an unload clears the flag before it swaps the model.
         own = getattr(self._inner, "facts", None)
         if self.loaded and own is not None:
             self._facts = own()
@@ -276,11 +277,13 @@ class LazyModel:
                 return False
             if not all(release() for release in self.releases):
                 return False
-            self._inner = self._fresh()
+            fresh = self._fresh()
+            # The flag before the model (facts() reads them the other way round).
+            self.loaded, self.state = False, "unloaded"
+            self._inner = fresh
             self.unloads += 1
             if self.on_unload is not None:
                 self.on_unload()
-            self.loaded, self.state = False, "unloaded"
         finally:
             self._lock.release()
         gc.collect()
