@@ -136,6 +136,9 @@ def assemble(
     metrics = Metrics(s.metrics_port, tenants=s.metrics_tenants)
     claims = Claims(client, keys.streams_low_first, worker_id)
     guard = Guard(s, claims, workers_key=keys.workers, redis=client, own=own_client)
+    if isinstance(model, LazyModel):
+        lazy = model
+        guard.load_stamp = lambda: lazy.loading
     cancels = CancelLog(s.result_ttl_s, max_ids=s.cancel_max_ids, max_bytes=s.cancel_max_bytes)
     space = asyncio.Event()
     starts = Starts(claims, cancels, space, trace=trace)

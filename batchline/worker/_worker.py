@@ -67,6 +67,10 @@ __all__ = ["Worker"]
 logger = logging.getLogger(__name__)
 
 
+#: How long a hung worker waits for its reader's current read before it cuts it off.
+_READER_GRACE_S = 3.0
+
+
 class Worker:
     """Serve one queue: ``await Worker(...).run()`` until SIGTERM or :meth:`stop`.
 
@@ -192,8 +196,9 @@ class Worker:
             await self._close(tasks)
         if p.guard.hung.is_set():
             raise WorkerHung(
-                f"worker {self.worker_id}: a model call ran past its bound "
-                f"(max_batch_ms={self.settings.max_batch_ms})"
+                f"worker {self.worker_id}: a model call or load ran past its bound "
+                f"(max_batch_ms={self.settings.max_batch_ms}, "
+                f"max_load_s={self.settings.max_load_s:g})"
             )
         if crashed:
             # Exit non-zero so that a supervisor restarts the worker.
@@ -250,7 +255,7 @@ class Worker:
             self.model.on_load = self.metrics.model_loaded
             self.model.on_unload = self.metrics.model_unloaded
             if self.model.loaded:
-                self.metrics.model_loaded(self.model.load_s or took, self.model.bytes)
+                self.metrics.model_loaded(self.model.load_s or took, self.model.weights)
         else:
             size = weight_bytes(self.model)
             self.metrics.model_loaded(took, size)
@@ -340,7 +345,12 @@ class Worker:
         drain.cancel()
         await asyncio.gather(drain, return_exceptions=True)
         if not reader.done():
-            await reader  # returns after its current read (at most one block interval)
+            # It returns after its current read (at most one block interval), unless the
+            # preparing of what it read hangs (a load past max_load_s): then it is cut off
+            # (what it read is held, and handed back by then).
+            await asyncio.wait({reader}, timeout=_READER_GRACE_S)
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
         await p.guard.abandon()  # what that read brought in
         await p.answers.drain()  # the answers already computed
         # Nothing is answered from here on: abandon() forgot every call held.

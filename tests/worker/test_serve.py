@@ -302,3 +302,49 @@ def test_the_workers_that_hold_the_model_take_the_requests_first(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.mark.slow
+def test_a_load_by_demand_that_hangs_ends_the_worker_and_hands_its_request_back(
+    redis_url: str, queue: str, tmp_path: Path
+) -> None:
+    """A model whose load by demand never ends: past ``max_load_s`` the worker is hung, as
+    for a model call past ``max_batch_ms``: it exits with the hung status, and the request
+    waiting for the load goes back to the queue, where a worker whose load ends answers it."""
+    from batchline.worker.upkeep._watchdog import HUNG_EXIT_CODE
+
+    model = ["--model", "tests.support.gated_model:slow_to_load", "--heartbeat-s", "0.2"]
+    env = {"BATCHLINE_REDIS_URL": redis_url, "BATCHLINE_QUEUE": queue}
+    hangs = subprocess.Popen(
+        [sys.executable, "-m", "batchline", "worker", *model, "--load", "demand",
+         "--max-load-s", "1", "--max-restarts-per-min", "0", "--worker-id", "hangs"],
+        env=subprocess_env({**env, "BLTEST_LOAD_GATE": str(tmp_path / "never")}),
+        cwd=REPO, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    client = redis.Redis.from_url(redis_url)
+    loads = None
+    try:
+        wait_until(lambda: client.zcard(QueueKeys(queue).workers) > 0 or hangs.poll() is not None,
+                   "the worker")  # fmt: skip
+        with Producer(redis_url=redis_url, queue=queue) as producer:
+            handle = producer.submit("waits for a load")
+            assert hangs.wait(timeout=60) == HUNG_EXIT_CODE
+            stderr = hangs.stderr.read() if hangs.stderr else ""
+            assert "the model's load has run" in stderr, stderr
+            assert "past max_load_s=1" in stderr, stderr
+            gate = tmp_path / "open"
+            gate.touch()
+            loads = subprocess.Popen(
+                [sys.executable, "-m", "batchline", "worker", *model, "--load", "demand",
+                 "--max-restarts-per-min", "0", "--worker-id", "loads"],
+                env=subprocess_env({**env, "BLTEST_LOAD_GATE": str(gate)}),
+                cwd=REPO, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            result = producer.wait(handle, 60)
+            assert (result.unwrap(), result.worker) == ("waits for a load", "loads")
+    finally:
+        client.close()
+        for proc in (hangs, loads):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -102,6 +102,9 @@ class LazyModel:
         self.bytes: int | None = None
         self.weights: int | None = None  # the weights alone (the metrics)
         self.load_s: float | None = None
+        #: While a load runs: when it began (``time.monotonic()``) and None (a stamp, one
+        #: object a load, as the worker's watchdog wants it).
+        self.loading: tuple[float, None] | None = None
         self.loads = 0
         self.unloads = 0
         #: Called at each load with (seconds, weight bytes), and at each unload: the
@@ -236,12 +239,15 @@ class LazyModel:
                 if self.pool is not None:
                     self.pool.make_room(self)
                 began = time.perf_counter()
+                self.loading = (time.monotonic(), None)
                 try:
                     self._inner.load()
                 except BaseException:
                     self.state = "unloaded"
                     self._inner = self._fresh()  # what the failed load left is dropped
                     raise
+                finally:
+                    self.loading = None
             for sink in self._sinks:
                 counted = getattr(self._inner, "count_padding", None)
                 if counted is not None:

@@ -210,6 +210,9 @@ class Guard:
         self.bound_file: Path | None = None
         #: Shared with the other queues of one process (``serve``): their calls take turns.
         self.turns: Turns | None = None
+        #: The stamp of the model's load running (None between loads), for a model loaded
+        #: by demand (None: no such model): the watchdog bounds it by ``max_load_s``.
+        self.load_stamp: Callable[[], Stamp | None] | None = None
 
     @property
     def slow(self) -> bool:

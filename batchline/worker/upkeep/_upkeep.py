@@ -349,7 +349,9 @@ class Upkeep:
             entrance=entrance,
             counts=counts,
         )
-        self.watchdog = Watchdog(guard, worker_id=claims.worker_id, metrics=metrics)
+        self.watchdog = Watchdog(
+            guard, worker_id=claims.worker_id, metrics=metrics, max_load_s=s.max_load_s
+        )
         self.heartbeat = Heartbeat(
             claims.redis,
             s.keys,

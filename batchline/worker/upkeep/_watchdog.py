@@ -1,5 +1,6 @@
 """The thread that watches a worker's model calls, each against its bound (``max_batch_ms``:
-:mod:`batchline.worker.shared._guard`).
+:mod:`batchline.worker.shared._guard`), and a model's loads by demand against theirs
+(``max_load_s``; a load past it is hung as a call is, never slow).
 
 The watch. A thread ticks every 0.25 s (a quarter of a smaller fixed bound). It counts how
 long a call has run as it sees it, each tick counting at most two periods, so that a process
@@ -95,6 +96,8 @@ class Watched(Protocol):
     bound: CallBound
     #: Set once a call runs past its bound.
     hung: threading.Event
+    #: The stamp of the model's load running, None between (None: nothing loads by demand).
+    load_stamp: Callable[[], Stamp | None] | None
 
     @property
     def running(self) -> Stamp | None:
@@ -116,10 +119,14 @@ class Watchdog:
         calls: the model calls watched (the worker's guard).
         worker_id: for the log lines.
         metrics: marked unhealthy when a call hangs; told the bound as it changes.
+        max_load_s: the bound of a load by demand (0: none).
     """
 
-    def __init__(self, calls: Watched, *, worker_id: str, metrics: Metrics) -> None:
+    def __init__(
+        self, calls: Watched, *, worker_id: str, metrics: Metrics, max_load_s: float = 0.0
+    ) -> None:
         self.bound = calls.bound
+        self.max_load_s = max_load_s
         self._calls = calls
         self._worker_id = worker_id
         self._hung = calls.hung
@@ -139,9 +146,12 @@ class Watchdog:
         (:meth:`Watched.abandon_blocked`)."""
         done = threading.Event()
         bound = self.bound
-        if not bound.auto and bound.fixed_s <= 0:
+        watch_calls = bound.auto or bound.fixed_s > 0
+        load_stamp = self._calls.load_stamp if self.max_load_s > 0 else None
+        if not watch_calls and load_stamp is None:
             return done
-        tick_s = _TICK_S if bound.auto else min(_TICK_S, bound.fixed_s / 4)
+        tick_s = min(_TICK_S, bound.fixed_s / 4) if bound.fixed_s > 0 else _TICK_S
+        load_bound = CallBound(round(self.max_load_s * 1e3))
 
         def post(callback: Callable[[], None]) -> None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to do
@@ -149,15 +159,20 @@ class Watchdog:
 
         def watch() -> None:
             calls = CallWatch(bound, tick_s=tick_s)
+            loads = CallWatch(load_bound, tick_s=tick_s)
             follow = _Follow(bound, self._worker_id, self._metrics, self._calls.remember)
             while not done.wait(tick_s):  # a watchdog timer
+                now = time.monotonic()
                 call = self._calls.running
-                state = calls.tick(time.monotonic(), call)
+                state = calls.tick(now, call) if watch_calls else "idle"
                 follow.step()
                 if state == "slow" and call is not None:
                     post(functools.partial(on_slow, call))
                 elif state == "hung":
                     self._trip(calls, post, on_hung, exit_if_loop_blocked)
+                    return
+                if load_stamp is not None and loads.tick(now, load_stamp()) == "hung":
+                    self._trip(loads, post, on_hung, exit_if_loop_blocked, load=True)
                     return
 
         threading.Thread(target=watch, name="batchline-watchdog", daemon=True).start()
@@ -169,13 +184,20 @@ class Watchdog:
         post: Callable[[Callable[[], None]], None],
         on_hung: Callable[[], None],
         exit_if_loop_blocked: bool,
+        *,
+        load: bool = False,
     ) -> None:
+        what, setting = (
+            ("the model's load", f"max_load_s={self.max_load_s:g}")
+            if load
+            else ("a model call", f"max_batch_ms={self.bound.describe(calls.limit_s)}")
+        )
         logger.error(
-            "worker %s: a model call has run %.1f s, past max_batch_ms=%s: handing back what "
-            "it holds and stopping",
+            "worker %s: %s has run %.1f s, past %s: handing back what it holds and stopping",
             self._worker_id,
+            what,
             calls.ran_s,
-            self.bound.describe(calls.limit_s),
+            setting,
         )
         self._hung.set()
         self._metrics.unhealthy()
