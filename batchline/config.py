@@ -437,8 +437,8 @@ class WorkerSettings(ServiceSettings):
             call's work), at least 5000, 60000 before a call is timed; a number: fixed (0:
             none).
         max_load_s: longest a model's load by demand (``load demand``, or again after
-            ``unload_idle_s``) may take; past it the worker is hung, as for a call past
-            ``max_batch_ms`` (0: none).
+            ``unload_idle_s``) may take, a first download of its weights included; past it
+            the worker is hung, as for a call past ``max_batch_ms`` (0: none).
         max_restarts_per_min: most restarts of a crashed or hung worker process within a
             minute by ``batchline worker``; past them it exits non-zero (0: no supervisor,
             the worker runs in the command's own process and a crash ends it, for an
@@ -517,7 +517,7 @@ class WorkerSettings(ServiceSettings):
     claim_idle_ms: int = Field(default=30_000, ge=100)
     max_deliveries: int = Field(default=3, ge=1)
     max_batch_ms: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"
-    max_load_s: float = Field(default=600.0, ge=0)
+    max_load_s: float = Field(default=1800.0, ge=0)
     max_restarts_per_min: int = Field(default=10, ge=0)
     max_chars: int = Field(default=20_000, ge=1)
     max_elements: int = Field(default=1 << 20, ge=1)

@@ -89,7 +89,7 @@ class _FunctionThread:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_deliver, fut, *result)
             # Not held while waiting for the next (what the call ran may be freed meanwhile).
-            del job, fn, arg, result
+            del job, loop, fut, fn, arg, result
 
     def stop(self) -> None:
         """End after the batches already handed over."""

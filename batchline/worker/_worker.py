@@ -344,15 +344,20 @@ class Worker:
         await p.guard.abandon()  # at once: not after the drain, nor after the next read
         drain.cancel()
         await asyncio.gather(drain, return_exceptions=True)
+        cut_off = False
         if not reader.done():
             # It returns after its current read (at most one block interval), unless the
             # preparing of what it read hangs (a load past max_load_s): then it is cut off
-            # (what it read is held, and handed back by then).
-            await asyncio.wait({reader}, timeout=_READER_GRACE_S)
+            # (what it read is held, and handed back below).
+            done, _ = await asyncio.wait({reader}, timeout=_READER_GRACE_S)
+            cut_off = not done
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
         await p.guard.abandon()  # what that read brought in
         await p.answers.drain()  # the answers already computed
+        if cut_off:  # what is held now never became a call: back with its delivery count
+            taken = p.claims.take_unstarted()
+            await p.claims.give_back(taken, idle_ms=self.settings.claim_idle_ms)
         # Nothing is answered from here on: abandon() forgot every call held.
         p.executors.main.close()
         p.executors.alone.close()

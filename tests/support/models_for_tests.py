@@ -398,3 +398,17 @@ def tiny_llama_gated() -> tuple[Any, ByteTokenizer]:
     model, tok = tiny_llama()
     model.register_forward_pre_hook(GATE.hook)
     return model, tok
+
+
+#: Holds :func:`held_failing_lm` inside its load until set (for in-process workers).
+LOAD_RELEASE = threading.Event()
+#: Set once :func:`held_failing_lm` is inside its load.
+LOAD_ENTERED = threading.Event()
+
+
+def held_failing_lm() -> tuple[Any, Any]:
+    """A generation model's ``module:callable`` whose load waits for :data:`LOAD_RELEASE`
+    (bounded), then fails."""
+    LOAD_ENTERED.set()
+    LOAD_RELEASE.wait(60)
+    raise RuntimeError("no weights today")

@@ -122,12 +122,19 @@ async def _enqueue(worker: Worker, prepared: Any, done: threading.Event) -> Any:
     return executor.enqueue(prepared, lambda call: done.set())
 
 
-def _run(worker: Worker, prepared: Any) -> Any:
-    """Enqueue ``prepared`` on the worker's loop, as its reader does; its outcome."""
+def _submit(worker: Worker, prepared: Any) -> tuple[Any, threading.Event]:
+    """Enqueue ``prepared`` on the worker's loop, as its reader does: its call, and the
+    event set once it is answered."""
     done = threading.Event()
     loop = worker._loop  # noqa: SLF001
     assert loop is not None
     call = asyncio.run_coroutine_threadsafe(_enqueue(worker, prepared, done), loop).result(T)
+    return call, done
+
+
+def _run(worker: Worker, prepared: Any) -> Any:
+    """:func:`_submit`, then its outcome."""
+    call, done = _submit(worker, prepared)
     assert done.wait(T), "no answer"
     return call.outcome(False)
 
@@ -179,3 +186,33 @@ def test_a_failed_load_fails_the_requests_waiting_for_it_and_the_next_loads(
     result = _run(worker, prepared)  # a fresh model (the configured path) loads
     want = in_process(reference, {"prompt": "The sea is", "max_new_tokens": 5})
     assert result.token_ids == want.token_ids
+
+
+@pytest.mark.slow
+def test_a_request_that_comes_while_a_failing_load_runs_waits_for_the_next_load(
+    start_worker: Callable[..., WorkerThread], reference: Any
+) -> None:
+    """Request a waits for a load that fails; request b comes while it runs: a fails with
+    the load's error, and b is answered once the next load succeeds."""
+    from tests.support import models_for_tests as support
+
+    worker = start_worker("generate", model_path=TINY, load="demand").worker
+    model = lazy_of(worker)
+    value = {"prompt": "The sea is", "max_new_tokens": 5}
+    a, b = model.preprocess(value), model.preprocess(value)
+    assert model.unload(reason="a test")
+    model.inner.path = "tests.support.models_for_tests:held_failing_lm"  # type: ignore[attr-defined]
+    support.LOAD_ENTERED.clear()
+    support.LOAD_RELEASE.clear()
+    try:
+        call_a, done_a = _submit(worker, a)
+        assert support.LOAD_ENTERED.wait(T)  # the executor loads on its model thread
+        call_b, done_b = _submit(worker, b)
+    finally:
+        support.LOAD_RELEASE.set()
+    assert done_a.wait(T)
+    with pytest.raises(RuntimeError, match="no weights today"):
+        call_a.outcome(False)
+    assert done_b.wait(T), "the request that came during the failed load was never run"
+    want = in_process(reference, value)
+    assert call_b.outcome(False).token_ids == want.token_ids

@@ -317,7 +317,8 @@ def test_a_load_by_demand_that_hangs_ends_the_worker_and_hands_its_request_back(
     env = {"BATCHLINE_REDIS_URL": redis_url, "BATCHLINE_QUEUE": queue}
     hangs = subprocess.Popen(
         [sys.executable, "-m", "batchline", "worker", *model, "--load", "demand",
-         "--max-load-s", "1", "--max-restarts-per-min", "0", "--worker-id", "hangs"],
+         "--max-load-s", "1", "--max-restarts-per-min", "0", "--worker-id", "hangs",
+         "--claim-idle-ms", "600000"],  # (no reclaim by time: only a hand-back is in time)
         env=subprocess_env({**env, "BLTEST_LOAD_GATE": str(tmp_path / "never")}),
         cwd=REPO, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -336,7 +337,8 @@ def test_a_load_by_demand_that_hangs_ends_the_worker_and_hands_its_request_back(
             gate.touch()
             loads = subprocess.Popen(
                 [sys.executable, "-m", "batchline", "worker", *model, "--load", "demand",
-                 "--max-restarts-per-min", "0", "--worker-id", "loads"],
+                 "--max-restarts-per-min", "0", "--worker-id", "loads",
+                 "--claim-idle-ms", "600000"],
                 env=subprocess_env({**env, "BLTEST_LOAD_GATE": str(gate)}),
                 cwd=REPO, stderr=subprocess.DEVNULL,
             )  # fmt: skip

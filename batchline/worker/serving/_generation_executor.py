@@ -108,8 +108,9 @@ class GenerationExecutor:
         self._lazy = isinstance(model, LazyModel)
         if isinstance(model, LazyModel):
             model.releases.append(self._release)
-        # Between enqueue (the loop) and an unload's release (another thread).
-        self._pin = threading.Lock()
+        # Between enqueue and settling (the loop) and an unload's release (another thread):
+        # the model stays loaded while a call is held or its answer is made.
+        self._pin = threading.RLock()
         #: A lazy model's requests that came while it was not loaded: (sequence, adapter
         #: name, alone), for the driver to load it and let them in.
         self._pending: list[tuple[Sequence_, str | None, bool]] = []
@@ -171,14 +172,20 @@ class GenerationExecutor:
             )
             seq.adapter = request.adapter
             seq.on_event = functools.partial(self._on_event, seq)
+            if gen is not None and self._lazy and request.adapter_name is not None:
+                # Maybe loaded anew since it was prepared: its adapter's index in this one,
+                # where it is attached (else found, or loaded, on the model thread).
+                index = gen.engine.adapters.indexes.get(request.adapter_name)
+                if index is None:
+                    gen = None
+                else:
+                    seq.adapter = index
             if gen is not None:
-                if self._lazy and request.adapter_name is not None:  # maybe loaded anew since
-                    seq.adapter = gen.engine.adapters.resolve(request.adapter_name)
                 gen.scheduler.check(seq)
             call = Call(1, deadline, wake, self._recorder)
             self._calls[seq] = call
             self._seqs[call] = seq
-        if gen is None:  # the model is to load first (the driver does)
+        if gen is None:  # the model is to load first, or its adapter (the driver does)
             self._pending.append((seq, request.adapter_name, alone))
         else:
             self._place(gen, seq, alone=alone)
@@ -312,6 +319,8 @@ class GenerationExecutor:
             if gen is not None:
                 self._next_solo(gen)
             if gen is None or gen.idle:
+                if self._pending:  # came while it loaded: their turn now
+                    continue
                 if self._closing and not self._calls:
                     return
                 if isinstance(self.model, LazyModel) and not self._calls:
@@ -339,11 +348,13 @@ class GenerationExecutor:
             self._settle()
 
     async def _load_pending(self, thread: _FunctionThread, aio: asyncio.AbstractEventLoop) -> None:
-        """Load the lazy model on the model thread for the requests that came while it was
-        not loaded, then let them in (a failed load fails them)."""
+        """On the model thread: load the lazy model for the requests that came while it was
+        not loaded, find their adapters in it (loading one from the directory on first use)
+        and ready what their answers need; then let them in (a failed load fails them all,
+        an adapter not found its request alone)."""
         pending, self._pending = self._pending, []
         try:
-            await thread.submit(aio, _ensure, self.model)
+            found = await thread.submit(aio, _ready, (self.model, pending))
         except Exception as exc:
             logger.exception("the generation model failed to load")
             for seq, _, _ in pending:
@@ -351,11 +362,13 @@ class GenerationExecutor:
             return
         with self._pin:  # loaded, and kept while these are held
             gen = self._loop()
-        for seq, adapter, alone in pending:
+        for (seq, _, alone), adapter in zip(pending, found, strict=True):
             if seq not in self._calls:  # closed meanwhile
                 continue
             try:
-                seq.adapter = gen.engine.adapters.resolve(adapter)
+                if isinstance(adapter, Exception):
+                    raise adapter
+                seq.adapter = adapter
                 gen.scheduler.check(seq)
             except Exception as exc:  # this request alone (an adapter gone, too long)
                 self._fail(seq, exc)
@@ -423,6 +436,10 @@ class GenerationExecutor:
                 streamed.emit(Chunk("", tokens, chars, text, seq.generated[tokens:], "", logprobs))
 
     def _settle(self) -> None:
+        with self._pin:  # each answer is made (postprocess) before the model may unload
+            self._settle_pinned()
+
+    def _settle_pinned(self) -> None:
         finals, self._finals = self._finals, []
         for seq, event in finals:
             self._streams.pop(seq, None)
@@ -477,6 +494,21 @@ def _ignore(event: Any) -> None:  # replaced as soon as the sequence exists
     return None
 
 
-def _ensure(model: GenerationModel | LazyModel) -> None:
+def _ready(
+    job: tuple[GenerationModel | LazyModel, list[tuple[Sequence_, str | None, bool]]],
+) -> list[int | Exception]:
+    """The model loaded (on the model thread), each pending request's adapter index in it,
+    or the exception finding it raised; token texts made where a request wants them."""
+    model, pending = job
     if isinstance(model, LazyModel):
         model.ensure()
+    engine = model.engine
+    found: list[int | Exception] = []
+    for seq, adapter, _ in pending:
+        try:
+            found.append(engine.adapters.resolve(adapter))
+        except Exception as exc:
+            found.append(exc)
+        if seq.params.logprobs is not None:
+            engine.token_texts.ready()
+    return found

@@ -199,6 +199,17 @@ class Claims:
                     held.discard(entry)
         return groups
 
+    def take_unstarted(self) -> Taken:
+        """Stop holding every entry still held, none of which became a call (read, and its
+        preparing never ended: a hung load); what :meth:`give_back` takes, each with its
+        delivery count as it was before this worker."""
+        groups: Taken = defaultdict(list)
+        for sidx, held in enumerate(self.held):
+            for entry in list(held):
+                groups[(sidx, self.deliveries.pop(entry, 1) - 1)].append(entry)
+                held.discard(entry)
+        return groups
+
     async def give_back(
         self, taken: Taken, *, idle_ms: int, redis: RedisClient | None = None
     ) -> None:

@@ -160,12 +160,17 @@ class Watchdog:
         def watch() -> None:
             calls = CallWatch(bound, tick_s=tick_s)
             loads = CallWatch(load_bound, tick_s=tick_s)
-            follow = _Follow(bound, self._worker_id, self._metrics, self._calls.remember)
+            follow = (
+                _Follow(bound, self._worker_id, self._metrics, self._calls.remember)
+                if watch_calls
+                else None
+            )
             while not done.wait(tick_s):  # a watchdog timer
                 now = time.monotonic()
                 call = self._calls.running
                 state = calls.tick(now, call) if watch_calls else "idle"
-                follow.step()
+                if follow is not None:
+                    follow.step()
                 if state == "slow" and call is not None:
                     post(functools.partial(on_slow, call))
                 elif state == "hung":
