@@ -51,7 +51,7 @@ from typing import Any
 import redis
 
 from batchline.keys import QueueKeys
-from checks.chaos._analysis import WINDOW_BEFORE_S, analyse
+from checks.chaos._analysis import WINDOW_AFTER_S, WINDOW_BEFORE_S, analyse
 from checks.chaos._processes import REDIS_BINARY, RedisServer, Workers, log
 from checks.chaos._producer import producer_main
 
@@ -228,7 +228,10 @@ def _print_report(summary: dict[str, Any], ok: bool) -> None:
     print(
         "note: 'lost in the Redis restart window' = accepted up to "
         f"{WINDOW_BEFORE_S:.0f} s before Redis went down, never answered, and in no work "
-        "stream and no result key: Redis (appendfsync everysec) dropped the entry itself."
+        "stream and no result key: Redis (appendfsync everysec) dropped the entry itself. "
+        f"'answered twice in the Redis restart window' = first answered up to {WINDOW_AFTER_S:.0f} "
+        "s after Redis came back: a write in flight as it went down, made again (its answer "
+        "pushed anyway; a producer drops the second)."
     )
     print("CHAOS RESULT " + ("PASS" if ok else "FAIL"), flush=True)
 

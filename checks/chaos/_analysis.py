@@ -17,6 +17,11 @@ from checks.chaos._producer import POISON
 
 # A request accepted this long before Redis went down may be lost by Redis (fsync every s).
 WINDOW_BEFORE_S = 2.0
+# A worker's write in flight as Redis went down is made again once it is back (the completion
+# script's "again": the answer is pushed anyway, and a producer drops the one it has), after
+# the writer's and the producer's reconnecting: a second reply this long after Redis came
+# back counts in the window.
+WINDOW_AFTER_S = 5.0
 
 
 def _in_streams(client: redis.Redis, keys: QueueKeys) -> set[str]:
@@ -28,9 +33,12 @@ def _in_streams(client: redis.Redis, keys: QueueKeys) -> set[str]:
     return ids
 
 
-def _in_window(at: float, redis_window: tuple[float, float] | None) -> bool:
-    """Whether ``at`` (unix s) falls in the Redis restart window, the seconds before included."""
-    return redis_window is not None and redis_window[0] - WINDOW_BEFORE_S <= at <= redis_window[1]
+def _in_window(at: float, redis_window: tuple[float, float] | None, after_s: float = 0.0) -> bool:
+    """Whether ``at`` (unix s) falls in the Redis restart window, the seconds before included
+    (and ``after_s`` after it)."""
+    if redis_window is None:
+        return False
+    return redis_window[0] - WINDOW_BEFORE_S <= at <= redis_window[1] + after_s
 
 
 @dataclass
@@ -116,7 +124,7 @@ def analyse(
     twice_window = {
         rid: n
         for rid, n in twice.items()
-        if _in_window(reports.first_reply_at.get(rid, 0), redis_window)
+        if _in_window(reports.first_reply_at.get(rid, 0), redis_window, WINDOW_AFTER_S)
     }
     strangers = sorted(set(reports.replies) - set(accepted))
     summary = {
