@@ -136,6 +136,9 @@ class Enqueuer:
             await self._flush_one([p for p in pending if p[3] == tenant], tenant)
 
     async def _flush_one(self, pending: list[_Pending], tenant: str | None) -> None:
+        # Higher priorities first (each priority in the order put): an interactive request
+        # put after a burst of low ones is admitted ahead of them.
+        pending = sorted(pending, key=lambda p: -p[0][0])
         try:
             entries = await self._write_through_failover(
                 [e for e, *_ in pending], [p[2] for p in pending], tenant

@@ -108,3 +108,47 @@ async def test_auto_uses_the_script_where_the_functions_are_missing(
     async with AsyncProducer(redis_url=redis_url, queue=queue) as producer:
         await producer.submit("by the functions")
     assert rclient.llen(keys.inbox) == 1
+
+
+async def test_a_write_puts_its_higher_priorities_first(
+    redis_url: str, queue: str, rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    """Requests put in one write go to the inbox highest priority first, each priority in
+    the order put: an interactive request sent right after a burst of the lowest priority is
+    admitted ahead of the burst."""
+    async with AsyncProducer(redis_url=redis_url, queue=queue) as producer:
+        puts = [asyncio.ensure_future(producer.submit(f"low {i}", priority=0)) for i in range(8)]
+        puts.append(asyncio.ensure_future(producer.submit("mid", priority=1)))
+        puts.append(asyncio.ensure_future(producer.submit("high", priority=2)))
+        handles = await asyncio.gather(*puts)
+    ids = {h.id: i for i, h in enumerate(handles)}
+    elements = [msgpack.unpackb(e) for e in rclient.lrange(keys.inbox, 0, -1)]
+    order = [ids[dict(zip(e[2::2], e[3::2], strict=True))["id"]] for e in elements]
+    assert order == [9, 8, 0, 1, 2, 3, 4, 5, 6, 7]
+
+
+async def test_the_first_admit_call_after_a_wait_admits_the_head_of_a_burst(
+    redis_url: str, queue: str, rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    """A burst comes to an idle queue: the admitter's first call, sent with its wait on the
+    inbox, admits the head of the burst (the element the wait moved and FIRST_CALL more),
+    so that the head is read while the rest is admitted; the next calls admit the rest."""
+    import redis.asyncio as aioredis
+
+    from batchline.config import WorkerSettings
+    from batchline.worker.serving._admitter import FIRST_CALL, Admitter
+
+    async with AsyncProducer(redis_url=redis_url, queue=queue) as producer:
+        handles = await asyncio.gather(*(producer.submit(i, reply=False) for i in range(100)))
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        admitter = Admitter(client, WorkerSettings(queue=queue), worker_id="test")
+        left = await admitter.wait_and_admit(client, keys.inbox, keys.admitting)
+        assert rclient.xlen(keys.stream(1)) == 1 + FIRST_CALL
+        assert left == 100 - 1 - FIRST_CALL
+        while left:
+            left = await admitter.admit()
+    finally:
+        await client.aclose()
+    entries = rclient.xrange(keys.stream(1))
+    assert [e[1][b"id"].decode() for e in entries] == [h.id for h in handles]

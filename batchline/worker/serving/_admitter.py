@@ -6,8 +6,10 @@ On Redis >= 7 producers write nothing but the inbox, through the queue's functio
 admit function as the worker starts (what a worker that died had taken, what waits), then
 blocks on the inbox with ``BLMOVE`` into the admission list, so that one blocked worker
 wakes per element rather than all of them, and calls the admit function again: it admits the
-admission list, then up to ``per_call`` elements of the inbox, oldest first, and the
-admitter calls it again at once while the inbox holds more. The queue's depth bound is the
+admission list, then up to ``per_call`` elements of the inbox, oldest first (16 in the
+first call after the wait, so that the head of a burst, where a producer puts its highest
+priorities, is admitted and read before the rest), and the admitter calls it again at once
+while the inbox holds more. The queue's depth bound is the
 worker's ``max_queue_depth``, held there whoever wrote the inbox; what the admission refused
 for it, and the errors it withheld (an element refused under an id that belongs to another
 request), are logged. The entries it adds wake the
@@ -57,6 +59,9 @@ logger = logging.getLogger(__name__)
 
 #: Inbox elements one call of the admit function takes at most.
 PER_CALL = 512
+#: ... the first call after a wait on an empty inbox: what came first (a producer's write
+#: puts its highest priorities first) is admitted, and read, before the rest of a burst.
+FIRST_CALL = 16
 #: How long one blocking wait on the inbox lasts (seconds), so that the loop sees a stop.
 _BLOCK_S = 1.0
 #: After a line telling what the admission refused, the next waits this long (seconds).
@@ -130,9 +135,11 @@ class Admitter:
         self._unreported = [0, 0]  # the same, since the last line that told them
         self._quiet_until = 0.0
 
-    def call(self) -> list[Any]:
-        """The arguments of ``FCALL`` for one call of the admit function."""
+    def call(self, most: int | None = None) -> list[Any]:
+        """The arguments of ``FCALL`` for one call of the admit function (``most``: inbox
+        elements it takes at most)."""
         self._args[self._ahead_at] = self._dispatcher.admit_ahead
+        self._args[0] = PER_CALL if most is None else most
         return [ADMIT, len(self._keys), *self._keys, *self._args]
 
     async def admit(self, client: RedisClient | None = None) -> int:
@@ -148,7 +155,7 @@ class Admitter:
         as :meth:`admit`."""
         pipe = client.pipeline(transaction=False)
         pipe.blmove(source, target, _BLOCK_S, "LEFT", "RIGHT")
-        pipe.fcall(*self.call())
+        pipe.fcall(*self.call(FIRST_CALL))
         _moved, answer = await pipe.execute()
         return self._took(answer)
 
