@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+# A process CPU-time clock id (Linux): ((~pid) << 3) | CPUCLOCK_SCHED, as the C library makes it.
+_CPUCLOCK_SCHED = 2
 
 # Children die with this process whatever happens to it (util-linux setpriv, where present).
 SETPRIV = shutil.which("setpriv")
@@ -300,7 +302,19 @@ class Procs:
 
 def cpu_s(pid: int, thread: int | None = None) -> float:
     """CPU seconds (user + system, all threads, or its ``thread``) a process has used; 0 if
-    it is gone."""
+    it is gone.
+
+    Read to the nanosecond where Linux lets it: a process's CPU-time clock (its threads', the
+    ended ones' too; ``clock_gettime`` on the clock id ``clock_getcpuclockid`` would give,
+    which Python does not wrap), a thread's scheduler time (``schedstat``). ``/proc/<pid>/stat``
+    counts in clock ticks (10 ms), steps of 3.3 µs a request over 3,000 requests; it is the
+    fallback."""
+    try:
+        if thread is None:
+            return time.clock_gettime(((~pid) << 3) | _CPUCLOCK_SCHED)
+        return int(Path(f"/proc/{pid}/task/{thread}/schedstat").read_text().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         where = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
         data = Path(where).read_text()
