@@ -153,6 +153,13 @@ def run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--producers", type=int, default=1, help="producer processes (a) [1]")
     p.add_argument("--inflight", type=int, default=1000, help="requests in flight, all (a)")
     p.add_argument("--arq-poll-s", type=float, default=0.05, help="arq poll delays [0.05]")
+    p.add_argument(
+        "--arq-python",
+        default=sys.executable,
+        metavar="PATH",
+        help="the Python that runs arq's worker and clients (a) [this one]: arq pins redis < 6, "
+        "so it may live in a virtual environment of its own",
+    )
     p.add_argument("--idle-requests", type=int, help="sequential requests (b) [500]")
     p.add_argument("--sentences", type=int, help="sentences served and encoded (c) [3000]")
     p.add_argument("--sequential", type=int, help="sentences one at a time (c) [200]")
@@ -210,6 +217,7 @@ def config(args: argparse.Namespace) -> Config:
         producers=max(1, args.producers),
         inflight=max(1, args.inflight),
         arq_poll_s=args.arq_poll_s,
+        arq_python=args.arq_python,
         idle_requests=pick(args.idle_requests, 500, 50),
         sentences=pick(args.sentences, 3000, 192),
         sequential=pick(args.sequential, 200, 16),

@@ -9,9 +9,9 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,12 +67,15 @@ def _start(bench: Bench) -> NoopRun:
         for i in range(k)
     }
     run = NoopRun(queue, wpid, wid, each_inflight, bl)
-    has_arq = importlib.util.find_spec("arq") is not None
+    has_arq = "a" in cfg.parts and arq_found(cfg.arq_python)
     if "a" in cfg.parts and not has_arq:
         res.notes.append(
-            "arq is not installed (pip install 'batchline[bench]'; it pins redis < 6): "
-            "the arq comparison is left out"
+            f"arq is not installed for {cfg.arq_python} (it pins redis < 6: python -m venv "
+            "ARQ && ARQ/bin/pip install arq, then --arq-python ARQ/bin/python): the arq "
+            "comparison is left out"
         )
+    elif has_arq:
+        res.notes.append(f"arq: {arq_found(cfg.arq_python)}")
     if "a" in cfg.parts and has_arq:
         run.arq_pid = spawn_arq_worker(bench)
         run.arq = {
@@ -83,6 +86,24 @@ def _start(bench: Bench) -> NoopRun:
         }
     log(f"(a/b) worker {wid}; {k} producer(s), {each_inflight} in flight each")
     return run
+
+
+def arq_found(python: str) -> str | None:
+    """arq's version, redis-py's beside it, and the Python that has them; None if that
+    Python has no arq."""
+    code = (
+        "from importlib.metadata import version; import arq; "
+        "print(f\"arq {version('arq')}, redis-py {version('redis')}\")"
+    )
+    try:
+        done = subprocess.run(
+            [python, "-c", code], capture_output=True, text=True, timeout=60, check=False
+        )
+    except OSError:
+        return None
+    if done.returncode != 0:
+        return None
+    return f"{done.stdout.strip()} ({python})"
 
 
 def _warm_up(bench: Bench, run: NoopRun) -> None:

@@ -181,11 +181,20 @@ def child_main(args: argparse.Namespace) -> int:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if args.role == "arq-worker":
         arq_worker_role(args)
-    else:
+    elif args.role == "producer":
         # The producer's loop as batchline worker picks its own (BATCHLINE_EVENT_LOOP).
         from batchline.transport import run_loop
 
         run_loop(load_role(args), event_loop=os.environ.get("BATCHLINE_EVENT_LOOP", "auto"))
+    else:  # arq's client, maybe on a Python of its own (--arq-python): uvloop where it has it
+        try:
+            import uvloop
+
+            factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
+        except ImportError:
+            factory = None
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(load_role(args))
     return 0
 
 

@@ -36,6 +36,7 @@ class Config:
     producers: int
     inflight: int
     arq_poll_s: float
+    arq_python: str
     idle_requests: int
     sentences: int
     sequential: int
@@ -89,7 +90,7 @@ class Bench:
     def python(self, name: str, args: list[str], *, module: bool = False) -> list[str]:
         """argv of a Python child, under cProfile when --profile is given for it."""
         prof = self.cfg.profile
-        head = [sys.executable]
+        head = [self.cfg.arq_python if name.startswith("arq") else sys.executable]
         if prof is not None and name.startswith(("bl-", "noop-worker")):
             head += ["-m", "cProfile", "-o", str(prof / f"{name}.prof")]
         return [*head, *(["-m"] if module else []), *args]
