@@ -57,10 +57,10 @@ local fair_ahead, fair_on, fair_rid, fair_ttl = 0, false, '', '0'  -- fair_ttl: 
 local fair_weights = {}
 -- Per call: whether each priority has tenants backlogged (fair:<p> or its idle set), and
 -- the requests held in this call at a priority that had none before it (fair_new[p][tenant]:
--- a list of {cost, id, h, fields}; fair_order[p]: their tenants in the order first held):
--- they are dispatched at the call's end in the fair order, and only what the stream has no
--- room for is written to the backlogs. fair_again: ids to read rid: of before sending
--- (cancelled, or held twice, in this call).
+-- a list of {cost, id, h, src, from}, its fields src[from..]; fair_order[p]: their tenants
+-- in the order first held): they are dispatched at the call's end in the fair order, and
+-- only what the stream has no room for is written to the backlogs. fair_again: ids to read
+-- rid: of before sending (cancelled, or held twice, in this call).
 local fair_backlogged, fair_new, fair_order, fair_again = {}, {}, {}, {}
 local function begin_fair(argv, at)  -- after begin_tenants
   fair_clock, fair_counts = TK.fair_clock(), TK.backlog_counts()
@@ -114,13 +114,14 @@ end
 -- A request cancelled in this call: read its rid: before sending it.
 local function fair_cancelled(id) fair_again[id] = true end
 -- A held request's element of its backlog: msgpack [cost, id, h, field, value, ...].
-local function packed(r) return pack_array(r[1], r[2], r[3], unpack(r[4])) end
--- Hold a new request (its work-stream fields) in tenant's backlog at priority p, for
--- dispatch; rid:<id> = '<h> @' (no entry yet): attached to, cancelled as any queued request.
+local function packed(r) return pack_array(r[1], r[2], r[3], unpack(r[4], r[5])) end
+-- Hold a new request (its work-stream fields: src[from..], a table it keeps, not a copy) in
+-- tenant's backlog at priority p, for dispatch; rid:<id> = '<h> @' (no entry yet):
+-- attached to, cancelled as any queued request.
 -- With the fair share off, it goes to its stream at once. Returns nothing.
-local function hold(tenant, p, fields, cost, id, h)
+local function hold(tenant, p, src, from, cost, id, h)
   if not fair_on then
-    local entry = redis.call('XADD', work_streams[p + 1], '*', unpack(fields))
+    local entry = redis.call('XADD', work_streams[p + 1], '*', unpack(src, from))
     redis.call('SET', fair_rid .. id, h .. ' @' .. entry, 'EX', fair_ttl)
     return
   end
@@ -138,10 +139,11 @@ local function hold(tenant, p, fields, cost, id, h)
       fair_order[p][#fair_order[p] + 1] = tenant
     end
     if fair_again[id] == nil then fair_again[id] = false else fair_again[id] = true end
-    queue[#queue + 1] = {clamp_cost(cost), id, h, fields}
+    queue[#queue + 1] = {clamp_cost(cost), id, h, src, from}
     return
   end
-  if redis.call('RPUSH', TK.backlog(tenant, p), packed({clamp_cost(cost), id, h, fields})) == 1
+  if redis.call('RPUSH', TK.backlog(tenant, p), packed({clamp_cost(cost), id, h, src, from}))
+      == 1
   then
     -- backlogged now: it starts at max(its last virtual finish, the clock): no credit
     local clock = tonumber(redis.call('HGET', fair_clock, clock_of(tenant, p))) or 0
@@ -156,7 +158,20 @@ end
 -- answers it cancelled. Its fields: src[from..]; `known`: its rid: where this call wrote it
 -- last (nil: read it).
 local function send(stream, src, from, id, h, known)
-  if known == nil then known = redis.call('GET', fair_rid .. id) end
+  if known == nil then
+    -- Most are still waiting: the entry goes, and its rid: names it with the one command
+    -- that reads what it held (SET ... GET); where that was not '<h> @', both are undone
+    -- (the call is atomic: nobody saw them) and it goes on as it says.
+    local entry = redis.call('XADD', stream, '*', unpack(src, from, #src))
+    known = redis.call('SET', fair_rid .. id, h .. ' @' .. entry, 'KEEPTTL', 'GET')
+    if known == h .. ' @' then return end
+    redis.call('XDEL', stream, entry)
+    if known then
+      redis.call('SET', fair_rid .. id, known, 'KEEPTTL')
+    else
+      redis.call('DEL', fair_rid .. id)
+    end
+  end
   local waiting, cancelled = known == h .. ' @', known == h .. ' !'
   if known and not waiting and not cancelled then return end
   if cancelled then  -- a copy, stamped
@@ -217,7 +232,7 @@ local function flush_new(stream, p)
     writes[clock] = true
     starts[best] = start + r[1] / weight(best)
     if heads[best] > #at[best] then writes[last_of(best, p)] = starts[best] end
-    send(stream, r[4], 1, r[2], r[3], (not fair_again[r[2]]) and (r[3] .. ' @') or nil)
+    send(stream, r[4], r[5], r[2], r[3], (not fair_again[r[2]]) and (r[3] .. ' @') or nil)
     room, moved = room - 1, moved + 1
   end
   for _, tenant in ipairs(order) do

@@ -392,16 +392,15 @@ local function admit(keys, args)
       count('miss')
     end
     if tenant or held_untenanted(prio) then
-      local fields = {unpack(e, 3, #e)}
       if tenant then
         local refused = quota_admit(tenant, id, cost, config)
         if type(refused) == 'table' then
           quota_refused(id, reply, h, refused)
           return
         end
-        hold(type(refused) == 'string' and refused or tenant, prio, fields, cost, id, h)
+        hold(type(refused) == 'string' and refused or tenant, prio, e, 3, cost, id, h)
       else  -- as the tenant '-' while a tenant is backlogged
-        hold('-', prio, fields, cost, id, h)
+        hold('-', prio, e, 3, cost, id, h)
       end
     else
       local entry = redis.call('XADD', keys[6 + prio], '*', unpack(e, 3, #e))

@@ -338,5 +338,6 @@ end
 #   {limit = name, message = text, retry_ms = n} refuses it (a QuotaExceeded error result);
 #   a string holds it under that name instead (over_quota 'idle': '<tenant>~over');
 #   these two are batchline/transport/_quota.py's QUOTA;
-# - hold(tenant, prio, fields, cost, id, h): a new request admitted (fields: its entry's, tn
-#   and cost included; h: its input hash), held for the fair share: _fair.py's FAIR.
+# - hold(tenant, prio, src, from, cost, id, h): a new request admitted (src[from..]: its
+#   entry's fields, tn and cost included, in a table it may keep; h: its input hash), held
+#   for the fair share: _fair.py's FAIR.

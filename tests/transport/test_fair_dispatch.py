@@ -201,6 +201,33 @@ def test_a_request_cancelled_in_the_call_that_held_it_goes_stamped(
     assert rclient.get(keys.request_input(a[1])).decode().endswith(" !")
 
 
+def test_a_request_leaving_a_backlog_names_its_entry_unless_cancelled_or_expired(
+    rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    a = enqueue_each(rclient, keys, "A", 5)
+    admit(rclient, keys, batch_size=1)  # room for 2: a0, a1 go, a2-a4 held in A's backlog
+    assert rclient.llen(keys.backlog("A", 0)) == 3
+    cancel(rclient, keys, "A", a[2])
+    admit(rclient, keys, batch_size=1)  # the cancel, while a2 is held
+    rclient.delete(keys.request_input(a[3]))  # a3's rid: expired while it was held
+    take(rclient, keys)
+    assert dispatch(rclient, keys, 8) == 0
+    entries = rclient.xrange(keys.stream(0))
+    # Each went once: no entry left behind by a copy that was not to go as it was.
+    assert [f[b"id"].decode() for _e, f in entries] == a[2:]
+    fields = {f[b"id"].decode(): (e.decode(), f) for e, f in entries}
+    # Cancelled while held: stamped ts 1, its rid: still says cancelled, its TTL kept.
+    assert fields[a[2]][1][b"ts"] == b"1"
+    assert rclient.get(keys.request_input(a[2])).decode().endswith(" !")
+    assert 0 < rclient.ttl(keys.request_input(a[2])) <= TTL_S
+    # Expired: it goes, and no rid: is made for it (it would have no TTL).
+    assert fields[a[3]][1][b"ts"] != b"1"
+    assert not rclient.exists(keys.request_input(a[3]))
+    # Waiting: its rid: names its entry, with the TTL it had.
+    assert rclient.get(keys.request_input(a[4])).decode().endswith(" @" + fields[a[4]][0])
+    assert 0 < rclient.ttl(keys.request_input(a[4])) <= TTL_S
+
+
 def test_untenanted_requests_take_their_share_as_dash_once_a_tenant_is_backlogged(
     rclient: redis.Redis, keys: QueueKeys
 ) -> None:
