@@ -172,6 +172,57 @@ def test_bench_queue_report_gives_ratios_not_verdicts() -> None:
     _no_verdict(out)
 
 
+def test_cpu_of_a_process_is_read_finer_than_clock_ticks() -> None:
+    """A process's CPU (``cpu_s``) moves by less than one 10 ms clock tick over a millisecond's
+    work, itself or another process's, and a process gone reads 0."""
+    _importable()
+    from benchmarks.harness import cpu_s
+
+    def spin(pid: int) -> float:
+        before = cpu_s(pid)
+        sum(range(20_000))  # about a millisecond of CPU here
+        return cpu_s(pid) - before
+
+    assert 0 < spin(os.getpid()) < 0.009
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; print(flush=True); time.sleep(30)"],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert child.stdout is not None
+        child.stdout.readline()  # started: its interpreter's start used CPU
+        first = cpu_s(child.pid)
+        assert 0 < first < 5
+        assert first != round(first, 2)  # not whole ticks
+        assert cpu_s(os.getpid(), os.getpid()) > 0  # a thread, from its schedstat
+    finally:
+        child.kill()
+        child.wait()
+    assert cpu_s(child.pid) == 0.0
+
+
+def test_bench_queue_runs_arq_on_the_python_it_is_given(tmp_path: Path) -> None:
+    """``--arq-python``: arq's worker and clients run on that Python (batchline's processes
+    on this one); one without arq leaves the comparison out, saying how to install it."""
+    _importable()
+    from benchmarks.harness import Procs
+    from benchmarks.queue.__main__ import config, parse
+    from benchmarks.queue._noop import arq_found
+    from benchmarks.queue._service import Bench, Results
+
+    other = tmp_path / "python"
+    other.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    other.chmod(0o755)
+    cfg = config(parse(["--parts", "a", "--arq-python", str(other)]))
+    bench = Bench(cfg, Procs(tmp_path), REPO, Results())
+    assert bench.python("arq-worker", ["m"], module=True) == [str(other), "-m", "m"]
+    assert bench.python("arq-client-0", ["m"], module=True)[0] == str(other)
+    assert bench.python("bl-producer-0", ["m"], module=True)[0] == sys.executable
+    has_arq = importlib.util.find_spec("arq") is not None
+    assert (arq_found(str(other)) is not None) == has_arq
+    assert arq_found(str(tmp_path / "missing")) is None
+
+
 def test_bench_queue_backends_anchor_is_torch_with_deterministic_mode_off() -> None:
     # The worker's default turns the mode on for MiniLM on a CPU: the anchor names it off,
     # and torch-deterministic on, so that (d) compares the two in one run.
