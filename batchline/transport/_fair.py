@@ -62,11 +62,16 @@ local fair_weights = {}
 -- only what the stream has no room for is written to the backlogs. fair_again: ids to read
 -- rid: of before sending (cancelled, or held twice, in this call).
 local fair_backlogged, fair_new, fair_order, fair_again = {}, {}, {}, {}
+-- fair_unwritten[id]: the rid: value ('<h> @') of a request held in this call and not yet
+-- written: it is written once, naming its entry, as it goes to its stream (or as it goes to
+-- a backlog, or before anything in this call reads it: fair_written).
+local fair_unwritten = {}
 local function begin_fair(argv, at)  -- after begin_tenants
   fair_clock, fair_counts = TK.fair_clock(), TK.backlog_counts()
   fair_group, fair_ahead, fair_on = argv[at], tonumber(argv[at + 1]), argv[at + 2] == '1'
   fair_rid, fair_ttl = argv[at + 3], tostring(tonumber(argv[at + 4]))
   fair_weights, fair_backlogged, fair_new, fair_order, fair_again = {}, {}, {}, {}, {}
+  fair_unwritten = {}
 end
 local function is_over(tenant) return string.sub(tenant, -5) == '~over' end
 -- A tenant's weight: its config's in the tenants hash (JSON), else 1; <T>~over has T's.
@@ -113,6 +118,15 @@ local function held_untenanted(p)
 end
 -- A request cancelled in this call: read its rid: before sending it.
 local function fair_cancelled(id) fair_again[id] = true end
+-- Write the rid: of a request held in this call, where it is not written yet: before this
+-- call reads or writes it for another element of the same id.
+local function fair_written(id)
+  local value = fair_unwritten[id]
+  if value then
+    redis.call('SET', fair_rid .. id, value, 'EX', fair_ttl)
+    fair_unwritten[id] = nil
+  end
+end
 -- A held request's element of its backlog: msgpack [cost, id, h, field, value, ...].
 local function packed(r) return pack_array(r[1], r[2], r[3], unpack(r[4], r[5])) end
 -- Hold a new request (its work-stream fields: src[from..], a table it keeps, not a copy) in
@@ -125,7 +139,6 @@ local function hold(tenant, p, src, from, cost, id, h)
     redis.call('SET', fair_rid .. id, h .. ' @' .. entry, 'EX', fair_ttl)
     return
   end
-  redis.call('SET', fair_rid .. id, h .. ' @', 'EX', fair_ttl)
   if fair_new[p] or not backlogged(p) then  -- none backlogged before this call: kept here
     local at = fair_new[p]
     if not at then
@@ -138,10 +151,16 @@ local function hold(tenant, p, src, from, cost, id, h)
       at[tenant] = queue
       fair_order[p][#fair_order[p] + 1] = tenant
     end
-    if fair_again[id] == nil then fair_again[id] = false else fair_again[id] = true end
+    if fair_again[id] == nil then  -- its rid: is written as it goes
+      fair_again[id], fair_unwritten[id] = false, h .. ' @'
+    else  -- an id seen before in this call: written now, as any held request's
+      fair_again[id] = true
+      redis.call('SET', fair_rid .. id, h .. ' @', 'EX', fair_ttl)
+    end
     queue[#queue + 1] = {clamp_cost(cost), id, h, src, from}
     return
   end
+  redis.call('SET', fair_rid .. id, h .. ' @', 'EX', fair_ttl)
   if redis.call('RPUSH', TK.backlog(tenant, p), packed({clamp_cost(cost), id, h, src, from}))
       == 1
   then
@@ -186,7 +205,13 @@ local function send(stream, src, from, id, h, known)
     end
   end
   local entry = redis.call('XADD', stream, '*', unpack(src, from, #src))
-  if waiting then redis.call('SET', fair_rid .. id, h .. ' @' .. entry, 'KEEPTTL') end
+  if not waiting then return end
+  if fair_unwritten[id] then  -- held in this call: its rid: written once, naming its entry
+    redis.call('SET', fair_rid .. id, h .. ' @' .. entry, 'EX', fair_ttl)
+    fair_unwritten[id] = nil
+  else
+    redis.call('SET', fair_rid .. id, h .. ' @' .. entry, 'KEEPTTL')
+  end
 end
 -- Entries of a stream no consumer has read yet: its length less its group's pending ones.
 local function undelivered(stream)
@@ -239,7 +264,10 @@ local function flush_new(stream, p)
     local queue, head = at[tenant], heads[tenant]
     if head <= #queue then
       local elements = {}
-      for i = head, #queue do elements[#elements + 1] = packed(queue[i]) end
+      for i = head, #queue do
+        fair_written(queue[i][2])
+        elements[#elements + 1] = packed(queue[i])
+      end
       for i = 1, #elements, 1000 do  -- unpack() takes a few thousand values at most
         redis.call('RPUSH', TK.backlog(tenant, p), unpack(elements, i,
           math.min(i + 999, #elements)))

@@ -268,6 +268,7 @@ local function admit(keys, args)
     -- Not to an id that belongs to a request already: there the error could only fail
     -- whoever waits for that request (an element appended under its id and reply).
     local answer = id and reply and reply ~= ''
+    if answer then fair_written(id) end
     if answer and redis.call('EXISTS', rid .. id) == 1 then
       answer = false
       withheld = withheld + 1
@@ -364,6 +365,7 @@ local function admit(keys, args)
     cost, prio = settled(e, prio, config)
     for_tenant(tenant)
     local h = input_hash(meta, blob)
+    fair_written(id)  -- an id held earlier in this call: its rid: as decide() reads it
     -- No claim (SET NX) first: the call is atomic, and a new id's rid: key is written once,
     -- naming its entry, below.
     local kind, a, b, _, c = decide(id, h, dl, false)
@@ -409,6 +411,7 @@ local function admit(keys, args)
     depth = depth and depth + 1
   end
   local function cancelled(id)
+    fair_written(id)
     fair_cancelled(id)
     redis.call('XADD', cancels, 'MAXLEN', '~', cancels_maxlen, '*', 'id', id)
     redis.call('EXPIRE', cancels, ttl_s)
@@ -420,6 +423,7 @@ local function admit(keys, args)
     end
   end
   local function noted(id, h, key, tenant)  -- an answer the enqueue function gave at once
+    fair_written(id)
     for_tenant(tenant)
     if key == '' then  -- a stored result or a conflict: counted as it is decided now
       local kind = decide(id, h, nil, false)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import msgpack
 import pytest
 import redis
 
@@ -261,6 +262,35 @@ def test_an_id_sent_twice_in_one_call_is_one_request(
     value = rclient.get(keys.request_input(first)).decode()
     assert value.endswith(" @" + rclient.xrange(keys.stream(0))[0][0].decode())
     assert rclient.ttl(keys.request_input(first)) > 0
+
+
+def test_a_request_cancelled_and_sent_again_in_one_call_runs_once(
+    rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    first = enqueue(rclient, keys, "A", "x", "X")
+    cancel(rclient, keys, "A", first)
+    assert enqueue(rclient, keys, "A", "x", "X") == first  # sent again after its cancel
+    admit(rclient, keys, batch_size=4)
+    entries = rclient.xrange(keys.stream(0))
+    # One entry, not cancelled (the second send wants it run), its rid: naming it.
+    assert [f[b"id"].decode() for _e, f in entries] == [first]
+    assert entries[0][1][b"ts"] != b"1"
+    assert rclient.get(keys.request_input(first)).decode().endswith(" @" + entries[0][0].decode())
+    assert 0 < rclient.ttl(keys.request_input(first)) <= TTL_S
+
+
+def test_a_bad_element_under_the_id_of_a_request_held_in_the_same_call_is_withheld(
+    rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    first = enqueue(rclient, keys, "A", "x", "X")
+    bad = ["r", 0, "id", first, "reply", "A.producer", "v", "2"]  # no meta: malformed
+    rclient.rpush(keys.tenant_inbox("A"), msgpack.packb(bad, use_bin_type=False))
+    admit(rclient, keys, batch_size=4)
+    # The request goes; the error is not pushed to the reply named under its id.
+    assert stream_ids(rclient, keys) == [first]
+    assert not rclient.exists(keys.reply("A.producer"))
+    dead = [f for _e, f in rclient.xrange(keys.dead)]
+    assert [f.get(b"withheld") for f in dead] == [b"1"]
 
 
 def test_requests_in_flight_are_counted_within_one_admit_call(
