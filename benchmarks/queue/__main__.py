@@ -9,7 +9,10 @@ and its own worker and producer processes, and measures:
     closed loop, a fixed count of requests); beside arq doing the same no-op as one job per
     request (an arq worker process running ``async def noop(ctx, x): return x``, clients
     ``enqueue_job`` + ``job.result()``, which polls). batchline and arq repeats are
-    interleaved; the side not measured is paused with SIGSTOP.
+    interleaved; the side not measured is paused with SIGSTOP. arq pins redis < 6: its
+    processes can run on a Python of their own (``--arq-python ARQ/bin/python`` after
+    ``python -m venv ARQ && ARQ/bin/pip install arq uvloop``); without arq, (a) says so and
+    measures batchline alone.
 (b) idle latency: one request at a time (sequential submit + wait) on the idle no-op worker,
     over the no-op model's own time.
 (c) all-MiniLM-L6-v2 on the CPU, realistic mixed-length sentences (``batchline.demo.sentences``):
