@@ -436,9 +436,10 @@ class WorkerSettings(ServiceSettings):
             starts a fresh process. ``auto``: 10 x the slowest recent call (scaled up to a
             call's work), at least 5000, 60000 before a call is timed; a number: fixed (0:
             none).
-        max_load_s: longest a model's load by demand (``load demand``, or again after
-            ``unload_idle_s``) may take, a first download of its weights included; past it
-            the worker is hung, as for a call past ``max_batch_ms`` (0: none).
+        max_load_s: longest a model's load may take, at start or by demand (``load
+            demand``, or again after ``unload_idle_s``), a first download of its weights
+            included; past it the worker is hung, as for a call past ``max_batch_ms`` (at
+            start it exits with the hung status before serving anything; 0: none).
         max_restarts_per_min: most restarts of a crashed or hung worker process within a
             minute by ``batchline worker``; past them it exits non-zero (0: no supervisor,
             the worker runs in the command's own process and a crash ends it, for an

@@ -239,7 +239,7 @@ class Worker:
             loading = functools.partial(
                 load, self.model, spec=p.model_name, path=s.model_path, device=s.device
             )
-            await loop.run_in_executor(None, loading)
+            await self._bounded_load(_on_a_thread(loop, loading))
             apply_threads(self.threads)
             warm = p.generation is None and not isinstance(self.model, LazyModel)
             await loop.run_in_executor(
@@ -273,6 +273,30 @@ class Worker:
             await p.admitter.admit_all()
         await p.cancels.catch_up(p.redis, self.keys)
         self.metrics.start()
+
+    async def _bounded_load(self, loading: asyncio.Future[None]) -> None:
+        """Await the model's start load, at most ``max_load_s`` (0: no bound): past it the
+        worker is hung, as for a load by demand (WorkerHung: ``batchline worker`` exits with
+        the hung status for its supervisor; the worker holds nothing yet, and its load's
+        thread cannot be stopped otherwise: it is a daemon thread, not the loop's executor,
+        which the event loop's end would wait for)."""
+        bound = self.settings.max_load_s
+        if bound <= 0:
+            await loading
+            return
+        try:
+            await asyncio.wait_for(loading, bound)
+        except TimeoutError:
+            logger.error(
+                "worker %s: the model's load has run %.1f s, past max_load_s=%g, before the "
+                "worker served anything: stopping",
+                self.worker_id,
+                bound,
+                bound,
+            )
+            raise WorkerHung(
+                f"worker {self.worker_id}: the model's load ran past max_load_s={bound:g}"
+            ) from None
 
     def _start_tasks(self, loop: asyncio.AbstractEventLoop) -> list[asyncio.Task[None]]:
         """The reader (first) and the upkeep tasks."""
@@ -415,3 +439,29 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
+
+
+def _on_a_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], Any]) -> asyncio.Future[None]:
+    """Run ``fn`` on a daemon thread of its own; a future of ``loop`` for its end (its
+    exception, if it raised; nothing is set once the future is cancelled or the loop closed)."""
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if done.done():
+            return
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
+
+    def run() -> None:
+        error: BaseException | None = None
+        try:
+            fn()
+        except BaseException as exc:
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+            loop.call_soon_threadsafe(settle, error)
+
+    threading.Thread(target=run, name="batchline-load", daemon=True).start()
+    return done

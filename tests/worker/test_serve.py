@@ -305,6 +305,47 @@ def test_the_workers_that_hold_the_model_take_the_requests_first(
 
 
 @pytest.mark.slow
+def test_a_start_load_that_hangs_ends_the_worker_with_the_hung_status(
+    redis_url: str, queue: str, tmp_path: Path
+) -> None:
+    """A model whose load at start never ends: past ``max_load_s`` the worker exits with
+    the hung status (for its supervisor to start it again), having served nothing; with the
+    load done in time it serves."""
+    from batchline.worker.upkeep._watchdog import HUNG_EXIT_CODE
+
+    argv = [sys.executable, "-m", "batchline", "worker", "--model",
+            "tests.support.gated_model:slow_to_load", "--max-load-s", "1",
+            "--max-restarts-per-min", "0"]  # fmt: skip
+    env = {"BATCHLINE_REDIS_URL": redis_url, "BATCHLINE_QUEUE": queue}
+    began = time.monotonic()
+    hangs = subprocess.run(
+        argv,
+        env=subprocess_env({**env, "BLTEST_LOAD_GATE": str(tmp_path / "never")}),
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert hangs.returncode == HUNG_EXIT_CODE, hangs.stderr
+    assert "the model's load has run 1.0 s, past max_load_s=1" in hangs.stderr, hangs.stderr
+    assert time.monotonic() - began < 60
+    client = redis.Redis.from_url(redis_url)
+    try:
+        assert client.zcard(QueueKeys(queue).workers) == 0  # it never served
+    finally:
+        client.close()
+    gate = tmp_path / "open"
+    gate.touch()
+    serves = subprocess.Popen(
+        argv, env=subprocess_env({**env, "BLTEST_LOAD_GATE": str(gate)}), cwd=REPO,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        with Producer(redis_url=redis_url, queue=queue) as producer:
+            assert producer.infer("served", timeout_s=60) == "served"
+    finally:
+        serves.terminate()
+        assert serves.wait(timeout=60) == 0
+
+
+@pytest.mark.slow
 def test_a_load_by_demand_that_hangs_ends_the_worker_and_hands_its_request_back(
     redis_url: str, queue: str, tmp_path: Path
 ) -> None:
