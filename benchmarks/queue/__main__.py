@@ -20,7 +20,9 @@ and its own worker and producer processes, and measures:
     submitted at once) vs the offline ceiling ``model.encode(sentences, batch_size=32)`` in this
     process (the worker paused with SIGSTOP, both with torch's default thread count unless
     ``--torch-threads``) vs one sentence at a time through Redis (and, for reference, offline).
-    Both sides first see every sentence once (each new batch shape is slower the first time).
+    Each side first sees every sentence (the worker twice: its length grouping forms other
+    batches each pass; each new batch shape is slower the first time); which side runs
+    first alternates from repeat to repeat.
 (d) all-MiniLM-L6-v2 served through Redis on each CPU backend (``--backend torch`` fp32,
     ``onnx``, ``onnx-int8``, ``openvino``, ``openvino-int8``), interleaved, with the ratio to
     torch and the minimum cosine to torch's embeddings (``_backends.py``; not
