@@ -177,20 +177,9 @@ end
 -- answers it cancelled. Its fields: src[from..]; `known`: its rid: where this call wrote it
 -- last (nil: read it).
 local function send(stream, src, from, id, h, known)
-  if known == nil then
-    -- Most are still waiting: the entry goes, and its rid: names it with the one command
-    -- that reads what it held (SET ... GET); where that was not '<h> @', both are undone
-    -- (the call is atomic: nobody saw them) and it goes on as it says.
-    local entry = redis.call('XADD', stream, '*', unpack(src, from, #src))
-    known = redis.call('SET', fair_rid .. id, h .. ' @' .. entry, 'KEEPTTL', 'GET')
-    if known == h .. ' @' then return end
-    redis.call('XDEL', stream, entry)
-    if known then
-      redis.call('SET', fair_rid .. id, known, 'KEEPTTL')
-    else
-      redis.call('DEL', fair_rid .. id)
-    end
-  end
+  -- (Read first, not an XADD and a SET ... GET undone where it held another value: an entry
+  -- deleted past what the group has read leaves its lag unknown until a read passes it.)
+  if known == nil then known = redis.call('GET', fair_rid .. id) end
   local waiting, cancelled = known == h .. ' @', known == h .. ' !'
   if known and not waiting and not cancelled then return end
   if cancelled then  -- a copy, stamped

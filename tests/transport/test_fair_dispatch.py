@@ -14,7 +14,7 @@ import msgpack
 import pytest
 import redis
 
-from batchline.keys import QueueKeys
+from batchline.keys import GROUP, QueueKeys
 from batchline.tenants import TenantConfig
 from batchline.transport import DISPATCH, fair_args
 
@@ -205,6 +205,7 @@ def test_a_request_cancelled_in_the_call_that_held_it_goes_stamped(
 def test_a_request_leaving_a_backlog_names_its_entry_unless_cancelled_or_expired(
     rclient: redis.Redis, keys: QueueKeys
 ) -> None:
+    rclient.xgroup_create(keys.stream(0), GROUP, id="0", mkstream=True)
     a = enqueue_each(rclient, keys, "A", 5)
     admit(rclient, keys, batch_size=1)  # room for 2: a0, a1 go, a2-a4 held in A's backlog
     assert rclient.llen(keys.backlog("A", 0)) == 3
@@ -227,6 +228,9 @@ def test_a_request_leaving_a_backlog_names_its_entry_unless_cancelled_or_expired
     # Waiting: its rid: names its entry, with the TTL it had.
     assert rclient.get(keys.request_input(a[4])).decode().endswith(" @" + fields[a[4]][0])
     assert 0 < rclient.ttl(keys.request_input(a[4])) <= TTL_S
+    # No entry was added and deleted on the way: the group's lag stays known (autoscalers
+    # and warm-first read it).
+    assert rclient.xinfo_groups(keys.stream(0))[0]["lag"] is not None
 
 
 def test_untenanted_requests_take_their_share_as_dash_once_a_tenant_is_backlogged(
