@@ -74,6 +74,7 @@ def _worker(args: argparse.Namespace) -> int:
     from batchline.transport import EXIT_INTERRUPTED, run_loop
     from batchline.worker import Worker
     from batchline.worker._group import WorkerGroup
+    from batchline.worker._worker import loading_still
     from batchline.worker.upkeep._watchdog import HUNG_EXIT_CODE
 
     worker: Worker | WorkerGroup
@@ -98,7 +99,11 @@ def _worker(args: argparse.Namespace) -> int:
     except WorkerHung:
         logging.shutdown()
         os._exit(HUNG_EXIT_CODE)  # the hung model's thread cannot be stopped otherwise
-    return EXIT_INTERRUPTED if worker.stop_signal == signal.SIGINT else 0
+    code = EXIT_INTERRUPTED if worker.stop_signal == signal.SIGINT else 0
+    if loading_still():  # stopped while its model loaded: the load's thread cannot be stopped
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 async def _check(settings: Any, max_age_s: float | None) -> int:

@@ -92,8 +92,9 @@ class WorkerGroup:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 exc = None if task.cancelled() else task.exception()
-                if isinstance(exc, WorkerHung):
+                if isinstance(exc, WorkerHung) and tasks[task].ready.is_set():
                     raise exc  # the others' calls would wait behind it for their turns
+                # (hung in its load at start, it holds nothing: the others drain first)
                 if exc is not None and failure is None:
                     failure = exc
             if pending:  # one stopped: every queue stops, as one worker's process would

@@ -281,22 +281,22 @@ class Worker:
         thread cannot be stopped otherwise: it is a daemon thread, not the loop's executor,
         which the event loop's end would wait for)."""
         bound = self.settings.max_load_s
-        if bound <= 0:
-            await loading
-            return
         try:
-            await asyncio.wait_for(loading, bound)
-        except TimeoutError:
-            logger.error(
-                "worker %s: the model's load has run %.1f s, past max_load_s=%g, before the "
-                "worker served anything: stopping",
-                self.worker_id,
-                bound,
-                bound,
-            )
-            raise WorkerHung(
-                f"worker {self.worker_id}: the model's load ran past max_load_s={bound:g}"
-            ) from None
+            await asyncio.wait({loading}, timeout=bound if bound > 0 else None)
+        finally:
+            if not loading.done():  # past the bound, or a stop came: nobody waits for it
+                loading.cancel()
+        if not loading.cancelled():
+            loading.result()  # what the load raised (its own TimeoutError included)
+            return
+        logger.error(
+            "worker %s: the model's load has run %.1f s, past max_load_s=%g, before the "
+            "worker served anything: stopping",
+            self.worker_id,
+            bound,
+            bound,
+        )
+        raise WorkerHung(f"worker {self.worker_id}: the model's load ran past max_load_s={bound:g}")
 
     def _start_tasks(self, loop: asyncio.AbstractEventLoop) -> list[asyncio.Task[None]]:
         """The reader (first) and the upkeep tasks."""
@@ -441,6 +441,10 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
+#: The name of the thread a model's start load runs on.
+LOAD_THREAD = "batchline-load"
+
+
 def _on_a_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], Any]) -> asyncio.Future[None]:
     """Run ``fn`` on a daemon thread of its own; a future of ``loop`` for its end (its
     exception, if it raised; nothing is set once the future is cancelled or the loop closed)."""
@@ -463,5 +467,12 @@ def _on_a_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], Any]) -> asyn
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
             loop.call_soon_threadsafe(settle, error)
 
-    threading.Thread(target=run, name="batchline-load", daemon=True).start()
+    threading.Thread(target=run, name=LOAD_THREAD, daemon=True).start()
     return done
+
+
+def loading_still() -> bool:
+    """Whether a model's start load still runs on its thread (a stop came while it loaded,
+    or it ran past ``max_load_s``): the process should end without finalizing, which a
+    library's native code in the middle of a load may not survive."""
+    return any(t.name == LOAD_THREAD and t.is_alive() for t in threading.enumerate())

@@ -331,6 +331,14 @@ def test_a_start_load_that_hangs_ends_the_worker_with_the_hung_status(
         assert client.zcard(QueueKeys(queue).workers) == 0  # it never served
     finally:
         client.close()
+    # A load that fails at once, with a TimeoutError of its own, failed: not hung.
+    fails = subprocess.run(
+        [*argv[:5], "tests.support.gated_model:times_out", *argv[6:]], env=subprocess_env(env),
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert fails.returncode == 1, fails.stderr
+    assert "the model did not load" in fails.stderr, fails.stderr
+    assert "TimeoutError: the weights' host timed out" in fails.stderr, fails.stderr
     gate = tmp_path / "open"
     gate.touch()
     serves = subprocess.Popen(
