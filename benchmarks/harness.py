@@ -312,7 +312,9 @@ def cpu_s(pid: int, thread: int | None = None) -> float:
     try:
         if thread is None:
             return time.clock_gettime(((~pid) << 3) | _CPUCLOCK_SCHED)
-        return int(Path(f"/proc/{pid}/task/{thread}/schedstat").read_text().split()[0]) / 1e9
+        ran_ns = int(Path(f"/proc/{pid}/task/{thread}/schedstat").read_text().split()[0])
+        if ran_ns > 0:  # (0: a kernel that keeps no scheduler statistics)
+            return ran_ns / 1e9
     except (OSError, ValueError, IndexError):
         pass
     try:

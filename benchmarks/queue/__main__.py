@@ -206,6 +206,15 @@ def role_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue", help=argparse.SUPPRESS)
 
 
+def _program(name: str) -> str:
+    """A program named on the command line as its children can start it: a path made
+    absolute (they run in the run's log folder; not resolved: a virtual environment's
+    ``bin/python`` is a link that must stay itself), a bare name as found on PATH."""
+    if os.sep in name:
+        return os.path.abspath(name)
+    return shutil.which(name) or name
+
+
 def config(args: argparse.Namespace) -> Config:
     q = args.quick
 
@@ -222,7 +231,7 @@ def config(args: argparse.Namespace) -> Config:
         producers=max(1, args.producers),
         inflight=max(1, args.inflight),
         arq_poll_s=args.arq_poll_s,
-        arq_python=args.arq_python,
+        arq_python=_program(args.arq_python),
         idle_requests=pick(args.idle_requests, 500, 50),
         sentences=pick(args.sentences, 3000, 192),
         sequential=pick(args.sequential, 200, 16),

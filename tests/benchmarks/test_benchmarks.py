@@ -221,6 +221,12 @@ def test_bench_queue_runs_arq_on_the_python_it_is_given(tmp_path: Path) -> None:
     has_arq = importlib.util.find_spec("arq") is not None
     assert (arq_found(str(other)) is not None) == has_arq
     assert arq_found(str(tmp_path / "missing")) is None
+    # A relative path is made absolute (the children start in the run's log folder), a
+    # virtual environment's link kept as it is (not resolved to the Python it points at).
+    link = tmp_path / "venv-python"
+    link.symlink_to(other)
+    relative = os.path.relpath(link)
+    assert config(parse(["--arq-python", relative])).arq_python == str(link)
 
 
 def test_bench_queue_backends_anchor_is_torch_with_deterministic_mode_off() -> None:
