@@ -67,16 +67,15 @@ def _start(bench: Bench) -> NoopRun:
         for i in range(k)
     }
     run = NoopRun(queue, wpid, wid, each_inflight, bl)
-    has_arq = "a" in cfg.parts and arq_found(cfg.arq_python)
-    if "a" in cfg.parts and not has_arq:
+    arq = arq_found(cfg.arq_python) if "a" in cfg.parts else None
+    if "a" in cfg.parts and arq is None:
         res.notes.append(
             f"arq is not installed for {cfg.arq_python} (it pins redis < 6: python -m venv "
             "ARQ && ARQ/bin/pip install arq, then --arq-python ARQ/bin/python): the arq "
             "comparison is left out"
         )
-    elif has_arq:
-        res.notes.append(f"arq: {arq_found(cfg.arq_python)}")
-    if "a" in cfg.parts and has_arq:
+    if arq is not None:
+        res.notes.append(f"arq: {arq}")
         run.arq_pid = spawn_arq_worker(bench)
         run.arq = {
             f"arq-client-{i}": spawn_load(
