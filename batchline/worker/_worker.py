@@ -234,6 +234,10 @@ class Worker:
         )
         await wait_for_redis(p.redis, s, wait_s=s.redis_wait_s)
         async with self.loading:  # one model at a time loads in a process (imports race)
+            if p.serving.stopped.is_set():
+                # A stop came, and its cancellation was lost in the Redis client's wait (Python
+                # 3.11): no load begins, which nothing would wait for.
+                return
             began = time.perf_counter()
             prepare_environment(self.threads)  # before the model loads torch (or anything)
             loading = functools.partial(

@@ -354,6 +354,34 @@ def test_a_start_load_that_hangs_ends_the_worker_with_the_hung_status(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 0)])
+def test_a_stop_while_the_model_loads_ends_the_worker_at_once(
+    redis_url: str, queue: str, tmp_path: Path, sig: int, status: int
+) -> None:
+    """Ctrl-C (130) or SIGTERM (0) while the model's load at start still runs (it never ends
+    here, and max_load_s is off): the worker stops without waiting for the load."""
+    hangs = subprocess.Popen(
+        [sys.executable, "-m", "batchline", "worker", "--model",
+         "tests.support.gated_model:slow_to_load", "--max-load-s", "0",
+         "--max-restarts-per-min", "0"],
+        env=subprocess_env({"BATCHLINE_REDIS_URL": redis_url, "BATCHLINE_QUEUE": queue,
+                            "BLTEST_LOAD_GATE": str(tmp_path / "never")}),
+        cwd=REPO, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert hangs.stderr is not None
+        for line in hangs.stderr:  # the line the worker logs as its load begins
+            if "model tests.support.gated_model:slow_to_load" in line:
+                break
+        hangs.send_signal(sig)
+        assert hangs.wait(timeout=30) == status
+    finally:
+        if hangs.poll() is None:
+            hangs.kill()
+            hangs.wait()
+
+
+@pytest.mark.slow
 def test_a_load_by_demand_that_hangs_ends_the_worker_and_hands_its_request_back(
     redis_url: str, queue: str, tmp_path: Path
 ) -> None:
