@@ -221,6 +221,7 @@ class KeyTable:
     async def _reload(self, client: RedisClient) -> None:
         async with self._reading:
             self.install(await read_table(client, self.keys))
+        self._answered()
 
     async def refresh(self) -> None:
         """Ask the store's version (one GET); read the store again if it moved. Redis failing:
@@ -236,6 +237,11 @@ class KeyTable:
         except (*REDIS_FAILURES, ValueError) as exc:  # (ValueError: a version not a number)
             self._failed(exc)
             return
+        self._answered()
+
+    def _answered(self) -> None:
+        """The store was read (by the version check or the log's follower): one line where
+        it had failed, in the same step as the install (no other task sees the table first)."""
         if self._failing:
             self._failing = False
             logger.info("API keys: the tenant store is read again (version %d)", self.version)
