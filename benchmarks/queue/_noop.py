@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis.asyncio
+
 from benchmarks.harness import CpuMeter, log, percentile
 from benchmarks.queue._roles import (
     Loaders,
@@ -225,72 +227,104 @@ def _model_ms() -> float:
     return (time.perf_counter() - t) / 10000 * 1e3
 
 
-async def _idle_requests(
-    url: str, queue: str, n: int
-) -> tuple[list[float], list[float], list[float], list[float], bool]:
-    """``n`` sequential requests back to back (the target), then ``n`` with a 2 ms pause
-    before each (the processes go to sleep in between, as on a quiet service), each after 20
-    to warm up: the latencies (ms) of both, the worker's model_ms and queue_ms of the first,
-    and whether the producer closed in time."""
+@dataclass
+class Idle:
+    """What part (b) measured in one repeat (latencies in ms)."""
+
+    lat: list[float] = field(default_factory=list)  # back to back
+    gapped: list[float] = field(default_factory=list)  # each after a 2 ms pause
+    ping: list[float] = field(default_factory=list)  # PING round trips, the anchor
+    worker_model: list[float] = field(default_factory=list)
+    queue_ms: list[float] = field(default_factory=list)
+    cpu_us: dict[str, float] = field(default_factory=dict)  # per back-to-back request
+    ping_cpu_us: dict[str, float] = field(default_factory=dict)  # per PING
+    closed: bool = True
+
+
+async def _idle_requests(url: str, queue: str, n: int, pids: dict[str, int]) -> Idle:
+    """After 20 of each to warm up: ``n`` PING round trips (the anchor: one round trip to
+    Redis and back, with redis-py on the producer's event loop), ``n`` sequential requests
+    back to back (the target), then ``n`` with a 2 ms pause before each (the processes go to
+    sleep in between, as on a quiet service); the CPU each of ``pids`` used per PING and per
+    back-to-back request."""
     from batchline.producer import AsyncProducer
 
     producer = AsyncProducer(redis_url=url, queue=queue, max_queue_depth=0)
     await producer.start()
-    lat: list[float] = []
-    gapped: list[float] = []
-    worker_model: list[float] = []
-    queue_ms: list[float] = []
+    out = Idle()
+    client = redis.asyncio.Redis.from_url(url)
+
+    async def ping() -> float:
+        t0 = time.perf_counter()
+        await client.ping()
+        return (time.perf_counter() - t0) * 1e3
+
+    async def request(i: int) -> tuple[float, Any]:
+        value = f"idle-{i:06d}-xxxxxxxxxxxx"
+        t0 = time.perf_counter()
+        result = await producer.wait(await producer.submit(value), timeout_s=10)
+        dt = (time.perf_counter() - t0) * 1e3
+        if result.output != value:
+            raise RuntimeError(f"idle request {i}: {result}")
+        return dt, result
+
     try:
-        for gap in (0.0, 0.002):
-            for i in range(20 + n):
-                if gap:
-                    await asyncio.sleep(gap)
-                value = f"idle-{i:06d}-xxxxxxxxxxxx"
-                t0 = time.perf_counter()
-                result = await producer.wait(await producer.submit(value), timeout_s=10)
-                dt = (time.perf_counter() - t0) * 1e3
-                if result.output != value:
-                    raise RuntimeError(f"idle request {i}: {result}")
-                if i < 20:  # the first 20 warm up
-                    continue
-                if gap:
-                    gapped.append(dt)
-                else:
-                    lat.append(dt)
-                    worker_model.append(result.model_ms)
-                    queue_ms.append(result.queue_ms)
+        for _ in range(20):  # warm-up
+            await ping()
+            await request(-1)
+        meter = CpuMeter(pids)
+        out.ping = [await ping() for _ in range(n)]
+        used = meter.done()
+        out.ping_cpu_us = {name: used[name] / n * 1e6 for name in pids}
+        meter = CpuMeter(pids)
+        for i in range(n):
+            dt, result = await request(i)
+            out.lat.append(dt)
+            out.worker_model.append(result.model_ms)
+            out.queue_ms.append(result.queue_ms)
+        used = meter.done()
+        out.cpu_us = {name: used[name] / n * 1e6 for name in pids}
+        for i in range(n):
+            await asyncio.sleep(0.002)
+            out.gapped.append((await request(i))[0])
     finally:
-        closed = await safe_close(producer)
-    return lat, gapped, worker_model, queue_ms, closed
+        await client.aclose()
+        out.closed = await safe_close(producer)
+    return out
 
 
 def part_b(bench: Bench, queue: str, wpid: int, rep: int) -> None:
     cfg, res = bench.cfg, bench.res
     model_ms = _model_ms()
-    meter = CpuMeter(
-        {"worker": wpid, "bench": os.getpid(), "redis": bench.procs.procs["redis-server"].pid}
-    )
-    lat, gapped, worker_model, queue_ms, closed = asyncio.run(
-        _idle_requests(bench.url, queue, cfg.idle_requests)
-    )
+    pids = {"worker": wpid, "producer": os.getpid(), "redis": bench.procs.procs["redis-server"].pid}
+    meter = CpuMeter(pids)
+    idle = asyncio.run(_idle_requests(bench.url, queue, cfg.idle_requests, pids))
     other = meter.done()["_other_cores"]
-    over = sorted(x - model_ms for x in lat)
-    gapped = sorted(x - model_ms for x in gapped)
+    over = sorted(x - model_ms for x in idle.lat)
+    gapped = sorted(x - model_ms for x in idle.gapped)
+    ping_p50 = percentile(sorted(idle.ping), 50)
     res.add("b_p50", percentile(over, 50))
     res.add("b_p99", percentile(over, 99))
     res.add("b_gap_p50", percentile(gapped, 50))
     res.add("b_gap_p99", percentile(gapped, 99))
     res.add("b_mean", statistics.fmean(over))
-    res.add("b_worker_model_ms", statistics.median(worker_model))
-    res.add("b_queue_ms", statistics.median(queue_ms))
+    res.add("b_ping_p50", ping_p50)
+    res.add("b_in_pings", percentile(over, 50) / ping_p50)
+    for name in pids:
+        res.add(f"b_cpu_{name}_us", idle.cpu_us[name])
+        res.add(f"b_ping_cpu_{name}_us", idle.ping_cpu_us[name])
+    res.add("b_worker_model_ms", statistics.median(idle.worker_model))
+    res.add("b_queue_ms", statistics.median(idle.queue_ms))
     res.add("b_model_own_us", model_ms * 1e3)
     res.add("b_other_cores", other)
-    if not closed:
+    if not idle.closed:
         res.notes.append(f"(b) repeat {rep + 1}: AsyncProducer.aclose() hung (worked around)")
+    cpu = " / ".join(f"{idle.cpu_us[name]:.0f}" for name in pids)
     log(
         f"(b) idle      #{rep + 1}: p50 {percentile(over, 50):.3f} ms, p99 "
         f"{percentile(over, 99):.3f} ms over the model's {model_ms * 1e3:.2f} us "
-        f"({len(lat)} sequential requests; with 2 ms pauses p50 "
-        f"{percentile(gapped, 50):.3f}, p99 {percentile(gapped, 99):.3f} ms; "
-        f"other load {other:.2f} cores)"
+        f"({len(idle.lat)} sequential requests; {percentile(over, 50) / ping_p50:.1f} PING "
+        f"round trips of {ping_p50:.3f} ms; CPU a request worker / producer / Redis {cpu} us; "
+        f"with 2 ms pauses p50 {percentile(gapped, 50):.3f}, p99 "
+        f"{percentile(gapped, 99):.3f} ms; other load {other:.2f} cores)"
     )

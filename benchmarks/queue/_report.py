@@ -93,6 +93,9 @@ def _table(lines: list[str], res: Results, cfg: Config) -> None:
             f"| (b) idle latency over the model's own time, p50 (ms; {cfg.idle_requests} "
             f"sequential requests) | {cell(res, 'b_p50', 3)} | | |",
             f"| (b) idle latency, p99 (ms) | {cell(res, 'b_p99', 3)} | | |",
+            f"| (b) idle latency p50 in PING round trips (redis-py, the producer's loop) | "
+            f"{cell(res, 'b_p50', 3)} ms | PING {cell(res, 'b_ping_p50', 3)} ms | "
+            f"{cell(res, 'b_in_pings', 1, 'x')} |",
         ]
     if "c" in cfg.parts:
         lines += [
@@ -140,6 +143,11 @@ def _details(lines: list[str], res: Results, cfg: Config) -> None:
             f"queue_ms p50 {fmt(m('b_queue_ms'), 3)}, model_ms p50 "
             f"{fmt(m('b_worker_model_ms'), 3)} (batch start to its answer); other users "
             f"{fmt(m('b_other_cores'), 2)} cores.",
+            f"- (b) CPU per idle request (back to back): worker {fmt(m('b_cpu_worker_us'))} us, "
+            f"producer {fmt(m('b_cpu_producer_us'))} us, redis-server "
+            f"{fmt(m('b_cpu_redis_us'))} us; per PING round trip: client "
+            f"{fmt(m('b_ping_cpu_producer_us'))} us, redis-server "
+            f"{fmt(m('b_ping_cpu_redis_us'))} us (what one wake-up and reply cost here).",
         ]
     if "c" in cfg.parts:
         lines += [
@@ -163,7 +171,8 @@ def _per_repeat(lines: list[str], res: Results, cfg: Config) -> None:
     if "b" in cfg.parts:
         lines.append(
             f"- (b) per repeat: p50 {series(res, 'b_p50', 3)} ms, p99 {series(res, 'b_p99', 3)}"
-            f" ms (other users {series(res, 'b_other_cores', 2)} cores)."
+            f" ms, PING p50 {series(res, 'b_ping_p50', 3)} ms (other users "
+            f"{series(res, 'b_other_cores', 2)} cores)."
         )
     if "c" in cfg.parts:
         lines.append(

@@ -91,6 +91,13 @@ def test_bench_queue_quick_idle_latency_part() -> None:
     out = _bench(["benchmarks.queue", "--quick", "--parts", "b", "--repeats", "1"], 300)
     assert "## batchline queue benchmark" in out
     assert "(b) idle latency over the model's own time, p50" in out
+    # The anchor beside it, measured in the same repeat: a PING's round trip.
+    assert re.search(
+        r"^\| \(b\) idle latency p50 in PING round trips .* \| PING [\d.]+ ms", out, re.M
+    )
+    assert re.search(
+        r"CPU per idle request .*: worker \d+ us, producer \d+ us, redis-server \d+ us", out
+    )
     assert "SIGTERM: noop worker exit code 0" in out
     assert REDIS_LINE.search(out), out
     _no_verdict(out)
@@ -155,6 +162,7 @@ def test_bench_queue_report_gives_ratios_not_verdicts() -> None:
     cfg = config(parse(["--parts", "abcd", "--backends", "onnx"]))
     res = Results()
     figures = {"a_bl_rps": 30_000, "a_arq_rps": 1_500, "a_ratio": 20, "b_p50": 0.4}
+    figures |= {"b_ping_p50": 0.1, "b_in_pings": 4.0}
     figures |= {"b_p99": 0.9, "c_served": 250, "c_ceiling": 260, "c_vs_ceiling": 0.96}
     figures |= {"c_sequential": 90, "c_vs_sequential": 2.8, "d_rate_torch": 120}
     figures |= {"d_rate_onnx": 240, "d_ratio_onnx": 2.0, "d_cos_onnx": 0.9999}
@@ -166,6 +174,11 @@ def test_bench_queue_report_gives_ratios_not_verdicts() -> None:
         r"^\| \(a\) no-op, end to end, .* \| 30,000 \| arq 1,500 .* \| 20\.0x \|$", out, re.M
     )
     assert re.search(r"^\| \(b\) idle latency, p99 \(ms\) \| 0\.900 \| \| \|$", out, re.M), out
+    assert re.search(
+        r"^\| \(b\) idle .* PING round trips .* \| 0\.400 ms \| PING 0\.100 ms \| 4\.0x \|$",
+        out,
+        re.M,
+    )
     assert re.search(r"^\| \(c\) all-MiniLM-L6-v2, .* \| ceiling 260\.0 \| 0\.96 \|$", out, re.M)
     assert "| torch float32 | 120.0 | 1.00 | |" in out, out
     assert "| onnx | 240.0 | 2.00 | 0.9999 |" in out, out
