@@ -94,7 +94,7 @@ def _table(lines: list[str], res: Results, cfg: Config) -> None:
             f"sequential requests) | {cell(res, 'b_p50', 3)} | | |",
             f"| (b) idle latency, p99 (ms) | {cell(res, 'b_p99', 3)} | | |",
             f"| (b) idle latency p50 in PING round trips (redis-py, the producer's loop) | "
-            f"{cell(res, 'b_p50', 3)} ms | PING {cell(res, 'b_ping_p50', 3)} ms | "
+            f"{cell(res, 'b_p50', 3, ' ms')} | PING {cell(res, 'b_ping_p50', 3, ' ms')} | "
             f"{cell(res, 'b_in_pings', 1, 'x')} |",
         ]
     if "c" in cfg.parts:

@@ -94,10 +94,11 @@ def test_bench_queue_quick_idle_latency_part() -> None:
     # The anchor beside it, measured in the same repeat: a PING's round trip.
     assert re.search(
         r"^\| \(b\) idle latency p50 in PING round trips .* \| PING [\d.]+ ms", out, re.M
-    )
+    ), out
     assert re.search(
-        r"CPU per idle request .*: worker \d+ us, producer \d+ us, redis-server \d+ us", out
-    )
+        r"CPU per idle request .*: worker [\d,]+ us, producer [\d,]+ us, redis-server [\d,]+ us",
+        out,
+    ), out
     assert "SIGTERM: noop worker exit code 0" in out
     assert REDIS_LINE.search(out), out
     _no_verdict(out)
