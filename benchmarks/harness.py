@@ -211,11 +211,14 @@ class Samples:
         values = self.rows.get(key)
         return statistics.median(values) if values else None
 
-    def spread(self, key: str) -> str:
-        """``min to max`` of the repeats ('' for fewer than two)."""
+    def spread(self, key: str, digits: int | None = None) -> str:
+        """``min to max`` of the repeats ('' for fewer than two): with ``digits`` decimals as
+        :func:`fmt` writes the median beside it, else 4 significant digits."""
         values = self.rows.get(key)
         if not values or len(values) < 2:
             return ""
+        if digits is not None:
+            return f"{fmt(min(values), digits)} to {fmt(max(values), digits)}"
         return f"{min(values):,.4g} to {max(values):,.4g}"
 
     def paired(self, a: str, b: str) -> list[float]:

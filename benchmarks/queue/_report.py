@@ -24,7 +24,7 @@ DISTS = (
 
 def cell(res: Results, key: str, digits: int = 0, unit: str = "") -> str:
     """The median of a figure, with the range of its repeats in brackets."""
-    spread = res.spread(key)
+    spread = res.spread(key, digits)
     return fmt(res.med(key), digits, unit) + (f" [{spread}]" if spread else "")
 
 
