@@ -231,13 +231,12 @@ class KeyTable:
         try:
             version = await read_version(self.client, self.keys)
             if version != self._table.version or not self.loaded:
-                await self._reload(self.client)
+                await self._reload(self.client)  # (which says it answered)
             else:
                 self._read_at = self._clock()
+                self._answered()
         except (*REDIS_FAILURES, ValueError) as exc:  # (ValueError: a version not a number)
             self._failed(exc)
-            return
-        self._answered()
 
     def _answered(self) -> None:
         """The store was read (by the version check or the log's follower): one line where
