@@ -14,8 +14,9 @@ modes' order.
 
 - (a) two tenants of equal weight at one priority on a saturated worker: B offers a tenth of the capacity
   (open loop, Poisson arrivals, ``--seconds``), alone, then with A offering ten times as
-  much (B and A together 1.1 x the capacity); B's p99 latency with A present over B's p99
-  alone, per mode, and the items/s served with both (from the first request sent to the
+  much (B and A together 1.1 x the capacity; A's load comes from a process of its own, as
+  another client's would, so that its client-side work, garbage collections included, does
+  not stall B's producer); B's p99 latency with A present over B's p99 alone, per mode, and the items/s served with both (from the first request sent to the
   last answer). The anchor besides B alone: the least any scheduler that does not stop a
   batch under way can give B with A present, two full batches' time (B's request waits for
   the batch under way, then runs in the next, full of A's);
@@ -45,7 +46,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import math
+import multiprocessing
 import os
 import random
 import statistics
@@ -162,28 +165,63 @@ async def _open_loop(
     await asyncio.gather(*tasks)
 
 
+def _tenant_load(url: str, queue: str, tenant: str, rate: float, seconds: float, conn: Any) -> None:
+    """A load process's body: a producer as ``tenant``; once ready (it says so on ``conn``)
+    and told to go, ``rate``/s for ``seconds`` (:func:`_open_loop`); then it says how many
+    were answered and when the last was (unix seconds)."""
+
+    async def main() -> None:
+        async with AsyncProducer(redis_url=url, queue=queue, tenant=tenant) as producer:
+            await producer.infer(-1, timeout_s=60)  # its reply stream read, warm
+            gc.collect()
+            gc.freeze()
+            conn.send("ready")
+            await asyncio.to_thread(conn.recv)
+            lat: list[float] = []
+            await _open_loop(producer, rate, seconds, lat)
+            conn.send((len(lat), time.time()))
+
+    asyncio.run(main())
+
+
 async def part_a(run: Run, samples: Samples, mode: str) -> None:
     args = run.args
     capacity = args.batch_size * 1000 / full_batch_ms(args)  # items/s
     rate_b = capacity / 10
-    # A tenant of weight 1, as B (the tenant A has weight 3, for part b)
-    producers = await _producers(run.url, run.queues[f"emb-{mode}"], a="A1")
+    queue = run.queues[f"emb-{mode}"]
+    # A: a tenant of weight 1, as B (the tenant A has weight 3, for part b), sent from a
+    # process of its own (another client's), started and ready before B's runs begin.
+    spawn = multiprocessing.get_context("spawn")
+    ours, theirs = spawn.Pipe()
+    a_load = spawn.Process(
+        target=_tenant_load, args=(run.url, queue, "A1", 10 * rate_b, args.seconds, theirs)
+    )
+    a_load.start()
+    producer = await AsyncProducer(redis_url=run.url, queue=queue, tenant="B").start()
     try:
+        if not await asyncio.to_thread(ours.poll, 120) or ours.recv() != "ready":
+            raise RuntimeError("(a): tenant A's load process did not start")
         # Warm-up, not counted: the worker just resumed (its heartbeat and upkeep catch up),
-        # the producers' reply streams are new.
-        await _open_loop(producers["B"], rate_b, 1.0, [])
+        # the producer's reply stream is new.
+        await _open_loop(producer, rate_b, 1.0, [])
+        gc.collect()
+        gc.freeze()  # what the process holds so far: out of every full collection's walk
         alone: list[float] = []
-        await _open_loop(producers["B"], rate_b, args.seconds, alone)
+        await _open_loop(producer, rate_b, args.seconds, alone)
         with_a: list[float] = []
-        a_lat: list[float] = []
-        t0 = time.perf_counter()
-        await asyncio.gather(
-            _open_loop(producers["B"], rate_b, args.seconds, with_a),
-            _open_loop(producers["A"], 10 * rate_b, args.seconds, a_lat),
-        )
-        served = (len(with_a) + len(a_lat)) / (time.perf_counter() - t0)
+        started = time.time()
+        ours.send("go")
+        await _open_loop(producer, rate_b, args.seconds, with_a)
+        if not await asyncio.to_thread(ours.poll, 600):
+            raise RuntimeError("(a): tenant A's load process did not finish")
+        a_done, a_last = ours.recv()
+        served = (len(with_a) + a_done) / (max(a_last, time.time()) - started)
     finally:
-        await _close(producers)
+        await producer.aclose()
+        await asyncio.to_thread(a_load.join, 30)
+        if a_load.is_alive():
+            a_load.kill()
+        gc.unfreeze()
     samples.add(f"a {mode} B p99 alone", percentile(alone, 99))
     samples.add(f"a {mode} B p99 with A", percentile(with_a, 99))
     samples.add(f"a {mode} B p99 ratio", percentile(with_a, 99) / percentile(alone, 99))
