@@ -48,6 +48,7 @@ ALLOWED: dict[str, set[str]] = {
     "acl": {"keys", "tenants"},
     "redis_url": set(),
     "_specs": set(),
+    "_heap": set(),
     "config": WIRE | {"_specs", "devices", "drivers", "redis_url"},
     "transport": WIRE | {"config", "redis_url"},
     "tracing": set(),
@@ -55,6 +56,7 @@ ALLOWED: dict[str, set[str]] = {
     "producer": WIRE | {"config", "redis_url", "tracing", "transport"},
     "worker": WIRE
     | {
+        "_heap",
         "_tool_calls",
         "config",
         "core",
@@ -67,7 +69,7 @@ ALLOWED: dict[str, set[str]] = {
         "transport",
     },
     "contrib": WIRE
-    | {"_response_format", "_tool_calls", "_tools", "config", "producer", "transport"},
+    | {"_heap", "_response_format", "_tool_calls", "_tools", "config", "producer", "transport"},
     "demo": WIRE | {"config", "devices", "drivers", "producer", "transport", "worker"},
     "cli": WIRE | {"acl", "config", "demo", "logs", "transport", "worker"},
     "__main__": {"cli"},

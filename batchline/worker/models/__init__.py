@@ -21,10 +21,10 @@ in-process batchers use) and turns one request's item outputs into its result
 
 from __future__ import annotations
 
-import gc
 import os
 from pathlib import Path
 
+from batchline._heap import freeze
 from batchline.errors import ModelNotLoaded
 from batchline.worker.models._callable import CallableModel, echo
 from batchline.worker.models._protocol import (
@@ -165,5 +165,4 @@ def load(model: Model, *, spec: str, path: str | None, device: str) -> None:
             f"the model did not load (model {spec}, model_path {path or 'its default'}, "
             f"device {device}): {type(exc).__name__}: {what}"
         ) from exc
-    gc.collect()
-    gc.freeze()
+    freeze()
