@@ -194,7 +194,7 @@ def assemble(
         worker_id,
         readcap,
         serving,
-        before_read=dispatcher.before_read,
+        dispatch=dispatcher,
         gate=None if warm_first is None else warm_first.gate,
     )
     return Parts(

@@ -5,13 +5,13 @@ streams, least virtual start first, while a stream holds fewer than ``ahead`` un
 entries (:mod:`batchline.transport._fair`). The order is decided as late as it can be: at
 the moment a worker reads. While the backlogs hold anything (as the last admit or dispatch
 call said; every worker's admitter calls the admit function at least once a second), or
-tenants' requests came lately, the reader calls :meth:`Dispatcher.before_read` before each
-read, which fills the streams with just what the worker is about to read (one call of the
-dispatch function per read, none per request). The admit function itself fills a stream
-only to ``admit_ahead``: one entry per live worker (at most a batch), enough to wake the
-workers that wait on an empty stream, and no more, so that a tenant whose request comes
-while the workers are busy goes into the next batch formed, not behind entries dispatched
-before it came. The call carries the corrections gathered since the last one: for each
+tenants' requests came lately, the reader sends :meth:`Dispatcher.call` with each read, in
+one round trip (the call first), which fills the streams with just what the worker is about
+to read (one call of the dispatch function per read, none per request). The admit function
+itself fills a stream only to ``admit_ahead``: one entry per live worker (at most a batch),
+enough to wake the workers that wait on an empty stream, and no more, so that a tenant whose
+request comes while the workers are busy goes into the next batch formed, not behind entries
+dispatched before it came. The call carries the corrections gathered since the last one: for each
 tenant and priority, the real cost of its requests answered (generation: prompt and
 generated tokens; otherwise items) less the producer's estimate (``cost``).
 
@@ -35,7 +35,7 @@ from redis.exceptions import ResponseError
 
 from batchline.config import WorkerSettings
 from batchline.drivers._base import Call
-from batchline.transport import DISPATCH, RedisClient, fair_args, function_missing, redis_failure
+from batchline.transport import DISPATCH, fair_args, function_missing, redis_failure
 from batchline.worker.shared._held import Entry, Meta
 
 __all__ = ["AHEAD_AT", "Dispatcher", "real_cost"]
@@ -98,6 +98,7 @@ class Dispatcher:
         self.calls = 0
         self._tenants_until = 0.0
         self._corrections: dict[tuple[str, int], int] = {}
+        self._sent: dict[tuple[str, int], int] = {}  # the corrections of the call in flight
 
     @property
     def admit_ahead(self) -> int:
@@ -143,7 +144,7 @@ class Dispatcher:
 
     def read(self, entries: Iterable[Entry]) -> None:
         """Note the entries of one read: whether any is a tenant's (its ``tn`` field), and
-        how long the read took since :meth:`before_read` (it did not wait)."""
+        how long the read took since :meth:`call` (it did not wait)."""
         if self._read_began:
             took, self._read_began = time.monotonic() - self._read_began, 0.0
             self._read_s += (min(took, MAX_READ_S) - self._read_s) * SMOOTHING
@@ -171,44 +172,52 @@ class Dispatcher:
             key = (request.get("tenant") or "-", meta.sidx)
             self._corrections[key] = self._corrections.get(key, 0) + delta
 
-    async def before_read(self, client: RedisClient, room: int) -> bool:
-        """Before a read of up to ``room`` entries a stream: one call of the dispatch
-        function, filling each stream to ``room`` undelivered entries, while the backlogs
-        hold anything or tenants' requests came lately; Redis failing is left to the next
-        read (the admitter dispatches at least once a second meanwhile). Returns whether
-        the read may wait for entries: not while the backlogs still hold any (the streams
-        hold what it may take, and a read that waited could bring in, while a batch runs,
-        an entry the admission dispatches)."""
+    def call(self, room: int) -> list[Any] | None:
+        """The dispatch function's call (``FCALL`` and its arguments) to send with a read of
+        up to ``room`` entries a stream, filling each stream to ``room`` undelivered entries;
+        None where no call is needed (the backlogs hold nothing, no tenant's request came
+        lately). Its outcome goes to :meth:`called`, or :meth:`lost`."""
         if not (self.held or self._tenants_lately()):
-            return True
+            return None
         self._read_began = time.monotonic()
         args = list(self.args)
         args[AHEAD_AT] = max(1, room)
-        corrections, self._corrections = self._corrections, {}
+        self._sent, self._corrections = self._corrections, {}
         flat: list[Any] = []
-        for (tenant, priority), delta in corrections.items():
+        for (tenant, priority), delta in self._sent.items():
             flat += (tenant, priority, delta)
-        try:
-            held = await client.fcall(
-                DISPATCH, len(self._streams), *self._streams, self._base, *args, *flat
-            )
-        except ResponseError as exc:
-            if not function_missing(exc):  # missing: the admitter loads it again
-                logger.warning("dispatch: %s", exc)
-            self._restore(corrections)
-            return True
-        except Exception as caught:
-            failure = redis_failure(caught)
-            if failure is None:
-                raise
-            logger.debug("dispatch: %s", failure)
-            self._restore(corrections)
+        return [DISPATCH, len(self._streams), *self._streams, self._base, *args, *flat]
+
+    def called(self, outcome: Any) -> bool:
+        """Note the outcome of the call :meth:`call` made: the backlogs' count, or the error
+        it answered (the function missing: the admitter loads it again; Redis failing is
+        left to the next read, the admitter dispatching at least once a second meanwhile).
+        Returns whether the read may wait for entries: not while the backlogs still hold
+        any (the streams hold what it may take, and a read that waited could bring in,
+        while a batch runs, an entry the admission dispatches)."""
+        sent, self._sent = self._sent, {}
+        if isinstance(outcome, BaseException):
+            if isinstance(outcome, ResponseError):
+                if not function_missing(outcome):
+                    logger.warning("dispatch: %s", outcome)
+            else:
+                failure = redis_failure(outcome)
+                if failure is None:
+                    raise outcome
+                logger.debug("dispatch: %s", failure)
+            self._restore(sent)
             return True
         self.calls += 1
-        self.held = int(held)
+        self.held = int(outcome)
         if not self.held:
             self._read_began = 0.0  # the read may wait: not a read's time
         return not self.held
+
+    def lost(self) -> None:
+        """The call :meth:`call` made was not answered (the connection failed): its
+        corrections go with the next."""
+        sent, self._sent = self._sent, {}
+        self._restore(sent)
 
     def _restore(self, corrections: dict[tuple[str, int], int]) -> None:
         for key, delta in corrections.items():

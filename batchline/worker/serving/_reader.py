@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
 from redis.exceptions import ResponseError
 
@@ -32,7 +33,7 @@ from batchline.worker.shared._consumers import ensure_groups
 from batchline.worker.shared._held import Entry
 from batchline.worker.shared._roles import Entrance
 
-__all__ = ["ENTRY_SLACK_BYTES", "Entries", "ReadCap", "Reader", "entry_bytes"]
+__all__ = ["ENTRY_SLACK_BYTES", "Entries", "ReadCap", "ReadDispatch", "Reader", "entry_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,23 @@ class ReadCap:
         return kept, too_large
 
 
+class ReadDispatch(Protocol):
+    """What fills the work streams just before a read (the fair share's dispatch:
+    :class:`~batchline.worker.serving._dispatch.Dispatcher`)."""
+
+    held: int  # what the backlogs held, as the last call said
+
+    def call(self, room: int) -> list[Any] | None:
+        """The ``FCALL`` to send before a read of up to ``room`` entries a stream; None:
+        none."""
+
+    def called(self, outcome: Any) -> bool:
+        """Its reply, or the error it answered; whether the read may wait for entries."""
+
+    def lost(self) -> None:
+        """It was not answered (the connection failed)."""
+
+
 class Reader:
     """Reads entries for one worker and hands them to its ``entrance``.
 
@@ -110,11 +128,12 @@ class Reader:
         readcap: bounds one read's entries by bytes.
         entrance: the serving path: how many more entries may come in now (at 0 the reader
             waits for ``space``), and where the entries of one read go.
-        before_read: awaited before each read, with the reader's connection and the room
-            for entries it will ask of each stream (the fair share's dispatch:
-            :mod:`._dispatch`); False: the read does not wait for entries (what it may
-            take was just dispatched; a read that waited could bring an entry in while a
-            batch runs).
+        dispatch: the call that fills the streams before a read (the fair share's:
+            :mod:`._dispatch`), sent in one round trip with a read that does not wait, of
+            up to the room from each stream (what it may take was just dispatched; a read
+            that waited could bring an entry in while a batch runs); where the call says
+            nothing is held any more and that read brought nothing, a read that waits
+            follows.
         gate: reads only while set (a worker whose model is unloaded leaves the queue to
             the workers that have it loaded: :mod:`._warm_first`).
     """
@@ -127,7 +146,7 @@ class Reader:
         readcap: ReadCap,
         entrance: Entrance,
         *,
-        before_read: Callable[[RedisClient, int], Awaitable[bool]] | None = None,
+        dispatch: ReadDispatch | None = None,
         gate: asyncio.Event | None = None,
     ) -> None:
         self._redis = redis
@@ -136,7 +155,7 @@ class Reader:
         self._worker_id = worker_id
         self._readcap = readcap
         self._entrance = entrance
-        self._before_read = before_read
+        self._dispatch = dispatch
         self._gate = gate
         #: True while it holds back its reads (its ``gate`` closed), not in a read.
         self.held_back = False
@@ -168,14 +187,17 @@ class Reader:
                     self.held_back = False
                 continue
             try:
-                wait = self._before_read is None or await self._before_read(client, room)
-                if not wait:
-                    # What it may take was just dispatched, up to the room in each stream:
-                    # one read takes it (at most the room from each priority's stream).
-                    per_stream = self._readcap.count(room, 1)
-                response = await client.xreadgroup(
-                    GROUP, self._worker_id, streams, count=per_stream, block=1000 if wait else None
-                )
+                dispatch = self._dispatch
+                call = None if dispatch is None else dispatch.call(room)
+                response = None
+                if dispatch is not None and call is not None:
+                    response, wait = await self._dispatch_and_read(
+                        client, dispatch, call, streams, room
+                    )
+                if call is None or (wait and not response):
+                    response = await client.xreadgroup(
+                        GROUP, self._worker_id, streams, count=per_stream, block=1000
+                    )
             except ResponseError as exc:
                 if passing(exc):  # a failover, a restart under way: wait and try again
                     await backoff.wait(exc)
@@ -198,6 +220,33 @@ class Reader:
                     for stream, entries in response
                     for entry, raw in entries
                 )
+
+    async def _dispatch_and_read(
+        self,
+        client: RedisClient,
+        dispatch: ReadDispatch,
+        call: list[Any],
+        streams: dict[str, str],
+        room: int,
+    ) -> tuple[Any, bool]:
+        """The dispatch ``call`` and a read that does not wait, in one round trip. While
+        the backlogs hold requests, what it may take was just dispatched, up to the room in
+        each stream, and the read takes it (at most the room from each priority's stream);
+        otherwise the room is split between the streams, as a read that waits splits it.
+        Returns the read's reply and whether a read may wait (:meth:`ReadDispatch.called`)."""
+        count = self._readcap.count(room, 1 if dispatch.held else len(streams))
+        pipe = client.pipeline(transaction=False)
+        pipe.fcall(*call)
+        pipe.xreadgroup(GROUP, self._worker_id, streams, count=count)
+        try:
+            dispatched, response = await pipe.execute(raise_on_error=False)
+        except BaseException:
+            dispatch.lost()
+            raise
+        wait = dispatch.called(dispatched)
+        if isinstance(response, BaseException):
+            raise response
+        return response, wait
 
 
 async def _first(*events: asyncio.Event) -> None:
