@@ -39,6 +39,7 @@ from batchline.transport._event_loop import EXIT_INTERRUPTED, loop_factory, run_
 from batchline.transport._fair import fair_args
 from batchline.transport._functions import (
     ADMIT,
+    ADMIT_PER_CALL,
     CANCEL_TENANT,
     DISPATCH,
     ENQUEUE_TENANT,
@@ -99,6 +100,7 @@ from batchline.transport._tenants import (
 
 __all__ = [
     "ADMIT",
+    "ADMIT_PER_CALL",
     "CANCELS_MAXLEN",
     "CANCEL_TENANT",
     "COMPLETE",

@@ -7,10 +7,17 @@ docs/protocol.md, Admission, is the contract. The Lua calls what :mod:`._lua`,
 
 from __future__ import annotations
 
-__all__ = ["WORKERS"]
+__all__ = ["ADMIT_PER_CALL", "WORKERS"]
+
+#: Inbox elements a worker's call of the admit function takes at most (its ``ARGV[1]``; a
+#: first call after a wait takes fewer); tenants' inboxes take at least this many in every
+#: call.
+ADMIT_PER_CALL = 512
 
 #: The Lua of the admit and dispatch functions (the library's end, before the registrations).
-WORKERS = r"""
+WORKERS = (
+    f"local TENANTS_PER_CALL = {ADMIT_PER_CALL}\n"
+    + r"""
 -- Workers. KEYS: the admission list, the inbox, the dead-letter stream, the cancel stream,
 -- the job list, the work streams (priority 0 first). ARGV: most inbox elements to take; the
 -- worker's id; arguments 3 to 11 as the enqueue script's; the reply-stream prefix; the caps
@@ -20,6 +27,7 @@ WORKERS = r"""
 -- the fair share's block (_fair.py). Returns {elements admitted, elements left in the inbox,
 -- the job list and the wake list, requests refused for the depth, errors withheld, requests
 -- refused for a quota, requests held in the backlogs after its dispatch}.
+local WAKES_SHARING = 16  -- the most wakes a call's elements are shared between
 local function admit(keys, args)
   local admitting, inbox, dead, cancels, job_list = keys[1], keys[2], keys[3], keys[4], keys[5]
   local priorities = #keys - 5
@@ -277,10 +285,19 @@ local function admit(keys, args)
       admitted = admitted + #taken
     end
   end
-  -- Tenants' inboxes, as the wake list names them: up to `most` elements in all, each
-  -- wake taking what is left of that; a wake whose inbox holds more goes to the list's end.
-  -- (pcall: under a worker ACL from before tenants, the rest is admitted all the same.)
-  local budget, drained = most, {}
+  -- Tenants' inboxes, as the wake list names them: up to `most` elements in all (at least
+  -- TENANTS_PER_CALL), each wake taking at most its share of that (over the wakes the list
+  -- holds, counted up to WAKES_SHARING), or what is left; a wake whose inbox holds more goes
+  -- to the list's end. So the tenants a call wakes are admitted side by side, and the fair
+  -- share's first dispatch sees every woken tenant's requests, not a few of the first one's
+  -- (a first call after a wait takes few of the inbox). (pcall: under a worker ACL from
+  -- before tenants, the rest is admitted all the same.)
+  local budget, drained = math.max(most, TENANTS_PER_CALL), {}
+  local share = budget
+  local sharing = redis.pcall('LLEN', wakes)
+  if type(sharing) == 'number' and sharing > 1 then
+    share = math.max(1, math.ceil(budget / math.min(sharing, WAKES_SHARING)))
+  end
   for _ = 1, 1000 do
     if budget <= 0 then break end
     local wake = redis.pcall('LPOP', wakes)
@@ -288,7 +305,7 @@ local function admit(keys, args)
     local ok, e = pcall(cmsgpack.unpack, wake)
     if ok and type(e) == 'table' and e[1] == 't' and is_tenant(e[2]) and #e == 2 then
       if not drained[e[2]] then  -- a second wake of an inbox this call emptied: nothing
-        local from, asked = TK.inbox(e[2]), budget
+        local from, asked = TK.inbox(e[2]), math.min(budget, share)
         local taken = redis.call('LPOP', from, asked) or {}
         for _, element in ipairs(taken) do one(element, e[2]) end
         admitted, budget = admitted + #taken, budget - #taken
@@ -324,3 +341,4 @@ local function dispatch(keys, args)
   return dispatch_streams()
 end
 """
+)

@@ -29,7 +29,7 @@ import logging
 from redis.exceptions import NoPermissionError, ResponseError
 
 from batchline.keys import QueueKeys
-from batchline.transport._admit import WORKERS
+from batchline.transport._admit import ADMIT_PER_CALL, WORKERS
 from batchline.transport._fair import FAIR
 from batchline.transport._lua import EACH, MAX_PER_CALL, ONCE, REPLIES, TENANTS, VALIDATE
 from batchline.transport._quota import COUNTERS, QUOTA
@@ -37,6 +37,7 @@ from batchline.transport._redis import RedisClient
 
 __all__ = [
     "ADMIT",
+    "ADMIT_PER_CALL",
     "CANCEL",
     "CANCEL_TENANT",
     "DISPATCH",

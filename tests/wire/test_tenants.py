@@ -38,7 +38,7 @@ from batchline.transport import (
 )
 from batchline.transport._functions import ENQUEUE
 from batchline.transport._lua import TENANTS
-from batchline.worker.serving._admitter import Admitter
+from batchline.worker.serving._admitter import FIRST_CALL, PER_CALL, Admitter
 
 from tests.support.models_for_tests import GatedModel
 from tests.support.protocol_doc import doc_block
@@ -250,10 +250,11 @@ def test_wakes_of_no_tenant_are_dead_lettered_and_a_long_inbox_is_woken_again(
     rclient.rpush(keys.wakes, msgpack.packb(["t", "acme"]), b"junk", msgpack.packb(["t", "a.b"]))
     admitter = Admitter(None, WorkerSettings(queue=keys.queue), worker_id="test")
     admitted, left, *_ = rclient.execute_command("FCALL", *admitter.call())
-    # The call's share, then acme's wake again at the list's end, behind the two others.
+    # acme's share (512 over the three wakes: 171), its wake again at the list's end, the
+    # two others refused, then acme's wake twice more, for what is left of the 512.
     assert admitted == 512
-    assert left == 3
-    assert rclient.lindex(keys.wakes, -1) == msgpack.packb(["t", "acme"])
+    assert left == 1
+    assert rclient.lrange(keys.wakes, 0, -1) == [msgpack.packb(["t", "acme"])]
     admit(rclient, keys)
     # Every one admitted: in the work streams, or held for the fair share until the workers
     # can take it (two batches ahead).
@@ -262,6 +263,33 @@ def test_wakes_of_no_tenant_are_dead_lettered_and_a_long_inbox_is_woken_again(
     assert [r for r, _t in dead_reasons(rclient, keys)] == [
         "MalformedRequest: inbox element refused: on the wake list: not a wake"
     ] * 2
+
+
+def test_the_tenants_a_call_wakes_are_admitted_side_by_side(
+    rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    """Tenants' inboxes take 512 elements a call, a first call after a wait too (it takes 16
+    of the inbox): shared between the wakes, so that the fair share's first dispatch sees
+    every woken tenant's requests, not only the first one's (its share would go to the other
+    until the next call)."""
+    for tenant in ("acme", "beta"):
+        inbox = keys.tenant_inbox(tenant)
+        rclient.rpush(inbox, *[element(f"{tenant}.{i}", "x") for i in range(400)])
+    rclient.rpush(keys.wakes, *[msgpack.packb(["t", t]) for t in ("acme", "beta")])
+    admitter = Admitter(None, WorkerSettings(queue=keys.queue), worker_id="test")
+    admitted, *_ = rclient.execute_command("FCALL", *admitter.call(FIRST_CALL))
+    assert admitted == PER_CALL
+    assert rclient.llen(keys.tenant_inbox("acme")) == 400 - PER_CALL // 2
+    assert rclient.llen(keys.tenant_inbox("beta")) == 400 - PER_CALL // 2
+    # Many wakes of two tenants (a wake a producer's call): shared between 16 of them.
+    rclient.delete(keys.wakes)
+    rclient.rpush(keys.wakes, *[msgpack.packb(["t", t]) for t in ("acme", "beta") * 30])
+    rclient.rpush(keys.tenant_inbox("acme"), *[element(f"acme.x{i}", "x") for i in range(400)])
+    before = [rclient.llen(keys.tenant_inbox(t)) for t in ("acme", "beta")]  # 544 and 144
+    admitted, *_ = rclient.execute_command("FCALL", *admitter.call(FIRST_CALL))
+    assert admitted == PER_CALL  # 32 a wake in turn: beta's 144, and 368 of acme's
+    assert rclient.llen(keys.tenant_inbox("beta")) == 0
+    assert rclient.llen(keys.tenant_inbox("acme")) == before[0] - (PER_CALL - before[1])
 
 
 def test_the_luas_tenant_keys_are_those_of_queue_keys(

@@ -40,6 +40,7 @@ from redis.exceptions import NoPermissionError, ResponseError
 from batchline.config import WorkerSettings
 from batchline.transport import (
     ADMIT,
+    ADMIT_PER_CALL,
     CANCELS_MAXLEN,
     Backoff,
     RedisClient,
@@ -58,9 +59,10 @@ __all__ = ["Admitter"]
 logger = logging.getLogger(__name__)
 
 #: Inbox elements one call of the admit function takes at most.
-PER_CALL = 512
+PER_CALL = ADMIT_PER_CALL
 #: ... the first call after a wait on an empty inbox: what came first (a producer's write
 #: puts its highest priorities first) is admitted, and read, before the rest of a burst.
+#: (Tenants' inboxes take PER_CALL in every call: the fair share's first dispatch sees them.)
 FIRST_CALL = 16
 #: How long one blocking wait on the inbox lasts (seconds), so that the loop sees a stop.
 _BLOCK_S = 1.0
