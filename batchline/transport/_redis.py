@@ -26,6 +26,7 @@ from batchline.transport._errors import (
     passing,
     redis_failure,
 )
+from batchline.transport._packing import packed_by_hiredis
 from batchline.transport._sentinel import sentinel_client
 
 __all__ = [
@@ -134,8 +135,13 @@ def connect(settings: ServiceSettings) -> RedisClient:
     if settings.redis_cluster:
         return as_client(_Cluster.from_url(url, **NO_CLIENT_INFO))
     if is_sentinel_url(url):
-        return as_client(sentinel_client(url, health_check_interval=30, **NO_CLIENT_INFO))
-    return as_client(Redis.from_url(url, health_check_interval=30, **NO_CLIENT_INFO))
+        client = sentinel_client(url, health_check_interval=30, **NO_CLIENT_INFO)
+    else:
+        client = Redis.from_url(url, health_check_interval=30, **NO_CLIENT_INFO)
+    # hiredis packs its commands (and those of every pool made from its pool's class)
+    pool = client.connection_pool
+    pool.connection_class = packed_by_hiredis(pool.connection_class)
+    return as_client(client)
 
 
 async def wait_for_redis(client: RedisClient, settings: ServiceSettings, *, wait_s: float) -> None:
