@@ -12,14 +12,15 @@ capacity, ``batch_size`` items a full batch's time, that leaves the shared CPU a
 ``--batch-ms 0`` makes a model with nothing to gain from batching). Repeats alternate the
 modes' order.
 
-- (a) two tenants of equal weight at one priority on a saturated worker: B offers a tenth of the capacity
-  (open loop, Poisson arrivals, ``--seconds``), alone, then with A offering ten times as
-  much (B and A together 1.1 x the capacity; A's load comes from a process of its own, as
-  another client's would, so that its client-side work, garbage collections included, does
-  not stall B's producer); B's p99 latency with A present over B's p99 alone, per mode, and the items/s served with both (from the first request sent to the
-  last answer). The anchor besides B alone: the least any scheduler that does not stop a
-  batch under way can give B with A present, two full batches' time (B's request waits for
-  the batch under way, then runs in the next, full of A's);
+- (a) two tenants of equal weight at one priority on a saturated worker: B offers a tenth of
+  the capacity (open loop, Poisson arrivals, ``--seconds``), alone, then with A offering ten
+  times as much (B and A together 1.1 x the capacity; A's load comes from a process of its
+  own, as another client's would, so that its client-side work, garbage collections
+  included, does not stall B's producer); B's p99 latency with A present over B's p99 alone,
+  per mode, and the items/s served with both (from the first request sent to the last
+  answer). The anchor besides B alone: the least any scheduler that does not stop a batch
+  under way can give B with A present, two full batches' time (B's request waits for the
+  batch under way, then runs in the next, full of A's);
 - (b) weights 3:1 (A 3, B 1 in the tenant store), both backlogged with ``--shares``
   requests each (enqueued while the worker is paused): A's served share over B's, by cost,
   among the requests dispatched while both were backlogged (up to the first tenant's last
@@ -197,6 +198,7 @@ async def part_a(run: Run, samples: Samples, mode: str) -> None:
         target=_tenant_load, args=(run.url, queue, "A1", 10 * rate_b, args.seconds, theirs)
     )
     a_load.start()
+    theirs.close()  # the child's end: a child that dies is an EOF here, not a long wait
     producer = await AsyncProducer(redis_url=run.url, queue=queue, tenant="B").start()
     try:
         if not await asyncio.to_thread(ours.poll, 120) or ours.recv() != "ready":
@@ -212,10 +214,11 @@ async def part_a(run: Run, samples: Samples, mode: str) -> None:
         started = time.time()
         ours.send("go")
         await _open_loop(producer, rate_b, args.seconds, with_a)
+        b_last = time.time()
         if not await asyncio.to_thread(ours.poll, 600):
             raise RuntimeError("(a): tenant A's load process did not finish")
         a_done, a_last = ours.recv()
-        served = (len(with_a) + a_done) / (max(a_last, time.time()) - started)
+        served = (len(with_a) + a_done) / (max(a_last, b_last) - started)
     finally:
         await producer.aclose()
         await asyncio.to_thread(a_load.join, 30)

@@ -7,7 +7,9 @@ hiredis's ``pack_command`` 4.3 µs, the same bytes; an ``XACK`` 2.8 and 0.84 µs
 path sends about ten commands a request, the batched one a few a batch. What hiredis does
 not pack as redis-py does goes to redis-py's packer: a command name of several words
 (``CONFIG GET``, split there), a type hiredis refuses (a ``bytearray``; redis-py's
-``DataError`` for a type neither packs), a connection whose encoding is not strict UTF-8.
+``DataError`` for a type neither packs), a connection whose encoding is not strict UTF-8,
+and a command with a large argument (over redis-py's chunk size, 6,000 bytes, or a
+memoryview), which redis-py sends as a chunk of its own rather than copied into the command.
 Without hiredis, the class is redis-py's own.
 """
 
@@ -33,6 +35,15 @@ C = TypeVar("C", bound=type[AbstractConnection])
 _MADE: dict[type, type] = {}
 
 
+def _small(args: tuple[Any, ...], cutoff: int) -> bool:
+    """Whether no argument is a memoryview or longer than ``cutoff``: redis-py sends those
+    as chunks of their own, uncopied, where hiredis would copy them into one command."""
+    for arg in args:
+        if isinstance(arg, memoryview) or (isinstance(arg, bytes | str) and len(arg) > cutoff):
+            return False
+    return True
+
+
 def packed_by_hiredis(connection_class: C) -> C:
     """``connection_class`` with hiredis's ``pack_command`` (the same class where hiredis
     is missing, or already packing)."""
@@ -51,6 +62,7 @@ def packed_by_hiredis(connection_class: C) -> C:
                 and encoder.encoding_errors == "strict"
                 and not (isinstance(first, str) and " " in first)
                 and not (isinstance(first, bytes) and b" " in first)
+                and _small(args, self._buffer_cutoff)
             ):
                 try:
                     return [pack(args)]

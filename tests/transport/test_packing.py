@@ -38,6 +38,26 @@ def test_the_same_bytes_as_redis_py(args: tuple[Any, ...]) -> None:
     assert wire(ours.pack_command(*args)) == wire(Connection().pack_command(*args))
 
 
+class PythonPacking(Connection):
+    """A connection whose own (redis-py's) packer says so when it is used."""
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        raise LookupError("redis-py's packer")
+
+
+def test_hiredis_packs_small_commands_and_large_arguments_stay_uncopied() -> None:
+    ours = packed_by_hiredis(PythonPacking)()
+    assert len(ours.pack_command("SET", "k", b"v" * 100, "EX", 60)) == 1  # hiredis's
+    with pytest.raises(LookupError):  # sent by redis-py as a chunk of its own, uncopied
+        ours.pack_command("SET", "k", b"\x00" * 100_000)
+    with pytest.raises(LookupError):
+        ours.pack_command("SET", "k", memoryview(b"abc"))
+    large = b"\x00" * 100_000
+    assert any(
+        chunk is large for chunk in packed_by_hiredis(Connection)().pack_command("SET", "k", large)
+    )
+
+
 def test_a_type_neither_packs_raises_redis_pys_error() -> None:
     ours = packed_by_hiredis(Connection)()
     for bad in (None, True, {"a": 1}, [1]):

@@ -182,6 +182,7 @@ class Dispatcher:
         self._read_began = time.monotonic()
         args = list(self.args)
         args[AHEAD_AT] = max(1, room)
+        self._restore(self._sent)  # (none: each call is told called() or lost() first)
         self._sent, self._corrections = self._corrections, {}
         flat: list[Any] = []
         for (tenant, priority), delta in self._sent.items():

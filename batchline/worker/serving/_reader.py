@@ -189,7 +189,7 @@ class Reader:
             try:
                 dispatch = self._dispatch
                 call = None if dispatch is None else dispatch.call(room)
-                response = None
+                response, wait = None, True
                 if dispatch is not None and call is not None:
                     response, wait = await self._dispatch_and_read(
                         client, dispatch, call, streams, room
