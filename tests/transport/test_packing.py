@@ -1,4 +1,4 @@
-"""Commands packed by hiredis (batchline/transport/_packing.py): the same bytes as redis-py's
+"""Commands packed by hiredis (batchline/transport/_redis.py): the same bytes as redis-py's
 own packer for every argument type the package sends, redis-py's packer (and its errors)
 for what hiredis packs otherwise, and every client ``connect`` makes packing so, against a
 real Redis."""
@@ -14,7 +14,7 @@ from redis.exceptions import DataError
 
 from batchline.config import ServiceSettings
 from batchline.transport import connect, dedicated
-from batchline.transport._packing import packed_by_hiredis
+from batchline.transport._redis import packed_by_hiredis
 
 ARGS: list[tuple[Any, ...]] = [
     ("SET", "k", "v"),
