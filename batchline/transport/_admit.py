@@ -27,7 +27,7 @@ WORKERS = (
 -- the fair share's block (_fair.py). Returns {elements admitted, elements left in the inbox,
 -- the job list and the wake list, requests refused for the depth, errors withheld, requests
 -- refused for a quota, requests held in the backlogs after its dispatch}.
-local WAKES_SHARING = 16  -- the most wakes a call's elements are shared between
+local WAKES_TAKEN = 1000  -- the most wakes one call takes
 local function admit(keys, args)
   local admitting, inbox, dead, cancels, job_list = keys[1], keys[2], keys[3], keys[4], keys[5]
   local priorities = #keys - 5
@@ -285,40 +285,66 @@ local function admit(keys, args)
       admitted = admitted + #taken
     end
   end
-  -- Tenants' inboxes, as the wake list names them: up to `most` elements in all (at least
-  -- TENANTS_PER_CALL), each wake taking at most its share of that (over the wakes the list
-  -- holds, counted up to WAKES_SHARING), or what is left; a wake whose inbox holds more goes
-  -- to the list's end. So the tenants a call wakes are admitted side by side, and the fair
-  -- share's first dispatch sees every woken tenant's requests, not a few of the first one's
-  -- (a first call after a wait takes few of the inbox). (pcall: under a worker ACL from
-  -- before tenants, the rest is admitted all the same.)
-  local budget, drained = math.max(most, TENANTS_PER_CALL), {}
-  local share = budget
-  local sharing = redis.pcall('LLEN', wakes)
-  if type(sharing) == 'number' and sharing > 1 then
-    share = math.max(1, math.ceil(budget / math.min(sharing, WAKES_SHARING)))
-  end
-  for _ = 1, 1000 do
-    if budget <= 0 then break end
-    local wake = redis.pcall('LPOP', wakes)
-    if type(wake) ~= 'string' then break end
-    local ok, e = pcall(cmsgpack.unpack, wake)
-    if ok and type(e) == 'table' and e[1] == 't' and is_tenant(e[2]) and #e == 2 then
-      if not drained[e[2]] then  -- a second wake of an inbox this call emptied: nothing
-        local from, asked = TK.inbox(e[2]), math.min(budget, share)
-        local taken = redis.call('LPOP', from, asked) or {}
-        for _, element in ipairs(taken) do one(element, e[2]) end
-        admitted, budget = admitted + #taken, budget - #taken
-        if #taken == asked and redis.call('LLEN', from) > 0 then
-          redis.call('RPUSH', wakes, wake_element(e[2]))
-        else
-          drained[e[2]] = true
+  -- Tenants' inboxes, as the wake list names them (its first WAKES_TAKEN wakes; each tenant
+  -- once, however many wakes it has there, in the order of its first one): up to `most`
+  -- elements in all (at least TENANTS_PER_CALL), in rounds, each tenant whose inbox still
+  -- holds elements taking its share of what is left (over those tenants), admitted one of
+  -- each tenant in turn. So the tenants a call wakes are admitted side by side whatever
+  -- their producers' calls, and the fair share's first dispatch sees every woken tenant's
+  -- requests, not a few of the first one's (a first call after a wait takes few of the
+  -- inbox). A tenant taken nothing from gets its wake back at the list's head, one whose
+  -- inbox holds more at its end. (pcall: under a worker ACL from before tenants, the rest
+  -- is admitted all the same.)
+  local budget, order, named, listed = math.max(most, TENANTS_PER_CALL), {}, {}, {}
+  local popped = redis.pcall('LPOP', wakes, WAKES_TAKEN)
+  if type(popped) ~= 'table' or popped.err then popped = {} end
+  for _, wake in ipairs(popped) do
+    if named[wake] == nil then
+      local ok, e = pcall(cmsgpack.unpack, wake)
+      if ok and type(e) == 'table' and e[1] == 't' and is_tenant(e[2]) and #e == 2 then
+        named[wake] = true
+        if not listed[e[2]] then  -- its first wake (another packing could name it too)
+          listed[e[2]] = true
+          order[#order + 1] = e[2]
         end
+      else
+        refuse('on the wake list: not a wake', #wake)
       end
-    else
-      refuse('on the wake list: not a wake', #wake)
     end
   end
+  local taken_from, active = {}, order
+  while budget > 0 and #active > 0 do
+    local share, more, chunks, longest = math.ceil(budget / #active), {}, {}, 0
+    for _, tenant in ipairs(active) do
+      if budget <= 0 then break end
+      local from, asked = TK.inbox(tenant), math.min(budget, share)
+      local taken = redis.call('LPOP', from, asked) or {}
+      taken_from[tenant] = true
+      chunks[#chunks + 1] = {tenant, taken}
+      longest = math.max(longest, #taken)
+      admitted, budget = admitted + #taken, budget - #taken
+      if #taken == asked then more[#more + 1] = tenant end
+    end
+    -- One element of each tenant in turn (without the fair share, the work streams serve
+    -- them in this order).
+    for i = 1, longest do
+      for _, chunk in ipairs(chunks) do
+        if chunk[2][i] then one(chunk[2][i], chunk[1]) end
+      end
+    end
+    active = more
+  end
+  local head, tail = {}, {}  -- head: last first (LPUSH puts its last argument first)
+  for i = #order, 1, -1 do
+    if not taken_from[order[i]] then head[#head + 1] = wake_element(order[i]) end
+  end
+  for _, tenant in ipairs(order) do
+    if taken_from[tenant] and redis.call('LLEN', TK.inbox(tenant)) > 0 then
+      tail[#tail + 1] = wake_element(tenant)
+    end
+  end
+  if #head > 0 then redis.call('LPUSH', wakes, unpack(head)) end
+  if #tail > 0 then redis.call('RPUSH', wakes, unpack(tail)) end
   for_tenant(nil)
   quota_end()
   for _, element in ipairs(redis.call('LPOP', job_list, 1000) or {}) do marked(element) end

@@ -250,8 +250,8 @@ def test_wakes_of_no_tenant_are_dead_lettered_and_a_long_inbox_is_woken_again(
     rclient.rpush(keys.wakes, msgpack.packb(["t", "acme"]), b"junk", msgpack.packb(["t", "a.b"]))
     admitter = Admitter(None, WorkerSettings(queue=keys.queue), worker_id="test")
     admitted, left, *_ = rclient.execute_command("FCALL", *admitter.call())
-    # acme's share (512 over the three wakes: 171), its wake again at the list's end, the
-    # two others refused, then acme's wake twice more, for what is left of the 512.
+    # acme's share (the 512: the two other wakes are refused), its wake again at the list's
+    # end.
     assert admitted == 512
     assert left == 1
     assert rclient.lrange(keys.wakes, 0, -1) == [msgpack.packb(["t", "acme"])]
@@ -290,6 +290,58 @@ def test_the_tenants_a_call_wakes_are_admitted_side_by_side(
     assert admitted == PER_CALL  # 32 a wake in turn: beta's 144, and 368 of acme's
     assert rclient.llen(keys.tenant_inbox("beta")) == 0
     assert rclient.llen(keys.tenant_inbox("acme")) == before[0] - (PER_CALL - before[1])
+
+
+def test_a_tenant_with_many_wakes_takes_one_share_not_one_a_wake(
+    rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    """A tenant whose producers made many calls (a wake each) ahead of another tenant's one
+    wake still takes one share of a call: the other tenant's requests are admitted in the
+    same call, and one wake of each tenant whose inbox holds more is left, at the end."""
+    acme = [element(f"acme.{i}", "x") for i in range(1000)]
+    rclient.rpush(keys.tenant_inbox("acme"), *acme)
+    rclient.rpush(keys.tenant_inbox("beta"), *[element(f"beta.{i}", "x") for i in range(100)])
+    wake = {t: msgpack.packb(["t", t]) for t in ("acme", "beta", "gamma")}
+    rclient.rpush(keys.wakes, *[wake["acme"]] * 40, wake["beta"])
+    admitter = Admitter(None, WorkerSettings(queue=keys.queue), worker_id="test")
+    admitted, left, *_ = rclient.execute_command("FCALL", *admitter.call(FIRST_CALL))
+    assert admitted == PER_CALL
+    assert rclient.llen(keys.tenant_inbox("beta")) == 0  # its 100, within its share of 256
+    assert rclient.llen(keys.tenant_inbox("acme")) == 1000 - (PER_CALL - 100)
+    assert rclient.lrange(keys.wakes, 0, -1) == [wake["acme"]]
+    assert left == 1
+    # More tenants than a call's elements: those taken nothing from keep their wakes, at the
+    # head of the list, in their order, before the wake of one whose inbox holds more.
+    tenants = [f"t{i}" for i in range(PER_CALL + 2)]
+    for tenant in tenants:
+        rclient.rpush(keys.tenant_inbox(tenant), element(f"{tenant}.1", "x"))
+    rclient.delete(keys.wakes)
+    rclient.rpush(keys.wakes, *[msgpack.packb(["t", t]) for t in ["acme", *tenants]])
+    admitted, *_ = rclient.execute_command("FCALL", *admitter.call(FIRST_CALL))
+    assert admitted == PER_CALL  # acme's 1 and 511 tenants' 1 each
+    assert rclient.lrange(keys.wakes, 0, -1) == [
+        *[msgpack.packb(["t", t]) for t in tenants[-3:]],
+        wake["acme"],
+    ]
+
+
+def test_without_the_fair_share_a_call_admits_the_tenants_one_of_each_in_turn(
+    rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    """Without the fair share the work streams serve tenants' requests in the order they
+    were admitted: a call's shares go in one of each tenant in turn, not one tenant's
+    share after another's."""
+    for tenant in ("acme", "beta"):
+        inbox = keys.tenant_inbox(tenant)
+        rclient.rpush(inbox, *[element(f"{tenant}.{i}", "x") for i in range(5)])
+    rclient.rpush(keys.wakes, *[msgpack.packb(["t", t]) for t in ("acme", "beta", "acme")])
+    settings = WorkerSettings(queue=keys.queue, fair_share=False)
+    admitter = Admitter(None, settings, worker_id="test")
+    admitted, *_ = rclient.execute_command("FCALL", *admitter.call(FIRST_CALL))
+    assert admitted == 10
+    ids = [fields[b"id"].decode() for _entry, fields in rclient.xrange(keys.stream(1))]
+    assert ids == [f"{t}.{i}" for i in range(5) for t in ("acme", "beta")]
+    assert rclient.llen(keys.wakes) == 0
 
 
 def test_the_luas_tenant_keys_are_those_of_queue_keys(
