@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -342,6 +343,50 @@ def test_without_the_fair_share_a_call_admits_the_tenants_one_of_each_in_turn(
     ids = [fields[b"id"].decode() for _entry, fields in rclient.xrange(keys.stream(1))]
     assert ids == [f"{t}.{i}" for i in range(5) for t in ("acme", "beta")]
     assert rclient.llen(keys.wakes) == 0
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_calls_tenants_share_is_max_min_fair_and_loses_nothing(
+    rclient: redis.Redis, keys: QueueKeys, seed: int
+) -> None:
+    """Random tenants, inboxes and wakes (duplicates, and wakes of empty inboxes): one call
+    takes min(512, all they hold); each woken tenant at least min(what it holds, 512 / the
+    tenants woken with elements); each tenant's elements in their order; nothing lost; and
+    exactly one wake left for each tenant whose inbox still holds elements."""
+    rng = random.Random(seed)
+    tenants = [f"t{i}" for i in range(rng.randint(1, 7))]
+    sizes = {t: rng.choice([0, 1, 5, 40, 150, 300, 600]) for t in tenants}
+    for tenant, size in sizes.items():
+        if size:
+            ids = [element(f"{tenant}.{i}", "x") for i in range(size)]
+            rclient.rpush(keys.tenant_inbox(tenant), *ids)
+    woken = [t for t in tenants if sizes[t] or rng.random() < 0.5]
+    wakes = woken + [rng.choice(woken) for _ in range(rng.randint(0, 40))] if woken else []
+    rng.shuffle(wakes)
+    if wakes:
+        rclient.rpush(keys.wakes, *[msgpack.packb(["t", t]) for t in wakes])
+    settings = WorkerSettings(queue=keys.queue, fair_share=False)
+    admitter = Admitter(None, settings, worker_id="test")
+    admitted, *_ = rclient.execute_command("FCALL", *admitter.call(rng.choice([FIRST_CALL, 512])))
+    held = sum(sizes[t] for t in woken)
+    assert admitted == min(PER_CALL, held)
+    ids = [f[b"id"].decode() for _e, f in rclient.xrange(keys.stream(1))]
+    taken = Counter(i.split(".")[0] for i in ids)
+    with_elements = [t for t in woken if sizes[t]]
+    floor = PER_CALL // len(with_elements) if with_elements else 0
+    for tenant in tenants:
+        mine = [int(i.split(".")[1]) for i in ids if i.startswith(tenant + ".")]
+        assert mine == list(range(len(mine))), tenant  # oldest first
+        left = rclient.llen(keys.tenant_inbox(tenant))
+        assert taken[tenant] + left == sizes[tenant], tenant  # nothing lost
+        if tenant in woken:
+            assert taken[tenant] >= min(sizes[tenant], floor), (tenant, taken, sizes)
+        else:
+            assert taken[tenant] == 0
+    left_woken = sorted(t for t in woken if rclient.llen(keys.tenant_inbox(t)))
+    after = sorted(msgpack.unpackb(w)[1] for w in rclient.lrange(keys.wakes, 0, -1))
+    assert after == left_woken
+    assert not rclient.xlen(keys.dead)
 
 
 def test_the_luas_tenant_keys_are_those_of_queue_keys(
