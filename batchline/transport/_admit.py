@@ -287,14 +287,14 @@ local function admit(keys, args)
   end
   -- Tenants' inboxes, as the wake list names them (its first WAKES_TAKEN wakes; each tenant
   -- once, however many wakes it has there, in the order of its first one): up to `most`
-  -- elements in all (at least TENANTS_PER_CALL), in rounds, each tenant whose inbox still
-  -- holds elements taking its share of what is left (over those tenants), admitted one of
-  -- each tenant in turn. So the tenants a call wakes are admitted side by side whatever
-  -- their producers' calls, and the fair share's first dispatch sees every woken tenant's
-  -- requests, not a few of the first one's (a first call after a wait takes few of the
-  -- inbox). A tenant taken nothing from gets its wake back at the list's head, one whose
-  -- inbox holds more at its end. (pcall: under a worker ACL from before tenants, the rest
-  -- is admitted all the same.)
+  -- elements in all (at least TENANTS_PER_CALL), in rounds, each tenant that took all it
+  -- asked in the round before asking its share of what is left (over the tenants yet to
+  -- ask in the round), admitted one of each tenant in turn. So the tenants a call wakes are
+  -- admitted side by side whatever their producers' calls, and the fair share's first
+  -- dispatch sees every woken tenant's requests, not a few of the first one's (a first call
+  -- after a wait takes few of the inbox). The tenants the call did not reach, then those
+  -- whose inbox holds more, get a wake again. (pcall: under a worker ACL from before
+  -- tenants, the rest is admitted all the same.)
   local budget, order, named, listed = math.max(most, TENANTS_PER_CALL), {}, {}, {}
   local popped = redis.pcall('LPOP', wakes, WAKES_TAKEN)
   if type(popped) ~= 'table' or popped.err then popped = {} end
@@ -314,10 +314,11 @@ local function admit(keys, args)
   end
   local taken_from, active = {}, order
   while budget > 0 and #active > 0 do
-    local share, more, chunks, longest = math.ceil(budget / #active), {}, {}, 0
-    for _, tenant in ipairs(active) do
+    local more, chunks, longest = {}, {}, 0
+    for j, tenant in ipairs(active) do
       if budget <= 0 then break end
-      local from, asked = TK.inbox(tenant), math.min(budget, share)
+      -- its share of what is left, over the tenants yet to take theirs in this round
+      local from, asked = TK.inbox(tenant), math.ceil(budget / (#active - j + 1))
       local taken = redis.call('LPOP', from, asked) or {}
       taken_from[tenant] = true
       chunks[#chunks + 1] = {tenant, taken}
@@ -334,17 +335,19 @@ local function admit(keys, args)
     end
     active = more
   end
-  local head, tail = {}, {}  -- head: last first (LPUSH puts its last argument first)
-  for i = #order, 1, -1 do
-    if not taken_from[order[i]] then head[#head + 1] = wake_element(order[i]) end
-  end
-  for _, tenant in ipairs(order) do
-    if taken_from[tenant] and redis.call('LLEN', TK.inbox(tenant)) > 0 then
-      tail[#tail + 1] = wake_element(tenant)
+  -- Wakes again (RPUSH: a worker may append, not prepend): first those of the tenants the
+  -- call did not reach (more tenants than elements), then those of the tenants whose inbox
+  -- holds more.
+  local again = {}
+  for _, reached in ipairs({false, true}) do
+    for _, tenant in ipairs(order) do
+      if (taken_from[tenant] or false) == reached
+          and redis.call('LLEN', TK.inbox(tenant)) > 0 then
+        again[#again + 1] = wake_element(tenant)
+      end
     end
   end
-  if #head > 0 then redis.call('LPUSH', wakes, unpack(head)) end
-  if #tail > 0 then redis.call('RPUSH', wakes, unpack(tail)) end
+  if #again > 0 then redis.call('RPUSH', wakes, unpack(again)) end
   for_tenant(nil)
   quota_end()
   for _, element in ipairs(redis.call('LPOP', job_list, 1000) or {}) do marked(element) end

@@ -270,7 +270,7 @@ def test_the_tenants_a_call_wakes_are_admitted_side_by_side(
     rclient: redis.Redis, keys: QueueKeys
 ) -> None:
     """Tenants' inboxes take 512 elements a call, a first call after a wait too (it takes 16
-    of the inbox): shared between the wakes, so that the fair share's first dispatch sees
+    of the inbox): shared between the tenants, so that the fair share's first dispatch sees
     every woken tenant's requests, not only the first one's (its share would go to the other
     until the next call)."""
     for tenant in ("acme", "beta"):
@@ -282,13 +282,13 @@ def test_the_tenants_a_call_wakes_are_admitted_side_by_side(
     assert admitted == PER_CALL
     assert rclient.llen(keys.tenant_inbox("acme")) == 400 - PER_CALL // 2
     assert rclient.llen(keys.tenant_inbox("beta")) == 400 - PER_CALL // 2
-    # Many wakes of two tenants (a wake a producer's call): shared between 16 of them.
+    # Many wakes of two tenants (a wake a producer's call): shared between the two tenants.
     rclient.delete(keys.wakes)
     rclient.rpush(keys.wakes, *[msgpack.packb(["t", t]) for t in ("acme", "beta") * 30])
     rclient.rpush(keys.tenant_inbox("acme"), *[element(f"acme.x{i}", "x") for i in range(400)])
     before = [rclient.llen(keys.tenant_inbox(t)) for t in ("acme", "beta")]  # 544 and 144
     admitted, *_ = rclient.execute_command("FCALL", *admitter.call(FIRST_CALL))
-    assert admitted == PER_CALL  # 32 a wake in turn: beta's 144, and 368 of acme's
+    assert admitted == PER_CALL  # 256 asked of each: beta's 144, then acme 368 in all
     assert rclient.llen(keys.tenant_inbox("beta")) == 0
     assert rclient.llen(keys.tenant_inbox("acme")) == before[0] - (PER_CALL - before[1])
 
@@ -311,19 +311,36 @@ def test_a_tenant_with_many_wakes_takes_one_share_not_one_a_wake(
     assert rclient.llen(keys.tenant_inbox("acme")) == 1000 - (PER_CALL - 100)
     assert rclient.lrange(keys.wakes, 0, -1) == [wake["acme"]]
     assert left == 1
-    # More tenants than a call's elements: those taken nothing from keep their wakes, at the
-    # head of the list, in their order, before the wake of one whose inbox holds more.
-    tenants = [f"t{i}" for i in range(PER_CALL + 2)]
+
+
+def test_more_tenants_than_a_calls_elements_keep_their_wakes_under_the_worker_rules(
+    urls: dict[str, str], rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    """More tenants woken than a call takes elements, admitted by the documented worker user
+    (which may append to the wake list, not prepend): the tenants the call did not reach get
+    their wakes again first, in their order, then those whose inbox holds more; the calls
+    after it admit the rest, and no wake is left."""
+    tenants = [f"t{i}" for i in range(PER_CALL + 3)]
     for tenant in tenants:
-        rclient.rpush(keys.tenant_inbox(tenant), element(f"{tenant}.1", "x"))
-    rclient.delete(keys.wakes)
-    rclient.rpush(keys.wakes, *[msgpack.packb(["t", t]) for t in ["acme", *tenants]])
-    admitted, *_ = rclient.execute_command("FCALL", *admitter.call(FIRST_CALL))
-    assert admitted == PER_CALL  # acme's 1 and 511 tenants' 1 each
-    assert rclient.lrange(keys.wakes, 0, -1) == [
-        *[msgpack.packb(["t", t]) for t in tenants[-3:]],
-        wake["acme"],
-    ]
+        rclient.rpush(keys.tenant_inbox(tenant), *[element(f"{tenant}.{i}", "x") for i in (1, 2)])
+    rclient.rpush(keys.wakes, *[msgpack.packb(["t", t]) for t in tenants])
+    admitter = Admitter(None, WorkerSettings(queue=keys.queue), worker_id="test")
+    worker = redis.Redis.from_url(urls["worker"])
+    try:
+        admitted, *_ = worker.execute_command("FCALL", *admitter.call(FIRST_CALL))
+        assert admitted == PER_CALL  # one each of the first 512
+        assert rclient.lrange(keys.wakes, 0, -1) == [
+            msgpack.packb(["t", t]) for t in [*tenants[PER_CALL:], *tenants[:PER_CALL]]
+        ]
+        for _ in range(3):
+            worker.execute_command("FCALL", *admitter.call())
+    finally:
+        worker.close()
+    assert rclient.llen(keys.wakes) == 0
+    assert all(rclient.llen(keys.tenant_inbox(t)) == 0 for t in tenants)
+    held = sum(rclient.llen(keys.backlog(t, p)) for t in tenants for p in range(keys.priorities))
+    assert len(entries(rclient, keys)) + held == 2 * len(tenants)
+    assert not rclient.xlen(keys.dead)
 
 
 def test_without_the_fair_share_a_call_admits_the_tenants_one_of_each_in_turn(
@@ -349,13 +366,18 @@ def test_without_the_fair_share_a_call_admits_the_tenants_one_of_each_in_turn(
 def test_a_calls_tenants_share_is_max_min_fair_and_loses_nothing(
     rclient: redis.Redis, keys: QueueKeys, seed: int
 ) -> None:
-    """Random tenants, inboxes and wakes (duplicates, and wakes of empty inboxes): one call
-    takes min(512, all they hold); each woken tenant at least min(what it holds, 512 / the
-    tenants woken with elements); each tenant's elements in their order; nothing lost; and
-    exactly one wake left for each tenant whose inbox still holds elements."""
+    """Random tenants (up to 700), inboxes and wakes (duplicates, and wakes of empty
+    inboxes): one call takes min(512, all they hold); each woken tenant at least min(what it
+    holds, 512 / the tenants woken with elements, rounded down); each tenant's elements in
+    their order; nothing lost; and exactly one wake left for each tenant whose inbox still
+    holds elements."""
     rng = random.Random(seed)
-    tenants = [f"t{i}" for i in range(rng.randint(1, 7))]
-    sizes = {t: rng.choice([0, 1, 5, 40, 150, 300, 600]) for t in tenants}
+    if seed % 3:  # a few tenants, up to more elements than a call takes
+        tenants = [f"t{i}" for i in range(rng.randint(1, 7))]
+        sizes = {t: rng.choice([0, 1, 5, 40, 150, 300, 600]) for t in tenants}
+    else:  # many: more than a call's share of one element each too
+        tenants = [f"t{i}" for i in range(rng.randint(30, 700))]
+        sizes = {t: rng.choice([0, 1, 2, 5, 20]) for t in tenants}
     for tenant, size in sizes.items():
         if size:
             ids = [element(f"{tenant}.{i}", "x") for i in range(size)]
