@@ -287,14 +287,13 @@ local function admit(keys, args)
   end
   -- Tenants' inboxes, as the wake list names them (its first WAKES_TAKEN wakes; each tenant
   -- once, however many wakes it has there, in the order of its first one): up to `most`
-  -- elements in all (at least TENANTS_PER_CALL), in rounds, each tenant that took all it
-  -- asked in the round before asking its share of what is left (over the tenants yet to
-  -- ask in the round), admitted one of each tenant in turn. So the tenants a call wakes are
-  -- admitted side by side whatever their producers' calls, and the fair share's first
-  -- dispatch sees every woken tenant's requests, not a few of the first one's (a first call
-  -- after a wait takes few of the inbox). The tenants the call did not reach, then those
-  -- whose inbox holds more, get a wake again. (pcall: under a worker ACL from before
-  -- tenants, the rest is admitted all the same.)
+  -- elements in all (at least TENANTS_PER_CALL), shared max-min fair, admitted one of each
+  -- tenant in turn. So the tenants a call wakes are admitted side by side whatever their
+  -- producers' calls, and the fair share's first dispatch sees every woken tenant's
+  -- requests, not a few of the first one's (a first call after a wait takes few of the
+  -- inbox). The tenants given no share, then those whose inbox holds more, get a wake
+  -- again. (pcall: under a worker ACL from before tenants, the rest is admitted all the
+  -- same.)
   local budget, order, named, listed = math.max(most, TENANTS_PER_CALL), {}, {}, {}
   local popped = redis.pcall('LPOP', wakes, WAKES_TAKEN)
   if type(popped) ~= 'table' or popped.err then popped = {} end
@@ -312,37 +311,51 @@ local function admit(keys, args)
       end
     end
   end
-  local taken_from, active = {}, order
-  while budget > 0 and #active > 0 do
-    local more, chunks, longest = {}, {}, 0
-    for j, tenant in ipairs(active) do
-      if budget <= 0 then break end
-      -- its share of what is left, over the tenants yet to take theirs in this round
-      local from, asked = TK.inbox(tenant), math.ceil(budget / (#active - j + 1))
-      local taken = redis.call('LPOP', from, asked) or {}
-      taken_from[tenant] = true
-      chunks[#chunks + 1] = {tenant, taken}
-      longest = math.max(longest, #taken)
-      admitted, budget = admitted + #taken, budget - #taken
-      if #taken == asked then more[#more + 1] = tenant end
-    end
-    -- One element of each tenant in turn (without the fair share, the work streams serve
-    -- them in this order).
-    for i = 1, longest do
-      for _, chunk in ipairs(chunks) do
-        if chunk[2][i] then one(chunk[2][i], chunk[1]) end
+  -- Each tenant's share, max-min fair: those whose inbox holds less than an equal share of
+  -- what is left take it all, the others an equal share of the rest (rounded down; the
+  -- first of them in order one more, so that the call's elements are used).
+  local holds, with, asks = {}, {}, {}
+  for _, tenant in ipairs(order) do
+    holds[tenant] = redis.call('LLEN', TK.inbox(tenant))
+    if holds[tenant] > 0 then with[#with + 1] = tenant end
+  end
+  local smallest_first, rest, sharing = {unpack(with)}, budget, #with
+  table.sort(smallest_first, function(a, b) return holds[a] < holds[b] end)
+  for _, tenant in ipairs(smallest_first) do
+    if holds[tenant] > math.floor(rest / sharing) then break end
+    asks[tenant], rest, sharing = holds[tenant], rest - holds[tenant], sharing - 1
+  end
+  if sharing > 0 then
+    local level, extra = math.floor(rest / sharing), rest % sharing
+    for _, tenant in ipairs(with) do
+      if not asks[tenant] then
+        asks[tenant] = level + (extra > 0 and 1 or 0)
+        extra = math.max(0, extra - 1)
       end
     end
-    active = more
   end
-  -- Wakes again (RPUSH: a worker may append, not prepend): first those of the tenants the
-  -- call did not reach (more tenants than elements), then those of the tenants whose inbox
-  -- holds more.
+  local chunks, longest = {}, 0
+  for _, tenant in ipairs(with) do
+    if asks[tenant] > 0 then
+      local taken = redis.call('LPOP', TK.inbox(tenant), asks[tenant]) or {}
+      chunks[#chunks + 1] = {tenant, taken}
+      longest = math.max(longest, #taken)
+      admitted, holds[tenant] = admitted + #taken, holds[tenant] - #taken
+    end
+  end
+  -- One element of each tenant in turn (without the fair share, the work streams serve
+  -- them in this order).
+  for i = 1, longest do
+    for _, chunk in ipairs(chunks) do
+      if chunk[2][i] then one(chunk[2][i], chunk[1]) end
+    end
+  end
+  -- Wakes again (RPUSH: a worker may append, not prepend): first those of the tenants given
+  -- no share (more tenants than elements), then those of the tenants whose inbox holds more.
   local again = {}
-  for _, reached in ipairs({false, true}) do
-    for _, tenant in ipairs(order) do
-      if (taken_from[tenant] or false) == reached
-          and redis.call('LLEN', TK.inbox(tenant)) > 0 then
+  for _, given in ipairs({false, true}) do
+    for _, tenant in ipairs(with) do
+      if (asks[tenant] > 0) == given and holds[tenant] > 0 then
         again[#again + 1] = wake_element(tenant)
       end
     end

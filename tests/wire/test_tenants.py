@@ -362,17 +362,46 @@ def test_without_the_fair_share_a_call_admits_the_tenants_one_of_each_in_turn(
     assert rclient.llen(keys.wakes) == 0
 
 
-@pytest.mark.parametrize("seed", range(12))
+def max_min_shares(holds: dict[str, int], budget: int) -> dict[str, int]:
+    """A call's shares as the protocol gives them (``holds``: each woken tenant's elements,
+    in the order of its first wake): whoever holds no more than an equal share of what is
+    left takes it all; the others an equal share of the rest, the first of them one more
+    until the call's elements are used."""
+    shares, rest = {}, budget
+    sharing = [t for t in holds if holds[t]]
+    for tenant in sorted(sharing, key=lambda t: holds[t]):
+        if holds[tenant] > rest // (len(sharing) - len(shares)):
+            break
+        shares[tenant] = holds[tenant]
+        rest -= holds[tenant]
+    others = [t for t in sharing if t not in shares]
+    for i, tenant in enumerate(others):
+        shares[tenant] = rest // len(others) + (1 if i < rest % len(others) else 0)
+    return {t: shares.get(t, 0) for t in holds}
+
+
+def test_max_min_shares_as_the_protocol_gives_them() -> None:
+    assert max_min_shares({"a": 600, "b": 10, "c": 600}, 512) == {"a": 251, "b": 10, "c": 251}
+    assert max_min_shares({"a": 150, "b": 0, "c": 150, "d": 300}, 512) == {
+        "a": 150, "b": 0, "c": 150, "d": 212
+    }  # fmt: skip
+    assert max_min_shares({"a": 1, "b": 1, "c": 1}, 2) == {"a": 1, "b": 1, "c": 0}
+    assert max_min_shares({"a": 9, "b": 9, "c": 9}, 10) == {"a": 4, "b": 3, "c": 3}
+
+
+@pytest.mark.parametrize("seed", range(16))
 def test_a_calls_tenants_share_is_max_min_fair_and_loses_nothing(
     rclient: redis.Redis, keys: QueueKeys, seed: int
 ) -> None:
     """Random tenants (up to 700), inboxes and wakes (duplicates, and wakes of empty
-    inboxes): one call takes min(512, all they hold); each woken tenant at least min(what it
-    holds, 512 / the tenants woken with elements, rounded down); each tenant's elements in
-    their order; nothing lost; and exactly one wake left for each tenant whose inbox still
-    holds elements."""
+    inboxes): one call gives each woken tenant exactly its max-min fair share of 512
+    elements (``max_min_shares``); each tenant's elements in their order; nothing lost; and
+    exactly one wake left for each tenant whose inbox still holds elements."""
     rng = random.Random(seed)
-    if seed % 3:  # a few tenants, up to more elements than a call takes
+    if seed < 2:  # the cases where a share rounded up, or a last tenant taking the rest, fail
+        tenants = ["t0", "t1", "t2"] if seed == 0 else ["t0", "t1", "t2", "t3"]
+        sizes = dict(zip(tenants, [600, 10, 600] if seed == 0 else [150, 0, 150, 300]))
+    elif seed % 3:  # a few tenants, up to more elements than a call takes
         tenants = [f"t{i}" for i in range(rng.randint(1, 7))]
         sizes = {t: rng.choice([0, 1, 5, 40, 150, 300, 600]) for t in tenants}
     else:  # many: more than a call's share of one element each too
@@ -382,29 +411,28 @@ def test_a_calls_tenants_share_is_max_min_fair_and_loses_nothing(
         if size:
             ids = [element(f"{tenant}.{i}", "x") for i in range(size)]
             rclient.rpush(keys.tenant_inbox(tenant), *ids)
-    woken = [t for t in tenants if sizes[t] or rng.random() < 0.5]
-    wakes = woken + [rng.choice(woken) for _ in range(rng.randint(0, 40))] if woken else []
-    rng.shuffle(wakes)
+    if seed < 2:
+        woken, wakes = list(tenants), list(tenants)
+    else:
+        woken = [t for t in tenants if sizes[t] or rng.random() < 0.5]
+        wakes = woken + [rng.choice(woken) for _ in range(rng.randint(0, 40))] if woken else []
+        rng.shuffle(wakes)
     if wakes:
         rclient.rpush(keys.wakes, *[msgpack.packb(["t", t]) for t in wakes])
     settings = WorkerSettings(queue=keys.queue, fair_share=False)
     admitter = Admitter(None, settings, worker_id="test")
     admitted, *_ = rclient.execute_command("FCALL", *admitter.call(rng.choice([FIRST_CALL, 512])))
-    held = sum(sizes[t] for t in woken)
-    assert admitted == min(PER_CALL, held)
+    first_wakes = list(dict.fromkeys(wakes))  # each tenant once, in the order of its first
+    shares = max_min_shares({t: sizes[t] for t in first_wakes}, PER_CALL)
+    assert admitted == min(PER_CALL, sum(sizes[t] for t in woken)) == sum(shares.values())
     ids = [f[b"id"].decode() for _e, f in rclient.xrange(keys.stream(1))]
     taken = Counter(i.split(".")[0] for i in ids)
-    with_elements = [t for t in woken if sizes[t]]
-    floor = PER_CALL // len(with_elements) if with_elements else 0
+    assert {t: taken[t] for t in first_wakes} == shares
     for tenant in tenants:
         mine = [int(i.split(".")[1]) for i in ids if i.startswith(tenant + ".")]
         assert mine == list(range(len(mine))), tenant  # oldest first
         left = rclient.llen(keys.tenant_inbox(tenant))
         assert taken[tenant] + left == sizes[tenant], tenant  # nothing lost
-        if tenant in woken:
-            assert taken[tenant] >= min(sizes[tenant], floor), (tenant, taken, sizes)
-        else:
-            assert taken[tenant] == 0
     left_woken = sorted(t for t in woken if rclient.llen(keys.tenant_inbox(t)))
     after = sorted(msgpack.unpackb(w)[1] for w in rclient.lrange(keys.wakes, 0, -1))
     assert after == left_woken
