@@ -311,9 +311,9 @@ local function admit(keys, args)
       end
     end
   end
-  -- Each tenant's share, max-min fair: those whose inbox holds less than an equal share of
-  -- what is left take it all, the others an equal share of the rest (rounded down; the
-  -- first of them in order one more, so that the call's elements are used).
+  -- Each tenant's share, max-min fair: those whose inbox holds no more than an equal share
+  -- of what is left take it all, the others an equal share of the rest (rounded down; the
+  -- first `rest % sharing` of them in order one more, so that the call's elements are used).
   local holds, with, asks = {}, {}, {}
   for _, tenant in ipairs(order) do
     holds[tenant] = redis.call('LLEN', TK.inbox(tenant))

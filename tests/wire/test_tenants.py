@@ -439,6 +439,27 @@ def test_a_calls_tenants_share_is_max_min_fair_and_loses_nothing(
     assert not rclient.xlen(keys.dead)
 
 
+def test_a_calls_equal_shares_round_down_and_the_first_take_one_more(
+    rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    """Equal shares that do not divide the call's elements: the first tenants in wake order
+    take one more; a call asked for more than 512 shares what it was asked for."""
+    tenants = ("t0", "t1", "t2")
+    for tenant in tenants:
+        rclient.rpush(
+            keys.tenant_inbox(tenant), *[element(f"{tenant}.{i}", "x") for i in range(600)]
+        )
+    settings = WorkerSettings(queue=keys.queue, fair_share=False)
+    admitter = Admitter(None, settings, worker_id="test")
+    for most, shares in ((FIRST_CALL, (171, 171, 170)), (1000, (334, 333, 333))):
+        before = [rclient.llen(keys.tenant_inbox(t)) for t in tenants]
+        rclient.rpush(keys.wakes, *[msgpack.packb(["t", t]) for t in tenants])
+        admitted, *_ = rclient.execute_command("FCALL", *admitter.call(most))
+        after = [rclient.llen(keys.tenant_inbox(t)) for t in tenants]
+        assert tuple(b - a for b, a in zip(before, after, strict=True)) == shares
+        assert admitted == sum(shares) == max(most, PER_CALL)
+
+
 def test_the_luas_tenant_keys_are_those_of_queue_keys(
     rclient: redis.Redis, keys: QueueKeys
 ) -> None:
