@@ -28,6 +28,20 @@ WORKERS = (
 -- the job list and the wake list, requests refused for the depth, errors withheld, requests
 -- refused for a quota, requests held in the backlogs after its dispatch}.
 local WAKES_TAKEN = 1000  -- the most wakes one call takes
+-- An inbox element's `ts` (the producer's clock, ms), or 0 (none, or not a finite number).
+local function sent_at(element)
+  local ok, e = pcall(cmsgpack.unpack, element)
+  if ok and type(e) == 'table' and e[1] == 'r' then
+    for j = 3, #e - 1, 2 do
+      if e[j] == 'ts' then
+        local n = tonumber(e[j + 1])
+        if n and n == n and n > -math.huge and n < math.huge then return n end
+        return 0
+      end
+    end
+  end
+  return 0
+end
 local function admit(keys, args)
   local admitting, inbox, dead, cancels, job_list = keys[1], keys[2], keys[3], keys[4], keys[5]
   local priorities = #keys - 5
@@ -287,13 +301,12 @@ local function admit(keys, args)
   end
   -- Tenants' inboxes, as the wake list names them (its first WAKES_TAKEN wakes; each tenant
   -- once, however many wakes it has there, in the order of its first one): up to `most`
-  -- elements in all (at least TENANTS_PER_CALL), shared max-min fair, admitted one of each
-  -- tenant in turn. So the tenants a call wakes are admitted side by side whatever their
-  -- producers' calls, and the fair share's first dispatch sees every woken tenant's
-  -- requests, not a few of the first one's (a first call after a wait takes few of the
-  -- inbox). The tenants given no share, then those whose inbox holds more, get a wake
-  -- again. (pcall: under a worker ACL from before tenants, the rest is admitted all the
-  -- same.)
+  -- elements in all (at least TENANTS_PER_CALL), shared max-min fair. So the tenants a call
+  -- wakes are admitted side by side whatever their producers' calls, and the fair share's
+  -- first dispatch sees every woken tenant's requests, not a few of the first one's (a
+  -- first call after a wait takes few of the inbox). The tenants given no share, then those
+  -- whose inbox holds more, get a wake again. (pcall: under a worker ACL from before
+  -- tenants, the rest is admitted all the same.)
   local budget, order, named, listed = math.max(most, TENANTS_PER_CALL), {}, {}, {}
   local popped = redis.pcall('LPOP', wakes, WAKES_TAKEN)
   if type(popped) ~= 'table' or popped.err then popped = {} end
@@ -334,20 +347,39 @@ local function admit(keys, args)
       end
     end
   end
-  local chunks, longest = {}, 0
+  local chunks = {}
   for _, tenant in ipairs(with) do
     if asks[tenant] > 0 then
       local taken = redis.call('LPOP', TK.inbox(tenant), asks[tenant]) or {}
       chunks[#chunks + 1] = {tenant, taken}
-      longest = math.max(longest, #taken)
       admitted, holds[tenant] = admitted + #taken, holds[tenant] - #taken
     end
   end
-  -- One element of each tenant in turn (without the fair share, the work streams serve
-  -- them in this order).
-  for i = 1, longest do
+  -- Without the fair share the work streams serve them in the order admitted: by the
+  -- producers' clocks (`ts`), each tenant's in its order (an element's place at least that
+  -- of the one before it; ties in wake order). With it, tenant by tenant: the backlogs
+  -- order them.
+  if fair_on then
     for _, chunk in ipairs(chunks) do
-      if chunk[2][i] then one(chunk[2][i], chunk[1]) end
+      for _, element in ipairs(chunk[2]) do one(element, chunk[1]) end
+    end
+  else
+    local places = {}
+    for c, chunk in ipairs(chunks) do
+      local at = 0
+      for i, element in ipairs(chunk[2]) do
+        at = math.max(at, sent_at(element))
+        places[#places + 1] = {at, c, i}
+      end
+    end
+    table.sort(places, function(x, y)
+      if x[1] ~= y[1] then return x[1] < y[1] end
+      if x[2] ~= y[2] then return x[2] < y[2] end
+      return x[3] < y[3]
+    end)
+    for _, place in ipairs(places) do
+      local chunk = chunks[place[2]]
+      one(chunk[2][place[3]], chunk[1])
     end
   end
   -- Wakes again (RPUSH: a worker may append, not prepend): first those of the tenants given

@@ -343,23 +343,40 @@ def test_more_tenants_than_a_calls_elements_keep_their_wakes_under_the_worker_ru
     assert not rclient.xlen(keys.dead)
 
 
-def test_without_the_fair_share_a_call_admits_the_tenants_one_of_each_in_turn(
+def test_without_the_fair_share_a_call_admits_the_tenants_by_their_producers_clocks(
     rclient: redis.Redis, keys: QueueKeys
 ) -> None:
     """Without the fair share the work streams serve tenants' requests in the order they
-    were admitted: a call's shares go in one of each tenant in turn, not one tenant's
-    share after another's."""
-    for tenant in ("acme", "beta"):
+    were admitted: a call's shares go in by their ``ts`` (the producers' clocks), each
+    tenant's in its order, first come first served across tenants; without a ``ts``, in
+    the order of the tenants' first wakes."""
+    sent = {"acme": [1, 3, 5, 7, 9], "beta": [2, 4, 6, 8, 10]}
+    for tenant, stamps in sent.items():
         inbox = keys.tenant_inbox(tenant)
-        rclient.rpush(inbox, *[element(f"{tenant}.{i}", "x") for i in range(5)])
-    rclient.rpush(keys.wakes, *[msgpack.packb(["t", t]) for t in ("acme", "beta", "acme")])
+        rclient.rpush(
+            inbox, *[element(f"{tenant}.{i}", "x", ts=f"{ms}.000") for i, ms in enumerate(stamps)]
+        )
+    # A cancel (no ts) follows the element before it in its tenant's inbox.
+    rclient.rpush(keys.tenant_inbox("acme"), msgpack.packb(["c", "acme.0"]))
+    rclient.rpush(keys.wakes, *[msgpack.packb(["t", t]) for t in ("beta", "acme", "beta")])
     settings = WorkerSettings(queue=keys.queue, fair_share=False)
     admitter = Admitter(None, settings, worker_id="test")
     admitted, *_ = rclient.execute_command("FCALL", *admitter.call(FIRST_CALL))
-    assert admitted == 10
+    assert admitted == 11
     ids = [fields[b"id"].decode() for _entry, fields in rclient.xrange(keys.stream(1))]
     assert ids == [f"{t}.{i}" for i in range(5) for t in ("acme", "beta")]
+    assert rclient.xlen(keys.cancels) == 1
     assert rclient.llen(keys.wakes) == 0
+    # No ts: the tenants' shares in the order of their first wakes.
+    rclient.delete(keys.stream(1))
+    for tenant in ("acme", "beta"):
+        rclient.rpush(
+            keys.tenant_inbox(tenant), *[element(f"{tenant}.n{i}", "x") for i in range(2)]
+        )
+    rclient.rpush(keys.wakes, *[msgpack.packb(["t", t]) for t in ("beta", "acme")])
+    rclient.execute_command("FCALL", *admitter.call(FIRST_CALL))
+    ids = [fields[b"id"].decode() for _entry, fields in rclient.xrange(keys.stream(1))]
+    assert ids == ["beta.n0", "beta.n1", "acme.n0", "acme.n1"]
 
 
 def max_min_shares(holds: dict[str, int], budget: int) -> dict[str, int]:
