@@ -28,8 +28,10 @@ WORKERS = (
 -- the job list and the wake list, requests refused for the depth, errors withheld, requests
 -- refused for a quota, requests held in the backlogs after its dispatch}.
 local WAKES_TAKEN = 1000  -- the most wakes one call takes
--- An inbox element's `ts` (the producer's clock, ms), or 0 (none, or not a finite number).
-local function sent_at(element)
+-- An inbox element's `ts` (the producer's clock, ms), or 0 (none, not a finite number, or
+-- an element over `limit` bytes: refused unread).
+local function sent_at(element, limit)
+  if #element > limit then return 0 end
   local ok, e = pcall(cmsgpack.unpack, element)
   if ok and type(e) == 'table' and e[1] == 'r' then
     for j = 3, #e - 1, 2 do
@@ -357,18 +359,22 @@ local function admit(keys, args)
   end
   -- Without the fair share the work streams serve them in the order admitted: by the
   -- producers' clocks (`ts`), each tenant's in its order (an element's place at least that
-  -- of the one before it; ties in wake order). With it, tenant by tenant: the backlogs
-  -- order them.
+  -- of the one before it; ties in wake order). With it (the backlogs order them), one of
+  -- each tenant in turn, so that the room the depth bound leaves is shared too.
   if fair_on then
-    for _, chunk in ipairs(chunks) do
-      for _, element in ipairs(chunk[2]) do one(element, chunk[1]) end
+    local longest = 0
+    for _, chunk in ipairs(chunks) do longest = math.max(longest, #chunk[2]) end
+    for i = 1, longest do
+      for _, chunk in ipairs(chunks) do
+        if chunk[2][i] then one(chunk[2][i], chunk[1]) end
+      end
     end
   else
     local places = {}
     for c, chunk in ipairs(chunks) do
       local at = 0
       for i, element in ipairs(chunk[2]) do
-        at = math.max(at, sent_at(element))
+        at = math.max(at, sent_at(element, max_bytes + 65536))
         places[#places + 1] = {at, c, i}
       end
     end

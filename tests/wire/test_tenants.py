@@ -350,7 +350,7 @@ def test_without_the_fair_share_a_call_admits_the_tenants_by_their_producers_clo
     were admitted: a call's shares go in by their ``ts`` (the producers' clocks), each
     tenant's in its order, first come first served across tenants; without a ``ts``, in
     the order of the tenants' first wakes."""
-    sent = {"acme": [1, 3, 5, 7, 9], "beta": [2, 4, 6, 8, 10]}
+    sent = {"acme": [1, 3, 5, 7, 9], "beta": [2, 4, 6, 8, 10], "gamma": [6, 2]}
     for tenant, stamps in sent.items():
         inbox = keys.tenant_inbox(tenant)
         rclient.rpush(
@@ -358,14 +358,20 @@ def test_without_the_fair_share_a_call_admits_the_tenants_by_their_producers_clo
         )
     # A cancel (no ts) follows the element before it in its tenant's inbox.
     rclient.rpush(keys.tenant_inbox("acme"), msgpack.packb(["c", "acme.0"]))
-    rclient.rpush(keys.wakes, *[msgpack.packb(["t", t]) for t in ("beta", "acme", "beta")])
+    rclient.rpush(keys.wakes, *[msgpack.packb(["t", t]) for t in ("beta", "acme", "gamma")])
     settings = WorkerSettings(queue=keys.queue, fair_share=False)
     admitter = Admitter(None, settings, worker_id="test")
     admitted, *_ = rclient.execute_command("FCALL", *admitter.call(FIRST_CALL))
-    assert admitted == 11
+    assert admitted == 13
     ids = [fields[b"id"].decode() for _entry, fields in rclient.xrange(keys.stream(1))]
-    assert ids == [f"{t}.{i}" for i in range(5) for t in ("acme", "beta")]
+    # gamma's clock went back: its second request keeps its place after its first (at 6,
+    # after beta's 6: beta woke first).
+    acme_beta = [f"{t}.{i}" for i in range(5) for t in ("acme", "beta")]
+    assert ids == [*acme_beta[:6], "gamma.0", "gamma.1", *acme_beta[6:]]
     assert rclient.xlen(keys.cancels) == 1
+    # The cancel came after its request: the request is marked cancelled (had it gone first,
+    # the request would have gone in after it, unmarked).
+    assert rclient.get(keys.request_input("acme.0")).endswith(b" !")
     assert rclient.llen(keys.wakes) == 0
     # No ts: the tenants' shares in the order of their first wakes.
     rclient.delete(keys.stream(1))
