@@ -269,8 +269,9 @@ local function admit(keys, args)
       refuse('in the job list: not a job note', #element)
     end
   end
+  local largest = max_bytes + 65536  -- an element larger is refused unread
   local function one(element, tenant)  -- an element of the inbox, or of tenant's inbox
-    if #element > max_bytes + 65536 then
+    if #element > largest then
       refuse('an element of ' .. #element .. ' bytes', #element, nil, nil, nil, nil, tenant)
       return
     end
@@ -374,7 +375,7 @@ local function admit(keys, args)
     for c, chunk in ipairs(chunks) do
       local at = 0
       for i, element in ipairs(chunk[2]) do
-        at = math.max(at, sent_at(element, max_bytes + 65536))
+        at = math.max(at, sent_at(element, largest))
         places[#places + 1] = {at, c, i}
       end
     end
