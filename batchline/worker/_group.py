@@ -47,6 +47,7 @@ class WorkerGroup:
         #: The models' weights budget, over the queues whose models may unload.
         self.pool = ModelPool(None if budget is None else budget << 20)
         self.workers = [Worker(s, pool=self.pool, **workers) for s in settings.served()]
+        self.pool.starting(*self.workers)  # a load by demand waits for their starts
         loading = asyncio.Lock()  # one model loads at a time (imports are not thread-safe)
         for worker in self.workers:
             worker.handles_signals = False

@@ -104,6 +104,7 @@ class Worker:
         self._parts = parts = assemble(
             s, model, worker_id=self.worker_id, threads=self.threads, redis=redis, pool=pool
         )
+        self._pool = pool
         self.model: Model = parts.model
         #: Its answers by status (and ``reclaimed``), as its statistics count them.
         self.counts: Counter[str] = parts.counts
@@ -213,6 +214,8 @@ class Worker:
             await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopped.cancel()
+            if self._pool is not None:  # the process's loads by demand wait no more for it
+                self._pool.started(self)
         if starting.done():
             starting.result()  # what it raised (Redis unreachable, a model that fails)
             return True

@@ -200,3 +200,29 @@ def test_a_failed_load_fails_its_call_and_the_next_call_loads() -> None:
         model.preprocess("x")
     assert model.state == "unloaded"
     assert model.infer(["x"]) == ["a:x"]
+
+
+def test_a_load_by_demand_waits_for_the_other_queues_loads_at_start() -> None:
+    """A request for a queue loaded by demand that comes while another queue of the process
+    has not started yet waits, holding nothing: that queue's load at start comes first, and
+    the demand load follows once it has started."""
+    from batchline.worker.models._protocol import LOADING
+
+    pool = ModelPool()
+    pool.starting("demand", "warm")
+    pool.started("demand")  # the queue loaded by demand has started (it loads nothing then)
+    model = lazy("a", clock=Clock(), pool=pool)
+    request = threading.Thread(target=model.preprocess, args=("x",))
+    request.start()
+    request.join(timeout=0.5)  # without the wait, it loads at once
+    assert request.is_alive()
+    assert (loads, model.state) == ([], "unloaded")
+    assert LOADING.acquire(blocking=False)  # the other queue's load at start is not held back
+    try:
+        loads.append("warm")
+    finally:
+        LOADING.release()
+    pool.started("warm")
+    request.join(timeout=30)
+    assert not request.is_alive()
+    assert (loads, model.state) == (["warm", "a"], "loaded")

@@ -50,6 +50,28 @@ class ModelPool:
         self.budget_bytes = budget_bytes
         self.models: list[LazyModel] = []
         self._lock = threading.Lock()
+        #: The queues of the process whose start has not ended (their models load at start
+        #: one at a time: LOADING). A load by demand waits for them: a request for one queue
+        #: does not hold back another's start for as long as its own load takes.
+        self._starting: set[object] = set()
+        self._started = threading.Condition()
+
+    def starting(self, *queues: object) -> None:
+        """``queues`` are starting: loads by demand wait until each has :meth:`started`."""
+        with self._started:
+            self._starting.update(queues)
+
+    def started(self, queue: object) -> None:
+        """``queue``'s start has ended (loaded, failed or stopped)."""
+        with self._started:
+            self._starting.discard(queue)
+            if not self._starting:
+                self._started.notify_all()
+
+    def wait_for_starts(self) -> None:
+        """Until every queue :meth:`starting` named has :meth:`started`."""
+        with self._started:
+            self._started.wait_for(lambda: not self._starting)
 
     def make_room(self, loading: LazyModel) -> None:
         """Around ``loading``'s load: unload the least recently used idle others until the
@@ -220,6 +242,8 @@ class LazyModel:
         with self._lock:
             self._in_use += 1
         try:
+            if not self.loaded and self.pool is not None:
+                self.pool.wait_for_starts()  # the other queues' loads at start come first
             self._ensure()
             yield
         finally:
