@@ -51,7 +51,10 @@ def test_hiredis_packs_small_commands_and_large_arguments_stay_uncopied() -> Non
     with pytest.raises(LookupError):  # sent by redis-py as a chunk of its own, uncopied
         ours.pack_command("SET", "k", b"\x00" * 100_000)
     with pytest.raises(LookupError):
-        ours.pack_command("SET", "k", memoryview(b"abc"))
+        ours.pack_command("SET", "k", memoryview(b"abc" * 3000))
+    with pytest.raises(LookupError):  # a command over the cutoff, one argument over it
+        ours.pack_command("SET", "k" * 10, b"v" * 6001)
+    assert len(ours.pack_command("MSET", *["k", "v" * 5000] * 3)) == 1  # none over it
     large = b"\x00" * 100_000
     assert any(
         chunk is large for chunk in packed_by_hiredis(Connection)().pack_command("SET", "k", large)
