@@ -40,8 +40,8 @@ TENANT_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 UNTENANTED = "-"
 
 #: The suffix of the pseudo-tenant ``<tenant>~over`` under which the fair share holds a
-#: tenant's requests over its quota (``over_quota: idle``): served only when no other tenant
-#: of that priority is backlogged.
+#: tenant's requests over its quota (``over_quota: idle``): served only when nothing else
+#: waits, at any priority.
 OVER_QUOTA = "~over"
 
 _TENANT = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -118,7 +118,7 @@ class TenantConfig:
         max_priority: the highest priority its requests get (a higher one is lowered to it;
             None: any).
         over_quota: ``"refuse"`` (a ``QuotaExceeded`` error) or ``"idle"`` (run it when the
-            workers would otherwise idle, below every other tenant).
+            workers would otherwise idle, below every other request).
     """
 
     weight: float = 1.0

@@ -67,7 +67,7 @@ _CONFIG: tuple[tuple[str, str, Any, str, str], ...] = (
         "{refuse,idle}",
         "over a quota: refuse (HTTP 429, "
         "QuotaExceeded), or idle: run it when the workers would otherwise idle, below every "
-        "other tenant",
+        "other request",
     ),
 )
 

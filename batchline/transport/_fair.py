@@ -132,9 +132,10 @@ local function packed(r) return pack_array(r[1], r[2], r[3], unpack(r[4], r[5]))
 -- Hold a new request (its work-stream fields: src[from..], a table it keeps, not a copy) in
 -- tenant's backlog at priority p, for dispatch; rid:<id> = '<h> @' (no entry yet):
 -- attached to, cancelled as any queued request.
--- With the fair share off, it goes to its stream at once. Returns nothing.
+-- With the fair share off, it goes to its stream at once, unless held over quota (<T>~over:
+-- it waits for the workers to idle all the same). Returns nothing.
 local function hold(tenant, p, src, from, cost, id, h)
-  if not fair_on then
+  if not fair_on and not is_over(tenant) then
     local entry = redis.call('XADD', work_streams[p + 1], '*', unpack(src, from))
     redis.call('SET', fair_rid .. id, h .. ' @' .. entry, 'EX', fair_ttl)
     return
@@ -210,6 +211,21 @@ local function undelivered(stream)
   if type(pending) == 'table' and not pending.err then n = n - (tonumber(pending[1]) or 0) end
   return n
 end
+-- Whether requests held over quota may go now: nothing else waits, at any priority (no
+-- other backlog, in Redis or held in this call, and no entry of any work stream undelivered):
+-- the workers would idle otherwise.
+local function only_over_quota_waits()
+  for q = 0, #work_streams - 1 do
+    for _, tenant in ipairs(fair_order[q] or {}) do
+      if not is_over(tenant) then return false end  -- (sent: its entries are undelivered)
+    end
+    local n = redis.pcall('EXISTS', TK.fair(q))
+    if (type(n) == 'number' and n > 0) or undelivered(work_streams[q + 1]) > 0 then
+      return false
+    end
+  end
+  return true
+end
 -- The requests held in this call at priority p (none backlogged before it), in the fair
 -- order, as fill would take them from the backlogs: into the stream while it has room, the
 -- rest to the backlogs (a RPUSH and a ZADD a tenant); the clocks written once.
@@ -238,7 +254,7 @@ local function flush_new(stream, p)
         end
       end
     end
-    if best == nil then break end
+    if best == nil or (best_over and not only_over_quota_waits()) then break end
     local r = at[best][heads[best]]
     heads[best] = heads[best] + 1
     local start, clock = starts[best], clock_of(best, p)
@@ -285,7 +301,7 @@ local function fill(stream, p)
     if #top == 0 then
       zset = idle
       top = redis.call('ZRANGE', idle, 0, 1, 'WITHSCORES')
-      if #top == 0 then break end
+      if #top == 0 or not only_over_quota_waits() then break end
     end
     local tenant, start = top[1], tonumber(top[2])
     local next_name, next_start = top[3], tonumber(top[4])
