@@ -54,6 +54,7 @@ local function admit(keys, args)
   begin_once(args)
   begin_tenants(args[19], {unpack(keys, 6)})
   begin_fair(args, 20)
+  usage_ttl_s = tostring(tonumber(args[20 + FAIR_ARGS]) or USAGE_TTL_S)  -- the worker's
   quota_begin()
   local wakes = TK.wakes()
   local depth, full, withheld, over = nil, 0, 0, 0

@@ -56,10 +56,11 @@ def usage_day(unix_s: float) -> str:
 # After TENANTS: quota_now() (Redis's clock, ms); quota_limit(config,
 # name) (0: none); quota_add(tenant, 'r' or 't', n) to this minute's count (never below 0);
 # quota_day(ms) the UTC day (YYYYMMDD) as usage_day names it; quota_refused_count(tenant)
-# counts a refusal in the day's usage (<tenant>|refused; the key's TTL set where it has
-# none, as the completion's accounting sets it).
+# counts a refusal in the day's usage (<tenant>|refused; the key expiring usage_ttl_s, the
+# worker's usage_ttl_days, after this last write, as the completion's accounting does).
 COUNTERS = (
     f"local USAGE_TTL_S = {USAGE_TTL_DAYS * 86400}\n"
+    f"local usage_ttl_s = '{USAGE_TTL_DAYS * 86400}'  -- text; the admit function's ARGV[25]\n"
     + r"""
 local function quota_now()  -- read once a call (begin_tenants forgets it): one moment
   if not tenants_ms then
@@ -95,7 +96,7 @@ end
 local function quota_refused_count(tenant)
   local key = TK.usage(quota_day(quota_now()))
   redis.call('HINCRBY', key, tenant .. '|refused', 1)
-  if redis.call('TTL', key) < 0 then redis.call('EXPIRE', key, USAGE_TTL_S) end
+  redis.call('EXPIRE', key, usage_ttl_s)
 end
 """
 )

@@ -6,6 +6,7 @@ untenanted as ``-``). The entries are added as the admission's dispatch adds the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -14,14 +15,22 @@ import pytest
 import redis
 
 from batchline.codec import Request
+from batchline.errors import QuotaExceeded
 from batchline.keys import QueueKeys
+from batchline.producer import AsyncProducer
 from batchline.tenants import TenantConfig
 from batchline.transport import usage_day
 from batchline.worker.serving._answers import accounted, billed
 from batchline.worker.shared._held import Meta
 
 from tests.support.quota import Configure, redis_minute, within_one_minute
-from tests.support.service import WorkerProcess, spec, wait_until
+from tests.support.service import (
+    RESULT_TIMEOUT_S,
+    WorkerProcess,
+    WorkerThread,
+    spec,
+    wait_until,
+)
 
 
 def _entry(rid: str, value: object, **more: str) -> dict[str, str | bytes]:
@@ -101,3 +110,33 @@ def test_the_real_cost_of_each_kind_of_answer() -> None:
     assert accounted(_meta(plain), "error", None) is None  # nothing to account
     assert billed({b"tn": b"acme", b"cost": b"7"}) == ("acme", 7)
     assert billed({b"tn": b"a.b", b"cost": b"99999999"}) == ("", 1)
+
+
+@pytest.mark.slow
+async def test_the_refusals_counted_expire_as_the_workers_usage_ttl_days_say(
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    configure: Configure,
+    redis_url: str,
+    queue: str,
+) -> None:
+    """The day's usage key that counts the admission's refusals over a quota expires
+    ``usage_ttl_days`` after that write, as it does after the completion's (not a default of
+    its own), even before anything is served that day."""
+    configure("acme", TenantConfig(requests_per_min=1))
+    within_one_minute(rclient, 30)
+    async with AsyncProducer(redis_url=redis_url, queue=queue) as producer:
+        # Sent before any worker admits: the enqueue function's look counts nothing yet.
+        handles = [await producer.submit(f"x{i}", tenant="acme") for i in range(3)]
+        # The minute's request used meanwhile (another replica's): all three are refused,
+        # nothing is served (whose accounting would set the TTL too).
+        rclient.set(keys.quota("acme", "r", redis_minute(rclient)), 1, ex=120)
+        day = keys.usage(usage_day(time.time()))
+        start_worker(spec("echo"), usage_ttl_days=1, max_queue_depth=0)
+        for handle in handles:
+            with contextlib.suppress(QuotaExceeded):
+                await producer.result(handle, timeout_s=RESULT_TIMEOUT_S)
+    assert rclient.hget(day, "acme|refused") == b"3"
+    assert rclient.hget(day, "acme|requests") is None
+    assert 0 < rclient.ttl(day) <= 86400

@@ -125,8 +125,10 @@ class Admitter:
             keys.base_prefix,
             # The fair share's block (docs/protocol.md, Tenants: the fair share).
             *dispatcher.args,
+            # How long the day's usage key keeps the refusals it counts.
+            settings.usage_ttl_days * 86400,
         ]
-        self._ahead_at = len(self._args) - len(dispatcher.args) + AHEAD_AT
+        self._ahead_at = len(self._args) - 1 - len(dispatcher.args) + AHEAD_AT  # (TTL last)
         self._max_depth = settings.max_queue_depth
         self.admitted = 0
         #: Requests refused for the queue's depth, and errors withheld (an element under an
