@@ -353,6 +353,7 @@ def test_no_key_appears_in_the_logs(
         f"{r.name} {r.getMessage()} {r.args!r} {r.exc_text or ''}" for r in every_log.records
     )
     assert "GET /v1/models" in text  # the access log was captured
+    assert "key id 0badc0de not known" in text  # what names a key refused: its id
     for secret in (key, key.split("-", 2)[2], STATIC, wrong[12:]):  # the secret may hold "-"
         assert secret not in text
 

@@ -45,6 +45,7 @@ import hmac
 import ipaddress
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -106,6 +107,16 @@ OPEN_PATHS: Final = frozenset(
     }
 )
 _HEADERS: Final = (b"x-api-key", b"api-key")
+
+
+def _unknown(key: str) -> str:
+    """What a log line says of a key not known: its public id where it has the form of
+    batchline's keys (revoked, rotated out, or of another deployment), never any more of it."""
+    found = _KEY_ID.match(key)
+    return f"key id {found.group(1)} not known" if found else "a key not known"
+
+
+_KEY_ID = re.compile(r"bl-([0-9a-f]{8})-")
 
 
 def presented_key(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
@@ -404,7 +415,7 @@ class KeyCheck:
             "%s %s: 401, %s",
             scope.get("method", ""),
             app_path(scope),
-            "no key" if key is None else "a key not known",
+            "no key" if key is None else _unknown(key),
         )
         await self._refuse(
             scope, receive, send, status=401, message=message, code="invalid_api_key"
