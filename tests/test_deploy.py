@@ -342,3 +342,22 @@ def test_the_several_queues_pod_scales_on_the_sum_of_every_queues_backlog() -> N
     assert len(set(names)) == len(names)
     settings = WorkerSettings()
     assert per_pod > settings.read_ahead * settings.batch_size + settings.batch_size
+
+
+def test_the_compose_and_kubernetes_apis_require_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/tenants.md: the compose and Kubernetes files require keys (the tenant store's),
+    where a fresh install's API is open for local use."""
+    from batchline.config import WebSettings
+
+    root = DEPLOY.parent.parent / "docker"
+    envs = {
+        name: yaml.safe_load((root / name).read_text())["services"]["api"]["environment"]
+        for name in ("compose.yaml", "compose.ha.yaml")
+    }
+    (api,) = one("Deployment", "batchline-api")["spec"]["template"]["spec"]["containers"]
+    envs["kubernetes"] = {e["name"]: e.get("value") for e in api["env"]}
+    monkeypatch.delenv("BATCHLINE_API_KEYS", raising=False)
+    assert not WebSettings().api_keys  # the default: open
+    for name, env in envs.items():
+        monkeypatch.setenv("BATCHLINE_API_KEYS", str(env.get("BATCHLINE_API_KEYS")))
+        assert WebSettings().api_keys, name

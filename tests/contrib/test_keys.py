@@ -9,6 +9,7 @@ import asyncio
 import logging
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -99,6 +100,10 @@ class Keys:
 
     def version(self) -> int:
         return int(self._run(lambda store: store.table()).version)
+
+    def rotate(self, key_id: str, grace_s: float) -> tuple[str, KeyRecord]:
+        key, record = self._run(lambda store: store.rotate(key_id, grace_s=grace_s))
+        return key, record
 
 
 @pytest.fixture
@@ -235,6 +240,34 @@ def test_two_tenants_keys_with_the_official_client(
     key_c, _ = store.create("initech")  # made while the app runs: accepted once it reloads
     holds(app, store.version())
     assert http.get("/whoami", headers={"api-key": key_c}).json()["tenant"] == "initech"
+
+
+@pytest.mark.slow
+def test_a_key_rotated_with_a_grace_period_is_refused_once_it_ends(
+    make_app: MakeApp, serve: Serve, store: Keys
+) -> None:
+    """``keys rotate --grace-s``: the old key keeps working on the API until its grace
+    period ends, then is refused with no further change to the store; the new one works at
+    once."""
+    old, record = store.create("acme")
+    app = make_app(api_keys=True)
+    http = serve(app)
+
+    def status(key: str) -> int:
+        return int(http.get("/whoami", headers={"x-api-key": key}).status_code)
+
+    assert status(old) == 200
+    grace_s = 4.0
+    rotated_at = time.monotonic()
+    new, _ = store.rotate(record.id, grace_s)
+    holds(app, store.version())
+    version = table_of(app).version
+    assert status(new) == 200
+    if time.monotonic() - rotated_at < grace_s - 0.5:  # (a machine this slow: not shown)
+        assert status(old) == 200
+    wait_until(lambda: status(old) == 401, "the grace period's end", timeout_s=30)
+    assert time.monotonic() - rotated_at >= grace_s - 0.1
+    assert (table_of(app).version, status(new)) == (version, 200)
 
 
 def test_the_store_and_the_static_key_together(

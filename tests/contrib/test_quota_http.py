@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -88,12 +88,18 @@ def counted(rclient: redis.Redis, keys: QueueKeys) -> Callable[[int, int], None]
 
 @pytest.fixture
 def refusing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every submit refused at once, as the enqueue function refuses a tenant over quota."""
+    """Every submit and stream refused at once, as the enqueue function refuses a tenant
+    over quota."""
 
     async def submit(*_args: Any, **_kwargs: Any) -> Any:
         raise REFUSED
 
+    async def stream(*_args: Any, **_kwargs: Any) -> AsyncIterator[Any]:
+        raise REFUSED
+        yield  # (an async generator, as the producer's)
+
     monkeypatch.setattr(AsyncProducer, "submit", submit)
+    monkeypatch.setattr(AsyncProducer, "stream", stream)
 
 
 def client_for(http: httpx.Client) -> Any:
@@ -147,12 +153,17 @@ def test_the_openai_client_sees_429_with_retry_after_and_the_rate_limit_headers(
         client.chat.completions.create(
             model=f"{queue}-gen", messages=[{"role": "user", "content": "x"}]
         )
-    # TGI's route, TEI's /embed, and the app's own /embed and /jobs: 429 in their shapes
-    tgi = http.post("/generate", json={"inputs": "x"})
-    assert tgi.status_code == 429
-    assert tgi.json() == {"error": str(REFUSED), "error_type": "rate_limit_exceeded"}
-    assert tgi.headers["retry-after"] == "2"
-    assert_limit_headers(tgi.headers, 10, 1000)  # the generation queue's counts: none
+    with pytest.raises(openai.RateLimitError):  # streamed: refused before the stream opens
+        client.chat.completions.create(
+            model=f"{queue}-gen", messages=[{"role": "user", "content": "x"}], stream=True
+        )
+    # TGI's routes, TEI's /embed, and the app's own /embed and /jobs: 429 in their shapes
+    for path in ("/generate", "/generate_stream"):
+        tgi = http.post(path, json={"inputs": "x"})
+        assert tgi.status_code == 429, path
+        assert tgi.json() == {"error": str(REFUSED), "error_type": "rate_limit_exceeded"}
+        assert tgi.headers["retry-after"] == "2"
+        assert_limit_headers(tgi.headers, 10, 1000)  # the generation queue's counts: none
     tei = http.post("/embed", json={"inputs": "x"})
     assert (tei.status_code, tei.json()["error_type"]) == (429, "rate_limit_exceeded")
     for path in ("/embed", "/jobs"):

@@ -6,6 +6,7 @@ session's redis-server and real workers (threads of this process)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -64,12 +65,22 @@ def test_every_route_enqueues_as_its_callers_tenant(
     start_worker: Callable[..., WorkerThread],
     redis_url: str,
     queue: str,
+    tmp_path: Path,
 ) -> None:
-    gen = f"{queue}-gen"
+    from tests.support.tiny import tiny_cross_encoder
+
+    gen, ranks = f"{queue}-gen", f"{queue}-rerank"
     start_worker(MODEL, prefix=queue)
     start_worker("generate", model_path=TINY, queue=gen, prefix=queue, default_max_new_tokens=4)
+    start_worker(
+        "cross-encoder",
+        model_path=tiny_cross_encoder(tmp_path / "cross-encoder"),
+        queue=ranks,
+        prefix=queue,
+        device="cpu",
+    )
     key, _ = Keys(redis_url, queue).create("acme")
-    http, settings = keyed_app(generation_queue=gen)
+    http, settings = keyed_app(generation_queue=gen, rerank_queue=ranks)
     auth = {"Authorization": f"Bearer {key}"}
     client = client_for(http).with_options(api_key=key)
 
@@ -87,6 +98,9 @@ def test_every_route_enqueues_as_its_callers_tenant(
         ("/generate", {"inputs": "Once", "parameters": {"max_new_tokens": 2}}),
         ("/generate_stream", {"inputs": "Once", "parameters": {"max_new_tokens": 2}}),
         ("/tokenize", {"model": gen, "prompt": "Once"}),
+        ("/detokenize", {"model": gen, "tokens": [70, 71]}),
+        ("/v1/rerank", {"model": ranks, "query": "q", "documents": ["a", "b"]}),
+        ("/rerank", {"query": "q", "texts": ["a", "b"]}),  # TEI's
     ]
     for path, body in calls:
         answer = http.post(path, json=body, headers=auth)
@@ -105,9 +119,12 @@ def test_every_route_enqueues_as_its_callers_tenant(
         client_redis.close()
     # /v1/embeddings, /embed twice, TEI's /embed (and /jobs, unless it still runs)
     assert len(embedded) >= 4, embedded
-    # the chat (streamed), the completion, /generate, /generate_stream, /tokenize
-    assert len(generated) >= 5, generated
-    assert all(rid.startswith("acme.") for rid in embedded | generated), embedded | generated
+    # the chat (streamed), the completion, /generate, /generate_stream, /tokenize, /detokenize
+    assert len(generated) >= 6, generated
+    ranked = result_ids(redis.Redis.from_url(redis_url), QueueKeys(ranks, prefix=queue))
+    assert len(ranked) >= 2, ranked  # /v1/rerank, TEI's /rerank
+    every = embedded | generated | ranked
+    assert all(rid.startswith("acme.") for rid in every), every
 
 
 @pytest.mark.slow

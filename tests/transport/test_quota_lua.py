@@ -203,3 +203,37 @@ def test_the_admission_refuses_over_quota_as_the_requests_result(
     assert rclient.get(keys.request_input("acme.2")).endswith(b" !")  # runs again later
     ((_, reply),) = rclient.xrange(keys.reply("acme.me"))
     assert reply[b"n"] == b"1"
+
+
+def test_a_request_answered_twice_is_counted_once(rclient: redis.Redis, keys: QueueKeys) -> None:
+    """The completion script counts a record's usage only where its acknowledgement took:
+    the same entry answered again (another worker that reclaimed it, or a call made again
+    after a failover) adds nothing to the day's usage."""
+    from batchline.codec._results import pack_result, result_fields
+    from batchline.keys import GROUP
+    from batchline.transport import COMPLETE
+
+    stream = keys.stream(1)
+    rclient.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    entry = rclient.xadd(stream, {"v": "2", "id": "acme.1", "tn": "acme", "cost": "5"})
+    rclient.xreadgroup(GROUP, "w1", {stream: ">"})
+    result = pack_result(result_fields("acme.1", "ok", "x", "", "", 1.0, 1, 1.0, "w1"))
+    account = ["acme", 5, 3, 1, 3, 1]  # estimated 5, real 3, 1 item, 3 tokens, served ok
+    record = [1, entry.decode(), "acme.1", "", result, 6, "", "", "", "ok", [], account]
+    usage = keys.usage(usage_day(rclient.time()[0]))
+    script = rclient.register_script(COMPLETE)
+
+    def complete(again: str) -> int:
+        args = [
+            GROUP, 60, 1000, 1000, keys.result_prefix, keys.reply_prefix,
+            msgpack.packb(record, use_bin_type=False), keys.request_input(""),
+            keys.waiters(""), 0, 0, "0", again, usage, 86400, keys.base_prefix,
+        ]  # fmt: skip
+        return int(script(keys=[*keys.streams_low_first, keys.dead], args=args))
+
+    assert complete("0") == 1
+    counted = rclient.hgetall(usage)
+    assert counted == {b"acme|requests": b"1", b"acme|items": b"1", b"acme|tokens": b"3"}
+    for again in ("1", "0"):  # after a failover; another worker's answer
+        complete(again)
+        assert rclient.hgetall(usage) == counted

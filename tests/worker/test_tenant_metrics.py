@@ -90,12 +90,16 @@ def test_n_plus_5_tenants_show_n_labels_and_other_the_same_scrape_after_scrape(
 
     got = wait_until(answered, "every request counted")
     assert got == {"t5": 2, "t6": 2, "t7": 2, "other": 2 * (len(TENANTS) - N), "-": 1}
-    assert set(_by_tenant(_scrape(port)["batchline_tenant_wait_seconds_count"])) == set(got)
+    served = _scrape(port)
+    assert set(_by_tenant(served["batchline_tenant_wait_seconds_count"])) == set(got)
+    assert _by_tenant(served["batchline_tenant_items_total"]) == got  # echo: 1 item each
+    assert set(_by_tenant(served["batchline_tenant_tokens_total"])) == set(got)
 
     # The queue's figures: t0's backlog (no label: other) and t7's requests in flight.
     rclient.rpush(keys.backlog("t0", 1), b"held", b"held")
     rclient.zadd(keys.fair(1), {"t0": 1.0})
     rclient.zadd(keys.tenant_in_flight("t7"), {"t7.a": (time.time() + 600) * 1000})
+    rclient.hset(day, mapping={"t7|refused": 4, "t1|refused": 3})  # the admission's today
     reads = worker.metrics.tenant_reads
     wait_until(lambda: worker.metrics.tenant_reads >= reads + 3, "three more reads")
     for _ in range(3):  # the same labels, read after read, scrape after scrape
@@ -107,3 +111,5 @@ def test_n_plus_5_tenants_show_n_labels_and_other_the_same_scrape_after_scrape(
         assert samples["batchline_tenant_queued"] == {(("priority", "1"), ("tenant", "other")): 2}
         in_flight = _by_tenant(samples["batchline_tenant_in_flight"])
         assert in_flight == {"t5": 0, "t6": 0, "t7": 1, "other": 0, "-": 0}
+        refused = _by_tenant(samples["batchline_tenant_refused_total"])
+        assert (refused["t7"], refused["other"], refused.get("t5", 0)) == (4, 3, 0)
