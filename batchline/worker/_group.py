@@ -8,8 +8,9 @@ it. Batches never mix queues: each worker batches its own.
 
 The group handles SIGTERM and SIGINT for all of them (each drains); one worker that stops
 (its model failed to load, a task failed) stops the others, and the process exits as one
-worker would. A hung model call ends the process at once: the others' calls would wait for
-its turn.
+worker would. A hung model call ends the process at once: the other queues hand back what
+they hold, unanswered, as the hung one does (their calls could wait for its turn), for
+another worker to run.
 """
 
 from __future__ import annotations
@@ -91,14 +92,19 @@ class WorkerGroup:
         failure: BaseException | None = None
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            hung = False
             for task in done:
                 exc = None if task.cancelled() else task.exception()
                 if isinstance(exc, WorkerHung) and tasks[task].ready.is_set():
-                    raise exc  # the others' calls would wait behind it for their turns
+                    # The others hand back what they hold, unanswered (their calls could
+                    # wait behind the hung one for their turns), and the process ends.
+                    hung, failure = True, exc
                 # (hung in its load at start, it holds nothing: the others drain first)
-                if exc is not None and failure is None:
+                elif exc is not None and failure is None:
                     failure = exc
-            if pending:  # one stopped: every queue stops, as one worker's process would
+            for task in pending if hung else ():
+                tasks[task].hand_back()
+            if pending and not hung:  # one stopped: every queue stops, as one worker's would
                 self.stop()
         if failure is not None:
             raise failure

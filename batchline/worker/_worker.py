@@ -119,6 +119,7 @@ class Worker:
         self.loading = asyncio.Lock()
         #: The signal (SIGTERM, SIGINT) that stopped the worker, if one did.
         self.stop_signal: int | None = None
+        self._hand_back: asyncio.Event | None = None  # set: stop handing back, not draining
 
     #: End the process if a hung model call blocks the event loop (``batchline worker``).
     exit_if_loop_blocked = False
@@ -152,7 +153,7 @@ class Worker:
         loop = self._loop = asyncio.get_running_loop()
         p = self._parts
         p.guard.bound_file = self.bound_file
-        hung = asyncio.Event()
+        hung = self._hand_back = asyncio.Event()
         # From the start: a signal while it waits for Redis or loads its model stops it too
         # (and a second one, Ctrl-C reaching it twice, changes nothing).
         self._install_signals(loop)
@@ -403,6 +404,14 @@ class Worker:
         await p.executors.main.aclose(drain=True)
         await p.chunks.drain()
         await p.answers.drain()
+
+    def hand_back(self) -> None:
+        """Stop without answering what it holds: hand it back to the queue (its delivery
+        counts as they are), as a hung worker does; on the worker's loop. For a worker beside
+        one that hung in the same process (``serve``): that process ends at once."""
+        if self._hand_back is not None:
+            self._hand_back.set()
+        self.stop()
 
     def stop(self) -> None:
         """Drain and stop; callable from any thread and from signal handlers."""

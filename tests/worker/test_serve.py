@@ -25,7 +25,7 @@ from batchline.producer import Producer
 from batchline.worker.shared._turns import Turns
 
 from tests.support.models_for_tests import read_batches
-from tests.support.service import REPO, spec, subprocess_env, wait_until
+from tests.support.service import REPO, pending_count, spec, subprocess_env, wait_until
 
 
 def test_an_entry_is_a_queue_its_model_and_its_own_settings() -> None:
@@ -302,6 +302,60 @@ def test_the_workers_that_hold_the_model_take_the_requests_first(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.mark.slow
+def test_a_hang_on_one_queue_hands_back_the_other_queues_requests_unanswered(
+    redis_url: str, queue: str, tmp_path: Path
+) -> None:
+    """Queue ``a``'s model call hangs while queue ``b``'s batch runs in the same process:
+    the process ends with the hung status, and ``b``'s requests are handed back, not failed
+    (no answer written; pending for another worker), which a fresh worker then answers."""
+    from batchline.worker.upkeep._watchdog import HUNG_EXIT_CODE
+
+    models = "tests.support.models_for_tests"
+    serve = [
+        "--serve", f"{queue}-a={models}:hang,max_batch_ms=1000,batch_size=4",
+        "--serve", f"{queue}-b={models}:slow,batch_size=8,timeout_ms=0",
+    ]  # fmt: skip
+    env = {"BATCHLINE_REDIS_URL": redis_url, "BLTEST_SLOW_S": "3"}
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "batchline", "worker", *serve, "--max-restarts-per-min", "0"],
+            env=subprocess_env(env), cwd=REPO, stderr=out,
+        )  # fmt: skip
+    client = redis.Redis.from_url(redis_url)
+    a, b = QueueKeys(f"{queue}-a"), QueueKeys(f"{queue}-b")
+    try:
+        wait_until(lambda: client.zcard(a.workers) and client.zcard(b.workers), "both queues")
+        with (
+            Producer(redis_url=redis_url, queue=b.queue) as on_b,
+            Producer(redis_url=redis_url, queue=a.queue) as on_a,
+        ):
+            handles = [on_b.submit(f"b{i}") for i in range(4)]
+            wait_until(lambda: pending_count(client, b) == 4, "b's batch under way")
+            on_a.submit("hang")
+            assert proc.wait(timeout=60) == HUNG_EXIT_CODE, log.read_text()
+            assert pending_count(client, b) == 4  # handed back, not answered
+            assert not any(client.exists(b.result(h.id)) for h in handles)
+            worker = subprocess.Popen(
+                [sys.executable, "-m", "batchline", "worker", "--queue", b.queue, "--model",
+                 f"{models}:slow", "--claim-idle-ms", "500", "--max-restarts-per-min", "0"],
+                env=subprocess_env({**env, "BLTEST_SLOW_S": "0"}), cwd=REPO,
+                stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            try:
+                outputs = [on_b.wait(h, 60).unwrap() for h in handles]
+            finally:
+                worker.terminate()
+                worker.wait(timeout=60)
+        assert outputs == [f"b{i}" for i in range(4)]
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.slow
