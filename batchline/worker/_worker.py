@@ -317,6 +317,7 @@ class Worker:
 
         jobs = {
             "reader": p.reader.run(p.space, p.serving.stopped),
+            "writer": p.answers.watch(),
             **p.upkeep.jobs(closing),
             "cancels": p.cancels.follow(p.redis, self.keys, running.is_set),
             "cancel-trim": every(s.claim_idle_ms / 3e3, "cancel trim", p.cancel_trim.step, closing),

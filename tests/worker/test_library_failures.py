@@ -169,6 +169,39 @@ def test_a_bug_in_batchlines_own_code_stops_the_worker_loudly(
     assert "batchline-heartbeat failed" in caplog.text
 
 
+def test_a_bug_in_the_answer_writer_stops_the_worker_and_its_request_is_answered_later(
+    start_worker: Callable[..., WorkerThread],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    redis_url: str,
+    queue: str,
+) -> None:
+    """A write of answers that fails with an error of the writer's own (not Redis's) stops
+    the worker loudly, as any of its tasks' would; the request it could not answer is left
+    pending, and a fresh worker answers it."""
+    from batchline.worker.serving import _writer
+
+    record = _writer.AnswerWriter._record
+
+    def broken(self: Any, r: Any) -> Any:
+        if r.request_id == "boom":
+            raise TypeError("a bug in the writer")
+        return record(self, r)
+
+    monkeypatch.setattr(_writer.AnswerWriter, "_record", broken)
+    thread = start_worker(claim_idle_ms=500)
+    with Producer(redis_url=redis_url, queue=queue) as producer, caplog.at_level(logging.ERROR):
+        handle = producer.submit("x", request_id="boom")
+        wait_until(lambda: not thread.alive, "the worker to stop by itself")
+        error, thread.error = thread.error, None  # seen here, not raised again by its fixture
+        assert isinstance(error, RuntimeError), error
+        assert isinstance(error.__cause__, TypeError)
+        assert "batchline-writer failed" in caplog.text
+        monkeypatch.setattr(_writer.AnswerWriter, "_record", record)
+        start_worker(claim_idle_ms=500)
+        assert producer.wait(handle, 60).unwrap() == "x"
+
+
 def test_a_producer_reports_the_librarys_failure_as_a_typed_error(
     breakage: Breakage, redis_url: str, queue: str
 ) -> None:

@@ -22,6 +22,7 @@ this one (docs/protocol.md, Answers computed once).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -92,6 +93,9 @@ class AnswerWriter:
         self.unconfirmed = 0
         self._retry = Backoff(logger, "writer", max_delay_s=1.0)
         self._outbox: Outbox[Record] = Outbox(self._flush, name="batchline-writer")
+        #: Set once a write failed with an error of the writer's own (not Redis's):
+        #: :meth:`watch` raises it, which stops the worker.
+        self._broken: asyncio.Future[None] | None = None
 
     def put(self, record: Record) -> None:
         """Write ``record`` with the next write (on the running event loop)."""
@@ -101,16 +105,28 @@ class AnswerWriter:
         """Return once every record put so far is written (or given up)."""
         await self._outbox.drain()
 
+    async def watch(self) -> None:
+        """Until a write fails with an error of the writer's own (a bug, not Redis
+        failing): then raise it, a task of the worker's that stops it (its supervisor starts
+        a fresh one; the answers not written stay pending, reclaimed and answered later)."""
+        if self._broken is None:
+            self._broken = asyncio.get_running_loop().create_future()
+        await self._broken
+
     async def _flush(self, records: list[Record]) -> None:
         try:
             await self._write(records)
         except Exception as caught:
             exc = redis_failure(caught)
-            if exc is None:
-                raise
+            if exc is None:  # the writer's own: the worker stops (watch)
+                if self._broken is not None and not self._broken.done():
+                    self._broken.set_exception(caught)
+                else:
+                    logger.error("writer: %d answers not written", len(records), exc_info=caught)
+            else:
+                logger.error("writer: %d answers not written: %s", len(records), exc)
             # Unanswered entries stay pending; no longer kept alive by this worker, they go
             # idle and are reclaimed and answered later.
-            logger.error("writer: %d answers not written: %s", len(records), exc)
         self._claims.settle(records)
 
     def _record(self, r: Record) -> list[Any]:
