@@ -23,7 +23,9 @@ takes only itself down and is dead-lettered after ``max_deliveries``.
   killed supervisor leaves no orphan renewing its claims.
 - A child that fails before it is ready (an unknown model, Redis unreachable) is not
   restarted when it is the first: the command fails at once, as a configuration error
-  should. The child says it is ready by writing a byte on a pipe.
+  should; unless it hung (its model's load at start ran past ``max_load_s``: the hung
+  status), which is restarted as any child that dies before it is ready. The child says it
+  is ready by writing a byte on a pipe.
 - ``batchline worker --check`` and the metrics port are the child's, unchanged.
 - The children remember the slowest model call they timed in a file of the supervisor's
   (``--bound-file``), so that a fresh child's ``max_batch_ms`` auto starts from what its
@@ -46,6 +48,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from batchline.transport import EXIT_INTERRUPTED
+from batchline.worker.upkeep._watchdog import HUNG_EXIT_CODE
 
 __all__ = ["BOUND_FLAG", "CHILD_FLAG", "die_with_parent", "report_ready", "supervise"]
 
@@ -123,8 +126,10 @@ def _supervise(command: list[str], *, max_restarts_per_min: int) -> int:
         with os.fdopen(ready_r, "rb") as ready:
             was_ready = bool(ready.read(1))
         ever_ready = ever_ready or was_ready
-        if status in (0, EXIT_INTERRUPTED) or stopping.is_set() or not ever_ready:
+        if status in (0, EXIT_INTERRUPTED) or stopping.is_set():
             # (A child that exits 130 was interrupted itself: Ctrl-C, not a crash.)
+            return _stopped(status, received)
+        if not ever_ready and status != HUNG_EXIT_CODE:  # a setting's mistake, not a hang
             return _stopped(status, received)
         how = f"signal {-status}" if status < 0 else f"status {status}"
         now = time.monotonic()

@@ -408,6 +408,28 @@ def test_a_start_load_that_hangs_ends_the_worker_with_the_hung_status(
 
 
 @pytest.mark.slow
+def test_the_supervisor_starts_again_a_worker_whose_start_load_hung(
+    redis_url: str, queue: str, tmp_path: Path
+) -> None:
+    """Under ``batchline worker``'s supervisor, a first child whose load at start hung (the
+    hung status) is started again, where one that fails before it is ready otherwise is
+    not; past ``max_restarts_per_min`` the supervisor gives up."""
+    argv = [sys.executable, "-m", "batchline", "worker", "--model",
+            "tests.support.gated_model:slow_to_load", "--max-load-s", "1",
+            "--max-restarts-per-min", "2"]  # fmt: skip
+    env = {"BATCHLINE_REDIS_URL": redis_url, "BATCHLINE_QUEUE": queue}
+    hangs = subprocess.run(
+        argv,
+        env=subprocess_env({**env, "BLTEST_LOAD_GATE": str(tmp_path / "never")}),
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert hangs.returncode == 1, hangs.stderr
+    assert hangs.stderr.count("past max_load_s=1") == 3, hangs.stderr  # the first, twice again
+    assert hangs.stderr.count("restarting in") == 2, hangs.stderr
+    assert "giving up" in hangs.stderr, hangs.stderr
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 0)])
 def test_a_stop_while_the_model_loads_ends_the_worker_at_once(
     redis_url: str, queue: str, tmp_path: Path, sig: int, status: int
