@@ -247,17 +247,18 @@ class Worker:
             loading = functools.partial(
                 load, self.model, spec=p.model_name, path=s.model_path, device=s.device
             )
-            await self._bounded_load(_on_a_thread(loop, loading))
+            await self._bounded_load(_on_a_thread(loop, loading), began)
             apply_threads(self.threads)
             warm = p.generation is None and not isinstance(self.model, LazyModel)
-            await loop.run_in_executor(
-                None,
-                lambda: p.guard.measure(
-                    self.model if warm else None,  # (a lazy model: loaded by demand)
-                    pads=pads(self.model),
-                    padding=getattr(p.executors.main, "record_padding", None),
-                ),
+            measure = functools.partial(
+                p.guard.measure,
+                self.model if warm else None,  # (a lazy model: loaded by demand)
+                pads=pads(self.model),
+                padding=getattr(p.executors.main, "record_padding", None),
             )
+            # Its warm-up batch within the same bound, off the loop's executor (which the
+            # loop's end would wait for, were that batch to hang).
+            await self._bounded_load(_on_a_thread(loop, measure), began)
             took = time.perf_counter() - began
         if isinstance(self.model, LazyModel):  # its loads report themselves from now on
             self.model.on_load = self.metrics.model_loaded
@@ -282,15 +283,17 @@ class Worker:
         await p.cancels.catch_up(p.redis, self.keys)
         self.metrics.start()
 
-    async def _bounded_load(self, loading: asyncio.Future[None]) -> None:
-        """Await the model's start load, at most ``max_load_s`` (0: no bound): past it the
-        worker is hung, as for a load by demand (WorkerHung: ``batchline worker`` exits with
-        the hung status for its supervisor; the worker holds nothing yet, and its load's
-        thread cannot be stopped otherwise: it is a daemon thread, not the loop's executor,
-        which the event loop's end would wait for)."""
+    async def _bounded_load(self, loading: asyncio.Future[None], began: float) -> None:
+        """Await the model's start load (or its warm-up batch), within ``max_load_s`` (0: no
+        bound) of ``began`` (``time.perf_counter()``): past it the worker is hung, as for a
+        load by demand (WorkerHung: ``batchline worker`` exits with the hung status for its
+        supervisor; the worker holds nothing yet, and its load's thread cannot be stopped
+        otherwise: it is a daemon thread, not the loop's executor, which the event loop's
+        end would wait for)."""
         bound = self.settings.max_load_s
+        left = max(0.0, bound - (time.perf_counter() - began))
         try:
-            await asyncio.wait({loading}, timeout=bound if bound > 0 else None)
+            await asyncio.wait({loading}, timeout=left if bound > 0 else None)
         finally:
             if not loading.done():  # past the bound, or a stop came: nobody waits for it
                 loading.cancel()

@@ -196,6 +196,17 @@ def hang(items: list[Any]) -> list[Any]:
 hang.example = "warm-up"  # type: ignore[attr-defined]
 
 
+def hang_warming(items: list[Any]) -> list[Any]:
+    """``hang``, whose warm-up batch (the worker's, at start) is the one that hangs."""
+    _record(items)
+    if "warm-up" in items:
+        time.sleep(float(os.environ.get("BLTEST_HANG_S", "600")))
+    return items
+
+
+hang_warming.example = "warm-up"  # type: ignore[attr-defined]
+
+
 def double_or_die(items: list[Any]) -> list[Any]:
     """``double``, except that a batch holding "crash" aborts the process and one holding
     "hang" never returns (checks.chaos's hostile inputs)."""

@@ -408,6 +408,43 @@ def test_a_start_load_that_hangs_ends_the_worker_with_the_hung_status(
 
 
 @pytest.mark.slow
+def test_a_warm_up_batch_that_hangs_is_bounded_as_the_load_and_a_stop_ends_it(
+    redis_url: str, queue: str, tmp_path: Path
+) -> None:
+    """The warm-up batch a worker runs at start (after the load, before it serves) is part
+    of the load at start: past ``max_load_s`` the worker exits with the hung status; without
+    a bound, SIGTERM ends it at once all the same."""
+    from batchline.worker.upkeep._watchdog import HUNG_EXIT_CODE
+
+    model = "tests.support.models_for_tests:hang_warming"
+    argv = [sys.executable, "-m", "batchline", "worker", "--model", model,
+            "--max-restarts-per-min", "0"]  # fmt: skip
+    batches = tmp_path / "batches.jsonl"
+    env = subprocess_env(
+        {"BATCHLINE_REDIS_URL": redis_url, "BATCHLINE_QUEUE": queue}
+        | {"BLTEST_RECORD_FILE": str(batches)}
+    )
+    hangs = subprocess.run(
+        [*argv, "--max-load-s", "2"], env=env, cwd=REPO, capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+    assert hangs.returncode == HUNG_EXIT_CODE, hangs.stderr
+    assert "past max_load_s=2" in hangs.stderr, hangs.stderr
+    batches.unlink()
+    proc = subprocess.Popen(
+        [*argv, "--max-load-s", "0"], env=env, cwd=REPO, stderr=subprocess.DEVNULL
+    )
+    try:
+        wait_until(lambda: read_batches(batches), "its warm-up batch under way")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
 def test_the_supervisor_starts_again_a_worker_whose_start_load_hung(
     redis_url: str, queue: str, tmp_path: Path
 ) -> None:
