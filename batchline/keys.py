@@ -306,7 +306,7 @@ class QueueKeys:
 
     def fair_idle(self, priority: int) -> str:
         """The tenants held over quota at one priority (``<tenant>~over``), served only
-        while no other tenant of that priority is backlogged; scored as :meth:`fair`."""
+        while nothing else waits, at any priority; scored as :meth:`fair`."""
         return f"{self.fair(priority)}:idle"
 
     @property

@@ -8,10 +8,11 @@ else it goes straight to its work stream, as without tenants). *Dispatch* then m
 into each priority's work stream, the backlogged tenant of least virtual start first, while
 that stream holds fewer than ``ahead`` undelivered entries (its length less its group's
 pending entries), advancing the tenant's virtual time by cost / weight. Over-quota requests
-held under ``<tenant>~over`` wait in ``fair:<p>:idle`` and go only when no other tenant of
-that priority is backlogged. The admit function dispatches after admitting; a worker calls
-the dispatch function before each read while anything is held, with the
-corrections of the tenants' virtual times (real cost less estimate) it gathered meanwhile.
+held under ``<tenant>~over`` wait in ``fair:<p>:idle`` and go only when nothing else waits
+at any priority (held with the fair share off too). The admit function dispatches after
+admitting; a worker calls the dispatch function before each read while anything is held,
+with the corrections of the tenants' virtual times (real cost less estimate) it gathered
+meanwhile.
 
 What a request costs Redis is kept low where it is common: the requests one admit call
 holds at a priority where no tenant was backlogged before it stay in the call's memory and
@@ -43,8 +44,8 @@ FAIR_ARGS = 5
 def fair_args(keys: QueueKeys, *, ahead: int, on: bool, result_ttl_s: int) -> list[Any]:
     """The fair share's block of arguments: the consumer group, ``ahead`` (undelivered
     entries a work stream is filled to), whether the fair share is on (off: ``hold`` adds
-    to the work stream at once, first come first served), the request-input prefix and the
-    results' TTL."""
+    to the work stream at once, first come first served, but for requests over quota), the
+    request-input prefix and the results' TTL."""
     return [GROUP, ahead, 1 if on else 0, keys.request_input(""), result_ttl_s]
 
 
