@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import queue
@@ -236,7 +237,10 @@ class Generator(_Base):
         for loop, events, event in gathered:
             by_loop.setdefault(loop, []).append((events, event))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            # A caller's loop closed meanwhile (its request cancelled, ``asyncio.run``
+            # returned): nobody waits for these; the model thread carries on for the others.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_put_all, items)
 
     async def _events(self, prompt: str | None, options: GenerationOptions) -> AsyncIterator[Event]:
         loop = asyncio.get_running_loop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -123,3 +124,24 @@ def test_device_and_dtype_place_a_loaded_model_only_where_named() -> None:
         assert gen.engine.model.dtype == torch.bfloat16
         result = gen.generate(prompt_ids=[5, 6, 7], max_new_tokens=5)
     assert list(result.token_ids) == alone(cast, [5, 6, 7], 5)  # cast in place: bfloat16
+
+
+def test_a_callers_event_loop_that_closed_leaves_the_model_thread_serving() -> None:
+    """A caller leaves a stream and its event loop closes (``asyncio.run`` returns) while
+    the model thread is still in a step: that step's events for it are dropped, and the
+    model thread serves the next caller, on another loop."""
+    slowed = tiny_model("llama")
+    slowed.register_forward_pre_hook(lambda _module, _args: time.sleep(0.05))
+    gen = Generator(slowed)
+
+    async def leave() -> None:
+        async for _ in gen.stream(prompt_ids=[5, 6], max_new_tokens=1000):
+            break  # its loop closes as asyncio.run returns, mid-step
+
+    async def next_caller() -> int:
+        result = await asyncio.wait_for(gen.generate(prompt_ids=[7], max_new_tokens=3), 60)
+        return result.tokens
+
+    asyncio.run(leave())
+    assert asyncio.run(next_caller()) == 3
+    asyncio.run(gen.aclose())
