@@ -216,6 +216,10 @@ class ReplyReader:
         # _QUIET_S with the count, not one per retry.
         backoff = Backoff(logger, f"reply reader (Redis at {self._url})", quiet_s=_QUIET_S)
         failed = False
+        # Entries read and not deleted yet (an XDEL failed): deleted after the next read. An
+        # entry left unread would read to the workers as a producer that stopped reading
+        # (stream_max_unread_s: they cancel its streams).
+        read: dict[str, list[bytes]] = {}
         # stop() cancels this task, but on Python 3.11 a cancellation that lands just as
         # redis-py's internal wait_for completes is swallowed; closed() ends the loop anyway.
         while not self._closed() and not self._stopping:
@@ -236,9 +240,7 @@ class ReplyReader:
                 # be gone with the old primary; the results they carried are in result keys.
                 failed = False
                 await self._recovered()
-            if not response:
-                continue
-            for stream, entries in response:
+            for stream, entries in response or ():
                 key = stream.decode() if isinstance(stream, bytes) else str(stream)
                 seen: list[bytes] = []
                 for entry_id, raw in entries:
@@ -246,8 +248,11 @@ class ReplyReader:
                     self.deliver_all(raw)
                 if seen and key in last:
                     last[key] = seen[-1]
-                    with ignoring_redis_failures():
-                        await client.xdel(key, *seen)
+                    read.setdefault(key, []).extend(seen)
+            for key in list(read):
+                with ignoring_redis_failures():
+                    await client.xdel(key, *read[key])
+                    del read[key]
 
     def deliver_all(self, raw: Any) -> None:
         """Resolve the waiters of one reply entry (the results of one worker batch).

@@ -409,3 +409,33 @@ async def test_get_result_on_a_malformed_key_raises_decode_error(
     found = await producer.get_result("fine")
     assert found is not None
     assert found.output == "F"
+
+
+async def test_entries_whose_delete_failed_are_deleted_after_the_next_read(
+    start_worker: Callable[..., WorkerThread],
+    redis_url: str,
+    queue: str,
+    rclient: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reply entry read, whose XDEL failed (a network blip), is deleted with the next
+    read's: left unread-looking, it would make the workers cancel this producer's streams
+    (stream_max_unread_s)."""
+    start_worker()
+    original = AsyncRedis.xdel
+    failed: list[tuple[Any, ...]] = []
+
+    async def xdel(self: Any, name: Any, *ids: Any) -> Any:
+        if not failed:
+            failed.append(ids)
+            raise redis.ConnectionError("a blip")
+        return await original(self, name, *ids)
+
+    monkeypatch.setattr(AsyncRedis, "xdel", xdel)
+    async with AsyncProducer(redis_url=redis_url, queue=queue) as producer:
+        assert await producer.infer("one", timeout_s=T) == "one"
+        assert failed
+        reply = QueueKeys(queue).reply(producer.producer_id)
+        await eventually(lambda: rclient.xlen(reply) == 0, "the entry read deleted after all")
+        assert await producer.infer("two", timeout_s=T) == "two"
+        await eventually(lambda: rclient.xlen(reply) == 0, "the next one deleted too")
