@@ -33,6 +33,7 @@ from batchline.errors import (
     RequestCancelled,
     RequestIdConflict,
     RequestTimeout,
+    StreamDiverged,
 )
 from batchline.producer._enqueue import Enqueuer
 from batchline.producer._handle import EnqueueOptions, Handle, SubmitOptions
@@ -472,7 +473,11 @@ class AsyncProducer:
                     what = f"request {rid} did not finish within {timeout_s:g} s"
                     raise await self._timed_out(what) from None
         finally:
-            if self._streams.end(state, fut):  # left before its end: it waits no more
+            # Left before its end: it waits no more, and the request is cancelled; unless its
+            # stream diverged (a re-run that generated otherwise), whose re-run goes on to its
+            # end, its whole result in the result key.
+            cancel = not isinstance(state.error, StreamDiverged)
+            if self._streams.end(state, fut, cancel=cancel):
                 self._waiting.drop(rid, fut)
                 fut.cancel()
             else:

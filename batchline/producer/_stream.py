@@ -218,9 +218,9 @@ class Streams:
         fut.add_done_callback(lambda _: state.event.set())
         return state
 
-    def end(self, state: StreamState, fut: asyncio.Future[Result]) -> bool:
+    def end(self, state: StreamState, fut: asyncio.Future[Result], *, cancel: bool = True) -> bool:
         """Forget a stream; if it ended before its result, cancel the request (in the
-        background). Returns whether it did."""
+        background; not where ``cancel`` is false). Returns whether it ended before."""
         states = self._states.get(state.request_id)
         if states is not None and state in states:
             states.remove(state)
@@ -228,7 +228,8 @@ class Streams:
                 del self._states[state.request_id]
         if fut.done():
             return False
-        self._cancel_soon(state.request_id)
+        if cancel:
+            self._cancel_soon(state.request_id)
         return True
 
     def _cancel_soon(self, rid: str) -> None:

@@ -483,3 +483,34 @@ def test_a_stream_under_the_producer_and_worker_acl_users(
         for role in ("producer", "worker"):
             rclient.execute_command("ACL", "DELUSER", f"blq-{role}-{queue[-8:]}")
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+async def test_a_stream_that_diverged_raises_and_leaves_its_rerun_running(
+    redis_url: str, queue: str, rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    """A re-run that generates otherwise than the attempt whose tokens were streamed (a
+    worker died, the re-run sampled anew) raises StreamDiverged to the caller, and the
+    request is not cancelled: the re-run goes on, its whole result in the result key.
+    (Chunks written here as the two attempts' workers would.)"""
+    from batchline.codec._chunks import Chunk, pack_chunks
+    from batchline.errors import StreamDiverged
+
+    from tests.support.replies_by_hand import eventually
+
+    async with AsyncProducer(redis_url=redis_url, queue=queue) as producer:
+        reply = keys.reply(producer.producer_id)
+        stream = producer.stream({"prompt": "hi", "max_new_tokens": 8}, request_id="div-1")
+        first = asyncio.ensure_future(anext(stream))
+        # Its stream is followed once its request is written (no worker: it waits there).
+        await eventually(
+            lambda: rclient.llen(keys.inbox) + sum(rclient.xlen(s) for s in keys.streams),
+            "the request written",
+        )
+        rclient.xadd(reply, pack_chunks([Chunk("div-1", 0, 0, "ab", [10, 11])]))  # type: ignore[arg-type]
+        assert (await asyncio.wait_for(first, 30)).token_ids == [10, 11]
+        rclient.xadd(reply, pack_chunks([Chunk("div-1", 0, 0, "ac", [10, 12])]))  # type: ignore[arg-type]
+        with pytest.raises(StreamDiverged):
+            await asyncio.wait_for(anext(stream), 30)
+    # (the producer's close waits for the cancels it sends)
+    assert rclient.xlen(keys.cancels) == 0
+    assert not [e for e in rclient.lrange(keys.inbox, 0, -1) if e.startswith(b"\x92\xa1c")]
