@@ -199,9 +199,18 @@ def invalid(errors: Sequence[dict[str, Any]], fallback: str = "invalid body") ->
     return OpenAIError(400, message, param=param)
 
 
+#: Where FastAPI found a request's parameters besides its body (an error's ``loc[0]``).
+_PARTS = frozenset(("query", "path", "header", "cookie"))
+
+
 async def answer_invalid(_request: Request, exc: Exception) -> Response:
-    """A body that fails validation: 400, naming the first bad parameter."""
+    """A body (or a query parameter) that fails validation: 400, naming the first bad
+    parameter."""
     errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+    loc = tuple(_chosen(errors).get("loc", ())) if errors else ()
+    if len(loc) > 1 and loc[0] in _PARTS:  # a query parameter's own name
+        message = f"{loc[1]}: {_chosen(errors).get('msg')}"
+        return OpenAIError(400, message, param=str(loc[1])).response()
     return invalid(errors, str(exc)).response()
 
 

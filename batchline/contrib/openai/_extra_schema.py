@@ -9,6 +9,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from batchline.contrib._plumbing import MAX_TEXT_CHARS
+from batchline.contrib.openai import _responses_schema as responses
 from batchline.contrib.openai._schema import PARAMS, ChatMessage
 
 __all__ = [
@@ -110,9 +111,13 @@ class RerankRequest(_Strict):
         return rerank_value(self.query, self.texts)
 
 
-#: Every field name an error's ``param`` may name: OpenAI's routes' and these.
+#: Every field name an error's ``param`` may name: OpenAI's routes', these and the
+#: Responses API's.
 ALL_PARAMS = PARAMS | frozenset(
     name
-    for model in (TokenizeRequest, DetokenizeRequest, RerankRequest, _Document)
-    for name in model.model_fields
-)
+    for model in (
+        TokenizeRequest, DetokenizeRequest, RerankRequest, _Document,
+        responses.ResponseCreate, responses._Format, responses._Text,
+    )
+    for name in (*model.model_fields, *(f.alias for f in model.model_fields.values() if f.alias))
+)  # fmt: skip

@@ -244,10 +244,25 @@ def test_refused_parameters_name_themselves(api: httpx.Client, gen_queue: str) -
         status = 404 if param == "previous_response_id" else 400
         error = assert_error(api.post("/v1/responses", json={**base, **extra}), status)
         assert param in (error["param"] or "") + error["message"], error
+    for extra, param in (  # the schema's own refusals: `param` names the field
+        ({"truncation": "auto"}, "truncation"),
+        ({"max_tool_calls": 3}, "max_tool_calls"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"metadata": {str(i): "x" for i in range(17)}}, "metadata"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"store": "yes"}, "store"),
+        ({"instructions": 5}, "instructions"),
+        ({"service_tier": "flex"}, "service_tier"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ):
+        error = assert_error(api.post("/v1/responses", json={**base, **extra}), 400)
+        assert error["param"] == param, (extra, error)
     image = [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]
     error = assert_error(api.post("/v1/responses", json={**base, "input": image}), 400)
     assert "input_image" in error["message"]
     assert_error(api.get("/v1/responses/resp_unknown"), 404)
+    limit = assert_error(api.get("/v1/responses/resp_unknown/input_items?limit=0"), 400)
+    assert limit["param"] == "limit", limit
     # Not a background response: no cancel.
     plain = api.post("/v1/responses", json={**base, "max_output_tokens": 2}).json()
     assert_error(api.post(f"/v1/responses/{plain['id']}/cancel"), 400)
