@@ -126,7 +126,10 @@ class Tools:
 
     def wire(self) -> dict[str, Any]:
         """The request fields that carry these tools (``tools``, ``tool_choice``,
-        ``parallel_tool_calls``), in OpenAI's chat shape: what a worker reads."""
+        ``parallel_tool_calls``), in OpenAI's chat shape: what a worker reads; none without
+        functions (``tools: []``, or ``parallel_tool_calls`` alone: nothing is offered)."""
+        if not self.functions:
+            return {}
         choice: Any = self.choice
         if self.choice == "function":
             choice = {"type": "function", "function": {"name": self.name}}

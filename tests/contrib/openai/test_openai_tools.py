@@ -217,3 +217,27 @@ def test_smollm2_calls_a_function_with_the_openai_client(
         model=gen_queue, messages=history, tools=TOOLS, tool_choice="none", max_tokens=40
     )
     assert after.choices[0].message.content
+
+
+@pytest.mark.slow
+def test_no_tools_offered_is_a_plain_answer(
+    make_app: MakeApp,  # noqa: F811
+    serve: Serve,  # noqa: F811
+    start_worker: Callable[..., WorkerThread],
+    gen_queue: str,
+) -> None:
+    """An empty ``tools`` list, or ``parallel_tool_calls`` without tools, offers nothing: the
+    answer is a plain text (the worker used to refuse the ``tool_choice`` sent for them);
+    the same on the Messages API (``tools: []``, which Anthropic accepts)."""
+    start_worker("generate", model_path=spec("tiny_llama_tools"), queue=gen_queue)
+    http = serve(make_app())
+    client = client_for(http)
+    common: Any = {"model": gen_queue, "messages": CHAT, "max_tokens": 4}
+    for extra in ({"tools": []}, {"parallel_tool_calls": False}):
+        answer = client.chat.completions.create(**common, **extra)
+        assert answer.choices[0].message.tool_calls is None, extra
+        assert answer.choices[0].finish_reason in ("stop", "length"), extra
+    body = {"model": gen_queue, "max_tokens": 4, "tools": [], "messages": CHAT[-1:]}
+    message = http.post("/v1/messages", json=body)
+    assert message.status_code == 200, message.text
+    assert [b["type"] for b in message.json()["content"]] == ["text"]
