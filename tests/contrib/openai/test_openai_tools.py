@@ -11,6 +11,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import pytest
 
 from ..test_fastapi import Serve, serve
@@ -85,15 +86,23 @@ def streamed(client: Any, **options: Any) -> tuple[str, list[dict[str, Any]], st
     return content, calls, reason
 
 
-@pytest.mark.slow
-def test_tools_with_the_openai_client_streamed_and_not_and_a_tool_message_back(
+@pytest.fixture
+def tools_app(
     make_app: MakeApp,  # noqa: F811
     serve: Serve,  # noqa: F811
     start_worker: Callable[..., WorkerThread],
     gen_queue: str,
-) -> None:
+) -> httpx.Client:
+    """The app, served, with a generation worker of the tiny Llama that writes calls."""
     start_worker("generate", model_path=spec("tiny_llama_tools"), queue=gen_queue)
-    client = client_for(serve(make_app()))
+    return serve(make_app())
+
+
+@pytest.mark.slow
+def test_tools_with_the_openai_client_streamed_and_not_and_a_tool_message_back(
+    tools_app: httpx.Client, gen_queue: str
+) -> None:
+    client = client_for(tools_app)
     common: Any = {"model": gen_queue, "messages": CHAT, "tools": TOOLS, "max_tokens": 150}
 
     answer = client.chat.completions.create(
@@ -220,17 +229,11 @@ def test_smollm2_calls_a_function_with_the_openai_client(
 
 
 @pytest.mark.slow
-def test_no_tools_offered_is_a_plain_answer(
-    make_app: MakeApp,  # noqa: F811
-    serve: Serve,  # noqa: F811
-    start_worker: Callable[..., WorkerThread],
-    gen_queue: str,
-) -> None:
+def test_no_tools_offered_is_a_plain_answer(tools_app: httpx.Client, gen_queue: str) -> None:
     """An empty ``tools`` list, or ``parallel_tool_calls`` without tools, offers nothing: the
     answer is a plain text (the worker used to refuse the ``tool_choice`` sent for them);
     the same on the Messages API (``tools: []``, which Anthropic accepts)."""
-    start_worker("generate", model_path=spec("tiny_llama_tools"), queue=gen_queue)
-    http = serve(make_app())
+    http = tools_app
     client = client_for(http)
     common: Any = {"model": gen_queue, "messages": CHAT, "max_tokens": 4}
     for extra in ({"tools": []}, {"parallel_tool_calls": False}):
