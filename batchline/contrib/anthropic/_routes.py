@@ -36,8 +36,9 @@ from batchline.contrib.anthropic._schema import (
     message_body,
     message_id,
 )
-from batchline.contrib.anthropic._stream import MessageStream, MessageTiming
+from batchline.contrib.anthropic._stream import MessageStream
 from batchline.contrib.openai import (
+    ChunkTiming,
     OpenAIError,
     OpenAIRoutes,
     Served,
@@ -142,7 +143,7 @@ class MessagesRoutes:
         mid = message_id()
         if body.stream:
             rid = scoped_id(caller_of(request).tenant, uuid.uuid4().hex)
-            timing = MessageTiming(self._openai.timeout_s, served.timeout_error)
+            timing = ChunkTiming(self._openai.timeout_s, served.timeout_error)
             note_queue(request, served.client, served.settings.keys)
             chunks = self._openai.stream(served, value, request, rid)
             return await self._openai.stream_response(

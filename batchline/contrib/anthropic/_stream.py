@@ -15,8 +15,7 @@ error object, and the stream ends there.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any
 
 from batchline._tool_calls import ArgumentsDelta, CallEnd, CallEvent, CallParser, CallStart
@@ -28,19 +27,10 @@ from batchline.contrib.anthropic._schema import (
     tool_use_id,
     usage,
 )
-from batchline.contrib.openai import ChunkStream, OpenAIError, checked, next_chunk
-from batchline.errors import RequestTimeout
+from batchline.contrib.openai import ChunkStream, ChunkTiming, OpenAIError, checked, next_chunk
 from batchline.producer import StreamChunk
 
-__all__ = ["MessageStream", "MessageTiming"]
-
-
-@dataclass(frozen=True, slots=True)
-class MessageTiming:
-    """How long to wait for each chunk, and the producer's error for one that did not come."""
-
-    timeout_s: float
-    timeout_error: Callable[[str], Awaitable[RequestTimeout]]
+__all__ = ["MessageStream"]
 
 
 class _Blocks:
@@ -103,7 +93,7 @@ class MessageStream(ChunkStream[StreamChunk]):
         chunks: AsyncGenerator[StreamChunk, None],
         body: MessagesRequest,
         head: tuple[str, str],
-        timing: MessageTiming,
+        timing: ChunkTiming,
         *,
         tools: bool = False,
     ) -> None:

@@ -48,8 +48,9 @@ from batchline.contrib.hf._schema import (
     tei_ranked,
     vectors,
 )
-from batchline.contrib.hf._stream import TGIStream, TGITiming, collected
+from batchline.contrib.hf._stream import TGIStream, collected
 from batchline.contrib.openai import (
+    ChunkTiming,
     OpenAIError,
     OpenAIRoutes,
     Served,
@@ -271,8 +272,8 @@ class HFRoutes:
             return Response(status_code=_GONE)
         return JSONResponse({"generated": result.output["text"]})
 
-    def _timing(self, served: Served) -> TGITiming:
-        return TGITiming(self._openai.timeout_s, served.timeout_error)
+    def _timing(self, served: Served) -> ChunkTiming:
+        return ChunkTiming(self._openai.timeout_s, served.timeout_error)
 
     async def _stream(self, served: Served, body: TGIRequest, request: Request) -> Response:
         rid = scoped_id(caller_of(request).tenant, uuid.uuid4().hex)

@@ -11,29 +11,19 @@ token, each token is sent once the next one (or the end) has come.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from batchline.contrib.hf._errors import TGIError
 from batchline.contrib.hf._schema import TGIRequest, Token, TokenTexts, stream_event
-from batchline.contrib.openai import ChunkStream, OpenAIError, next_chunk, sse
-from batchline.errors import RequestTimeout
+from batchline.contrib.openai import ChunkStream, ChunkTiming, OpenAIError, next_chunk, sse
 from batchline.producer import StreamChunk
 
-__all__ = ["TGIStream", "TGITiming", "collected"]
-
-
-@dataclass(frozen=True, slots=True)
-class TGITiming:
-    """How long to wait for each chunk, and the producer's error for one that did not come."""
-
-    timeout_s: float
-    timeout_error: Callable[[str], Awaitable[RequestTimeout]]
+__all__ = ["TGIStream", "collected"]
 
 
 async def collected(
-    chunks: AsyncGenerator[StreamChunk, None], timing: TGITiming
+    chunks: AsyncGenerator[StreamChunk, None], timing: ChunkTiming
 ) -> tuple[dict[str, Any], list[Token]]:
     """A generation's output, and its tokens with their texts, from its whole stream."""
     tokens = TokenTexts()
@@ -61,7 +51,7 @@ class TGIStream(ChunkStream[StreamChunk]):
         first: StreamChunk,
         chunks: AsyncGenerator[StreamChunk, None],
         body: TGIRequest,
-        timing: TGITiming,
+        timing: ChunkTiming,
         name: str,
     ) -> None:
         super().__init__(first, chunks, name)

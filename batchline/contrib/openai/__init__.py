@@ -40,7 +40,12 @@ from batchline.contrib.openai._schema import (
     error_body,
     sse,
 )
-from batchline.contrib.openai._stream import ChunkStream, next_chunk, unless_disconnected
+from batchline.contrib.openai._stream import (
+    ChunkStream,
+    ChunkTiming,
+    next_chunk,
+    unless_disconnected,
+)
 from batchline.contrib.openai._tokenize import TOKENIZE_PATHS, TokenizeRoutes
 
 __all__ = [
@@ -51,6 +56,7 @@ __all__ = [
     "TOKENIZE_PATHS",
     "ChatRequest",
     "ChunkStream",
+    "ChunkTiming",
     "CompletionRequest",
     "EmbeddingRequest",
     "OpenAIError",

@@ -35,7 +35,13 @@ from redis.exceptions import RedisError
 from batchline.config import ProducerSettings, WebSettings
 from batchline.contrib._plumbing import as_tenant, caller_of, scoped_id
 from batchline.contrib.openai._errors import OpenAIError, typed
-from batchline.contrib.openai._responses_run import ERROR_CODES, Writer, run_streamed, settle
+from batchline.contrib.openai._responses_run import (
+    ERROR_CODES,
+    Writer,
+    failure,
+    run_streamed,
+    settle,
+)
 from batchline.contrib.openai._responses_schema import (
     FINAL_EVENTS,
     Events,
@@ -49,6 +55,7 @@ from batchline.contrib.openai._responses_schema import (
 from batchline.contrib.openai._responses_store import ResponseStore
 from batchline.contrib.openai._responses_tools import reply_messages
 from batchline.contrib.openai._routes import OpenAIRoutes, Served, checked
+from batchline.contrib.openai._stream import ChunkTiming, next_chunk
 from batchline.errors import BatchlineError
 from batchline.keys import ID_PATTERN, ResponsesKeys
 from batchline.transport import RedisClient, connect
@@ -240,6 +247,8 @@ class ResponsesRoutes:
             output = checked(result.output)
             return JSONResponse(response_object(record, text=output["text"], result=output))
         chunks = self.routes.stream(served, record["value"], request, record["rid"])
+        # Each chunk within the app's timeout_s, as a chat's stream (then: failed, 504's).
+        timing = ChunkTiming(self.routes.timeout_s, served.timeout_error)
 
         async def events() -> AsyncIterator[bytes]:
             made = Events(record)
@@ -248,7 +257,8 @@ class ResponsesRoutes:
                 for event in made.prefix():
                     yield _sse(encode(event, n))
                     n += 1
-                async for chunk in chunks:
+                while True:
+                    chunk = await next_chunk(chunks, timing)
                     if chunk.text and not made.tools:  # (calls: with the ending)
                         text += chunk.text
                         yield _sse(encode(made.delta(chunk.text), n))
@@ -257,9 +267,8 @@ class ResponsesRoutes:
                         output = checked(chunk.result)
                         ending = made.final(output["text"], output)
                         break
-            except Exception as exc:
-                error = typed(exc)
-                ending = made.final(text, None, error={"code": error.code, "message": str(exc)})
+            except Exception as exc:  # as a stored response's failure tells it
+                ending = made.final(text, None, error=failure(exc))
             finally:
                 await chunks.aclose()
             for event in ending:

@@ -21,7 +21,7 @@ from batchline.contrib.openai._responses_store import Log, ResponseStore
 from batchline.contrib.openai._routes import Served, checked
 from batchline.errors import BatchlineError
 
-__all__ = ["CUT_SHORT", "ERROR_CODES", "Writer", "run_streamed", "settle"]
+__all__ = ["CUT_SHORT", "ERROR_CODES", "Writer", "failure", "run_streamed", "settle"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,9 @@ class Writer:
 ERROR_CODES = {400: "invalid_prompt", 429: "rate_limit_exceeded"}
 
 
-def _error(exc: BaseException) -> dict[str, Any]:
+def failure(exc: BaseException) -> dict[str, Any]:
+    """A failed response's ``error``: its code by the HTTP status the error would have had
+    (:data:`ERROR_CODES`, else ``server_error``), and its message."""
     error = typed(exc)
     return {"code": ERROR_CODES.get(error.status, "server_error"), "message": error.message}
 
@@ -138,7 +140,7 @@ async def run_streamed(
         if now is not None and now.get("cancelled"):
             return await writer.finish(text, None, cancelled=True)
         logger.warning("response %s: %s", record["id"], exc)
-        return await writer.finish(text, None, error=_error(exc))
+        return await writer.finish(text, None, error=failure(exc))
     finally:
         await stream.aclose()
     if result is None:
@@ -181,4 +183,4 @@ async def settle(store: ResponseStore, served: Served, record: dict[str, Any]) -
     except BatchlineError as exc:
         logger.warning("response %s: %s", record["id"], exc)
         log = await store.log(record["id"])
-        await writer.finish(log.text, None, error=_error(exc))
+        await writer.finish(log.text, None, error=failure(exc))

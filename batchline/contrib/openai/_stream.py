@@ -43,6 +43,7 @@ from batchline.producer import StreamChunk
 __all__ = [
     "Choice",
     "ChunkStream",
+    "ChunkTiming",
     "EventStream",
     "StreamInfo",
     "Timing",
@@ -85,6 +86,15 @@ class Timing(Protocol):
 
     @property
     def timeout_error(self) -> Callable[[str], Awaitable[RequestTimeout]]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkTiming:
+    """A :class:`Timing` of its own: how long to wait for each chunk, and the producer's
+    error for one that did not come (the routes that need no more of a stream's facts)."""
+
+    timeout_s: float
+    timeout_error: Callable[[str], Awaitable[RequestTimeout]]
 
 
 async def next_chunk(chunks: AsyncGenerator[T, None], info: Timing) -> T:

@@ -500,3 +500,47 @@ def _under_the_users(serve: Serve, urls: dict[str, str], queue: str) -> None:
     with pytest.raises(redis.exceptions.NoPermissionError):
         plain.hgetall(ResponsesKeys(queue).response(rid))
     plain.close()
+
+
+@pytest.fixture
+def impatient(make_app: MakeApp, serve: Serve) -> httpx.Client:  # noqa: F811
+    """The app (generation queue only) waiting 0.5 s for an answer, or a stream's chunk;
+    no worker."""
+    return serve(make_app(embedding_queue=None, timeout_s=0.5))
+
+
+def test_an_unstored_stream_with_no_chunk_in_time_fails_and_is_cancelled(
+    impatient: httpx.Client,
+    gen_queue: str,
+    rclient: redis.Redis,  # noqa: F811
+) -> None:
+    """``store: false, stream: true``: no chunk within the app's timeout_s (no worker here)
+    ends the stream with ``response.failed`` (``server_error``, the timeout's message), as a
+    chat's stream ends, and the request is cancelled."""
+    from .test_openai import sse_events
+    from tests.support.service import cancelled_ids, wait_until
+
+    body = {"model": gen_queue, "input": QUESTION, "stream": True, "store": False}
+    with impatient.stream("POST", "/v1/responses", json=body) as response:
+        events = [json.loads(e) for e in sse_events(response)]
+    assert events[-1]["type"] == "response.failed", events[-1]
+    error = events[-1]["response"]["error"]
+    assert error["code"] == "server_error", error
+    assert error["message"].startswith("no new text within 0.5 s"), error
+    wait_until(lambda: cancelled_ids(rclient, QueueKeys(gen_queue)), "the cancel")
+
+
+@pytest.mark.slow
+def test_an_unstored_stream_that_fails_names_the_code_a_stored_one_would(
+    api: httpx.Client,
+    gen_queue: str,  # noqa: F811
+) -> None:
+    """A prompt too long for the model fails an unstored stream with ``invalid_prompt``, the
+    code a stored response's failure has (not the error's own type)."""
+    from .test_openai import sse_events
+
+    body = {"model": gen_queue, "input": "x" * 5000, "stream": True, "store": False}
+    with api.stream("POST", "/v1/responses", json=body) as response:
+        events = [json.loads(e) for e in sse_events(response)]
+    assert events[-1]["type"] == "response.failed", events[-1]
+    assert events[-1]["response"]["error"]["code"] == "invalid_prompt", events[-1]
