@@ -199,8 +199,9 @@ class ResponseCreate(BaseModel):
         return {
             "instructions": self.instructions,
             "max_output_tokens": self.max_output_tokens,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
+            # Not given: null (the worker's defaults, greedy), not OpenAI's 1.0.
+            "temperature": self.temperature,
+            "top_p": self.top_p,
             "text": {"format": fmt},
             "tools": [
                 {"description": None, "parameters": None, "strict": None, **t}

@@ -70,6 +70,7 @@ def test_create_retrieve_chain_and_list_input_items(
     assert first.usage is not None
     assert first.usage.output_tokens == want.tokens
     assert first.instructions == "Be brief."
+    assert (first.temperature, first.top_p) == (None, None)  # the worker's: greedy
     again = client.responses.retrieve(first.id)
     assert again.model_dump() == first.model_dump()
 
