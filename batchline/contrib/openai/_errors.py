@@ -207,9 +207,10 @@ async def answer_invalid(_request: Request, exc: Exception) -> Response:
     """A body (or a query parameter) that fails validation: 400, naming the first bad
     parameter."""
     errors = exc.errors() if isinstance(exc, RequestValidationError) else []
-    loc = tuple(_chosen(errors).get("loc", ())) if errors else ()
+    first = _chosen(errors) if errors else {}
+    loc = tuple(first.get("loc", ()))
     if len(loc) > 1 and loc[0] in _PARTS:  # a query parameter's own name
-        message = f"{loc[1]}: {_chosen(errors).get('msg')}"
+        message = f"{loc[1]}: {first.get('msg')}"
         return OpenAIError(400, message, param=str(loc[1])).response()
     return invalid(errors, str(exc)).response()
 
