@@ -140,10 +140,14 @@ class ReplyReader:
         self._closed = closed
         self._streams = streams
         self._recovered = recovered
-        self._client: RedisClient | None = None  # the reader's own client, while it runs
-        self._task: asyncio.Task[None] | None = None  # start()'s
-        self._stopping = False  # close() ends start()'s task (a swallowed cancel too)
-        self._restarting = asyncio.Lock()  # read_too()'s start-overs, one at a time
+        # The reading task: a task reads on only while it is this one, so that replacing
+        # or clearing it ends the old one even where its cancellation is swallowed.
+        self._task: asyncio.Task[None] | None = None
+        self._clients: dict[asyncio.Task[None], RedisClient] = {}  # each task's own client
+        # Entries read and not deleted yet (an XDEL failed): deleted after the next read,
+        # whichever task reads next. An entry left unread would read to the workers as a
+        # producer that stopped reading (stream_max_unread_s: they cancel its streams).
+        self._undeleted: dict[str, list[bytes]] = {}
         # Warnings of dropped entries: one at once, then at most one per _QUIET_S with how
         # many more were dropped (a flood of forged entries must not flood the log).
         self._quiet_until = 0.0
@@ -156,90 +160,97 @@ class ReplyReader:
 
     @property
     def started(self) -> bool:
-        """Whether :meth:`start` made the reading task (and :meth:`close` did not end it)."""
+        """Whether :meth:`start` made the reading task (and :meth:`close` did not end it);
+        true while it starts over (:meth:`read_too`)."""
         return self._task is not None
 
     def start(self, name: str) -> None:
         """Start reading, as a task named ``name`` (idempotent)."""
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self.run(), name=name)
+            self._task = self._new_task(name)
+
+    def _new_task(self, name: str) -> asyncio.Task[None]:
+        return asyncio.get_running_loop().create_task(self.run(), name=name)
 
     async def close(self) -> None:
         """Stop the reading task :meth:`start` made, if any."""
         if self._task is not None:
             task, self._task = self._task, None
-            self._stopping = True
-            try:
-                await self.stop(task)
-            finally:
-                self._stopping = False
+            await self.stop(task)
 
     async def read_too(self, reply_key: str) -> None:
         """Read ``reply_key`` too. A running reader blocks in an XREAD of the streams it had:
-        it starts over, so that the first answer on the new stream is read at once (its
-        entries wait in the stream meanwhile)."""
+        a new task takes over at once, reading them all, so that the first answer on the new
+        stream is read without waiting for the old block to end; the old task stops (what it
+        reads meanwhile it leaves to the new one)."""
         if reply_key in self._last:
             return
         self._last[reply_key] = b"0-0"
-        # One start-over at a time: two overlapping ones would stop each other's new task
-        # (its stop flag, its connection) and leave none reading.
-        async with self._restarting:
-            if self._task is not None:
-                name = self._task.get_name()
-                await self.close()
-                self.start(name)
+        old = self._task
+        if old is not None:
+            # No moment without a reading task: a request sent meanwhile sees it started.
+            self._task = self._new_task(old.get_name())
+            await self.stop(old)
 
     async def run(self) -> None:
+        me = asyncio.current_task()
+        if me is None:  # run() is only ever a task's
+            raise RuntimeError("ReplyReader.run runs as a task (start())")
         async with own_connection(self._redis) as client:  # for the blocking reads
-            self._client = client if client is not self._redis else None
+            if client is not self._redis:
+                self._clients[me] = client
             try:
-                await self._read_with(client)
+                await self._read_with(client, me)
             finally:
-                self._client = None
+                self._clients.pop(me, None)
 
     async def stop(self, task: asyncio.Task[None]) -> None:
-        """Cancel ``task`` (running :meth:`run`) and wait for its end."""
+        """Cancel ``task`` (running :meth:`run`, and no longer the reading task) and wait
+        for its end."""
         task.cancel()
         done, _ = await asyncio.wait({task}, timeout=0.05)
-        if not done and self._client is not None:
+        client = self._clients.get(task)
+        if not done and client is not None:
             # The cancellation was lost inside redis-py's blocking read (Python 3.11): cut
-            # the reader's connection rather than wait for the block to end.
-            connection = getattr(self._client, "connection", None)
+            # the task's connection rather than wait for the block to end.
+            connection = getattr(client, "connection", None)
             if connection is not None:
                 await connection.disconnect(nowait=True)
         with contextlib.suppress(asyncio.CancelledError, RedisError, OSError):
             await task
 
-    async def _read_with(self, client: RedisClient) -> None:
+    async def _read_with(self, client: RedisClient, me: asyncio.Task[None]) -> None:
         last = self._last
         # Redis down for minutes (an API started before it): a line at once, then one per
         # _QUIET_S with the count, not one per retry.
         backoff = Backoff(logger, f"reply reader (Redis at {self._url})", quiet_s=_QUIET_S)
         failed = False
-        # Entries read and not deleted yet (an XDEL failed): deleted after the next read. An
-        # entry left unread would read to the workers as a producer that stopped reading
-        # (stream_max_unread_s: they cancel its streams).
-        read: dict[str, list[bytes]] = {}
+        read = self._undeleted
         # stop() cancels this task, but on Python 3.11 a cancellation that lands just as
-        # redis-py's internal wait_for completes is swallowed; closed() ends the loop anyway.
-        while not self._closed() and not self._stopping:
+        # redis-py's internal wait_for completes is swallowed; a task that is no longer the
+        # reading one (closed, or replaced by read_too) ends anyway.
+        while not self._closed() and self._task is me:
             try:
                 response = await client.xread(dict(last), count=1000, block=1000)
             except Exception as caught:
                 exc = redis_failure(caught)
                 if exc is None:
                     raise
-                if self._closed() or self._stopping:
+                if self._closed() or self._task is not me:
                     break  # stop() cut the connection: nothing to report
                 failed = True
                 await backoff.wait(exc)
                 continue
+            if self._task is not me:
+                break  # replaced meanwhile: the new task reads these entries again
             backoff.reset()
             if failed and self._recovered is not None:
                 # Back after a failure (a restart, a failover): replies written meanwhile may
                 # be gone with the old primary; the results they carried are in result keys.
                 failed = False
                 await self._recovered()
+                if self._task is not me:
+                    break
             for stream, entries in response or ():
                 key = stream.decode() if isinstance(stream, bytes) else str(stream)
                 seen: list[bytes] = []
@@ -249,10 +260,11 @@ class ReplyReader:
                 if seen and key in last:
                     last[key] = seen[-1]
                     read.setdefault(key, []).extend(seen)
-            for key in list(read):
+            for key, ids in list(read.items()):
                 with ignoring_redis_failures():
-                    await client.xdel(key, *read[key])
-                    del read[key]
+                    await client.xdel(key, *ids)
+                    if read.get(key) is ids:  # (a task replaced meanwhile may delete them too)
+                        del read[key]
 
     def deliver_all(self, raw: Any) -> None:
         """Resolve the waiters of one reply entry (the results of one worker batch).

@@ -9,6 +9,7 @@ script would (the protocol in docs/protocol.md), instead of racing a worker.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import pickle
@@ -439,3 +440,26 @@ async def test_entries_whose_delete_failed_are_deleted_after_the_next_read(
         await eventually(lambda: rclient.xlen(reply) == 0, "the entry read deleted after all")
         assert await producer.infer("two", timeout_s=T) == "two"
         await eventually(lambda: rclient.xlen(reply) == 0, "the next one deleted too")
+
+
+async def test_requests_sent_while_the_reader_starts_over_leave_it_reading(
+    start_worker: Callable[..., WorkerThread],
+    redis_url: str,
+    queue: str,
+    rclient: redis.Redis,
+) -> None:
+    """A tenant's first request makes the reader start over with the tenant's reply stream
+    added; requests sent meanwhile (an API's concurrent callers) must find it reading, not
+    start a reader of their own that the start-over's stop ends at once: every answer then
+    waited in the reply stream for the results' poll."""
+    start_worker()
+    async with AsyncProducer(redis_url=redis_url, queue=queue) as producer:
+        assert await producer.infer("warm", timeout_s=T) == "warm"
+        values = [str(i) for i in range(8)]
+        sent = [producer.infer(v, tenant="acme", timeout_s=T) for v in values]
+        assert await asyncio.gather(*sent) == values
+        own = QueueKeys(queue).reply(producer.producer_id)
+        (reply,) = [key for key in producer._replies.keys if key != own]  # the tenant's
+        # a reply entry pushed now is read (and deleted) by a live reader
+        entry = rclient.xadd(reply, {"r": msgpack.packb([], use_bin_type=False)})
+        await eventually(lambda: not rclient.xrange(reply, entry, entry), "the entry read")
