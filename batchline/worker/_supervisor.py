@@ -14,7 +14,8 @@ takes only itself down and is dead-lettered after ``max_deliveries``.
 
 - SIGTERM and SIGINT are forwarded to the child, which drains as before; the supervisor
   then starts nothing more and exits 0 after SIGTERM, 130 after SIGINT (Ctrl-C, as every
-  ``batchline`` command), 1 if the child failed otherwise.
+  ``batchline`` command), 1 if the child failed otherwise. A signal while it waits to
+  restart a dead child stops it there, with the same status.
 - A child that was ready (serving) when it died is replaced after 0.1 s; back-off between
   restarts doubles from there to 10 s while children die before they are ready; past
   ``max_restarts_per_min`` restarts within a minute the supervisor gives up and exits 1 (a
@@ -152,8 +153,8 @@ def _supervise(command: list[str], *, max_restarts_per_min: int) -> int:
             "supervisor: worker process %d died (%s); restarting in %.1f s", child.pid, how, delay
         )
         restarts.append(now)
-        if stopping.wait(delay):  # a signal during the back-off: stop here
-            return EXIT_INTERRUPTED if signal.SIGINT in received else 1
+        if stopping.wait(delay):  # a signal during the back-off: stop here, as told
+            return EXIT_INTERRUPTED if signal.SIGINT in received else 0
 
 
 def _stopped(status: int, received: list[int]) -> int:
