@@ -157,6 +157,11 @@ def test_the_openai_client_sees_429_with_retry_after_and_the_rate_limit_headers(
         client.chat.completions.create(
             model=f"{queue}-gen", messages=[{"role": "user", "content": "x"}], stream=True
         )
+    with pytest.raises(openai.RateLimitError) as caught:  # a response: stored as failed
+        client.responses.create(model=f"{queue}-gen", input="x")
+    assert caught.value.body["type"] == "requests"
+    assert caught.value.response.headers["retry-after"] == "2"
+    assert_limit_headers(caught.value.response.headers, 10, 1000)  # the generation queue's
     # TGI's routes, TEI's /embed, and the app's own /embed and /jobs: 429 in their shapes
     for path in ("/generate", "/generate_stream"):
         tgi = http.post(path, json={"inputs": "x"})

@@ -33,12 +33,13 @@ from pydantic import Field
 from redis.exceptions import RedisError
 
 from batchline.config import ProducerSettings, WebSettings
-from batchline.contrib._plumbing import as_tenant, caller_of, scoped_id
+from batchline.contrib._plumbing import as_tenant, caller_of, note_queue, scoped_id
 from batchline.contrib.openai._errors import OpenAIError, typed
 from batchline.contrib.openai._responses_run import (
     ERROR_CODES,
     Writer,
     failure,
+    failure_code,
     run_streamed,
     settle,
 )
@@ -135,14 +136,17 @@ class ResponsesRoutes:
             return task
         served = self._queue_of(record)
 
-        async def work() -> None:
+        async def work() -> OpenAIError | None:
+            """The error this task ended the response with, if it failed it."""
+            writer = Writer(self.store, record)
             try:
-                if settling or await run_streamed(self.store, served, record) is None:
-                    await settle(self.store, served, record)
+                if settling or await run_streamed(self.store, served, record, writer) is None:
+                    await settle(self.store, served, record, writer)
             except Exception as exc:
                 logger.warning("response %s: not settled here: %s", rid, typed(exc))
             finally:
                 self._tasks.pop(rid, None)
+            return writer.error
 
         task = self._tasks[rid] = asyncio.create_task(work(), name=f"response {rid}")
         return task
@@ -191,6 +195,7 @@ class ResponsesRoutes:
                 param = "text.format" if exc.param == "response_format" else exc.param
                 raise OpenAIError(400, exc.message, param=param) from None
         tenant = caller_of(request).tenant
+        note_queue(request, served.client, served.settings.keys)  # its quota counts: headers'
         response_id = f"resp_{uuid.uuid4().hex}"
         items = input_items(body.input)
         record = {
@@ -219,6 +224,9 @@ class ResponsesRoutes:
             logger.info("response %s: not done within the request's timeout", response_id)
         final = await self._current(record)
         if final["status"] == "failed":  # stored as failed; answered as the error it was
+            error = task.result() if task.done() else None
+            if error is not None and failure_code(error) == final["error"]["code"]:
+                raise error  # as the request's own (a 429's Retry-After, a 503's ...)
             status = {code: s for s, code in ERROR_CODES.items()}.get(final["error"]["code"], 500)
             raise OpenAIError(status, final["error"]["message"], code=final["error"]["code"])
         return JSONResponse(final)

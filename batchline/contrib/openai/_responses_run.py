@@ -15,13 +15,21 @@ import logging
 from typing import Any
 
 from batchline.contrib._plumbing import as_tenant
-from batchline.contrib.openai._errors import typed
+from batchline.contrib.openai._errors import OpenAIError, typed
 from batchline.contrib.openai._responses_schema import FINAL_EVENTS, Events, tally
 from batchline.contrib.openai._responses_store import Log, ResponseStore
 from batchline.contrib.openai._routes import Served, checked
 from batchline.errors import BatchlineError
 
-__all__ = ["CUT_SHORT", "ERROR_CODES", "Writer", "failure", "run_streamed", "settle"]
+__all__ = [
+    "CUT_SHORT",
+    "ERROR_CODES",
+    "Writer",
+    "failure",
+    "failure_code",
+    "run_streamed",
+    "settle",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +52,9 @@ class Writer:
         self.store, self.record = store, record
         self.events = Events(record)
         self._log: Log | None = None
+        #: The error this writer ended the response with (:meth:`fail`), as the HTTP answer
+        #: it would have been: a create that waited answers it, headers and all.
+        self.error: OpenAIError | None = None
 
     async def _state(self) -> Log:
         if self._log is None:
@@ -84,6 +95,11 @@ class Writer:
             if not events or await self._append(log, events):
                 return False
 
+    async def fail(self, text: str, exc: BaseException) -> dict[str, Any]:
+        """End the response as failed by ``exc`` (:meth:`finish`, :func:`failure`)."""
+        self.error = typed(exc)
+        return await self.finish(text, None, error=failure(exc))
+
     async def finish(
         self,
         text: str,
@@ -108,20 +124,24 @@ class Writer:
 ERROR_CODES = {400: "invalid_prompt", 429: "rate_limit_exceeded"}
 
 
+def failure_code(error: OpenAIError) -> str:
+    """A failed response's ``error.code``: by the HTTP status ``error`` has
+    (:data:`ERROR_CODES`, else ``server_error``)."""
+    return ERROR_CODES.get(error.status, "server_error")
+
+
 def failure(exc: BaseException) -> dict[str, Any]:
-    """A failed response's ``error``: its code by the HTTP status the error would have had
-    (:data:`ERROR_CODES`, else ``server_error``), and its message."""
+    """A failed response's ``error``: its code (:func:`failure_code`) and its message."""
     error = typed(exc)
-    return {"code": ERROR_CODES.get(error.status, "server_error"), "message": error.message}
+    return {"code": failure_code(error), "message": error.message}
 
 
 async def run_streamed(
-    store: ResponseStore, served: Served, record: dict[str, Any]
+    store: ResponseStore, served: Served, record: dict[str, Any], writer: Writer
 ) -> dict[str, Any] | None:
     """Run a stored response's generation on this replica, its events written to the log as
-    they come; its final object, or None where it was cut short without being cancelled
-    (:func:`settle` runs it again)."""
-    writer = Writer(store, record)
+    they come (by ``writer``, of ``record``); its final object, or None where it was cut
+    short without being cancelled (:func:`settle` runs it again)."""
     text = ""
     result = None
     stream = served.producer.stream(
@@ -140,7 +160,7 @@ async def run_streamed(
         if now is not None and now.get("cancelled"):
             return await writer.finish(text, None, cancelled=True)
         logger.warning("response %s: %s", record["id"], exc)
-        return await writer.finish(text, None, error=failure(exc))
+        return await writer.fail(text, exc)
     finally:
         await stream.aclose()
     if result is None:
@@ -153,11 +173,13 @@ async def run_streamed(
     return await writer.finish(result["text"], result)
 
 
-async def settle(store: ResponseStore, served: Served, record: dict[str, Any]) -> None:
+async def settle(
+    store: ResponseStore, served: Served, record: dict[str, Any], writer: Writer
+) -> None:
     """End a stored response from the queue: its generation's request submitted again
     under its id (attached to the running one, or its stored result at once; one cut short
-    runs again), and its ending appended to the log (what another writer did not)."""
-    writer = Writer(store, record)
+    runs again), and its ending appended to the log by ``writer`` (what another writer did
+    not)."""
     producer, tenant = served.producer, as_tenant(record.get("tenant"))
     try:
         for _ in range(_RUNS):
@@ -182,5 +204,4 @@ async def settle(store: ResponseStore, served: Served, record: dict[str, Any]) -
         )
     except BatchlineError as exc:
         logger.warning("response %s: %s", record["id"], exc)
-        log = await store.log(record["id"])
-        await writer.finish(log.text, None, error=failure(exc))
+        await writer.fail((await store.log(record["id"])).text, exc)

@@ -249,6 +249,10 @@ def test_a_full_queue_is_429_and_no_answer_in_time_is_504_and_cancelled(
     response = http.post("/v1/completions", json=body)
     assert_error(response, 429, code="queue_full")
     assert response.headers["retry-after"] == "1"
+    # a stored response is stored as failed, and answered as the error it was
+    response = http.post("/v1/responses", json={"model": gen_queue, "input": "x"})
+    assert_error(response, 429, type="rate_limit_error", code="queue_full")
+    assert response.headers["retry-after"] == "1"
 
 
 @contextlib.contextmanager
