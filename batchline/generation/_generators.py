@@ -224,9 +224,15 @@ class Generator(_Base):
     async def stream(
         self, prompt: str | None = None, **options: Unpack[GenerationOptions]
     ) -> AsyncIterator[GenerationDelta]:
-        """Yield each step's delta (new tokens, the text that became final) as it comes."""
+        """Yield each step's delta (new tokens, the text that became final) as it comes,
+        then one made from the result (:meth:`GenerationDelta.ending`): the texts joined
+        equal the result's."""
+        emitted = 0
         async for event in self._events(prompt, options):
-            if isinstance(event, GenerationDelta):
+            if isinstance(event, GenerationResult):
+                yield GenerationDelta.ending(event, emitted)
+            else:
+                emitted += len(event.text)
                 yield event
 
     # One step's events reach the event loop in one call (one wake-up of the loop, not one
@@ -285,9 +291,14 @@ class SyncGenerator(_Base):
     def stream(
         self, prompt: str | None = None, **options: Unpack[GenerationOptions]
     ) -> Iterator[GenerationDelta]:
-        """Yield each step's delta as it comes (blocks this thread between them)."""
+        """Yield each step's delta as it comes (blocks this thread between them), then one
+        made from the result."""
+        emitted = 0
         for event in self._events(prompt, options):
-            if isinstance(event, GenerationDelta):
+            if isinstance(event, GenerationResult):
+                yield GenerationDelta.ending(event, emitted)
+            else:
+                emitted += len(event.text)
                 yield event
 
     def _events(self, prompt: str | None, options: GenerationOptions) -> Iterator[Event]:

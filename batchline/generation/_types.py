@@ -136,11 +136,25 @@ class TokenLogprob:
 @dataclass(frozen=True, slots=True)
 class GenerationDelta:
     """What one step added to one request: new tokens and the text that became final, and,
-    when the request asked for them, the new tokens' log probabilities."""
+    when the request asked for them, the new tokens' log probabilities.
+
+    The last delta of an in-process stream (``Generator.stream``) is made from the result:
+    no tokens, the text the steps held back (a stop string's possible start, an incomplete
+    character: what a deadline or the token limit left), its ``finish_reason`` and the
+    ``result``; the others have neither.
+    """
 
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+    result: GenerationResult | None = None
+
+    @classmethod
+    def ending(cls, result: GenerationResult, emitted: int) -> GenerationDelta:
+        """A stream's last delta: ``result``'s text past the ``emitted`` characters the
+        deltas before it gave, its finish reason, and the result."""
+        return cls(result.text[emitted:], (), finish_reason=result.finish_reason, result=result)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -13,7 +14,7 @@ import pytest
 from batchline.errors import BadGenerationParams, BatcherClosed, PromptTooLong
 from batchline.generation import GenerationResult, Generator, SyncGenerator
 
-from tests.support.tiny import alone, tiny_model, torch
+from tests.support.tiny import CharTokenizer, alone, tiny_model, torch
 
 PROMPTS = [[5, 6, 7], [8] * 12, [9, 10], [11] * 30, [12, 13, 14, 15]]
 
@@ -58,6 +59,32 @@ async def test_stream_yields_every_token_in_order(model: Any) -> None:
             t async for d in gen.stream(prompt_ids=[5, 6], max_new_tokens=7) for t in d.token_ids
         ]
     assert tokens == alone(model, [5, 6], 7)
+
+
+async def test_a_stream_ends_with_the_text_held_back_its_finish_reason_and_result(
+    model: Any,
+) -> None:
+    """A stop string holds back the text that could start it while the request runs; a
+    deadline ends it there. The stream's last delta gives that text, the finish reason and
+    the result: the deltas joined equal the result's text (asyncio and threads alike). The
+    clock ticks 10 ms a look, so the deadline comes after the same steps each time."""
+    options: Any = {"prompt_ids": [5, 6], "max_new_tokens": 100, "timeout_s": 0.5}
+    options["stop"] = ["0123456789"]  # never in the text (letters only): 9 characters held
+    ticks = itertools.count()
+    clock = lambda: next(ticks) * 0.01  # noqa: E731
+    async with Generator(model, tokenizer=CharTokenizer(), clock=clock) as gen:
+        deltas = [d async for d in gen.stream(**options)]
+    with SyncGenerator(model, tokenizer=CharTokenizer(), clock=clock) as sync_gen:
+        sync_deltas = list(sync_gen.stream(**options))
+    for got in (deltas, sync_deltas):
+        *steps, last = got
+        assert all(d.finish_reason is None and d.result is None for d in steps)
+        assert last.finish_reason == "deadline"
+        assert last.result is not None
+        assert last.token_ids == ()
+        assert len(last.text) == 9  # held back
+        assert "".join(d.text for d in got) == last.result.text
+        assert [t for d in steps for t in d.token_ids] == list(last.result.token_ids)
 
 
 async def test_typed_errors_for_one_request_alone(model: Any) -> None:
