@@ -327,6 +327,8 @@ class ReplyReader:
                 # Each result in a reply is an unpacked array (bytes would be another shape).
                 self.deliver(decode_flat(flat if isinstance(flat, list) else None, self._limits))
             except Exception as exc:  # DecodeError (or a bug): this result alone is lost
+                if isinstance(exc, DecodeError) and self._refuse(flat, exc):
+                    continue
                 dropped += 1
                 first = first or str(exc)
         count = raw.get(b"n") if isinstance(raw, dict) else None
@@ -334,6 +336,34 @@ class ReplyReader:
             # n is informational (r is what counts): a mismatch is noted, nothing dropped.
             return 0, f"its n ({count!r}) does not match its {len(results)} results"
         return (dropped, first) if dropped else None
+
+    def _refuse(self, flat: Any, exc: DecodeError) -> bool:
+        """Settle with ``exc`` the waiters of a result that failed its checks (over this
+        producer's limits: ``max_result_bytes``), where it names a request waited for here
+        and carries the input hash that request was sent with: a worker's answer, which
+        the caller would otherwise wait for in vain. Anything else (a stray or forged
+        entry, which cannot know the input) is dropped; returns whether it was settled."""
+        if not isinstance(flat, list) or len(flat) % 2:
+            return False
+        fields = {k: v for k, v in zip(flat[::2], flat[1::2], strict=True) if type(k) is bytes}
+        rid, ih = fields.get(b"id"), fields.get(b"ih")
+        if not isinstance(rid, bytes) or not isinstance(ih, bytes) or not ih:
+            return False
+        try:
+            request_id, input_hash = rid.decode(), ih.decode()
+        except UnicodeDecodeError:
+            return False
+        if self._waiting.inputs.get(request_id) != input_hash:
+            return False
+        for fut in self._waiting.forget(request_id):
+            if not fut.done():
+                fut.set_exception(
+                    DecodeError(
+                        f"the result of request {request_id} was refused by this producer's "
+                        f"limits (max_result_bytes): {exc}"
+                    )
+                )
+        return True
 
     def deliver(self, result: Result) -> None:
         """Resolve the waiters of one result; raises DecodeError for one computed from

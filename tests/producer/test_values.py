@@ -1,10 +1,12 @@
 """What values a producer sends, through a real worker: dict keys that start with ``$`` (a
 JSON schema's ``$defs`` and ``$ref``) arrive as they were given, and a value nested deeper
 than ``MAX_JSON_DEPTH`` is refused before anything is sent, with a typed ``ValueError``
-naming the limit (docs/protocol.md, Values)."""
+naming the limit (docs/protocol.md, Values); a result over ``max_result_bytes`` fails its
+caller alone."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +16,7 @@ import pytest
 import redis
 
 from batchline import NestingTooDeep
-from batchline.codec import MAX_JSON_DEPTH
+from batchline.codec import MAX_JSON_DEPTH, DecodeError
 from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer, Producer
 
@@ -79,3 +81,18 @@ async def test_a_generation_request_with_defs_schemas_through_a_worker(
             output = await producer.infer(request, timeout_s=T)
             assert output["finish_reason"] == "stop", (name, output)
             jsonschema.validate(json.loads(output["text"]), schema)
+
+
+async def test_a_result_over_max_result_bytes_is_a_decode_error_for_its_caller_alone(
+    start_worker: Callable[..., WorkerThread], redis_url: str, queue: str
+) -> None:
+    """docs/service.md: a result larger than ``max_result_bytes`` is a DecodeError for its
+    caller alone, not a wait until the timeout (or forever, without one); the next request's
+    small result is taken."""
+    start_worker()
+    async with AsyncProducer(redis_url=redis_url, queue=queue, max_result_bytes=64) as producer:
+        big, small = producer.infer("x" * 200), producer.infer("small")
+        outcomes = await asyncio.wait_for(asyncio.gather(big, small, return_exceptions=True), T)
+    assert isinstance(outcomes[0], DecodeError), outcomes[0]
+    assert "refused by this producer's limits (max_result_bytes)" in str(outcomes[0])
+    assert outcomes[1] == "small"
