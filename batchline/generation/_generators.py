@@ -231,7 +231,7 @@ class Generator(_Base):
         async for event in self._events(prompt, options):
             if isinstance(event, GenerationResult):
                 yield GenerationDelta.ending(event, emitted)
-            else:
+            elif isinstance(event, GenerationDelta):  # (_events raises the exceptions)
                 emitted += len(event.text)
                 yield event
 
@@ -297,7 +297,7 @@ class SyncGenerator(_Base):
         for event in self._events(prompt, options):
             if isinstance(event, GenerationResult):
                 yield GenerationDelta.ending(event, emitted)
-            else:
+            elif isinstance(event, GenerationDelta):  # (_events raises the exceptions)
                 emitted += len(event.text)
                 yield event
 
