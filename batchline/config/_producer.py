@@ -24,7 +24,8 @@ class ProducerSettings(ServiceSettings):
     """Settings of a producer.
 
     Attributes:
-        default_priority: priority of a request that names none.
+        default_priority: priority of a request that names none (below ``priorities``;
+            1 by default, 0 where there is one level).
         submit_batch: most requests coalesced into one write.
         max_result_bytes: largest result accepted from Redis.
         admission: how requests and cancels reach the queue: ``functions``, through the
@@ -51,6 +52,19 @@ class ProducerSettings(ServiceSettings):
     @classmethod
     def _tenant_name(cls, value: str | None) -> str | None:
         return None if value is None else check_tenant(value)
+
+    @model_validator(mode="after")
+    def _priority_in_range(self) -> ProducerSettings:
+        # Left at its default, it follows the levels there are (1, or 0 with one level).
+        if "default_priority" not in self.model_fields_set:
+            lowered = min(self.default_priority, self.priorities - 1)
+            object.__setattr__(self, "default_priority", lowered)  # (frozen: set once, here)
+        elif self.default_priority >= self.priorities:
+            raise ValueError(
+                f"default_priority must be below priorities ({self.priorities}: "
+                f"0..{self.priorities - 1}), got {self.default_priority}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _tenant_needs_functions(self) -> ProducerSettings:

@@ -58,6 +58,9 @@ __all__ = ["AsyncProducer", "EnqueueOptions", "Handle", "SubmitOptions"]
 
 logger = logging.getLogger(__name__)
 
+#: How many of its latest cancelled ids a producer remembers (a wait by id: RequestCancelled).
+_CANCELLED_KEPT = 10_000
+
 
 class AsyncProducer:
     """Enqueue inference requests and receive their results, on asyncio.
@@ -103,6 +106,9 @@ class AsyncProducer:
         )
         #: Submits by what the enqueue script did with them (queued, result, cached, ...).
         self.counts: Counter[str] = Counter()
+        # The ids this producer cancelled lately (the newest _CANCELLED_KEPT): a wait by id
+        # raises RequestCancelled for them until their result key says what became of them.
+        self._cancelled: dict[str, None] = {}
         self._closed = False
         url = redact_url(self.settings.redis_url.get_secret_value())
         self._replies = ReplyReader(
@@ -307,6 +313,8 @@ class AsyncProducer:
             own = handle.tenant if isinstance(handle, Handle) else tenant
             found = await self.get_result(rid, tenant=own)
             if found is None:
+                if rid in self._cancelled:
+                    raise RequestCancelled(f"request {rid} was cancelled by this producer")
                 raise KeyError(f"no result for request {rid!r} (yet, or any more)")
             return found
         if fut.done():
@@ -411,7 +419,10 @@ class AsyncProducer:
         timeout_s: float | None = None,
         **options: Unpack[EnqueueOptions],
     ) -> list[Any]:
-        """Submit many requests (coalesced writes) and return their outputs, in order."""
+        """Submit many requests (coalesced writes) and return their outputs, in order. Each
+        value is a request of its own: no ``request_id`` (submit each with its own)."""
+        if options.get("request_id") is not None:
+            raise TypeError("map takes no request_id: one id for many values would conflict")
         return list(
             await asyncio.gather(*(self.infer(v, timeout_s=timeout_s, **options) for v in values))
         )
@@ -517,6 +528,9 @@ class AsyncProducer:
             await self._admission.cancel(
                 self._redis, rid, ttl_s=self.settings.result_ttl_s, tenant=own
             )
+        self._cancelled[rid] = None
+        while len(self._cancelled) > _CANCELLED_KEPT:
+            del self._cancelled[next(iter(self._cancelled))]
         for fut in self._waiting.forget(rid):
             if not fut.done():
                 # Not fut.cancel(): a waiter would take that for its own task being cancelled.

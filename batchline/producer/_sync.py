@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections import Counter
 from collections.abc import AsyncGenerator, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar, Unpack
 
@@ -59,6 +60,11 @@ class Producer:
     @property
     def tenant(self) -> str | None:
         return self._async.tenant
+
+    @property
+    def counts(self) -> Counter[str]:
+        """Submits by what the enqueue did with them (see :attr:`AsyncProducer.counts`)."""
+        return self._async.counts
 
     def submit(self, value: Any, **options: Unpack[SubmitOptions]) -> Handle:
         """See :meth:`AsyncProducer.submit`."""

@@ -26,11 +26,12 @@ from batchline.errors import (
     EnqueueTimeout,
     EnqueueUncertain,
     QueueFull,
+    RequestCancelled,
     RequestTimeout,
     ServiceUnavailable,
 )
 from batchline.keys import QueueKeys
-from batchline.producer import AsyncProducer
+from batchline.producer import AsyncProducer, Producer
 from batchline.producer._replies import Waiters
 from batchline.transport import Backoff
 
@@ -353,3 +354,34 @@ async def test_wait_after_the_result_arrived_returns_at_once(
     assert (first.status, first.output) == ("ok", "X")
     assert await producer.wait(handle, timeout_s=0) is first
     assert await producer.result(handle) == "X"
+
+
+async def test_a_request_cancelled_here_raises_request_cancelled_when_waited_for_by_id(
+    producer: AsyncProducer,
+) -> None:
+    """docs/service.md, Cancelling: after ``cancel``, ``result`` and ``wait`` raise
+    RequestCancelled, whether given the handle or the request's id (no worker: nothing has
+    written the id's result key yet, which would then say what became of it)."""
+    handle = await producer.submit("never mind", request_id="gone")
+    await producer.cancel(handle.id)
+    for waited in (handle, "gone"):
+        with pytest.raises(RequestCancelled):
+            await producer.result(waited, timeout_s=1)
+    with pytest.raises(KeyError):  # an id never sent here is still unknown
+        await producer.wait("never-sent", timeout_s=1)
+
+
+async def test_map_refuses_one_request_id_for_many_values(producer: AsyncProducer) -> None:
+    with pytest.raises(TypeError, match="map takes no request_id"):
+        await producer.map(["a", "b"], request_id="m1")
+    assert producer._waiting == {}  # nothing sent
+
+
+def test_the_sync_producer_counts_its_submits_as_the_async_one_does(
+    redis_url: str, queue: str
+) -> None:
+    with Producer(redis_url=redis_url, queue=queue) as sync_producer:
+        sync_producer.submit("a", request_id="counted")
+        sync_producer.submit("a", request_id="counted")  # queued already: attached
+        assert sync_producer.counts["queued"] + sync_producer.counts["attached"] == 2
+        assert sync_producer.counts["queued"] >= 1

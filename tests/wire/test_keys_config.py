@@ -93,6 +93,17 @@ def test_streams_exist_only_for_the_priority_levels() -> None:
             k.stream(bad)
 
 
+def test_the_default_priority_is_one_of_the_levels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A producer with one priority level sends at 0 (not the default 1, which every call
+    would be refused); one named outside the levels is refused as the settings are read."""
+    assert ProducerSettings().default_priority == 1
+    assert ProducerSettings(priorities=1).default_priority == 0
+    monkeypatch.setenv("BATCHLINE_PRIORITIES", "1")
+    assert ProducerSettings().default_priority == 0
+    with pytest.raises(ValueError, match=r"default_priority must be below priorities \(1: 0..0\)"):
+        ProducerSettings(default_priority=1)
+
+
 # -- settings from the environment ---------------------------------------------------------
 
 
