@@ -502,11 +502,11 @@ class AsyncProducer:
         """Read a request's result key: its Result, or None while there is none; raises
         DecodeError (a ValueError) if the key holds something that is not a valid result.
         For a tenant (the call's, else the producer's) the id must be the tenant's."""
-        key = self.keys.result(request_id_for(self._tenants.of(tenant), request_id))
+        rid = request_id_for(self._tenants.of(tenant), request_id)
         with translated():
-            raw = await self._redis.get(key)
-            if raw is None and self.settings.cache_ttl_s > 0:
-                raw = await cached_result(self._redis, self.keys, request_id)
+            raw = await self._redis.get(self.keys.result(rid))
+            if raw is None:  # answered from the cache (a worker's cache_ttl_s, not ours)?
+                raw = await cached_result(self._redis, self.keys, rid)
         if raw is None:
             return None
         try:

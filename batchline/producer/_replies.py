@@ -59,6 +59,15 @@ _QUIET_S = 10.0
 
 logger = logging.getLogger(__name__)
 
+#: What a result valid but for the producer's limits is read with (:meth:`ReplyReader._refuse`).
+_UNBOUNDED = Limits(
+    max_meta_bytes=1 << 62,
+    max_blob_bytes=1 << 62,
+    max_elements=1 << 62,
+    max_chars=1 << 62,
+    max_items=1 << 62,
+)
+
 
 class Waiters(dict[str, list["asyncio.Future[Result]"]]):
     """Every waiter of a request id in one producer (a resubmit of a waiting id adds one),
@@ -338,28 +347,23 @@ class ReplyReader:
         return (dropped, first) if dropped else None
 
     def _refuse(self, flat: Any, exc: DecodeError) -> bool:
-        """Settle with ``exc`` the waiters of a result that failed its checks (over this
-        producer's limits: ``max_result_bytes``), where it names a request waited for here
+        """Settle with ``exc`` the waiters of a result that is valid but over this
+        producer's limits (``max_result_bytes``), where it names a request waited for here
         and carries the input hash that request was sent with: a worker's answer, which
-        the caller would otherwise wait for in vain. Anything else (a stray or forged
-        entry, which cannot know the input) is dropped; returns whether it was settled."""
-        if not isinstance(flat, list) or len(flat) % 2:
+        the caller would otherwise wait for in vain. Anything else (a malformed, stray or
+        forged entry) is dropped; returns whether it was settled."""
+        try:  # (already in memory: the entry is read)
+            result = decode_flat(flat if isinstance(flat, list) else None, _UNBOUNDED)
+        except Exception:
+            return False  # malformed, not merely large
+        sent = self._waiting.inputs.get(result.id)
+        if not result.input_hash or result.input_hash != sent:
             return False
-        fields = {k: v for k, v in zip(flat[::2], flat[1::2], strict=True) if type(k) is bytes}
-        rid, ih = fields.get(b"id"), fields.get(b"ih")
-        if not isinstance(rid, bytes) or not isinstance(ih, bytes) or not ih:
-            return False
-        try:
-            request_id, input_hash = rid.decode(), ih.decode()
-        except UnicodeDecodeError:
-            return False
-        if self._waiting.inputs.get(request_id) != input_hash:
-            return False
-        for fut in self._waiting.forget(request_id):
+        for fut in self._waiting.forget(result.id):
             if not fut.done():
                 fut.set_exception(
                     DecodeError(
-                        f"the result of request {request_id} was refused by this producer's "
+                        f"the result of request {result.id} was refused by this producer's "
                         f"limits (max_result_bytes): {exc}"
                     )
                 )

@@ -256,8 +256,7 @@ local function admit(keys, args)
     then
       count('hit')
       if not redis.call('GET', rid .. id) then
-        local link_ttl = cache_ttl > 0 and math.min(ttl, cache_ttl) or ttl
-        redis.call('SET', rid .. id, h .. ' =' .. key, 'EX', link_ttl)
+        redis.call('SET', rid .. id, h .. ' =' .. key, 'EX', ttl)
       end
     end
   end

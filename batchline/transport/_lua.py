@@ -161,7 +161,7 @@ local function settle(kind, id, reply, h, a, b)
   if kind == 'attached' then
     attach(a, id, reply, h)
   elseif kind == 'cached' then
-    redis.call('SET', rid .. id, h .. ' =' .. b, 'EX', math.min(ttl, cache_ttl))
+    redis.call('SET', rid .. id, h .. ' =' .. b, 'EX', ttl)
   elseif kind == 'coalesced' then
     attach(a, id, reply, h)
     redis.call('SET', rid .. id, h .. ' >' .. a, 'EX', ttl_s)

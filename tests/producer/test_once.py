@@ -237,6 +237,7 @@ async def test_identical_inputs_are_coalesced_then_answered_from_the_cache(
     start_worker: Callable[..., WorkerThread],
     rclient: redis.Redis,
     keys: QueueKeys,
+    redis_url: str,
 ) -> None:
     a, b = cached
     replies = [count_replies(a), count_replies(b)]
@@ -287,6 +288,12 @@ async def test_identical_inputs_are_coalesced_then_answered_from_the_cache(
     }
     assert figures["hit_rate"] == 0.25
     assert (a.counts["cached"], b.counts["cached"], b.counts["coalesced"]) == (1, 1, 2)
+    # A poller without the cache setting finds a hit's answer too; the id keeps its input
+    # for result_ttl_s, as any id, not only as long as the cache entry.
+    async with AsyncProducer(redis_url=redis_url, queue=keys.queue) as plain:
+        assert plain.settings.cache_ttl_s == 0
+        assert await plain.get_result(hit.id) == result
+    assert rclient.ttl(keys.request_input(hit.id)) > 60
 
 
 @pytest.mark.slow
