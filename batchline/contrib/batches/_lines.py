@@ -5,8 +5,9 @@ An input file is JSONL, one request a line: ``{"custom_id", "method": "POST", "u
 and finding a repeated ``custom_id``); :func:`file_errors` says why a batch may not run a
 file (OpenAI's validation: an empty file, too many requests, a repeated ``custom_id``).
 :func:`parse_line` reads one line for a batch: what is wrong with a line (not JSON, an
-unknown ``url``, lists and objects nested deeper than ``MAX_JSON_DEPTH``) is that line's
-error (:class:`LineError`), written to the error file; the other lines run.
+unknown ``url``, a ``custom_id`` that is not Unicode text, lists and objects nested deeper
+than ``MAX_JSON_DEPTH``) is that line's error (:class:`LineError`), written to the error file;
+the other lines run.
 :func:`output_line` and :func:`error_line` build the lines of the output and error files,
 matched to the input by ``custom_id``. :data:`NEXT` holds the statuses a batch may move to
 from each.
@@ -116,6 +117,11 @@ def parse_line(raw: str | bytes, endpoint: str) -> Line:
             "missing_required_parameter",
             f"custom_id must be a text of 1 to {MAX_CUSTOM_ID_CHARS} characters",
         )
+    try:
+        cid.encode()
+    except UnicodeEncodeError:  # (its request id is made of its UTF-8 bytes)
+        message = "custom_id must be Unicode text: it holds a lone surrogate (\\ud800 to \\udfff)"
+        raise LineError("invalid_custom_id", message, custom_id=cid) from None
     if obj.get("method") != "POST":
         raise LineError("invalid_method", "method must be POST", custom_id=cid)
     url = obj.get("url")

@@ -52,6 +52,7 @@ def test_a_line_is_read_for_its_endpoint() -> None:
         (line(url="/v1/moderations"), "invalid_url", "a"),
         (line(url="/v1/completions"), "mismatched_endpoint", "a"),
         (line(body="text"), "invalid_request", "a"),
+        (line(custom_id="\ud800"), "invalid_custom_id", "\ud800"),  # a lone surrogate
     ],
 )
 def test_a_bad_line_is_that_lines_error(raw: str, code: str, custom_id: str | None) -> None:
