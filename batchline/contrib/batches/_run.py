@@ -7,12 +7,14 @@ inputs under way at once, from its submission to its answer written
 (:class:`~._output.Window`): memory stays bounded whatever the file's size and
 whatever a line's. A line's request id comes from the file, the endpoint and its
 ``custom_id`` (:func:`~._lines.request_id`): resubmitted after a restart, the queue
-answers it from the request it already ran or is running, never computing it twice. The
-OpenAI routes' request models turn a line's body into the queue value, and their answer
-builders turn the result into the response body, which is encoded a piece at a time within
-the output limits (:class:`~._output.Output`). Answers are written in chunks (512 lines
-or 8 MiB at most), each chunk in one transaction that also marks its lines answered and
-counts them, and only while this replica holds the lease.
+answers it from the request it already ran or is running, never computing it twice (so a
+cancelled batch cancels in the queue only the requests no other live batch over the same
+file waits on: :meth:`BatchRun._drop`). The OpenAI routes' request models turn a line's body
+into the queue value, and their answer builders turn the result into the response body,
+which is encoded a piece at a time within the output limits (:class:`~._output.Output`).
+Answers are written in chunks (512 lines or 8 MiB at most), each chunk in one transaction
+that also marks its lines answered and counts them, and only while this replica holds the
+lease.
 
 A tenant's batch (its hash's ``tenant``, read by whichever driver runs it) runs in that
 tenant's name: its lines' ids in its namespace, each submit and cancel naming it (its quotas
@@ -111,6 +113,16 @@ class LeaseLost(BatchlineError):
     """This replica holds a batch's lease no more: another one drives it."""
 
 
+@dataclass(slots=True)
+class _Waiting:
+    """A line's request under way: its producer, its line, and while it waits for its
+    result, the timeout :meth:`BatchRun._halt` ends at once."""
+
+    producer: AsyncProducer
+    index: int
+    timeout: asyncio.Timeout | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class _Answer:
     index: int
@@ -126,9 +138,9 @@ class BatchRun:
         self.redis, self.keys = driver.redis, driver.keys
         self.key = self.keys.batch(batch_id)
         self.cancelled = False
-        self._cancelled = asyncio.Event()  # set with cancelled: a line's wait ends at once
+        self._halted = asyncio.Event()  # set with cancelled: the lines' waits end at once
         self.expired = False
-        self._inflight: dict[str, AsyncProducer] = {}
+        self._inflight: dict[str, _Waiting] = {}
         self.tenant: str | None = None  # the batch's (read by run)
         self._answers: asyncio.Queue[_Answer | None] = asyncio.Queue()
         self._window = Window(driver.options.window)
@@ -163,16 +175,65 @@ class BatchRun:
             self.cancel()
 
     def cancel(self) -> None:
-        """Stop submitting; cancel the requests in the queue (they are answered
-        ``cancelled``; those a worker finished keep their answers)."""
+        """Stop submitting; end the lines' waits (they are answered ``cancelled``; those
+        answered and written keep their answers)."""
         if self.cancelled:
             return
         self.cancelled = True
-        self._cancelled.set()
-        for rid, producer in list(self._inflight.items()):
-            task = asyncio.create_task(self._cancel(producer, rid))
+        self._halt()
+
+    def _check(self, rid: str) -> None:
+        """RequestCancelled once the batch is cancelled."""
+        if self.cancelled:
+            raise RequestCancelled(f"the batch {self.batch_id} was cancelled ({rid})")
+
+    def _halt(self) -> None:
+        """End every line's wait at once (each then says why: :meth:`_check`), and cancel
+        in the queue the requests no other live batch waits on (:meth:`_drop`)."""
+        self._halted.set()
+        now = asyncio.get_running_loop().time()
+        for waiting in self._inflight.values():
+            if waiting.timeout is not None and not waiting.timeout.expired():
+                waiting.timeout.reschedule(now)
+        if self._inflight:
+            task = asyncio.create_task(self._drop(dict(self._inflight)))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    async def _drop(self, waiting: dict[str, _Waiting]) -> None:
+        """Cancel the queued requests of ``waiting`` that no other live batch waits on. A
+        batch created twice over one file shares its lines' request ids (:func:`request_id`),
+        and a request cancelled is answered ``cancelled`` to every batch that waits on it,
+        now or later (within ``result_ttl_s``): such a request is left to run for the other."""
+        try:
+            shared = await self._shared([w.index for w in waiting.values()])
+        except (RedisError, OSError) as exc:  # (they run: a batch's lines are worth more)
+            logger.warning("batch %s: its requests are left in the queue: %s", self.batch_id, exc)
+            return
+        await asyncio.gather(
+            *(self._cancel(w.producer, rid) for rid, w in waiting.items() if w.index not in shared)
+        )
+
+    async def _shared(self, indexes: list[int]) -> set[int]:
+        """The lines of ``indexes`` that another live batch over the same file (the same
+        endpoint and tenant: the same request ids) has not answered yet: it waits, or will
+        wait, on their requests."""
+        mine = [self._fields["input_file_id"], self._fields["endpoint"], self.tenant or ""]
+        shared: set[int] = set()
+        for raw in await self.redis.smembers(self.keys.active):
+            other = raw.decode()
+            if other == self.batch_id:
+                continue
+            found = await self.redis.hgetall(self.keys.batch(other))
+            fields = [
+                found.get(name.encode(), b"").decode()
+                for name in ("input_file_id", "endpoint", "tenant", "status")
+            ]
+            if fields[:3] != mine or fields[3] not in ("validating", "in_progress"):
+                continue
+            answered = await self.redis.smismember(self.keys.answered(other), indexes)
+            shared.update(i for i, was in zip(indexes, answered, strict=True) if not was)
+        return shared
 
     async def _cancel(self, producer: AsyncProducer, rid: str) -> None:
         with contextlib.suppress(RedisError, OSError, BatchlineError):
@@ -288,12 +349,11 @@ class BatchRun:
         line = parsed
         rid = request_id(file_id, endpoint, line.custom_id, self.tenant)
         try:
-            if self.cancelled:
-                raise RequestCancelled(f"the batch {self.batch_id} was cancelled")
+            self._check(rid)
             if output.full:
                 return output.refused(line.custom_id, rid, ran=False)
             routed = await route_line(self.driver.routes, endpoint, line.body)
-            result = await self._run(routed, rid)
+            result = await self._run(routed, rid, index)
             return await output.answer(line.custom_id, rid, 200, routed.answer(result))
         except RequestCancelled:
             message = "the batch was cancelled before this request ran"
@@ -307,18 +367,17 @@ class BatchRun:
             body = error_body(error.message, error.kind, param=error.param, code=error.code)
             return await output.answer(line.custom_id, rid, error.status, body)
 
-    async def _run(self, routed: RoutedLine, rid: str) -> Result:
+    async def _run(self, routed: RoutedLine, rid: str, index: int) -> Result:
         """Submit (waiting while the queue is full or the tenant over a quota), then wait
         for the result: an ``ok`` one, or the error it stands for. A line the admission
         refused (the queue full, the tenant over a quota) is submitted again once there is
         room: a batch waits, its lines do not fail for it."""
-        producer = routed.producer
-        self._inflight[rid] = producer
+        waiting = self._inflight[rid] = _Waiting(routed.producer, index)
         try:
             while True:
                 handle = await self._submit(routed, rid)
                 try:
-                    result = await self._result(producer, handle)
+                    result = await self._result(waiting, handle)
                     result.unwrap()
                 except QuotaExceeded as exc:
                     await self._pause(exc.retry_after_s, rid)
@@ -330,19 +389,28 @@ class BatchRun:
         finally:
             self._inflight.pop(rid, None)
 
-    @staticmethod
-    async def _result(producer: AsyncProducer, handle: Handle) -> Result:
+    async def _result(self, waiting: _Waiting, handle: Handle) -> Result:
+        """A line's result, or why its wait was ended (:meth:`_halt`, :meth:`_check`)."""
         while True:
+            self._check(handle.id)
+            timeout = waiting.timeout = asyncio.timeout(None)
             try:
-                return await producer.wait(handle, _WAIT_S)
+                async with timeout:
+                    return await waiting.producer.wait(handle, _WAIT_S)
             except RequestTimeout:
                 continue  # still queued (or running): wait on
+            except TimeoutError:
+                if not timeout.expired():
+                    raise
+            finally:
+                waiting.timeout = None
 
     async def _submit(self, routed: RoutedLine, rid: str) -> Handle:
         """Submit a line's request in the batch's tenant's name, again while the queue is
         full (a growing backoff) or the tenant over a quota (when the quota says)."""
         backoff = 0.05
         while True:
+            self._check(rid)
             deadline_ms = (int(self._fields["expires_at"]) - time.time()) * 1000
             if deadline_ms <= 0:
                 raise RequestExpired(f"the batch {self.batch_id} expired")
@@ -364,9 +432,8 @@ class BatchRun:
         """Wait ``seconds`` (a minute at most); RequestCancelled once the batch is cancelled."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(min(max(seconds, 0.0), 60.0)):
-                await self._cancelled.wait()
-        if self.cancelled:
-            raise RequestCancelled(rid)
+                await self._halted.wait()
+        self._check(rid)
 
     async def _stop(self, writer: asyncio.Task[None]) -> None:
         """Stop the lines under way, then the writer (it writes what it was given: a

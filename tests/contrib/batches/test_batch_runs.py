@@ -1,8 +1,10 @@
 """How a batch's run ends, end to end (test_batches' app, client and workers): a line that
-cannot run fails alone and the batch completes."""
+cannot run fails alone and the batch completes; cancelling a batch leaves another over the
+same file its lines."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -10,14 +12,19 @@ import pytest
 from ..openai.test_openai import client_for
 from ..test_fastapi import Serve, serve
 from .test_batches import (
+    COUNTING,
     MakeApp,
     embedder,
     embedding_line,
     embeddings_batch,
     file_lines,
     finished,
+    jsonl,
     make_app,
+    upload,
 )
+from tests.support import batch_models
+from tests.support.service import WorkerThread, wait_until
 
 pytest.importorskip("openai")
 
@@ -41,3 +48,47 @@ def test_a_line_whose_custom_id_is_no_unicode_text_fails_alone(
     error = file_lines(client, done.error_file_id)["\ud800"]
     assert (error["response"], error["error"]["code"]) == (None, "invalid_custom_id")
     assert "lone surrogate" in error["error"]["message"]
+
+
+@pytest.mark.slow
+def test_cancelling_a_batch_leaves_another_over_the_same_file_its_lines(
+    make_app: MakeApp,
+    serve: Serve,
+    start_worker: Callable[..., WorkerThread],
+    queue: str,
+) -> None:
+    """Two batches over one file (a client that retried its create) share their lines'
+    requests; cancelling one ends its own lines at once, and cancels in the queue none of
+    the requests the other waits on: the other completes every line."""
+    batch_models.reset(hold_after=2)
+    start_worker(COUNTING, prefix=queue, batch_size=1, max_batch_ms=60_000)
+    try:
+        client = client_for(serve(make_app(batch_window=4)))
+        file = upload(
+            client, jsonl([embedding_line(f"s{i}", f"shared {i}", queue) for i in range(10)])
+        )
+        first, second = (
+            client.batches.create(
+                input_file_id=file.id, endpoint="/v1/embeddings", completion_window="24h"
+            )
+            for _ in range(2)
+        )
+        for batch in (first, second):  # each waits on 4 requests, one of them held
+            wait_until(
+                lambda b=batch: client.batches.retrieve(b.id).request_counts.completed == 2,
+                "2 lines answered",
+            )
+        assert client.batches.cancel(first.id).status == "cancelling"
+        cancelled = finished(client, first.id)  # while the model is held
+    finally:
+        batch_models.GATE.set()
+    assert cancelled.status == "cancelled"
+    assert (cancelled.request_counts.completed, cancelled.request_counts.failed) == (2, 8)
+    done = finished(client, second.id)
+    assert (done.status, done.request_counts.completed, done.error_file_id) == (
+        "completed",
+        10,
+        None,
+    )
+    assert file_lines(client, done.output_file_id).keys() == {f"s{i}" for i in range(10)}
+    assert set(batch_models.CALLS.values()) == {1}
