@@ -138,8 +138,9 @@ class BatchRun:
         self.redis, self.keys = driver.redis, driver.keys
         self.key = self.keys.batch(batch_id)
         self.cancelled = False
-        self._halted = asyncio.Event()  # set with cancelled: the lines' waits end at once
-        self.expired = False
+        self._halted = asyncio.Event()  # set once cancelled or expiring: waits end at once
+        self._expiring = False  # expires_at passed: the lines not answered yet expire
+        self.expired = False  # a line expired: the batch ends expired
         self._inflight: dict[str, _Waiting] = {}
         self.tenant: str | None = None  # the batch's (read by run)
         self._answers: asyncio.Queue[_Answer | None] = asyncio.Queue()
@@ -182,10 +183,19 @@ class BatchRun:
         self.cancelled = True
         self._halt()
 
+    def _expire(self) -> None:
+        """The batch's ``expires_at`` came: its lines still waiting expire, whether a worker
+        takes their requests or not."""
+        self._expiring = True
+        self._halt()
+
     def _check(self, rid: str) -> None:
-        """RequestCancelled once the batch is cancelled."""
+        """RequestCancelled once the batch is cancelled; RequestExpired once its
+        ``expires_at`` passed."""
         if self.cancelled:
             raise RequestCancelled(f"the batch {self.batch_id} was cancelled ({rid})")
+        if self._expiring or time.time() >= int(self._fields["expires_at"]):
+            raise RequestExpired(f"the batch {self.batch_id} expired ({rid})")
 
     def _halt(self) -> None:
         """End every line's wait at once (each then says why: :meth:`_check`), and cancel
@@ -257,6 +267,14 @@ class BatchRun:
             return
         if status == "cancelling":
             self.cancel()
+        left_s = int(self._fields["expires_at"]) - time.time()
+        expiry = asyncio.get_running_loop().call_later(max(0.0, left_s), self._expire)
+        try:
+            await self._drive()
+        finally:
+            expiry.cancel()
+
+    async def _drive(self) -> None:
         writer = asyncio.create_task(self._write())
         writer.add_done_callback(lambda _: self._window.stop())
         try:
@@ -411,9 +429,7 @@ class BatchRun:
         backoff = 0.05
         while True:
             self._check(rid)
-            deadline_ms = (int(self._fields["expires_at"]) - time.time()) * 1000
-            if deadline_ms <= 0:
-                raise RequestExpired(f"the batch {self.batch_id} expired")
+            deadline_ms = max(1.0, (int(self._fields["expires_at"]) - time.time()) * 1000)
             try:
                 return await routed.producer.submit(
                     routed.value,
@@ -429,7 +445,8 @@ class BatchRun:
                 await self._pause(exc.retry_after_s, rid)
 
     async def _pause(self, seconds: float, rid: str) -> None:
-        """Wait ``seconds`` (a minute at most); RequestCancelled once the batch is cancelled."""
+        """Wait ``seconds`` (a minute at most); RequestCancelled once the batch is cancelled,
+        RequestExpired once it expired (:meth:`_check`)."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(min(max(seconds, 0.0), 60.0)):
                 await self._halted.wait()

@@ -1,13 +1,18 @@
 """How a batch's run ends, end to end (test_batches' app, client and workers): a line that
 cannot run fails alone and the batch completes; cancelling a batch leaves another over the
-same file its lines."""
+same file its lines; a batch expires at its ``expires_at`` with no worker to say so."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+from pydantic import SecretStr
+
+from batchline.contrib.batches import _routes as _batch_routes
+from batchline.producer import Producer
 
 from ..openai.test_openai import client_for
 from ..test_fastapi import Serve, serve
@@ -92,3 +97,33 @@ def test_cancelling_a_batch_leaves_another_over_the_same_file_its_lines(
     )
     assert file_lines(client, done.output_file_id).keys() == {f"s{i}" for i in range(10)}
     assert set(batch_models.CALLS.values()) == {1}
+
+
+@pytest.mark.slow
+def test_a_batch_whose_lines_wait_in_the_queue_expires_at_its_expires_at_without_a_worker(
+    make_app: MakeApp,
+    serve: Serve,
+    redis_url: str,
+    queue: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No worker serves the queue: the lines' requests wait there; at ``expires_at`` the
+    driver itself ends them (``batch_expired``) and the batch ends ``expired``."""
+    monkeypatch.setattr(_batch_routes, "WINDOW_S", 4)  # (the driver on this loop sees it)
+    client = client_for(serve(make_app(batch_driver="loop")))
+    lines = [embedding_line(f"e{i}", f"expires {i}", queue) for i in range(3)]
+    batch = embeddings_batch(client, lines)
+    with Producer(redis_url=SecretStr(redis_url), queue=queue, prefix=queue) as producer:
+        wait_until(lambda: producer.queue_depth() == 3, "the lines' requests queued")
+    assert time.time() < batch.expires_at  # queued before it expired
+    done = finished(client, batch.id)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == (
+        "expired",
+        0,
+        3,
+    )
+    assert done.expired_at is not None
+    assert done.output_file_id is None
+    errors = file_lines(client, done.error_file_id)
+    assert errors.keys() == {"e0", "e1", "e2"}
+    assert {e["error"]["code"] for e in errors.values()} == {"batch_expired"}
