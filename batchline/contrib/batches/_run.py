@@ -252,12 +252,35 @@ class BatchRun:
     async def _set(self, **fields: str | int) -> None:
         await self.guarded(lambda pipe: pipe.hset(self.key, mapping=fields))
 
+    async def _read(self) -> dict[str, str]:
+        """The batch's stored hash."""
+        raw = await self.redis.hgetall(self.key)
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    def _end(self, pipe: Any, fields: dict[str, str], final: str, **more: str | int) -> None:
+        """Queue on ``pipe`` the writes that end the batch ``final`` (``fields``: its hash):
+        its output and error files made of the lines written (none where one would be
+        empty), its status, and ``more``."""
+        for name, purpose in (("out", "output"), ("err", "error")):
+            if int(fields.get(f"{name}_lines", 0)):
+                file_id = fields[f"{name}_id"]
+                made: dict[str, str | int] = {
+                    "bytes": int(fields[f"{name}_bytes"]),
+                    "filename": f"{self.batch_id}_{purpose}.jsonl",
+                    "purpose": "batch_output",
+                    "lines": int(fields[f"{name}_lines"]),
+                }
+                self.driver.files.record(pipe, file_id, made, self.tenant)
+                pipe.hset(self.key, f"{purpose}_file_id", file_id)
+        pipe.hset(self.key, mapping={"status": final, f"{final}_at": int(time.time()), **more})
+        pipe.srem(self.keys.active, self.batch_id)
+        pipe.delete(self.keys.answered(self.batch_id))
+
     # -- the run -------------------------------------------------------------------------------
 
     async def run(self) -> None:
         """Run the batch's lines not answered yet, then finish it."""
-        raw = await self.redis.hgetall(self.key)
-        self._fields = {k.decode(): v.decode() for k, v in raw.items()}
+        self._fields = await self._read()
         self.tenant = self._fields.get("tenant") or None
         status = self._fields.get("status")
         if status == "validating":
@@ -464,20 +487,12 @@ class BatchRun:
         await asyncio.gather(writer, return_exceptions=True)
 
     async def _give_up(self, exc: _InputGone) -> None:
-        """The input file was deleted under the batch: it fails."""
+        """The input file was deleted under the batch: it fails, its output and error files
+        holding the lines answered before."""
         error = {"code": "input_file_deleted", "message": f"the input file {exc} was deleted"}
-
-        def fail(pipe: Any) -> None:
-            fields = {
-                "status": "failed",
-                "failed_at": int(time.time()),
-                "errors": json.dumps([error]),
-            }
-            pipe.hset(self.key, mapping=fields)
-            pipe.srem(self.keys.active, self.batch_id)
-            pipe.delete(self.keys.answered(self.batch_id))
-
-        await self.guarded(fail)
+        fields = await self._read()
+        errors = json.dumps([error])
+        await self.guarded(lambda pipe: self._end(pipe, fields, "failed", errors=errors))
 
     async def _write(self) -> None:
         """Write the answers as they come, a chunk per transaction, until None; each chunk
@@ -522,23 +537,5 @@ class BatchRun:
         else:
             final = "completed"
             await self._set(status="finalizing", finalizing_at=now)
-        raw = await self.redis.hgetall(self.key)
-        fields = {k.decode(): v.decode() for k, v in raw.items()}
-
-        def end(pipe: Any) -> None:
-            for name, purpose in (("out", "output"), ("err", "error")):
-                if int(fields.get(f"{name}_lines", 0)):
-                    file_id = fields[f"{name}_id"]
-                    made: dict[str, str | int] = {
-                        "bytes": int(fields[f"{name}_bytes"]),
-                        "filename": f"{self.batch_id}_{purpose}.jsonl",
-                        "purpose": "batch_output",
-                        "lines": int(fields[f"{name}_lines"]),
-                    }
-                    self.driver.files.record(pipe, file_id, made, self.tenant)
-                    pipe.hset(self.key, f"{purpose}_file_id", file_id)
-            pipe.hset(self.key, mapping={"status": final, f"{final}_at": int(time.time())})
-            pipe.srem(self.keys.active, self.batch_id)
-            pipe.delete(self.keys.answered(self.batch_id))
-
-        await self.guarded(end)
+        fields = await self._read()
+        await self.guarded(lambda pipe: self._end(pipe, fields, final))

@@ -324,6 +324,13 @@ def test_a_batch_whose_input_file_is_deleted_fails(
         batch_models.GATE.set()
     done = finished(client, batch.id)
     assert (done.status, done.errors.data[0].code) == ("failed", "input_file_deleted")
+    counts = done.request_counts
+    assert counts.completed >= 2  # (answered before the file went)
+    out = file_lines(client, done.output_file_id)  # kept, as by a batch that ends otherwise
+    assert len(out) == counts.completed
+    assert out.keys() <= {f"d{i}" for i in range(12)}
+    assert (counts.failed, done.error_file_id) == (0, None)
+    assert [f.id for f in client.files.list(purpose="batch_output")] == [done.output_file_id]
 
 
 @pytest.mark.slow
