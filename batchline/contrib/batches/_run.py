@@ -37,7 +37,7 @@ from redis.exceptions import RedisError, WatchError
 
 from batchline.contrib._plumbing import as_tenant
 from batchline.contrib.batches._files import CHUNK_LINES, FileStore
-from batchline.contrib.batches._lines import Line, LineError, parse_line, request_id
+from batchline.contrib.batches._lines import Line, LineError, moves, parse_line, request_id
 from batchline.contrib.batches._output import Encoded, Output, Window, weight
 from batchline.contrib.batches._routing import RoutedLine, route_line
 from batchline.contrib.openai import (
@@ -152,23 +152,30 @@ class BatchRun:
 
     # -- the lease and the status --------------------------------------------------------------
 
-    async def guarded(self, write: Callable[[Any], object]) -> None:
+    async def guarded(self, write: Callable[[Any], object], *, moving: str | None = None) -> bool:
         """Queue ``write``'s commands in a transaction that runs only while this replica
-        holds the lease (LeaseLost otherwise)."""
+        holds the lease (LeaseLost otherwise) and, ``moving`` the batch to a status, only
+        while its status may move there (:func:`~._lines.moves`, the status read in the
+        same transaction: a cancel accepted meanwhile is never overwritten). Whether it ran."""
         lease = self.keys.lease(self.batch_id)
         owner = self.driver.owner.encode()
+        watched = [lease] if moving is None else [lease, self.key]
         async with self.redis.pipeline(transaction=True) as pipe:
             while True:
                 try:
-                    await pipe.watch(lease)
+                    await pipe.watch(*watched)
                     if await pipe.get(lease) != owner:
                         raise LeaseLost(self.batch_id)
+                    if moving is not None:
+                        status = (await pipe.hget(self.key, "status") or b"").decode()
+                        if not moves(status, moving):
+                            return False
                     pipe.multi()
                     write(pipe)
                     await pipe.execute()
-                    return
+                    return True
                 except WatchError:
-                    continue  # the lease was renewed (or taken: the next look says)
+                    continue  # the lease was renewed (or taken), or the status moved: look again
 
     async def refresh(self) -> None:
         """Read the batch's status: cancelled through another replica?"""
@@ -249,8 +256,11 @@ class BatchRun:
         with contextlib.suppress(RedisError, OSError, BatchlineError):
             await producer.cancel(rid, **as_tenant(self.tenant))
 
-    async def _set(self, **fields: str | int) -> None:
-        await self.guarded(lambda pipe: pipe.hset(self.key, mapping=fields))
+    async def _move(self, status: str) -> bool:
+        """Move the batch to ``status`` (and set its ``<status>_at``) if it may move there:
+        whether it did (:meth:`guarded`)."""
+        fields = {"status": status, f"{status}_at": int(time.time())}
+        return await self.guarded(lambda pipe: pipe.hset(self.key, mapping=fields), moving=status)
 
     async def _read(self) -> dict[str, str]:
         """The batch's stored hash."""
@@ -282,10 +292,11 @@ class BatchRun:
         """Run the batch's lines not answered yet, then finish it."""
         self._fields = await self._read()
         self.tenant = self._fields.get("tenant") or None
+        if self._fields.get("status") == "validating":
+            await self._move("in_progress")  # (not moved: cancelled meanwhile)
+            self._fields = await self._read()
         status = self._fields.get("status")
-        if status == "validating":
-            await self._set(status="in_progress", in_progress_at=int(time.time()))
-        elif status not in ("in_progress", "cancelling", "finalizing"):
+        if status not in ("in_progress", "cancelling", "finalizing"):
             await self.guarded(lambda pipe: pipe.srem(self.keys.active, self.batch_id))
             return
         if status == "cancelling":
@@ -524,18 +535,20 @@ class BatchRun:
         pipe.sadd(self.keys.answered(self.batch_id), *[a.index for a in answers])
 
     async def _finish(self) -> None:
-        """Make the output and error files, and end the batch."""
+        """Make the output and error files, and end the batch: ``cancelled`` once a cancel
+        was accepted (even one that came while it finished: each status it moves to is
+        checked in the transaction that writes it), else ``expired`` once a line expired,
+        else ``finalizing`` then ``completed``."""
         total = int(self._fields["total"])
         if await self.redis.scard(self.keys.answered(self.batch_id)) < total:
             raise RuntimeError(f"batch {self.batch_id}: lines left unanswered; run again")
         await self.refresh()
-        now = int(time.time())
-        if self.cancelled:
-            final = "cancelled"
-        elif self.expired:
-            final = "expired"
-        else:
-            final = "completed"
-            await self._set(status="finalizing", finalizing_at=now)
-        fields = await self._read()
-        await self.guarded(lambda pipe: self._end(pipe, fields, final))
+        if not (self.cancelled or self.expired):
+            await self._move("finalizing")  # (not moved: cancelled meanwhile, or resumed)
+        for _ in range(2):  # (the second time, cancelled: the only move it did not see)
+            await self.refresh()
+            final = "cancelled" if self.cancelled else "expired" if self.expired else "completed"
+            end = functools.partial(self._end, fields=await self._read(), final=final)
+            if await self.guarded(end, moving=final):
+                return
+        raise RuntimeError(f"batch {self.batch_id}: its status moved where it cannot end")

@@ -1,9 +1,11 @@
 """How a batch's run ends, end to end (test_batches' app, client and workers): a line that
 cannot run fails alone and the batch completes; cancelling a batch leaves another over the
-same file its lines; a batch expires at its ``expires_at`` with no worker to say so."""
+same file its lines; a batch expires at its ``expires_at`` with no worker to say so; a
+cancel accepted while a batch finishes wins."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -12,6 +14,7 @@ import pytest
 from pydantic import SecretStr
 
 from batchline.contrib.batches import _routes as _batch_routes
+from batchline.contrib.batches import _run as _batch_run
 from batchline.producer import Producer
 
 from ..openai.test_openai import client_for
@@ -127,3 +130,41 @@ def test_a_batch_whose_lines_wait_in_the_queue_expires_at_its_expires_at_without
     errors = file_lines(client, done.error_file_id)
     assert errors.keys() == {"e0", "e1", "e2"}
     assert {e["error"]["code"] for e in errors.values()} == {"batch_expired"}
+
+
+@pytest.mark.slow
+def test_a_cancel_accepted_while_a_batch_finishes_ends_it_cancelled(
+    make_app: MakeApp,
+    serve: Serve,
+    embedder: None,
+    queue: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every line answered, the driver finishes the batch; a cancel the API accepts after
+    the driver looked at the status, before its first write (the gap widened here: the
+    cancel is made there), is not overwritten: the batch ends ``cancelled``."""
+    client = client_for(serve(make_app(batch_driver="loop")))  # (it sees the patches)
+    finish, guarded = _batch_run.BatchRun._finish, _batch_run.BatchRun.guarded
+    finishing: set[str] = set()
+    accepted: list[str] = []
+
+    async def finish_watched(self: _batch_run.BatchRun) -> None:
+        finishing.add(self.batch_id)
+        await finish(self)
+
+    async def guarded_after_a_cancel(self: _batch_run.BatchRun, write: Any, **how: Any) -> bool:
+        if self.batch_id in finishing and not accepted:  # the finish's first write
+            cancel = await asyncio.to_thread(client.batches.cancel, self.batch_id)
+            accepted.append(cancel.status)
+        return await guarded(self, write, **how)
+
+    monkeypatch.setattr(_batch_run.BatchRun, "_finish", finish_watched)
+    monkeypatch.setattr(_batch_run.BatchRun, "guarded", guarded_after_a_cancel)
+    lines = [embedding_line(f"f{i}", f"finish {i}", queue) for i in range(3)]
+    done = finished(client, embeddings_batch(client, lines).id)
+    assert accepted == ["cancelling"]
+    assert (done.status, done.request_counts.completed) == ("cancelled", 3)
+    assert done.cancelling_at is not None
+    assert done.cancelled_at is not None
+    assert done.completed_at is None
+    assert file_lines(client, done.output_file_id).keys() == {"f0", "f1", "f2"}
