@@ -140,7 +140,7 @@ class BatchRun:
         self.cancelled = False
         self._halted = asyncio.Event()  # set once cancelled or expiring: waits end at once
         self._expiring = False  # expires_at passed: the lines not answered yet expire
-        self.expired = False  # a line expired: the batch ends expired
+        self.expired = False  # a line expired (stored: lines_expired): the batch ends expired
         self._inflight: dict[str, _Waiting] = {}
         self.tenant: str | None = None  # the batch's (read by run)
         self._answers: asyncio.Queue[_Answer | None] = asyncio.Queue()
@@ -292,6 +292,7 @@ class BatchRun:
         """Run the batch's lines not answered yet, then finish it."""
         self._fields = await self._read()
         self.tenant = self._fields.get("tenant") or None
+        self.expired = self._fields.get("lines_expired") == "1"  # (a run resumed)
         if self._fields.get("status") == "validating":
             await self._move("in_progress")  # (not moved: cancelled meanwhile)
             self._fields = await self._read()
@@ -532,6 +533,8 @@ class BatchRun:
                 pipe.hincrby(self.key, "completed" if ok else "failed", len(lines))
         if any(a.answer.full for a in answers):
             pipe.hset(self.key, "output_full", 1)  # a run resumed runs no more lines
+        if self.expired:  # (set before an expired line's answer is queued: stored with it)
+            pipe.hset(self.key, "lines_expired", 1)  # a run resumed ends the batch expired
         pipe.sadd(self.keys.answered(self.batch_id), *[a.index for a in answers])
 
     async def _finish(self) -> None:

@@ -103,16 +103,31 @@ def test_cancelling_a_batch_leaves_another_over_the_same_file_its_lines(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("resumed", [False, True])
 def test_a_batch_whose_lines_wait_in_the_queue_expires_at_its_expires_at_without_a_worker(
     make_app: MakeApp,
     serve: Serve,
     redis_url: str,
     queue: str,
     monkeypatch: pytest.MonkeyPatch,
+    resumed: bool,
 ) -> None:
     """No worker serves the queue: the lines' requests wait there; at ``expires_at`` the
-    driver itself ends them (``batch_expired``) and the batch ends ``expired``."""
+    driver itself ends them (``batch_expired``) and the batch ends ``expired``. ``resumed``:
+    the driver fails once, every line answered, before it ends the batch; the run that
+    resumes it, with no line left to run, ends it ``expired`` too (it is stored)."""
     monkeypatch.setattr(_batch_routes, "WINDOW_S", 4)  # (the driver on this loop sees it)
+    finish = _batch_run.BatchRun._finish
+    failed: list[str] = []
+
+    async def fail_once(self: _batch_run.BatchRun) -> None:
+        if not failed:
+            failed.append(self.batch_id)
+            raise RuntimeError("the driver failed before it ended the batch")
+        await finish(self)
+
+    if resumed:
+        monkeypatch.setattr(_batch_run.BatchRun, "_finish", fail_once)
     client = client_for(serve(make_app(batch_driver="loop")))
     lines = [embedding_line(f"e{i}", f"expires {i}", queue) for i in range(3)]
     batch = embeddings_batch(client, lines)
@@ -127,6 +142,7 @@ def test_a_batch_whose_lines_wait_in_the_queue_expires_at_its_expires_at_without
     )
     assert done.expired_at is not None
     assert done.output_file_id is None
+    assert failed == ([batch.id] if resumed else [])
     errors = file_lines(client, done.error_file_id)
     assert errors.keys() == {"e0", "e1", "e2"}
     assert {e["error"]["code"] for e in errors.values()} == {"batch_expired"}
