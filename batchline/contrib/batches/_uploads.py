@@ -192,7 +192,8 @@ class FormReader:
             if isinstance(item, PartStart):
                 self._part = item
                 if item.filename is not None:
-                    self.filename = item.filename or "upload.jsonl"
+                    if item.name == "file":  # (another name's file is not read: no file)
+                        self.filename = item.filename or "upload.jsonl"
                 else:
                     self.fields[item.name] = ""
             elif item == END:

@@ -63,6 +63,23 @@ def test_an_upload_is_parsed_off_the_apis_event_loop(
     assert (file.bytes, client.files.content(file.id).content) == (len(data), data)
 
 
+@pytest.mark.parametrize("name", ["upload", None])
+def test_a_form_without_a_part_named_file_is_refused(
+    make_app: MakeApp, serve: Serve, queue: str, name: str | None
+) -> None:
+    """A file part under another name is no file: 400 naming ``file``, as a form with no
+    file part at all, never an empty file."""
+    http = serve(make_app())
+    data = jsonl([embedding_line("a", "x", queue)])
+    form: dict[str, tuple[str | None, bytes]] = {"purpose": (None, b"batch")}
+    if name is not None:
+        form[name] = ("f.jsonl", data)
+    refused = http.post("/v1/files", files=form)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "file"
+    assert client_for(http).files.list().data == []
+
+
 def test_an_upload_larger_than_max_body_bytes_is_taken_whatever_its_framing(
     make_app: MakeApp, serve: Serve, queue: str
 ) -> None:
