@@ -30,14 +30,14 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Path, Query, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from batchline.contrib._plumbing import Caller, caller_of
 from batchline.contrib.batches._multipart import MultipartError, boundary
 from batchline.contrib.batches._uploads import CHUNK_LINES, FormReader, UploadBudget, UploadLoop
 from batchline.contrib.openai import OpenAIError
-from batchline.keys import ID_PATTERN, BatchApiKeys
+from batchline.keys import BatchApiKeys, is_name
 from batchline.transport import RedisClient
 
 __all__ = ["CHUNK_LINES", "FileStore", "not_found", "owner_of"]
@@ -47,8 +47,6 @@ MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 86400
 #: Most files one ``GET /v1/files`` lists (OpenAI's limit, and its default).
 MAX_LIST = 10_000
 _LIST_CHUNK = 256  # files read per Redis round trip while listing
-
-_Id = Annotated[str, Path(pattern=ID_PATTERN)]
 
 
 def not_found(kind: str, object_id: str) -> OpenAIError:
@@ -150,8 +148,9 @@ class FileStore:
 
     async def found(self, file_id: str, caller: Caller) -> dict[bytes, bytes]:
         """A file's stored hash, if ``caller`` may see it; else OpenAI's 404, the same for
-        another tenant's file as for an unknown one."""
-        raw = await self.get(file_id)
+        another tenant's file as for an unknown one, or an id of no id's shape (it names
+        nothing)."""
+        raw = await self.get(file_id) if is_name(file_id) else None
         if raw is None or not caller.may_see(owner_of(raw)):
             raise not_found("file", file_id)
         return raw
@@ -330,11 +329,11 @@ class FileStore:
             }
         )
 
-    async def retrieve(self, file_id: _Id, request: Request) -> JSONResponse:
+    async def retrieve(self, file_id: str, request: Request) -> JSONResponse:
         """A file's object."""
         return JSONResponse(file_object(await self.found(file_id, caller_of(request))))
 
-    async def content(self, file_id: _Id, request: Request) -> Response:
+    async def content(self, file_id: str, request: Request) -> Response:
         """A file's content, JSONL, streamed a chunk of lines at a time."""
         await self.found(file_id, caller_of(request))
 
@@ -349,7 +348,7 @@ class FileStore:
 
         return StreamingResponse(chunks(), media_type="application/jsonl")
 
-    async def delete(self, file_id: _Id, request: Request) -> JSONResponse:
+    async def delete(self, file_id: str, request: Request) -> JSONResponse:
         """Delete a file (its object and its lines)."""
         owner = owner_of(await self.found(file_id, caller_of(request)))
         async with self.redis.pipeline(transaction=True) as pipe:

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Path, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from redis.exceptions import WatchError
@@ -39,7 +39,7 @@ from batchline.contrib.batches._process import DriverProcess
 from batchline.contrib.batches._run import DriverOptions
 from batchline.contrib.batches._uploads import UploadLoop
 from batchline.contrib.openai import OpenAIError, OpenAIRoutes
-from batchline.keys import ID_PATTERN, BatchApiKeys
+from batchline.keys import ID_PATTERN, BatchApiKeys, is_name
 from batchline.transport import RedisClient, connect
 
 __all__ = ["BatchApi", "batch_object"]
@@ -50,7 +50,6 @@ _TIMES = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expir
 _MORE_TIMES = ("cancelling_at", "cancelled_at")
 
 _FORM_BYTES = 64 << 10
-_Id = Annotated[str, Path(pattern=ID_PATTERN)]
 _Meta = Annotated[str, StringConstraints(max_length=512)]
 
 
@@ -202,8 +201,11 @@ class BatchApi:
 
     async def _found(self, batch_id: str, caller: Caller) -> dict[bytes, bytes]:
         """A batch's stored hash, if ``caller`` may see it; else OpenAI's 404, the same for
-        another tenant's batch as for an unknown one."""
-        raw: dict[bytes, bytes] = await self.files.redis.hgetall(self.keys.batch(batch_id))
+        another tenant's batch as for an unknown one, or an id of no id's shape (it names
+        nothing)."""
+        raw: dict[bytes, bytes] = (
+            await self.files.redis.hgetall(self.keys.batch(batch_id)) if is_name(batch_id) else {}
+        )
         if not raw or not caller.may_see(owner_of(raw)):
             raise not_found("batch", batch_id)
         return raw
@@ -254,7 +256,7 @@ class BatchApi:
         self.poke()
         return JSONResponse(batch_object(await self._found(batch_id, caller)))
 
-    async def retrieve(self, batch_id: _Id, request: Request) -> JSONResponse:
+    async def retrieve(self, batch_id: str, request: Request) -> JSONResponse:
         """A batch's object."""
         return JSONResponse(batch_object(await self._found(batch_id, caller_of(request))))
 
@@ -292,7 +294,7 @@ class BatchApi:
             }
         )
 
-    async def cancel(self, batch_id: _Id, request: Request) -> JSONResponse:
+    async def cancel(self, batch_id: str, request: Request) -> JSONResponse:
         """Cancel a batch: its lines not answered yet are not run (``cancelled``)."""
         key = self.keys.batch(batch_id)
         caller = caller_of(request)

@@ -231,17 +231,21 @@ def test_bad_files_and_unknown_ids_fail_as_openai_does(
             completion_window="24h",
         )
 
-    for call in (
-        lambda: client.batches.retrieve("batch_unknown"),
-        lambda: client.batches.cancel("batch_unknown"),
-        lambda: client.files.retrieve("file-unknown"),
-        lambda: client.files.content("file-unknown"),
-        lambda: client.files.delete("file-unknown"),
-        lambda: create("file-unknown"),
-    ):
+    calls: list[Callable[[], Any]] = [lambda: create("file-unknown")]
+    for unknown in ("unknown", "not an id!", "x" * 129):  # (the last two: no id's shape)
+        calls += [
+            lambda u=unknown: client.batches.retrieve(f"batch_{u}"),
+            lambda u=unknown: client.batches.cancel(f"batch_{u}"),
+            lambda u=unknown: client.files.retrieve(f"file-{u}"),
+            lambda u=unknown: client.files.content(f"file-{u}"),
+            lambda u=unknown: client.files.delete(f"file-{u}"),
+        ]
+    for call in calls:
         with pytest.raises(openai.NotFoundError) as missing:
             call()
-        assert set(missing.value.response.json()["error"]) == {"message", "type", "param", "code"}
+        error = missing.value.response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["code"] == "not_found"
     with pytest.raises(openai.ConflictError):  # a finished batch is not cancelled
         client.batches.cancel(dup.id)
     page = client.batches.list(limit=1)
