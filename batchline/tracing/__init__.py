@@ -66,10 +66,10 @@ def wanted(environ: Mapping[str, str] | None = None) -> bool:
         return True
     if own in _FALSE:
         return False
-    if any(env.get(name, "").strip() for name in _EXPORTER_VARIABLES):
-        return True
     exporter = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
-    return exporter not in ("", "none")
+    if exporter == "none":  # no exporter, whatever endpoint is set
+        return False
+    return bool(exporter) or any(env.get(name, "").strip() for name in _EXPORTER_VARIABLES)
 
 
 def enable(tracer_provider: Any = None) -> None:

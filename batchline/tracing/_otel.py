@@ -128,7 +128,9 @@ class ProducerTrace:
     def __init__(self, tracer: trace.Tracer, queue: str) -> None:
         self._tracer = tracer
         self._queue = queue
-        self._sending: dict[str, Span] = {}
+        # The send spans of the writes under way, by request id: one id may be submitted
+        # twice at once (a resubmit), each write ending the oldest span of its id.
+        self._sending: dict[str, list[Span]] = {}
 
     def sending(self, request_id: str, *, waits: bool) -> tuple[tuple[str, str], Span | None]:
         """Start the spans of one request as it goes to the outbox: its trace context for
@@ -155,15 +157,18 @@ class ProducerTrace:
                 "messaging.operation.name": "send",
             },
         )
-        self._sending[request_id] = send
+        self._sending.setdefault(request_id, []).append(send)
         return _header(send), wait
 
     def written(self, request_id: str, outcome: Any) -> None:
         """The write of ``request_id`` is back: ``outcome`` is what the enqueue script did
         with it (``kind``: queued, attached, result, ...) or the error that failed it."""
-        span = self._sending.pop(request_id, None)
-        if span is None:
+        spans = self._sending.get(request_id)
+        if not spans:
             return
+        span = spans.pop(0)
+        if not spans:
+            del self._sending[request_id]
         if isinstance(outcome, BaseException):
             span.set_status(StatusCode.ERROR, f"{type(outcome).__name__}: {outcome}")
             span.set_attribute("error.type", type(outcome).__name__)

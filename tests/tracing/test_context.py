@@ -61,6 +61,8 @@ def test_a_tracestate_too_long_or_not_printable_is_dropped() -> None:
         ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/v1/traces"}, True),
         ({"OTEL_TRACES_EXPORTER": "console"}, True),
         ({"OTEL_TRACES_EXPORTER": "none"}, False),
+        ({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, False),
+        ({"OTEL_TRACES_EXPORTER": "none", "BATCHLINE_OTEL": "1"}, True),  # (own provider)
         ({"OTEL_SERVICE_NAME": "api"}, False),  # names, exports nothing
         ({"BATCHLINE_OTEL": "0", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, False),
         ({"BATCHLINE_OTEL": "1", "OTEL_SDK_DISABLED": "true"}, False),

@@ -162,3 +162,21 @@ def test_the_service_is_named_as_the_environment_says(
     provider = _from_environment()
     assert provider.resource.attributes["service.name"] == name
     provider.shutdown()
+
+
+def test_two_writes_of_one_request_id_end_a_send_span_each(
+    exporter: InMemorySpanExporter,
+) -> None:
+    """A request id submitted twice at once (a resubmit while the first write is under
+    way) has two send spans, and each write's outcome ends one, the oldest first."""
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    producer = Otel(provider).producer("q")
+    producer.sending("t1", waits=False)
+    producer.sending("t1", waits=False)
+    producer.written("t1", RuntimeError("the first write failed"))
+    producer.written("t1", None)
+    producer.written("t1", None)  # nothing left under way: nothing more
+    sends = [s for s in exporter.get_finished_spans() if s.name == "send q"]
+    assert [s.status.is_ok for s in sends] == [False, True]
+    provider.shutdown()
