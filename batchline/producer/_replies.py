@@ -37,6 +37,7 @@ from batchline.tenants import tenant_of
 from batchline.transport import (
     Backoff,
     RedisClient,
+    block_ms,
     ignoring_redis_failures,
     input_hash,
     own_connection,
@@ -235,12 +236,13 @@ class ReplyReader:
         backoff = Backoff(logger, f"reply reader (Redis at {self._url})", quiet_s=_QUIET_S)
         failed = False
         read = self._undeleted
+        block = block_ms(client)  # (below the connection's socket timeout, if it has one)
         # stop() cancels this task, but on Python 3.11 a cancellation that lands just as
         # redis-py's internal wait_for completes is swallowed; a task that is no longer the
         # reading one (closed, or replaced by read_too) ends anyway.
         while not self._closed() and self._task is me:
             try:
-                response = await client.xread(dict(last), count=1000, block=1000)
+                response = await client.xread(dict(last), count=1000, block=block)
             except Exception as caught:
                 exc = redis_failure(caught)
                 if exc is None:

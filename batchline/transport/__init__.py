@@ -22,6 +22,7 @@ The key names are :mod:`batchline.keys` and the values as they travel :mod:`batc
 """
 
 from batchline.transport._admission import Admission, AdmissionMode, job_note
+from batchline.transport._blocking import block_ms
 from batchline.transport._cancels import CANCELS_MAXLEN, CancelLog, CancelTrim
 from batchline.transport._client import RedisArgument, RedisClient, RedisPipeline
 from batchline.transport._errors import (
@@ -139,6 +140,7 @@ __all__ = [
     "TenantStore",
     "TenantTable",
     "as_client",
+    "block_ms",
     "cache_hash",
     "cached_result",
     "connect",

@@ -27,6 +27,7 @@ from typing import Any
 from redis.exceptions import NoPermissionError
 
 from batchline.keys import MAX_ID_CHARS, QueueKeys, is_name
+from batchline.transport._blocking import block_ms
 from batchline.transport._errors import redis_failure
 from batchline.transport._redis import Backoff, RedisClient
 
@@ -188,7 +189,9 @@ class CancelLog:
         backoff = Backoff(logger, "cancel reader")
         while running():
             try:
-                response = await redis.xread({keys.cancels: self._last}, count=_PAGE, block=1000)
+                response = await redis.xread(
+                    {keys.cancels: self._last}, count=_PAGE, block=block_ms(redis)
+                )
             except Exception as caught:
                 exc = redis_failure(caught)
                 if exc is None:

@@ -39,6 +39,7 @@ from redis.exceptions import WatchError
 
 from batchline.keys import TenantKeys
 from batchline.tenants import TenantConfig, check_tenant
+from batchline.transport._blocking import block_ms as bounded
 from batchline.transport._client import RedisClient, RedisPipeline
 
 __all__ = [
@@ -244,7 +245,7 @@ async def read_changes(
 ) -> list[StoreChange]:
     """The changes logged after the entry ``after``, waiting up to ``block_ms`` for one (an
     empty list: none came). An entry not of the store's form is skipped, with a warning."""
-    answer = await client.xread({keys.changes: after}, count=100, block=block_ms)
+    answer = await client.xread({keys.changes: after}, count=100, block=bounded(client, block_ms))
     changes: list[StoreChange] = []
     for _stream, entries in answer or []:
         for entry_id, fields in entries:

@@ -463,3 +463,17 @@ async def test_requests_sent_while_the_reader_starts_over_leave_it_reading(
         # a reply entry pushed now is read (and deleted) by a live reader
         entry = rclient.xadd(reply, {"r": msgpack.packb([], use_bin_type=False)})
         await eventually(lambda: not rclient.xrange(reply, entry, entry), "the entry read")
+
+
+async def test_an_idle_reader_under_a_short_socket_timeout_reports_no_failure(
+    redis_url: str, queue: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A URL's ``socket_timeout`` (which bounds the commands: docs/service.md, EnqueueTimeout)
+    must not cut the reader's blocking read, which answers only when its block ends: it
+    blocks for less. Idle for four socket timeouts, it logs nothing."""
+    url = f"{redis_url}?socket_timeout=0.5"
+    with caplog.at_level(logging.WARNING):
+        async with AsyncProducer(redis_url=url, queue=queue) as idle:
+            await asyncio.sleep(2.0)  # four socket timeouts, nothing to read
+            assert idle._replies.started
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text

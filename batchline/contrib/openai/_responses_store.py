@@ -26,6 +26,7 @@ from redis.exceptions import ResponseError
 from batchline.contrib.openai._responses_schema import FINAL_EVENTS, PREFIX_EVENTS, encode, tally
 from batchline.keys import ResponsesKeys
 from batchline.transport import RedisClient
+from batchline.transport import block_ms as bounded
 
 __all__ = ["Log", "ResponseStore"]
 
@@ -138,7 +139,7 @@ class ResponseStore:
         """The events numbered above ``after``, waiting up to ``block_ms`` for one
         (``XREAD BLOCK``: woken by the append)."""
         key = self.keys.events(response_id)
-        got = await self.redis.xread({key: f"{after + 1}-0"}, block=block_ms)
+        got = await self.redis.xread({key: f"{after + 1}-0"}, block=bounded(self.redis, block_ms))
         return _entries(got[0][1]) if got else []
 
     async def append(self, response_id: str, start: int, events: list[dict[str, Any]]) -> bool:

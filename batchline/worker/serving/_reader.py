@@ -28,7 +28,14 @@ from redis.exceptions import ResponseError
 
 from batchline.codec import Limits
 from batchline.keys import GROUP
-from batchline.transport import Backoff, RedisClient, own_connection, passing, redis_failure
+from batchline.transport import (
+    Backoff,
+    RedisClient,
+    block_ms,
+    own_connection,
+    passing,
+    redis_failure,
+)
 from batchline.worker.shared._consumers import ensure_groups
 from batchline.worker.shared._held import Entry
 from batchline.worker.shared._roles import Entrance
@@ -196,7 +203,7 @@ class Reader:
                     )
                 if call is None or (wait and not response):
                     response = await client.xreadgroup(
-                        GROUP, self._worker_id, streams, count=per_stream, block=1000
+                        GROUP, self._worker_id, streams, count=per_stream, block=block_ms(client)
                     )
             except ResponseError as exc:
                 if passing(exc):  # a failover, a restart under way: wait and try again
