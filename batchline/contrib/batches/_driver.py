@@ -18,8 +18,9 @@ from collections.abc import AsyncIterator
 
 from redis.exceptions import RedisError, WatchError
 
+from batchline.contrib.batches._context import DriverOptions, LeaseLost, RunContext
 from batchline.contrib.batches._files import FileStore
-from batchline.contrib.batches._run import BatchRun, DriverOptions, LeaseLost, RunContext
+from batchline.contrib.batches._run import BatchRun
 from batchline.contrib.openai import OpenAIRoutes
 from batchline.errors import BatchlineError
 from batchline.keys import BatchApiKeys, host_id

@@ -13,9 +13,9 @@ import os
 import sys
 
 from batchline.config import ProducerSettings, WebSettings
+from batchline.contrib.batches._context import DriverOptions
 from batchline.contrib.batches._driver import BatchDriver
 from batchline.contrib.batches._files import FileStore
-from batchline.contrib.batches._run import DriverOptions
 from batchline.contrib.openai import OpenAIRoutes
 from batchline.keys import BatchApiKeys
 from batchline.transport import connect

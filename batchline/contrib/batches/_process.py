@@ -30,8 +30,8 @@ from pydantic import SecretStr
 
 from batchline.config import ProducerSettings
 from batchline.contrib._plumbing import start_child, stop_child
+from batchline.contrib.batches._context import DriverOptions
 from batchline.contrib.batches._files import FileStore
-from batchline.contrib.batches._run import DriverOptions
 
 __all__ = ["CHILD", "DriverProcess"]
 

@@ -32,11 +32,11 @@ from redis.exceptions import WatchError
 
 from batchline.config import ProducerSettings, WebSettings
 from batchline.contrib._plumbing import Caller, caller_of
+from batchline.contrib.batches._context import DriverOptions
 from batchline.contrib.batches._driver import BatchDriver
 from batchline.contrib.batches._files import FileStore, not_found, owner_of
 from batchline.contrib.batches._lines import FINAL, file_errors, moves
 from batchline.contrib.batches._process import DriverProcess
-from batchline.contrib.batches._run import DriverOptions
 from batchline.contrib.batches._uploads import UploadLoop
 from batchline.contrib.openai import OpenAIError, OpenAIRoutes
 from batchline.keys import ID_PATTERN, BatchApiKeys, is_name

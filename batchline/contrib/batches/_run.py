@@ -36,13 +36,13 @@ from typing import Any
 from redis.exceptions import RedisError, WatchError
 
 from batchline.contrib._plumbing import as_tenant
-from batchline.contrib.batches._files import CHUNK_LINES, FileStore
+from batchline.contrib.batches._context import LeaseLost, RunContext, waiting_elsewhere
+from batchline.contrib.batches._files import CHUNK_LINES
 from batchline.contrib.batches._lines import Line, LineError, moves, parse_line, request_id
 from batchline.contrib.batches._output import Encoded, Output, Window, weight
 from batchline.contrib.batches._routing import RoutedLine, route_line
 from batchline.contrib.openai import (
     OpenAIError,
-    OpenAIRoutes,
     error_body,
     typed,
 )
@@ -54,11 +54,9 @@ from batchline.errors import (
     RequestExpired,
     RequestTimeout,
 )
-from batchline.keys import BatchApiKeys
 from batchline.producer import AsyncProducer, Handle, Result
-from batchline.transport import RedisClient
 
-__all__ = ["BatchRun", "DriverOptions", "LeaseLost", "RunContext"]
+__all__ = ["BatchRun"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,46 +69,8 @@ _READ_BYTES = 16 << 20
 _CHUNK_BYTES = 8 << 20
 
 
-@dataclass(frozen=True, slots=True)
-class DriverOptions:
-    """How batches run.
-
-    Attributes:
-        priority: the queue priority of a batch's requests.
-        window: most inputs of one batch under way at once (:mod:`._output`).
-        lease_s: how long a replica's hold on a batch lasts without renewal.
-        max_answer_bytes: the largest answer of one line.
-        max_output_bytes: the most bytes of one batch's output and error files together.
-        output_ratio: the same, as a multiple of the input file's bytes.
-    """
-
-    priority: int = 0
-    window: int = 256
-    lease_s: float = 10.0
-    max_answer_bytes: int = 32 << 20
-    max_output_bytes: int = 1 << 30
-    output_ratio: float = 1000.0
-
-
-@dataclass(frozen=True, slots=True)
-class RunContext:
-    """What every run of one replica shares: Redis, the files, the OpenAI routes (their
-    producers and request models), the options, and the replica's lease owner name."""
-
-    redis: RedisClient
-    keys: BatchApiKeys
-    files: FileStore
-    routes: OpenAIRoutes
-    options: DriverOptions
-    owner: str
-
-
 class _InputGone(Exception):
     """The input file of a batch is gone (deleted while the batch ran)."""
-
-
-class LeaseLost(BatchlineError):
-    """This replica holds a batch's lease no more: another one drives it."""
 
 
 @dataclass(slots=True)
@@ -223,34 +183,14 @@ class BatchRun:
         and a request cancelled is answered ``cancelled`` to every batch that waits on it,
         now or later (within ``result_ttl_s``): such a request is left to run for the other."""
         try:
-            shared = await self._shared([w.index for w in waiting.values()])
+            indexes = [w.index for w in waiting.values()]
+            shared = await waiting_elsewhere(self.driver, self.batch_id, self._fields, indexes)
         except (RedisError, OSError) as exc:  # (they run: a batch's lines are worth more)
             logger.warning("batch %s: its requests are left in the queue: %s", self.batch_id, exc)
             return
         await asyncio.gather(
             *(self._cancel(w.producer, rid) for rid, w in waiting.items() if w.index not in shared)
         )
-
-    async def _shared(self, indexes: list[int]) -> set[int]:
-        """The lines of ``indexes`` that another live batch over the same file (the same
-        endpoint and tenant: the same request ids) has not answered yet: it waits, or will
-        wait, on their requests."""
-        mine = [self._fields["input_file_id"], self._fields["endpoint"], self.tenant or ""]
-        shared: set[int] = set()
-        for raw in await self.redis.smembers(self.keys.active):
-            other = raw.decode()
-            if other == self.batch_id:
-                continue
-            found = await self.redis.hgetall(self.keys.batch(other))
-            fields = [
-                found.get(name.encode(), b"").decode()
-                for name in ("input_file_id", "endpoint", "tenant", "status")
-            ]
-            if fields[:3] != mine or fields[3] not in ("validating", "in_progress"):
-                continue
-            answered = await self.redis.smismember(self.keys.answered(other), indexes)
-            shared.update(i for i, was in zip(indexes, answered, strict=True) if not was)
-        return shared
 
     async def _cancel(self, producer: AsyncProducer, rid: str) -> None:
         with contextlib.suppress(RedisError, OSError, BatchlineError):
