@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -311,11 +311,13 @@ class BatchPolicy(Generic[W]):
 
     def _give_back(self, items: Iterable[W]) -> None:
         """Return items (popped in rank order) to the front of their lanes, in order."""
-        for item in reversed(list(items)):
+        back = list(items)
+        for item in reversed(back):
             self._lanes[(item.priority, item.small)].appendleft(item)
             item.queued = True
             self._count += 1
-            self._max_len = max(self._max_len, item.length)
+        if self.config.max_tokens is not None:  # after: a bad length loses no item
+            self._max_len = max([self._max_len, *(item.length for item in back)])
 
     def _form(self, now: float) -> list[W]:
         batch = self._choose(now)
@@ -330,37 +332,50 @@ class BatchPolicy(Generic[W]):
     def _choose(self, now: float) -> list[W]:
         cfg = self.config
         size = cfg.batch_size
+        select: Callable[[list[W]], list[int]]
         if cfg.group_by_length and (self._count > size or cfg.max_tokens is not None):
-            return self._form_grouped(now)
-        if cfg.max_tokens is None:
+            taken, select = self._take(size * cfg.group_window, now), self._group
+        elif cfg.max_tokens is None:
             return self._take(size, now)
-        # Token budget, rank order: stop at the first item that does not fit.
-        batch = self._take(size, now)
+        else:
+            taken, select = self._take(size, now), self._fit
+        try:
+            chosen = select(taken)
+        except BaseException:
+            self._give_back(taken)  # nothing is lost: a driver may still drain them
+            raise
+        picked = set(chosen)
+        self._give_back(taken[i] for i in range(len(taken)) if i not in picked)
+        return [taken[i] for i in chosen]
+
+    def _fit(self, taken: list[W]) -> list[int]:
+        """Token budget, rank order: the items up to the first that does not fit."""
+        budget = self.config.max_tokens
+        if budget is None:
+            return list(range(len(taken)))
         longest = 0
-        for i, item in enumerate(batch):
+        for i, item in enumerate(taken):
             longest = max(longest, item.length)
-            if (i + 1) * longest > cfg.max_tokens:
-                self._give_back(batch[i:])
-                return batch[:i]
-        return batch
+            if (i + 1) * longest > budget:
+                return list(range(i))
+        return list(range(len(taken)))
 
     def _mark_overtaken(self, batch: list[W], now: float) -> None:
         """Start the clock of the items ``batch`` overtook (the oldest of each lane)."""
         lanes = ((it for it in lane if self._live(it)) for lane in self._lanes.values())
         mark_overtaken(batch, lanes, now)
 
-    def _form_grouped(self, now: float) -> list[W]:
+    def _group(self, window: list[W]) -> list[int]:
+        """Length grouping: the window's head and the items closest to its length, in order."""
         cfg = self.config
-        size = cfg.batch_size
-        window = self._take(size * cfg.group_window, now)
         if not window:
-            return window
+            return []
         anchor = window[0]
         rest = sorted(range(1, len(window)), key=lambda i: abs(window[i].length - anchor.length))
         chosen = [0]
         longest = anchor.length
         for i in rest:
-            if len(chosen) == size:
+            if len(chosen) == cfg.batch_size:
                 break
             candidate = max(longest, window[i].length)
             if cfg.max_tokens is not None and (len(chosen) + 1) * candidate > cfg.max_tokens:
@@ -368,6 +383,4 @@ class BatchPolicy(Generic[W]):
             chosen.append(i)
             longest = candidate
         chosen.sort()
-        picked = set(chosen)
-        self._give_back(window[i] for i in range(len(window)) if i not in picked)
-        return [window[i] for i in chosen]
+        return chosen

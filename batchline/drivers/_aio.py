@@ -256,9 +256,7 @@ class AioBatcher(BatcherBase[T, R]):
                 if len(running) >= self._max_concurrent:
                     await asyncio.wait([running[0]])
                     continue
-                decision = policy.poll(
-                    time.monotonic(), flush=self._draining, full_only=bool(running)
-                )
+                decision = self._poll(policy, flush=self._draining, full_only=bool(running))
                 self._expire(decision.expired)
                 if decision.batch:
                     if pipeline:
@@ -295,6 +293,12 @@ class AioBatcher(BatcherBase[T, R]):
                 timer.cancel()
 
     async def _run(self, batch: list[Item]) -> None:
+        try:
+            await self._run_batch(batch)
+        except Exception as exc:  # batchline's own failure: its callers get it, not a hang
+            self._fail(batch, exc)
+
+    async def _run_batch(self, batch: list[Item]) -> None:
         started = time.monotonic()
         if self._on_batch_start is not None:
             await self._on_batch_start(batch)

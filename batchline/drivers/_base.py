@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import logging
 import math
+import numbers
 import threading
 import time
 import weakref
@@ -18,16 +20,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from batchline.core.policy import BatchPolicy, PolicyConfig
+from batchline.core.policy import BatchPolicy, Decision, PolicyConfig
 from batchline.core.slo import SloConfig, SloController
 from batchline.core.stats import BatchStats, StatsRecorder
-from batchline.errors import BatcherClosed, QueueFull, RequestTimeout
+from batchline.errors import BatcherClosed, BatchlineError, QueueFull, RequestTimeout
 
 T = TypeVar("T")
 R = TypeVar("R")
 B = TypeVar("B", bound="BatcherBase[Any, Any]")
 
 __all__ = ["BatchConfig", "BatcherBase", "Call", "Item", "await_call", "settle_future"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +215,21 @@ class Item:
         self.call.reject(exc)
 
 
+def item_length(length_fn: Callable[[Any], int], payload: Any) -> int:
+    """``length_fn(payload)``, checked: a number >= 0 (rounded up to a whole count), or
+    TypeError / ValueError for the caller (the policy compares and multiplies lengths:
+    anything else would break it)."""
+    n: Any = length_fn(payload)
+    if type(n) is int and n >= 0:  # the common case, without the ABC check
+        return n
+    if isinstance(n, bool) or not isinstance(n, numbers.Real):
+        raise TypeError(f"length_fn must return a number (an item's length), got {n!r}")
+    value = float(n)
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"length_fn must return a finite number >= 0, got {n!r}")
+    return math.ceil(value)
+
+
 def resolve_deadline(timeout_s: float | None, deadline: float | None) -> float | None:
     """The absolute deadline (``time.monotonic()`` clock) of a call, or None."""
     if timeout_s is not None:
@@ -377,14 +396,17 @@ class BatcherBase(Generic[T, R]):
         call = Call(len(payloads), deadline, wake, self._recorder)
         small = len(payloads) <= cfg.small_batch_threshold
         length_fn = cfg.length_fn
-        if len(payloads) == 1:  # the common call: one item
-            one = payloads[0]
-            return call, [Item(call, 0, one, 1 if length_fn is None else length_fn(one), small)]
         if length_fn is None:
-            items = [Item(call, i, p, 1, small) for i, p in enumerate(payloads)]
-        else:
-            items = [Item(call, i, p, length_fn(p), small) for i, p in enumerate(payloads)]
-        return call, items
+            if len(payloads) == 1:  # the common call: one item
+                return call, [Item(call, 0, payloads[0], 1, small)]
+            return call, [Item(call, i, p, 1, small) for i, p in enumerate(payloads)]
+        try:
+            lengths = [item_length(length_fn, p) for p in payloads]
+        except Exception:
+            self._recorder.record_rejected(len(payloads))
+            raise
+        pairs = enumerate(zip(payloads, lengths, strict=True))
+        return call, [Item(call, i, p, n, small) for i, (p, n) in pairs]
 
     def _admit(self, policy: BatchPolicy[Item], items: list[Item]) -> bool:
         """Queue ``items`` in ``policy`` (caller holds its lock); True if the driver must wake."""
@@ -426,6 +448,24 @@ class BatcherBase(Generic[T, R]):
             self._recorder.record_settings(chosen.batch_size, chosen.timeout_s * 1e3)
             for policy in self._policies():
                 policy.config = tuned  # one assignment: a poll sees the old or the new
+
+    def _poll(self, policy: BatchPolicy[Item], **flags: bool) -> Decision[Item]:
+        """``policy.poll`` now; should it fail (a bug), every item it holds fails instead of
+        the worker: their callers get the error, the worker carries on with an empty queue."""
+        try:
+            return policy.poll(time.monotonic(), **flags)
+        except Exception as exc:
+            self._fail(policy.drain(), exc)
+            return Decision([], [], None)
+
+    def _fail(self, items: list[Item], exc: Exception) -> None:
+        """Settle ``items`` with an error made of ``exc``, raised by batchline's own code
+        (forming a batch, running or recording it), not by the batch function."""
+        logger.error("batchline: %s failed inside the batcher", self._name, exc_info=exc)
+        error = BatchlineError(f"{self._name}: the batcher failed on this batch: {exc!r}")
+        error.__cause__ = exc
+        for item in items:
+            item.reject(error)
 
     def _policies(self) -> list[BatchPolicy[Item]]:
         raise NotImplementedError

@@ -27,12 +27,14 @@ Options of every decorator (:class:`BatchOptions`):
   exceeds what any setting can serve within the target, it serves the most it can
   (``batch_size``). ``stats`` shows the chosen settings. Default: off (fixed settings).
 
-Plain decorators (:class:`ThreadOptions`) add ``length_fn``: an item's length in tokens;
-when given, similar lengths are also grouped into one batch whenever more items wait than
-fit. The asyncio decorators add ``inline_below_ms`` (default 0.2): a plain function whose
-last 16 calls each returned within this many milliseconds runs on the event loop itself,
-where it costs less than the round trip to its thread; one slower call sends it back to the
-thread; 0 keeps it on its thread always.
+Plain decorators (:class:`ThreadOptions`) add ``length_fn``: an item's length in tokens, a
+number >= 0 (a fraction counts as the next whole number; anything else is the call's
+TypeError or ValueError, before it is queued); when given, similar lengths are also grouped
+into one batch whenever more items wait than fit. The asyncio decorators add
+``inline_below_ms`` (default 0.2): a plain function whose last 16 calls each returned within
+this many milliseconds runs on the event loop itself, where it costs less than the round
+trip to its thread; one slower call sends it back to the thread; 0 keeps it on its thread
+always.
 
 The inference decorators add :class:`PaddingOptions`:
 

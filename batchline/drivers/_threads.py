@@ -201,11 +201,10 @@ class ThreadBatcher(BatcherBase[T, R]):
 
     def _serve(self) -> None:
         policy, cond = self._policy, self._cond
-        isolate = self._config.isolate_errors
         while True:
             with cond:
                 while True:
-                    decision = policy.poll(time.monotonic(), flush=self._draining)
+                    decision = self._poll(policy, flush=self._draining)
                     if decision.batch or decision.expired:
                         break
                     if self._closed and not len(policy):
@@ -218,18 +217,11 @@ class ThreadBatcher(BatcherBase[T, R]):
             batch = decision.batch
             if not batch:
                 continue
-            started = time.monotonic()
-            run = Isolation(batch, isolate=isolate)
-            settles: list[Callable[[], None]] = []
-            while (payloads := run.next()) is not None:
-                try:
-                    outputs = self._invoke(payloads)
-                except BaseException as exc:  # isolated per item; the worker carries on
-                    run.failed(exc)
-                else:
-                    settles.append(run.settle_later(outputs))
-            # Recorded before any caller is woken, so a caller sees its batch in the stats.
-            self._batch_ran(started, batch, run.durations_s)
+            try:
+                settles = self._run(batch)
+            except Exception as exc:  # batchline's own failure: its callers get it, not a hang
+                self._fail(batch, exc)
+                continue
             if len(policy):
                 # More work waits: the settler thread resolves and wakes this batch's callers
                 # while the next batch runs, instead of before it starts.
@@ -241,6 +233,22 @@ class ThreadBatcher(BatcherBase[T, R]):
                         settle()  # nothing waits: no extra hop for a lone call
                     except BaseException:  # the worker thread must outlive any waker
                         logger.exception("batchline: settling a batch failed")
+
+    def _run(self, batch: list[Item]) -> list[Callable[[], None]]:
+        """Run one batch through the isolation; what settles its callers, in order."""
+        started = time.monotonic()
+        run = Isolation(batch, isolate=self._config.isolate_errors)
+        settles: list[Callable[[], None]] = []
+        while (payloads := run.next()) is not None:
+            try:
+                outputs = self._invoke(payloads)
+            except BaseException as exc:  # isolated per item; the worker carries on
+                run.failed(exc)
+            else:
+                settles.append(run.settle_later(outputs))
+        # Recorded before any caller is woken, so a caller sees its batch in the stats.
+        self._batch_ran(started, batch, run.durations_s)
+        return settles
 
     # -- lifecycle -----------------------------------------------------------------------------
 

@@ -1,0 +1,103 @@
+"""What the thread driver (``batchline.dynamically``, called with ``acall``) and the asyncio
+driver (``batchline.aio.dynamically``) promise alike: each test runs on both, through the
+public API. A batch function held by a gate lets a test queue calls while the function is
+busy, so that what the worker sees next is known."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import batchline
+import batchline.aio
+from batchline import BatchlineError
+from batchline.core.policy import BatchPolicy
+
+from tests.support.driver_helpers import WAIT_S, Gate
+
+DRIVERS = [
+    pytest.param(batchline.dynamically, id="threads"),
+    pytest.param(batchline.aio.dynamically, id="asyncio"),
+]
+
+
+def awaitable(f: Any) -> Callable[..., Any]:
+    """The batcher's awaitable call: ``acall`` of a thread batcher, the asyncio one itself."""
+    return f.acall if isinstance(f, batchline.ThreadBatcher) else f
+
+
+def held_lengths(gate: Gate) -> Callable[[list[str]], list[int]]:
+    """A batch function of lengths that holds its call of ``["hold"]`` at the gate."""
+
+    def lengths(xs: list[str]) -> list[int]:
+        if xs == ["hold"]:
+            gate.hold()
+        return [len(x) for x in xs]
+
+    return lengths
+
+
+async def while_held(f: Any, gate: Gate, calls: list[Any]) -> list[Any]:
+    """Queue ``calls`` (items) while the function is held, then open the gate: the outcome
+    of each call, in order (each call waits at most WAIT_S)."""
+    call = awaitable(f)
+    first = asyncio.ensure_future(call("hold"))
+    await asyncio.to_thread(gate.wait_entered)
+    tasks = [asyncio.ensure_future(call(x, timeout_s=WAIT_S)) for x in calls]
+    await asyncio.sleep(0)  # each task's first step queues its item (or is refused)
+    gate.release.set()
+    assert await first == 4
+    return await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# -- a bad length, a failing policy ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dynamically", DRIVERS)
+async def test_a_bad_length_fails_only_its_caller(dynamically: Any, gate: Gate) -> None:
+    f = dynamically(batch_size=2, timeout_ms=0, length_fn=lambda s: len(s) or None)(
+        held_lengths(gate)
+    )
+    # Four calls wait together: more than a batch, so the worker groups them by length.
+    outcomes = await while_held(f, gate, ["a", "bb", "", "ccc"])
+    assert [outcomes[i] for i in (0, 1, 3)] == [1, 2, 3]
+    assert isinstance(outcomes[2], TypeError)
+    assert "length_fn must return a number" in str(outcomes[2])
+    assert f.stats.rejected == 1, "refused before it was queued"
+    assert await awaitable(f)("dddd", timeout_s=WAIT_S) == 4, "the worker lives on"
+    await f.aclose()
+
+
+@pytest.mark.parametrize("dynamically", DRIVERS)
+@pytest.mark.parametrize("length", [-1, float("nan"), float("inf"), "3", True])
+async def test_a_length_that_is_no_count_is_refused(dynamically: Any, length: Any) -> None:
+    f = dynamically(timeout_ms=0, length_fn=lambda s: length)(lambda xs: xs)
+    with pytest.raises((TypeError, ValueError), match="length_fn must return"):
+        await awaitable(f)("x", timeout_s=WAIT_S)
+    await f.aclose()
+
+
+@pytest.mark.parametrize("dynamically", DRIVERS)
+async def test_a_failing_policy_fails_the_callers_it_held_not_the_worker(
+    dynamically: Any, gate: Gate, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    f = dynamically(batch_size=2, timeout_ms=0)(held_lengths(gate))
+    poll = BatchPolicy.poll
+    failures = [RuntimeError("a bug in the policy")]
+
+    def failing_once(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if failures and len(self) == 2:  # once both calls below wait
+            raise failures.pop()
+        return poll(self, *args, **kwargs)
+
+    monkeypatch.setattr(BatchPolicy, "poll", failing_once)
+    outcomes = await while_held(f, gate, ["a", "bb"])
+    assert not failures, "the policy failed"
+    for outcome in outcomes:
+        assert isinstance(outcome, BatchlineError)
+        assert isinstance(outcome.__cause__, RuntimeError)
+    assert await awaitable(f)("ccc", timeout_s=WAIT_S) == 3, "the worker lives on"
+    await f.aclose()
