@@ -276,14 +276,17 @@ async def await_call(
     fut: asyncio.Future[Any], call: Call, deadline: float | None, many: bool
 ) -> Any:
     """Await a call's future until its deadline; a caller that leaves abandons its items."""
+    timer = None if deadline is None else asyncio.timeout(deadline - time.monotonic())
     try:
-        if deadline is None:
+        if timer is None:
             results = await fut
         else:
-            async with asyncio.timeout(deadline - time.monotonic()):
+            async with timer:
                 results = await fut
     except TimeoutError:
-        if call.done and call.error is None:
+        if timer is None or not timer.expired():
+            raise  # the batch function's own TimeoutError: the caller's to see, unchanged
+        if call.done:  # settled as the deadline passed: its outcome stands
             return call.outcome(many)
         raise abandoned(call) from None
     except BaseException:

@@ -6,6 +6,7 @@ busy, so that what the worker sees next is known."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 
 import batchline
 import batchline.aio
-from batchline import BatchlineError
+from batchline import BatchlineError, RequestTimeout
 from batchline.core.policy import BatchPolicy
 
 from tests.support.driver_helpers import WAIT_S, Gate
@@ -100,4 +101,28 @@ async def test_a_failing_policy_fails_the_callers_it_held_not_the_worker(
         assert isinstance(outcome, BatchlineError)
         assert isinstance(outcome.__cause__, RuntimeError)
     assert await awaitable(f)("ccc", timeout_s=WAIT_S) == 3, "the worker lives on"
+    await f.aclose()
+
+
+# -- timeouts ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dynamically", DRIVERS)
+@pytest.mark.parametrize("bound", ["timeout_s", "deadline"])
+async def test_the_functions_own_timeout_error_reaches_its_caller(
+    dynamically: Any, bound: str
+) -> None:
+    raised: list[TimeoutError] = []
+
+    def backend(xs: list[int]) -> list[int]:
+        raised.append(TimeoutError("backend"))
+        raise raised[-1]
+
+    f = dynamically(timeout_ms=0)(backend)
+    far = {"timeout_s": WAIT_S, "deadline": time.monotonic() + WAIT_S}[bound]
+    async with asyncio.timeout(WAIT_S / 2):  # at once: not at the call's deadline
+        with pytest.raises(TimeoutError) as info:
+            await awaitable(f)(1, **{bound: far})
+    assert info.value is raised[-1], "unchanged, not a RequestTimeout of the call"
+    assert not isinstance(info.value, RequestTimeout)
     await f.aclose()
