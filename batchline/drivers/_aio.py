@@ -266,6 +266,7 @@ class AioBatcher(BatcherBase[T, R]):
                     else:
                         await self._run(decision.batch)
                 elif self._closed and not len(policy) and not running:
+                    self._release_thread()  # the next batch (another loop's) starts another
                     return
                 elif not decision.expired:
                     await self._sleep(state, decision.wake_at)
@@ -383,20 +384,22 @@ class AioBatcher(BatcherBase[T, R]):
         Waits for this event loop's queue; queues of other loops are drained or rejected by
         their own loops.
         """
+        self.close(drain=drain)
+        state = self._states.get(asyncio.get_running_loop())
+        if drain and state is not None and state.task is not None:
+            await asyncio.shield(state.task)
+
+    def close(self, *, drain: bool = True) -> None:
+        """Stop accepting calls; run (``drain``) what is queued, or reject it with
+        BatcherClosed. From any thread, and without waiting: each event loop's worker runs
+        what its loop queued as that loop goes on (a loop that shuts down first rejects
+        it); ``await aclose()`` waits for its loop's."""
         if not drain:
-            self.close()
+            self._shutdown(BatcherClosed(f"{self._name} was closed"))
             return
         self._closed = True
         self._draining = True
         self._signal_all(None)
-        state = self._states.get(asyncio.get_running_loop())
-        if state is not None and state.task is not None:
-            await asyncio.shield(state.task)
-        self._release_thread()
-
-    def close(self) -> None:
-        """Stop accepting calls and reject what is queued (from any thread)."""
-        self._shutdown(BatcherClosed(f"{self._name} was closed"))
 
     def _shutdown(self, reason: BaseException) -> None:
         self._closed = True
@@ -434,6 +437,12 @@ class AioBatcher(BatcherBase[T, R]):
 
     def _queue_size(self) -> int:
         return sum(len(state.policy) for state in list(self._states.values()))
+
+    def __enter__(self) -> AioBatcher[T, R]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     async def __aenter__(self) -> AioBatcher[T, R]:
         return self

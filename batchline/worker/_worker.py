@@ -395,8 +395,8 @@ class Worker:
             taken = p.claims.take_unstarted()
             await p.claims.give_back(taken, idle_ms=self.settings.claim_idle_ms)
         # Nothing is answered from here on: abandon() forgot every call held.
-        p.executors.main.close()
-        p.executors.alone.close()
+        await p.executors.main.aclose(drain=False)
+        await p.executors.alone.aclose(drain=False)
 
     async def _drain(self, reader: asyncio.Task[None]) -> None:
         p = self._parts

@@ -1,7 +1,7 @@
 """``batchline.aio.dynamically``, the asyncio driver: decorating and calling (a coroutine
-function on the loop, a plain one off it), use across event loops (none kept alive),
-the lifecycle (``aclose``, ``close``, ``async with``), statistics and methods; end to end
-through the public API."""
+function on the loop, a plain one off it), use across event loops (none kept alive), the
+lifecycle (``aclose``, ``close``, ``with``, ``async with``), statistics and methods; end to
+end through the public API."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import batchline
 from batchline import AioBatcher, BatcherClosed
 
-from tests.support.driver_helpers import HUGE_MS, adouble, double
+from tests.support.driver_helpers import HUGE_MS, WAIT_S, adouble, double
 
 # -- decorating and calling ------------------------------------------------------------------
 
@@ -170,13 +170,50 @@ async def test_closing_without_drain_rejects_what_is_queued(how: str) -> None:
     if how == "aclose":
         await f.aclose(drain=False)
     elif how == "close":
-        f.close()
+        f.close(drain=False)
     else:
-        await asyncio.to_thread(f.close)
+        await asyncio.to_thread(f.close, drain=False)
     outcomes = await asyncio.gather(*tasks, return_exceptions=True)
     assert all(isinstance(o, BatcherClosed) for o in outcomes)
     assert seen == []
     assert f.closed
+
+
+@pytest.mark.parametrize("is_async", [True, False])
+@pytest.mark.parametrize("how", ["close", "close_from_a_thread", "with"])
+async def test_close_drains_what_is_queued_without_waiting(how: str, is_async: bool) -> None:
+    ran_on: list[threading.Thread] = []
+
+    def drained(xs: list[int]) -> list[int]:
+        ran_on.append(threading.current_thread())
+        return double(xs)
+
+    async def adrained(xs: list[int]) -> list[int]:
+        return drained(xs)
+
+    f = batchline.aio.dynamically(batch_size=8, timeout_ms=HUGE_MS)(
+        adrained if is_async else drained
+    )
+    tasks = await _queue_three(f)
+    if how == "close":
+        f.close()
+    elif how == "close_from_a_thread":
+        await asyncio.to_thread(f.close)
+    else:
+        with f:  # a sync ``with`` closes as close() does
+            pass
+    assert f.closed
+    with pytest.raises(BatcherClosed):
+        await f(1)
+    async with asyncio.timeout(WAIT_S):  # the loop's worker runs them as the loop goes on
+        assert await asyncio.gather(*tasks) == [0, 2, 4]
+    (thread,) = set(ran_on)
+    if is_async:
+        assert thread is threading.current_thread()
+    else:  # a plain function ran on a thread of the batcher's: it ends with the drain
+        assert thread is not threading.current_thread()
+        thread.join(WAIT_S)
+        assert not thread.is_alive()
 
 
 async def test_async_with_closes() -> None:

@@ -36,8 +36,6 @@ class Executor(Protocol):
 
     async def aclose(self, *, drain: bool = True) -> None: ...
 
-    def close(self) -> None: ...
-
 
 class Entrance(Protocol):
     """Where a worker's entries go in: the serving path, as the reader and the reclaimer
