@@ -231,12 +231,17 @@ def item_length(length_fn: Callable[[Any], int], payload: Any) -> int:
 
 
 def resolve_deadline(timeout_s: float | None, deadline: float | None) -> float | None:
-    """The absolute deadline (``time.monotonic()`` clock) of a call, or None."""
+    """The absolute deadline (``time.monotonic()`` clock) of a call, or None: also for one
+    too far off for a lock to wait for (past ``threading.TIMEOUT_MAX``, some 292 years, or
+    infinite), so that every driver and path treats such a bound alike, as no bound."""
+    now = time.monotonic()
     if timeout_s is not None:
         if not timeout_s >= 0:
             raise ValueError(f"timeout_s must be >= 0, got {timeout_s!r}")
-        by_timeout = time.monotonic() + timeout_s
+        by_timeout = now + timeout_s
         deadline = by_timeout if deadline is None else min(deadline, by_timeout)
+    if deadline is not None and deadline - now > threading.TIMEOUT_MAX:
+        return None
     return deadline
 
 
@@ -245,7 +250,7 @@ def call_args(
 ) -> tuple[bool, list[Any], float | None]:
     """(many, payloads, deadline) of a call: a list is many items, anything else one."""
     many = isinstance(items, list)
-    if timeout_s is not None:
+    if timeout_s is not None or deadline is not None:
         deadline = resolve_deadline(timeout_s, deadline)
     return many, items if many else [items], deadline
 

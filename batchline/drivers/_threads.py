@@ -284,6 +284,8 @@ class ThreadBatcher(BatcherBase[T, R]):
         self._join(join_s)
 
     def _join(self, timeout_s: float | None) -> None:
+        if timeout_s is not None and timeout_s > threading.TIMEOUT_MAX:
+            timeout_s = None  # longer than a lock can wait (math.inf): as long as it takes
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)

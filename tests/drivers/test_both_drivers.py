@@ -6,6 +6,7 @@ busy, so that what the worker sees next is known."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -125,4 +126,22 @@ async def test_the_functions_own_timeout_error_reaches_its_caller(
             await awaitable(f)(1, **{bound: far})
     assert info.value is raised[-1], "unchanged, not a RequestTimeout of the call"
     assert not isinstance(info.value, RequestTimeout)
+    await f.aclose()
+
+
+@pytest.mark.parametrize("dynamically", DRIVERS)
+@pytest.mark.parametrize(
+    "bound",
+    [{"timeout_s": math.inf}, {"timeout_s": 1e10}, {"deadline": math.inf}],
+    ids=["timeout_s=inf", "timeout_s=1e10", "deadline=inf"],
+)
+async def test_a_bound_too_far_for_a_lock_is_no_bound(
+    dynamically: Any, bound: dict[str, float]
+) -> None:
+    f = dynamically(timeout_ms=0)(lambda xs: [x * 2 for x in xs])
+    assert await awaitable(f)(7, **bound) == 14
+    if isinstance(f, batchline.ThreadBatcher):  # the sync call waits on a lock
+        assert await asyncio.to_thread(f, 8, **bound) == 16
+        f.close(timeout_s=bound.get("timeout_s", math.inf))
+    assert f.stats.errors == 0
     await f.aclose()
