@@ -56,7 +56,9 @@ class BatchStats:
         padding_efficiency: real / padded elements over all batches (inference variants);
             None when nothing was padded.
         errors: items that ended with an error (including timeouts and rejections).
-        expired: items whose timeout or deadline passed before their batch ran.
+        expired: items whose call's timeout or deadline passed before they had a result:
+            dropped from the queue, or given up by their caller as it stopped waiting
+            (whichever noticed first; a call cancelled otherwise is not counted).
         rejected: items refused at submission (queue full, too large, closed).
         batch_size: the batch size limit in force (in latency-SLO mode, the one chosen).
         timeout_ms: the wait for a batch to fill in force (likewise).

@@ -143,10 +143,13 @@ class Call:
         # another thread and the worker can never both settle (and wake) the same call.
         self._once = [True]
 
-    def reject(self, exc: BaseException) -> None:
+    def reject(self, exc: BaseException) -> bool:
+        """Settle the call with ``exc``; False if it was settled already."""
         if not self.done and self._claim():
             self.error = exc
             self._finish()
+            return True
+        return False
 
     def _claim(self) -> bool:
         try:
@@ -261,9 +264,12 @@ def abandoned(call: Call) -> RequestTimeout:
     another thing: the error of a wait on Redis, naming the queue.)"""
     error = RequestTimeout(f"no result within the call's deadline ({call.size} items)")
     call.cancelled = True
-    # Settle it here too (a no-op if the worker just did): the statistics then count the
-    # timeout whether the caller or the worker noticed the deadline first.
-    call.reject(error)
+    unresolved = len(call.pending)
+    # Settle it here too (a no-op if the worker just did, counting its expired items): the
+    # statistics then count the timeout, and the items it left without results as
+    # expired, whether the caller or the worker noticed the deadline first.
+    if call.reject(error):
+        call.recorder.record_expired(unresolved)
     return error
 
 

@@ -31,23 +31,34 @@ def awaitable(f: Any) -> Callable[..., Any]:
     return f.acall if isinstance(f, batchline.ThreadBatcher) else f
 
 
-def held_lengths(gate: Gate) -> Callable[[list[str]], list[int]]:
-    """A batch function of lengths that holds its call of ``["hold"]`` at the gate."""
+def held_lengths(gate: Gate, dynamically: Any) -> Callable[[list[str]], Any]:
+    """A batch function of lengths that holds its call of ``["hold"]`` at the gate, and
+    with it the worker: a plain function for the thread driver, a coroutine function for
+    the asyncio one (whose worker awaits it, rather than handing it to a thread)."""
 
     def lengths(xs: list[str]) -> list[int]:
         if xs == ["hold"]:
             gate.hold()
         return [len(x) for x in xs]
 
-    return lengths
+    async def alengths(xs: list[str]) -> list[int]:
+        return await asyncio.to_thread(lengths, xs)
+
+    return lengths if dynamically is batchline.dynamically else alengths
+
+
+async def hold(f: Any, gate: Gate) -> asyncio.Future[Any]:
+    """Call ``f("hold")``; return once the function holds it (its result: 4)."""
+    first = asyncio.ensure_future(awaitable(f)("hold"))
+    await asyncio.to_thread(gate.wait_entered)
+    return first
 
 
 async def while_held(f: Any, gate: Gate, calls: list[Any]) -> list[Any]:
     """Queue ``calls`` (items) while the function is held, then open the gate: the outcome
     of each call, in order (each call waits at most WAIT_S)."""
     call = awaitable(f)
-    first = asyncio.ensure_future(call("hold"))
-    await asyncio.to_thread(gate.wait_entered)
+    first = await hold(f, gate)
     tasks = [asyncio.ensure_future(call(x, timeout_s=WAIT_S)) for x in calls]
     await asyncio.sleep(0)  # each task's first step queues its item (or is refused)
     gate.release.set()
@@ -61,7 +72,7 @@ async def while_held(f: Any, gate: Gate, calls: list[Any]) -> list[Any]:
 @pytest.mark.parametrize("dynamically", DRIVERS)
 async def test_a_bad_length_fails_only_its_caller(dynamically: Any, gate: Gate) -> None:
     f = dynamically(batch_size=2, timeout_ms=0, length_fn=lambda s: len(s) or None)(
-        held_lengths(gate)
+        held_lengths(gate, dynamically)
     )
     # Four calls wait together: more than a batch, so the worker groups them by length.
     outcomes = await while_held(f, gate, ["a", "bb", "", "ccc"])
@@ -86,7 +97,7 @@ async def test_a_length_that_is_no_count_is_refused(dynamically: Any, length: An
 async def test_a_failing_policy_fails_the_callers_it_held_not_the_worker(
     dynamically: Any, gate: Gate, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    f = dynamically(batch_size=2, timeout_ms=0)(held_lengths(gate))
+    f = dynamically(batch_size=2, timeout_ms=0)(held_lengths(gate, dynamically))
     poll = BatchPolicy.poll
     failures = [RuntimeError("a bug in the policy")]
 
@@ -144,4 +155,22 @@ async def test_a_bound_too_far_for_a_lock_is_no_bound(
         assert await asyncio.to_thread(f, 8, **bound) == 16
         f.close(timeout_s=bound.get("timeout_s", math.inf))
     assert f.stats.errors == 0
+    await f.aclose()
+
+
+@pytest.mark.parametrize("dynamically", DRIVERS)
+async def test_calls_given_up_at_their_deadline_count_as_expired(
+    dynamically: Any, gate: Gate
+) -> None:
+    f = dynamically(batch_size=1, timeout_ms=0)(held_lengths(gate, dynamically))
+    first = await hold(f, gate)
+    # The worker waits for the held function: each caller notices its deadline first.
+    for x in ["a", "bb", "ccc"]:
+        with pytest.raises(RequestTimeout):
+            await awaitable(f)(x, timeout_s=0.05)
+    gate.release.set()
+    assert await first == 4
+    assert await awaitable(f)("dddd", timeout_s=WAIT_S) == 4, "the three never ran"
+    stats = f.stats
+    assert (stats.expired, stats.errors, stats.items) == (3, 3, 2)
     await f.aclose()
