@@ -339,7 +339,7 @@ class BatcherBase(Generic[T, R]):
         self._closed = False
         self._attr: str | None = None
         self._bind_lock = threading.Lock()
-        self._bound: weakref.WeakKeyDictionary[Any, Any] | None = None
+        self._bound: dict[int, Any] | None = None  # instances without a __dict__
         self._name: str = getattr(fn, "__qualname__", None) or type(fn).__name__
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
 
@@ -355,15 +355,27 @@ class BatcherBase(Generic[T, R]):
             found = self._lookup(instance)
             if found is not None:
                 return found
-            bound = self._rebind(weakref.ref(instance))
+            try:
+                ref = weakref.ref(instance)
+            except TypeError:
+                raise TypeError(
+                    f"{self._name}: a batcher on a method holds its instance weakly, and "
+                    f"{type(instance).__qualname__} objects cannot be weakly referenced: "
+                    "add '__weakref__' to its __slots__ (or weakref_slot=True to "
+                    "@dataclass(slots=True))"
+                ) from None
+            bound = self._rebind(ref)
             bound._attr = self._attr
             try:
                 # Stored under the same name: later lookups find it before this descriptor.
                 vars(instance)[self._attr or self._short_name()] = bound
-            except TypeError:
+            except TypeError:  # no __dict__ (__slots__): kept here, under the instance's id
                 if self._bound is None:
-                    self._bound = weakref.WeakKeyDictionary()
-                self._bound[instance] = bound
+                    self._bound = {}
+                key = id(instance)
+                self._bound[key] = bound
+                # Gone as the instance goes, before its id can name another object.
+                weakref.finalize(instance, self._bound.pop, key, None)
             weakref.finalize(instance, bound._owner_freed)
             return bound
 
@@ -371,7 +383,7 @@ class BatcherBase(Generic[T, R]):
         try:
             found = vars(instance).get(self._attr or self._short_name())
         except TypeError:
-            found = self._bound.get(instance) if self._bound is not None else None
+            found = self._bound.get(id(instance)) if self._bound is not None else None
         return found if isinstance(found, type(self)) else None
 
     def _short_name(self) -> str:

@@ -5,6 +5,7 @@ statistics, and the latency SLO mode; end to end through the public API."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import threading
 import weakref
@@ -146,7 +147,16 @@ class SlottedModel:
         return [(self.name, x) for x in xs]
 
 
-@pytest.mark.parametrize("cls", [Model, SlottedModel])
+@dataclasses.dataclass(slots=True, weakref_slot=True)
+class SlottedDataclassModel:  # no __dict__, and unhashable (eq=True): kept by id
+    name: str
+
+    @batchline.dynamically(timeout_ms=0)
+    def predict(self, xs: list[int]) -> list[tuple[str, int]]:
+        return [(self.name, x) for x in xs]
+
+
+@pytest.mark.parametrize("cls", [Model, SlottedModel, SlottedDataclassModel])
 def test_methods_get_one_batcher_per_instance(cls: type[Any]) -> None:
     a, b = cls("a"), cls("b")
     assert isinstance(cls.predict, ThreadBatcher)
@@ -159,6 +169,33 @@ def test_methods_get_one_batcher_per_instance(cls: type[Any]) -> None:
     assert cls.predict.stats.items == 0, "the class-level descriptor runs nothing itself"
     a.predict.close()
     b.predict.close()
+
+
+def test_equal_instances_get_batchers_of_their_own() -> None:
+    a, b = SlottedDataclassModel("same"), SlottedDataclassModel("same")
+    assert a == b
+    assert a.predict is not b.predict
+    a.predict(1)
+    assert (a.predict.stats.items, b.predict.stats.items) == (1, 0)
+    ref = weakref.ref(a)
+    del a
+    gc.collect()
+    assert ref() is None, "the batcher must not keep its instance alive"
+    assert b.predict(2) == ("same", 2)
+    b.predict.close()
+
+
+def test_a_method_of_instances_without_weak_references_says_what_they_need() -> None:
+    @dataclasses.dataclass(slots=True)
+    class Unreferenceable:
+        name: str
+
+        @batchline.dynamically(timeout_ms=0)
+        def predict(self, xs: list[int]) -> list[int]:
+            return xs
+
+    with pytest.raises(TypeError, match="weakref_slot=True"):
+        Unreferenceable("x").predict(1)
 
 
 def test_an_instance_is_freed_and_its_worker_exits() -> None:
