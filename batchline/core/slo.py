@@ -17,7 +17,9 @@ the target times a margin that feedback adjusts: when the p99 of the latencies o
 the recent window is above the target the margin shrinks, when it is well below the margin
 grows back (bounded), so the worst-case bound, which real traffic rarely meets, does not waste
 throughput. When the arrival rate exceeds what that batch size can serve, no setting meets the
-target: the controller then serves the most it can (``max_batch_size``) until the load falls.
+target: the controller then gives up the target for throughput until the load falls, with no
+wait and the smallest batch that serves the load and backlog with headroom (up to
+``max_batch_size``, which it takes when none does).
 """
 
 from __future__ import annotations
@@ -188,7 +190,7 @@ class SloController:
         while need < cfg.max_batch_size and self._capacity(need) < load:
             need += 1
         if need > fits:
-            # No setting meets the target at this load: serve the most it can.
+            # No setting meets the target at this load: keep up with it, without a wait.
             return SloSettings(max(need, fits), 0.0, overloaded=True)
         timeout = min(cfg.max_timeout_s, max(0.0, budget - 2 * self.time_s(fits)))
         return SloSettings(fits, timeout)

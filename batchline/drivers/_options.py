@@ -24,8 +24,9 @@ Options of every decorator (:class:`BatchOptions`):
   ``batch_size``) and wait (up to ``timeout_ms``) online, from the batch function's measured
   time per batch size and the load, to keep the p99 of queue wait plus function time at or
   under this target while serving the most it can (:mod:`batchline.core.slo`); when the load
-  exceeds what any setting can serve within the target, it serves the most it can
-  (``batch_size``). ``stats`` shows the chosen settings. Default: off (fixed settings).
+  exceeds what any setting can serve within the target, it runs without a wait at the
+  smallest batch size that keeps up with the load (up to ``batch_size``). ``stats`` shows
+  the chosen settings. Default: off (fixed settings).
 
 Plain decorators (:class:`ThreadOptions`) add ``length_fn``: an item's length in tokens, a
 number >= 0 (a fraction counts as the next whole number; anything else is the call's
