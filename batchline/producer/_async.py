@@ -463,26 +463,9 @@ class AsyncProducer:
         fut = cast("asyncio.Future[Result]", waiter)  # reply=True: there is one
         # Registered before the write goes (with the next flush, after _send returns).
         state = self._streams.open(rid, fut, self._waiting.inputs.get(rid, ""))
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout_s is None else loop.time() + timeout_s
         try:
-            while True:
-                if state.error is not None:
-                    raise state.error
-                if fut.done():
-                    yield state.last(fut.result().unwrap())
-                    return
-                chunk = state.pending()
-                if chunk is not None:
-                    yield chunk
-                    continue
-                state.event.clear()
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        await state.event.wait()
-                except TimeoutError:
-                    what = f"request {rid} did not finish within {timeout_s:g} s"
-                    raise await self._timed_out(what) from None
+            async for chunk in state.follow(fut, timeout_s, self._timed_out):
+                yield chunk
         finally:
             # Left before its end: it waits no more, and the request is cancelled; unless its
             # stream diverged (a re-run that generated otherwise), whose re-run goes on to its

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from batchline.codec import Result
 from batchline.codec._chunks import Chunk, check_logprobs, unpack_chunks
-from batchline.errors import DecodeError, InferenceError, StreamDiverged
+from batchline.errors import DecodeError, InferenceError, RequestTimeout, StreamDiverged
 from batchline.transport import Admission, RedisClient, redis_failure
 
 __all__ = ["StreamChunk", "StreamState", "Streams", "quiet_cancel"]
@@ -136,6 +136,35 @@ class StreamState:
         )
         self.yielded_tokens, self.yielded_chars = len(self.tokens), len(self.text)
         return chunk
+
+    async def follow(
+        self,
+        fut: asyncio.Future[Result],
+        timeout_s: float | None,
+        timed_out: Callable[[str], Awaitable[RequestTimeout]],
+    ) -> AsyncIterator[StreamChunk]:
+        """This stream's chunks as they come, then its last, made from ``fut``'s result; the
+        error that ended it (:attr:`error`), or ``timed_out``'s RequestTimeout where it has
+        not ended ``timeout_s`` seconds after the call (None: no limit)."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        while True:
+            if self.error is not None:
+                raise self.error
+            if fut.done():
+                yield self.last(fut.result().unwrap())
+                return
+            chunk = self.pending()
+            if chunk is not None:
+                yield chunk
+                continue
+            self.event.clear()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self.event.wait()
+            except TimeoutError:
+                what = f"request {self.request_id} did not finish within {timeout_s:g} s"
+                raise await timed_out(what) from None
 
     def last(self, output: Any) -> StreamChunk:
         """The last chunk, from the request's output: what was not yielded yet."""
