@@ -270,8 +270,10 @@ class EventStream(ChunkStream[Choice]):
         calls = [ToolStream() for _ in range(info.n)] if info.tools else []
         while True:
             if calls and (chunk.text or chunk.logprobs):
-                deltas = calls[index].feed(chunk.text or "") or [{}]
+                deltas = calls[index].feed(chunk.text or "")
                 logprobs = chat_logprobs(chunk.logprobs)
+                if not deltas and logprobs is not None:
+                    deltas = [{}]  # nothing to show yet but the tokens' logprobs
                 for delta in deltas:  # (the tokens' logprobs with the first)
                     yield event(index, None, logprobs=logprobs, delta=delta)
                     logprobs = None

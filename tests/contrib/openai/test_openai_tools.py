@@ -72,8 +72,11 @@ def check_calls(calls: list[Any]) -> None:
 def streamed(client: Any, **options: Any) -> tuple[str, list[dict[str, Any]], str | None]:
     """A streamed chat's content, its calls joined from their deltas, its finish reason."""
     content, calls, reason = "", [], None
-    for chunk in client.chat.completions.create(stream=True, **options):
+    for n, chunk in enumerate(client.chat.completions.create(stream=True, **options)):
         choice = chunk.choices[0]
+        delta_fields = choice.delta.model_dump(exclude_none=True)
+        # Each chunk says something: the role (the first), text, a call, logprobs or the end.
+        assert n == 0 or delta_fields or choice.logprobs or choice.finish_reason, chunk
         content += choice.delta.content or ""
         for delta in choice.delta.tool_calls or []:
             if delta.id is not None:  # a call's first delta: its id, type and name
