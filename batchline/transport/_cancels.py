@@ -187,11 +187,10 @@ class CancelLog:
     ) -> None:
         """Block on the stream for new ids while ``running()``; rides out Redis restarts."""
         backoff = Backoff(logger, "cancel reader")
+        block = block_ms(redis)
         while running():
             try:
-                response = await redis.xread(
-                    {keys.cancels: self._last}, count=_PAGE, block=block_ms(redis)
-                )
+                response = await redis.xread({keys.cancels: self._last}, count=_PAGE, block=block)
             except Exception as caught:
                 exc = redis_failure(caught)
                 if exc is None:

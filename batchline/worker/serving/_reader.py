@@ -177,6 +177,7 @@ class Reader:
     ) -> None:
         streams = {name: ">" for name in reversed(self._streams)}
         backoff = Backoff(logger, "reader")
+        block = block_ms(client)  # (below the connection's socket timeout, if it has one)
         while not stop.is_set():
             room = self._entrance.room()
             # COUNT applies to each stream: split the room so the total stays within it,
@@ -203,7 +204,7 @@ class Reader:
                     )
                 if call is None or (wait and not response):
                     response = await client.xreadgroup(
-                        GROUP, self._worker_id, streams, count=per_stream, block=block_ms(client)
+                        GROUP, self._worker_id, streams, count=per_stream, block=block
                     )
             except ResponseError as exc:
                 if passing(exc):  # a failover, a restart under way: wait and try again
