@@ -478,8 +478,11 @@ class AsyncProducer:
                 self._tenants.stream_ended(rid)
 
     async def _timed_out(self, what: str) -> RequestTimeout:
-        """RequestTimeout for ``what``, naming the queue and whether a live worker serves it."""
-        return await timed_out(self._redis, self.keys, what)
+        """RequestTimeout for ``what``, naming the queue and whether a live worker serves it;
+        if none does, the command that starts one, with the Redis URL where this producer
+        made its client from it (a client handed in, as the web API's, may be another's)."""
+        url = self.settings.redis_url.get_secret_value() if self._own_client else None
+        return await timed_out(self._redis, self.keys, what, url=url)
 
     async def get_result(self, request_id: str, *, tenant: str | None = None) -> Result | None:
         """Read a request's result key: its Result, or None while there is none; raises

@@ -114,7 +114,7 @@ class NoWorkerWatch:
             at - self._since,
             self._keys.queue,
             self._url,
-            no_worker_hint(self._keys),
+            no_worker_hint(self._keys, self._url),
             self._gap,
         )
         self._gap = min(2 * self._gap, _MOST_GAP_S)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 import time
 from typing import Any
 
@@ -44,6 +45,8 @@ __all__ = [
 LIVE_WITHIN_S = 10.0
 #: The longest a timed-out call waits more to say whether a worker serves its queue.
 _LOOK_S = 1.0
+#: The Redis URL a worker connects to without BATCHLINE_REDIS_URL.
+_DEFAULT_URL = ServiceSettings.model_fields["redis_url"].default.get_secret_value()
 
 
 async def live_worker_count(
@@ -193,10 +196,14 @@ def _ms(figures: dict[str, float | None]) -> str:
     return "/".join("-" if v is None else f"{v:.1f}" for v in shown)
 
 
-async def timed_out(client: RedisClient, keys: QueueKeys, what: str) -> RequestTimeout:
+async def timed_out(
+    client: RedisClient, keys: QueueKeys, what: str, *, url: str | None
+) -> RequestTimeout:
     """The RequestTimeout for ``what`` (``"no result for request X within 30 s"``): it names
     the queue and says whether any live worker serves it (one heartbeat within
-    :data:`~batchline.transport.status.LIVE_WITHIN_S`), the first thing to check."""
+    :data:`~batchline.transport.status.LIVE_WITHIN_S`), the first thing to check; where none
+    does, how to start one (:func:`no_worker_hint`: ``url`` is the client's Redis URL, or
+    None for a message that leaves the service, such as the web API's answers)."""
     queue = keys.queue
     try:
         live = await live_workers(client, keys)
@@ -209,7 +216,7 @@ async def timed_out(client: RedisClient, keys: QueueKeys, what: str) -> RequestT
             f"(Redis: {type(exc).__name__})"
         )
     if not live:
-        return RequestTimeout(f"{what} on queue {queue!r}: {no_worker_hint(keys)}")
+        return RequestTimeout(f"{what} on queue {queue!r}: {no_worker_hint(keys, url)}")
     return RequestTimeout(
         f"{what} on queue {queue!r}, which {live} live worker{'s' if live > 1 else ''} "
         f"serve{'' if live > 1 else 's'}: busy or slow (batchline status shows the queue's "
@@ -225,10 +232,16 @@ async def live_workers(client: RedisClient, keys: QueueKeys) -> int:
         return await live_worker_count(client, keys)
 
 
-def no_worker_hint(keys: QueueKeys) -> str:
-    """What to say of a queue that no live worker serves, and how to start one for it."""
+def no_worker_hint(keys: QueueKeys, url: str | None) -> str:
+    """What to say of a queue that no live worker serves, and how to start one for it: the
+    command names the Redis URL ``url`` (its password redacted; None: not named) and the
+    prefix where they are not the defaults, for a worker started without them would serve
+    another Redis (often Debian's own, on localhost:6379) or another queue."""
+    shown = _DEFAULT_URL if url is None else redact_url(url)
+    where = "" if shown == _DEFAULT_URL else f"BATCHLINE_REDIS_URL={shlex.quote(shown)} "
     prefix = "" if keys.prefix == "batchline" else f"BATCHLINE_PREFIX={keys.prefix} "
     return (
         f"no live worker serves that queue (none sent a heartbeat within {LIVE_WITHIN_S:g} "
-        f"s); start one for it, e.g. {prefix}BATCHLINE_QUEUE={keys.queue} batchline worker"
+        f"s); start one for it, e.g. {where}{prefix}BATCHLINE_QUEUE={keys.queue} "
+        "batchline worker"
     )

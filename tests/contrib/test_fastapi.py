@@ -303,6 +303,7 @@ def test_no_result_in_time_is_504_and_cancels(
     # What to look at first: the queue, and that no worker serves it.
     detail = response.json()["detail"]
     assert f"on queue {keys.queue!r}: no live worker serves that queue" in detail, detail
+    assert "BATCHLINE_REDIS_URL" not in detail, detail  # an answer to a client: no Redis URL
 
 
 @pytest.mark.slow

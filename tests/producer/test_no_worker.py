@@ -1,7 +1,9 @@
 """No silent wait: a request waiting on a queue that no live worker serves is said in the
 producer's log within ``no_worker_log_s``, then again at doubling intervals, with or without
-a ``timeout_s``, from the blocking Producer, ``infer``, ``wait`` and ``stream`` alike; and
-the requests that live workers answer in time cost no Redis command for it."""
+a ``timeout_s``, from the blocking Producer, ``infer``, ``wait`` and ``stream`` alike, with
+a command that starts a worker for that queue on that Redis (its URL where it is not the
+default, its password never); and the requests that live workers answer in time cost no Redis
+command for it."""
 
 from __future__ import annotations
 
@@ -9,12 +11,14 @@ import asyncio
 import logging
 import re
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
 
+from batchline.errors import RequestTimeout
 from batchline.producer import AsyncProducer, Producer
 
 from tests.support.models_for_tests import GatedModel
@@ -24,7 +28,8 @@ WATCH = "batchline.producer._watch"
 SAID = re.compile(
     r"^(\d+) requests? waiting for up to [0-9.]+ s on queue '([^']+)' at (\S+): no live "
     r"worker serves that queue \(none sent a heartbeat within 10 s\); start one for it, e\.g\. "
-    r"BATCHLINE_QUEUE=(\S+) batchline worker \(said again in ([0-9.]+) s while it lasts\)$"
+    r"(?:BATCHLINE_REDIS_URL=(\S+) )?BATCHLINE_QUEUE=(\S+) batchline worker "
+    r"\(said again in ([0-9.]+) s while it lasts\)$"
 )
 
 
@@ -83,10 +88,13 @@ def test_the_blocking_infer_without_a_timeout_says_no_worker_serves_the_queue(
         first = lines[0]
         assert first.group(1) == "1"
         assert first.group(2) == queue
-        assert first.group(4) == queue
         assert first.group(3) == redis_url
+        # The command starts a worker on this Redis (not the default localhost:6379).
+        assert not redis_url.startswith("redis://localhost:6379/")
+        assert first.group(4) == redis_url
+        assert first.group(5) == queue
         # The gaps it announces double: 0.2, 0.4, 0.8 s.
-        assert [float(m.group(5)) for m in lines] == [0.2, 0.4, 0.8]
+        assert [float(m.group(6)) for m in lines] == [0.2, 0.4, 0.8]
         assert not answer.done()
         start_worker()
         assert answer.result(timeout=30) == "waits for a worker"
@@ -109,6 +117,38 @@ async def test_wait_and_stream_say_it_too(redis_url: str, queue: str, said: Said
         await asyncio.to_thread(said.wait_for, 2)
         streaming.cancel()
         await asyncio.gather(streaming, return_exceptions=True)
+
+
+async def test_the_command_names_the_redis_url_without_its_password(
+    redis_url: str, queue: str, said: Said
+) -> None:
+    """Through a Redis user with a password: the log and a timeout's RequestTimeout both give
+    the command with the URL, its password redacted; the password is in neither."""
+    password = f"pw-{uuid.uuid4().hex}"
+    user = f"nw-{uuid.uuid4().hex[:8]}"
+    admin = redis.Redis.from_url(redis_url)
+    admin.acl_setuser(
+        user, enabled=True, passwords=[f"+{password}"], keys="*", channels="*", commands=["+@all"]
+    )
+    url = redis_url.replace("redis://", f"redis://{user}:{password}@", 1)
+    shown = redis_url.replace("redis://", f"redis://{user}:***@", 1)
+    try:
+        async with AsyncProducer(redis_url=url, queue=queue, no_worker_log_s=0.1) as producer:
+            waiting = asyncio.ensure_future(producer.infer("waits for a worker"))
+            (line,) = await asyncio.to_thread(said.wait_for, 1)
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+            with pytest.raises(RequestTimeout) as caught:
+                await producer.infer("nobody answers", timeout_s=0.2)
+    finally:
+        admin.acl_deluser(user)
+        admin.close()
+    command = f"BATCHLINE_REDIS_URL='{shown}' BATCHLINE_QUEUE={queue} batchline worker"
+    assert command in str(caught.value), caught.value
+    assert line.group(3) == shown
+    assert line.group(4) == f"'{shown}'"
+    for text in (str(caught.value), line.string):
+        assert password not in text, text
 
 
 def test_a_busy_worker_is_not_a_missing_one(

@@ -38,7 +38,8 @@ async def test_a_timeout_without_a_worker_names_the_queue_and_says_none_serves_i
     for caught in (infer, wait, stream):
         message = str(caught.value)
         assert f"within 0.2 s on queue {queue!r}: {NO_WORKER}" in message, message
-        assert f"BATCHLINE_QUEUE={queue} batchline worker" in message, message
+        command = f"BATCHLINE_REDIS_URL={redis_url} BATCHLINE_QUEUE={queue} batchline worker"
+        assert command in message, message
     assert str(infer.value).startswith("no result for request ")
     assert str(stream.value).startswith("request ")
 

@@ -139,10 +139,11 @@ class Served:
 
     async def timeout_error(self, what: str) -> RequestTimeout:
         """The RequestTimeout for ``what`` on this queue: it names the queue and says
-        whether a live worker serves it, as the producer's own does."""
+        whether a live worker serves it, as the producer's own does (not the Redis URL: it
+        is an answer to a client)."""
         if self.client is None:
             raise RuntimeError("the app's lifespan has not run: serve it with an ASGI server")
-        return await timed_out(self.client, self.settings.keys, what)
+        return await timed_out(self.client, self.settings.keys, what, url=None)
 
     async def open(self) -> None:
         self.client = connect(self.settings)

@@ -242,6 +242,7 @@ def test_a_full_queue_is_429_and_no_answer_in_time_is_504_and_cancelled(
     response = http.post("/v1/completions", json=body)
     error = assert_error(response, 504, type="timeout_error")
     assert f"on queue {gen_queue!r}: no live worker serves that queue" in error["message"]
+    assert "BATCHLINE_REDIS_URL" not in error["message"], error  # no Redis URL to a client
     keys = QueueKeys(gen_queue)
     assert len(cancelled_ids(rclient, keys)) == 1  # nobody waits for it any more
     with Producer(redis_url=redis_url, queue=gen_queue) as producer:
@@ -415,6 +416,7 @@ def test_a_stream_with_no_answer_in_time_is_504_and_cancelled(
     error = assert_error(http.post("/v1/chat/completions", json=body), 504, type="timeout_error")
     assert error["message"].startswith("no new text within 0.5 s on queue"), error
     assert "no live worker serves that queue" in error["message"], error
+    assert "BATCHLINE_REDIS_URL" not in error["message"], error  # no Redis URL to a client
     cancels = wait_until(lambda: cancelled_ids(rclient, QueueKeys(gen_queue)), "the cancel")
     assert len(cancels) == 1
 
