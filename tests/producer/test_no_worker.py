@@ -19,6 +19,7 @@ import pytest
 import redis
 
 from batchline.errors import RequestTimeout
+from batchline.keys import QueueKeys
 from batchline.producer import AsyncProducer, Producer
 
 from tests.support.models_for_tests import GatedModel
@@ -174,7 +175,7 @@ def test_a_busy_worker_is_not_a_missing_one(
 
 def _zcounts(redis_url: str) -> int:
     """ZCOUNT calls the server has run: how the watch (and a timed-out request) counts live
-    workers, and no other command of the producer or the worker uses."""
+    workers, as a worker's heartbeat does; no other command of the producer uses it."""
     client = redis.Redis.from_url(redis_url)
     try:
         stats = client.info("commandstats").get("cmdstat_zcount", {})
@@ -183,12 +184,23 @@ def _zcounts(redis_url: str) -> int:
     return int(stats.get("calls", 0)) if isinstance(stats, dict) else 0
 
 
+def _beats(redis_url: str, queue: str) -> bool:
+    """Whether a worker of the queue has sent a heartbeat (its pipeline ran, ZCOUNT too)."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return bool(client.zcard(QueueKeys(queue).workers))
+    finally:
+        client.close()
+
+
 async def test_requests_answered_in_time_cost_no_redis_command(
     redis_url: str, queue: str, start_worker: Callable[..., WorkerThread]
 ) -> None:
-    start_worker()
+    # A worker's heartbeat counts the live workers too (ZCOUNT): one beat, at its start.
+    start_worker(heartbeat_s=3600.0)
     async with AsyncProducer(redis_url=redis_url, queue=queue) as producer:
         await producer.infer("warm-up", timeout_s=30)
+        await asyncio.to_thread(wait_until, lambda: _beats(redis_url, queue), "its first beat")
         before = _zcounts(redis_url)
         for _ in range(3):
             assert await producer.map(range(200), timeout_s=30) == list(range(200))
