@@ -27,7 +27,7 @@ __all__ = ["cli_reference", "command_settings", "main"]
 USAGE = """\
 commands:
   batchline demo                   the whole service on one machine: a private Redis, a worker
-                                   serving all-MiniLM-L6-v2, a rising load (about 1 minute)
+                                   serving all-MiniLM-L6-v2, a rising load (about 30 s)
   batchline demo --in-process      the in-process batcher (batchline.dynamically), no Redis
   batchline demo --generate        chat prompts answered live by a text-generation worker
   batchline worker [--batch-size 64 ...]

@@ -7,6 +7,8 @@ import re
 
 import pytest
 
+from batchline.cli._main import USAGE
+
 from .pages import pages
 from tests.support.service import REPO
 
@@ -84,3 +86,16 @@ def test_scripts_readme_names_every_benchmark_and_check() -> None:
         assert names
         missing = sorted(n for n in names if f"{package}.{n}`" not in text)
         assert missing == [], f"scripts/README.md does not name {package}: {missing}"
+
+
+def test_the_demo_takes_as_long_in_the_readme_the_help_and_getting_started() -> None:
+    """One figure for `batchline demo`'s duration (they once said ~1 min, about 1 minute and
+    about 20 s; it takes about 30 s)."""
+    guide = (REPO / "docs" / "getting-started.md").read_text(encoding="utf-8")
+    said = [
+        re.search(r"^batchline demo +#.*\(~(\d+ s)\)$", README, re.M),
+        re.search(r"a rising load \(about (\d+ s)\)", USAGE),
+        re.search(r"^`batchline demo` \(about (\d+ s) ", guide, re.M),
+    ]
+    assert all(said), said
+    assert {found.group(1) for found in said if found} == {"30 s"}, said
