@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from batchline import devices
-from batchline.devices import cpu_bf16_flags, pick_dtype, place
+from batchline.cli._options import field_docs
+from batchline.config import WorkerSettings
+from batchline.devices import cpu_bf16_flags, pick_device, pick_dtype, place
 
 torch = pytest.importorskip("torch")
 
@@ -69,6 +71,24 @@ def test_no_cpuinfo_means_no_native_bfloat16(
         assert pick_dtype("auto", "cpu") is torch.float32
     finally:
         cpu_bf16_flags.cache_clear()
+
+
+def test_the_device_help_names_every_device_auto_picks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--device``'s help (the setting's docstring, as --help shows it) names what ``auto``
+    picks: cuda, mps (Apple silicon) and cpu; ``--dtype``'s, that a ``generate`` model from
+    ``module:callable`` keeps its own dtype (:func:`place`, below)."""
+    mps = pytest.importorskip("torch.backends.mps")
+    picked = []
+    for cuda_there, mps_there in ((True, True), (False, True), (False, False)):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda there=cuda_there: there)
+        monkeypatch.setattr(mps, "is_available", lambda there=mps_there: there)
+        picked.append(pick_device("auto"))
+    assert picked == ["cuda", "mps", "cpu"]
+    docs = {name: " ".join(text.split()) for name, text in field_docs(WorkerSettings).items()}
+    assert docs["device"].startswith(
+        "auto (cuda when present, else mps on Apple silicon, else cpu)"
+    ), docs["device"]
+    assert "a generate model from module:callable keeps its own dtype" in docs["dtype"]
 
 
 def test_place_moves_only_what_it_is_told() -> None:

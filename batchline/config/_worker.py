@@ -30,9 +30,11 @@ class WorkerSettings(ServiceSettings):
             for ``generate``: ``smollm2`` (SmolLM2-135M-Instruct, what ``generate`` serves
             unless told), a causal-LM directory, a .gguf file, or ``module:callable``
             returning (model, tokenizer).
-        device: ``auto`` (cuda when present, else cpu), or a torch device.
+        device: ``auto`` (cuda when present, else mps on Apple silicon, else cpu), or a
+            torch device; a ``module:callable`` model places itself.
         dtype: ``auto`` (float16 on cuda; bfloat16 on a CPU that computes it natively, AMX
-            or AVX512_BF16; else float32), ``float32``, ``float16`` or ``bfloat16``.
+            or AVX512_BF16; else float32; but a ``generate`` model from ``module:callable``
+            keeps its own dtype), ``float32``, ``float16`` or ``bfloat16``.
         backend: how ``sentence-transformers`` runs on a CPU: ``torch``, ``onnx``
             (onnxruntime), ``onnx-int8`` (its weights quantized to int8), ``openvino`` or
             ``openvino-int8`` (weights and activations in int8, calibrated); the ONNX export

@@ -177,8 +177,9 @@ class Generator(_Base):
     causal-LM directory, a ``.gguf`` file, or a loaded model (then pass ``tokenizer``, or
     ``prompt_ids`` on every call). ``device`` and ``dtype`` (``auto``, ``float32``,
     ``float16``, ``bfloat16``) place a loaded model only where named (``auto`` keeps it where
-    and as it is); one loaded by name gets ``auto``: cuda in float16, else cpu in bfloat16
-    where the CPU computes it natively (AMX, AVX512_BF16), else in float32.
+    and as it is); one loaded by name gets ``auto``: cuda in float16, else mps in float32,
+    else cpu in bfloat16 where the CPU computes it natively (AMX, AVX512_BF16), else in
+    float32.
     Loading blocks: build it before the event loop, or with
     ``await asyncio.to_thread(Generator, ...)``. The model runs on a thread of its own.
 
