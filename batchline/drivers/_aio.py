@@ -376,6 +376,12 @@ class AioBatcher(BatcherBase[T, R]):
             self._thread = _FunctionThread(f"batchline:{self._name}")
         return self._thread
 
+    def keep_off_loop(self) -> None:
+        """Run a plain function on the batcher's thread from now on, never inline on the
+        event loop (its calls wait for something that needs the loop free: a worker's
+        coroutine model, or its turn among other queues' calls)."""
+        self._pace = Pace(0.0)
+
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def aclose(self, *, drain: bool = True) -> None:

@@ -140,7 +140,7 @@ class Worker:
 
     def take_turns(self, turns: Turns) -> None:
         """Run each model call in its turn among the other queues' of the process."""
-        self._parts.guard.turns = turns
+        self._parts.guard.take_turns(turns)
 
     def stats(self) -> dict[str, Any]:
         """This worker's statistics, as published with its heartbeat."""
@@ -153,6 +153,7 @@ class Worker:
         loop = self._loop = asyncio.get_running_loop()
         p = self._parts
         p.guard.bound_file = self.bound_file
+        p.guard.loop = loop  # where a coroutine model's calls run
         hung = self._hand_back = asyncio.Event()
         # From the start: a signal while it waits for Redis or loads its model stops it too
         # (and a second one, Ctrl-C reaching it twice, changes nothing).

@@ -105,6 +105,11 @@ def test_a_process_crash_on_one_input_spares_its_batch_mates(
     assert logs.count("died (signal 6); restarting") == 3
 
 
+@pytest.mark.parametrize(
+    ("model", "max_batch_ms"),
+    [("hang", 1500), ("async_hang", 1000)],
+    ids=["plain", "coroutine"],  # async_hang awaits on the event loop, which stays free
+)
 @pytest.mark.slow
 def test_a_hang_on_one_input_is_handed_back_and_dead_lettered(
     spawn_worker: Callable[..., WorkerProcess],
@@ -113,19 +118,21 @@ def test_a_hang_on_one_input_is_handed_back_and_dead_lettered(
     rclient: redis.Redis,
     keys: QueueKeys,
     tmp_path: Path,
+    model: str,
+    max_batch_ms: int,
 ) -> None:
     record = tmp_path / "batches.jsonl"
     inputs: list[object] = list(range(200))
     inputs[5] = "hang"
     settings = dict(
-        batch_size=8, read_ahead=8, claim_idle_ms=1000, max_deliveries=2, max_batch_ms=1500
+        batch_size=8, read_ahead=8, claim_idle_ms=1000, max_deliveries=2, max_batch_ms=max_batch_ms
     )
     with Producer(redis_url=redis_url, queue=queue) as producer:
         workers = serve_with_one_bad_input(
             producer,
             lambda: [
                 spawn_worker(
-                    spec("hang"), env={"BLTEST_RECORD_FILE": str(record)}, ready=False, **settings
+                    spec(model), env={"BLTEST_RECORD_FILE": str(record)}, ready=False, **settings
                 )
                 for _ in range(2)
             ],
@@ -138,7 +145,7 @@ def test_a_hang_on_one_input_is_handed_back_and_dead_lettered(
     assert len(with_hang) == 2
     assert with_hang[1] == ["hang"]  # the second time alone
     logs = "".join(w.log() for w in workers)
-    assert logs.count("past max_batch_ms=1500") == 2
+    assert logs.count(f"past max_batch_ms={max_batch_ms}") == 2
     assert "handed back" in logs
     assert logs.count("died (status 70); restarting") == 2
 

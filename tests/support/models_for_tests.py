@@ -4,15 +4,16 @@ Workers in subprocesses import this module by name, so it has no test-only impor
 behaviour is steered by environment variables (not ``BATCHLINE_*``, which the settings
 reject as unknown):
 
-- ``BLTEST_RECORD_FILE``: ``record_batches``, ``slow``, ``crash``, ``abort`` and ``hang``
-  append each batch they are given to this file, one JSON list per line, before doing
-  anything else with it;
+- ``BLTEST_RECORD_FILE``: ``record_batches``, ``slow``, ``crash``, ``abort``, ``hang`` and
+  ``async_hang`` append each batch they are given to this file, one JSON list per line,
+  before doing anything else with it;
 - ``BLTEST_SLOW_S``: how long ``slow`` sleeps per batch; ``BLTEST_HANG_S``: how long
-  ``hang`` hangs.
+  ``hang`` and ``async_hang`` hang.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
@@ -194,6 +195,30 @@ def hang(items: list[Any]) -> list[Any]:
 
 
 hang.example = "warm-up"  # type: ignore[attr-defined]
+
+
+async def async_hang(items: list[Any]) -> list[Any]:
+    """``hang`` as a coroutine function: awaits (on the worker's event loop, which stays
+    free) for ``BLTEST_HANG_S`` when a batch holds "hang"."""
+    _record(items)
+    if "hang" in items:
+        await asyncio.sleep(float(os.environ.get("BLTEST_HANG_S", "600")))
+    return items
+
+
+async_hang.example = "warm-up"  # type: ignore[attr-defined]
+
+#: How long each call of ``async_nap`` awaits.
+NAP_S = 0.2
+
+
+async def async_nap(items: list[Any]) -> list[Any]:
+    """A coroutine function that awaits :data:`NAP_S`, then echoes; it has an ``example``."""
+    await asyncio.sleep(NAP_S)
+    return items
+
+
+async_nap.example = "warm-up"  # type: ignore[attr-defined]
 
 
 def hang_warming(items: list[Any]) -> list[Any]:

@@ -91,6 +91,8 @@ def build(model: Model, s: WorkerSettings, *, guard: Guard, starts: Starts) -> E
         on_batch_start=starts.before_batch,
         lock=model_lock,
     )
+    # A coroutine model's call waits on its batcher's thread for the loop: never inline.
+    guard.off_loop.append(batcher.keep_off_loop)
     if isinstance(model, CountsPadding):  # its padding figures reach the stats
         model.count_padding(batcher.record_padding)
     return Executors(batcher, alone, s.batch_size * s.read_ahead)
@@ -99,18 +101,18 @@ def build(model: Model, s: WorkerSettings, *, guard: Guard, starts: Starts) -> E
 def _infer(
     model: Model, guard: Guard, trace: WorkerTrace | None
 ) -> Callable[[list[Prepared]], Any]:
-    """The batch function: one model call, stamped and timed by ``guard`` (and in its span,
-    tracing on)."""
+    """The batch function: one model call to its end (a coroutine model's too:
+    :meth:`Guard.infer`), stamped and timed by ``guard`` (and in its span, tracing on)."""
     padded = pads(model)
 
     def infer(batch: list[Prepared]) -> Any:
         work = work_of(batch, pads=padded)
+        payloads = [p.payload for p in batch]
         if trace is not None:
             return guard.call(
-                lambda: trace.model_call(batch, lambda: model.infer([p.payload for p in batch])),
-                work,
+                lambda: trace.model_call(batch, lambda: guard.infer(model, payloads)), work
             )
-        return guard.call(lambda: model.infer([p.payload for p in batch]), work)
+        return guard.call(lambda: guard.infer(model, payloads), work)
 
     return infer
 

@@ -26,6 +26,12 @@ bound above the stalls of a busy machine. A model whose calls may take far longe
 recent ones at the same work (a remote model server that stalls, a compile on a new shape)
 should set ``max_batch_ms`` itself.
 
+A coroutine model (an ``async def`` batch function: its ``infer`` returns an awaitable) is
+called as a plain one is: on the batcher's thread, holding the model's lock, stamped and
+timed, while its coroutine runs on the worker's event loop and the thread waits for its end
+(:func:`finish`); its warm-up batch likewise. So its calls are bounded, and its hang handled,
+exactly as a plain model's.
+
 The guard. Every model call runs through :meth:`Guard.call`: stamped (the watchdog,
 :mod:`batchline.worker.upkeep._watchdog`, reads the stamp from its thread) and timed into the
 bound. When a call runs long (a quarter of its bound) the worker hands back the entries it
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import os
@@ -73,6 +80,7 @@ __all__ = [
     "Guard",
     "Stamp",
     "Timing",
+    "finish",
     "prime",
     "read_timing",
     "warm_up",
@@ -213,12 +221,38 @@ class Guard:
         #: The stamp of the model's load running (None between loads), for a model loaded
         #: by demand (None: no such model): the watchdog bounds it by ``max_load_s``.
         self.load_stamp: Callable[[], Stamp | None] | None = None
+        #: The worker's event loop, where a coroutine model's calls run (set as it runs).
+        self.loop: asyncio.AbstractEventLoop | None = None
+        #: Told once the model's calls may not run on the event loop's own thread (a
+        #: coroutine model, whose call waits for that loop; calls taking turns): the
+        #: executors' batchers then keep them on their threads.
+        self.off_loop: list[Callable[[], None]] = []
+        self._kept_off_loop = False
 
     @property
     def slow(self) -> bool:
         """A call runs long (its read-ahead was handed back): read and reclaim nothing."""
         running = self.running
         return running is not None and running is self._slow
+
+    def take_turns(self, turns: Turns) -> None:
+        """Run each model call in its turn among the other queues' of the process: never on
+        the event loop's own thread, which another queue's turn may need meanwhile."""
+        self.turns = turns
+        self._keep_off_loop()
+
+    def infer(self, model: Model, payloads: list[Any]) -> Any:
+        """``model.infer(payloads)`` to its end (:func:`finish`), on the caller's thread."""
+        outputs = model.infer(payloads)
+        if inspect.isawaitable(outputs):
+            self._keep_off_loop()
+        return finish(outputs, self.loop)
+
+    def _keep_off_loop(self) -> None:
+        if not self._kept_off_loop:
+            self._kept_off_loop = True
+            for keep in self.off_loop:
+                keep()
 
     def call(self, fn: Callable[[], T], work: float | None = None) -> T:
         """``fn()``, one model call of ``work`` (model calls are serialised by the batchers'
@@ -255,6 +289,7 @@ class Guard:
             pads=pads,
             padding=padding,
             before=None if bound_file is None else read_timing(bound_file),
+            loop=self.loop,
         )
         limit_ms = self.bound.limit_s() * 1e3
         logger.info(
@@ -339,16 +374,45 @@ def work_of(batch: Sequence[Prepared], *, pads: bool) -> float:
     return float(sum(p.length for p in batch))
 
 
+def finish(outputs: Any, loop: asyncio.AbstractEventLoop | None) -> Any:
+    """A model call's outputs: ``outputs`` as they are, or, a coroutine model's (an
+    awaitable), what it returns once run to its end on ``loop``, the worker's event loop,
+    while this thread waits for it, as it waits for a plain model's call. Never on ``loop``'s
+    own thread, which the wait would block for good (RuntimeError)."""
+    if not inspect.isawaitable(outputs):
+        return outputs
+    coroutine = outputs if asyncio.iscoroutine(outputs) else _awaited(outputs)
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    try:
+        if loop is None or running is loop:
+            where = "no event loop" if loop is None else "on its own event loop's thread"
+            raise RuntimeError(f"a coroutine model's call cannot run {where}")
+        future = asyncio.run_coroutine_threadsafe(coroutine, loop)  # RuntimeError: closed
+    except RuntimeError:
+        coroutine.close()  # never to run: no warning that it was never awaited
+        raise
+    return future.result()
+
+
+async def _awaited(outputs: Any) -> Any:
+    return await outputs
+
+
 def warm_up(
     model: Model,
     *,
     batch_size: int,
     pads: bool,
     padding: Callable[[int, int], None] | None = None,
+    loop: asyncio.AbstractEventLoop | None = None,
 ) -> Timing | None:
     """Time one full batch of the model's ``example`` input (None: it has none, or the batch
     failed, which is logged). Its outputs are dropped; a model that reports its padding
-    reports none of this batch's, and ``padding`` is its sink again afterwards."""
+    reports none of this batch's, and ``padding`` is its sink again afterwards. A coroutine
+    model's batch runs to its end on ``loop`` (:func:`finish`): the time is its call's."""
     example = getattr(model, "example", None)
     if example is None:
         return None
@@ -362,7 +426,7 @@ def warm_up(
             padded.count_padding(_ignore)
         started = time.perf_counter()
         try:
-            model.infer([p.payload for p in batch])
+            finish(model.infer([p.payload for p in batch]), loop)
         finally:
             if padded is not None and padding is not None:
                 padded.count_padding(padding)
@@ -381,14 +445,18 @@ def prime(
     pads: bool,
     padding: Callable[[int, int], None] | None = None,
     before: Timing | None = None,
+    loop: asyncio.AbstractEventLoop | None = None,
 ) -> str:
     """Give a derived bound its first timings before the worker serves: the warm-up batch
-    of ``model`` (None: none, as for generation) and the slowest call the previous worker
-    process timed (``before``). Returns how the bound stands, for the log."""
+    of ``model`` (None: none, as for generation; a coroutine model's runs on ``loop``) and
+    the slowest call the previous worker process timed (``before``). Returns how the bound
+    stands, for the log."""
     if not bound.auto:
         return "fixed" if bound.fixed_s else "no bound"
     timing = (
-        None if model is None else warm_up(model, batch_size=batch_size, pads=pads, padding=padding)
+        None
+        if model is None
+        else warm_up(model, batch_size=batch_size, pads=pads, padding=padding, loop=loop)
     )
     if timing is not None:
         bound.warmed_up(*timing)
