@@ -120,6 +120,7 @@ class Worker:
         #: The signal (SIGTERM, SIGINT) that stopped the worker, if one did.
         self.stop_signal: int | None = None
         self._hand_back: asyncio.Event | None = None  # set: stop handing back, not draining
+        self._stop_asked = False  # stop() was called (before run() had a loop, maybe)
 
     #: End the process if a hung model call blocks the event loop (``batchline worker``).
     exit_if_loop_blocked = False
@@ -155,6 +156,8 @@ class Worker:
         p.guard.bound_file = self.bound_file
         p.guard.loop = loop  # where a coroutine model's calls run
         hung = self._hand_back = asyncio.Event()
+        if self._stop_asked:  # stop() came before the loop: it stops now, before it starts
+            p.serving.stop()
         # From the start: a signal while it waits for Redis or loads its model stops it too
         # (and a second one, Ctrl-C reaching it twice, changes nothing).
         self._install_signals(loop)
@@ -419,7 +422,9 @@ class Worker:
         self.stop()
 
     def stop(self) -> None:
-        """Drain and stop; callable from any thread and from signal handlers."""
+        """Drain and stop; callable from any thread and from signal handlers, and before
+        :meth:`run` starts (it then returns at once)."""
+        self._stop_asked = True  # before the loop is read: run() sets the loop, then reads it
         loop = self._loop
         if loop is None or loop.is_closed():
             return

@@ -551,3 +551,32 @@ def test_worker_check_without_an_id_looks_for_this_host(
     wait_until(lambda: rclient.zscore(keys.workers, worker.worker_id), "a heartbeat")
     assert run_cli(*args).returncode == 0
     assert run_cli(*args, "--redis-url", "redis://127.0.0.1:1/0").returncode == 1
+
+
+@pytest.mark.parametrize("when", ["before the thread starts", "as the thread starts"])
+def test_a_stop_before_run_has_its_loop_ends_the_worker_when_it_starts(
+    redis_url: str, queue: str, when: str
+) -> None:
+    """``stop()`` that comes before ``run()`` has made its event loop is not lost: the run
+    returns as soon as it starts (stopped before the thread starts: that case for sure)."""
+    import threading
+
+    from batchline.worker import Worker
+
+    worker = Worker(model="batchline.worker.models:echo", redis_url=redis_url, queue=queue)
+    thread = threading.Thread(target=asyncio.run, args=(worker.run(),), daemon=True)
+    if when == "before the thread starts":
+        worker.stop()
+        thread.start()
+        thread.join(10)
+        assert not worker.ready.is_set()  # it never served
+    else:
+        thread.start()
+        worker.stop()
+    thread.join(10)
+    try:
+        assert not thread.is_alive()
+    finally:
+        if thread.is_alive():  # (the failure above: stop it now that its loop runs)
+            worker.stop()
+            thread.join(10)
