@@ -37,23 +37,55 @@ __all__ = ["apply_threads", "available_cpus", "prepare_environment"]
 
 logger = logging.getLogger(__name__)
 
-_CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+#: Where the cgroup file systems are mounted (in a container: its own cgroup's).
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+#: cgroup v1's CPU controller, by the names its mount goes by.
+_V1_CPU = ("cpu", "cpu,cpuacct", "cpuacct,cpu")
 
 
-def available_cpus() -> int:
-    """The cores this process may use: its CPU affinity, capped by a cgroup v2 CPU quota
-    (a container's ``--cpus`` or a Kubernetes CPU limit), at least 1."""
+def available_cpus(cgroup_root: Path = CGROUP_ROOT) -> int:
+    """The cores this process may use: its CPU affinity, capped by a cgroup CPU quota (a
+    container's ``--cpus`` or a Kubernetes CPU limit; cgroup v2's ``cpu.max`` or v1's
+    ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``, under ``cgroup_root``), at least 1."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
-    try:
-        quota, period = _CGROUP_CPU_MAX.read_text().split()[:2]
-        if quota != "max":
-            cores = min(cores, math.ceil(int(quota) / int(period)))
-    except (OSError, ValueError):
-        pass
+    quota = _cpu_quota(cgroup_root)
+    if quota is not None:
+        cores = min(cores, math.ceil(quota))
     return max(1, cores)
+
+
+def _cpu_quota(cgroup_root: Path = CGROUP_ROOT) -> float | None:
+    """The CPUs a cgroup quota under ``cgroup_root`` allows (None: no quota, or none read)."""
+    quotas = [_v2_quota(cgroup_root / "cpu.max")]
+    quotas += [_v1_quota(cgroup_root / name) for name in _V1_CPU]
+    found = [q for q in quotas if q is not None]
+    return min(found) if found else None
+
+
+def _v2_quota(cpu_max: Path) -> float | None:
+    """``<quota> <period>`` in microseconds, or ``max <period>`` (no quota)."""
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        return None if quota == "max" else _ratio(int(quota), int(period))
+    except (OSError, ValueError):
+        return None
+
+
+def _v1_quota(controller: Path) -> float | None:
+    """``cpu.cfs_quota_us`` (-1: no quota) over ``cpu.cfs_period_us``."""
+    try:
+        quota = int((controller / "cpu.cfs_quota_us").read_text())
+        period = int((controller / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return _ratio(quota, period)
+
+
+def _ratio(quota: int, period: int) -> float | None:
+    return quota / period if quota > 0 and period > 0 else None
 
 
 def prepare_environment(threads: int) -> None:

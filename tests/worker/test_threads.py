@@ -77,13 +77,30 @@ def test_default_threads_are_the_cores_available_and_a_given_wait_policy_stays(
 )
 def test_available_cpus_follows_affinity_and_a_cgroup_quota(
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
     cpu_max: str,
     expected: Callable[[int], int],
 ) -> None:
     affinity = len(os.sched_getaffinity(0))
     (tmp_path / "cpu.max").write_text(cpu_max)
-    monkeypatch.setattr(_cpu_threads, "_CGROUP_CPU_MAX", tmp_path / "cpu.max")
-    assert _cpu_threads.available_cpus() == expected(affinity)
-    monkeypatch.setattr(_cpu_threads, "_CGROUP_CPU_MAX", tmp_path / "absent")
-    assert _cpu_threads.available_cpus() == affinity
+    assert _cpu_threads.available_cpus(tmp_path) == expected(affinity)
+    assert _cpu_threads.available_cpus(tmp_path / "absent") == affinity
+
+
+@pytest.mark.parametrize("controller", ["cpu", "cpu,cpuacct"])
+@pytest.mark.parametrize(
+    ("quota_us", "expected"),
+    [
+        ("200000\n", lambda cores: min(cores, 2)),  # --cpus 2 under cgroup v1
+        ("50000\n", lambda cores: 1),
+        ("-1\n", lambda cores: cores),  # no quota
+    ],
+)
+def test_available_cpus_follows_a_cgroup_v1_quota(
+    tmp_path: Path, controller: str, quota_us: str, expected: Callable[[int], int]
+) -> None:
+    affinity = len(os.sched_getaffinity(0))
+    cpu = tmp_path / controller
+    cpu.mkdir()
+    (cpu / "cpu.cfs_quota_us").write_text(quota_us)
+    (cpu / "cpu.cfs_period_us").write_text("100000\n")
+    assert _cpu_threads.available_cpus(tmp_path) == expected(affinity)
