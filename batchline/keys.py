@@ -68,8 +68,11 @@ The Responses API (``/v1/responses``) keeps its stored responses under ``{respon
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 import socket
+import uuid
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -84,6 +87,8 @@ __all__ = [
     "check_name",
     "host_id",
     "is_name",
+    "new_worker_id",
+    "worker_host",
 ]
 
 GROUP = "batchline"
@@ -105,10 +110,39 @@ def is_name(value: object) -> bool:
     return isinstance(value, str) and _NAME.fullmatch(value) is not None
 
 
+#: The longest host part of an id.
+_HOST_CHARS = 40
+#: Hex digits of the hash that ends the host part of a host whose name is changed to fit.
+_HOST_HASH = 6
+#: A worker id the worker made itself: ``<host>-<pid>-<6 hex digits>``.
+_WORKER_ID = re.compile(r"(?P<host>.*)-[0-9]+-[0-9a-f]{6}")
+
+
 def host_id() -> str:
     """This host's name as the first part of a worker or producer id: at most 40 characters,
-    each one a letter, a digit, ``_``, ``.`` or ``-`` (any other becomes ``-``)."""
-    return _NOT_NAME.sub("-", socket.gethostname())[:40]
+    each one a letter, a digit, ``_``, ``.`` or ``-``. A name that is not such as it is
+    (longer, or with another character) keeps its first 33 characters, any other character
+    made ``-``, followed by ``-`` and 6 hex digits of the whole name's SHA-256: hosts whose
+    names share their first 40 characters (Kubernetes pods of one long Deployment name) get
+    host parts of their own."""
+    name = socket.gethostname()
+    clean = _NOT_NAME.sub("-", name)
+    if clean == name and len(name) <= _HOST_CHARS:
+        return name
+    digest = hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()
+    return f"{clean[: _HOST_CHARS - _HOST_HASH - 1]}-{digest[:_HOST_HASH]}"
+
+
+def new_worker_id() -> str:
+    """A worker's default id: ``<host>-<pid>-<6 random hex digits>`` (:func:`host_id`)."""
+    return f"{host_id()}-{os.getpid()}-{uuid.uuid4().hex[:_HOST_HASH]}"
+
+
+def worker_host(worker_id: str) -> str | None:
+    """The host part of a worker id of the default form (:func:`new_worker_id`), in full;
+    None for an id of another form (one the ``worker_id`` setting named)."""
+    match = _WORKER_ID.fullmatch(worker_id)
+    return None if match is None else match["host"]
 
 
 def check_name(kind: str, value: str) -> str:

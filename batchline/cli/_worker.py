@@ -109,7 +109,7 @@ def _worker(args: argparse.Namespace) -> int:
 async def _check(settings: Any, max_age_s: float | None) -> int:
     """Health check: a worker of this host (or ``worker_id``) sent a heartbeat lately, on
     every queue the settings serve (``serve``: each of its queues)."""
-    from batchline.keys import host_id
+    from batchline.keys import host_id, worker_host
     from batchline.transport import connect
     from batchline.transport.status import LIVE_WITHIN_S
 
@@ -127,14 +127,20 @@ async def _check(settings: Any, max_age_s: float | None) -> int:
     finally:
         await client.aclose()
     healthy = []
+    host = host_id()
     for served, names in found:
-        want = served.worker_id or host_id() + "-"
-        # A worker_id names one worker (w1 is not w12); without one, any worker of this host.
-        alive = [n for n in names if n == want or (not served.worker_id and n.startswith(want))]
+        # A worker_id names one worker (w1 is not w12); without one, any worker whose id
+        # names this host, the whole of its host part (host gpu is not gpu-2).
+        if served.worker_id:
+            alive = [n for n in names if n == served.worker_id]
+            whose = served.worker_id
+        else:
+            alive = [n for n in names if worker_host(n) == host]
+            whose = f"a worker of host {host}"
         if not alive:
             where = f" on queue {served.queue!r}" if settings.serve else ""
             print(
-                f"unhealthy: no heartbeat from {want}*{where} within {max_age_s:g} s",
+                f"unhealthy: no heartbeat from {whose}{where} within {max_age_s:g} s",
                 file=sys.stderr,
             )
             return 1
@@ -175,9 +181,9 @@ def worker_parser(sub: Any) -> argparse.ArgumentParser:
         worker,
         "--check",
         action="store_true",
-        text="health check instead of serving: exit 0 if a worker of this host (or the one "
-        "--worker-id names) sent a heartbeat within --max-age-s, else 1; reads only the Redis, "
-        "queue and worker_id settings",
+        text="health check instead of serving: exit 0 if a worker of this host (its id's "
+        "host part this host's, in full; or the one --worker-id names) sent a heartbeat "
+        "within --max-age-s, else 1; reads only the Redis, queue and worker_id settings",
     )
     add_option(
         worker,

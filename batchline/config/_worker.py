@@ -105,7 +105,9 @@ class WorkerSettings(ServiceSettings):
             the busiest by traffic (the rest count as ``other``; a tenant keeps its label
             until it has been idle 15 minutes).
         worker_id: this worker's name in the consumer group (host-pid-random: the host's
-            name, the process id and 6 random hex digits).
+            name, the process id and 6 random hex digits; a host name over 40 characters,
+            or with characters other than letters, digits, ``_``, ``.`` and ``-``, is cut to
+            33 and ends with 6 hex digits of its hash).
         cancel_max_ids: most cancelled request ids a worker remembers (the oldest go first).
         cancel_max_bytes: most bytes of cancelled request ids a worker remembers.
         max_read_bytes: most bytes of entries one read may bring in (COUNT shrinks after

@@ -35,11 +35,9 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import signal
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -47,7 +45,7 @@ from typing import Any
 
 from batchline.config import WorkerSettings, redact_url
 from batchline.errors import WorkerHung
-from batchline.keys import check_name, host_id
+from batchline.keys import check_name, new_worker_id
 from batchline.tracing import flush as flush_spans
 from batchline.transport import RedisArgument, ignoring_redis_failures, load_library, wait_for_redis
 from batchline.worker._assembly import assemble
@@ -97,9 +95,7 @@ class Worker:
             overrides["model"], model = model, None
         self.settings = s = settings or WorkerSettings(**overrides)
         self.keys = s.keys
-        self.worker_id = check_name(
-            "worker_id", s.worker_id or f"{host_id()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        )
+        self.worker_id = check_name("worker_id", s.worker_id or new_worker_id())
         self.threads = s.threads or available_cpus()
         self._parts = parts = assemble(
             s, model, worker_id=self.worker_id, threads=self.threads, redis=redis, pool=pool

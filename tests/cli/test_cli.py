@@ -469,3 +469,39 @@ def test_a_worker_says_once_it_serves_with_what(
     (line,) = [line for line in lines if "ready:" in line]
     assert line == lines[-1], worker.output
     assert line.split(" INFO batchline.worker._worker: ", 1)[1] == f"ready: queue {queue}, {ready}"
+
+
+GPU_2 = "gpu-2"
+# Two pods of one Deployment whose names (55 characters) share their first 49.
+POD_A = "batchline-embedding-workers-production-7d9f8c6b5d-xk2lq"
+POD_B = "batchline-embedding-workers-production-7d9f8c6b5d-q8v2n"
+
+
+@pytest.mark.parametrize(
+    ("host", "healthy"),
+    [("gpu", False), (POD_A, False), (GPU_2, True), (POD_B, True)],
+)
+def test_worker_check_counts_the_workers_of_this_host_only(
+    redis_url: str,
+    queue: str,
+    rclient: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    host: str,
+    healthy: bool,
+) -> None:
+    """Heartbeats from a worker of host gpu-2 and one of pod B: the check on host gpu, or on
+    pod A (whose own worker is gone), finds none of its own; on gpu-2 or pod B it does."""
+    from batchline.keys import host_id
+
+    assert len(POD_A) == len(POD_B) == 55
+    assert POD_A[:40] == POD_B[:40]
+    beats = {}
+    for pid, name in enumerate((GPU_2, POD_B), start=7):  # each worker's id, as on its host
+        monkeypatch.setattr(socket, "gethostname", lambda name=name: name)
+        beats[name] = f"{host_id()}-{pid}-0a1b2c"
+    rclient.zadd(QueueKeys(queue).workers, {worker: time.time() for worker in beats.values()})
+    monkeypatch.setattr(socket, "gethostname", lambda: host)
+    code = main(["worker", "--check", "--redis-url", redis_url, "--queue", queue])
+    assert code == (0 if healthy else 1)
+    assert beats[POD_B].startswith(POD_B[:33] + "-")  # readable: the name, then a hash
+    assert len(beats[POD_B].rsplit("-", 2)[0]) == 40
