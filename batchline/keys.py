@@ -79,6 +79,7 @@ from typing import ClassVar
 __all__ = [
     "GROUP",
     "ID_PATTERN",
+    "LIVE_WITHIN_S",
     "MAX_ID_CHARS",
     "BatchApiKeys",
     "QueueKeys",
@@ -92,6 +93,10 @@ __all__ = [
 ]
 
 GROUP = "batchline"
+
+#: A worker is live if its last heartbeat (its score in the workers set; every
+#: ``heartbeat_s``, 2 s by default and at most half of this) is at most this old.
+LIVE_WITHIN_S = 10.0
 
 #: The longest name (queue, prefix, request id, worker id).
 MAX_ID_CHARS = 128

@@ -22,6 +22,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from redis.asyncio import Redis
+
 import batchline
 from batchline.demo.embedded import EmbeddedRedis
 from batchline.producer import AsyncProducer
@@ -50,7 +52,7 @@ async def _one_request(url: str, args: argparse.Namespace, calls: Calls) -> None
         model_path=args.model_path,
         redis_url=url,
         queue="path",
-        heartbeat_s=3600,  # no upkeep beat inside the request's window
+        heartbeat_s=5,  # the longest period allowed: the request runs just after a beat
         claim_idle_ms=3_600_000,
         metrics_port=0,
     )
@@ -60,12 +62,29 @@ async def _one_request(url: str, args: argparse.Namespace, calls: Calls) -> None
             raise RuntimeError("the worker was not ready within 300 s")
         async with AsyncProducer(redis_url=url, queue="path") as producer:
             await producer.infer(args.value, timeout_s=60)  # the warm-up
+            await _just_after_a_heartbeat(url, worker)
             calls.on = True
             await producer.infer(args.value, timeout_s=60)
             calls.on = False
     finally:
         worker.stop()
         await running
+
+
+async def _just_after_a_heartbeat(url: str, worker: Worker) -> None:
+    """Until the worker's next heartbeat, and half a second more (the upkeep of the same
+    period runs about then): the request's window, far shorter than the period, then holds
+    no upkeep beat."""
+    client = Redis.from_url(url)
+    try:
+        last = await client.zscore(worker.keys.workers, worker.worker_id)
+        while True:
+            await asyncio.sleep(0.05)  # a look at the worker set, not a wait for work
+            if await client.zscore(worker.keys.workers, worker.worker_id) != last:
+                break
+    finally:
+        await client.aclose()
+    await asyncio.sleep(0.5)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ from batchline.codec import Limits
 from batchline.config._service import ServiceSettings
 from batchline.devices import check_device
 from batchline.drivers._options import DEFAULTS
+from batchline.keys import LIVE_WITHIN_S
 
 __all__ = ["WorkerSettings"]
 
@@ -99,7 +100,10 @@ class WorkerSettings(ServiceSettings):
             orchestrator that restarts containers itself or a benchmark that pauses it).
         max_chars: longest text accepted.
         max_elements: most array elements accepted in one request.
-        heartbeat_s: how often the worker reports it is alive, with its statistics.
+        heartbeat_s: how often the worker reports it is alive, with its statistics; at
+            most 5, half of the 10 s within which a heartbeat counts a worker live
+            (``batchline worker --check``, ``batchline status``), so that a late beat does
+            not make it look dead.
         metrics_port: port of the Prometheus /metrics endpoint (0: none).
         metrics_tenants: most tenants with a label of their own in the per-tenant metrics,
             the busiest by traffic (the rest count as ``other``; a tenant keeps its label
@@ -200,6 +204,18 @@ class WorkerSettings(ServiceSettings):
     @classmethod
     def _device(cls, value: str) -> str:
         return check_device(value)
+
+    @field_validator("heartbeat_s")
+    @classmethod
+    def _heartbeat_s(cls, value: float) -> float:
+        most = LIVE_WITHIN_S / 2
+        if value > most:
+            raise ValueError(
+                f"heartbeat_s must be at most {most:g}: a worker counts as live for "
+                f"{LIVE_WITHIN_S:g} s after its last heartbeat (worker --check, status), and a "
+                f"longer period would have it look dead between beats; got {value:g}"
+            )
+        return value
 
     @field_validator("adapters")
     @classmethod

@@ -26,7 +26,7 @@ from redis.exceptions import ResponseError
 
 from batchline.config import ServiceSettings, redact_url
 from batchline.errors import RequestTimeout
-from batchline.keys import GROUP, QueueKeys
+from batchline.keys import GROUP, LIVE_WITHIN_S, QueueKeys
 from batchline.transport._errors import redis_failure
 from batchline.transport._once import once_figures
 from batchline.transport._redis import RedisClient
@@ -41,8 +41,6 @@ __all__ = [
     "timed_out",
 ]
 
-#: A worker is live if its last heartbeat (2 s apart by default) is at most this old.
-LIVE_WITHIN_S = 10.0
 #: The longest a timed-out call waits more to say whether a worker serves its queue.
 _LOOK_S = 1.0
 #: The Redis URL a worker connects to without BATCHLINE_REDIS_URL.

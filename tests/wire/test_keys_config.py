@@ -146,6 +146,24 @@ def test_an_invalid_value_names_its_setting(
     assert f"invalid settings: {name}: " in capsys.readouterr().err
 
 
+def test_a_heartbeat_period_that_liveness_cannot_follow_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Beats further apart than half of the 10 s within which a heartbeat counts a worker
+    live (--check, status) would make a healthy worker look dead between them."""
+    from batchline.transport.status import LIVE_WITHIN_S
+
+    assert WorkerSettings(heartbeat_s=LIVE_WITHIN_S / 2).heartbeat_s == 5
+    for period in (5.5, LIVE_WITHIN_S, 30):
+        with pytest.raises(ValidationError, match="heartbeat_s must be at most 5: a worker"):
+            WorkerSettings(heartbeat_s=period)
+    with pytest.raises(ValidationError, match="heartbeat_s must be at most 5"):  # a queue's own
+        WorkerSettings(serve="q=batchline.worker.models:echo,heartbeat_s=30")
+    argv = ["worker", "--redis-url", "redis://127.0.0.1:1/0", "--heartbeat-s", "30"]
+    assert main(argv) == 2
+    assert "--heartbeat-s: heartbeat_s must be at most 5" in capsys.readouterr().err
+
+
 def test_unknown_variables_are_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BATCHLINE_BACTH_SIZE", "8")  # a typo must not pass silently
     with pytest.raises(ValueError, match="BATCHLINE_BACTH_SIZE"):
