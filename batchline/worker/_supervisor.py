@@ -16,8 +16,9 @@ takes only itself down and is dead-lettered after ``max_deliveries``.
   then starts nothing more and exits 0 after SIGTERM, 130 after SIGINT (Ctrl-C, as every
   ``batchline`` command), 1 if the child failed otherwise. A signal while it waits to
   restart a dead child stops it there, with the same status.
-- A child that was ready (serving) when it died is replaced after 0.1 s; back-off between
-  restarts doubles from there to 10 s while children die before they are ready; past
+- A child that was ready (serving) when it died, or had lived 10 s, is replaced after
+  0.1 s; back-off between restarts doubles from there to 10 s while children die before
+  they are ready and within 10 s of their start; past
   ``max_restarts_per_min`` restarts within a minute the supervisor gives up and exits 1 (a
   crash loop is for the orchestrator to see).
 - On Linux the child gets SIGKILL if the supervisor dies (``PR_SET_PDEATHSIG``), so a

@@ -249,10 +249,13 @@ class Worker:
             )
             await self._bounded_load(_on_a_thread(loop, loading), began)
             apply_threads(self.threads)
-            warm = p.generation is None and not isinstance(self.model, LazyModel)
+            # The warm-up batch of a model loaded now (one loaded by demand has not; a lazy
+            # one loaded at start, to be unloaded when idle, has).
+            model = self.model
+            warm = p.generation is None and (not isinstance(model, LazyModel) or model.loaded)
             measure = functools.partial(
                 p.guard.measure,
-                self.model if warm else None,  # (a lazy model: loaded by demand)
+                self.model if warm else None,
                 pads=pads(self.model),
                 padding=getattr(p.executors.main, "record_padding", None),
             )
