@@ -67,6 +67,8 @@ logger = logging.getLogger(__name__)
 
 #: How long a hung worker waits for its reader's current read before it cuts it off.
 _READER_GRACE_S = 3.0
+#: The longest pause between two loads of a model (loaded by demand) that failed to load.
+_LOAD_AGAIN_MAX_S = 60.0
 
 
 class Worker:
@@ -341,10 +343,36 @@ class Worker:
             jobs["unload"] = every(
                 min(self.model.idle_s / 4, 1.0), "unload", self._unload_if_idle, closing
             )
+        if isinstance(self.model, LazyModel):
+            jobs["load-again"] = self._load_again(self.model, loop, closing)
         if self._admits:
             jobs["admitter"] = p.admitter.run(running.is_set)
             jobs["admitter-wakes"] = p.admitter.run_wakes(running.is_set)
         return [loop.create_task(job, name=f"batchline-{name}") for name, job in jobs.items()]
+
+    async def _load_again(
+        self, model: LazyModel, loop: asyncio.AbstractEventLoop, closing: Callable[[], bool]
+    ) -> None:
+        """While the model, loaded by demand, cannot load (a request's load failed: the
+        worker reads nothing and is unhealthy): try the load again on a thread of its own,
+        after a back-off from ``heartbeat_s`` doubling to :data:`_LOAD_AGAIN_MAX_S`; once
+        it loads, the worker is healthy and reads again."""
+        p = self._parts
+        failing = p.guard.load_failing
+        pause_s = self.settings.heartbeat_s
+        while not closing():
+            await failing.wait()
+            await asyncio.sleep(pause_s)  # a back-off, not a poll for work
+            try:
+                await _on_a_thread(loop, model.ensure)
+            except Exception:  # logged by the model
+                pause_s = min(2 * pause_s, _LOAD_AGAIN_MAX_S)
+                continue
+            pause_s = self.settings.heartbeat_s
+            failing.clear()
+            self.metrics.healthy()
+            p.space.set()  # the reader: room again
+            logger.info("worker %s: its model loaded: serving again", self.worker_id)
 
     async def _close(self, tasks: list[asyncio.Task[None]]) -> None:
         # Cancelling alone is not enough on Python 3.11: a cancellation that lands just as

@@ -80,7 +80,11 @@ class Metrics:
             ("held", "Requests read and not yet answered"),
             ("batch_size_limit", "Batch size limit in force (chosen online with target_p99_ms)"),
             ("timeout_ms", "Wait for a batch to fill in force (ms)"),
-            ("healthy", "1 while serving, 0 once a model call ran past its max_batch_ms bound"),
+            (
+                "healthy",
+                "1 while serving, 0 once a model call ran past its max_batch_ms bound, or "
+                "while its model (loaded by demand) does not load",
+            ),
             ("max_batch_ms", "Longest a model call like the recent ones may run (ms, 0: no bound)"),
             ("model_load_seconds", "How long the model took to load (and warm up)"),
             ("model_weight_bytes", "Bytes of the model's weights and buffers (torch models)"),
@@ -248,6 +252,11 @@ class Metrics:
     def unhealthy(self) -> None:
         if "healthy" in self._gauges:
             self._gauges["healthy"].set(0)
+
+    def healthy(self) -> None:
+        """Serving again (its model, loaded by demand, loads after it failed to)."""
+        if "healthy" in self._gauges:
+            self._gauges["healthy"].set(1)
 
     def stop(self) -> None:
         if self._server is not None:

@@ -129,6 +129,7 @@ class LazyModel:
         self.loading: tuple[float, None] | None = None
         self.loads = 0
         self.unloads = 0
+        self._last_failure: str | None = None  # the last load's error, while it failed
         #: Called at each load with (seconds, weight bytes), and at each unload: the
         #: worker's metrics.
         self.on_load: Callable[[float, int | None], None] | None = None
@@ -244,12 +245,24 @@ class LazyModel:
         try:
             if not self.loaded and self.pool is not None:
                 self.pool.wait_for_starts()  # the other queues' loads at start come first
-            self._ensure()
+            try:
+                self._ensure()
+            except Exception as exc:
+                self._failed(exc)
+                raise
             yield
         finally:
             with self._lock:
                 self._in_use -= 1
                 self.last_used = self._clock()
+
+    def _failed(self, exc: Exception) -> None:
+        """A load by demand failed: logged as an error, with its traceback unless the last
+        load failed the same way."""
+        what = f"{type(exc).__name__}: {exc}"
+        again = what == self._last_failure
+        self._last_failure = what
+        logger.error("model %s did not load: %s", self.name, what, exc_info=None if again else exc)
 
     def _ensure(self) -> None:
         """Load the model unless it is loaded (once, whichever thread asks first)."""
@@ -291,6 +304,7 @@ class LazyModel:
             if self.on_load is not None:  # before its state says so (the statistics)
                 self.on_load(self.load_s, self.weights)
             self.loaded, self.state = True, "loaded"
+            self._last_failure = None
             self.last_used = self._clock()
             self.facts()  # remembered for while it is unloaded
             if self.pool is not None:  # its size known now (its first load: measured only now)

@@ -8,6 +8,7 @@ import logging
 import re
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from batchline.codec import (
@@ -28,7 +29,15 @@ from batchline.transport import input_hash
 from batchline.worker.models import Model, Prepared
 from batchline.worker.shared._held import Meta, Record
 
-__all__ = ["Outcome", "accounted", "answer", "billed", "dead_letter", "finished"]
+__all__ = [
+    "Outcome",
+    "Unprepared",
+    "accounted",
+    "answer",
+    "billed",
+    "dead_letter",
+    "finished",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +53,18 @@ _FIRST = {
 }
 
 
-#: What :func:`~._intake.prepare` makes of one entry: the record answering it at once, or its
-#: request and prepared items for the executor.
-Outcome = Record | tuple[Meta, list[Prepared]]
+@dataclass(frozen=True, slots=True)
+class Unprepared:
+    """A request that needs the model, which is loaded by demand and did not load
+    (``error``): it is not answered, but handed back for a worker whose model loads."""
+
+    meta: Meta
+    error: BaseException
+
+
+#: What :func:`~._intake.prepare` makes of one entry: the record answering it at once, its
+#: request and prepared items for the executor, or the request its model did not load for.
+Outcome = Record | tuple[Meta, list[Prepared]] | Unprepared
 
 
 def answer(

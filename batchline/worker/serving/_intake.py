@@ -25,8 +25,9 @@ from typing import Any, cast
 from batchline.codec import DecodeError, Limits, request_value
 from batchline.codec._requests import check_priority, decode_requests
 from batchline.worker.models import Model, Prepared
+from batchline.worker.models._lazy import LazyModel
 from batchline.worker.models._tokenize import TokenOps, op_of, token_ops
-from batchline.worker.serving._answers import Outcome, answer, dead_letter
+from batchline.worker.serving._answers import Outcome, Unprepared, answer, dead_letter
 from batchline.worker.shared._held import Entry, Meta, Record
 
 __all__ = ["Outcome", "Preparer", "prepare", "settle_tokenizer"]
@@ -115,10 +116,13 @@ def prepare(
     """Decode, validate and preprocess the entries of one read: each becomes its request's
     prepared items, or the record that answers it at once (malformed: dead-lettered;
     expired; refused by the model's ``preprocess``; deleted while pending: acknowledged; a
-    tokenize or detokenize value, where the model has ``ops``: answered here)."""
+    tokenize or detokenize value, where the model has ``ops``: answered here). Where the
+    model, loaded by demand, does not load, the requests that need it are
+    :class:`Unprepared` (not answered)."""
     now = time.time()
     out: list[Outcome | None] = []  # None: a request being preprocessed, filled in below
     waiting: list[tuple[int, Meta]] = []  # (its place in out, request) to preprocess
+    tokens: list[tuple[int, Meta]] = []  # (its place in out, request) to tokenize
     requests = iter(decode_requests([raw for _sidx, _entry, raw in batch if raw]))
     for sidx, entry, raw in batch:
         if not raw:  # deleted while pending: nothing to answer, only to acknowledge
@@ -140,11 +144,17 @@ def prepare(
         if deadline_ms is not None and deadline_ms <= now * 1e3:
             out.append(answer(meta, "expired", worker_id))
             continue
-        if ops is not None and op_of(value) is not None:
-            out.append(_token_answer(meta, ops, worker_id))
-            continue
-        waiting.append((len(out), meta))
+        (tokens if ops is not None and op_of(value) is not None else waiting).append(
+            (len(out), meta)
+        )
         out.append(None)
+    error = _load_error(model) if waiting or tokens else None
+    if error is not None:  # nothing that needs the model is answered: it goes back
+        for index, meta in (*waiting, *tokens):
+            out[index] = Unprepared(meta, error)
+        return cast("list[Outcome]", out)
+    for index, meta in tokens:
+        out[index] = _token_answer(meta, cast("TokenOps", ops), worker_id)
     counts = bool(getattr(model, "counts_tokens", False))
     for (index, meta), prepared in zip(
         waiting, _preprocess(model, [m.value for _, m in waiting]), strict=True
@@ -157,6 +167,18 @@ def prepare(
             meta.items = len(prepared)
             out[index] = (meta, prepared)
     return cast("list[Outcome]", out)  # the strict zip above filled every None
+
+
+def _load_error(model: Model) -> Exception | None:
+    """What the load of a model loaded by demand raised (None: it is loaded, by now; or the
+    model is loaded at start)."""
+    if not isinstance(model, LazyModel):
+        return None
+    try:
+        model.ensure()
+    except Exception as exc:  # logged by the model
+        return exc
+    return None
 
 
 def _token_answer(meta: Meta, ops: TokenOps, worker_id: str) -> Record:

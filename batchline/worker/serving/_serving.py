@@ -19,7 +19,7 @@ from batchline.drivers._base import Call
 from batchline.errors import BatcherClosed, BatchlineError
 from batchline.worker.metrics import Metrics
 from batchline.worker.models import Model, Prepared
-from batchline.worker.serving._answers import answer, dead_letter, finished
+from batchline.worker.serving._answers import Unprepared, answer, dead_letter, finished
 from batchline.worker.serving._chunk_writer import ChunkWriter
 from batchline.worker.serving._dispatch import Dispatcher
 from batchline.worker.serving._executors import Executors
@@ -109,9 +109,15 @@ class Serving:
 
     @property
     def open(self) -> bool:
-        """Reading, reclaiming: not stopping, not hung, no call running long (slow)."""
+        """Reading, reclaiming: not stopping, not hung, no call running long (slow), the
+        model not failing to load."""
         guard = self._guard
-        return not (self.stopped.is_set() or guard.hung.is_set() or guard.slow)
+        return not (
+            self.stopped.is_set()
+            or guard.hung.is_set()
+            or guard.slow
+            or guard.load_failing.is_set()
+        )
 
     def room(self) -> int:
         """How many more entries the reader may bring in (none while it is not open)."""
@@ -162,14 +168,20 @@ class Serving:
             reason = f"entry of {size} bytes exceeds the largest request ({limit} bytes)"
             self.refuse(sidx, entry, raw or {}, "MalformedRequest", reason)
         trace = self._trace
+        unprepared: list[Meta] = []
         for outcome in await self._prep(batch):
             if isinstance(outcome, Record):
                 self.answer(outcome)
+            elif isinstance(outcome, Unprepared):
+                unprepared.append(outcome.meta)
             else:
                 if trace is not None:
                     delivered = self._claims.deliveries.get(outcome[0].entry, 1) if alone else 1
                     trace.received(outcome[0], delivered)
                 self.submit(*outcome, alone=alone)
+        if unprepared:  # the model, loaded by demand, did not load for them
+            self._metrics.unhealthy()
+            await self._guard.cannot_load(unprepared)
 
     def submit(self, meta: Meta, prepared: list[Prepared], *, alone: bool = False) -> None:
         """Hand one request's prepared items to its executor (``alone``: the one that runs

@@ -68,7 +68,7 @@ from batchline.transport import (
     single_node,
 )
 from batchline.worker.models import CountsPadding, Model, Prepared
-from batchline.worker.shared._held import Claims
+from batchline.worker.shared._held import Claims, Meta
 from batchline.worker.shared._turns import Turns
 
 __all__ = [
@@ -221,6 +221,10 @@ class Guard:
         #: The stamp of the model's load running (None between loads), for a model loaded
         #: by demand (None: no such model): the watchdog bounds it by ``max_load_s``.
         self.load_stamp: Callable[[], Stamp | None] | None = None
+        #: Set (on the loop) while the model, loaded by demand, cannot load: its last load
+        #: failed and none has succeeded since. The worker reads and reclaims nothing
+        #: meanwhile, and is out of the workers' set (unhealthy).
+        self.load_failing = asyncio.Event()
         #: The worker's event loop, where a coroutine model's calls run (set as it runs).
         self.loop: asyncio.AbstractEventLoop | None = None
         #: Told once the model's calls may not run on the event loop's own thread (a
@@ -332,6 +336,22 @@ class Guard:
         metas = self._claims.forget(started=True)
         with ignoring_redis_failures():
             await self._sign_off(self._redis)
+        await self._claims.hand_back(metas, idle_ms=self._settings.claim_idle_ms)
+
+    async def cannot_load(self, metas: list[Meta]) -> None:
+        """The model, loaded by demand, did not load for these requests (on the loop): they
+        go back unanswered, their delivery counts as they were (idle past
+        ``claim_idle_ms``: another worker takes them at once); the worker signs off and is
+        :attr:`load_failing` until a load succeeds."""
+        if not self.load_failing.is_set():
+            self.load_failing.set()
+            logger.error(
+                "worker %s: its model did not load: handing back what needs it, reading "
+                "nothing and reporting unhealthy until a load succeeds",
+                self._claims.worker_id,
+            )
+            with ignoring_redis_failures():
+                await self._sign_off(self._redis)
         await self._claims.hand_back(metas, idle_ms=self._settings.claim_idle_ms)
 
     def abandon_blocked(self) -> None:

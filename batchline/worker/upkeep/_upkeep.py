@@ -243,8 +243,9 @@ def snapshot(
 
 class Heartbeat:
     """Every ``period_s``: the worker's liveness (its score in the workers set, where
-    entries older than an hour are dropped) and its statistics (a key expiring after three
-    periods), and its batch figures to the metrics."""
+    entries older than an hour are dropped; while not ``live()``, its entry removed
+    instead) and its statistics (a key expiring after three periods), and its batch figures
+    to the metrics."""
 
     def __init__(
         self,
@@ -257,9 +258,11 @@ class Heartbeat:
         batcher: Executor,
         metrics: Metrics,
         on_live: Callable[[int], None] | None = None,
+        live: Callable[[], bool] = lambda: True,
     ) -> None:
         self._redis, self._keys, self._worker_id = redis, keys, worker_id
         self._on_live = on_live
+        self._live = live
         self._period_s = period_s
         self._stats = stats
         self._batcher = batcher
@@ -280,7 +283,10 @@ class Heartbeat:
     async def beat(self) -> None:
         now = time.time()
         async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.zadd(self._keys.workers, {self._worker_id: now})
+            if self._live():
+                pipe.zadd(self._keys.workers, {self._worker_id: now})
+            else:  # unhealthy (its model cannot load): not counted among the live
+                pipe.zrem(self._keys.workers, self._worker_id)
             pipe.zremrangebyscore(self._keys.workers, "-inf", now - 3600)
             pipe.set(
                 self._keys.worker_stats(self._worker_id),
@@ -361,6 +367,7 @@ class Upkeep:
             batcher=executor,
             metrics=metrics,
             on_live=on_live,
+            live=lambda: not guard.load_failing.is_set(),
         )
 
     def stats(self) -> dict[str, Any]:
