@@ -7,7 +7,10 @@
 py="${PYTHON:-python3}"
 venv=""
 base_py="$py"
-if "$py" -c 'import os, sys, sysconfig; sys.exit(sys.prefix != sys.base_prefix or not os.path.isfile(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")))' 2>/dev/null; then
+# (setup.sh sets making_venv=1: it makes .venv; test.sh and demo.sh take an existing one only,
+# else the interpreter as it is, into which batchline may have been installed another way.)
+if { [ -n "${making_venv:-}" ] || [ -x .venv/bin/python ]; } \
+    && "$py" -c 'import os, sys, sysconfig; sys.exit(sys.prefix != sys.base_prefix or not os.path.isfile(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")))' 2>/dev/null; then
     venv=.venv
     py="$venv/bin/python"
     PATH="$PWD/$venv/bin:$PATH"

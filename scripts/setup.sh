@@ -18,6 +18,7 @@ cd "$(dirname "$0")/.."
 # fast: uvloop, the event loop of `batchline worker` and the blocking Producer.
 # otel: OpenTelemetry's SDK and OTLP exporter (tests/e2e/test_tracing.py traces with them).
 extras="${BATCHLINE_EXTRAS:-dev,redis,embed,service,web,demo,generate,cpu-fast,fast,otel}"
+making_venv=1
 . scripts/python.sh
 cpu_index="https://download.pytorch.org/whl/cpu"
 export PIP_DISABLE_PIP_VERSION_CHECK=1

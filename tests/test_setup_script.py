@@ -227,3 +227,13 @@ def test_test_sh_runs_the_python_setup_installed_into(managed: bool, tmp_path: P
     assert args == "-m pytest -q -p no:cacheprovider -k x", run
     expected = venv_python if managed else tmp_path / "bin" / "python3"
     assert tmp_path / "repo" / python == expected, run  # the checkout's root is its directory
+
+
+def test_test_sh_without_a_venv_runs_the_python_as_it_is(tmp_path: Path) -> None:
+    """Where python3 is externally managed but setup made no .venv (batchline installed into
+    it another way), scripts/test.sh runs $PYTHON, not a .venv that is not there."""
+    env = {"MANAGED": "1", "SKIP_SETUP": "1"}
+    _out, record = _run_setup(tmp_path, "installed", env, ("test.sh", "-k", "x"))
+    (run,) = record.read_text().splitlines()
+    python, _args = run.split(" ", 1)
+    assert tmp_path / "repo" / python == tmp_path / "bin" / "python3", run

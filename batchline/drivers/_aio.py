@@ -276,6 +276,8 @@ class AioBatcher(BatcherBase[T, R]):
             await asyncio.gather(*running, return_exceptions=True)
             for item in policy.drain():
                 item.reject(BatcherClosed(f"{self._name}: its event loop is shutting down"))
+            if self._closed:
+                self._release_thread()
             raise
         finally:
             state.task = None
@@ -406,6 +408,9 @@ class AioBatcher(BatcherBase[T, R]):
         self._closed = True
         self._draining = True
         self._signal_all(None)
+        live = [s for loop, s in list(self._states.items()) if s.task and not loop.is_closed()]
+        if not live:  # no worker left to drain anything and end the thread as it returns
+            self._release_thread()
 
     def _shutdown(self, reason: BaseException) -> None:
         self._closed = True

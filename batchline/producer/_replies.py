@@ -30,7 +30,7 @@ from redis.exceptions import RedisError
 
 from batchline.codec import DecodeError, Limits, Result, unpack_result
 from batchline.codec._chunks import CHUNKS_FIELD
-from batchline.codec._results import decode_flat, quota_exceeded
+from batchline.codec._results import decode_flat, quota_exceeded, result_map
 from batchline.errors import RequestIdConflict
 from batchline.producer._stream import Streams
 from batchline.tenants import tenant_of
@@ -59,15 +59,6 @@ __all__ = [
 _QUIET_S = 10.0
 
 logger = logging.getLogger(__name__)
-
-#: What a result valid but for the producer's limits is read with (:meth:`ReplyReader._refuse`).
-_UNBOUNDED = Limits(
-    max_meta_bytes=1 << 62,
-    max_blob_bytes=1 << 62,
-    max_elements=1 << 62,
-    max_chars=1 << 62,
-    max_items=1 << 62,
-)
 
 
 class Waiters(dict[str, list["asyncio.Future[Result]"]]):
@@ -270,11 +261,13 @@ class ReplyReader:
                     self.deliver_all(raw)
                 if seen and key in last:
                     last[key] = seen[-1]
-                    read.setdefault(key, []).extend(seen)
+                    read[key] = read.get(key, []) + seen  # (a new list: see below)
             for key, ids in list(read.items()):
                 with ignoring_redis_failures():
                     await client.xdel(key, *ids)
-                    if read.get(key) is ids:  # (a task replaced meanwhile may delete them too)
+                    # (a task replaced meanwhile may delete them too; what it read since is
+                    # a list of its own, kept)
+                    if read.get(key) is ids:
                         del read[key]
 
     def deliver_all(self, raw: Any) -> None:
@@ -349,23 +342,39 @@ class ReplyReader:
         return (dropped, first) if dropped else None
 
     def _refuse(self, flat: Any, exc: DecodeError) -> bool:
-        """Settle with ``exc`` the waiters of a result that is valid but over this
-        producer's limits (``max_result_bytes``), where it names a request waited for here
-        and carries the input hash that request was sent with: a worker's answer, which
-        the caller would otherwise wait for in vain. Anything else (a malformed, stray or
-        forged entry) is dropped; returns whether it was settled."""
-        try:  # (already in memory: the entry is read)
-            result = decode_flat(flat if isinstance(flat, list) else None, _UNBOUNDED)
-        except Exception:
-            return False  # malformed, not merely large
-        sent = self._waiting.inputs.get(result.id)
-        if not result.input_hash or result.input_hash != sent:
+        """Settle with ``exc`` the waiters of a result whose value is over this producer's
+        limits (``max_result_bytes``: its ``meta`` or ``blob`` longer than they allow, not
+        decoded), where it names a request waited for here and carries the input hash that
+        request was sent with: a worker's answer, which the caller would otherwise wait for
+        in vain. Anything else (a malformed, stray or forged entry) is dropped; returns
+        whether it was settled."""
+        try:
+            fields = result_map(flat if isinstance(flat, list) else None)
+        except DecodeError:
             return False
-        for fut in self._waiting.forget(result.id):
+        meta, blob = fields.get(b"meta", b""), fields.get(b"blob", b"")
+        rid, ih = fields.get(b"id"), fields.get(b"ih")
+        if not (
+            isinstance(meta, bytes)
+            and isinstance(blob, bytes)
+            and isinstance(rid, bytes)
+            and isinstance(ih, bytes)
+        ):
+            return False
+        limits = self._limits
+        if len(meta) <= limits.max_meta_bytes and len(blob) <= limits.max_blob_bytes:
+            return False  # malformed otherwise, not too large
+        try:
+            request_id, input_hash = rid.decode(), ih.decode()
+        except UnicodeDecodeError:
+            return False
+        if not input_hash or self._waiting.inputs.get(request_id) != input_hash:
+            return False
+        for fut in self._waiting.forget(request_id):
             if not fut.done():
                 fut.set_exception(
                     DecodeError(
-                        f"the result of request {result.id} was refused by this producer's "
+                        f"the result of request {request_id} was refused by this producer's "
                         f"limits (max_result_bytes): {exc}"
                     )
                 )

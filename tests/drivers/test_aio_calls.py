@@ -216,6 +216,28 @@ async def test_close_drains_what_is_queued_without_waiting(how: str, is_async: b
         assert not thread.is_alive()
 
 
+def test_close_after_the_loop_ended_ends_the_batchers_thread() -> None:
+    """A plain function's batcher used under ``asyncio.run`` and closed after: no loop is
+    left to drain anything, and close() ends the batcher's thread itself."""
+    ran_on: list[threading.Thread] = []
+
+    def recorded(xs: list[int]) -> list[int]:
+        ran_on.append(threading.current_thread())
+        return double(xs)
+
+    f = batchline.aio.dynamically(batch_size=8, timeout_ms=0)(recorded)
+
+    async def once() -> int:
+        return int(await f(3))
+
+    assert asyncio.run(once()) == 6
+    (thread,) = set(ran_on)
+    assert thread is not threading.current_thread()
+    f.close()
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+
+
 async def test_async_with_closes() -> None:
     async with batchline.aio.dynamically(timeout_ms=0)(adouble) as f:
         assert await f(2) == 4

@@ -5,6 +5,7 @@ when the budget needs room; a failed load fails its call and is tried again on t
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
@@ -129,6 +130,35 @@ def test_a_model_is_never_unloaded_while_a_call_runs() -> None:
     t.join()
     clock.now = 200.0
     assert model.unload_if_idle()
+
+
+def test_a_coroutine_models_call_keeps_it_in_use_until_its_end() -> None:
+    """An ``async def`` model's infer returns a coroutine, which runs after infer returned
+    (on the worker's loop): the model is in use until that coroutine ends, not only while
+    it is made."""
+    clock = Clock()
+    model = lazy("a", clock=clock)
+    model.infer(["warm"])
+    inner = model._inner  # noqa: SLF001
+    release = asyncio.Event()
+
+    async def slow(batch: list[Any]) -> list[Any]:
+        await release.wait()
+        return batch
+
+    inner.infer = slow
+
+    async def call() -> None:
+        running = asyncio.ensure_future(model.infer(["x"]))
+        await asyncio.sleep(0)  # it runs, and waits
+        clock.now = 100.0
+        assert not model.unload_if_idle()  # its call runs
+        release.set()
+        assert await running == ["x"]
+        clock.now = 200.0
+        assert model.unload_if_idle()
+
+    asyncio.run(call())
 
 
 def test_the_budget_unloads_the_least_recently_used_idle_models_first() -> None:

@@ -444,7 +444,11 @@ class BatchRun:
         error = {"code": "input_file_deleted", "message": f"the input file {exc} was deleted"}
         fields = await self._read()
         errors = json.dumps([error])
-        await self.guarded(lambda pipe: self._end(pipe, fields, "failed", errors=errors))
+        end = functools.partial(self._end, fields=fields, final="failed", errors=errors)
+        if not await self.guarded(end, moving="failed"):  # a cancel accepted first
+            fields = await self._read()
+            cancelled = functools.partial(self._end, fields=fields, final="cancelled")
+            await self.guarded(cancelled, moving="cancelled")
 
     async def _write(self) -> None:
         """Write the answers as they come, a chunk per transaction, until None; each chunk

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from batchline.worker.models._protocol import LOADING, Model, Prepared
@@ -203,8 +204,12 @@ class LazyModel:
             return self._inner.preprocess(value)
 
     def infer(self, batch: list[Any]) -> Any:
-        with self._using():
-            return self._inner.infer(batch)
+        with contextlib.ExitStack() as use:
+            use.enter_context(self._using())
+            outputs = self._inner.infer(batch)
+            if inspect.isawaitable(outputs):  # a coroutine model: in use until it ends
+                return _in_use_until_done(outputs, use.pop_all())
+            return outputs
 
     def postprocess(self, outputs: list[Any], value: Any) -> Any:
         return self._inner.postprocess(outputs, value)
@@ -348,3 +353,9 @@ class LazyModel:
         if self.loaded:  # busy: idle counts from now
             self.touch()
         return False
+
+
+async def _in_use_until_done(outputs: Awaitable[Any], use: contextlib.ExitStack) -> Any:
+    """``outputs`` awaited, then ``use`` (a model's use) ended."""
+    with use:
+        return await outputs
