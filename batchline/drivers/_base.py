@@ -238,6 +238,8 @@ def resolve_deadline(timeout_s: float | None, deadline: float | None) -> float |
     too far off for a lock to wait for (past ``threading.TIMEOUT_MAX``, some 292 years, or
     infinite), so that every driver and path treats such a bound alike, as no bound."""
     now = time.monotonic()
+    if deadline is not None and math.isnan(deadline):
+        raise ValueError("deadline must be a time.monotonic() time, got nan")
     if timeout_s is not None:
         if not timeout_s >= 0:
             raise ValueError(f"timeout_s must be >= 0, got {timeout_s!r}")

@@ -159,6 +159,24 @@ async def test_a_bound_too_far_for_a_lock_is_no_bound(
 
 
 @pytest.mark.parametrize("dynamically", DRIVERS)
+@pytest.mark.parametrize(
+    "bound", [{"timeout_s": math.nan}, {"deadline": math.nan}, {"timeout_s": -1.0}]
+)
+async def test_a_bound_that_is_no_time_is_a_value_error_for_its_caller(
+    dynamically: Any, bound: dict[str, float]
+) -> None:
+    f = dynamically(timeout_ms=0)(lambda xs: [x * 2 for x in xs])
+    with pytest.raises(ValueError, match="timeout_s|deadline"):
+        await awaitable(f)(7, **bound)
+    if isinstance(f, batchline.ThreadBatcher):
+        with pytest.raises(ValueError, match="timeout_s|deadline"):
+            await asyncio.to_thread(f, 8, **bound)
+    assert await awaitable(f)(9) == 18, "the batcher serves the next call"
+    assert f.stats.errors == 0
+    await f.aclose()
+
+
+@pytest.mark.parametrize("dynamically", DRIVERS)
 async def test_calls_given_up_at_their_deadline_count_as_expired(
     dynamically: Any, gate: Gate
 ) -> None:
