@@ -153,6 +153,9 @@ class ReplyReader:
         # many more were dropped (a flood of forged entries must not flood the log).
         self._quiet_until = 0.0
         self._unreported = 0
+        # Whether the last read failed: the next one that works recovers, whichever task
+        # makes it (a task that took over from a failing one too).
+        self._failed = False
 
     @property
     def keys(self) -> list[str]:
@@ -225,7 +228,6 @@ class ReplyReader:
         # Redis down for minutes (an API started before it): a line at once, then one per
         # _QUIET_S with the count, not one per retry.
         backoff = Backoff(logger, f"reply reader (Redis at {self._url})", quiet_s=_QUIET_S)
-        failed = False
         read = self._undeleted
         block = block_ms(client)  # (below the connection's socket timeout, if it has one)
         # stop() cancels this task, but on Python 3.11 a cancellation that lands just as
@@ -240,16 +242,16 @@ class ReplyReader:
                     raise
                 if self._closed() or self._task is not me:
                     break  # stop() cut the connection: nothing to report
-                failed = True
+                self._failed = True
                 await backoff.wait(exc)
                 continue
             if self._task is not me:
                 break  # replaced meanwhile: the new task reads these entries again
             backoff.reset()
-            if failed and self._recovered is not None:
+            if self._failed and self._recovered is not None:
                 # Back after a failure (a restart, a failover): replies written meanwhile may
                 # be gone with the old primary; the results they carried are in result keys.
-                failed = False
+                self._failed = False
                 await self._recovered()
                 if self._task is not me:
                     break

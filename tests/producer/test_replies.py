@@ -477,3 +477,39 @@ async def test_an_idle_reader_under_a_short_socket_timeout_reports_no_failure(
             await asyncio.sleep(2.0)  # four socket timeouts, nothing to read
             assert idle._replies.started
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+async def test_a_reader_replaced_while_redis_failed_still_recovers(
+    redis_url: str, queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replies written while the reader's reads failed may be gone (a failover): the first
+    read that works again settles every waiting request from its result key. A reader
+    started over meanwhile (``read_too``: a tenant's first request) must still do that, or
+    those requests wait for their timeout."""
+    original = AsyncRedis.xread
+    cut: list[asyncio.Task[Any]] = []  # the task whose reads fail
+    failures: list[float] = []
+
+    async def xread(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if asyncio.current_task() in cut:
+            failures.append(time.monotonic())
+            raise redis.ConnectionError("Redis went away")
+        return await original(self, *args, **kwargs)
+
+    monkeypatch.setattr(AsyncRedis, "xread", xread)
+    async with AsyncProducer(redis_url=redis_url, queue=queue) as producer:
+        reader = producer._replies
+        recoveries: list[float] = []
+
+        async def recovered() -> None:
+            recoveries.append(time.monotonic())
+
+        reader._recovered = recovered
+        reader.start("replies")
+        first = reader._task
+        assert first is not None
+        cut.append(first)
+        # its current block ends within a second; its next reads fail
+        await eventually(lambda: bool(failures), "the first reader's reads failed")
+        await reader.read_too(QueueKeys(queue).reply("acme.p1"))
+        await eventually(lambda: bool(recoveries), "the new reader's first read recovers")
