@@ -282,8 +282,9 @@ class Heartbeat:
 
     async def beat(self) -> None:
         now = time.time()
+        live_now = self._live()
         async with self._redis.pipeline(transaction=False) as pipe:
-            if self._live():
+            if live_now:
                 pipe.zadd(self._keys.workers, {self._worker_id: now})
             else:  # unhealthy (its model cannot load): not counted among the live
                 pipe.zrem(self._keys.workers, self._worker_id)
@@ -295,6 +296,11 @@ class Heartbeat:
             )
             pipe.zcount(self._keys.workers, now - 3 * self._period_s, "+inf")
             *_, live = await pipe.execute()
+        if live_now and not self._live():
+            # It turned unhealthy while this beat was under way: its sign-off may have
+            # landed before the beat's ZADD, which put it back among the live.
+            await self._redis.zrem(self._keys.workers, self._worker_id)
+            live = max(0, int(live) - 1)
         if self._on_live is not None:
             self._on_live(int(live))
         self._metrics.batches(self._batcher.stats)
