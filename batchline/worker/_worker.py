@@ -119,6 +119,7 @@ class Worker:
         self.stop_signal: int | None = None
         self._hand_back: asyncio.Event | None = None  # set: stop handing back, not draining
         self._stop_asked = False  # stop() was called (before run() had a loop, maybe)
+        self._ran = False  # run() was called: a worker runs once
 
     #: End the process if a hung model call blocks the event loop (``batchline worker``).
     exit_if_loop_blocked = False
@@ -148,7 +149,13 @@ class Worker:
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Load the model, serve until stopped, then drain and return."""
+        """Load the model, serve until stopped, then drain and return. A worker runs once
+        (RuntimeError the second time): to serve again, make a new one."""
+        if self._ran:
+            raise RuntimeError(
+                f"worker {self.worker_id} has run already: a Worker runs once (make a new one)"
+            )
+        self._ran = True
         loop = self._loop = asyncio.get_running_loop()
         p = self._parts
         p.guard.bound_file = self.bound_file

@@ -580,3 +580,15 @@ def test_a_stop_before_run_has_its_loop_ends_the_worker_when_it_starts(
         if thread.is_alive():  # (the failure above: stop it now that its loop runs)
             worker.stop()
             thread.join(10)
+
+
+def test_a_worker_run_a_second_time_says_so(redis_url: str, queue: str) -> None:
+    """A stopped worker's parts are closed: a second ``run()`` is a clear error, not a
+    worker that returns at once or serves with closed parts."""
+    from batchline.worker import Worker
+
+    worker = Worker(model="batchline.worker.models:echo", redis_url=redis_url, queue=queue)
+    worker.stop()
+    asyncio.run(worker.run())
+    with pytest.raises(RuntimeError, match="runs once"):
+        asyncio.run(worker.run())
