@@ -77,6 +77,8 @@ local function enqueue_into(keys, at, args, tenant)
   local max_depth = tonumber(args[1])
   local max_bytes = tonumber(args[12] or '0')
   local requests = cmsgpack.unpack(args[2])
+  local malformed = requests_error(requests)
+  if malformed then return redis.error_reply(malformed) end
   begin_once(args)
   for_tenant(tenant)
   local config = tenant and tenant_config(tenant)

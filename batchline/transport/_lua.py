@@ -173,9 +173,36 @@ end
 # The requests of a call: one msgpack array of them one after another, each: priority, how
 # many field names and values follow, then those; or, as producers before wrote it, one
 # array per request, [priority, [field, value, ...]] (the first element tells which).
-# each_request(requests, fn) calls fn(i, priority, src, first, last) for each: its fields
-# are src[first..last], with no table of its own in the common (flat) case.
+# requests_error(requests) says why the array does not read as requests (nil: it does): a
+# count that is not a whole number >= 0 (a negative one would read the same request for
+# ever), an element of the older form that is not a pair with an array; the caller refuses
+# the whole call before anything is written. each_request(requests, fn) then calls fn(i,
+# priority, src, first, last) for each: its fields are src[first..last], with no table of
+# its own in the common (flat) case.
 EACH = r"""
+local function requests_error(requests)
+  if type(requests) ~= 'table' then return 'malformed requests: not an array' end
+  local nested = type(requests[1]) == 'table'
+  local at, size, i = 1, #requests, 0
+  while at <= size do
+    i = i + 1
+    if nested then
+      local one = requests[at]
+      if type(one) ~= 'table' or type(one[2]) ~= 'table' then
+        return 'malformed requests: request ' .. i .. ' is not [priority, [field, value, ...]]'
+      end
+      at = at + 1
+    else
+      local n = requests[at + 1]
+      if type(n) ~= 'number' or n % 1 ~= 0 or n < 0 then
+        return 'malformed requests: request ' .. i .. "'s count of field names and values "
+          .. 'is not a whole number >= 0'
+      end
+      at = at + 2 + n
+    end
+  end
+  return nil
+end
 local function each_request(requests, fn)
   local nested = type(requests[1]) == 'table'
   local at, size, i = 1, #requests, 0

@@ -33,6 +33,8 @@ ENQUEUE = (
     + r"""
 local max_depth = tonumber(ARGV[1])
 local requests = cmsgpack.unpack(ARGV[2])
+local malformed = requests_error(requests)
+if malformed then return redis.error_reply(malformed) end
 local once = #ARGV >= 11  -- else the short call: no resubmit checks, no cache
 if once then begin_once(ARGV) end
 local depth = 0

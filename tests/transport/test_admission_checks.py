@@ -8,11 +8,13 @@ from __future__ import annotations
 from typing import Any
 
 import msgpack
+import pytest
 import redis
 
 from batchline.keys import QueueKeys
 from batchline.transport import LIBRARY, once_keys
 from batchline.transport._functions import ENQUEUE
+from batchline.transport._scripts import ENQUEUE as ENQUEUE_SCRIPT
 
 from tests.support.service import admit_inbox
 
@@ -69,3 +71,34 @@ def test_fields_that_are_not_strings_are_refused_with_why(
     assert refused == {why for _i, (_r, why) in inbox if why is not None}
     assert rclient.xlen(keys.dead) == sum(why is not None for _i, (_r, why) in inbox)
     assert [f[b"id"] for _e, f in rclient.xrange(keys.stream(1))] == [b"c0"]
+
+
+# A call's array of requests that does not read as requests: a count of -2 read the same
+# request for ever (Redis busy for every client, its memory filling with answers).
+UNREADABLE: list[list[Any]] = [
+    [0, -2],
+    [0, 2, "id", "a", 0, -2, "x"],  # the second one
+    [0, 1.5, "id", "a"],
+    [0, "2", "id", "a"],
+    [[0, "id"]],  # the older form, a request that is not [priority, [fields]]
+]
+
+
+def test_a_call_whose_requests_do_not_read_is_refused_whole_at_once(
+    rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    """By the enqueue function (producer rights) and by the enqueue script alike: an error
+    reply for the call, nothing added, and Redis answers everyone else as before."""
+    rclient.function_load(LIBRARY, replace=True)
+    script = rclient.register_script(ENQUEUE_SCRIPT)
+    call_keys = [keys.inbox, keys.admitting, *keys.streams_low_first]
+    for flat in UNREADABLE:
+        packed = msgpack.packb(flat, use_bin_type=False)
+        args = [0, packed, 60, 0, *once_keys(keys), 0]
+        with pytest.raises(redis.ResponseError, match="malformed requests"):
+            rclient.fcall(ENQUEUE, len(call_keys), *call_keys, *args)
+        with pytest.raises(redis.ResponseError, match="malformed requests"):
+            script(keys=keys.streams_low_first, args=args[:-1])
+        assert rclient.ping()
+    assert rclient.llen(keys.inbox) == 0
+    assert sum(rclient.xlen(s) for s in keys.streams_low_first) == 0
