@@ -330,6 +330,8 @@ def tenant_rules(keys: QueueKeys, tenant: str) -> list[str]:
         f"(~{own_inbox} ~{keys.wakes} +rpush)",
         f"(%R~{own_inbox} %R~{keys.inbox} %R~{keys.admitting} %R~{keys.stream_prefix}* "
         "+llen +xlen)",
+        # the requests held for the fair share, counted in the depth (counts, no names)
+        f"(%R~{keys.backlog_counts} +hvals)",
         f"(%R~{own_inbox} +lpos)",
         # Its own requests' keys (their ids start with '<tenant>.'), and what the enqueue
         # function decides from.

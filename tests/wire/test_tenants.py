@@ -898,3 +898,25 @@ async def test_quotas_are_counted_and_refused_under_the_documented_users(
                 await refused
     assert rclient.zcard(keys.tenant_in_flight("acme")) == 0
     assert rclient.hget(keys.usage(usage_day(time.time())), "acme|requests") == b"2"
+
+
+async def test_a_tenant_user_counts_the_requests_held_for_the_fair_share(
+    tenant_url: Callable[[str], str], rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    """The depth a tenant's producer sees (``queue_depth()``, its ``max_depth``) counts the
+    requests held in the backlogs, as the producer user's does: the tenant user may read
+    their counts (no tenant's name), and its enqueue is refused no read."""
+    url = tenant_url("acme")
+    rclient.hset(keys.backlog_counts, mapping={"beta": 3, "-": 2})  # as the admission keeps it
+    async with AsyncProducer(redis_url=url, queue=keys.queue, tenant="acme") as producer:
+        assert await producer.queue_depth() == 5
+    acme = redis.Redis.from_url(url)
+    try:
+        call = enqueue_args(keys, "acme", element("acme.1", "a", reply="acme.p"))
+        at = call.index(100000)
+        call[at] = 5  # max_depth: the held requests fill the queue
+        assert acme.fcall(ENQUEUE_TENANT, *call) == [None]
+        user = url.split("//")[1].split(":", maxsplit=1)[0]
+        assert not [e for e in rclient.acl_log() if e.get("username") == user]
+    finally:
+        acme.close()
