@@ -208,6 +208,13 @@ local function admit(keys, args)
       return
     end
     if c then redis.call('DEL', res .. id) end  -- its answer was cut short: it runs again
+    -- The quota before the in-flight mark: a request refused runs never, and requests of
+    -- its input coalesced onto it would wait for it for ever.
+    local refused = tenant and quota_admit(tenant, id, cost, config)
+    if type(refused) == 'table' then
+      quota_refused(id, reply, h, refused)
+      return
+    end
     if a then  -- (e is this call's own table)
       e[#e + 1] = 'ck'
       e[#e + 1] = a
@@ -216,11 +223,6 @@ local function admit(keys, args)
     end
     if tenant or held_untenanted(prio) then
       if tenant then
-        local refused = quota_admit(tenant, id, cost, config)
-        if type(refused) == 'table' then
-          quota_refused(id, reply, h, refused)
-          return
-        end
         hold(type(refused) == 'string' and refused or tenant, prio, e, 3, cost, id, h)
       else  -- as the tenant '-' while a tenant is backlogged
         hold('-', prio, e, 3, cost, id, h)

@@ -767,6 +767,32 @@ async def test_the_quota_hooks_refuse_at_once_and_at_the_admission(
     assert rclient.get(keys.request_input(later.id)).endswith(b" !")  # a resubmit runs again
 
 
+async def test_a_request_refused_over_quota_leaves_no_in_flight_mark(
+    redis_url: str, rclient: redis.Redis, keys: QueueKeys, queue: str
+) -> None:
+    """With the cache on, a new request marks its input in flight, so that requests of the
+    same input wait for its answer: one refused over a quota never runs, so its input must
+    not stay marked, or every later request of that input would wait for ever."""
+    rclient.hset(keys.tenants, "acme", TenantConfig(requests_per_min=1).to_json())
+    rclient.set(keys.model, MODEL_ID)
+    settings = WorkerSettings(queue=keys.queue, cache_ttl_s=60, result_ttl_s=120)
+    admitter = Admitter(None, settings, worker_id="test")
+    common = {"result_ttl_s": 120, "cache_ttl_s": 60}
+    async with AsyncProducer(redis_url=redis_url, queue=queue, tenant="acme", **common) as acme:
+        first = await acme.submit("same", request_id="acme.first")
+        _count(rclient, keys, "r", 1)  # another replica's request, admitted meanwhile
+        _admitted, _left, _full, _withheld, over, _held = rclient.execute_command(
+            "FCALL", *admitter.call()
+        )
+        assert over == 1
+        assert (await acme.wait(first, timeout_s=T)).error_type == "QuotaExceeded"
+        assert rclient.keys(keys.in_flight("*")) == []
+        _count(rclient, keys, "r", None)  # the next minute: room again
+        again = await acme.submit("same", request_id="acme.again")
+        rclient.execute_command("FCALL", *admitter.call())
+    assert set(entries(rclient, keys)) == {again.id}, "it runs (not coalesced onto the first)"
+
+
 def test_batchline_acl_prints_a_tenants_user() -> None:
     done = run_cli("acl", "--tenant", "acme", "--queue", "q")
     assert done.returncode == 0, done.stderr
