@@ -82,7 +82,9 @@ class WorkerSettings(ServiceSettings):
         prep_threads: threads decoding and tokenizing what the worker reads, overlapping the
             model's compute (a tokenizer model's reads are split across them; raise it where
             a fast model, a GPU, waits for tokenizing).
-        claim_idle_ms: a request pending this long on a silent worker is reclaimed.
+        claim_idle_ms: a request pending this long on a silent worker is reclaimed (a
+            worker renews its claims every third of it): a killed worker's requests are
+            answered by another within it, below the HTTP API's ``request_timeout_s``.
         max_deliveries: deliveries before a request goes to the dead-letter stream (a
             request delivered more than once runs alone, so it fails only itself).
         max_batch_ms: longest one model call (a generation step) may run; past it the
@@ -174,7 +176,7 @@ class WorkerSettings(ServiceSettings):
     max_tokens: int | None = Field(default=None, ge=1)
     read_ahead: int = Field(default=16, ge=1)
     prep_threads: int = Field(default=1, ge=1, le=64)
-    claim_idle_ms: int = Field(default=30_000, ge=100)
+    claim_idle_ms: int = Field(default=10_000, ge=100)
     max_deliveries: int = Field(default=3, ge=1)
     max_batch_ms: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"
     max_load_s: float = Field(default=1800.0, ge=0)

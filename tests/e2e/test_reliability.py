@@ -4,6 +4,7 @@ kills every worker that takes it, and a SIGTERM drain. Every request is answered
 from __future__ import annotations
 
 import signal
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import redis
 
 from batchline.codec import Result
+from batchline.config import WebSettings, WorkerSettings
 from batchline.errors import InferenceError
 from batchline.keys import QueueKeys
 from batchline.producer import Producer
@@ -106,6 +108,39 @@ def test_a_worker_killed_mid_batch_loses_nothing(
     assert [len(batch) for batch in read_batches(record)] == [4]  # it died in its first batch
     # Logged once the reclaimer has taken every entry over, which may be after the answers.
     wait_until(lambda: "reclaimed" in second.log(), "the second worker to log its reclaim")
+
+
+def test_with_the_default_settings_a_killed_workers_requests_beat_the_callers_timeout(
+    spawn_worker: Callable[..., WorkerProcess],
+    redis_url: str,
+    queue: str,
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    tmp_path: Path,
+) -> None:
+    """A worker killed (OOM, a node lost) holds requests nobody answers until another
+    worker reclaims them after ``claim_idle_ms``: by default that comes well within the
+    time the HTTP API waits by default (``request_timeout_s``), so its callers are
+    answered, not given 504s."""
+    record = tmp_path / "first-worker.jsonl"
+    wait_s = WebSettings().request_timeout_s
+    assert WorkerSettings().claim_idle_ms / 1e3 < wait_s / 2
+    with Producer(redis_url=redis_url, queue=queue) as producer:
+        handles = [producer.submit(i) for i in range(4)]
+        sent = time.monotonic()
+        first = spawn_worker(
+            spec("slow"),
+            env={"BLTEST_SLOW_S": "600", "BLTEST_RECORD_FILE": str(record)},
+            batch_size=4,
+        )
+        wait_until(lambda: read_batches(record), "the first worker to start its batch")
+        first.signal(signal.SIGKILL)
+        assert first.wait() == -signal.SIGKILL
+        spawn_worker(spec("echo"), batch_size=4)
+        results = [
+            producer.wait(h, timeout_s=max(0.1, sent + wait_s - time.monotonic())) for h in handles
+        ]
+        assert [(r.status, r.output) for r in results] == [("ok", i) for i in range(4)]
 
 
 def test_a_request_that_kills_every_worker_is_dead_lettered(
