@@ -70,7 +70,8 @@ from redis.exceptions import RedisError
 
 from batchline._heap import freeze_once
 from batchline.codec import DecodeError
-from batchline.config import ProducerSettings, WebSettings, check_environment
+from batchline.config import ProducerSettings, WebSettings
+from batchline.config._environment import given_or_read
 from batchline.contrib._plumbing import (
     INPUT_ERRORS,
     MAX_TEXT_CHARS,
@@ -185,13 +186,10 @@ def create_app(
         timeout_s: longest a request waits for its result before answering 504 (a
             ``/v1`` stream: for each chunk); default: the settings' ``request_timeout_s``
             (30 s).
-        **overrides: single settings, e.g. ``queue="embed"``, ``generation_queue="chat"``.
+        **overrides: single settings, e.g. ``queue="embed"``, ``generation_queue="chat"``
+            (not with ``settings``: TypeError).
     """
-    if settings is None:
-        check_environment()
-        settings = WebSettings(**overrides)
-    elif overrides:
-        raise TypeError(f"give settings or single settings, not both: {sorted(overrides)}")
+    settings = given_or_read(WebSettings, settings, overrides)
     if timeout_s is None:
         timeout_s = settings.request_timeout_s if isinstance(settings, WebSettings) else 30.0
     if not timeout_s > 0:

@@ -27,6 +27,7 @@ from redis.exceptions import RedisError
 from batchline.codec import DecodeError, Result, unpack_result
 from batchline.codec._requests import request_fields, trace_fields
 from batchline.config import ProducerSettings, redact_url
+from batchline.config._environment import given_or_read
 from batchline.errors import (
     BatcherClosed,
     BatchlineError,
@@ -69,9 +70,11 @@ class AsyncProducer:
     ``await aclose()``). Settings come from the arguments, else ``BATCHLINE_*`` variables.
 
     Args:
-        settings: the producer's settings (default: from the environment and ``overrides``).
+        settings: the producer's settings; default: ``BATCHLINE_*`` variables and
+            ``overrides`` (an unknown ``BATCHLINE_*`` variable is an error).
         redis: an asyncio Redis client to use instead of one made from ``redis_url``.
-        **overrides: single settings, e.g. ``queue="embed"``, ``max_queue_depth=10_000``.
+        **overrides: single settings, e.g. ``queue="embed"``, ``max_queue_depth=10_000``
+            (not with ``settings``: TypeError).
     """
 
     def __init__(
@@ -81,7 +84,7 @@ class AsyncProducer:
         redis: RedisArgument | None = None,
         **overrides: Any,
     ) -> None:
-        self.settings = settings or ProducerSettings(**overrides)
+        self.settings = given_or_read(ProducerSettings, settings, overrides)
         self.keys = self.settings.keys
         self._own_client = redis is None
         self._redis = as_client(redis) if redis is not None else connect(self.settings)

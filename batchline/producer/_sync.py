@@ -14,6 +14,7 @@ from typing import Any, TypeVar, Unpack
 
 from batchline.codec import Result
 from batchline.config import ProducerSettings
+from batchline.config._environment import given_or_read
 from batchline.producer._async import AsyncProducer, EnqueueOptions, Handle, SubmitOptions
 from batchline.producer._stream import StreamChunk
 from batchline.transport import loop_factory
@@ -31,20 +32,20 @@ class Producer:
     """
 
     def __init__(self, settings: ProducerSettings | None = None, **overrides: Any) -> None:
-        if settings is None:  # the settings now (their event loop); a client stays aside
-            client = {k: v for k, v in overrides.items() if k == "redis"}
-            settings = ProducerSettings(**{k: v for k, v in overrides.items() if k != "redis"})
-            overrides = client
+        # The settings now (their event loop); a client stays aside.
+        client = {k: v for k, v in overrides.items() if k == "redis"}
+        single = {k: v for k, v in overrides.items() if k != "redis"}
+        settings = given_or_read(ProducerSettings, settings, single)
         self._loop = loop_factory(settings.event_loop)()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="batchline-producer", daemon=True
         )
         self._thread.start()
-        self._async: AsyncProducer = self._run(self._make(settings, overrides))
+        self._async: AsyncProducer = self._run(self._make(settings, client))
 
     @staticmethod
-    async def _make(settings: ProducerSettings | None, overrides: dict[str, Any]) -> AsyncProducer:
-        return await AsyncProducer(settings, **overrides).start()
+    async def _make(settings: ProducerSettings, client: dict[str, Any]) -> AsyncProducer:
+        return await AsyncProducer(settings, **client).start()
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from batchline.config import WorkerSettings, redact_url
+from batchline.config._environment import given_or_read
 from batchline.errors import WorkerHung
 from batchline.keys import check_name, new_worker_id
 from batchline.tracing import flush as flush_spans
@@ -75,13 +76,15 @@ class Worker:
     """Serve one queue: ``await Worker(...).run()`` until SIGTERM or :meth:`stop`.
 
     Args:
-        settings: the worker's settings (default: ``BATCHLINE_*`` variables and ``overrides``).
+        settings: the worker's settings; default: ``BATCHLINE_*`` variables and
+            ``overrides`` (an unknown ``BATCHLINE_*`` variable is an error).
         model: a :class:`~batchline.worker.models.Model` to serve, or a model spec (the
-            ``model`` setting).
+            ``model`` setting, a single setting).
         redis: an asyncio Redis client instead of one made from ``redis_url``.
         pool: the memory budget it shares with other workers of the process, for a model
             loaded by demand or unloaded when idle (``serve``).
-        **overrides: single settings, e.g. ``batch_size=64``.
+        **overrides: single settings, e.g. ``batch_size=64`` (not with ``settings``:
+            TypeError).
     """
 
     def __init__(
@@ -95,7 +98,7 @@ class Worker:
     ) -> None:
         if isinstance(model, str):  # the setting (a model spec), not a model object
             overrides["model"], model = model, None
-        self.settings = s = settings or WorkerSettings(**overrides)
+        self.settings = s = given_or_read(WorkerSettings, settings, overrides)
         self.keys = s.keys
         self.worker_id = check_name("worker_id", s.worker_id or new_worker_id())
         self.threads = s.threads or available_cpus()

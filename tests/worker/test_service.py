@@ -592,3 +592,52 @@ def test_a_worker_run_a_second_time_says_so(redis_url: str, queue: str) -> None:
     asyncio.run(worker.run())
     with pytest.raises(RuntimeError, match="runs once"):
         asyncio.run(worker.run())
+
+
+# -- settings given in code --------------------------------------------------------------------
+
+
+def test_an_unknown_variable_stops_a_producer_or_worker_that_reads_the_environment(
+    redis_url: str, queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A misspelled variable (``QEUE``) is an error at once, not requests sent to the
+    queue ``default``; with a settings object given, the caller made them."""
+    from batchline.config import ProducerSettings
+    from batchline.worker import Worker
+
+    monkeypatch.setenv("BATCHLINE_QEUE", queue)
+    echo = "batchline.worker.models:echo"
+    unknown = r"unknown setting\(s\) BATCHLINE_QEUE; known: "
+    with pytest.raises(ValueError, match=unknown):
+        AsyncProducer(redis_url=redis_url)
+    with pytest.raises(ValueError, match=unknown):
+        Producer(redis_url=redis_url)
+    with pytest.raises(ValueError, match=unknown):
+        Worker(model=echo, redis_url=redis_url)
+    settings = ProducerSettings(redis_url=redis_url, queue=queue)
+    with Producer(settings) as producer:
+        assert producer.settings is settings
+        assert producer.queue_depth() == 0
+
+
+async def test_single_settings_beside_a_settings_object_are_refused(
+    redis_url: str, queue: str
+) -> None:
+    """Both a settings object and single settings: a TypeError naming the single ones, as
+    ``create_app`` says, rather than one of them dropped."""
+    from batchline.config import ProducerSettings, WorkerSettings
+    from batchline.worker import Worker
+
+    producing = ProducerSettings(redis_url=redis_url, queue=queue)
+    both = r"give settings or single settings, not both: \['max_queue_depth', 'queue'\]"
+    with pytest.raises(TypeError, match=both):
+        AsyncProducer(producing, queue="embed", max_queue_depth=5)
+    with pytest.raises(TypeError, match=both):
+        Producer(producing, queue="embed", max_queue_depth=5)
+    serving = WorkerSettings(redis_url=redis_url, queue=queue)
+    with pytest.raises(TypeError, match=r"not both: \['batch_size'\]"):
+        Worker(serving, batch_size=64)
+    with pytest.raises(TypeError, match=r"not both: \['model'\]"):  # a spec is a setting
+        Worker(serving, model="batchline.worker.models:echo")
+    async with AsyncProducer(producing) as producer:
+        assert (producer.settings.queue, await producer.queue_depth()) == (queue, 0)
