@@ -18,7 +18,8 @@ S = TypeVar("S", bound=ServiceSettings)
 
 
 def check_environment(environ: Mapping[str, str] | None = None) -> None:
-    """Raise ValueError naming any ``BATCHLINE_*`` variable no settings class knows."""
+    """Raise ValueError naming any ``BATCHLINE_*`` variable that is neither a setting nor
+    one of those read elsewhere (docs/configuration.md, Not a setting)."""
     env = os.environ if environ is None else environ
     known = {
         ENV_PREFIX + name.upper()
@@ -27,6 +28,8 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
     }
     known.add(ENV_PREFIX + "CACHE_DIR")  # where converted and exported models are kept
     known.add(ENV_PREFIX + "OTEL")  # tracing on or off (batchline.tracing reads it)
+    known.add(ENV_PREFIX + "EXTRAS")  # scripts/setup.sh's: the extras it installs
+    known.add(ENV_PREFIX + "TORCH_INDEX")  # scripts/setup.sh's: where torch comes from
     unknown = sorted(k for k in env if k.upper().startswith(ENV_PREFIX) and k.upper() not in known)
     if unknown:
         raise ValueError(

@@ -120,6 +120,22 @@ def test_the_table_walks_every_command_of_the_parser() -> None:
     assert len(commands) >= 5, commands
 
 
+def test_the_variables_that_are_not_settings_are_no_typo(
+    redis_url: str, queue: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """scripts/setup.sh's own variables (exported in CI or a Dockerfile, say), tracing's and
+    the model cache's stop no command."""
+    for name, value in [
+        ("BATCHLINE_EXTRAS", "redis,service"),
+        ("BATCHLINE_TORCH_INDEX", "default"),
+        ("BATCHLINE_OTEL", "0"),
+        ("BATCHLINE_CACHE_DIR", str(Path.home() / ".cache" / "batchline")),
+    ]:
+        monkeypatch.setenv(name, value)
+    assert main(["status", "--redis-url", redis_url, "--queue", queue]) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_no_url_a_typo_shows_holds_its_password(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["status", "--redis-url", "http://user:s3cret@localhost:6390/0"]) == 2
     err = capsys.readouterr().err
