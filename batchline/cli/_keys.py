@@ -180,9 +180,15 @@ def _rotate(args: argparse.Namespace) -> int:
     key_id = _key_id(args)
     if args.grace_s is not None and not args.grace_s >= 0:
         raise UsageError(f"--grace-s: must be >= 0, got {args.grace_s!r}")
-    key, record = _run(args, lambda store: store.rotate(key_id, grace_s=args.grace_s or 0.0))
-    table = _run(args, lambda store: store.table())
-    _show_key(key, record, table.config(record.tenant), as_json=args.json)
+
+    async def rotate(store: Any) -> None:
+        # What the output needs is read first: after the rotation, the new key is the only
+        # key (the old one may be revoked already), so it is shown before any other call.
+        table = await store.table()
+        key, record = await store.rotate(key_id, grace_s=args.grace_s or 0.0)
+        _show_key(key, record, table.config(record.tenant), as_json=args.json)
+
+    _run(args, rotate)
     return 0
 
 

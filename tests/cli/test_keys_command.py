@@ -91,3 +91,40 @@ def test_list_of_an_empty_store_says_how_to_make_a_key(keys_cli: Run) -> None:
     status, out, _ = run("list")
     assert status == 0
     assert "batchline keys create --tenant NAME" in out
+
+
+def test_a_rotated_key_is_shown_even_if_redis_fails_right_after(
+    keys_cli: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rotation revokes the old key (no --grace-s): the new key, the only way in now, is
+    printed before any further call to Redis, which may fail."""
+    from batchline.transport import TenantStore
+
+    run = keys_cli
+    status, out, err = run("create", "--tenant", "acme", "--weight", "2", "--json")
+    old = json.loads(out)
+    rotate, table = TenantStore.rotate, TenantStore.table
+    rotated: list[str] = []
+
+    async def rotate_then_fail(store: TenantStore, key_id: str, **kw: float) -> object:
+        made = await rotate(store, key_id, **kw)
+        rotated.append(key_id)  # from now on, Redis "fails"
+        return made
+
+    async def failing_table(store: TenantStore) -> object:
+        if rotated:
+            raise ConnectionError("Redis went away")
+        return await table(store)
+
+    monkeypatch.setattr(TenantStore, "rotate", rotate_then_fail)
+    monkeypatch.setattr(TenantStore, "table", failing_table)
+    status, out, err = run("rotate", old["id"], "--json")
+    assert (status, rotated) == (0, [old["id"]]), err
+    new = json.loads(out)
+    assert (new["tenant"], new["config"]["weight"]) == ("acme", 2.0)
+    monkeypatch.setattr(TenantStore, "table", table)
+    status, out, _ = run("list", "--json")
+    assert [k["id"] for k in json.loads(out)["keys"]] == [new["id"]]  # the one shown
+    match = KEY_PATTERN.fullmatch(new["key"])
+    assert match is not None
+    assert match.group(1) == new["id"]
