@@ -71,8 +71,11 @@ class ServiceSettings(BaseSettings):
         prefix: namespace of every key (an ACL user can be limited to ``<prefix>:*``).
         priorities: number of priority levels (one work stream each), 0 the lowest.
         result_ttl_s: how long a result key lives.
-        redis_wait_s: at start-up (a worker, ``batchline status``), how long to retry a
-            Redis that does not answer, with back-off, before giving up (0: try once).
+        redis_wait_s: how long to retry a Redis that does not answer, with back-off,
+            before giving up (0: try once). Used by a worker as it starts; by ``batchline
+            status``, ``usage`` and ``keys`` only when set (else they try once); by a
+            producer (the web backend too) on a Redis Cluster or through Sentinel, to send
+            again a write that a failover cut.
         max_queue_depth: most requests waiting or in progress in the queue, all priorities
             together (0: unbounded): past it a producer's ``submit`` raises QueueFull at
             once, and a worker answers QueueFull to a request it takes from the inbox

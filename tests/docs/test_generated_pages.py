@@ -11,7 +11,8 @@ from types import ModuleType
 
 import pytest
 
-from batchline.config import ProducerSettings, WebSettings, WorkerSettings
+from batchline.cli import cli_reference
+from batchline.config import ProducerSettings, ServiceSettings, WebSettings, WorkerSettings
 
 from tests.support.service import REPO, run_cli
 
@@ -81,6 +82,24 @@ def test_each_setting_carries_its_docstring_text() -> None:
         for setting in HOOK.settings(cls):
             assert setting.doc, f"{setting.name} has no line in its class's Attributes:"
             assert HOOK._cell(setting.doc) in CONFIGURATION
+
+
+def test_a_command_with_a_default_of_its_own_is_named_in_the_settings_text() -> None:
+    """The page shows each setting's class default; a command that has a default of its own
+    (status, usage and keys try Redis once: ``redis_wait_s`` 0, not 30) is named in the
+    setting's description, which the page shows beside that default."""
+    table = _table()
+    classes = (ServiceSettings, ProducerSettings, WebSettings, WorkerSettings)
+    docs = {s.name: s.doc for cls in classes for s in HOOK.settings(cls)}
+    own = set()
+    for command in cli_reference():
+        for option in command.options:
+            name = (option.env or "").removeprefix("BATCHLINE_").lower()
+            if name in table and option.default != table[name][0]:
+                word = command.name.split()[1]  # batchline keys create: keys
+                own.add((name, word))
+                assert re.search(rf"\b{word}\b", docs[name]), (command.name, name, docs[name])
+    assert {("redis_wait_s", w) for w in ("status", "usage", "keys")} <= own
 
 
 @pytest.mark.parametrize("command", HOOK.commands(), ids=lambda c: c.name)
