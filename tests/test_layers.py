@@ -8,6 +8,7 @@ and the graph of parts, must have no cycle."""
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -211,3 +212,40 @@ def test_other_parts_reach_a_part_through_its_face(part: str) -> None:
         if m.startswith(f"batchline.{part}._")
     }
     assert private == set(), f"imports of the {part}'s private modules: {sorted(private)}"
+
+
+#: Where docs/architecture.md says its two branches (in process; over Redis) meet: each part
+#: that imports across them, and what it imports there.
+MEETINGS = {
+    "config": {"drivers", "devices", "_specs"},
+    "worker": {"core", "drivers", "generation"},
+    "cli": {"demo"},
+}
+
+
+def test_the_page_names_where_the_branches_meet() -> None:
+    """The page's layers paragraph says what the table allows across its floors: each part
+    of ``MEETINGS`` has a clause of its own naming what it imports there."""
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    paragraph = " ".join(page[page.index("The tree reads in layers") :].split("\n\n")[0].split())
+    clauses = [c.strip() for c in re.split(r"[.;:] ", paragraph)]
+    for part, uses in MEETINGS.items():
+        assert uses <= ALLOWED[part], (part, sorted(uses - ALLOWED[part]))
+        clause = next((c for c in clauses if c.startswith(f"`{part}/`")), "")
+        for used in sorted(uses):
+            assert re.search(rf"(?<!\w){used}(?!\w)", clause), (part, used, clause)
+
+
+def test_the_core_does_no_io() -> None:
+    """The page's promise: no Redis, no sockets or files, no asyncio, no thread of its own."""
+    banned = ("asyncio", "io", "os", "pathlib", "redis", "socket", "subprocess")
+    for module in sorted(m for m in MODULES if _part(m) == "core"):
+        tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.split(".")[0] in banned for n in names), (module, names)
+            used = getattr(node, "attr", None) or getattr(node, "id", None)
+            assert used not in ("Thread", "open"), (module, ast.unparse(node))
