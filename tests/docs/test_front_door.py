@@ -65,6 +65,13 @@ def test_no_page_speaks_of_rounds(page: object) -> None:
 
 
 @pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(REPO)))
+def test_no_page_counts_the_suites_tests(page: object) -> None:
+    """A count of the tests is stale with the next test added: a page says how to count."""
+    text = " ".join(page.read_text(encoding="utf-8").split())  # type: ignore[attr-defined]
+    assert not re.findall(r"\b\d[\d,]* tests\b", text), re.findall(r"\d[\d,]* tests", text)
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(REPO)))
 def test_no_page_says_ctrl_c_exits_0(page: object) -> None:
     """Ctrl-C ends every command with status 130 (``batchline --help``); SIGTERM drains a
     worker with status 0. A sentence (or clause) of a page that names Ctrl-C says 130."""
