@@ -361,3 +361,24 @@ def test_the_compose_and_kubernetes_apis_require_keys(monkeypatch: pytest.Monkey
     for name, env in envs.items():
         monkeypatch.setenv("BATCHLINE_API_KEYS", str(env.get("BATCHLINE_API_KEYS")))
         assert WebSettings().api_keys, name
+
+
+def test_the_compose_workers_and_api_run_read_only_with_a_tmpfs_as_the_check_runs_them() -> None:
+    """docker/compose.yaml's workers and API: a read-only root filesystem and /tmp a tmpfs, as
+    on Kubernetes (readOnlyRootFilesystem, an emptyDir on /tmp); the container check takes
+    both from the file (it adds none of its own), so it runs what ships."""
+    from checks.containers._stack import filesystem
+
+    compose = yaml.safe_load((DEPLOY.parent.parent / "docker" / "compose.yaml").read_text())
+    for name in ("worker", "api"):
+        service = compose["services"][name]
+        assert service.get("read_only") is True, name
+        assert filesystem(service) == {"read_only": True, "tmpfs": {"/tmp": ""}}, name
+    assert filesystem({"tmpfs": "/run:size=64m"}) == {
+        "read_only": False,
+        "tmpfs": {"/run": "size=64m"},
+    }
+    for name in ("batchline-worker", "batchline-api"):
+        (container,) = one("Deployment", name)["spec"]["template"]["spec"]["containers"]
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        assert [m["mountPath"] for m in container["volumeMounts"]] == ["/tmp"]

@@ -16,8 +16,8 @@ stand-ins for the official images, built once and kept (``batchline-standin/*``)
 The worker and API images are built from docker/Dockerfile and docker/Dockerfile.api with
 those bases by build argument; the torch wheel pinned on the host (pip's find-links) is served
 to the build from 127.0.0.1, as pip's ``PIP_FIND_LINKS``. Then the services of
-docker/compose.yaml (its commands, environment, health checks and grace periods) run as
-containers: Redis, 2 workers, the API on 127.0.0.1. Checked: every health check passes; 300
+docker/compose.yaml (its commands, environment, health checks, grace periods, read-only root
+filesystems and tmpfs mounts) run as containers: Redis, 2 workers, the API on 127.0.0.1. Checked: every health check passes; 300
 embeddings through the API match a local encode (cosine >= 0.999); one worker killed (SIGKILL)
 mid-load loses nothing and answers nothing twice (each answered request's result key written
 exactly once, no other written: Redis's keyspace notifications, counted per request id);

@@ -1,8 +1,8 @@
 """The container check's compose stack: docker/compose.yaml's services run as containers, healthy.
 
-Redis, the workers and the API, with compose.yaml's commands, environment, health checks and
-grace periods (``${VAR}`` substituted as compose does), on an internal network; the API also on
-an edge network, published on 127.0.0.1.
+Redis, the workers and the API, with compose.yaml's commands, environment, health checks,
+grace periods, read-only root filesystems and tmpfs mounts (``${VAR}`` substituted as compose
+does), on an internal network; the API also on an edge network, published on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ from checks.containers._common import (
 )
 
 PREFIX = "batchline-ci"
-# As deploy/kubernetes runs them (readOnlyRootFilesystem, an emptyDir on /tmp): checked here.
-READ_ONLY: dict[str, Any] = {"read_only": True, "tmpfs": {"/tmp": "rw,size=256m"}}
 
 
 # ---------------------------------------------------------------- compose services
@@ -69,6 +67,17 @@ def healthcheck(spec: dict[str, Any], *, interval_s: float) -> dict[str, Any]:
 
 def seconds(value: str) -> int:
     return int(str(value).rstrip("s"))
+
+
+def filesystem(spec: dict[str, Any]) -> dict[str, Any]:
+    """A compose service's ``read_only`` and ``tmpfs`` for the SDK: ``tmpfs`` (one path or a
+    list, each ``path`` or ``path:options``) as a mapping of path to options."""
+    mounts = spec.get("tmpfs", [])
+    tmpfs: dict[str, str] = {}
+    for mount in [mounts] if isinstance(mounts, str) else mounts:
+        path, _, options = str(mount).partition(":")
+        tmpfs[path] = options
+    return {"read_only": bool(spec.get("read_only", False)), "tmpfs": tmpfs}
 
 
 class Stack:
@@ -118,7 +127,7 @@ class Stack:
                     inner,
                     environment=worker_env,
                     healthcheck=healthcheck(worker["healthcheck"], interval_s=2),
-                    **READ_ONLY,
+                    **filesystem(worker),
                 )
             )
         api = self.services["api"]
@@ -130,7 +139,7 @@ class Stack:
             ports={"8000/tcp": ("127.0.0.1", None)},
             healthcheck=healthcheck({"test": api_healthcheck(self.client)}, interval_s=1),
             connect=[edge],
-            **READ_ONLY,
+            **filesystem(api),
         )
         self.api.reload()
         port = self.api.attrs["NetworkSettings"]["Ports"]["8000/tcp"][0]["HostPort"]
