@@ -382,3 +382,39 @@ def test_the_compose_workers_and_api_run_read_only_with_a_tmpfs_as_the_check_run
         (container,) = one("Deployment", name)["spec"]["template"]["spec"]["containers"]
         assert container["securityContext"]["readOnlyRootFilesystem"] is True
         assert [m["mountPath"] for m in container["volumeMounts"]] == ["/tmp"]
+
+
+def test_a_dead_workers_requests_are_claimed_well_within_the_apis_wait() -> None:
+    """The compose and Kubernetes workers set the same claim_idle_ms, short enough that the
+    requests a dead worker held are claimed by another (after claim_idle_ms, and at most a
+    second more: each worker looks every second) and run well before the API stops waiting
+    (request_timeout_s, then 504). The container check runs with the file's value (it sets
+    none of its own), killing a worker under load."""
+    import inspect
+
+    from batchline.config import WebSettings
+    from checks.containers import _stack
+
+    def env(container: dict[str, Any]) -> dict[str, Any]:
+        return {e["name"]: e.get("value") for e in container["env"]}
+
+    compose = yaml.safe_load((DEPLOY.parent.parent / "docker" / "compose.yaml").read_text())
+    services = _stack.substitute(compose["services"], {"REDIS_PASSWORD": "pw"})
+    values = {"compose.yaml": services["worker"]["environment"].get("BATCHLINE_CLAIM_IDLE_MS")}
+    workers = {
+        "worker.yaml": one("Deployment", "batchline-worker"),
+        "several-queues": several()["Deployment"],
+    }
+    for name, deployment in workers.items():
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        values[name] = env(container).get("BATCHLINE_CLAIM_IDLE_MS")
+    (value,) = set(values.values())
+    assert value is not None, values
+    claim_s = WorkerSettings(claim_idle_ms=value).claim_idle_ms / 1000
+    # The API's wait is the default one, in compose and on Kubernetes alike.
+    (api,) = one("Deployment", "batchline-api")["spec"]["template"]["spec"]["containers"]
+    for api_env in (env(api), services["api"]["environment"]):
+        assert "BATCHLINE_REQUEST_TIMEOUT_S" not in api_env
+    wait_s = WebSettings().request_timeout_s
+    assert claim_s + 1 <= wait_s / 2, (claim_s, wait_s)
+    assert "CLAIM_IDLE" not in inspect.getsource(_stack)

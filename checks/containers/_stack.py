@@ -113,11 +113,6 @@ class Stack:
         )
         wait_healthy(self.redis, timeout_s=60)
         worker = self.services["worker"]
-        worker_env = {
-            **worker["environment"],
-            # The test's pace: a killed worker's entries are reclaimed after 5 s, not 30 s.
-            "BATCHLINE_CLAIM_IDLE_MS": "5000",
-        }
         self.grace_s = seconds(worker["stop_grace_period"])
         for i in range(self.n_workers):
             self.workers.append(
@@ -125,7 +120,7 @@ class Stack:
                     f"worker-{i + 1}",
                     WORKER_IMAGE,
                     inner,
-                    environment=worker_env,
+                    environment=worker["environment"],
                     healthcheck=healthcheck(worker["healthcheck"], interval_s=2),
                     **filesystem(worker),
                 )
