@@ -5,8 +5,10 @@ manifests agree with batchline: probes, grace period, inbox, streams, consumer g
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -418,3 +420,47 @@ def test_a_dead_workers_requests_are_claimed_well_within_the_apis_wait() -> None
     wait_s = WebSettings().request_timeout_s
     assert claim_s + 1 <= wait_s / 2, (claim_s, wait_s)
     assert "CLAIM_IDLE" not in inspect.getsource(_stack)
+
+
+# -- The ACL user of secret.yaml and redis.yaml ---------------------------------------------------
+
+
+def manifest_user_rules() -> list[str]:
+    """The rules redis.yaml's Redis gives the Secret's user (after its name, ``on`` and its
+    password), checked equal to those secret.yaml's comment prints."""
+    (stateful,) = [o for o in objects() if o["kind"] == "StatefulSet"]
+    (container,) = stateful["spec"]["template"]["spec"]["containers"]
+    args = shlex.split(container["command"][-1])
+    start = args.index("$REDIS_USERNAME") + 1
+    assert args[start : start + 2] == ["on", ">$REDIS_PASSWORD"], args
+    rules = list(itertools.takewhile(lambda a: not a.startswith("--"), args[start + 2 :]))
+    comment = [
+        line.removeprefix("#").strip()
+        for line in (DEPLOY / "secret.yaml").read_text().splitlines()
+        if line.startswith("#   ")
+    ]
+    line = " ".join(comment)
+    found = re.search(r"ACL SETUSER batchline on >PASSWORD (.*?)(?: \(|$)", line)
+    assert found is not None, line
+    assert found.group(1).split() == rules, (found.group(1), rules)
+    return rules
+
+
+def test_the_cluster_file_names_the_rules_a_cluster_client_needs_beyond_the_users() -> None:
+    """keda-cluster.yaml says what to add to secret.yaml's user on a Redis Cluster: every
+    rule without a key that ``batchline acl`` gives each of its users (redis-py's cluster
+    client reads the slot map and, as it starts, the command table) and the user lacks."""
+    from batchline.acl import ROLES, acl_rules
+
+    keys = QueueKeys("default")
+    given = set.intersection(*(set(acl_rules(keys, role)) for role in ROLES))
+    missing = sorted(r for r in given if r.startswith("+") and r not in manifest_user_rules())
+    assert "+command" in missing, missing
+    header = " ".join(
+        line.removeprefix("#").strip()
+        for line in (DEPLOY / "keda-cluster.yaml").read_text().splitlines()
+        if line.startswith("#")
+    )
+    found = re.search(r"\((\+cluster\|slots[^,)]*)", header)
+    assert found is not None, header
+    assert sorted(found.group(1).split()) == missing
