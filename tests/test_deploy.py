@@ -9,6 +9,8 @@ import itertools
 import json
 import re
 import shlex
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -464,3 +466,42 @@ def test_the_cluster_file_names_the_rules_a_cluster_client_needs_beyond_the_user
     found = re.search(r"\((\+cluster\|slots[^,)]*)", header)
     assert found is not None, header
     assert sorted(found.group(1).split()) == missing
+
+
+def test_batchline_keys_runs_under_the_manifests_acl_user(
+    acl_user: Callable[[list[str]], str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``batchline keys`` (as docs/deploying.md runs it, in the API's pod) under the Secret's
+    user, on a real Redis: create, list, set, rotate and revoke, and an unknown id refused
+    with its message and exit 2 (a change given up sends UNWATCH: without +unwatch that
+    refusal was a NoPermissionError)."""
+    from batchline.cli import main
+    from batchline.transport import KEY_PATTERN
+
+    prefix = f"d{uuid.uuid4().hex[:10]}"
+    rules = [f"~{prefix}:*" if r == "~batchline:*" else r for r in manifest_user_rules()]
+    assert f"~{prefix}:*" in rules
+    monkeypatch.setenv("BATCHLINE_REDIS_URL", acl_user(["on", ">PASSWORD", *rules]))
+    monkeypatch.setenv("BATCHLINE_PREFIX", prefix)
+
+    def run(*args: str) -> tuple[int, str, str]:
+        status = main(["keys", *args])
+        out, err = capsys.readouterr()
+        return status, out, err
+
+    status, out, err = run("create", "--tenant", "me")
+    assert status == 0, err
+    match = KEY_PATTERN.fullmatch(out.strip())
+    assert match is not None, out
+    key_id = match.group(1)
+    assert run("list")[0] == 0
+    assert run("set", "--tenant", "me", "--weight", "2")[0] == 0
+    status, out, err = run("rotate", key_id, "--json")
+    assert status == 0, err
+    assert run("revoke", json.loads(out)["id"])[0] == 0
+    for command in ("revoke", "rotate"):
+        status, _, err = run(command, "deadbeef")
+        assert status == 2, err
+        assert "no key with the id 'deadbeef'" in err, err
