@@ -505,3 +505,21 @@ def test_batchline_keys_runs_under_the_manifests_acl_user(
         status, _, err = run(command, "deadbeef")
         assert status == 2, err
         assert "no key with the id 'deadbeef'" in err, err
+
+
+def test_the_fallback_redis_refuses_writes_when_full_rather_than_grow_past_its_limit() -> None:
+    """redis.yaml: ``maxmemory`` below the container's memory limit, with ``noeviction``, as
+    docs/deploying.md asks of any Redis (a full one refuses new requests with
+    ServiceUnavailable; without maxmemory it grows until the kubelet kills it)."""
+    (stateful,) = [o for o in objects() if o["kind"] == "StatefulSet"]
+    (container,) = stateful["spec"]["template"]["spec"]["containers"]
+    args = shlex.split(container["command"][-1])
+    assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
+    maxmemory = re.fullmatch(r"(\d+)(mb|gb)", args[args.index("--maxmemory") + 1])
+    assert maxmemory is not None, args
+    number, unit = maxmemory.groups()
+    limit = re.fullmatch(r"(\d+)(Mi|Gi)", container["resources"]["limits"]["memory"])
+    assert limit is not None
+    mib = {"mb": 1, "gb": 1024, "Mi": 1, "Gi": 1024}  # Redis's mb and gb are 2**20 and 2**30
+    limit_mib = int(limit.group(1)) * mib[limit.group(2)]
+    assert 0.5 * limit_mib <= int(number) * mib[unit] <= 0.8 * limit_mib
