@@ -213,8 +213,9 @@ def test_worker_pods_are_probed_by_the_worker_check_and_drain_in_their_grace_per
 def test_the_replicated_compose_variant_hangs_together() -> None:
     """docker/compose.ha.yaml: workers and the API name the three sentinels by the service
     the sentinels monitor, with durability replicated; a quorum of 2 of 3; the primary
-    refuses writes without a replica in sync; every Redis keeps an AOF. (The failover itself
-    is proved with local processes: tests/e2e/test_failover.py.)"""
+    refuses writes without a replica in sync, and so does a replica once promoted; every
+    Redis keeps an AOF. (The failover itself is proved with local processes:
+    tests/e2e/test_failover.py.)"""
     from batchline.redis_url import parse_sentinel_url
 
     root = DEPLOY.parent.parent / "docker"
@@ -240,11 +241,12 @@ def test_the_replicated_compose_variant_hangs_together() -> None:
         assert spec.sentinel_kwargs["password"] == "pw"
         assert (env["BATCHLINE_DURABILITY"], env["BATCHLINE_MIN_REPLICAS"]) == ("replicated", "1")
         assert set(services[role]["depends_on"]) >= {"sentinel-1", "redis-replica-1"}
-    command = services["redis"]["command"]
-    assert command[command.index("--min-replicas-to-write") + 1] == "1"
     for name in ("redis", "redis-replica-1", "redis-replica-2"):
         args = services[name]["command"]
         assert args[args.index("--appendonly") + 1] == "yes", name
+        # On every server, so that whichever is primary after a failover keeps the rule.
+        assert args[args.index("--min-replicas-to-write") + 1] == "1", name
+        assert args[args.index("--min-replicas-max-lag") + 1] == "10", name
 
 
 def test_the_compose_tracing_collector_is_optional_and_off_by_default() -> None:
