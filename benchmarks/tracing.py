@@ -12,9 +12,10 @@ queue of its own and one producer process that sends to it:
 - ``on``: this checkout, tracing on in the worker and the producer: the OpenTelemetry SDK's
   ``TracerProvider`` with a ``BatchSpanProcessor`` whose exporter drops the spans (every
   span is made, ended and handed to the processor; nothing leaves the box);
-- ``previous``: ``batchline/`` of ``--previous`` (default: where this branch left ``main``,
-  ``git merge-base HEAD main``), extracted with ``git archive`` and first on the worker's and
-  the producer's ``PYTHONPATH``.
+- ``previous``: ``batchline/`` of ``--previous`` (the version before tracing is 3ef3d62;
+  default: where this branch left ``main``, ``git merge-base HEAD main``, refused where that
+  is HEAD itself, as on ``main``), extracted with ``git archive`` and first on the worker's
+  and the producer's ``PYTHONPATH``.
 
 Repeats go round the three ways, in a rotating order, the workers not measured paused
 (SIGSTOP). Each repeat a way's producer sends ``--requests`` inputs ``--inflight`` at a time
@@ -114,6 +115,25 @@ def _previous(rev: str, dest: Path) -> str:
     dest.mkdir()
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
     return commit
+
+
+def default_previous(repo: Path) -> str:
+    """Where ``repo``'s branch left ``main`` (``git merge-base HEAD main``); a SystemExit where
+    that is HEAD itself (on ``main``, say), for "previous" would then measure HEAD again."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(repo), *args], capture_output=True, text=True, check=True
+        ).stdout.strip()
+
+    base = git("merge-base", "HEAD", "main")
+    if base == git("rev-parse", "HEAD"):
+        raise SystemExit(
+            f"--previous: git merge-base HEAD main is HEAD itself ({base[:7]}): previous would "
+            "measure this checkout again; name the version to compare with, --previous REV "
+            "(the version before tracing: --previous 3ef3d62)"
+        )
+    return base
 
 
 def _start(procs: Procs, url: str, way: str, before: Path) -> dict[str, Any]:
@@ -218,16 +238,16 @@ def main() -> int:
     parser.add_argument("--inflight", type=int, default=500)
     parser.add_argument("--idle", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--previous", default="", help="default: git merge-base HEAD main")
+    parser.add_argument(
+        "--previous",
+        metavar="REV",
+        default="",
+        help="the version to compare with (before tracing: 3ef3d62); default: git merge-base "
+        "HEAD main, refused where that is HEAD itself",
+    )
     harness.add_redis_server_flag(parser)
     args = parser.parse_args()
-    if not args.previous:
-        args.previous = subprocess.run(
-            ["git", "-C", str(REPO), "merge-base", "HEAD", "main"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+    args.previous = args.previous or default_previous(REPO)
     _run(args)
     return 0
 

@@ -728,6 +728,28 @@ def test_bench_tracing_smoke() -> None:
     assert REDIS_LINE.search(out), out
 
 
+def test_bench_tracing_default_previous_is_refused_where_it_is_head(tmp_path: Path) -> None:
+    """Without ``--previous``, "previous" is where the branch left ``main``: on ``main`` that
+    is HEAD itself, which would measure the checkout against itself, so it is refused."""
+    _importable()
+    from benchmarks.tracing import default_previous
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            check=True, capture_output=True, text=True,
+        ).stdout.strip()  # fmt: skip
+
+    git("init", "-q", "-b", "main")
+    git("commit", "-q", "--allow-empty", "-m", "first")
+    with pytest.raises(SystemExit, match=r"HEAD itself .* --previous REV"):
+        default_previous(tmp_path)
+    first = git("rev-parse", "HEAD")
+    git("checkout", "-q", "-b", "branch")
+    git("commit", "-q", "--allow-empty", "-m", "second")
+    assert default_previous(tmp_path) == first
+
+
 @pytest.mark.slow
 def test_bench_models_adapters_smoke() -> None:
     _smollm2()  # the base model it serves
