@@ -10,7 +10,7 @@ model, :func:`busy`, sleeps ``--batch-ms`` a batch plus ``--item-ms`` per item (
 costs little more than one item, as on the hardware batching is for; a worker of fixed
 capacity, ``batch_size`` items a full batch's time, that leaves the shared CPU alone;
 ``--batch-ms 0`` makes a model with nothing to gain from batching). Repeats alternate the
-modes' order.
+modes' order, and part (c)'s order of tenant and untenanted.
 
 - (a) two tenants of equal weight at one priority on a saturated worker: B offers a tenth of
   the capacity (open loop, Poisson arrivals, ``--seconds``), alone, then with A offering ten
@@ -315,10 +315,10 @@ async def part_b(run: Run, samples: Samples, mode: str) -> None:
 PACES = ("one at a time", "500 at once")
 
 
-async def part_c(run: Run, samples: Samples, redis_pid: int) -> None:
+async def part_c(run: Run, samples: Samples, redis_pid: int, rep: int) -> None:
     queue = run.queues["noop"]
     worker_pid = run.procs.procs["noop"].pid
-    order = ("A", None) if len(samples.rows) % 2 else (None, "A")
+    order = (None, "A") if rep % 2 == 0 else ("A", None)  # repeats alternate the order
     for pace in PACES:
         for tenant in order:  # a producer each: one reply stream each, read from the start
             name = f"{pace}: {'tenant' if tenant else 'untenanted'}"
@@ -433,7 +433,7 @@ async def _main(run: Run, redis_pid: int, gen: bool) -> None:
     for rep in range(run.args.repeats):
         if "c" in parts:
             run.only("noop")
-            await _bounded("(c)", part_c(run, samples, redis_pid))
+            await _bounded("(c)", part_c(run, samples, redis_pid, rep))
         for mode in (MODES if rep % 2 == 0 else MODES[::-1]) if parts != "c" else ():
             run.only(f"emb-{mode}")
             if "a" in parts:

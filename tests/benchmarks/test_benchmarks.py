@@ -8,6 +8,7 @@ They are slow (a redis-server, workers, sometimes a model): ``-m "not slow"`` le
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
 import os
@@ -594,6 +595,58 @@ def test_bench_fairness_smoke() -> None:
         assert re.match(r"\n[^\n]*\n(\w+\s+tenant [\d.,]+ µs; untenanted [\d.,]+ µs; added.*\n){4}"
                         r"Redis commands per request: tenant [\d.]+", out[at:]), out  # fmt: skip
     assert REDIS_LINE.search(out), out
+
+
+def test_bench_fairness_part_c_alternates_tenant_and_untenanted(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Part (c)'s repeats alternate which of tenant and untenanted goes first (stand-ins for
+    the producers, the CPU meter and Redis's command counts)."""
+    import argparse
+    import types
+
+    _importable()
+    fairness = importlib.import_module("benchmarks.fairness")
+    sent: list[str | None] = []
+
+    class Producer:
+        def __init__(self, *, redis_url: str, queue: str, tenant: str | None) -> None:
+            sent.append(tenant)
+
+        async def __aenter__(self) -> Producer:
+            return self
+
+        async def __aexit__(self, *exc: object) -> None:
+            pass
+
+        async def infer(self, value: int, timeout_s: float) -> int:
+            return value
+
+        async def submit(self, value: int) -> int:
+            return value
+
+        async def wait(self, handle: int, timeout_s: float) -> int:
+            return handle
+
+    class Meter:
+        def __init__(self, pids: dict[str, int]) -> None:
+            self.pids = pids
+
+        def done(self) -> dict[str, float]:
+            return dict.fromkeys(self.pids, 0.001)
+
+    monkeypatch.setattr(fairness, "AsyncProducer", Producer)
+    monkeypatch.setattr(fairness, "CpuMeter", Meter)
+    monkeypatch.setattr(fairness, "_commands", lambda url: {})
+    args = argparse.Namespace(parts="c", repeats=4, requests=2)
+    procs = types.SimpleNamespace(procs={"noop": types.SimpleNamespace(pid=1)})
+    run = types.SimpleNamespace(
+        args=args, url="redis://x", queues={"noop": "q"}, procs=procs, only=lambda name: None
+    )
+    asyncio.run(fairness._main(run, 2, False))
+    firsts = sent[::2]  # each pace's first, per repeat (two paces a repeat)
+    assert firsts == [None, None, "A", "A", None, None, "A", "A"], sent
+    assert "4 interleaved repeats" in capsys.readouterr().out
 
 
 @pytest.mark.slow
