@@ -17,6 +17,12 @@ recorded, with date, machine and command, are on the documentation's Benchmarks 
 - ``python -m benchmarks.prefix``: prefill time with the shared-prefix cache and without.
 - ``python -m benchmarks.structured``: structured output on SmolLM2, each answer validated
   against its schema, and the per-token cost of the masks.
+- ``python -m benchmarks.tools``: function tools on SmolLM2 (``tool_choice: required``), each
+  call validated against its function's schema, and the tool grammar's per-token cost beside
+  structured output's.
+- ``python -m benchmarks.models``: several queues served by one worker process against a
+  worker each, a cold model's first request, and LoRA adapters mixed in one batch against a
+  batch per adapter.
 - ``python -m benchmarks.dtype``: ``dtype auto`` on this CPU, bfloat16 against float32; with
   ``--deterministic``, the cost of deterministic mode on embeddings.
 - ``python -m benchmarks.invariance``: which kernels give a row a different result with the
@@ -32,6 +38,8 @@ recorded, with date, machine and command, are on the documentation's Benchmarks 
 - ``python -m benchmarks.slo``: the latency-SLO mode against fixed settings.
 - ``python -m benchmarks.admission``: admission through the queue's functions against the
   enqueue script.
+- ``python -m benchmarks.lua``: what the queue's Lua costs Redis per request, function by
+  function (its CPU, or its instructions under callgrind).
 - ``python -m benchmarks.durability``: durability ``replicated`` against ``async``.
 - ``python -m benchmarks.fairness``: tenants' fair share of the workers against first come,
   first served (a small tenant's p99 beside a large one, weights 3:1, a tenant's CPU).

@@ -48,6 +48,20 @@ def test_every_module_imports_without_running() -> None:
                 raise
 
 
+def test_the_package_lists_every_benchmark() -> None:
+    """benchmarks/__init__.py names each benchmark's command (the Benchmarks page sends
+    readers there for the list)."""
+    _importable()
+    import benchmarks
+
+    names = {m.name for m in pkgutil.iter_modules(benchmarks.__path__)} - {"harness"}
+    assert {"queue", "lua", "models", "tools"} <= names
+    missing = [
+        n for n in sorted(names) if f"``python -m benchmarks.{n}``" not in benchmarks.__doc__
+    ]
+    assert not missing, missing
+
+
 # The line a benchmark that starts a Redis prints: which redis-server, its version and path.
 REDIS_LINE = re.compile(r"redis-server \d+\.\d+\.\d+ \(/\S*redis-server\)")
 # Benchmarks that start a Redis, with their --redis-server flag.
