@@ -245,14 +245,16 @@ def report_outputs(rows: list[dict[str, Any]], args: argparse.Namespace) -> None
 
 # -- uploads -------------------------------------------------------------------------------
 
-#: The uploading process: builds its file, says so, then uploads it when told (a line on its
-#: stdin) and prints the seconds it took.
+#: The uploading process: builds its file, says so with the file's lines and their size
+#: (``ready LINES BYTES``), then uploads it when told (a line on its stdin) and prints the
+#: seconds it took.
 UPLOADER = """
 import sys, time, httpx
 base, size, chunked = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "chunked"
 line = b'{"custom_id": "%09d", "method": "POST", "url": "/v1/embeddings", "body": {"model": "emb", "input": "%s"}}\\n'
 text = b"a few words of a sentence to embed " * int(sys.argv[4])
-data = b"".join(line % (i, text) for i in range(size // len(line % (0, text))))
+lines = size // len(line % (0, text))
+data = b"".join(line % (i, text) for i in range(lines))
 head = (
     b'--b0undary\\r\\nContent-Disposition: form-data; name="purpose"\\r\\n\\r\\nbatch\\r\\n'
     b'--b0undary\\r\\nContent-Disposition: form-data; name="file"; filename="big.jsonl"\\r\\n'
@@ -260,7 +262,7 @@ head = (
 )
 body = head + data + b"\\r\\n--b0undary--\\r\\n"
 headers = {"Content-Type": "multipart/form-data; boundary=b0undary"}
-print("ready", flush=True)
+print("ready", lines, len(line % (0, text)), flush=True)
 with httpx.Client(base_url=base, timeout=600) as http:
     while sys.stdin.readline():
         t = time.perf_counter()
@@ -318,7 +320,9 @@ async def uploads_repeat(
     log("upload repeat: " + ", ".join(f"{k} {v[-1]:.3g}" for k, v in s.rows.items()))
 
 
-def uploads(args: argparse.Namespace, procs: Procs) -> tuple[Samples, Samples]:
+def uploads(args: argparse.Namespace, procs: Procs) -> tuple[Samples, Samples, str]:
+    """The repeats' figures, every request's latency pooled, and the uploaded file's lines
+    (``694,444 lines of 144 bytes``)."""
     url, base = start(procs, args, {})
     uploader = procs.spawn(
         "uploader",
@@ -334,13 +338,15 @@ def uploads(args: argparse.Namespace, procs: Procs) -> tuple[Samples, Samples]:
         env=child_env(),
         pipes=True,
     )
-    if uploader.stdout is None or uploader.stdout.readline().strip() != b"ready":
+    said = uploader.stdout.readline().split() if uploader.stdout is not None else []
+    if said[:1] != [b"ready"]:
         raise RuntimeError(f"the uploader did not start:\n{procs.log_tail('uploader')}")
+    lines = f"{int(said[1]):,} lines of {int(said[2])} bytes"
     s, pooled = Samples(), Samples()
     asyncio.run(_warm(base))
     for _ in range(args.repeats):
         asyncio.run(uploads_repeat(base, url, uploader, procs.procs["api"].pid, args, s, pooled))
-    return s, pooled
+    return s, pooled, lines
 
 
 async def _warm(base: str) -> None:
@@ -350,13 +356,13 @@ async def _warm(base: str) -> None:
         await interactive(http, 2, 20.0, 1.0)
 
 
-def report_uploads(s: Samples, pooled: Samples, args: argparse.Namespace) -> None:
+def report_uploads(s: Samples, pooled: Samples, args: argparse.Namespace, lines: str) -> None:
     def row(name: str, key: str, digits: int = 0) -> str:
         return f"| {name} | {fmt(s.med(key), digits)} | {s.spread(key)} |"
 
     print(
-        f"- one {args.upload_mb} MB upload at a time ({args.body}, lines of "
-        f"{args.text_repeat * 35 + 100} bytes or so; {args.repeats} repeats: medians, range "
+        f"- one {args.upload_mb} MB upload at a time ({args.body}, {lines}; "
+        f"{args.repeats} repeats: medians, range "
         f"in the last column); {args.lanes} interactive clients "
         f"({'GET /healthz' if args.bystander == 'healthz' else 'POST /v1/embeddings'}), "
         f"{args.think_ms:g} ms think time; the model {FIXED_MS:g} ms a call\n"
@@ -418,7 +424,7 @@ def main() -> None:
         if args.part == "outputs":
             rows = outputs(args, procs)
         else:
-            s, pooled = uploads(args, procs)
+            s, pooled, lines = uploads(args, procs)
     finally:
         procs.stop_all()
         shutil.rmtree(logdir, ignore_errors=True)
@@ -431,7 +437,7 @@ def main() -> None:
     if args.part == "outputs":
         report_outputs(rows, args)
     else:
-        report_uploads(s, pooled, args)
+        report_uploads(s, pooled, args, lines)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 Replays the queue benchmark's sentences (``batchline.demo.sentences``, tokenized with
 all-MiniLM-L6-v2's tokenizer, offline) through the real batch policy with a full backlog, as a
 worker with that many batches read ahead would form them, and prints the share of real
-tokens in the padded batches; beside it, an offline sort of everything (what
-``SentenceTransformer.encode`` does). Pure computation: no model, no Redis.
+tokens in the padded batches; beside it, an offline sort of everything by token count
+(``SentenceTransformer.encode`` sorts by characters, which pads more). Pure computation: no
+model, no Redis.
 
 Usage::
 

@@ -369,6 +369,7 @@ def test_bench_batch_limits_smoke() -> None:
     argv = ["benchmarks.batch_limits", "--part", "uploads", "--upload-mb", "5", "--repeats", "1"]
     out = _bench(argv, 300)
     assert re.search(r"^\| \*\*p99 during / idle\*\* \| [\d.]+ \|", out, re.M), out
+    assert "(sized, 2,416 lines of 2069 bytes; 1 repeats" in out, out  # --line-words 56
     assert REDIS_LINE.search(out), out
     _no_verdict(out)
 
