@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from benchmarks.harness import (
+    REPO,
     Procs,
     add_redis_server_flag,
     fmt,
@@ -161,6 +162,7 @@ def main() -> int:
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="bench-cache-"))
     src = snapshot(workdir / "src")  # edits during the run: not seen
+    measured = provenance(src, copy_of=REPO)
     env = {**os.environ, "PYTHONPATH": str(src), "HF_HUB_OFFLINE": "1"}
     procs = Procs(workdir)
     rates: dict[bool, list[float]] = {False: [], True: []}
@@ -182,7 +184,7 @@ def main() -> int:
     ratios = [b / a for a, b in zip(rates[False], rates[True], strict=True)]
     last = counters[-1]
     print("## batchline result cache: all-MiniLM-L6-v2, half of the texts repeated")
-    print(f"- {provenance()}; {machine()}; {version}")
+    print(f"- {measured}; {machine()}; {version}")
     print(f"- {args.requests} requests ({args.requests // 2} distinct texts, each twice), "
           f"{args.inflight} in flight, one worker (batch 32, timeout_ms 0), {args.repeats} "
           "repeats per side, alternating, each repeat in the other order")  # fmt: skip

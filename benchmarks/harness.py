@@ -129,25 +129,34 @@ def ratio(a: float | None, b: float | None) -> float | None:
 # -- what was measured, where ------------------------------------------------------------------
 
 
-def provenance(src: Path = REPO) -> str:
-    """Which batchline was measured: git HEAD, whether batchline/ differs from it, and a hash
-    of the sources under ``src`` (others may be editing the checkout while a run goes on)."""
+def provenance(src: Path = REPO, *, copy_of: Path | None = None) -> str:
+    """Which batchline was measured: a hash of the sources under ``src`` (others may be
+    editing the checkout while a run goes on), and the git revision of the checkout they are
+    (``src``), or were copied from (``copy_of``: a :func:`snapshot`'s checkout), with whether
+    its batchline/ differs from that revision. A tree that is not a git checkout's root says
+    so, rather than name the revision of a checkout around it or of this one."""
     digest = hashlib.sha256()
     for path in sorted((src / "batchline").rglob("*.py")):
         digest.update(path.relative_to(src).as_posix().encode())
         digest.update(path.read_bytes())
+    tree = (copy_of or src).resolve()
+    where = "" if tree == REPO else f" ({tree})"
     try:
-        head = _git("rev-parse", "--short", "HEAD")
-        dirty = _git("status", "--porcelain", "--", "batchline")
+        if Path(_git(tree, "rev-parse", "--show-toplevel")).resolve() != tree:
+            raise subprocess.SubprocessError
+        head = _git(tree, "rev-parse", "--short", "HEAD")
+        dirty = _git(tree, "status", "--porcelain", "--", "batchline")
     except (OSError, subprocess.SubprocessError):
-        head, dirty = "?", ""
-    state = " + uncommitted changes under batchline/" if dirty else ""
-    return f"git {head}{state}; batchline/**/*.py sha256 {digest.hexdigest()[:12]}"
+        revision = f"not a git checkout{where}"
+    else:
+        state = " + uncommitted changes under batchline/" if dirty else ""
+        revision = f"git {head}{state}{where}"
+    return f"{revision}; batchline/**/*.py sha256 {digest.hexdigest()[:12]}"
 
 
-def _git(*args: str) -> str:
+def _git(tree: Path, *args: str) -> str:
     return subprocess.run(
-        ["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10, check=True
+        ["git", "-C", str(tree), *args], capture_output=True, text=True, timeout=10, check=True
     ).stdout.strip()
 
 

@@ -323,7 +323,7 @@ def run(args: argparse.Namespace, cfg: Config, procs: Procs, res: Results) -> No
     failed = False
     try:
         with sources(args.no_snapshot) as src:
-            res.info["provenance"] = provenance(src)
+            res.info["provenance"] = provenance(src, copy_of=REPO)
             res.info["loop"] = loop_in_use()
             if cfg.device == "auto" and not args.batch_size:
                 cfg.batch_sizes = [64, 128, 256] if device_of(cfg) == "cuda" else [BATCH_SIZE]

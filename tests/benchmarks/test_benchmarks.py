@@ -9,6 +9,7 @@ They are slow (a redis-server, workers, sometimes a model): ``-m "not slow"`` le
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import importlib.util
 import os
@@ -199,6 +200,38 @@ def test_bench_queue_report_gives_ratios_not_verdicts() -> None:
     assert "| torch float32 | 120.0 | 1.00 | |" in out, out
     assert "| onnx | 240.0 | 2.00 | 0.9999 |" in out, out
     _no_verdict(out)
+
+
+def _git(tree: Path, *args: str) -> str:
+    """``git ARGS`` in ``tree`` (a repository of a test's), its output."""
+    return subprocess.run(
+        ["git", "-C", str(tree), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+
+
+def test_provenance_names_the_measured_trees_revision(tmp_path: Path) -> None:
+    """A tree other than this checkout (``--src``) is named by its own git revision, or said
+    not to be a git checkout; a snapshot by its checkout's revision."""
+    _importable()
+    from benchmarks.harness import REPO, provenance
+
+    tree = tmp_path / "tree"
+    (tree / "batchline").mkdir(parents=True)
+    (tree / "batchline" / "x.py").write_text("x = 1\n")
+    here = provenance()
+    assert provenance(tree).startswith(f"not a git checkout ({tree.resolve()}); "), provenance(tree)
+    assert provenance(tree, copy_of=REPO).split(";")[0] == here.split(";")[0]
+
+    git = functools.partial(_git, tree)
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "tree")
+    head = git("rev-parse", "--short", "HEAD")
+    assert provenance(tree).startswith(f"git {head} ({tree.resolve()}); "), provenance(tree)
+    (tree / "batchline" / "x.py").write_text("x = 2\n")
+    assert " + uncommitted changes under batchline/ " in provenance(tree), provenance(tree)
+    assert provenance(tree).split("sha256 ")[1] != here.split("sha256 ")[1]
 
 
 def test_cpu_of_a_process_is_read_finer_than_clock_ticks() -> None:
@@ -802,12 +835,7 @@ def test_bench_tracing_default_previous_is_refused_where_it_is_head(tmp_path: Pa
     _importable()
     from benchmarks.tracing import default_previous
 
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
-            check=True, capture_output=True, text=True,
-        ).stdout.strip()  # fmt: skip
-
+    git = functools.partial(_git, tmp_path)
     git("init", "-q", "-b", "main")
     git("commit", "-q", "--allow-empty", "-m", "first")
     with pytest.raises(SystemExit, match=r"HEAD itself .* --previous REV"):
