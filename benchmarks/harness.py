@@ -12,7 +12,8 @@ checks in ``checks/`` start their processes with it too).
 - :class:`CpuMeter` reads the CPU seconds named processes used over one measurement, and the
   share of the machine the rest of it used meanwhile ("other load": the machine is shared).
 - :class:`Samples` keeps the repeats of each figure: medians, ranges, paired ratios.
-- :func:`provenance`, :func:`versions`, :func:`machine` say what was measured, where.
+- :func:`provenance`, :func:`versions`, :func:`machine` say what was measured, where;
+  :func:`dtype_used`, the dtype a ``--dtype`` resolves to.
 - :func:`watchdog` ends a run that goes on too long.
 """
 
@@ -158,6 +159,14 @@ def _git(tree: Path, *args: str) -> str:
     return subprocess.run(
         ["git", "-C", str(tree), *args], capture_output=True, text=True, timeout=10, check=True
     ).stdout.strip()
+
+
+def dtype_used(dtype: str, device: str = "auto") -> str:
+    """``--dtype`` as a worker on ``device`` resolves it (``auto``:
+    :func:`batchline.devices.pick_dtype`), the name alone: ``bfloat16``."""
+    from batchline.devices import pick_device, pick_dtype
+
+    return str(pick_dtype(dtype, pick_device(device))).removeprefix("torch.")
 
 
 def versions(*dists: str) -> str:

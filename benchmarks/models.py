@@ -65,6 +65,7 @@ from benchmarks.harness import (
     Samples,
     add_redis_server_flag,
     child_env,
+    dtype_used,
     fmt,
     log,
     machine,
@@ -177,10 +178,10 @@ async def adapters_part(args: argparse.Namespace) -> None:
                     log(f"repeat {repeat + 1}: {kind:<8} {rate:,.0f} tokens/s")
         finally:
             await bench.gen.aclose()
-    args.dtype = f"{bench.dtype}, --dtype {args.dtype}"
     n = args.adapters * args.per_adapter
     print(
-        f"\nadapters: SmolLM2-135M-Instruct ({args.dtype}), {args.adapters} adapters of rank "
+        f"\nadapters: SmolLM2-135M-Instruct ({bench.dtype}, --dtype {args.dtype}), "
+        f"{args.adapters} adapters of rank "
         f"{args.rank} on {', '.join(TARGETS)}, {args.per_adapter} chats each ({n} in all), "
         f"{args.new_tokens} new tokens each, greedy; median of {args.repeats} repeats"
     )
@@ -238,6 +239,7 @@ class Queues:
     def _spawn(self, name: str, argv: list[str], row: str) -> None:
         base = [sys.executable, "-m", "batchline", "worker", "--redis-url", self.url]
         base += ["--max-restarts-per-min", "0", "--heartbeat-s", "1", "--timeout-ms", "5"]
+        base += ["--dtype", self.args.dtype]
         self.procs.spawn(name, [*base, *argv], env=child_env())
         self.pids[row].append(name)
 
@@ -350,7 +352,8 @@ async def queues_part(args: argparse.Namespace, logdir: Path) -> None:
         f"\nqueues: embed (all-MiniLM-L6-v2), classify (the same, transformers-classify), "
         f"chat (SmolLM2-135M-Instruct, 32 new tokens); offered {args.rate_embed:g}, "
         f"{args.rate_classify:g} and {args.rate_chat:g} requests/s for {args.seconds:g} s a "
-        f"row; {which}; median of {args.repeats} repeats (range)"
+        f"row; dtype {dtype_used(args.dtype)} (--dtype {args.dtype}); {which}; median of "
+        f"{args.repeats} repeats (range)"
     )
     print(f"  {'queue':<9} {'row':<19} {'served/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
     anchor = ROWS[2]
@@ -446,9 +449,8 @@ async def cold_part(args: argparse.Namespace, logdir: Path) -> None:
     finally:
         procs.stop_all()
     print(
-        f"\ncold: {name}, dtype {args.dtype}, one worker --load demand --unload-idle-s 2; "
-        f"{which}; "
-        f"median of {args.repeats} repeats (range)"
+        f"\ncold: {name}, dtype {dtype_used(args.dtype)} (--dtype {args.dtype}), one worker "
+        f"--load demand --unload-idle-s 2; {which}; median of {args.repeats} repeats (range)"
     )
     print(f"  first request, fresh process (the model and its libraries load): "
           f"{fmt(samples.med('first'), 0)} ms")  # fmt: skip
@@ -466,7 +468,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--per-adapter", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--dtype", default="auto", help="as the library's: auto, float32, ...")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="every part's models, as the library's: auto, float32, float16, bfloat16",
+    )
     parser.add_argument("--parts", default="qca", help="q: queues, c: cold, a: adapters")
     parser.add_argument("--cold", choices=sorted(COLD), default="minilm", help="c's model")
     parser.add_argument("--seconds", type=float, default=20.0, help="a queues row's load")

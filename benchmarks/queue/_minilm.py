@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any
 
-from benchmarks.harness import fmt, log, percentile
+from benchmarks.harness import dtype_used, fmt, log, percentile
 from benchmarks.queue._backends import serve
 
 GPU_SAMPLE_MS = 100
@@ -215,10 +215,8 @@ def _texts(cfg: Any, res: Any, key: str) -> list[str]:
 
 def where(cfg: Any) -> str:
     """The MiniLM parts' device and dtype, ``--dtype`` resolved as the workers resolve it."""
-    from batchline.devices import pick_dtype
-
     device = device_of(cfg)
-    return f"{device}, {str(pick_dtype(cfg.dtype, device)).removeprefix('torch.')}"
+    return f"{device}, {dtype_used(cfg.dtype, device)}"
 
 
 def _pct(x: float | None) -> str:

@@ -846,6 +846,29 @@ def test_bench_tracing_default_previous_is_refused_where_it_is_head(tmp_path: Pa
     assert default_previous(tmp_path) == first
 
 
+def test_bench_models_queues_workers_take_dtype() -> None:
+    """Every worker of the queues part (both one-process rows and the three workers) runs in
+    ``--dtype``; the report names it resolved (``dtype_used``)."""
+    import argparse
+
+    _importable()
+    from benchmarks.harness import dtype_used
+    from benchmarks.models import Queues
+
+    spawned: dict[str, list[str]] = {}
+
+    class Procs:
+        def spawn(self, name: str, argv: list[str], *, env: dict[str, str]) -> None:
+            spawned[name] = argv
+
+    Queues(argparse.Namespace(dtype="float32"), Procs(), "redis://x").start()
+    assert len(spawned) == 5, spawned
+    for name, argv in spawned.items():
+        assert argv[argv.index("--dtype") + 1] == "float32", (name, argv)
+    assert dtype_used("float32") == "float32"
+    assert dtype_used("auto", "cuda") == "float16"
+
+
 @pytest.mark.slow
 def test_bench_models_adapters_smoke() -> None:
     _smollm2()  # the base model it serves
@@ -869,6 +892,7 @@ def test_bench_models_queues_smoke() -> None:
         for row in ("one process", "one process, turns"):
             assert re.search(rf"^  {kind} +p99 {row} / three workers [\d.]+x", out, re.M), out
     assert re.search(r"memory one process / three workers [\d.]+x", out), out
+    assert re.search(r"dtype (float32|bfloat16) \(--dtype auto\)", out), out
     assert REDIS_LINE.search(out), out
     _no_verdict(out)
 
@@ -882,5 +906,8 @@ def test_bench_models_cold_smoke() -> None:
     assert re.search(r"first request after an unload .*: [\d,]+ ms", out), out
     assert re.search(r"a request while loaded, p50 of 20: [\d.,]+ ms", out), out
     assert re.search(r"after an unload / loaded [\d,]+x", out), out
+    assert re.search(
+        r"^cold: all-MiniLM-L6-v2, dtype (float32|bfloat16) \(--dtype auto\)", out, re.M
+    ), out
     assert REDIS_LINE.search(out), out
     _no_verdict(out)
