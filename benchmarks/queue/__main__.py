@@ -18,8 +18,9 @@ and its own worker and producer processes, and measures:
 (c) all-MiniLM-L6-v2 on the CPU, realistic mixed-length sentences (``batchline.demo.sentences``):
     sentences/s served through Redis (one worker, batch 32, timeout_ms 0, all sentences
     submitted at once) vs the offline ceiling ``model.encode(sentences, batch_size=32)`` in this
-    process (the worker paused with SIGSTOP, both with torch's default thread count unless
-    ``--torch-threads``) vs one sentence at a time through Redis (and, for reference, offline).
+    process (the worker paused with SIGSTOP, both with the cores available as torch's thread
+    count, as a worker picks, unless ``--torch-threads``) vs one sentence at a time through
+    Redis (and, for reference, offline).
     Each side first sees every sentence (the worker twice: its length grouping forms other
     batches each pass; each new batch shape is slower the first time); which side runs
     first alternates from repeat to repeat.

