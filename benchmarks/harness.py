@@ -7,8 +7,8 @@ checks in ``checks/`` start their processes with it too).
 - :class:`Procs` starts named child processes that die with the benchmark, pauses and resumes
   them (SIGSTOP/SIGCONT, so the side not measured costs nothing), and stops them all.
 - :func:`redis_server` (chosen with ``--redis-server``: :func:`add_redis_server_flag`),
-  :func:`start_redis` and :func:`child_env`: the redis-server, and the environment of the
-  ``batchline`` processes started against it.
+  :func:`start_redis` and :func:`child_env` (:func:`drop_batchline_env` for this process):
+  the redis-server, and the environment of the ``batchline`` processes started against it.
 - :class:`CpuMeter` reads the CPU seconds named processes used over one measurement, and the
   share of the machine the rest of it used meanwhile ("other load": the machine is shared).
 - :class:`Samples` keeps the repeats of each figure: medians, ranges, paired ratios.
@@ -92,6 +92,17 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env
+
+
+def drop_batchline_env() -> list[str]:
+    """Remove the ``BATCHLINE_*`` settings from this process's environment, as
+    :func:`child_env` leaves them out of a child's: a benchmark starts its own redis-server
+    (not ``BATCHLINE_REDIS_URL``'s) and gives each process its settings on its command line.
+    The names removed, for the report to say."""
+    names = sorted(k for k in os.environ if k.upper().startswith("BATCHLINE_"))
+    for name in names:
+        del os.environ[name]
+    return names
 
 
 def snapshot(dest: Path) -> Path:

@@ -1,6 +1,7 @@
 """Generation throughput in process: one at a time, static batching, transformers'
 continuous batching (generate_batch's manager, tuned) and batchline, on SmolLM2-135M-Instruct;
-and batchline through Redis (a private redis-server and one ``--model generate`` worker).
+and batchline through Redis (a private redis-server, the newest found or ``--redis-server``'s,
+whatever ``BATCHLINE_REDIS_URL`` says, and one ``--model generate`` worker).
 
     python3 -m benchmarks.generate --repeats 3  # the full workloads (long on 2 cores)
     python3 -m benchmarks.generate --quick      # a short check of every path
@@ -73,7 +74,12 @@ import torch  # noqa: E402
 from batchline.generation import Generator, load_causal_lm  # noqa: E402
 from benchmarks.generate._redis import RedisWorker, Result  # noqa: E402
 from benchmarks.generate._rows import PromptSets, Workload, ours, show, useful  # noqa: E402
-from benchmarks.harness import add_redis_server_flag, percentile, redis_server  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    add_redis_server_flag,
+    drop_batchline_env,
+    percentile,
+    redis_server,
+)
 
 # -- the anchors -------------------------------------------------------------------------------
 
@@ -466,6 +472,9 @@ def measure(args: argparse.Namespace, redis: RedisWorker | None) -> None:
 
 def main() -> None:
     args = parse()
+    ignored = drop_batchline_env()  # BATCHLINE_REDIS_URL included: its own redis-server
+    if ignored:
+        print(f"ignored from the environment: {', '.join(ignored)}", flush=True)
     apply_threads(available_cpus())
     torch.manual_seed(0)
     redis = None

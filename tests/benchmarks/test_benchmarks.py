@@ -430,7 +430,10 @@ def test_bench_generate_stream_ab_quick() -> None:
 
     chosen = min(redis_servers(), key=lambda server: server.version)  # not the default
     argv = ["benchmarks.generate", "--quick", "--stream-ab", "--rounds", "1", *TINY_LLAMA]
-    out = _bench([*argv, "--redis-server", chosen.path], 300, WITH_TESTS)
+    # A BATCHLINE_REDIS_URL of the user's shell is not the Redis it uses: it starts its own.
+    env = WITH_TESTS | {"BATCHLINE_REDIS_URL": "redis://127.0.0.1:1/0"}
+    out = _bench([*argv, "--redis-server", chosen.path], 300, env)
+    assert "ignored from the environment: BATCHLINE_REDIS_URL" in out, out
     assert f"started a private {chosen} on unix://" in out, out
     assert "uniform: 8 chat prompts, greedy, 16 new tokens, through Redis" in out
     assert out.count(" 128 tok ") == 2, out
