@@ -43,6 +43,7 @@ from benchmarks.harness import (
     Procs,
     add_redis_server_flag,
     child_env,
+    header,
     idle_latencies,
     log,
     machine,
@@ -145,7 +146,8 @@ def main() -> int:
         procs = Procs(Path(tmp))
         try:
             url, version = start_redis(procs, env, binary)
-            print(f"{machine()}; {version}")
+            print(header())
+            print(f"- {machine()}; {version}")
             queue = f"bench-admission-{uuid.uuid4().hex[:8]}"
             argv = [sys.executable, "-m", "batchline", "--log-level", "WARNING", "worker"]
             argv += ["--redis-url", url, "--queue", queue, "--model"]

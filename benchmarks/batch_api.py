@@ -49,11 +49,11 @@ from benchmarks.harness import (
     child_env,
     fmt,
     free_port,
+    header,
     load,
     log,
     machine,
     percentile,
-    provenance,
     ratio,
     redis_binary,
     redis_server,
@@ -263,11 +263,10 @@ def report(s: Samples, pooled: Samples, args: argparse.Namespace, before: str) -
         spread = s.spread(key)
         return f"| {name} | {fmt(s.med(key), digits, unit)} | {spread} |"
 
-    print(f"# Batch API benchmark ({time.strftime('%Y-%m-%d')})\n")
-    print(f"- command: `python -m benchmarks.batch_api {' '.join(sys.argv[1:])}`".rstrip())
+    print("# Batch API benchmark\n")
+    print(header())
     print(f"- {machine(before, load())}")
-    print(f"- CPU flags: {cpu_flags()}")
-    print(f"- {versions('redis', 'fastapi', 'uvicorn')}; {provenance()}")
+    print(f"- {versions('redis', 'fastapi', 'uvicorn')}")
     print(f"- {redis_server(args.redis_server)}")
     print(
         f"- {args.lines} lines a batch, {args.repeats} interleaved repeats (medians; range in the "
@@ -292,22 +291,6 @@ def report(s: Samples, pooled: Samples, args: argparse.Namespace, before: str) -
     print(f"| interactive p99, all repeats pooled, batch running (ms) | {fmt(with_p99, 1)} | |")
     print(f"| interactive p99, all repeats pooled, no batch (ms) | {fmt(alone_p99, 1)} | |")
     print(f"| **p99 with / without a batch, repeats pooled** | {pooled_ratio} | |")
-
-
-def cpu_flags() -> str:
-    """The processor's model name and flags of note, from /proc/cpuinfo."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    fields: dict[str, str] = {}
-    for line in info.splitlines():
-        name, _, value = line.partition(":")
-        fields.setdefault(name.strip(), value.strip())
-    noted = [
-        f for f in fields.get("flags", "").split() if f.startswith(("avx", "sse4", "amx", "fma"))
-    ]
-    return f"{fields.get('model name', '?')}; {' '.join(noted)}"
 
 
 def main() -> None:

@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.batch_api import QUEUE, cpu_flags, interactive, latencies, start_stack
+from benchmarks.batch_api import QUEUE, interactive, latencies, start_stack
 from benchmarks.harness import (
     Procs,
     Samples,
@@ -54,11 +54,11 @@ from benchmarks.harness import (
     child_env,
     cpu_s,
     fmt,
+    header,
     load,
     log,
     machine,
     percentile,
-    provenance,
     ratio,
     redis_server,
     versions,
@@ -428,11 +428,10 @@ def main() -> None:
     finally:
         procs.stop_all()
         shutil.rmtree(logdir, ignore_errors=True)
-    print(f"# Batch API bounds, {args.part} ({time.strftime('%Y-%m-%d')})\n")
-    print(f"- command: `python -m benchmarks.batch_limits {' '.join(sys.argv[1:])}`")
+    print(f"# Batch API bounds, {args.part}\n")
+    print(header())
     print(f"- {machine(before, load())}")
-    print(f"- CPU flags: {cpu_flags()}")
-    print(f"- {versions('redis', 'fastapi', 'uvicorn')}; {provenance()}")
+    print(f"- {versions('redis', 'fastapi', 'uvicorn')}")
     print(f"- {redis_server(args.redis_server)}")
     if args.part == "outputs":
         report_outputs(rows, args)

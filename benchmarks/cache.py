@@ -38,6 +38,7 @@ from benchmarks.harness import (
     Procs,
     add_redis_server_flag,
     fmt,
+    header,
     log,
     machine,
     provenance,
@@ -184,7 +185,8 @@ def main() -> int:
     ratios = [b / a for a, b in zip(rates[False], rates[True], strict=True)]
     last = counters[-1]
     print("## batchline result cache: all-MiniLM-L6-v2, half of the texts repeated")
-    print(f"- {measured}; {machine()}; {version}")
+    print(header(measured))
+    print(f"- {machine()}; {version}")
     print(f"- {args.requests} requests ({args.requests // 2} distinct texts, each twice), "
           f"{args.inflight} in flight, one worker (batch 32, timeout_ms 0), {args.repeats} "
           "repeats per side, alternating, each repeat in the other order")  # fmt: skip

@@ -45,9 +45,9 @@ from benchmarks.harness import (
     add_redis_server_flag,
     child_env,
     fmt,
+    header,
     log,
     machine,
-    provenance,
     redis_binary,
     start_redis,
 )
@@ -293,9 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     flags = cpu_bf16_flags()
     auto = str(pick_dtype("auto", "cpu")).removeprefix("torch.")
     print("## dtype auto: bfloat16 against float32")
+    print(header())
     print(f"- {machine()}; native bfloat16 flags: {', '.join(flags) or 'none'}")
     print(f"- dtype auto on this cpu: {auto}")
-    print(f"- {provenance()}")
     if args.deterministic:
         lines = deterministic_cost(args.sentences, args.repeats)
     else:

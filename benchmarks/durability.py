@@ -35,6 +35,7 @@ from benchmarks.harness import (
     add_redis_server_flag,
     child_env,
     free_port,
+    header,
     log,
     machine,
     redis_server,
@@ -138,7 +139,8 @@ def main() -> int:
     add_redis_server_flag(parser)
     args = parser.parse_args()
     server = redis_server(args.redis_server)
-    print(f"{machine()}; a primary and one replica on this machine; {server}")
+    print(header())
+    print(f"- {machine()}; a primary and one replica on this machine; {server}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         procs = Procs(Path(tmp))

@@ -71,6 +71,7 @@ from benchmarks.harness import (
     Samples,
     add_redis_server_flag,
     child_env,
+    header,
     log,
     machine,
     percentile,
@@ -470,8 +471,8 @@ def main() -> int:
             run = Run(procs, "", args)
             url, version = start_redis(procs, run.env, binary)
             run.url = url
-            print(f"{machine()}; {version}")
-            print(f"python -m benchmarks.fairness {' '.join(sys.argv[1:])}".rstrip())
+            print(header())
+            print(f"- {machine()}; {version}")
             client = redis.Redis.from_url(url)
             store = TenantKeys("batchline")
             client.hset(store.config, "A", TenantConfig(weight=3).to_json())

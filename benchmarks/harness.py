@@ -12,8 +12,9 @@ checks in ``checks/`` start their processes with it too).
 - :class:`CpuMeter` reads the CPU seconds named processes used over one measurement, and the
   share of the machine the rest of it used meanwhile ("other load": the machine is shared).
 - :class:`Samples` keeps the repeats of each figure: medians, ranges, paired ratios.
-- :func:`provenance`, :func:`versions`, :func:`machine` say what was measured, where;
-  :func:`dtype_used`, the dtype a ``--dtype`` resolves to.
+- :func:`header` starts every report: when (UTC), the command, the CPU's flags of note and
+  which batchline (:func:`provenance`); :func:`versions`, :func:`machine` say more of what
+  was measured, where; :func:`dtype_used`, the dtype a ``--dtype`` resolves to.
 - :func:`watchdog` ends a run that goes on too long.
 """
 
@@ -24,6 +25,7 @@ import contextlib
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import signal
 import socket
@@ -205,6 +207,44 @@ def machine(load_before: str | None = None, load_after: str | None = None) -> st
     return (
         f"{os.cpu_count()} cores ({platform.processor() or platform.machine()}), "
         f"{platform.system()} {platform.release()}, {loads}"
+    )
+
+
+def cpu_flags() -> str:
+    """The processor's model name and its flags of note to the figures (the vector and matrix
+    units: ``avx*``, ``amx*``, ``sse4*``, ``fma``), from /proc/cpuinfo."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    fields: dict[str, str] = {}
+    for line in info.splitlines():
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip(), value.strip())
+    noted = [
+        f for f in fields.get("flags", "").split() if f.startswith(("avx", "sse4", "amx", "fma"))
+    ]
+    return f"{fields.get('model name', '?')}; {' '.join(noted)}"
+
+
+def command(argv: list[str] | None = None) -> str:
+    """This run's command line, ``python -m benchmarks.queue --parts b`` (``argv``: its
+    arguments, default this process's)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    run = ["-m", spec.name.removesuffix(".__main__")] if spec is not None else [sys.argv[0]]
+    return shlex.join(["python", *run, *(sys.argv[1:] if argv is None else argv)])
+
+
+def header(measured: str | None = None, argv: list[str] | None = None) -> str:
+    """The lines every report starts with: the date and time (UTC) and the command, the CPU
+    and its flags of note, and which batchline was measured (``measured``, default
+    :func:`provenance` of this checkout)."""
+    return "\n".join(
+        [
+            f"- {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC: `{command(argv)}`",
+            f"- CPU: {cpu_flags()}",
+            f"- measured: {measured or provenance()}",
+        ]
     )
 
 

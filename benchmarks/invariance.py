@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.harness import machine, provenance, versions
+from benchmarks.harness import header, machine, versions
 
 DTYPES = ("float32", "bfloat16")
 # (in, out) features: MiniLM's attention and MLP, SmolLM2's attention, MLP and head.
@@ -280,9 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     print("## Batch invariance: which kernels vary with the batch")
+    print(header())
     print(f"- {machine()}; torch threads {torch.get_num_threads()}")
     print(f"- {versions('torch', 'transformers', 'sentence-transformers')}")
-    print(f"- {provenance()}")
     start = time.perf_counter()
     for name in DTYPES:
         dtype = getattr(torch, name)

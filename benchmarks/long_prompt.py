@@ -25,12 +25,13 @@ import inspect
 import itertools
 import logging
 import resource
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.harness import header, provenance
 
 BYSTANDER = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
 FILLER = (
@@ -48,27 +49,6 @@ def rss_mib() -> float:
 def peak_rss_mib() -> float:
     """The process's peak resident memory so far (ru_maxrss is in KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def checkout(module_file: str) -> str:
-    """The commit (and whether the tree has changes) of the checkout a module comes from."""
-    root = Path(module_file).resolve().parent.parent
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--", "batchline"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return f"{root} (not a git checkout)"
-    return f"{root} at {head}{' with changes' if dirty else ''}"
 
 
 def long_prompts(tokenizer: Any, n: int, tokens: int) -> list[list[int]]:
@@ -117,7 +97,9 @@ def main() -> None:
     takes = "max_prefill_tokens" in inspect.signature(SyncGenerator.__init__).parameters
     if args.max_prefill_tokens is not None and takes:
         options["max_prefill_tokens"] = args.max_prefill_tokens
-    print(f"batchline: {checkout(batchline.__file__)}")
+    root = Path(batchline.__file__).resolve().parent.parent
+    print(header(provenance(root)))
+    print(f"batchline: {root}")
     print(f"SyncGenerator options: {options} (takes max_prefill_tokens: {takes})")
     started = time.perf_counter()
     with SyncGenerator("smollm2", device="cpu", dtype="float32", **options) as gen:

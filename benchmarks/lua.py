@@ -60,6 +60,7 @@ from benchmarks.harness import (
     add_redis_server_flag,
     child_env,
     free_port,
+    header,
     machine,
     redis_binary,
     start_redis,
@@ -385,7 +386,8 @@ def main() -> int:
                 return Instructions(pid, out) if args.callgrind else Meter(client, pid)
 
             before = load_average()
-            print(f"{machine()}; {version}")
+            print(header())
+            print(f"- {machine()}; {version}")
             run(url, meter, args)
             print(machine(before))
         finally:

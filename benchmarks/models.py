@@ -67,10 +67,10 @@ from benchmarks.harness import (
     child_env,
     dtype_used,
     fmt,
+    header,
     log,
     machine,
     percentile,
-    provenance,
     ratio,
     redis_server,
     start_redis,
@@ -484,6 +484,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats, args.per_adapter, args.new_tokens, args.seconds = 1, 2, 4, 3.0
+    print(header(argv=argv), flush=True)
     before = machine()
     if "q" in args.parts:
         with tempfile.TemporaryDirectory(prefix="bench-models-") as logdir:
@@ -493,7 +494,7 @@ def main(argv: list[str] | None = None) -> None:
             asyncio.run(cold_part(args, Path(logdir)))
     if "a" in args.parts:
         asyncio.run(adapters_part(args))
-    print(f"\n{provenance()}; {before}; {versions('torch', 'transformers')}")
+    print(f"\n{before}; {versions('torch', 'transformers')}")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ import torch  # noqa: E402
 
 from batchline.generation import Engine, GenerationParams, load_causal_lm  # noqa: E402
 from batchline.generation._types import Sequence_  # noqa: E402
+from benchmarks.harness import header  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -142,6 +143,7 @@ def main() -> None:
     parser.add_argument("--choices", type=int, default=0, help="measure n choices' forks")
     parser.add_argument("--prompt-tokens", type=int, default=300, help="with --choices")
     args = parser.parse_args()
+    print(header())
     apply_threads(available_cpus())
     model, tokenizer = load_causal_lm(device=args.device, dtype=args.dtype)
     if args.choices:

@@ -44,6 +44,7 @@ from benchmarks.harness import (
     child_env,
     fmt,
     free_port,
+    header,
     load,
     log,
     machine,
@@ -242,11 +243,10 @@ def main() -> None:
         procs.stop_all()
         shutil.rmtree(logdir, ignore_errors=True)
     sizes = [len(p) / 1e6 for p in payloads]
-    print(f"# Schema checks and bystanders ({time.strftime('%Y-%m-%d')})\n")
-    print(f"- command: `python -m benchmarks.schema_check {' '.join(sys.argv[1:])}`".rstrip())
+    print("# Schema checks and bystanders\n")
+    print(header(provenance(Path(args.src)) if args.src else None))
     print(f"- {machine(before, load())}")
-    source = provenance(Path(args.src)) if args.src else provenance()
-    print(f"- {versions('fastapi', 'uvicorn', 'llguidance')}; {source}")
+    print(f"- {versions('fastapi', 'uvicorn', 'llguidance')}")
     print(f"- {redis_server(args.redis_server)}")
     print(
         f"- {args.schemas} schemas of {min(sizes):.1f}-{max(sizes):.1f} MB at once, again and "

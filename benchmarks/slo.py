@@ -35,7 +35,7 @@ from typing import Unpack
 
 import batchline
 import batchline.aio
-from benchmarks.harness import fmt, log, machine, percentile, provenance, ratio, versions
+from benchmarks.harness import fmt, header, log, machine, percentile, ratio, versions
 
 FIXED_COST_S = 0.002
 PER_ITEM_S = 0.0004
@@ -191,8 +191,9 @@ def main() -> None:
     if args.quick:
         rates, sizes, waits, args.seconds = [200.0, 1400.0], [8, 64], [0.0, 20.0], 1.5
     target = args.target_ms
-    print(f"## latency-SLO mode vs fixed settings ({provenance()})")
-    print(f"{machine()}; {versions('batchline')}")
+    print("## latency-SLO mode vs fixed settings")
+    print(header())
+    print(f"- {machine()}; {versions('batchline')}")
     print(
         f"model: sleep {FIXED_COST_S * 1e3:g} ms + {PER_ITEM_S * 1e3:g} ms per item; Poisson "
         f"load, {args.seconds:g} s per setting and rate (first quarter not counted), medians of "

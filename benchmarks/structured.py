@@ -39,6 +39,7 @@ from batchline.generation import Engine, load_causal_lm  # noqa: E402
 from batchline.generation._closing import Closer  # noqa: E402
 from batchline.generation._request import parse_request  # noqa: E402
 from batchline.generation._types import Sequence_  # noqa: E402
+from benchmarks.harness import header  # noqa: E402
 
 _INT = {"type": "integer", "minimum": 0, "maximum": 10**6}
 _STR = {"type": "string", "maxLength": 40}
@@ -247,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--unbounded", action="store_true", help="strings without maxLength")
     args = parser.parse_args(argv)
+    print(header(argv=argv))
     apply_threads(available_cpus())
     model, tokenizer = load_causal_lm()
     schemas = SCHEMAS[: args.schemas]

@@ -36,6 +36,7 @@ import jsonschema  # noqa: E402
 
 from batchline._tool_calls import parse_calls  # noqa: E402
 from batchline.generation import load_causal_lm  # noqa: E402
+from benchmarks.harness import header  # noqa: E402
 from benchmarks.structured import SCHEMAS, run, value_of  # noqa: E402
 
 
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
+    print(header(argv=argv))
     apply_threads(available_cpus())
     model, tokenizer = load_causal_lm()
     schemas = SCHEMAS[: args.functions]

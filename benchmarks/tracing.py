@@ -208,8 +208,8 @@ def _run(args: argparse.Namespace) -> None:
             url, version = harness.start_redis(
                 procs, harness.child_env(), harness.redis_binary(args.redis_server)
             )
-            print(f"{harness.machine()}; {version}")
-            print(f"measured: {harness.provenance()}; previous: {commit}")
+            print(harness.header())
+            print(f"- {harness.machine()}; {version}; previous: {commit}")
             ways = {way: _start(procs, url, way, Path(tmp) / "previous") for way in WAYS}
             samples, otel = Samples(), dict.fromkeys(WAYS, False)
             for way in WAYS:  # warm-up, not counted

@@ -77,6 +77,7 @@ from benchmarks.generate._rows import PromptSets, Workload, ours, show, useful  
 from benchmarks.harness import (  # noqa: E402
     add_redis_server_flag,
     drop_batchline_env,
+    header,
     percentile,
     redis_server,
 )
@@ -473,6 +474,7 @@ def measure(args: argparse.Namespace, redis: RedisWorker | None) -> None:
 def main() -> None:
     args = parse()
     ignored = drop_batchline_env()  # BATCHLINE_REDIS_URL included: its own redis-server
+    print(header(), flush=True)
     if ignored:
         print(f"ignored from the environment: {', '.join(ignored)}", flush=True)
     apply_threads(available_cpus())

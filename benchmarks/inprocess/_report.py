@@ -6,11 +6,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 from collections.abc import Callable
 
 import batchline
-from benchmarks.harness import machine, ratio, versions
+from benchmarks.harness import header, machine, ratio, versions
 from benchmarks.inprocess._batchers import (
     BATCH_SIZE,
     IMPL_NAMES,
@@ -41,21 +40,20 @@ def report(res: Results, args: argparse.Namespace) -> str:
 
 def _header(w: Write, res: Results, args: argparse.Namespace) -> None:
     w("## In-process benchmark: batchline vs batched vs fast-dynamic-batcher\n")
+    changed = (
+        ""
+        if res.provenance_before == res.provenance_after
+        else f" (**batchline changed during the run**; at the end: {res.provenance_after})"
+    )
+    w(header(res.provenance_before + changed))
     w(
-        f"- command: `python -m benchmarks.inprocess {' '.join(sys.argv[1:])}`".rstrip()
-        + f"; {args.repeats} repeat(s) per throughput cell, median shown"
+        f"- {args.repeats} repeat(s) per throughput cell, median shown"
         + (" (**--quick smoke run: not representative**)" if args.quick else "")
     )
     w(
         f"- machine: {machine(res.load_before, res.load_after)} "
         "(shared machine: other work may run concurrently)"
     )
-    changed = (
-        ""
-        if res.provenance_before == res.provenance_after
-        else f" (**batchline changed during the run**; at the end: {res.provenance_after})"
-    )
-    w(f"- batchline measured: {res.provenance_before}{changed}")
     w(
         f"- versions: batchline {batchline.__version__}, "
         f"{versions('batched', 'fast-dynamic-batcher', 'numpy')}"

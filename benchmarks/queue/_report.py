@@ -6,7 +6,7 @@ the benchmark's main puts after this one.
 
 from __future__ import annotations
 
-from benchmarks.harness import fmt, machine, versions
+from benchmarks.harness import fmt, header, machine, versions
 from benchmarks.queue._minilm import where
 from benchmarks.queue._service import Config, Results
 
@@ -59,10 +59,10 @@ def _header(res: Results, cfg: Config, argv: list[str]) -> list[str]:
     return [
         "## batchline queue benchmark (Redis service, end to end)",
         "",
-        f"Command: `python -m benchmarks.queue {' '.join(argv)}`  ",
+        header(res.info.get("provenance"), argv),
+        "",
         f"Machine: {machine(res.info.get('load_before', '?'), res.info.get('load_after', '?'))}"
         "; shared with other users.  ",
-        f"Measured: {res.info.get('provenance', '?')}  ",
         f"{versions(*DISTS)}; {res.info.get('redis', '')}  ",
         f"Event loop of the worker and producer processes: {res.info.get('loop', '?')}  ",
         *(

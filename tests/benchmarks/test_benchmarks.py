@@ -63,6 +63,51 @@ def test_the_package_lists_every_benchmark() -> None:
     assert not missing, missing
 
 
+# The lines every report starts with (benchmarks.harness.header): when (UTC) and the command,
+# the CPU's flags of note, which batchline.
+HEADER = re.compile(
+    r"^- 20\d\d-\d\d-\d\d \d\d:\d\d UTC: `python -m benchmarks\.\w+.*`\n"
+    r"- CPU: .*\n- measured: (git \w+|not a git checkout).*; batchline/\*\*/\*\.py sha256 \w+$",
+    re.M,
+)
+
+
+def test_report_header_says_when_what_where(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The header: the date and time in UTC, the command as run, the CPU's flags of note (as
+    /proc/cpuinfo names them), the revision measured."""
+    _importable()
+    import types
+
+    from benchmarks import harness
+
+    main = types.ModuleType("__main__")
+    main.__spec__ = importlib.util.find_spec("benchmarks.queue.__main__")
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.setattr(sys, "argv", ["x", "--parts", "b", "--worker-arg=--read-ahead 4"])
+    out = harness.header()
+    assert HEADER.fullmatch(out), out
+    assert "`python -m benchmarks.queue --parts b '--worker-arg=--read-ahead 4'`" in out, out
+    assert harness.command(["--quick"]) == "python -m benchmarks.queue --quick"
+    assert out.endswith(harness.provenance().split("; ", 1)[1])
+    assert harness.header("given").endswith("- measured: given")
+    flags = Path("/proc/cpuinfo").read_text().split("\nflags")[1].split("\n")[0].split()
+    for flag in ("avx2", "avx512_bf16", "amx_bf16", "fma"):
+        assert (f" {flag}" in harness.cpu_flags()) == (flag in flags), flag
+
+
+def test_every_benchmark_starts_its_report_with_the_header() -> None:
+    _importable()
+    import benchmarks
+
+    for found in pkgutil.iter_modules(benchmarks.__path__):
+        if found.name == "harness":
+            continue
+        where = REPO / "benchmarks" / found.name
+        files = sorted(where.glob("*.py")) if found.ispkg else [where.with_suffix(".py")]
+        text = "".join(f.read_text() for f in files)
+        assert re.search(r"\bheader\(", text), found.name
+
+
 # The line a benchmark that starts a Redis prints: which redis-server, its version and path.
 REDIS_LINE = re.compile(r"redis-server \d+\.\d+\.\d+ \(/\S*redis-server\)")
 # Benchmarks that start a Redis, with their --redis-server flag.
@@ -90,8 +135,9 @@ def test_redis_server_is_the_newest_found_or_the_one_chosen() -> None:
 
 
 def _bench(argv: list[str], timeout: int, env: dict[str, str] | None = None) -> str:
-    """Run ``python -m benchmarks.<argv>`` from the checkout's root; its report. It passed."""
-    return subprocess.run(
+    """Run ``python -m benchmarks.<argv>`` from the checkout's root; its report. It passed,
+    and (but for ``--help``) the report carries the header."""
+    out = subprocess.run(
         [sys.executable, "-m", *argv],
         cwd=REPO,
         capture_output=True,
@@ -100,6 +146,8 @@ def _bench(argv: list[str], timeout: int, env: dict[str, str] | None = None) -> 
         check=True,
         env=env,
     ).stdout
+    assert "--help" in argv or HEADER.search(out), out
+    return out
 
 
 @pytest.mark.slow
