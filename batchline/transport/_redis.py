@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar, cast
@@ -131,6 +132,24 @@ def _no_client_info() -> dict[str, Any]:
 
 #: redis-py client arguments: no ``CLIENT`` command on connect (:func:`_no_client_info`).
 NO_CLIENT_INFO = _no_client_info()
+
+
+def _sockets() -> dict[str, Any]:
+    """How a connection waits (docs/service.md, errors): no socket timeout unless the URL
+    sets one (its ``socket_timeout`` wins over this), where redis-py 8 would cut every command
+    at 5 s and a Redis busy for longer (a long script, a fork on a large data set) would read
+    as failing; and TCP keepalive, so that a connection whose peer went without closing it
+    (a host lost, a NAT that forgot it) is found dead in about 25 s, where a blocking read
+    would otherwise wait on it for ever."""
+    options: dict[int, int] = {}
+    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):  # (Linux; not every platform has all three)
+            options[getattr(socket, name)] = value
+    return {"socket_timeout": None, "socket_keepalive": True, "socket_keepalive_options": options}
+
+
+#: redis-py client arguments: :func:`_sockets`.
+SOCKETS = _sockets()
 #: The same for a connection pool made from another's ``connection_kwargs`` (which carry the
 #: rest): the maintenance notifications are the pool's own argument.
 POOL_NO_CLIENT_INFO = {k: v for k, v in NO_CLIENT_INFO.items() if k == "maint_notifications_config"}
@@ -222,11 +241,11 @@ def connect(settings: ServiceSettings) -> RedisClient:
     connections send nothing the ACL rules of docs/protocol.md refuse (:data:`NO_CLIENT_INFO`)."""
     url = settings.redis_url.get_secret_value()
     if settings.redis_cluster:
-        return as_client(_Cluster.from_url(url, **NO_CLIENT_INFO))
+        return as_client(_Cluster.from_url(url, **SOCKETS, **NO_CLIENT_INFO))
     if is_sentinel_url(url):
-        client = sentinel_client(url, health_check_interval=30, **NO_CLIENT_INFO)
+        client = sentinel_client(url, health_check_interval=30, **SOCKETS, **NO_CLIENT_INFO)
     else:
-        client = Redis.from_url(url, health_check_interval=30, **NO_CLIENT_INFO)
+        client = Redis.from_url(url, health_check_interval=30, **SOCKETS, **NO_CLIENT_INFO)
     # hiredis packs its commands (and those of every pool made from its pool's class)
     pool = client.connection_pool
     pool.connection_class = packed_by_hiredis(pool.connection_class)

@@ -19,5 +19,6 @@ def sentinel_client(url: str, **kwargs: Any) -> Redis:
     spec = parse_sentinel_url(url)
     # redis-py leaves Sentinel's constructor unannotated.
     sentinel = Sentinel(spec.sentinels, sentinel_kwargs=spec.sentinel_kwargs)  # type: ignore[no-untyped-call]
-    client: Redis = sentinel.master_for(spec.service, **spec.redis_kwargs, **kwargs)
+    # (the URL's own options, a socket_timeout say, win over the caller's defaults)
+    client: Redis = sentinel.master_for(spec.service, **{**kwargs, **spec.redis_kwargs})
     return client

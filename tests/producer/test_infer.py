@@ -171,6 +171,25 @@ async def test_a_write_paused_past_the_socket_timeout_is_enqueue_timeout(
         assert found is None or found.output == "x"
 
 
+@pytest.mark.slow
+async def test_without_a_socket_timeout_a_write_waits_out_a_long_pause(
+    redis_url: str, queue: str, start_worker: Callable[..., WorkerThread], rclient: redis.Redis
+) -> None:
+    """No socket timeout unless the URL sets one (docs/service.md): a write held past the
+    5 s that redis-py would cut a command at (a large AOF rewrite, a long script) is
+    queued once Redis answers, not refused."""
+    async with AsyncProducer(redis_url=redis_url, queue=queue) as producer:
+        assert await producer.queue_depth() == 0
+        with paused_writes(rclient):
+            task = asyncio.create_task(producer.submit("x", request_id="held"))
+            await eventually(lambda: held_writes(rclient), "the write to be held")
+            await asyncio.sleep(5.5)  # past redis-py's own default of 5 s
+            assert not task.done()
+        handle = await task
+        start_worker()
+        assert await producer.result(handle, timeout_s=T) == "x"
+
+
 # -- infer waits once, on its result -----------------------------------------------------------
 
 
