@@ -189,9 +189,9 @@ local function admit(keys, args)
     fair_written(id)  -- an id held earlier in this call: its rid: as decide() reads it
     -- No claim (SET NX) first: the call is atomic, and a new id's rid: key is written once,
     -- naming its entry, below.
-    local kind, a, b, _, c = decide(id, h, dl, false)
+    local kind, a, b, c = decide(id, h, dl, false)
     if kind ~= 'new' then
-      settle(kind, id, reply, h, a, b)
+      settle(kind, id, reply, h, a, b, c)
       if reply == '' then return end
       if kind == 'conflict' then
         push(reply, error_result(id, 'RequestIdConflict',
@@ -257,7 +257,11 @@ local function admit(keys, args)
     if m and key == cache_key(m, h) and redis.call('EXISTS', cache .. key) == 1
     then
       count('hit')
-      if not redis.call('GET', rid .. id) then
+      -- Linked where the id is free, or its answer of this input was cut short (that
+      -- answer goes, as for a request answered from the cache).
+      local known = redis.call('GET', rid .. id)
+      if not known or known == h .. ' !' then
+        if known then redis.call('DEL', res .. id) end
         redis.call('SET', rid .. id, h .. ' =' .. key, 'EX', ttl)
       end
     end

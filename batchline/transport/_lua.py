@@ -83,10 +83,12 @@ end
 # request: 'conflict'; 'result', bytes (its stored answer, or the cached one its id links
 # to); 'attached', the id it waits on; 'cached', bytes, cache hash; 'coalesced', the id it
 # waits on, cache hash; or 'new', its cache hash or false, whether it claimed its id (claim:
-# SET NX first: a new id, the common case, costs one command), whether its id's answer was
-# cut short (a rerun). settle() makes the writes of any decision but 'new' (which its caller
-# adds) and counts it. for_tenant(t) makes the cache hashes that follow a tenant's (nil:
-# untenanted, as before tenants): SHA1(model "\n" input hash "\n" tenant).
+# SET NX first: a new id, the common case, costs one command); 'cached', 'coalesced' and
+# 'new' then whether its id's last answer was cut short (its result key holds that answer,
+# which goes: the id runs again). settle() makes the writes of any decision but 'new' (which
+# its caller adds, deleting a cut-short answer first) and counts it. for_tenant(t) makes
+# the cache hashes that follow a tenant's (nil: untenanted, as before tenants):
+# SHA1(model "\n" input hash "\n" tenant).
 ONCE = r"""
 -- ttl_s: the TTL as text, once a call (a number given to redis.call is formatted each time)
 local ttl, ttl_s, cache_ttl, res, rid, wait, cache, flight, model_key, once_key, model
@@ -152,12 +154,14 @@ local function decide(id, h, dl, claim)
   end
   local key = model and cache_key(model, h)
   local cached = key and redis.call('GET', cache .. key)
-  if cached then return 'cached', cached, key end
+  local cut = mark == '!'
+  if cached then return 'cached', cached, key, cut end
   local leader = key and not dl and redis.call('GET', flight .. key)
-  if leader then return 'coalesced', leader, key end
-  return 'new', key, claimed, mark == '!'
+  if leader then return 'coalesced', leader, key, cut end
+  return 'new', key, claimed, cut
 end
-local function settle(kind, id, reply, h, a, b)
+local function settle(kind, id, reply, h, a, b, cut)
+  if cut then redis.call('DEL', res .. id) end  -- its cut-short answer: not the id's now
   if kind == 'attached' then
     attach(a, id, reply, h)
   elseif kind == 'cached' then

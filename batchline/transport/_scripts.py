@@ -56,14 +56,15 @@ each_request(requests, function(i, prio, src, first, last)
   end
   local id, reply, meta, blob, dl = fields_of(src, first, last)
   local h = input_hash(meta, blob)
-  local kind, a, b = decide(id, h, dl, true)
+  local kind, a, b, c = decide(id, h, dl, true)
   if kind ~= 'new' then
-    settle(kind, id, reply, h, a, b)
+    settle(kind, id, reply, h, a, b, c)
     out[i] = (kind == 'result' or kind == 'cached') and {kind, a} or {kind}
   elseif full then
     out[i] = false
     if b then redis.call('DEL', rid .. id) end  -- refused: its id stays free
   else
+    if c then redis.call('DEL', res .. id) end  -- its answer was cut short: it runs again
     if a then
       local fields = {unpack(src, first, last)}
       fields[#fields + 1] = 'ck'
@@ -74,7 +75,9 @@ each_request(requests, function(i, prio, src, first, last)
     else
       out[i] = redis.call('XADD', stream, '*', unpack(src, first, last))
     end
-    if not b then redis.call('SET', rid .. id, h, 'EX', ttl_s) end
+    -- An id known already: the attempt that holds it now (a cut-short answer of an earlier
+    -- one settles it no more).
+    if not b then redis.call('SET', rid .. id, h .. ' @' .. out[i], 'EX', ttl_s) end
     depth = depth + 1
   end
 end)

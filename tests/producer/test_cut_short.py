@@ -8,7 +8,7 @@ and the tiny random Llama whose forward passes the test lets through one at a ti
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -22,6 +22,8 @@ from tests.support.models_for_tests import GatedModel
 from tests.support.service import (
     RESULT_TIMEOUT_S,
     WorkerThread,
+    admit_inbox,
+    admitted,
     pending_count,
     poll_result,
     spec,
@@ -35,6 +37,46 @@ GATED = spec("tiny_llama_gated")
 
 async def until(what: str, check: Callable[[], Any]) -> None:
     await asyncio.to_thread(wait_until, check, what)
+
+
+@pytest.fixture(params=["functions", "scripts"])
+async def both(
+    request: pytest.FixtureRequest, redis_url: str, queue: str
+) -> AsyncIterator[list[AsyncProducer]]:
+    """Two producers of the test's queue with the cache on (60 s), admitted through the
+    queue's functions, then through the enqueue script."""
+    admission = request.param
+    async with (
+        AsyncProducer(redis_url=redis_url, queue=queue, cache_ttl_s=60, admission=admission) as a,
+        AsyncProducer(redis_url=redis_url, queue=queue, cache_ttl_s=60, admission=admission) as b,
+    ):
+        yield [a, b]
+
+
+def admit(producer: AsyncProducer, client: redis.Redis, keys: QueueKeys) -> None:
+    """With the functions and no worker running: admit the inbox, as a worker would."""
+    if producer.settings.admission == "functions":
+        admit_inbox(client, keys)
+
+
+async def cut_short(
+    start_worker: Callable[..., WorkerThread],
+    producer: AsyncProducer,
+    *ids: str,
+    model: GatedModel | None = None,
+    **settings: Any,
+) -> WorkerThread:
+    """Submit "the order" under each id and cancel it before a worker starts; start one
+    (``model``, ``settings``), which answers each ``cancelled``: cut short, marked to run
+    again. (With a deadline: none is coalesced onto another, whose rerun that cancel would
+    not cover.)"""
+    for rid in ids:
+        handle = await producer.submit("the order", request_id=rid, deadline_ms=HUGE_MS)
+        await producer.cancel(handle)
+    worker = start_worker(model or GatedModel(), **settings)
+    for rid in ids:
+        assert (await poll_result(producer, rid)).status == "cancelled"
+    return worker
 
 
 async def test_a_cancelled_request_gets_its_coalesced_requests_run_for_themselves(
@@ -113,6 +155,93 @@ async def test_a_resubmit_after_a_cancel_or_an_expiry_runs_again(
     third = await a.wait(await a.submit("the order", request_id=rid), timeout_s=T)
     assert (third.status, a.counts["result"]) == ("ok", 1)
     assert await a.get_result(rid) == result
+
+
+async def test_while_a_cut_short_id_runs_again_its_cancelled_answer_is_gone(
+    both: list[AsyncProducer],
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+) -> None:
+    """The rerun's resubmits attach to it and a poll finds no result, not the cut-short
+    answer the rerun replaces; then every caller gets the rerun's answer."""
+    a, b = both
+    rid = "order-42"
+    (await cut_short(start_worker, a, rid)).stop()
+    again = await a.submit("the order", request_id=rid)  # no worker: the rerun stays queued
+    admit(a, rclient, keys)
+    assert a.counts["result"] == 0
+    assert rclient.exists(keys.result(rid)) == 0
+    assert await a.get_result(rid) is None
+    [entry] = [e for s in keys.streams for e, _f in rclient.xrange(s)]
+    assert rclient.get(keys.request_input(rid)).endswith(b" @" + entry)  # the rerun's
+    joined = await b.submit("the order", request_id=rid)
+    assert (b.counts["attached"], b.counts["result"]) == (1, 0)
+    admit(b, rclient, keys)
+    model = GatedModel()
+    model.release.set()
+    start_worker(model)
+    for producer, handle in ((a, again), (b, joined)):
+        result = await producer.wait(handle, timeout_s=T)
+        assert (result.id, result.status, result.output) == (rid, "ok", "the order")
+    assert await a.get_result(rid) == result
+
+
+# With the script a cancel goes straight to the cancel stream: nothing marks the id before
+# the worker's answer does.
+@pytest.mark.parametrize("both", ["functions"], indirect=True)
+async def test_a_cancel_of_the_rerun_of_a_cut_short_id_marks_it_to_run_again(
+    both: list[AsyncProducer],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    start_worker: Callable[..., WorkerThread],
+) -> None:
+    """The rerun, cancelled too, is not answered yet: its id is marked as the cancel is
+    admitted, so a resubmit after that cancel runs it again, rather than attaching to the
+    cancelled one."""
+    a, _b = both
+    rid = "order-42"
+    (await cut_short(start_worker, a, rid)).stop()
+    again = await a.submit("the order", request_id=rid)
+    admit_inbox(rclient, keys)
+    await a.cancel(again)
+    admit_inbox(rclient, keys)
+    assert rclient.get(keys.request_input(rid)).endswith(b" !")
+    await a.submit("the order", request_id=rid)
+    admit_inbox(rclient, keys)
+    assert sum(len(rclient.xrange(s)) for s in keys.streams) == 2  # both reruns queued
+
+
+async def test_a_cut_short_id_answered_from_the_cache_or_coalesced_loses_its_cut_short_answer(
+    both: list[AsyncProducer],
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+) -> None:
+    """A resubmit of a cut-short id coalesced onto another request of its input gets that
+    request's answer (its result key, which held the cut-short answer, is written now), and
+    one answered from the cache links its id to the cached answer, which a poll then finds."""
+    a, b = both
+    model = GatedModel()
+    await cut_short(start_worker, a, "joins", "hits", model=model, cache_ttl_s=60, batch_size=1)
+    leader = await b.submit("the order")  # another id, the same input: in the model, held
+    assert await asyncio.to_thread(model.entered.wait, T)
+    joined = await a.submit("the order", request_id="joins")
+    assert a.counts["coalesced"] == 1
+    await until("its admission", lambda: admitted(rclient, keys))
+    model.release.set()
+    assert (await b.wait(leader, timeout_s=T)).output == "the order"
+    result = await a.wait(joined, timeout_s=T)
+    assert (result.id, result.status, result.output) == ("joins", "ok", "the order")
+    hit = await a.submit("the order", request_id="hits")
+    assert a.counts["cached"] == 1
+    assert (await a.wait(hit, timeout_s=T)).status == "ok"
+    await until("its note's admission", lambda: admitted(rclient, keys))
+    for rid in ("joins", "hits"):
+        polled = await a.get_result(rid)
+        assert polled is not None
+        assert (polled.id, polled.status, polled.output) == (rid, "ok", "the order")
+    assert computed(model) == ["the order"]
 
 
 @pytest.mark.slow
