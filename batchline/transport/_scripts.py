@@ -113,7 +113,9 @@ return out
 # fills the cache key the worker names. A result of status 'cut' (cut short: cancelled,
 # expired, a generation ended by a cancel or its deadline) fills no cache, settles its id
 # only while the id belongs to this attempt (then marked '<hash> !': a resubmit runs again),
-# and the requests of other ids coalesced onto it run again (entries of their own).
+# and the requests of other ids coalesced onto it run again (entries of their own). Where a
+# newer attempt holds its id, it reaches no one: the id's waiters, and its producer, who
+# joins them, get the newer attempt's answer (a producer could not tell the two apart).
 # For each record the entry is acknowledged; only if that acknowledgement took (no other
 # worker answered it first) are the dead letter added and the result written to its key
 # (prefix .. request id) with its TTL, and the result queued for its producer. Then the
@@ -225,6 +227,20 @@ local function owns(request_id, h, entry)
   local own = redis.call('GET', rid_prefix .. request_id)
   return not own or own == h or own == h .. ' !' or own == h .. ' @' .. entry
 end
+-- A cut-short answer whose id a newer attempt holds goes to no one: a producer matches an
+-- answer by its id and input hash, and would take it for the newer attempt's. The id's
+-- waiters are left to that attempt, and the entry's producer joins them, or gets the newer
+-- answer where it is stored already.
+local function superseded(request_id, reply, h)
+  if reply == '' then return end
+  local newer = redis.call('GET', result_prefix .. request_id)
+  if newer then
+    push(reply, newer)
+  else
+    redis.call('SADD', wait_prefix .. request_id, request_id .. ' ' .. reply .. ' ' .. h)
+    redis.call('EXPIRE', wait_prefix .. request_id, ttl)
+  end
+end
 local at, size = 1, #records
 -- Whether any record's request has waiters: one EXISTS for the call, not a SMEMBERS a
 -- record (most have none, and a call adds waiters only where there were some).
@@ -272,15 +288,24 @@ while at <= size do
         own = false  -- a newer attempt of its id holds its in-flight slot
       end
       if bill then account(request_id, bill, own) end
-      if reply ~= '' then push(reply, result) end
-      if waiting then answer_waiters(request_id, reply, result, h, cut, stream, entry, mark) end
+      if not own then
+        superseded(request_id, reply, h)
+      else
+        if reply ~= '' then push(reply, result) end
+        if waiting then answer_waiters(request_id, reply, result, h, cut, stream, entry, mark) end
+      end
       if status == 'ok' and cache_key ~= '' then
         redis.call('SET', cache_key, result, 'EX', cache_ttl)
       end
       if mark ~= '' and redis.call('GET', mark) == request_id then redis.call('DEL', mark) end
     end
   elseif again and result ~= '' and reply ~= '' then
-    push(reply, result)  -- a try of this call whose answer may not have reached its producer
+    -- a try of this call whose answer may not have reached its producer
+    if status == 'cut' and request_id ~= '' and not owns(request_id, h, entry) then
+      superseded(request_id, reply, h)
+    else
+      push(reply, result)
+    end
   end
   local done = finished[stream]
   if done == nil then

@@ -8,16 +8,20 @@ and the tiny random Llama whose forward passes the test lets through one at a ti
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
 import redis
 
-from batchline.keys import QueueKeys
-from batchline.producer import AsyncProducer
+from batchline.codec import Result, pack_value
+from batchline.keys import GROUP, QueueKeys
+from batchline.producer import AsyncProducer, Handle
+from batchline.transport import COMPLETE, input_hash
 
 from .test_once import cached, computed, entries_added, queue_keys
+from .test_replies import complete_args, packed_with, reply_entries
 from tests.support.models_for_tests import GatedModel
 from tests.support.service import (
     RESULT_TIMEOUT_S,
@@ -57,6 +61,14 @@ def admit(producer: AsyncProducer, client: redis.Redis, keys: QueueKeys) -> None
     """With the functions and no worker running: admit the inbox, as a worker would."""
     if producer.settings.admission == "functions":
         admit_inbox(client, keys)
+
+
+async def ran_once(rid: str, *waiting: tuple[AsyncProducer, Handle]) -> Result:
+    """What each producer's handle gets: the answer of "the order" under ``rid``; returns it."""
+    got = [await producer.wait(handle, timeout_s=T) for producer, handle in waiting]
+    for result in got:
+        assert (result.id, result.status, result.output) == (rid, "ok", "the order")
+    return got[-1]
 
 
 async def cut_short(
@@ -181,9 +193,7 @@ async def test_while_a_cut_short_id_runs_again_its_cancelled_answer_is_gone(
     model = GatedModel()
     model.release.set()
     start_worker(model)
-    for producer, handle in ((a, again), (b, joined)):
-        result = await producer.wait(handle, timeout_s=T)
-        assert (result.id, result.status, result.output) == (rid, "ok", "the order")
+    result = await ran_once(rid, (a, again), (b, joined))
     assert await a.get_result(rid) == result
 
 
@@ -242,6 +252,138 @@ async def test_a_cut_short_id_answered_from_the_cache_or_coalesced_loses_its_cut
         assert polled is not None
         assert (polled.id, polled.status, polled.output) == (rid, "ok", "the order")
     assert computed(model) == ["the order"]
+
+
+@pytest.fixture
+def through_functions(redis_url: str, queue: str) -> Callable[[str], Any]:
+    """Cancel an id as a producer that uses the queue's functions does: the admission marks
+    it to run again (a cancel with the script goes to the cancel stream, marking nothing)."""
+
+    async def cancel(rid: str) -> None:
+        async with AsyncProducer(redis_url=redis_url, queue=queue, admission="functions") as c:
+            await c.cancel(rid)
+
+    return cancel
+
+
+async def held_then_cancelled(
+    start_worker: Callable[..., WorkerThread],
+    producer: AsyncProducer,
+    cancel: Callable[[], Any],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+) -> tuple[GatedModel, Handle]:
+    """Start a worker whose model holds a blocker; submit "the order" (id order-42), which the
+    worker takes, then ``cancel()`` it: the cancel reaches the worker, which will answer it
+    cancelled once the gate opens, and the id is marked to run again. Returns the model and
+    the request's handle."""
+    model = GatedModel()
+    worker = start_worker(model, batch_size=1, timeout_ms=HUGE_MS).worker
+    await producer.submit("blocker")
+    assert await asyncio.to_thread(model.entered.wait, T)
+    first = await producer.submit("the order", request_id="order-42")
+    await until("the worker to hold it", lambda: pending_count(rclient, keys) == 2)
+    await cancel()
+    await until("the cancel to reach the worker", lambda: "order-42" in worker._parts.cancels)
+    await until("the cancel's admission", lambda: marked(rclient, keys, "order-42") == b"!")
+    return model, first
+
+
+def marked(client: redis.Redis, keys: QueueKeys, rid: str) -> bytes | None:
+    """The mark of an id's rid: key (b"!", b"@" ...), None without one."""
+    known = client.get(keys.request_input(rid))
+    return known[41:42] if known else None
+
+
+async def test_time_out_cancel_retry_with_the_same_id_gets_the_retry_s_answer(
+    both: list[AsyncProducer],
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    through_functions: Callable[[str], Any],
+) -> None:
+    """The retry runs as a newer attempt while the worker still holds the cancelled one,
+    whose cut-short answer comes first: it goes to no one (this producer's reply stream is
+    the retry's too, and the callers attached to the retry wait on the id's waiters), and
+    the retry, and a caller attached to it, get the retry's answer."""
+    a, b = both
+    rid = "order-42"
+
+    async def cancel() -> None:
+        if a.settings.admission == "functions":
+            await a.cancel(rid)  # the producer's own: the caller timed out
+        else:  # with the script, through the functions of another producer
+            await through_functions(rid)
+
+    model, _first = await held_then_cancelled(start_worker, a, cancel, rclient, keys)
+    again = await a.submit("the order", request_id=rid)
+    await until("the retry's admission", lambda: marked(rclient, keys, rid) == b"@")
+    joined = await b.submit("the order", request_id=rid)
+    assert b.counts["attached"] == 1
+    await until("its admission", lambda: admitted(rclient, keys))
+    model.release.set()
+    result = await ran_once(rid, (a, again), (b, joined))
+    assert computed(model) == ["blocker", "the order"]
+    assert await a.get_result(rid) == result
+
+
+async def test_a_caller_of_an_attempt_cut_short_after_a_retry_gets_the_retry_s_answer(
+    through_functions: Callable[[str], Any],
+    both: list[AsyncProducer],
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+) -> None:
+    """Cancelled by someone else and retried by another producer, the first attempt's
+    answer reaches no one: its own caller, still waiting, joins the id's waiters and gets
+    the retry's answer."""
+    a, b = both
+    rid = "order-42"
+    model, first = await held_then_cancelled(
+        start_worker, a, lambda: through_functions(rid), rclient, keys
+    )
+    again = await b.submit("the order", request_id=rid)
+    await until("the retry's admission", lambda: marked(rclient, keys, rid) == b"@")
+    model.release.set()
+    retried = await ran_once(rid, (b, again))
+    assert await a.wait(first, timeout_s=T) == retried
+    assert computed(model) == ["blocker", "the order"]
+
+
+def test_a_call_made_again_gives_a_superseded_cut_short_answer_to_no_one_either(
+    rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    """After a failure the worker calls the completion script again, which gives each answer
+    again as the first call did: a cut-short one whose id a newer attempt holds is not pushed
+    to its producer, who waits with the id's waiters, or gets the newer attempt's answer
+    once that is stored."""
+    rid, stream = "order-42", keys.stream(1)
+    meta, blob = pack_value("the order")
+    h = input_hash(meta, blob)
+    rclient.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    fields = {"v": "2", "id": rid, "meta": meta, "reply": "p1"}
+    first = rclient.xadd(stream, fields).decode()  # type: ignore[arg-type]
+    rclient.xreadgroup(GROUP, "w1", {stream: ">"})
+    newer = rclient.xadd(stream, fields).decode()  # type: ignore[arg-type]
+    rclient.set(keys.request_input(rid), f"{h} @{newer}")
+    cut = packed_with(Result(rid, "cancelled", worker="w1"), ih=h)
+    record = [1, first, rid, "p1", cut, 4, h, "", "", "cut"]
+    script = rclient.register_script(COMPLETE)
+
+    def complete(again: str) -> int:
+        args = [*complete_args(keys, [record]), int(time.time() * 1e3), "0", again]
+        return int(script(keys=[*keys.streams_low_first, keys.dead], args=args))
+
+    assert complete("0") == 1
+    assert complete("1") == 0  # acknowledged already
+    assert reply_entries(rclient, keys.reply("p1")) == []
+    assert rclient.smembers(keys.waiters(rid)) == {f"{rid} p1 {h}".encode()}
+    assert rclient.exists(keys.result(rid)) == 0
+    answer = Result(rid, "ok", "the order", worker="w2")
+    rclient.set(keys.result(rid), packed_with(answer, ih=h))
+    complete("1")
+    [(_n, [pushed])] = reply_entries(rclient, keys.reply("p1"))
+    assert (pushed.status, pushed.output, pushed.worker) == ("ok", "the order", "w2")
 
 
 @pytest.mark.slow
