@@ -350,7 +350,8 @@ class QueueKeys:
 
     @property
     def fair_clock(self) -> str:
-        """The fair share's virtual clocks and the tenants' last virtual finishes (a hash)."""
+        """The fair share's virtual clocks and the tenants' last virtual finishes (a hash),
+        and ``again``, the count that tags a request held again for an id marked ``!``."""
         return f"{self.base}:fairclock"
 
     @property

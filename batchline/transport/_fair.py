@@ -27,6 +27,11 @@ look at the sorted set per request.
 :mod:`._lua` (``TK``, the key names, ``work_streams``, ``tenant_config``: ``begin_tenants``
 first): ``begin_fair(argv, at)`` takes :func:`fair_args`' block; then ``hold`` (the
 admission's hook), ``held_untenanted``, ``dispatch_streams`` and ``correct``.
+
+A held request's ``rid:`` is ``<tag> @``, its tag the third item of its backlog element: the
+input hash, or, for a request held for an id marked ``!`` (an earlier copy of the id may be
+held still, cancelled), ``<hash> @#<n>`` (n counted in ``fairclock``), so that only the copy
+held last matches it as it leaves.
 """
 
 from __future__ import annotations
@@ -58,14 +63,14 @@ local fair_ahead, fair_on, fair_rid, fair_ttl = 0, false, '', '0'  -- fair_ttl: 
 local fair_weights = {}
 -- Per call: whether each priority has tenants backlogged (fair:<p> or its idle set), and
 -- the requests held in this call at a priority that had none before it (fair_new[p][tenant]:
--- a list of {cost, id, h, src, from}, its fields src[from..]; fair_order[p]: their tenants
--- in the order first held): they are dispatched at the call's end in the fair order, and
--- only what the stream has no room for is written to the backlogs. fair_again: ids to read
--- rid: of before sending (cancelled, or held twice, in this call).
+-- a list of {cost, id, tag, src, from}, its fields src[from..]; fair_order[p]: their
+-- tenants in the order first held): they are dispatched at the call's end in the fair
+-- order, and only what the stream has no room for is written to the backlogs. fair_again:
+-- ids to read rid: of before sending (cancelled, or held twice, in this call).
 local fair_backlogged, fair_new, fair_order, fair_again = {}, {}, {}, {}
--- fair_unwritten[id]: the rid: value ('<h> @') of a request held in this call and not yet
--- written: it is written once, naming its entry, as it goes to its stream (or as it goes to
--- a backlog, or before anything in this call reads it: fair_written).
+-- fair_unwritten[id]: a request held in this call whose rid: is not written yet: it is
+-- written once, naming its entry, as it goes to its stream (or as it goes to a backlog, or
+-- before anything in this call reads it: fair_written).
 local fair_unwritten = {}
 local function begin_fair(argv, at)  -- after begin_tenants
   fair_clock, fair_counts = TK.fair_clock(), TK.backlog_counts()
@@ -119,20 +124,31 @@ local function held_untenanted(p)
 end
 -- A request cancelled in this call: read its rid: before sending it.
 local function fair_cancelled(id) fair_again[id] = true end
+-- Write rid:<id> = '<tag> @' for a held request r ({cost, id, tag, ...}). Where it was
+-- '<hash> !' (a cancel, or an answer cut short or refused), a copy of the id held before
+-- may still wait in a backlog, cancelled, with the same tag: r's tag becomes
+-- '<hash> @#<n>', n counted in fairclock, and rid: names it, so that only r goes (send).
+local function held_rid(r)
+  local prior = redis.call('SET', fair_rid .. r[2], r[3] .. ' @', 'EX', fair_ttl, 'GET')
+  if prior == r[3] .. ' !' then
+    r[3] = r[3] .. ' @#' .. redis.call('HINCRBY', fair_clock, 'again', 1)
+    redis.call('SET', fair_rid .. r[2], r[3] .. ' @', 'EX', fair_ttl)
+  end
+end
 -- Write the rid: of a request held in this call, where it is not written yet: before this
 -- call reads or writes it for another element of the same id.
 local function fair_written(id)
-  local value = fair_unwritten[id]
-  if value then
-    redis.call('SET', fair_rid .. id, value, 'EX', fair_ttl)
+  local r = fair_unwritten[id]
+  if r then
     fair_unwritten[id] = nil
+    held_rid(r)
   end
 end
--- A held request's element of its backlog: msgpack [cost, id, h, field, value, ...].
+-- A held request's element of its backlog: msgpack [cost, id, tag, field, value, ...].
 local function packed(r) return pack_array(r[1], r[2], r[3], unpack(r[4], r[5])) end
 -- Hold a new request (its work-stream fields: src[from..], a table it keeps, not a copy) in
--- tenant's backlog at priority p, for dispatch; rid:<id> = '<h> @' (no entry yet):
--- attached to, cancelled as any queued request.
+-- tenant's backlog at priority p, for dispatch; rid:<id> = '<tag> @' (no entry yet: its tag
+-- h, or as held_rid makes it): attached to, cancelled as any queued request.
 -- With the fair share off, it goes to its stream at once, unless held over quota (<T>~over:
 -- it waits for the workers to idle all the same). Returns nothing.
 local function hold(tenant, p, src, from, cost, id, h)
@@ -141,6 +157,7 @@ local function hold(tenant, p, src, from, cost, id, h)
     redis.call('SET', fair_rid .. id, h .. ' @' .. entry, 'EX', fair_ttl)
     return
   end
+  local r = {clamp_cost(cost), id, h, src, from}  -- its tag h, or as held_rid makes it
   if fair_new[p] or not backlogged(p) then  -- none backlogged before this call: kept here
     local at = fair_new[p]
     if not at then
@@ -154,18 +171,16 @@ local function hold(tenant, p, src, from, cost, id, h)
       fair_order[p][#fair_order[p] + 1] = tenant
     end
     if fair_again[id] == nil then  -- its rid: is written as it goes
-      fair_again[id], fair_unwritten[id] = false, h .. ' @'
+      fair_again[id], fair_unwritten[id] = false, r
     else  -- an id seen before in this call: written now, as any held request's
       fair_again[id] = true
-      redis.call('SET', fair_rid .. id, h .. ' @', 'EX', fair_ttl)
+      held_rid(r)
     end
-    queue[#queue + 1] = {clamp_cost(cost), id, h, src, from}
+    queue[#queue + 1] = r
     return
   end
-  redis.call('SET', fair_rid .. id, h .. ' @', 'EX', fair_ttl)
-  if redis.call('RPUSH', TK.backlog(tenant, p), packed({clamp_cost(cost), id, h, src, from}))
-      == 1
-  then
+  held_rid(r)
+  if redis.call('RPUSH', TK.backlog(tenant, p), packed(r)) == 1 then
     -- backlogged now: it starts at max(its last virtual finish, the clock): no credit
     local clock = tonumber(redis.call('HGET', fair_clock, clock_of(tenant, p))) or 0
     local last = tonumber(redis.call('HGET', fair_clock, last_of(tenant, p))) or 0
@@ -173,16 +188,17 @@ local function hold(tenant, p, src, from, cost, id, h)
   end
   redis.call('HINCRBY', fair_counts, p, 1)
 end
--- One held request into its stream, unless an earlier copy of its id went already. A
--- request cancelled while held goes with ts 1 (ts 0 reads as none), so that every worker's
--- cancel log covers it (a cancel covers the entries of its id enqueued before it) and
--- answers it cancelled. Its fields: src[from..]; `known`: its rid: where this call wrote it
--- last (nil: read it).
-local function send(stream, src, from, id, h, known)
+-- One held request into its stream, while rid: names it ('<tag> @'): not where a copy of its
+-- id held later does, or one went already. A request cancelled while held goes with ts 1
+-- (ts 0 reads as none), so that every worker's cancel log covers it (a cancel covers the
+-- entries of its id enqueued before it) and answers it cancelled. Its fields: src[from..];
+-- `known`: its rid: where this call wrote it last (nil: read it).
+local function send(stream, src, from, id, tag, known)
   -- (Read first, not an XADD and a SET ... GET undone where it held another value: an entry
   -- deleted past what the group has read leaves its lag unknown until a read passes it.)
   if known == nil then known = redis.call('GET', fair_rid .. id) end
-  local waiting, cancelled = known == h .. ' @', known == h .. ' !'
+  local h = string.sub(tag, 1, 40)  -- the input hash
+  local waiting, cancelled = known == tag .. ' @', known == h .. ' !'
   if known and not waiting and not cancelled then return end
   if cancelled then  -- a copy, stamped
     src, from = {unpack(src, from)}, 1

@@ -268,19 +268,68 @@ def test_an_id_sent_twice_in_one_call_is_one_request(
     assert rclient.ttl(keys.request_input(first)) > 0
 
 
+def last_ts(client: redis.Redis, keys: QueueKeys, tenant: str) -> bytes:
+    """The ``ts`` of the request last appended to ``tenant``'s inbox."""
+    fields = msgpack.unpackb(client.lindex(keys.tenant_inbox(tenant), -1), raw=True)[2:]
+    return dict(zip(fields[::2], fields[1::2], strict=True))[b"ts"]
+
+
 def test_a_request_cancelled_and_sent_again_in_one_call_runs_once(
     rclient: redis.Redis, keys: QueueKeys
 ) -> None:
     first = enqueue(rclient, keys, "A", "x", "X")
     cancel(rclient, keys, "A", first)
     assert enqueue(rclient, keys, "A", "x", "X") == first  # sent again after its cancel
+    sent = last_ts(rclient, keys, "A")
     admit(rclient, keys, batch_size=4)
     entries = rclient.xrange(keys.stream(0))
-    # One entry, not cancelled (the second send wants it run), its rid: naming it.
+    # One entry, not cancelled (the second send wants it run): the second send's, its rid:
+    # naming it.
     assert [f[b"id"].decode() for _e, f in entries] == [first]
-    assert entries[0][1][b"ts"] != b"1"
+    assert entries[0][1][b"ts"] == sent
     assert rclient.get(keys.request_input(first)).decode().endswith(" @" + entries[0][0].decode())
     assert 0 < rclient.ttl(keys.request_input(first)) <= TTL_S
+
+
+@pytest.mark.parametrize("how", ["later calls", "one call", "a lower priority"])
+def test_an_id_cancelled_while_held_and_sent_again_goes_as_sent_again(
+    rclient: redis.Redis, keys: QueueKeys, how: str
+) -> None:
+    """The cancelled copy, held before it (in the same backlog, or at a priority dispatched
+    first), is dropped: the one entry added is the later send's (its ts after the cancel,
+    so that no worker's cancel log covers it)."""
+    for p in (0, 1):  # each stream filled to its room (2): what follows is held
+        for i in range(2):
+            enqueue(rclient, keys, "F", f"f{p}{i}", f"F{p}{i}", priority=p)
+    admit(rclient, keys, batch_size=1)
+    first_prio = 1 if how == "a lower priority" else 0
+    x = enqueue(rclient, keys, "A", "x", "X", priority=first_prio)
+    if how != "one call":
+        admit(rclient, keys, batch_size=1)
+        assert rclient.get(keys.request_input(x))[40:] == b" @"
+    cancel(rclient, keys, "A", x)
+    if how != "one call":
+        admit(rclient, keys, batch_size=1)
+    enqueue(rclient, keys, "A", "x", "X", priority=0)
+    sent = last_ts(rclient, keys, "A")
+    admit(rclient, keys, batch_size=1)
+    # Held again for an id marked '!': tagged, rid: naming that copy alone.
+    assert rclient.get(keys.request_input(x))[40:] == b" @#1 @"
+    assert sum(int(n) for n in rclient.hvals(keys.backlog_counts)) == 2
+    take(rclient, keys, 0)
+    take(rclient, keys, 1)
+    while dispatch(rclient, keys, 8):
+        pass
+    went = [
+        (e.decode(), f)
+        for stream in keys.streams_low_first
+        for e, f in rclient.xrange(stream)
+        if f[b"id"] == x.encode()
+    ]
+    assert [f[b"ts"] for _e, f in went] == [sent]
+    assert rclient.get(keys.request_input(x))[40:].decode() == " @" + went[0][0]
+    assert 0 < rclient.ttl(keys.request_input(x)) <= TTL_S
+    assert {int(n) for n in rclient.hvals(keys.backlog_counts)} == {0}
 
 
 def test_a_bad_element_under_the_id_of_a_request_held_in_the_same_call_is_withheld(

@@ -7,6 +7,7 @@ the order the model saw the items (recorded), never timing.
 from __future__ import annotations
 
 import signal
+import time
 from functools import partial
 from itertools import groupby
 from pathlib import Path
@@ -18,12 +19,13 @@ import redis
 
 from batchline.codec import Limits, decode_result
 from batchline.keys import QueueKeys
+from batchline.producer import AsyncProducer
 from batchline.producer._tenancy import estimate_cost
 from batchline.tenants import TenantConfig
 
 from tests.support import models_for_tests
 from tests.support.models_for_tests import GatedModel
-from tests.support.service import admit_inbox, spec, wait_until
+from tests.support.service import RESULT_TIMEOUT_S, admit_inbox, spec, wait_until
 from tests.support.tenant_inbox import cancel, enqueue, enqueue_each
 
 pytestmark = pytest.mark.slow
@@ -288,3 +290,44 @@ def test_generation_shares_by_real_tokens_backlog_after_backlog(
         # corrections (answered about 4 batches after dispatch): never 6 of A's in a row.
         assert max(runs) <= 5, order
         assert 3 * 0.9 <= a / b <= 3 * 1.1, (a, b, order)
+
+
+@pytest.mark.parametrize("tenant", ["acme", None], ids=["tenant", "untenanted"])
+async def test_an_id_resubmitted_after_its_cancel_while_held_gets_its_answer(
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    redis_url: str,
+    queue: str,
+    start_worker: Any,
+    record: Path,
+    tenant: str | None,
+) -> None:
+    """Held for the fair share (in its tenant's backlog, or an untenanted request as ``-``
+    while a tenant is backlogged), cancelled, then submitted again under its id: the resubmit
+    runs and its producer gets its answer, not the cancel's (before, the earlier copy went
+    in its place, its ``ts`` before the cancel, and was answered ``cancelled``)."""
+    enqueue_each(rclient, keys, "busy", 3)
+    admit_inbox(rclient, keys, batch_size=1)  # one dispatched, two held: busy is backlogged
+    rid = f"{tenant}.order-42" if tenant else "order-42"
+    held = keys.backlog(tenant or "-", 0)
+    async with AsyncProducer(redis_url=redis_url, queue=queue) as producer:
+        first = await producer.submit("the order", request_id=rid, tenant=tenant, priority=0)
+        admit_inbox(rclient, keys, batch_size=1)
+        assert (rclient.llen(held), rclient.get(keys.request_input(rid))[40:]) == (1, b" @")
+        await producer.cancel(first)
+        admit_inbox(rclient, keys, batch_size=1)
+        assert rclient.get(keys.request_input(rid))[40:] == b" !"
+        # Sent after the cancel by the clocks a worker's cancel log compares (a request's ts,
+        # the cancel entry's id), as a producer retrying after its cancel does.
+        cancelled_ms = int(rclient.xrevrange(keys.cancels, count=1)[0][0].split(b"-")[0])
+        wait_until(lambda: time.time() * 1e3 > cancelled_ms, "the clock past the cancel")
+        again = await producer.submit("the order", request_id=rid, tenant=tenant, priority=0)
+        admit_inbox(rclient, keys, batch_size=1)
+        assert rclient.llen(held) == 2  # the cancelled copy is held still, before it
+        start_worker(model=RECORD, batch_size=1, timeout_ms=0)
+        answer = await producer.wait(again, timeout_s=RESULT_TIMEOUT_S)
+    assert (answer.id, answer.status, answer.output) == (rid, "ok", "the order")
+    wait_until(lambda: len(served(record)) == 4, "busy's requests served")
+    assert sorted(served(record)) == ["busy0", "busy1", "busy2", "the order"]  # run once
+    assert result(rclient, keys, rid).status == "ok"
+    assert rclient.hvals(keys.backlog_counts) == [b"0"]
