@@ -40,9 +40,20 @@ _OPEN, _CLOSE = ord("{"), ord("}")  # (and "[", "]": the same bytes but 0x20)
 
 
 def _bytes(data: bytes | bytearray | str) -> bytes:
+    """``data`` as UTF-8 bytes: the scan reads brackets and quotes as UTF-8 bytes, so JSON
+    bytes in UTF-16 or UTF-32 (which ``json.loads`` takes, telling them by their zero bytes)
+    are read as the text they hold, or a UTF-16 character with a quote's byte in it would
+    hide the brackets after it."""
     if isinstance(data, str):
         return data.encode("utf-8", "surrogatepass")
-    return bytes(data)
+    raw = bytes(data)
+    encoding = json.detect_encoding(raw)
+    if encoding == "utf-8":
+        return raw
+    try:
+        return raw.decode(encoding, "surrogatepass").encode("utf-8", "surrogatepass")
+    except UnicodeError:  # not text in it: json.loads refuses it as well
+        return raw
 
 
 def _string_quotes(codes: np.ndarray[Any, np.dtype[np.uint8]]) -> np.ndarray[Any, Any]:

@@ -99,6 +99,26 @@ def test_a_body_nested_too_deep_is_a_4xx_of_its_family_naming_the_limit(
             assert LIMIT not in response.text, path
 
 
+@pytest.mark.parametrize("enc", ["utf-16-le", "utf-32"])
+def test_a_body_in_utf16_or_utf32_is_checked_as_the_text_it_holds(
+    http: httpx.Client, queue: str, enc: str
+) -> None:
+    """JSON bytes in UTF-16 or UTF-32 are parsed (as Python's json takes them): their depth
+    is the text's, not that of their bytes read as UTF-8 (U+225B holds a quote's byte)."""
+    inner = "[" * 50_000 + "]" * 50_000
+    text = '{"model": "%s", "input": ["\u225b", %s, "x"]}' % (queue, inner)  # noqa: UP031
+    error = assert_error(
+        http.post("/v1/embeddings", content=text.encode(enc), headers=JSON),
+        400,
+        code="json_too_deep",
+        param=None,
+    )
+    assert LIMIT in error["message"]
+    native = http.post("/embed", content=text.encode(enc), headers=JSON)
+    assert native.status_code == 422, native.text
+    assert LIMIT in native.json()["detail"]
+
+
 NON_FINITE = ["Infinity", "-Infinity", "NaN", "1e999"]
 
 

@@ -35,11 +35,16 @@ values = st.recursive(
 )
 
 
+ENCODINGS = ["utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le"]
+
+
 @settings(deadline=None)
-@given(values, st.booleans())
-def test_the_depth_in_the_bytes_is_the_parsers(value: Any, ascii_only: bool) -> None:
+@given(values, st.booleans(), st.sampled_from(ENCODINGS))
+def test_the_depth_in_the_bytes_is_the_parsers(value: Any, ascii_only: bool, enc: str) -> None:
+    # json.loads takes bytes in UTF-8, UTF-16 or UTF-32: the depth is the text's in each.
     text = json.dumps(value, ensure_ascii=ascii_only)
-    assert text_depth(text) == text_depth(text.encode()) == depth(value)
+    assert json.loads(text.encode(enc)) == json.loads(text)
+    assert text_depth(text) == text_depth(text.encode(enc)) == depth(value)
     assert deeper_than(text, depth(value)) is False
     if depth(value) > 0:
         assert deeper_than(text, depth(value) - 1) is True
@@ -59,6 +64,16 @@ def test_the_depth_in_the_bytes_is_the_parsers(value: Any, ascii_only: bool) -> 
 )
 def test_the_depth_of_text_that_is_not_json_bounds_the_parser(text: str, levels: int) -> None:
     assert text_depth(text) == levels
+
+
+@pytest.mark.parametrize("enc", ["utf-16-le", "utf-16", "utf-32"])
+def test_a_character_holding_a_quotes_byte_hides_no_brackets(enc: str) -> None:
+    # U+225B is the bytes 5B 22 in UTF-16-LE: a '[' and a '"' to a scan of UTF-8 bytes.
+    deep = 50_000
+    text = '{"model": "m", "input": ["\u225b", ' + "[" * deep + "]" * deep + ', "x"]}'
+    assert text_depth(text.encode(enc)) == deep + 2
+    with pytest.raises(NestingTooDeep):
+        loads(text.encode(enc), "the body")
 
 
 def test_loads_refuses_before_the_parser_recurses() -> None:
