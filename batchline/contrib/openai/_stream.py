@@ -75,7 +75,13 @@ async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T | None:
         for t in (task, gone):
             t.cancel()
         await asyncio.gather(task, gone, return_exceptions=True)
-    return None if task.cancelled() else task.result()
+    if task.cancelled():
+        return None
+    if isinstance(task.exception(), asyncio.CancelledError):
+        # ``work`` a gather, cancelled along: it ends with the cancellation as its error
+        # (not cancelled itself), which must not reach the server as the app's failure.
+        return None
+    return task.result()
 
 
 class Timing(Protocol):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import logging
 import socket
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -326,12 +327,21 @@ def hang_up(
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.slow
 def test_a_client_that_hangs_up_cancels_its_request(
-    hang_up: HangUp, gen_queue: str, stream: bool
+    hang_up: HangUp, gen_queue: str, stream: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     body = {"model": gen_queue, "messages": CHAT, "max_tokens": 200, "stream": stream}
-    request_id, received = hang_up("/v1/chat/completions", body, 2 if stream else 0)
+    server_log = logging.getLogger("uvicorn.error")  # (uvicorn's loggers do not propagate)
+    server_log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO):
+            request_id, received = hang_up("/v1/chat/completions", body, 2 if stream else 0)
+    finally:
+        server_log.removeHandler(caplog.handler)
     if stream:
         assert request_id.encode() in received  # the chunks' id is the request's
+    # A client going is no failure of the app: no error line, no traceback.
+    failed = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not failed, [r.getMessage() for r in failed]
 
 
 # -- streaming ------------------------------------------------------------------------------------
