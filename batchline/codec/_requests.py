@@ -64,6 +64,9 @@ class Request(TypedDict):
     ts: NotRequired[Annotated[float, Field(ge=0, allow_inf_nan=False)]]  # enqueued, unix ms
     reply: NotRequired[Annotated[str | None, Field(pattern=ID_PATTERN)]]
     ck: NotRequired[Annotated[str, Field(pattern=r"^[0-9a-f]{40}$")]]  # cache hash (enqueue)
+    # A rerun after its id's cancel: the cancel stream's newest entry id as it was admitted
+    # (written by the admission only): cancels up to it do not cover it.
+    ca: NotRequired[Annotated[str, Field(pattern=r"^[0-9]{1,20}-[0-9]{1,20}$")]]
     stream: NotRequired[Annotated[int, Field(ge=0, le=1)]]  # 1: push generated tokens as chunks
     # The tenant (written by the admission only: docs/protocol.md, Tenants; absent:
     # untenanted), travelling as the field ``tn``; and the producer's estimate of the cost.

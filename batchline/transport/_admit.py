@@ -58,6 +58,15 @@ local function admit(keys, args)
   quota_begin()
   local wakes = TK.wakes()
   local depth, full, withheld, over = nil, 0, 0, 0
+  -- The newest entry of the cancel stream, once a call needs it (then each cancel added).
+  local newest_cancel = nil
+  local function cancels_so_far()
+    if not newest_cancel then
+      local last = redis.call('XREVRANGE', cancels, '+', '-', 'COUNT', 1)[1]
+      newest_cancel = last and last[1] or '0-0'
+    end
+    return newest_cancel
+  end
   local function room()  -- whether the work streams hold fewer than max_depth entries
     if max_depth <= 0 then return true end
     if not depth then
@@ -207,7 +216,13 @@ local function admit(keys, args)
       no_room(id, reply, h)
       return
     end
-    if c then redis.call('DEL', res .. id) end  -- its answer was cut short: it runs again
+    if c then  -- its answer was cut short: it runs again
+      redis.call('DEL', res .. id)
+      -- After the cancels so far (ca): none of them covers it, whatever its ts says (the
+      -- producer's clock, stamped before a cancel sent first may have been admitted).
+      e[#e + 1] = 'ca'
+      e[#e + 1] = cancels_so_far()
+    end
     -- The quota before the in-flight mark: a request refused runs never, and requests of
     -- its input coalesced onto it would wait for it for ever.
     local refused = tenant and quota_admit(tenant, id, cost, config)
@@ -236,7 +251,7 @@ local function admit(keys, args)
   local function cancelled(id)
     fair_written(id)
     fair_cancelled(id)
-    redis.call('XADD', cancels, 'MAXLEN', '~', cancels_maxlen, '*', 'id', id)
+    newest_cancel = redis.call('XADD', cancels, 'MAXLEN', '~', cancels_maxlen, '*', 'id', id)
     redis.call('EXPIRE', cancels, ttl_s)
     -- Not answered yet: a resubmit after this cancel runs again.
     local known = redis.call('GET', rid .. id)

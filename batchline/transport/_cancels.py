@@ -53,6 +53,13 @@ def entry_ms(entry_id: bytes | str) -> int:
     return int(text.split("-", 1)[0])
 
 
+def entry_order(entry_id: bytes | str) -> tuple[int, int]:
+    """A stream entry id as (milliseconds, sequence), in the stream's order."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
 class CancelLog:
     """The request ids cancelled in the last ``ttl_s`` seconds, as one worker has read them.
 
@@ -83,22 +90,33 @@ class CancelLog:
         self.evicted = 0
         self.held_bytes = 0
         self._clock = clock
-        # id -> (when it is forgotten, the cancel's time in server ms), in insertion order
-        self._ids: dict[str, tuple[float, float]] = {}
+        # id -> (when it is forgotten, the cancel's time in server ms, its entry's sequence
+        # number), in insertion order
+        self._ids: dict[str, tuple[float, float, int]] = {}
         self._last = "0-0"
 
     def __contains__(self, request_id: object) -> bool:
         held = self._ids.get(request_id)  # type: ignore[call-overload]
         return held is not None and held[0] > self._clock()
 
-    def covers(self, request_id: str, entry_id: bytes | str, enqueued_ms: float = math.inf) -> bool:
+    def covers(
+        self,
+        request_id: str,
+        entry_id: bytes | str,
+        enqueued_ms: float = math.inf,
+        after: str | None = None,
+    ) -> bool:
         """Whether a cancel of ``request_id`` covers the work-stream entry ``entry_id``:
         one read, and that entry added no later than it, or enqueued (its ``ts``, the
         producer's clock) no later: a request waiting in the inbox when it was cancelled is
-        added to its stream after the cancel (a cancel written straight to the stream)."""
+        added to its stream after the cancel (a cancel written straight to the stream).
+        ``after``: the entry's ``ca``, the newest cancel entry as the admission added it (a
+        rerun after its cancel): only a cancel entry after that one covers it."""
         held = self._ids.get(request_id)
         if held is None or held[0] <= self._clock():
             return False
+        if after is not None:
+            return (held[1], held[2]) > entry_order(after)
         return min(entry_ms(entry_id), enqueued_ms) <= held[1]
 
     def __len__(self) -> int:
@@ -106,17 +124,18 @@ class CancelLog:
         self._forget(self._clock())
         return len(self._ids)
 
-    def add(self, request_id: str, at_ms: float = math.inf) -> None:
+    def add(self, request_id: str, at_ms: float = math.inf, at_seq: int = 0) -> None:
         """Remember one cancelled id, cancelled at ``at_ms`` (server ms: the cancel entry's
-        time; by default it covers every entry of the id), and forget those past their TTL,
-        then the oldest while over a cap; an invalid id is ignored."""
+        time; by default it covers every entry of the id) with the entry's sequence number
+        ``at_seq``, and forget those past their TTL, then the oldest while over a cap; an
+        invalid id is ignored."""
         if not is_name(request_id):
             self.ignored += 1
             return
         now = self._clock()
         if self._ids.pop(request_id, None) is None:
             self.held_bytes += len(request_id) + ID_OVERHEAD_BYTES
-        self._ids[request_id] = (now + self.ttl_s, at_ms)
+        self._ids[request_id] = (now + self.ttl_s, at_ms, at_seq)
         self._forget(now)
         ids = self._ids
         while len(ids) > self.max_ids or self.held_bytes > self.max_bytes:
@@ -132,7 +151,7 @@ class CancelLog:
         (each id is dropped once: constant time per id, over its life)."""
         ids = self._ids
         while ids:
-            rid, (until, _at) = next(iter(ids.items()))
+            rid, (until, _at, _seq) = next(iter(ids.items()))
             if until > now:
                 return
             self._drop(rid)
@@ -142,7 +161,7 @@ class CancelLog:
             self._last = entry_id
             rid = fields.get(b"id") if isinstance(fields, dict) else None
             if isinstance(rid, bytes) and len(rid) <= MAX_ID_CHARS:
-                self.add(rid.decode("ascii", "replace"), entry_ms(entry_id))
+                self.add(rid.decode("ascii", "replace"), *entry_order(entry_id))
             else:
                 self.ignored += 1
 

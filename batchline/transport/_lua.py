@@ -261,6 +261,7 @@ local function scan_fields(src, first, last)
     elseif name == 'blob' then blob = value
     elseif name == 'dl' then dl = value
     elseif name == 'ck' then why = 'it has a ck field (the admission adds it)'
+    elseif name == 'ca' then why = 'it has a ca field (the admission adds it)'
     elseif name == 'cost' and (#value > 16 or not string.find(value, '^%d+$')) then
       why = 'its cost is not a decimal integer'
     end

@@ -18,7 +18,7 @@ import redis
 from batchline.codec import Result, pack_value
 from batchline.keys import GROUP, QueueKeys
 from batchline.producer import AsyncProducer, Handle
-from batchline.transport import COMPLETE, input_hash
+from batchline.transport import COMPLETE, LIBRARY, input_hash
 
 from .test_once import cached, computed, entries_added, queue_keys
 from .test_replies import complete_args, packed_with, reply_entries
@@ -325,6 +325,36 @@ async def test_time_out_cancel_retry_with_the_same_id_gets_the_retry_s_answer(
     result = await ran_once(rid, (a, again), (b, joined))
     assert computed(model) == ["blocker", "the order"]
     assert await a.get_result(rid) == result
+
+
+async def test_a_retry_admitted_with_the_cancel_of_its_first_attempt_runs(
+    redis_url: str,
+    queue: str,
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+) -> None:
+    """Submit, cancel and retry at once: all three wait in the inbox and are admitted in
+    one call, the retry stamped (ts, the producer's clock) before the cancel was admitted.
+    The cancel covers the first attempt alone: the retry runs and answers."""
+    rclient.function_load(LIBRARY, replace=True)
+    async with AsyncProducer(redis_url=redis_url, queue=queue, admission="functions") as a:
+        rid = "order-42"
+        first = await a.submit("the order", request_id=rid)
+        await a.cancel(first)
+        again = await a.submit("the order", request_id=rid)
+        assert rclient.llen(keys.inbox) == 3  # nothing admitted yet
+        admit_inbox(rclient, keys)
+        added = [f for s in keys.streams for _e, f in rclient.xrange(s)]
+        assert [f[b"id"] for f in added] == [rid.encode()] * 2
+        assert b"ca" not in added[0]
+        assert b"ca" in added[1]  # the retry: admitted after the cancel
+        model = GatedModel()
+        model.release.set()
+        start_worker(model, batch_size=1, timeout_ms=HUGE_MS)
+        result = await a.wait(again, timeout_s=T)
+        assert (result.status, result.output) == ("ok", "the order")
+        assert computed(model) == ["the order"]  # the first attempt, cancelled, did not run
 
 
 async def test_a_caller_of_an_attempt_cut_short_after_a_retry_gets_the_retry_s_answer(

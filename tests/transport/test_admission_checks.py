@@ -31,6 +31,7 @@ CASES: list[tuple[list[Any], str | None]] = [
     ([*OK, "n", None, "m", "x"], NOT_A_STRING),  # a hole (in the call's array only: HOLE)
     ([*OK, 3, "x"], NOT_A_STRING),  # a name
     ([*OK, "ck", "x"], "it has a ck field (the admission adds it)"),
+    ([*OK, "ca", "1-0"], "it has a ca field (the admission adds it)"),
     ([*OK, "ck", "x", "n", 7], NOT_A_STRING),  # the type said last
     ([*OK, "cost", "1x"], "its cost is not a decimal integer"),
     (["v", "2"], "it has no meta field"),

@@ -104,6 +104,19 @@ def test_ids_are_kept_for_their_ttl_then_forgotten() -> None:
     assert ("b" in log, "c" in log, "d" in log, len(log)) == (True, True, True, 3)
 
 
+def test_a_rerun_admitted_after_a_cancel_is_covered_only_by_a_later_one() -> None:
+    """An entry's ca (the newest cancel entry as the admission added it) decides, not the
+    times: a cancel in the same millisecond, before it, does not cover it."""
+    log = CancelLog(10, clock=FakeClock())
+    log.add("a", 1000, 3)  # cancel entry 1000-3
+    assert log.covers("a", b"1000-0", 999.0)  # by time: an entry of that ms or older
+    assert not log.covers("a", b"1000-5", 999.0, after="1000-3")  # admitted after it
+    assert log.covers("a", b"1000-5", 999.0, after="1000-2")  # before it
+    assert log.covers("a", b"1001-0", 1001.0, after="999-9")
+    log.add("a", 1000, 7)  # cancelled again, after the rerun was admitted
+    assert log.covers("a", b"1000-5", 999.0, after="1000-3")
+
+
 def test_adding_an_id_again_refreshes_it() -> None:
     clock = FakeClock()
     log = CancelLog(10, clock=clock)

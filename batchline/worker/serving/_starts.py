@@ -86,4 +86,6 @@ class Starts:
         if meta is None:
             return False
         request = meta.request
-        return self._cancels.covers(request["id"], meta.entry, request.get("ts") or math.inf)
+        return self._cancels.covers(
+            request["id"], meta.entry, request.get("ts") or math.inf, request.get("ca")
+        )
