@@ -21,6 +21,7 @@ from batchline.keys import ID_PATTERN, is_name
 from batchline.tenants import TENANT_PATTERN
 
 __all__ = [
+    "ATTEMPT_PATTERN",
     "MAX_COST",
     "Request",
     "check_priority",
@@ -39,6 +40,9 @@ __all__ = [
 # pydantic caches validated strings by default; request ids never repeat, so caching them
 # would only fill its cache (and the worker's memory) for nothing: field names only.
 _ONLY_KEYS = ConfigDict(cache_strings="keys")
+
+#: An attempt token (field ``at``): 1-32 characters of a request id's syntax.
+ATTEMPT_PATTERN = r"^[A-Za-z0-9_.\-]{1,32}$"
 
 #: The largest cost a request may carry (the admission clamps a tenant's to 1..MAX_COST).
 MAX_COST = 1_000_000
@@ -72,6 +76,8 @@ class Request(TypedDict):
     # untenanted), travelling as the field ``tn``; and the producer's estimate of the cost.
     tenant: NotRequired[Annotated[str, Field(pattern=TENANT_PATTERN)]]
     cost: NotRequired[Annotated[int, Field(ge=1, le=MAX_COST)]]
+    # The producer's attempt token, copied into the result (docs/protocol.md, Attempts).
+    at: NotRequired[Annotated[str, Field(pattern=ATTEMPT_PATTERN)]]
     # W3C trace context (optional): taken as it comes, checked by the worker's tracing only
     # (a malformed one starts a new trace there, never refuses the request).
     traceparent: NotRequired[bytes]
@@ -133,10 +139,12 @@ def request_fields(
     reply: str | None,
     stream: bool,
     cost: int | None = None,
+    attempt: str = "",
 ) -> tuple[list[bytes | str], bytes, bytes]:
     """:func:`encode_request` as a flat ``[field, value, ...]`` list (a producer's hot path),
     with the value's encoded ``meta`` and ``blob``; ``cost`` (None: no field, which reads
-    as 1) is clamped to 1..MAX_COST. The tenant (``tn``) is the admission's to write."""
+    as 1) is clamped to 1..MAX_COST; ``attempt`` (empty: none) is the attempt token ``at``.
+    The tenant (``tn``) is the admission's to write."""
     meta, blob = pack_value(value)
     flat: list[bytes | str] = [
         "v", VERSION_FIELD, "id", request_id, "meta", meta, "prio", str(priority),
@@ -152,6 +160,8 @@ def request_fields(
         flat += ("stream", "1")
     if cost is not None:
         flat += ("cost", str(min(max(int(cost), 1), MAX_COST)))
+    if attempt:
+        flat += ("at", attempt)
     return flat, meta, blob
 
 

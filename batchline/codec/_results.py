@@ -65,6 +65,8 @@ class Result:
             0 where the worker wrote none (a model without a tokenizer, an older worker).
         retry_ms: a ``QuotaExceeded`` error's milliseconds until the tenant's request would
             be admitted (field ``retry_ms``); 0 otherwise.
+        attempt: the attempt token (field ``at``) of the request entry that computed it;
+            empty where it had none (docs/protocol.md, Answers computed once, Attempts).
     """
 
     id: str
@@ -79,6 +81,7 @@ class Result:
     input_hash: str = ""
     tokens: int = 0
     retry_ms: int = 0
+    attempt: str = ""
 
     def unwrap(self) -> Any:
         """The output, or the typed error this result stands for."""
@@ -124,7 +127,7 @@ def encode_result(result: Result) -> list[bytes | str]:
     return result_fields(
         r.id, r.status, r.output, r.error_type, r.error_message,
         r.queue_ms, r.batch_size, r.model_ms, r.worker, input_hash=r.input_hash,
-        tokens=r.tokens, retry_ms=r.retry_ms,
+        tokens=r.tokens, retry_ms=r.retry_ms, attempt=r.attempt,
     )  # fmt: skip
 
 
@@ -142,6 +145,7 @@ def result_fields(  # noqa: PLR0917 - the fields of a Result, without building o
     input_hash: str = "",
     tokens: int = 0,
     retry_ms: int = 0,
+    attempt: str = "",
 ) -> list[bytes | str]:
     """:func:`encode_result` of the Result these would make (a worker's hot path)."""
     meta, blob = pack_value(output) if status == "ok" else (b"null", b"")
@@ -175,6 +179,8 @@ def result_fields(  # noqa: PLR0917 - the fields of a Result, without building o
         fields += ("tok", str(tokens))
     if retry_ms:
         fields += ("retry_ms", str(retry_ms))
+    if attempt:
+        fields += ("at", attempt)
     return fields
 
 
@@ -245,7 +251,7 @@ def _number(value: Any, name: str, kind: type[int] | type[float]) -> Any:
 
 
 _MAX_NUMBER = 1 << 63  # timings in ms and batch sizes: anything larger is not one
-_TEXTS = (b"id", b"status", b"etype", b"emsg", b"worker", b"ih")
+_TEXTS = (b"id", b"status", b"etype", b"emsg", b"worker", b"ih", b"at")
 
 
 def _numbers(queue_ms: Any, batch: Any, model_ms: Any) -> tuple[float, int, float]:
@@ -323,6 +329,7 @@ def decode_flat(flat: Any, limits: Limits) -> Result:
                     get(b"emsg", b""),
                     flat[15],
                     get(b"ih", b""),
+                    get(b"at", b""),
                 ],
                 flat[9],
                 flat[11],
@@ -339,7 +346,7 @@ def decode_flat(flat: Any, limits: Limits) -> Result:
 # The fields as result_fields writes them: always these, then any of the optional ones, in
 # this order.
 _HEAD = [b"v", b"id", b"status", b"meta", b"queue_ms", b"batch", b"model_ms", b"worker"]
-_OPTIONAL = (b"blob", b"etype", b"emsg", b"ih", b"tok", b"retry_ms")
+_OPTIONAL = (b"blob", b"etype", b"emsg", b"ih", b"tok", b"retry_ms", b"at")
 _TAILS = frozenset(
     tuple(name for i, name in enumerate(_OPTIONAL) if mask >> i & 1)
     for mask in range(1 << len(_OPTIONAL))
@@ -364,9 +371,9 @@ def _checked(  # noqa: PLR0917 - a result's fields, by name
     if version != SCHEMA_VERSION:
         raise DecodeError(f"result schema version {version} is not {SCHEMA_VERSION}")
     try:  # the common case in one step; what is off is named below
-        rid, status, etype, emsg, worker, ih = [value.decode() for value in texts]
+        rid, status, etype, emsg, worker, ih, at = [value.decode() for value in texts]
     except (AttributeError, UnicodeDecodeError):
-        rid, status, etype, emsg, worker, ih = [
+        rid, status, etype, emsg, worker, ih, at = [
             _text(value, name.decode()) for value, name in zip(texts, _TEXTS, strict=True)
         ]
     if not is_name(rid):
@@ -389,8 +396,9 @@ def _checked(  # noqa: PLR0917 - a result's fields, by name
         except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # belt and braces
             raise DecodeError(f"malformed result: its output: {exc}") from None
     return Result(
-        rid, status, output, etype, emsg, queue_ms, batch, model_ms, worker, ih, tokens, retry_ms
-    )
+        rid, status, output, etype, emsg, queue_ms, batch, model_ms, worker, ih, tokens, retry_ms,
+        at,
+    )  # fmt: skip
 
 
 _HASH = re.compile(r"[0-9a-f]{40}")

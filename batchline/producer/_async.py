@@ -109,9 +109,9 @@ class AsyncProducer:
         )
         #: Submits by what the enqueue script did with them (queued, result, cached, ...).
         self.counts: Counter[str] = Counter()
-        # The ids this producer cancelled lately (the newest _CANCELLED_KEPT): a wait by id
-        # raises RequestCancelled for them until their result key says what became of them.
-        self._cancelled: dict[str, None] = {}
+        # The ids this producer cancelled lately (the newest _CANCELLED_KEPT, in
+        # self._waiting.cancels): a wait by id raises RequestCancelled for them until their
+        # result key says what became of them.
         self._closed = False
         url = redact_url(self.settings.redis_url.get_secret_value())
         self._replies = ReplyReader(
@@ -279,6 +279,7 @@ class AsyncProducer:
             reply=(await self._tenants.reply_to(tenant, self._replies)) if reply else None,
             stream=stream,
             cost=cost,
+            attempt=self._waiting.attempt(rid),
         )
         sent = input_hash(meta, blob)
         if self._waiting.inputs.get(rid, sent) != sent:
@@ -316,7 +317,7 @@ class AsyncProducer:
             own = handle.tenant if isinstance(handle, Handle) else tenant
             found = await self.get_result(rid, tenant=own)
             if found is None:
-                if rid in self._cancelled:
+                if rid in self._waiting.cancels:
                     raise RequestCancelled(f"request {rid} was cancelled by this producer")
                 raise KeyError(f"no result for request {rid!r} (yet, or any more)")
             return found
@@ -355,8 +356,8 @@ class AsyncProducer:
             return None
         if found is None or (found.input_hash and found.input_hash != sent):
             return None
-        if found.status in ("cancelled", "expired"):  # maybe an earlier attempt's, cut short
-            return None
+        if found.status in ("cancelled", "expired") or self._waiting.superseded(found):
+            return None  # maybe an earlier attempt's, cut short
         for waiter in self._waiting.forget(rid):
             if not waiter.done():
                 waiter.set_result(found)
@@ -513,13 +514,14 @@ class AsyncProducer:
         rid = handle if isinstance(handle, str) else handle.id
         own = handle.tenant if isinstance(handle, Handle) else self._tenants.of(tenant)
         request_id_for(own, rid)
+        # Admitted after this producer's submits of the id, which it covers: its requests of
+        # the id sent from now on carry another attempt token (docs/protocol.md, Attempts).
+        await self._enqueue.written(rid)
         with translated():
-            await self._admission.cancel(
+            marked = await self._admission.cancel(
                 self._redis, rid, ttl_s=self.settings.result_ttl_s, tenant=own
             )
-        self._cancelled[rid] = None
-        while len(self._cancelled) > _CANCELLED_KEPT:
-            del self._cancelled[next(iter(self._cancelled))]
+        self._waiting.cancelled(rid, marked=marked, kept=_CANCELLED_KEPT)
         for fut in self._waiting.forget(rid):
             if not fut.done():
                 # Not fut.cancel(): a waiter would take that for its own task being cancelled.

@@ -8,6 +8,7 @@ and says of each request what it did with it (see :func:`._replies.outcome_of`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -102,6 +103,8 @@ class Enqueuer:
         self._outbox: Outbox[_Pending] = Outbox(
             self._flush, max_batch=settings.submit_batch, abandon=self._abandon, name=name
         )
+        self._writing: list[_Pending] = []  # the write in flight
+        self._flushed = asyncio.Event()  # set (and replaced) as each write ends
 
     def put(self, entry: list[Any], target: Target, rid: str, tenant: str | None = None) -> None:
         """Queue one request's entry for the next write; ``target`` learns how it went."""
@@ -110,6 +113,16 @@ class Enqueuer:
     async def drain(self) -> None:
         """Wait until the requests already put are written."""
         await self._outbox.drain()
+
+    async def written(self, rid: str) -> None:
+        """Wait until no request of ``rid`` already put waits to be written or is being
+        written (a cancel is then admitted after them: docs/protocol.md, Attempts)."""
+        while any(p[2] == rid for p in (*self._writing, *self._outbox)):
+            # (rare: a cancel right after its request's submit; a bounded wait, as abandoned
+            # requests leave the outbox without a write)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.05):
+                    await self._flushed.wait()
 
     async def aclose(self) -> None:
         """Close the writes' own connection."""
@@ -128,12 +141,18 @@ class Enqueuer:
     async def _flush(self, pending: list[_Pending]) -> None:
         """Write one batch of the outbox, one call per tenant in it (the untenanted one, in
         the common case); tell each submit how its write went."""
-        tenants = {tenant for *_, tenant in pending}
-        if len(tenants) == 1:
-            await self._flush_one(pending, tenants.pop())
-            return
-        for tenant in sorted(tenants, key=lambda t: t or ""):
-            await self._flush_one([p for p in pending if p[3] == tenant], tenant)
+        self._writing = pending
+        try:
+            tenants = {tenant for *_, tenant in pending}
+            if len(tenants) == 1:
+                await self._flush_one(pending, tenants.pop())
+                return
+            for tenant in sorted(tenants, key=lambda t: t or ""):
+                await self._flush_one([p for p in pending if p[3] == tenant], tenant)
+        finally:
+            self._writing = []
+            self._flushed.set()
+            self._flushed = asyncio.Event()
 
     async def _flush_one(self, pending: list[_Pending], tenant: str | None) -> None:
         # Higher priorities first (each priority in the order put): an interactive request

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -50,6 +51,7 @@ __all__ = [
     "ReplyReader",
     "Waiters",
     "check_input",
+    "cut_short",
     "outcome_of",
     "sent_input",
 ]
@@ -64,11 +66,45 @@ logger = logging.getLogger(__name__)
 class Waiters(dict[str, list["asyncio.Future[Result]"]]):
     """Every waiter of a request id in one producer (a resubmit of a waiting id adds one),
     and the input hash of each waited-for request as sent: a pushed result computed from
-    another input (its ``ih``) is not taken (:func:`check_input`)."""
+    another input (its ``ih``) is not taken (:func:`check_input`).
+
+    Also the producer's attempt tokens (docs/protocol.md, Answers computed once, Attempts):
+    its requests of an id carry ``token``, followed after its n-th cancel of that id through
+    the cancel function by n (``cancels``, the ids it cancelled lately, each with that
+    count); a cut-short answer carrying the token of one of its submits made before such a
+    cancel answers an attempt that cancel covered, and is not taken for a waiter now."""
 
     def __init__(self) -> None:
         super().__init__()
         self.inputs: dict[str, str] = {}
+        self.token = secrets.token_hex(4)
+        self.cancels: dict[str, int] = {}
+
+    def attempt(self, rid: str) -> str:
+        """The attempt token of a request of ``rid`` sent now."""
+        n = self.cancels.get(rid)
+        return f"{self.token}{n}" if n else self.token
+
+    def cancelled(self, rid: str, *, marked: bool, kept: int) -> None:
+        """This producer cancelled ``rid`` (``marked``: through the cancel function, whose
+        admission marks the id, so that its requests sent from now on are attempts the
+        cancel does not cover); the newest ``kept`` cancelled ids are remembered."""
+        n = self.cancels.pop(rid, 0)
+        self.cancels[rid] = n + 1 if marked else n
+        while len(self.cancels) > kept:
+            del self.cancels[next(iter(self.cancels))]
+
+    def superseded(self, result: Result) -> bool:
+        """Whether ``result`` is a cut-short answer to an attempt of its id that this
+        producer's own cancel (through the cancel function) covered: not its waiters' now."""
+        n = self.cancels.get(result.id)
+        at = result.attempt
+        if not n or not at.startswith(self.token) or not cut_short(result):
+            return False
+        since = at[len(self.token) :]
+        return not since or (
+            len(since) < 10 and since.isascii() and since.isdigit() and int(since) < n
+        )
 
     def add(self, rid: str, sent: str) -> asyncio.Future[Result]:
         """A new waiter of ``rid`` (whose input hash as sent is ``sent``), on the running
@@ -84,6 +120,9 @@ class Waiters(dict[str, list["asyncio.Future[Result]"]]):
         if result.id not in self:
             return []  # a late answer (timed out, cancelled), or not this producer's
         check_input(result, self.inputs.get(result.id, ""))
+        if self.cancels and self.superseded(result):
+            logger.debug("request %s: an answer to an attempt it cancelled: not taken", result.id)
+            return []  # the waiters' own attempt answers them
         return self.forget(result.id)
 
     def forget(self, rid: str) -> list[asyncio.Future[Result]]:
@@ -421,6 +460,18 @@ def sent_input(fields: list[Any]) -> str:
     named = dict(zip(fields[::2], fields[1::2], strict=True))
     meta, blob = named["meta"], named.get("blob", b"")
     return input_hash(meta if isinstance(meta, bytes) else meta.encode(), blob)
+
+
+def cut_short(result: Result) -> bool:
+    """Whether ``result`` is an answer cut short (docs/protocol.md): cancelled, expired, or a
+    generation ended by a cancel or its deadline."""
+    if result.status == "ok":
+        output = result.output
+        return isinstance(output, dict) and output.get("finish_reason") in _CUT_REASONS
+    return result.status in ("cancelled", "expired")
+
+
+_CUT_REASONS = ("cancelled", "deadline")
 
 
 def check_input(result: Result, sent: str) -> Result:

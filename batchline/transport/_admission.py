@@ -160,16 +160,19 @@ class Admission:
 
     async def cancel(
         self, client: RedisClient, request_id: str, *, ttl_s: int, tenant: str | None = None
-    ) -> None:
-        """Ask every worker of the queue to skip this request if it has not started it."""
+    ) -> bool:
+        """Ask every worker of the queue to skip this request if it has not started it;
+        returns whether the cancel went through the cancel function (its admission marks
+        the id: this producer's later requests of it are attempts it does not cover), not
+        straight to the cancel stream."""
         if tenant is not None:
             keys = self._tenant_keys(tenant)
             await self._tenant_call(client, CANCEL_TENANT, tenant, keys, [request_id])
-            return
+            return True
         if self._functions():
             try:
                 await client.fcall(CANCEL, 1, self.keys.inbox, request_id)
-                return
+                return True
             except ResponseError as exc:
                 self._fall_back(exc, CANCEL)
         async with client.pipeline(transaction=False) as pipe:
@@ -178,6 +181,7 @@ class Admission:
             )
             pipe.expire(self.keys.cancels, ttl_s)
             await pipe.execute()
+        return False
 
     async def mark_job(
         self,

@@ -8,7 +8,7 @@ while a write is in flight waits here, and the next write carries all of it (up 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Generic, TypeVar
 
 __all__ = ["Outbox"]
@@ -45,6 +45,10 @@ class Outbox(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._waiting)
+
+    def __iter__(self) -> Iterator[T]:
+        """The items waiting for the next write (not those of the write in flight)."""
+        return iter(self._waiting)
 
     @property
     def busy(self) -> bool:

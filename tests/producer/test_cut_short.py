@@ -16,6 +16,7 @@ import pytest
 import redis
 
 from batchline.codec import Result, pack_value
+from batchline.errors import RequestCancelled
 from batchline.keys import GROUP, QueueKeys
 from batchline.producer import AsyncProducer, Handle
 from batchline.transport import COMPLETE, LIBRARY, input_hash
@@ -378,6 +379,93 @@ async def test_a_caller_of_an_attempt_cut_short_after_a_retry_gets_the_retry_s_a
     retried = await ran_once(rid, (b, again))
     assert await a.wait(first, timeout_s=T) == retried
     assert computed(model) == ["blocker", "the order"]
+
+
+async def cancelled_then_retried(
+    a: AsyncProducer, rclient: redis.Redis, keys: QueueKeys, *, token: bool = True
+) -> tuple[Handle, str]:
+    """Time out, cancel, retry at once, on the functions path, the race made deterministic:
+    "the order" (id order-42) is admitted and taken by a worker (by hand), cancelled (the
+    cancel admitted: the id marked), and resubmitted; before the retry is admitted, the
+    worker answers the first attempt ``cancelled`` (with its entry's attempt token, as a
+    worker of this release writes it; ``token`` False: without one, as an earlier one does),
+    which still holds the id: pushed to this producer, whose retry waits. Then the retry is
+    admitted. Returns the retry's handle and its entry's attempt token."""
+    rid, stream = "order-42", keys.stream(1)
+    rclient.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    first = await a.submit("the order", request_id=rid)
+    admit_inbox(rclient, keys)
+    [(_s, [(entry, fields)])] = rclient.xreadgroup(GROUP, "w1", {stream: ">"})
+    await a.cancel(first)
+    admit_inbox(rclient, keys)
+    assert marked(rclient, keys, rid) == b"!"
+    again = await a.submit("the order", request_id=rid)  # in the inbox: not admitted yet
+    h = input_hash(*pack_value("the order"))
+    attempt = {"at": fields[b"at"].decode()} if token and b"at" in fields else {}
+    cut = packed_with(Result(rid, "cancelled", worker="w1"), ih=h, **attempt)
+    record = [1, entry.decode(), rid, a.producer_id, cut, 4, h, "", "", "cut"]
+    args = [*complete_args(keys, [record]), int(time.time() * 1e3)]
+    script = rclient.register_script(COMPLETE)
+    assert script(keys=[*keys.streams_low_first, keys.dead], args=args) == 1
+    reply = keys.reply(a.producer_id)
+    await until("the producer to read the answer", lambda: rclient.xlen(reply) == 0)
+    # A cancel covers the entries added in its millisecond: the retry's comes after it.
+    [(cancel_id, _f)] = rclient.xrevrange(keys.cancels, count=1)
+    cancel_ms = int(cancel_id.split(b"-")[0])
+    await until("a later millisecond", lambda: int(rclient.time()[0] * 1e3) > cancel_ms + 1)
+    admit_inbox(rclient, keys)
+    [(_retry, retry_fields)] = rclient.xrange(stream, min=f"({entry.decode()}")
+    assert marked(rclient, keys, rid) == b"@"
+    return again, retry_fields.get(b"at", b"").decode()
+
+
+@pytest.mark.parametrize("both", ["functions"], indirect=True)
+@pytest.mark.parametrize("then", ["runs", "cancelled"])
+async def test_a_retry_sent_before_the_cancelled_attempt_s_answer_gets_its_own(
+    both: list[AsyncProducer],
+    start_worker: Callable[..., WorkerThread],
+    rclient: redis.Redis,
+    keys: QueueKeys,
+    then: str,
+) -> None:
+    """The cancelled attempt's answer, pushed while the retry waits (same id, same input),
+    is not the retry's: it carries the first attempt's token. The retry's caller gets the
+    retry's answer, which carries the retry's token; and nothing waits for ever: a retry
+    cancelled in turn by another producer gets its own ``cancelled``."""
+    a, b = both
+    again, token = await cancelled_then_retried(a, rclient, keys)
+    assert again._future is not None
+    assert not again._future.done()  # still waiting: the cancelled answer was not taken
+    if then == "cancelled":
+        await b.cancel("order-42")
+        admit_inbox(rclient, keys)  # (a worker reads the cancels before it serves)
+    model = GatedModel()
+    model.release.set()
+    start_worker(model)
+    result = await a.wait(again, timeout_s=T)
+    assert (result.id, result.attempt) == ("order-42", token)
+    assert token != ""
+    if then == "cancelled":
+        assert result.status == "cancelled"
+        with pytest.raises(RequestCancelled):
+            result.unwrap()
+        assert computed(model) == []
+    else:
+        assert (result.status, result.output) == ("ok", "the order")
+        assert computed(model) == ["the order"]
+
+
+@pytest.mark.parametrize("both", ["functions"], indirect=True)
+async def test_an_answer_without_an_attempt_token_reaches_its_waiter_as_before(
+    both: list[AsyncProducer], rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    """A worker of an earlier release writes no ``at``: its answer is matched by id and input
+    hash alone, as before (docs/protocol.md, Rolling upgrades: the retry takes the cancelled
+    attempt's answer), and so never left unanswered."""
+    a, _b = both
+    again, _token = await cancelled_then_retried(a, rclient, keys, token=False)
+    with pytest.raises(RequestCancelled):
+        await a.result(again, timeout_s=T)
 
 
 def test_a_call_made_again_gives_a_superseded_cut_short_answer_to_no_one_either(

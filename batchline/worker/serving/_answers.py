@@ -105,12 +105,16 @@ def answer(
             worker_id,
             input_hash=ih,
             tokens=meta.tokens if status == "ok" else 0,
+            attempt=request.get("at", ""),
         )
     except (TypeError, ValueError, RecursionError) as exc:  # the output cannot travel
         status = "error"
         kind, message = type(exc).__name__, str(exc)[:2000]
         why = f"{kind}: {message[:500]}"
-        failed = Result(request_id, "error", None, kind, message, worker=worker_id, input_hash=ih)
+        failed = Result(
+            request_id, "error", None, kind, message, worker=worker_id, input_hash=ih,
+            attempt=request.get("at", ""),
+        )  # fmt: skip
         fields = encode_result(failed)
     if status == "error":  # one request's error: its line names it (and its trace)
         logger.info(
