@@ -245,7 +245,9 @@ def connect(settings: ServiceSettings) -> RedisClient:
     if is_sentinel_url(url):
         client = sentinel_client(url, health_check_interval=30, **SOCKETS, **NO_CLIENT_INFO)
     else:
-        client = Redis.from_url(url, health_check_interval=30, **SOCKETS, **NO_CLIENT_INFO)
+        # (a unix socket has no TCP keepalive: its connections take no such argument)
+        sockets = {"socket_timeout": None} if url.startswith("unix:") else SOCKETS
+        client = Redis.from_url(url, health_check_interval=30, **sockets, **NO_CLIENT_INFO)
     # hiredis packs its commands (and those of every pool made from its pool's class)
     pool = client.connection_pool
     pool.connection_class = packed_by_hiredis(pool.connection_class)
