@@ -199,7 +199,22 @@ local function send(stream, src, from, id, tag, known)
   if known == nil then known = redis.call('GET', fair_rid .. id) end
   local h = string.sub(tag, 1, 40)  -- the input hash
   local waiting, cancelled = known == tag .. ' @', known == h .. ' !'
-  if known and not waiting and not cancelled then return end
+  if known and not waiting and not cancelled then
+    -- Dropped: a later copy or attempt of its id holds it. Of the same input, that one's
+    -- answer is this copy's caller's too: its reply joins the id's waiters.
+    if string.sub(known, 1, 40) == h and string.sub(fair_rid, -4) == 'rid:' then
+      local reply = ''
+      for j = from, #src - 1, 2 do
+        if src[j] == 'reply' then reply = src[j + 1] end
+      end
+      if reply ~= '' then
+        local key = string.sub(fair_rid, 1, -5) .. 'wait:' .. id
+        redis.call('SADD', key, id .. ' ' .. reply .. ' ' .. h)
+        redis.call('EXPIRE', key, fair_ttl)
+      end
+    end
+    return
+  end
   if cancelled then  -- a copy, stamped
     src, from = {unpack(src, from)}, 1
     local fields, stamped = src, false

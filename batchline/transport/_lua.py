@@ -157,7 +157,8 @@ local function decide(id, h, dl, claim)
   local cut = mark == '!'
   if cached then return 'cached', cached, key, cut end
   local leader = key and not dl and redis.call('GET', flight .. key)
-  if leader then return 'coalesced', leader, key, cut end
+  -- (not onto its own id: an attempt of it cut short still in flight; this one runs again)
+  if leader and leader ~= id then return 'coalesced', leader, key, cut end
   return 'new', key, claimed, cut
 end
 local function settle(kind, id, reply, h, a, b, cut)
@@ -178,8 +179,9 @@ end
 # many field names and values follow, then those; or, as producers before wrote it, one
 # array per request, [priority, [field, value, ...]] (the first element tells which).
 # requests_error(requests) says why the array does not read as requests (nil: it does): a
-# count that is not a whole number >= 0 (a negative one would read the same request for
-# ever), an element of the older form that is not a pair with an array; the caller refuses
+# count that is not an even whole number >= 0 within the array (a negative one would read
+# the same request for ever), an element of the older form that is not a pair with an
+# array; the caller refuses
 # the whole call before anything is written. each_request(requests, fn) then calls fn(i,
 # priority, src, first, last) for each: its fields are src[first..last], with no table of
 # its own in the common (flat) case.
@@ -198,9 +200,9 @@ local function requests_error(requests)
       at = at + 1
     else
       local n = requests[at + 1]
-      if type(n) ~= 'number' or n % 1 ~= 0 or n < 0 then
+      if type(n) ~= 'number' or n % 1 ~= 0 or n < 0 or n % 2 ~= 0 or at + 1 + n > size then
         return 'malformed requests: request ' .. i .. "'s count of field names and values "
-          .. 'is not a whole number >= 0'
+          .. 'is not an even whole number >= 0 within the array'
       end
       at = at + 2 + n
     end

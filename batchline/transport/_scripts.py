@@ -221,11 +221,17 @@ local function answer_waiters(request_id, reply, result, h, cut, stream, entry, 
     end
   end
 end
--- Whether a cut-short answer may settle its id: only while the id belongs to this attempt
--- (a newer attempt, added meanwhile, answers it).
-local function owns(request_id, h, entry)
+local waiting = false  -- whether any record's request has waiters (any_waiters(), below)
+-- Whose a cut-short answer's id is: 'mine' while it belongs to this attempt (the answer
+-- settles it); 'newer' where a newer attempt of the same input holds it, added or held
+-- meanwhile (that attempt answers it); else 'other' (the id answered from the cache or
+-- coalesced onto another request meanwhile, or taken by another input): the answer
+-- settles nothing, and reaches its producer and waiters as it is.
+local function holder(request_id, h, entry)
   local own = redis.call('GET', rid_prefix .. request_id)
-  return not own or own == h or own == h .. ' !' or own == h .. ' @' .. entry
+  if not own or own == h or own == h .. ' !' or own == h .. ' @' .. entry then return 'mine' end
+  if string.sub(own, 1, 42) == h .. ' @' then return 'newer' end
+  return 'other'
 end
 -- A cut-short answer whose id a newer attempt holds goes to no one: a producer matches an
 -- answer by its id and input hash, and would take it for the newer attempt's. The id's
@@ -239,6 +245,7 @@ local function superseded(request_id, reply, h)
   else
     redis.call('SADD', wait_prefix .. request_id, request_id .. ' ' .. reply .. ' ' .. h)
     redis.call('EXPIRE', wait_prefix .. request_id, ttl)
+    waiting = true  -- (a later record of this call may be the newer attempt's answer)
   end
 end
 local at, size = 1, #records
@@ -257,7 +264,7 @@ local function any_waiters()
   end
   return false
 end
-local waiting = any_waiters()
+waiting = any_waiters()
 while at <= size do
   local stream = KEYS[records[at] + 1]
   local entry, request_id, reply, result = records[at + 1], records[at + 2], records[at + 3],
@@ -277,18 +284,21 @@ while at <= size do
       redis.call('XADD', dead, 'MAXLEN', '~', dead_maxlen, '*', unpack(dead_fields))
     end
     if result ~= '' and request_id ~= '' then
-      local cut, own = status == 'cut', true
+      local cut, own, whose = status == 'cut', true, 'mine'
       if not cut then
         redis.call('SET', result_prefix .. request_id, result, 'EX', ttl)
         redis.call('EXPIRE', rid_prefix .. request_id, ttl)
-      elseif owns(request_id, h, entry) then
-        redis.call('SET', result_prefix .. request_id, result, 'EX', ttl)
-        redis.call('SET', rid_prefix .. request_id, h .. ' !', 'EX', ttl)
       else
-        own = false  -- a newer attempt of its id holds its in-flight slot
+        whose = holder(request_id, h, entry)
+        if whose == 'mine' then
+          redis.call('SET', result_prefix .. request_id, result, 'EX', ttl)
+          redis.call('SET', rid_prefix .. request_id, h .. ' !', 'EX', ttl)
+        else
+          own = false  -- another attempt or answer of its id holds its in-flight slot
+        end
       end
       if bill then account(request_id, bill, own) end
-      if not own then
+      if whose == 'newer' then
         superseded(request_id, reply, h)
       else
         if reply ~= '' then push(reply, result) end
@@ -301,7 +311,7 @@ while at <= size do
     end
   elseif again and result ~= '' and reply ~= '' then
     -- a try of this call whose answer may not have reached its producer
-    if status == 'cut' and request_id ~= '' and not owns(request_id, h, entry) then
+    if status == 'cut' and request_id ~= '' and holder(request_id, h, entry) == 'newer' then
       superseded(request_id, reply, h)
     else
       push(reply, result)

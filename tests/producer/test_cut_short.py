@@ -328,31 +328,40 @@ async def test_time_out_cancel_retry_with_the_same_id_gets_the_retry_s_answer(
     assert await a.get_result(rid) == result
 
 
+@pytest.mark.parametrize("cache_ttl_s", [0, 60], ids=["no cache", "cache"])
 async def test_a_retry_admitted_with_the_cancel_of_its_first_attempt_runs(
     redis_url: str,
     queue: str,
     start_worker: Callable[..., WorkerThread],
     rclient: redis.Redis,
     keys: QueueKeys,
+    cache_ttl_s: int,
 ) -> None:
     """Submit, cancel and retry at once: all three wait in the inbox and are admitted in
     one call, the retry stamped (ts, the producer's clock) before the cancel was admitted.
-    The cancel covers the first attempt alone: the retry runs and answers."""
+    The cancel covers the first attempt alone: the retry runs and answers. With the cache
+    on, the first attempt's in-flight mark names the id itself: the retry is not coalesced
+    onto its own cancelled attempt (nothing would answer it)."""
     rclient.function_load(LIBRARY, replace=True)
-    async with AsyncProducer(redis_url=redis_url, queue=queue, admission="functions") as a:
+    rclient.set(keys.model, "m1")
+    async with AsyncProducer(
+        redis_url=redis_url, queue=queue, admission="functions", cache_ttl_s=cache_ttl_s
+    ) as a:
         rid = "order-42"
         first = await a.submit("the order", request_id=rid)
         await a.cancel(first)
         again = await a.submit("the order", request_id=rid)
         assert rclient.llen(keys.inbox) == 3  # nothing admitted yet
-        admit_inbox(rclient, keys)
+        admit_inbox(rclient, keys, cache_ttl_s=cache_ttl_s)
         added = [f for s in keys.streams for _e, f in rclient.xrange(s)]
         assert [f[b"id"] for f in added] == [rid.encode()] * 2
         assert b"ca" not in added[0]
         assert b"ca" in added[1]  # the retry: admitted after the cancel
         model = GatedModel()
         model.release.set()
-        start_worker(model, batch_size=1, timeout_ms=HUGE_MS)
+        start_worker(
+            model, batch_size=1, timeout_ms=HUGE_MS, cache_ttl_s=cache_ttl_s, model_id="m1"
+        )
         result = await a.wait(again, timeout_s=T)
         assert (result.status, result.output) == ("ok", "the order")
         assert computed(model) == ["the order"]  # the first attempt, cancelled, did not run
@@ -502,6 +511,35 @@ def test_a_call_made_again_gives_a_superseded_cut_short_answer_to_no_one_either(
     complete("1")
     [(_n, [pushed])] = reply_entries(rclient, keys.reply("p1"))
     assert (pushed.status, pushed.output, pushed.worker) == ("ok", "the order", "w2")
+
+
+def test_a_superseded_answer_and_the_newer_one_in_one_call_reach_both_callers(
+    rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    """The cut-short answer of an attempt a newer one holds, then the newer one's answer,
+    in one call of the completion script: the first attempt's caller, joined to the id's
+    waiters by the first record, is answered by the second."""
+    rid, stream = "order-42", keys.stream(1)
+    meta, _blob = pack_value("the order")
+    h = input_hash(meta, b"")
+    rclient.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    first = rclient.xadd(stream, {"v": "2", "id": rid, "meta": meta, "reply": "pA"}).decode()
+    newer = rclient.xadd(stream, {"v": "2", "id": rid, "meta": meta, "reply": "pB"}).decode()
+    rclient.xreadgroup(GROUP, "w1", {stream: ">"})
+    rclient.set(keys.request_input(rid), f"{h} @{newer}")
+    cut = packed_with(Result(rid, "cancelled", worker="w1"), ih=h)
+    ok = packed_with(Result(rid, "ok", "the order", worker="w1"), ih=h)
+    records = [
+        [1, first, rid, "pA", cut, 4, h, "", "", "cut"],
+        [1, newer, rid, "pB", ok, 4, h, "", "", "ok"],
+    ]
+    script = rclient.register_script(COMPLETE)
+    args = [*complete_args(keys, records), int(time.time() * 1e3), "0", "0"]
+    assert int(script(keys=[*keys.streams_low_first, keys.dead], args=args)) == 2
+    for producer in ("pA", "pB"):
+        [(_n, [pushed])] = reply_entries(rclient, keys.reply(producer))
+        assert (pushed.status, pushed.output) == ("ok", "the order"), producer
+    assert rclient.exists(keys.waiters(rid)) == 0
 
 
 @pytest.mark.slow

@@ -23,8 +23,10 @@ def enqueue(
     *,
     cost: int = 1,
     priority: int = 0,
+    reply: str | None = None,
 ) -> str:
-    """Append one request to ``tenant``'s inbox (and its wake), or to the shared inbox."""
+    """Append one request to ``tenant``'s inbox (and its wake), or to the shared inbox
+    (``reply``: the producer it names for its answer)."""
     request_id = f"{tenant}.{name}" if tenant else name
     fields, _meta, _blob = request_fields(
         request_id,
@@ -32,7 +34,7 @@ def enqueue(
         priority=priority,
         deadline_unix_ms=None,
         enqueued_unix_ms=time.time() * 1e3,
-        reply=None,
+        reply=reply,
         stream=False,
     )
     element = msgpack.packb(["r", priority, *fields, "cost", str(cost)], use_bin_type=False)

@@ -332,6 +332,30 @@ def test_an_id_cancelled_while_held_and_sent_again_goes_as_sent_again(
     assert {int(n) for n in rclient.hvals(keys.backlog_counts)} == {0}
 
 
+def test_the_caller_of_a_held_copy_dropped_for_a_later_one_waits_for_its_answer(
+    rclient: redis.Redis, keys: QueueKeys
+) -> None:
+    """A held request cancelled (by anyone) and sent again by another producer: the first
+    copy is dropped at dispatch, and its producer, who may still wait, joins the id's
+    waiters, answered with the later copy's answer."""
+    for i in range(2):  # the stream filled to its room (2): what follows is held
+        enqueue(rclient, keys, "F", f"f{i}", f"F{i}")
+    admit(rclient, keys, batch_size=1)
+    x = enqueue(rclient, keys, "A", "x", "X", reply="A.pA")
+    admit(rclient, keys, batch_size=1)
+    cancel(rclient, keys, "A", x)
+    admit(rclient, keys, batch_size=1)
+    enqueue(rclient, keys, "A", "x", "X", reply="A.pB")
+    admit(rclient, keys, batch_size=1)
+    take(rclient, keys, 0)
+    while dispatch(rclient, keys, 8):
+        pass
+    went = [f for _e, f in rclient.xrange(keys.stream(0)) if f[b"id"] == x.encode()]
+    assert [f[b"reply"] for f in went] == [b"A.pB"]
+    (waiter,) = rclient.smembers(keys.waiters(x))
+    assert waiter.decode().split(" ")[:2] == [x, "A.pA"]
+
+
 def test_a_bad_element_under_the_id_of_a_request_held_in_the_same_call_is_withheld(
     rclient: redis.Redis, keys: QueueKeys
 ) -> None:
