@@ -245,6 +245,8 @@ def _problem(error: Any) -> str:
         return f"schema version {shown} is not {SCHEMA_VERSION}"
     if kind == "string_pattern_mismatch" and field == "ck":
         return f"ck {shown} is not a cache hash (40 lowercase hex digits)"
+    if kind == "string_pattern_mismatch" and field == "ca":
+        return f"ca {shown} is not a stream entry id (<ms>-<seq>)"
     if kind == "string_pattern_mismatch" and field == "tn":
         return f"tn {shown} is not a tenant (1-64 characters of A-Z a-z 0-9 _ -)"
     if kind == "string_pattern_mismatch":

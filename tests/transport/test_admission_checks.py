@@ -81,6 +81,8 @@ UNREADABLE: list[list[Any]] = [
     [0, 2, "id", "a", 0, -2, "x"],  # the second one
     [0, 1.5, "id", "a"],
     [0, "2", "id", "a"],
+    [0, 3, "id", "a", "meta"],  # an odd count
+    [0, 2, "id", "a", 0, 4, "id", "b"],  # a count past the array's end
     [[0, "id"]],  # the older form, a request that is not [priority, [fields]]
 ]
 

@@ -367,6 +367,7 @@ def test_the_stream_decides_the_priority() -> None:
         ({"dl": "1e999"}, "dl 1e999: input should be a finite number"),
         ({"meta": None}, "meta is missing"),
         ({"ck": "ABC"}, "ck ABC is not a cache hash (40 lowercase hex digits)"),
+        ({"ca": "later"}, "ca later is not a stream entry id (<ms>-<seq>)"),
     ],
 )
 def test_error_messages_show_values_as_text(changes: dict[str, Any], message: str) -> None:
