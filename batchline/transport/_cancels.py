@@ -115,7 +115,7 @@ class CancelLog:
         held = self._ids.get(request_id)
         if held is None or held[0] <= self._clock():
             return False
-        if after is not None:
+        if after is not None and held[2] >= 0:  # (a cancel read from the stream)
             return (held[1], held[2]) > entry_order(after)
         return min(entry_ms(entry_id), enqueued_ms) <= held[1]
 
@@ -124,11 +124,12 @@ class CancelLog:
         self._forget(self._clock())
         return len(self._ids)
 
-    def add(self, request_id: str, at_ms: float = math.inf, at_seq: int = 0) -> None:
+    def add(self, request_id: str, at_ms: float = math.inf, at_seq: int = -1) -> None:
         """Remember one cancelled id, cancelled at ``at_ms`` (server ms: the cancel entry's
-        time; by default it covers every entry of the id) with the entry's sequence number
-        ``at_seq``, and forget those past their TTL, then the oldest while over a cap; an
-        invalid id is ignored."""
+        time; by default it covers every entry of the id) with the cancel entry's sequence
+        number ``at_seq`` (-1: a cancel of this worker's own, not an entry of the stream: it
+        is placed by its time alone), and forget those past their TTL, then the oldest while
+        over a cap; an invalid id is ignored."""
         if not is_name(request_id):
             self.ignored += 1
             return

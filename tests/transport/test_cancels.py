@@ -115,6 +115,10 @@ def test_a_rerun_admitted_after_a_cancel_is_covered_only_by_a_later_one() -> Non
     assert log.covers("a", b"1001-0", 1001.0, after="999-9")
     log.add("a", 1000, 7)  # cancelled again, after the rerun was admitted
     assert log.covers("a", b"1000-5", 999.0, after="1000-3")
+    # A cancel of the worker's own (its producer gone), not in the stream's order: by time.
+    log.add("b", 1000)
+    assert not log.covers("b", b"1001-0", 1001.0, after="0-0")
+    assert log.covers("b", b"1000-0", 999.0, after="0-0")
 
 
 def test_adding_an_id_again_refreshes_it() -> None:
