@@ -8,7 +8,6 @@ and says of each request what it did with it (see :func:`._replies.outcome_of`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import Counter
@@ -118,11 +117,9 @@ class Enqueuer:
         """Wait until no request of ``rid`` already put waits to be written or is being
         written (a cancel is then admitted after them: docs/protocol.md, Attempts)."""
         while any(p[2] == rid for p in (*self._writing, *self._outbox)):
-            # (rare: a cancel right after its request's submit; a bounded wait, as abandoned
-            # requests leave the outbox without a write)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(0.05):
-                    await self._flushed.wait()
+            # (rare: a cancel right after its request's submit) each write, and the end of
+            # what will never be written, sets the event
+            await self._flushed.wait()
 
     async def aclose(self) -> None:
         """Close the writes' own connection."""
@@ -151,8 +148,12 @@ class Enqueuer:
                 await self._flush_one([p for p in pending if p[3] == tenant], tenant)
         finally:
             self._writing = []
-            self._flushed.set()
-            self._flushed = asyncio.Event()
+            self._wrote()
+
+    def _wrote(self) -> None:
+        """A write ended, or what waited will never be written: wake :meth:`written`."""
+        self._flushed.set()
+        self._flushed = asyncio.Event()
 
     async def _flush_one(self, pending: list[_Pending], tenant: str | None) -> None:
         # Higher priorities first (each priority in the order put): an interactive request
@@ -182,6 +183,7 @@ class Enqueuer:
         """The writes that will never go (the loop is closing)."""
         for _, target, rid, _t in pending:
             self._told(rid, target, BatcherClosed("the producer stopped writing"))
+        self._wrote()
 
     def _told(self, rid: str, target: Target, outcome: Any) -> None:
         """:meth:`_settle`, after the request's send span (tracing on) learns the outcome."""

@@ -202,13 +202,13 @@ local function send(stream, src, from, id, tag, known)
   if known and not waiting and not cancelled then
     -- Dropped: a later copy or attempt of its id holds it. Of the same input, that one's
     -- answer is this copy's caller's too: its reply joins the id's waiters.
-    if string.sub(known, 1, 40) == h and string.sub(fair_rid, -4) == 'rid:' then
+    if string.sub(known, 1, 40) == h then
       local reply = ''
       for j = from, #src - 1, 2 do
         if src[j] == 'reply' then reply = src[j + 1] end
       end
       if reply ~= '' then
-        local key = string.sub(fair_rid, 1, -5) .. 'wait:' .. id
+        local key = TK.waiters(id)
         redis.call('SADD', key, id .. ' ' .. reply .. ' ' .. h)
         redis.call('EXPIRE', key, fair_ttl)
       end

@@ -332,6 +332,7 @@ function TK.quota(t, kind, minute)
   return tenant_base .. 'quota:' .. t .. ':' .. kind .. ':' .. minute
 end
 function TK.in_flight(t) return tenant_base .. 'inflight:' .. t end
+function TK.waiters(id) return tenant_base .. 'wait:' .. id end
 function TK.usage(day) return tenant_base .. 'usage:' .. day end
 local function is_tenant(s)
   return type(s) == 'string' and #s >= 1 and #s <= 64 and s ~= '-'

@@ -490,7 +490,7 @@ def test_the_luas_tenant_keys_are_those_of_queue_keys(
         "begin_tenants(ARGV[1], {})\n"
         "return {TK.inbox('t'), TK.wakes(), TK.tenants(), TK.backlog('t', 2), TK.fair(2),"
         " TK.fair_clock(), TK.backlog_counts(), TK.quota('t', 'r', 7), TK.in_flight('t'),"
-        " TK.usage('20260101')}"
+        " TK.usage('20260101'), TK.waiters('t.1')}"
     )
     got = [k.decode() for k in rclient.eval(script, 0, keys.base_prefix)]
     assert got == [
@@ -504,6 +504,7 @@ def test_the_luas_tenant_keys_are_those_of_queue_keys(
         keys.quota("t", "r", 7),
         keys.tenant_in_flight("t"),
         keys.usage("20260101"),
+        keys.waiters("t.1"),
     ]
 
 
